@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the all-reduce benchmark in both settings, logs under $OUT.
+# Usage (on a machine with 2+ GPUs): bash benchmarks/device_check.sh [tests|bench|all] [extra bench args]
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
+what=${1:-all}; shift || true
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu --format=csv \
+    -lms 200 > "$OUT/smi.csv" 2>&1 &
+SMI=$!
+if [[ $what == tests || $what == all ]]; then
+    python3 -m pytest -q -x tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+    for setting in nvlink pcie-like; do
+        p2p=""; [[ $setting == pcie-like ]] && p2p="NCCL_P2P_DISABLE=1"
+        cmd="$p2p torchrun --nproc-per-node $NGPU -m flashoverlap.bench $*"
+        echo "== $cmd"
+        env $p2p FLASHOVERLAP_COMMAND="$cmd" torchrun --nproc-per-node "$NGPU" -m flashoverlap.bench "$@" \
+            2>&1 | tee "$OUT/bench-$setting.log"
+    done
+    cp benchmarks/results/*.json "$OUT/" 2>/dev/null
+fi
+kill $SMI 2>/dev/null

@@ -1,0 +1,47 @@
+"""Timing on the GPU: CUDA events around each call, ranks aligned before each call, median per rank, maximum
+over ranks."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 5,
+    iters: int = 20,
+    group: dist.ProcessGroup | None = None,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median milliseconds of ``fn()`` on this rank, maximum over the ranks of ``group``.
+
+    Before each call the ranks synchronise (so that a collective inside ``fn`` does not time another rank's
+    lateness) and ``before()`` runs untimed (e.g. to reset state).
+    """
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        if before is not None:
+            before()
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device="cuda")
+    if dist.is_initialized():
+        dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
+    return float(median.item())

@@ -1,0 +1,139 @@
+"""The NCCL communicator (FlashOverlap's design): per group, a zero-SM stream wait on the GEMM's counter, then a
+plain ``torch.distributed`` collective on the group's contiguous slice, on a high-priority stream.
+
+Protocol for one call, on the caller's (producer) stream ``P`` and this communicator's stream ``S``:
+
+1. ``prepare``: everything that may block or allocate happens first, outside any wait: the NCCL communicator is
+   created and its kernels loaded by a warm-up collective (deadlock rule 3), a capped-CTA clone of the process
+   group is created if the plan asks for one, and ``S`` waits for ``P``'s earlier work.
+2. The caller launches the signalling GEMM on ``P`` (rule 1: the producer is submitted before any wait on it).
+3. ``all_reduce``: on ``S``, for each group: ``cuStreamWaitValue32(counter[g] >= tiles in g)``, then
+   ``cuStreamWriteValue32(counter[g] = 0)`` (so counters are zero again for the next call, and a CUDA graph of
+   the call can be replayed), then the collective. PyTorch >= 2.8 launches a synchronous collective on the
+   current stream, so the NCCL kernels run on ``S`` itself, with its priority.
+4. ``P`` waits for ``S``: work after the call sees the reduced result, and the next call's GEMM cannot bump a
+   counter before this call's reset of it.
+
+Why this cannot deadlock: every wait on ``S`` is on a counter that the GEMM, already submitted on ``P``, drives to
+exactly the awaited value (the plan's tile counts; the kernel bumps each group once per tile). The GEMM waits on
+nothing. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` only serialises the hardware queue behind the GEMM, which is already
+ahead of every wait. With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set, the host checks each group's wait with a deadline
+and raises an error naming the group and rank instead of hanging (rule 4).
+
+SMs: NCCL's kernels need SMs while the GEMM runs. A plan's ``num_programs`` below the SM count leaves SMs free, a
+plan with one program per tile lets NCCL's blocks in as GEMM programs retire, and ``comm_ctas`` caps NCCL's CTAs
+through a clone of the caller's process group created with that NCCL config (docs/why-overlap-is-hard.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap.comm import stream_ops
+from flashoverlap.plan import MAX_GROUPS, Plan
+
+_COMMUNICATORS: dict[tuple[int, int], NcclCommunicator] = {}
+
+
+def debug_timeout() -> float | None:
+    """Seconds to wait for each group before raising, from ``FLASHOVERLAP_DEBUG_TIMEOUT`` (unset: no check)."""
+    value = os.environ.get("FLASHOVERLAP_DEBUG_TIMEOUT")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"FLASHOVERLAP_DEBUG_TIMEOUT must be a number of seconds, got {value!r}") from None
+    return seconds if seconds > 0 else None
+
+
+def communicator(group: dist.ProcessGroup, device: torch.device) -> NcclCommunicator:
+    """The communicator of ``group`` on ``device``, created on first use."""
+    key = (id(group), device.index)
+    comm = _COMMUNICATORS.get(key)
+    if comm is None or comm.group is not group:
+        _refuse_inside_capture()
+        comm = _COMMUNICATORS[key] = NcclCommunicator(group, device)
+    return comm
+
+
+def _refuse_inside_capture() -> None:
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "flashoverlap: the first call of an op for a (process group, dtype, comm_ctas) creates NCCL state and "
+            "buffers and cannot be captured in a CUDA graph; call the op once before capturing"
+        )
+
+
+class NcclCommunicator:
+    """Counters, a high-priority stream and the NCCL groups for one (process group, device)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        # The most negative priority is clamped to the device's highest.
+        self.comm_stream = torch.cuda.Stream(device=device, priority=-(1 << 10))
+        self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
+        self._warm: set[tuple[int, torch.dtype]] = set()
+        self._capped_groups: dict[int, dist.ProcessGroup] = {}
+
+    # -- 1. before the GEMM -----------------------------------------------------------------------------
+    def prepare(self, plan: Plan, dtype: torch.dtype) -> None:
+        if (plan.comm_ctas, dtype) not in self._warm:
+            _refuse_inside_capture()
+            comm_group = self._comm_group(plan.comm_ctas)
+            with torch.cuda.stream(self.comm_stream):
+                dist.all_reduce(torch.zeros(8, dtype=dtype, device=self.device), group=comm_group)
+            self.comm_stream.synchronize()
+            self._warm.add((plan.comm_ctas, dtype))
+        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _comm_group(self, comm_ctas: int) -> dist.ProcessGroup:
+        if comm_ctas == 0:
+            return self.group
+        if comm_ctas not in self._capped_groups:
+            options = dist.ProcessGroupNCCL.Options()
+            options.config.max_ctas = comm_ctas
+            options.is_high_priority_stream = True
+            ranks = dist.get_process_group_ranks(self.group)
+            self._capped_groups[comm_ctas] = dist.new_group(
+                ranks, backend="nccl", pg_options=options, use_local_synchronization=True
+            )
+        return self._capped_groups[comm_ctas]
+
+    # -- 3. and 4. after the GEMM ---------------------------------------------------------------------
+    def all_reduce(self, c: torch.Tensor, plan: Plan) -> None:
+        """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each."""
+        producer = torch.cuda.current_stream(self.device)
+        comm_group = self._comm_group(plan.comm_ctas)
+        timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
+        waited = []
+        base = self.counters.data_ptr()
+        with torch.cuda.stream(self.comm_stream):
+            for grp in plan.groups:
+                address = base + 4 * grp.index
+                stream_ops.wait_geq(self.comm_stream, address, grp.tile_count)
+                stream_ops.write(self.comm_stream, address, 0)
+                if timeout is not None:
+                    waited.append(self.comm_stream.record_event())
+                dist.all_reduce(c[grp.row_start : grp.row_end], group=comm_group)
+        producer.wait_stream(self.comm_stream)
+        if timeout is not None:
+            self._check_progress(plan, waited, timeout)
+
+    def _check_progress(self, plan: Plan, waited: list[torch.cuda.Event], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for grp, event in zip(plan.groups, waited):
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"flashoverlap: rank {self.rank}: group {grp.index} of {plan.num_groups} (rows "
+                        f"[{grp.row_start}, {grp.row_end})) did not see its {grp.tile_count} tiles within "
+                        f"{timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT); its counter never reached the plan's count"
+                    )
+                time.sleep(1e-4)

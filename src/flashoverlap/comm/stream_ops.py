@@ -1,0 +1,48 @@
+"""CUDA stream memory operations: waits and writes on a 32-bit word that occupy no SM.
+
+``cuStreamWaitValue32`` blocks a stream (not the host, not any SM) until a word in device memory reaches a value;
+``cuStreamWriteValue32`` writes a word when the stream reaches that point. Both are plain stream work, so they
+are ordered with the stream's kernels and can be captured in a CUDA graph. Reached through ``cuda.bindings``,
+imported on first use so that the CPU-only parts of the package never need it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python < 12.6 spelled it this way
+        try:
+            from cuda import cuda as driver  # type: ignore[no-redef]
+        except ImportError as exc:
+            raise RuntimeError(
+                "flashoverlap's NCCL path needs the cuda-bindings package for CUDA stream memory operations: "
+                "pip install cuda-bindings"
+            ) from exc
+    return driver
+
+
+def _check(result, what: str) -> None:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed with CUDA driver error {err!r}")
+
+
+def wait_geq(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Block ``stream`` until the int32 at device ``address`` is >= ``value`` (cyclic comparison)."""
+    d = _driver()
+    flags = int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    _check(d.cuStreamWaitValue32(stream.cuda_stream, address, value, flags), "cuStreamWaitValue32")
+
+
+def write(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Write the int32 ``value`` to device ``address`` when ``stream`` reaches this point."""
+    d = _driver()
+    flags = int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    _check(d.cuStreamWriteValue32(stream.cuda_stream, address, value, flags), "cuStreamWriteValue32")

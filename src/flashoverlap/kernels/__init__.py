@@ -1,0 +1,1 @@
+"""Triton kernels, each with a plain-Python launcher. They know tiles, tile order and counters; not ranks."""

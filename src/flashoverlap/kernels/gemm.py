@@ -1,0 +1,204 @@
+"""The signalling GEMM: ``C = A @ B`` computed in the plan's tile order, publishing a counter per group.
+
+Each program loops over the plan's tile order with a stride of the number of programs (persistent when there
+are fewer programs than tiles, one tile per program otherwise). After a tile is stored, every thread of the
+program has finished its stores (``debug_barrier``), then one release-ordered atomic increments the counter of the
+tile's group: whoever observes the counter at the group's tile count (a stream wait, an acquire load) also
+observes every element of the group's rows. The kernel knows tiles, their order and counters; it knows nothing of
+ranks or collectives.
+
+Operands are loaded through TMA tensor descriptors where their strides allow (16-byte aligned rows, unit inner
+stride), otherwise through masked pointer loads; both work for any ``M, N, K >= 1``. ``B`` may be a plain
+row-major ``[K, N]`` tensor or the transposed view ``w.t()`` of an ``[N, K]`` weight, without a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashoverlap.plan import Plan
+
+
+@triton.jit
+def signalling_gemm_kernel(
+    a,  # [M, K]: a pointer, or a TMA descriptor with block [BLOCK_M, BLOCK_K]
+    b,  # [K, N] (B_KMAJOR=False) or its transpose [N, K] (B_KMAJOR=True): pointer or descriptor
+    c_ptr,  # [M, N]
+    counters_ptr,  # int32 [num_groups]: tiles stored so far, per group
+    tile_order_ptr,  # int32 [num_tiles]: pid_m * tiles_n + pid_n of the i-th tile computed
+    tile_group_ptr,  # int32 [num_tiles]: group of the i-th tile computed
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    num_tiles,
+    tiles_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
+    SIGNAL: tl.constexpr,
+):
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # flatten=False keeps the K loop pipelined on its own; flattening it into the tile loop made the
+    # signalling variant of this kernel three times slower on H200 (DESIGN.md).
+    for i in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=False):
+        packed = tl.load(tile_order_ptr + i)
+        pid_m = packed // tiles_n
+        pid_n = packed % tiles_n
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            # Out-of-range rows, columns and K are zero-filled by the copy engine.
+            for kk in range(k_tiles):
+                a_tile = a.load([off_m, kk * BLOCK_K])
+                if B_KMAJOR:
+                    acc = tl.dot(a_tile, b.load([off_n, kk * BLOCK_K]).T, acc)
+                else:
+                    acc = tl.dot(a_tile, b.load([kk * BLOCK_K, off_n]), acc)
+        else:
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            # Clamp out-of-range rows/columns to a valid address; their results are masked at the store.
+            offs_m = tl.where(offs_m < M, offs_m, 0)
+            offs_n = tl.where(offs_n < N, offs_n, 0)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = b + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+            for kk in range(k_tiles):
+                k_left = K - kk * BLOCK_K
+                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                acc = tl.dot(a_tile, b_tile, acc)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        if SIGNAL:
+            group = tl.load(tile_group_ptr + i)
+            # Every thread's stores of this tile come before the release below.
+            tl.debug_barrier()
+            tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
+
+
+# -- launcher -----------------------------------------------------------------------------------------------
+_TABLES: dict[tuple[Plan, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_CACHED_TABLES = 64
+
+
+def plan_tables(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's tile order and tile-to-group map as int32 tensors on ``device``, built once per plan."""
+    key = (plan, torch.device(device))
+    tables = _TABLES.get(key)
+    if tables is None:
+        if key[1].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "flashoverlap: a plan's first use copies its tile tables to the GPU and cannot be captured in a "
+                "CUDA graph; call the op once with this plan before capturing"
+            )
+        if len(_TABLES) >= _MAX_CACHED_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
+        order = torch.from_numpy(plan.tile_order().copy()).to(device)
+        owner = torch.from_numpy(plan.tile_groups().copy()).to(device)
+        tables = _TABLES[key] = (order, owner)
+    return tables
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor with unit inner stride and 16-byte aligned base and row stride."""
+    size = t.element_size()
+    return (
+        t.stride(1) == 1
+        and (t.stride(0) * size) % 16 == 0
+        and t.data_ptr() % 16 == 0
+        and t.shape[0] > 0
+        and t.shape[1] > 0
+    )
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: Plan,
+    *,
+    out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    use_tma: bool | None = None,
+) -> torch.Tensor:
+    """``out = a @ b`` following ``plan``'s tile order; with ``counters``, each tile's group counter is bumped.
+
+    ``a``: ``[M, K]``; ``b``: ``[K, N]`` (any strides; ``w.t()`` of a contiguous ``[N, K]`` weight is read in
+    place); both bf16, fp16 or fp32, accumulated in fp32. ``out``: ``[M, N]`` of the same dtype, allocated when
+    omitted. ``counters``: int32 with at least ``plan.num_groups`` elements, zero on entry; on exit entry ``g``
+    equals ``plan.groups[g].tile_count``. ``use_tma``: force or forbid TMA loads (default: where the strides allow).
+    """
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"a and b must be 2-D, got a.ndim={a.ndim}, b.ndim={b.ndim}")
+    m, k = a.shape
+    k_b, n = b.shape
+    if k != k_b:
+        raise ValueError(f"a is [M, K] = {list(a.shape)} but b is [K, N] = {list(b.shape)}: K differs")
+    if (m, n, k) != (plan.m, plan.n, plan.k):
+        raise ValueError(f"plan is for (m, n, k) = {(plan.m, plan.n, plan.k)}, operands give {(m, n, k)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    elif out.shape != (m, n) or out.dtype != a.dtype:
+        raise ValueError(f"out must be [{m}, {n}] {a.dtype}, got {list(out.shape)} {out.dtype}")
+    signal = counters is not None
+    if signal and (counters.dtype != torch.int32 or counters.numel() < plan.num_groups):
+        raise ValueError(f"counters must be int32 with >= {plan.num_groups} elements")
+    order, owner = plan_tables(plan, a.device)
+
+    b_kmajor = b.stride(0) == 1 and b.stride(1) != 1  # b is w.t() of a row-major [N, K] weight
+    b_stored = b.t() if b_kmajor else b
+    if use_tma is None:
+        use_tma = a.is_cuda and _tma_ok(a) and _tma_ok(b_stored)
+    t = plan.tile
+    if use_tma:
+        a_arg = TensorDescriptor.from_tensor(a, [t.block_m, t.block_k])
+        b_block = [t.block_n, t.block_k] if b_kmajor else [t.block_k, t.block_n]
+        b_arg = TensorDescriptor.from_tensor(b_stored, b_block)
+    else:
+        a_arg, b_arg = a, b
+    signalling_gemm_kernel[(plan.grid_size,)](
+        a_arg,
+        b_arg,
+        out,
+        counters if signal else owner,  # an unused pointer when not signalling
+        order,
+        owner,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        plan.num_tiles,
+        plan.tiles_n,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        USE_TMA=bool(use_tma),
+        B_KMAJOR=bool(b_kmajor and use_tma),
+        SIGNAL=signal,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    return out

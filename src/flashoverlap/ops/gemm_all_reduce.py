@@ -1,0 +1,81 @@
+"""``gemm_all_reduce(a, b)``: ``c = a @ b; dist.all_reduce(c)``, with the all-reduce of each finished band of rows
+overlapped with the rest of the GEMM.
+
+Row-parallel linear layer (K sharded): rank r holds ``a_r: [M, K/W]`` (its slice of the activations' features)
+and ``b_r: [K/W, N]`` (its rows of the weight, or ``w_r.t()`` of an ``nn.Linear`` weight ``w_r: [N, K/W]``); every
+rank gets ``c = sum_r a_r @ b_r: [M, N]``, row-major, in the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap.comm import nccl, reference
+from flashoverlap.kernels.gemm import gemm
+from flashoverlap.ops._checks import check_group, check_operands, choose_path
+from flashoverlap.plan import Plan, default_plan
+
+OP = "gemm_all_reduce"
+
+
+@functools.lru_cache(maxsize=256)
+def _default_plan(m: int, n: int, k: int, world_size: int, num_sms: int, element_size: int) -> Plan:
+    return default_plan("all_reduce", m, n, k, world_size, num_sms=num_sms, element_size=element_size)
+
+
+def plan_for(m: int, n: int, k: int, world_size: int, device: torch.device, dtype: torch.dtype) -> Plan:
+    """The plan an all-reduce call of this shape uses when none is given."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return _default_plan(m, n, k, world_size, num_sms, torch.tensor([], dtype=dtype).element_size())
+
+
+def gemm_all_reduce(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    plan: Plan | None = None,
+    path: str = "auto",
+) -> torch.Tensor:
+    """``a @ b`` summed over ``group``, as ``c = a @ b; dist.all_reduce(c, group=group)`` would return it.
+
+    Args:
+        a: ``[M, K]`` bf16 or fp16, this rank's K-shard of the input.
+        b: ``[K, N]``, same dtype and device; may be the transposed view ``w.t()`` of an ``[N, K]`` weight.
+        group: the process group (default: the world). CUDA tensors need an NCCL group.
+        plan: a :class:`flashoverlap.Plan` for this shape and world size (default: the library's plan for it).
+        path: ``"auto"`` (NCCL overlap for CUDA tensors, the reference for CPU ones), ``"nccl"`` or
+            ``"reference"`` (group by group, nothing overlapped; any backend).
+
+    Returns:
+        ``[M, N]`` row-major, the input dtype, identical on every rank of ``group``.
+    """
+    m, n, k = check_operands(OP, a, b)
+    path = choose_path(OP, path, a.device)
+    group = check_group(OP, group, a.device)
+    world_size = dist.get_world_size(group)
+    if plan is None:
+        plan = plan_for(m, n, k, world_size, a.device, a.dtype)
+    elif not isinstance(plan, Plan):
+        raise TypeError(f"{OP}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
+    elif (plan.op, plan.m, plan.n, plan.k, plan.world_size) != ("all_reduce", m, n, k, world_size):
+        raise ValueError(
+            f"{OP}: plan is for {plan.op} (m, n, k) = {(plan.m, plan.n, plan.k)} over {plan.world_size} ranks, "
+            f"but this call is all_reduce {(m, n, k)} over {world_size} ranks"
+        )
+
+    if path == "reference":
+        return reference.gemm_all_reduce(a, b, plan, group)
+    with torch.cuda.device(a.device):
+        if plan.sequential:
+            c = torch.matmul(a, b)
+            dist.all_reduce(c, group=group)
+            return c
+        comm = nccl.communicator(group, a.device)
+        comm.prepare(plan, a.dtype)
+        c = gemm(a, b, plan, counters=comm.counters)
+        comm.all_reduce(c, plan)
+        return c

@@ -1,0 +1,273 @@
+"""The plan: the single contract between the tuner, the GEMM kernel and the communicators.
+
+A plan describes one overlapped call completely and owns nothing else: the problem shape, the GEMM's tile shape
+and launch configuration, the order in which output tiles are computed, and how that order is cut into
+**groups**. A group is a run of consecutive tiles in that order that together fill one contiguous band of
+full-width rows of the row-major output ``C[M, N]``; the communicator issues one collective per group, on exactly
+that band, as soon as the group's counter says all of its tiles are stored. Plans are pure Python (no CUDA),
+frozen, hashable and validated on construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+OPS = ("all_reduce",)
+
+# Counters live in one small per-device buffer; a plan may not use more groups than it holds.
+MAX_GROUPS = 1024
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch configuration of the GEMM.
+
+    Tiles are ``block_m x block_n`` pieces of ``C``; the K loop steps ``block_k`` and is software-pipelined
+    ``num_stages`` deep. Inside a group, tiles are visited in bands of ``group_m`` tile rows, column after
+    column, so that the programs running at one time share rows of A and columns of B in L2.
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            _check_int(f"TileConfig.{name}", value, 16)
+            if not _is_pow2(value) or value > 512:
+                raise ValueError(f"TileConfig.{name} must be a power of two in [16, 512], got {value}")
+        _check_int("TileConfig.group_m", self.group_m, 1)
+        _check_int("TileConfig.num_stages", self.num_stages, 1)
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One run of consecutive tiles in the plan's tile order, and the rows of ``C`` they fill."""
+
+    index: int
+    tile_start: int  # position of the group's first tile in the tile order
+    tile_count: int  # the value the group's counter reaches when the group is complete
+    row_start: int  # rows [row_start, row_end) of C: a contiguous slice of row-major C
+    row_end: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One overlapped ``op`` on a ``[m, k] @ [k, n]`` GEMM over ``world_size`` ranks.
+
+    ``group_row_tiles[g]`` is the number of tile rows (``block_m`` rows of ``C`` each) in group ``g``, top to
+    bottom; they sum to ``ceil(m / block_m)``. Every group but the last spans a multiple of ``tile.group_m``
+    tile rows, so the L2-friendly visiting order never straddles two groups.
+
+    ``num_programs`` is how many programs (CTAs) the GEMM launches: fewer than the GPU's SMs leaves SMs free for
+    the collectives' kernels; as many as there are tiles gives one tile per program, so that programs retire
+    as they finish and the communication stream's kernels can take their SMs. ``comm_ctas`` caps the CTAs of
+    NCCL's kernels (0 keeps NCCL's choice). ``sequential`` says overlap cannot pay at this shape: the op then
+    runs the plain matmul followed by one collective on the whole result.
+    """
+
+    op: str
+    m: int
+    n: int
+    k: int
+    world_size: int
+    tile: TileConfig = field(default_factory=TileConfig)
+    group_row_tiles: tuple[int, ...] = ()
+    num_programs: int = 132
+    comm_ctas: int = 0
+    sequential: bool = False
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"Plan.op must be one of {OPS}, got {self.op!r}")
+        for name in ("m", "n", "k", "world_size", "num_programs"):
+            _check_int(f"Plan.{name}", getattr(self, name), 1)
+        _check_int("Plan.comm_ctas", self.comm_ctas, 0)
+        if not isinstance(self.tile, TileConfig):
+            raise ValueError(f"Plan.tile must be a TileConfig, got {type(self.tile).__name__}")
+        rows = tuple(self.group_row_tiles)
+        object.__setattr__(self, "group_row_tiles", rows)
+        if not rows:
+            raise ValueError("Plan.group_row_tiles must name at least one group")
+        for g, count in enumerate(rows):
+            _check_int(f"Plan.group_row_tiles[{g}]", count, 1)
+        if sum(rows) != self.tiles_m:
+            raise ValueError(
+                f"Plan.group_row_tiles must sum to the number of tile rows ceil(m / block_m) = {self.tiles_m}, "
+                f"got {sum(rows)} from {rows}"
+            )
+        for g, count in enumerate(rows[:-1]):
+            if count % self.tile.group_m:
+                raise ValueError(
+                    f"Plan.group_row_tiles[{g}] = {count} is not a multiple of tile.group_m = "
+                    f"{self.tile.group_m}; only the last group may be ragged"
+                )
+        if len(rows) > MAX_GROUPS:
+            raise ValueError(f"a plan may have at most {MAX_GROUPS} groups, got {len(rows)}")
+
+    # -- derived shape -------------------------------------------------------------------------------------
+    @property
+    def tiles_m(self) -> int:
+        return math.ceil(self.m / self.tile.block_m)
+
+    @property
+    def tiles_n(self) -> int:
+        return math.ceil(self.n / self.tile.block_n)
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tiles_m * self.tiles_n
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_row_tiles)
+
+    @property
+    def grid_size(self) -> int:
+        """Programs actually launched: never more than there are tiles."""
+        return min(self.num_programs, self.num_tiles)
+
+    @cached_property
+    def groups(self) -> tuple[Group, ...]:
+        out = []
+        tile_row = 0
+        for g, count in enumerate(self.group_row_tiles):
+            row_start = tile_row * self.tile.block_m
+            row_end = min((tile_row + count) * self.tile.block_m, self.m)
+            out.append(Group(g, tile_row * self.tiles_n, count * self.tiles_n, row_start, row_end))
+            tile_row += count
+        return tuple(out)
+
+    # -- tile order --------------------------------------------------------------------------------------------
+    @cached_property
+    def _order(self) -> tuple[np.ndarray, np.ndarray]:
+        tiles_n, group_m = self.tiles_n, self.tile.group_m
+        order, owner = [], []
+        for grp, count in zip(self.groups, self.group_row_tiles):
+            first_row = grp.tile_start // tiles_n
+            for band_start in range(first_row, first_row + count, group_m):
+                height = min(group_m, first_row + count - band_start)
+                local = np.arange(height * tiles_n, dtype=np.int64)
+                pid_m = band_start + local % height
+                pid_n = local // height
+                order.append(pid_m * tiles_n + pid_n)
+            owner.append(np.full(grp.tile_count, grp.index, dtype=np.int64))
+        tile_order = np.concatenate(order).astype(np.int32)
+        tile_group = np.concatenate(owner).astype(np.int32)
+        tile_order.flags.writeable = False
+        tile_group.flags.writeable = False
+        return tile_order, tile_group
+
+    def tile_order(self) -> np.ndarray:
+        """``[num_tiles]`` int32: the i-th tile computed is ``(v // tiles_n, v % tiles_n)`` for ``v = order[i]``."""
+        return self._order[0]
+
+    def tile_groups(self) -> np.ndarray:
+        """``[num_tiles]`` int32: the group whose counter the i-th tile in the order increments."""
+        return self._order[1]
+
+    # -- reporting ------------------------------------------------------------------------------------------
+    def group_bytes(self, element_size: int) -> list[int]:
+        return [grp.rows * self.n * element_size for grp in self.groups]
+
+    def describe(self, element_size: int = 2) -> str:
+        t = self.tile
+        lines = [
+            f"plan: {self.op} of [{self.m}, {self.k}] @ [{self.k}, {self.n}] over {self.world_size} ranks"
+            + ("  (sequential: overlap cannot pay at this shape)" if self.sequential else ""),
+            f"  tiles {t.block_m}x{t.block_n}x{t.block_k} (group_m {t.group_m}, {t.num_stages} stages, "
+            f"{t.num_warps} warps): {self.tiles_m} x {self.tiles_n} = {self.num_tiles} tiles, "
+            f"{self.grid_size} programs, NCCL CTAs {'default' if self.comm_ctas == 0 else self.comm_ctas}",
+        ]
+        for grp, nbytes in zip(self.groups, self.group_bytes(element_size)):
+            lines.append(
+                f"  group {grp.index:3d}: tiles [{grp.tile_start}, {grp.tile_start + grp.tile_count}) "
+                f"-> rows [{grp.row_start}, {grp.row_end}), {nbytes / 2**20:.2f} MiB"
+            )
+        return "\n".join(lines)
+
+
+# -- default plans ------------------------------------------------------------------------------------------
+# Below this many bytes of output per call, one collective's latency is a large share of its time and the
+# GEMM is too short to hide anything: run sequentially.
+MIN_OVERLAP_BYTES = 4 << 20
+# Fewer waves of tiles than this leaves nothing to overlap with.
+MIN_OVERLAP_WAVES = 2.0
+DEFAULT_GROUPS = 8
+
+
+def default_tile_config(m: int, n: int, k: int) -> TileConfig:
+    """The tile shape the overlapped GEMM uses for a shape, before any tuning."""
+    block_m = 128 if m > 64 else 64
+    block_n = 256 if n > 128 else (128 if n > 64 else 64)
+    return TileConfig(block_m=block_m, block_n=block_n, block_k=64, group_m=8, num_stages=3, num_warps=8)
+
+
+def split_rows(tiles_m: int, num_groups: int, group_m: int) -> tuple[int, ...]:
+    """Cut ``tiles_m`` tile rows into at most ``num_groups`` bands, each a multiple of ``group_m`` but the last,
+    as even as that allows."""
+    units = math.ceil(tiles_m / group_m)
+    num_groups = max(1, min(num_groups, units))
+    per, extra = divmod(units, num_groups)
+    sizes = [(per + (1 if g < extra else 0)) * group_m for g in range(num_groups)]
+    sizes[-1] -= sum(sizes) - tiles_m  # the overshoot is under group_m, so the last band keeps >= 1 row
+    return tuple(sizes)
+
+
+def default_plan(
+    op: str,
+    m: int,
+    n: int,
+    k: int,
+    world_size: int,
+    *,
+    num_sms: int = 132,
+    element_size: int = 2,
+    num_groups: int = DEFAULT_GROUPS,
+    num_programs: int | None = None,
+    comm_ctas: int = 0,
+    tile: TileConfig | None = None,
+    allow_sequential: bool = True,
+) -> Plan:
+    """A reasonable plan for any shape, before tuning: ``num_groups`` even bands of tile rows, one program per
+    tile (programs retire as they finish, which lets the communication kernels in), or sequential where the
+    output is too small or the GEMM too short for overlap to pay."""
+    for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
+        _check_int(name, value, 1)
+    tile = tile or default_tile_config(m, n, k)
+    tiles_m = math.ceil(m / tile.block_m)
+    tiles_n = math.ceil(n / tile.block_n)
+    waves = tiles_m * tiles_n / num_sms
+    too_small = m * n * element_size < MIN_OVERLAP_BYTES or waves < MIN_OVERLAP_WAVES or world_size == 1
+    if too_small and allow_sequential:
+        return Plan(op, m, n, k, world_size, tile, (tiles_m,), num_programs or num_sms, comm_ctas, True)
+    # Keep at least num_groups bands possible: shrink group_m for short M rather than merge groups.
+    group_m = max(1, min(tile.group_m, tiles_m // num_groups))
+    if group_m != tile.group_m:
+        tile = TileConfig(tile.block_m, tile.block_n, tile.block_k, group_m, tile.num_stages, tile.num_warps)
+    rows = split_rows(tiles_m, num_groups, group_m)
+    programs = num_programs if num_programs is not None else tiles_m * tiles_n
+    return Plan(op, m, n, k, world_size, tile, rows, programs, comm_ctas, False)
