@@ -79,13 +79,13 @@ class Plan:
     """One overlapped ``op`` on a ``[m, k] @ [k, n]`` GEMM over ``world_size`` ranks.
 
     ``group_row_tiles[g]`` is the number of tile rows (``block_m`` rows of ``C`` each) in group ``g``, top to
-    bottom; they sum to ``ceil(m / block_m)``. Every group but the last spans a multiple of ``tile.group_m``
-    tile rows, so the L2-friendly visiting order never straddles two groups.
+    bottom; they sum to ``ceil(m / block_m)``. Inside a group, tiles are visited in bands of ``tile.group_m`` tile
+    rows (fewer where the group has fewer left), so the L2-friendly order never straddles two groups.
 
     ``num_programs`` is how many programs (CTAs) the GEMM launches: fewer than the GPU's SMs leaves SMs free for
     the collectives' kernels; as many as there are tiles gives one tile per program, so that programs retire
-    as they finish and the communication stream's kernels can take their SMs. ``comm_ctas`` caps the CTAs of
-    NCCL's kernels (0 keeps NCCL's choice). ``sequential`` says overlap cannot pay at this shape: the op then
+    as they finish and the communication stream's kernels can take their SMs. ``comm_ctas`` sets the number of
+    CTAs (channels) of NCCL's kernels (0 keeps NCCL's choice). ``sequential`` says overlap cannot pay at this shape: the op then
     runs the plain matmul followed by one collective on the whole result.
     """
 
@@ -119,12 +119,6 @@ class Plan:
                 f"Plan.group_row_tiles must sum to the number of tile rows ceil(m / block_m) = {self.tiles_m}, "
                 f"got {sum(rows)} from {rows}"
             )
-        for g, count in enumerate(rows[:-1]):
-            if count % self.tile.group_m:
-                raise ValueError(
-                    f"Plan.group_row_tiles[{g}] = {count} is not a multiple of tile.group_m = "
-                    f"{self.tile.group_m}; only the last group may be ragged"
-                )
         if len(rows) > MAX_GROUPS:
             raise ValueError(f"a plan may have at most {MAX_GROUPS} groups, got {len(rows)}")
 
@@ -226,14 +220,29 @@ def default_tile_config(m: int, n: int, k: int) -> TileConfig:
     return TileConfig(block_m=block_m, block_n=block_n, block_k=64, group_m=8, num_stages=3, num_warps=8)
 
 
-def split_rows(tiles_m: int, num_groups: int, group_m: int) -> tuple[int, ...]:
-    """Cut ``tiles_m`` tile rows into at most ``num_groups`` bands, each a multiple of ``group_m`` but the last,
-    as even as that allows."""
-    units = math.ceil(tiles_m / group_m)
-    num_groups = max(1, min(num_groups, units))
-    per, extra = divmod(units, num_groups)
-    sizes = [(per + (1 if g < extra else 0)) * group_m for g in range(num_groups)]
-    sizes[-1] -= sum(sizes) - tiles_m  # the overshoot is under group_m, so the last band keeps >= 1 row
+PROFILES = ("even", "small-first", "small-last")
+
+
+def split_rows(tiles_m: int, num_groups: int, profile: str = "even", ratio: float = 1.6) -> tuple[int, ...]:
+    """Cut ``tiles_m`` tile rows into ``min(num_groups, tiles_m)`` bands of at least one tile row each.
+
+    ``even``: equal bands. ``small-first``: band sizes grow by ``ratio`` (the first collective starts early;
+    suits communication slower than the GEMM). ``small-last``: they shrink by ``ratio`` (little communication
+    is left when the GEMM ends; suits communication faster than the GEMM).
+    """
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    num_groups = max(1, min(num_groups, tiles_m))
+    weights = [1.0] * num_groups if profile == "even" else [ratio**g for g in range(num_groups)]
+    if profile == "small-last":
+        weights.reverse()
+    # Largest-remainder rounding of tiles_m * weight share, with every band at least one row.
+    spare = tiles_m - num_groups
+    shares = [spare * w / sum(weights) for w in weights]
+    sizes = [1 + int(s) for s in shares]
+    by_remainder = sorted(range(num_groups), key=lambda g: shares[g] - int(shares[g]), reverse=True)
+    for g in by_remainder[: tiles_m - sum(sizes)]:
+        sizes[g] += 1
     return tuple(sizes)
 
 
@@ -247,6 +256,7 @@ def default_plan(
     num_sms: int = 132,
     element_size: int = 2,
     num_groups: int = DEFAULT_GROUPS,
+    profile: str = "even",
     num_programs: int | None = None,
     comm_ctas: int = 0,
     tile: TileConfig | None = None,
@@ -264,10 +274,6 @@ def default_plan(
     too_small = m * n * element_size < MIN_OVERLAP_BYTES or waves < MIN_OVERLAP_WAVES or world_size == 1
     if too_small and allow_sequential:
         return Plan(op, m, n, k, world_size, tile, (tiles_m,), num_programs or num_sms, comm_ctas, True)
-    # Keep at least num_groups bands possible: shrink group_m for short M rather than merge groups.
-    group_m = max(1, min(tile.group_m, tiles_m // num_groups))
-    if group_m != tile.group_m:
-        tile = TileConfig(tile.block_m, tile.block_n, tile.block_k, group_m, tile.num_stages, tile.num_warps)
-    rows = split_rows(tiles_m, num_groups, group_m)
+    rows = split_rows(tiles_m, num_groups, profile)
     programs = num_programs if num_programs is not None else tiles_m * tiles_n
     return Plan(op, m, n, k, world_size, tile, rows, programs, comm_ctas, False)

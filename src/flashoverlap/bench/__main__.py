@@ -71,7 +71,6 @@ def _efficiency(t_seq: float, t: float, t_ideal: float) -> float:
 
 def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
     a, b = _inputs(m, n, k, dtype, rank)
-    group = dist.group.WORLD
     c = torch.matmul(a, b)
     t_gemm = time_ms(lambda: torch.matmul(a, b), iters=args.iters)
     t_comm = time_ms(lambda: dist.all_reduce(c), iters=args.iters)
@@ -88,7 +87,7 @@ def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
     counters = torch.zeros(kernel_plan.num_groups, dtype=torch.int32, device=device)
     t_our_gemm = time_ms(lambda: gemm(a, b, kernel_plan, counters=counters), iters=args.iters,
                          before=counters.zero_)
-    t = time_ms(lambda: fo.gemm_all_reduce(a, b, plan=plan), iters=args.iters)
+    t = time_ms(lambda: fo.gemm_all_reduce(a, b, plan=plan), warmup=10, iters=args.iters)
     t_ideal = max(t_gemm, t_comm)
     row = {
         "op": "all_reduce", "path": "nccl", "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
@@ -111,84 +110,149 @@ def device_sms(device: torch.device) -> int:
 
 
 def sweep_all_reduce(a, b, args, world_size, device, t_seq, t_ideal) -> list[dict]:
-    """Time a family of plans: how many groups, how many GEMM programs, how many NCCL CTAs."""
+    """Time a family of plans: groups and their sizes, GEMM programs, NCCL CTAs."""
     m, k = a.shape
     n = b.shape[1]
     sms = device_sms(device)
     tiles = default_plan("all_reduce", m, n, k, world_size, allow_sequential=False).num_tiles
     out = []
     for groups in args.sweep_groups:
-        for programs in (sms, sms - 16, sms - 32, tiles):
-            for comm_ctas in args.sweep_ctas:
-                plan = default_plan("all_reduce", m, n, k, world_size, num_sms=sms, num_groups=groups,
-                                    num_programs=programs, comm_ctas=comm_ctas, allow_sequential=False)
-                t = time_ms(lambda plan=plan: fo.gemm_all_reduce(a, b, plan=plan), warmup=2,
-                            iters=args.sweep_iters)
-                rec = {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": comm_ctas, "t_ms": t,
-                       "E": _efficiency(t_seq, t, t_ideal)}
-                out.append(rec)
-                if dist.get_rank() == 0:
-                    print(f"    sweep {m}x{n}x{k} groups={rec['groups']:3d} programs={rec['programs']:5d} "
-                          f"comm_ctas={comm_ctas:3d}: {t:.3f} ms  E={rec['E']:+.2f}", flush=True)
+        for profile in args.sweep_profiles:
+            for programs in [tiles if p == "tiles" else sms - int(p) for p in args.sweep_programs]:
+                for comm_ctas in args.sweep_ctas:
+                    plan = default_plan("all_reduce", m, n, k, world_size, num_sms=sms, num_groups=groups,
+                                        profile=profile, num_programs=programs, comm_ctas=comm_ctas,
+                                        allow_sequential=False)
+                    t = time_ms(lambda plan=plan: fo.gemm_all_reduce(a, b, plan=plan), warmup=2,
+                                iters=args.sweep_iters)
+                    rec = {"groups": plan.num_groups, "profile": profile, "rows": list(plan.group_row_tiles),
+                           "programs": plan.grid_size, "comm_ctas": comm_ctas, "t_ms": t,
+                           "E": _efficiency(t_seq, t, t_ideal)}
+                    out.append(rec)
+                    if dist.get_rank() == 0:
+                        print(f"    sweep {m}x{n}x{k} groups={rec['groups']:2d} {profile:>11} "
+                              f"programs={rec['programs']:5d} comm_ctas={comm_ctas:3d}: {t:.3f} ms  "
+                              f"E={rec['E']:+.2f}", flush=True)
+    return out
+
+
+GEMM_CONFIGS = [  # (block_m, block_n, block_k, group_m, stages, warps)
+    (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 256, 64, 4, 3, 8), (128, 128, 64, 8, 4, 4),
+    (128, 128, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8), (128, 256, 128, 8, 2, 8),
+]
+
+
+def sweep_gemm(m, n, k, dtype, rank, world_size, device) -> list[dict]:
+    """Our GEMM alone (signalling on) against cuBLAS, over tile configurations and program counts."""
+    a, b = _inputs(m, n, k, dtype, rank)
+    sms = device_sms(device)
+    t_cublas = time_ms(lambda: torch.matmul(a, b), iters=20)
+    out = []
+    for cfg in GEMM_CONFIGS:
+        tile = fo.TileConfig(*cfg)
+        base = default_plan("all_reduce", m, n, k, world_size, tile=tile, allow_sequential=False)
+        for programs in (base.num_tiles, sms, 2 * sms):
+            plan = default_plan("all_reduce", m, n, k, world_size, tile=tile, num_programs=programs,
+                                allow_sequential=False)
+            counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+            try:
+                t = time_ms(lambda plan=plan, counters=counters: gemm(a, b, plan, counters=counters), iters=20,
+                            before=counters.zero_)
+            except Exception as exc:  # e.g. out of shared memory for this configuration
+                t = float("nan")
+                if rank == 0:
+                    print(f"    gemm {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+            out.append({"tile": list(cfg), "programs": plan.grid_size, "t_ms": t, "vs_cublas": t_cublas / t})
+            if rank == 0:
+                print(f"    gemm {m}x{n}x{k} {cfg} programs={plan.grid_size:5d}: {t:.3f} ms vs cuBLAS "
+                      f"{t_cublas:.3f} = {t_cublas / t:.3f}x", flush=True)
     return out
 
 
 def interference(args, rank, world_size, device, dtype) -> dict:
-    """Steady state: a stream of cuBLAS GEMMs beside a stream of NCCL all-reduces, with NCCL's CTAs capped or
-    not; each one's time per call alone and together."""
+    """How a cuBLAS GEMM and an NCCL all-reduce slow each other down on one GPU.
+
+    Steady state: 20 back-to-back 8192^3 GEMMs on one stream beside 20 back-to-back all-reduces of the 128 MiB
+    result on a high-priority stream, per NCCL CTA count; each one's time per call alone and side by side.
+    Single shot: one GEMM and one all-reduce on two streams, in either launch order, against both in sequence.
+    """
     m = n = k = 8192
     a, b = _inputs(m, n, k, dtype, rank)
     c = torch.matmul(a, b)
     reps = 20
-    results = {}
-    for comm_ctas in [0, *args.sweep_ctas]:
-        comm_ctas = int(comm_ctas)
-        if comm_ctas and comm_ctas in results:
-            continue
-        comm = nccl.communicator(dist.group.WORLD, device)
+    main_stream = torch.cuda.current_stream()
+    side = torch.cuda.Stream(device=device, priority=-(1 << 10))
+    comm = nccl.communicator(dist.group.WORLD, device)
+    out = {"steady": {}, "single": {}}
+
+    def timed(fn) -> tuple[float, float]:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        dist.barrier()
+        torch.cuda.synchronize()
+        fn(ev)
+        main_stream.wait_stream(side)
+        torch.cuda.synchronize()
+        return ev[0].elapsed_time(ev[1]), ev[2].elapsed_time(ev[3])
+
+    for comm_ctas in dict.fromkeys([0, *args.sweep_ctas]):
         group = comm._comm_group(comm_ctas)
         dist.all_reduce(c, group=group)
-        side = torch.cuda.Stream(device=device, priority=-(1 << 10))
-        main = torch.cuda.current_stream()
 
-        def gemms():
+        def gemms(ev):
+            ev[0].record()
             for _ in range(reps):
                 torch.matmul(a, b)
+            ev[1].record()
 
-        def comms():
+        def comms(ev, group=group):
+            side.wait_stream(main_stream)
             with torch.cuda.stream(side):
+                ev[2].record()
                 for _ in range(reps):
                     dist.all_reduce(c, group=group)
-            main.wait_stream(side)
+                ev[3].record()
 
-        def both():
-            side.wait_stream(main)
-            ev_g0, ev_g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev_c0, ev_c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(side):
-                ev_c0.record()
-                for _ in range(reps):
-                    dist.all_reduce(c, group=group)
-                ev_c1.record()
-            ev_g0.record()
-            gemms()
-            ev_g1.record()
-            main.wait_stream(side)
-            torch.cuda.synchronize()
-            return ev_g0.elapsed_time(ev_g1) / reps, ev_c0.elapsed_time(ev_c1) / reps
+        def both(ev):
+            comms(ev)
+            gemms(ev)
 
-        t_g = time_ms(gemms, warmup=1, iters=3) / reps
-        t_c = time_ms(comms, warmup=1, iters=3) / reps
-        both()
-        pairs = [both() for _ in range(3)]
-        g_both = sorted(p[0] for p in pairs)[1]
-        c_both = sorted(p[1] for p in pairs)[1]
-        results[comm_ctas] = {"gemm_alone_ms": t_g, "allreduce_alone_ms": t_c, "gemm_beside_ms": g_both,
-                              "allreduce_beside_ms": c_both}
+        alone_g = sorted(timed(lambda ev: (gemms(ev), ev[2].record(), ev[3].record()))[0] for _ in range(3))[1]
+        alone_c = sorted(timed(lambda ev: (ev[0].record(), ev[1].record(), comms(ev)))[1] for _ in range(3))[1]
+        pairs = sorted(timed(both) for _ in range(3))
+        rec = {"gemm_alone_ms": alone_g / reps, "allreduce_alone_ms": alone_c / reps,
+               "gemm_beside_ms": pairs[1][0] / reps, "allreduce_beside_ms": pairs[1][1] / reps}
+        out["steady"][comm_ctas] = rec
         if rank == 0:
-            print(f"  interference comm_ctas={comm_ctas or 'default':>7}: GEMM {t_g:.3f} -> {g_both:.3f} ms, "
-                  f"all-reduce 128 MiB {t_c:.3f} -> {c_both:.3f} ms", flush=True)
-    return results
+            print(f"  steady state, NCCL CTAs {comm_ctas or 'default':>7}: GEMM {rec['gemm_alone_ms']:.3f} -> "
+                  f"{rec['gemm_beside_ms']:.3f} ms, all-reduce 128 MiB {rec['allreduce_alone_ms']:.3f} -> "
+                  f"{rec['allreduce_beside_ms']:.3f} ms", flush=True)
+
+    def single(order: str) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        side.wait_stream(main_stream)
+        for step in order.split("+"):
+            if step == "gemm":
+                torch.matmul(a, b)
+            elif step == "comm-first" or step == "comm":
+                with torch.cuda.stream(side):
+                    dist.all_reduce(c)
+            elif step == "seq":
+                torch.matmul(a, b)
+                dist.all_reduce(c)
+        main_stream.wait_stream(side)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    for order in ("seq", "gemm+comm", "comm-first+gemm"):
+        times = sorted(single(order) for _ in range(15))
+        out["single"][order] = times[len(times) // 2]
+        if rank == 0:
+            print(f"  single shot {order:>16}: {out['single'][order]:.3f} ms", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="also time a family of plans per shape")
-    parser.add_argument("--sweep-groups", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16])
-    parser.add_argument("--sweep-ctas", type=lambda s: [int(x) for x in s.split(",")], default=[0, 8, 16, 32])
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    parser.add_argument("--sweep-groups", type=ints, default=[4, 8])
+    parser.add_argument("--sweep-profiles", type=lambda s: s.split(","), default=["even", "small-first",
+                                                                                   "small-last"])
+    parser.add_argument("--sweep-programs", type=lambda s: s.split(","), default=["tiles", "16"],
+                        help="'tiles' (one tile per program) and/or SMs left free (0 = persistent on every SM)")
+    parser.add_argument("--sweep-ctas", type=ints, default=[0, 4, 8, 32])
+    parser.add_argument("--gemm-sweep", action="store_true", help="time our GEMM alone over tile configurations")
     parser.add_argument("--sweep-iters", type=int, default=10)
     parser.add_argument("--interference", action="store_true", help="measure GEMM/NCCL mutual slowdown")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpus>-<setting>.json)")
@@ -226,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"  {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
     extra = {}
+    if args.gemm_sweep:
+        extra["gemm_sweep"] = {f"{m}x{n}x{k}": sweep_gemm(m, n, k, dtype, rank, world_size, device)
+                               for m, n, k in shapes}
     if args.interference:
         extra["interference"] = interference(args, rank, world_size, device, dtype)
     if rank == 0:

@@ -21,7 +21,7 @@ ahead of every wait. With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set, the host checks ea
 and raises an error naming the group and rank instead of hanging (rule 4).
 
 SMs: NCCL's kernels need SMs while the GEMM runs. A plan's ``num_programs`` below the SM count leaves SMs free, a
-plan with one program per tile lets NCCL's blocks in as GEMM programs retire, and ``comm_ctas`` caps NCCL's CTAs
+plan with one program per tile lets NCCL's blocks in as GEMM programs retire, and ``comm_ctas`` sets NCCL's CTA count
 through a clone of the caller's process group created with that NCCL config (docs/why-overlap-is-hard.md).
 """
 
@@ -98,6 +98,7 @@ class NcclCommunicator:
             return self.group
         if comm_ctas not in self._capped_groups:
             options = dist.ProcessGroupNCCL.Options()
+            options.config.min_ctas = comm_ctas
             options.config.max_ctas = comm_ctas
             options.is_high_priority_stream = True
             ranks = dist.get_process_group_ranks(self.group)
