@@ -210,7 +210,9 @@ class Plan:
 MIN_OVERLAP_BYTES = 4 << 20
 # Fewer waves of tiles than this leaves nothing to overlap with.
 MIN_OVERLAP_WAVES = 2.0
-DEFAULT_GROUPS = 8
+# Measured on 2x H200 (docs/why-overlap-is-hard.md): where the collective takes under half the GEMM's time, NCCL's
+# slowdown beside the GEMM and the GEMM's beside NCCL cost more than the overlap hides.
+MIN_OVERLAP_COMM_RATIO = 0.5
 
 
 def default_tile_config(m: int, n: int, k: int) -> TileConfig:
@@ -236,7 +238,7 @@ def split_rows(tiles_m: int, num_groups: int, profile: str = "even", ratio: floa
     weights = [1.0] * num_groups if profile == "even" else [ratio**g for g in range(num_groups)]
     if profile == "small-last":
         weights.reverse()
-    # Largest-remainder rounding of tiles_m * weight share, with every band at least one row.
+    # Largest-remainder rounding of each band's share of the spare rows, every band at least one row.
     spare = tiles_m - num_groups
     shares = [spare * w / sum(weights) for w in weights]
     sizes = [1 + int(s) for s in shares]
@@ -255,25 +257,46 @@ def default_plan(
     *,
     num_sms: int = 132,
     element_size: int = 2,
-    num_groups: int = DEFAULT_GROUPS,
-    profile: str = "even",
+    comm_ratio: float | None = None,
+    num_groups: int | None = None,
+    profile: str | None = None,
     num_programs: int | None = None,
-    comm_ctas: int = 0,
+    comm_ctas: int | None = None,
     tile: TileConfig | None = None,
     allow_sequential: bool = True,
 ) -> Plan:
-    """A reasonable plan for any shape, before tuning: ``num_groups`` even bands of tile rows, one program per
-    tile (programs retire as they finish, which lets the communication kernels in), or sequential where the
-    output is too small or the GEMM too short for overlap to pay."""
+    """A reasonable plan for any shape, before tuning; any keyword given overrides the choice.
+
+    ``comm_ratio`` is the collective's estimated time over the GEMM's (``tune.rates``). The choices, from
+    measurements on 2x H200 (docs/why-overlap-is-hard.md):
+
+    - sequential where the output is under ``MIN_OVERLAP_BYTES``, the GEMM under ``MIN_OVERLAP_WAVES`` waves of
+      tiles, or ``comm_ratio < MIN_OVERLAP_COMM_RATIO``;
+    - communication-bound (``comm_ratio >= 1``): 4 groups growing in size, so that the first collective starts
+      early; the GEMM persistent on all SMs but 32, which NCCL's 8 CTAs then find free;
+    - otherwise: 8 even groups, one program per tile (programs retire as they finish, which lets NCCL's blocks
+      in on the high-priority stream), NCCL's own CTA count.
+    """
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
         _check_int(name, value, 1)
     tile = tile or default_tile_config(m, n, k)
     tiles_m = math.ceil(m / tile.block_m)
     tiles_n = math.ceil(n / tile.block_n)
     waves = tiles_m * tiles_n / num_sms
-    too_small = m * n * element_size < MIN_OVERLAP_BYTES or waves < MIN_OVERLAP_WAVES or world_size == 1
+    too_small = (
+        m * n * element_size < MIN_OVERLAP_BYTES
+        or waves < MIN_OVERLAP_WAVES
+        or world_size == 1
+        or (comm_ratio is not None and comm_ratio < MIN_OVERLAP_COMM_RATIO)
+    )
     if too_small and allow_sequential:
-        return Plan(op, m, n, k, world_size, tile, (tiles_m,), num_programs or num_sms, comm_ctas, True)
-    rows = split_rows(tiles_m, num_groups, profile)
-    programs = num_programs if num_programs is not None else tiles_m * tiles_n
-    return Plan(op, m, n, k, world_size, tile, rows, programs, comm_ctas, False)
+        return Plan(op, m, n, k, world_size, tile, (tiles_m,), num_sms, comm_ctas or 0, True)
+    comm_bound = comm_ratio is not None and comm_ratio >= 1.0
+    if comm_bound:
+        choice = dict(num_groups=4, profile="small-first", num_programs=max(1, num_sms - 32), comm_ctas=8)
+    else:
+        choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)
+    given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)
+    choice.update({key: value for key, value in given.items() if value is not None})
+    rows = split_rows(tiles_m, choice["num_groups"], choice["profile"])
+    return Plan(op, m, n, k, world_size, tile, rows, choice["num_programs"], choice["comm_ctas"], False)

@@ -116,6 +116,11 @@ def _plain_gemm(rank, world_size):
             _assert_close(out, torch.matmul(a, b), f"plain gemm {m}x{n}x{k} {dtype}")
             assert counters.tolist() == [g.tile_count for g in plan.groups]
             out.fill_(float("nan"))
+            counters.zero_()
+            gemm(a, b, plan, out=out, counters=counters, tma_store=False)  # epilogue through plain stores
+            _assert_close(out, torch.matmul(a, b), f"plain gemm, pointer stores {m}x{n}x{k} {dtype}")
+            assert counters.tolist() == [g.tile_count for g in plan.groups]
+            out.fill_(float("nan"))
             gemm(a, b, plan, out=out)  # signalling off
             _assert_close(out, torch.matmul(a, b), f"plain gemm, no signal {m}x{n}x{k} {dtype}")
     return True

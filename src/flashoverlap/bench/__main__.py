@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap.bench.baselines import DecomposedAllReduce, sequential_all_reduce
-from flashoverlap.bench.timing import time_ms
+from flashoverlap.bench.timing import time_ms, time_side_by_side
 from flashoverlap.comm import nccl
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops.gemm_all_reduce import plan_for
@@ -72,22 +73,24 @@ def _efficiency(t_seq: float, t: float, t_ideal: float) -> float:
 def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
     a, b = _inputs(m, n, k, dtype, rank)
     c = torch.matmul(a, b)
-    t_gemm = time_ms(lambda: torch.matmul(a, b), iters=args.iters)
-    t_comm = time_ms(lambda: dist.all_reduce(c), iters=args.iters)
-    t_seq = time_ms(lambda: sequential_all_reduce(a, b), iters=args.iters)
-    decomposition = {}
-    for chunks in (2, 4, 8):
-        fn = DecomposedAllReduce(chunks, device)
-        decomposition[chunks] = time_ms(lambda fn=fn: fn(a, b), iters=args.iters)
-    plan = plan_for(m, n, k, world_size, device, dtype)
+    plan = plan_for(m, n, k, dist.group.WORLD, device, dtype)
     # Our GEMM alone with signalling on, in the plan the op uses (an overlapping plan even where the op would
     # choose sequential, so the figure always describes the kernel).
     kernel_plan = plan if not plan.sequential else default_plan(
         "all_reduce", m, n, k, world_size, num_sms=device_sms(device), allow_sequential=False)
     counters = torch.zeros(kernel_plan.num_groups, dtype=torch.int32, device=device)
-    t_our_gemm = time_ms(lambda: gemm(a, b, kernel_plan, counters=counters), iters=args.iters,
-                         before=counters.zero_)
-    t = time_ms(lambda: fo.gemm_all_reduce(a, b, plan=plan), warmup=10, iters=args.iters)
+    decomposed = {chunks: DecomposedAllReduce(chunks, device) for chunks in (2, 4, 8)}
+    fns = {
+        "gemm": lambda: torch.matmul(a, b),
+        "our_gemm": lambda: gemm(a, b, kernel_plan, counters=counters),
+        "comm": lambda: dist.all_reduce(c),
+        "seq": lambda: sequential_all_reduce(a, b),
+        **{f"decomp{ch}": (lambda fn=fn: fn(a, b)) for ch, fn in decomposed.items()},
+        "ours": lambda: fo.gemm_all_reduce(a, b, plan=plan),
+    }
+    t_all = time_side_by_side(fns, warmup=5, iters=args.iters, before={"our_gemm": counters.zero_})
+    t_gemm, t_our_gemm, t_comm, t_seq, t = (t_all[x] for x in ("gemm", "our_gemm", "comm", "seq", "ours"))
+    decomposition = {ch: t_all[f"decomp{ch}"] for ch in decomposed}
     t_ideal = max(t_gemm, t_comm)
     row = {
         "op": "all_reduce", "path": "nccl", "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
@@ -137,8 +140,7 @@ def sweep_all_reduce(a, b, args, world_size, device, t_seq, t_ideal) -> list[dic
 
 
 GEMM_CONFIGS = [  # (block_m, block_n, block_k, group_m, stages, warps)
-    (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 256, 64, 4, 3, 8), (128, 128, 64, 8, 4, 4),
-    (128, 128, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8), (128, 256, 128, 8, 2, 8),
+    (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8),
 ]
 
 
@@ -148,7 +150,7 @@ def sweep_gemm(m, n, k, dtype, rank, world_size, device) -> list[dict]:
     sms = device_sms(device)
     t_cublas = time_ms(lambda: torch.matmul(a, b), iters=20)
     out = []
-    for cfg in GEMM_CONFIGS:
+    for cfg, tma_store in itertools.product(GEMM_CONFIGS, (False, True)):
         tile = fo.TileConfig(*cfg)
         base = default_plan("all_reduce", m, n, k, world_size, tile=tile, allow_sequential=False)
         for programs in (base.num_tiles, sms, 2 * sms):
@@ -156,15 +158,17 @@ def sweep_gemm(m, n, k, dtype, rank, world_size, device) -> list[dict]:
                                 allow_sequential=False)
             counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
             try:
-                t = time_ms(lambda plan=plan, counters=counters: gemm(a, b, plan, counters=counters), iters=20,
-                            before=counters.zero_)
+                t = time_ms(lambda plan=plan, counters=counters: gemm(a, b, plan, counters=counters,
+                                                                      tma_store=tma_store),
+                            iters=20, before=counters.zero_)
             except Exception as exc:  # e.g. out of shared memory for this configuration
                 t = float("nan")
                 if rank == 0:
                     print(f"    gemm {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-            out.append({"tile": list(cfg), "programs": plan.grid_size, "t_ms": t, "vs_cublas": t_cublas / t})
+            out.append({"tile": list(cfg), "programs": plan.grid_size, "tma_store": tma_store, "t_ms": t,
+                        "vs_cublas": t_cublas / t})
             if rank == 0:
-                print(f"    gemm {m}x{n}x{k} {cfg} programs={plan.grid_size:5d}: {t:.3f} ms vs cuBLAS "
+                print(f"    gemm {m}x{n}x{k} {cfg} tma_store={tma_store:d} programs={plan.grid_size:5d}: {t:.3f} ms vs cuBLAS "
                       f"{t_cublas:.3f} = {t_cublas / t:.3f}x", flush=True)
     return out
 

@@ -45,3 +45,42 @@ def time_ms(
     if dist.is_initialized():
         dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
     return float(median.item())
+
+
+def time_side_by_side(
+    fns: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 5,
+    iters: int = 20,
+    group: dist.ProcessGroup | None = None,
+    before: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, float]:
+    """Like :func:`time_ms` for several functions, interleaved call by call (in a rotating order), so that all
+    of them see the same clocks: under load these GPUs reach their power limit and clocks move by up to 30%."""
+    before = before or {}
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            if name in before:
+                before[name]()
+            fns[name]()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for it in range(iters):
+        rotated = names[it % len(names):] + names[: it % len(names)]
+        for name in rotated:
+            if name in before:
+                before[name]()
+            if dist.is_initialized():
+                dist.barrier(group=group)
+            torch.cuda.synchronize()
+            start.record()
+            fns[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    medians = torch.tensor([statistics.median(times[name]) for name in names], dtype=torch.float64, device="cuda")
+    if dist.is_initialized():
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(names, medians.tolist()))

@@ -14,6 +14,8 @@ row-major ``[K, N]`` tensor or the transposed view ``w.t()`` of an ``[N, K]`` we
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,12 +23,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashoverlap.plan import Plan
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Store C through TMA when the loads use TMA (measured on H200: docs/why-overlap-is-hard.md).
+DEFAULT_TMA_STORE = True
+
 
 @triton.jit
 def signalling_gemm_kernel(
     a,  # [M, K]: a pointer, or a TMA descriptor with block [BLOCK_M, BLOCK_K]
     b,  # [K, N] (B_KMAJOR=False) or its transpose [N, K] (B_KMAJOR=True): pointer or descriptor
-    c_ptr,  # [M, N]
+    c,  # [M, N]: a pointer, or a TMA descriptor with block [BLOCK_M, BLOCK_N] (TMA_STORE)
     counters_ptr,  # int32 [num_groups]: tiles stored so far, per group
     tile_order_ptr,  # int32 [num_tiles]: pid_m * tiles_n + pid_n of the i-th tile computed
     tile_group_ptr,  # int32 [num_tiles]: group of the i-th tile computed
@@ -46,7 +52,9 @@ def signalling_gemm_kernel(
     BLOCK_K: tl.constexpr,
     USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     SIGNAL: tl.constexpr,
+    BULK_WAIT: tl.constexpr,  # False only under the interpreter, which cannot run inline PTX
 ):
     k_tiles = tl.cdiv(K, BLOCK_K)
     # flatten=False keeps the K loop pipelined on its own; flattening it into the tile loop made the
@@ -82,12 +90,22 @@ def signalling_gemm_kernel(
                 acc = tl.dot(a_tile, b_tile, acc)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
-        rows = off_m + tl.arange(0, BLOCK_M)
-        cols = off_n + tl.arange(0, BLOCK_N)
-        c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        if TMA_STORE:
+            c.store([off_m, off_n], acc.to(c.dtype))  # the copy engine clips rows/columns out of range
+        else:
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, BLOCK_N)
+            c_ptrs = c + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
         if SIGNAL:
             group = tl.load(tile_group_ptr + i)
+            if TMA_STORE and BULK_WAIT:
+                # The bulk store is asynchronous and Triton only waits for it to have *read* shared memory: wait
+                # until its writes to C are complete, and order them (async proxy) before the generic-proxy
+                # release below. The asm returns `group` unchanged so the atomic depends on it.
+                group = tl.inline_asm_elementwise(
+                    "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                    "=r,r", [group], dtype=tl.int32, is_pure=False, pack=1)
             # Every thread's stores of this tile come before the release below.
             tl.debug_barrier()
             tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
@@ -136,13 +154,15 @@ def gemm(
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     use_tma: bool | None = None,
+    tma_store: bool | None = None,
 ) -> torch.Tensor:
     """``out = a @ b`` following ``plan``'s tile order; with ``counters``, each tile's group counter is bumped.
 
     ``a``: ``[M, K]``; ``b``: ``[K, N]`` (any strides; ``w.t()`` of a contiguous ``[N, K]`` weight is read in
     place); both bf16, fp16 or fp32, accumulated in fp32. ``out``: ``[M, N]`` of the same dtype, allocated when
     omitted. ``counters``: int32 with at least ``plan.num_groups`` elements, zero on entry; on exit entry ``g``
-    equals ``plan.groups[g].tile_count``. ``use_tma``: force or forbid TMA loads (default: where the strides allow).
+    equals ``plan.groups[g].tile_count``. ``use_tma``: force or forbid TMA loads (default: where the strides allow);
+    ``tma_store``: store ``out`` through TMA too (default: with TMA loads, where ``out``'s strides allow).
     """
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"a and b must be 2-D, got a.ndim={a.ndim}, b.ndim={b.ndim}")
@@ -174,10 +194,14 @@ def gemm(
         b_arg = TensorDescriptor.from_tensor(b_stored, b_block)
     else:
         a_arg, b_arg = a, b
+    if tma_store is None:
+        tma_store = use_tma and DEFAULT_TMA_STORE
+    tma_store = bool(tma_store and use_tma and _tma_ok(out))
+    c_arg = TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]) if tma_store else out
     signalling_gemm_kernel[(plan.grid_size,)](
         a_arg,
         b_arg,
-        out,
+        c_arg,
         counters if signal else owner,  # an unused pointer when not signalling
         order,
         owner,
@@ -197,7 +221,9 @@ def gemm(
         BLOCK_K=t.block_k,
         USE_TMA=bool(use_tma),
         B_KMAJOR=bool(b_kmajor and use_tma),
+        TMA_STORE=tma_store,
         SIGNAL=signal,
+        BULK_WAIT=not _INTERPRETED,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )

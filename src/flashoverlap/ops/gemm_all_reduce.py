@@ -17,19 +17,30 @@ from flashoverlap.comm import nccl, reference
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops._checks import check_group, check_operands, choose_path
 from flashoverlap.plan import Plan, default_plan
+from flashoverlap.tune import rates
 
 OP = "gemm_all_reduce"
 
 
 @functools.lru_cache(maxsize=256)
-def _default_plan(m: int, n: int, k: int, world_size: int, num_sms: int, element_size: int) -> Plan:
-    return default_plan("all_reduce", m, n, k, world_size, num_sms=num_sms, element_size=element_size)
+def _default_plan(m: int, n: int, k: int, world_size: int, num_sms: int, element_size: int,
+                  comm_ratio: float | None) -> Plan:
+    return default_plan("all_reduce", m, n, k, world_size, num_sms=num_sms, element_size=element_size,
+                        comm_ratio=comm_ratio)
 
 
-def plan_for(m: int, n: int, k: int, world_size: int, device: torch.device, dtype: torch.dtype) -> Plan:
-    """The plan an all-reduce call of this shape uses when none is given."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return _default_plan(m, n, k, world_size, num_sms, torch.tensor([], dtype=dtype).element_size())
+def plan_for(m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> Plan:
+    """The plan an all-reduce call of this shape uses when none is given. On CUDA the first call for a group
+    measures the machine's GEMM and all-reduce rates (collectively) to choose between overlap and sequential."""
+    world_size = dist.get_world_size(group)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cuda":
+        return _default_plan(m, n, k, world_size, 132, element_size, None)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    measured = rates.measure(group, device, dtype)
+    ratio = measured.all_reduce_ms(m * n * element_size, world_size) / measured.gemm_ms(m, n, k)
+    # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
+    return _default_plan(m, n, k, world_size, num_sms, element_size, round(ratio, 2))
 
 
 def gemm_all_reduce(
@@ -58,7 +69,7 @@ def gemm_all_reduce(
     group = check_group(OP, group, a.device)
     world_size = dist.get_world_size(group)
     if plan is None:
-        plan = plan_for(m, n, k, world_size, a.device, a.dtype)
+        plan = plan_for(m, n, k, group, a.device, a.dtype)
     elif not isinstance(plan, Plan):
         raise TypeError(f"{OP}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
     elif (plan.op, plan.m, plan.n, plan.k, plan.world_size) != ("all_reduce", m, n, k, world_size):

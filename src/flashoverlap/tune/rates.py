@@ -1,0 +1,62 @@
+"""The two rates a default plan depends on, measured once per (process group, device, dtype): the GEMM's
+throughput and the all-reduce's bus bandwidth. Every rank takes the minimum over the group, so all ranks derive
+the same plan (a plan that differs between ranks would issue different collectives and hang)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_RATES: dict[tuple[int, int, torch.dtype], Rates] = {}
+
+
+@dataclass(frozen=True)
+class Rates:
+    gemm_tflops: float
+    allreduce_busbw_gbs: float
+
+    def gemm_ms(self, m: int, n: int, k: int) -> float:
+        return 2.0 * m * n * k / (self.gemm_tflops * 1e9)
+
+    def all_reduce_ms(self, nbytes: int, world_size: int) -> float:
+        return 2.0 * (world_size - 1) / world_size * nbytes / (self.allreduce_busbw_gbs * 1e6)
+
+
+def _median_ms(fn, iters: int = 5, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> Rates:
+    """This machine's rates for ``group`` on ``device`` (about 10 ms, once; collective over ``group``)."""
+    key = (id(group), device.index, dtype)
+    if key in _RATES:
+        return _RATES[key]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "flashoverlap: the first call for a process group measures the GEMM and all-reduce rates and cannot "
+            "be captured in a CUDA graph; call the op once before capturing"
+        )
+    size = 4096
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    gemm_ms = _median_ms(lambda: torch.matmul(a, a))
+    buf = torch.randn(16 << 20, dtype=dtype, device=device)  # 32 MiB in 2-byte dtypes
+    comm_ms = _median_ms(lambda: dist.all_reduce(buf, group=group))
+    world_size = dist.get_world_size(group)
+    busbw = 2.0 * (world_size - 1) / world_size * buf.numel() * buf.element_size() / (comm_ms * 1e6)
+    agreed = torch.tensor([2.0 * size**3 / (gemm_ms * 1e9), busbw], dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    rates = _RATES[key] = Rates(float(agreed[0]), float(agreed[1]))
+    return rates
