@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import subprocess
@@ -139,37 +138,48 @@ def sweep_all_reduce(a, b, args, world_size, device, t_seq, t_ideal) -> list[dic
     return out
 
 
-GEMM_CONFIGS = [  # (block_m, block_n, block_k, group_m, stages, warps)
-    (128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8),
+GEMM_VARIANTS = [  # tile (block_m, block_n, block_k, group_m, stages, warps), programs, launcher options
+    ((128, 256, 64, 8, 3, 8), "tiles", {}),
+    ((128, 256, 64, 8, 3, 8), "sms", {}),
+    ((128, 256, 64, 8, 3, 8), "sms", {"flatten": True}),
+    ((128, 256, 64, 8, 3, 8), "sms", {"warp_specialize": True}),
+    ((128, 256, 64, 8, 3, 8), "tiles", {"warp_specialize": True}),
+    ((128, 256, 64, 8, 3, 4), "sms", {"warp_specialize": True}),
+    ((128, 128, 64, 8, 4, 4), "sms", {"warp_specialize": True}),
+    ((128, 256, 64, 8, 3, 8), "sms", {"flatten": True, "warp_specialize": True}),
+    ((128, 256, 64, 8, 3, 8), "sms", {"tma_store": True}),
 ]
 
 
 def sweep_gemm(m, n, k, dtype, rank, world_size, device) -> list[dict]:
-    """Our GEMM alone (signalling on) against cuBLAS, over tile configurations and program counts."""
+    """Our GEMM alone (signalling on) against cuBLAS, over tile configurations, program counts and loop forms."""
     a, b = _inputs(m, n, k, dtype, rank)
     sms = device_sms(device)
+    ref = torch.matmul(a, b)
     t_cublas = time_ms(lambda: torch.matmul(a, b), iters=20)
     out = []
-    for cfg, tma_store in itertools.product(GEMM_CONFIGS, (False, True)):
+    for cfg, programs, options in GEMM_VARIANTS:
         tile = fo.TileConfig(*cfg)
         base = default_plan("all_reduce", m, n, k, world_size, tile=tile, allow_sequential=False)
-        for programs in (base.num_tiles, sms, 2 * sms):
-            plan = default_plan("all_reduce", m, n, k, world_size, tile=tile, num_programs=programs,
-                                allow_sequential=False)
-            counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-            try:
-                t = time_ms(lambda plan=plan, counters=counters: gemm(a, b, plan, counters=counters,
-                                                                      tma_store=tma_store),
-                            iters=20, before=counters.zero_)
-            except Exception as exc:  # e.g. out of shared memory for this configuration
-                t = float("nan")
-                if rank == 0:
-                    print(f"    gemm {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-            out.append({"tile": list(cfg), "programs": plan.grid_size, "tma_store": tma_store, "t_ms": t,
-                        "vs_cublas": t_cublas / t})
+        plan = default_plan("all_reduce", m, n, k, world_size, tile=tile, allow_sequential=False,
+                            num_programs=base.num_tiles if programs == "tiles" else sms)
+        counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+        try:
+            got = gemm(a, b, plan, counters=counters.zero_(), **options)
+            torch.cuda.synchronize()
+            err = float((got.float() - ref.float()).norm() / ref.float().norm())
+            t = time_ms(lambda plan=plan, counters=counters, options=options: gemm(a, b, plan, counters=counters,
+                                                                                  **options),
+                        iters=20, before=counters.zero_)
+        except Exception as exc:  # a loop form the compiler rejects, or out of shared memory
+            t, err = float("nan"), float("nan")
             if rank == 0:
-                print(f"    gemm {m}x{n}x{k} {cfg} tma_store={tma_store:d} programs={plan.grid_size:5d}: {t:.3f} ms vs cuBLAS "
-                      f"{t_cublas:.3f} = {t_cublas / t:.3f}x", flush=True)
+                print(f"    gemm {cfg} {options}: {type(exc).__name__}: {str(exc)[:200]}")
+        out.append({"tile": list(cfg), "programs": plan.grid_size, "options": options, "t_ms": t,
+                    "vs_cublas": t_cublas / t, "rel_err": err})
+        if rank == 0:
+            print(f"    gemm {m}x{n}x{k} {cfg} programs={plan.grid_size:5d} {options}: {t:.3f} ms vs cuBLAS "
+                  f"{t_cublas:.3f} = {t_cublas / t:.3f}x (rel err {err:.1e})", flush=True)
     return out
 
 

@@ -24,8 +24,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashoverlap.plan import Plan
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Store C through TMA when the loads use TMA (measured on H200: docs/why-overlap-is-hard.md).
-DEFAULT_TMA_STORE = True
+# Storing C through TMA measured no faster than plain stores on H200 (docs/why-overlap-is-hard.md).
+DEFAULT_TMA_STORE = False
 
 
 @triton.jit
@@ -55,11 +55,13 @@ def signalling_gemm_kernel(
     TMA_STORE: tl.constexpr,
     SIGNAL: tl.constexpr,
     BULK_WAIT: tl.constexpr,  # False only under the interpreter, which cannot run inline PTX
+    FLATTEN: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     k_tiles = tl.cdiv(K, BLOCK_K)
     # flatten=False keeps the K loop pipelined on its own; flattening it into the tile loop made the
     # signalling variant of this kernel three times slower on H200 (DESIGN.md).
-    for i in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=False):
+    for i in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
         packed = tl.load(tile_order_ptr + i)
         pid_m = packed // tiles_n
         pid_n = packed % tiles_n
@@ -68,7 +70,7 @@ def signalling_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             # Out-of-range rows, columns and K are zero-filled by the copy engine.
-            for kk in range(k_tiles):
+            for kk in tl.range(k_tiles, warp_specialize=WARP_SPECIALIZE):
                 a_tile = a.load([off_m, kk * BLOCK_K])
                 if B_KMAJOR:
                     acc = tl.dot(a_tile, b.load([off_n, kk * BLOCK_K]).T, acc)
@@ -155,6 +157,8 @@ def gemm(
     counters: torch.Tensor | None = None,
     use_tma: bool | None = None,
     tma_store: bool | None = None,
+    flatten: bool = False,
+    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """``out = a @ b`` following ``plan``'s tile order; with ``counters``, each tile's group counter is bumped.
 
@@ -224,6 +228,8 @@ def gemm(
         TMA_STORE=tma_store,
         SIGNAL=signal,
         BULK_WAIT=not _INTERPRETED,
+        FLATTEN=flatten,
+        WARP_SPECIALIZE=bool(warp_specialize and use_tma),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
