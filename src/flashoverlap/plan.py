@@ -85,8 +85,8 @@ class Plan:
     ``num_programs`` is how many programs (CTAs) the GEMM launches: fewer than the GPU's SMs leaves SMs free for
     the collectives' kernels; as many as there are tiles gives one tile per program, so that programs retire
     as they finish and the communication stream's kernels can take their SMs. ``comm_ctas`` sets the number of
-    CTAs (channels) of NCCL's kernels (0 keeps NCCL's choice). ``sequential`` says overlap cannot pay at this shape: the op then
-    runs the plain matmul followed by one collective on the whole result.
+    CTAs (channels) of NCCL's kernels (0 keeps NCCL's choice). ``sequential`` says overlap cannot pay at this
+    shape: the op then runs the plain matmul followed by one collective on the whole result.
     """
 
     op: str
@@ -272,8 +272,8 @@ def default_plan(
 
     - sequential where the output is under ``MIN_OVERLAP_BYTES``, the GEMM under ``MIN_OVERLAP_WAVES`` waves of
       tiles, or ``comm_ratio < MIN_OVERLAP_COMM_RATIO``;
-    - communication-bound (``comm_ratio >= 1``): 4 groups growing in size, so that the first collective starts
-      early; the GEMM persistent on all SMs but 32, which NCCL's 8 CTAs then find free;
+    - communication-bound (``comm_ratio >= 1``): 6 even groups; the GEMM persistent on all SMs but 32, which
+      NCCL's 8 CTAs then find free as soon as the first group is ready;
     - otherwise: 8 even groups, one program per tile (programs retire as they finish, which lets NCCL's blocks
       in on the high-priority stream), NCCL's own CTA count.
     """
@@ -293,7 +293,7 @@ def default_plan(
         return Plan(op, m, n, k, world_size, tile, (tiles_m,), num_sms, comm_ctas or 0, True)
     comm_bound = comm_ratio is not None and comm_ratio >= 1.0
     if comm_bound:
-        choice = dict(num_groups=4, profile="small-first", num_programs=max(1, num_sms - 32), comm_ctas=8)
+        choice = dict(num_groups=6, profile="even", num_programs=max(1, num_sms - 32), comm_ctas=8)
     else:
         choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)
     given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)

@@ -1,0 +1,5 @@
+import sys
+
+from flashoverlap.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""Bad input gets a clear exception naming the argument, raised before anything is launched."""
+
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap.comm.nccl import debug_timeout
+
+
+@pytest.fixture
+def world_of_one():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _ab(m=8, n=6, k=4, dtype=torch.float16):
+    return torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+
+
+def test_needs_initialised_distributed():
+    a, b = _ab()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fo.gemm_all_reduce(a, b)
+
+
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: (torch.randn(2, 3, 4, dtype=torch.float16), torch.randn(4, 5, dtype=torch.float16)), ValueError,
+         "a must be 2-D"),
+        (lambda: (torch.randn(3, 4, dtype=torch.float16), torch.randn(4, dtype=torch.float16)), ValueError,
+         "b must be 2-D"),
+        (lambda: (torch.randn(3, 4), torch.randn(4, 5)), ValueError, "a must be bfloat16 or float16"),
+        (lambda: (torch.randn(3, 4, dtype=torch.float16), torch.randn(4, 5, dtype=torch.bfloat16)), ValueError,
+         "same dtype"),
+        (lambda: (torch.randn(3, 4, dtype=torch.float16), torch.randn(5, 5, dtype=torch.float16)), ValueError,
+         "K differ"),
+        (lambda: (torch.randn(0, 4, dtype=torch.float16), torch.randn(4, 5, dtype=torch.float16)), ValueError,
+         ">= 1"),
+        (lambda: (torch.randn(3, 4, dtype=torch.float16), torch.randn(4, 5, dtype=torch.float16, device="meta")),
+         ValueError, "same device"),
+        (lambda: ([[1.0]], torch.randn(4, 5, dtype=torch.float16)), TypeError, "a must be a torch.Tensor"),
+        (lambda: (torch.randn(3, 4, dtype=torch.float16, requires_grad=True), torch.randn(4, 5, dtype=torch.float16)),
+         NotImplementedError, "autograd"),
+    ],
+)
+def test_operand_errors(world_of_one, make, exc, match):
+    a, b = make()
+    with pytest.raises(exc, match=match):
+        fo.gemm_all_reduce(a, b)
+
+
+def test_no_grad_inputs_that_require_grad_are_fine(world_of_one):
+    a, b = _ab()
+    a.requires_grad_(True)
+    with torch.no_grad():
+        got = fo.gemm_all_reduce(a, b)
+    torch.testing.assert_close(got, torch.matmul(a.detach(), b))
+
+
+def test_path_and_group_errors(world_of_one):
+    a, b = _ab()
+    with pytest.raises(ValueError, match="path must be one of"):
+        fo.gemm_all_reduce(a, b, path="fast")
+    with pytest.raises(ValueError, match="path='nccl' needs CUDA"):
+        fo.gemm_all_reduce(a, b, path="nccl")
+    with pytest.raises(TypeError, match="group must be"):
+        fo.gemm_all_reduce(a, b, group="world")
+
+
+def test_plan_errors(world_of_one):
+    a, b = _ab()
+    with pytest.raises(ValueError, match="plan is for"):
+        fo.gemm_all_reduce(a, b, plan=fo.default_plan("all_reduce", 9, 6, 4, 1))
+    with pytest.raises(ValueError, match="over 2 ranks"):
+        fo.gemm_all_reduce(a, b, plan=fo.default_plan("all_reduce", 8, 6, 4, 2))
+    with pytest.raises(TypeError, match="plan must be"):
+        fo.gemm_all_reduce(a, b, plan="default")
+
+
+def test_world_of_one_matches_matmul(world_of_one):
+    a, b = _ab(33, 17, 9)
+    torch.testing.assert_close(fo.gemm_all_reduce(a, b), torch.matmul(a, b))
+
+
+def test_debug_timeout_parsing(monkeypatch):
+    monkeypatch.delenv("FLASHOVERLAP_DEBUG_TIMEOUT", raising=False)
+    assert debug_timeout() is None
+    monkeypatch.setenv("FLASHOVERLAP_DEBUG_TIMEOUT", "2.5")
+    assert debug_timeout() == 2.5
+    monkeypatch.setenv("FLASHOVERLAP_DEBUG_TIMEOUT", "0")
+    assert debug_timeout() is None
+    monkeypatch.setenv("FLASHOVERLAP_DEBUG_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="FLASHOVERLAP_DEBUG_TIMEOUT"):
+        debug_timeout()
+
+
+def test_package_imports_and_runs_without_cuda_bindings():
+    # The NCCL path imports cuda.bindings on first use only: a CPU user never needs it.
+    code = (
+        "import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
+        "import flashoverlap, flashoverlap.comm.nccl\n"
+        "from flashoverlap.plan import default_plan\n"
+        "print(default_plan('all_reduce', 64, 64, 64, 2).num_groups)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "1"

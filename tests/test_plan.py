@@ -1,0 +1,140 @@
+"""The plan: validation, groups, tile order, default plans."""
+
+import numpy as np
+import pytest
+
+from flashoverlap.plan import MAX_GROUPS, Plan, TileConfig, default_plan, split_rows
+
+SMALL = TileConfig(16, 16, 16, 2, 1, 4)
+
+
+def test_groups_are_contiguous_row_bands_covering_c():
+    plan = Plan("all_reduce", 100, 70, 30, 2, SMALL, (2, 3, 2), num_programs=5)
+    assert plan.tiles_m == 7 and plan.tiles_n == 5 and plan.num_tiles == 35
+    rows = [(g.row_start, g.row_end) for g in plan.groups]
+    assert rows == [(0, 32), (32, 80), (80, 100)]  # the last band stops at M
+    assert [g.tile_count for g in plan.groups] == [10, 15, 10]
+    assert [g.tile_start for g in plan.groups] == [0, 10, 25]
+    assert plan.group_bytes(2) == [32 * 70 * 2, 48 * 70 * 2, 20 * 70 * 2]
+
+
+@pytest.mark.parametrize("rows,group_m", [((2, 3, 2), 2), ((7,), 3), ((1, 1, 1, 1, 1, 1, 1), 4), ((4, 3), 8)])
+def test_tile_order_is_a_permutation_with_each_group_a_consecutive_run(rows, group_m):
+    tile = TileConfig(16, 16, 16, group_m, 1, 4)
+    plan = Plan("all_reduce", 100, 70, 30, 2, tile, rows, num_programs=3)
+    order, owner = plan.tile_order(), plan.tile_groups()
+    assert sorted(order.tolist()) == list(range(plan.num_tiles))
+    for grp in plan.groups:
+        run = order[grp.tile_start : grp.tile_start + grp.tile_count]
+        pid_m = run // plan.tiles_n
+        # Exactly the tiles of the group's rows, nothing else.
+        assert set(pid_m.tolist()) == set(range(grp.row_start // 16, -(-grp.row_end // 16)))
+        assert len(run) == len(set(run.tolist())) == grp.tile_count
+        assert (owner[grp.tile_start : grp.tile_start + grp.tile_count] == grp.index).all()
+
+
+def test_tile_order_visits_group_m_rows_column_by_column():
+    plan = Plan("all_reduce", 64, 48, 16, 2, TileConfig(16, 16, 16, 2, 1, 4), (4,), num_programs=1)
+    pairs = [(v // 3, v % 3) for v in plan.tile_order().tolist()]
+    assert pairs[:6] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert pairs[6:8] == [(2, 0), (3, 0)]
+
+
+def test_tables_are_read_only_int32():
+    plan = default_plan("all_reduce", 1000, 1000, 100, 2, tile=SMALL, allow_sequential=False)
+    for table in (plan.tile_order(), plan.tile_groups()):
+        assert table.dtype == np.int32 and not table.flags.writeable
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(op="gather"), "Plan.op"),
+        (dict(m=0), "Plan.m"),
+        (dict(k=-3), "Plan.k"),
+        (dict(world_size=0), "Plan.world_size"),
+        (dict(num_programs=0), "Plan.num_programs"),
+        (dict(comm_ctas=-1), "Plan.comm_ctas"),
+        (dict(group_row_tiles=()), "at least one group"),
+        (dict(group_row_tiles=(3, 3)), "must sum to"),
+        (dict(group_row_tiles=(7, 0)), r"group_row_tiles\[1\]"),
+        (dict(tile="big"), "TileConfig"),
+        (dict(m=True), "Plan.m"),
+    ],
+)
+def test_invalid_plans_name_the_field(kwargs, match):
+    base = dict(op="all_reduce", m=100, n=70, k=30, world_size=2, tile=SMALL, group_row_tiles=(7,), num_programs=4)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        Plan(**base)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(block_m=48), "block_m"), (dict(block_k=8), "block_k"), (dict(group_m=0), "group_m"),
+     (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")],
+)
+def test_invalid_tile_configs_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TileConfig(**kwargs)
+
+
+def test_too_many_groups():
+    with pytest.raises(ValueError, match="at most"):
+        Plan("all_reduce", 16 * (MAX_GROUPS + 1), 16, 16, 2, SMALL, (1,) * (MAX_GROUPS + 1), num_programs=1)
+
+
+def test_plans_are_frozen_and_hashable():
+    a = default_plan("all_reduce", 8192, 8192, 8192, 2)
+    b = default_plan("all_reduce", 8192, 8192, 8192, 2)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(AttributeError):
+        a.m = 1
+
+
+@pytest.mark.parametrize("tiles_m,groups", [(64, 8), (7, 3), (5, 8), (1, 1), (128, 12), (16, 6)])
+@pytest.mark.parametrize("profile", ["even", "small-first", "small-last"])
+def test_split_rows(tiles_m, groups, profile):
+    sizes = split_rows(tiles_m, groups, profile)
+    assert sum(sizes) == tiles_m and min(sizes) >= 1 and len(sizes) == min(groups, tiles_m)
+    if profile == "small-first":
+        assert list(sizes) == sorted(sizes)
+    if profile == "small-last":
+        assert list(sizes) == sorted(sizes, reverse=True)
+    if profile == "even":
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_split_rows_rejects_unknown_profile():
+    with pytest.raises(ValueError, match="profile"):
+        split_rows(8, 2, "random")
+
+
+def test_default_plan_regimes():
+    # Tiny outputs and short GEMMs run sequentially.
+    assert default_plan("all_reduce", 128, 128, 128, 2).sequential
+    assert default_plan("all_reduce", 1, 4096, 4096, 2).sequential
+    assert default_plan("all_reduce", 8192, 8192, 8192, 1).sequential
+    # Communication much shorter than the GEMM: sequential (overlap does not pay on NVLink there).
+    assert default_plan("all_reduce", 8192, 8192, 8192, 2, comm_ratio=0.3).sequential
+    # Compute-bound: even groups, one program per tile, NCCL's own CTAs.
+    plan = default_plan("all_reduce", 8192, 8192, 8192, 2, comm_ratio=0.7)
+    assert not plan.sequential and plan.num_groups == 8 and plan.grid_size == plan.num_tiles
+    assert plan.comm_ctas == 0
+    # Communication-bound: SMs left for NCCL, whose CTA count is set.
+    plan = default_plan("all_reduce", 8192, 8192, 8192, 2, comm_ratio=3.0, num_sms=132)
+    assert plan.grid_size == 100 and plan.comm_ctas == 8 and plan.num_groups == 6
+    # Every override wins.
+    plan = default_plan("all_reduce", 8192, 8192, 8192, 2, comm_ratio=3.0, num_groups=3, profile="small-last",
+                        num_programs=7, comm_ctas=2)
+    assert (plan.num_groups, plan.grid_size, plan.comm_ctas) == (3, 7, 2)
+    assert list(plan.group_row_tiles) == sorted(plan.group_row_tiles, reverse=True)
+    # Forced overlap at any shape, even one tile.
+    plan = default_plan("all_reduce", 1, 1, 1, 2, allow_sequential=False)
+    assert not plan.sequential and plan.num_tiles == 1 and plan.num_groups == 1
+
+
+def test_describe_mentions_every_group():
+    plan = default_plan("all_reduce", 8192, 8192, 8192, 2, comm_ratio=0.7)
+    text = plan.describe(2)
+    assert text.count("group ") == plan.num_groups and "16.00 MiB" in text
