@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from flashoverlap.ops.gemm_all_reduce import plan_for
 from flashoverlap.testing import spawn
 
 CPU_SHAPE = (4096, 4096, 1024)
@@ -28,7 +29,7 @@ def _run(rank: int, world_size: int, m: int, n: int, k: int, dtype_name: str, on
     b = w.t()  # an nn.Linear weight's transposed view, as a row-parallel layer holds it
     if on_gpu:
         got = fo.gemm_all_reduce(a, b)
-        plan = fo.ops.gemm_all_reduce.plan_for(m, n, k, dist.group.WORLD, device, dtype)
+        plan = plan_for(m, n, k, dist.group.WORLD, device, dtype)
     else:
         # The plan the GPU path overlaps with at this shape (an H200's 132 SMs, NVLink-class bandwidth).
         plan = fo.default_plan("all_reduce", m, n, k, world_size, allow_sequential=False)
