@@ -3,6 +3,7 @@ over ranks."""
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable
 
@@ -55,8 +56,10 @@ def time_side_by_side(
     group: dist.ProcessGroup | None = None,
     before: dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, float]:
-    """Like :func:`time_ms` for several functions, interleaved call by call (in a rotating order), so that all
-    of them see the same clocks: under load these GPUs reach their power limit and clocks move by up to 30%."""
+    """Like :func:`time_ms` for several functions, interleaved call by call, so that all of them see the same
+    clocks: under load these GPUs reach their power limit and their clocks move by up to 30%. The order is
+    shuffled every round (the same way on every rank), so that no function always follows the same one: a call
+    right after a light one (a collective alone) runs with more power headroom than one after a GEMM."""
     before = before or {}
     names = list(fns)
     for _ in range(warmup):
@@ -67,9 +70,11 @@ def time_side_by_side(
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in names}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for it in range(iters):
-        rotated = names[it % len(names):] + names[: it % len(names)]
-        for name in rotated:
+    shuffler = random.Random(0)  # same seed on every rank: the collectives inside must match
+    for _ in range(iters):
+        order = names[:]
+        shuffler.shuffle(order)
+        for name in order:
             if name in before:
                 before[name]()
             if dist.is_initialized():
