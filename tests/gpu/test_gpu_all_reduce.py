@@ -16,7 +16,10 @@ from flashoverlap.testing import spawn
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD = int(os.environ.get("FLASHOVERLAP_TEST_WORLD_SIZE", GPUS))
-needs_gpus = pytest.mark.skipif(GPUS < 2 or WORLD < 2, reason="needs 2 or more CUDA GPUs")
+needs_gpus = pytest.mark.skipif(
+    GPUS < 2 or WORLD < 2 or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs 2 or more CUDA GPUs, and TRITON_INTERPRET unset (the kernels must be compiled)",
+)
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 ODD_SHAPES = [(777, 2000, 1234), (1, 4096, 4096), (1000, 1000, 100), (1023, 1025, 1027), (3000, 4096, 520)]
