@@ -209,7 +209,7 @@ def interference(args, rank, world_size, device, dtype) -> dict:
         return ev[0].elapsed_time(ev[1]), ev[2].elapsed_time(ev[3])
 
     for comm_ctas in dict.fromkeys([0, *args.sweep_ctas]):
-        group = comm._comm_group(comm_ctas)
+        group = comm.comm_group(comm_ctas)
         dist.all_reduce(c, group=group)
 
         def gemms(ev):

@@ -86,14 +86,17 @@ class NcclCommunicator:
     def prepare(self, plan: Plan, dtype: torch.dtype) -> None:
         if (plan.comm_ctas, dtype) not in self._warm:
             _refuse_inside_capture()
-            comm_group = self._comm_group(plan.comm_ctas)
+            comm_group = self.comm_group(plan.comm_ctas)
             with torch.cuda.stream(self.comm_stream):
                 dist.all_reduce(torch.zeros(8, dtype=dtype, device=self.device), group=comm_group)
             self.comm_stream.synchronize()
             self._warm.add((plan.comm_ctas, dtype))
         self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _comm_group(self, comm_ctas: int) -> dist.ProcessGroup:
+    def comm_group(self, comm_ctas: int) -> dist.ProcessGroup:
+        """The process group that carries the collectives of plans with this ``comm_ctas``: the caller's group
+        for 0, otherwise a clone of it whose NCCL communicator uses exactly ``comm_ctas`` CTAs (created on first
+        use, collectively over the group's ranks)."""
         if comm_ctas == 0:
             return self.group
         if comm_ctas not in self._capped_groups:
@@ -111,7 +114,7 @@ class NcclCommunicator:
     def all_reduce(self, c: torch.Tensor, plan: Plan) -> None:
         """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each."""
         producer = torch.cuda.current_stream(self.device)
-        comm_group = self._comm_group(plan.comm_ctas)
+        comm_group = self.comm_group(plan.comm_ctas)
         timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
         waited = []
         base = self.counters.data_ptr()
