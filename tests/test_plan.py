@@ -138,3 +138,47 @@ def test_describe_mentions_every_group():
     plan = default_plan("all_reduce", 8192, 8192, 8192, 2, comm_ratio=0.7)
     text = plan.describe(2)
     assert text.count("group ") == plan.num_groups and "16.00 MiB" in text
+
+
+@pytest.mark.parametrize("m,world_size,block_m,rows", [(96, 2, 16, (1, 2)), (50, 2, 16, (2,)), (120, 4, 16, (1, 1)),
+                                                        (8, 8, 16, (1,)), (255, 3, 32, (2, 1))])
+def test_reduce_scatter_layout_lands_each_band_in_place(m, world_size, block_m, rows):
+    """Replay the plan's tables on a C whose entries name their row: every group's workspace slice must hold, rank
+    block after rank block, exactly the rows that reduce_scatter_tensor hands each rank for that band."""
+    tile = TileConfig(block_m, 16, 16, 2, 1, 4)
+    plan = Plan("reduce_scatter", m, 40, 8, world_size, tile, rows, num_programs=3)
+    assert plan.blocks == world_size and plan.block_rows == m // world_size
+    a_row, out_row, valid = plan.tile_rows()
+    c = np.arange(m)
+    workspace = np.full(m, -1)
+    for p in range(plan.tiles_m):
+        assert valid[p] >= 1 and a_row[p] // plan.block_rows == (a_row[p] + valid[p] - 1) // plan.block_rows
+        workspace[out_row[p] : out_row[p] + valid[p]] = c[a_row[p] : a_row[p] + valid[p]]
+    assert (workspace >= 0).all(), "every workspace row is written exactly by some tile"
+    assert sorted(workspace.tolist()) == list(range(m))
+    for grp in plan.groups:
+        band = workspace[grp.out_row_start : grp.out_row_start + world_size * grp.rows].reshape(world_size, -1)
+        for rank in range(world_size):
+            want = np.arange(rank * plan.block_rows + grp.row_start, rank * plan.block_rows + grp.row_end)
+            assert (band[rank] == want).all()
+    # Tile order: each group a consecutive run that covers its band in every block.
+    order = plan.tile_order()
+    for grp in plan.groups:
+        run = order[grp.tile_start : grp.tile_start + grp.tile_count] // plan.tiles_n
+        assert sorted(set((run % plan.tiles_per_block).tolist())) == list(
+            range(grp.row_start // block_m, -(-grp.row_end // block_m)))
+        assert len(set((run // plan.tiles_per_block).tolist())) == world_size
+
+
+def test_reduce_scatter_needs_m_divisible_by_world_size():
+    with pytest.raises(ValueError, match="divisible by world_size"):
+        Plan("reduce_scatter", 10, 16, 16, 4, SMALL, (1,), num_programs=1)
+    plan = default_plan("reduce_scatter", 8192, 8192, 8192, 2, comm_ratio=0.7)
+    assert plan.tiles_per_block == 32 and plan.tiles_m == 64 and sum(plan.group_row_tiles) == 32
+
+
+def test_all_reduce_rows_are_the_identity():
+    plan = default_plan("all_reduce", 100, 70, 30, 2, tile=SMALL, allow_sequential=False)
+    a_row, out_row, valid = plan.tile_rows()
+    assert (a_row == out_row).all() and (a_row == np.arange(plan.tiles_m) * 16).all()
+    assert valid.tolist() == [16] * 6 + [4]

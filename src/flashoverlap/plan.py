@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-OPS = ("all_reduce",)
+OPS = ("all_reduce", "reduce_scatter")
 
 # Counters live in one small per-device buffer; a plan may not use more groups than it holds.
 MAX_GROUPS = 1024
@@ -61,13 +61,21 @@ class TileConfig:
 
 @dataclass(frozen=True)
 class Group:
-    """One run of consecutive tiles in the plan's tile order, and the rows of ``C`` they fill."""
+    """One run of consecutive tiles in the plan's tile order, and the rows they fill.
+
+    ``row_start, row_end``: the group's rows of the result a rank receives: of ``C`` for all-reduce, of the rank's
+    ``[M/W, N]`` block for reduce-scatter (the same band of every rank block). ``out_row_start``: where the group's
+    contiguous slice of the GEMM's output begins (``C`` itself for all-reduce; for reduce-scatter a workspace laid
+    out ``[group][W][rows][N]``, whose slice ``reduce_scatter_tensor`` turns into each rank's band); the slice
+    spans ``blocks * rows`` rows.
+    """
 
     index: int
     tile_start: int  # position of the group's first tile in the tile order
     tile_count: int  # the value the group's counter reaches when the group is complete
-    row_start: int  # rows [row_start, row_end) of C: a contiguous slice of row-major C
+    row_start: int
     row_end: int
+    out_row_start: int = 0
 
     @property
     def rows(self) -> int:
@@ -106,6 +114,11 @@ class Plan:
         for name in ("m", "n", "k", "world_size", "num_programs"):
             _check_int(f"Plan.{name}", getattr(self, name), 1)
         _check_int("Plan.comm_ctas", self.comm_ctas, 0)
+        if self.op == "reduce_scatter" and self.m % self.world_size:
+            raise ValueError(
+                f"Plan.m = {self.m} must be divisible by world_size = {self.world_size} for reduce_scatter "
+                "(each rank receives M / world_size rows)"
+            )
         if not isinstance(self.tile, TileConfig):
             raise ValueError(f"Plan.tile must be a TileConfig, got {type(self.tile).__name__}")
         rows = tuple(self.group_row_tiles)
@@ -114,9 +127,10 @@ class Plan:
             raise ValueError("Plan.group_row_tiles must name at least one group")
         for g, count in enumerate(rows):
             _check_int(f"Plan.group_row_tiles[{g}]", count, 1)
-        if sum(rows) != self.tiles_m:
+        if sum(rows) != self.tiles_per_block:
+            what = "ceil(m / block_m)" if self.blocks == 1 else "ceil(m / world_size / block_m), per rank block,"
             raise ValueError(
-                f"Plan.group_row_tiles must sum to the number of tile rows ceil(m / block_m) = {self.tiles_m}, "
+                f"Plan.group_row_tiles must sum to the number of tile rows {what} = {self.tiles_per_block}, "
                 f"got {sum(rows)} from {rows}"
             )
         if len(rows) > MAX_GROUPS:
@@ -124,8 +138,24 @@ class Plan:
 
     # -- derived shape -------------------------------------------------------------------------------------
     @property
+    def blocks(self) -> int:
+        """Row blocks of ``C`` tiled separately: 1, or ``world_size`` for reduce-scatter (one per receiving rank),
+        so that no tile straddles two ranks' rows."""
+        return self.world_size if self.op == "reduce_scatter" else 1
+
+    @property
+    def block_rows(self) -> int:
+        return self.m // self.blocks
+
+    @property
+    def tiles_per_block(self) -> int:
+        return math.ceil(self.block_rows / self.tile.block_m)
+
+    @property
     def tiles_m(self) -> int:
-        return math.ceil(self.m / self.tile.block_m)
+        """Tile rows in all: ``blocks * tiles_per_block``; tile row ``p`` is tile row ``p % tiles_per_block`` of
+        block ``p // tiles_per_block``."""
+        return self.blocks * self.tiles_per_block
 
     @property
     def tiles_n(self) -> int:
@@ -147,11 +177,13 @@ class Plan:
     @cached_property
     def groups(self) -> tuple[Group, ...]:
         out = []
-        tile_row = 0
+        tile_row = 0  # within a block
         for g, count in enumerate(self.group_row_tiles):
             row_start = tile_row * self.tile.block_m
-            row_end = min((tile_row + count) * self.tile.block_m, self.m)
-            out.append(Group(g, tile_row * self.tiles_n, count * self.tiles_n, row_start, row_end))
+            row_end = min((tile_row + count) * self.tile.block_m, self.block_rows)
+            tile_start = self.blocks * tile_row * self.tiles_n
+            tile_count = self.blocks * count * self.tiles_n
+            out.append(Group(g, tile_start, tile_count, row_start, row_end, self.blocks * row_start))
             tile_row += count
         return tuple(out)
 
@@ -160,15 +192,18 @@ class Plan:
     def _order(self) -> tuple[np.ndarray, np.ndarray]:
         tiles_n, group_m = self.tiles_n, self.tile.group_m
         order, owner = [], []
+        tile_row = 0  # within a block
         for grp, count in zip(self.groups, self.group_row_tiles):
-            first_row = grp.tile_start // tiles_n
-            for band_start in range(first_row, first_row + count, group_m):
-                height = min(group_m, first_row + count - band_start)
-                local = np.arange(height * tiles_n, dtype=np.int64)
-                pid_m = band_start + local % height
-                pid_n = local // height
-                order.append(pid_m * tiles_n + pid_n)
+            for block in range(self.blocks):
+                first_row = block * self.tiles_per_block + tile_row
+                for band_start in range(first_row, first_row + count, group_m):
+                    height = min(group_m, first_row + count - band_start)
+                    local = np.arange(height * tiles_n, dtype=np.int64)
+                    pid_m = band_start + local % height
+                    pid_n = local // height
+                    order.append(pid_m * tiles_n + pid_n)
             owner.append(np.full(grp.tile_count, grp.index, dtype=np.int64))
+            tile_row += count
         tile_order = np.concatenate(order).astype(np.int32)
         tile_group = np.concatenate(owner).astype(np.int32)
         tile_order.flags.writeable = False
@@ -183,9 +218,33 @@ class Plan:
         """``[num_tiles]`` int32: the group whose counter the i-th tile in the order increments."""
         return self._order[1]
 
+    @cached_property
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        bm = self.tile.block_m
+        p = np.arange(self.tiles_m, dtype=np.int64)
+        block, t = p // self.tiles_per_block, p % self.tiles_per_block
+        a_row = block * self.block_rows + t * bm
+        valid = np.minimum(bm, self.block_rows - t * bm)
+        group_of_t = np.repeat(np.arange(self.num_groups), self.group_row_tiles)[t]
+        starts = np.array([g.row_start for g in self.groups], dtype=np.int64)[group_of_t]
+        out_starts = np.array([g.out_row_start for g in self.groups], dtype=np.int64)[group_of_t]
+        sizes = np.array([g.rows for g in self.groups], dtype=np.int64)[group_of_t]
+        out_row = out_starts + block * sizes + (t * bm - starts)
+        tables = (a_row.astype(np.int32), out_row.astype(np.int32), valid.astype(np.int32))
+        for table in tables:
+            table.flags.writeable = False
+        return tables
+
+    def tile_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per tile row ``p`` (``[tiles_m]`` int32 each): the first row of A it reads, the first row of the GEMM's
+        output it writes, and how many rows it has (``block_m``, fewer at the end of a block). For all-reduce the
+        first two are equal; for reduce-scatter the output is the ``[group][W][rows][N]`` workspace."""
+        return self._rows
+
     # -- reporting ------------------------------------------------------------------------------------------
     def group_bytes(self, element_size: int) -> list[int]:
-        return [grp.rows * self.n * element_size for grp in self.groups]
+        """Bytes of each group's slice of the GEMM's output (what its collective reads)."""
+        return [self.blocks * grp.rows * self.n * element_size for grp in self.groups]
 
     def describe(self, element_size: int = 2) -> str:
         t = self.tile
@@ -196,10 +255,11 @@ class Plan:
             f"{t.num_warps} warps): {self.tiles_m} x {self.tiles_n} = {self.num_tiles} tiles, "
             f"{self.grid_size} programs, NCCL CTAs {'default' if self.comm_ctas == 0 else self.comm_ctas}",
         ]
+        where = "" if self.blocks == 1 else f" of each of the {self.blocks} rank blocks"
         for grp, nbytes in zip(self.groups, self.group_bytes(element_size)):
             lines.append(
                 f"  group {grp.index:3d}: tiles [{grp.tile_start}, {grp.tile_start + grp.tile_count}) "
-                f"-> rows [{grp.row_start}, {grp.row_end}), {nbytes / 2**20:.2f} MiB"
+                f"-> rows [{grp.row_start}, {grp.row_end}){where}, {nbytes / 2**20:.2f} MiB"
             )
         return "\n".join(lines)
 
@@ -280,7 +340,9 @@ def default_plan(
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
         _check_int(name, value, 1)
     tile = tile or default_tile_config(m, n, k)
-    tiles_m = math.ceil(m / tile.block_m)
+    blocks = world_size if op == "reduce_scatter" else 1
+    tiles_per_block = math.ceil(max(1, m // blocks) / tile.block_m)
+    tiles_m = blocks * tiles_per_block
     tiles_n = math.ceil(n / tile.block_n)
     waves = tiles_m * tiles_n / num_sms
     too_small = (
@@ -290,7 +352,7 @@ def default_plan(
         or (comm_ratio is not None and comm_ratio < MIN_OVERLAP_COMM_RATIO)
     )
     if too_small and allow_sequential:
-        return Plan(op, m, n, k, world_size, tile, (tiles_m,), num_sms, comm_ctas or 0, True)
+        return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True)
     comm_bound = comm_ratio is not None and comm_ratio >= 1.0
     if comm_bound:
         choice = dict(num_groups=6, profile="even", num_programs=max(1, num_sms - 32), comm_ctas=8)
@@ -298,5 +360,5 @@ def default_plan(
         choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)
     given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)
     choice.update({key: value for key, value in given.items() if value is not None})
-    rows = split_rows(tiles_m, choice["num_groups"], choice["profile"])
+    rows = split_rows(tiles_per_block, choice["num_groups"], choice["profile"])
     return Plan(op, m, n, k, world_size, tile, rows, choice["num_programs"], choice["comm_ctas"], False)

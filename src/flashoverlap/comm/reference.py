@@ -7,6 +7,8 @@ oracle; it overlaps nothing.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -23,3 +25,27 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, plan: Plan, group: dist.Pr
         band.copy_(a[grp.row_start : grp.row_end].float() @ b32)
         dist.all_reduce(band, group=group)
     return c
+
+
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` summed over ``group`` and scattered by rows: this rank gets rows
+    ``[r*M/W, (r+1)*M/W)`` as ``[M/W, N]``. Group by group, the plan's layout: the group's band of every rank
+    block is computed into the workspace slice ``[W][rows][N]`` (``tile_rows``), whose reduce-scatter lands
+    this rank's band straight in its place in the output."""
+    block_rows = plan.block_rows
+    out = torch.empty((block_rows, plan.n), dtype=a.dtype, device=a.device)
+    workspace = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
+    a_row, out_row, valid = (torch.from_numpy(t.astype("int64")) for t in plan.tile_rows())
+    b32 = b.float()
+    tile_row = 0
+    for grp, count in zip(plan.groups, plan.group_row_tiles):
+        for block in range(plan.blocks):
+            for p in range(block * plan.tiles_per_block + tile_row, block * plan.tiles_per_block + tile_row + count):
+                src, dst, rows = int(a_row[p]), int(out_row[p]), int(valid[p])
+                workspace[dst : dst + rows].copy_(a[src : src + rows].float() @ b32)
+        tile_row += count
+        band = workspace[grp.out_row_start : grp.out_row_start + plan.blocks * grp.rows]
+        with warnings.catch_warnings():  # torch >= 2.13 renames it reduce_scatter_single; 2.11 lacks that name
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group=group)
+    return out

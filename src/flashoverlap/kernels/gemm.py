@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +37,7 @@ def signalling_gemm_kernel(
     counters_ptr,  # int32 [num_groups]: tiles stored so far, per group
     tile_order_ptr,  # int32 [num_tiles]: pid_m * tiles_n + pid_n of the i-th tile computed
     tile_group_ptr,  # int32 [num_tiles]: group of the i-th tile computed
+    row_table_ptr,  # int32 [tiles_m, 3] (ROW_MAP): first A row, first output row, rows of each tile row
     M,
     N,
     K,
@@ -55,6 +57,7 @@ def signalling_gemm_kernel(
     TMA_STORE: tl.constexpr,
     SIGNAL: tl.constexpr,
     BULK_WAIT: tl.constexpr,  # False only under the interpreter, which cannot run inline PTX
+    ROW_MAP: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
     WARP_SPECIALIZE: tl.constexpr = False,
 ):
@@ -65,7 +68,14 @@ def signalling_gemm_kernel(
         packed = tl.load(tile_order_ptr + i)
         pid_m = packed // tiles_n
         pid_n = packed % tiles_n
-        off_m = pid_m * BLOCK_M
+        if ROW_MAP:
+            # Row-mapped plans (reduce-scatter): the tile row reads A from one rank block and writes its rows
+            # to the group's place in the workspace; rows past its block are computed but never stored.
+            off_m = tl.load(row_table_ptr + 3 * pid_m)
+            out_m = tl.load(row_table_ptr + 3 * pid_m + 1)
+            rows_here = tl.load(row_table_ptr + 3 * pid_m + 2)
+        else:
+            off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
@@ -94,6 +104,11 @@ def signalling_gemm_kernel(
                 b_ptrs += BLOCK_K * stride_bk
         if TMA_STORE:
             c.store([off_m, off_n], acc.to(c.dtype))  # the copy engine clips rows/columns out of range
+        elif ROW_MAP:
+            local = tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, BLOCK_N)
+            c_ptrs = c + (out_m + local)[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(local[:, None] < rows_here) & (cols[None, :] < N))
         else:
             rows = off_m + tl.arange(0, BLOCK_M)
             cols = off_n + tl.arange(0, BLOCK_N)
@@ -114,12 +129,13 @@ def signalling_gemm_kernel(
 
 
 # -- launcher -----------------------------------------------------------------------------------------------
-_TABLES: dict[tuple[Plan, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[tuple[Plan, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _MAX_CACHED_TABLES = 64
 
 
-def plan_tables(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan's tile order and tile-to-group map as int32 tensors on ``device``, built once per plan."""
+def plan_tables(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's tile order, tile-to-group map and per-tile-row rows (``Plan.tile_rows``, ``[tiles_m, 3]``) as
+    int32 tensors on ``device``, built once per plan."""
     key = (plan, torch.device(device))
     tables = _TABLES.get(key)
     if tables is None:
@@ -132,7 +148,8 @@ def plan_tables(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.T
             _TABLES.pop(next(iter(_TABLES)))
         order = torch.from_numpy(plan.tile_order().copy()).to(device)
         owner = torch.from_numpy(plan.tile_groups().copy()).to(device)
-        tables = _TABLES[key] = (order, owner)
+        rows = torch.from_numpy(np.stack(plan.tile_rows(), axis=1).copy()).to(device)
+        tables = _TABLES[key] = (order, owner, rows)
     return tables
 
 
@@ -162,6 +179,9 @@ def gemm(
 ) -> torch.Tensor:
     """``out = a @ b`` following ``plan``'s tile order; with ``counters``, each tile's group counter is bumped.
 
+    For a row-mapped plan (``plan.blocks > 1``: reduce-scatter) ``out`` is the ``[M, N]`` workspace and row
+    ``Plan.tile_rows`` decide where each tile's rows land (see ``Plan.groups``), not row-major ``a @ b``.
+
     ``a``: ``[M, K]``; ``b``: ``[K, N]`` (any strides; ``w.t()`` of a contiguous ``[N, K]`` weight is read in
     place); both bf16, fp16 or fp32, accumulated in fp32. ``out``: ``[M, N]`` of the same dtype, allocated when
     omitted. ``counters``: int32 with at least ``plan.num_groups`` elements, zero on entry; on exit entry ``g``
@@ -185,7 +205,8 @@ def gemm(
     signal = counters is not None
     if signal and (counters.dtype != torch.int32 or counters.numel() < plan.num_groups):
         raise ValueError(f"counters must be int32 with >= {plan.num_groups} elements")
-    order, owner = plan_tables(plan, a.device)
+    order, owner, row_table = plan_tables(plan, a.device)
+    row_map = plan.blocks > 1
 
     b_kmajor = b.stride(0) == 1 and b.stride(1) != 1  # b is w.t() of a row-major [N, K] weight
     b_stored = b.t() if b_kmajor else b
@@ -200,7 +221,8 @@ def gemm(
         a_arg, b_arg = a, b
     if tma_store is None:
         tma_store = use_tma and DEFAULT_TMA_STORE
-    tma_store = bool(tma_store and use_tma and _tma_ok(out))
+    # A TMA store writes whole tiles: a row-mapped tile would overwrite the next band's rows of the workspace.
+    tma_store = bool(tma_store and use_tma and _tma_ok(out) and not row_map)
     c_arg = TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]) if tma_store else out
     signalling_gemm_kernel[(plan.grid_size,)](
         a_arg,
@@ -209,6 +231,7 @@ def gemm(
         counters if signal else owner,  # an unused pointer when not signalling
         order,
         owner,
+        row_table,
         m,
         n,
         k,
@@ -228,6 +251,7 @@ def gemm(
         TMA_STORE=tma_store,
         SIGNAL=signal,
         BULK_WAIT=not _INTERPRETED,
+        ROW_MAP=row_map,
         FLATTEN=flatten,
         WARP_SPECIALIZE=bool(warp_specialize and use_tma),
         num_warps=t.num_warps,
