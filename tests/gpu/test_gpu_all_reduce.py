@@ -1,8 +1,5 @@
 """gemm_all_reduce on real GPUs through NCCL: odd shapes, both dtypes, many back-to-back calls, CUDA graphs,
-CUDA_DEVICE_MAX_CONNECTIONS=1, errors and the debug timeout. Skipped without 2 GPUs.
-
-The world size is FLASHOVERLAP_TEST_WORLD_SIZE if set, otherwise every visible GPU.
-"""
+CUDA_DEVICE_MAX_CONNECTIONS=1, errors and the debug timeout. Skipped without 2 GPUs."""
 
 import os
 
@@ -12,47 +9,18 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap.testing import spawn
+from tests.gpu.helpers import ENV, ODD_SHAPES, ROUND_SHAPES, WORLD, check_graph_replays, needs_gpus
+from tests.gpu.helpers import assert_close as _assert_close
+from tests.gpu.helpers import inputs as _inputs
+from tests.gpu.helpers import poison_allocator as _poison_allocator
 
 pytestmark = pytest.mark.gpu
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-WORLD = int(os.environ.get("FLASHOVERLAP_TEST_WORLD_SIZE", GPUS))
-needs_gpus = pytest.mark.skipif(
-    GPUS < 2 or WORLD < 2 or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs 2 or more CUDA GPUs, and TRITON_INTERPRET unset (the kernels must be compiled)",
-)
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-ODD_SHAPES = [(777, 2000, 1234), (1, 4096, 4096), (1000, 1000, 100), (1023, 1025, 1027), (3000, 4096, 520)]
-ROUND_SHAPES = [(4096, 4096, 4096), (2048, 8192, 1024)]
-
-
-def _poison_allocator(device) -> None:
-    """Fill free memory of the caching allocator with NaN so that an unwritten output element shows."""
-    blocks = [torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=device) for _ in range(8)]
-    del blocks
-
-
-def _inputs(m, n, k, dtype, seed, transposed=True):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    a = torch.randn(m, k, dtype=dtype, device="cuda", generator=gen)
-    if transposed:
-        b = (torch.randn(n, k, dtype=dtype, device="cuda", generator=gen) / k**0.5).t()
-    else:
-        b = torch.randn(k, n, dtype=dtype, device="cuda", generator=gen) / k**0.5
-    return a, b
 
 
 def _expected(a, b):
     want = torch.matmul(a, b)
     dist.all_reduce(want)
     return want
-
-
-def _assert_close(got, want, what):
-    assert not torch.isnan(got).any(), f"{what}: NaN in the output (an element was never written)"
-    err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
-    limit = 1e-2 if got.dtype == torch.bfloat16 else 2e-3
-    assert err < limit, f"{what}: relative error {err:.2e} >= {limit}"
 
 
 def _plans(m, n, k, world_size):
@@ -151,22 +119,7 @@ def _graph_replay(rank, world_size, replays):
     m, n, k = 1536, 4096, 2048
     plan = fo.default_plan("all_reduce", m, n, k, world_size, allow_sequential=False)
     a, b = _inputs(m, n, k, torch.bfloat16, seed=rank)
-    fo.gemm_all_reduce(a, b, plan=plan)  # first call outside capture: NCCL state, kernel compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(graph):
-            c = fo.gemm_all_reduce(a, b, plan=plan)
-    torch.cuda.current_stream().wait_stream(side)
-    for r in range(replays):
-        gen = torch.Generator(device="cuda").manual_seed(1000 * r + rank)
-        a.copy_(torch.randn(m, k, dtype=a.dtype, device="cuda", generator=gen))
-        c.fill_(float("nan"))
-        graph.replay()
-        _assert_close(c, _expected(a, b), f"graph replay {r}")
-    return replays
+    return check_graph_replays(lambda a, b: fo.gemm_all_reduce(a, b, plan=plan), _expected, a, b, rank, replays)
 
 
 def _max_connections_one(rank, world_size):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm import stream_ops
+from flashoverlap.comm.collectives import reduce_scatter_tensor
 from flashoverlap.plan import MAX_GROUPS, Plan
 
 _COMMUNICATORS: dict[tuple[int, int], NcclCommunicator] = {}
@@ -79,18 +80,24 @@ class NcclCommunicator:
         # The most negative priority is clamped to the device's highest.
         self.comm_stream = torch.cuda.Stream(device=device, priority=-(1 << 10))
         self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
-        self._warm: set[tuple[int, torch.dtype]] = set()
+        self._warm: set[tuple[str, int, torch.dtype]] = set()
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
 
     # -- 1. before the GEMM -----------------------------------------------------------------------------
     def prepare(self, plan: Plan, dtype: torch.dtype) -> None:
-        if (plan.comm_ctas, dtype) not in self._warm:
+        if (plan.op, plan.comm_ctas, dtype) not in self._warm:
             _refuse_inside_capture()
             comm_group = self.comm_group(plan.comm_ctas)
+            # The very collective the plan will issue, once, outside any wait: NCCL loads its kernels lazily.
+            world_size = dist.get_world_size(comm_group)
+            probe = torch.zeros(8 * world_size, dtype=dtype, device=self.device)
             with torch.cuda.stream(self.comm_stream):
-                dist.all_reduce(torch.zeros(8, dtype=dtype, device=self.device), group=comm_group)
+                if plan.op == "reduce_scatter":
+                    reduce_scatter_tensor(probe[:8], probe, comm_group)
+                else:
+                    dist.all_reduce(probe, group=comm_group)
             self.comm_stream.synchronize()
-            self._warm.add((plan.comm_ctas, dtype))
+            self._warm.add((plan.op, plan.comm_ctas, dtype))
         self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def comm_group(self, comm_ctas: int) -> dist.ProcessGroup:
@@ -113,6 +120,19 @@ class NcclCommunicator:
     # -- 3. and 4. after the GEMM ---------------------------------------------------------------------
     def all_reduce(self, c: torch.Tensor, plan: Plan) -> None:
         """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each."""
+        self._issue(plan, lambda grp, group: dist.all_reduce(c[grp.row_start : grp.row_end], group=group))
+
+    def reduce_scatter(self, out: torch.Tensor, workspace: torch.Tensor, plan: Plan) -> None:
+        """Reduce-scatter each group's ``[W][rows][N]`` slice of ``workspace`` into its band of this rank's
+        ``out [M/W, N]``, as the GEMM (already launched on the current stream) finishes each group."""
+
+        def launch(grp, group):
+            band = workspace[grp.out_row_start : grp.out_row_start + plan.blocks * grp.rows]
+            reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
+
+        self._issue(plan, launch)
+
+    def _issue(self, plan: Plan, launch) -> None:
         producer = torch.cuda.current_stream(self.device)
         comm_group = self.comm_group(plan.comm_ctas)
         timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
@@ -125,7 +145,7 @@ class NcclCommunicator:
                 stream_ops.write(self.comm_stream, address, 0)
                 if timeout is not None:
                     waited.append(self.comm_stream.record_event())
-                dist.all_reduce(c[grp.row_start : grp.row_end], group=comm_group)
+                launch(grp, comm_group)
         producer.wait_stream(self.comm_stream)
         if timeout is not None:
             self._check_progress(plan, waited, timeout)

@@ -7,11 +7,10 @@ oracle; it overlaps nothing.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 
+from flashoverlap.comm.collectives import reduce_scatter_tensor
 from flashoverlap.plan import Plan
 
 
@@ -45,7 +44,5 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, plan: Plan, group: dis
                 workspace[dst : dst + rows].copy_(a[src : src + rows].float() @ b32)
         tile_row += count
         band = workspace[grp.out_row_start : grp.out_row_start + plan.blocks * grp.rows]
-        with warnings.catch_warnings():  # torch >= 2.13 renames it reduce_scatter_single; 2.11 lacks that name
-            warnings.simplefilter("ignore", FutureWarning)
-            dist.reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group=group)
+        reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
     return out

@@ -23,6 +23,12 @@ class Rates:
     def all_reduce_ms(self, nbytes: int, world_size: int) -> float:
         return 2.0 * (world_size - 1) / world_size * nbytes / (self.allreduce_busbw_gbs * 1e6)
 
+    def collective_ms(self, op: str, nbytes: int, world_size: int) -> float:
+        """Estimated time of ``op``'s collective on an ``nbytes`` GEMM output: a reduce-scatter moves half an
+        all-reduce's bytes (NCCL's bus bandwidth is about the same for both)."""
+        factor = 0.5 if op == "reduce_scatter" else 1.0
+        return factor * self.all_reduce_ms(nbytes, world_size)
+
 
 def _best_ms(fn, iters: int = 5, warmup: int = 3) -> float:
     """The fastest of ``iters`` timed calls: the rate the hardware can reach, robust to a slow first use or a

@@ -1,0 +1,71 @@
+"""What every op does before launching: argument checks, the group, and the plan (given, or the default for the
+shape, chosen from the machine's rates). Repeated calls of one shape skip the group checks and the plan lookup:
+host time before the first launch is GPU idle time when the GPU has nothing queued."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap.ops._checks import check_group, check_operands, choose_path
+from flashoverlap.plan import Plan, default_plan
+from flashoverlap.tune import rates
+
+# (op, group, device, dtype, shape, default plan?) -> (group as given, group, world size, default plan)
+_SEEN: dict[tuple, tuple] = {}
+
+
+@functools.lru_cache(maxsize=512)
+def _default_plan(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, element_size: int,
+                  comm_ratio: float | None) -> Plan:
+    return default_plan(op, m, n, k, world_size, num_sms=num_sms, element_size=element_size, comm_ratio=comm_ratio)
+
+
+def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
+             dtype: torch.dtype) -> Plan:
+    """The plan a call of ``op`` at this shape uses when none is given. On CUDA the first call for a group
+    measures the machine's GEMM and all-reduce rates (collectively) to choose between overlap and sequential."""
+    world_size = dist.get_world_size(group)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cuda":
+        return _default_plan(op, m, n, k, world_size, 132, element_size, None)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    measured = rates.measure(group, device, dtype)
+    comm_ms = measured.collective_ms(op, m * n * element_size, world_size)
+    # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
+    return _default_plan(op, m, n, k, world_size, num_sms, element_size, round(comm_ms / measured.gemm_ms(m, n, k), 2))
+
+
+def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
+                 plan: Plan | None, path: str) -> tuple[str, dist.ProcessGroup, Plan]:
+    """Check a call of op ``name`` (plan kind ``op``) and return its path, group and plan."""
+    m, n, k = check_operands(name, a, b)
+    path = choose_path(name, path, a.device)
+    resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
+    key = (op, id(resolved), a.device, a.dtype, m, n, k, plan is None)
+    seen = _SEEN.get(key)
+    if seen is not None and seen[0] is resolved:
+        group, world_size, default = seen[1], seen[2], seen[3]
+    else:
+        group = check_group(name, group, a.device)
+        world_size = dist.get_world_size(group)
+        if op == "reduce_scatter" and m % world_size:
+            raise ValueError(
+                f"{name}: a has M = {m} rows, which the {world_size} ranks of group cannot share evenly: "
+                "reduce-scatter gives each rank M / world_size rows (pad M to a multiple of the world size)"
+            )
+        default = plan_for(op, m, n, k, group, a.device, a.dtype) if plan is None else None
+        if len(_SEEN) > 1024:
+            _SEEN.clear()
+        _SEEN[key] = (resolved, group, world_size, default)
+    plan = default if plan is None else plan
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
+    if (plan.op, plan.m, plan.n, plan.k, plan.world_size) != (op, m, n, k, world_size):
+        raise ValueError(
+            f"{name}: plan is for {plan.op} (m, n, k) = {(plan.m, plan.n, plan.k)} over {plan.world_size} ranks, "
+            f"but this call is {op} {(m, n, k)} over {world_size} ranks"
+        )
+    return path, group, plan

@@ -1,0 +1,117 @@
+"""gemm_reduce_scatter on real GPUs through NCCL (issue 3; not yet run on GPUs when written): odd shapes, both
+dtypes, back-to-back calls of changing shapes, CUDA graphs, CUDA_DEVICE_MAX_CONNECTIONS=1. Skipped without 2 GPUs."""
+
+import os
+
+import pytest
+import torch
+
+import flashoverlap as fo
+from flashoverlap.comm.collectives import reduce_scatter_tensor
+from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
+from flashoverlap.testing import spawn
+from tests.gpu.helpers import (
+    ENV,
+    ODD_SHAPES,
+    ROUND_SHAPES,
+    WORLD,
+    assert_close,
+    check_graph_replays,
+    inputs,
+    needs_gpus,
+    poison_allocator,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def _expected(a, b, world_size):
+    out = torch.empty((a.shape[0] // world_size, b.shape[1]), dtype=a.dtype, device=a.device)
+    reduce_scatter_tensor(out, torch.matmul(a, b), None)
+    return out
+
+
+def _plans(m, n, k, world_size):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    yield "default", None
+    yield "one-tile-per-program", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms,
+                                                  allow_sequential=False)
+    yield "persistent-comm-bound", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms,
+                                                   comm_ratio=3.0, allow_sequential=False)
+    yield "small-tiles", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms,
+                                         tile=fo.TileConfig(64, 64, 32, 3, 2, 4), num_groups=5,
+                                         allow_sequential=False)
+
+
+def _shapes(world_size):
+    # M must split evenly: round each M up to a multiple of the world size (odd rows per rank stay odd).
+    return [(-(-m // world_size) * world_size, n, k) for m, n, k in ODD_SHAPES + ROUND_SHAPES]
+
+
+def _correctness(rank, world_size):
+    device = torch.device("cuda", torch.cuda.current_device())
+    checked = 0
+    for i, (m, n, k) in enumerate(_shapes(world_size)):
+        for dtype in (torch.bfloat16, torch.float16):
+            for transposed in (True, False):
+                a, b = inputs(m, n, k, dtype, seed=100 * i + rank, transposed=transposed)
+                want = _expected(a, b, world_size)
+                for name, plan in _plans(m, n, k, world_size):
+                    poison_allocator(device)
+                    got = gemm_reduce_scatter(a, b, plan=plan)
+                    assert got.shape == (m // world_size, n)
+                    assert_close(got, want, f"{m}x{n}x{k} {dtype} plan {name}")
+                    checked += 1
+    return checked
+
+
+def _back_to_back(rank, world_size, calls):
+    shapes = _shapes(world_size)
+    data = [inputs(m, n, k, torch.bfloat16, seed=10 * i + rank) for i, (m, n, k) in enumerate(shapes)]
+    plans = [fo.default_plan("reduce_scatter", m, n, k, world_size, num_groups=2 + i % 5, allow_sequential=False)
+             for i, (m, n, k) in enumerate(shapes)]
+    wants = [_expected(a, b, world_size) for a, b in data]
+    kept = []
+    for call in range(calls):
+        j = call % len(shapes)
+        out = gemm_reduce_scatter(*data[j], plan=plans[j])
+        if call % 37 == 0 or call >= calls - len(shapes):
+            kept.append((j, out))
+    torch.cuda.synchronize()
+    for j, out in kept:
+        assert_close(out, wants[j], f"back-to-back {shapes[j]}")
+    return len(kept)
+
+
+def _graph_replay(rank, world_size, replays):
+    m, n, k = 1536 * world_size, 4096, 2048
+    plan = fo.default_plan("reduce_scatter", m, n, k, world_size, allow_sequential=False)
+    a, b = inputs(m, n, k, torch.bfloat16, seed=rank)
+    return check_graph_replays(lambda a, b: gemm_reduce_scatter(a, b, plan=plan),
+                               lambda a, b: _expected(a, b, world_size), a, b, rank, replays)
+
+
+def _max_connections_one(rank, world_size):
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    return _back_to_back(rank, world_size, 50)
+
+
+@needs_gpus
+def test_reduce_scatter_correctness():
+    assert spawn(_correctness, WORLD, "nccl", env=ENV)[0] > 100
+
+
+@needs_gpus
+def test_reduce_scatter_thousand_back_to_back_calls():
+    assert spawn(_back_to_back, WORLD, "nccl", args=(1000,), env=ENV)[0] >= 10
+
+
+@needs_gpus
+def test_reduce_scatter_graph_replay():
+    assert spawn(_graph_replay, WORLD, "nccl", args=(50,), env=ENV) == [50] * WORLD
+
+
+@needs_gpus
+def test_reduce_scatter_cuda_device_max_connections_one():
+    spawn(_max_connections_one, WORLD, "nccl", env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
