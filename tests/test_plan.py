@@ -182,3 +182,30 @@ def test_all_reduce_rows_are_the_identity():
     a_row, out_row, valid = plan.tile_rows()
     assert (a_row == out_row).all() and (a_row == np.arange(plan.tiles_m) * 16).all()
     assert valid.tolist() == [16] * 6 + [4]
+
+
+@pytest.mark.parametrize("m,world_size,block_m,rows", [(96, 2, 16, (1, 2)), (54, 3, 16, (1, 1)), (32, 4, 16, (1,))])
+def test_all_gather_layout_and_order(m, world_size, block_m, rows):
+    """The gathered workspace, as per-group all_gather_into_tensor calls leave it, holds at the rows each tile
+    reads exactly the rows of the full A that the tile's C rows need; each rank's own shard comes first."""
+    tile = TileConfig(block_m, 16, 16, 2, 1, 4)
+    plan = Plan("all_gather", m, 40, 8, world_size, tile, rows, num_programs=3)
+    shard = plan.block_rows
+    a_full = np.arange(m)
+    workspace = np.concatenate([
+        np.concatenate([a_full[src * shard + g.row_start : src * shard + g.row_end] for src in range(world_size)])
+        for g in plan.groups])
+    a_row, out_row, valid = plan.tile_rows()
+    for p in range(plan.tiles_m):
+        assert (workspace[a_row[p] : a_row[p] + valid[p]] == a_full[out_row[p] : out_row[p] + valid[p]]).all()
+    for rank in range(world_size):
+        order, owner = plan.tile_order(rank), plan.tile_groups(rank)
+        assert sorted(order.tolist()) == list(range(plan.num_tiles))
+        local = order[: plan.local_tiles] // plan.tiles_n // plan.tiles_per_block
+        assert (local == rank).all() and (owner[: plan.local_tiles] == -1).all()
+        for grp in plan.groups:
+            run = order[grp.tile_start : grp.tile_start + grp.tile_count] // plan.tiles_n // plan.tiles_per_block
+            assert rank not in set(run.tolist()) and (owner[grp.tile_start : grp.tile_start + grp.tile_count]
+                                                      == grp.index).all()
+    with pytest.raises(ValueError, match="rank must be"):
+        plan.tile_order(world_size)

@@ -10,13 +10,16 @@ frozen, hashable and validated on construction.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
-OPS = ("all_reduce", "reduce_scatter")
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+# Ops whose M is split into world_size row blocks, one per rank, each tiled on its own.
+BLOCKED_OPS = ("reduce_scatter", "all_gather")
 
 # Counters live in one small per-device buffer; a plan may not use more groups than it holds.
 MAX_GROUPS = 1024
@@ -114,10 +117,10 @@ class Plan:
         for name in ("m", "n", "k", "world_size", "num_programs"):
             _check_int(f"Plan.{name}", getattr(self, name), 1)
         _check_int("Plan.comm_ctas", self.comm_ctas, 0)
-        if self.op == "reduce_scatter" and self.m % self.world_size:
+        if self.op in BLOCKED_OPS and self.m % self.world_size:
             raise ValueError(
-                f"Plan.m = {self.m} must be divisible by world_size = {self.world_size} for reduce_scatter "
-                "(each rank receives M / world_size rows)"
+                f"Plan.m = {self.m} must be divisible by world_size = {self.world_size} for {self.op} "
+                "(each rank holds M / world_size rows)"
             )
         if not isinstance(self.tile, TileConfig):
             raise ValueError(f"Plan.tile must be a TileConfig, got {type(self.tile).__name__}")
@@ -139,9 +142,9 @@ class Plan:
     # -- derived shape -------------------------------------------------------------------------------------
     @property
     def blocks(self) -> int:
-        """Row blocks of ``C`` tiled separately: 1, or ``world_size`` for reduce-scatter (one per receiving rank),
-        so that no tile straddles two ranks' rows."""
-        return self.world_size if self.op == "reduce_scatter" else 1
+        """Row blocks of ``C`` tiled separately: 1, or ``world_size`` for reduce-scatter and all-gather (one per
+        rank's rows), so that no tile straddles two ranks' rows."""
+        return self.world_size if self.op in BLOCKED_OPS else 1
 
     @property
     def block_rows(self) -> int:
@@ -174,77 +177,112 @@ class Plan:
         """Programs actually launched: never more than there are tiles."""
         return min(self.num_programs, self.num_tiles)
 
+    @property
+    def local_tiles(self) -> int:
+        """Tiles computed before any group: for all-gather, the rank's own shard, which needs no communication;
+        0 otherwise."""
+        return self.tiles_per_block * self.tiles_n if self.op == "all_gather" else 0
+
     @cached_property
     def groups(self) -> tuple[Group, ...]:
         out = []
         tile_row = 0  # within a block
+        # All-gather: a group is the band that arrives from the other ranks' shards (its own band was local).
+        sources = self.blocks - 1 if self.op == "all_gather" else self.blocks
         for g, count in enumerate(self.group_row_tiles):
             row_start = tile_row * self.tile.block_m
             row_end = min((tile_row + count) * self.tile.block_m, self.block_rows)
-            tile_start = self.blocks * tile_row * self.tiles_n
-            tile_count = self.blocks * count * self.tiles_n
+            tile_start = self.local_tiles + sources * tile_row * self.tiles_n
+            tile_count = sources * count * self.tiles_n
             out.append(Group(g, tile_start, tile_count, row_start, row_end, self.blocks * row_start))
             tile_row += count
         return tuple(out)
 
     # -- tile order --------------------------------------------------------------------------------------------
-    @cached_property
-    def _order(self) -> tuple[np.ndarray, np.ndarray]:
+    def _band_tiles(self, block: int, first: int, count: int) -> np.ndarray:
+        """Packed tiles of ``count`` tile rows of ``block`` from tile row ``first``, in bands of ``group_m`` rows
+        visited column by column."""
         tiles_n, group_m = self.tiles_n, self.tile.group_m
+        start = block * self.tiles_per_block + first
+        out = []
+        for band_start in range(start, start + count, group_m):
+            height = min(group_m, start + count - band_start)
+            local = np.arange(height * tiles_n, dtype=np.int64)
+            out.append((band_start + local % height) * tiles_n + local // height)
+        return np.concatenate(out)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019  (plans are frozen and few; the cache holds a handful)
+    def _order(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         order, owner = [], []
-        tile_row = 0  # within a block
-        for grp, count in zip(self.groups, self.group_row_tiles):
-            for block in range(self.blocks):
-                first_row = block * self.tiles_per_block + tile_row
-                for band_start in range(first_row, first_row + count, group_m):
-                    height = min(group_m, first_row + count - band_start)
-                    local = np.arange(height * tiles_n, dtype=np.int64)
-                    pid_m = band_start + local % height
-                    pid_n = local // height
-                    order.append(pid_m * tiles_n + pid_n)
+        firsts = np.cumsum((0,) + self.group_row_tiles[:-1])
+        if self.op == "all_gather":
+            # Own shard first (no wait), then each band as it arrives from rank+1, rank+2, ...
+            for first, count in zip(firsts, self.group_row_tiles):
+                order.append(self._band_tiles(rank, int(first), count))
+            owner.append(np.full(self.local_tiles, -1, dtype=np.int64))
+            blocks = [(rank + q) % self.world_size for q in range(1, self.world_size)]
+        else:
+            blocks = list(range(self.blocks))
+        for grp, first, count in zip(self.groups, firsts, self.group_row_tiles):
+            for block in blocks:
+                order.append(self._band_tiles(block, int(first), count))
             owner.append(np.full(grp.tile_count, grp.index, dtype=np.int64))
-            tile_row += count
-        tile_order = np.concatenate(order).astype(np.int32)
-        tile_group = np.concatenate(owner).astype(np.int32)
-        tile_order.flags.writeable = False
-        tile_group.flags.writeable = False
-        return tile_order, tile_group
+        tables = (np.concatenate(order).astype(np.int32), np.concatenate(owner).astype(np.int32))
+        for table in tables:
+            table.flags.writeable = False
+        return tables
 
-    def tile_order(self) -> np.ndarray:
-        """``[num_tiles]`` int32: the i-th tile computed is ``(v // tiles_n, v % tiles_n)`` for ``v = order[i]``."""
-        return self._order[0]
+    def tile_order(self, rank: int = 0) -> np.ndarray:
+        """``[num_tiles]`` int32: the i-th tile computed is ``(v // tiles_n, v % tiles_n)`` for ``v = order[i]``.
+        Only all-gather's order depends on the rank (its own shard first)."""
+        return self._order(self._rank(rank))[0]
 
-    def tile_groups(self) -> np.ndarray:
-        """``[num_tiles]`` int32: the group whose counter the i-th tile in the order increments."""
-        return self._order[1]
+    def tile_groups(self, rank: int = 0) -> np.ndarray:
+        """``[num_tiles]`` int32: the group of the i-th tile: the counter it increments (all-reduce,
+        reduce-scatter), or the flag it waits for (all-gather; -1: a local tile, no wait)."""
+        return self._order(self._rank(rank))[1]
+
+    def _rank(self, rank: int) -> int:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        return rank
 
     @cached_property
     def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         bm = self.tile.block_m
         p = np.arange(self.tiles_m, dtype=np.int64)
         block, t = p // self.tiles_per_block, p % self.tiles_per_block
-        a_row = block * self.block_rows + t * bm
+        c_row = block * self.block_rows + t * bm  # row of row-major C (and of A, for the row-scattered ops)
         valid = np.minimum(bm, self.block_rows - t * bm)
         group_of_t = np.repeat(np.arange(self.num_groups), self.group_row_tiles)[t]
         starts = np.array([g.row_start for g in self.groups], dtype=np.int64)[group_of_t]
         out_starts = np.array([g.out_row_start for g in self.groups], dtype=np.int64)[group_of_t]
         sizes = np.array([g.rows for g in self.groups], dtype=np.int64)[group_of_t]
-        out_row = out_starts + block * sizes + (t * bm - starts)
+        workspace_row = out_starts + block * sizes + (t * bm - starts)
+        if self.op == "reduce_scatter":
+            a_row, out_row = c_row, workspace_row
+        elif self.op == "all_gather":
+            a_row, out_row = workspace_row, c_row
+        else:
+            a_row, out_row = c_row, c_row
         tables = (a_row.astype(np.int32), out_row.astype(np.int32), valid.astype(np.int32))
         for table in tables:
             table.flags.writeable = False
         return tables
 
     def tile_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per tile row ``p`` (``[tiles_m]`` int32 each): the first row of A it reads, the first row of the GEMM's
-        output it writes, and how many rows it has (``block_m``, fewer at the end of a block). For all-reduce the
-        first two are equal; for reduce-scatter the output is the ``[group][W][rows][N]`` workspace."""
+        """Per tile row ``p`` (``[tiles_m]`` int32 each; tile row ``p`` is tile row ``p % tiles_per_block`` of
+        rank block ``p // tiles_per_block``): the first row of A it reads, the first row of the GEMM's output it
+        writes, and how many rows it has (``block_m``, fewer at the end of a block). All-reduce: both are rows of
+        ``C``. Reduce-scatter: it writes the ``[group][W][rows][N]`` workspace. All-gather: it reads the gathered
+        A, laid out ``[group][W][rows][K]`` as the per-group ``all_gather_into_tensor`` leaves it."""
         return self._rows
 
     # -- reporting ------------------------------------------------------------------------------------------
     def group_bytes(self, element_size: int) -> list[int]:
-        """Bytes of each group's slice of the GEMM's output (what its collective reads)."""
-        return [self.blocks * grp.rows * self.n * element_size for grp in self.groups]
+        """Bytes each group's collective moves: its slice of the GEMM's output, or for all-gather of the gathered A."""
+        width = self.k if self.op == "all_gather" else self.n  # all-gather moves rows of A, the others of C
+        return [self.blocks * grp.rows * width * element_size for grp in self.groups]
 
     def describe(self, element_size: int = 2) -> str:
         t = self.tile
@@ -340,7 +378,7 @@ def default_plan(
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
         _check_int(name, value, 1)
     tile = tile or default_tile_config(m, n, k)
-    blocks = world_size if op == "reduce_scatter" else 1
+    blocks = world_size if op in BLOCKED_OPS else 1
     tiles_per_block = math.ceil(max(1, m // blocks) / tile.block_m)
     tiles_m = blocks * tiles_per_block
     tiles_n = math.ceil(n / tile.block_n)

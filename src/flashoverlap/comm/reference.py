@@ -46,3 +46,29 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, plan: Plan, group: dis
         band = workspace[grp.out_row_start : grp.out_row_start + plan.blocks * grp.rows]
         reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
     return out
+
+
+def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None,
+                    rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather(a_shard) @ b`` and the gathered ``a`` itself, in the plan's order: this rank's shard first
+    (nothing to wait for), then group by group: the group's band of every shard is gathered (one
+    ``all_gather_into_tensor`` into the ``[group][W][rows][K]`` layout of ``Plan.tile_rows``) and multiplied."""
+    world_size, shard_rows = plan.world_size, plan.block_rows
+    c = torch.empty((plan.m, plan.n), dtype=a_shard.dtype, device=a_shard.device)
+    gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=a_shard.device)
+    b32 = b.float()
+    c[rank * shard_rows : (rank + 1) * shard_rows].copy_(a_shard.float() @ b32)
+    for grp in plan.groups:
+        band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
+        dist.all_gather_into_tensor(band, a_shard[grp.row_start : grp.row_end].contiguous(), group=group)
+        for q in range(1, world_size):
+            src = (rank + q) % world_size
+            rows = slice(src * shard_rows + grp.row_start, src * shard_rows + grp.row_end)
+            c[rows].copy_(band[src * grp.rows : (src + 1) * grp.rows].float() @ b32)
+    # The gathered A in rank order, for the caller (a backward pass needs it).
+    a_full = torch.empty_like(gathered)
+    for grp in plan.groups:
+        band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
+        a_full.view(world_size, shard_rows, plan.k)[:, grp.row_start : grp.row_end].copy_(
+            band.view(world_size, grp.rows, plan.k))
+    return c, a_full

@@ -41,16 +41,19 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
 def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
                  plan: Plan | None, path: str) -> tuple[str, dist.ProcessGroup, Plan]:
     """Check a call of op ``name`` (plan kind ``op``) and return its path, group and plan."""
-    m, n, k = check_operands(name, a, b)
+    m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
     path = choose_path(name, path, a.device)
     resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
     key = (op, id(resolved), a.device, a.dtype, m, n, k, plan is None)
     seen = _SEEN.get(key)
     if seen is not None and seen[0] is resolved:
         group, world_size, default = seen[1], seen[2], seen[3]
+        m = m * world_size if op == "all_gather" else m
     else:
         group = check_group(name, group, a.device)
         world_size = dist.get_world_size(group)
+        if op == "all_gather":
+            m *= world_size  # a is this rank's shard: the plan is for the gathered M
         if op == "reduce_scatter" and m % world_size:
             raise ValueError(
                 f"{name}: a has M = {m} rows, which the {world_size} ranks of group cannot share evenly: "
