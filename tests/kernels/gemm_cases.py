@@ -14,3 +14,11 @@ CASES = [
     ("rs-tma-bt-fp16", 96, 48, 40, "float16", True, True, True, 4, 2, "small-first", True, "reduce_scatter", 4),
     ("rs-ragged-fp32", 54, 40, 24, "float32", False, True, False, 3, 2, "even", True, "reduce_scatter", 3),
 ]
+
+# All-gather waits: (name, rows per rank, n, k, dtype, world size, rank, groups, TMA loads, flags set, max spins)
+ALL_GATHER_CASES = [
+    ("ag-ready-rank0", 40, 33, 24, "float16", 2, 0, 3, False, "all", 0),
+    ("ag-ready-rank1-tma", 48, 32, 32, "float16", 2, 1, 2, True, "all", 0),
+    ("ag-ready-rank2-of-3", 21, 40, 17, "float32", 3, 2, 2, False, "all", 0),
+    ("ag-never-arrives", 40, 33, 24, "float16", 2, 1, 3, False, "first", 20),
+]

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.kernels.gemm_cases import CASES
+from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES
 
 # Triton 3.6's interpreter fails with numpy >= 2.4 (the test extra pins numpy below it; some GPU images do not).
 NUMPY_OK = tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4)
@@ -41,3 +41,15 @@ def test_interpreted_gemm(results, case):
     if row["counters"] is not None:
         # Every group's counter reached exactly its tile count; counters past the plan's groups untouched.
         assert row["counters"] == row["expected_counters"]
+
+
+@pytest.mark.parametrize("case", ALL_GATHER_CASES, ids=[c[0] for c in ALL_GATHER_CASES])
+def test_interpreted_all_gather_waits(results, case):
+    row = results[case[0]]
+    if case[9] == "all":
+        # Every band had arrived: the whole product, in row-major C, from the plan's gathered layout.
+        assert row["all_written"] and row["wait_error"] == 0
+        assert row["rel_err"] < (1e-5 if case[4] == "float32" else 2e-3)
+    else:
+        # Only group 0 arrived: with a spin bound, a wait gives up and names a group that never came (1 + g).
+        assert 2 <= row["wait_error"] <= row["groups"]

@@ -38,6 +38,8 @@ def signalling_gemm_kernel(
     tile_order_ptr,  # int32 [num_tiles]: pid_m * tiles_n + pid_n of the i-th tile computed
     tile_group_ptr,  # int32 [num_tiles]: group of the i-th tile computed
     row_table_ptr,  # int32 [tiles_m, 3] (ROW_MAP): first A row, first output row, rows of each tile row
+    flags_ptr,  # int32 [num_groups] (WAIT): non-zero once group g's rows of A have arrived
+    wait_error_ptr,  # int32 [1] (WAIT with MAX_SPINS): 1 + the group whose wait ran out, 0 if none did
     M,
     N,
     K,
@@ -58,6 +60,8 @@ def signalling_gemm_kernel(
     SIGNAL: tl.constexpr,
     BULK_WAIT: tl.constexpr,  # False only under the interpreter, which cannot run inline PTX
     ROW_MAP: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
+    MAX_SPINS: tl.constexpr = 0,  # 0: wait as long as it takes; otherwise give up and report (debug mode)
     FLATTEN: tl.constexpr = False,
     WARP_SPECIALIZE: tl.constexpr = False,
 ):
@@ -76,6 +80,28 @@ def signalling_gemm_kernel(
             rows_here = tl.load(row_table_ptr + 3 * pid_m + 2)
         else:
             off_m = pid_m * BLOCK_M
+        if WAIT:
+            # All-gather: a tile of another rank's shard waits until its group's band has arrived. The flag is
+            # written by the communication stream after the band's collective completed; the acquire load makes
+            # the band's bytes visible to this program's later loads.
+            group = tl.load(tile_group_ptr + i)
+            if group >= 0:
+                ready = tl.atomic_add(flags_ptr + group, 0, sem="acquire", scope="gpu")
+                if MAX_SPINS == 0:
+                    while ready == 0:
+                        ready = tl.atomic_add(flags_ptr + group, 0, sem="acquire", scope="gpu")
+                else:
+                    spins = 0
+                    while (ready == 0) & (spins < MAX_SPINS):
+                        ready = tl.atomic_add(flags_ptr + group, 0, sem="acquire", scope="gpu")
+                        spins += 1
+                    if ready == 0:
+                        tl.atomic_xchg(wait_error_ptr, group + 1)
+                if BULK_WAIT:
+                    # TMA reads go through the async proxy: order them after the generic-proxy acquire.
+                    group = tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, $1;", "=r,r",
+                                                      [group], dtype=tl.int32, is_pure=False, pack=1)
+            tl.debug_barrier()
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
@@ -129,14 +155,15 @@ def signalling_gemm_kernel(
 
 
 # -- launcher -----------------------------------------------------------------------------------------------
-_TABLES: dict[tuple[Plan, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[tuple[Plan, torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _MAX_CACHED_TABLES = 64
 
 
-def plan_tables(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def plan_tables(plan: Plan, device: torch.device, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plan's tile order, tile-to-group map and per-tile-row rows (``Plan.tile_rows``, ``[tiles_m, 3]``) as
     int32 tensors on ``device``, built once per plan."""
-    key = (plan, torch.device(device))
+    rank = rank if plan.op == "all_gather" else 0  # only all-gather's order depends on the rank
+    key = (plan, torch.device(device), rank)
     tables = _TABLES.get(key)
     if tables is None:
         if key[1].type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -146,8 +173,8 @@ def plan_tables(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.T
             )
         if len(_TABLES) >= _MAX_CACHED_TABLES:
             _TABLES.pop(next(iter(_TABLES)))
-        order = torch.from_numpy(plan.tile_order().copy()).to(device)
-        owner = torch.from_numpy(plan.tile_groups().copy()).to(device)
+        order = torch.from_numpy(plan.tile_order(rank).copy()).to(device)
+        owner = torch.from_numpy(plan.tile_groups(rank).copy()).to(device)
         rows = torch.from_numpy(np.stack(plan.tile_rows(), axis=1).copy()).to(device)
         tables = _TABLES[key] = (order, owner, rows)
     return tables
@@ -174,6 +201,10 @@ def gemm(
     counters: torch.Tensor | None = None,
     use_tma: bool | None = None,
     tma_store: bool | None = None,
+    flags: torch.Tensor | None = None,
+    rank: int = 0,
+    wait_error: torch.Tensor | None = None,
+    max_spins: int = 0,
     flatten: bool = False,
     warp_specialize: bool = False,
 ) -> torch.Tensor:
@@ -187,6 +218,11 @@ def gemm(
     omitted. ``counters``: int32 with at least ``plan.num_groups`` elements, zero on entry; on exit entry ``g``
     equals ``plan.groups[g].tile_count``. ``use_tma``: force or forbid TMA loads (default: where the strides allow);
     ``tma_store``: store ``out`` through TMA too (default: with TMA loads, where ``out``'s strides allow).
+
+    All-gather plans: ``a`` is the gathered ``[M, K]`` buffer in the plan's layout; ``rank`` picks the tile
+    order (own shard first); every tile of group ``g`` waits until ``flags[g] != 0``. With ``max_spins`` a wait
+    gives up after that many polls and writes ``1 + g`` to ``wait_error`` (int32, one element) instead of
+    hanging: the result is then wrong and the caller must raise.
     """
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"a and b must be 2-D, got a.ndim={a.ndim}, b.ndim={b.ndim}")
@@ -198,8 +234,11 @@ def gemm(
         raise ValueError(f"plan is for (m, n, k) = {(plan.m, plan.n, plan.k)}, operands give {(m, n, k)}")
     if a.dtype != b.dtype:
         raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
-    if plan.op == "all_gather":
-        raise NotImplementedError("the GEMM cannot wait for arriving all-gather bands yet (issue 3)")
+    wait = plan.op == "all_gather"
+    if wait and (flags is None or flags.dtype != torch.int32 or flags.numel() < plan.num_groups):
+        raise ValueError(f"an all-gather plan needs flags: int32 with >= {plan.num_groups} elements")
+    if max_spins and (wait_error is None or wait_error.dtype != torch.int32):
+        raise ValueError("max_spins needs wait_error: an int32 tensor of one element")
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     elif out.shape != (m, n) or out.dtype != a.dtype:
@@ -207,7 +246,7 @@ def gemm(
     signal = counters is not None
     if signal and (counters.dtype != torch.int32 or counters.numel() < plan.num_groups):
         raise ValueError(f"counters must be int32 with >= {plan.num_groups} elements")
-    order, owner, row_table = plan_tables(plan, a.device)
+    order, owner, row_table = plan_tables(plan, a.device, rank)
     row_map = plan.blocks > 1
 
     b_kmajor = b.stride(0) == 1 and b.stride(1) != 1  # b is w.t() of a row-major [N, K] weight
@@ -234,6 +273,8 @@ def gemm(
         order,
         owner,
         row_table,
+        flags if wait else owner,  # unused pointers when not waiting
+        wait_error if max_spins else owner,
         m,
         n,
         k,
@@ -254,6 +295,8 @@ def gemm(
         SIGNAL=signal,
         BULK_WAIT=not _INTERPRETED,
         ROW_MAP=row_map,
+        WAIT=wait,
+        MAX_SPINS=int(max_spins) if wait else 0,
         FLATTEN=flatten,
         WARP_SPECIALIZE=bool(warp_specialize and use_tma),
         num_warps=t.num_warps,
