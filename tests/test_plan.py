@@ -209,3 +209,11 @@ def test_all_gather_layout_and_order(m, world_size, block_m, rows):
                                                       == grp.index).all()
     with pytest.raises(ValueError, match="rank must be"):
         plan.tile_order(world_size)
+
+
+def test_all_gather_default_plans_leave_sms_for_nccl():
+    for ratio in (None, 0.7, 3.0):
+        plan = default_plan("all_gather", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=ratio,
+                            allow_sequential=False)
+        assert plan.comm_ctas >= 1 and plan.grid_size + plan.comm_ctas <= 132
+    assert default_plan("all_gather", 8192, 8192, 8192, 2, comm_ratio=0.1).sequential

@@ -311,6 +311,8 @@ MIN_OVERLAP_WAVES = 2.0
 # Measured on 2x H200 (docs/why-overlap-is-hard.md): where the collective takes under half the GEMM's time, NCCL's
 # slowdown beside the GEMM and the GEMM's beside NCCL cost more than the overlap hides.
 MIN_OVERLAP_COMM_RATIO = 0.5
+# NCCL CTAs (and SMs the GEMM leaves free) for all-gather plans; not measured yet (issue 3).
+ALL_GATHER_COMM_CTAS = 16
 
 
 def default_tile_config(m: int, n: int, k: int) -> TileConfig:
@@ -392,7 +394,13 @@ def default_plan(
     if too_small and allow_sequential:
         return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True)
     comm_bound = comm_ratio is not None and comm_ratio >= 1.0
-    if comm_bound:
+    if op == "all_gather":
+        # The GEMM spins on bands NCCL delivers, so NCCL must always find SMs: a fixed CTA count and that many
+        # SMs never taken by the GEMM (deadlock rule 2).
+        ctas = comm_ctas or ALL_GATHER_COMM_CTAS
+        choice = dict(num_groups=4 if comm_bound else 8, profile="even", num_programs=max(1, num_sms - ctas),
+                      comm_ctas=ctas)
+    elif comm_bound:
         choice = dict(num_groups=6, profile="even", num_programs=max(1, num_sms - 32), comm_ctas=8)
     else:
         choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)

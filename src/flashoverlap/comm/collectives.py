@@ -1,4 +1,5 @@
-"""Thin wrappers over ``torch.distributed`` collectives that differ between the torch versions we support."""
+"""Thin wrappers over ``torch.distributed`` collectives that differ between the torch versions we support, and
+the one layout helper the all-gather paths share."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from flashoverlap.plan import Plan
+
 
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """``dist.reduce_scatter_tensor``: torch >= 2.13 deprecates the name for ``reduce_scatter_single``, which
@@ -14,3 +17,15 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.Proc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         dist.reduce_scatter_tensor(out, inp, group=group)
+
+
+def gathered_in_rank_order(gathered: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The gathered A as ``all_gather_into_tensor`` of whole shards returns it (rank order), from the plan's
+    ``[group][W][rows][K]`` layout."""
+    world_size, shard_rows = plan.world_size, plan.block_rows
+    full = torch.empty_like(gathered)
+    for grp in plan.groups:
+        band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
+        full.view(world_size, shard_rows, -1)[:, grp.row_start : grp.row_end].copy_(
+            band.view(world_size, grp.rows, -1))
+    return full

@@ -80,6 +80,8 @@ class NcclCommunicator:
         # The most negative priority is clamped to the device's highest.
         self.comm_stream = torch.cuda.Stream(device=device, priority=-(1 << 10))
         self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
+        # All-gather: flags[g] != 0 once group g's band of every shard has landed; zero between calls.
+        self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
         self._warm: set[tuple[str, int, torch.dtype]] = set()
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
 
@@ -94,6 +96,8 @@ class NcclCommunicator:
             with torch.cuda.stream(self.comm_stream):
                 if plan.op == "reduce_scatter":
                     reduce_scatter_tensor(probe[:8], probe, comm_group)
+                elif plan.op == "all_gather":
+                    dist.all_gather_into_tensor(probe, probe[8 * self.rank : 8 * (self.rank + 1)], group=comm_group)
                 else:
                     dist.all_reduce(probe, group=comm_group)
             self.comm_stream.synchronize()
@@ -131,6 +135,34 @@ class NcclCommunicator:
             reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
 
         self._issue(plan, launch)
+
+    def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan) -> None:
+        """Fill ``gathered`` (the plan's ``[group][W][rows][K]`` layout) band by band on the communication stream,
+        raising ``flags[g]`` once band ``g`` has landed. Here communication is the producer and the GEMM the
+        consumer, so this is called *before* the GEMM is launched (rule 1); the GEMM must leave ``comm_ctas`` SMs
+        free for these collectives (rule 2, checked by the op)."""
+        producer = torch.cuda.current_stream(self.device)
+        world_size = plan.world_size
+        # This rank's bands into their slots first, on the producer stream: the GEMM's local tiles read them
+        # without waiting, and each band's all-gather reads its slot in place.
+        for grp in plan.groups:
+            band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
+            band[self.rank * grp.rows : (self.rank + 1) * grp.rows].copy_(a_shard[grp.row_start : grp.row_end])
+        self.comm_stream.wait_stream(producer)
+        comm_group = self.comm_group(plan.comm_ctas)
+        base = self.flags.data_ptr()
+        with torch.cuda.stream(self.comm_stream):
+            for grp in plan.groups:
+                band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
+                mine = band[self.rank * grp.rows : (self.rank + 1) * grp.rows]
+                dist.all_gather_into_tensor(band, mine, group=comm_group)
+                stream_ops.write(self.comm_stream, base + 4 * grp.index, 1)
+
+    def finish_all_gather(self, plan: Plan) -> None:
+        """After the GEMM: join the communication stream, then clear the flags (every one has been written by
+        then, so no late write can leave a stale flag for the next call)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+        self.flags[: plan.num_groups].zero_()
 
     def _issue(self, plan: Plan, launch) -> None:
         producer = torch.cuda.current_stream(self.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm.collectives import reduce_scatter_tensor
+from flashoverlap.comm.collectives import gathered_in_rank_order, reduce_scatter_tensor
 from flashoverlap.plan import Plan
 
 
@@ -65,10 +65,4 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, plan: Plan, group: d
             src = (rank + q) % world_size
             rows = slice(src * shard_rows + grp.row_start, src * shard_rows + grp.row_end)
             c[rows].copy_(band[src * grp.rows : (src + 1) * grp.rows].float() @ b32)
-    # The gathered A in rank order, for the caller (a backward pass needs it).
-    a_full = torch.empty_like(gathered)
-    for grp in plan.groups:
-        band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
-        a_full.view(world_size, shard_rows, plan.k)[:, grp.row_start : grp.row_end].copy_(
-            band.view(world_size, grp.rows, plan.k))
-    return c, a_full
+    return c, gathered_in_rank_order(gathered, plan)

@@ -5,8 +5,13 @@ Column-parallel linear layer with sequence parallelism: rank r holds ``a_shard_r
 sequence) and ``b_r: [K, N/W]``; every rank computes ``[M, N/W] = all_gather(a_shard) @ b_r``. The plan computes
 the rank's own shard first, then each group's band of the other shards as it arrives (``Plan.tile_rows``).
 
-Status: the reference path is tested on the CPU; the NCCL path (the GEMM waiting in-kernel for each band's flag)
-is not written yet (issue 3), so this op is not exported from ``flashoverlap``.
+NCCL path: the communication stream gathers band after band (launched before the GEMM: here it is the producer)
+and raises a flag per band; the GEMM, persistent on all SMs but ``plan.comm_ctas``, computes its own shard and
+then waits in-kernel for each band's flag. NCCL always finds ``comm_ctas`` free SMs for its fixed ``comm_ctas``
+CTAs, so every wait is satisfiable (deadlock rule 2); the op refuses plans that break this.
+
+Status: the reference path and the kernel's waits (interpreter) are tested on the CPU; the NCCL path has not run
+on GPUs yet (issue 3), so this op is not exported from ``flashoverlap``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm import reference
+from flashoverlap.comm import nccl, reference
+from flashoverlap.comm.collectives import gathered_in_rank_order
+from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops._common import prepare_call
 from flashoverlap.plan import Plan
 
@@ -33,7 +40,37 @@ def all_gather_gemm(
     """``all_gather(a_shard) @ b``: ``[M, N]`` with ``M = W * a_shard.shape[0]``; with ``return_gathered``, also
     the gathered ``[M, K]`` input (rank order), as ``dist.all_gather_into_tensor`` would return it."""
     path, group, plan = prepare_call(OP, "all_gather", a_shard, b, group, plan, path)
-    if path != "reference":
-        raise NotImplementedError(f"{OP}: the NCCL path is not implemented yet (issue 3); pass path='reference'")
-    c, a_full = reference.all_gather_gemm(a_shard, b, plan, group, dist.get_rank(group))
-    return (c, a_full) if return_gathered else c
+    if path == "reference":
+        c, a_full = reference.all_gather_gemm(a_shard, b, plan, group, dist.get_rank(group))
+        return (c, a_full) if return_gathered else c
+    device = a_shard.device
+    with torch.cuda.device(device):
+        if plan.sequential:
+            a_full = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
+            dist.all_gather_into_tensor(a_full, a_shard.contiguous(), group=group)
+            c = torch.matmul(a_full, b)
+            return (c, a_full) if return_gathered else c
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if plan.comm_ctas < 1 or plan.grid_size + plan.comm_ctas > sms:
+            raise ValueError(
+                f"{OP}: the plan's GEMM ({plan.grid_size} programs) waits for bands NCCL delivers with "
+                f"{plan.comm_ctas} CTAs; it needs comm_ctas >= 1 and programs + comm_ctas <= {sms} SMs, or the "
+                "waits could starve NCCL of SMs and hang (DESIGN.md, deadlock rule 2)"
+            )
+        comm = nccl.communicator(group, device)
+        comm.prepare(plan, a_shard.dtype)
+        gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
+        comm.all_gather(gathered, a_shard, plan)
+        timeout = nccl.debug_timeout()
+        wait_error = torch.zeros(1, dtype=torch.int32, device=device) if timeout else None
+        # About a microsecond a poll: the debug bound in polls.
+        max_spins = int(timeout * 1e6) if timeout else 0
+        c = gemm(gathered, b, plan, flags=comm.flags, rank=comm.rank, wait_error=wait_error, max_spins=max_spins)
+        comm.finish_all_gather(plan)
+        if wait_error is not None and int(wait_error.item()):
+            g = int(wait_error.item()) - 1
+            raise RuntimeError(
+                f"flashoverlap: rank {comm.rank}: {OP} waited more than about {timeout:g} s for group {g} of "
+                f"{plan.num_groups} (FLASHOVERLAP_DEBUG_TIMEOUT); its band never arrived"
+            )
+        return (c, gathered_in_rank_order(gathered, plan)) if return_gathered else c

@@ -1,0 +1,124 @@
+"""all_gather_gemm on real GPUs through NCCL (issue 3; not yet run on GPUs when written): odd shapes, both
+dtypes, the gathered input, the deadlock-prone configuration (many waves, small bands), back-to-back calls, CUDA
+graphs, CUDA_DEVICE_MAX_CONNECTIONS=1, and the plan check of deadlock rule 2. Skipped without 2 GPUs."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap.ops.all_gather_gemm import all_gather_gemm
+from flashoverlap.testing import spawn
+from tests.gpu.helpers import (
+    ENV,
+    ODD_SHAPES,
+    ROUND_SHAPES,
+    WORLD,
+    assert_close,
+    check_graph_replays,
+    inputs,
+    needs_gpus,
+    poison_allocator,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def _gathered(a_shard, world_size):
+    full = torch.empty((a_shard.shape[0] * world_size, a_shard.shape[1]), dtype=a_shard.dtype, device="cuda")
+    dist.all_gather_into_tensor(full, a_shard)
+    return full
+
+
+def _plans(m, n, k, world_size):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    yield "default", None
+    yield "comm-bound", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, comm_ratio=3.0,
+                                        allow_sequential=False)
+    # Many waves of small tiles and small bands: the configuration where a GEMM starving NCCL would show.
+    yield "many-small-bands", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, num_groups=16,
+                                              tile=fo.TileConfig(64, 64, 32, 3, 2, 4), allow_sequential=False)
+
+
+def _correctness(rank, world_size):
+    device = torch.device("cuda", torch.cuda.current_device())
+    checked = 0
+    for i, (m, n, k) in enumerate(ODD_SHAPES + ROUND_SHAPES):
+        rows = -(-m // world_size)
+        for dtype in (torch.bfloat16, torch.float16):
+            a_shard, b = inputs(rows, n, k, dtype, seed=100 * i + rank)
+            full = _gathered(a_shard, world_size)
+            want = torch.matmul(full, b)
+            for name, plan in _plans(rows * world_size, n, k, world_size):
+                poison_allocator(device)
+                c, gathered = all_gather_gemm(a_shard, b, plan=plan, return_gathered=True)
+                assert torch.equal(gathered, full), f"gathered input differs ({name})"
+                assert_close(c, want, f"{rows}x{world_size} rows, {n}x{k} {dtype} plan {name}")
+                checked += 1
+    return checked
+
+
+def _back_to_back(rank, world_size, calls):
+    shapes = [(-(-m // world_size), n, k) for m, n, k in ODD_SHAPES + ROUND_SHAPES]
+    data = [inputs(rows, n, k, torch.bfloat16, seed=10 * i + rank) for i, (rows, n, k) in enumerate(shapes)]
+    wants = [torch.matmul(_gathered(a, world_size), b) for a, b in data]
+    kept = []
+    for call in range(calls):
+        j = call % len(shapes)
+        c = all_gather_gemm(*data[j])
+        if call % 37 == 0 or call >= calls - len(shapes):
+            kept.append((j, c))
+    torch.cuda.synchronize()
+    for j, c in kept:
+        assert_close(c, wants[j], f"back-to-back {shapes[j]}")
+    return len(kept)
+
+
+def _graph_replay(rank, world_size, replays):
+    rows, n, k = 1536, 4096, 2048
+    plan = fo.default_plan("all_gather", rows * world_size, n, k, world_size, allow_sequential=False)
+    a_shard, b = inputs(rows, n, k, torch.bfloat16, seed=rank)
+    return check_graph_replays(lambda a, b: all_gather_gemm(a, b, plan=plan),
+                               lambda a, b: torch.matmul(_gathered(a, world_size), b), a_shard, b, rank, replays)
+
+
+def _max_connections_one(rank, world_size):
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    return _back_to_back(rank, world_size, 50)
+
+
+def _rule_two(rank, world_size):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    a_shard, b = inputs(4096, 4096, 1024, torch.bfloat16, seed=rank)
+    greedy = fo.default_plan("all_gather", 4096 * world_size, 4096, 1024, world_size, num_programs=sms,
+                             allow_sequential=False)
+    with pytest.raises(ValueError, match="deadlock rule 2"):
+        all_gather_gemm(a_shard, b, plan=greedy)
+    return True
+
+
+@needs_gpus
+def test_all_gather_correctness():
+    assert spawn(_correctness, WORLD, "nccl", env=ENV)[0] > 40
+
+
+@needs_gpus
+def test_all_gather_thousand_back_to_back_calls():
+    assert spawn(_back_to_back, WORLD, "nccl", args=(1000,), env=ENV)[0] >= 10
+
+
+@needs_gpus
+def test_all_gather_graph_replay():
+    assert spawn(_graph_replay, WORLD, "nccl", args=(50,), env=ENV) == [50] * WORLD
+
+
+@needs_gpus
+def test_all_gather_cuda_device_max_connections_one():
+    spawn(_max_connections_one, WORLD, "nccl", env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+
+@needs_gpus
+def test_all_gather_refuses_plans_that_could_starve_nccl():
+    spawn(_rule_two, WORLD, "nccl", env=ENV)
