@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None, help="M,N,K;M,N,K;... (default: BENCHMARK.md's all-reduce grid)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--ops", default="all_reduce", type=lambda s: s.split(","),
+                        help="comma-separated: all_reduce, reduce_scatter, all_gather (the last two: issue 3, in "
+                             "progress)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="also time a family of plans per shape")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -304,11 +307,23 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"# {meta['gpus']}, {meta['setting']}, torch {meta['torch']}, triton {meta['triton']}, "
               f"NCCL {meta['nccl']}, commit {meta['commit']}", flush=True)
-    for m, n, k in shapes:
-        row = bench_all_reduce(m, n, k, dtype, args, rank, world_size, device)
-        rows.append(row)
-        if rank == 0:
-            print(f"  {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
+    for op in args.ops:
+        if op == "all_reduce":
+            op_shapes, bench = shapes, lambda m, n, k: bench_all_reduce(m, n, k, dtype, args, rank, world_size, device)
+        elif op in ("reduce_scatter", "all_gather"):
+            from flashoverlap.bench import scatter_gather
+
+            grid = scatter_gather.GRID_ALL_GATHER if op == "all_gather" else GRID_ALL_REDUCE
+            op_shapes = grid if args.shapes is None else shapes
+            fn = scatter_gather.bench_all_gather if op == "all_gather" else scatter_gather.bench_reduce_scatter
+            bench = lambda m, n, k, fn=fn: fn(m, n, k, dtype, args.iters, world_size, device, meta["setting"])  # noqa: E731
+        else:
+            parser.error(f"--ops: unknown op {op!r}")
+        for m, n, k in op_shapes:
+            row = bench(m, n, k)
+            rows.append(row)
+            if rank == 0:
+                print(f"  {op} {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
     extra = {}
     if args.gemm_sweep:
         extra["gemm_sweep"] = {f"{m}x{n}x{k}": sweep_gemm(m, n, k, dtype, rank, world_size, device)
@@ -329,14 +344,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], meta: dict) -> None:
-    print(f"\ngemm_all_reduce, {meta['gpus']}, {meta['setting']}, {rows[0]['dtype'] if rows else ''} (ms)")
-    header = (f"{'M x N x K':>20} {'T_gemm':>7} {'ourGEMM':>7} {'T_comm':>7} {'T_seq':>7} {'decomp':>7} "
-              f"{'T':>7} {'T_ideal':>7} {'speedup':>7} {'E':>6}")
-    print(header)
-    for r in rows:
-        print(f"{r['M']:>6}x{r['N']:>6}x{r['K']:>6} {r['t_gemm_ms']:7.3f} {r['t_our_gemm_ms']:7.3f} "
-              f"{r['t_comm_ms']:7.3f} {r['t_seq_ms']:7.3f} {r['baselines']['decomposition_ms']:7.3f} "
-              f"{r['t_ms']:7.3f} {r['t_ideal_ms']:7.3f} {r['speedup']:7.2f} {r['E']:+6.2f}")
+    def ms(value):
+        return f"{value:7.3f}" if isinstance(value, float) else f"{'-':>7}"
+
+    for op in dict.fromkeys(r["op"] for r in rows):
+        name = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter"}.get(op, "all_gather_gemm")
+        print(f"\n{name}, {meta['gpus']}, {meta['setting']}, {rows[0]['dtype']} (ms)")
+        print(f"{'M x N x K':>20} {'T_gemm':>7} {'ourGEMM':>7} {'T_comm':>7} {'T_seq':>7} {'decomp':>7} "
+              f"{'asyncTP':>7} {'T':>7} {'T_ideal':>7} {'speedup':>7} {'E':>6}")
+        for r in (r for r in rows if r["op"] == op):
+            base = r["baselines"]
+            print(f"{r['M']:>6}x{r['N']:>6}x{r['K']:>6} {ms(r['t_gemm_ms'])} {ms(r['t_our_gemm_ms'])} "
+                  f"{ms(r['t_comm_ms'])} {ms(r['t_seq_ms'])} {ms(base['decomposition_ms'])} {ms(base['async_tp_ms'])} "
+                  f"{ms(r['t_ms'])} {ms(r['t_ideal_ms'])} {r['speedup']:7.2f} {r['E']:+6.2f}")
 
 
 if __name__ == "__main__":

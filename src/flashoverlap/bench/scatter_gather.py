@@ -1,0 +1,104 @@
+"""Benchmark rows for gemm_reduce_scatter and all_gather_gemm (BENCHMARK.md's columns, side by side in one run):
+cuBLAS, our GEMM alone, the collective alone, sequential, the best decomposition, torch async TP, flashoverlap."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap.bench.baselines import DecomposedAllGather, DecomposedReduceScatter, async_tp_ops
+from flashoverlap.bench.timing import time_side_by_side
+from flashoverlap.comm.collectives import reduce_scatter_tensor
+from flashoverlap.kernels.gemm import gemm
+from flashoverlap.ops._common import plan_for
+from flashoverlap.ops.all_gather_gemm import all_gather_gemm
+from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
+from flashoverlap.plan import default_plan
+
+GRID_ALL_GATHER = [(4096, 8192, 8192), (8192, 14336, 8192), (16384, 8192, 8192), (8192, 28672, 8192)]
+
+
+def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, rank: int):
+    gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
+    a = torch.randn(rows, k, dtype=dtype, device="cuda", generator=gen)
+    w = torch.randn(n, k, dtype=dtype, device="cuda", generator=gen) / k**0.5
+    return a, w.t()
+
+
+def _row(op, m, n, k, dtype, t, decomposition, async_tp, plan) -> dict:
+    t_ideal = max(t["gemm"], t["comm"])
+    efficiency = (t["seq"] - t["ours"]) / (t["seq"] - t_ideal) if t["seq"] > t_ideal else float("nan")
+    return {
+        "op": op, "path": "nccl", "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
+        "t_gemm_ms": t["gemm"], "t_our_gemm_ms": t.get("our_gemm"), "t_comm_ms": t["comm"], "t_seq_ms": t["seq"],
+        "t_ms": t["ours"], "t_ideal_ms": t_ideal, "speedup": t["seq"] / t["ours"], "E": efficiency,
+        "our_gemm_vs_cublas": t["gemm"] / t["our_gemm"] if t.get("our_gemm") else None,
+        "baselines": {"decomposition_ms": min(decomposition.values()) if decomposition else None,
+                      "decomposition_by_chunks_ms": decomposition, "async_tp_ms": async_tp},
+        "plan": {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
+                 "sequential": plan.sequential},
+    }
+
+
+def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting) -> dict:
+    rank = dist.get_rank()
+    a, b = _inputs(m, n, k, dtype, rank)
+    c = torch.matmul(a, b)
+    out = torch.empty((m // world_size, n), dtype=dtype, device=device)
+    plan = plan_for("reduce_scatter", m, n, k, dist.group.WORLD, device, dtype)
+    kernel_plan = plan if not plan.sequential else default_plan("reduce_scatter", m, n, k, world_size,
+                                                                allow_sequential=False)
+    counters = torch.zeros(kernel_plan.num_groups, dtype=torch.int32, device=device)
+    decomposed = {ch: DecomposedReduceScatter(ch, device) for ch in (2, 4, 8) if ch % world_size == 0}
+    fns = {
+        "gemm": lambda: torch.matmul(a, b),
+        "our_gemm": lambda: gemm(a, b, kernel_plan, counters=counters),
+        "comm": lambda: reduce_scatter_tensor(out, c, None),
+        "seq": lambda: reduce_scatter_tensor(out, torch.matmul(a, b), None),
+        **{f"decomp{ch}": (lambda fn=fn: fn(a, b)) for ch, fn in decomposed.items()},
+        "ours": lambda: gemm_reduce_scatter(a, b, plan=plan),
+    }
+    fused_rs, _, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink only")
+    if fused_rs is not None:
+        fns["async_tp"] = lambda: fused_rs(a, b)
+    t = time_side_by_side(fns, warmup=5, iters=iters, before={"our_gemm": counters.zero_})
+    row = _row("reduce_scatter", m, n, k, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"),
+               plan)
+    if fused_rs is None:
+        row["baselines"]["async_tp_note"] = why
+    return row
+
+
+def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting) -> dict:
+    rank = dist.get_rank()
+    rows = m // world_size
+    a_shard, b = _inputs(rows, n, k, dtype, rank)
+    a_full = torch.empty((m, k), dtype=dtype, device=device)
+    plan = plan_for("all_gather", m, n, k, dist.group.WORLD, device, dtype)
+    kernel_plan = plan if not plan.sequential else default_plan("all_gather", m, n, k, world_size,
+                                                                allow_sequential=False)
+    # Our GEMM alone on an already gathered input (every band's flag set): the compute side of the op.
+    flags_ready = torch.ones(kernel_plan.num_groups, dtype=torch.int32, device=device)
+    decomposed = {ch: DecomposedAllGather(ch, device) for ch in (2, 4, 8)}
+
+    def sequential():
+        dist.all_gather_into_tensor(a_full, a_shard)
+        return torch.matmul(a_full, b)
+
+    fns = {
+        "gemm": lambda: torch.matmul(a_full, b),
+        "our_gemm": lambda: gemm(a_full, b, kernel_plan, flags=flags_ready, rank=rank),
+        "comm": lambda: dist.all_gather_into_tensor(a_full, a_shard),
+        "seq": sequential,
+        **{f"decomp{ch}": (lambda fn=fn: fn(a_shard, b)) for ch, fn in decomposed.items()},
+        "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),
+    }
+    _, fused_ag, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink only")
+    if fused_ag is not None:
+        fns["async_tp"] = lambda: fused_ag(a_shard, b)
+    t = time_side_by_side(fns, warmup=5, iters=iters)
+    row = _row("all_gather", m, n, k, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"),
+               plan)
+    if fused_ag is None:
+        row["baselines"]["async_tp_note"] = why
+    return row
