@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-sweep", action="store_true", help="time our GEMM alone over tile configurations")
     parser.add_argument("--sweep-iters", type=int, default=10)
     parser.add_argument("--interference", action="store_true", help="measure GEMM/NCCL mutual slowdown")
+    parser.add_argument("--timeline", default=None, metavar="PNG",
+                        help="also draw one gemm_all_reduce call of the first all-reduce shape on two lanes")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpus>-<setting>.json)")
     args = parser.parse_args(argv)
 
@@ -325,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"  {op} {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
     extra = {}
+    if args.timeline:
+        extra["timeline"] = draw_timeline(args.timeline, rows, meta, dtype, world_size, device)
     if args.gemm_sweep:
         extra["gemm_sweep"] = {f"{m}x{n}x{k}": sweep_gemm(m, n, k, dtype, rank, world_size, device)
                                for m, n, k in shapes}
@@ -341,6 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: int, device) -> dict:
+    """One call of the first all-reduce row's shape with its plan, recorded and (on rank 0) drawn."""
+    from flashoverlap.bench import timeline
+
+    row = next((r for r in rows if r["op"] == "all_reduce"), None)
+    if row is None:
+        raise SystemExit("--timeline needs an all_reduce row (--ops all_reduce)")
+    m, n, k = row["M"], row["N"], row["K"]
+    a, b = _inputs(m, n, k, dtype, dist.get_rank())
+    plan = plan_for(m, n, k, dist.group.WORLD, device, dtype)
+    if plan.sequential:  # draw the overlapped plan the op would use, and say so
+        plan = default_plan("all_reduce", m, n, k, world_size, num_sms=device_sms(device), allow_sequential=False)
+    fo.gemm_all_reduce(a, b, plan=plan)  # warm
+    recorded = timeline.record(lambda: fo.gemm_all_reduce(a, b, plan=plan), device)
+    if dist.get_rank() == 0:
+        title = (f"gemm_all_reduce {m}x{n}x{k} {row['dtype']}, {meta['gpus']}, {meta['setting']}: {plan.num_groups} "
+                 f"groups, {plan.grid_size} programs, rank 0")
+        timeline.draw(path, title, recorded, row["t_seq_ms"], row["t_gemm_ms"])
+        print(f"wrote {path}")
+    return {"shape": [m, n, k], **recorded}
 
 
 def print_table(rows: list[dict], meta: dict) -> None:

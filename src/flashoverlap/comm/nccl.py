@@ -84,6 +84,9 @@ class NcclCommunicator:
         self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
         self._warm: set[tuple[str, int, torch.dtype]] = set()
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
+        # When a list: each reduction-type call appends, per group, (index, ready event, done event): the moment
+        # the comm stream saw the group's tiles complete, and the moment its collective finished (timeline).
+        self.timeline: list | None = None
 
     # -- 1. before the GEMM -----------------------------------------------------------------------------
     def prepare(self, plan: Plan, dtype: torch.dtype) -> None:
@@ -168,6 +171,7 @@ class NcclCommunicator:
         producer = torch.cuda.current_stream(self.device)
         comm_group = self.comm_group(plan.comm_ctas)
         timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
+        timing = self.timeline is not None and not torch.cuda.is_current_stream_capturing()
         waited = []
         base = self.counters.data_ptr()
         with torch.cuda.stream(self.comm_stream):
@@ -175,9 +179,12 @@ class NcclCommunicator:
                 address = base + 4 * grp.index
                 stream_ops.wait_geq(self.comm_stream, address, grp.tile_count)
                 stream_ops.write(self.comm_stream, address, 0)
-                if timeout is not None:
-                    waited.append(self.comm_stream.record_event())
+                if timeout is not None or timing:
+                    waited.append(self.comm_stream.record_event(torch.cuda.Event(enable_timing=timing)))
                 launch(grp, comm_group)
+                if timing:
+                    self.timeline.append((grp.index, waited[-1], self.comm_stream.record_event(
+                        torch.cuda.Event(enable_timing=True))))
         producer.wait_stream(self.comm_stream)
         if timeout is not None:
             self._check_progress(plan, waited, timeout)
