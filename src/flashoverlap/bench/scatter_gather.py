@@ -25,6 +25,18 @@ def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, rank: int):
     return a, w.t()
 
 
+def _try_async_tp(fn, *args):
+    """``fn`` if one call of it runs here (the same on every rank), else ``None`` and the reason."""
+    if fn is None:
+        return None, None
+    try:
+        fn(*args)
+        torch.cuda.synchronize()
+        return fn, None
+    except Exception as exc:  # an op signature this torch does not have, symmetric memory unavailable, ...
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
 def _row(op, m, n, k, dtype, t, decomposition, async_tp, plan) -> dict:
     t_ideal = max(t["gemm"], t["comm"])
     efficiency = (t["seq"] - t["ours"]) / (t["seq"] - t_ideal) if t["seq"] > t_ideal else float("nan")
@@ -59,6 +71,8 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting) -> 
         "ours": lambda: gemm_reduce_scatter(a, b, plan=plan),
     }
     fused_rs, _, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink only")
+    fused_rs, failed = _try_async_tp(fused_rs, a, b)
+    why = why or failed
     if fused_rs is not None:
         fns["async_tp"] = lambda: fused_rs(a, b)
     t = time_side_by_side(fns, warmup=5, iters=iters, before={"our_gemm": counters.zero_})
@@ -94,6 +108,8 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting) -> dict
         "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),
     }
     _, fused_ag, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink only")
+    fused_ag, failed = _try_async_tp(fused_ag, a_shard, b)
+    why = why or failed
     if fused_ag is not None:
         fns["async_tp"] = lambda: fused_ag(a_shard, b)
     t = time_side_by_side(fns, warmup=5, iters=iters)
