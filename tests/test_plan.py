@@ -217,3 +217,14 @@ def test_all_gather_default_plans_leave_sms_for_nccl():
                             allow_sequential=False)
         assert plan.comm_ctas >= 1 and plan.grid_size + plan.comm_ctas <= 132
     assert default_plan("all_gather", 8192, 8192, 8192, 2, comm_ratio=0.1).sequential
+
+
+def test_rates_estimate_each_collective():
+    from flashoverlap.tune.rates import Rates
+
+    rates = Rates(gemm_tflops=500.0, allreduce_busbw_gbs=100.0)
+    assert rates.gemm_ms(1000, 1000, 1000) == pytest.approx(2e9 / 500e9 * 1e3)
+    all_reduce = rates.collective_ms("all_reduce", 1 << 30, 2)
+    assert all_reduce == pytest.approx((1 << 30) / 100e9 * 1e3)
+    assert rates.collective_ms("reduce_scatter", 1 << 30, 2) == pytest.approx(all_reduce / 2)
+    assert rates.collective_ms("all_gather", 1 << 30, 2) == pytest.approx(all_reduce / 2)

@@ -33,7 +33,8 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
         return _default_plan(op, m, n, k, world_size, 132, element_size, None)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     measured = rates.measure(group, device, dtype)
-    comm_ms = measured.collective_ms(op, m * n * element_size, world_size)
+    moved = m * (k if op == "all_gather" else n) * element_size  # all-gather moves A, the others C
+    comm_ms = measured.collective_ms(op, moved, world_size)
     # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
     return _default_plan(op, m, n, k, world_size, num_sms, element_size, round(comm_ms / measured.gemm_ms(m, n, k), 2))
 

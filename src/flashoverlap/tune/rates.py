@@ -24,9 +24,10 @@ class Rates:
         return 2.0 * (world_size - 1) / world_size * nbytes / (self.allreduce_busbw_gbs * 1e6)
 
     def collective_ms(self, op: str, nbytes: int, world_size: int) -> float:
-        """Estimated time of ``op``'s collective on an ``nbytes`` GEMM output: a reduce-scatter moves half an
-        all-reduce's bytes (NCCL's bus bandwidth is about the same for both)."""
-        factor = 0.5 if op == "reduce_scatter" else 1.0
+        """Estimated time of ``op``'s collective on ``nbytes`` (the GEMM's output, or for all-gather the gathered
+        input): reduce-scatter and all-gather move half an all-reduce's bytes (NCCL's bus bandwidth is about the
+        same for all three)."""
+        factor = 0.5 if op in ("reduce_scatter", "all_gather") else 1.0
         return factor * self.all_reduce_ms(nbytes, world_size)
 
 
