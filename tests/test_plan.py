@@ -223,7 +223,7 @@ def test_rates_estimate_each_collective():
     from flashoverlap.tune.rates import Rates
 
     rates = Rates(gemm_tflops=500.0, allreduce_busbw_gbs=100.0)
-    assert rates.gemm_ms(1000, 1000, 1000) == pytest.approx(2e9 / 500e9 * 1e3)
+    assert rates.gemm_ms(1000, 1000, 1000) == pytest.approx(2e9 / 500e12 * 1e3)  # 2 GFLOP at 500 TFLOP/s, in ms
     all_reduce = rates.collective_ms("all_reduce", 1 << 30, 2)
     assert all_reduce == pytest.approx((1 << 30) / 100e9 * 1e3)
     assert rates.collective_ms("reduce_scatter", 1 << 30, 2) == pytest.approx(all_reduce / 2)
