@@ -37,6 +37,18 @@ def _try_async_tp(fn, *args):
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
+def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, before=None) -> dict:
+    """Time ``fns`` (plus torch async TP where it runs) side by side and build the results row."""
+    fused, failed = _try_async_tp(fused, *fused_args)
+    if fused is not None:
+        fns["async_tp"] = lambda: fused(*fused_args)
+    t = time_side_by_side(fns, warmup=5, iters=iters, before=before or {})
+    row = _row(op, *shape, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"), plan)
+    if fused is None:
+        row["baselines"]["async_tp_note"] = failed or "not run: nvlink setting only, or this torch lacks it"
+    return row
+
+
 def _row(op, m, n, k, dtype, t, decomposition, async_tp, plan) -> dict:
     t_ideal = max(t["gemm"], t["comm"])
     efficiency = (t["seq"] - t["ours"]) / (t["seq"] - t_ideal) if t["seq"] > t_ideal else float("nan")
@@ -70,17 +82,9 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting) -> 
         **{f"decomp{ch}": (lambda fn=fn: fn(a, b)) for ch, fn in decomposed.items()},
         "ours": lambda: gemm_reduce_scatter(a, b, plan=plan),
     }
-    fused_rs, _, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink only")
-    fused_rs, failed = _try_async_tp(fused_rs, a, b)
-    why = why or failed
-    if fused_rs is not None:
-        fns["async_tp"] = lambda: fused_rs(a, b)
-    t = time_side_by_side(fns, warmup=5, iters=iters, before={"our_gemm": counters.zero_})
-    row = _row("reduce_scatter", m, n, k, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"),
-               plan)
-    if fused_rs is None:
-        row["baselines"]["async_tp_note"] = why
-    return row
+    fused_rs = async_tp_ops()[0] if setting == "nvlink" else None
+    return _measure("reduce_scatter", (m, n, k), dtype, fns, decomposed, plan, iters, fused_rs, (a, b),
+                    before={"our_gemm": counters.zero_})
 
 
 def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting) -> dict:
@@ -107,14 +111,5 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting) -> dict
         **{f"decomp{ch}": (lambda fn=fn: fn(a_shard, b)) for ch, fn in decomposed.items()},
         "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),
     }
-    _, fused_ag, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink only")
-    fused_ag, failed = _try_async_tp(fused_ag, a_shard, b)
-    why = why or failed
-    if fused_ag is not None:
-        fns["async_tp"] = lambda: fused_ag(a_shard, b)
-    t = time_side_by_side(fns, warmup=5, iters=iters)
-    row = _row("all_gather", m, n, k, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"),
-               plan)
-    if fused_ag is None:
-        row["baselines"]["async_tp_note"] = why
-    return row
+    fused_ag = async_tp_ops()[1] if setting == "nvlink" else None
+    return _measure("all_gather", (m, n, k), dtype, fns, decomposed, plan, iters, fused_ag, (a_shard, b))
