@@ -37,7 +37,7 @@ def _try_async_tp(fn, *args):
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, before=None) -> dict:
+def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, before=None, why=None) -> dict:
     """Time ``fns`` (plus torch async TP where it runs) side by side and build the results row."""
     fused, failed = _try_async_tp(fused, *fused_args)
     if fused is not None:
@@ -45,7 +45,7 @@ def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, 
     t = time_side_by_side(fns, warmup=5, iters=iters, before=before or {})
     row = _row(op, *shape, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"), plan)
     if fused is None:
-        row["baselines"]["async_tp_note"] = failed or "not run: nvlink setting only, or this torch lacks it"
+        row["baselines"]["async_tp_note"] = failed or why or "not run"
     return row
 
 
@@ -82,9 +82,9 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting) -> 
         **{f"decomp{ch}": (lambda fn=fn: fn(a, b)) for ch, fn in decomposed.items()},
         "ours": lambda: gemm_reduce_scatter(a, b, plan=plan),
     }
-    fused_rs = async_tp_ops()[0] if setting == "nvlink" else None
+    fused_rs, _, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
     return _measure("reduce_scatter", (m, n, k), dtype, fns, decomposed, plan, iters, fused_rs, (a, b),
-                    before={"our_gemm": counters.zero_})
+                    before={"our_gemm": counters.zero_}, why=why)
 
 
 def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting) -> dict:
@@ -111,5 +111,5 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting) -> dict
         **{f"decomp{ch}": (lambda fn=fn: fn(a_shard, b)) for ch, fn in decomposed.items()},
         "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),
     }
-    fused_ag = async_tp_ops()[1] if setting == "nvlink" else None
-    return _measure("all_gather", (m, n, k), dtype, fns, decomposed, plan, iters, fused_ag, (a_shard, b))
+    _, fused_ag, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
+    return _measure("all_gather", (m, n, k), dtype, fns, decomposed, plan, iters, fused_ag, (a_shard, b), why=why)
