@@ -157,7 +157,7 @@ def test_reduce_scatter_layout_lands_each_band_in_place(m, world_size, block_m, 
     assert (workspace >= 0).all(), "every workspace row is written exactly by some tile"
     assert sorted(workspace.tolist()) == list(range(m))
     for grp in plan.groups:
-        band = workspace[grp.out_row_start : grp.out_row_start + world_size * grp.rows].reshape(world_size, -1)
+        band = workspace[grp.out_row_start : grp.out_row_end].reshape(world_size, -1)
         for rank in range(world_size):
             want = np.arange(rank * plan.block_rows + grp.row_start, rank * plan.block_rows + grp.row_end)
             assert (band[rank] == want).all()

@@ -70,7 +70,7 @@ class Group:
     ``[M/W, N]`` block for reduce-scatter (the same band of every rank block). ``out_row_start``: where the group's
     contiguous slice of the GEMM's output begins (``C`` itself for all-reduce; for reduce-scatter a workspace laid
     out ``[group][W][rows][N]``, whose slice ``reduce_scatter_tensor`` turns into each rank's band); the slice
-    spans ``blocks * rows`` rows.
+    spans ``blocks * rows`` rows, up to ``out_row_end``.
     """
 
     index: int
@@ -79,6 +79,7 @@ class Group:
     row_start: int
     row_end: int
     out_row_start: int = 0
+    out_row_end: int = 0
 
     @property
     def rows(self) -> int:
@@ -194,7 +195,9 @@ class Plan:
             row_end = min((tile_row + count) * self.tile.block_m, self.block_rows)
             tile_start = self.local_tiles + sources * tile_row * self.tiles_n
             tile_count = sources * count * self.tiles_n
-            out.append(Group(g, tile_start, tile_count, row_start, row_end, self.blocks * row_start))
+            out_row_start = self.blocks * row_start
+            out_row_end = out_row_start + self.blocks * (row_end - row_start)
+            out.append(Group(g, tile_start, tile_count, row_start, row_end, out_row_start, out_row_end))
             tile_row += count
         return tuple(out)
 

@@ -25,7 +25,7 @@ def gathered_in_rank_order(gathered: torch.Tensor, plan: Plan) -> torch.Tensor:
     world_size, shard_rows = plan.world_size, plan.block_rows
     full = torch.empty_like(gathered)
     for grp in plan.groups:
-        band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
+        band = gathered[grp.out_row_start : grp.out_row_end]
         full.view(world_size, shard_rows, -1)[:, grp.row_start : grp.row_end].copy_(
             band.view(world_size, grp.rows, -1))
     return full

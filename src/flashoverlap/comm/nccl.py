@@ -134,7 +134,7 @@ class NcclCommunicator:
         ``out [M/W, N]``, as the GEMM (already launched on the current stream) finishes each group."""
 
         def launch(grp, group):
-            band = workspace[grp.out_row_start : grp.out_row_start + plan.blocks * grp.rows]
+            band = workspace[grp.out_row_start : grp.out_row_end]
             reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
 
         self._issue(plan, launch)
@@ -145,20 +145,19 @@ class NcclCommunicator:
         consumer, so this is called *before* the GEMM is launched (rule 1); the GEMM must leave ``comm_ctas`` SMs
         free for these collectives (rule 2, checked by the op)."""
         producer = torch.cuda.current_stream(self.device)
-        world_size = plan.world_size
+        # Each group's slice of the gathered buffer, and this rank's slot in it.
+        bands = [gathered[grp.out_row_start : grp.out_row_end] for grp in plan.groups]
+        slots = [band[self.rank * grp.rows : (self.rank + 1) * grp.rows] for grp, band in zip(plan.groups, bands)]
         # This rank's bands into their slots first, on the producer stream: the GEMM's local tiles read them
         # without waiting, and each band's all-gather reads its slot in place.
-        for grp in plan.groups:
-            band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
-            band[self.rank * grp.rows : (self.rank + 1) * grp.rows].copy_(a_shard[grp.row_start : grp.row_end])
+        for grp, slot in zip(plan.groups, slots):
+            slot.copy_(a_shard[grp.row_start : grp.row_end])
         self.comm_stream.wait_stream(producer)
         comm_group = self.comm_group(plan.comm_ctas)
         base = self.flags.data_ptr()
         with torch.cuda.stream(self.comm_stream):
-            for grp in plan.groups:
-                band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
-                mine = band[self.rank * grp.rows : (self.rank + 1) * grp.rows]
-                dist.all_gather_into_tensor(band, mine, group=comm_group)
+            for grp, band, slot in zip(plan.groups, bands, slots):
+                dist.all_gather_into_tensor(band, slot, group=comm_group)
                 stream_ops.write(self.comm_stream, base + 4 * grp.index, 1)
 
     def finish_all_gather(self, plan: Plan) -> None:
