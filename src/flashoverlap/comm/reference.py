@@ -29,21 +29,17 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, plan: Plan, group: dist.Pr
 def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` summed over ``group`` and scattered by rows: this rank gets rows
     ``[r*M/W, (r+1)*M/W)`` as ``[M/W, N]``. Group by group, the plan's layout: the group's band of every rank
-    block is computed into the workspace slice ``[W][rows][N]`` (``tile_rows``), whose reduce-scatter lands
-    this rank's band straight in its place in the output."""
+    block is computed into the group's workspace slice ``[W][rows][N]``, whose reduce-scatter lands this rank's
+    band straight in its place in the output."""
     block_rows = plan.block_rows
     out = torch.empty((block_rows, plan.n), dtype=a.dtype, device=a.device)
     workspace = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
-    a_row, out_row, valid = (torch.from_numpy(t.astype("int64")) for t in plan.tile_rows())
     b32 = b.float()
-    tile_row = 0
-    for grp, count in zip(plan.groups, plan.group_row_tiles):
+    for grp in plan.groups:
+        band = workspace[grp.out_row_start : grp.out_row_end]
         for block in range(plan.blocks):
-            for p in range(block * plan.tiles_per_block + tile_row, block * plan.tiles_per_block + tile_row + count):
-                src, dst, rows = int(a_row[p]), int(out_row[p]), int(valid[p])
-                workspace[dst : dst + rows].copy_(a[src : src + rows].float() @ b32)
-        tile_row += count
-        band = workspace[grp.out_row_start : grp.out_row_start + plan.blocks * grp.rows]
+            rows = slice(block * block_rows + grp.row_start, block * block_rows + grp.row_end)
+            band[block * grp.rows : (block + 1) * grp.rows].copy_(a[rows].float() @ b32)
         reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
     return out
 
@@ -59,7 +55,7 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, plan: Plan, group: d
     b32 = b.float()
     c[rank * shard_rows : (rank + 1) * shard_rows].copy_(a_shard.float() @ b32)
     for grp in plan.groups:
-        band = gathered[grp.out_row_start : grp.out_row_start + world_size * grp.rows]
+        band = gathered[grp.out_row_start : grp.out_row_end]
         dist.all_gather_into_tensor(band, a_shard[grp.row_start : grp.row_end].contiguous(), group=group)
         for q in range(1, world_size):
             src = (rank + q) % world_size

@@ -73,8 +73,9 @@ def signalling_gemm_kernel(
         pid_m = packed // tiles_n
         pid_n = packed % tiles_n
         if ROW_MAP:
-            # Row-mapped plans (reduce-scatter): the tile row reads A from one rank block and writes its rows
-            # to the group's place in the workspace; rows past its block are computed but never stored.
+            # Row-mapped plans (reduce-scatter, all-gather): the tile row's first A row and first output row come
+            # from the plan (one of them in a [group][W][rows] workspace); rows past its block are computed but
+            # never stored.
             off_m = tl.load(row_table_ptr + 3 * pid_m)
             out_m = tl.load(row_table_ptr + 3 * pid_m + 1)
             rows_here = tl.load(row_table_ptr + 3 * pid_m + 2)
