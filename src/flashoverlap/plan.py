@@ -285,7 +285,7 @@ class Plan:
     def group_bytes(self, element_size: int) -> list[int]:
         """Bytes each group's collective moves: its slice of the GEMM's output, or for all-gather of the gathered A."""
         width = self.k if self.op == "all_gather" else self.n  # all-gather moves rows of A, the others of C
-        return [self.blocks * grp.rows * width * element_size for grp in self.groups]
+        return [(grp.out_row_end - grp.out_row_start) * width * element_size for grp in self.groups]
 
     def describe(self, element_size: int = 2) -> str:
         t = self.tile

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap.bench.baselines import DecomposedAllReduce, sequential_all_reduce
+from flashoverlap.bench.rows import efficiency, result_row
 from flashoverlap.bench.timing import time_ms, time_side_by_side
 from flashoverlap.comm import nccl
 from flashoverlap.kernels.gemm import gemm
@@ -65,10 +66,6 @@ def _inputs(m: int, n: int, k: int, dtype: torch.dtype, rank: int):
     return a, w.t()  # b as an nn.Linear weight's transposed view
 
 
-def _efficiency(t_seq: float, t: float, t_ideal: float) -> float:
-    return (t_seq - t) / (t_seq - t_ideal) if t_seq > t_ideal else float("nan")
-
-
 def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
     a, b = _inputs(m, n, k, dtype, rank)
     c = torch.matmul(a, b)
@@ -88,22 +85,10 @@ def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
         "ours": lambda: fo.gemm_all_reduce(a, b, plan=plan),
     }
     t_all = time_side_by_side(fns, warmup=5, iters=args.iters, before={"our_gemm": counters.zero_})
-    t_gemm, t_our_gemm, t_comm, t_seq, t = (t_all[x] for x in ("gemm", "our_gemm", "comm", "seq", "ours"))
     decomposition = {ch: t_all[f"decomp{ch}"] for ch in decomposed}
-    t_ideal = max(t_gemm, t_comm)
-    row = {
-        "op": "all_reduce", "path": "nccl", "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
-        "t_gemm_ms": t_gemm, "t_our_gemm_ms": t_our_gemm, "t_comm_ms": t_comm, "t_seq_ms": t_seq, "t_ms": t,
-        "t_ideal_ms": t_ideal, "speedup": t_seq / t, "E": _efficiency(t_seq, t, t_ideal),
-        "our_gemm_vs_cublas": t_gemm / t_our_gemm,
-        "baselines": {"decomposition_ms": min(decomposition.values()),
-                      "decomposition_by_chunks_ms": decomposition, "async_tp_ms": None},
-        "plan": {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
-                 "sequential": plan.sequential, "tile": [plan.tile.block_m, plan.tile.block_n, plan.tile.block_k,
-                                                         plan.tile.group_m]},
-    }
+    row = result_row("all_reduce", (m, n, k), dtype, t_all, decomposition, None, plan)
     if args.sweep:
-        row["sweep"] = sweep_all_reduce(a, b, args, world_size, device, t_seq, t_ideal)
+        row["sweep"] = sweep_all_reduce(a, b, args, world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
     return row
 
 
@@ -129,7 +114,7 @@ def sweep_all_reduce(a, b, args, world_size, device, t_seq, t_ideal) -> list[dic
                                 iters=args.sweep_iters)
                     rec = {"groups": plan.num_groups, "profile": profile, "rows": list(plan.group_row_tiles),
                            "programs": plan.grid_size, "comm_ctas": comm_ctas, "t_ms": t,
-                           "E": _efficiency(t_seq, t, t_ideal)}
+                           "E": efficiency(t_seq, t, t_ideal)}
                     out.append(rec)
                     if dist.get_rank() == 0:
                         print(f"    sweep {m}x{n}x{k} groups={rec['groups']:2d} {profile:>11} "

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.bench.baselines import DecomposedAllGather, DecomposedReduceScatter, async_tp_ops
+from flashoverlap.bench.rows import result_row
 from flashoverlap.bench.timing import time_side_by_side
 from flashoverlap.comm.collectives import reduce_scatter_tensor
 from flashoverlap.kernels.gemm import gemm
@@ -43,25 +44,10 @@ def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, 
     if fused is not None:
         fns["async_tp"] = lambda: fused(*fused_args)
     t = time_side_by_side(fns, warmup=5, iters=iters, before=before or {})
-    row = _row(op, *shape, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"), plan)
+    row = result_row(op, shape, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"), plan)
     if fused is None:
         row["baselines"]["async_tp_note"] = failed or why or "not run"
     return row
-
-
-def _row(op, m, n, k, dtype, t, decomposition, async_tp, plan) -> dict:
-    t_ideal = max(t["gemm"], t["comm"])
-    efficiency = (t["seq"] - t["ours"]) / (t["seq"] - t_ideal) if t["seq"] > t_ideal else float("nan")
-    return {
-        "op": op, "path": "nccl", "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
-        "t_gemm_ms": t["gemm"], "t_our_gemm_ms": t.get("our_gemm"), "t_comm_ms": t["comm"], "t_seq_ms": t["seq"],
-        "t_ms": t["ours"], "t_ideal_ms": t_ideal, "speedup": t["seq"] / t["ours"], "E": efficiency,
-        "our_gemm_vs_cublas": t["gemm"] / t["our_gemm"] if t.get("our_gemm") else None,
-        "baselines": {"decomposition_ms": min(decomposition.values()) if decomposition else None,
-                      "decomposition_by_chunks_ms": decomposition, "async_tp_ms": async_tp},
-        "plan": {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
-                 "sequential": plan.sequential},
-    }
 
 
 def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting) -> dict:

@@ -1,0 +1,32 @@
+"""One results row in BENCHMARK.md's format, from the side-by-side times of one op at one shape."""
+
+from __future__ import annotations
+
+import torch
+
+from flashoverlap.plan import Plan
+
+
+def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
+    """BENCHMARK.md's E: the share of the hideable time ``t_seq - t_ideal`` that ``t`` hid."""
+    return (t_seq - t) / (t_seq - t_ideal) if t_seq > t_ideal else float("nan")
+
+
+def result_row(op: str, shape: tuple[int, int, int], dtype: torch.dtype, t: dict[str, float],
+               decomposition: dict[int, float], async_tp: float | None, plan: Plan) -> dict:
+    """``t`` holds the medians named gemm, comm, seq, ours and, where measured, our_gemm."""
+    m, n, k = shape
+    t_ideal = max(t["gemm"], t["comm"])
+    our_gemm = t.get("our_gemm")
+    return {
+        "op": op, "path": "nccl", "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
+        "t_gemm_ms": t["gemm"], "t_our_gemm_ms": our_gemm, "t_comm_ms": t["comm"], "t_seq_ms": t["seq"],
+        "t_ms": t["ours"], "t_ideal_ms": t_ideal, "speedup": t["seq"] / t["ours"],
+        "E": efficiency(t["seq"], t["ours"], t_ideal),
+        "our_gemm_vs_cublas": t["gemm"] / our_gemm if our_gemm else None,
+        "baselines": {"decomposition_ms": min(decomposition.values()) if decomposition else None,
+                      "decomposition_by_chunks_ms": decomposition, "async_tp_ms": async_tp},
+        "plan": {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
+                 "sequential": plan.sequential,
+                 "tile": [plan.tile.block_m, plan.tile.block_n, plan.tile.block_k, plan.tile.group_m]},
+    }
