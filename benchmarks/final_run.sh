@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
-# The device call that produced the committed results: GPU tests, the GPU demo, then the all-reduce benchmark in
-# both settings (nvlink, pcie-like), with nvidia-smi sampling clocks and power throughout. Logs and JSON in $OUT.
-# Usage: FLASHOVERLAP_COMMIT=<sha> [SKIP_TESTS=1] bash benchmarks/final_run.sh
+# The device call that produces the committed results: GPU tests, the GPU demo, then the benchmark of every op in
+# each setting (nvlink, pcie-like) with a timeline picture, nvidia-smi sampling clocks and power throughout.
+# Logs, JSON and PNGs land in $OUT.
+# Usage: FLASHOVERLAP_COMMIT=<sha> [TESTS="tests/gpu/..."|TESTS=] [DEMO=] [SETTINGS="nvlink pcie-like"]
+#        [OPS=all_reduce,reduce_scatter,all_gather] [BENCH_ARGS=--interference] bash benchmarks/final_run.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
+TESTS=${TESTS-tests/gpu}; DEMO=${DEMO-1}; SETTINGS=${SETTINGS-nvlink pcie-like}
+OPS=${OPS-all_reduce,reduce_scatter,all_gather}; BENCH_ARGS=${BENCH_ARGS-}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv -lms 250 > "$OUT/smi.csv" 2>&1 &
 SMI=$!
-if [[ -z ${SKIP_TESTS:-} ]]; then
-    timeout 240 python3 -m pytest -q tests/gpu > "$OUT/gpu-tests.log" 2>&1; tail -2 "$OUT/gpu-tests.log"
+if [[ -n $TESTS ]]; then
+    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --durations=0 $TESTS > "$OUT/gpu-tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -25
 fi
-timeout 120 python3 -m flashoverlap demo > "$OUT/demo-gpu.log" 2>&1; tail -3 "$OUT/demo-gpu.log"
+if [[ -n $DEMO ]]; then
+    timeout 120 python3 -m flashoverlap demo > "$OUT/demo-gpu.log" 2>&1; tail -3 "$OUT/demo-gpu.log"
+fi
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
-for setting in nvlink pcie-like; do
+for setting in $SETTINGS; do
     p2p=""; [[ $setting == pcie-like ]] && p2p="NCCL_P2P_DISABLE=1"
-    cmd="$p2p torchrun --nproc-per-node $NGPU -m flashoverlap.bench --interference"
+    args="--ops $OPS --timeline $OUT/timeline-$setting.png $BENCH_ARGS"
+    cmd="$p2p torchrun --nproc-per-node $NGPU -m flashoverlap.bench $args"
     echo "== $cmd" | tee "$OUT/bench-$setting.log"
-    env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout 200 torchrun --nproc-per-node "$NGPU" -m flashoverlap.bench \
-        --interference --out "$OUT/${gpu}x$NGPU-$setting.json" >> "$OUT/bench-$setting.log" 2>&1
-    grep -A7 "^gemm_all_reduce" "$OUT/bench-$setting.log"
+    env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout ${BENCH_TIMEOUT:-240} torchrun --nproc-per-node "$NGPU" \
+        -m flashoverlap.bench $args --out "$OUT/${gpu}x$NGPU-$setting.json" >> "$OUT/bench-$setting.log" 2>&1
+    sed -n '/^gemm_all_reduce\|^gemm_reduce_scatter\|^all_gather_gemm/,/^$/p' "$OUT/bench-$setting.log"
+    grep -iE "error|Traceback" "$OUT/bench-$setting.log" | head -5
 done
 kill $SMI 2>/dev/null
