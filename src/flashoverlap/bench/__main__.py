@@ -84,9 +84,10 @@ def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
         **{f"decomp{ch}": (lambda fn=fn: fn(a, b)) for ch, fn in decomposed.items()},
         "ours": lambda: fo.gemm_all_reduce(a, b, plan=plan),
     }
-    t_all = time_side_by_side(fns, warmup=5, iters=args.iters, before={"our_gemm": counters.zero_})
+    host_us: dict[str, float] = {}
+    t_all = time_side_by_side(fns, warmup=5, iters=args.iters, before={"our_gemm": counters.zero_}, host_us=host_us)
     decomposition = {ch: t_all[f"decomp{ch}"] for ch in decomposed}
-    row = result_row("all_reduce", (m, n, k), dtype, t_all, decomposition, None, plan)
+    row = result_row("all_reduce", (m, n, k), dtype, t_all, decomposition, None, plan, host_us)
     if args.sweep:
         row["sweep"] = sweep_all_reduce(a, b, args, world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
     return row
@@ -362,12 +363,13 @@ def print_table(rows: list[dict], meta: dict) -> None:
         name = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter"}.get(op, "all_gather_gemm")
         print(f"\n{name}, {meta['gpus']}, {meta['setting']}, {rows[0]['dtype']} (ms)")
         print(f"{'M x N x K':>20} {'T_gemm':>7} {'ourGEMM':>7} {'T_comm':>7} {'T_seq':>7} {'decomp':>7} "
-              f"{'asyncTP':>7} {'T':>7} {'T_ideal':>7} {'speedup':>7} {'E':>6}")
+              f"{'asyncTP':>7} {'T':>7} {'T_ideal':>7} {'speedup':>7} {'E':>6} {'host us seq/ours':>16}")
         for r in (r for r in rows if r["op"] == op):
             base = r["baselines"]
+            host = "{seq:.0f}/{ours:.0f}".format(**r["host_us"]) if r.get("host_us") else "-"
             print(f"{r['M']:>6}x{r['N']:>6}x{r['K']:>6} {ms(r['t_gemm_ms'])} {ms(r['t_our_gemm_ms'])} "
                   f"{ms(r['t_comm_ms'])} {ms(r['t_seq_ms'])} {ms(base['decomposition_ms'])} {ms(base['async_tp_ms'])} "
-                  f"{ms(r['t_ms'])} {ms(r['t_ideal_ms'])} {r['speedup']:7.2f} {r['E']:+6.2f}")
+                  f"{ms(r['t_ms'])} {ms(r['t_ideal_ms'])} {r['speedup']:7.2f} {r['E']:+6.2f} {host:>16}")
 
 
 if __name__ == "__main__":

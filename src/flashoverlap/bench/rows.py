@@ -13,8 +13,10 @@ def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
 
 
 def result_row(op: str, shape: tuple[int, int, int], dtype: torch.dtype, t: dict[str, float],
-               decomposition: dict[int, float], async_tp: float | None, plan: Plan) -> dict:
-    """``t`` holds the medians named gemm, comm, seq, ours and, where measured, our_gemm."""
+               decomposition: dict[int, float], async_tp: float | None, plan: Plan,
+               host_us: dict[str, float] | None = None) -> dict:
+    """``t`` holds the medians named gemm, comm, seq, ours and, where measured, our_gemm; ``host_us`` the host
+    time per call of sequential and ours."""
     m, n, k = shape
     t_ideal = max(t["gemm"], t["comm"])
     our_gemm = t.get("our_gemm")
@@ -29,4 +31,5 @@ def result_row(op: str, shape: tuple[int, int, int], dtype: torch.dtype, t: dict
         "plan": {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
                  "sequential": plan.sequential,
                  "tile": [plan.tile.block_m, plan.tile.block_n, plan.tile.block_k, plan.tile.group_m]},
+        "host_us": {name: host_us[name] for name in ("seq", "ours") if name in host_us} if host_us else None,
     }

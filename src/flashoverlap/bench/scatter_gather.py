@@ -43,8 +43,10 @@ def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, 
     fused, failed = _try_async_tp(fused, *fused_args)
     if fused is not None:
         fns["async_tp"] = lambda: fused(*fused_args)
-    t = time_side_by_side(fns, warmup=5, iters=iters, before=before or {})
-    row = result_row(op, shape, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"), plan)
+    host_us: dict[str, float] = {}
+    t = time_side_by_side(fns, warmup=5, iters=iters, before=before or {}, host_us=host_us)
+    row = result_row(op, shape, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"), plan,
+                     host_us)
     if fused is None:
         row["baselines"]["async_tp_note"] = failed or why or "not run"
     return row

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -65,11 +66,15 @@ def time_side_by_side(
     iters: int = 20,
     group: dist.ProcessGroup | None = None,
     before: dict[str, Callable[[], object]] | None = None,
+    host_us: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Like :func:`time_ms` for several functions, interleaved call by call, so that all of them see the same
     clocks: under load these GPUs reach their power limit and their clocks move by up to 30%. The order is
     shuffled every round (the same way on every rank), so that no function always follows the same one: a call
-    right after a light one (a collective alone) runs with more power headroom than one after a GEMM."""
+    right after a light one (a collective alone) runs with more power headroom than one after a GEMM.
+
+    ``host_us``, if given, receives each function's median host time per call (microseconds, maximum over ranks):
+    where it exceeds the queued-ahead sleep, the GPU waited for the host."""
     before = before or {}
     names = list(fns)
     for _ in range(warmup):
@@ -79,6 +84,7 @@ def time_side_by_side(
             fns[name]()
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in names}
+    host: dict[str, list[float]] = {name: [] for name in names}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     shuffler = random.Random(0)  # same seed on every rank: the collectives inside must match
     for _ in range(iters):
@@ -91,11 +97,18 @@ def time_side_by_side(
                 dist.barrier(group=group)
             torch.cuda.synchronize()
             _start_behind_sleep(start)
+            t0 = time.perf_counter()
             fns[name]()
+            host[name].append(time.perf_counter() - t0)
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end))
-    medians = torch.tensor([statistics.median(times[name]) for name in names], dtype=torch.float64, device="cuda")
+    medians = torch.tensor([statistics.median(times[name]) for name in names]
+                           + [1e6 * statistics.median(host[name]) for name in names], dtype=torch.float64,
+                          device="cuda")
     if dist.is_initialized():
         dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(names, medians.tolist()))
+    values = medians.tolist()
+    if host_us is not None:
+        host_us.update(zip(names, values[len(names):]))
+    return dict(zip(names, values[: len(names)]))

@@ -139,11 +139,16 @@ class NcclCommunicator:
 
         self._issue(plan, launch)
 
-    def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan) -> None:
+    def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
+                   events: bool = False) -> list[torch.cuda.Event]:
         """Fill ``gathered`` (the plan's ``[group][W][rows][K]`` layout) band by band on the communication stream,
         raising ``flags[g]`` once band ``g`` has landed. Here communication is the producer and the GEMM the
         consumer, so this is called *before* the GEMM is launched (rule 1); the GEMM must leave ``comm_ctas`` SMs
-        free for these collectives (rule 2, checked by the op)."""
+        free for these collectives (rule 2, checked by the op).
+
+        With ``events``, each band's arrival is published as a CUDA event (returned, one per group) instead of a
+        flag: inside a CUDA graph the consumer must depend on the bands through graph edges, because a graph may
+        queue the NCCL kernels behind a kernel that spins on their flags."""
         producer = torch.cuda.current_stream(self.device)
         # Each group's slice of the gathered buffer, and this rank's slot in it.
         bands = [gathered[grp.out_row_start : grp.out_row_end] for grp in plan.groups]
@@ -155,10 +160,15 @@ class NcclCommunicator:
         self.comm_stream.wait_stream(producer)
         comm_group = self.comm_group(plan.comm_ctas)
         base = self.flags.data_ptr()
+        arrived = []
         with torch.cuda.stream(self.comm_stream):
             for grp, band, slot in zip(plan.groups, bands, slots):
                 dist.all_gather_into_tensor(band, slot, group=comm_group)
-                stream_ops.write(self.comm_stream, base + 4 * grp.index, 1)
+                if events:
+                    arrived.append(self.comm_stream.record_event())
+                else:
+                    stream_ops.write(self.comm_stream, base + 4 * grp.index, 1)
+        return arrived
 
     def finish_all_gather(self, plan: Plan) -> None:
         """After the GEMM: join the communication stream, then clear the flags (every one has been written by

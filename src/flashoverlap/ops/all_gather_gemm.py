@@ -60,6 +60,9 @@ def all_gather_gemm(
         comm = nccl.communicator(group, device)
         comm.prepare(plan, a_shard.dtype)
         gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            c = _captured(comm, gathered, a_shard, b, plan)
+            return (c, gathered_in_rank_order(gathered, plan)) if return_gathered else c
         comm.all_gather(gathered, a_shard, plan)
         timeout = nccl.debug_timeout()
         wait_error = torch.zeros(1, dtype=torch.int32, device=device) if timeout else None
@@ -74,3 +77,28 @@ def all_gather_gemm(
                 f"{plan.num_groups} (FLASHOVERLAP_DEBUG_TIMEOUT); its band never arrived"
             )
         return (c, gathered_in_rank_order(gathered, plan)) if return_gathered else c
+
+
+def _captured(comm: nccl.NcclCommunicator, gathered: torch.Tensor, a_shard: torch.Tensor, b: torch.Tensor,
+              plan: Plan) -> torch.Tensor:
+    """The schedule recorded into a CUDA graph: the same bands gathered in the same order, but each band's slots
+    multiplied by cuBLAS once the band's event has fired, the dependency a graph edge instead of an in-kernel
+    spin. A graph may serialize its branches onto one hardware queue, where a spinning GEMM ahead of the NCCL
+    kernels it waits for would never finish (measured: the in-kernel schedule hung under graph replay)."""
+    arrived = comm.all_gather(gathered, a_shard, plan, events=True)
+    producer = torch.cuda.current_stream(gathered.device)
+    c = torch.empty((plan.m, plan.n), dtype=gathered.dtype, device=gathered.device)
+    c_blocks = c.view(plan.world_size, plan.block_rows, plan.n)  # rank r's rows of the result: c_blocks[r]
+
+    def multiply(grp, r):
+        band = gathered[grp.out_row_start : grp.out_row_end].view(plan.world_size, grp.rows, plan.k)
+        torch.matmul(band[r], b, out=c_blocks[r, grp.row_start : grp.row_end])
+
+    for grp in plan.groups:  # the own shard is in place before the first collective: no wait
+        multiply(grp, comm.rank)
+    for grp, event in zip(plan.groups, arrived):
+        producer.wait_event(event)
+        for step in range(1, plan.world_size):
+            multiply(grp, (comm.rank + step) % plan.world_size)
+    comm.finish_all_gather(plan)
+    return c
