@@ -3,13 +3,14 @@
 # each setting (nvlink, pcie-like) with a timeline picture, nvidia-smi sampling clocks and power throughout.
 # Logs, JSON and PNGs land in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=<sha> [TESTS="tests/gpu/..."|TESTS=] [DEMO=] [SETTINGS="nvlink pcie-like"]
-#        [OPS=all_reduce,reduce_scatter,all_gather] [BENCH_ARGS=--interference] bash benchmarks/final_run.sh
+#        [OPS=all_reduce,reduce_scatter,all_gather] [BENCH_ARGS=--interference] [TIMELINE=] [TAG=-sweep]
+#        bash benchmarks/final_run.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 TESTS=${TESTS-tests/gpu}; DEMO=${DEMO-1}; SETTINGS=${SETTINGS-nvlink pcie-like}
-OPS=${OPS-all_reduce,reduce_scatter,all_gather}; BENCH_ARGS=${BENCH_ARGS-}
+OPS=${OPS-all_reduce,reduce_scatter,all_gather}; BENCH_ARGS=${BENCH_ARGS-}; TIMELINE=${TIMELINE-1}; TAG=${TAG-}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv -lms 250 > "$OUT/smi.csv" 2>&1 &
@@ -24,12 +25,12 @@ fi
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
 for setting in $SETTINGS; do
     p2p=""; [[ $setting == pcie-like ]] && p2p="NCCL_P2P_DISABLE=1"
-    args="--ops $OPS --timeline $OUT/timeline-$setting.png $BENCH_ARGS"
+    args="--ops $OPS $BENCH_ARGS"; [[ -n $TIMELINE ]] && args="$args --timeline $OUT/timeline-$setting.png"
     cmd="$p2p torchrun --nproc-per-node $NGPU -m flashoverlap.bench $args"
-    echo "== $cmd" | tee "$OUT/bench-$setting.log"
+    echo "== $cmd" | tee "$OUT/bench-$setting$TAG.log"
     env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout ${BENCH_TIMEOUT:-240} torchrun --nproc-per-node "$NGPU" \
-        -m flashoverlap.bench $args --out "$OUT/${gpu}x$NGPU-$setting.json" >> "$OUT/bench-$setting.log" 2>&1
-    sed -n '/^gemm_all_reduce\|^gemm_reduce_scatter\|^all_gather_gemm/,/^$/p' "$OUT/bench-$setting.log"
-    grep -iE "error|Traceback" "$OUT/bench-$setting.log" | head -5
+        -m flashoverlap.bench $args --out "$OUT/${gpu}x$NGPU-$setting$TAG.json" >> "$OUT/bench-$setting$TAG.log" 2>&1
+    sed -n '/^gemm_all_reduce\|^gemm_reduce_scatter\|^all_gather_gemm/,/^$/p' "$OUT/bench-$setting$TAG.log"
+    grep -iE "error|Traceback" "$OUT/bench-$setting$TAG.log" | head -5
 done
 kill $SMI 2>/dev/null

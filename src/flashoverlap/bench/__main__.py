@@ -89,7 +89,8 @@ def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
     decomposition = {ch: t_all[f"decomp{ch}"] for ch in decomposed}
     row = result_row("all_reduce", (m, n, k), dtype, t_all, decomposition, None, plan, host_us)
     if args.sweep:
-        row["sweep"] = sweep_all_reduce(a, b, args, world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
+        row["sweep"] = sweep_plans("all_reduce", lambda plan: fo.gemm_all_reduce(a, b, plan=plan), (m, n, k), args,
+                                   world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
     return row
 
 
@@ -97,28 +98,29 @@ def device_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def sweep_all_reduce(a, b, args, world_size, device, t_seq, t_ideal) -> list[dict]:
-    """Time a family of plans: groups and their sizes, GEMM programs, NCCL CTAs."""
-    m, k = a.shape
-    n = b.shape[1]
+def sweep_plans(op: str, call, shape: tuple[int, int, int], args, world_size, device, t_seq, t_ideal) -> list[dict]:
+    """Time ``call(plan)`` over a family of plans of ``op`` at ``shape``: groups and their sizes, GEMM programs,
+    NCCL CTAs (all-gather: only plans that leave the NCCL CTAs their SMs, deadlock rule 2)."""
+    m, n, k = shape
     sms = device_sms(device)
-    tiles = default_plan("all_reduce", m, n, k, world_size, allow_sequential=False).num_tiles
+    tiles = default_plan(op, m, n, k, world_size, allow_sequential=False).num_tiles
     out = []
     for groups in args.sweep_groups:
         for profile in args.sweep_profiles:
             for programs in [tiles if p == "tiles" else sms - int(p) for p in args.sweep_programs]:
                 for comm_ctas in args.sweep_ctas:
-                    plan = default_plan("all_reduce", m, n, k, world_size, num_sms=sms, num_groups=groups,
+                    if op == "all_gather" and (comm_ctas < 1 or min(programs, tiles) + comm_ctas > sms):
+                        continue
+                    plan = default_plan(op, m, n, k, world_size, num_sms=sms, num_groups=groups,
                                         profile=profile, num_programs=programs, comm_ctas=comm_ctas,
                                         allow_sequential=False)
-                    t = time_ms(lambda plan=plan: fo.gemm_all_reduce(a, b, plan=plan), warmup=2,
-                                iters=args.sweep_iters)
+                    t = time_ms(lambda plan=plan: call(plan), warmup=2, iters=args.sweep_iters)
                     rec = {"groups": plan.num_groups, "profile": profile, "rows": list(plan.group_row_tiles),
                            "programs": plan.grid_size, "comm_ctas": comm_ctas, "t_ms": t,
                            "E": efficiency(t_seq, t, t_ideal)}
                     out.append(rec)
                     if dist.get_rank() == 0:
-                        print(f"    sweep {m}x{n}x{k} groups={rec['groups']:2d} {profile:>11} "
+                        print(f"    sweep {op} {m}x{n}x{k} groups={rec['groups']:2d} {profile:>11} "
                               f"programs={rec['programs']:5d} comm_ctas={comm_ctas:3d}: {t:.3f} ms  "
                               f"E={rec['E']:+.2f}", flush=True)
     return out
@@ -304,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             grid = scatter_gather.GRID_ALL_GATHER if op == "all_gather" else GRID_ALL_REDUCE
             op_shapes = grid if args.shapes is None else shapes
             fn = scatter_gather.bench_all_gather if op == "all_gather" else scatter_gather.bench_reduce_scatter
-            bench = lambda m, n, k, fn=fn: fn(m, n, k, dtype, args.iters, world_size, device, meta["setting"])  # noqa: E731
+            sweep = None
+            if args.sweep:
+                def sweep(op, call, shape, row):
+                    return sweep_plans(op, call, shape, args, world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
+            bench = lambda m, n, k, fn=fn, sweep=sweep: fn(m, n, k, dtype, args.iters, world_size, device,  # noqa: E731
+                                                           meta["setting"], sweep)
         else:
             parser.error(f"--ops: unknown op {op!r}")
         for m, n, k in op_shapes:

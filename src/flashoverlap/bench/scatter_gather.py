@@ -38,8 +38,10 @@ def _try_async_tp(fn, *args):
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, before=None, why=None) -> dict:
-    """Time ``fns`` (plus torch async TP where it runs) side by side and build the results row."""
+def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, before=None, why=None,
+             sweep=None, call=None) -> dict:
+    """Time ``fns`` (plus torch async TP where it runs) side by side and build the results row; with ``sweep``,
+    also ``sweep(op, call, shape, row)``: ``call(plan)`` over a family of plans."""
     fused, failed = _try_async_tp(fused, *fused_args)
     if fused is not None:
         fns["async_tp"] = lambda: fused(*fused_args)
@@ -49,10 +51,12 @@ def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, 
                      host_us)
     if fused is None:
         row["baselines"]["async_tp_note"] = failed or why or "not run"
+    if sweep is not None:
+        row["sweep"] = sweep(op, call, shape, row)
     return row
 
 
-def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting) -> dict:
+def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> dict:
     rank = dist.get_rank()
     a, b = _inputs(m, n, k, dtype, rank)
     c = torch.matmul(a, b)
@@ -72,10 +76,11 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting) -> 
     }
     fused_rs, _, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
     return _measure("reduce_scatter", (m, n, k), dtype, fns, decomposed, plan, iters, fused_rs, (a, b),
-                    before={"our_gemm": counters.zero_}, why=why)
+                    before={"our_gemm": counters.zero_}, why=why, sweep=sweep,
+                    call=lambda plan: gemm_reduce_scatter(a, b, plan=plan))
 
 
-def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting) -> dict:
+def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> dict:
     rank = dist.get_rank()
     rows = m // world_size
     a_shard, b = _inputs(rows, n, k, dtype, rank)
@@ -100,4 +105,5 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting) -> dict
         "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),
     }
     _, fused_ag, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
-    return _measure("all_gather", (m, n, k), dtype, fns, decomposed, plan, iters, fused_ag, (a_shard, b), why=why)
+    return _measure("all_gather", (m, n, k), dtype, fns, decomposed, plan, iters, fused_ag, (a_shard, b), why=why,
+                    sweep=sweep, call=lambda plan: all_gather_gemm(a_shard, b, plan=plan))

@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 
 # Each timed call is queued behind this much GPU sleep, so that the host time spent launching it is hidden as
-# it is inside a model (where the GPU is busy with earlier layers) instead of counted as GPU idle time.
-QUEUE_AHEAD_CYCLES = 200_000  # about 100 us at H200 clocks
+# it is inside a model (where the GPU is busy with earlier layers, or a CUDA graph launches it) instead of counted
+# as GPU idle time. Measured on the H200 machines: 120-240 us of host time for matmul + one NCCL collective, up to
+# about 1 ms for an overlapped op issuing 8 collectives (bench rows' host_us), so 100 us did not hide it.
+QUEUE_AHEAD_CYCLES = 3_000_000  # about 1.5 ms at H200 clocks
 
 
 def _start_behind_sleep(start: torch.cuda.Event) -> None:
