@@ -4,7 +4,7 @@
 # Logs, JSON and PNGs land in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=<sha> [TESTS="tests/gpu/..."|TESTS=] [DEMO=] [SETTINGS="nvlink pcie-like"]
 #        [OPS=all_reduce,reduce_scatter,all_gather] [BENCH_ARGS=--interference] [TIMELINE=] [TAG=-sweep]
-#        bash benchmarks/final_run.sh
+#        [BENCH_TIMEOUT=240] [BENCH_TIMEOUT_nvlink=...] [BENCH_TIMEOUT_pcie_like=...] bash benchmarks/final_run.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
@@ -28,7 +28,7 @@ for setting in $SETTINGS; do
     args="--ops $OPS $BENCH_ARGS"; [[ -n $TIMELINE ]] && args="$args --timeline $OUT/timeline-$setting.png"
     cmd="$p2p torchrun --nproc-per-node $NGPU -m flashoverlap.bench $args"
     echo "== $cmd" | tee "$OUT/bench-$setting$TAG.log"
-    env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout ${BENCH_TIMEOUT:-240} torchrun --nproc-per-node "$NGPU" \
+    env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout $(eval echo \${BENCH_TIMEOUT_${setting/-/_}:-${BENCH_TIMEOUT:-240}}) torchrun --nproc-per-node "$NGPU" \
         -m flashoverlap.bench $args --out "$OUT/${gpu}x$NGPU-$setting$TAG.json" >> "$OUT/bench-$setting$TAG.log" 2>&1
     sed -n '/^gemm_all_reduce\|^gemm_reduce_scatter\|^all_gather_gemm/,/^$/p' "$OUT/bench-$setting$TAG.log"
     grep -iE "error|Traceback" "$OUT/bench-$setting$TAG.log" | head -5

@@ -313,9 +313,13 @@ MIN_OVERLAP_BYTES = 4 << 20
 MIN_OVERLAP_WAVES = 2.0
 # Measured on 2x H200 (docs/why-overlap-is-hard.md): where the collective takes under half the GEMM's time, NCCL's
 # slowdown beside the GEMM and the GEMM's beside NCCL cost more than the overlap hides.
-MIN_OVERLAP_COMM_RATIO = 0.5
-# NCCL CTAs (and SMs the GEMM leaves free) for all-gather plans; not measured yet (issue 3).
+# Reduce-scatter paid from a lower ratio: 16384x8192x4096 (ratio 0.43) hid half the hideable time with 8 groups,
+# one program per tile (benchmarks/results/logs, sweep at d2b0ea3).
+MIN_OVERLAP_COMM_RATIO = {"all_reduce": 0.5, "reduce_scatter": 0.4, "all_gather": 0.5}
+# NCCL CTAs for all-gather plans, and SMs the GEMM leaves free (deadlock rule 2 needs at least the CTAs; the
+# reduce-scatter sweep, through host memory, overlapped only with 32 SMs free, not 16).
 ALL_GATHER_COMM_CTAS = 16
+COMM_BOUND_FREE_SMS = 32
 
 
 def default_tile_config(m: int, n: int, k: int) -> TileConfig:
@@ -374,7 +378,7 @@ def default_plan(
     measurements on 2x H200 (docs/why-overlap-is-hard.md):
 
     - sequential where the output is under ``MIN_OVERLAP_BYTES``, the GEMM under ``MIN_OVERLAP_WAVES`` waves of
-      tiles, or ``comm_ratio < MIN_OVERLAP_COMM_RATIO``;
+      tiles, or ``comm_ratio < MIN_OVERLAP_COMM_RATIO[op]``;
     - communication-bound (``comm_ratio >= 1``): 6 even groups; the GEMM persistent on all SMs but 32, which
       NCCL's 8 CTAs then find free as soon as the first group is ready;
     - otherwise: 8 even groups, one program per tile (programs retire as they finish, which lets NCCL's blocks
@@ -392,7 +396,7 @@ def default_plan(
         m * n * element_size < MIN_OVERLAP_BYTES
         or waves < MIN_OVERLAP_WAVES
         or world_size == 1
-        or (comm_ratio is not None and comm_ratio < MIN_OVERLAP_COMM_RATIO)
+        or (comm_ratio is not None and comm_ratio < MIN_OVERLAP_COMM_RATIO[op])
     )
     if too_small and allow_sequential:
         return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True)
@@ -401,10 +405,11 @@ def default_plan(
         # The GEMM spins on bands NCCL delivers, so NCCL must always find SMs: a fixed CTA count and that many
         # SMs never taken by the GEMM (deadlock rule 2).
         ctas = comm_ctas or ALL_GATHER_COMM_CTAS
-        choice = dict(num_groups=4 if comm_bound else 8, profile="even", num_programs=max(1, num_sms - ctas),
+        free = max(ctas, COMM_BOUND_FREE_SMS) if comm_bound else ctas
+        choice = dict(num_groups=4 if comm_bound else 8, profile="even", num_programs=max(1, num_sms - free),
                       comm_ctas=ctas)
     elif comm_bound:
-        choice = dict(num_groups=6, profile="even", num_programs=max(1, num_sms - 32), comm_ctas=8)
+        choice = dict(num_groups=6, profile="even", num_programs=max(1, num_sms - COMM_BOUND_FREE_SMS), comm_ctas=8)
     else:
         choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)
     given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)

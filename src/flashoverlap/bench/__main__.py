@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
 
     meta = _meta(args, world_size)
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world_size}-{meta['setting']}.json")
     rows = []
     if rank == 0:
         print(f"# {meta['gpus']}, {meta['setting']}, torch {meta['torch']}, triton {meta['triton']}, "
@@ -319,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if rank == 0:
                 print(f"  {op} {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
+                write_results(out, meta, rows, {})  # so far, in case a later row fails
     extra = {}
     if args.timeline:
         extra["timeline"] = draw_timeline(args.timeline, rows, meta, dtype, world_size, device)
@@ -329,15 +332,17 @@ def main(argv: list[str] | None = None) -> int:
         extra["interference"] = interference(args, rank, world_size, device, dtype)
     if rank == 0:
         print_table(rows, meta)
-        gpu = torch.cuda.get_device_name().split()[-1].lower()
-        out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world_size}-{meta['setting']}.json")
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump({"meta": meta, "rows": rows, **extra}, f, indent=1)
+        write_results(out, meta, rows, extra)
         print(f"wrote {out}")
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def write_results(path: str, meta: dict, rows: list[dict], extra: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows, **extra}, f, indent=1)
 
 
 def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: int, device) -> dict:

@@ -63,6 +63,7 @@ def all_gather_gemm(
         if torch.cuda.is_current_stream_capturing():
             c = _captured(comm, gathered, a_shard, b, plan)
             return (c, gathered_in_rank_order(gathered, plan)) if return_gathered else c
+        _cublas_ready(device, a_shard.dtype)
         comm.all_gather(gathered, a_shard, plan)
         timeout = nccl.debug_timeout()
         wait_error = torch.zeros(1, dtype=torch.int32, device=device) if timeout else None
@@ -79,12 +80,24 @@ def all_gather_gemm(
         return (c, gathered_in_rank_order(gathered, plan)) if return_gathered else c
 
 
+_CUBLAS_READY: set[tuple[torch.device, torch.dtype]] = set()
+
+
+def _cublas_ready(device: torch.device, dtype: torch.dtype) -> None:
+    """Create this thread's cuBLAS handle on an eager call: the captured schedule multiplies with cuBLAS, and
+    creating a handle inside a capture fails (CUBLAS_STATUS_NOT_INITIALIZED, seen on the H200s)."""
+    if (device, dtype) not in _CUBLAS_READY:
+        torch.matmul(torch.zeros(1, 1, dtype=dtype, device=device), torch.zeros(1, 1, dtype=dtype, device=device))
+        _CUBLAS_READY.add((device, dtype))
+
+
 def _captured(comm: nccl.NcclCommunicator, gathered: torch.Tensor, a_shard: torch.Tensor, b: torch.Tensor,
               plan: Plan) -> torch.Tensor:
     """The schedule recorded into a CUDA graph: the same bands gathered in the same order, but each band's slots
     multiplied by cuBLAS once the band's event has fired, the dependency a graph edge instead of an in-kernel
     spin. A graph may serialize its branches onto one hardware queue, where a spinning GEMM ahead of the NCCL
-    kernels it waits for would never finish (measured: the in-kernel schedule hung under graph replay)."""
+    kernels it waits for would never finish (the in-kernel schedule hung under graph replay on the H200s; that
+    serialization is the likely cause, not a proven one). Overlap in a graph is therefore decomposition-like."""
     arrived = comm.all_gather(gathered, a_shard, plan, events=True)
     producer = torch.cuda.current_stream(gathered.device)
     c = torch.empty((plan.m, plan.n), dtype=gathered.dtype, device=gathered.device)
