@@ -18,7 +18,7 @@ import torch.distributed as dist
 QUEUE_AHEAD_CYCLES = 3_000_000  # about 1.5 ms at H200 clocks
 
 
-def _start_behind_sleep(start: torch.cuda.Event) -> None:
+def start_behind_sleep(start: torch.cuda.Event) -> None:
     torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
     start.record()
 
@@ -50,7 +50,7 @@ def time_ms(
         if dist.is_initialized():
             dist.barrier(group=group)
         torch.cuda.synchronize()
-        _start_behind_sleep(start)
+        start_behind_sleep(start)
         fn()
         end.record()
         end.synchronize()
@@ -98,7 +98,7 @@ def time_side_by_side(
             if dist.is_initialized():
                 dist.barrier(group=group)
             torch.cuda.synchronize()
-            _start_behind_sleep(start)
+            start_behind_sleep(start)
             t0 = time.perf_counter()
             fns[name]()
             host[name].append(time.perf_counter() - t0)
