@@ -1,4 +1,4 @@
-"""all_gather_gemm on real GPUs through NCCL (issue 3; not yet run on GPUs when written): odd shapes, both
+"""all_gather_gemm on real GPUs through NCCL: odd shapes, both
 dtypes, the gathered input, the deadlock-prone configuration (many waves, small bands), back-to-back calls, CUDA
 graphs, CUDA_DEVICE_MAX_CONNECTIONS=1, and the plan check of deadlock rule 2. Skipped without 2 GPUs."""
 

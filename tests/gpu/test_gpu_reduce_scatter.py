@@ -1,4 +1,4 @@
-"""gemm_reduce_scatter on real GPUs through NCCL (issue 3; not yet run on GPUs when written): odd shapes, both
+"""gemm_reduce_scatter on real GPUs through NCCL: odd shapes, both
 dtypes, back-to-back calls of changing shapes, CUDA graphs, CUDA_DEVICE_MAX_CONNECTIONS=1. Skipped without 2 GPUs."""
 
 import os

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=None, help="M,N,K;M,N,K;... (default: BENCHMARK.md's all-reduce grid)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--ops", default="all_reduce", type=lambda s: s.split(","),
-                        help="comma-separated: all_reduce, reduce_scatter, all_gather (the last two: issue 3, in "
+                        help="comma-separated: all_reduce, reduce_scatter, all_gather ("
                              "progress)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="also time a family of plans per shape")

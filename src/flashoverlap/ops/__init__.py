@@ -1,5 +1,7 @@
 """Public ops, one file each: argument checks, plan lookup, choosing the path, launching."""
 
+from flashoverlap.ops.all_gather_gemm import all_gather_gemm
 from flashoverlap.ops.gemm_all_reduce import gemm_all_reduce
+from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
 
-__all__ = ["gemm_all_reduce"]
+__all__ = ["all_gather_gemm", "gemm_all_reduce", "gemm_reduce_scatter"]

@@ -10,8 +10,7 @@ and raises a flag per band; the GEMM, persistent on all SMs but ``plan.comm_ctas
 then waits in-kernel for each band's flag. NCCL always finds ``comm_ctas`` free SMs for its fixed ``comm_ctas``
 CTAs, so every wait is satisfiable (deadlock rule 2); the op refuses plans that break this.
 
-Status: the reference path and the kernel's waits (interpreter) are tested on the CPU; the NCCL path has not run
-on GPUs yet (issue 3), so this op is not exported from ``flashoverlap``.
+Inside a CUDA-graph capture the in-kernel waits are replaced by graph edges (see ``_captured``).
 """
 
 from __future__ import annotations

@@ -5,9 +5,6 @@ Row-parallel linear layer with sequence parallelism: rank r holds ``a_r: [M, K/W
 gets rows ``[r*M/W, (r+1)*M/W)`` of ``sum_r a_r @ b_r`` as ``[M/W, N]``. The GEMM writes each group's band of
 every rank block into a workspace laid out ``[group][W][rows][N]`` (``Plan.tile_rows``), so one
 ``reduce_scatter_tensor`` per group lands this rank's band straight in its place in the output.
-
-Status: the reference path is tested on the CPU; the NCCL path is written but has not run on GPUs yet (issue 3),
-so it is not exported from ``flashoverlap`` until it has.
 """
 
 from __future__ import annotations
