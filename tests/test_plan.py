@@ -216,9 +216,9 @@ def test_all_gather_default_plans_leave_sms_for_nccl():
         plan = default_plan("all_gather", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=ratio,
                             allow_sequential=False)
         assert plan.comm_ctas >= 1 and plan.grid_size + plan.comm_ctas <= 132
-    # Communication-bound: the GEMM leaves 32 SMs free, not just the NCCL CTAs' 16.
-    assert default_plan("all_gather", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=3.0).grid_size == 100
-    assert default_plan("all_gather", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=0.7).grid_size == 116
+    # The GEMM leaves 32 SMs free, not just the NCCL CTAs' 16, whatever the ratio.
+    for ratio in (3.0, 0.7):
+        assert default_plan("all_gather", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=ratio).grid_size == 100
     assert default_plan("all_gather", 8192, 8192, 8192, 2, comm_ratio=0.1).sequential
     # Reduce-scatter overlaps from a lower ratio than all-reduce.
     assert not default_plan("reduce_scatter", 16384, 8192, 4096, 2, comm_ratio=0.44).sequential
@@ -235,3 +235,22 @@ def test_rates_estimate_each_collective():
     # Half the bytes, but measured at about 0.7 of the all-reduce's time on 2x H200.
     assert rates.collective_ms("reduce_scatter", 1 << 30, 2) == pytest.approx(all_reduce * 0.7)
     assert rates.collective_ms("all_gather", 1 << 30, 2) == pytest.approx(all_reduce * 0.7)
+
+
+def test_all_gather_plans_leave_nccl_its_sms_and_the_op_checks_it():
+    from flashoverlap.ops.all_gather_gemm import check_leaves_nccl_sms
+    from flashoverlap.plan import nccl_free_sms
+
+    assert nccl_free_sms(132, 16) == 32  # the CTAs plus a margin on an H200
+    assert nccl_free_sms(132, 48) == 48
+    assert nccl_free_sms(40, 8) == 10  # small GPUs keep three quarters for the GEMM
+    for sms, ratio in ((132, 3.0), (132, 0.7), (40, 0.7), (20, 3.0)):
+        plan = default_plan("all_gather", 4096, 4096, 4096, 2, num_sms=sms, comm_ratio=ratio, allow_sequential=False)
+        check_leaves_nccl_sms(plan, sms)  # default plans always pass
+    greedy = default_plan("all_gather", 4096, 4096, 4096, 2, num_sms=132, num_programs=116, allow_sequential=False)
+    with pytest.raises(ValueError, match="deadlock rule 2"):
+        check_leaves_nccl_sms(greedy, 132)  # only the CTAs' 16 SMs left
+    no_ctas = default_plan("all_gather", 4096, 4096, 4096, 2, num_sms=132, num_programs=64, comm_ctas=0,
+                           allow_sequential=False)
+    with pytest.raises(ValueError, match="comm_ctas >= 1"):
+        check_leaves_nccl_sms(no_ctas, 132)

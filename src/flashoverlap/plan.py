@@ -316,10 +316,19 @@ MIN_OVERLAP_WAVES = 2.0
 # Reduce-scatter paid from a lower ratio: 16384x8192x4096 (ratio 0.43) hid half the hideable time with 8 groups,
 # one program per tile (benchmarks/results/logs, sweep at d2b0ea3).
 MIN_OVERLAP_COMM_RATIO = {"all_reduce": 0.5, "reduce_scatter": 0.4, "all_gather": 0.5}
-# NCCL CTAs for all-gather plans, and SMs the GEMM leaves free (deadlock rule 2 needs at least the CTAs; the
-# reduce-scatter sweep, through host memory, overlapped only with 32 SMs free, not 16).
+# NCCL CTAs for all-gather plans.
 ALL_GATHER_COMM_CTAS = 16
-COMM_BOUND_FREE_SMS = 32
+# SMs a GEMM leaves to NCCL in communication-bound plans, and in every all-gather plan (whose GEMM waits for NCCL):
+# through host memory NCCL made no progress beside a GEMM that left it 16 SMs (reduce-scatter sweep, 8 or 16
+# CTAs) but overlapped with 32; the one all-gather configuration that stalled the benchmark (8192x28672x8192,
+# pcie-like) left only its 16 CTAs' SMs.
+NCCL_FREE_SMS = 32
+
+
+def nccl_free_sms(num_sms: int, comm_ctas: int) -> int:
+    """SMs an all-gather GEMM must leave free for NCCL (deadlock rule 2): the CTAs, and ``NCCL_FREE_SMS`` where the
+    GPU is large enough for that to leave the GEMM three quarters of it."""
+    return max(comm_ctas, min(NCCL_FREE_SMS, num_sms // 4))
 
 
 def default_tile_config(m: int, n: int, k: int) -> TileConfig:
@@ -405,11 +414,10 @@ def default_plan(
         # The GEMM spins on bands NCCL delivers, so NCCL must always find SMs: a fixed CTA count and that many
         # SMs never taken by the GEMM (deadlock rule 2).
         ctas = comm_ctas or ALL_GATHER_COMM_CTAS
-        free = max(ctas, COMM_BOUND_FREE_SMS) if comm_bound else ctas
-        choice = dict(num_groups=4 if comm_bound else 8, profile="even", num_programs=max(1, num_sms - free),
-                      comm_ctas=ctas)
+        choice = dict(num_groups=4 if comm_bound else 8, profile="even",
+                      num_programs=max(1, num_sms - nccl_free_sms(num_sms, ctas)), comm_ctas=ctas)
     elif comm_bound:
-        choice = dict(num_groups=6, profile="even", num_programs=max(1, num_sms - COMM_BOUND_FREE_SMS), comm_ctas=8)
+        choice = dict(num_groups=6, profile="even", num_programs=max(1, num_sms - NCCL_FREE_SMS), comm_ctas=8)
     else:
         choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)
     given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)

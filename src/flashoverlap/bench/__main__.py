@@ -26,7 +26,7 @@ from flashoverlap.bench.timing import time_ms, time_side_by_side
 from flashoverlap.comm import nccl
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops.gemm_all_reduce import plan_for
-from flashoverlap.plan import default_plan
+from flashoverlap.plan import default_plan, nccl_free_sms
 
 GRID_ALL_REDUCE = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
                    (2048, 8192, 14336)]
@@ -100,7 +100,7 @@ def device_sms(device: torch.device) -> int:
 
 def sweep_plans(op: str, call, shape: tuple[int, int, int], args, world_size, device, t_seq, t_ideal) -> list[dict]:
     """Time ``call(plan)`` over a family of plans of ``op`` at ``shape``: groups and their sizes, GEMM programs,
-    NCCL CTAs (all-gather: only plans that leave the NCCL CTAs their SMs, deadlock rule 2)."""
+    NCCL CTAs (all-gather: only plans that leave NCCL its SMs, deadlock rule 2)."""
     m, n, k = shape
     sms = device_sms(device)
     tiles = default_plan(op, m, n, k, world_size, allow_sequential=False).num_tiles
@@ -109,8 +109,9 @@ def sweep_plans(op: str, call, shape: tuple[int, int, int], args, world_size, de
         for profile in args.sweep_profiles:
             for programs in [tiles if p == "tiles" else sms - int(p) for p in args.sweep_programs]:
                 for comm_ctas in args.sweep_ctas:
-                    if op == "all_gather" and (comm_ctas < 1 or min(programs, tiles) + comm_ctas > sms):
-                        continue
+                    if op == "all_gather" and (comm_ctas < 1 or
+                                               min(programs, tiles) + nccl_free_sms(sms, comm_ctas) > sms):
+                        continue  # the op would refuse it (deadlock rule 2)
                     plan = default_plan(op, m, n, k, world_size, num_sms=sms, num_groups=groups,
                                         profile=profile, num_programs=programs, comm_ctas=comm_ctas,
                                         allow_sequential=False)

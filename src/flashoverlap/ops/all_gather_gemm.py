@@ -6,9 +6,11 @@ sequence) and ``b_r: [K, N/W]``; every rank computes ``[M, N/W] = all_gather(a_s
 the rank's own shard first, then each group's band of the other shards as it arrives (``Plan.tile_rows``).
 
 NCCL path: the communication stream gathers band after band (launched before the GEMM: here it is the producer)
-and raises a flag per band; the GEMM, persistent on all SMs but ``plan.comm_ctas``, computes its own shard and
-then waits in-kernel for each band's flag. NCCL always finds ``comm_ctas`` free SMs for its fixed ``comm_ctas``
-CTAs, so every wait is satisfiable (deadlock rule 2); the op refuses plans that break this.
+and raises a flag per band; the GEMM, persistent on all SMs but those left to NCCL, computes its own shard and
+then waits in-kernel for each band's flag. NCCL runs a fixed ``comm_ctas`` CTAs on SMs the GEMM never takes, so
+every wait is satisfiable (deadlock rule 2); the op refuses plans that leave fewer SMs than
+``flashoverlap.plan.nccl_free_sms``: the CTAs' count plus a margin, because through host memory NCCL made no
+progress beside a GEMM that left it exactly its CTAs' SMs.
 
 Inside a CUDA-graph capture the in-kernel waits are replaced by graph edges (see ``_captured``).
 """
@@ -22,7 +24,7 @@ from flashoverlap.comm import nccl, reference
 from flashoverlap.comm.collectives import gathered_in_rank_order
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops._common import prepare_call
-from flashoverlap.plan import Plan
+from flashoverlap.plan import Plan, nccl_free_sms
 
 OP = "all_gather_gemm"
 
@@ -49,13 +51,7 @@ def all_gather_gemm(
             dist.all_gather_into_tensor(a_full, a_shard.contiguous(), group=group)
             c = torch.matmul(a_full, b)
             return (c, a_full) if return_gathered else c
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if plan.comm_ctas < 1 or plan.grid_size + plan.comm_ctas > sms:
-            raise ValueError(
-                f"{OP}: the plan's GEMM ({plan.grid_size} programs) waits for bands NCCL delivers with "
-                f"{plan.comm_ctas} CTAs; it needs comm_ctas >= 1 and programs + comm_ctas <= {sms} SMs, or the "
-                "waits could starve NCCL of SMs and hang (DESIGN.md, deadlock rule 2)"
-            )
+        check_leaves_nccl_sms(plan, torch.cuda.get_device_properties(device).multi_processor_count)
         comm = nccl.communicator(group, device)
         comm.prepare(plan, a_shard.dtype)
         gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
@@ -80,6 +76,18 @@ def all_gather_gemm(
 
 
 _CUBLAS_READY: set[tuple[torch.device, torch.dtype]] = set()
+
+
+def check_leaves_nccl_sms(plan: Plan, num_sms: int) -> None:
+    """Deadlock rule 2: the GEMM spins on bands that NCCL delivers, so it must leave NCCL ``nccl_free_sms`` SMs
+    (its CTAs and a margin) that it never occupies."""
+    free = nccl_free_sms(num_sms, plan.comm_ctas)
+    if plan.comm_ctas < 1 or plan.grid_size + free > num_sms:
+        raise ValueError(
+            f"{OP}: the plan's GEMM ({plan.grid_size} programs) waits for bands NCCL delivers with "
+            f"{plan.comm_ctas} CTAs; it needs comm_ctas >= 1 and programs <= {num_sms} SMs - {free} left to NCCL, "
+            "or the waits could starve NCCL of SMs and hang (DESIGN.md, deadlock rule 2)"
+        )
 
 
 def _cublas_ready(device: torch.device, dtype: torch.dtype) -> None:
