@@ -20,6 +20,10 @@ import numpy as np
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # Ops whose M is split into world_size row blocks, one per rank, each tiled on its own.
 BLOCKED_OPS = ("reduce_scatter", "all_gather")
+# Which communicator consumes the plan: NCCL collectives on a stream, or copy engines and peer memory (P2P).
+PATHS = ("nccl", "p2p")
+# Ops the P2P communicator implements so far (issue 4 in progress).
+P2P_OPS = ("all_gather",)
 
 # Counters live in one small per-device buffer; a plan may not use more groups than it holds.
 MAX_GROUPS = 1024
@@ -98,7 +102,8 @@ class Plan:
     the collectives' kernels; as many as there are tiles gives one tile per program, so that programs retire
     as they finish and the communication stream's kernels can take their SMs. ``comm_ctas`` sets the number of
     CTAs (channels) of NCCL's kernels (0 keeps NCCL's choice). ``sequential`` says overlap cannot pay at this
-    shape: the op then runs the plain matmul followed by one collective on the whole result.
+    shape: the op then runs the plain matmul followed by one collective on the whole result. ``path`` names the
+    communicator the plan is for: ``"nccl"`` or ``"p2p"`` (copy engines over peer-mapped memory, NVLink).
     """
 
     op: str
@@ -111,10 +116,15 @@ class Plan:
     num_programs: int = 132
     comm_ctas: int = 0
     sequential: bool = False
+    path: str = "nccl"
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"Plan.op must be one of {OPS}, got {self.op!r}")
+        if self.path not in PATHS:
+            raise ValueError(f"Plan.path must be one of {PATHS}, got {self.path!r}")
+        if self.path == "p2p" and self.op not in P2P_OPS:
+            raise ValueError(f"Plan.path 'p2p' is implemented for {P2P_OPS} only so far, not {self.op!r}")
         for name in ("m", "n", "k", "world_size", "num_programs"):
             _check_int(f"Plan.{name}", getattr(self, name), 1)
         _check_int("Plan.comm_ctas", self.comm_ctas, 0)
@@ -294,7 +304,9 @@ class Plan:
             + ("  (sequential: overlap cannot pay at this shape)" if self.sequential else ""),
             f"  tiles {t.block_m}x{t.block_n}x{t.block_k} (group_m {t.group_m}, {t.num_stages} stages, "
             f"{t.num_warps} warps): {self.tiles_m} x {self.tiles_n} = {self.num_tiles} tiles, "
-            f"{self.grid_size} programs, NCCL CTAs {'default' if self.comm_ctas == 0 else self.comm_ctas}",
+            f"{self.grid_size} programs, "
+            + ("P2P (copy engines)" if self.path == "p2p" else
+               f"NCCL CTAs {'default' if self.comm_ctas == 0 else self.comm_ctas}"),
         ]
         where = "" if self.blocks == 1 else f" of each of the {self.blocks} rank blocks"
         for grp, nbytes in zip(self.groups, self.group_bytes(element_size)):
@@ -380,6 +392,7 @@ def default_plan(
     comm_ctas: int | None = None,
     tile: TileConfig | None = None,
     allow_sequential: bool = True,
+    path: str = "nccl",
 ) -> Plan:
     """A reasonable plan for any shape, before tuning; any keyword given overrides the choice.
 
@@ -392,6 +405,10 @@ def default_plan(
       NCCL's 8 CTAs then find free as soon as the first group is ready;
     - otherwise: 8 even groups, one program per tile (programs retire as they finish, which lets NCCL's blocks
       in on the high-priority stream), NCCL's own CTA count.
+
+    ``path="p2p"`` (all-gather so far): copy engines move the bands and take no SM, so the GEMM is persistent on
+    every SM and the ratio does not decide (the transfer costs the GEMM a few percent, not an SM share): 4 even
+    groups, sequential only where the GEMM is too small to overlap anything.
     """
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
         _check_int(name, value, 1)
@@ -401,16 +418,20 @@ def default_plan(
     tiles_m = blocks * tiles_per_block
     tiles_n = math.ceil(n / tile.block_n)
     waves = tiles_m * tiles_n / num_sms
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     too_small = (
         m * n * element_size < MIN_OVERLAP_BYTES
         or waves < MIN_OVERLAP_WAVES
         or world_size == 1
-        or (comm_ratio is not None and comm_ratio < MIN_OVERLAP_COMM_RATIO[op])
+        or (path == "nccl" and comm_ratio is not None and comm_ratio < MIN_OVERLAP_COMM_RATIO[op])
     )
     if too_small and allow_sequential:
-        return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True)
+        return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True, path)
     comm_bound = comm_ratio is not None and comm_ratio >= 1.0
-    if op == "all_gather":
+    if path == "p2p":
+        choice = dict(num_groups=4, profile="even", num_programs=num_sms, comm_ctas=0)
+    elif op == "all_gather":
         # The GEMM spins on bands NCCL delivers, so NCCL must always find SMs: a fixed CTA count and that many
         # SMs never taken by the GEMM (deadlock rule 2).
         ctas = comm_ctas or ALL_GATHER_COMM_CTAS
@@ -423,4 +444,4 @@ def default_plan(
     given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)
     choice.update({key: value for key, value in given.items() if value is not None})
     rows = split_rows(tiles_per_block, choice["num_groups"], choice["profile"])
-    return Plan(op, m, n, k, world_size, tile, rows, choice["num_programs"], choice["comm_ctas"], False)
+    return Plan(op, m, n, k, world_size, tile, rows, choice["num_programs"], choice["comm_ctas"], False, path)

@@ -73,6 +73,17 @@ def test_path_and_group_errors(world_of_one):
         fo.gemm_all_reduce(a, b, path="fast")
     with pytest.raises(ValueError, match="path='nccl' needs CUDA"):
         fo.gemm_all_reduce(a, b, path="nccl")
+    with pytest.raises(ValueError, match="path='p2p' is not implemented for gemm_all_reduce"):
+        fo.gemm_all_reduce(a, b, path="p2p")
+    with pytest.raises(ValueError, match="path='p2p' needs CUDA"):
+        fo.all_gather_gemm(a, b, path="p2p")
+    p2p_plan = fo.default_plan("all_gather", 8, 6, 4, 1, path="p2p")
+    with pytest.raises(ValueError, match="plan given is for path 'p2p'"):
+        fo.all_gather_gemm(a, b, plan=p2p_plan, path="nccl")
+    with pytest.raises(TypeError, match="plan must be a flashoverlap.Plan"):
+        fo.all_gather_gemm(a, b, plan="fast")
+    # On the CPU, "auto" runs the reference whatever the plan's path.
+    torch.testing.assert_close(fo.all_gather_gemm(a, b, plan=p2p_plan), a @ b)
     with pytest.raises(TypeError, match="group must be"):
         fo.gemm_all_reduce(a, b, group="world")
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flashoverlap.comm.collectives import all_gather_into_tensor
+
 
 def sequential_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:
     c = torch.matmul(a, b)
@@ -81,7 +83,7 @@ class DecomposedAllGather:
         with torch.cuda.stream(self.comm_stream):
             for lo, hi in zip(bounds[:-1], bounds[1:]):
                 part = torch.empty((world_size * (hi - lo), k), dtype=a_shard.dtype, device=a_shard.device)
-                dist.all_gather_into_tensor(part, a_shard[lo:hi].contiguous(), group=group)
+                all_gather_into_tensor(part, a_shard[lo:hi].contiguous(), group)
                 gathered.append(part)
                 ready.append(self.comm_stream.record_event())
         for (lo, hi), part, event in zip(zip(bounds[:-1], bounds[1:]), gathered, ready):

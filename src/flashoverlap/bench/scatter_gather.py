@@ -9,7 +9,7 @@ import torch.distributed as dist
 from flashoverlap.bench.baselines import DecomposedAllGather, DecomposedReduceScatter, async_tp_ops
 from flashoverlap.bench.rows import result_row
 from flashoverlap.bench.timing import time_side_by_side
-from flashoverlap.comm.collectives import reduce_scatter_tensor
+from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops._common import plan_for
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
@@ -93,13 +93,13 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=N
     decomposed = {ch: DecomposedAllGather(ch, device) for ch in (2, 4, 8)}
 
     def sequential():
-        dist.all_gather_into_tensor(a_full, a_shard)
+        all_gather_into_tensor(a_full, a_shard, None)
         return torch.matmul(a_full, b)
 
     fns = {
         "gemm": lambda: torch.matmul(a_full, b),
         "our_gemm": lambda: gemm(a_full, b, kernel_plan, flags=flags_ready, rank=rank),
-        "comm": lambda: dist.all_gather_into_tensor(a_full, a_shard),
+        "comm": lambda: all_gather_into_tensor(a_full, a_shard, None),
         "seq": sequential,
         **{f"decomp{ch}": (lambda fn=fn: fn(a_shard, b)) for ch, fn in decomposed.items()},
         "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),

@@ -19,6 +19,14 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.Proc
         dist.reduce_scatter_tensor(out, inp, group=group)
 
 
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``dist.all_gather_into_tensor``: torch >= 2.13 deprecates the name for ``all_gather_single``, which torch
+    2.11 does not have."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_into_tensor(out, inp, group=group)
+
+
 def gathered_in_rank_order(gathered: torch.Tensor, plan: Plan) -> torch.Tensor:
     """The gathered A as ``all_gather_into_tensor`` of whole shards returns it (rank order), from the plan's
     ``[group][W][rows][K]`` layout."""

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.collectives import reduce_scatter_tensor
+from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.plan import MAX_GROUPS, Plan
 
 _COMMUNICATORS: dict[tuple[int, int], NcclCommunicator] = {}
@@ -100,7 +100,7 @@ class NcclCommunicator:
                 if plan.op == "reduce_scatter":
                     reduce_scatter_tensor(probe[:8], probe, comm_group)
                 elif plan.op == "all_gather":
-                    dist.all_gather_into_tensor(probe, probe[8 * self.rank : 8 * (self.rank + 1)], group=comm_group)
+                    all_gather_into_tensor(probe, probe[8 * self.rank : 8 * (self.rank + 1)], comm_group)
                 else:
                     dist.all_reduce(probe, group=comm_group)
             self.comm_stream.synchronize()
@@ -163,7 +163,7 @@ class NcclCommunicator:
         arrived = []
         with torch.cuda.stream(self.comm_stream):
             for grp, band, slot in zip(plan.groups, bands, slots):
-                dist.all_gather_into_tensor(band, slot, group=comm_group)
+                all_gather_into_tensor(band, slot, comm_group)
                 if events:
                     arrived.append(self.comm_stream.record_event())
                 else:

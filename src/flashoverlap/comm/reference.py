@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm.collectives import gathered_in_rank_order, reduce_scatter_tensor
+from flashoverlap.comm.collectives import all_gather_into_tensor, gathered_in_rank_order, reduce_scatter_tensor
 from flashoverlap.plan import Plan
 
 
@@ -56,7 +56,7 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, plan: Plan, group: d
     c[rank * shard_rows : (rank + 1) * shard_rows].copy_(a_shard.float() @ b32)
     for grp in plan.groups:
         band = gathered[grp.out_row_start : grp.out_row_end]
-        dist.all_gather_into_tensor(band, a_shard[grp.row_start : grp.row_end].contiguous(), group=group)
+        all_gather_into_tensor(band, a_shard[grp.row_start : grp.row_end].contiguous(), group)
         for q in range(1, world_size):
             src = (rank + q) % world_size
             rows = slice(src * shard_rows + grp.row_start, src * shard_rows + grp.row_end)

@@ -1,4 +1,4 @@
-"""CUDA stream memory operations: waits and writes on a 32-bit word that occupy no SM.
+"""CUDA stream memory operations that occupy no SM: waits and writes on a 32-bit word, and copy-engine copies.
 
 ``cuStreamWaitValue32`` blocks a stream (not the host, not any SM) until a word in device memory reaches a value;
 ``cuStreamWriteValue32`` writes a word when the stream reaches that point. Both are plain stream work, so they
@@ -46,3 +46,11 @@ def write(stream: torch.cuda.Stream, address: int, value: int) -> None:
     d = _driver()
     flags = int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
     _check(d.cuStreamWriteValue32(stream.cuda_stream, address, value, flags), "cuStreamWriteValue32")
+
+
+def copy(stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` with ``cuMemcpyDtoDAsync``: a copy
+    engine moves the bytes, no SM (unlike a copy kernel). Either address may be a peer's, mapped into this
+    device's address space (symmetric memory)."""
+    d = _driver()
+    _check(d.cuMemcpyDtoDAsync(dst, src, nbytes, stream.cuda_stream), "cuMemcpyDtoDAsync")

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 DTYPES = (torch.bfloat16, torch.float16)
-PATHS = ("auto", "nccl", "reference")
+PATHS = ("auto", "nccl", "p2p", "reference")
 
 
 def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:
@@ -59,11 +59,16 @@ def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) 
     return group
 
 
-def choose_path(op: str, path: str, device: torch.device) -> str:
+def choose_path(op: str, path: str, device: torch.device, plan_path: str | None = None) -> str:
+    """The path a call takes: ``path`` as asked, or for ``"auto"`` the given plan's path, else NCCL on CUDA and
+    the reference elsewhere. (``"auto"`` does not pick P2P by itself yet: that path has not run on GPUs.)"""
     if path not in PATHS:
         raise ValueError(f"{op}: path must be one of {PATHS}, got {path!r}")
     if path == "auto":
-        return "nccl" if device.type == "cuda" else "reference"
-    if path == "nccl" and device.type != "cuda":
-        raise ValueError(f"{op}: path='nccl' needs CUDA tensors, got tensors on {device}; use path='reference'")
+        return (plan_path or "nccl") if device.type == "cuda" else "reference"
+    if plan_path is not None and path != "reference" and path != plan_path:
+        raise ValueError(f"{op}: path={path!r} but the plan given is for path {plan_path!r}; pass a matching plan, "
+                         "or path='auto' to follow the plan")
+    if path in ("nccl", "p2p") and device.type != "cuda":
+        raise ValueError(f"{op}: path={path!r} needs CUDA tensors, got tensors on {device}; use path='reference'")
     return path

@@ -9,29 +9,34 @@ import functools
 import torch
 import torch.distributed as dist
 
+from flashoverlap.comm.symmetric import p2p_unavailable_reason
 from flashoverlap.ops._checks import check_group, check_operands, choose_path
-from flashoverlap.plan import Plan, default_plan
+from flashoverlap.plan import P2P_OPS, Plan, default_plan
 from flashoverlap.tune import rates
 
-# (op, group, device, dtype, shape, default plan?) -> (group as given, group, world size, default plan)
+# (op, group, device, dtype, shape, path, default plan?) -> (group as given, group, world size, default plan)
 _SEEN: dict[tuple, tuple] = {}
 
 
 @functools.lru_cache(maxsize=512)
 def _default_plan(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, element_size: int,
-                  comm_ratio: float | None) -> Plan:
-    return default_plan(op, m, n, k, world_size, num_sms=num_sms, element_size=element_size, comm_ratio=comm_ratio)
+                  comm_ratio: float | None, path: str = "nccl") -> Plan:
+    return default_plan(op, m, n, k, world_size, num_sms=num_sms, element_size=element_size, comm_ratio=comm_ratio,
+                        path=path)
 
 
 def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
-             dtype: torch.dtype) -> Plan:
+             dtype: torch.dtype, path: str = "nccl") -> Plan:
     """The plan a call of ``op`` at this shape uses when none is given. On CUDA the first call for a group
-    measures the machine's GEMM and all-reduce rates (collectively) to choose between overlap and sequential."""
+    measures the machine's GEMM and all-reduce rates (collectively) to choose between overlap and sequential
+    (the P2P path needs no rates: its transfers take no SM)."""
     world_size = dist.get_world_size(group)
     element_size = torch.empty((), dtype=dtype).element_size()
     if device.type != "cuda":
         return _default_plan(op, m, n, k, world_size, 132, element_size, None)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if path == "p2p":
+        return _default_plan(op, m, n, k, world_size, num_sms, element_size, None, "p2p")
     measured = rates.measure(group, device, dtype)
     moved = m * (k if op == "all_gather" else n) * element_size  # all-gather moves A, the others C
     comm_ms = measured.collective_ms(op, moved, world_size)
@@ -43,9 +48,14 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
                  plan: Plan | None, path: str) -> tuple[str, dist.ProcessGroup, Plan]:
     """Check a call of op ``name`` (plan kind ``op``) and return its path, group and plan."""
     m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
-    path = choose_path(name, path, a.device)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
+    if path == "p2p" and op not in P2P_OPS:
+        raise ValueError(f"{name}: path='p2p' is not implemented for {name} yet (only for {P2P_OPS}); use "
+                         "path='nccl' or path='auto'")
+    path = choose_path(name, path, a.device, None if plan is None else plan.path)
     resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
-    key = (op, id(resolved), a.device, a.dtype, m, n, k, plan is None)
+    key = (op, id(resolved), a.device, a.dtype, m, n, k, path, plan is None)
     seen = _SEEN.get(key)
     if seen is not None and seen[0] is resolved:
         group, world_size, default = seen[1], seen[2], seen[3]
@@ -60,13 +70,16 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
                 f"{name}: a has M = {m} rows, which the {world_size} ranks of group cannot share evenly: "
                 "reduce-scatter gives each rank M / world_size rows (pad M to a multiple of the world size)"
             )
-        default = plan_for(op, m, n, k, group, a.device, a.dtype) if plan is None else None
+        if path == "p2p":
+            reason = p2p_unavailable_reason(group, a.device)
+            if reason is not None:
+                raise ValueError(f"{name}: path='p2p' cannot apply to this group: {reason}; use path='nccl'")
+        plan_path = "p2p" if path == "p2p" else "nccl"
+        default = plan_for(op, m, n, k, group, a.device, a.dtype, plan_path) if plan is None else None
         if len(_SEEN) > 1024:
             _SEEN.clear()
         _SEEN[key] = (resolved, group, world_size, default)
     plan = default if plan is None else plan
-    if not isinstance(plan, Plan):
-        raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
     if (plan.op, plan.m, plan.n, plan.k, plan.world_size) != (op, m, n, k, world_size):
         raise ValueError(
             f"{name}: plan is for {plan.op} (m, n, k) = {(plan.m, plan.n, plan.k)} over {plan.world_size} ranks, "

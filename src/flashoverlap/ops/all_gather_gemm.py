@@ -5,6 +5,9 @@ Column-parallel linear layer with sequence parallelism: rank r holds ``a_shard_r
 sequence) and ``b_r: [K, N/W]``; every rank computes ``[M, N/W] = all_gather(a_shard) @ b_r``. The plan computes
 the rank's own shard first, then each group's band of the other shards as it arrives (``Plan.tile_rows``).
 
+P2P path (``path="p2p"``, NVLink): copy engines pull each band from the peers' symmetric memory and raise the
+same flags; the GEMM holds every SM (``comm/p2p.py``).
+
 NCCL path: the communication stream gathers band after band (launched before the GEMM: here it is the producer)
 and raises a flag per band; the GEMM, persistent on all SMs but those left to NCCL, computes its own shard and
 then waits in-kernel for each band's flag. NCCL runs a fixed ``comm_ctas`` CTAs on SMs the GEMM never takes, so
@@ -20,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm import nccl, reference
-from flashoverlap.comm.collectives import gathered_in_rank_order
+from flashoverlap.comm import nccl, p2p, reference
+from flashoverlap.comm.collectives import all_gather_into_tensor, gathered_in_rank_order
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops._common import prepare_call
 from flashoverlap.plan import Plan, nccl_free_sms
@@ -48,12 +51,15 @@ def all_gather_gemm(
     with torch.cuda.device(device):
         if plan.sequential:
             a_full = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
-            dist.all_gather_into_tensor(a_full, a_shard.contiguous(), group=group)
+            all_gather_into_tensor(a_full, a_shard.contiguous(), group)
             c = torch.matmul(a_full, b)
             return (c, a_full) if return_gathered else c
-        check_leaves_nccl_sms(plan, torch.cuda.get_device_properties(device).multi_processor_count)
-        comm = nccl.communicator(group, device)
-        comm.prepare(plan, a_shard.dtype)
+        if path == "p2p":
+            comm = p2p.communicator(group, device)
+        else:
+            check_leaves_nccl_sms(plan, torch.cuda.get_device_properties(device).multi_processor_count)
+            comm = nccl.communicator(group, device)
+            comm.prepare(plan, a_shard.dtype)
         gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
         if torch.cuda.is_current_stream_capturing():
             c = _captured(comm, gathered, a_shard, b, plan)
@@ -98,8 +104,8 @@ def _cublas_ready(device: torch.device, dtype: torch.dtype) -> None:
         _CUBLAS_READY.add((device, dtype))
 
 
-def _captured(comm: nccl.NcclCommunicator, gathered: torch.Tensor, a_shard: torch.Tensor, b: torch.Tensor,
-              plan: Plan) -> torch.Tensor:
+def _captured(comm: nccl.NcclCommunicator | p2p.P2PCommunicator, gathered: torch.Tensor, a_shard: torch.Tensor,
+              b: torch.Tensor, plan: Plan) -> torch.Tensor:
     """The schedule recorded into a CUDA graph: the same bands gathered in the same order, but each band's slots
     multiplied by cuBLAS once the band's event has fired, the dependency a graph edge instead of an in-kernel
     spin. A graph may serialize its branches onto one hardware queue, where a spinning GEMM ahead of the NCCL

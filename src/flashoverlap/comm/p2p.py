@@ -1,0 +1,95 @@
+"""The P2P communicator (Flux's design, over NVLink): copy engines pull peers' data from symmetric memory, so the
+communication takes no SM and the GEMM may hold every SM while it waits.
+
+All-gather, one call, on the caller's (producer) stream ``P`` and this communicator's copy stream ``S``:
+
+1. On ``P``: this rank's shard into its symmetric workspace and into its own slots of the gathered buffer, then
+   the **ready** barrier: every rank's shard is in place before anyone pulls.
+2. On ``S`` (after ``P``): for each group's band, for each peer in rotated order (rank+1, rank+2, ...: at any
+   moment the ranks pull from different peers), ``cuMemcpyDtoDAsync`` of the peer's band rows into their slot,
+   then ``cuStreamWriteValue32(flags[g] = 1)``.
+3. On ``P``: the GEMM, on every SM, computes its own shard's tiles and waits in the kernel (acquire) for each
+   band's flag (launched after step 2 is queued: rule 1).
+4. On ``P``: wait for ``S``, clear the flags, then the **done** barrier: no rank overwrites its workspace (step 1
+   of the next call) while a peer may still be pulling from it.
+
+Why it cannot deadlock: the GEMM waits only on flags that ``S`` writes after copies, which need no SM and depend
+only on the peers' ready barriers; each rank reaches its ready barrier after work that waits on nothing; the done
+barrier comes after this rank's GEMM, which needs only its own copies. Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` the
+copies and flag writes are queued ahead of the GEMM. Inside a CUDA graph the op expresses each band's arrival as a
+graph edge instead (``events=True``), because a graph may order a spinning kernel ahead of its producer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap.comm import stream_ops
+from flashoverlap.comm.symmetric import SymmetricWorkspace
+from flashoverlap.plan import MAX_GROUPS, Plan
+
+_COMMUNICATORS: dict[tuple[int, int], P2PCommunicator] = {}
+READY, DONE = 0, 1  # barrier channels on the workspace's signal pad
+
+
+def communicator(group: dist.ProcessGroup, device: torch.device) -> P2PCommunicator:
+    """The P2P communicator of ``group`` on ``device``, created on first use."""
+    key = (id(group), device.index)
+    comm = _COMMUNICATORS.get(key)
+    if comm is None or comm.group is not group:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "flashoverlap: the first P2P call for a process group creates streams and symmetric memory and "
+                "cannot be captured in a CUDA graph; call the op once before capturing"
+            )
+        comm = _COMMUNICATORS[key] = P2PCommunicator(group, device)
+    return comm
+
+
+class P2PCommunicator:
+    """A copy stream, per-band flags and a symmetric workspace for one (process group, device)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.copy_stream = torch.cuda.Stream(device=device, priority=-(1 << 10))
+        self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
+        self.workspace = SymmetricWorkspace(group, device)
+
+    def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
+                   events: bool = False) -> list[torch.cuda.Event]:
+        """Fill ``gathered`` (the plan's ``[group][W][rows][K]`` layout) band by band, raising ``flags[g]`` once
+        band ``g`` of every peer has landed (or, with ``events``, returning one event per band instead)."""
+        producer = torch.cuda.current_stream(self.device)
+        shard_rows, k = a_shard.shape
+        self.workspace.ensure(a_shard.numel() * a_shard.element_size(), "all_gather_gemm")
+        self.workspace.local((shard_rows, k), a_shard.dtype).copy_(a_shard)
+        for grp in plan.groups:
+            band = gathered[grp.out_row_start : grp.out_row_end]
+            band[self.rank * grp.rows : (self.rank + 1) * grp.rows].copy_(a_shard[grp.row_start : grp.row_end])
+        self.workspace.barrier(READY)
+        self.copy_stream.wait_stream(producer)
+        row_bytes = k * a_shard.element_size()
+        arrived = []
+        with torch.cuda.stream(self.copy_stream):
+            for grp in plan.groups:
+                band = gathered[grp.out_row_start : grp.out_row_end]
+                for step in range(1, self.world_size):
+                    peer = (self.rank + step) % self.world_size
+                    dst = band[peer * grp.rows : (peer + 1) * grp.rows]
+                    src = self.workspace.peer_ptr(peer) + grp.row_start * row_bytes
+                    stream_ops.copy(self.copy_stream, dst.data_ptr(), src, grp.rows * row_bytes)
+                if events:
+                    arrived.append(self.copy_stream.record_event())
+                else:
+                    stream_ops.write(self.copy_stream, self.flags.data_ptr() + 4 * grp.index, 1)
+        return arrived
+
+    def finish_all_gather(self, plan: Plan) -> None:
+        """After the GEMM: join the copy stream, clear the flags, and the done barrier (see the module)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self.flags[: plan.num_groups].zero_()
+        self.workspace.barrier(DONE)

@@ -1,0 +1,129 @@
+"""Peer-mapped workspaces for the P2P path: PyTorch symmetric memory (CUDA backend, never multicast), one
+workspace per (process group, device), and the check of whether the P2P path can apply to a group at all.
+
+A workspace is allocated and rendezvoused collectively (every rank of the group, the same size: true because
+every op call is collective with the same shapes), grown by powers of two and then reused, never inside a
+CUDA-graph capture. Every rank's buffer is mapped into every other rank's address space: ``peer_ptr(r)`` is the
+device address of rank r's buffer as seen from this device, so a copy engine can pull from it. ``barrier`` is a
+cross-rank barrier on the workspace's signal pad, ordered on the current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+
+import torch
+import torch.distributed as dist
+
+MIN_BYTES = 1 << 20
+
+
+def size_class(nbytes: int) -> int:
+    """The allocation for a request of ``nbytes``: the next power of two, at least ``MIN_BYTES``."""
+    if nbytes < 1:
+        raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+    return max(MIN_BYTES, 1 << (nbytes - 1).bit_length())
+
+
+@functools.cache
+def _symm_mem():
+    from torch.distributed import _symmetric_memory
+
+    return _symmetric_memory
+
+
+class SymmetricWorkspace:
+    """A symmetric byte buffer over ``group`` on ``device``; see the module docstring."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.nbytes = 0
+        self.buffer: torch.Tensor | None = None
+        self.handle = None
+        self._peer_ptrs: list[int] = []
+
+    def ensure(self, nbytes: int, op: str) -> None:
+        """Make the buffer at least ``nbytes`` (collective when it grows)."""
+        if nbytes <= self.nbytes:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{op}: the P2P path needs a {size_class(nbytes)}-byte symmetric workspace, which must be allocated "
+                "and exchanged with the peers outside CUDA-graph capture: call the op once, eagerly, with the "
+                "largest shape first"
+            )
+        symm_mem = _symm_mem()
+        size = size_class(nbytes)
+        name = self.group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous on older torch
+            symm_mem.enable_symm_mem_for_group(name)
+        buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(buffer, name)
+        ranks = dist.get_world_size(self.group)
+        peers = [handle.get_buffer(r, (size,), torch.uint8) for r in range(ranks)]
+        self.buffer, self.handle, self.nbytes = buffer, handle, size
+        self._peer_ptrs = [p.data_ptr() for p in peers]
+
+    def local(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's buffer, from its start, as a ``shape`` tensor of ``dtype``."""
+        assert self.buffer is not None
+        count = 1
+        for s in shape:
+            count *= s
+        return self.buffer[: count * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+
+    def peer_ptr(self, rank: int) -> int:
+        """Device address, valid on this device, of ``rank``'s buffer."""
+        return self._peer_ptrs[rank]
+
+    def barrier(self, channel: int) -> None:
+        """All ranks reach this point of their current streams before any goes on (a small kernel)."""
+        self.handle.barrier(channel=channel)
+
+
+_UNAVAILABLE: dict[int, str | None] = {}
+
+
+def p2p_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
+    """Why the P2P path cannot serve ``group`` (None if it can). Collective on first use per group: every rank
+    reports its host and GPU, and the answer is the same on every rank."""
+    key = id(group)
+    if key in _UNAVAILABLE:
+        return _UNAVAILABLE[key]
+    why = _local_reason(device)
+    no_access = [] if why else [d for d in range(torch.cuda.device_count())
+                                if d != device.index and not torch.cuda.can_device_access_peer(device.index, d)]
+    mine = {"host": socket.gethostname(), "device": device.index, "why": why, "no_access": no_access}
+    everyone: list[dict] = [{}] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    _UNAVAILABLE[key] = group_reason(everyone)
+    return _UNAVAILABLE[key]
+
+
+def _local_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"the tensors are on {device}, not a CUDA GPU"
+    try:
+        _symm_mem()
+    except ImportError as exc:
+        return f"torch.distributed._symmetric_memory is not available in this torch ({exc})"
+    return None
+
+
+def group_reason(everyone: list[dict]) -> str | None:
+    """The decision from every rank's report ``{"host", "device", "why", "no_access"}`` (pure: the same on every
+    rank, and testable without GPUs)."""
+    for rank, info in enumerate(everyone):
+        if info["why"]:
+            return f"rank {rank}: {info['why']}"
+    hosts = {info["host"] for info in everyone}
+    if len(hosts) > 1:
+        return f"the group spans {len(hosts)} hosts ({', '.join(sorted(hosts))}); P2P needs every rank on one node"
+    for rank, info in enumerate(everyone):
+        for peer, other in enumerate(everyone):
+            if peer != rank and other["device"] in info["no_access"]:
+                return (f"rank {rank}'s GPU {info['device']} cannot access the memory of rank {peer}'s GPU "
+                        f"{other['device']} directly (no NVLink or PCIe peer access)")
+    return None
