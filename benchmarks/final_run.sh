@@ -30,7 +30,7 @@ for setting in $SETTINGS; do
     echo "== $cmd" | tee "$OUT/bench-$setting$TAG.log"
     env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout $(eval echo \${BENCH_TIMEOUT_${setting/-/_}:-${BENCH_TIMEOUT:-240}}) torchrun --nproc-per-node "$NGPU" \
         -m flashoverlap.bench $args --out "$OUT/${gpu}x$NGPU-$setting$TAG.json" >> "$OUT/bench-$setting$TAG.log" 2>&1
-    sed -n '/^gemm_all_reduce\|^gemm_reduce_scatter\|^all_gather_gemm/,/^$/p' "$OUT/bench-$setting$TAG.log"
+    sed -n '/^gemm_all_reduce, path\|^gemm_reduce_scatter, path\|^all_gather_gemm, path/,/^$/p' "$OUT/bench-$setting$TAG.log"
     grep -iE "error|Traceback" "$OUT/bench-$setting$TAG.log" | head -5
 done
 kill $SMI 2>/dev/null

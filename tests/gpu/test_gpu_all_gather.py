@@ -1,4 +1,4 @@
-"""all_gather_gemm on real GPUs through NCCL: odd shapes, both
+"""all_gather_gemm on real GPUs, on the NCCL and the P2P path: odd shapes, both
 dtypes, the gathered input, the deadlock-prone configuration (many waves, small bands), back-to-back calls, CUDA
 graphs, CUDA_DEVICE_MAX_CONNECTIONS=1, and the plan check of deadlock rule 2. Skipped without 2 GPUs."""
 
@@ -32,17 +32,22 @@ def _gathered(a_shard, world_size):
     return full
 
 
-def _plans(m, n, k, world_size):
+PATHS = ["nccl", "p2p"]
+
+
+def _plans(m, n, k, world_size, path):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    yield "default", None
-    yield "comm-bound", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, comm_ratio=3.0,
-                                        allow_sequential=False)
+    yield "default", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, path=path)
+    if path == "nccl":
+        yield "comm-bound", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, comm_ratio=3.0,
+                                            allow_sequential=False)
     # Many waves of small tiles and small bands: the configuration where a GEMM starving NCCL would show.
     yield "many-small-bands", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, num_groups=16,
-                                              tile=fo.TileConfig(64, 64, 32, 3, 2, 4), allow_sequential=False)
+                                              tile=fo.TileConfig(64, 64, 32, 3, 2, 4), allow_sequential=False,
+                                              path=path)
 
 
-def _correctness(rank, world_size):
+def _correctness(rank, world_size, path):
     device = torch.device("cuda", torch.cuda.current_device())
     checked = 0
     for i, (m, n, k) in enumerate(ODD_SHAPES + ROUND_SHAPES):
@@ -51,23 +56,25 @@ def _correctness(rank, world_size):
             a_shard, b = inputs(rows, n, k, dtype, seed=100 * i + rank)
             full = _gathered(a_shard, world_size)
             want = torch.matmul(full, b)
-            for name, plan in _plans(rows * world_size, n, k, world_size):
+            for name, plan in _plans(rows * world_size, n, k, world_size, path):
                 poison_allocator(device)
                 c, gathered = all_gather_gemm(a_shard, b, plan=plan, return_gathered=True)
                 assert torch.equal(gathered, full), f"gathered input differs ({name})"
                 assert_close(c, want, f"{rows}x{world_size} rows, {n}x{k} {dtype} plan {name}")
+                again = all_gather_gemm(a_shard, b, plan=plan)
+                assert torch.equal(again, c), f"two calls on the same input differ ({name}, {path})"
                 checked += 1
     return checked
 
 
-def _back_to_back(rank, world_size, calls):
+def _back_to_back(rank, world_size, calls, path):
     shapes = [(-(-m // world_size), n, k) for m, n, k in ODD_SHAPES + ROUND_SHAPES]
     data = [inputs(rows, n, k, torch.bfloat16, seed=10 * i + rank) for i, (rows, n, k) in enumerate(shapes)]
     wants = [torch.matmul(_gathered(a, world_size), b) for a, b in data]
     kept = []
     for call in range(calls):
         j = call % len(shapes)
-        c = all_gather_gemm(*data[j])
+        c = all_gather_gemm(*data[j], path=path)
         if call % 37 == 0 or call >= calls - len(shapes):
             kept.append((j, c))
     torch.cuda.synchronize()
@@ -76,17 +83,17 @@ def _back_to_back(rank, world_size, calls):
     return len(kept)
 
 
-def _graph_replay(rank, world_size, replays):
+def _graph_replay(rank, world_size, replays, path):
     rows, n, k = 1536, 4096, 2048
-    plan = fo.default_plan("all_gather", rows * world_size, n, k, world_size, allow_sequential=False)
+    plan = fo.default_plan("all_gather", rows * world_size, n, k, world_size, allow_sequential=False, path=path)
     a_shard, b = inputs(rows, n, k, torch.bfloat16, seed=rank)
     return check_graph_replays(lambda a, b: all_gather_gemm(a, b, plan=plan),
                                lambda a, b: torch.matmul(_gathered(a, world_size), b), a_shard, b, rank, replays)
 
 
-def _max_connections_one(rank, world_size):
+def _max_connections_one(rank, world_size, path):
     assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
-    return _back_to_back(rank, world_size, 50)
+    return _back_to_back(rank, world_size, 50, path)
 
 
 def _rule_two(rank, world_size):
@@ -100,23 +107,47 @@ def _rule_two(rank, world_size):
 
 
 @needs_gpus
-def test_all_gather_correctness():
-    assert spawn(_correctness, WORLD, "nccl", env=ENV)[0] > 40
+@pytest.mark.parametrize("path", PATHS)
+def test_all_gather_correctness(path):
+    assert spawn(_correctness, WORLD, "nccl", args=(path,), env=ENV)[0] > 25
 
 
 @needs_gpus
-def test_all_gather_thousand_back_to_back_calls():
-    assert spawn(_back_to_back, WORLD, "nccl", args=(1000,), env=ENV)[0] >= 10
+@pytest.mark.parametrize("path", PATHS)
+def test_all_gather_thousand_back_to_back_calls(path):
+    # Changing shapes call after call: for P2P, the workspace reuse protocol (ready/done barriers) under load.
+    assert spawn(_back_to_back, WORLD, "nccl", args=(1000, path), env=ENV)[0] >= 10
 
 
 @needs_gpus
-def test_all_gather_graph_replay():
-    assert spawn(_graph_replay, WORLD, "nccl", args=(50,), env=ENV) == [50] * WORLD
+@pytest.mark.parametrize("path", PATHS)
+def test_all_gather_graph_replay(path):
+    assert spawn(_graph_replay, WORLD, "nccl", args=(50, path), env=ENV) == [50] * WORLD
 
 
 @needs_gpus
-def test_all_gather_cuda_device_max_connections_one():
-    spawn(_max_connections_one, WORLD, "nccl", env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+@pytest.mark.parametrize("path", PATHS)
+def test_all_gather_cuda_device_max_connections_one(path):
+    spawn(_max_connections_one, WORLD, "nccl", args=(path,), env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+
+def _p2p_capture_needs_an_eager_call(rank, world_size):
+    rows, n, k = 512, 1024, 1024
+    a_shard, b = inputs(rows, n, k, torch.bfloat16, seed=rank)
+    all_gather_gemm(a_shard, b, path="p2p")  # small: the workspace is allocated for this size
+    big_shard, big_b = inputs(8 * rows, n, 4 * k, torch.bfloat16, seed=rank)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with pytest.raises(RuntimeError, match="outside CUDA-graph capture"):
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            all_gather_gemm(big_shard, big_b, path="p2p")  # needs a larger workspace: refused, not hung
+    return True
+
+
+@needs_gpus
+def test_all_gather_p2p_workspace_growth_is_refused_inside_capture():
+    spawn(_p2p_capture_needs_an_eager_call, WORLD, "nccl", env=ENV)
 
 
 @needs_gpus

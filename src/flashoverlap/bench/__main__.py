@@ -66,7 +66,7 @@ def _inputs(m: int, n: int, k: int, dtype: torch.dtype, rank: int):
     return a, w.t()  # b as an nn.Linear weight's transposed view
 
 
-def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
+def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> list[dict]:
     a, b = _inputs(m, n, k, dtype, rank)
     c = torch.matmul(a, b)
     plan = plan_for(m, n, k, dist.group.WORLD, device, dtype)
@@ -91,7 +91,7 @@ def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> dict:
     if args.sweep:
         row["sweep"] = sweep_plans("all_reduce", lambda plan: fo.gemm_all_reduce(a, b, plan=plan), (m, n, k), args,
                                    world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
-    return row
+    return [row]
 
 
 def device_sms(device: torch.device) -> int:
@@ -318,10 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error(f"--ops: unknown op {op!r}")
         for m, n, k in op_shapes:
-            row = bench(m, n, k)
-            rows.append(row)
-            if rank == 0:
-                print(f"  {op} {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
+            for row in bench(m, n, k):
+                rows.append(row)
+                if rank == 0:
+                    print(f"  {op} {row['path']} {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
                 write_results(out, meta, rows, {})  # so far, in case a later row fails
     extra = {}
     if args.timeline:
@@ -372,12 +372,12 @@ def print_table(rows: list[dict], meta: dict) -> None:
     def ms(value):
         return f"{value:7.3f}" if isinstance(value, float) else f"{'-':>7}"
 
-    for op in dict.fromkeys(r["op"] for r in rows):
+    for op, path in dict.fromkeys((r["op"], r["path"]) for r in rows):
         name = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter"}.get(op, "all_gather_gemm")
-        print(f"\n{name}, {meta['gpus']}, {meta['setting']}, {rows[0]['dtype']} (ms)")
+        print(f"\n{name}, path {path}, {meta['gpus']}, {meta['setting']}, {rows[0]['dtype']} (ms)")
         print(f"{'M x N x K':>20} {'T_gemm':>7} {'ourGEMM':>7} {'T_comm':>7} {'T_seq':>7} {'decomp':>7} "
               f"{'asyncTP':>7} {'T':>7} {'T_ideal':>7} {'speedup':>7} {'E':>6} {'host us seq/ours':>16}")
-        for r in (r for r in rows if r["op"] == op):
+        for r in (r for r in rows if (r["op"], r["path"]) == (op, path)):
             base = r["baselines"]
             host = "{seq:.0f}/{ours:.0f}".format(**r["host_us"]) if r.get("host_us") else "-"
             print(f"{r['M']:>6}x{r['N']:>6}x{r['K']:>6} {ms(r['t_gemm_ms'])} {ms(r['t_our_gemm_ms'])} "

@@ -21,7 +21,7 @@ def result_row(op: str, shape: tuple[int, int, int], dtype: torch.dtype, t: dict
     t_ideal = max(t["gemm"], t["comm"])
     our_gemm = t.get("our_gemm")
     return {
-        "op": op, "path": "nccl", "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
+        "op": op, "path": plan.path, "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
         "t_gemm_ms": t["gemm"], "t_our_gemm_ms": our_gemm, "t_comm_ms": t["comm"], "t_seq_ms": t["seq"],
         "t_ms": t["ours"], "t_ideal_ms": t_ideal, "speedup": t["seq"] / t["ours"],
         "E": efficiency(t["seq"], t["ours"], t_ideal),

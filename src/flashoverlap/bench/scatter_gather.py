@@ -39,24 +39,30 @@ def _try_async_tp(fn, *args):
 
 
 def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, before=None, why=None,
-             sweep=None, call=None) -> dict:
-    """Time ``fns`` (plus torch async TP where it runs) side by side and build the results row; with ``sweep``,
-    also ``sweep(op, call, shape, row)``: ``call(plan)`` over a family of plans."""
+             sweep=None, call=None, p2p_plan=None) -> list[dict]:
+    """Time ``fns`` (plus torch async TP where it runs) side by side and build the results row (and, where
+    ``fns`` has ``ours_p2p``/``our_gemm_p2p``, the P2P path's row with the same baselines); with ``sweep``, also
+    ``sweep(op, call, shape, row)``: ``call(plan)`` over a family of plans."""
     fused, failed = _try_async_tp(fused, *fused_args)
     if fused is not None:
         fns["async_tp"] = lambda: fused(*fused_args)
     host_us: dict[str, float] = {}
     t = time_side_by_side(fns, warmup=5, iters=iters, before=before or {}, host_us=host_us)
-    row = result_row(op, shape, dtype, t, {ch: t[f"decomp{ch}"] for ch in decomposed}, t.get("async_tp"), plan,
-                     host_us)
-    if fused is None:
-        row["baselines"]["async_tp_note"] = failed or why or "not run"
+    decomposition = {ch: t[f"decomp{ch}"] for ch in decomposed}
+    rows = [result_row(op, shape, dtype, t, decomposition, t.get("async_tp"), plan, host_us)]
+    if "ours_p2p" in t:
+        t_p2p = {**t, "ours": t["ours_p2p"], "our_gemm": t["our_gemm_p2p"]}
+        rows.append(result_row(op, shape, dtype, t_p2p, decomposition, t.get("async_tp"), p2p_plan,
+                               {**host_us, "ours": host_us["ours_p2p"]}))
+    for row in rows:
+        if fused is None:
+            row["baselines"]["async_tp_note"] = failed or why or "not run"
     if sweep is not None:
-        row["sweep"] = sweep(op, call, shape, row)
-    return row
+        rows[0]["sweep"] = sweep(op, call, shape, rows[0])
+    return rows
 
 
-def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> dict:
+def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> list[dict]:
     rank = dist.get_rank()
     a, b = _inputs(m, n, k, dtype, rank)
     c = torch.matmul(a, b)
@@ -80,7 +86,7 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, swe
                     call=lambda plan: gemm_reduce_scatter(a, b, plan=plan))
 
 
-def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> dict:
+def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> list[dict]:
     rank = dist.get_rank()
     rows = m // world_size
     a_shard, b = _inputs(rows, n, k, dtype, rank)
@@ -104,6 +110,27 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=N
         **{f"decomp{ch}": (lambda fn=fn: fn(a_shard, b)) for ch, fn in decomposed.items()},
         "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),
     }
+    p2p_plan = _try_p2p(a_shard, b, setting)
+    if p2p_plan is not None:
+        ready_p2p = torch.ones(p2p_plan.num_groups, dtype=torch.int32, device=device)
+        fns["our_gemm_p2p"] = lambda: gemm(a_full, b, p2p_plan, flags=ready_p2p, rank=rank)
+        fns["ours_p2p"] = lambda: all_gather_gemm(a_shard, b, plan=p2p_plan)
     _, fused_ag, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
     return _measure("all_gather", (m, n, k), dtype, fns, decomposed, plan, iters, fused_ag, (a_shard, b), why=why,
-                    sweep=sweep, call=lambda plan: all_gather_gemm(a_shard, b, plan=plan))
+                    sweep=sweep, call=lambda plan: all_gather_gemm(a_shard, b, plan=plan), p2p_plan=p2p_plan)
+
+
+def _try_p2p(a_shard, b, setting):
+    """The P2P path's default plan if one call of it runs here (nvlink setting only), else None (said why)."""
+    if setting != "nvlink":
+        return None
+    try:
+        all_gather_gemm(a_shard, b, path="p2p")
+        torch.cuda.synchronize()
+    except Exception as exc:  # P2P refused here (say why) or failing: the NCCL row still stands
+        if dist.get_rank() == 0:
+            print(f"    p2p path not measured: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
+    rows, k = a_shard.shape
+    return plan_for("all_gather", rows * dist.get_world_size(), b.shape[1], k, dist.group.WORLD, a_shard.device,
+                    a_shard.dtype, "p2p")

@@ -1,0 +1,35 @@
+"""The benchmark's results rows and table, on made-up times (the timing itself needs GPUs)."""
+
+import torch
+
+import flashoverlap as fo
+from flashoverlap.bench.__main__ import print_table
+from flashoverlap.bench.rows import efficiency, result_row
+
+
+def _times(ours):
+    return {"gemm": 1.0, "our_gemm": 1.05, "comm": 0.5, "seq": 1.5, "ours": ours}
+
+
+def test_rows_carry_the_plans_path_and_the_efficiency():
+    nccl = fo.default_plan("all_gather", 4096, 4096, 4096, 2, allow_sequential=False)
+    p2p = fo.default_plan("all_gather", 4096, 4096, 4096, 2, path="p2p")
+    rows = [result_row("all_gather", (4096, 4096, 4096), torch.bfloat16, _times(1.25), {2: 1.4}, 1.3, nccl,
+                       {"seq": 200.0, "ours": 900.0}),
+            result_row("all_gather", (4096, 4096, 4096), torch.bfloat16, _times(1.05), {2: 1.4}, 1.3, p2p)]
+    assert [r["path"] for r in rows] == ["nccl", "p2p"]
+    assert rows[0]["E"] == efficiency(1.5, 1.25, 1.0) == 0.5
+    assert abs(rows[1]["E"] - 0.9) < 1e-12
+    assert rows[0]["baselines"]["decomposition_ms"] == 1.4 and rows[0]["host_us"] == {"seq": 200.0, "ours": 900.0}
+    assert rows[1]["plan"]["programs"] == 132 and rows[1]["host_us"] is None
+
+
+def test_table_has_one_block_per_op_and_path(capsys):
+    plans = {path: fo.default_plan("all_gather", 4096, 4096, 4096, 2, path=path, allow_sequential=False)
+             for path in ("nccl", "p2p")}
+    rows = [result_row("all_gather", (4096, 4096, 4096), torch.bfloat16, _times(1.2), {2: 1.4}, None, plans[p])
+            for p in ("nccl", "p2p")]
+    print_table(rows, {"gpus": "2x test", "setting": "nvlink"})
+    out = capsys.readouterr().out
+    assert "all_gather_gemm, path nccl" in out and "all_gather_gemm, path p2p" in out
+    assert out.count("  4096x  4096x  4096") == 2
