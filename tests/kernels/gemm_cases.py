@@ -22,3 +22,6 @@ ALL_GATHER_CASES = [
     ("ag-ready-rank2-of-3", 21, 40, 17, "float32", 3, 2, 2, False, "all", 0),
     ("ag-never-arrives", 40, 33, 24, "float16", 2, 1, 3, False, "first", 20),
 ]
+
+# The SM copy kernel: (name, elements, programs).
+COPY_CASES = [("copy-1x1", 1, 1), ("copy-1000x3", 1000, 3), ("copy-5000x2", 5000, 2)]

@@ -1,5 +1,6 @@
-"""Cases for the signalling GEMM under the Triton interpreter, run in a child process (TRITON_INTERPRET must be set
-before triton is imported, and the GPU test session imports it without). Prints one JSON line per case."""
+"""Cases for the Triton kernels (the signalling GEMM, the SM copy) under the interpreter, run in a child process
+(TRITON_INTERPRET must be set before triton is imported, and the GPU test session imports it without). Prints one
+JSON line per case."""
 
 import json
 import os
@@ -9,9 +10,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
+from flashoverlap.kernels.copy import sm_copy  # noqa: E402
 from flashoverlap.kernels.gemm import gemm  # noqa: E402
 from flashoverlap.plan import TileConfig, default_plan  # noqa: E402
-from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES  # noqa: E402
+from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES, COPY_CASES  # noqa: E402
 
 
 def run(case):
@@ -69,9 +71,19 @@ def run_all_gather(case):
             "groups": plan.num_groups}
 
 
+def run_copy(case):
+    name, numel, programs = case
+    src = torch.randn(numel, dtype=torch.float16)
+    dst = torch.full((numel,), float("nan"), dtype=torch.float16)
+    sm_copy(dst, src, programs, block=256)
+    return {"name": name, "equal": bool(torch.equal(dst, src))}
+
+
 if __name__ == "__main__":
     for case in CASES:
         print(json.dumps(run(case)), flush=True)
     for case in ALL_GATHER_CASES:
         print(json.dumps(run_all_gather(case)), flush=True)
+    for case in COPY_CASES:
+        print(json.dumps(run_copy(case)), flush=True)
     sys.exit(0)

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES
+from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES, COPY_CASES
 
 # Triton 3.6's interpreter fails with numpy >= 2.4 (the test extra pins numpy below it; some GPU images do not).
 NUMPY_OK = tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4)
@@ -53,3 +53,8 @@ def test_interpreted_all_gather_waits(results, case):
     else:
         # Only group 0 arrived: with a spin bound, a wait gives up and names a group that never came (1 + g).
         assert 2 <= row["wait_error"] <= row["groups"]
+
+
+@pytest.mark.parametrize("case", COPY_CASES, ids=[c[0] for c in COPY_CASES])
+def test_interpreted_sm_copy(results, case):
+    assert results[case[0]]["equal"], "the copy kernel missed or changed elements"

@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-sweep", action="store_true", help="time our GEMM alone over tile configurations")
     parser.add_argument("--sweep-iters", type=int, default=10)
     parser.add_argument("--interference", action="store_true", help="measure GEMM/NCCL mutual slowdown")
+    parser.add_argument("--movers", action="store_true",
+                        help="measure how copy engines and SM copies over NVLink and a GEMM slow each other")
     parser.add_argument("--timeline", default=None, metavar="PNG",
                         help="also draw one gemm_all_reduce call of the first all-reduce shape on two lanes")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpus>-<setting>.json)")
@@ -331,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
                                for m, n, k in shapes}
     if args.interference:
         extra["interference"] = interference(args, rank, world_size, device, dtype)
+    if args.movers:
+        from flashoverlap.bench.movers import movers
+
+        extra["movers"] = movers(device, dtype)
     if rank == 0:
         print_table(rows, meta)
         write_results(out, meta, rows, extra)

@@ -42,7 +42,7 @@ class SymmetricWorkspace:
         self.nbytes = 0
         self.buffer: torch.Tensor | None = None
         self.handle = None
-        self._peer_ptrs: list[int] = []
+        self._peers: list[torch.Tensor] = []
 
     def ensure(self, nbytes: int, op: str) -> None:
         """Make the buffer at least ``nbytes`` (collective when it grows)."""
@@ -62,9 +62,8 @@ class SymmetricWorkspace:
         buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(buffer, name)
         ranks = dist.get_world_size(self.group)
-        peers = [handle.get_buffer(r, (size,), torch.uint8) for r in range(ranks)]
+        self._peers = [handle.get_buffer(r, (size,), torch.uint8) for r in range(ranks)]
         self.buffer, self.handle, self.nbytes = buffer, handle, size
-        self._peer_ptrs = [p.data_ptr() for p in peers]
 
     def local(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This rank's buffer, from its start, as a ``shape`` tensor of ``dtype``."""
@@ -74,9 +73,13 @@ class SymmetricWorkspace:
             count *= s
         return self.buffer[: count * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
 
+    def peer(self, rank: int) -> torch.Tensor:
+        """``rank``'s whole buffer as a uint8 tensor on this device (its memory is the peer's)."""
+        return self._peers[rank]
+
     def peer_ptr(self, rank: int) -> int:
         """Device address, valid on this device, of ``rank``'s buffer."""
-        return self._peer_ptrs[rank]
+        return self._peers[rank].data_ptr()
 
     def barrier(self, channel: int) -> None:
         """All ranks reach this point of their current streams before any goes on (a small kernel)."""
