@@ -1,10 +1,11 @@
-"""``python -m flashoverlap.bench`` (under ``torchrun --nproc-per-node W``): the all-reduce grid of BENCHMARK.md.
+"""``python -m flashoverlap.bench`` (under ``torchrun --nproc-per-node W``): BENCHMARK.md's grid for the ops named
+by ``--ops`` (default all-reduce).
 
-Prints, per shape: T_gemm (cuBLAS), our GEMM alone (signalling on, the overlapped op's configuration), T_comm,
-T_seq, the best decomposition, flashoverlap's T, T_ideal, speedup and E; writes
-``benchmarks/results/<gpus>-<setting>.json``. ``--sweep`` also times a family of plans per shape (groups, programs,
-NCCL CTAs) and reports each, to show which choices matter. ``--interference`` measures how a GEMM and NCCL slow
-each other down when they share the GPU.
+Prints, per op and shape: T_gemm (cuBLAS), our GEMM alone (signalling on, the overlapped op's configuration),
+T_comm, T_seq, the best decomposition, torch async TP, flashoverlap's T (and, for all-gather on NVLink, the P2P
+path's), T_ideal, speedup and E; writes ``benchmarks/results/<gpus>-<setting>.json``. ``--sweep`` also times a
+family of plans per shape (groups, programs, NCCL CTAs). ``--interference`` measures how a GEMM and NCCL slow each
+other down when they share the GPU, ``--movers`` the same for copy engines and SM copies over NVLink.
 """
 
 from __future__ import annotations
@@ -262,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=None, help="M,N,K;M,N,K;... (default: BENCHMARK.md's all-reduce grid)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--ops", default="all_reduce", type=lambda s: s.split(","),
-                        help="comma-separated: all_reduce, reduce_scatter, all_gather ("
-                             "progress)")
+    parser.add_argument("--ops", default="all_reduce", type=lambda s: [op for op in s.split(",") if op],
+                        help="comma-separated: all_reduce, reduce_scatter, all_gather (empty: no grid, e.g. with "
+                             "--movers alone)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="also time a family of plans per shape")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
