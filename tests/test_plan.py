@@ -254,3 +254,16 @@ def test_all_gather_plans_leave_nccl_its_sms_and_the_op_checks_it():
                            allow_sequential=False)
     with pytest.raises(ValueError, match="comm_ctas >= 1"):
         check_leaves_nccl_sms(no_ctas, 132)
+
+
+def test_p2p_plans():
+    ag = default_plan("all_gather", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=0.05, path="p2p")
+    assert (ag.path, ag.sequential, ag.num_groups, ag.grid_size, ag.comm_ctas) == ("p2p", False, 4, 132, 0)
+    rs = default_plan("reduce_scatter", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=0.05, path="p2p")
+    assert (rs.path, rs.sequential, rs.num_groups, rs.grid_size) == ("p2p", False, 8, rs.num_tiles)
+    assert default_plan("reduce_scatter", 256, 256, 256, 2, path="p2p").sequential  # too small to overlap
+    with pytest.raises(ValueError, match="'p2p' is implemented for"):
+        default_plan("all_reduce", 8192, 8192, 8192, 2, path="p2p")
+    with pytest.raises(ValueError, match="path must be one of"):
+        default_plan("all_gather", 8192, 8192, 8192, 2, path="nvshmem")
+    assert "P2P (copy engines)" in ag.describe()

@@ -23,7 +23,7 @@ BLOCKED_OPS = ("reduce_scatter", "all_gather")
 # Which communicator consumes the plan: NCCL collectives on a stream, or copy engines and peer memory (P2P).
 PATHS = ("nccl", "p2p")
 # Ops the P2P communicator implements so far (issue 4 in progress).
-P2P_OPS = ("all_gather",)
+P2P_OPS = ("all_gather", "reduce_scatter")
 
 # Counters live in one small per-device buffer; a plan may not use more groups than it holds.
 MAX_GROUPS = 1024
@@ -406,9 +406,10 @@ def default_plan(
     - otherwise: 8 even groups, one program per tile (programs retire as they finish, which lets NCCL's blocks
       in on the high-priority stream), NCCL's own CTA count.
 
-    ``path="p2p"`` (all-gather so far): copy engines move the bands and take no SM, so the GEMM is persistent on
-    every SM and the ratio does not decide (the transfer costs the GEMM a few percent, not an SM share): 4 even
-    groups, sequential only where the GEMM is too small to overlap anything.
+    ``path="p2p"``: copy engines move the bands and take no SM, so the ratio does not decide (the transfer costs
+    the GEMM a few percent, not an SM share); sequential only where the GEMM is too small to overlap anything.
+    All-gather: 4 even groups, the GEMM persistent on every SM. Reduce-scatter: 8 even groups, one program per
+    tile (the small kernels that sum each band's pulled partials get SMs as GEMM programs retire).
     """
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
         _check_int(name, value, 1)
@@ -429,8 +430,10 @@ def default_plan(
     if too_small and allow_sequential:
         return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True, path)
     comm_bound = comm_ratio is not None and comm_ratio >= 1.0
-    if path == "p2p":
+    if path == "p2p" and op == "all_gather":
         choice = dict(num_groups=4, profile="even", num_programs=num_sms, comm_ctas=0)
+    elif path == "p2p":
+        choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)
     elif op == "all_gather":
         # The GEMM spins on bands NCCL delivers, so NCCL must always find SMs: a fixed CTA count and that many
         # SMs never taken by the GEMM (deadlock rule 2).

@@ -1,4 +1,4 @@
-"""gemm_reduce_scatter on real GPUs through NCCL: odd shapes, both
+"""gemm_reduce_scatter on real GPUs, on the NCCL and the P2P path: odd shapes, both
 dtypes, back-to-back calls of changing shapes, CUDA graphs, CUDA_DEVICE_MAX_CONNECTIONS=1. Skipped without 2 GPUs."""
 
 import os
@@ -31,8 +31,19 @@ def _expected(a, b, world_size):
     return out
 
 
-def _plans(m, n, k, world_size):
+PATHS = ["nccl", "p2p"]
+
+
+def _plans(m, n, k, world_size, path):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if path == "p2p":
+        yield "default", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p")
+        yield "p2p-overlapped", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p",
+                                                allow_sequential=False)
+        yield "p2p-persistent-small-tiles", fo.default_plan(
+            "reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p", num_programs=sms,
+            tile=fo.TileConfig(64, 64, 32, 3, 2, 4), num_groups=5, allow_sequential=False)
+        return
     yield "default", None
     yield "one-tile-per-program", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms,
                                                   allow_sequential=False)
@@ -48,7 +59,7 @@ def _shapes(world_size):
     return [(-(-m // world_size) * world_size, n, k) for m, n, k in ODD_SHAPES + ROUND_SHAPES]
 
 
-def _correctness(rank, world_size):
+def _correctness(rank, world_size, path):
     device = torch.device("cuda", torch.cuda.current_device())
     checked = 0
     for i, (m, n, k) in enumerate(_shapes(world_size)):
@@ -56,19 +67,22 @@ def _correctness(rank, world_size):
             for transposed in (True, False):
                 a, b = inputs(m, n, k, dtype, seed=100 * i + rank, transposed=transposed)
                 want = _expected(a, b, world_size)
-                for name, plan in _plans(m, n, k, world_size):
+                for name, plan in _plans(m, n, k, world_size, path):
                     poison_allocator(device)
                     got = gemm_reduce_scatter(a, b, plan=plan)
                     assert got.shape == (m // world_size, n)
                     assert_close(got, want, f"{m}x{n}x{k} {dtype} plan {name}")
+                    if path == "p2p":
+                        assert torch.equal(gemm_reduce_scatter(a, b, plan=plan), got), f"repeat differs ({name})"
                     checked += 1
     return checked
 
 
-def _back_to_back(rank, world_size, calls):
+def _back_to_back(rank, world_size, calls, path):
     shapes = _shapes(world_size)
     data = [inputs(m, n, k, torch.bfloat16, seed=10 * i + rank) for i, (m, n, k) in enumerate(shapes)]
-    plans = [fo.default_plan("reduce_scatter", m, n, k, world_size, num_groups=2 + i % 5, allow_sequential=False)
+    plans = [fo.default_plan("reduce_scatter", m, n, k, world_size, num_groups=2 + i % 5, allow_sequential=False,
+                             path=path)
              for i, (m, n, k) in enumerate(shapes)]
     wants = [_expected(a, b, world_size) for a, b in data]
     kept = []
@@ -83,35 +97,39 @@ def _back_to_back(rank, world_size, calls):
     return len(kept)
 
 
-def _graph_replay(rank, world_size, replays):
+def _graph_replay(rank, world_size, replays, path):
     m, n, k = 1536 * world_size, 4096, 2048
-    plan = fo.default_plan("reduce_scatter", m, n, k, world_size, allow_sequential=False)
+    plan = fo.default_plan("reduce_scatter", m, n, k, world_size, allow_sequential=False, path=path)
     a, b = inputs(m, n, k, torch.bfloat16, seed=rank)
     return check_graph_replays(lambda a, b: gemm_reduce_scatter(a, b, plan=plan),
                                lambda a, b: _expected(a, b, world_size), a, b, rank, replays)
 
 
-def _max_connections_one(rank, world_size):
+def _max_connections_one(rank, world_size, path):
     assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
-    return _back_to_back(rank, world_size, 50)
+    return _back_to_back(rank, world_size, 50, path)
 
 
 @needs_gpus
-def test_reduce_scatter_correctness():
-    assert spawn(_correctness, WORLD, "nccl", env=ENV)[0] > 100
+@pytest.mark.parametrize("path", PATHS)
+def test_reduce_scatter_correctness(path):
+    assert spawn(_correctness, WORLD, "nccl", args=(path,), env=ENV)[0] > 80
 
 
 @needs_gpus
-def test_reduce_scatter_thousand_back_to_back_calls():
-    assert spawn(_back_to_back, WORLD, "nccl", args=(1000,), env=ENV)[0] >= 10
+@pytest.mark.parametrize("path", PATHS)
+def test_reduce_scatter_thousand_back_to_back_calls(path):
+    assert spawn(_back_to_back, WORLD, "nccl", args=(1000, path), env=ENV)[0] >= 10
 
 
 @needs_gpus
-def test_reduce_scatter_graph_replay():
-    assert spawn(_graph_replay, WORLD, "nccl", args=(50,), env=ENV) == [50] * WORLD
+@pytest.mark.parametrize("path", PATHS)
+def test_reduce_scatter_graph_replay(path):
+    assert spawn(_graph_replay, WORLD, "nccl", args=(50, path), env=ENV) == [50] * WORLD
 
 
 @needs_gpus
-def test_reduce_scatter_cuda_device_max_connections_one():
-    spawn(_max_connections_one, WORLD, "nccl", env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+@pytest.mark.parametrize("path", PATHS)
+def test_reduce_scatter_cuda_device_max_connections_one(path):
+    spawn(_max_connections_one, WORLD, "nccl", args=(path,), env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
 

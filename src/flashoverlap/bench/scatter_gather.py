@@ -80,10 +80,19 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, swe
         **{f"decomp{ch}": (lambda fn=fn: fn(a, b)) for ch, fn in decomposed.items()},
         "ours": lambda: gemm_reduce_scatter(a, b, plan=plan),
     }
+    before = {"our_gemm": counters.zero_}
+    p2p_plan = _try_p2p("reduce_scatter", lambda **kw: gemm_reduce_scatter(a, b, **kw), (m, n, k), dtype, setting)
+    if p2p_plan is not None:
+        kernel_p2p = p2p_plan if not p2p_plan.sequential else default_plan(
+            "reduce_scatter", m, n, k, world_size, allow_sequential=False, path="p2p")
+        counters_p2p = torch.zeros(kernel_p2p.num_groups, dtype=torch.int32, device=device)
+        fns["our_gemm_p2p"] = lambda: gemm(a, b, kernel_p2p, counters=counters_p2p)
+        fns["ours_p2p"] = lambda: gemm_reduce_scatter(a, b, plan=p2p_plan)
+        before["our_gemm_p2p"] = counters_p2p.zero_
     fused_rs, _, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
     return _measure("reduce_scatter", (m, n, k), dtype, fns, decomposed, plan, iters, fused_rs, (a, b),
-                    before={"our_gemm": counters.zero_}, why=why, sweep=sweep,
-                    call=lambda plan: gemm_reduce_scatter(a, b, plan=plan))
+                    before=before, why=why, sweep=sweep, call=lambda plan: gemm_reduce_scatter(a, b, plan=plan),
+                    p2p_plan=p2p_plan)
 
 
 def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> list[dict]:
@@ -110,7 +119,7 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=N
         **{f"decomp{ch}": (lambda fn=fn: fn(a_shard, b)) for ch, fn in decomposed.items()},
         "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),
     }
-    p2p_plan = _try_p2p(a_shard, b, setting)
+    p2p_plan = _try_p2p("all_gather", lambda **kw: all_gather_gemm(a_shard, b, **kw), (m, n, k), dtype, setting)
     if p2p_plan is not None:
         ready_p2p = torch.ones(p2p_plan.num_groups, dtype=torch.int32, device=device)
         fns["our_gemm_p2p"] = lambda: gemm(a_full, b, p2p_plan, flags=ready_p2p, rank=rank)
@@ -120,17 +129,18 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=N
                     sweep=sweep, call=lambda plan: all_gather_gemm(a_shard, b, plan=plan), p2p_plan=p2p_plan)
 
 
-def _try_p2p(a_shard, b, setting):
-    """The P2P path's default plan if one call of it runs here (nvlink setting only), else None (said why)."""
+def _try_p2p(op, call, shape, dtype, setting):
+    """The P2P path's default plan for ``op`` at ``shape`` if one ``call(path="p2p")`` runs here (nvlink setting
+    only), else None (and why, printed)."""
     if setting != "nvlink":
         return None
     try:
-        all_gather_gemm(a_shard, b, path="p2p")
+        call(path="p2p")
         torch.cuda.synchronize()
     except Exception as exc:  # P2P refused here (say why) or failing: the NCCL row still stands
         if dist.get_rank() == 0:
             print(f"    p2p path not measured: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         return None
-    rows, k = a_shard.shape
-    return plan_for("all_gather", rows * dist.get_world_size(), b.shape[1], k, dist.group.WORLD, a_shard.device,
-                    a_shard.dtype, "p2p")
+    m, n, k = shape
+    device = torch.device("cuda", torch.cuda.current_device())
+    return plan_for(op, m, n, k, dist.group.WORLD, device, dtype, "p2p")

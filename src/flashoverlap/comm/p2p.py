@@ -1,6 +1,19 @@
 """The P2P communicator (Flux's design, over NVLink): copy engines pull peers' data from symmetric memory, so the
 communication takes no SM and the GEMM may hold every SM while it waits.
 
+Reduce-scatter, one call (``prepare_reduce_scatter`` before the GEMM, ``reduce_scatter`` after it is launched):
+the GEMM writes its ``[group][W][rows][N]`` workspace straight into this rank's symmetric memory and bumps a
+counter per group. On ``S``, per group: wait for the counter (no SM) and reset it; tell every peer "my band g is
+written" by setting flag ``g*W + rank`` in the peer's workspace (a stream write into peer memory); wait until every
+peer has set ours, and reset them; pull each rank's partial of this rank's rows (own first, then rank+1, ...) into
+a local scratch with the copy engine; sum the W partials into the output band (one small kernel, fp32
+accumulation). Then ``P`` joins ``S`` and the done barrier keeps the next call's GEMM from overwriting a workspace
+a peer is still pulling from (which also orders every flag reset before the next call's flag writes).
+
+Why it cannot deadlock: the GEMMs wait on nothing; each ``S`` waits on its own GEMM's counters and on flags that
+the peers' ``S`` set after waiting only on their own GEMMs' counters; copies need no SM, and the summing kernels
+need SMs but nothing waits for them except the stream that follows.
+
 All-gather, one call, on the caller's (producer) stream ``P`` and this communicator's copy stream ``S``:
 
 1. On ``P``: this rank's shard into its symmetric workspace and into its own slots of the gathered buffer, then
@@ -26,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.symmetric import SymmetricWorkspace
+from flashoverlap.comm.symmetric import FLAG_SLOTS, SymmetricWorkspace
 from flashoverlap.plan import MAX_GROUPS, Plan
 
 _COMMUNICATORS: dict[tuple[int, int], P2PCommunicator] = {}
@@ -48,7 +61,7 @@ def communicator(group: dist.ProcessGroup, device: torch.device) -> P2PCommunica
 
 
 class P2PCommunicator:
-    """A copy stream, per-band flags and a symmetric workspace for one (process group, device)."""
+    """A copy stream, per-band flags and counters, and a symmetric workspace for one (process group, device)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
@@ -56,9 +69,11 @@ class P2PCommunicator:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.copy_stream = torch.cuda.Stream(device=device, priority=-(1 << 10))
-        self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)  # all-gather: band g has landed
+        self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)  # reduce-scatter: tiles done
         self.workspace = SymmetricWorkspace(group, device)
 
+    # -- all-gather ----------------------------------------------------------------------------------------------
     def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
                    events: bool = False) -> list[torch.cuda.Event]:
         """Fill ``gathered`` (the plan's ``[group][W][rows][K]`` layout) band by band, raising ``flags[g]`` once
@@ -92,4 +107,47 @@ class P2PCommunicator:
         """After the GEMM: join the copy stream, clear the flags, and the done barrier (see the module)."""
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.flags[: plan.num_groups].zero_()
+        self.workspace.barrier(DONE)
+
+    # -- reduce-scatter -------------------------------------------------------------------------------------------
+    def prepare_reduce_scatter(self, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
+        """Before the GEMM: the workspace it must write (in symmetric memory), and ``S`` ordered after earlier
+        work (not after the GEMM: ``S`` must see each group's counter while the GEMM still runs)."""
+        if plan.num_groups * self.world_size > FLAG_SLOTS:
+            raise ValueError(f"gemm_reduce_scatter: the P2P path supports groups * world_size <= {FLAG_SLOTS}, got "
+                             f"{plan.num_groups} * {self.world_size}")
+        element_size = torch.empty((), dtype=dtype).element_size()
+        self.workspace.ensure(plan.m * plan.n * element_size, "gemm_reduce_scatter")
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self.workspace.local((plan.m, plan.n), dtype)
+
+    def reduce_scatter(self, out: torch.Tensor, plan: Plan) -> None:
+        """After the GEMM is launched on the current stream: this rank's rows of the sum into ``out`` group by
+        group (see the module docstring)."""
+        producer = torch.cuda.current_stream(self.device)
+        world, rank, n = self.world_size, self.rank, plan.n
+        row_bytes = n * out.element_size()
+        scratch = torch.empty((plan.m, n), dtype=out.dtype, device=self.device)  # [group][W][rows][N] again
+        counters, flags = self.counters.data_ptr(), self.workspace.flags.data_ptr()
+        with torch.cuda.stream(self.copy_stream):
+            scratch.record_stream(self.copy_stream)
+            for grp in plan.groups:
+                stream_ops.wait_geq(self.copy_stream, counters + 4 * grp.index, grp.tile_count)
+                stream_ops.write(self.copy_stream, counters + 4 * grp.index, 0)
+                for step in range(1, world):
+                    peer = (rank + step) % world
+                    stream_ops.write(self.copy_stream, self.workspace.flag_ptr(peer, grp.index * world + rank), 1)
+                for step in range(1, world):
+                    peer = (rank + step) % world
+                    slot = flags + 4 * (grp.index * world + peer)
+                    stream_ops.wait_geq(self.copy_stream, slot, 1)
+                    stream_ops.write(self.copy_stream, slot, 0)
+                partials = scratch[grp.out_row_start : grp.out_row_end].view(world, grp.rows, n)
+                mine = (grp.out_row_start + rank * grp.rows) * row_bytes  # this rank's rows in every workspace
+                for step in range(world):
+                    src = (rank + step) % world
+                    stream_ops.copy(self.copy_stream, partials[src].data_ptr(), self.workspace.peer_ptr(src) + mine,
+                                    grp.rows * row_bytes)
+                torch.sum(partials, dim=0, out=out[grp.row_start : grp.row_end])
+        producer.wait_stream(self.copy_stream)
         self.workspace.barrier(DONE)

@@ -4,8 +4,10 @@ workspace per (process group, device), and the check of whether the P2P path can
 A workspace is allocated and rendezvoused collectively (every rank of the group, the same size: true because
 every op call is collective with the same shapes), grown by powers of two and then reused, never inside a
 CUDA-graph capture. Every rank's buffer is mapped into every other rank's address space: ``peer_ptr(r)`` is the
-device address of rank r's buffer as seen from this device, so a copy engine can pull from it. ``barrier`` is a
-cross-rank barrier on the workspace's signal pad, ordered on the current stream.
+device address of rank r's data region as seen from this device, so a copy engine can pull from it. Each buffer
+starts with ``FLAG_SLOTS`` int32 flags (zeroed at allocation, before a barrier) that peers may set with stream
+memory operations (``flag_ptr``), then the data region. ``barrier`` is a cross-rank barrier on the workspace's
+signal pad, ordered on the current stream.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 MIN_BYTES = 1 << 20
+FLAG_SLOTS = 16384  # int32 flags at the start of every buffer: up to groups * world_size of them per call
+FLAG_BYTES = 4 * FLAG_SLOTS
 
 
 def size_class(nbytes: int) -> int:
@@ -45,7 +49,7 @@ class SymmetricWorkspace:
         self._peers: list[torch.Tensor] = []
 
     def ensure(self, nbytes: int, op: str) -> None:
-        """Make the buffer at least ``nbytes`` (collective when it grows)."""
+        """Make the data region at least ``nbytes`` (collective when it grows)."""
         if nbytes <= self.nbytes:
             return
         if torch.cuda.is_current_stream_capturing():
@@ -55,7 +59,7 @@ class SymmetricWorkspace:
                 "largest shape first"
             )
         symm_mem = _symm_mem()
-        size = size_class(nbytes)
+        size = size_class(FLAG_BYTES + nbytes)
         name = self.group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous on older torch
             symm_mem.enable_symm_mem_for_group(name)
@@ -63,23 +67,37 @@ class SymmetricWorkspace:
         handle = symm_mem.rendezvous(buffer, name)
         ranks = dist.get_world_size(self.group)
         self._peers = [handle.get_buffer(r, (size,), torch.uint8) for r in range(ranks)]
-        self.buffer, self.handle, self.nbytes = buffer, handle, size
+        self.buffer, self.handle, self.nbytes = buffer, handle, size - FLAG_BYTES
+        # Flags start at zero on every rank before any peer may set one of ours.
+        self.flags.zero_()
+        self.barrier(0)
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """This rank's ``FLAG_SLOTS`` int32 flags."""
+        assert self.buffer is not None
+        return self.buffer[:FLAG_BYTES].view(torch.int32)
+
+    def flag_ptr(self, rank: int, slot: int) -> int:
+        """Device address, valid on this device, of flag ``slot`` of ``rank``'s buffer."""
+        return self._peers[rank].data_ptr() + 4 * slot
 
     def local(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's buffer, from its start, as a ``shape`` tensor of ``dtype``."""
+        """This rank's data region, from its start, as a ``shape`` tensor of ``dtype``."""
         assert self.buffer is not None
         count = 1
         for s in shape:
             count *= s
-        return self.buffer[: count * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        return self.buffer[FLAG_BYTES : FLAG_BYTES + nbytes].view(dtype).view(shape)
 
     def peer(self, rank: int) -> torch.Tensor:
-        """``rank``'s whole buffer as a uint8 tensor on this device (its memory is the peer's)."""
-        return self._peers[rank]
+        """``rank``'s data region as a uint8 tensor on this device (its memory is the peer's)."""
+        return self._peers[rank][FLAG_BYTES:]
 
     def peer_ptr(self, rank: int) -> int:
-        """Device address, valid on this device, of ``rank``'s buffer."""
-        return self._peers[rank].data_ptr()
+        """Device address, valid on this device, of ``rank``'s data region."""
+        return self._peers[rank].data_ptr() + FLAG_BYTES
 
     def barrier(self, channel: int) -> None:
         """All ranks reach this point of their current streams before any goes on (a small kernel)."""

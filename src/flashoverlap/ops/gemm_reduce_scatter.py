@@ -5,6 +5,9 @@ Row-parallel linear layer with sequence parallelism: rank r holds ``a_r: [M, K/W
 gets rows ``[r*M/W, (r+1)*M/W)`` of ``sum_r a_r @ b_r`` as ``[M/W, N]``. The GEMM writes each group's band of
 every rank block into a workspace laid out ``[group][W][rows][N]`` (``Plan.tile_rows``), so one
 ``reduce_scatter_tensor`` per group lands this rank's band straight in its place in the output.
+
+P2P path (``path="p2p"``, NVLink): the workspace lives in symmetric memory; per group, once every rank's GEMM has
+written it, copy engines pull this rank's rows of every partial and one small kernel sums them (``comm/p2p.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm import nccl, reference
+from flashoverlap.comm import nccl, p2p, reference
 from flashoverlap.comm.collectives import reduce_scatter_tensor
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops._common import prepare_call
@@ -40,6 +43,12 @@ def gemm_reduce_scatter(
         out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
         if plan.sequential:
             reduce_scatter_tensor(out, torch.matmul(a, b), group)
+            return out
+        if path == "p2p":
+            p2p_comm = p2p.communicator(group, a.device)
+            workspace = p2p_comm.prepare_reduce_scatter(plan, a.dtype)
+            gemm(a, b, plan, out=workspace, counters=p2p_comm.counters)
+            p2p_comm.reduce_scatter(out, plan)
             return out
         comm = nccl.communicator(group, a.device)
         comm.prepare(plan, a.dtype)
