@@ -12,7 +12,8 @@ a peer is still pulling from (which also orders every flag reset before the next
 
 Why it cannot deadlock: the GEMMs wait on nothing; each ``S`` waits on its own GEMM's counters and on flags that
 the peers' ``S`` set after waiting only on their own GEMMs' counters; copies need no SM, and the summing kernels
-need SMs but nothing waits for them except the stream that follows.
+need SMs but nothing waits for them except the stream that follows. They are queued behind stream waits, so the
+first call of each plan runs them once beforehand, eagerly (rule 3: no kernel is loaded behind a wait).
 
 All-gather, one call, on the caller's (producer) stream ``P`` and this communicator's copy stream ``S``:
 
@@ -72,6 +73,7 @@ class P2PCommunicator:
         self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)  # all-gather: band g has landed
         self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)  # reduce-scatter: tiles done
         self.workspace = SymmetricWorkspace(group, device)
+        self._summed: set[tuple[Plan, torch.dtype]] = set()  # plans whose summing kernels are loaded
 
     # -- all-gather ----------------------------------------------------------------------------------------------
     def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
@@ -118,8 +120,28 @@ class P2PCommunicator:
                              f"{plan.num_groups} * {self.world_size}")
         element_size = torch.empty((), dtype=dtype).element_size()
         self.workspace.ensure(plan.m * plan.n * element_size, "gemm_reduce_scatter")
+        if (plan, dtype) not in self._summed:
+            self._warm_sums(plan, dtype)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         return self.workspace.local((plan.m, plan.n), dtype)
+
+    def _warm_sums(self, plan: Plan, dtype: torch.dtype) -> None:
+        """Run the plan's summing kernels once, eagerly, on same-shaped buffers: a call queues them behind stream
+        waits, and a kernel that is not loaded yet must not be launched there (deadlock rule 3)."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemm_reduce_scatter: the first P2P call of a plan loads its kernels and cannot be "
+                               "captured in a CUDA graph; call it once before capturing")
+        out = torch.zeros((plan.block_rows, plan.n), dtype=dtype, device=self.device)
+        scratch = torch.zeros((plan.m, plan.n), dtype=dtype, device=self.device)
+        self._sum_partials(out, scratch, plan)
+        torch.cuda.synchronize(self.device)
+        self._summed.add((plan, dtype))
+
+    def _sum_partials(self, out: torch.Tensor, scratch: torch.Tensor, plan: Plan, grp=None) -> None:
+        """``out``'s rows of group ``grp`` (every group if None) = the sum of the W partials in ``scratch``."""
+        for g in plan.groups if grp is None else (grp,):
+            partials = scratch[g.out_row_start : g.out_row_end].view(self.world_size, g.rows, plan.n)
+            torch.sum(partials, dim=0, out=out[g.row_start : g.row_end])
 
     def reduce_scatter(self, out: torch.Tensor, plan: Plan) -> None:
         """After the GEMM is launched on the current stream: this rank's rows of the sum into ``out`` group by
@@ -148,6 +170,6 @@ class P2PCommunicator:
                     src = (rank + step) % world
                     stream_ops.copy(self.copy_stream, partials[src].data_ptr(), self.workspace.peer_ptr(src) + mine,
                                     grp.rows * row_bytes)
-                torch.sum(partials, dim=0, out=out[grp.row_start : grp.row_end])
+                self._sum_partials(out, scratch, plan, grp)
         producer.wait_stream(self.copy_stream)
         self.workspace.barrier(DONE)
