@@ -262,8 +262,8 @@ def test_p2p_plans():
     rs = default_plan("reduce_scatter", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=0.05, path="p2p")
     assert (rs.path, rs.sequential, rs.num_groups, rs.grid_size) == ("p2p", False, 8, rs.num_tiles)
     assert default_plan("reduce_scatter", 256, 256, 256, 2, path="p2p").sequential  # too small to overlap
-    with pytest.raises(ValueError, match="'p2p' is implemented for"):
-        default_plan("all_reduce", 8192, 8192, 8192, 2, path="p2p")
+    ar = default_plan("all_reduce", 8192, 8192, 8192, 2, num_sms=132, path="p2p")
+    assert (ar.path, ar.sequential, ar.num_groups, ar.grid_size) == ("p2p", False, 8, ar.num_tiles)
     with pytest.raises(ValueError, match="path must be one of"):
         default_plan("all_gather", 8192, 8192, 8192, 2, path="nvshmem")
     assert "P2P (copy engines)" in ag.describe()

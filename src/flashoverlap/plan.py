@@ -22,8 +22,6 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 BLOCKED_OPS = ("reduce_scatter", "all_gather")
 # Which communicator consumes the plan: NCCL collectives on a stream, or copy engines and peer memory (P2P).
 PATHS = ("nccl", "p2p")
-# Ops the P2P communicator implements so far (issue 4 in progress).
-P2P_OPS = ("all_gather", "reduce_scatter")
 
 # Counters live in one small per-device buffer; a plan may not use more groups than it holds.
 MAX_GROUPS = 1024
@@ -123,8 +121,6 @@ class Plan:
             raise ValueError(f"Plan.op must be one of {OPS}, got {self.op!r}")
         if self.path not in PATHS:
             raise ValueError(f"Plan.path must be one of {PATHS}, got {self.path!r}")
-        if self.path == "p2p" and self.op not in P2P_OPS:
-            raise ValueError(f"Plan.path 'p2p' is implemented for {P2P_OPS} only so far, not {self.op!r}")
         for name in ("m", "n", "k", "world_size", "num_programs"):
             _check_int(f"Plan.{name}", getattr(self, name), 1)
         _check_int("Plan.comm_ctas", self.comm_ctas, 0)
@@ -408,8 +404,8 @@ def default_plan(
 
     ``path="p2p"``: copy engines move the bands and take no SM, so the ratio does not decide (the transfer costs
     the GEMM a few percent, not an SM share); sequential only where the GEMM is too small to overlap anything.
-    All-gather: 4 even groups, the GEMM persistent on every SM. Reduce-scatter: 8 even groups, one program per
-    tile (the small kernels that sum each band's pulled partials get SMs as GEMM programs retire).
+    All-gather: 4 even groups, the GEMM persistent on every SM. Reduce-scatter and all-reduce: 8 even groups, one
+    program per tile (the small kernels that sum each band's pulled partials get SMs as GEMM programs retire).
     """
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
         _check_int(name, value, 1)

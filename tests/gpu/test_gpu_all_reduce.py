@@ -1,4 +1,4 @@
-"""gemm_all_reduce on real GPUs through NCCL: odd shapes, both dtypes, many back-to-back calls, CUDA graphs,
+"""gemm_all_reduce on real GPUs, NCCL and P2P paths: odd shapes, both dtypes, many back-to-back calls, CUDA graphs,
 CUDA_DEVICE_MAX_CONNECTIONS=1, errors and the debug timeout. Skipped without 2 GPUs."""
 
 import os
@@ -97,10 +97,10 @@ def _plain_gemm(rank, world_size):
     return True
 
 
-def _back_to_back(rank, world_size, calls):
+def _back_to_back(rank, world_size, calls, path="nccl"):
     shapes = [(777, 2000, 1234), (4096, 4096, 4096), (1, 4096, 4096), (2048, 8192, 1024), (1000, 1000, 100)]
     inputs = [_inputs(m, n, k, torch.bfloat16, seed=10 * i + rank) for i, (m, n, k) in enumerate(shapes)]
-    plans = [fo.default_plan("all_reduce", m, n, k, world_size, num_groups=2 + i, allow_sequential=False)
+    plans = [fo.default_plan("all_reduce", m, n, k, world_size, num_groups=2 + i, allow_sequential=False, path=path)
              for i, (m, n, k) in enumerate(shapes)]
     wants = [_expected(a, b) for a, b in inputs]
     outs = []
@@ -111,13 +111,13 @@ def _back_to_back(rank, world_size, calls):
             outs.append((j, c))
     torch.cuda.synchronize()
     for j, c in outs:
-        _assert_close(c, wants[j], f"back-to-back shape {shapes[j]}")
+        _assert_close(c, wants[j], f"back-to-back shape {shapes[j]} ({path})")
     return len(outs)
 
 
-def _graph_replay(rank, world_size, replays):
+def _graph_replay(rank, world_size, replays, path="nccl"):
     m, n, k = 1536, 4096, 2048
-    plan = fo.default_plan("all_reduce", m, n, k, world_size, allow_sequential=False)
+    plan = fo.default_plan("all_reduce", m, n, k, world_size, allow_sequential=False, path=path)
     a, b = _inputs(m, n, k, torch.bfloat16, seed=rank)
     return check_graph_replays(lambda a, b: fo.gemm_all_reduce(a, b, plan=plan), _expected, a, b, rank, replays)
 
@@ -202,3 +202,59 @@ def test_cuda_device_max_connections_one():
 def test_errors_and_debug_timeout():
     spawn(_errors, WORLD, "nccl", env=ENV)
     spawn(_debug_timeout, WORLD, "nccl", env=ENV)
+
+
+# -- the P2P path (issue 4) ---------------------------------------------------------------------------------------
+def _p2p_plans(m, n, k, world_size):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    yield "p2p-default", fo.default_plan("all_reduce", m, n, k, world_size, num_sms=sms, path="p2p")
+    yield "p2p-overlapped", fo.default_plan("all_reduce", m, n, k, world_size, num_sms=sms, path="p2p",
+                                            allow_sequential=False)
+    yield "p2p-persistent-small-tiles", fo.default_plan(
+        "all_reduce", m, n, k, world_size, num_sms=sms, path="p2p", num_programs=sms, num_groups=7,
+        tile=fo.TileConfig(64, 64, 32, 3, 2, 4), allow_sequential=False)
+
+
+def _p2p_correctness(rank, world_size):
+    device = torch.device("cuda", torch.cuda.current_device())
+    checked = 0
+    for i, (m, n, k) in enumerate(ODD_SHAPES + ROUND_SHAPES):
+        for dtype in (torch.bfloat16, torch.float16):
+            a, b = _inputs(m, n, k, dtype, seed=100 * i + rank)
+            want = _expected(a, b)
+            for name, plan in _p2p_plans(m, n, k, world_size):
+                _poison_allocator(device)
+                got = fo.gemm_all_reduce(a, b, plan=plan)
+                _assert_close(got, want, f"{m}x{n}x{k} {dtype} plan {name}")
+                assert torch.equal(fo.gemm_all_reduce(a, b, plan=plan), got), f"repeat differs ({name})"
+                # Every rank holds the same result.
+                first = got.clone()
+                dist.broadcast(first, src=0)
+                assert torch.equal(first, got), f"ranks disagree ({name})"
+                checked += 1
+    return checked
+
+
+def _p2p_max_connections_one(rank, world_size):
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    return _back_to_back(rank, world_size, 50, "p2p")
+
+
+@needs_gpus
+def test_p2p_correctness_odd_and_round_shapes():
+    assert spawn(_p2p_correctness, WORLD, "nccl", env=ENV)[0] >= 40
+
+
+@needs_gpus
+def test_p2p_thousand_back_to_back_calls():
+    assert spawn(_back_to_back, WORLD, "nccl", args=(1000, "p2p"), env=ENV)[0] >= 10
+
+
+@needs_gpus
+def test_p2p_cuda_graph_capture_and_replay():
+    assert spawn(_graph_replay, WORLD, "nccl", args=(50, "p2p"), env=ENV) == [50] * WORLD
+
+
+@needs_gpus
+def test_p2p_cuda_device_max_connections_one():
+    spawn(_p2p_max_connections_one, WORLD, "nccl", env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})

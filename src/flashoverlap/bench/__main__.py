@@ -21,16 +21,14 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.bench.baselines import DecomposedAllReduce, sequential_all_reduce
-from flashoverlap.bench.rows import efficiency, result_row
-from flashoverlap.bench.timing import time_ms, time_side_by_side
+from flashoverlap.bench import op_rows
+from flashoverlap.bench.op_rows import inputs as _inputs
+from flashoverlap.bench.rows import efficiency
+from flashoverlap.bench.timing import time_ms
 from flashoverlap.comm import nccl
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops.gemm_all_reduce import plan_for
 from flashoverlap.plan import default_plan, nccl_free_sms
-
-GRID_ALL_REDUCE = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
-                   (2048, 8192, 14336)]
 
 
 def _setting() -> str:
@@ -58,41 +56,6 @@ def _meta(args: argparse.Namespace, world_size: int) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEV"))},
     }
-
-
-def _inputs(m: int, n: int, k: int, dtype: torch.dtype, rank: int):
-    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    a = torch.randn(m, k, dtype=dtype, device="cuda", generator=gen)
-    w = torch.randn(n, k, dtype=dtype, device="cuda", generator=gen) / k**0.5
-    return a, w.t()  # b as an nn.Linear weight's transposed view
-
-
-def bench_all_reduce(m, n, k, dtype, args, rank, world_size, device) -> list[dict]:
-    a, b = _inputs(m, n, k, dtype, rank)
-    c = torch.matmul(a, b)
-    plan = plan_for(m, n, k, dist.group.WORLD, device, dtype)
-    # Our GEMM alone with signalling on, in the plan the op uses (an overlapping plan even where the op would
-    # choose sequential, so the figure always describes the kernel).
-    kernel_plan = plan if not plan.sequential else default_plan(
-        "all_reduce", m, n, k, world_size, num_sms=device_sms(device), allow_sequential=False)
-    counters = torch.zeros(kernel_plan.num_groups, dtype=torch.int32, device=device)
-    decomposed = {chunks: DecomposedAllReduce(chunks, device) for chunks in (2, 4, 8)}
-    fns = {
-        "gemm": lambda: torch.matmul(a, b),
-        "our_gemm": lambda: gemm(a, b, kernel_plan, counters=counters),
-        "comm": lambda: dist.all_reduce(c),
-        "seq": lambda: sequential_all_reduce(a, b),
-        **{f"decomp{ch}": (lambda fn=fn: fn(a, b)) for ch, fn in decomposed.items()},
-        "ours": lambda: fo.gemm_all_reduce(a, b, plan=plan),
-    }
-    host_us: dict[str, float] = {}
-    t_all = time_side_by_side(fns, warmup=5, iters=args.iters, before={"our_gemm": counters.zero_}, host_us=host_us)
-    decomposition = {ch: t_all[f"decomp{ch}"] for ch in decomposed}
-    row = result_row("all_reduce", (m, n, k), dtype, t_all, decomposition, None, plan, host_us)
-    if args.sweep:
-        row["sweep"] = sweep_plans("all_reduce", lambda plan: fo.gemm_all_reduce(a, b, plan=plan), (m, n, k), args,
-                                   world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
-    return [row]
 
 
 def device_sms(device: torch.device) -> int:
@@ -293,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl", device_id=device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
-    shapes = GRID_ALL_REDUCE if args.shapes is None else [
+    shapes = op_rows.GRID_ALL_REDUCE if args.shapes is None else [
         tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
 
     meta = _meta(args, world_size)
@@ -303,29 +266,28 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"# {meta['gpus']}, {meta['setting']}, torch {meta['torch']}, triton {meta['triton']}, "
               f"NCCL {meta['nccl']}, commit {meta['commit']}", flush=True)
+    benches = {"all_reduce": (op_rows.bench_all_reduce, op_rows.GRID_ALL_REDUCE),
+               "reduce_scatter": (op_rows.bench_reduce_scatter, op_rows.GRID_REDUCE_SCATTER),
+               "all_gather": (op_rows.bench_all_gather, op_rows.GRID_ALL_GATHER)}
+    sweep = None
+    if args.sweep:
+        def sweep(op, call, shape, row):
+            return sweep_plans(op, call, shape, args, world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
     for op in args.ops:
-        if op == "all_reduce":
-            op_shapes, bench = shapes, lambda m, n, k: bench_all_reduce(m, n, k, dtype, args, rank, world_size, device)
-        elif op in ("reduce_scatter", "all_gather"):
-            from flashoverlap.bench import scatter_gather
-
-            grid = scatter_gather.GRID_ALL_GATHER if op == "all_gather" else GRID_ALL_REDUCE
-            op_shapes = grid if args.shapes is None else shapes
-            fn = scatter_gather.bench_all_gather if op == "all_gather" else scatter_gather.bench_reduce_scatter
-            sweep = None
-            if args.sweep:
-                def sweep(op, call, shape, row):
-                    return sweep_plans(op, call, shape, args, world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
-            bench = lambda m, n, k, fn=fn, sweep=sweep: fn(m, n, k, dtype, args.iters, world_size, device,  # noqa: E731
-                                                           meta["setting"], sweep)
-        else:
+        if op not in benches:
             parser.error(f"--ops: unknown op {op!r}")
+        fn, grid = benches[op]
+        op_shapes = grid if args.shapes is None else shapes
+
+        def bench(m, n, k, fn=fn):
+            return fn(m, n, k, dtype, args.iters, world_size, device, meta["setting"], sweep)
+
         for m, n, k in op_shapes:
             for row in bench(m, n, k):
                 rows.append(row)
                 if rank == 0:
                     print(f"  {op} {row['path']} {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
-                write_results(out, meta, rows, {})  # so far, in case a later row fails
+                    write_results(out, meta, rows, {})  # so far, in case a later row fails
     extra = {}
     if args.timeline:
         extra["timeline"] = draw_timeline(args.timeline, rows, meta, dtype, world_size, device)

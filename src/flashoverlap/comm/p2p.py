@@ -1,7 +1,7 @@
 """The P2P communicator (Flux's design, over NVLink): copy engines pull peers' data from symmetric memory, so the
 communication takes no SM and the GEMM may hold every SM while it waits.
 
-Reduce-scatter, one call (``prepare_reduce_scatter`` before the GEMM, ``reduce_scatter`` after it is launched):
+Reduce-scatter, one call (``prepare_reduction`` before the GEMM, ``reduce`` after it is launched):
 the GEMM writes its ``[group][W][rows][N]`` workspace straight into this rank's symmetric memory and bumps a
 counter per group. On ``S``, per group: wait for the counter (no SM) and reset it; tell every peer "my band g is
 written" by setting flag ``g*W + rank`` in the peer's workspace (a stream write into peer memory); wait until every
@@ -10,8 +10,13 @@ a local scratch with the copy engine; sum the W partials into the output band (o
 accumulation). Then ``P`` joins ``S`` and the done barrier keeps the next call's GEMM from overwriting a workspace
 a peer is still pulling from (which also orders every flag reset before the next call's flag writes).
 
+All-reduce is the same with the group's rows of ``C`` cut into W shares: rank r sums share r of every rank's
+partial into its output, copies that reduced share back into its own workspace (no peer reads those partial rows),
+sets a second flag in every peer, and pulls every peer's reduced share into its output once their flags are set.
+
 Why it cannot deadlock: the GEMMs wait on nothing; each ``S`` waits on its own GEMM's counters and on flags that
-the peers' ``S`` set after waiting only on their own GEMMs' counters; copies need no SM, and the summing kernels
+the peers' ``S`` set after waiting only on their own GEMMs' counters (all-reduce's second round: on the peers'
+first rounds, which every ``S`` completes before its own second); copies need no SM, and the summing kernels
 need SMs but nothing waits for them except the stream that follows. They are queued behind stream waits, so the
 first call of each plan runs them once beforehand, eagerly (rule 3: no kernel is loaded behind a wait).
 
@@ -59,6 +64,28 @@ def communicator(group: dist.ProcessGroup, device: torch.device) -> P2PCommunica
             )
         comm = _COMMUNICATORS[key] = P2PCommunicator(group, device)
     return comm
+
+
+def reduced_rows(plan: Plan, rank: int):
+    """Per group: the group, the rows ``[lo, hi)`` of every rank's workspace that ``rank`` sums, the first row of
+    the output they land in, and their offset in the scratch rows. Reduce-scatter: ``rank``'s band of its block
+    (workspace ``[group][W][rows][N]``). All-reduce: ``rank``'s share of the group's rows of ``C``."""
+    offset = 0
+    for grp in plan.groups:
+        if plan.op == "reduce_scatter":
+            lo = grp.out_row_start + rank * grp.rows
+            hi, dst = lo + grp.rows, grp.row_start
+        else:
+            lo, hi = share(grp, rank, plan.world_size)
+            dst = lo
+        yield grp, lo, hi, dst, offset
+        offset += hi - lo
+
+
+def share(grp, rank: int, world_size: int) -> tuple[int, int]:
+    """All-reduce: rank ``rank``'s rows of group ``grp``: W nearly equal shares, some empty if there are few rows."""
+    rows = grp.row_end - grp.row_start
+    return grp.row_start + rows * rank // world_size, grp.row_start + rows * (rank + 1) // world_size
 
 
 class P2PCommunicator:
@@ -111,65 +138,94 @@ class P2PCommunicator:
         self.flags[: plan.num_groups].zero_()
         self.workspace.barrier(DONE)
 
-    # -- reduce-scatter -------------------------------------------------------------------------------------------
-    def prepare_reduce_scatter(self, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
+    # -- reduce-scatter and all-reduce -------------------------------------------------------------------------
+    def prepare_reduction(self, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
         """Before the GEMM: the workspace it must write (in symmetric memory), and ``S`` ordered after earlier
         work (not after the GEMM: ``S`` must see each group's counter while the GEMM still runs)."""
-        if plan.num_groups * self.world_size > FLAG_SLOTS:
-            raise ValueError(f"gemm_reduce_scatter: the P2P path supports groups * world_size <= {FLAG_SLOTS}, got "
+        if 2 * plan.num_groups * self.world_size > FLAG_SLOTS:
+            raise ValueError(f"{plan.op}: the P2P path supports groups * world_size <= {FLAG_SLOTS // 2}, got "
                              f"{plan.num_groups} * {self.world_size}")
         element_size = torch.empty((), dtype=dtype).element_size()
-        self.workspace.ensure(plan.m * plan.n * element_size, "gemm_reduce_scatter")
+        self.workspace.ensure(plan.m * plan.n * element_size, plan.op)
         if (plan, dtype) not in self._summed:
             self._warm_sums(plan, dtype)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         return self.workspace.local((plan.m, plan.n), dtype)
 
+    def _reduced_rows(self, plan: Plan):
+        return reduced_rows(plan, self.rank)
+
+    def _share(self, grp, rank: int) -> tuple[int, int]:
+        return share(grp, rank, self.world_size)
+
+    def _scratch(self, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
+        rows = sum(hi - lo for _, lo, hi, _, _ in self._reduced_rows(plan))
+        return torch.empty((self.world_size, max(rows, 1), plan.n), dtype=dtype, device=self.device)
+
+    def _sum(self, out: torch.Tensor, scratch: torch.Tensor, lo: int, hi: int, dst: int, offset: int) -> None:
+        if hi > lo:
+            torch.sum(scratch[:, offset : offset + hi - lo], dim=0, out=out[dst : dst + hi - lo])
+
     def _warm_sums(self, plan: Plan, dtype: torch.dtype) -> None:
         """Run the plan's summing kernels once, eagerly, on same-shaped buffers: a call queues them behind stream
         waits, and a kernel that is not loaded yet must not be launched there (deadlock rule 3)."""
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gemm_reduce_scatter: the first P2P call of a plan loads its kernels and cannot be "
-                               "captured in a CUDA graph; call it once before capturing")
-        out = torch.zeros((plan.block_rows, plan.n), dtype=dtype, device=self.device)
-        scratch = torch.zeros((plan.m, plan.n), dtype=dtype, device=self.device)
-        self._sum_partials(out, scratch, plan)
+            raise RuntimeError(f"{plan.op}: the first P2P call of a plan loads its kernels and cannot be captured "
+                               "in a CUDA graph; call it once before capturing")
+        out_rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
+        out = torch.zeros((out_rows, plan.n), dtype=dtype, device=self.device)
+        scratch = self._scratch(plan, dtype).zero_()
+        for _, lo, hi, dst, offset in self._reduced_rows(plan):
+            self._sum(out, scratch, lo, hi, dst, offset)
         torch.cuda.synchronize(self.device)
         self._summed.add((plan, dtype))
 
-    def _sum_partials(self, out: torch.Tensor, scratch: torch.Tensor, plan: Plan, grp=None) -> None:
-        """``out``'s rows of group ``grp`` (every group if None) = the sum of the W partials in ``scratch``."""
-        for g in plan.groups if grp is None else (grp,):
-            partials = scratch[g.out_row_start : g.out_row_end].view(self.world_size, g.rows, plan.n)
-            torch.sum(partials, dim=0, out=out[g.row_start : g.row_end])
+    def _signal_and_wait(self, base: int, grp) -> None:
+        """Set flag ``base + g*W + rank`` in every peer, then wait for (and reset) every peer's in ours."""
+        world, rank, flags = self.world_size, self.rank, self.workspace.flags.data_ptr()
+        for step in range(1, world):
+            peer = (rank + step) % world
+            stream_ops.write(self.copy_stream, self.workspace.flag_ptr(peer, base + grp.index * world + rank), 1)
+        for step in range(1, world):
+            slot = flags + 4 * (base + grp.index * world + (rank + step) % world)
+            stream_ops.wait_geq(self.copy_stream, slot, 1)
+            stream_ops.write(self.copy_stream, slot, 0)
 
-    def reduce_scatter(self, out: torch.Tensor, plan: Plan) -> None:
-        """After the GEMM is launched on the current stream: this rank's rows of the sum into ``out`` group by
-        group (see the module docstring)."""
+    def reduce(self, out: torch.Tensor, plan: Plan) -> None:
+        """After the GEMM is launched on the current stream, group by group (see the module docstring):
+        reduce-scatter: this rank's rows of the sum into ``out`` ``[M/W, N]``; all-reduce: the whole sum into
+        ``out`` ``[M, N]``, each rank reducing its share of every group and pulling the peers' reduced shares."""
         producer = torch.cuda.current_stream(self.device)
-        world, rank, n = self.world_size, self.rank, plan.n
-        row_bytes = n * out.element_size()
-        scratch = torch.empty((plan.m, n), dtype=out.dtype, device=self.device)  # [group][W][rows][N] again
-        counters, flags = self.counters.data_ptr(), self.workspace.flags.data_ptr()
+        world, rank = self.world_size, self.rank
+        row_bytes = plan.n * out.element_size()
+        scratch = self._scratch(plan, out.dtype)
+        counters = self.counters.data_ptr()
+        second = plan.num_groups * world  # flag slots of the all-reduce's second round
         with torch.cuda.stream(self.copy_stream):
             scratch.record_stream(self.copy_stream)
-            for grp in plan.groups:
+            for grp, lo, hi, dst, offset in self._reduced_rows(plan):
                 stream_ops.wait_geq(self.copy_stream, counters + 4 * grp.index, grp.tile_count)
                 stream_ops.write(self.copy_stream, counters + 4 * grp.index, 0)
+                self._signal_and_wait(0, grp)  # every rank's partial of this group is written
+                if hi > lo:
+                    for step in range(world):
+                        src = (rank + step) % world
+                        stream_ops.copy(self.copy_stream, scratch[src, offset].data_ptr(),
+                                        self.workspace.peer_ptr(src) + lo * row_bytes, (hi - lo) * row_bytes)
+                self._sum(out, scratch, lo, hi, dst, offset)
+                if plan.op != "all_reduce":
+                    continue
+                # Publish this rank's reduced share in its own workspace (no peer reads those partial rows), then
+                # pull every peer's reduced share into the output.
+                if hi > lo:
+                    stream_ops.copy(self.copy_stream, self.workspace.peer_ptr(rank) + lo * row_bytes,
+                                    out[lo].data_ptr(), (hi - lo) * row_bytes)
+                self._signal_and_wait(second, grp)
                 for step in range(1, world):
-                    peer = (rank + step) % world
-                    stream_ops.write(self.copy_stream, self.workspace.flag_ptr(peer, grp.index * world + rank), 1)
-                for step in range(1, world):
-                    peer = (rank + step) % world
-                    slot = flags + 4 * (grp.index * world + peer)
-                    stream_ops.wait_geq(self.copy_stream, slot, 1)
-                    stream_ops.write(self.copy_stream, slot, 0)
-                partials = scratch[grp.out_row_start : grp.out_row_end].view(world, grp.rows, n)
-                mine = (grp.out_row_start + rank * grp.rows) * row_bytes  # this rank's rows in every workspace
-                for step in range(world):
                     src = (rank + step) % world
-                    stream_ops.copy(self.copy_stream, partials[src].data_ptr(), self.workspace.peer_ptr(src) + mine,
-                                    grp.rows * row_bytes)
-                self._sum_partials(out, scratch, plan, grp)
+                    s_lo, s_hi = self._share(grp, src)
+                    if s_hi > s_lo:
+                        stream_ops.copy(self.copy_stream, out[s_lo].data_ptr(),
+                                        self.workspace.peer_ptr(src) + s_lo * row_bytes, (s_hi - s_lo) * row_bytes)
         producer.wait_stream(self.copy_stream)
         self.workspace.barrier(DONE)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from flashoverlap.comm.symmetric import p2p_unavailable_reason
 from flashoverlap.ops._checks import check_group, check_operands, choose_path
-from flashoverlap.plan import P2P_OPS, Plan, default_plan
+from flashoverlap.plan import Plan, default_plan
 from flashoverlap.tune import rates
 
 # (op, group, device, dtype, shape, path, default plan?) -> (group as given, group, world size, default plan)
@@ -50,9 +50,6 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
     m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
-    if path == "p2p" and op not in P2P_OPS:
-        raise ValueError(f"{name}: path='p2p' is not implemented for {name} yet (only for {P2P_OPS}); use "
-                         "path='nccl' or path='auto'")
     path = choose_path(name, path, a.device, None if plan is None else plan.path)
     resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
     key = (op, id(resolved), a.device, a.dtype, m, n, k, path, plan is None)

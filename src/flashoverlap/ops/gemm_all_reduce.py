@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm import nccl, reference
+from flashoverlap.comm import nccl, p2p, reference
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops._common import plan_for as _plan_for
 from flashoverlap.ops._common import prepare_call
@@ -40,8 +40,9 @@ def gemm_all_reduce(
         b: ``[K, N]``, same dtype and device; may be the transposed view ``w.t()`` of an ``[N, K]`` weight.
         group: the process group (default: the world). CUDA tensors need an NCCL group.
         plan: a :class:`flashoverlap.Plan` for this shape and world size (default: the library's plan for it).
-        path: ``"auto"`` (NCCL overlap for CUDA tensors, the reference for CPU ones), ``"nccl"`` or
-            ``"reference"`` (group by group, nothing overlapped; any backend).
+        path: ``"auto"`` (NCCL overlap for CUDA tensors, or the given plan's path; the reference for CPU ones),
+            ``"nccl"``, ``"p2p"`` (copy engines over symmetric memory, one node) or ``"reference"`` (group by
+            group, nothing overlapped; any backend).
 
     Returns:
         ``[M, N]`` row-major, the input dtype, identical on every rank of ``group``.
@@ -53,6 +54,13 @@ def gemm_all_reduce(
         if plan.sequential:
             c = torch.matmul(a, b)
             dist.all_reduce(c, group=group)
+            return c
+        if path == "p2p":
+            p2p_comm = p2p.communicator(group, a.device)
+            workspace = p2p_comm.prepare_reduction(plan, a.dtype)
+            gemm(a, b, plan, out=workspace, counters=p2p_comm.counters)
+            c = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
+            p2p_comm.reduce(c, plan)
             return c
         comm = nccl.communicator(group, a.device)
         comm.prepare(plan, a.dtype)

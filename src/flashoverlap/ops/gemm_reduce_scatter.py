@@ -46,9 +46,9 @@ def gemm_reduce_scatter(
             return out
         if path == "p2p":
             p2p_comm = p2p.communicator(group, a.device)
-            workspace = p2p_comm.prepare_reduce_scatter(plan, a.dtype)
+            workspace = p2p_comm.prepare_reduction(plan, a.dtype)
             gemm(a, b, plan, out=workspace, counters=p2p_comm.counters)
-            p2p_comm.reduce_scatter(out, plan)
+            p2p_comm.reduce(out, plan)
             return out
         comm = nccl.communicator(group, a.device)
         comm.prepare(plan, a.dtype)

@@ -1,12 +1,20 @@
-"""Benchmark rows for gemm_reduce_scatter and all_gather_gemm (BENCHMARK.md's columns, side by side in one run):
-cuBLAS, our GEMM alone, the collective alone, sequential, the best decomposition, torch async TP, flashoverlap."""
+"""Benchmark rows for the three ops (BENCHMARK.md's columns, side by side in one run): cuBLAS, our GEMM alone,
+the collective alone, sequential, the best decomposition, torch async TP, flashoverlap on the NCCL path and, on
+NVLink, on the P2P path."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from flashoverlap.bench.baselines import DecomposedAllGather, DecomposedReduceScatter, async_tp_ops
+import flashoverlap as fo
+from flashoverlap.bench.baselines import (
+    DecomposedAllGather,
+    DecomposedAllReduce,
+    DecomposedReduceScatter,
+    async_tp_ops,
+    sequential_all_reduce,
+)
 from flashoverlap.bench.rows import result_row
 from flashoverlap.bench.timing import time_side_by_side
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
@@ -16,10 +24,14 @@ from flashoverlap.ops.all_gather_gemm import all_gather_gemm
 from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from flashoverlap.plan import default_plan
 
+GRID_ALL_REDUCE = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
+                   (2048, 8192, 14336)]
+GRID_REDUCE_SCATTER = GRID_ALL_REDUCE
 GRID_ALL_GATHER = [(4096, 8192, 8192), (8192, 14336, 8192), (16384, 8192, 8192), (8192, 28672, 8192)]
 
 
-def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, rank: int):
+def inputs(rows: int, n: int, k: int, dtype: torch.dtype, rank: int):
+    """Fresh random ``a [rows, K]`` and ``b [K, N]``, b as an nn.Linear weight's transposed view."""
     gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
     a = torch.randn(rows, k, dtype=dtype, device="cuda", generator=gen)
     w = torch.randn(n, k, dtype=dtype, device="cuda", generator=gen) / k**0.5
@@ -62,9 +74,52 @@ def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, 
     return rows
 
 
+def bench_all_reduce(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> list[dict]:
+    rank = dist.get_rank()
+    a, b = inputs(m, n, k, dtype, rank)
+    c = torch.matmul(a, b)
+    plan = plan_for("all_reduce", m, n, k, dist.group.WORLD, device, dtype)
+    # Our GEMM alone with signalling on, in the plan the op uses (an overlapping plan even where the op would
+    # choose sequential, so the figure always describes the kernel).
+    kernel_plan = plan if not plan.sequential else default_plan("all_reduce", m, n, k, world_size,
+                                                                allow_sequential=False)
+    counters = torch.zeros(kernel_plan.num_groups, dtype=torch.int32, device=device)
+    decomposed = {ch: DecomposedAllReduce(ch, device) for ch in (2, 4, 8)}
+    fns = {
+        "gemm": lambda: torch.matmul(a, b),
+        "our_gemm": lambda: gemm(a, b, kernel_plan, counters=counters),
+        "comm": lambda: dist.all_reduce(c),
+        "seq": lambda: sequential_all_reduce(a, b),
+        **{f"decomp{ch}": (lambda fn=fn: fn(a, b)) for ch, fn in decomposed.items()},
+        "ours": lambda: fo.gemm_all_reduce(a, b, plan=plan),
+    }
+    before = {"our_gemm": counters.zero_}
+    call = lambda **kw: fo.gemm_all_reduce(a, b, **kw)  # noqa: E731
+    p2p_plan = _p2p_reduction("all_reduce", a, b, call, fns, before, dtype, setting)
+    return _measure("all_reduce", (m, n, k), dtype, fns, decomposed, plan, iters, None, (), before=before,
+                    why="torch async TP has no fused all-reduce", sweep=sweep, call=lambda plan: call(plan=plan),
+                    p2p_plan=p2p_plan)
+
+
+def _p2p_reduction(op, a, b, call, fns, before, dtype, setting):
+    """Add the P2P path's op (``ours_p2p``) and its GEMM alone (``our_gemm_p2p``) to ``fns`` where P2P runs;
+    return its plan (None where it does not)."""
+    m, k = a.shape
+    n = b.shape[1]
+    p2p_plan = _try_p2p(op, call, (m, n, k), dtype, setting)
+    if p2p_plan is not None:
+        kernel_p2p = p2p_plan if not p2p_plan.sequential else default_plan(
+            op, m, n, k, p2p_plan.world_size, allow_sequential=False, path="p2p")
+        counters_p2p = torch.zeros(kernel_p2p.num_groups, dtype=torch.int32, device=a.device)
+        fns["our_gemm_p2p"] = lambda: gemm(a, b, kernel_p2p, counters=counters_p2p)
+        fns["ours_p2p"] = lambda: call(plan=p2p_plan)
+        before["our_gemm_p2p"] = counters_p2p.zero_
+    return p2p_plan
+
+
 def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> list[dict]:
     rank = dist.get_rank()
-    a, b = _inputs(m, n, k, dtype, rank)
+    a, b = inputs(m, n, k, dtype, rank)
     c = torch.matmul(a, b)
     out = torch.empty((m // world_size, n), dtype=dtype, device=device)
     plan = plan_for("reduce_scatter", m, n, k, dist.group.WORLD, device, dtype)
@@ -81,14 +136,8 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, swe
         "ours": lambda: gemm_reduce_scatter(a, b, plan=plan),
     }
     before = {"our_gemm": counters.zero_}
-    p2p_plan = _try_p2p("reduce_scatter", lambda **kw: gemm_reduce_scatter(a, b, **kw), (m, n, k), dtype, setting)
-    if p2p_plan is not None:
-        kernel_p2p = p2p_plan if not p2p_plan.sequential else default_plan(
-            "reduce_scatter", m, n, k, world_size, allow_sequential=False, path="p2p")
-        counters_p2p = torch.zeros(kernel_p2p.num_groups, dtype=torch.int32, device=device)
-        fns["our_gemm_p2p"] = lambda: gemm(a, b, kernel_p2p, counters=counters_p2p)
-        fns["ours_p2p"] = lambda: gemm_reduce_scatter(a, b, plan=p2p_plan)
-        before["our_gemm_p2p"] = counters_p2p.zero_
+    p2p_plan = _p2p_reduction("reduce_scatter", a, b, lambda **kw: gemm_reduce_scatter(a, b, **kw), fns, before,
+                              dtype, setting)
     fused_rs, _, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
     return _measure("reduce_scatter", (m, n, k), dtype, fns, decomposed, plan, iters, fused_rs, (a, b),
                     before=before, why=why, sweep=sweep, call=lambda plan: gemm_reduce_scatter(a, b, plan=plan),
@@ -98,7 +147,7 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, swe
 def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> list[dict]:
     rank = dist.get_rank()
     rows = m // world_size
-    a_shard, b = _inputs(rows, n, k, dtype, rank)
+    a_shard, b = inputs(rows, n, k, dtype, rank)
     a_full = torch.empty((m, k), dtype=dtype, device=device)
     plan = plan_for("all_gather", m, n, k, dist.group.WORLD, device, dtype)
     kernel_plan = plan if not plan.sequential else default_plan("all_gather", m, n, k, world_size,
