@@ -60,11 +60,8 @@ class SymmetricWorkspace:
             )
         symm_mem = _symm_mem()
         size = size_class(FLAG_BYTES + nbytes)
-        name = self.group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous on older torch
-            symm_mem.enable_symm_mem_for_group(name)
         buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buffer, name)
+        handle = symm_mem.rendezvous(buffer, self.group)  # torch >= 2.8 takes the group itself
         ranks = dist.get_world_size(self.group)
         self._peers = [handle.get_buffer(r, (size,), torch.uint8) for r in range(ranks)]
         self.buffer, self.handle, self.nbytes = buffer, handle, size - FLAG_BYTES
