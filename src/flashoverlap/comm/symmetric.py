@@ -58,6 +58,10 @@ class SymmetricWorkspace:
                 "and exchanged with the peers outside CUDA-graph capture: call the op once, eagerly, with the "
                 "largest shape first"
             )
+        if self.buffer is not None:
+            # The old buffer may still be in use by queued work of the previous call (and, until this rank has
+            # passed that call's done barrier, by peers pulling from it): let it all finish before freeing it.
+            torch.cuda.synchronize(self.device)
         symm_mem = _symm_mem()
         size = size_class(FLAG_BYTES + nbytes)
         buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
