@@ -5,6 +5,7 @@ host time before the first launch is GPU idle time when the GPU has nothing queu
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,9 @@ from flashoverlap.ops._checks import check_group, check_operands, choose_path
 from flashoverlap.plan import Plan, default_plan
 from flashoverlap.tune import rates
 
-# (op, group, device, dtype, shape, path, default plan?) -> (group as given, group, world size, default plan)
+_LOG = logging.getLogger("flashoverlap")
+# (op, group, device, dtype, shape, path, automatic?, default plan?) -> (group as given, group, world size,
+# default plan, path)
 _SEEN: dict[tuple, tuple] = {}
 
 
@@ -44,18 +47,48 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
     return _default_plan(op, m, n, k, world_size, num_sms, element_size, round(comm_ms / measured.gemm_ms(m, n, k), 2))
 
 
+# Whether path="auto" may choose P2P where it applies. Off until the P2P path has run on GPUs (issue 4): until then
+# "auto" is NCCL everywhere, and says so once per group at debug level.
+AUTO_CHOOSES_P2P = False
+MAX_P2P_WORLD_SIZE = 8
+_AUTO_LOGGED: set[int] = set()
+
+
+def automatic_path(p2p_reason: str | None, world_size: int) -> tuple[str, str]:
+    """What path="auto" picks for a group, and why (pure: the same inputs on every rank give the same answer)."""
+    if not AUTO_CHOOSES_P2P:
+        return "nccl", "the P2P path is not chosen automatically until it has been measured on GPUs (issue 4)"
+    if p2p_reason is not None:
+        return "nccl", f"P2P does not apply: {p2p_reason}"
+    if world_size > MAX_P2P_WORLD_SIZE:
+        return "nccl", f"{world_size} ranks: P2P is used up to {MAX_P2P_WORLD_SIZE} (one node)"
+    return "p2p", "every rank on one node with peer access between all GPUs"
+
+
+
+def _automatic_path(group: dist.ProcessGroup, device: torch.device) -> str:
+    world_size = dist.get_world_size(group)
+    reason = p2p_unavailable_reason(group, device) if AUTO_CHOOSES_P2P else None  # collective, once per group
+    path, why = automatic_path(reason, world_size)
+    if id(group) not in _AUTO_LOGGED:
+        _AUTO_LOGGED.add(id(group))
+        _LOG.debug("flashoverlap: path='auto' uses %s for this group of %d ranks: %s", path, world_size, why)
+    return path
+
+
 def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
                  plan: Plan | None, path: str) -> tuple[str, dist.ProcessGroup, Plan]:
     """Check a call of op ``name`` (plan kind ``op``) and return its path, group and plan."""
     m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
+    automatic = path == "auto" and plan is None and a.device.type == "cuda"
     path = choose_path(name, path, a.device, None if plan is None else plan.path)
     resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
-    key = (op, id(resolved), a.device, a.dtype, m, n, k, path, plan is None)
+    key = (op, id(resolved), a.device, a.dtype, m, n, k, path, automatic, plan is None)
     seen = _SEEN.get(key)
     if seen is not None and seen[0] is resolved:
-        group, world_size, default = seen[1], seen[2], seen[3]
+        group, world_size, default, path = seen[1], seen[2], seen[3], seen[4]
         m = m * world_size if op == "all_gather" else m
     else:
         group = check_group(name, group, a.device)
@@ -67,7 +100,9 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
                 f"{name}: a has M = {m} rows, which the {world_size} ranks of group cannot share evenly: "
                 "reduce-scatter gives each rank M / world_size rows (pad M to a multiple of the world size)"
             )
-        if path == "p2p":
+        if automatic:
+            path = _automatic_path(group, a.device)
+        elif path == "p2p":
             reason = p2p_unavailable_reason(group, a.device)
             if reason is not None:
                 raise ValueError(f"{name}: path='p2p' cannot apply to this group: {reason}; use path='nccl'")
@@ -75,7 +110,7 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
         default = plan_for(op, m, n, k, group, a.device, a.dtype, plan_path) if plan is None else None
         if len(_SEEN) > 1024:
             _SEEN.clear()
-        _SEEN[key] = (resolved, group, world_size, default)
+        _SEEN[key] = (resolved, group, world_size, default, path)
     plan = default if plan is None else plan
     if (plan.op, plan.m, plan.n, plan.k, plan.world_size) != (op, m, n, k, world_size):
         raise ValueError(
