@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashoverlap.comm.p2p import reduced_rows, share
+from flashoverlap.comm.p2p_schedule import reduced_rows, share
 from flashoverlap.plan import TileConfig, default_plan
 
 TILE = TileConfig(16, 16, 16, 2, 1, 4)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flashoverlap.comm import p2p_schedule as schedule
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.symmetric import FLAG_SLOTS, SymmetricWorkspace
 from flashoverlap.plan import MAX_GROUPS, Plan
@@ -64,28 +65,6 @@ def communicator(group: dist.ProcessGroup, device: torch.device) -> P2PCommunica
             )
         comm = _COMMUNICATORS[key] = P2PCommunicator(group, device)
     return comm
-
-
-def reduced_rows(plan: Plan, rank: int):
-    """Per group: the group, the rows ``[lo, hi)`` of every rank's workspace that ``rank`` sums, the first row of
-    the output they land in, and their offset in the scratch rows. Reduce-scatter: ``rank``'s band of its block
-    (workspace ``[group][W][rows][N]``). All-reduce: ``rank``'s share of the group's rows of ``C``."""
-    offset = 0
-    for grp in plan.groups:
-        if plan.op == "reduce_scatter":
-            lo = grp.out_row_start + rank * grp.rows
-            hi, dst = lo + grp.rows, grp.row_start
-        else:
-            lo, hi = share(grp, rank, plan.world_size)
-            dst = lo
-        yield grp, lo, hi, dst, offset
-        offset += hi - lo
-
-
-def share(grp, rank: int, world_size: int) -> tuple[int, int]:
-    """All-reduce: rank ``rank``'s rows of group ``grp``: W nearly equal shares, some empty if there are few rows."""
-    rows = grp.row_end - grp.row_start
-    return grp.row_start + rows * rank // world_size, grp.row_start + rows * (rank + 1) // world_size
 
 
 class P2PCommunicator:
@@ -152,19 +131,13 @@ class P2PCommunicator:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         return self.workspace.local((plan.m, plan.n), dtype)
 
-    def _reduced_rows(self, plan: Plan):
-        return reduced_rows(plan, self.rank)
-
-    def _share(self, grp, rank: int) -> tuple[int, int]:
-        return share(grp, rank, self.world_size)
-
     def _scratch(self, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
-        rows = sum(hi - lo for _, lo, hi, _, _ in self._reduced_rows(plan))
+        rows = schedule.scratch_rows(plan, self.rank)
         return torch.empty((self.world_size, max(rows, 1), plan.n), dtype=dtype, device=self.device)
 
-    def _sum(self, out: torch.Tensor, scratch: torch.Tensor, lo: int, hi: int, dst: int, offset: int) -> None:
-        if hi > lo:
-            torch.sum(scratch[:, offset : offset + hi - lo], dim=0, out=out[dst : dst + hi - lo])
+    def _sum(self, out: torch.Tensor, scratch: torch.Tensor, op: schedule.Sum) -> None:
+        rows = slice(op.scratch_row, op.scratch_row + op.rows)
+        torch.sum(scratch[:, rows], dim=0, out=out[op.out_row : op.out_row + op.rows])
 
     def _warm_sums(self, plan: Plan, dtype: torch.dtype) -> None:
         """Run the plan's summing kernels once, eagerly, on same-shaped buffers: a call queues them behind stream
@@ -175,57 +148,43 @@ class P2PCommunicator:
         out_rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
         out = torch.zeros((out_rows, plan.n), dtype=dtype, device=self.device)
         scratch = self._scratch(plan, dtype).zero_()
-        for _, lo, hi, dst, offset in self._reduced_rows(plan):
-            self._sum(out, scratch, lo, hi, dst, offset)
+        for op in schedule.reduction(plan, self.rank):
+            if isinstance(op, schedule.Sum):
+                self._sum(out, scratch, op)
         torch.cuda.synchronize(self.device)
         self._summed.add((plan, dtype))
 
-    def _signal_and_wait(self, base: int, grp) -> None:
-        """Set flag ``base + g*W + rank`` in every peer, then wait for (and reset) every peer's in ours."""
-        world, rank, flags = self.world_size, self.rank, self.workspace.flags.data_ptr()
-        for step in range(1, world):
-            peer = (rank + step) % world
-            stream_ops.write(self.copy_stream, self.workspace.flag_ptr(peer, base + grp.index * world + rank), 1)
-        for step in range(1, world):
-            slot = flags + 4 * (base + grp.index * world + (rank + step) % world)
-            stream_ops.wait_geq(self.copy_stream, slot, 1)
-            stream_ops.write(self.copy_stream, slot, 0)
-
     def reduce(self, out: torch.Tensor, plan: Plan) -> None:
-        """After the GEMM is launched on the current stream, group by group (see the module docstring):
+        """After the GEMM is launched on the current stream, run ``schedule.reduction`` on the copy stream:
         reduce-scatter: this rank's rows of the sum into ``out`` ``[M/W, N]``; all-reduce: the whole sum into
         ``out`` ``[M, N]``, each rank reducing its share of every group and pulling the peers' reduced shares."""
         producer = torch.cuda.current_stream(self.device)
-        world, rank = self.world_size, self.rank
         row_bytes = plan.n * out.element_size()
         scratch = self._scratch(plan, out.dtype)
-        counters = self.counters.data_ptr()
-        second = plan.num_groups * world  # flag slots of the all-reduce's second round
-        with torch.cuda.stream(self.copy_stream):
-            scratch.record_stream(self.copy_stream)
-            for grp, lo, hi, dst, offset in self._reduced_rows(plan):
-                stream_ops.wait_geq(self.copy_stream, counters + 4 * grp.index, grp.tile_count)
-                stream_ops.write(self.copy_stream, counters + 4 * grp.index, 0)
-                self._signal_and_wait(0, grp)  # every rank's partial of this group is written
-                if hi > lo:
-                    for step in range(world):
-                        src = (rank + step) % world
-                        stream_ops.copy(self.copy_stream, scratch[src, offset].data_ptr(),
-                                        self.workspace.peer_ptr(src) + lo * row_bytes, (hi - lo) * row_bytes)
-                self._sum(out, scratch, lo, hi, dst, offset)
-                if plan.op != "all_reduce":
-                    continue
-                # Publish this rank's reduced share in its own workspace (no peer reads those partial rows), then
-                # pull every peer's reduced share into the output.
-                if hi > lo:
-                    stream_ops.copy(self.copy_stream, self.workspace.peer_ptr(rank) + lo * row_bytes,
-                                    out[lo].data_ptr(), (hi - lo) * row_bytes)
-                self._signal_and_wait(second, grp)
-                for step in range(1, world):
-                    src = (rank + step) % world
-                    s_lo, s_hi = self._share(grp, src)
-                    if s_hi > s_lo:
-                        stream_ops.copy(self.copy_stream, out[s_lo].data_ptr(),
-                                        self.workspace.peer_ptr(src) + s_lo * row_bytes, (s_hi - s_lo) * row_bytes)
+        slot_rows = scratch.shape[1]
+        bases = {"out": lambda rank: out.data_ptr(), "scratch": lambda rank: scratch.data_ptr(),
+                 "work": self.workspace.peer_ptr}
+
+        def address(loc: schedule.Loc) -> int:
+            if loc.space == "counter":
+                return self.counters.data_ptr() + 4 * loc.offset
+            if loc.space == "flag":
+                return self.workspace.flag_ptr(loc.rank, loc.offset)
+            if loc.space == "scratch":  # schedule offsets count rows of the flattened [W][rows] scratch
+                return scratch[loc.offset // slot_rows, loc.offset % slot_rows].data_ptr()
+            return bases[loc.space](loc.rank) + loc.offset * row_bytes
+
+        stream = self.copy_stream
+        with torch.cuda.stream(stream):
+            scratch.record_stream(stream)
+            for op in schedule.reduction(plan, self.rank):
+                if isinstance(op, schedule.WaitGeq):
+                    stream_ops.wait_geq(stream, address(op.loc), op.value)
+                elif isinstance(op, schedule.Write):
+                    stream_ops.write(stream, address(op.loc), op.value)
+                elif isinstance(op, schedule.Copy):
+                    stream_ops.copy(stream, address(op.dst), address(op.src), op.rows * row_bytes)
+                else:
+                    self._sum(out, scratch, op)
         producer.wait_stream(self.copy_stream)
         self.workspace.barrier(DONE)
