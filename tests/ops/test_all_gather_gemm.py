@@ -29,6 +29,6 @@ def _check(rank, world_size):
     return True
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_all_gather_gemm_matches_pytorch(world_size):
     assert all(spawn(_check, world_size))

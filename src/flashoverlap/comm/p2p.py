@@ -1,7 +1,8 @@
 """The P2P communicator (Flux's design, over NVLink): copy engines pull peers' data from symmetric memory, so the
 communication takes no SM and the GEMM may hold every SM while it waits.
 
-Reduce-scatter, one call (``prepare_reduction`` before the GEMM, ``reduce`` after it is launched):
+Reduce-scatter, one call (``prepare_reduction`` before the GEMM, ``reduce`` after it is launched; the copy
+stream's operations come from ``p2p_schedule.reduction``, which the CPU tests simulate for every rank):
 the GEMM writes its ``[group][W][rows][N]`` workspace straight into this rank's symmetric memory and bumps a
 counter per group. On ``S``, per group: wait for the counter (no SM) and reset it; tell every peer "my band g is
 written" by setting flag ``g*W + rank`` in the peer's workspace (a stream write into peer memory); wait until every
