@@ -146,6 +146,29 @@ class Plan:
         if len(rows) > MAX_GROUPS:
             raise ValueError(f"a plan may have at most {MAX_GROUPS} groups, got {len(rows)}")
 
+    # -- serialization (the plan cache) ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The plan as plain JSON-able values; ``Plan.from_dict`` rebuilds (and re-validates) it."""
+        return {"op": self.op, "m": self.m, "n": self.n, "k": self.k, "world_size": self.world_size,
+                "tile": [self.tile.block_m, self.tile.block_n, self.tile.block_k, self.tile.group_m,
+                         self.tile.num_stages, self.tile.num_warps],
+                "group_row_tiles": list(self.group_row_tiles), "num_programs": self.num_programs,
+                "comm_ctas": self.comm_ctas, "sequential": self.sequential, "path": self.path}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        """A plan from ``to_dict``'s output; any missing or invalid field raises ``ValueError``."""
+        try:
+            fields = {key: data[key] for key in ("op", "m", "n", "k", "world_size", "group_row_tiles",
+                                                 "num_programs", "comm_ctas", "sequential", "path")}
+            tile = TileConfig(*data["tile"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a serialized Plan: {exc!r}") from None
+        fields["group_row_tiles"] = tuple(fields["group_row_tiles"])
+        if not isinstance(fields["sequential"], bool):
+            raise ValueError(f"Plan.sequential must be a bool, got {fields['sequential']!r}")
+        return cls(tile=tile, **fields)
+
     # -- derived shape -------------------------------------------------------------------------------------
     @property
     def blocks(self) -> int:

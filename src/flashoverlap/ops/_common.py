@@ -13,7 +13,7 @@ import torch.distributed as dist
 from flashoverlap.comm.symmetric import p2p_unavailable_reason
 from flashoverlap.ops._checks import check_group, check_operands, choose_path
 from flashoverlap.plan import Plan, default_plan
-from flashoverlap.tune import rates
+from flashoverlap.tune import cache, rates
 
 _LOG = logging.getLogger("flashoverlap")
 # (op, group, device, dtype, shape, path, automatic?, default plan?) -> (group as given, group, world size,
@@ -30,14 +30,19 @@ def _default_plan(op: str, m: int, n: int, k: int, world_size: int, num_sms: int
 
 def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
              dtype: torch.dtype, path: str = "nccl") -> Plan:
-    """The plan a call of ``op`` at this shape uses when none is given. On CUDA the first call for a group
-    measures the machine's GEMM and all-reduce rates (collectively) to choose between overlap and sequential
-    (the P2P path needs no rates: its transfers take no SM)."""
+    """The plan a call of ``op`` at this shape uses when none is given: on CUDA, the tuned plan from the plan cache
+    (``tune/cache.py``: this shape's, or the nearest tuned M's) where there is one; otherwise the default plan. For
+    that, the first call for a group measures the machine's GEMM and all-reduce rates (collectively) to choose
+    between overlap and sequential (the P2P path needs no rates: its transfers take no SM)."""
     world_size = dist.get_world_size(group)
     element_size = torch.empty((), dtype=dtype).element_size()
     if device.type != "cuda":
         return _default_plan(op, m, n, k, world_size, 132, element_size, None)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    key = cache.cache_key(torch.cuda.get_device_name(device), world_size, op, path, str(dtype).replace("torch.", ""))
+    tuned = cache.select(cache.agreed_entries(group, key), op, m, n, k, world_size, num_sms)
+    if tuned is not None:
+        return tuned
     if path == "p2p":
         return _default_plan(op, m, n, k, world_size, num_sms, element_size, None, "p2p")
     measured = rates.measure(group, device, dtype)

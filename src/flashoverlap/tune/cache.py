@@ -1,0 +1,156 @@
+"""The on-disk plan cache: tuned plans, one JSON file per (GPU name, world size, op, path, dtype), entries by shape.
+
+Where: ``$FLASHOVERLAP_CACHE_DIR``, else ``~/.cache/flashoverlap/``; ``FLASHOVERLAP_NO_CACHE=1`` turns lookups and
+writes off. A file that cannot be read, is not JSON, or describes another key is reported once (a warning) and
+ignored; a call never fails because of the cache. Writers merge their entries into the file under a lock and
+replace it atomically, so concurrent tuners lose nothing and readers never see half a file.
+
+Ranks must use the same plan (different plans issue different collectives and hang), and on several nodes their
+caches may differ: ``agreed_entries`` gives every rank rank 0's entries, exchanged once per (group, key).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+
+from flashoverlap.plan import OPS, PATHS, Plan, default_plan
+
+VERSION = 1
+# A shape never tuned borrows the plan of the tuned M nearest to it (same N and K), within this factor.
+NEAREST_M_FACTOR = 2.0
+_WARNED: set[str] = set()
+_AGREED: dict[tuple, dict[str, dict]] = {}
+
+
+def cache_dir() -> Path | None:
+    """The cache directory, or None when ``FLASHOVERLAP_NO_CACHE=1``."""
+    if os.environ.get("FLASHOVERLAP_NO_CACHE") == "1":
+        return None
+    return Path(os.environ.get("FLASHOVERLAP_CACHE_DIR") or Path.home() / ".cache" / "flashoverlap")
+
+
+def cache_key(gpu: str, world_size: int, op: str, path: str, dtype: str) -> dict:
+    return {"gpu": gpu, "world_size": world_size, "op": op, "path": path, "dtype": dtype}
+
+
+def cache_file(key: dict) -> Path | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", key["gpu"]).strip("-").lower()
+    return root / f"{gpu}-w{key['world_size']}-{key['op']}-{key['path']}-{key['dtype']}.json"
+
+
+def _warn_once(path: Path, why: str) -> None:
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        warnings.warn(f"flashoverlap: ignoring plan cache file {path}: {why}", RuntimeWarning, stacklevel=3)
+
+
+def load(key: dict) -> dict[str, dict]:
+    """The cached entries for ``key``, by ``"MxNxK"`` (empty when there are none or the file is unusable)."""
+    path = cache_file(key)
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        _warn_once(path, f"unreadable ({type(exc).__name__}: {exc})")
+        return {}
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
+        _warn_once(path, f"not a version-{VERSION} flashoverlap plan cache")
+        return {}
+    if data.get("key") != key:
+        _warn_once(path, f"it describes {data.get('key')!r}, not {key!r}")
+        return {}
+    return data["entries"]
+
+
+def store(key: dict, plan: Plan, measured_ms: float | None = None, how: str = "") -> Path | None:
+    """Add (or replace) ``plan``'s entry in ``key``'s file; returns the file (None when the cache is off)."""
+    path = cache_file(key)
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"plan": plan.to_dict(), "measured_ms": measured_ms, "how": how}
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer merges at a time
+        entries = load(key) if path.exists() else {}
+        entries[f"{plan.m}x{plan.n}x{plan.k}"] = entry
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": VERSION, "key": key, "entries": entries}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    return path
+
+
+def select(entries: dict[str, dict], op: str, m: int, n: int, k: int, world_size: int,
+           num_sms: int) -> Plan | None:
+    """The cached plan for this shape: its own entry, else one derived from the tuned M nearest to ``m`` (same N
+    and K, within ``NEAREST_M_FACTOR``): the same tile, programs, NCCL CTAs, path and number of groups. None if
+    neither exists or an entry is invalid."""
+    exact = entries.get(f"{m}x{n}x{k}")
+    if exact is not None:
+        return _plan(exact)
+    nearest, distance = None, math.log(NEAREST_M_FACTOR) + 1e-9
+    for shape, entry in entries.items():
+        try:
+            em, en, ek = (int(x) for x in shape.split("x"))
+        except ValueError:
+            continue
+        if (en, ek) == (n, k) and abs(math.log(em / m)) <= distance:
+            nearest, distance = entry, abs(math.log(em / m))
+    tuned = _plan(nearest) if nearest is not None else None
+    if tuned is None or tuned.op != op or tuned.world_size != world_size:
+        return None
+    try:
+        overlapped = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tuned.tile,
+                                  num_groups=tuned.num_groups, comm_ctas=tuned.comm_ctas, path=tuned.path,
+                                  num_programs=None if tuned.num_programs >= tuned.num_tiles else tuned.num_programs,
+                                  allow_sequential=False)  # one program per tile stays one program per tile
+        if not tuned.sequential:
+            return overlapped
+        return Plan(op, m, n, k, world_size, tuned.tile, (overlapped.tiles_per_block,), num_sms, 0, True, tuned.path)
+    except ValueError:
+        return None
+
+
+def _plan(entry: dict) -> Plan | None:
+    try:
+        return Plan.from_dict(entry["plan"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def agreed_entries(group: dist.ProcessGroup, key: dict) -> dict[str, dict]:
+    """Rank 0's cached entries for ``key``, the same on every rank of ``group``. The first lookup for a group
+    exchanges rank 0's entries for every op, path and dtype of this GPU and world size at once (collective), so
+    that later first calls of other ops or dtypes, inside a CUDA-graph capture too, need no collective."""
+    token = (id(group), key["gpu"], key["world_size"])
+    if token not in _AGREED:
+        every = {}
+        if dist.get_rank(group) == 0:
+            for op in OPS:
+                for path in PATHS:
+                    for dtype in ("bfloat16", "float16"):
+                        entries = load(cache_key(key["gpu"], key["world_size"], op, path, dtype))
+                        if entries:
+                            every[f"{op}/{path}/{dtype}"] = entries
+        box = [every]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        _AGREED[token] = box[0]
+    return _AGREED[token].get(f"{key['op']}/{key['path']}/{key['dtype']}", {})
+
+
+def forget_agreed() -> None:
+    """Drop the exchanged entries (after a tuner wrote new ones)."""
+    _AGREED.clear()

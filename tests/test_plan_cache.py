@@ -1,0 +1,126 @@
+"""The plan cache: round trips, nearest-M selection, corrupt and foreign files, concurrent writers, the switches."""
+
+import json
+import multiprocessing as mp
+import warnings
+
+import pytest
+
+from flashoverlap.plan import Plan, TileConfig, default_plan
+from flashoverlap.tune import cache
+
+KEY = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def cache_in(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FLASHOVERLAP_NO_CACHE", raising=False)
+    cache._WARNED.clear()
+    return tmp_path
+
+
+def _tuned(m=8192, n=8192, k=8192, **kw):
+    return default_plan("all_reduce", m, n, k, 2, num_groups=5, profile="small-first", allow_sequential=False, **kw)
+
+
+def test_plans_round_trip_through_dicts_and_files():
+    for plan in (_tuned(), _tuned(tile=TileConfig(64, 128, 32, 4, 4, 4), num_programs=100, comm_ctas=8),
+                 default_plan("all_gather", 4096, 4096, 4096, 2, path="p2p"),
+                 default_plan("reduce_scatter", 256, 256, 256, 4)):
+        assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    plan = _tuned()
+    path = cache.store(KEY, plan, measured_ms=1.5, how="measured")
+    assert path.name == "nvidia-h200-w2-all_reduce-nccl-bfloat16.json"
+    entries = cache.load(KEY)
+    assert cache.select(entries, "all_reduce", 8192, 8192, 8192, 2, 132) == plan
+    assert entries["8192x8192x8192"]["measured_ms"] == 1.5
+
+
+def test_a_shape_never_tuned_borrows_the_nearest_tuned_m():
+    cache.store(KEY, _tuned(m=8192))
+    cache.store(KEY, _tuned(m=2048, num_programs=100, comm_ctas=8))
+    entries = cache.load(KEY)
+    near = cache.select(entries, "all_reduce", 6000, 8192, 8192, 2, 132)
+    assert (near.m, near.num_groups, near.grid_size) == (6000, 5, near.num_tiles)  # from 8192: one tile each
+    small = cache.select(entries, "all_reduce", 1500, 8192, 8192, 2, 132)
+    assert (small.grid_size, small.comm_ctas) == (100, 8)  # from 2048: persistent on 100 programs
+    assert cache.select(entries, "all_reduce", 100000, 8192, 8192, 2, 132) is None  # too far from any
+    assert cache.select(entries, "all_reduce", 8192, 4096, 8192, 2, 132) is None  # another N
+
+
+def test_sequential_tuned_plans_stay_sequential_nearby():
+    base = _tuned(m=4096)
+    seq = Plan("all_reduce", 4096, 8192, 8192, 2, base.tile, (base.tiles_per_block,), 132, 0, True)
+    cache.store(KEY, seq)
+    assert cache.select(cache.load(KEY), "all_reduce", 3000, 8192, 8192, 2, 132).sequential
+
+
+@pytest.mark.parametrize("content,why", [
+    ("{not json", "unreadable"),
+    ('{"version": 99, "entries": {}}', "not a version-1"),
+    (json.dumps({"version": 1, "key": cache.cache_key("A100", 2, "all_reduce", "nccl", "bfloat16"),
+                 "entries": {}}), "describes"),
+])
+def test_corrupt_or_foreign_files_are_reported_once_and_ignored(content, why):
+    cache.cache_file(KEY).parent.mkdir(parents=True, exist_ok=True)
+    cache.cache_file(KEY).write_text(content)
+    with pytest.warns(RuntimeWarning, match=why):
+        assert cache.load(KEY) == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.load(KEY) == {}  # reported once
+    cache.store(KEY, _tuned())  # a writer replaces the bad file
+    assert "8192x8192x8192" in cache.load(KEY)
+
+
+def test_an_invalid_entry_is_skipped():
+    cache.store(KEY, _tuned())
+    path = cache.cache_file(KEY)
+    data = json.loads(path.read_text())
+    data["entries"]["8192x8192x8192"]["plan"]["group_row_tiles"] = [1, 2]
+    path.write_text(json.dumps(data))
+    assert cache.select(cache.load(KEY), "all_reduce", 8192, 8192, 8192, 2, 132) is None
+
+
+def _write_many(args):
+    directory, first = args
+    import os
+
+    os.environ["FLASHOVERLAP_CACHE_DIR"] = directory
+    for m in range(first, first + 10):
+        cache.store(KEY, default_plan("all_reduce", 128 * m, 1024, 1024, 2, allow_sequential=False))
+
+
+def test_concurrent_writers_lose_nothing(cache_in):
+    with mp.get_context("spawn").Pool(4) as pool:
+        pool.map(_write_many, [(str(cache_in), 1 + 10 * i) for i in range(4)])
+    assert len(cache.load(KEY)) == 40
+
+
+def test_the_cache_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("FLASHOVERLAP_NO_CACHE", "1")
+    assert cache.cache_dir() is None and cache.store(KEY, _tuned()) is None and cache.load(KEY) == {}
+
+
+def _agree(rank, world_size, base):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["FLASHOVERLAP_CACHE_DIR"] = f"{base}/{rank}"  # every rank its own cache: rank 0's wins
+    if rank == 0:
+        cache.store(KEY, _tuned())
+    else:
+        cache.store(KEY, _tuned(num_programs=64))
+    entries = cache.agreed_entries(dist.group.WORLD, KEY)
+    other = cache.agreed_entries(dist.group.WORLD, {**KEY, "op": "all_gather"})  # no second exchange
+    return cache.select(entries, "all_reduce", 8192, 8192, 8192, world_size, 132).grid_size, other
+
+
+def test_ranks_agree_on_rank_zeros_entries(cache_in):
+    from flashoverlap.testing import spawn
+
+    results = spawn(_agree, 3, args=(str(cache_in),))
+    assert [r[0] for r in results] == [_tuned().grid_size] * 3
+    assert all(r[1] == {} for r in results)
