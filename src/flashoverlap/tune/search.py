@@ -1,0 +1,65 @@
+"""Plan search (issue 5): the candidate plans for one call, ranked by the performance model. The tuner measures
+the top few on the GPUs (``python -m flashoverlap tune plan``, to come) and caches the winner; this module is the
+part that needs no GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flashoverlap.plan import Plan, default_plan, nccl_free_sms
+from flashoverlap.tune.model import Curve, Machine, predict
+
+GROUPS = (1, 2, 3, 4, 6, 8, 12, 16)
+PROFILES = ("even", "small-first", "small-last")
+NCCL_CTAS = (0, 8, 16)
+FREE_SMS = (0, 16, 32)  # SMs a persistent GEMM leaves to the collectives
+DEFAULT_NCCL_CTAS = 16  # SMs NCCL's kernels take when their CTA count is left to NCCL (2 H200s, NVLink)
+
+
+def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, path: str = "nccl") -> list[Plan]:
+    """Every plan the search considers: sequential, and each combination of group count, group-size profile,
+    GEMM programs (one per tile, or persistent leaving some SMs free) and NCCL CTAs, without duplicates and
+    without all-gather plans the op would refuse (deadlock rule 2)."""
+    seen: dict[tuple, Plan] = {}
+    base = default_plan(op, m, n, k, world_size, num_sms=num_sms, allow_sequential=False, path=path)
+    seq = Plan(op, m, n, k, world_size, base.tile, (base.tiles_per_block,), num_sms, 0, True, path)
+    seen[("seq",)] = seq
+    ctas_options = (0,) if path == "p2p" else NCCL_CTAS
+    for groups in GROUPS:
+        for profile in PROFILES:
+            for free in FREE_SMS:
+                for ctas in ctas_options:
+                    if op == "all_gather" and path == "nccl":
+                        if ctas == 0 or free < nccl_free_sms(num_sms, ctas):
+                            continue
+                        programs = num_sms - free
+                    else:
+                        programs = base.num_tiles if free == 0 else num_sms - free
+                    plan = default_plan(op, m, n, k, world_size, num_sms=num_sms, num_groups=groups,
+                                        profile=profile, num_programs=programs, comm_ctas=ctas,
+                                        allow_sequential=False, path=path)
+                    key = (plan.group_row_tiles, plan.grid_size, plan.comm_ctas)
+                    seen.setdefault(key, plan)
+    return list(seen.values())
+
+
+def machine_for(plan: Plan, machine: Machine) -> Machine:
+    """``machine`` with the SMs this plan's collectives take: their CTAs (NCCL's own choice when 0), none on P2P."""
+    if plan.path == "p2p":
+        sms = 0
+    else:
+        sms = plan.comm_ctas or DEFAULT_NCCL_CTAS
+    return Machine(machine.num_sms, machine.wave_ms, machine.cublas_ms, sms, machine.gemm_slowdown,
+                   machine.comm_slowdown, machine.launch_ms)
+
+
+def rank(plans: list[Plan], machine: Machine, curve: Curve,
+         predict_fn: Callable[[Plan, Machine, Curve], float] | None = None) -> list[tuple[float, Plan]]:
+    """``plans`` with their predicted times, fastest first (ties keep the candidates' order)."""
+    def predicted(plan: Plan) -> float:
+        if predict_fn is not None:
+            return predict_fn(plan, machine, curve)
+        return predict(plan, machine_for(plan, machine), curve).total_ms
+
+    scored = [(predicted(plan), i, plan) for i, plan in enumerate(plans)]
+    return [(t, plan) for t, _, plan in sorted(scored, key=lambda x: (x[0], x[1]))]

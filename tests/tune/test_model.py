@@ -1,0 +1,77 @@
+"""The performance model and the plan search on made-up machines and curves, with exact expected answers."""
+
+import math
+
+import pytest
+
+from flashoverlap.plan import TileConfig, default_plan
+from flashoverlap.tune.model import Curve, Machine, predict, sequential_ms
+from flashoverlap.tune.search import candidates, rank
+
+TILE = TileConfig(16, 16, 16, 2, 1, 4)
+FLAT = Curve((1, 10**12), (0.3, 0.3))  # every collective 0.3 ms
+
+
+def test_curve_interpolates_log_log_and_extrapolates_at_the_last_bandwidth():
+    curve = Curve((100, 10000), (1.0, 100.0))
+    assert curve.time_ms(100) == 1.0 and curve.time_ms(10000) == 100.0
+    assert curve.time_ms(1000) == pytest.approx(10.0)  # halfway in log-log
+    assert curve.time_ms(10) == 1.0  # latency-bound below the first point
+    assert curve.time_ms(20000) == pytest.approx(100.0 + 10000 * 99.0 / 9900)
+    assert Curve.from_dict(curve.to_dict()) == curve
+    for sizes, ms in (((1,), (1.0,)), ((2, 1), (1.0, 2.0)), ((1, 2), (1.0, 0.0))):
+        with pytest.raises(ValueError):
+            Curve(sizes, ms)
+
+
+def _plan(groups, op="all_reduce", **kw):
+    m = 256 * (2 if op != "all_reduce" else 1)
+    return default_plan(op, m, 256, 64, 2, tile=TILE, num_groups=groups, allow_sequential=False, **kw)
+
+
+def test_reduction_timeline_by_hand():
+    plan = _plan(2)  # 16 x 16 = 256 tiles, 128 per group, one program per tile
+    machine = Machine(num_sms=256, wave_ms=1.0, cublas_ms=0.9)  # one wave: the GEMM takes 1 ms
+    p = predict(plan, machine, FLAT)
+    assert p.group_done_ms == (0.5, 1.0) and p.comm_done_ms == pytest.approx((0.8, 1.3)) and p.total_ms == 1.3
+    # Beside the GEMM the collective runs at half speed: group 0 does 0.25 ms of its 0.3 by the GEMM's end.
+    slow = predict(plan, Machine(256, 1.0, 0.9, comm_slowdown=2.0), FLAT)
+    assert slow.comm_done_ms == pytest.approx((1.05, 1.35))
+    # NCCL's CTAs take SMs from a one-program-per-tile GEMM: 128 slots, two waves.
+    assert predict(plan, Machine(256, 1.0, 0.9, comm_sms=128), FLAT).group_done_ms == (1.0, 2.0)
+    assert sequential_ms(plan, machine, FLAT) == pytest.approx(1.2)
+
+
+def test_all_gather_timeline_by_hand():
+    plan = _plan(2, op="all_gather", path="p2p", num_sms=512)  # gathered M 512: 32 x 16 = 512 tiles, half local
+    machine = Machine(num_sms=512, wave_ms=1.0, cublas_ms=0.9)
+    p = predict(plan, machine, FLAT)
+    # Bands arrive at 0.3 and 0.6; the local half ends at 0.5; each band's remote tiles take a quarter.
+    assert p.comm_done_ms == pytest.approx((0.3, 0.6))
+    assert p.group_done_ms == pytest.approx((0.5, 0.75)) and p.total_ms == pytest.approx(1.0)
+
+
+def test_search_runs_sequentially_when_the_collective_is_negligible():
+    tiny = Curve((1, 10**12), (1e-6, 1e-6))
+    machine = Machine(num_sms=132, wave_ms=0.2, cublas_ms=0.5)  # our GEMM (4-6 waves) slower than cuBLAS
+    best = rank(candidates("all_reduce", 4096, 4096, 4096, 2, 132), machine, tiny)[0][1]
+    assert best.sequential
+
+
+def test_search_starts_communication_as_early_as_possible_when_it_dominates():
+    linear = Curve((1, 10**12), (1e-6, 1e6))  # pure bandwidth, no latency, 1 GB/s: communication-bound
+    machine = Machine(num_sms=132, wave_ms=0.1, cublas_ms=1.0)
+    plans = candidates("all_reduce", 8192, 8192, 8192, 2, 132)
+    best = rank(plans, machine, linear)[0][1]
+    smallest_first = min(p.group_row_tiles[0] for p in plans if not p.sequential)
+    # The total is the first group's GEMM time plus all the communication: the smallest first group, computed
+    # on the most SMs (one program per tile, NCCL on its fewest CTAs).
+    assert best.group_row_tiles[0] == smallest_first
+    assert best.grid_size == best.num_tiles and best.comm_ctas == 8
+    assert not math.isclose(predict(best, machine, linear).total_ms, 0.0)
+
+
+def test_all_gather_candidates_never_starve_nccl():
+    for plan in candidates("all_gather", 8192, 8192, 8192, 2, 132):
+        assert plan.sequential or (plan.comm_ctas >= 1 and plan.grid_size <= 100)
+    assert all(p.comm_ctas == 0 for p in candidates("all_gather", 8192, 8192, 8192, 2, 132, path="p2p"))
