@@ -16,7 +16,31 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     demo.add_argument("--world-size", type=int, default=None, help="ranks (default: all GPUs, or 2 on the CPU)")
     demo.add_argument("--cpu", action="store_true", help="use CPU processes even when GPUs are present")
+    tune = commands.add_parser("tune", help="the tuner, under torchrun: bandwidth curves, plan search, model check")
+    steps = tune.add_subparsers(dest="tune_command", required=True)
+    for name, text in (("bandwidth", "measure each collective's time against message size"),
+                       ("plan", "search one shape's plan with the model, confirm by measurement, cache the winner"),
+                       ("validate", "the model's predictions and picks against measurements over the grid")):
+        step = steps.add_parser(name, help=text)
+        step.add_argument("--path", default="nccl", choices=["nccl", "p2p"])
+        step.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+        if name in ("bandwidth", "validate"):
+            step.add_argument("--ops", default="all_reduce,reduce_scatter,all_gather")
+        if name == "bandwidth":
+            step.add_argument("--max-mib", type=int, default=512, help="largest message (MiB)")
+        if name == "plan":
+            step.add_argument("--op", required=True, choices=["all_reduce", "reduce_scatter", "all_gather"])
+            for dim in ("m", "n", "k"):
+                step.add_argument(f"--{dim}", type=int, required=True)
+            step.add_argument("--top", type=int, default=3, help="model's best candidates to time")
+            step.add_argument("--exhaustive", action="store_true", help="time every candidate")
+        if name == "validate":
+            step.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        from flashoverlap.tune.tuner import main as tune_main
+
+        return tune_main(args)
     if args.command == "demo":
         from flashoverlap.demo import main as demo_main
 

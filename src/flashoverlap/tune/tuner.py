@@ -1,0 +1,237 @@
+"""The tuner's measuring side (issue 5; needs GPUs, run under torchrun): bandwidth curves, the machine figures the
+model needs, and the search that ranks candidates with the model, confirms the top few by timing them (or all,
+exhaustively) and caches the winner. Every rank measures; timings are the maximum over ranks, so all ranks pick
+the same plan. Written before any GPU run: ``python -m flashoverlap tune ...`` is its command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap.bench.timing import time_ms
+from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from flashoverlap.kernels.gemm import gemm
+from flashoverlap.plan import Plan, default_plan
+from flashoverlap.tune import cache
+from flashoverlap.tune.model import Curve, Machine
+from flashoverlap.tune.search import candidates, rank
+
+# Mutual slowdowns (GEMM, collective) when both run at once, measured on 2x H200 (docs/why-overlap-is-hard.md;
+# DESIGN.md's steady-state facts): NCCL over NVLink, NCCL through host memory, copy engines.
+SLOWDOWNS = {"nvlink": (1.09, 1.8), "pcie-like": (1.13, 1.06), "p2p": (1.03, 1.0)}
+MIN_CURVE_BYTES = 64 << 10
+
+
+def setting(path: str) -> str:
+    if path == "p2p":
+        return "p2p"
+    return "pcie-like" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink"
+
+
+def curve_file(key: dict):
+    path = cache.cache_file(key)
+    return None if path is None else path.with_name("curve-" + path.name)
+
+
+def measure_curve(op: str, path: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+                  max_bytes: int, progress: Callable[[str], None] = print) -> Curve:
+    """The collective's time at log-spaced sizes from 64 KiB to ``max_bytes`` (a factor 2 apart)."""
+    if path != "nccl":
+        raise NotImplementedError("bandwidth curves of the P2P path's copy engines are not measured yet")
+    world = dist.get_world_size(group)
+    sizes, times, size = [], [], MIN_CURVE_BYTES
+    element = torch.empty((), dtype=dtype).element_size()
+    while True:
+        count = max(world, size // element // world * world)
+        buf = torch.randn(count, dtype=dtype, device=device)
+        part = torch.empty(count // world, dtype=dtype, device=device)
+        call = {"all_reduce": lambda buf=buf: dist.all_reduce(buf, group=group),
+                "reduce_scatter": lambda buf=buf, part=part: reduce_scatter_tensor(part, buf, group),
+                "all_gather": lambda buf=buf, part=part: all_gather_into_tensor(buf, part, group)}[op]
+        sizes.append(count * element)
+        times.append(time_ms(call, warmup=3, iters=10, group=group))
+        progress(f"  {op} {sizes[-1] / 2**20:10.3f} MiB: {times[-1]:.4f} ms")
+        if size >= max_bytes:
+            return Curve(tuple(sizes), tuple(times))
+        size *= 2
+
+
+def load_curve(key: dict) -> Curve | None:
+    path = curve_file(key)
+    if path is None or not path.exists():
+        return None
+    try:
+        return Curve.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_curve(key: dict, curve: Curve) -> None:
+    path = curve_file(key)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**curve.to_dict(), "key": key}))
+
+
+def _operands(op: str, m: int, n: int, k: int, world: int, dtype, device, rank: int):
+    gen = torch.Generator(device=device).manual_seed(99 + rank)
+    rows = m // world if op == "all_gather" else m
+    a = torch.randn(rows, k, dtype=dtype, device=device, generator=gen)
+    b = (torch.randn(n, k, dtype=dtype, device=device, generator=gen) / k**0.5).t()
+    return a, b
+
+
+def op_call(op: str, a, b, group):
+    import flashoverlap as fo
+
+    fn = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+          "all_gather": fo.all_gather_gemm}[op]
+    return lambda plan: fn(a, b, group, plan=plan)
+
+
+def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path: str) -> Machine:
+    """Our GEMM's time per wave (one program per tile, signalling on) and cuBLAS's, on this shape."""
+    world = dist.get_world_size(group)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    plan = default_plan(op, m, n, k, world, num_sms=sms, allow_sequential=False, path=path,
+                        num_programs=None if op != "all_gather" else sms)
+    a, b = _operands("all_reduce", m, n, k, world, dtype, device, dist.get_rank(group))
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+    flags = torch.ones(plan.num_groups, dtype=torch.int32, device=device)
+    signal = {"flags": flags} if op == "all_gather" else {"counters": counters}
+    ours = time_ms(lambda: gemm(a, b, plan, **signal), iters=10, group=group, before=counters.zero_)
+    cublas = time_ms(lambda: torch.matmul(a, b), iters=10, group=group)
+    waves = -(-plan.num_tiles // min(plan.grid_size, sms))
+    f_g, f_c = SLOWDOWNS[setting(path)]
+    return Machine(sms, ours / waves, cublas, 0, f_g, f_c, 0.01)
+
+
+def tune_plan(op: str, m: int, n: int, k: int, group, device, dtype, path: str = "nccl", top: int = 3,
+              exhaustive: bool = False, progress: Callable[[str], None] = print) -> tuple[Plan, list[dict]]:
+    """Rank the candidates with the model, time the top ``top`` (every one if ``exhaustive``) and cache the
+    fastest. Returns the winner and one record per candidate timed."""
+    world = dist.get_world_size(group)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    dname = str(dtype).replace("torch.", "")
+    key = cache.cache_key(torch.cuda.get_device_name(device), world, op, path, dname)
+    curve = load_curve(key)
+    if curve is None:
+        raise RuntimeError(f"no bandwidth curve for {key}: run `python -m flashoverlap tune bandwidth` first")
+    machine = measure_machine(op, m, n, k, group, device, dtype, path)
+    ranked = rank(candidates(op, m, n, k, world, sms, path), machine, curve)
+    chosen = ranked if exhaustive else ranked[:top]
+    a, b = _operands(op, m, n, k, world, dtype, device, dist.get_rank(group))
+    call = op_call(op, a, b, group)
+    records = []
+    for i, (predicted, plan) in enumerate(chosen):
+        measured = time_ms(lambda plan=plan: call(plan), warmup=2, iters=10, group=group)
+        records.append({"plan": plan.to_dict(), "predicted_ms": predicted, "measured_ms": measured})
+        progress(f"  [{i + 1}/{len(chosen)}] groups {plan.num_groups:2d} programs {plan.grid_size:5d} ctas "
+                 f"{plan.comm_ctas:2d}{' sequential' if plan.sequential else ''}: predicted {predicted:.3f} ms, "
+                 f"measured {measured:.3f} ms")
+    best = min(records, key=lambda r: r["measured_ms"])
+    winner = Plan.from_dict(best["plan"])
+    if dist.get_rank(group) == 0:
+        cache.store(key, winner, best["measured_ms"], "exhaustive" if exhaustive else f"model top {len(chosen)}")
+    dist.barrier(group=group)
+    cache.forget_agreed()
+    return winner, records
+
+
+
+
+# -- the command line: python -m flashoverlap tune ... (under torchrun) -----------------------------------------------
+def _progress_bar(total: int, rank: int):
+    """A tqdm bar on rank 0 where tqdm is installed (and a plain line printer elsewhere): ``(update, write)``."""
+    if rank != 0:
+        return (lambda: None), (lambda line: None)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return (lambda: None), print
+    bar = tqdm(total=total, unit="candidate", leave=False)
+    return (lambda: bar.update(1)), bar.write
+
+
+def main(args) -> int:
+    """``tune bandwidth``: measure and store each op's curve. ``tune plan``: tune one shape and cache the winner.
+    ``tune validate``: over BENCHMARK.md's grid, the model's predicted T against the measured T of its pick, and
+    the pick against the exhaustive best; writes ``benchmarks/results/<gpus>-<setting>-model.json``."""
+    if "RANK" not in os.environ:
+        raise SystemExit("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap tune ...")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    group, rank = dist.group.WORLD, dist.get_rank()
+    dtype = getattr(torch, args.dtype)
+    world = dist.get_world_size()
+    say = print if rank == 0 else (lambda line: None)
+    try:
+        if args.tune_command == "bandwidth":
+            for op in args.ops.split(","):
+                key = cache.cache_key(torch.cuda.get_device_name(device), world, op, args.path, args.dtype)
+                curve = measure_curve(op, args.path, group, device, dtype, args.max_mib << 20, say)
+                if rank == 0:
+                    store_curve(key, curve)
+                say(f"{op}: {len(curve.sizes)} sizes stored in {curve_file(key)}")
+        elif args.tune_command == "plan":
+            winner, records = _tune_with_bar(args.op, args.m, args.n, args.k, group, device, dtype, args.path,
+                                             args.top, args.exhaustive, rank)
+            say(winner.describe())
+        else:
+            _validate(args, group, device, dtype, rank, world)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def _tune_with_bar(op, m, n, k, group, device, dtype, path, top, exhaustive, rank):
+    total = top if not exhaustive else len(candidates(op, m, n, k, dist.get_world_size(group),
+                                                      torch.cuda.get_device_properties(device).multi_processor_count,
+                                                      path))
+    update, write = _progress_bar(total, rank)
+
+    def progress(line: str) -> None:
+        write(line)
+        update()
+
+    return tune_plan(op, m, n, k, group, device, dtype, path, top, exhaustive, progress)
+
+
+def _validate(args, group, device, dtype, rank, world) -> None:
+    from flashoverlap.bench import op_rows
+
+    grids = {"all_reduce": op_rows.GRID_ALL_REDUCE, "reduce_scatter": op_rows.GRID_REDUCE_SCATTER,
+             "all_gather": op_rows.GRID_ALL_GATHER}
+    rows = []
+    for op in args.ops.split(","):
+        for m, n, k in grids[op]:
+            _, model_top = _tune_with_bar(op, m, n, k, group, device, dtype, args.path, 1, False, rank)
+            _, every = _tune_with_bar(op, m, n, k, group, device, dtype, args.path, 0, True, rank)
+            pick = model_top[0]
+            rows.append({"op": op, "path": args.path, "M": m, "N": n, "K": k, "predicted_ms": pick["predicted_ms"],
+                         "measured_ms": pick["measured_ms"], "model_pick_ms": pick["measured_ms"],
+                         "exhaustive_best_ms": min(r["measured_ms"] for r in every),
+                         "all": [{"predicted_ms": r["predicted_ms"], "measured_ms": r["measured_ms"]} for r in every]})
+    if rank == 0:
+        errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
+        gpu = torch.cuda.get_device_name(device).split()[-1].lower()
+        out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{setting(args.path)}-model.json")
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        meta = {"gpus": f"{world}x {torch.cuda.get_device_name(device)}", "setting": setting(args.path),
+                "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"), "command": " ".join(sys.argv),
+                "mean_error": sum(errors) / len(errors), "max_error": max(errors)}
+        with open(out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        for r, e in zip(rows, errors):
+            print(f"{r['op']:>15} {r['M']:6d}x{r['N']:6d}x{r['K']:6d}: predicted {r['predicted_ms']:.3f} measured "
+                  f"{r['measured_ms']:.3f} ({100 * e:.1f}%), pick {r['model_pick_ms']:.3f} vs best "
+                  f"{r['exhaustive_best_ms']:.3f}")
+        print(f"model error: mean {100 * meta['mean_error']:.1f}%, max {100 * meta['max_error']:.1f}%; wrote {out}")

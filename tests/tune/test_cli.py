@@ -1,0 +1,22 @@
+"""The tuner's command line parses, and says how to run it where torchrun did not start it."""
+
+import subprocess
+import sys
+
+import pytest
+
+from flashoverlap.cli import main
+
+
+def test_tune_commands_parse_and_need_torchrun(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    for argv in (["tune", "bandwidth", "--ops", "all_reduce"], ["tune", "plan", "--op", "all_gather", "--m", "8",
+                 "--n", "8", "--k", "8", "--exhaustive"], ["tune", "validate", "--path", "p2p"]):
+        with pytest.raises(SystemExit, match="torchrun"):
+            main(argv)
+
+
+def test_tune_plan_needs_a_shape():
+    proc = subprocess.run([sys.executable, "-m", "flashoverlap", "tune", "plan", "--op", "all_reduce"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--m" in proc.stderr
