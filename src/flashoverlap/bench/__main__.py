@@ -325,16 +325,37 @@ def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: in
     m, n, k = row["M"], row["N"], row["K"]
     a, b = _inputs(m, n, k, dtype, dist.get_rank())
     plan = plan_for(m, n, k, dist.group.WORLD, device, dtype)
+    note = ""
     if plan.sequential:  # draw the overlapped plan the op would use, and say so
         plan = default_plan("all_reduce", m, n, k, world_size, num_sms=device_sms(device), allow_sequential=False)
+        note = " (the op runs this shape sequentially; the default overlapped plan drawn)"
     fo.gemm_all_reduce(a, b, plan=plan)  # warm
     recorded = timeline.record(lambda: fo.gemm_all_reduce(a, b, plan=plan), device)
+    predicted = _predicted_group_times(plan, dtype, device)
     if dist.get_rank() == 0:
         title = (f"gemm_all_reduce {m}x{n}x{k} {row['dtype']}, {meta['gpus']}, {meta['setting']}: {plan.num_groups} "
-                 f"groups, {plan.grid_size} programs, rank 0")
-        timeline.draw(path, title, recorded, row["t_seq_ms"], row["t_gemm_ms"])
+                 f"groups, {plan.grid_size} programs, rank 0{note}")
+        timeline.draw(path, title, recorded, row["t_seq_ms"], row["t_gemm_ms"], predicted)
         print(f"wrote {path}")
-    return {"shape": [m, n, k], **recorded}
+    return {"shape": [m, n, k], **recorded, "predicted_group_done_ms": predicted}
+
+
+def _predicted_group_times(plan, dtype, device) -> list[float] | None:
+    """The model's group finish times for ``plan``, where every rank has a bandwidth curve (``tune bandwidth``)."""
+    from flashoverlap.tune import cache as plan_cache
+    from flashoverlap.tune import tuner
+    from flashoverlap.tune.model import predict
+    from flashoverlap.tune.search import machine_for
+
+    key = plan_cache.cache_key(torch.cuda.get_device_name(device), plan.world_size, plan.op, plan.path,
+                               str(dtype).replace("torch.", ""))
+    curve = tuner.load_curve(key)
+    everyone = torch.tensor([curve is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    if not int(everyone):
+        return None
+    machine = tuner.measure_machine(plan.op, plan.m, plan.n, plan.k, dist.group.WORLD, device, dtype, plan.path)
+    return list(predict(plan, machine_for(plan, machine), curve).group_done_ms)
 
 
 def print_table(rows: list[dict], meta: dict) -> None:
