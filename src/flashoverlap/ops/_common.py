@@ -40,7 +40,9 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
         return _default_plan(op, m, n, k, world_size, 132, element_size, None)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     key = cache.cache_key(torch.cuda.get_device_name(device), world_size, op, path, str(dtype).replace("torch.", ""))
-    tuned = cache.select(cache.agreed_entries(group, key), op, m, n, k, world_size, num_sms)
+    with torch.cuda.device(device):  # the exchange's tensors go to this device
+        entries = cache.agreed_entries(group, key)
+    tuned = cache.select(entries, op, m, n, k, world_size, num_sms)
     if tuned is not None:
         return tuned
     if path == "p2p":

@@ -137,6 +137,11 @@ def agreed_entries(group: dist.ProcessGroup, key: dict) -> dict[str, dict]:
     that later first calls of other ops or dtypes, inside a CUDA-graph capture too, need no collective."""
     token = (id(group), key["gpu"], key["world_size"])
     if token not in _AGREED:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("flashoverlap: the first call for a process group exchanges the plan cache between "
+                               "ranks and cannot be captured in a CUDA graph; call the op once before capturing")
         every = {}
         if dist.get_rank(group) == 0:
             for op in OPS:
