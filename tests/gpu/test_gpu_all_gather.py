@@ -134,6 +134,7 @@ def test_all_gather_cuda_device_max_connections_one(path):
 def _p2p_capture_needs_an_eager_call(rank, world_size):
     rows, n, k = 512, 1024, 1024
     a_shard, b = inputs(rows, n, k, torch.bfloat16, seed=rank)
+    all_gather_gemm(a_shard, b, path="p2p")  # the group's first call (plan cache exchanged, P2P checked)
     small = fo.default_plan("all_gather", rows * world_size, n, k, world_size, path="p2p", allow_sequential=False)
     all_gather_gemm(a_shard, b, plan=small)  # overlapped: the workspace is allocated, for this size
     big_shard, big_b = inputs(8 * rows, n, 4 * k, torch.bfloat16, seed=rank)
