@@ -103,3 +103,87 @@ def test_a_missing_peer_signal_is_a_deadlock_the_simulator_sees():
 
     with pytest.raises(AssertionError, match="deadlock"):
         _run_call(plan, ranks, partials, random.Random(0), dropping)
+
+
+# -- all-gather: the copy streams, the consuming GEMMs and the ready/done barriers ---------------------------------
+def _all_gather_calls(plan, shards_per_call, rng):
+    """Run consecutive all-gather calls on every rank with generator actors: each rank's producer stream (own
+    shard into its workspace, ready barrier, the GEMM consuming bands as their flags rise, join, clear, done
+    barrier) and its copy stream (``p2p_schedule.all_gather`` after the ready barrier). Returns, per call and
+    rank, the rows the GEMM read for each band."""
+    from flashoverlap.comm.p2p_schedule import all_gather
+
+    w, block = plan.world_size, plan.block_rows
+    workspace = [np.full((block, plan.k), np.nan) for _ in range(w)]
+    band = [np.zeros(plan.num_groups, dtype=np.int64) for _ in range(w)]
+    arrivals = {}  # (barrier name, call) -> ranks arrived
+    read = {}
+
+    def barrier(name, call):
+        arrivals[(name, call)] = arrivals.get((name, call), 0) + 1
+        while arrivals[(name, call)] < w:
+            yield None
+
+    def copy_stream(r, call, gathered, started):
+        while not started[0]:
+            yield None
+        for op in all_gather(plan, r):
+            yield None
+            if isinstance(op, Copy):
+                src = workspace[op.src.rank]
+                gathered[op.dst.offset : op.dst.offset + op.rows] = src[op.src.offset : op.src.offset + op.rows]
+            else:
+                band[r][op.loc.offset] = op.value
+        started[1] = True
+
+    def producer(r, call, shard):
+        gathered = np.full((plan.m, plan.k), np.nan)
+        workspace[r][:] = shard  # the next call's shard overwrites the last one: the done barrier protects it
+        for grp in plan.groups:
+            gathered[grp.out_row_start + r * grp.rows : grp.out_row_start + (r + 1) * grp.rows] = \
+                shard[grp.row_start : grp.row_end]
+        yield from barrier("ready", call)
+        started = [True, False]
+        actors.append(copy_stream(r, call, gathered, started))
+        for grp in plan.groups:  # own shard's tiles need nothing; then each band waits for its flag
+            while not band[r][grp.index]:
+                yield None
+            read[(call, r, grp.index)] = gathered[grp.out_row_start : grp.out_row_end].copy()
+        while not started[1]:
+            yield None
+        band[r][:] = 0
+        yield from barrier("done", call)
+
+    def rank_calls(r):  # a rank goes on to its next call as soon as its own producer stream allows
+        for call, shards in enumerate(shards_per_call):
+            yield from producer(r, call, shards[r])
+
+    actors = [rank_calls(r) for r in range(w)]
+    idle = 0
+    while actors:
+        actor = rng.choice(actors)
+        try:
+            before = (sum(arrivals.values()), len(read), int(sum(b.sum() for b in band)), len(actors))
+            next(actor)
+            after = (sum(arrivals.values()), len(read), int(sum(b.sum() for b in band)), len(actors))
+            idle = 0 if after != before else idle + 1
+        except StopIteration:
+            actors.remove(actor)
+            idle = 0
+        assert idle < 10000, "deadlock: no actor makes progress"
+    return read
+
+
+@pytest.mark.parametrize("world_size,rows,groups", [(2, 40, 3), (3, 48, 4), (4, 16, 2), (8, 24, 3)])
+def test_all_gather_bands_arrive_complete_and_calls_do_not_overlap(world_size, rows, groups):
+    plan = default_plan("all_gather", rows * world_size, 24, 16, world_size, tile=TILE, num_groups=groups,
+                        path="p2p", allow_sequential=False)
+    calls = [[np.random.default_rng(10 * c + r).standard_normal((rows, 16)) for r in range(world_size)]
+             for c in range(3)]
+    for seed in range(4):
+        read = _all_gather_calls(plan, calls, random.Random(seed))
+        for (call, _rank, g), rows_read in read.items():
+            grp = plan.groups[g]
+            want = np.concatenate([calls[call][src][grp.row_start : grp.row_end] for src in range(world_size)])
+            np.testing.assert_array_equal(rows_read, want)  # every source's rows of this band, this call's
+        assert len(read) == 3 * world_size * plan.num_groups

@@ -97,19 +97,22 @@ class P2PCommunicator:
         self.workspace.barrier(READY)
         self.copy_stream.wait_stream(producer)
         row_bytes = k * a_shard.element_size()
+
+        def address(loc: schedule.Loc) -> int:
+            if loc.space == "band":
+                return self.flags.data_ptr() + 4 * loc.offset
+            base = gathered.data_ptr() if loc.space == "gathered" else self.workspace.peer_ptr(loc.rank)
+            return base + loc.offset * row_bytes
+
         arrived = []
         with torch.cuda.stream(self.copy_stream):
-            for grp in plan.groups:
-                band = gathered[grp.out_row_start : grp.out_row_end]
-                for step in range(1, self.world_size):
-                    peer = (self.rank + step) % self.world_size
-                    dst = band[peer * grp.rows : (peer + 1) * grp.rows]
-                    src = self.workspace.peer_ptr(peer) + grp.row_start * row_bytes
-                    stream_ops.copy(self.copy_stream, dst.data_ptr(), src, grp.rows * row_bytes)
-                if events:
+            for op in schedule.all_gather(plan, self.rank):
+                if isinstance(op, schedule.Copy):
+                    stream_ops.copy(self.copy_stream, address(op.dst), address(op.src), op.rows * row_bytes)
+                elif events:  # the band's arrival as a graph edge instead of a flag (CUDA-graph capture)
                     arrived.append(self.copy_stream.record_event())
                 else:
-                    stream_ops.write(self.copy_stream, self.flags.data_ptr() + 4 * grp.index, 1)
+                    stream_ops.write(self.copy_stream, address(op.loc), op.value)
         return arrived
 
     def finish_all_gather(self, plan: Plan) -> None:

@@ -1,4 +1,4 @@
-"""The P2P reduce paths' per-call work as data: for one rank, the ordered operations its copy stream runs.
+"""The P2P paths' per-call work as data: for one rank, the ordered operations its copy stream runs.
 
 Pure Python (no CUDA), so that the protocol can be executed for every rank on the CPU by a simulator that
 interleaves the ranks' streams and GEMMs in any order (``tests/comm/test_p2p_protocol.py``); ``comm/p2p.py``
@@ -7,7 +7,9 @@ runs the same list on the GPU with stream memory operations and copy engines.
 A location is ``(space, rank, offset)``: ``counter`` (this rank's per-group tile counters) and ``flag`` (the flag
 header of ``rank``'s symmetric buffer) count int32 slots; ``work`` (``rank``'s symmetric data region, holding its
 GEMM's partial products), ``scratch`` (this rank's ``[W][rows][N]`` pull buffer, flattened to rows) and ``out``
-count rows of ``N`` elements.
+count rows of ``N`` elements. All-gather: ``shard`` (``rank``'s symmetric data region, holding its shard) and
+``gathered`` (this rank's ``[group][W][rows][K]`` buffer) count rows of ``K`` elements; ``band`` is this rank's
+per-group arrival flags, which the GEMM waits on.
 """
 
 from __future__ import annotations
@@ -121,4 +123,18 @@ def reduction(plan: Plan, rank: int) -> list:
             s_lo, s_hi = share(grp, src, world)
             if s_hi > s_lo:
                 ops.append(Copy(Loc("out", rank, s_lo), Loc("work", src, s_lo), s_hi - s_lo))
+    return ops
+
+
+def all_gather(plan: Plan, rank: int) -> list:
+    """The copy stream's operations for one all-gather call on ``rank``: per band, pull it from every peer (rank+1,
+    rank+2, ...), then raise the band's flag."""
+    world = plan.world_size
+    ops: list = []
+    for grp in plan.groups:
+        for step in range(1, world):
+            peer = (rank + step) % world
+            ops.append(Copy(Loc("gathered", rank, grp.out_row_start + peer * grp.rows),
+                            Loc("shard", peer, grp.row_start), grp.rows))
+        ops.append(Write(Loc("band", rank, grp.index), 1))
     return ops
