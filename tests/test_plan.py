@@ -267,3 +267,16 @@ def test_p2p_plans():
     with pytest.raises(ValueError, match="path must be one of"):
         default_plan("all_gather", 8192, 8192, 8192, 2, path="nvshmem")
     assert "P2P (copy engines)" in ag.describe()
+
+
+def test_cublas_band_plans():
+    plan = default_plan("reduce_scatter", 4096, 4096, 4096, 2, gemm="cublas", num_groups=3, allow_sequential=False)
+    assert (plan.gemm, plan.num_groups, plan.path) == ("cublas", 3, "nccl")
+    assert "bands computed by cuBLAS" in plan.describe()
+    assert Plan.from_dict(plan.to_dict()) == plan
+    legacy = {key: value for key, value in plan.to_dict().items() if key != "gemm"}
+    assert Plan.from_dict(legacy).gemm == "triton"  # cache entries written before the field existed
+    with pytest.raises(ValueError, match="only for the NCCL path"):
+        default_plan("all_gather", 4096, 4096, 4096, 2, gemm="cublas", path="p2p")
+    with pytest.raises(ValueError, match="Plan.gemm must be one of"):
+        default_plan("all_reduce", 4096, 4096, 4096, 2, gemm="cutlass", allow_sequential=False)

@@ -22,6 +22,9 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 BLOCKED_OPS = ("reduce_scatter", "all_gather")
 # Which communicator consumes the plan: NCCL collectives on a stream, or copy engines and peer memory (P2P).
 PATHS = ("nccl", "p2p")
+# Who computes the groups: our signalling Triton GEMM, or cuBLAS band by band (the decomposition, as a plan: each
+# group's rows one matmul, its collective issued as soon as that matmul is done; NCCL path only).
+GEMMS = ("triton", "cublas")
 
 # Counters live in one small per-device buffer; a plan may not use more groups than it holds.
 MAX_GROUPS = 1024
@@ -115,12 +118,17 @@ class Plan:
     comm_ctas: int = 0
     sequential: bool = False
     path: str = "nccl"
+    gemm: str = "triton"
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"Plan.op must be one of {OPS}, got {self.op!r}")
         if self.path not in PATHS:
             raise ValueError(f"Plan.path must be one of {PATHS}, got {self.path!r}")
+        if self.gemm not in GEMMS:
+            raise ValueError(f"Plan.gemm must be one of {GEMMS}, got {self.gemm!r}")
+        if self.gemm == "cublas" and self.path != "nccl":
+            raise ValueError("Plan.gemm 'cublas' (bands computed by cuBLAS) is only for the NCCL path")
         for name in ("m", "n", "k", "world_size", "num_programs"):
             _check_int(f"Plan.{name}", getattr(self, name), 1)
         _check_int("Plan.comm_ctas", self.comm_ctas, 0)
@@ -153,7 +161,7 @@ class Plan:
                 "tile": [self.tile.block_m, self.tile.block_n, self.tile.block_k, self.tile.group_m,
                          self.tile.num_stages, self.tile.num_warps],
                 "group_row_tiles": list(self.group_row_tiles), "num_programs": self.num_programs,
-                "comm_ctas": self.comm_ctas, "sequential": self.sequential, "path": self.path}
+                "comm_ctas": self.comm_ctas, "sequential": self.sequential, "path": self.path, "gemm": self.gemm}
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
@@ -165,6 +173,7 @@ class Plan:
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a serialized Plan: {exc!r}") from None
         fields["group_row_tiles"] = tuple(fields["group_row_tiles"])
+        fields["gemm"] = data.get("gemm", "triton")
         if not isinstance(fields["sequential"], bool):
             raise ValueError(f"Plan.sequential must be a bool, got {fields['sequential']!r}")
         return cls(tile=tile, **fields)
@@ -324,6 +333,7 @@ class Plan:
             f"  tiles {t.block_m}x{t.block_n}x{t.block_k} (group_m {t.group_m}, {t.num_stages} stages, "
             f"{t.num_warps} warps): {self.tiles_m} x {self.tiles_n} = {self.num_tiles} tiles, "
             f"{self.grid_size} programs, "
+            + ("bands computed by cuBLAS, " if self.gemm == "cublas" else "")
             + ("P2P (copy engines)" if self.path == "p2p" else
                f"NCCL CTAs {'default' if self.comm_ctas == 0 else self.comm_ctas}"),
         ]
@@ -412,6 +422,7 @@ def default_plan(
     tile: TileConfig | None = None,
     allow_sequential: bool = True,
     path: str = "nccl",
+    gemm: str = "triton",
 ) -> Plan:
     """A reasonable plan for any shape, before tuning; any keyword given overrides the choice.
 
@@ -429,6 +440,9 @@ def default_plan(
     the GEMM a few percent, not an SM share); sequential only where the GEMM is too small to overlap anything.
     All-gather: 4 even groups, the GEMM persistent on every SM. Reduce-scatter and all-reduce: 8 even groups, one
     program per tile (the small kernels that sum each band's pulled partials get SMs as GEMM programs retire).
+
+    ``gemm="cublas"`` (NCCL path): the decomposition as a plan, 4 even bands each computed by cuBLAS; the tuner
+    weighs it against the signalling GEMM's plans. Never the default.
     """
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
         _check_int(name, value, 1)
@@ -449,7 +463,9 @@ def default_plan(
     if too_small and allow_sequential:
         return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True, path)
     comm_bound = comm_ratio is not None and comm_ratio >= 1.0
-    if path == "p2p" and op == "all_gather":
+    if gemm == "cublas":
+        choice = dict(num_groups=4, profile="even", num_programs=num_sms, comm_ctas=0)
+    elif path == "p2p" and op == "all_gather":
         choice = dict(num_groups=4, profile="even", num_programs=num_sms, comm_ctas=0)
     elif path == "p2p":
         choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)
@@ -466,4 +482,4 @@ def default_plan(
     given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)
     choice.update({key: value for key, value in given.items() if value is not None})
     rows = split_rows(tiles_per_block, choice["num_groups"], choice["profile"])
-    return Plan(op, m, n, k, world_size, tile, rows, choice["num_programs"], choice["comm_ctas"], False, path)
+    return Plan(op, m, n, k, world_size, tile, rows, choice["num_programs"], choice["comm_ctas"], False, path, gemm)

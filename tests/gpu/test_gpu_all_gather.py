@@ -41,6 +41,8 @@ def _plans(m, n, k, world_size, path):
     if path == "nccl":
         yield "comm-bound", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, comm_ratio=3.0,
                                             allow_sequential=False)
+        yield "cublas-bands", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, gemm="cublas",
+                                              num_groups=3, allow_sequential=False)
     # Many waves of small tiles and small bands: the configuration where a GEMM starving NCCL would show.
     yield "many-small-bands", fo.default_plan("all_gather", m, n, k, world_size, num_sms=sms, num_groups=16,
                                               tile=fo.TileConfig(64, 64, 32, 3, 2, 4), allow_sequential=False,

@@ -34,6 +34,8 @@ def _plans(m, n, k, world_size):
     yield "small-tiles-reserved-sms", fo.default_plan("all_reduce", m, n, k, world_size, num_sms=sms, tile=small,
                                                       num_programs=sms - 20, num_groups=7,
                                                       allow_sequential=False)
+    yield "cublas-bands", fo.default_plan("all_reduce", m, n, k, world_size, num_sms=sms, gemm="cublas",
+                                          num_groups=3, allow_sequential=False)
 
 
 def _correctness(rank, world_size):

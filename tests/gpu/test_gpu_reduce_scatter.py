@@ -52,6 +52,8 @@ def _plans(m, n, k, world_size, path):
     yield "small-tiles", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms,
                                          tile=fo.TileConfig(64, 64, 32, 3, 2, 4), num_groups=5,
                                          allow_sequential=False)
+    yield "cublas-bands", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, gemm="cublas",
+                                          num_groups=3, allow_sequential=False)
 
 
 def _shapes(world_size):

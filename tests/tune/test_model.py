@@ -72,6 +72,15 @@ def test_search_starts_communication_as_early_as_possible_when_it_dominates():
 
 
 def test_all_gather_candidates_never_starve_nccl():
-    for plan in candidates("all_gather", 8192, 8192, 8192, 2, 132):
-        assert plan.sequential or (plan.comm_ctas >= 1 and plan.grid_size <= 100)
+    for plan in candidates("all_gather", 8192, 8192, 8192, 2, 132):  # only a GEMM spinning on bands could
+        assert plan.sequential or plan.gemm == "cublas" or (plan.comm_ctas >= 1 and plan.grid_size <= 100)
     assert all(p.comm_ctas == 0 for p in candidates("all_gather", 8192, 8192, 8192, 2, 132, path="p2p"))
+
+
+def test_cublas_bands_run_at_cublas_speed_and_are_candidates():
+    plan = _plan(2, gemm="cublas")  # two bands of 128 tiles; cuBLAS takes 0.9 ms for all
+    p = predict(plan, Machine(num_sms=256, wave_ms=1.0, cublas_ms=0.9), FLAT)
+    assert p.group_done_ms == pytest.approx((0.45, 0.9)) and p.total_ms == pytest.approx(1.2)
+    plans = candidates("all_reduce", 8192, 8192, 8192, 2, 132)
+    assert sorted(p.num_groups for p in plans if p.gemm == "cublas") == [2, 4, 8]
+    assert not any(p.gemm == "cublas" for p in candidates("all_reduce", 8192, 8192, 8192, 2, 132, path="p2p"))

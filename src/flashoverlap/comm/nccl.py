@@ -125,11 +125,13 @@ class NcclCommunicator:
         return self._capped_groups[comm_ctas]
 
     # -- 3. and 4. after the GEMM ---------------------------------------------------------------------
-    def all_reduce(self, c: torch.Tensor, plan: Plan) -> None:
-        """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each."""
-        self._issue(plan, lambda grp, group: dist.all_reduce(c[grp.row_start : grp.row_end], group=group))
+    def all_reduce(self, c: torch.Tensor, plan: Plan, ready: list[torch.cuda.Event] | None = None) -> None:
+        """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each
+        (its counters tell; or, for bands computed by cuBLAS, the events in ``ready``)."""
+        self._issue(plan, lambda grp, group: dist.all_reduce(c[grp.row_start : grp.row_end], group=group), ready)
 
-    def reduce_scatter(self, out: torch.Tensor, workspace: torch.Tensor, plan: Plan) -> None:
+    def reduce_scatter(self, out: torch.Tensor, workspace: torch.Tensor, plan: Plan,
+                       ready: list[torch.cuda.Event] | None = None) -> None:
         """Reduce-scatter each group's ``[W][rows][N]`` slice of ``workspace`` into its band of this rank's
         ``out [M/W, N]``, as the GEMM (already launched on the current stream) finishes each group."""
 
@@ -137,7 +139,7 @@ class NcclCommunicator:
             band = workspace[grp.out_row_start : grp.out_row_end]
             reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
 
-        self._issue(plan, launch)
+        self._issue(plan, launch, ready)
 
     def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
                    events: bool = False) -> list[torch.cuda.Event]:
@@ -176,7 +178,7 @@ class NcclCommunicator:
         torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
         self.flags[: plan.num_groups].zero_()
 
-    def _issue(self, plan: Plan, launch) -> None:
+    def _issue(self, plan: Plan, launch, ready: list[torch.cuda.Event] | None = None) -> None:
         producer = torch.cuda.current_stream(self.device)
         comm_group = self.comm_group(plan.comm_ctas)
         timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
@@ -185,9 +187,12 @@ class NcclCommunicator:
         base = self.counters.data_ptr()
         with torch.cuda.stream(self.comm_stream):
             for grp in plan.groups:
-                address = base + 4 * grp.index
-                stream_ops.wait_geq(self.comm_stream, address, grp.tile_count)
-                stream_ops.write(self.comm_stream, address, 0)
+                if ready is not None:  # bands computed by cuBLAS: an event per group, no counter
+                    self.comm_stream.wait_event(ready[grp.index])
+                else:
+                    address = base + 4 * grp.index
+                    stream_ops.wait_geq(self.comm_stream, address, grp.tile_count)
+                    stream_ops.write(self.comm_stream, address, 0)
                 if timeout is not None or timing:
                     waited.append(self.comm_stream.record_event(torch.cuda.Event(enable_timing=timing)))
                 launch(grp, comm_group)

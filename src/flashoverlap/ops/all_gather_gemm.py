@@ -57,12 +57,13 @@ def all_gather_gemm(
         if path == "p2p":
             comm = p2p.communicator(group, device)
         else:
-            check_leaves_nccl_sms(plan, torch.cuda.get_device_properties(device).multi_processor_count)
+            if plan.gemm == "triton":  # only a GEMM that spins on the bands can starve NCCL
+                check_leaves_nccl_sms(plan, torch.cuda.get_device_properties(device).multi_processor_count)
             comm = nccl.communicator(group, device)
             comm.prepare(plan, a_shard.dtype)
         gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
-        if torch.cuda.is_current_stream_capturing():
-            c = _captured(comm, gathered, a_shard, b, plan)
+        if plan.gemm == "cublas" or torch.cuda.is_current_stream_capturing():
+            c = _bands_by_cublas(comm, gathered, a_shard, b, plan)
             return (c, gathered_in_rank_order(gathered, plan)) if return_gathered else c
         _cublas_ready(device, a_shard.dtype)
         comm.all_gather(gathered, a_shard, plan)
@@ -104,13 +105,14 @@ def _cublas_ready(device: torch.device, dtype: torch.dtype) -> None:
         _CUBLAS_READY.add((device, dtype))
 
 
-def _captured(comm: nccl.NcclCommunicator | p2p.P2PCommunicator, gathered: torch.Tensor, a_shard: torch.Tensor,
-              b: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """The schedule recorded into a CUDA graph: the same bands gathered in the same order, but each band's slots
-    multiplied by cuBLAS once the band's event has fired, the dependency a graph edge instead of an in-kernel
-    spin. A graph may serialize its branches onto one hardware queue, where a spinning GEMM ahead of the NCCL
-    kernels it waits for would never finish (the in-kernel schedule hung under graph replay on the H200s; that
-    serialization is the likely cause, not a proven one). Overlap in a graph is therefore decomposition-like."""
+def _bands_by_cublas(comm: nccl.NcclCommunicator | p2p.P2PCommunicator, gathered: torch.Tensor,
+                     a_shard: torch.Tensor, b: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Plans with ``gemm="cublas"``, and every call inside a CUDA-graph capture: the same bands gathered in the
+    same order, but each band's slots multiplied by cuBLAS once the band's event has fired, the dependency a stream
+    (graph) edge instead of an in-kernel spin. In a graph this is required: a graph may serialize its branches
+    onto one hardware queue, where a spinning GEMM ahead of the NCCL kernels it waits for would never finish (the
+    in-kernel schedule hung under graph replay on the H200s; that serialization is the likely cause, not a proven
+    one). Overlap in a graph is therefore decomposition-like."""
     arrived = comm.all_gather(gathered, a_shard, plan, events=True)
     producer = torch.cuda.current_stream(gathered.device)
     c = torch.empty((plan.m, plan.n), dtype=gathered.dtype, device=gathered.device)

@@ -90,10 +90,14 @@ def predict(plan: Plan, machine: Machine, curve: Curve, element_size: int = 2) -
     if plan.sequential:
         total = machine.cublas_ms + machine.launch_ms + curve.time_ms(sum(plan.group_bytes(element_size)))
         return Prediction(total, (machine.cublas_ms,), (total,))
-    tile_ms = machine.wave_ms * machine.gemm_slowdown / gemm_slots(plan, machine)  # fluid: tiles per ms
+    if plan.gemm == "cublas":  # bands by cuBLAS: its rate, no waves of our tiles
+        gemm_end = machine.cublas_ms * machine.gemm_slowdown
+        tile_ms = gemm_end / plan.num_tiles
+    else:
+        tile_ms = machine.wave_ms * machine.gemm_slowdown / gemm_slots(plan, machine)  # fluid: tiles per ms
+        gemm_end = math.ceil(plan.num_tiles / gemm_slots(plan, machine)) * machine.wave_ms * machine.gemm_slowdown
     if plan.op == "all_gather":
         return _consumer(plan, machine, comm, tile_ms)
-    gemm_end = math.ceil(plan.num_tiles / gemm_slots(plan, machine)) * machine.wave_ms * machine.gemm_slowdown
     done, ends, t_comm, tiles = [], [], 0.0, 0
     for grp, c in zip(plan.groups, comm):
         tiles += grp.tile_count

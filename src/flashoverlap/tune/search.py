@@ -17,9 +17,10 @@ DEFAULT_NCCL_CTAS = 16  # SMs NCCL's kernels take when their CTA count is left t
 
 
 def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, path: str = "nccl") -> list[Plan]:
-    """Every plan the search considers: sequential, and each combination of group count, group-size profile,
-    GEMM programs (one per tile, or persistent leaving some SMs free) and NCCL CTAs, without duplicates and
-    without all-gather plans the op would refuse (deadlock rule 2)."""
+    """Every plan the search considers: sequential, each combination of group count, group-size profile, GEMM
+    programs (one per tile, or persistent leaving some SMs free) and NCCL CTAs, without duplicates and without
+    all-gather plans the op would refuse (deadlock rule 2), and on the NCCL path cuBLAS bands (the
+    decomposition, so that the pick is never worse than it where the model is right)."""
     seen: dict[tuple, Plan] = {}
     base = default_plan(op, m, n, k, world_size, num_sms=num_sms, allow_sequential=False, path=path)
     seq = Plan(op, m, n, k, world_size, base.tile, (base.tiles_per_block,), num_sms, 0, True, path)
@@ -40,6 +41,11 @@ def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, p
                                         allow_sequential=False, path=path)
                     key = (plan.group_row_tiles, plan.grid_size, plan.comm_ctas)
                     seen.setdefault(key, plan)
+    if path == "nccl":  # the decomposition as a plan: cuBLAS bands (2, 4, 8 of them, as the baseline's chunks)
+        for groups in (2, 4, 8):
+            plan = default_plan(op, m, n, k, world_size, num_sms=num_sms, num_groups=groups, gemm="cublas",
+                                allow_sequential=False)
+            seen.setdefault(("cublas", plan.group_row_tiles), plan)
     return list(seen.values())
 
 
