@@ -27,6 +27,20 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.Pro
         dist.all_gather_into_tensor(out, inp, group=group)
 
 
+def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
+                    rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copy ``rank``'s shard into its slot of every band of ``gathered`` (the plan's ``[group][W][rows][K]``
+    layout) on the current stream, so that the GEMM's local tiles read it without waiting; returns each group's
+    band and this rank's slot in it."""
+    placed = []
+    for grp in plan.groups:
+        band = gathered[grp.out_row_start : grp.out_row_end]
+        slot = band[rank * grp.rows : (rank + 1) * grp.rows]
+        slot.copy_(a_shard[grp.row_start : grp.row_end])
+        placed.append((band, slot))
+    return placed
+
+
 def gathered_in_rank_order(gathered: torch.Tensor, plan: Plan) -> torch.Tensor:
     """The gathered A as ``all_gather_into_tensor`` of whole shards returns it (rank order), from the plan's
     ``[group][W][rows][K]`` layout."""

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from flashoverlap.comm.collectives import all_gather_into_tensor, place_own_shard, reduce_scatter_tensor
 from flashoverlap.plan import MAX_GROUPS, Plan
 
 _COMMUNICATORS: dict[tuple[int, int], NcclCommunicator] = {}
@@ -152,19 +152,15 @@ class NcclCommunicator:
         flag: inside a CUDA graph the consumer must depend on the bands through graph edges, because a graph may
         queue the NCCL kernels behind a kernel that spins on their flags."""
         producer = torch.cuda.current_stream(self.device)
-        # Each group's slice of the gathered buffer, and this rank's slot in it.
-        bands = [gathered[grp.out_row_start : grp.out_row_end] for grp in plan.groups]
-        slots = [band[self.rank * grp.rows : (self.rank + 1) * grp.rows] for grp, band in zip(plan.groups, bands)]
-        # This rank's bands into their slots first, on the producer stream: the GEMM's local tiles read them
-        # without waiting, and each band's all-gather reads its slot in place.
-        for grp, slot in zip(plan.groups, slots):
-            slot.copy_(a_shard[grp.row_start : grp.row_end])
+        # This rank's bands into their slots first, on the producer stream; each band's all-gather reads its slot
+        # in place.
+        placed = place_own_shard(gathered, a_shard, plan, self.rank)
         self.comm_stream.wait_stream(producer)
         comm_group = self.comm_group(plan.comm_ctas)
         base = self.flags.data_ptr()
         arrived = []
         with torch.cuda.stream(self.comm_stream):
-            for grp, band, slot in zip(plan.groups, bands, slots):
+            for grp, (band, slot) in zip(plan.groups, placed):
                 all_gather_into_tensor(band, slot, comm_group)
                 if events:
                     arrived.append(self.comm_stream.record_event())

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from flashoverlap.comm import p2p_schedule as schedule
 from flashoverlap.comm import stream_ops
+from flashoverlap.comm.collectives import place_own_shard
 from flashoverlap.comm.symmetric import FLAG_SLOTS, SymmetricWorkspace
 from flashoverlap.plan import MAX_GROUPS, Plan
 
@@ -91,9 +92,7 @@ class P2PCommunicator:
         shard_rows, k = a_shard.shape
         self.workspace.ensure(a_shard.numel() * a_shard.element_size(), "all_gather_gemm")
         self.workspace.local((shard_rows, k), a_shard.dtype).copy_(a_shard)
-        for grp in plan.groups:
-            band = gathered[grp.out_row_start : grp.out_row_end]
-            band[self.rank * grp.rows : (self.rank + 1) * grp.rows].copy_(a_shard[grp.row_start : grp.row_end])
+        place_own_shard(gathered, a_shard, plan, self.rank)
         self.workspace.barrier(READY)
         self.copy_stream.wait_stream(producer)
         row_bytes = k * a_shard.element_size()
