@@ -1,12 +1,24 @@
-"""Plans with ``gemm="cublas"``: each group's rows computed by cuBLAS on the caller's stream, one event per group
-marking its completion (what the signalling GEMM's counters mark otherwise), so the communicator can issue that
-group's collective as soon as its band is done. The decomposition baseline, in the plan's layout."""
+"""Who computes a reduction plan's bands: the signalling GEMM, or, for plans with ``gemm="cublas"``, cuBLAS on the
+caller's stream, one event per group marking its completion (what the signalling GEMM's counters mark otherwise),
+so the communicator can issue that group's collective as soon as its band is done (the decomposition baseline, in
+the plan's layout)."""
 
 from __future__ import annotations
 
 import torch
 
+from flashoverlap.kernels.gemm import gemm
 from flashoverlap.plan import Plan
+
+
+def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan,
+            counters: torch.Tensor) -> tuple[torch.Tensor, list[torch.cuda.Event] | None]:
+    """A reduction plan's product (``C``, or the reduce-scatter workspace) and what the communicator waits on for
+    each group: the events of cuBLAS bands, or None for the signalling GEMM, which bumps ``counters``."""
+    if plan.gemm == "cublas":
+        out = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
+        return out, compute_bands(a, b, plan, out)
+    return gemm(a, b, plan, counters=counters), None
 
 
 def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tensor) -> list[torch.cuda.Event]:

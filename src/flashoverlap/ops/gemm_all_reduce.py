@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from flashoverlap.comm import nccl, p2p, reference
 from flashoverlap.kernels.gemm import gemm
-from flashoverlap.ops._bands import compute_bands
+from flashoverlap.ops._bands import produce
 from flashoverlap.ops._common import plan_for as _plan_for
 from flashoverlap.ops._common import prepare_call
 from flashoverlap.plan import Plan
@@ -65,10 +65,6 @@ def gemm_all_reduce(
             return c
         comm = nccl.communicator(group, a.device)
         comm.prepare(plan, a.dtype)
-        if plan.gemm == "cublas":
-            c = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
-            comm.all_reduce(c, plan, compute_bands(a, b, plan, c))
-            return c
-        c = gemm(a, b, plan, counters=comm.counters)
-        comm.all_reduce(c, plan)
+        c, ready = produce(a, b, plan, comm.counters)
+        comm.all_reduce(c, plan, ready)
         return c

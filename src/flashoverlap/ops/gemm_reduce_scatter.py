@@ -18,7 +18,7 @@ import torch.distributed as dist
 from flashoverlap.comm import nccl, p2p, reference
 from flashoverlap.comm.collectives import reduce_scatter_tensor
 from flashoverlap.kernels.gemm import gemm
-from flashoverlap.ops._bands import compute_bands
+from flashoverlap.ops._bands import produce
 from flashoverlap.ops._common import prepare_call
 from flashoverlap.plan import Plan
 
@@ -53,10 +53,6 @@ def gemm_reduce_scatter(
             return out
         comm = nccl.communicator(group, a.device)
         comm.prepare(plan, a.dtype)
-        if plan.gemm == "cublas":
-            workspace = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
-            comm.reduce_scatter(out, workspace, plan, compute_bands(a, b, plan, workspace))
-            return out
-        workspace = gemm(a, b, plan, counters=comm.counters)
-        comm.reduce_scatter(out, workspace, plan)
+        workspace, ready = produce(a, b, plan, comm.counters)
+        comm.reduce_scatter(out, workspace, plan, ready)
         return out
