@@ -14,6 +14,7 @@ per-group arrival flags, which the GEMM waits on.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from flashoverlap.plan import Plan
@@ -82,6 +83,7 @@ def reduced_rows(plan: Plan, rank: int):
         offset += hi - lo
 
 
+@functools.lru_cache(maxsize=256)
 def scratch_rows(plan: Plan, rank: int) -> int:
     """Rows per rank-slot of ``rank``'s scratch (the scratch holds ``W`` such slots)."""
     return sum(hi - lo for _, lo, hi, _, _ in reduced_rows(plan, rank))
@@ -96,7 +98,8 @@ def _signal_and_wait(ops: list, base: int, grp, rank: int, world: int) -> None:
         ops += [WaitGeq(slot, 1), Write(slot, 0)]
 
 
-def reduction(plan: Plan, rank: int) -> list:
+@functools.lru_cache(maxsize=256)  # built once per plan: calls of a shape reuse it
+def reduction(plan: Plan, rank: int) -> tuple:
     """The copy stream's operations for one reduce-scatter or all-reduce call on ``rank`` (see ``comm/p2p.py``)."""
     world = plan.world_size
     slot_rows = scratch_rows(plan, rank)
@@ -123,10 +126,11 @@ def reduction(plan: Plan, rank: int) -> list:
             s_lo, s_hi = share(grp, src, world)
             if s_hi > s_lo:
                 ops.append(Copy(Loc("out", rank, s_lo), Loc("work", src, s_lo), s_hi - s_lo))
-    return ops
+    return tuple(ops)
 
 
-def all_gather(plan: Plan, rank: int) -> list:
+@functools.lru_cache(maxsize=256)
+def all_gather(plan: Plan, rank: int) -> tuple:
     """The copy stream's operations for one all-gather call on ``rank``: per band, pull it from every peer (rank+1,
     rank+2, ...), then raise the band's flag."""
     world = plan.world_size
@@ -137,4 +141,4 @@ def all_gather(plan: Plan, rank: int) -> list:
             ops.append(Copy(Loc("gathered", rank, grp.out_row_start + peer * grp.rows),
                             Loc("shard", peer, grp.row_start), grp.rows))
         ops.append(Write(Loc("band", rank, grp.index), 1))
-    return ops
+    return tuple(ops)
