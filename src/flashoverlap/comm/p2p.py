@@ -163,8 +163,7 @@ class P2PCommunicator:
         ``out`` ``[M, N]``, each rank reducing its share of every group and pulling the peers' reduced shares."""
         producer = torch.cuda.current_stream(self.device)
         row_bytes = plan.n * out.element_size()
-        scratch = self._scratch(plan, out.dtype)
-        slot_rows = scratch.shape[1]
+        scratch = self._scratch(plan, out.dtype)  # contiguous [W][rows][N]: the schedule counts its rows flat
         bases = {"out": lambda rank: out.data_ptr(), "scratch": lambda rank: scratch.data_ptr(),
                  "work": self.workspace.peer_ptr}
 
@@ -173,8 +172,6 @@ class P2PCommunicator:
                 return self.counters.data_ptr() + 4 * loc.offset
             if loc.space == "flag":
                 return self.workspace.flag_ptr(loc.rank, loc.offset)
-            if loc.space == "scratch":  # schedule offsets count rows of the flattened [W][rows] scratch
-                return scratch[loc.offset // slot_rows, loc.offset % slot_rows].data_ptr()
             return bases[loc.space](loc.rank) + loc.offset * row_bytes
 
         stream = self.copy_stream
