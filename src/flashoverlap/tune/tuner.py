@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from flashoverlap.bench.op_rows import inputs
 from flashoverlap.bench.timing import time_ms
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.kernels.gemm import gemm
@@ -79,11 +80,9 @@ def store_curve(key: dict, curve: Curve) -> None:
 
 
 def _operands(op: str, m: int, n: int, k: int, world: int, dtype, device, rank: int):
-    gen = torch.Generator(device=device).manual_seed(99 + rank)
-    rows = m // world if op == "all_gather" else m
-    a = torch.randn(rows, k, dtype=dtype, device=device, generator=gen)
-    b = (torch.randn(n, k, dtype=dtype, device=device, generator=gen) / k**0.5).t()
-    return a, b
+    """Fresh random operands of one call of ``op`` (for all-gather, this rank's shard of A)."""
+    with torch.cuda.device(device):
+        return inputs(m // world if op == "all_gather" else m, n, k, dtype, rank)
 
 
 def op_call(op: str, a, b, group):
