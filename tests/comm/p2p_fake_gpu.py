@@ -3,56 +3,20 @@ run on the CPU: CUDA streams are stubs, stream memory operations and copy engine
 memmoves on CPU tensors, the symmetric workspace is a set of CPU buffers, and the two ranks are threads. Run in a
 child process by ``tests/comm/test_p2p_executor.py``: it replaces parts of ``torch.cuda``. Prints ``<op> ok``."""
 
-import contextlib
-import ctypes
 import sys
 import threading
-import time
 import traceback
 
 import torch
 
 import flashoverlap.comm.p2p as p2p
-from flashoverlap.comm import stream_ops, symmetric
+from flashoverlap.comm import symmetric
 from flashoverlap.comm.collectives import gathered_in_rank_order
 from flashoverlap.plan import TileConfig, default_plan
+from tests.comm import fake_cuda
 
 W = 2
 TILE = TileConfig(16, 16, 16, 2, 1, 4)
-
-
-class FakeStream:
-    cuda_stream = 0
-
-    def wait_stream(self, other):
-        pass
-
-    def record_event(self, *args):
-        return object()
-
-
-def _fake_cuda():
-    torch.cuda.Stream = lambda *a, **k: FakeStream()
-    torch.cuda.current_stream = lambda *a, **k: FakeStream()
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.is_current_stream_capturing = lambda: False
-    torch.Tensor.record_stream = lambda self, stream: None
-
-    def wait_geq(stream, address, value):
-        start = time.time()
-        while ctypes.c_int32.from_address(address).value < value:
-            if time.time() - start > 10:
-                raise RuntimeError("a stream wait was never satisfied")
-            time.sleep(0)
-
-    def write(stream, address, value):
-        ctypes.c_int32.from_address(address).value = value
-
-    def copy(stream, dst, src, nbytes):
-        ctypes.memmove(dst, src, nbytes)
-
-    stream_ops.wait_geq, stream_ops.write, stream_ops.copy = wait_geq, write, copy
 
 
 class FakeWorkspace:
@@ -95,7 +59,7 @@ def _communicators():
     for rank in range(W):
         comm = object.__new__(p2p.P2PCommunicator)
         comm.rank, comm.world_size, comm.device = rank, W, torch.device("cpu")
-        comm.copy_stream = FakeStream()
+        comm.copy_stream = fake_cuda.Stream()
         comm.flags = torch.zeros(64, dtype=torch.int32)
         comm.counters = torch.zeros(64, dtype=torch.int32)
         comm.workspace = FakeWorkspace(rank, buffers, barrier)
@@ -165,7 +129,7 @@ def check_all_gather(rows):
 
 
 if __name__ == "__main__":
-    _fake_cuda()
+    fake_cuda.install(wait_timeout_s=10.0)
     check_reduction("reduce_scatter", 96)
     check_reduction("all_reduce", 77)
     check_all_gather(40)

@@ -3,51 +3,16 @@ CPU: each rank is a gloo process in which CUDA streams are stubs and the stream 
 reads and writes; the collectives are real (gloo). The GEMM's part is played by cuBLAS-band code (``torch.matmul``
 per band) or by setting the counters as the kernel would."""
 
-import contextlib
-import ctypes
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from flashoverlap.testing import spawn
-
-
-class _Stream:
-    cuda_stream = 0
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, *args):
-        return object()
-
-    def synchronize(self):
-        pass
-
-
-def _stub_cuda():
-    from flashoverlap.comm import stream_ops
-
-    torch.cuda.Stream = lambda *a, **k: _Stream()
-    torch.cuda.current_stream = lambda *a, **k: _Stream()
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.is_current_stream_capturing = lambda: False
-
-    def wait_geq(stream, address, value):  # the GEMM ran before: the value must already be there
-        assert ctypes.c_int32.from_address(address).value >= value, "a counter wait that would never be satisfied"
-
-    def write(stream, address, value):
-        ctypes.c_int32.from_address(address).value = value
-
-    stream_ops.wait_geq, stream_ops.write = wait_geq, write
+from tests.comm import fake_cuda
 
 
 def _ranks(rank, world_size):
-    _stub_cuda()
+    fake_cuda.install(wait_timeout_s=0.0)  # one rank per process: a counter is set before its wait
     from flashoverlap.comm.collectives import gathered_in_rank_order
     from flashoverlap.comm.nccl import NcclCommunicator
     from flashoverlap.ops._bands import compute_bands
