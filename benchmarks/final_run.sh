@@ -2,7 +2,7 @@
 # The device call that produces the committed results: GPU tests, the GPU demo, then the benchmark of every op in
 # each setting (nvlink, pcie-like) with a timeline picture, nvidia-smi sampling clocks and power throughout.
 # Logs, JSON and PNGs land in $OUT.
-# Usage: FLASHOVERLAP_COMMIT=<sha> [TESTS="tests/gpu/..."|TESTS=] [DEMO=] [SETTINGS="nvlink pcie-like"]
+# Usage: FLASHOVERLAP_COMMIT=<sha> [SMOKE="all_reduce reduce_scatter all_gather"] [TESTS="tests/gpu/..."|TESTS=] [DEMO=] [SETTINGS="nvlink pcie-like"]
 #        [OPS=all_reduce,reduce_scatter,all_gather] [BENCH_ARGS=--interference] [TIMELINE=] [TAG=-sweep]
 #        [BENCH_TIMEOUT=240] [BENCH_TIMEOUT_nvlink=...] [BENCH_TIMEOUT_pcie_like=...] bash benchmarks/final_run.sh
 set -u
@@ -15,6 +15,11 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv -lms 250 > "$OUT/smi.csv" 2>&1 &
 SMI=$!
+for op in ${SMOKE-}; do  # the P2P path's first contact, one op at a time (benchmarks/diagnostics/p2p_smoke.py)
+    timeout ${SMOKE_TIMEOUT:-80} torchrun --nproc-per-node "$NGPU" benchmarks/diagnostics/p2p_smoke.py $op \
+        > "$OUT/smoke-$op.log" 2>&1; echo "smoke $op: exit $?"
+    grep -E "rank 0:|Error|error" "$OUT/smoke-$op.log" | tail -14
+done
 if [[ -n $TESTS ]]; then
     timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --durations=0 $TESTS > "$OUT/gpu-tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -25

@@ -63,6 +63,7 @@ class SymmetricWorkspace:
             # passed that call's done barrier, by peers pulling from it): let it all finish before freeing it.
             torch.cuda.synchronize(self.device)
         symm_mem = _symm_mem()
+        _use_cuda_backend(symm_mem, self.device)
         size = size_class(FLAG_BYTES + nbytes)
         buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(buffer, self.group)  # torch >= 2.8 takes the group itself
@@ -103,6 +104,14 @@ class SymmetricWorkspace:
     def barrier(self, channel: int) -> None:
         """All ranks reach this point of their current streams before any goes on (a small kernel)."""
         self.handle.barrier(channel=channel)
+
+
+def _use_cuda_backend(symm_mem, device: torch.device) -> None:
+    """Ask for PyTorch's CUDA backend (driver-mapped peer memory, no NVSHMEM, no multicast) unless this process
+    already chose one: the backend is global and fixed by the first symmetric allocation."""
+    get_backend = getattr(symm_mem, "get_backend", None)
+    if get_backend is not None and get_backend(device) is None:
+        symm_mem.set_backend("CUDA")
 
 
 _UNAVAILABLE: dict[int, str | None] = {}

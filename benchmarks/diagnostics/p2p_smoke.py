@@ -1,0 +1,85 @@
+"""First contact of one op's P2P path with the GPUs: correctness at a few odd and grid shapes (NaN-poisoned, against
+matmul + NCCL), then the op timed beside matmul-then-NCCL and the NCCL path at grid shapes. One line per step,
+flushed, so that a stall shows where it happened; run each op under its own ``timeout``.
+
+torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_smoke.py {all_reduce|reduce_scatter|all_gather}"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap.bench.timing import time_side_by_side
+
+SHAPES = [(256, 512, 128), (1000, 1000, 100), (778, 2000, 1234), (4096, 4096, 4096)]
+GRID = {"all_reduce": [(8192, 8192, 8192), (16384, 8192, 4096)],
+        "reduce_scatter": [(8192, 8192, 8192), (16384, 8192, 4096)],
+        "all_gather": [(8192, 14336, 8192), (16384, 8192, 8192)]}
+
+
+def reference(op, a, b, world):
+    if op == "all_gather":
+        full = torch.empty(a.shape[0] * world, a.shape[1], dtype=a.dtype, device=a.device)
+        dist.all_gather_into_tensor(full, a)
+        return torch.matmul(full, b)
+    c = torch.matmul(a, b)
+    if op == "all_reduce":
+        dist.all_reduce(c)
+        return c
+    out = torch.empty(c.shape[0] // world, c.shape[1], dtype=c.dtype, device=c.device)
+    dist.reduce_scatter_tensor(out, c)
+    return out
+
+
+def call(op, a, b, path):
+    fn = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+          "all_gather": fo.all_gather_gemm}[op]
+    return fn(a, b, path=path)
+
+
+def operands(op, m, n, k, world, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = m // world if op == "all_gather" else m
+    a = torch.randn(rows, k, dtype=dtype, device="cuda", generator=gen)
+    b = torch.randn(n, k, dtype=dtype, device="cuda", generator=gen).t() / k**0.5
+    return a, b
+
+
+def say(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] rank {dist.get_rank()}: {msg}", flush=True)
+
+
+def main():
+    op = sys.argv[1]
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    world = dist.get_world_size()
+    for i, (m, n, k) in enumerate(SHAPES):
+        for dtype in (torch.bfloat16, torch.float16):
+            a, b = operands(op, m, n, k, world, dtype, 17 * i + rank)
+            want = reference(op, a, b, world)
+            torch.cuda.synchronize()
+            say(f"{op} {m}x{n}x{k} {dtype}: calling")
+            torch.full((1 << 28,), float("nan"), dtype=torch.float16, device="cuda")  # poison the allocator
+            got = call(op, a, b, "p2p")
+            torch.cuda.synchronize()
+            nan = bool(torch.isnan(got).any())
+            err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            again = torch.equal(call(op, a, b, "p2p"), got)
+            say(f"{op} {m}x{n}x{k} {dtype}: nan={nan} rel_err={err:.2e} repeat_bitwise={again}")
+    for m, n, k in GRID[op]:
+        a, b = operands(op, m, n, k, world, torch.bfloat16, rank)
+        fns = {"seq": lambda a=a, b=b: reference(op, a, b, world),
+               "nccl": lambda a=a, b=b: call(op, a, b, "nccl"), "p2p": lambda a=a, b=b: call(op, a, b, "p2p")}
+        host = {}
+        times = time_side_by_side(fns, warmup=3, iters=10, host_us=host)
+        say(f"{op} {m}x{n}x{k} ms: " + ", ".join(f"{k_}={v:.3f} (host {host[k_]:.0f} us)" for k_, v in times.items()))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
