@@ -145,7 +145,9 @@ def _p2p_capture_needs_an_eager_call(rank, world_size):
     side.wait_stream(torch.cuda.current_stream())
     with pytest.raises(RuntimeError, match="outside CUDA-graph capture"):
         with torch.cuda.stream(side), torch.cuda.graph(graph):
-            all_gather_gemm(big_shard, big_b, path="p2p")  # needs a larger workspace: refused, not hung
+            # Overlapped (a sequential plan would not touch the workspace): needs a larger one, refused, not hung.
+            all_gather_gemm(big_shard, big_b, plan=fo.default_plan("all_gather", 8 * rows * world_size, n, 4 * k,
+                                                                   world_size, path="p2p", allow_sequential=False))
     return True
 
 

@@ -1,0 +1,58 @@
+"""Where an op's host time goes: cProfile over 20 calls of each op and path at one grid shape, each call queued
+behind a GPU sleep so that the host never blocks on a full launch queue. Prints, per (op, path), the host time per
+call and the functions with the most own time.
+
+torchrun --nproc-per-node 2 benchmarks/diagnostics/host_profile.py [nccl,p2p]"""
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+
+SHAPES = {"all_reduce": (8192, 8192, 8192), "reduce_scatter": (8192, 8192, 8192), "all_gather": (8192, 14336, 8192)}
+OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+
+
+def main():
+    paths = (sys.argv[1] if len(sys.argv) > 1 else "nccl,p2p").split(",")
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    world = dist.get_world_size()
+    for op, (m, n, k) in SHAPES.items():
+        rows = m // world if op == "all_gather" else m
+        a = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t() / k**0.5
+        for path in paths:
+            for _ in range(3):
+                OPS[op](a, b, path=path)
+            torch.cuda.synchronize()
+            profile = cProfile.Profile()
+            spent = 0.0
+            for _ in range(20):
+                dist.barrier()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(20_000_000)  # about 10 ms of GPU work ahead of the call
+                t0 = time.perf_counter()
+                profile.enable()
+                OPS[op](a, b, path=path)
+                profile.disable()
+                spent += time.perf_counter() - t0
+            torch.cuda.synchronize()
+            if rank == 0:
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
+                body = "\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip())
+                print(f"== {op} {m}x{n}x{k} {path}: {1e6 * spent / 20:.0f} us host per call\n{body}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
