@@ -49,7 +49,7 @@ def main():
             if rank == 0:
                 text = io.StringIO()
                 pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
-                body = "\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip())
+                body = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
                 print(f"== {op} {m}x{n}x{k} {path}: {1e6 * spent / 20:.0f} us host per call\n{body}", flush=True)
     dist.destroy_process_group()
 

@@ -108,33 +108,33 @@ def test_a_missing_peer_signal_is_a_deadlock_the_simulator_sees():
 # -- all-gather: the copy streams, the consuming GEMMs and the ready/done barriers ---------------------------------
 def _all_gather_calls(plan, shards_per_call, rng):
     """Run consecutive all-gather calls on every rank with generator actors: each rank's producer stream (own
-    shard into its workspace, ready barrier, the GEMM consuming bands as their flags rise, join, clear, done
-    barrier) and its copy stream (``p2p_schedule.all_gather`` after the ready barrier). Returns, per call and
-    rank, the rows the GEMM read for each band."""
+    shard into its workspace, the GEMM consuming bands as their flags rise, join, clear) and its copy stream
+    (``p2p_schedule.all_gather``: ready barrier, pulls, band flags, done barrier, on shared flag headers). Returns,
+    per call and rank, the rows the GEMM read for each band."""
     from flashoverlap.comm.p2p_schedule import all_gather
 
     w, block = plan.world_size, plan.block_rows
     workspace = [np.full((block, plan.k), np.nan) for _ in range(w)]
     band = [np.zeros(plan.num_groups, dtype=np.int64) for _ in range(w)]
-    arrivals = {}  # (barrier name, call) -> ranks arrived
+    flag = [np.zeros(FLAG_SLOTS, dtype=np.int64) for _ in range(w)]
+    progress = [0]
     read = {}
 
-    def barrier(name, call):
-        arrivals[(name, call)] = arrivals.get((name, call), 0) + 1
-        while arrivals[(name, call)] < w:
-            yield None
-
-    def copy_stream(r, call, gathered, started):
-        while not started[0]:
-            yield None
+    def copy_stream(r, gathered, joined):
         for op in all_gather(plan, r):
-            yield None
-            if isinstance(op, Copy):
+            if isinstance(op, WaitGeq):
+                assert op.loc.space == "flag" and op.loc.rank == r, op  # a rank waits on its own header only
+                while flag[r][op.loc.offset] < op.value:
+                    yield None
+            elif isinstance(op, Copy):
+                yield None
                 src = workspace[op.src.rank]
                 gathered[op.dst.offset : op.dst.offset + op.rows] = src[op.src.offset : op.src.offset + op.rows]
             else:
-                band[r][op.loc.offset] = op.value
-        started[1] = True
+                yield None
+                (band[r] if op.loc.space == "band" else flag[op.loc.rank])[op.loc.offset] = op.value
+            progress[0] += 1
+        joined[0] = True
 
     def producer(r, call, shard):
         gathered = np.full((plan.m, plan.k), np.nan)
@@ -142,17 +142,16 @@ def _all_gather_calls(plan, shards_per_call, rng):
         for grp in plan.groups:
             gathered[grp.out_row_start + r * grp.rows : grp.out_row_start + (r + 1) * grp.rows] = \
                 shard[grp.row_start : grp.row_end]
-        yield from barrier("ready", call)
-        started = [True, False]
-        actors.append(copy_stream(r, call, gathered, started))
+        joined = [False]
+        actors.append(copy_stream(r, gathered, joined))  # the copy stream starts after the producer's writes
         for grp in plan.groups:  # own shard's tiles need nothing; then each band waits for its flag
             while not band[r][grp.index]:
                 yield None
             read[(call, r, grp.index)] = gathered[grp.out_row_start : grp.out_row_end].copy()
-        while not started[1]:
+            progress[0] += 1
+        while not joined[0]:
             yield None
         band[r][:] = 0
-        yield from barrier("done", call)
 
     def rank_calls(r):  # a rank goes on to its next call as soon as its own producer stream allows
         for call, shards in enumerate(shards_per_call):
@@ -163,14 +162,14 @@ def _all_gather_calls(plan, shards_per_call, rng):
     while actors:
         actor = rng.choice(actors)
         try:
-            before = (sum(arrivals.values()), len(read), int(sum(b.sum() for b in band)), len(actors))
+            before = (progress[0], len(actors))
             next(actor)
-            after = (sum(arrivals.values()), len(read), int(sum(b.sum() for b in band)), len(actors))
-            idle = 0 if after != before else idle + 1
+            idle = 0 if (progress[0], len(actors)) != before else idle + 1
         except StopIteration:
             actors.remove(actor)
             idle = 0
         assert idle < 10000, "deadlock: no actor makes progress"
+    assert not any(f.any() for f in flag), "barrier flags left set"
     return read
 
 

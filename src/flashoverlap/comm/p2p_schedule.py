@@ -17,7 +17,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from flashoverlap.comm.symmetric import FLAG_SLOTS
 from flashoverlap.plan import Plan
+
+# The flag header's last slots are the barriers': one slot per sending rank and channel.
+BARRIER_RANKS = 64
+READY, DONE = 0, 1  # the barrier channels: all-gather's shards are in place; no rank still pulls from a peer
+GROUP_FLAG_SLOTS = FLAG_SLOTS - 2 * BARRIER_RANKS  # the slots before the barriers', for per-group flags
 
 
 @dataclass(frozen=True)
@@ -89,13 +95,26 @@ def scratch_rows(plan: Plan, rank: int) -> int:
     return sum(hi - lo for _, lo, hi, _, _ in reduced_rows(plan, rank))
 
 
-def _signal_and_wait(ops: list, base: int, grp, rank: int, world: int) -> None:
-    """Set flag ``base + g*W + rank`` in every peer, then wait for (and reset) every peer's in our header."""
+def _signal_and_wait(ops: list, first_slot: int, rank: int, world: int) -> None:
+    """Set flag ``first_slot + rank`` in every peer, then wait for (and reset) every peer's in our header. The
+    reset happens before this rank signals anything that a peer's next signal of the same slot depends on, so
+    the flags need no epochs and a captured copy of these operations can be replayed."""
     for step in range(1, world):
-        ops.append(Write(Loc("flag", (rank + step) % world, base + grp.index * world + rank), 1))
+        ops.append(Write(Loc("flag", (rank + step) % world, first_slot + rank), 1))
     for step in range(1, world):
-        slot = Loc("flag", rank, base + grp.index * world + (rank + step) % world)
+        slot = Loc("flag", rank, first_slot + (rank + step) % world)
         ops += [WaitGeq(slot, 1), Write(slot, 0)]
+
+
+@functools.lru_cache(maxsize=64)
+def barrier(channel: int, rank: int, world: int) -> tuple:
+    """A cross-rank barrier as stream memory operations (no kernel, no host wait): every rank sets its slot of
+    ``channel`` in every peer's header, then waits for the peers' slots in its own and resets them."""
+    if world > BARRIER_RANKS:
+        raise ValueError(f"the P2P path's barriers support up to {BARRIER_RANKS} ranks, got {world}")
+    ops: list = []
+    _signal_and_wait(ops, FLAG_SLOTS - (channel + 1) * BARRIER_RANKS, rank, world)
+    return tuple(ops)
 
 
 @functools.lru_cache(maxsize=256)  # built once per plan: calls of a shape reuse it
@@ -108,7 +127,7 @@ def reduction(plan: Plan, rank: int) -> tuple:
     for grp, lo, hi, dst, offset in reduced_rows(plan, rank):
         counter = Loc("counter", rank, grp.index)
         ops += [WaitGeq(counter, grp.tile_count), Write(counter, 0)]
-        _signal_and_wait(ops, 0, grp, rank, world)  # every rank's partial of this group is written
+        _signal_and_wait(ops, grp.index * world, rank, world)  # every rank's partial of this group is written
         if hi > lo:
             for step in range(world):
                 src = (rank + step) % world
@@ -120,25 +139,26 @@ def reduction(plan: Plan, rank: int) -> tuple:
         # every peer's reduced share into the output.
         if hi > lo:
             ops.append(Copy(Loc("work", rank, lo), Loc("out", rank, lo), hi - lo))
-        _signal_and_wait(ops, second, grp, rank, world)
+        _signal_and_wait(ops, second + grp.index * world, rank, world)
         for step in range(1, world):
             src = (rank + step) % world
             s_lo, s_hi = share(grp, src, world)
             if s_hi > s_lo:
                 ops.append(Copy(Loc("out", rank, s_lo), Loc("work", src, s_lo), s_hi - s_lo))
-    return tuple(ops)
+    # No rank's next call may overwrite its workspace while a peer still pulls from it.
+    return tuple(ops) + barrier(DONE, rank, world)
 
 
 @functools.lru_cache(maxsize=256)
 def all_gather(plan: Plan, rank: int) -> tuple:
-    """The copy stream's operations for one all-gather call on ``rank``: per band, pull it from every peer (rank+1,
-    rank+2, ...), then raise the band's flag."""
+    """The copy stream's operations for one all-gather call on ``rank``: the ready barrier, then per band, pull it
+    from every peer (rank+1, rank+2, ...) and raise the band's flag; then the done barrier."""
     world = plan.world_size
-    ops: list = []
+    ops: list = list(barrier(READY, rank, world))  # every rank's shard is in its workspace
     for grp in plan.groups:
         for step in range(1, world):
             peer = (rank + step) % world
             ops.append(Copy(Loc("gathered", rank, grp.out_row_start + peer * grp.rows),
                             Loc("shard", peer, grp.row_start), grp.rows))
         ops.append(Write(Loc("band", rank, grp.index), 1))
-    return tuple(ops)
+    return tuple(ops) + barrier(DONE, rank, world)  # as for the reduction
