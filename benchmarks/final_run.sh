@@ -3,7 +3,7 @@
 # each setting (nvlink, pcie-like) with a timeline picture, nvidia-smi sampling clocks and power throughout.
 # Logs, JSON and PNGs land in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=<sha> [SMOKE="all_reduce reduce_scatter all_gather"] [TESTS="tests/gpu/..."|TESTS=] [DEMO=] [SETTINGS="nvlink pcie-like"]
-#        [OPS=all_reduce,reduce_scatter,all_gather] [BENCH_ARGS=--interference] [TIMELINE=] [TAG=-sweep]
+#        [OPS=all_reduce,reduce_scatter,all_gather] [BENCH_ARGS=--interference] [BENCH_ARGS_nvlink=--movers] [TIMELINE=] [TAG=-sweep]
 #        [BENCH_TIMEOUT=240] [BENCH_TIMEOUT_nvlink=...] [BENCH_TIMEOUT_pcie_like=...] bash benchmarks/final_run.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -30,7 +30,7 @@ fi
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
 for setting in $SETTINGS; do
     p2p=""; [[ $setting == pcie-like ]] && p2p="NCCL_P2P_DISABLE=1"
-    args="--ops $OPS $BENCH_ARGS"; [[ -n $TIMELINE ]] && args="$args --timeline $OUT/timeline-$setting.png"
+    args="--ops $OPS $BENCH_ARGS $(eval echo \${BENCH_ARGS_${setting/-/_}:-})"; [[ -n $TIMELINE ]] && args="$args --timeline $OUT/timeline-$setting.png"
     cmd="$p2p torchrun --nproc-per-node $NGPU -m flashoverlap.bench $args"
     echo "== $cmd" | tee "$OUT/bench-$setting$TAG.log"
     env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout $(eval echo \${BENCH_TIMEOUT_${setting/-/_}:-${BENCH_TIMEOUT:-240}}) torchrun --nproc-per-node "$NGPU" \
