@@ -159,3 +159,23 @@ def test_all_gather_p2p_workspace_growth_is_refused_inside_capture():
 @needs_gpus
 def test_all_gather_refuses_plans_that_could_starve_nccl():
     spawn(_rule_two, WORLD, "nccl", env=ENV)
+
+
+def _auto_path(rank, world_size, expect_p2p):
+    """path="auto" (the default): P2P where every GPU reaches every other, NCCL under NCCL_P2P_DISABLE=1."""
+    from flashoverlap.comm import p2p
+
+    rows, n, k = 2048, 8192, 8192  # a grid shape, where the P2P default plan overlaps
+    a_shard, b = inputs(rows, n, k, torch.bfloat16, seed=rank)
+    want = torch.matmul(_gathered(a_shard, world_size), b)
+    poison_allocator(torch.device("cuda", torch.cuda.current_device()))
+    assert_close(all_gather_gemm(a_shard, b), want, f"auto path (P2P expected: {expect_p2p})")
+    used_p2p = any(comm.workspace.nbytes > 0 for comm in p2p._COMMUNICATORS.values())
+    assert used_p2p == expect_p2p, f"path='auto' {'did not take' if expect_p2p else 'took'} the P2P path"
+    return True
+
+
+@needs_gpus
+def test_all_gather_auto_path_takes_p2p_unless_nccl_p2p_is_disabled():
+    spawn(_auto_path, WORLD, "nccl", args=(True,), env=ENV)
+    spawn(_auto_path, WORLD, "nccl", args=(False,), env={**ENV, "NCCL_P2P_DISABLE": "1"})

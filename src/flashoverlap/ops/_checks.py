@@ -60,8 +60,8 @@ def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) 
 
 
 def choose_path(op: str, path: str, device: torch.device, plan_path: str | None = None) -> str:
-    """The path a call takes: ``path`` as asked, or for ``"auto"`` the given plan's path, else NCCL on CUDA and
-    the reference elsewhere. (``"auto"`` does not pick P2P by itself yet: that path has not run on GPUs.)"""
+    """The path a call takes: ``path`` as asked, or for ``"auto"`` the given plan's path, else NCCL on CUDA (the
+    op may then choose P2P: ``_common.automatic_path``) and the reference elsewhere."""
     if path not in PATHS:
         raise ValueError(f"{op}: path must be one of {PATHS}, got {path!r}")
     if path == "auto":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -54,17 +55,24 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
     return _default_plan(op, m, n, k, world_size, num_sms, element_size, round(comm_ms / measured.gemm_ms(m, n, k), 2))
 
 
-# Whether path="auto" may choose P2P where it applies. Off until the P2P path has run on GPUs (issue 4): until then
-# "auto" is NCCL everywhere, and says so once per group at debug level.
-AUTO_CHOOSES_P2P = False
+# The ops for which path="auto" takes P2P where it applies: those where the P2P path was measured faster than the
+# NCCL path and every baseline at every nvlink grid shape (benchmarks/results/h200x2-nvlink.json, 71a39d5:
+# all-gather E 0.47-0.67 against ~0 for NCCL, and faster than async TP). For all-reduce and reduce-scatter it lost
+# to the NCCL path at some grid shapes and to sequential at the small ones, so "auto" keeps NCCL there.
+AUTO_P2P_OPS = frozenset({"all_gather"})
 MAX_P2P_WORLD_SIZE = 8
-_AUTO_LOGGED: set[int] = set()
+_AUTO_LOGGED: set[tuple[int, str]] = set()
 
 
-def automatic_path(p2p_reason: str | None, world_size: int) -> tuple[str, str]:
-    """What path="auto" picks for a group, and why (pure: the same inputs on every rank give the same answer)."""
-    if not AUTO_CHOOSES_P2P:
-        return "nccl", "the P2P path is not chosen automatically until it has been measured on GPUs (issue 4)"
+def automatic_path(op: str, p2p_reason: str | None, world_size: int,
+                   nccl_p2p_disabled: bool = False) -> tuple[str, str]:
+    """What path="auto" picks for ``op`` on a group, and why (pure: the same inputs on every rank give the same
+    answer). ``nccl_p2p_disabled``: NCCL_P2P_DISABLE=1 is set, a statement that peer-to-peer traffic is off here
+    (or emulated off, as in the benchmark's pcie-like setting); explicit ``path="p2p"`` still works."""
+    if op not in AUTO_P2P_OPS:
+        return "nccl", f"P2P is not chosen automatically for {op}: it was not faster than the NCCL path there"
+    if nccl_p2p_disabled:
+        return "nccl", "NCCL_P2P_DISABLE=1 is set"
     if p2p_reason is not None:
         return "nccl", f"P2P does not apply: {p2p_reason}"
     if world_size > MAX_P2P_WORLD_SIZE:
@@ -72,14 +80,16 @@ def automatic_path(p2p_reason: str | None, world_size: int) -> tuple[str, str]:
     return "p2p", "every rank on one node with peer access between all GPUs"
 
 
-
-def _automatic_path(group: dist.ProcessGroup, device: torch.device) -> str:
+def _automatic_path(op: str, group: dist.ProcessGroup, device: torch.device) -> str:
     world_size = dist.get_world_size(group)
-    reason = p2p_unavailable_reason(group, device) if AUTO_CHOOSES_P2P else None  # collective, once per group
-    path, why = automatic_path(reason, world_size)
-    if id(group) not in _AUTO_LOGGED:
-        _AUTO_LOGGED.add(id(group))
-        _LOG.debug("flashoverlap: path='auto' uses %s for this group of %d ranks: %s", path, world_size, why)
+    disabled = os.environ.get("NCCL_P2P_DISABLE") == "1"
+    # Collective (once per group), and only where the answer can matter; every rank takes the same branch.
+    reason = p2p_unavailable_reason(group, device) if op in AUTO_P2P_OPS and not disabled else None
+    path, why = automatic_path(op, reason, world_size, disabled)
+    if (id(group), op) not in _AUTO_LOGGED:
+        _AUTO_LOGGED.add((id(group), op))
+        _LOG.debug("flashoverlap: path='auto' uses %s for %s on this group of %d ranks: %s", path, op, world_size,
+                   why)
     return path
 
 
@@ -108,7 +118,7 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
                 "reduce-scatter gives each rank M / world_size rows (pad M to a multiple of the world size)"
             )
         if automatic:
-            path = _automatic_path(group, a.device)
+            path = _automatic_path(op, group, a.device)
         elif path == "p2p":
             reason = p2p_unavailable_reason(group, a.device)
             if reason is not None:
