@@ -6,6 +6,13 @@ import argparse
 import sys
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    dims = tuple(int(x) for x in text.split(","))
+    if len(dims) != 3 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected three positive integers M,N,K, got {text!r}")
+    return dims
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashoverlap", description="flashoverlap command line")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             step.add_argument("--max-mib", type=int, default=512, help="largest message (MiB)")
         if name == "plan":
             step.add_argument("--op", required=True, choices=["all_reduce", "reduce_scatter", "all_gather"])
-            for dim in ("m", "n", "k"):
-                step.add_argument(f"--{dim}", type=int, required=True)
+            # One option, not --m/--n/--k: torchrun reads "--m" as an abbreviation of its own options.
+            step.add_argument("--shape", type=_shape, required=True, metavar="M,N,K",
+                              help="the call's shape; for all_gather, M is the gathered rows")
             step.add_argument("--top", type=int, default=3, help="model's best candidates to time")
             step.add_argument("--exhaustive", action="store_true", help="time every candidate")
         if name == "validate":

@@ -10,8 +10,9 @@ from flashoverlap.cli import main
 
 def test_tune_commands_parse_and_need_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    for argv in (["tune", "bandwidth", "--ops", "all_reduce"], ["tune", "plan", "--op", "all_gather", "--m", "8",
-                 "--n", "8", "--k", "8", "--exhaustive"], ["tune", "validate", "--path", "p2p"]):
+    for argv in (["tune", "bandwidth", "--ops", "all_reduce"],
+                 ["tune", "plan", "--op", "all_gather", "--shape", "8,8,8", "--exhaustive"],
+                 ["tune", "validate", "--path", "p2p"]):
         with pytest.raises(SystemExit, match="torchrun"):
             main(argv)
 
@@ -19,4 +20,7 @@ def test_tune_commands_parse_and_need_torchrun(monkeypatch):
 def test_tune_plan_needs_a_shape():
     proc = subprocess.run([sys.executable, "-m", "flashoverlap", "tune", "plan", "--op", "all_reduce"],
                           capture_output=True, text=True)
-    assert proc.returncode == 2 and "--m" in proc.stderr
+    assert proc.returncode == 2 and "--shape" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "flashoverlap", "tune", "plan", "--op", "all_reduce", "--shape",
+                           "8,8"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "three positive integers" in proc.stderr

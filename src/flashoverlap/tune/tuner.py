@@ -180,7 +180,7 @@ def main(args) -> int:
                     store_curve(key, curve)
                 say(f"{op}: {len(curve.sizes)} sizes stored in {curve_file(key)}")
         elif args.tune_command == "plan":
-            winner, records = _tune_with_bar(args.op, args.m, args.n, args.k, group, device, dtype, args.path,
+            winner, records = _tune_with_bar(args.op, *args.shape, group, device, dtype, args.path,
                                              args.top, args.exhaustive, rank)
             say(winner.describe())
         else:
@@ -204,33 +204,53 @@ def _tune_with_bar(op, m, n, k, group, device, dtype, path, top, exhaustive, ran
     return tune_plan(op, m, n, k, group, device, dtype, path, top, exhaustive, progress)
 
 
+def _summary(plan_dict: dict) -> str:
+    """One line naming what the search varies in a plan."""
+    plan = Plan.from_dict(plan_dict)
+    if plan.sequential:
+        return "sequential"
+    sizes = "/".join(str(g.rows) for g in plan.groups)
+    return (f"{plan.gemm} {plan.num_groups} groups ({sizes} rows), {plan.grid_size} programs, "
+            f"{plan.comm_ctas} NCCL CTAs")
+
+
 def _validate(args, group, device, dtype, rank, world) -> None:
+    """Per grid shape: the model's pick (timed) against every candidate (timed); rewrites the results file after
+    each shape, so that a run stopped part-way keeps its finished rows. The exhaustive run goes last, so the
+    cache ends up holding each shape's best measured plan."""
     from flashoverlap.bench import op_rows
 
     grids = {"all_reduce": op_rows.GRID_ALL_REDUCE, "reduce_scatter": op_rows.GRID_REDUCE_SCATTER,
              "all_gather": op_rows.GRID_ALL_GATHER}
+    gpu = torch.cuda.get_device_name(device).split()[-1].lower()
+    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{setting(args.path)}-model.json")
+    command = os.environ.get("FLASHOVERLAP_COMMAND", " ".join(sys.argv))
     rows = []
     for op in args.ops.split(","):
         for m, n, k in grids[op]:
             _, model_top = _tune_with_bar(op, m, n, k, group, device, dtype, args.path, 1, False, rank)
             _, every = _tune_with_bar(op, m, n, k, group, device, dtype, args.path, 0, True, rank)
-            pick = model_top[0]
-            rows.append({"op": op, "path": args.path, "M": m, "N": n, "K": k, "predicted_ms": pick["predicted_ms"],
-                         "measured_ms": pick["measured_ms"], "model_pick_ms": pick["measured_ms"],
-                         "exhaustive_best_ms": min(r["measured_ms"] for r in every),
-                         "all": [{"predicted_ms": r["predicted_ms"], "measured_ms": r["measured_ms"]} for r in every]})
-    if rank == 0:
-        errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
-        gpu = torch.cuda.get_device_name(device).split()[-1].lower()
-        out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{setting(args.path)}-model.json")
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        meta = {"gpus": f"{world}x {torch.cuda.get_device_name(device)}", "setting": setting(args.path),
-                "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"), "command": " ".join(sys.argv),
-                "mean_error": sum(errors) / len(errors), "max_error": max(errors)}
-        with open(out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        for r, e in zip(rows, errors):
-            print(f"{r['op']:>15} {r['M']:6d}x{r['N']:6d}x{r['K']:6d}: predicted {r['predicted_ms']:.3f} measured "
-                  f"{r['measured_ms']:.3f} ({100 * e:.1f}%), pick {r['model_pick_ms']:.3f} vs best "
-                  f"{r['exhaustive_best_ms']:.3f}")
+            pick, best = model_top[0], min(every, key=lambda r: r["measured_ms"])
+            row = {"op": op, "path": args.path, "M": m, "N": n, "K": k, "predicted_ms": pick["predicted_ms"],
+                   "measured_ms": pick["measured_ms"], "model_pick_ms": pick["measured_ms"],
+                   "exhaustive_best_ms": best["measured_ms"],
+                   "model_pick_plan": _summary(pick["plan"]), "exhaustive_best_plan": _summary(best["plan"]),
+                   "all": [{"plan": _summary(r["plan"]), "predicted_ms": r["predicted_ms"],
+                            "measured_ms": r["measured_ms"]} for r in every]}
+            rows.append(row)
+            if rank != 0:
+                continue
+            error = abs(row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+            print(f"{op:>15} {m:6d}x{n:6d}x{k:6d}: predicted {row['predicted_ms']:.3f} measured "
+                  f"{row['measured_ms']:.3f} ({100 * error:.1f}%), pick {row['model_pick_ms']:.3f} "
+                  f"({row['model_pick_plan']}) vs best {row['exhaustive_best_ms']:.3f} "
+                  f"({row['exhaustive_best_plan']})", flush=True)
+            errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
+            meta = {"gpus": f"{world}x {torch.cuda.get_device_name(device)}", "setting": setting(args.path),
+                    "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"), "command": command,
+                    "mean_error": sum(errors) / len(errors), "max_error": max(errors)}
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            with open(out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if rank == 0 and rows:
         print(f"model error: mean {100 * meta['mean_error']:.1f}%, max {100 * meta['max_error']:.1f}%; wrote {out}")
