@@ -29,7 +29,7 @@ def result_row(op: str, shape: tuple[int, int, int], dtype: torch.dtype, t: dict
         "baselines": {"decomposition_ms": min(decomposition.values()) if decomposition else None,
                       "decomposition_by_chunks_ms": decomposition, "async_tp_ms": async_tp},
         "plan": {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
-                 "sequential": plan.sequential,
+                 "sequential": plan.sequential, "gemm": plan.gemm,
                  "tile": [plan.tile.block_m, plan.tile.block_n, plan.tile.block_k, plan.tile.group_m]},
         "host_us": {name: host_us[name] for name in ("seq", "ours") if name in host_us} if host_us else None,
     }

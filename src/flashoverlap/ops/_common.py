@@ -56,9 +56,9 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
 
 
 # The ops for which path="auto" takes P2P where it applies: those where the P2P path was measured faster than the
-# NCCL path and every baseline at every nvlink grid shape (benchmarks/results/h200x2-nvlink.json, 71a39d5:
-# all-gather E 0.47-0.67 against ~0 for NCCL, and faster than async TP). For all-reduce and reduce-scatter it lost
-# to the NCCL path at some grid shapes and to sequential at the small ones, so "auto" keeps NCCL there.
+# NCCL path's default and than sequential at every nvlink grid shape (benchmarks/results/h200x2-nvlink.json,
+# 71a39d5: all-gather E 0.47-0.67 against ~0). For all-reduce and reduce-scatter it lost to the NCCL path at some
+# grid shapes and to sequential at the small ones, so "auto" keeps NCCL there.
 AUTO_P2P_OPS = frozenset({"all_gather"})
 MAX_P2P_WORLD_SIZE = 8
 _AUTO_LOGGED: set[tuple[int, str]] = set()
