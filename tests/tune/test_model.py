@@ -84,3 +84,29 @@ def test_cublas_bands_run_at_cublas_speed_and_are_candidates():
     plans = candidates("all_reduce", 8192, 8192, 8192, 2, 132)
     assert sorted(p.num_groups for p in plans if p.gemm == "cublas") == [2, 4, 8]
     assert not any(p.gemm == "cublas" for p in candidates("all_reduce", 8192, 8192, 8192, 2, 132, path="p2p"))
+
+
+def test_cublas_bands_take_their_measured_time_per_matmul():
+    # Reduce-scatter, gathered M 512 in 2 row blocks, 2 groups of 128 rows: a matmul per group and block.
+    plan = _plan(2, op="reduce_scatter", gemm="cublas")
+    assert [grp.rows for grp in plan.groups] == [128, 128]
+    share = predict(plan, Machine(num_sms=256, wave_ms=1.0, cublas_ms=0.9), FLAT)
+    assert share.group_done_ms == pytest.approx((0.45, 0.9)) and share.total_ms == pytest.approx(1.2)
+    measured = predict(plan, Machine(num_sms=256, wave_ms=1.0, cublas_ms=0.9, band_ms=((128, 0.5),)), FLAT)
+    assert measured.group_done_ms == pytest.approx((1.0, 2.0)) and measured.total_ms == pytest.approx(2.3)
+    # All-gather: the own shard's band of each group first (2 x 0.2), then each group's other shard on arrival.
+    plan = _plan(2, op="all_gather", gemm="cublas")
+    p = predict(plan, Machine(num_sms=256, wave_ms=1.0, cublas_ms=0.9, band_ms=((128, 0.2),)), FLAT)
+    assert p.comm_done_ms == pytest.approx((0.3, 0.6))
+    assert p.group_done_ms == pytest.approx((0.4, 0.6)) and p.total_ms == pytest.approx(0.8)
+
+
+def test_tuner_keeps_sequential_unless_a_plan_beats_it_clearly():
+    from flashoverlap.tune.tuner import SEQUENTIAL_MARGIN, choose
+
+    seq = {"plan": {"sequential": True}, "measured_ms": 1.0}
+    close = {"plan": {"sequential": False}, "measured_ms": 1.0 / (1 + SEQUENTIAL_MARGIN / 2)}
+    clear = {"plan": {"sequential": False}, "measured_ms": 0.9}
+    assert choose([close, seq]) is seq
+    assert choose([close, clear, seq]) is clear
+    assert choose([close]) is close  # no sequential timed: the fastest

@@ -58,7 +58,10 @@ class Machine:
     cuBLAS GEMM alone (the sequential baseline). ``comm_sms``: SMs the collective's kernels occupy while they run
     (NCCL: its CTAs; P2P: 0). ``gemm_slowdown`` / ``comm_slowdown``: each side's time factor while the other runs
     (measured: ``bench --interference`` / ``--movers``). ``launch_ms``: fixed cost per collective on top of the
-    curve (the stream wait, the launch)."""
+    curve (the stream wait, the launch). ``band_ms``: ``(rows, ms)`` pairs, one cuBLAS matmul of ``rows`` rows of
+    this shape timed alone, for the band heights of the cuBLAS-band candidates (a band of a few hundred rows
+    fills a fraction of a wave: its time is not its share of ``cublas_ms``); heights not listed take their
+    share."""
 
     num_sms: int
     wave_ms: float
@@ -67,6 +70,11 @@ class Machine:
     gemm_slowdown: float = 1.0
     comm_slowdown: float = 1.0
     launch_ms: float = 0.0
+    band_ms: tuple[tuple[int, float], ...] = ()
+
+    def band_time(self, rows: int, total_rows: int) -> float:
+        """One cuBLAS matmul of ``rows`` of the ``total_rows`` rows: measured if listed, else its share."""
+        return dict(self.band_ms).get(rows, self.cublas_ms * rows / total_rows)
 
 
 @dataclass(frozen=True)
@@ -90,21 +98,32 @@ def predict(plan: Plan, machine: Machine, curve: Curve, element_size: int = 2) -
     if plan.sequential:
         total = machine.cublas_ms + machine.launch_ms + curve.time_ms(sum(plan.group_bytes(element_size)))
         return Prediction(total, (machine.cublas_ms,), (total,))
-    if plan.gemm == "cublas":  # bands by cuBLAS: its rate, no waves of our tiles
-        gemm_end = machine.cublas_ms * machine.gemm_slowdown
-        tile_ms = gemm_end / plan.num_tiles
-    else:
-        tile_ms = machine.wave_ms * machine.gemm_slowdown / gemm_slots(plan, machine)  # fluid: tiles per ms
-        gemm_end = math.ceil(plan.num_tiles / gemm_slots(plan, machine)) * machine.wave_ms * machine.gemm_slowdown
+    local_ms, work_ms, gemm_end = _compute(plan, machine)
     if plan.op == "all_gather":
-        return _consumer(plan, machine, comm, tile_ms)
-    done, ends, t_comm, tiles = [], [], 0.0, 0
-    for grp, c in zip(plan.groups, comm):
-        tiles += grp.tile_count
-        done.append(min(tiles * tile_ms, gemm_end))
+        return _consumer(plan, machine, comm, local_ms, work_ms)
+    done, ends, t_comm, t_gemm = [], [], 0.0, 0.0
+    for work, c in zip(work_ms, comm):
+        t_gemm += work
+        done.append(min(t_gemm, gemm_end))
         t_comm = _collective_end(max(done[-1], t_comm), c, gemm_end, machine.comm_slowdown)
         ends.append(t_comm)
     return Prediction(max(gemm_end, ends[-1]), tuple(done), tuple(ends))
+
+
+def _compute(plan: Plan, machine: Machine) -> tuple[float, list[float], float]:
+    """The GEMM side: time of the tiles needing no communication (all-gather's own shard), of each group's
+    tiles, and when the whole GEMM ends (beside the communication: ``gemm_slowdown`` applied)."""
+    slow = machine.gemm_slowdown
+    if plan.gemm == "cublas":  # one matmul per group and row block (see ops/_bands.py, all_gather_gemm.py)
+        calls = plan.blocks - 1 if plan.op == "all_gather" else plan.blocks
+        bands = [machine.band_time(grp.rows, plan.m) * slow for grp in plan.groups]
+        local = sum(bands) if plan.op == "all_gather" else 0.0
+        work = [calls * band for band in bands]
+        return local, work, local + sum(work)
+    slots = gemm_slots(plan, machine)
+    tile_ms = machine.wave_ms * slow / slots  # fluid: tiles per ms
+    gemm_end = math.ceil(plan.num_tiles / slots) * machine.wave_ms * slow
+    return plan.local_tiles * tile_ms, [grp.tile_count * tile_ms for grp in plan.groups], gemm_end
 
 
 def _collective_end(start: float, work_ms: float, gemm_end: float, slowdown: float) -> float:
@@ -116,18 +135,19 @@ def _collective_end(start: float, work_ms: float, gemm_end: float, slowdown: flo
     return start + beside + (work_ms - beside / slowdown)
 
 
-def _consumer(plan: Plan, machine: Machine, comm: list[float], tile_ms: float) -> Prediction:
+def _consumer(plan: Plan, machine: Machine, comm: list[float], local_ms: float,
+              work_ms: list[float]) -> Prediction:
     """All-gather: bands arrive in order; the GEMM does its own shard's tiles, then each band's remote tiles."""
     arrived, t = [], 0.0
     for c in comm:
         t += c * machine.comm_slowdown
         arrived.append(t)
-    t_gemm = plan.local_tiles * tile_ms  # the rank's own shard, first
+    t_gemm = local_ms  # the rank's own shard, first
     starts = []
-    for grp, ready in zip(plan.groups, arrived):  # a group's tiles are the band's rows of the other shards
+    for work, ready in zip(work_ms, arrived):  # a group's tiles are the band's rows of the other shards
         t_gemm = max(t_gemm, ready)
         starts.append(t_gemm)
-        t_gemm += grp.tile_count * tile_ms
+        t_gemm += work
     return Prediction(t_gemm, tuple(starts), tuple(arrived))
 
 
