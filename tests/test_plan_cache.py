@@ -124,3 +124,19 @@ def test_ranks_agree_on_rank_zeros_entries(cache_in):
     results = spawn(_agree, 3, args=(str(cache_in),))
     assert [r[0] for r in results] == [_tuned().grid_size] * 3
     assert all(r[1] == {} for r in results)
+
+
+def test_nccl_through_host_memory_has_its_own_cache(monkeypatch):
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    nvlink = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    host = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")
+    assert host != nvlink and cache.cache_file(host).name.endswith("-nccl-p2p-disabled.json")
+    cache.store(host, _tuned())
+    assert cache.load(host) and not cache.load(nvlink)
+
+
+def test_a_borrowed_plan_keeps_its_cublas_bands():
+    cache.store(KEY, _tuned(m=8192, gemm="cublas"))
+    near = cache.select(cache.load(KEY), "all_reduce", 6000, 8192, 8192, 2, 132)
+    assert near.gemm == "cublas" and near.num_groups == 5

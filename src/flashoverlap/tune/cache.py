@@ -1,4 +1,5 @@
-"""The on-disk plan cache: tuned plans, one JSON file per (GPU name, world size, op, path, dtype), entries by shape.
+"""The on-disk plan cache: tuned plans, one JSON file per (GPU name, world size, op, path, dtype, and whether NCCL's
+peer-to-peer transport is disabled), entries by shape.
 
 Where: ``$FLASHOVERLAP_CACHE_DIR``, else ``~/.cache/flashoverlap/``; ``FLASHOVERLAP_NO_CACHE=1`` turns lookups and
 writes off. A file that cannot be read, is not JSON, or describes another key is reported once (a warning) and
@@ -39,7 +40,12 @@ def cache_dir() -> Path | None:
 
 
 def cache_key(gpu: str, world_size: int, op: str, path: str, dtype: str) -> dict:
-    return {"gpu": gpu, "world_size": world_size, "op": op, "path": path, "dtype": dtype}
+    """What a tuned plan depends on. With ``NCCL_P2P_DISABLE=1`` NCCL moves data through host memory, a different
+    machine as far as plans go (the benchmark's pcie-like setting): that is part of the key too."""
+    key = {"gpu": gpu, "world_size": world_size, "op": op, "path": path, "dtype": dtype}
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        key["nccl_p2p"] = "disabled"
+    return key
 
 
 def cache_file(key: dict) -> Path | None:
@@ -47,7 +53,8 @@ def cache_file(key: dict) -> Path | None:
     if root is None:
         return None
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", key["gpu"]).strip("-").lower()
-    return root / f"{gpu}-w{key['world_size']}-{key['op']}-{key['path']}-{key['dtype']}.json"
+    suffix = "-nccl-p2p-disabled" if key.get("nccl_p2p") == "disabled" else ""
+    return root / f"{gpu}-w{key['world_size']}-{key['op']}-{key['path']}-{key['dtype']}{suffix}.json"
 
 
 def _warn_once(path: Path, why: str) -> None:
@@ -116,7 +123,7 @@ def select(entries: dict[str, dict], op: str, m: int, n: int, k: int, world_size
         overlapped = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tuned.tile,
                                   num_groups=tuned.num_groups, comm_ctas=tuned.comm_ctas, path=tuned.path,
                                   num_programs=None if tuned.num_programs >= tuned.num_tiles else tuned.num_programs,
-                                  allow_sequential=False)  # one program per tile stays one program per tile
+                                  gemm=tuned.gemm, allow_sequential=False)  # one program per tile stays so
         if not tuned.sequential:
             return overlapped
         return Plan(op, m, n, k, world_size, tuned.tile, (overlapped.tiles_per_block,), num_sms, 0, True, tuned.path)
