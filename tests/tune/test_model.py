@@ -110,3 +110,21 @@ def test_tuner_keeps_sequential_unless_a_plan_beats_it_clearly():
     assert choose([close, seq]) is seq
     assert choose([close, clear, seq]) is clear
     assert choose([close]) is close  # no sequential timed: the fastest
+
+
+def test_search_tries_both_tile_widths_and_ranks_each_with_its_own_machine():
+    from flashoverlap.tune.search import tile_choices
+
+    wide, narrow = tile_choices(8192, 8192, 8192)
+    assert (wide.block_n, narrow.block_n) == (256, 128)
+    plans = candidates("all_reduce", 8192, 8192, 8192, 2, 132)
+    assert {p.tile for p in plans} == {wide, narrow}
+    tiny = Curve((1, 10**12), (1e-3, 1e-3))
+    # Narrow tiles' waves (32 of them) at a third of the wide ones' time (16 waves): 2.1 ms against 3.2 for the
+    # wide tiles and 3.0 for cuBLAS: a plan with narrow tiles wins.
+    machines = {wide: Machine(132, 0.2, 3.0), narrow: Machine(132, 0.2 / 3, 3.0)}
+    assert rank(plans, machines, tiny)[0][1].tile == narrow
+    machines[narrow] = Machine(132, 0.2, 3.0)  # as slow per wave as the wide ones, with twice the waves
+    best = rank(plans, machines, tiny)[0][1]
+    assert best.tile == wide or best.sequential or best.gemm == "cublas"
+    assert tile_choices(4096, 128, 512) == (tile_choices(4096, 128, 512)[0],)  # already 128 wide: one choice

@@ -7,6 +7,8 @@ recorded just before the call. The picture marks sequential matmul-then-collecti
 
 from __future__ import annotations
 
+import textwrap
+
 import torch
 import torch.distributed as dist
 
@@ -60,7 +62,7 @@ def draw(path: str, title: str, timeline: dict, t_seq: float, t_gemm: float, pre
     ax.set_yticks([0, 1], ["communication", "compute\n(group's tiles done)"])
     ax.set_xlabel("ms since the call started")
     ax.set_xlim(0, max(t_seq, timeline["total_ms"]) * 1.05)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 150), fontsize=9)  # long titles (a plan's description) wrap, not clip
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=7, ncol=4, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=130)

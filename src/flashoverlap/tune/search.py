@@ -4,9 +4,9 @@ part that needs no GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from flashoverlap.plan import Plan, default_plan, nccl_free_sms
+from flashoverlap.plan import Plan, TileConfig, default_plan, default_tile_config, nccl_free_sms
 from flashoverlap.tune.model import Curve, Machine, predict
 
 GROUPS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -16,31 +16,44 @@ FREE_SMS = (0, 16, 32)  # SMs a persistent GEMM leaves to the collectives
 DEFAULT_NCCL_CTAS = 16  # SMs NCCL's kernels take when their CTA count is left to NCCL (2 H200s, NVLink)
 
 
+def tile_choices(m: int, n: int, k: int) -> tuple[TileConfig, ...]:
+    """The GEMM tile configurations the search tries: the default, and where that is 256 columns wide, 128 (twice
+    the tiles: finer waves and groups, at a lower per-tile efficiency)."""
+    base = default_tile_config(m, n, k)
+    if base.block_n <= 128:
+        return (base,)
+    return (base, TileConfig(base.block_m, 128, base.block_k, base.group_m, num_stages=4, num_warps=8))
+
+
 def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, path: str = "nccl") -> list[Plan]:
-    """Every plan the search considers: sequential, each combination of group count, group-size profile, GEMM
-    programs (one per tile, or persistent leaving some SMs free) and NCCL CTAs, without duplicates and without
-    all-gather plans the op would refuse (deadlock rule 2), and on the NCCL path cuBLAS bands (the
-    decomposition, so that the pick is never worse than it where the model is right)."""
+    """Every plan the search considers: sequential; for each tile configuration (``tile_choices``), each
+    combination of group count, group-size profile, GEMM programs (one per tile, or persistent leaving some SMs
+    free) and NCCL CTAs, without duplicates and without all-gather plans the op would refuse (deadlock rule 2);
+    and on the NCCL path cuBLAS bands (the decomposition, so that the pick is never worse than it where the model
+    is right)."""
     seen: dict[tuple, Plan] = {}
     base = default_plan(op, m, n, k, world_size, num_sms=num_sms, allow_sequential=False, path=path)
     seq = Plan(op, m, n, k, world_size, base.tile, (base.tiles_per_block,), num_sms, 0, True, path)
     seen[("seq",)] = seq
     ctas_options = (0,) if path == "p2p" else NCCL_CTAS
-    for groups in GROUPS:
-        for profile in PROFILES:
-            for free in FREE_SMS:
-                for ctas in ctas_options:
-                    if op == "all_gather" and path == "nccl":
-                        if ctas == 0 or free < nccl_free_sms(num_sms, ctas):
-                            continue
-                        programs = num_sms - free
-                    else:
-                        programs = base.num_tiles if free == 0 else num_sms - free
-                    plan = default_plan(op, m, n, k, world_size, num_sms=num_sms, num_groups=groups,
-                                        profile=profile, num_programs=programs, comm_ctas=ctas,
-                                        allow_sequential=False, path=path)
-                    key = (plan.group_row_tiles, plan.grid_size, plan.comm_ctas)
-                    seen.setdefault(key, plan)
+    for tile in tile_choices(m, n, k):
+        tiles = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tile, allow_sequential=False,
+                             path=path).num_tiles
+        for groups in GROUPS:
+            for profile in PROFILES:
+                for free in FREE_SMS:
+                    for ctas in ctas_options:
+                        if op == "all_gather" and path == "nccl":
+                            if ctas == 0 or free < nccl_free_sms(num_sms, ctas):
+                                continue
+                            programs = num_sms - free
+                        else:
+                            programs = tiles if free == 0 else num_sms - free
+                        plan = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tile, num_groups=groups,
+                                            profile=profile, num_programs=programs, comm_ctas=ctas,
+                                            allow_sequential=False, path=path)
+                        key = (plan.tile, plan.group_row_tiles, plan.grid_size, plan.comm_ctas)
+                        seen.setdefault(key, plan)
     if path == "nccl":  # the decomposition as a plan: cuBLAS bands (2, 4, 8 of them, as the baseline's chunks)
         for groups in (2, 4, 8):
             plan = default_plan(op, m, n, k, world_size, num_sms=num_sms, num_groups=groups, gemm="cublas",
@@ -59,13 +72,22 @@ def machine_for(plan: Plan, machine: Machine) -> Machine:
                    machine.comm_slowdown, machine.launch_ms)
 
 
-def rank(plans: list[Plan], machine: Machine, curve: Curve,
+def machine_of(plan: Plan, machines: Machine | Mapping[TileConfig, Machine]) -> Machine:
+    """The machine figures measured with ``plan``'s tile configuration (or the one ``Machine`` given)."""
+    if isinstance(machines, Machine):
+        return machines
+    return machines.get(plan.tile) or next(iter(machines.values()))
+
+
+def rank(plans: list[Plan], machine: Machine | Mapping[TileConfig, Machine], curve: Curve,
          predict_fn: Callable[[Plan, Machine, Curve], float] | None = None) -> list[tuple[float, Plan]]:
-    """``plans`` with their predicted times, fastest first (ties keep the candidates' order)."""
+    """``plans`` with their predicted times, fastest first (ties keep the candidates' order). ``machine``: one
+    ``Machine``, or one per tile configuration (our GEMM's time per wave depends on it)."""
     def predicted(plan: Plan) -> float:
+        figures = machine_of(plan, machine)
         if predict_fn is not None:
-            return predict_fn(plan, machine, curve)
-        return predict(plan, machine_for(plan, machine), curve).total_ms
+            return predict_fn(plan, figures, curve)
+        return predict(plan, machine_for(plan, figures), curve).total_ms
 
     scored = [(predicted(plan), i, plan) for i, plan in enumerate(plans)]
     return [(t, plan) for t, _, plan in sorted(scored, key=lambda x: (x[0], x[1]))]

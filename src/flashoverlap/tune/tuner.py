@@ -17,10 +17,10 @@ from flashoverlap.bench.op_rows import inputs
 from flashoverlap.bench.timing import time_ms
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.kernels.gemm import gemm
-from flashoverlap.plan import Plan, default_plan
+from flashoverlap.plan import Plan, TileConfig, default_plan
 from flashoverlap.tune import cache
 from flashoverlap.tune.model import Curve, Machine
-from flashoverlap.tune.search import candidates, rank
+from flashoverlap.tune.search import candidates, rank, tile_choices
 
 # Mutual slowdowns (GEMM, collective) when both run at once, measured on 2x H200 (docs/why-overlap-is-hard.md;
 # DESIGN.md's steady-state facts): NCCL over NVLink, NCCL through host memory, copy engines.
@@ -93,23 +93,28 @@ def op_call(op: str, a, b, group):
     return lambda plan: fn(a, b, group, plan=plan)
 
 
-def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path: str) -> Machine:
-    """Our GEMM's time per wave (one program per tile, signalling on) and cuBLAS's, on this shape."""
+def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path: str) -> dict[TileConfig, Machine]:
+    """Per tile configuration the search tries (``tile_choices``): our GEMM's time per wave (one program per tile,
+    signalling on); with cuBLAS's time and its time per band height, which every configuration shares."""
     world = dist.get_world_size(group)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    plan = default_plan(op, m, n, k, world, num_sms=sms, allow_sequential=False, path=path,
-                        num_programs=None if op != "all_gather" else sms)
     a, b = _operands("all_reduce", m, n, k, world, dtype, device, dist.get_rank(group))
-    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-    flags = torch.ones(plan.num_groups, dtype=torch.int32, device=device)
-    signal = {"flags": flags} if op == "all_gather" else {"counters": counters}
-    ours = time_ms(lambda: gemm(a, b, plan, **signal), iters=10, group=group, before=counters.zero_)
     cublas = time_ms(lambda: torch.matmul(a, b), iters=10, group=group)
-    waves = -(-plan.num_tiles // min(plan.grid_size, sms))
-    f_g, f_c = SLOWDOWNS[setting(path)]
     band_ms = tuple((rows, time_ms(lambda rows=rows: torch.matmul(a[:rows], b), iters=10, group=group))
                     for rows in band_heights(op, m, n, k, world, sms, path))
-    return Machine(sms, ours / waves, cublas, 0, f_g, f_c, 0.01, band_ms)
+    f_g, f_c = SLOWDOWNS[setting(path)]
+    machines = {}
+    for tile in tile_choices(m, n, k):
+        plan = default_plan(op, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False, path=path,
+                            num_programs=None if op != "all_gather" else sms)
+        counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+        flags = torch.ones(plan.num_groups, dtype=torch.int32, device=device)
+        signal = {"flags": flags} if op == "all_gather" else {"counters": counters}
+        ours = time_ms(lambda plan=plan, signal=signal: gemm(a, b, plan, **signal), iters=10, group=group,
+                       before=counters.zero_)
+        waves = -(-plan.num_tiles // min(plan.grid_size, sms))
+        machines[tile] = Machine(sms, ours / waves, cublas, 0, f_g, f_c, 0.01, band_ms)
+    return machines
 
 
 def band_heights(op: str, m: int, n: int, k: int, world: int, sms: int, path: str) -> list[int]:
@@ -157,7 +162,8 @@ def tune_plan(op: str, m: int, n: int, k: int, group, device, dtype, path: str =
     for i, (predicted, plan) in enumerate(chosen):
         measured = time_ms(lambda plan=plan: call(plan), warmup=2, iters=10, group=group)
         records.append({"plan": plan.to_dict(), "predicted_ms": predicted, "measured_ms": measured})
-        progress(f"  [{i + 1}/{len(chosen)}] groups {plan.num_groups:2d} programs {plan.grid_size:5d} ctas "
+        progress(f"  [{i + 1}/{len(chosen)}] {plan.gemm} {plan.tile.block_m}x{plan.tile.block_n} groups "
+                 f"{plan.num_groups:2d} programs {plan.grid_size:5d} ctas "
                  f"{plan.comm_ctas:2d}{' sequential' if plan.sequential else ''}: predicted {predicted:.3f} ms, "
                  f"measured {measured:.3f} ms")
     best = choose(records)
@@ -237,7 +243,8 @@ def _summary(plan_dict: dict) -> str:
     if plan.sequential:
         return "sequential"
     sizes = "/".join(str(g.rows) for g in plan.groups)
-    return (f"{plan.gemm} {plan.num_groups} groups ({sizes} rows), {plan.grid_size} programs, "
+    tiles = f"{plan.tile.block_m}x{plan.tile.block_n} tiles, " if plan.gemm == "triton" else ""
+    return (f"{plan.gemm} {plan.num_groups} groups ({sizes} rows), {tiles}{plan.grid_size} programs, "
             f"{plan.comm_ctas} NCCL CTAs")
 
 
