@@ -128,3 +128,19 @@ def test_search_tries_both_tile_widths_and_ranks_each_with_its_own_machine():
     best = rank(plans, machines, tiny)[0][1]
     assert best.tile == wide or best.sequential or best.gemm == "cublas"
     assert tile_choices(4096, 128, 512) == (tile_choices(4096, 128, 512)[0],)  # already 128 wide: one choice
+
+
+def test_p2p_band_work_matches_the_schedules_pulls():
+    from flashoverlap.comm.p2p_schedule import Copy, reduction
+    from flashoverlap.tune.tuner import p2p_band_work
+
+    assert p2p_band_work("all_gather", 4096, 4) == (1, 1024, False)
+    assert p2p_band_work("reduce_scatter", 4096, 2) == (1, 2048, True)
+    assert p2p_band_work("all_reduce", 4096, 2) == (2, 2048, True)
+    # Against the schedule: rows a rank pulls from peers for one group, per round, times the row width.
+    for op, m in (("reduce_scatter", 128), ("all_reduce", 64)):
+        plan = default_plan(op, m, 24, 16, 2, tile=TILE, num_groups=1, path="p2p", allow_sequential=False)
+        pulled = sum(o.rows for o in reduction(plan, 0) if isinstance(o, Copy) and o.src.space == "work"
+                     and o.src.rank != 0)
+        rounds, share, _ = p2p_band_work(op, plan.group_bytes(2)[0], 2)
+        assert pulled * 24 * 2 == rounds * share

@@ -5,6 +5,7 @@ the same plan. Written before any GPU run: ``python -m flashoverlap tune ...`` i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -41,25 +42,66 @@ def curve_file(key: dict):
 
 def measure_curve(op: str, path: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
                   max_bytes: int, progress: Callable[[str], None] = print) -> Curve:
-    """The collective's time at log-spaced sizes from 64 KiB to ``max_bytes`` (a factor 2 apart)."""
-    if path != "nccl":
-        raise NotImplementedError("bandwidth curves of the P2P path's copy engines are not measured yet")
+    """The time of one group's communication against the group's bytes (``Plan.group_bytes``), at log-spaced
+    sizes from 64 KiB to ``max_bytes`` (a factor 2 apart): the NCCL collective, or on the P2P path what the copy
+    stream does for a band (``p2p_band_work``), with every rank doing it at once as in a call."""
     world = dist.get_world_size(group)
-    sizes, times, size = [], [], MIN_CURVE_BYTES
     element = torch.empty((), dtype=dtype).element_size()
+    band = _p2p_band_runner(op, group, device, dtype, max_bytes) if path == "p2p" else None
+    sizes, times, size = [], [], MIN_CURVE_BYTES
     while True:
         count = max(world, size // element // world * world)
-        buf = torch.randn(count, dtype=dtype, device=device)
-        part = torch.empty(count // world, dtype=dtype, device=device)
-        call = {"all_reduce": lambda buf=buf: dist.all_reduce(buf, group=group),
-                "reduce_scatter": lambda buf=buf, part=part: reduce_scatter_tensor(part, buf, group),
-                "all_gather": lambda buf=buf, part=part: all_gather_into_tensor(buf, part, group)}[op]
+        if band is not None:
+            call = functools.partial(band, count * element)
+        else:
+            buf = torch.randn(count, dtype=dtype, device=device)
+            part = torch.empty(count // world, dtype=dtype, device=device)
+            call = {"all_reduce": lambda buf=buf: dist.all_reduce(buf, group=group),
+                    "reduce_scatter": lambda buf=buf, part=part: reduce_scatter_tensor(part, buf, group),
+                    "all_gather": lambda buf=buf, part=part: all_gather_into_tensor(buf, part, group)}[op]
         sizes.append(count * element)
         times.append(time_ms(call, warmup=3, iters=10, group=group))
-        progress(f"  {op} {sizes[-1] / 2**20:10.3f} MiB: {times[-1]:.4f} ms")
+        progress(f"  {op} {path} {sizes[-1] / 2**20:10.3f} MiB: {times[-1]:.4f} ms")
         if size >= max_bytes:
             return Curve(tuple(sizes), tuple(times))
         size *= 2
+
+
+def p2p_band_work(op: str, nbytes: int, world: int) -> tuple[int, int, bool]:
+    """What the P2P copy stream does for a group of ``nbytes`` (``comm/p2p_schedule.py``): ``(rounds, bytes
+    pulled from each peer per round, whether W pulled pieces are summed)``. Every op pulls ``nbytes / W`` from each
+    peer: all-gather the peer's rows of the band; reduce-scatter the peer's partial of this rank's rows;
+    all-reduce the peer's partial of this rank's share, then (second round) the peer's reduced share."""
+    return (2 if op == "all_reduce" else 1), nbytes // world, op != "all_gather"
+
+
+def _p2p_band_runner(op: str, group, device, dtype, max_bytes: int) -> Callable[[int], None]:
+    """A function doing one band's P2P work of ``nbytes`` on the current stream: copy-engine pulls from each peer's
+    symmetric memory in rotated order, and the fp32-accumulated sum of the pulled partials."""
+    from flashoverlap.comm import stream_ops
+    from flashoverlap.comm.symmetric import SymmetricWorkspace
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    workspace = SymmetricWorkspace(group, device)
+    workspace.ensure(max_bytes, "tune bandwidth")
+    workspace.local((max_bytes,), torch.uint8).random_()
+    scratch = torch.empty(world * max_bytes, dtype=torch.uint8, device=device)
+    out = torch.empty(max_bytes, dtype=torch.uint8, device=device)
+    element = torch.empty((), dtype=dtype).element_size()
+
+    def run(nbytes: int) -> None:
+        rounds, share, summed = p2p_band_work(op, nbytes, world)
+        stream = torch.cuda.current_stream(device)
+        for _ in range(rounds):
+            for step in range(1, world):
+                peer = (rank + step) % world
+                stream_ops.copy(stream, scratch.data_ptr() + step * share, workspace.peer_ptr(peer), share)
+            if summed:
+                parts = scratch[: world * share].view(dtype).view(world, share // element)
+                torch.sum(parts, dim=0, out=out[:share].view(dtype))
+                summed = False  # the second round pulls reduced shares: nothing to sum
+
+    return run
 
 
 def load_curve(key: dict) -> Curve | None:
