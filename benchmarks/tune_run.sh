@@ -22,7 +22,7 @@ for setting in $SETTINGS; do
     t="torchrun --nproc-per-node $NGPU -m flashoverlap"
     run 30 "$OUT/logs/bandwidth-$setting.log" $t tune bandwidth --max-mib 256 --ops "$OPS"
     cmd="$t tune validate --ops $OPS"; [[ $setting == pcie-like ]] && cmd="NCCL_P2P_DISABLE=1 $cmd"
-    FLASHOVERLAP_COMMAND="$cmd" run "$(eval echo \${VALIDATE_TIMEOUT_${setting/-/_}:-150})" \
+    FLASHOVERLAP_COMMAND="$cmd" run "$(eval echo \${VALIDATE_TIMEOUT_${setting/-/_}:-420})" \
         "$OUT/logs/validate-$setting.log" $t tune validate --ops "$OPS" --out "$OUT/${gpu}x$NGPU-$setting-model.json"
     cmd="FLASHOVERLAP_CACHE_DIR=<tuned> $t.bench --ops $OPS"; [[ $setting == pcie-like ]] && cmd="NCCL_P2P_DISABLE=1 $cmd"
     FLASHOVERLAP_COMMAND="$cmd" run 60 "$OUT/logs/bench-tuned-$setting.log" \
