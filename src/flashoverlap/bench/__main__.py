@@ -316,10 +316,12 @@ def write_results(path: str, meta: dict, rows: list[dict], extra: dict) -> None:
 
 
 def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: int, device) -> dict:
-    """One call of the first all-reduce row's shape with its plan, recorded and (on rank 0) drawn."""
+    """One call of an all-reduce row's shape with its plan, recorded and (on rank 0) drawn: the first row the op
+    overlaps (NCCL path), else the first row."""
     from flashoverlap.bench import timeline
 
-    row = next((r for r in rows if r["op"] == "all_reduce"), None)
+    candidates = [r for r in rows if r["op"] == "all_reduce" and r["path"] == "nccl"]
+    row = next((r for r in candidates if not r["plan"]["sequential"]), candidates[0] if candidates else None)
     if row is None:
         raise SystemExit("--timeline needs an all_reduce row (--ops all_reduce)")
     m, n, k = row["M"], row["N"], row["K"]
