@@ -144,3 +144,12 @@ def test_p2p_band_work_matches_the_schedules_pulls():
                      and o.src.rank != 0)
         rounds, share, _ = p2p_band_work(op, plan.group_bytes(2)[0], 2)
         assert pulled * 24 * 2 == rounds * share
+
+
+def test_ranking_charges_cublas_bands_their_measured_time():
+    # rank() predicts through machine_for (the plan's collective SMs): the band times must survive it.
+    plans = [p for p in candidates("all_reduce", 8192, 8192, 8192, 2, 132) if p.gemm == "cublas"]
+    heights = {grp.rows for p in plans for grp in p.groups}
+    slow_bands = Machine(132, 0.1, 1.0, band_ms=tuple((h, 10.0) for h in heights))
+    for predicted, plan in rank(plans, slow_bands, FLAT):
+        assert predicted >= 10.0 * plan.num_groups

@@ -4,6 +4,7 @@ part that needs no GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 from flashoverlap.plan import Plan, TileConfig, default_plan, default_tile_config, nccl_free_sms
@@ -54,12 +55,17 @@ def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, p
                                             allow_sequential=False, path=path)
                         key = (plan.tile, plan.group_row_tiles, plan.grid_size, plan.comm_ctas)
                         seen.setdefault(key, plan)
-    if path == "nccl":  # the decomposition as a plan: cuBLAS bands (2, 4, 8 of them, as the baseline's chunks)
-        for groups in (2, 4, 8):
-            plan = default_plan(op, m, n, k, world_size, num_sms=num_sms, num_groups=groups, gemm="cublas",
-                                allow_sequential=False)
-            seen.setdefault(("cublas", plan.group_row_tiles), plan)
+    for plan in cublas_band_plans(op, m, n, k, world_size, num_sms, path):
+        seen.setdefault(("cublas", plan.group_row_tiles), plan)
     return list(seen.values())
+
+
+def cublas_band_plans(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, path: str) -> list[Plan]:
+    """The decomposition as plans (NCCL path only): cuBLAS bands, 2, 4 and 8 of them, as the baseline's chunks."""
+    if path != "nccl":
+        return []
+    return [default_plan(op, m, n, k, world_size, num_sms=num_sms, num_groups=groups, gemm="cublas",
+                         allow_sequential=False) for groups in (2, 4, 8)]
 
 
 def machine_for(plan: Plan, machine: Machine) -> Machine:
@@ -68,8 +74,7 @@ def machine_for(plan: Plan, machine: Machine) -> Machine:
         sms = 0
     else:
         sms = plan.comm_ctas or DEFAULT_NCCL_CTAS
-    return Machine(machine.num_sms, machine.wave_ms, machine.cublas_ms, sms, machine.gemm_slowdown,
-                   machine.comm_slowdown, machine.launch_ms)
+    return dataclasses.replace(machine, comm_sms=sms)
 
 
 def machine_of(plan: Plan, machines: Machine | Mapping[TileConfig, Machine]) -> Machine:

@@ -21,7 +21,7 @@ from flashoverlap.kernels.gemm import gemm
 from flashoverlap.plan import Plan, TileConfig, default_plan
 from flashoverlap.tune import cache
 from flashoverlap.tune.model import Curve, Machine
-from flashoverlap.tune.search import candidates, rank, tile_choices
+from flashoverlap.tune.search import candidates, cublas_band_plans, rank, tile_choices
 
 # Mutual slowdowns (GEMM, collective) when both run at once, measured on 2x H200 (docs/why-overlap-is-hard.md;
 # DESIGN.md's steady-state facts): NCCL over NVLink, NCCL through host memory, copy engines.
@@ -161,8 +161,7 @@ def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path:
 
 def band_heights(op: str, m: int, n: int, k: int, world: int, sms: int, path: str) -> list[int]:
     """The row counts of the matmuls the cuBLAS-band candidates issue (one per group and row block)."""
-    return sorted({grp.rows for plan in candidates(op, m, n, k, world, sms, path) if plan.gemm == "cublas"
-                   for grp in plan.groups})
+    return sorted({grp.rows for plan in cublas_band_plans(op, m, n, k, world, sms, path) for grp in plan.groups})
 
 
 # A candidate replaces running sequentially only if it was measured faster by more than this: the timings of one
