@@ -140,3 +140,24 @@ def test_a_borrowed_plan_keeps_its_cublas_bands():
     cache.store(KEY, _tuned(m=8192, gemm="cublas"))
     near = cache.select(cache.load(KEY), "all_reduce", 6000, 8192, 8192, 2, 132)
     assert near.gemm == "cublas" and near.num_groups == 5
+
+
+def _agree_auto(rank, world_size, root):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["FLASHOVERLAP_CACHE_DIR"] = root
+    auto = {**KEY, "path": "auto"}
+    if rank == 0:
+        cache.store(auto, default_plan("all_reduce", 8192, 8192, 8192, 2, num_groups=3, path="p2p",
+                                       allow_sequential=False))
+    entries = cache.agreed_entries(dist.group.WORLD, auto)
+    plan = cache.select(entries, "all_reduce", 8192, 8192, 8192, world_size, 132)
+    return plan.path, plan.num_groups
+
+
+def test_plans_tuned_for_path_auto_are_exchanged_and_keep_their_path(cache_in):
+    from flashoverlap.testing import spawn
+
+    assert spawn(_agree_auto, 2, args=(str(cache_in),)) == [("p2p", 3)] * 2

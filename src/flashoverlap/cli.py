@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                        ("plan", "search one shape's plan with the model, confirm by measurement, cache the winner"),
                        ("validate", "the model's predictions and picks against measurements over the grid")):
         step = steps.add_parser(name, help=text)
-        step.add_argument("--path", default="nccl", choices=["nccl", "p2p"])
+        paths = ["nccl", "p2p"] if name == "bandwidth" else ["nccl", "p2p", "auto"]
+        step.add_argument("--path", default="nccl", choices=paths,
+                          help="auto: search both paths where P2P applies; the winner's plan names its path")
         step.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
         if name in ("bandwidth", "validate"):
             step.add_argument("--ops", default="all_reduce,reduce_scatter,all_gather")

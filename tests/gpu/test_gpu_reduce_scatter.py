@@ -135,3 +135,31 @@ def test_reduce_scatter_graph_replay(path):
 def test_reduce_scatter_cuda_device_max_connections_one(path):
     spawn(_max_connections_one, WORLD, "nccl", args=(path,), env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
 
+
+
+def _auto_follows_the_tuned_path(rank, world_size, cache_dir, tuned_path):
+    """A plan that `tune plan --path auto` cached for this shape decides path="auto" (the default), either way."""
+    from flashoverlap.comm import p2p
+    from flashoverlap.tune import cache
+
+    os.environ["FLASHOVERLAP_CACHE_DIR"] = cache_dir
+    m, n, k = 1024 * world_size, 4096, 2048
+    name = torch.cuda.get_device_name(torch.cuda.current_device())
+    if rank == 0:
+        plan = fo.default_plan("reduce_scatter", m, n, k, world_size, num_groups=3, allow_sequential=False,
+                               path=tuned_path)
+        cache.store(cache.cache_key(name, world_size, "reduce_scatter", "auto", "bfloat16"), plan)
+    torch.distributed.barrier()
+    a, b = inputs(m, n, k, torch.bfloat16, seed=rank)
+    want = _expected(a, b, world_size)
+    poison_allocator(torch.device("cuda", torch.cuda.current_device()))
+    assert_close(gemm_reduce_scatter(a, b), want, f"auto path, tuned on {tuned_path}")
+    used_p2p = any(comm.workspace.nbytes > 0 for comm in p2p._COMMUNICATORS.values())
+    assert used_p2p == (tuned_path == "p2p"), f"path='auto' did not follow the tuned plan's path {tuned_path}"
+    return True
+
+
+@needs_gpus
+@pytest.mark.parametrize("path", PATHS)
+def test_reduce_scatter_auto_path_follows_a_tuned_plan(path, tmp_path):
+    assert spawn(_auto_follows_the_tuned_path, WORLD, "nccl", args=(str(tmp_path), path), env=ENV) == [True] * WORLD

@@ -37,8 +37,11 @@ def test_reduction_timeline_by_hand():
     # Beside the GEMM the collective runs at half speed: group 0 does 0.25 ms of its 0.3 by the GEMM's end.
     slow = predict(plan, Machine(256, 1.0, 0.9, comm_slowdown=2.0), FLAT)
     assert slow.comm_done_ms == pytest.approx((1.05, 1.35))
-    # NCCL's CTAs take SMs from a one-program-per-tile GEMM: 128 slots, two waves.
-    assert predict(plan, Machine(256, 1.0, 0.9, comm_sms=128), FLAT).group_done_ms == (1.0, 2.0)
+    # The GEMM at half speed while a collective runs: group 1 does 0.15 ms of its 0.5 beside collective 0
+    # (0.5-0.8), the rest alone; collective 1 then runs alone.
+    both = predict(plan, Machine(256, 1.0, 0.9, gemm_slowdown=2.0), FLAT)
+    assert both.group_done_ms == pytest.approx((0.5, 1.15)) and both.comm_done_ms == pytest.approx((0.8, 1.45))
+    assert both.total_ms == pytest.approx(1.45)
     assert sequential_ms(plan, machine, FLAT) == pytest.approx(1.2)
 
 
@@ -49,6 +52,17 @@ def test_all_gather_timeline_by_hand():
     # Bands arrive at 0.3 and 0.6; the local half ends at 0.5; each band's remote tiles take a quarter.
     assert p.comm_done_ms == pytest.approx((0.3, 0.6))
     assert p.group_done_ms == pytest.approx((0.5, 0.75)) and p.total_ms == pytest.approx(1.0)
+    # The GEMM at half speed while the bands arrive (0-0.6): 0.3 ms of the local 0.5 done by then, the rest by
+    # 0.8; the bands' tiles after that, alone.
+    slow = predict(plan, Machine(512, 1.0, 0.9, gemm_slowdown=2.0), FLAT)
+    assert slow.comm_done_ms == pytest.approx((0.3, 0.6))
+    assert slow.group_done_ms == pytest.approx((0.8, 1.05)) and slow.total_ms == pytest.approx(1.3)
+    # A GEMM waiting for its band leaves the band's transfer at full speed (communication slowed 2x only while
+    # the GEMM computes): local tiles 0-0.1 (band 0 does 0.05 of its 0.3), band 0 alone to 0.35; its tiles
+    # 0.35-0.4 (band 1 does 0.025), band 1 alone to 0.675, its tiles to 0.725.
+    quick = predict(plan, Machine(512, 0.2, 0.9, comm_slowdown=2.0), FLAT)
+    assert quick.comm_done_ms == pytest.approx((0.35, 0.675)) and quick.group_done_ms == pytest.approx((0.35, 0.675))
+    assert quick.total_ms == pytest.approx(0.725)
 
 
 def test_search_runs_sequentially_when_the_collective_is_negligible():
@@ -65,9 +79,9 @@ def test_search_starts_communication_as_early_as_possible_when_it_dominates():
     best = rank(plans, machine, linear)[0][1]
     smallest_first = min(p.group_row_tiles[0] for p in plans if not p.sequential)
     # The total is the first group's GEMM time plus all the communication: the smallest first group, computed
-    # on the most SMs (one program per tile, NCCL on its fewest CTAs).
+    # on the most SMs (one program per tile).
     assert best.group_row_tiles[0] == smallest_first
-    assert best.grid_size == best.num_tiles and best.comm_ctas == 8
+    assert best.grid_size == best.num_tiles and best.comm_ctas == 0
     assert not math.isclose(predict(best, machine, linear).total_ms, 0.0)
 
 
@@ -147,9 +161,59 @@ def test_p2p_band_work_matches_the_schedules_pulls():
 
 
 def test_ranking_charges_cublas_bands_their_measured_time():
-    # rank() predicts through machine_for (the plan's collective SMs): the band times must survive it.
+    # rank() predicts with each plan's machine figures: the band times must reach the model.
     plans = [p for p in candidates("all_reduce", 8192, 8192, 8192, 2, 132) if p.gemm == "cublas"]
     heights = {grp.rows for p in plans for grp in p.groups}
     slow_bands = Machine(132, 0.1, 1.0, band_ms=tuple((h, 10.0) for h in heights))
     for predicted, plan in rank(plans, slow_bands, FLAT):
         assert predicted >= 10.0 * plan.num_groups
+
+
+def test_machine_figures_round_trip_through_dicts():
+    machine = Machine(132, 0.1, 1.5, 1.07, 1.6, 0.01, ((512, 0.2), (1024, 0.35)))
+    assert Machine.from_dict(machine.to_dict()) == machine
+    assert Machine.from_dict({**machine.to_dict(), "comm_sms": 16}) == machine  # older files' extra field
+
+
+def test_slowdowns_come_from_the_curve_file_else_the_defaults(tmp_path, monkeypatch):
+    from flashoverlap.tune import cache, tuner
+
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    key = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")
+    assert tuner.load_slowdowns(key) == tuner.SLOWDOWNS["nvlink"]  # nothing measured yet
+    tuner.store_curve(key, FLAT, (1.04, 1.5))
+    assert tuner.load_curve(key) == FLAT and tuner.load_slowdowns(key) == (1.04, 1.5)
+    tuner.store_curve(key, FLAT)  # a curve without slowdowns (written before they were measured)
+    assert tuner.load_slowdowns(key) == tuner.SLOWDOWNS["nvlink"]
+    tuner.curve_file(key).write_text("{not json")
+    assert tuner.load_curve(key) is None and tuner.load_slowdowns(key) == tuner.SLOWDOWNS["nvlink"]
+    assert tuner.load_slowdowns({**key, "path": "p2p"}) == tuner.SLOWDOWNS["p2p"]
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    assert tuner.load_slowdowns(cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")) == \
+        tuner.SLOWDOWNS["pcie-like"]
+
+
+def test_model_check_row_takes_the_pick_tune_plan_would_cache():
+    from flashoverlap.tune.tuner import model_check_row, model_check_summary
+
+    plans = candidates("all_reduce", 8192, 8192, 8192, 2, 132)
+    seq = next(p for p in plans if p.sequential)
+    overlapped = [p for p in plans if not p.sequential][:5]
+
+    def record(plan, predicted, measured):
+        return {"plan": plan.to_dict(), "predicted_ms": predicted, "measured_ms": measured}
+
+    # The model's order: three overlapped plans, then two more, then sequential. The second is the fastest of the
+    # top three; the fifth is the exhaustive best.
+    records = [record(overlapped[0], 1.0, 1.30), record(overlapped[1], 1.1, 1.20), record(overlapped[2], 1.2, 1.25),
+               record(overlapped[3], 1.3, 1.40), record(overlapped[4], 1.4, 1.10), record(seq, 1.5, 1.5)]
+    row = model_check_row("all_reduce", "nccl", 8192, 8192, 8192, records)
+    assert (row["predicted_ms"], row["measured_ms"], row["model_pick_ms"]) == (1.1, 1.20, 1.20)
+    assert row["exhaustive_best_ms"] == 1.10 and row["model_top1_ms"] == 1.30
+    # Sequential wins unless beaten by more than the margin, even from outside the model's top three.
+    records[-1] = record(seq, 1.5, 1.21)
+    assert model_check_row("all_reduce", "nccl", 8192, 8192, 8192, records)["model_pick_plan"] == "sequential"
+    figures = model_check_summary([row, {**row, "predicted_ms": 1.32, "exhaustive_best_ms": 1.17}])
+    assert figures["mean_error"] == pytest.approx((0.1 / 1.2 + 0.12 / 1.2) / 2)
+    assert figures["max_error"] == pytest.approx(0.1) and figures["picks_within_3pct"] == 1  # 1.20 <= 1.03 * 1.17

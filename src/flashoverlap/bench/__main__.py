@@ -347,7 +347,7 @@ def _predicted_group_times(plan, dtype, device) -> list[float] | None:
     from flashoverlap.tune import cache as plan_cache
     from flashoverlap.tune import tuner
     from flashoverlap.tune.model import predict
-    from flashoverlap.tune.search import machine_for, machine_of
+    from flashoverlap.tune.search import machine_of
 
     key = plan_cache.cache_key(torch.cuda.get_device_name(device), plan.world_size, plan.op, plan.path,
                                str(dtype).replace("torch.", ""))
@@ -356,8 +356,9 @@ def _predicted_group_times(plan, dtype, device) -> list[float] | None:
     dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
     if not int(everyone):
         return None
-    machines = tuner.measure_machine(plan.op, plan.m, plan.n, plan.k, dist.group.WORLD, device, dtype, plan.path)
-    return list(predict(plan, machine_for(plan, machine_of(plan, machines)), curve).group_done_ms)
+    machines = tuner.measure_machine(plan.op, plan.m, plan.n, plan.k, dist.group.WORLD, device, dtype, plan.path,
+                                     tuner.load_slowdowns(key))
+    return list(predict(plan, machine_of(plan, machines), curve).group_done_ms)
 
 
 def print_table(rows: list[dict], meta: dict) -> None:

@@ -158,3 +158,20 @@ def group_reason(everyone: list[dict]) -> str | None:
                 return (f"rank {rank}'s GPU {info['device']} cannot access the memory of rank {peer}'s GPU "
                         f"{other['device']} directly (no NVLink or PCIe peer access)")
     return None
+
+
+MAX_P2P_WORLD_SIZE = 8
+
+
+def p2p_excluded(reason: str | None, world_size: int, nccl_p2p_disabled: bool) -> str | None:
+    """Why ``path="auto"`` must not take P2P on a group (None if it may): ``reason`` from
+    ``p2p_unavailable_reason``; ``nccl_p2p_disabled``: NCCL_P2P_DISABLE=1 is set, a statement that peer-to-peer
+    traffic is off here (or emulated off, as in the benchmark's pcie-like setting). Pure: the same inputs on every
+    rank give the same answer."""
+    if nccl_p2p_disabled:
+        return "NCCL_P2P_DISABLE=1 is set"
+    if reason is not None:
+        return f"P2P does not apply: {reason}"
+    if world_size > MAX_P2P_WORLD_SIZE:
+        return f"{world_size} ranks: P2P is used up to {MAX_P2P_WORLD_SIZE} (one node)"
+    return None

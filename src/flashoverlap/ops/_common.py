@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm.symmetric import p2p_unavailable_reason
+from flashoverlap.comm.symmetric import p2p_excluded, p2p_unavailable_reason
 from flashoverlap.ops._checks import check_group, check_operands, choose_path
 from flashoverlap.plan import Plan, default_plan
 from flashoverlap.tune import cache, rates
@@ -55,42 +55,50 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
     return _default_plan(op, m, n, k, world_size, num_sms, element_size, round(comm_ms / measured.gemm_ms(m, n, k), 2))
 
 
-# The ops for which path="auto" takes P2P where it applies: those where the P2P path was measured faster than the
-# NCCL path's default and than sequential at every nvlink grid shape (benchmarks/results/h200x2-nvlink.json,
-# 71a39d5: all-gather E 0.47-0.67 against ~0). For all-reduce and reduce-scatter it lost to the NCCL path at some
-# grid shapes and to sequential at the small ones, so "auto" keeps NCCL there.
+# The ops for which path="auto" takes P2P where it applies, when no tuned plan says otherwise: those where the
+# P2P path was measured faster than the NCCL path's default and than sequential at every nvlink grid shape
+# (benchmarks/results/h200x2-nvlink.json, 71a39d5: all-gather E 0.47-0.67 against ~0). For all-reduce and
+# reduce-scatter it lost to the NCCL path at some grid shapes and to sequential at the small ones, so "auto"
+# keeps NCCL there. `tune plan --path auto` replaces this rule by measurement, shape by shape.
 AUTO_P2P_OPS = frozenset({"all_gather"})
-MAX_P2P_WORLD_SIZE = 8
 _AUTO_LOGGED: set[tuple[int, str]] = set()
 
 
-def automatic_path(op: str, p2p_reason: str | None, world_size: int,
-                   nccl_p2p_disabled: bool = False) -> tuple[str, str]:
+def automatic_path(op: str, p2p_reason: str | None, world_size: int, nccl_p2p_disabled: bool = False,
+                   tuned: Plan | None = None) -> tuple[str, str]:
     """What path="auto" picks for ``op`` on a group, and why (pure: the same inputs on every rank give the same
-    answer). ``nccl_p2p_disabled``: NCCL_P2P_DISABLE=1 is set, a statement that peer-to-peer traffic is off here
-    (or emulated off, as in the benchmark's pcie-like setting); explicit ``path="p2p"`` still works."""
+    answer): the path of ``tuned`` (the plan `tune plan --path auto` cached for this shape) where it applies,
+    else P2P for ``AUTO_P2P_OPS`` where it applies, else NCCL. Explicit ``path="p2p"`` works regardless."""
+    excluded = p2p_excluded(p2p_reason, world_size, nccl_p2p_disabled)
+    if tuned is not None and (tuned.path == "nccl" or excluded is None):
+        return tuned.path, f"the tuned plan for this shape (`tune plan --path auto`) is on {tuned.path}"
     if op not in AUTO_P2P_OPS:
         return "nccl", f"P2P is not chosen automatically for {op}: it was not faster than the NCCL path there"
-    if nccl_p2p_disabled:
-        return "nccl", "NCCL_P2P_DISABLE=1 is set"
-    if p2p_reason is not None:
-        return "nccl", f"P2P does not apply: {p2p_reason}"
-    if world_size > MAX_P2P_WORLD_SIZE:
-        return "nccl", f"{world_size} ranks: P2P is used up to {MAX_P2P_WORLD_SIZE} (one node)"
+    if excluded is not None:
+        return "nccl", excluded
     return "p2p", "every rank on one node with peer access between all GPUs"
 
 
-def _automatic_path(op: str, group: dist.ProcessGroup, device: torch.device) -> str:
+def _automatic_path(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
+                    dtype: torch.dtype) -> tuple[str, Plan | None]:
+    """The path (and the tuned plan, if one decided it) for a path="auto" call; collective on first use."""
     world_size = dist.get_world_size(group)
     disabled = os.environ.get("NCCL_P2P_DISABLE") == "1"
+    key = cache.cache_key(torch.cuda.get_device_name(device), world_size, op, "auto",
+                          str(dtype).replace("torch.", ""))
+    with torch.cuda.device(device):
+        entries = cache.agreed_entries(group, key)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tuned = cache.select(entries, op, m, n, k, world_size, num_sms)
     # Collective (once per group), and only where the answer can matter; every rank takes the same branch.
-    reason = p2p_unavailable_reason(group, device) if op in AUTO_P2P_OPS and not disabled else None
-    path, why = automatic_path(op, reason, world_size, disabled)
+    wanted = not disabled and (op in AUTO_P2P_OPS or (tuned is not None and tuned.path == "p2p"))
+    reason = p2p_unavailable_reason(group, device) if wanted else None
+    path, why = automatic_path(op, reason, world_size, disabled, tuned)
     if (id(group), op) not in _AUTO_LOGGED:
         _AUTO_LOGGED.add((id(group), op))
         _LOG.debug("flashoverlap: path='auto' uses %s for %s on this group of %d ranks: %s", path, op, world_size,
                    why)
-    return path
+    return path, tuned if tuned is not None and tuned.path == path else None
 
 
 def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
@@ -117,14 +125,15 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
                 f"{name}: a has M = {m} rows, which the {world_size} ranks of group cannot share evenly: "
                 "reduce-scatter gives each rank M / world_size rows (pad M to a multiple of the world size)"
             )
+        tuned = None
         if automatic:
-            path = _automatic_path(op, group, a.device)
+            path, tuned = _automatic_path(op, m, n, k, group, a.device, a.dtype)
         elif path == "p2p":
             reason = p2p_unavailable_reason(group, a.device)
             if reason is not None:
                 raise ValueError(f"{name}: path='p2p' cannot apply to this group: {reason}; use path='nccl'")
         plan_path = "p2p" if path == "p2p" else "nccl"
-        default = plan_for(op, m, n, k, group, a.device, a.dtype, plan_path) if plan is None else None
+        default = None if plan is not None else tuned or plan_for(op, m, n, k, group, a.device, a.dtype, plan_path)
         if len(_SEEN) > 1024:
             _SEEN.clear()
         _SEEN[key] = (resolved, group, world_size, default, path)

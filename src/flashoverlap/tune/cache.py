@@ -152,7 +152,7 @@ def agreed_entries(group: dist.ProcessGroup, key: dict) -> dict[str, dict]:
         every = {}
         if dist.get_rank(group) == 0:
             for op in OPS:
-                for path in PATHS:
+                for path in (*PATHS, "auto"):  # "auto": `tune plan --path auto`, whose plans name their path
                     for dtype in ("bfloat16", "float16"):
                         entries = load(cache_key(key["gpu"], key["world_size"], op, path, dtype))
                         if entries:

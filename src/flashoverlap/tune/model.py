@@ -1,5 +1,5 @@
 """The performance model (issue 5): a plan's end-to-end time predicted from the GEMM's time per wave of tiles,
-the SMs communication takes from it, the two sides' mutual slowdown, and the collective's bandwidth curve.
+the two sides' mutual slowdown while both run, and the collective's bandwidth curve.
 ``docs/model.md`` states the formulas; this module is their implementation. Pure Python: no GPU needed.
 
 Reduction ops (all-reduce, reduce-scatter): the GEMM produces groups in order; each group's collective starts
@@ -10,6 +10,7 @@ after band; the GEMM computes the rank's own shard, then each band's tiles once 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -55,18 +56,16 @@ class Machine:
     """What the model knows of the GPU for one shape.
 
     ``wave_ms``: our GEMM's time for one wave (every program one tile) at this shape, alone. ``cublas_ms``: the
-    cuBLAS GEMM alone (the sequential baseline). ``comm_sms``: SMs the collective's kernels occupy while they run
-    (NCCL: its CTAs; P2P: 0). ``gemm_slowdown`` / ``comm_slowdown``: each side's time factor while the other runs
-    (measured: ``bench --interference`` / ``--movers``). ``launch_ms``: fixed cost per collective on top of the
-    curve (the stream wait, the launch). ``band_ms``: ``(rows, ms)`` pairs, one cuBLAS matmul of ``rows`` rows of
-    this shape timed alone, for the band heights of the cuBLAS-band candidates (a band of a few hundred rows
-    fills a fraction of a wave: its time is not its share of ``cublas_ms``); heights not listed take their
-    share."""
+    cuBLAS GEMM alone (the sequential baseline). ``gemm_slowdown`` / ``comm_slowdown``: each side's time factor
+    while the other runs, steady state (``tune bandwidth`` measures them per op and path; NCCL's CTAs taking SMs
+    from the GEMM is part of ``gemm_slowdown``). ``launch_ms``: fixed cost per collective on top of the curve (the
+    stream wait, the launch). ``band_ms``: ``(rows, ms)`` pairs, one cuBLAS matmul of ``rows`` rows of this shape
+    timed alone, for the band heights of the cuBLAS-band candidates (a band of a few hundred rows fills a fraction
+    of a wave: its time is not its share of ``cublas_ms``); heights not listed take their share."""
 
     num_sms: int
     wave_ms: float
     cublas_ms: float
-    comm_sms: int = 0
     gemm_slowdown: float = 1.0
     comm_slowdown: float = 1.0
     launch_ms: float = 0.0
@@ -75,6 +74,16 @@ class Machine:
     def band_time(self, rows: int, total_rows: int) -> float:
         """One cuBLAS matmul of ``rows`` of the ``total_rows`` rows: measured if listed, else its share."""
         return dict(self.band_ms).get(rows, self.cublas_ms * rows / total_rows)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "band_ms": [list(pair) for pair in self.band_ms]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Machine:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        given = {name: value for name, value in data.items() if name in fields}
+        given["band_ms"] = tuple((int(rows), float(ms)) for rows, ms in given.get("band_ms", ()))
+        return cls(**given)
 
 
 @dataclass(frozen=True)
@@ -85,70 +94,80 @@ class Prediction:
 
 
 def gemm_slots(plan: Plan, machine: Machine) -> int:
-    """Tiles in flight at once: the persistent grid's programs, or, with one program per tile, the SMs the
-    collectives leave (their CTAs take SMs as GEMM programs retire)."""
-    if plan.grid_size < plan.num_tiles:
-        return max(1, min(plan.grid_size, machine.num_sms))
-    return max(1, machine.num_sms - machine.comm_sms)
+    """Tiles in flight at once: the persistent grid's programs, or every SM with one program per tile."""
+    return max(1, min(plan.grid_size, machine.num_sms))
 
 
 def predict(plan: Plan, machine: Machine, curve: Curve, element_size: int = 2) -> Prediction:
     """Predicted end-to-end time of one call of ``plan`` (see ``docs/model.md``)."""
     comm = [machine.launch_ms + curve.time_ms(b) for b in plan.group_bytes(element_size)]
     if plan.sequential:
-        total = machine.cublas_ms + machine.launch_ms + curve.time_ms(sum(plan.group_bytes(element_size)))
+        total = sequential_ms(plan, machine, curve, element_size)
         return Prediction(total, (machine.cublas_ms,), (total,))
-    local_ms, work_ms, gemm_end = _compute(plan, machine)
-    if plan.op == "all_gather":
-        return _consumer(plan, machine, comm, local_ms, work_ms)
-    done, ends, t_comm, t_gemm = [], [], 0.0, 0.0
-    for work, c in zip(work_ms, comm):
-        t_gemm += work
-        done.append(min(t_gemm, gemm_end))
-        t_comm = _collective_end(max(done[-1], t_comm), c, gemm_end, machine.comm_slowdown)
-        ends.append(t_comm)
-    return Prediction(max(gemm_end, ends[-1]), tuple(done), tuple(ends))
+    local_ms, work_ms = _compute(plan, machine)
+    consumer = plan.op == "all_gather"
+    return _simulate(local_ms, work_ms, comm, consumer, machine.gemm_slowdown, machine.comm_slowdown)
 
 
-def _compute(plan: Plan, machine: Machine) -> tuple[float, list[float], float]:
-    """The GEMM side: time of the tiles needing no communication (all-gather's own shard), of each group's
-    tiles, and when the whole GEMM ends (beside the communication: ``gemm_slowdown`` applied)."""
-    slow = machine.gemm_slowdown
-    if plan.gemm == "cublas":  # one matmul per group and row block (see ops/_bands.py, all_gather_gemm.py)
+def _compute(plan: Plan, machine: Machine) -> tuple[float, list[float]]:
+    """The GEMM side alone: the time of the tiles needing no communication (all-gather's own shard) and of each
+    group's tiles. Triton plans: tiles are fluid (``wave_ms / slots`` each), and the last group takes the rest of
+    the GEMM's whole waves. cuBLAS-band plans: one matmul per group and row block (``ops/_bands.py``)."""
+    if plan.gemm == "cublas":
         calls = plan.blocks - 1 if plan.op == "all_gather" else plan.blocks
-        bands = [machine.band_time(grp.rows, plan.m) * slow for grp in plan.groups]
+        bands = [machine.band_time(grp.rows, plan.m) for grp in plan.groups]
         local = sum(bands) if plan.op == "all_gather" else 0.0
-        work = [calls * band for band in bands]
-        return local, work, local + sum(work)
+        return local, [calls * band for band in bands]
     slots = gemm_slots(plan, machine)
-    tile_ms = machine.wave_ms * slow / slots  # fluid: tiles per ms
-    gemm_end = math.ceil(plan.num_tiles / slots) * machine.wave_ms * slow
-    return plan.local_tiles * tile_ms, [grp.tile_count * tile_ms for grp in plan.groups], gemm_end
+    tile_ms = machine.wave_ms / slots
+    gemm_ms = math.ceil(plan.num_tiles / slots) * machine.wave_ms
+    local = plan.local_tiles * tile_ms
+    work = [grp.tile_count * tile_ms for grp in plan.groups]
+    work[-1] += max(0.0, gemm_ms - local - sum(work))
+    return local, work
 
 
-def _collective_end(start: float, work_ms: float, gemm_end: float, slowdown: float) -> float:
-    """When a collective needing ``work_ms`` alone, started at ``start``, ends: at ``1/slowdown`` speed while the
-    GEMM runs (until ``gemm_end``), at full speed after."""
-    beside = max(0.0, gemm_end - start)
-    if beside * 1.0 >= work_ms * slowdown:
-        return start + work_ms * slowdown
-    return start + beside + (work_ms - beside / slowdown)
-
-
-def _consumer(plan: Plan, machine: Machine, comm: list[float], local_ms: float,
-              work_ms: list[float]) -> Prediction:
-    """All-gather: bands arrive in order; the GEMM does its own shard's tiles, then each band's remote tiles."""
-    arrived, t = [], 0.0
-    for c in comm:
-        t += c * machine.comm_slowdown
-        arrived.append(t)
-    t_gemm = local_ms  # the rank's own shard, first
-    starts = []
-    for work, ready in zip(work_ms, arrived):  # a group's tiles are the band's rows of the other shards
-        t_gemm = max(t_gemm, ready)
-        starts.append(t_gemm)
-        t_gemm += work
-    return Prediction(t_gemm, tuple(starts), tuple(arrived))
+def _simulate(local_ms: float, work_ms: list[float], comm_ms: list[float], consumer: bool, gemm_slowdown: float,
+              comm_slowdown: float) -> Prediction:
+    """Both sides as fluids, event to event: the GEMM runs at ``1 / gemm_slowdown`` of its speed while a
+    collective runs, a collective at ``1 / comm_slowdown`` while the GEMM computes. Reductions (producer GEMM):
+    group g's collective starts once its tiles are done and collective g - 1 has ended. All-gather (consumer
+    GEMM): the collectives run back to back from the start; the GEMM computes its own shard, then each group's
+    tiles once that group's band has arrived (idle while it waits)."""
+    groups = len(work_ms)
+    gemm_queue = ([local_ms] if consumer else []) + list(work_ms)
+    gemm_left, gemm_i = gemm_queue[0], 0  # the GEMM item in progress
+    comm_left, comm_i = None, 0  # the collective in progress (None: none), the next to start
+    done: list[float] = []  # reductions: each group's tiles done; all-gather: each group's tiles started
+    ends: list[float] = []
+    t = 0.0
+    while gemm_i < len(gemm_queue) or comm_i < groups or comm_left is not None:
+        if comm_left is None and comm_i < groups and (consumer or comm_i < len(done)):
+            comm_left = comm_ms[comm_i]
+        # All-gather: the GEMM waits for item gemm_i's band (item 0 is the own shard).
+        waiting = consumer and 0 < gemm_i < len(gemm_queue) and len(ends) < gemm_i
+        computing = gemm_i < len(gemm_queue) and not waiting
+        if computing and consumer and gemm_i > 0 and len(done) < gemm_i:
+            done.append(t)
+        communicating = comm_left is not None
+        gemm_rate = 1.0 / gemm_slowdown if communicating else 1.0
+        comm_rate = 1.0 / comm_slowdown if computing else 1.0
+        step = min(gemm_left / gemm_rate if computing else math.inf,
+                   comm_left / comm_rate if communicating else math.inf)
+        t += step
+        if computing:
+            gemm_left -= step * gemm_rate
+            if gemm_left <= 1e-12:
+                if not consumer:
+                    done.append(t)
+                gemm_i += 1
+                gemm_left = gemm_queue[gemm_i] if gemm_i < len(gemm_queue) else 0.0
+        if communicating:
+            comm_left -= step * comm_rate
+            if comm_left <= 1e-12:
+                ends.append(t)
+                comm_left, comm_i = None, comm_i + 1
+    return Prediction(t, tuple(done), tuple(ends))
 
 
 def sequential_ms(plan: Plan, machine: Machine, curve: Curve, element_size: int = 2) -> float:

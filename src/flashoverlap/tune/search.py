@@ -1,10 +1,9 @@
 """Plan search (issue 5): the candidate plans for one call, ranked by the performance model. The tuner measures
-the top few on the GPUs (``python -m flashoverlap tune plan``, to come) and caches the winner; this module is the
+the top few on the GPUs (``python -m flashoverlap tune plan``) and caches the winner; this module is the
 part that needs no GPU."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 
 from flashoverlap.plan import Plan, TileConfig, default_plan, default_tile_config, nccl_free_sms
@@ -12,9 +11,11 @@ from flashoverlap.tune.model import Curve, Machine, predict
 
 GROUPS = (1, 2, 3, 4, 6, 8, 12, 16)
 PROFILES = ("even", "small-first", "small-last")
-NCCL_CTAS = (0, 8, 16)
+# NCCL CTA counts tried where the GEMM must leave NCCL SMs (all-gather on NCCL: the GEMM spins on bands NCCL
+# delivers). The reductions keep NCCL's own count: the model cannot tell CTA counts apart (their cost is part of
+# the measured slowdowns), and the exhaustive runs on 2 H200s found them within 1% of each other.
+NCCL_CTAS = (8, 16)
 FREE_SMS = (0, 16, 32)  # SMs a persistent GEMM leaves to the collectives
-DEFAULT_NCCL_CTAS = 16  # SMs NCCL's kernels take when their CTA count is left to NCCL (2 H200s, NVLink)
 
 
 def tile_choices(m: int, n: int, k: int) -> tuple[TileConfig, ...]:
@@ -29,14 +30,14 @@ def tile_choices(m: int, n: int, k: int) -> tuple[TileConfig, ...]:
 def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, path: str = "nccl") -> list[Plan]:
     """Every plan the search considers: sequential; for each tile configuration (``tile_choices``), each
     combination of group count, group-size profile, GEMM programs (one per tile, or persistent leaving some SMs
-    free) and NCCL CTAs, without duplicates and without all-gather plans the op would refuse (deadlock rule 2);
-    and on the NCCL path cuBLAS bands (the decomposition, so that the pick is never worse than it where the model
-    is right)."""
+    free) and, for all-gather on NCCL, NCCL CTAs (``NCCL_CTAS``), without duplicates and without all-gather plans
+    the op would refuse (deadlock rule 2); and on the NCCL path cuBLAS bands (the decomposition, so that the pick
+    is never worse than it where the model is right)."""
     seen: dict[tuple, Plan] = {}
     base = default_plan(op, m, n, k, world_size, num_sms=num_sms, allow_sequential=False, path=path)
     seq = Plan(op, m, n, k, world_size, base.tile, (base.tiles_per_block,), num_sms, 0, True, path)
     seen[("seq",)] = seq
-    ctas_options = (0,) if path == "p2p" else NCCL_CTAS
+    ctas_options = NCCL_CTAS if op == "all_gather" and path == "nccl" else (0,)
     for tile in tile_choices(m, n, k):
         tiles = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tile, allow_sequential=False,
                              path=path).num_tiles
@@ -68,15 +69,6 @@ def cublas_band_plans(op: str, m: int, n: int, k: int, world_size: int, num_sms:
                          allow_sequential=False) for groups in (2, 4, 8)]
 
 
-def machine_for(plan: Plan, machine: Machine) -> Machine:
-    """``machine`` with the SMs this plan's collectives take: their CTAs (NCCL's own choice when 0), none on P2P."""
-    if plan.path == "p2p":
-        sms = 0
-    else:
-        sms = plan.comm_ctas or DEFAULT_NCCL_CTAS
-    return dataclasses.replace(machine, comm_sms=sms)
-
-
 def machine_of(plan: Plan, machines: Machine | Mapping[TileConfig, Machine]) -> Machine:
     """The machine figures measured with ``plan``'s tile configuration (or the one ``Machine`` given)."""
     if isinstance(machines, Machine):
@@ -92,7 +84,7 @@ def rank(plans: list[Plan], machine: Machine | Mapping[TileConfig, Machine], cur
         figures = machine_of(plan, machine)
         if predict_fn is not None:
             return predict_fn(plan, figures, curve)
-        return predict(plan, machine_for(plan, figures), curve).total_ms
+        return predict(plan, figures, curve).total_ms
 
     scored = [(predicted(plan), i, plan) for i, plan in enumerate(plans)]
     return [(t, plan) for t, _, plan in sorted(scored, key=lambda x: (x[0], x[1]))]

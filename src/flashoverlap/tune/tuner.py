@@ -1,15 +1,18 @@
-"""The tuner's measuring side (issue 5; needs GPUs, run under torchrun): bandwidth curves, the machine figures the
-model needs, and the search that ranks candidates with the model, confirms the top few by timing them (or all,
-exhaustively) and caches the winner. Every rank measures; timings are the maximum over ranks, so all ranks pick
-the same plan. Written before any GPU run: ``python -m flashoverlap tune ...`` is its command line."""
+"""The tuner's measuring side (issue 5; needs GPUs, run under torchrun): bandwidth curves and the mutual
+slowdowns of GEMM and communication, the machine figures the model needs per shape, and the search that ranks
+candidates (of one path, or of both for ``--path auto``) with the model, confirms the top few by timing them (or
+all, exhaustively) and caches the winner. Every rank measures; timings are the maximum over ranks, so all ranks
+pick the same plan. ``python -m flashoverlap tune ...`` is its command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,16 +20,20 @@ import torch.distributed as dist
 from flashoverlap.bench.op_rows import inputs
 from flashoverlap.bench.timing import time_ms
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from flashoverlap.comm.symmetric import p2p_excluded, p2p_unavailable_reason
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.plan import Plan, TileConfig, default_plan
 from flashoverlap.tune import cache
 from flashoverlap.tune.model import Curve, Machine
 from flashoverlap.tune.search import candidates, cublas_band_plans, rank, tile_choices
 
-# Mutual slowdowns (GEMM, collective) when both run at once, measured on 2x H200 (docs/why-overlap-is-hard.md;
-# DESIGN.md's steady-state facts): NCCL over NVLink, NCCL through host memory, copy engines.
+# Mutual slowdowns (GEMM, collective) when both run at once, for curve files written before ``tune bandwidth``
+# measured them: the steady-state figures of 2x H200 (DESIGN.md's facts; docs/why-overlap-is-hard.md): NCCL over
+# NVLink, NCCL through host memory, copy engines.
 SLOWDOWNS = {"nvlink": (1.09, 1.8), "pcie-like": (1.13, 1.06), "p2p": (1.03, 1.0)}
 MIN_CURVE_BYTES = 64 << 10
+SLOWDOWN_BYTES = 32 << 20  # the collective timed beside the GEMM: a typical group's message
+SLOWDOWN_GEMMS = 20  # back-to-back GEMMs (4096x8192x8192) in the steady-state measurement
 
 
 def setting(path: str) -> str:
@@ -45,26 +52,69 @@ def measure_curve(op: str, path: str, group: dist.ProcessGroup, device: torch.de
     """The time of one group's communication against the group's bytes (``Plan.group_bytes``), at log-spaced
     sizes from 64 KiB to ``max_bytes`` (a factor 2 apart): the NCCL collective, or on the P2P path what the copy
     stream does for a band (``p2p_band_work``), with every rank doing it at once as in a call."""
-    world = dist.get_world_size(group)
-    element = torch.empty((), dtype=dtype).element_size()
     band = _p2p_band_runner(op, group, device, dtype, max_bytes) if path == "p2p" else None
     sizes, times, size = [], [], MIN_CURVE_BYTES
     while True:
-        count = max(world, size // element // world * world)
-        if band is not None:
-            call = functools.partial(band, count * element)
-        else:
-            buf = torch.randn(count, dtype=dtype, device=device)
-            part = torch.empty(count // world, dtype=dtype, device=device)
-            call = {"all_reduce": lambda buf=buf: dist.all_reduce(buf, group=group),
-                    "reduce_scatter": lambda buf=buf, part=part: reduce_scatter_tensor(part, buf, group),
-                    "all_gather": lambda buf=buf, part=part: all_gather_into_tensor(buf, part, group)}[op]
-        sizes.append(count * element)
+        nbytes, call = _communication(op, group, device, dtype, size, band)
+        sizes.append(nbytes)
         times.append(time_ms(call, warmup=3, iters=10, group=group))
         progress(f"  {op} {path} {sizes[-1] / 2**20:10.3f} MiB: {times[-1]:.4f} ms")
         if size >= max_bytes:
             return Curve(tuple(sizes), tuple(times))
         size *= 2
+
+
+def _communication(op: str, group, device, dtype, size: int, band) -> tuple[int, Callable[[], None]]:
+    """One group's communication of about ``size`` bytes on the current stream: ``(bytes, call)``."""
+    world = dist.get_world_size(group)
+    element = torch.empty((), dtype=dtype).element_size()
+    count = max(world, size // element // world * world)
+    if band is not None:
+        return count * element, functools.partial(band, count * element)
+    buf = torch.randn(count, dtype=dtype, device=device)
+    part = torch.empty(count // world, dtype=dtype, device=device)
+    call = {"all_reduce": lambda: dist.all_reduce(buf, group=group),
+            "reduce_scatter": lambda: reduce_scatter_tensor(part, buf, group),
+            "all_gather": lambda: all_gather_into_tensor(buf, part, group)}[op]
+    return count * element, call
+
+
+def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int) -> tuple[float, float]:
+    """``(gemm_slowdown, comm_slowdown)`` for the model: steady state, ``SLOWDOWN_GEMMS`` back-to-back cuBLAS GEMMs
+    (4096x8192x8192) on one stream beside back-to-back communication of ``SLOWDOWN_BYTES`` (as ``measure_curve``
+    times it) on a high-priority stream, enough of it to outlast the GEMMs, all queued behind one GPU sleep so
+    that both start together. The GEMM's factor: its span over its time alone; the communication's: the span of
+    the calls that ended while the GEMMs ran, over their time alone. Maximum over ranks."""
+    band = _p2p_band_runner(op, group, device, dtype, max_bytes) if path == "p2p" else None
+    _, move = _communication(op, group, device, dtype, min(SLOWDOWN_BYTES, max_bytes), band)
+    a, b = _operands("all_reduce", 4096, 8192, 8192, dist.get_world_size(group), dtype, device, 0)
+    gemm_alone = time_ms(lambda: torch.matmul(a, b), warmup=3, iters=10, group=group)
+    move_alone = time_ms(move, warmup=3, iters=10, group=group)
+    moves = min(4000, 2 + int(1.5 * SLOWDOWN_GEMMS * gemm_alone / move_alone))
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device=device, priority=-(1 << 10))
+    start, gemms_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    moved = [torch.cuda.Event(enable_timing=True) for _ in range(moves)]
+    dist.barrier(group=group)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(SLOWDOWN_GEMMS * 1_000_000 + moves * 100_000)  # outlasts launching both sides
+    start.record(main)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for event in moved:
+            move()
+            event.record(side)
+    for _ in range(SLOWDOWN_GEMMS):
+        torch.matmul(a, b)
+    gemms_end.record(main)
+    main.wait_stream(side)
+    torch.cuda.synchronize(device)
+    span = start.elapsed_time(gemms_end)
+    inside = [start.elapsed_time(event) for event in moved if start.elapsed_time(event) <= span]
+    gemm_factor = span / (SLOWDOWN_GEMMS * gemm_alone)
+    comm_factor = inside[-1] / (len(inside) * move_alone) if inside else span / move_alone
+    factors = torch.tensor([max(1.0, gemm_factor), max(1.0, comm_factor)], dtype=torch.float64, device=device)
+    dist.all_reduce(factors, op=dist.ReduceOp.MAX, group=group)
+    return float(factors[0]), float(factors[1])
 
 
 def p2p_band_work(op: str, nbytes: int, world: int) -> tuple[int, int, bool]:
@@ -105,20 +155,43 @@ def _p2p_band_runner(op: str, group, device, dtype, max_bytes: int) -> Callable[
 
 
 def load_curve(key: dict) -> Curve | None:
+    data = _curve_data(key)
+    try:
+        return None if data is None else Curve.from_dict(data)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def load_slowdowns(key: dict) -> tuple[float, float]:
+    """The ``(gemm, comm)`` slowdowns ``tune bandwidth`` stored beside ``key``'s curve, else ``SLOWDOWNS``."""
+    data = _curve_data(key) or {}
+    try:
+        gemm_factor, comm_factor = (float(x) for x in data["slowdowns"])
+        if gemm_factor >= 1.0 and comm_factor >= 1.0:
+            return gemm_factor, comm_factor
+    except (KeyError, TypeError, ValueError):
+        pass
+    return SLOWDOWNS["p2p" if key["path"] == "p2p" else
+                     "pcie-like" if key.get("nccl_p2p") == "disabled" else "nvlink"]
+
+
+def _curve_data(key: dict) -> dict | None:
     path = curve_file(key)
     if path is None or not path.exists():
         return None
     try:
-        return Curve.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
-def store_curve(key: dict, curve: Curve) -> None:
+def store_curve(key: dict, curve: Curve, slowdowns: tuple[float, float] | None = None) -> None:
     path = curve_file(key)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**curve.to_dict(), "key": key}))
+        extra = {} if slowdowns is None else {"slowdowns": list(slowdowns)}
+        path.write_text(json.dumps({**curve.to_dict(), **extra, "key": key}))
 
 
 def _operands(op: str, m: int, n: int, k: int, world: int, dtype, device, rank: int):
@@ -135,16 +208,18 @@ def op_call(op: str, a, b, group):
     return lambda plan: fn(a, b, group, plan=plan)
 
 
-def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path: str) -> dict[TileConfig, Machine]:
+def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path: str,
+                    slowdowns: tuple[float, float]) -> dict[TileConfig, Machine]:
     """Per tile configuration the search tries (``tile_choices``): our GEMM's time per wave (one program per tile,
-    signalling on); with cuBLAS's time and its time per band height, which every configuration shares."""
+    signalling on); with cuBLAS's time and its time per band height, which every configuration shares, and the
+    path's ``(gemm, comm)`` slowdowns (``load_slowdowns``)."""
     world = dist.get_world_size(group)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     a, b = _operands("all_reduce", m, n, k, world, dtype, device, dist.get_rank(group))
     cublas = time_ms(lambda: torch.matmul(a, b), iters=10, group=group)
     band_ms = tuple((rows, time_ms(lambda rows=rows: torch.matmul(a[:rows], b), iters=10, group=group))
                     for rows in band_heights(op, m, n, k, world, sms, path))
-    f_g, f_c = SLOWDOWNS[setting(path)]
+    f_g, f_c = slowdowns
     machines = {}
     for tile in tile_choices(m, n, k):
         plan = default_plan(op, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False, path=path,
@@ -155,7 +230,7 @@ def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path:
         ours = time_ms(lambda plan=plan, signal=signal: gemm(a, b, plan, **signal), iters=10, group=group,
                        before=counters.zero_)
         waves = -(-plan.num_tiles // min(plan.grid_size, sms))
-        machines[tile] = Machine(sms, ours / waves, cublas, 0, f_g, f_c, 0.01, band_ms)
+        machines[tile] = Machine(sms, ours / waves, cublas, f_g, f_c, 0.01, band_ms)
     return machines
 
 
@@ -180,42 +255,93 @@ def choose(records: list[dict]) -> dict:
     return best
 
 
-def tune_plan(op: str, m: int, n: int, k: int, group, device, dtype, path: str = "nccl", top: int = 3,
-              exhaustive: bool = False, progress: Callable[[str], None] = print) -> tuple[Plan, list[dict]]:
-    """Rank the candidates with the model, time the top ``top`` and the sequential plan (every candidate if
-    ``exhaustive``) and cache the one ``choose`` picks. Returns the winner and one record per candidate timed, the
-    model's ranking order."""
+@dataclass
+class Search:
+    """The model's side of one tuning: every candidate of every searched path with its predicted time, fastest
+    first, and what the predictions came from (per path: the machine figures per tile configuration, the
+    curve)."""
+
+    key: dict
+    ranked: list[tuple[float, Plan]]
+    machines: dict[str, dict[TileConfig, Machine]]
+    curves: dict[str, Curve]
+
+
+def search_paths(path: str, group, device) -> list[str]:
+    """The paths a search covers: the one asked for, or for ``"auto"`` NCCL and, where it applies to this group,
+    P2P (the same rule as the ops' ``path="auto"``: ``comm.symmetric.p2p_excluded``)."""
+    if path != "auto":
+        return [path]
+    disabled = os.environ.get("NCCL_P2P_DISABLE") == "1"
+    reason = None if disabled else p2p_unavailable_reason(group, device)
+    return ["nccl"] if p2p_excluded(reason, dist.get_world_size(group), disabled) else ["nccl", "p2p"]
+
+
+def model_search(op: str, m: int, n: int, k: int, group, device, dtype, path: str = "nccl") -> Search:
+    """Measure the machine figures and rank every candidate plan of every path searched with the model."""
     world = dist.get_world_size(group)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     dname = str(dtype).replace("torch.", "")
-    key = cache.cache_key(torch.cuda.get_device_name(device), world, op, path, dname)
-    curve = load_curve(key)
-    if curve is None:
-        raise RuntimeError(f"no bandwidth curve for {key}: run `python -m flashoverlap tune bandwidth` first")
-    machine = measure_machine(op, m, n, k, group, device, dtype, path)
-    ranked = rank(candidates(op, m, n, k, world, sms, path), machine, curve)
-    chosen = ranked if exhaustive else ranked[:top]
-    if not any(plan.sequential for _, plan in chosen):  # the reference every overlapped plan must beat
-        chosen = chosen + [entry for entry in ranked if entry[1].sequential][:1]
-    a, b = _operands(op, m, n, k, world, dtype, device, dist.get_rank(group))
+    gpu = torch.cuda.get_device_name(device)
+    search = Search(cache.cache_key(gpu, world, op, path, dname), [], {}, {})
+    for i, each in enumerate(search_paths(path, group, device)):
+        key = cache.cache_key(gpu, world, op, each, dname)
+        curve = load_curve(key)
+        if curve is None:
+            raise RuntimeError(f"no bandwidth curve for {key}: run `python -m flashoverlap tune bandwidth --path "
+                               f"{each}` (under torchrun) first")
+        machines = measure_machine(op, m, n, k, group, device, dtype, each, load_slowdowns(key))
+        plans = [plan for plan in candidates(op, m, n, k, world, sms, each) if i == 0 or not plan.sequential]
+        search.ranked += rank(plans, machines, curve)  # one sequential candidate: the first path's
+        search.machines[each], search.curves[each] = machines, curve
+    search.ranked.sort(key=lambda entry: entry[0])  # stable: ties keep each path's order
+    return search
+
+
+def time_plans(op: str, m: int, n: int, k: int, group, device, dtype, chosen: list[tuple[float, Plan]],
+               iters: int = 10, progress: Callable[[str], None] = print) -> list[dict]:
+    """Time each ``(predicted, plan)`` of ``chosen`` on fresh random operands: one record each."""
+    a, b = _operands(op, m, n, k, dist.get_world_size(group), dtype, device, dist.get_rank(group))
     call = op_call(op, a, b, group)
     records = []
     for i, (predicted, plan) in enumerate(chosen):
-        measured = time_ms(lambda plan=plan: call(plan), warmup=2, iters=10, group=group)
+        measured = time_ms(lambda plan=plan: call(plan), warmup=2, iters=iters, group=group)
         records.append({"plan": plan.to_dict(), "predicted_ms": predicted, "measured_ms": measured})
-        progress(f"  [{i + 1}/{len(chosen)}] {plan.gemm} {plan.tile.block_m}x{plan.tile.block_n} groups "
-                 f"{plan.num_groups:2d} programs {plan.grid_size:5d} ctas "
-                 f"{plan.comm_ctas:2d}{' sequential' if plan.sequential else ''}: predicted {predicted:.3f} ms, "
-                 f"measured {measured:.3f} ms")
+        progress(f"  [{i + 1}/{len(chosen)}] {summary(plan)}: predicted {predicted:.3f} ms, measured "
+                 f"{measured:.3f} ms")
+    return records
+
+
+def tune_plan(op: str, m: int, n: int, k: int, group, device, dtype, path: str = "nccl", top: int = 3,
+              exhaustive: bool = False, progress: Callable[[str], None] = print,
+              search: Search | None = None, iters: int = 10) -> tuple[Plan, list[dict]]:
+    """Rank the candidates with the model (``model_search``, or the ``search`` given), time the top ``top`` and
+    the sequential plan (every candidate if ``exhaustive``) and cache the one ``choose`` picks, under ``path``
+    (``"auto"``: the winner's path is part of its plan). Returns the winner and one record per candidate timed, in
+    the model's order."""
+    search = search or model_search(op, m, n, k, group, device, dtype, path)
+    chosen = search.ranked if exhaustive else search.ranked[:top]
+    if not any(plan.sequential for _, plan in chosen):  # the reference every overlapped plan must beat
+        chosen = chosen + [entry for entry in search.ranked if entry[1].sequential][:1]
+    records = time_plans(op, m, n, k, group, device, dtype, chosen, iters, progress)
     best = choose(records)
     winner = Plan.from_dict(best["plan"])
     if dist.get_rank(group) == 0:
-        cache.store(key, winner, best["measured_ms"], "exhaustive" if exhaustive else f"model top {len(chosen)}")
+        cache.store(search.key, winner, best["measured_ms"],
+                    "exhaustive" if exhaustive else f"model top {len(chosen)}")
     dist.barrier(group=group)
     cache.forget_agreed()
     return winner, records
 
 
+def summary(plan: Plan) -> str:
+    """One line naming what the search varies in a plan."""
+    if plan.sequential:
+        return "sequential"
+    sizes = "/".join(str(g.rows) for g in plan.groups)
+    tiles = f"{plan.tile.block_m}x{plan.tile.block_n} tiles, " if plan.gemm == "triton" else ""
+    ctas = f", {plan.comm_ctas} NCCL CTAs" if plan.path == "nccl" else ""
+    return f"{plan.path} {plan.gemm} {plan.num_groups} groups ({sizes} rows), {tiles}{plan.grid_size} programs{ctas}"
 
 
 # -- the command line: python -m flashoverlap tune ... (under torchrun) -----------------------------------------------
@@ -250,11 +376,13 @@ def main(args) -> int:
             for op in args.ops.split(","):
                 key = cache.cache_key(torch.cuda.get_device_name(device), world, op, args.path, args.dtype)
                 curve = measure_curve(op, args.path, group, device, dtype, args.max_mib << 20, say)
+                slowdowns = measure_slowdowns(op, args.path, group, device, dtype, args.max_mib << 20)
                 if rank == 0:
-                    store_curve(key, curve)
-                say(f"{op}: {len(curve.sizes)} sizes stored in {curve_file(key)}")
+                    store_curve(key, curve, slowdowns)
+                say(f"{op}: {len(curve.sizes)} sizes, slowdowns GEMM x{slowdowns[0]:.3f}, communication "
+                    f"x{slowdowns[1]:.3f}, stored in {curve_file(key)}")
         elif args.tune_command == "plan":
-            winner, records = _tune_with_bar(args.op, *args.shape, group, device, dtype, args.path,
+            winner, _, _ = _tune_with_bar(args.op, *args.shape, group, device, dtype, args.path,
                                              args.top, args.exhaustive, rank)
             say(winner.describe())
         else:
@@ -265,53 +393,63 @@ def main(args) -> int:
     return 0
 
 
-def _tune_with_bar(op, m, n, k, group, device, dtype, path, top, exhaustive, rank):
-    total = top + 1 if not exhaustive else len(candidates(op, m, n, k, dist.get_world_size(group),
-                                                      torch.cuda.get_device_properties(device).multi_processor_count,
-                                                      path))
-    update, write = _progress_bar(total, rank)
+def _tune_with_bar(op, m, n, k, group, device, dtype, path, top, exhaustive, rank, iters=10):
+    search = model_search(op, m, n, k, group, device, dtype, path)
+    update, write = _progress_bar(len(search.ranked) if exhaustive else top + 1, rank)
 
     def progress(line: str) -> None:
         write(line)
         update()
 
-    return tune_plan(op, m, n, k, group, device, dtype, path, top, exhaustive, progress)
+    winner, records = tune_plan(op, m, n, k, group, device, dtype, path, top, exhaustive, progress, search, iters)
+    return winner, records, search
 
 
-def _summary(plan_dict: dict) -> str:
-    """One line naming what the search varies in a plan."""
-    plan = Plan.from_dict(plan_dict)
-    if plan.sequential:
-        return "sequential"
-    sizes = "/".join(str(g.rows) for g in plan.groups)
-    tiles = f"{plan.tile.block_m}x{plan.tile.block_n} tiles, " if plan.gemm == "triton" else ""
-    return (f"{plan.gemm} {plan.num_groups} groups ({sizes} rows), {tiles}{plan.grid_size} programs, "
-            f"{plan.comm_ctas} NCCL CTAs")
+# `tune validate` times every candidate with fewer calls than `tune plan` (it times hundreds per shape).
+VALIDATE_ITERS = 6
+
+
+def model_check_row(op: str, path: str, m: int, n: int, k: int, records: list[dict], top: int = 3) -> dict:
+    """BENCHMARK.md's model-check row from every candidate's record, in the model's order: the model's pick is
+    what ``tune plan`` caches (``choose`` among the model's ``top`` and sequential, with their measured times), its
+    predicted time against its measured one, and the exhaustive best."""
+    confirmed = records[:top] + [r for r in records[top:] if r["plan"]["sequential"]][:1]
+    pick, best = choose(confirmed), min(records, key=lambda r: r["measured_ms"])
+
+    def name(record: dict) -> str:
+        return summary(Plan.from_dict(record["plan"]))
+
+    return {"op": op, "path": path, "M": m, "N": n, "K": k, "predicted_ms": pick["predicted_ms"],
+            "measured_ms": pick["measured_ms"], "model_pick_ms": pick["measured_ms"],
+            "exhaustive_best_ms": best["measured_ms"], "model_top1_ms": records[0]["measured_ms"],
+            "model_pick_plan": name(pick), "exhaustive_best_plan": name(best)}
 
 
 def _validate(args, group, device, dtype, rank, world) -> None:
-    """Per grid shape: the model's pick (timed) against every candidate (timed); rewrites the results file after
-    each shape, so that a run stopped part-way keeps its finished rows. The exhaustive run goes last, so the
-    cache ends up holding each shape's best measured plan."""
+    """Per grid shape: every candidate timed (``VALIDATE_ITERS`` calls each), in the model's order; the model's
+    pick (``model_check_row``) against the exhaustive best. Rewrites the results file after each shape, so that a
+    run stopped part-way keeps its finished rows; each row keeps the machine figures and every candidate's plan,
+    prediction and measurement, so that a later model can be re-checked against the same measurements. Leaves each
+    shape's best measured plan in the cache."""
     from flashoverlap.bench import op_rows
 
     grids = {"all_reduce": op_rows.GRID_ALL_REDUCE, "reduce_scatter": op_rows.GRID_REDUCE_SCATTER,
              "all_gather": op_rows.GRID_ALL_GATHER}
     gpu = torch.cuda.get_device_name(device).split()[-1].lower()
-    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{setting(args.path)}-model.json")
+    name = setting(args.path) if args.path != "auto" else setting("nccl") + "-auto"
+    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{name}-model.json")
     command = os.environ.get("FLASHOVERLAP_COMMAND", " ".join(sys.argv))
-    rows = []
+    rows, meta = [], {}
     for op in args.ops.split(","):
         for m, n, k in grids[op]:
-            _, model_top = _tune_with_bar(op, m, n, k, group, device, dtype, args.path, 1, False, rank)
-            _, every = _tune_with_bar(op, m, n, k, group, device, dtype, args.path, 0, True, rank)
-            pick, best = model_top[0], min(every, key=lambda r: r["measured_ms"])
-            row = {"op": op, "path": args.path, "M": m, "N": n, "K": k, "predicted_ms": pick["predicted_ms"],
-                   "measured_ms": pick["measured_ms"], "model_pick_ms": pick["measured_ms"],
-                   "exhaustive_best_ms": best["measured_ms"],
-                   "model_pick_plan": _summary(pick["plan"]), "exhaustive_best_plan": _summary(best["plan"]),
-                   "all": [{"plan": _summary(r["plan"]), "predicted_ms": r["predicted_ms"],
-                            "measured_ms": r["measured_ms"]} for r in every]}
+            _, every, search = _tune_with_bar(op, m, n, k, group, device, dtype, args.path, 0, True, rank,
+                                              VALIDATE_ITERS)
+            row = model_check_row(op, args.path, m, n, k, every)
+            row["machines"] = {p: [{"tile": list(dataclasses.astuple(tile)), **machine.to_dict()}
+                                   for tile, machine in machines.items()] for p, machines in search.machines.items()}
+            row["curves"] = {p: curve.to_dict() for p, curve in search.curves.items()}
+            row["all"] = [{"plan": _shapeless(r["plan"]), "predicted_ms": r["predicted_ms"],
+                           "measured_ms": r["measured_ms"]} for r in every]
             rows.append(row)
             if rank != 0:
                 continue
@@ -319,13 +457,30 @@ def _validate(args, group, device, dtype, rank, world) -> None:
             print(f"{op:>15} {m:6d}x{n:6d}x{k:6d}: predicted {row['predicted_ms']:.3f} measured "
                   f"{row['measured_ms']:.3f} ({100 * error:.1f}%), pick {row['model_pick_ms']:.3f} "
                   f"({row['model_pick_plan']}) vs best {row['exhaustive_best_ms']:.3f} "
-                  f"({row['exhaustive_best_plan']})", flush=True)
-            errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
+                  f"({row['exhaustive_best_plan']}), {len(every)} candidates", flush=True)
             meta = {"gpus": f"{world}x {torch.cuda.get_device_name(device)}", "setting": setting(args.path),
                     "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"), "command": command,
-                    "mean_error": sum(errors) / len(errors), "max_error": max(errors)}
-            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-            with open(out, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                    **model_check_summary(rows)}
+            write_rows(out, meta, rows)
     if rank == 0 and rows:
-        print(f"model error: mean {100 * meta['mean_error']:.1f}%, max {100 * meta['max_error']:.1f}%; wrote {out}")
+        print(f"model error: mean {100 * meta['mean_error']:.1f}%, max {100 * meta['max_error']:.1f}%; pick within "
+              f"3% of the best at {meta['picks_within_3pct']} of {len(rows)} shapes; wrote {out}")
+
+
+def model_check_summary(rows: list[dict]) -> dict:
+    """The figures issue 5's targets name, over ``rows``."""
+    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
+    within = sum(r["model_pick_ms"] <= 1.03 * r["exhaustive_best_ms"] for r in rows)
+    return {"mean_error": sum(errors) / len(errors), "max_error": max(errors), "picks_within_3pct": within}
+
+
+def _shapeless(plan: dict) -> dict:
+    return {name: value for name, value in plan.items() if name not in ("op", "m", "n", "k", "world_size")}
+
+
+def write_rows(out: str, meta: dict, rows: list[dict]) -> None:
+    """The results file, one row per line (each row carries hundreds of candidates)."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    lines = ",\n".join(json.dumps(row) for row in rows)
+    with open(out, "w") as f:
+        f.write(f'{{"meta": {json.dumps(meta, indent=1)},\n"rows": [\n{lines}\n]}}\n')
