@@ -126,22 +126,31 @@ def test_tuner_keeps_sequential_unless_a_plan_beats_it_clearly():
     assert choose([close]) is close  # no sequential timed: the fastest
 
 
-def test_search_tries_both_tile_widths_and_ranks_each_with_its_own_machine():
+def test_ranking_uses_each_tile_configurations_own_machine():
     from flashoverlap.tune.search import tile_choices
 
-    wide, narrow = tile_choices(8192, 8192, 8192)
-    assert (wide.block_n, narrow.block_n) == (256, 128)
-    plans = candidates("all_reduce", 8192, 8192, 8192, 2, 132)
-    assert {p.tile for p in plans} == {wide, narrow}
+    (wide,) = tile_choices(8192, 8192, 8192)
+    narrow = TileConfig(128, 128, 64, 8, 4, 8)
+    plans = [default_plan("all_reduce", 8192, 8192, 8192, 2, tile=tile, num_groups=4, allow_sequential=False)
+             for tile in (wide, narrow)]
     tiny = Curve((1, 10**12), (1e-3, 1e-3))
-    # Narrow tiles' waves (32 of them) at a third of the wide ones' time (16 waves): 2.1 ms against 3.2 for the
-    # wide tiles and 3.0 for cuBLAS: a plan with narrow tiles wins.
+    # Narrow tiles' waves (32 of them) at a third of the wide ones' time (16 waves): 2.1 ms against 3.2.
     machines = {wide: Machine(132, 0.2, 3.0), narrow: Machine(132, 0.2 / 3, 3.0)}
     assert rank(plans, machines, tiny)[0][1].tile == narrow
     machines[narrow] = Machine(132, 0.2, 3.0)  # as slow per wave as the wide ones, with twice the waves
-    best = rank(plans, machines, tiny)[0][1]
-    assert best.tile == wide or best.sequential or best.gemm == "cublas"
-    assert tile_choices(4096, 128, 512) == (tile_choices(4096, 128, 512)[0],)  # already 128 wide: one choice
+    assert rank(plans, machines, tiny)[0][1].tile == wide
+
+
+def test_a_persistent_grid_takes_its_measured_time():
+    plan = default_plan("all_reduce", 8192, 8192, 8192, 2, num_groups=4, num_programs=100, allow_sequential=False)
+    tiny = Curve((1, 10**12), (1e-3, 1e-3))
+    # 2048 tiles on 100 programs: 21 whole waves of 0.1 ms unless the grid's time was measured.
+    assert predict(plan, Machine(132, 0.1, 3.0), tiny).group_done_ms[-1] == pytest.approx(2.1)
+    measured = predict(plan, Machine(132, 0.1, 3.0, grid_ms=((100, 1.8),)), tiny)
+    assert measured.group_done_ms == pytest.approx((0.45, 0.9, 1.35, 1.8))
+    one_per_tile = default_plan("all_reduce", 8192, 8192, 8192, 2, num_groups=4, allow_sequential=False)
+    assert predict(one_per_tile, Machine(132, 0.1, 3.0, grid_ms=((100, 1.8),)), tiny).group_done_ms[-1] == \
+        pytest.approx(1.6)  # 2048 tiles, 132 at a time: 16 waves
 
 
 def test_p2p_band_work_matches_the_schedules_pulls():
@@ -170,7 +179,7 @@ def test_ranking_charges_cublas_bands_their_measured_time():
 
 
 def test_machine_figures_round_trip_through_dicts():
-    machine = Machine(132, 0.1, 1.5, 1.07, 1.6, 0.01, ((512, 0.2), (1024, 0.35)))
+    machine = Machine(132, 0.1, 1.5, 1.07, 1.6, 0.01, ((512, 0.2), (1024, 0.35)), ((100, 1.3),))
     assert Machine.from_dict(machine.to_dict()) == machine
     assert Machine.from_dict({**machine.to_dict(), "comm_sms": 16}) == machine  # older files' extra field
 

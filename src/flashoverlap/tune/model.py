@@ -61,7 +61,10 @@ class Machine:
     from the GEMM is part of ``gemm_slowdown``). ``launch_ms``: fixed cost per collective on top of the curve (the
     stream wait, the launch). ``band_ms``: ``(rows, ms)`` pairs, one cuBLAS matmul of ``rows`` rows of this shape
     timed alone, for the band heights of the cuBLAS-band candidates (a band of a few hundred rows fills a fraction
-    of a wave: its time is not its share of ``cublas_ms``); heights not listed take their share."""
+    of a wave: its time is not its share of ``cublas_ms``); heights not listed take their share. ``grid_ms``:
+    ``(programs, ms)`` pairs, our GEMM alone with a persistent grid of that many programs (fewer programs each
+    run faster than a wave's share: less contention for memory); grids not listed take whole waves of
+    ``wave_ms``."""
 
     num_sms: int
     wave_ms: float
@@ -70,19 +73,22 @@ class Machine:
     comm_slowdown: float = 1.0
     launch_ms: float = 0.0
     band_ms: tuple[tuple[int, float], ...] = ()
+    grid_ms: tuple[tuple[int, float], ...] = ()
 
     def band_time(self, rows: int, total_rows: int) -> float:
         """One cuBLAS matmul of ``rows`` of the ``total_rows`` rows: measured if listed, else its share."""
         return dict(self.band_ms).get(rows, self.cublas_ms * rows / total_rows)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "band_ms": [list(pair) for pair in self.band_ms]}
+        return {**dataclasses.asdict(self), "band_ms": [list(pair) for pair in self.band_ms],
+                "grid_ms": [list(pair) for pair in self.grid_ms]}
 
     @classmethod
     def from_dict(cls, data: dict) -> Machine:
         fields = {f.name for f in dataclasses.fields(cls)}
         given = {name: value for name, value in data.items() if name in fields}
-        given["band_ms"] = tuple((int(rows), float(ms)) for rows, ms in given.get("band_ms", ()))
+        for name in ("band_ms", "grid_ms"):
+            given[name] = tuple((int(count), float(ms)) for count, ms in given.get(name, ()))
         return cls(**given)
 
 
@@ -111,16 +117,20 @@ def predict(plan: Plan, machine: Machine, curve: Curve, element_size: int = 2) -
 
 def _compute(plan: Plan, machine: Machine) -> tuple[float, list[float]]:
     """The GEMM side alone: the time of the tiles needing no communication (all-gather's own shard) and of each
-    group's tiles. Triton plans: tiles are fluid (``wave_ms / slots`` each), and the last group takes the rest of
-    the GEMM's whole waves. cuBLAS-band plans: one matmul per group and row block (``ops/_bands.py``)."""
+    group's tiles. Triton plans: tiles are fluid (``wave_ms / slots`` each, or a persistent grid's measured time
+    over its tiles), and the last group takes the rest of the GEMM's whole waves. cuBLAS-band plans: one matmul
+    per group and row block (``ops/_bands.py``)."""
     if plan.gemm == "cublas":
         calls = plan.blocks - 1 if plan.op == "all_gather" else plan.blocks
         bands = [machine.band_time(grp.rows, plan.m) for grp in plan.groups]
         local = sum(bands) if plan.op == "all_gather" else 0.0
         return local, [calls * band for band in bands]
     slots = gemm_slots(plan, machine)
-    tile_ms = machine.wave_ms / slots
-    gemm_ms = math.ceil(plan.num_tiles / slots) * machine.wave_ms
+    persistent = dict(machine.grid_ms).get(plan.grid_size) if plan.grid_size < plan.num_tiles else None
+    if persistent is not None:
+        tile_ms, gemm_ms = persistent / plan.num_tiles, persistent
+    else:
+        tile_ms, gemm_ms = machine.wave_ms / slots, math.ceil(plan.num_tiles / slots) * machine.wave_ms
     local = plan.local_tiles * tile_ms
     work = [grp.tile_count * tile_ms for grp in plan.groups]
     work[-1] += max(0.0, gemm_ms - local - sum(work))

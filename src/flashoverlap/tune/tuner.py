@@ -25,7 +25,7 @@ from flashoverlap.kernels.gemm import gemm
 from flashoverlap.plan import Plan, TileConfig, default_plan
 from flashoverlap.tune import cache
 from flashoverlap.tune.model import Curve, Machine
-from flashoverlap.tune.search import candidates, cublas_band_plans, rank, tile_choices
+from flashoverlap.tune.search import FREE_SMS, candidates, cublas_band_plans, rank, tile_choices
 
 # Mutual slowdowns (GEMM, collective) when both run at once, for curve files written before ``tune bandwidth``
 # measured them: the steady-state figures of 2x H200 (DESIGN.md's facts; docs/why-overlap-is-hard.md): NCCL over
@@ -80,15 +80,26 @@ def _communication(op: str, group, device, dtype, size: int, band) -> tuple[int,
 
 
 def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int) -> tuple[float, float]:
-    """``(gemm_slowdown, comm_slowdown)`` for the model: steady state, ``SLOWDOWN_GEMMS`` back-to-back cuBLAS GEMMs
-    (4096x8192x8192) on one stream beside back-to-back communication of ``SLOWDOWN_BYTES`` (as ``measure_curve``
-    times it) on a high-priority stream, enough of it to outlast the GEMMs, all queued behind one GPU sleep so
-    that both start together. The GEMM's factor: its span over its time alone; the communication's: the span of
-    the calls that ended while the GEMMs ran, over their time alone. Maximum over ranks."""
+    """``(gemm_slowdown, comm_slowdown)`` for the model: steady state, ``SLOWDOWN_GEMMS`` back-to-back runs of our
+    GEMM as the overlapped ops run it (4096x8192x8192, one program per tile, signalling) on one stream beside
+    back-to-back communication of ``SLOWDOWN_BYTES`` (as ``measure_curve`` times it) on a high-priority stream,
+    enough of it to outlast the GEMMs, all queued behind one GPU sleep so that both start together. The GEMM's
+    factor: its span over its time alone; the communication's: the span of the calls that ended while the GEMMs
+    ran, over their time alone. Maximum over ranks. (Beside cuBLAS, whose programs hold their SMs to the end of
+    each GEMM, the communication's kernels wait for the GEMM's end: 4-7x slower on NVLink at 330bb22, a
+    situation the ops' GEMM, whose programs retire tile by tile, does not create.)"""
     band = _p2p_band_runner(op, group, device, dtype, max_bytes) if path == "p2p" else None
     _, move = _communication(op, group, device, dtype, min(SLOWDOWN_BYTES, max_bytes), band)
-    a, b = _operands("all_reduce", 4096, 8192, 8192, dist.get_world_size(group), dtype, device, 0)
-    gemm_alone = time_ms(lambda: torch.matmul(a, b), warmup=3, iters=10, group=group)
+    world = dist.get_world_size(group)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    a, b = _operands("all_reduce", 4096, 8192, 8192, world, dtype, device, 0)
+    plan = default_plan("all_reduce", 4096, 8192, 8192, world, num_sms=sms, allow_sequential=False)
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+
+    def ours() -> None:
+        gemm(a, b, plan, counters=counters)  # the counters only count up here: nothing waits on them
+
+    gemm_alone = time_ms(ours, warmup=3, iters=10, group=group)
     move_alone = time_ms(move, warmup=3, iters=10, group=group)
     moves = min(4000, 2 + int(1.5 * SLOWDOWN_GEMMS * gemm_alone / move_alone))
     main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device=device, priority=-(1 << 10))
@@ -104,7 +115,7 @@ def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int) 
             move()
             event.record(side)
     for _ in range(SLOWDOWN_GEMMS):
-        torch.matmul(a, b)
+        ours()
     gemms_end.record(main)
     main.wait_stream(side)
     torch.cuda.synchronize(device)
@@ -211,8 +222,9 @@ def op_call(op: str, a, b, group):
 def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path: str,
                     slowdowns: tuple[float, float]) -> dict[TileConfig, Machine]:
     """Per tile configuration the search tries (``tile_choices``): our GEMM's time per wave (one program per tile,
-    signalling on); with cuBLAS's time and its time per band height, which every configuration shares, and the
-    path's ``(gemm, comm)`` slowdowns (``load_slowdowns``)."""
+    signalling on; all-gather: a grid of every SM, its flags set) and its time with each persistent grid the
+    search tries (``FREE_SMS``); with cuBLAS's time and its time per band height, which every configuration
+    shares, and the path's ``(gemm, comm)`` slowdowns (``load_slowdowns``)."""
     world = dist.get_world_size(group)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     a, b = _operands("all_reduce", m, n, k, world, dtype, device, dist.get_rank(group))
@@ -222,15 +234,19 @@ def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path:
     f_g, f_c = slowdowns
     machines = {}
     for tile in tile_choices(m, n, k):
-        plan = default_plan(op, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False, path=path,
-                            num_programs=None if op != "all_gather" else sms)
-        counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-        flags = torch.ones(plan.num_groups, dtype=torch.int32, device=device)
-        signal = {"flags": flags} if op == "all_gather" else {"counters": counters}
-        ours = time_ms(lambda plan=plan, signal=signal: gemm(a, b, plan, **signal), iters=10, group=group,
-                       before=counters.zero_)
+        def ours(programs: int | None, tile: TileConfig = tile) -> tuple[Plan, float]:
+            plan = default_plan(op, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False, path=path,
+                                num_programs=programs)
+            counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+            flags = torch.ones(plan.num_groups, dtype=torch.int32, device=device)  # every band "arrived"
+            signal = {"flags": flags} if op == "all_gather" else {"counters": counters}
+            return plan, time_ms(lambda: gemm(a, b, plan, **signal), iters=10, group=group,
+                                 before=lambda: (counters.zero_(), flags.fill_(1)))
+
+        plan, wave_total = ours(None if op != "all_gather" else sms)
         waves = -(-plan.num_tiles // min(plan.grid_size, sms))
-        machines[tile] = Machine(sms, ours / waves, cublas, f_g, f_c, 0.01, band_ms)
+        grids = tuple((sms - free, ours(sms - free)[1]) for free in FREE_SMS if free > 0)
+        machines[tile] = Machine(sms, wave_total / waves, cublas, f_g, f_c, 0.01, band_ms, grids)
     return machines
 
 
