@@ -62,4 +62,5 @@ if has tests && [[ -n $TESTS ]] && (( SECONDS < DEADLINE - 60 )); then
         > "$OUT/logs/gpu-tests-$SETTING.log" 2>&1
     echo "tests exit $? after $((SECONDS - start)) s"; tail -5 "$OUT/logs/gpu-tests-$SETTING.log"
 fi
+for log in "$OUT"/logs/*.log; do sed -i 's/.*\r//' "$log"; done  # progress bars: keep each line's last state
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
