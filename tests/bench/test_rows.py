@@ -33,3 +33,14 @@ def test_table_has_one_block_per_op_and_path(capsys):
     out = capsys.readouterr().out
     assert "all_gather_gemm, path nccl" in out and "all_gather_gemm, path p2p" in out
     assert out.count("  4096x  4096x  4096") == 2
+
+
+def test_a_tuned_row_carries_the_hand_set_plan_timed_beside_it():
+    from flashoverlap.bench.rows import add_default
+
+    tuned = fo.default_plan("all_reduce", 4096, 4096, 4096, 2, num_groups=3, allow_sequential=False)
+    hand = fo.default_plan("all_reduce", 4096, 4096, 4096, 2, num_groups=6, comm_ctas=8, allow_sequential=False)
+    row = result_row("all_reduce", (4096, 4096, 4096), torch.bfloat16, _times(1.2), {2: 1.4}, None, tuned)
+    add_default(row, 1.35, hand)
+    assert row["t_default_ms"] == 1.35 and abs(row["E_default"] - 0.3) < 1e-12
+    assert row["plan_default"]["groups"] == 6 and row["plan_default"]["comm_ctas"] == 8 and row["plan"]["groups"] == 3

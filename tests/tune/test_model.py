@@ -226,3 +226,12 @@ def test_model_check_row_takes_the_pick_tune_plan_would_cache():
     figures = model_check_summary([row, {**row, "predicted_ms": 1.32, "exhaustive_best_ms": 1.17}])
     assert figures["mean_error"] == pytest.approx((0.1 / 1.2 + 0.12 / 1.2) / 2)
     assert figures["max_error"] == pytest.approx(0.1) and figures["picks_within_3pct"] == 1  # 1.20 <= 1.03 * 1.17
+
+
+def test_nccl_reduction_candidates_try_nccls_own_cta_count_and_eight():
+    from flashoverlap.tune.search import REDUCTION_NCCL_CTAS
+
+    plans = candidates("reduce_scatter", 8192, 8192, 8192, 2, 132)
+    assert {p.comm_ctas for p in plans if p.gemm == "triton" and not p.sequential} == set(REDUCTION_NCCL_CTAS)
+    twins = [p for p in plans if p.group_row_tiles == plans[1].group_row_tiles and p.grid_size == plans[1].grid_size]
+    assert len({p.comm_ctas for p in twins}) == 2  # tie in the model; the timed top few decide

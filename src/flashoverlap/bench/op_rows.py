@@ -15,7 +15,7 @@ from flashoverlap.bench.baselines import (
     async_tp_ops,
     sequential_all_reduce,
 )
-from flashoverlap.bench.rows import result_row
+from flashoverlap.bench.rows import add_default, result_row
 from flashoverlap.bench.timing import time_side_by_side
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.kernels.gemm import gemm
@@ -58,6 +58,7 @@ def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, 
     fused, failed = _try_async_tp(fused, *fused_args)
     if fused is not None:
         fns["async_tp"] = lambda: fused(*fused_args)
+    defaults = _hand_set_plans(op, shape, dtype, fns, call, {"ours": plan, "ours_p2p": p2p_plan})
     host_us: dict[str, float] = {}
     t = time_side_by_side(fns, warmup=5, iters=iters, before=before or {}, host_us=host_us)
     decomposition = {ch: t[f"decomp{ch}"] for ch in decomposed}
@@ -66,12 +67,31 @@ def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, 
         t_p2p = {**t, "ours": t["ours_p2p"], "our_gemm": t["our_gemm_p2p"]}
         rows.append(result_row(op, shape, dtype, t_p2p, decomposition, t.get("async_tp"), p2p_plan,
                                {**host_us, "ours": host_us["ours_p2p"]}))
+    for row, name in zip(rows, ("ours", "ours_p2p")):
+        if name in defaults:
+            add_default(row, t[f"{name}_default"], defaults[name])
     for row in rows:
         if fused is None:
             row["baselines"]["async_tp_note"] = failed or why or "not run"
     if sweep is not None:
         rows[0]["sweep"] = sweep(op, call, shape, rows[0])
     return rows
+
+
+def _hand_set_plans(op, shape, dtype, fns, call, chosen: dict) -> dict:
+    """Where a plan came from the plan cache, add its path's hand-set default plan to ``fns`` (as
+    ``<name>_default``) so that both are timed side by side; returns those default plans by name."""
+    m, n, k = shape
+    device = torch.device("cuda", torch.cuda.current_device())
+    defaults = {}
+    for name, plan in chosen.items():
+        if plan is None or name not in fns or call is None:
+            continue
+        hand = plan_for(op, m, n, k, dist.group.WORLD, device, dtype, plan.path, tuned=False)
+        if hand != plan:
+            fns[f"{name}_default"] = lambda hand=hand: call(hand)
+            defaults[name] = hand
+    return defaults
 
 
 def bench_all_reduce(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> list[dict]:

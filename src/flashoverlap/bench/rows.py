@@ -12,6 +12,12 @@ def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
     return (t_seq - t) / (t_seq - t_ideal) if t_seq > t_ideal else float("nan")
 
 
+def plan_summary(plan: Plan) -> dict:
+    return {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
+            "sequential": plan.sequential, "gemm": plan.gemm,
+            "tile": [plan.tile.block_m, plan.tile.block_n, plan.tile.block_k, plan.tile.group_m]}
+
+
 def result_row(op: str, shape: tuple[int, int, int], dtype: torch.dtype, t: dict[str, float],
                decomposition: dict[int, float], async_tp: float | None, plan: Plan,
                host_us: dict[str, float] | None = None) -> dict:
@@ -28,8 +34,14 @@ def result_row(op: str, shape: tuple[int, int, int], dtype: torch.dtype, t: dict
         "our_gemm_vs_cublas": t["gemm"] / our_gemm if our_gemm else None,
         "baselines": {"decomposition_ms": min(decomposition.values()) if decomposition else None,
                       "decomposition_by_chunks_ms": decomposition, "async_tp_ms": async_tp},
-        "plan": {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
-                 "sequential": plan.sequential, "gemm": plan.gemm,
-                 "tile": [plan.tile.block_m, plan.tile.block_n, plan.tile.block_k, plan.tile.group_m]},
+        "plan": plan_summary(plan),
         "host_us": {name: host_us[name] for name in ("seq", "ours") if name in host_us} if host_us else None,
     }
+
+
+def add_default(row: dict, t_default: float, plan: Plan) -> None:
+    """Add to ``row`` (whose plan came from the plan cache) the hand-set default plan's time, timed side by side
+    in the same run, its E and its plan: issue 5's "E with the cache no lower than with hand-set plans"."""
+    row["t_default_ms"] = t_default
+    row["E_default"] = efficiency(row["t_seq_ms"], t_default, row["t_ideal_ms"])
+    row["plan_default"] = plan_summary(plan)

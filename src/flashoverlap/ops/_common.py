@@ -30,11 +30,12 @@ def _default_plan(op: str, m: int, n: int, k: int, world_size: int, num_sms: int
 
 
 def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
-             dtype: torch.dtype, path: str = "nccl") -> Plan:
+             dtype: torch.dtype, path: str = "nccl", tuned: bool = True) -> Plan:
     """The plan a call of ``op`` at this shape uses when none is given: on CUDA, the tuned plan from the plan cache
-    (``tune/cache.py``: this shape's, or the nearest tuned M's) where there is one; otherwise the default plan. For
-    that, the first call for a group measures the machine's GEMM and all-reduce rates (collectively) to choose
-    between overlap and sequential (the P2P path needs no rates: its transfers take no SM)."""
+    (``tune/cache.py``: this shape's, or the nearest tuned M's) where there is one (and ``tuned``); otherwise the
+    default plan. For that, the first call for a group measures the machine's GEMM and all-reduce rates
+    (collectively) to choose between overlap and sequential (the P2P path needs no rates: its transfers take no
+    SM). ``tuned=False``: the default plan regardless of the cache (the benchmark's hand-set comparison)."""
     world_size = dist.get_world_size(group)
     element_size = torch.empty((), dtype=dtype).element_size()
     if device.type != "cuda":
@@ -43,9 +44,9 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
     key = cache.cache_key(torch.cuda.get_device_name(device), world_size, op, path, str(dtype).replace("torch.", ""))
     with torch.cuda.device(device):  # the exchange's tensors go to this device
         entries = cache.agreed_entries(group, key)
-    tuned = cache.select(entries, op, m, n, k, world_size, num_sms)
-    if tuned is not None:
-        return tuned
+    cached = cache.select(entries, op, m, n, k, world_size, num_sms) if tuned else None
+    if cached is not None:
+        return cached
     if path == "p2p":
         return _default_plan(op, m, n, k, world_size, num_sms, element_size, None, "p2p")
     measured = rates.measure(group, device, dtype)

@@ -15,10 +15,12 @@ PROFILES = ("even", "small-first", "small-last")
 # dropped: over both settings' exhaustive runs on 2 H200s (330bb22) it was never the best class of plan and up to
 # 56% slower than the best through host memory, where NCCL's kernels want more than 16 SMs.
 FREE_SMS = (0, 32)
-# NCCL CTA counts tried where the GEMM must leave NCCL SMs (all-gather on NCCL: the GEMM spins on bands NCCL
-# delivers). The reductions keep NCCL's own count: the model cannot tell CTA counts apart (their cost is part of
-# the measured slowdowns), and the exhaustive runs on 2 H200s found them within 1% of each other.
+# NCCL CTA counts tried: all-gather on NCCL, where the GEMM spins on bands NCCL delivers and must leave it SMs,
+# 8 and 16; the reductions, NCCL's own count (0) and 8. The model cannot tell CTA counts apart (their cost is part
+# of the measured slowdowns): candidates that differ only in them tie, and timing the model's top few decides.
+# (Through host memory 8 CTAs beat NCCL's own count by up to 4% at 330bb22/447f55d; on NVLink they were within 1%.)
 NCCL_CTAS = (8, 16)
+REDUCTION_NCCL_CTAS = (0, 8)
 
 
 def tile_choices(m: int, n: int, k: int) -> tuple[TileConfig, ...]:
@@ -32,14 +34,14 @@ def tile_choices(m: int, n: int, k: int) -> tuple[TileConfig, ...]:
 def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, path: str = "nccl") -> list[Plan]:
     """Every plan the search considers: sequential; for each tile configuration (``tile_choices``), each
     combination of group count, group-size profile, GEMM programs (one per tile, or persistent leaving some SMs
-    free) and, for all-gather on NCCL, NCCL CTAs (``NCCL_CTAS``), without duplicates and without all-gather plans
-    the op would refuse (deadlock rule 2); and on the NCCL path cuBLAS bands (the decomposition, so that the pick
-    is never worse than it where the model is right)."""
+    free) and, on NCCL, NCCL CTAs (``NCCL_CTAS``, ``REDUCTION_NCCL_CTAS``), without duplicates and without
+    all-gather plans the op would refuse (deadlock rule 2); and on the NCCL path cuBLAS bands (the decomposition,
+    so that the pick is never worse than it where the model is right)."""
     seen: dict[tuple, Plan] = {}
     base = default_plan(op, m, n, k, world_size, num_sms=num_sms, allow_sequential=False, path=path)
     seq = Plan(op, m, n, k, world_size, base.tile, (base.tiles_per_block,), num_sms, 0, True, path)
     seen[("seq",)] = seq
-    ctas_options = NCCL_CTAS if op == "all_gather" and path == "nccl" else (0,)
+    ctas_options = (0,) if path != "nccl" else NCCL_CTAS if op == "all_gather" else REDUCTION_NCCL_CTAS
     for tile in tile_choices(m, n, k):
         tiles = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tile, allow_sequential=False,
                              path=path).num_tiles
