@@ -235,3 +235,21 @@ def test_nccl_reduction_candidates_try_nccls_own_cta_count_and_eight():
     assert {p.comm_ctas for p in plans if p.gemm == "triton" and not p.sequential} == set(REDUCTION_NCCL_CTAS)
     twins = [p for p in plans if p.group_row_tiles == plans[1].group_row_tiles and p.grid_size == plans[1].grid_size]
     assert len({p.comm_ctas for p in twins}) == 2  # tie in the model; the timed top few decide
+
+
+def test_model_check_pick_includes_the_hand_set_plan_tune_plan_always_times():
+    from flashoverlap.tune.tuner import model_check_row
+
+    plans = candidates("all_gather", 8192, 28672, 8192, 2, 132, path="p2p")
+    seq = next(p for p in plans if p.sequential)
+    others = [p for p in plans if not p.sequential][:4]
+
+    def record(plan, measured, hand_set=False):
+        return {"plan": plan.to_dict(), "predicted_ms": 5.0, "measured_ms": measured, "hand_set": hand_set}
+
+    records = [record(others[0], 5.2), record(others[1], 5.3), record(others[2], 5.25), record(seq, 5.2),
+               record(others[3], 5.0, hand_set=True)]
+    row = model_check_row("all_gather", "p2p", 8192, 28672, 8192, records)
+    assert row["model_pick_ms"] == 5.0 and row["exhaustive_best_ms"] == 5.0
+    records[-1]["hand_set"] = False  # not timed by tune plan: sequential stays (the others are within 2%)
+    assert model_check_row("all_gather", "p2p", 8192, 28672, 8192, records)["model_pick_plan"] == "sequential"

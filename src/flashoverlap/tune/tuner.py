@@ -281,6 +281,7 @@ class Search:
     ranked: list[tuple[float, Plan]]
     machines: dict[str, dict[TileConfig, Machine]]
     curves: dict[str, Curve]
+    hand_set: list[Plan] = dataclasses.field(default_factory=list)  # what an untuned call would use, per path
 
 
 def search_paths(path: str, group, device) -> list[str]:
@@ -295,6 +296,8 @@ def search_paths(path: str, group, device) -> list[str]:
 
 def model_search(op: str, m: int, n: int, k: int, group, device, dtype, path: str = "nccl") -> Search:
     """Measure the machine figures and rank every candidate plan of every path searched with the model."""
+    from flashoverlap.ops._common import plan_for
+
     world = dist.get_world_size(group)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     dname = str(dtype).replace("torch.", "")
@@ -308,6 +311,13 @@ def model_search(op: str, m: int, n: int, k: int, group, device, dtype, path: st
                                f"{each}` (under torchrun) first")
         machines = measure_machine(op, m, n, k, group, device, dtype, each, load_slowdowns(key))
         plans = [plan for plan in candidates(op, m, n, k, world, sms, each) if i == 0 or not plan.sequential]
+        # The plan an untuned call takes (the ops' default from the machine's rates) is always a candidate, and
+        # always timed: the tuned pick is then never slower than it as measured (the search's grid of plans
+        # need not contain it: a persistent GEMM on every SM waiting for P2P bands, say).
+        hand = plan_for(op, m, n, k, group, device, dtype, each, tuned=False)
+        if hand not in plans and (i == 0 or not hand.sequential):
+            plans.append(hand)
+        search.hand_set.append(hand)
         search.ranked += rank(plans, machines, curve)  # one sequential candidate: the first path's
         search.machines[each], search.curves[each] = machines, curve
     search.ranked.sort(key=lambda entry: entry[0])  # stable: ties keep each path's order
@@ -331,14 +341,16 @@ def time_plans(op: str, m: int, n: int, k: int, group, device, dtype, chosen: li
 def tune_plan(op: str, m: int, n: int, k: int, group, device, dtype, path: str = "nccl", top: int = 3,
               exhaustive: bool = False, progress: Callable[[str], None] = print,
               search: Search | None = None, iters: int = 10) -> tuple[Plan, list[dict]]:
-    """Rank the candidates with the model (``model_search``, or the ``search`` given), time the top ``top`` and
-    the sequential plan (every candidate if ``exhaustive``) and cache the one ``choose`` picks, under ``path``
-    (``"auto"``: the winner's path is part of its plan). Returns the winner and one record per candidate timed, in
-    the model's order."""
+    """Rank the candidates with the model (``model_search``, or the ``search`` given), time the top ``top``, the
+    sequential plan and the hand-set plans (every candidate if ``exhaustive``) and cache the one ``choose``
+    picks, under ``path`` (``"auto"``: the winner's path is part of its plan). Returns the winner and one record
+    per candidate timed, in the model's order."""
     search = search or model_search(op, m, n, k, group, device, dtype, path)
     chosen = search.ranked if exhaustive else search.ranked[:top]
     if not any(plan.sequential for _, plan in chosen):  # the reference every overlapped plan must beat
         chosen = chosen + [entry for entry in search.ranked if entry[1].sequential][:1]
+    timed = {plan for _, plan in chosen}
+    chosen = chosen + [entry for entry in search.ranked if entry[1] in search.hand_set and entry[1] not in timed]
     records = time_plans(op, m, n, k, group, device, dtype, chosen, iters, progress)
     best = choose(records)
     winner = Plan.from_dict(best["plan"])
@@ -427,9 +439,11 @@ VALIDATE_ITERS = 6
 
 def model_check_row(op: str, path: str, m: int, n: int, k: int, records: list[dict], top: int = 3) -> dict:
     """BENCHMARK.md's model-check row from every candidate's record, in the model's order: the model's pick is
-    what ``tune plan`` caches (``choose`` among the model's ``top`` and sequential, with their measured times), its
-    predicted time against its measured one, and the exhaustive best."""
+    what ``tune plan`` caches (``choose`` among the model's ``top``, sequential and the records marked
+    ``hand_set``, with their measured times), its predicted time against its measured one, and the exhaustive
+    best."""
     confirmed = records[:top] + [r for r in records[top:] if r["plan"]["sequential"]][:1]
+    confirmed += [r for r in records[top:] if r.get("hand_set") and r not in confirmed]
     pick, best = choose(confirmed), min(records, key=lambda r: r["measured_ms"])
 
     def name(record: dict) -> str:
@@ -460,12 +474,14 @@ def _validate(args, group, device, dtype, rank, world) -> None:
         for m, n, k in grids[op]:
             _, every, search = _tune_with_bar(op, m, n, k, group, device, dtype, args.path, 0, True, rank,
                                               VALIDATE_ITERS)
+            for record in every:
+                record["hand_set"] = Plan.from_dict(record["plan"]) in search.hand_set
             row = model_check_row(op, args.path, m, n, k, every)
             row["machines"] = {p: [{"tile": list(dataclasses.astuple(tile)), **machine.to_dict()}
                                    for tile, machine in machines.items()] for p, machines in search.machines.items()}
             row["curves"] = {p: curve.to_dict() for p, curve in search.curves.items()}
             row["all"] = [{"plan": _shapeless(r["plan"]), "predicted_ms": r["predicted_ms"],
-                           "measured_ms": r["measured_ms"]} for r in every]
+                           "measured_ms": r["measured_ms"], "hand_set": r["hand_set"]} for r in every]
             rows.append(row)
             if rank != 0:
                 continue
