@@ -29,6 +29,18 @@ def _default_plan(op: str, m: int, n: int, k: int, world_size: int, num_sms: int
                         path=path)
 
 
+def _cached_plan(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
+                 dtype: torch.dtype, path: str) -> Plan | None:
+    """The plan cache's plan for this call under ``path`` (``"auto"``: `tune plan --path auto`'s): the shape's
+    own, the nearest tuned M's, or None. Collective on a group's first lookup (rank 0's entries are agreed)."""
+    world_size = dist.get_world_size(group)
+    key = cache.cache_key(torch.cuda.get_device_name(device), world_size, op, path, str(dtype).replace("torch.", ""))
+    with torch.cuda.device(device):  # the exchange's tensors go to this device
+        entries = cache.agreed_entries(group, key)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return cache.select(entries, op, m, n, k, world_size, num_sms)
+
+
 def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
              dtype: torch.dtype, path: str = "nccl", tuned: bool = True) -> Plan:
     """The plan a call of ``op`` at this shape uses when none is given: on CUDA, the tuned plan from the plan cache
@@ -41,10 +53,7 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
     if device.type != "cuda":
         return _default_plan(op, m, n, k, world_size, 132, element_size, None)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    key = cache.cache_key(torch.cuda.get_device_name(device), world_size, op, path, str(dtype).replace("torch.", ""))
-    with torch.cuda.device(device):  # the exchange's tensors go to this device
-        entries = cache.agreed_entries(group, key)
-    cached = cache.select(entries, op, m, n, k, world_size, num_sms) if tuned else None
+    cached = _cached_plan(op, m, n, k, group, device, dtype, path) if tuned else None
     if cached is not None:
         return cached
     if path == "p2p":
@@ -85,12 +94,7 @@ def _automatic_path(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, d
     """The path (and the tuned plan, if one decided it) for a path="auto" call; collective on first use."""
     world_size = dist.get_world_size(group)
     disabled = os.environ.get("NCCL_P2P_DISABLE") == "1"
-    key = cache.cache_key(torch.cuda.get_device_name(device), world_size, op, "auto",
-                          str(dtype).replace("torch.", ""))
-    with torch.cuda.device(device):
-        entries = cache.agreed_entries(group, key)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tuned = cache.select(entries, op, m, n, k, world_size, num_sms)
+    tuned = _cached_plan(op, m, n, k, group, device, dtype, "auto")
     # Collective (once per group), and only where the answer can matter; every rank takes the same branch.
     wanted = not disabled and (op in AUTO_P2P_OPS or (tuned is not None and tuned.path == "p2p"))
     reason = p2p_unavailable_reason(group, device) if wanted else None

@@ -80,8 +80,7 @@ class Machine:
         return dict(self.band_ms).get(rows, self.cublas_ms * rows / total_rows)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "band_ms": [list(pair) for pair in self.band_ms],
-                "grid_ms": [list(pair) for pair in self.grid_ms]}
+        return dataclasses.asdict(self)  # JSON writes the pairs' tuples as lists; from_dict reads either
 
     @classmethod
     def from_dict(cls, data: dict) -> Machine:

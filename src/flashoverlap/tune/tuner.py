@@ -48,11 +48,12 @@ def curve_file(key: dict):
 
 
 def measure_curve(op: str, path: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                  max_bytes: int, progress: Callable[[str], None] = print) -> Curve:
+                  max_bytes: int, progress: Callable[[str], None] = print, band=None) -> Curve:
     """The time of one group's communication against the group's bytes (``Plan.group_bytes``), at log-spaced
     sizes from 64 KiB to ``max_bytes`` (a factor 2 apart): the NCCL collective, or on the P2P path what the copy
-    stream does for a band (``p2p_band_work``), with every rank doing it at once as in a call."""
-    band = _p2p_band_runner(op, group, device, dtype, max_bytes) if path == "p2p" else None
+    stream does for a band (``p2p_band_work``; ``band``: a runner from ``band_runner`` to reuse), with every rank
+    doing it at once as in a call."""
+    band = band or band_runner(op, path, group, device, dtype, max_bytes)
     sizes, times, size = [], [], MIN_CURVE_BYTES
     while True:
         nbytes, call = _communication(op, group, device, dtype, size, band)
@@ -79,7 +80,8 @@ def _communication(op: str, group, device, dtype, size: int, band) -> tuple[int,
     return count * element, call
 
 
-def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int) -> tuple[float, float]:
+def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int,
+                      band=None) -> tuple[float, float]:
     """``(gemm_slowdown, comm_slowdown)`` for the model: steady state, ``SLOWDOWN_GEMMS`` back-to-back runs of our
     GEMM as the overlapped ops run it (4096x8192x8192, one program per tile, signalling) on one stream beside
     back-to-back communication of ``SLOWDOWN_BYTES`` (as ``measure_curve`` times it) on a high-priority stream,
@@ -88,7 +90,7 @@ def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int) 
     ran, over their time alone. Maximum over ranks. (Beside cuBLAS, whose programs hold their SMs to the end of
     each GEMM, the communication's kernels wait for the GEMM's end: 4-7x slower on NVLink at 330bb22, a
     situation the ops' GEMM, whose programs retire tile by tile, does not create.)"""
-    band = _p2p_band_runner(op, group, device, dtype, max_bytes) if path == "p2p" else None
+    band = band or band_runner(op, path, group, device, dtype, max_bytes)
     _, move = _communication(op, group, device, dtype, min(SLOWDOWN_BYTES, max_bytes), band)
     world = dist.get_world_size(group)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -134,6 +136,11 @@ def p2p_band_work(op: str, nbytes: int, world: int) -> tuple[int, int, bool]:
     peer: all-gather the peer's rows of the band; reduce-scatter the peer's partial of this rank's rows;
     all-reduce the peer's partial of this rank's share, then (second round) the peer's reduced share."""
     return (2 if op == "all_reduce" else 1), nbytes // world, op != "all_gather"
+
+
+def band_runner(op: str, path: str, group, device, dtype, max_bytes: int) -> Callable[[int], None] | None:
+    """On the P2P path, a ``_p2p_band_runner`` (it allocates symmetric memory, collectively); None on NCCL."""
+    return _p2p_band_runner(op, group, device, dtype, max_bytes) if path == "p2p" else None
 
 
 def _p2p_band_runner(op: str, group, device, dtype, max_bytes: int) -> Callable[[int], None]:
@@ -403,8 +410,10 @@ def main(args) -> int:
         if args.tune_command == "bandwidth":
             for op in args.ops.split(","):
                 key = cache.cache_key(torch.cuda.get_device_name(device), world, op, args.path, args.dtype)
-                curve = measure_curve(op, args.path, group, device, dtype, args.max_mib << 20, say)
-                slowdowns = measure_slowdowns(op, args.path, group, device, dtype, args.max_mib << 20)
+                # One P2P runner (and symmetric workspace) for both measurements of the op.
+                band = band_runner(op, args.path, group, device, dtype, args.max_mib << 20)
+                curve = measure_curve(op, args.path, group, device, dtype, args.max_mib << 20, say, band)
+                slowdowns = measure_slowdowns(op, args.path, group, device, dtype, args.max_mib << 20, band)
                 if rank == 0:
                     store_curve(key, curve, slowdowns)
                 say(f"{op}: {len(curve.sizes)} sizes, slowdowns GEMM x{slowdowns[0]:.3f}, communication "
