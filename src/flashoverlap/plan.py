@@ -28,6 +28,10 @@ GEMMS = ("triton", "cublas")
 
 # Counters live in one small per-device buffer; a plan may not use more groups than it holds.
 MAX_GROUPS = 1024
+# The P2P path (comm/ring_schedule.py): its flag header is laid out for up to this many ranks and sub-bands per
+# rank block.
+P2P_MAX_RANKS = 8
+P2P_MAX_SUB_BANDS = 16
 
 
 def _is_pow2(x: int) -> bool:
@@ -127,8 +131,8 @@ class Plan:
             raise ValueError(f"Plan.path must be one of {PATHS}, got {self.path!r}")
         if self.gemm not in GEMMS:
             raise ValueError(f"Plan.gemm must be one of {GEMMS}, got {self.gemm!r}")
-        if self.gemm == "cublas" and self.path != "nccl":
-            raise ValueError("Plan.gemm 'cublas' (bands computed by cuBLAS) is only for the NCCL path")
+        if self.path == "p2p" and self.gemm != "cublas" and not self.sequential:
+            raise ValueError("Plan.gemm must be 'cublas' on the P2P path (cuBLAS multiplies every sub-band there)")
         for name in ("m", "n", "k", "world_size", "num_programs"):
             _check_int(f"Plan.{name}", getattr(self, name), 1)
         _check_int("Plan.comm_ctas", self.comm_ctas, 0)
@@ -153,6 +157,21 @@ class Plan:
             )
         if len(rows) > MAX_GROUPS:
             raise ValueError(f"a plan may have at most {MAX_GROUPS} groups, got {len(rows)}")
+        if self.path == "p2p" and not self.sequential:
+            self._check_p2p(len(rows))
+
+    def _check_p2p(self, groups: int) -> None:
+        if self.world_size > P2P_MAX_RANKS:
+            raise ValueError(f"the P2P path serves up to {P2P_MAX_RANKS} ranks, got world_size {self.world_size}")
+        if self.op == "all_reduce" and groups % self.world_size:
+            raise ValueError(
+                f"a P2P all-reduce plan cuts C into world_size = {self.world_size} rank blocks of the same number "
+                f"of groups (sub-bands): its group count must be a multiple of world_size, got {groups}"
+            )
+        per_block = groups // self.world_size if self.op == "all_reduce" else groups
+        if per_block > P2P_MAX_SUB_BANDS:
+            raise ValueError(f"a P2P plan may have at most {P2P_MAX_SUB_BANDS} sub-bands per rank block, got "
+                             f"{per_block}")
 
     # -- serialization (the plan cache) ---------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -357,6 +376,8 @@ MIN_OVERLAP_WAVES = 2.0
 # Reduce-scatter paid from a lower ratio: 16384x8192x4096 (ratio 0.43) hid half the hideable time with 8 groups,
 # one program per tile (benchmarks/results/logs, sweep at d2b0ea3).
 MIN_OVERLAP_COMM_RATIO = {"all_reduce": 0.5, "reduce_scatter": 0.4, "all_gather": 0.5}
+# Sub-bands per rank block of the P2P path's reductions by default.
+P2P_SUB_BANDS = 2
 # NCCL CTAs for all-gather plans.
 ALL_GATHER_COMM_CTAS = 16
 # SMs a GEMM leaves to NCCL in communication-bound plans, and in every all-gather plan (whose GEMM waits for NCCL):
@@ -436,10 +457,9 @@ def default_plan(
     - otherwise: 8 even groups, one program per tile (programs retire as they finish, which lets NCCL's blocks
       in on the high-priority stream), NCCL's own CTA count.
 
-    ``path="p2p"``: copy engines move the bands and take no SM, so the ratio does not decide (the transfer costs
-    the GEMM a few percent, not an SM share); sequential only where the GEMM is too small to overlap anything.
-    All-gather: 4 even groups, the GEMM persistent on every SM. Reduce-scatter and all-reduce: 8 even groups, one
-    program per tile (the small kernels that sum each band's pulled partials get SMs as GEMM programs retire).
+    ``path="p2p"`` (copy engines and cuBLAS, ``comm/ring_schedule.py``): every multiplication by cuBLAS, ``S``
+    sub-bands per rank block: 2 for the reductions (measured best on 2 H200s; 8 lost, their GEMMs too small), 1 for
+    all-gather (the own shard's GEMM hides the whole pull of a peer's shard).
 
     ``gemm="cublas"`` (NCCL path): the decomposition as a plan, 4 even bands each computed by cuBLAS; the tuner
     weighs it against the signalling GEMM's plans. Never the default.
@@ -460,15 +480,20 @@ def default_plan(
         or world_size == 1
         or (path == "nccl" and comm_ratio is not None and comm_ratio < MIN_OVERLAP_COMM_RATIO[op])
     )
+    if path == "p2p":
+        gemm = "cublas"
+        per_block = num_groups or (1 if op == "all_gather" else P2P_SUB_BANDS)
+        if op == "all_reduce":  # the ring's W blocks, each of per_block groups
+            per_block = min(per_block, tiles_m // world_size)
+            too_small = too_small or per_block < 1 or world_size > P2P_MAX_RANKS
+            num_groups = per_block * world_size
+        else:
+            num_groups = per_block
     if too_small and allow_sequential:
         return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True, path)
     comm_bound = comm_ratio is not None and comm_ratio >= 1.0
-    if gemm == "cublas":
+    if gemm == "cublas" or path == "p2p":
         choice = dict(num_groups=4, profile="even", num_programs=num_sms, comm_ctas=0)
-    elif path == "p2p" and op == "all_gather":
-        choice = dict(num_groups=4, profile="even", num_programs=num_sms, comm_ctas=0)
-    elif path == "p2p":
-        choice = dict(num_groups=8, profile="even", num_programs=tiles_m * tiles_n, comm_ctas=0)
     elif op == "all_gather":
         # The GEMM spins on bands NCCL delivers, so NCCL must always find SMs: a fixed CTA count and that many
         # SMs never taken by the GEMM (deadlock rule 2).
@@ -482,4 +507,6 @@ def default_plan(
     given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)
     choice.update({key: value for key, value in given.items() if value is not None})
     rows = split_rows(tiles_per_block, choice["num_groups"], choice["profile"])
+    if path == "p2p" and op == "all_reduce" and len(rows) % world_size:
+        return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, 0, True, path)
     return Plan(op, m, n, k, world_size, tile, rows, choice["num_programs"], choice["comm_ctas"], False, path, gemm)

@@ -1,6 +1,14 @@
-"""Communicators: issue the communication for each group of a plan once the group is ready.
+"""Communicators: each runs one call of a plan, behind one interface that every op uses:
+``run(plan, a, b, ...) -> (result, gathered input or None)``.
 
-``reference`` runs a plan group by group with ``torch.matmul`` and blocking collectives, on any device (it is the
-executable specification and the CPU test oracle); ``nccl`` waits on the GEMM's counters with zero-SM stream waits
-and issues ``torch.distributed`` collectives per group on a high-priority stream.
+- ``reference``: the plan group by group with ``torch.matmul`` and blocking collectives, on any device (gloo on
+  the CPU included); the executable specification and the CPU test oracle.
+- ``sequential``: ``matmul`` then one collective, where a plan says overlap cannot pay.
+- ``nccl``: FlashOverlap's design, a signalling GEMM (or cuBLAS bands) and ``torch.distributed`` collectives per
+  group on a high-priority stream; works across nodes and through host memory.
+- ``p2p``: over NVLink, cuBLAS sub-bands, copy-engine pulls from symmetric memory and reductions fused into cuBLAS,
+  scheduled as a ring (``ring_schedule``).
+
+``state.state_of(group, device)`` holds each (process group, device)'s communicators and everything else kept
+per group.
 """

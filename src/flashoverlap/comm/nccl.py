@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.collectives import all_gather_into_tensor, place_own_shard, reduce_scatter_tensor
-from flashoverlap.plan import MAX_GROUPS, Plan
-
-_COMMUNICATORS: dict[tuple[int, int], NcclCommunicator] = {}
+from flashoverlap.comm.state import refuse_inside_capture
+from flashoverlap.comm.collectives import gathered_in_rank_order
+from flashoverlap.kernels.gemm import gemm
+from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
 
 def debug_timeout() -> float | None:
@@ -52,46 +53,77 @@ def debug_timeout() -> float | None:
     return seconds if seconds > 0 else None
 
 
-def communicator(group: dist.ProcessGroup, device: torch.device) -> NcclCommunicator:
-    """The communicator of ``group`` on ``device``, created on first use."""
-    key = (id(group), device.index)
-    comm = _COMMUNICATORS.get(key)
-    if comm is None or comm.group is not group:
-        _refuse_inside_capture()
-        comm = _COMMUNICATORS[key] = NcclCommunicator(group, device)
-    return comm
-
-
-def _refuse_inside_capture() -> None:
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "flashoverlap: the first call of an op for a (process group, dtype, comm_ctas) creates NCCL state and "
-            "buffers and cannot be captured in a CUDA graph; call the op once before capturing"
-        )
-
-
 class NcclCommunicator:
     """Counters, a high-priority stream and the NCCL groups for one (process group, device)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group = group
-        self.device = device
-        self.rank = dist.get_rank(group)
+    def __init__(self, state) -> None:
+        self.group = state.group
+        self.device = state.device
+        self.rank = state.rank
+        self.name = state.name
         # The most negative priority is clamped to the device's highest.
-        self.comm_stream = torch.cuda.Stream(device=device, priority=-(1 << 10))
-        self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
+        self.comm_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))
+        self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
         # All-gather: flags[g] != 0 once group g's band of every shard has landed; zero between calls.
-        self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
         self._warm: set[tuple[str, int, torch.dtype]] = set()
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
         # When a list: each reduction-type call appends, per group, (index, ready event, done event): the moment
         # the comm stream saw the group's tiles complete, and the moment its collective finished (timeline).
         self.timeline: list | None = None
 
+    # -- one call ----------------------------------------------------------------------------------------
+    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str,
+            return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One overlapped call of ``plan`` (not sequential): the op's result, and for all-gather the gathered input
+        in rank order where ``return_gathered``."""
+        if plan.op == "all_gather":
+            return self._all_gather_gemm(plan, a, b, op, return_gathered)
+        self.prepare(plan, a.dtype)
+        product, ready = produce(a, b, plan, self.counters)
+        if plan.op == "all_reduce":
+            self.all_reduce(product, plan, ready)
+            return product, None
+        out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
+        self.reduce_scatter(out, product, plan, ready)
+        return out, None
+
+    def _all_gather_gemm(self, plan: Plan, a_shard: torch.Tensor, b: torch.Tensor, op: str,
+                         return_gathered: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The communication stream gathers band after band (launched before the GEMM: here it is the producer)
+        and raises a flag per band; the GEMM, persistent on all SMs but those left to NCCL, computes its own shard
+        and then waits in-kernel for each band's flag. NCCL runs a fixed ``comm_ctas`` CTAs on SMs the GEMM never
+        takes, so every wait is satisfiable (deadlock rule 2): plans that leave fewer SMs than ``nccl_free_sms``
+        are refused. Inside a CUDA-graph capture the in-kernel waits become graph edges (``_bands_by_cublas``)."""
+        device = a_shard.device
+        if plan.gemm == "triton":  # only a GEMM that spins on the bands can starve NCCL
+            check_leaves_nccl_sms(plan, torch.cuda.get_device_properties(device).multi_processor_count, op)
+        self.prepare(plan, a_shard.dtype)
+        gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
+        if plan.gemm == "cublas" or torch.cuda.is_current_stream_capturing():
+            c = _bands_by_cublas(self, gathered, a_shard, b, plan)
+        else:
+            _cublas_ready(device, a_shard.dtype)
+            self.all_gather(gathered, a_shard, plan)
+            timeout = debug_timeout()
+            wait_error = torch.zeros(1, dtype=torch.int32, device=device) if timeout else None
+            # About a microsecond a poll: the debug bound in polls.
+            max_spins = int(timeout * 1e6) if timeout else 0
+            c = gemm(gathered, b, plan, flags=self.flags, rank=self.rank, wait_error=wait_error,
+                     max_spins=max_spins)
+            self.finish_all_gather(plan)
+            if wait_error is not None and int(wait_error.item()):
+                g = int(wait_error.item()) - 1
+                raise RuntimeError(
+                    f"flashoverlap: rank {self.rank}: {op} on {self.name} waited more than about {timeout:g} s for "
+                    f"group {g} of {plan.num_groups} (FLASHOVERLAP_DEBUG_TIMEOUT); its band never arrived"
+                )
+        return c, gathered_in_rank_order(gathered, plan) if return_gathered else None
+
     # -- 1. before the GEMM -----------------------------------------------------------------------------
     def prepare(self, plan: Plan, dtype: torch.dtype) -> None:
         if (plan.op, plan.comm_ctas, dtype) not in self._warm:
-            _refuse_inside_capture()
+            refuse_inside_capture("creates NCCL state and buffers")
             comm_group = self.comm_group(plan.comm_ctas)
             # The very collective the plan will issue, once, outside any wait: NCCL loads its kernels lazily.
             world_size = dist.get_world_size(comm_group)
@@ -205,8 +237,84 @@ class NcclCommunicator:
             while not event.query():
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"flashoverlap: rank {self.rank}: group {grp.index} of {plan.num_groups} (rows "
+                        f"flashoverlap: rank {self.rank}: {plan.op} on {self.name}: group {grp.index} of {plan.num_groups} (rows "
                         f"[{grp.row_start}, {grp.row_end})) did not see its {grp.tile_count} tiles within "
                         f"{timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT); its counter never reached the plan's count"
                     )
                 time.sleep(1e-4)
+
+
+_CUBLAS_READY: set[tuple[torch.device, torch.dtype]] = set()
+
+
+def check_leaves_nccl_sms(plan: Plan, num_sms: int, op: str = "all_gather_gemm") -> None:
+    """Deadlock rule 2: the GEMM spins on bands that NCCL delivers, so it must leave NCCL ``nccl_free_sms`` SMs
+    (its CTAs and a margin) that it never occupies."""
+    free = nccl_free_sms(num_sms, plan.comm_ctas)
+    if plan.comm_ctas < 1 or plan.grid_size + free > num_sms:
+        raise ValueError(
+            f"{op}: the plan's GEMM ({plan.grid_size} programs) waits for bands NCCL delivers with "
+            f"{plan.comm_ctas} CTAs; it needs comm_ctas >= 1 and programs <= {num_sms} SMs - {free} left to NCCL, "
+            "or the waits could starve NCCL of SMs and hang (DESIGN.md, deadlock rule 2)"
+        )
+
+
+def _cublas_ready(device: torch.device, dtype: torch.dtype) -> None:
+    """Create this thread's cuBLAS handle on an eager call: the captured schedule multiplies with cuBLAS, and
+    creating a handle inside a capture fails (CUBLAS_STATUS_NOT_INITIALIZED, seen on the H200s)."""
+    if (device, dtype) not in _CUBLAS_READY:
+        torch.matmul(torch.zeros(1, 1, dtype=dtype, device=device), torch.zeros(1, 1, dtype=dtype, device=device))
+        _CUBLAS_READY.add((device, dtype))
+
+
+def _bands_by_cublas(comm: NcclCommunicator, gathered: torch.Tensor,
+                     a_shard: torch.Tensor, b: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Plans with ``gemm="cublas"``, and every call inside a CUDA-graph capture: the same bands gathered in the
+    same order, but each band's slots multiplied by cuBLAS once the band's event has fired, the dependency a stream
+    (graph) edge instead of an in-kernel spin. In a graph this is required: a graph may serialize its branches
+    onto one hardware queue, where a spinning GEMM ahead of the NCCL kernels it waits for would never finish (the
+    in-kernel schedule hung under graph replay on the H200s; that serialization is the likely cause, not a proven
+    one). Overlap in a graph is therefore decomposition-like."""
+    arrived = comm.all_gather(gathered, a_shard, plan, events=True)
+    producer = torch.cuda.current_stream(gathered.device)
+    c = torch.empty((plan.m, plan.n), dtype=gathered.dtype, device=gathered.device)
+    c_blocks = c.view(plan.world_size, plan.block_rows, plan.n)  # rank r's rows of the result: c_blocks[r]
+
+    def multiply(grp, r):
+        band = gathered[grp.out_row_start : grp.out_row_end].view(plan.world_size, grp.rows, plan.k)
+        torch.matmul(band[r], b, out=c_blocks[r, grp.row_start : grp.row_end])
+
+    for grp in plan.groups:  # the own shard is in place before the first collective: no wait
+        multiply(grp, comm.rank)
+    for grp, event in zip(plan.groups, arrived):
+        producer.wait_event(event)
+        for step in range(1, plan.world_size):
+            multiply(grp, (comm.rank + step) % plan.world_size)
+    comm.finish_all_gather(plan)
+    return c
+
+
+def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan,
+            counters: torch.Tensor) -> tuple[torch.Tensor, list[torch.cuda.Event] | None]:
+    """A reduction plan's product (``C``, or the reduce-scatter workspace) and what the communicator waits on for
+    each group: the events of cuBLAS bands, or None for the signalling GEMM, which bumps ``counters``."""
+    if plan.gemm == "cublas":
+        out = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
+        return out, compute_bands(a, b, plan, out)
+    return gemm(a, b, plan, counters=counters), None
+
+
+def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tensor) -> list[torch.cuda.Event]:
+    """``out`` (``C``, or the reduce-scatter workspace ``[group][W][rows][N]``) band by band; returns one event
+    per group, recorded on the current stream once the group's rows are written."""
+    stream = torch.cuda.current_stream(a.device) if a.device.type == "cuda" else None  # CPU: the layout alone
+    done = []
+    for grp in plan.groups:
+        for block in range(plan.blocks):  # reduce-scatter: the group's band of every rank block
+            first = block * plan.block_rows + grp.row_start
+            rows = grp.row_end - grp.row_start
+            dst = grp.out_row_start + block * rows if plan.blocks > 1 else grp.row_start
+            torch.matmul(a[first : first + rows], b, out=out[dst : dst + rows])
+        if stream is not None:
+            done.append(stream.record_event())
+    return done

@@ -1,203 +1,161 @@
-"""The P2P communicator (Flux's design, over NVLink): copy engines pull peers' data from symmetric memory, so the
-communication takes no SM and the GEMM may hold every SM while it waits.
+"""The P2P communicator (over NVLink, Flux's principle with cuBLAS): every multiplication by cuBLAS on the caller's
+stream, every byte moved by a copy engine on a copy stream, every reduction fused into cuBLAS (``addmm_`` on the
+pulled partial, beta = 1), and every cross-rank signal a stream memory operation. No SM moves or sums bytes.
 
-Reduce-scatter, one call (``prepare_reduction`` before the GEMM, ``reduce`` after it is launched; the copy
-stream's operations come from ``p2p_schedule.reduction``, which the CPU tests simulate for every rank):
-the GEMM writes its ``[group][W][rows][N]`` workspace straight into this rank's symmetric memory and bumps a
-counter per group. On ``S``, per group: wait for the counter (no SM) and reset it; tell every peer "my band g is
-written" by setting flag ``g*W + rank`` in the peer's workspace (a stream write into peer memory); wait until every
-peer has set ours, and reset them; pull each rank's partial of this rank's rows (own first, then rank+1, ...) into
-a local scratch with the copy engine; sum the W partials into the output band (one small kernel, fp32
-accumulation). Last, the **done** barrier on ``S``: no rank's next call overwrites a workspace a peer still pulls
-from; then ``P`` joins ``S``.
+The schedule (which rows, in which order, which flags) is ``comm/ring_schedule.py``, whose module docstring argues
+why it cannot deadlock; this module only issues it. One call:
 
-All-reduce is the same with the group's rows of ``C`` cut into W shares: rank r sums share r of every rank's
-partial into its output, copies that reduced share back into its own workspace (no peer reads those partial rows),
-sets a second flag in every peer, and pulls every peer's reduced share into its output once their flags are set.
+1. Before anything is queued: the symmetric workspace is large enough (growing it is collective and refused
+   inside a CUDA-graph capture) and the region layout is fixed by its size.
+2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` /
+   ``addmm_``), ``Copy`` on the copy stream ``X`` (``cuMemcpyDtoDAsync``), ``Wait`` (``cuStreamWaitValue32`` then
+   a reset by ``cuStreamWriteValue32``), ``Signal`` (``cuStreamWriteValue32`` into this rank's or a peer's flag
+   header), and events between the two streams.
+3. ``C`` waits for ``X``: the result is complete on the caller's stream, as after ``matmul`` and a collective.
 
-Barriers are stream memory operations too (``p2p_schedule.barrier``): each rank sets its slot of the channel in
-every peer's flag header, waits for the peers' slots in its own and resets them. No kernel and no host wait (the
-kernel barrier of PyTorch's symmetric memory blocked the host for 1.3-1.7 ms a call behind these streams on the
-H200s), and, since every flag is reset by its waiter before anything a peer's next signal depends on, no epochs:
-the same operations can be captured in a CUDA graph and replayed.
-
-Why it cannot deadlock: the GEMMs wait on nothing; each ``S`` waits on its own GEMM's counters and on flags that
-the peers' ``S`` set after waiting only on their own GEMMs' counters (all-reduce's second round: on the peers'
-first rounds, which every ``S`` completes before its own second; the done barrier: on the peers' whole schedules,
-which need nothing of this rank that precedes it); copies need no SM, and the summing kernels need SMs but nothing
-waits for them except the stream that follows. They are queued behind stream waits, so the first call of each plan
-runs them once beforehand, eagerly (rule 3: no kernel is loaded behind a wait).
-
-All-gather, one call, on the caller's (producer) stream ``P`` and this communicator's copy stream ``S``:
-
-1. On ``P``: this rank's shard into its symmetric workspace and into its own slots of the gathered buffer.
-2. On ``S`` (after ``P``): the **ready** barrier (every rank's shard is in place before anyone pulls); for each
-   group's band, for each peer in rotated order (rank+1, rank+2, ...: at any moment the ranks pull from different
-   peers), ``cuMemcpyDtoDAsync`` of the peer's band rows into their slot, then ``cuStreamWriteValue32(flags[g] =
-   1)``; last the **done** barrier: no rank overwrites its workspace (step 1 of the next call) while a peer may
-   still be pulling from it.
-3. On ``P``: the GEMM, on every SM, computes its own shard's tiles and waits in the kernel (acquire) for each
-   band's flag (launched after step 2 is queued: rule 1). It starts without waiting for the peers.
-4. On ``P``: wait for ``S`` and clear the flags.
-
-Why it cannot deadlock: the GEMM waits only on flags that ``S`` writes after copies, which need no SM and depend
-only on the peers' ready signals; each rank signals ready after work that waits on nothing, and done after its own
-copies. Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` all of ``S`` is queued ahead of the GEMM. Inside a CUDA graph the
-op expresses each band's arrival as a graph edge instead (``events=True``), because a graph may order a spinning
-kernel ahead of its producer.
+With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set (outside a capture), an event after every flag wait is polled with a
+deadline; a wait that does not end in time raises an error naming the rank, the op, the group and the flag.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
-import torch.distributed as dist
 
-from flashoverlap.comm import p2p_schedule as schedule
+from flashoverlap.comm import ring_schedule as rs
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.collectives import place_own_shard
+from flashoverlap.comm.nccl import debug_timeout
 from flashoverlap.comm.symmetric import SymmetricWorkspace
-from flashoverlap.plan import MAX_GROUPS, Plan
+from flashoverlap.plan import Plan
 
-_COMMUNICATORS: dict[tuple[int, int], P2PCommunicator] = {}
-
-
-def communicator(group: dist.ProcessGroup, device: torch.device) -> P2PCommunicator:
-    """The P2P communicator of ``group`` on ``device``, created on first use."""
-    key = (id(group), device.index)
-    comm = _COMMUNICATORS.get(key)
-    if comm is None or comm.group is not group:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "flashoverlap: the first P2P call for a process group creates streams and symmetric memory and "
-                "cannot be captured in a CUDA graph; call the op once before capturing"
-            )
-        comm = _COMMUNICATORS[key] = P2PCommunicator(group, device)
-    return comm
+REGION_ALIGN = 1 << 16
 
 
 class P2PCommunicator:
-    """A copy stream, per-band flags and counters, and a symmetric workspace for one (process group, device)."""
+    """Copy stream, events and symmetric workspace for one (process group, device) (``comm/state.py``)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group = group
-        self.device = device
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.copy_stream = torch.cuda.Stream(device=device, priority=-(1 << 10))
-        self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)  # all-gather: band g has landed
-        self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)  # reduce-scatter: tiles done
-        self.workspace = SymmetricWorkspace(group, device)
-        self._summed: set[tuple[Plan, torch.dtype]] = set()  # plans whose summing kernels are loaded
+    def __init__(self, state) -> None:
+        self.group = state.group
+        self.device = state.device
+        self.rank = state.rank
+        self.world_size = state.world_size
+        self.name = state.name
+        self.copy_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))
+        self.workspace = SymmetricWorkspace(self.group, self.device)
+        self._events: list[torch.cuda.Event] = []
+        self._flag_ptrs: dict[tuple[int, int], int] = {}
 
-    # -- all-gather ----------------------------------------------------------------------------------------------
-    def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
-                   events: bool = False) -> list[torch.cuda.Event]:
-        """Fill ``gathered`` (the plan's ``[group][W][rows][K]`` layout) band by band, raising ``flags[g]`` once
-        band ``g`` of every peer has landed (or, with ``events``, returning one event per band instead)."""
-        producer = torch.cuda.current_stream(self.device)
-        shard_rows, k = a_shard.shape
-        self.workspace.ensure(a_shard.numel() * a_shard.element_size(), "all_gather_gemm")
-        self.workspace.local((shard_rows, k), a_shard.dtype).copy_(a_shard)
-        place_own_shard(gathered, a_shard, plan, self.rank)
-        self.copy_stream.wait_stream(producer)
-        row_bytes = k * a_shard.element_size()
-        bases = {"gathered": lambda rank: gathered.data_ptr(), "shard": self.workspace.peer_ptr}
-        arrived: list[torch.cuda.Event] = []
+    def _region_bytes(self) -> int:
+        return (self.workspace.nbytes // rs.regions(self.world_size)) // REGION_ALIGN * REGION_ALIGN
 
-        def address(loc: schedule.Loc) -> int:
-            if loc.space == "band":
-                return self.flags.data_ptr() + 4 * loc.offset
-            return bases[loc.space](loc.rank) + loc.offset * row_bytes
+    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str,
+            return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One overlapped call of ``plan`` (not sequential): the op's result, and for all-gather the gathered input
+        (rank order) where ``return_gathered``."""
+        self.prepare(plan, a.dtype, op)
+        rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
+        out = torch.empty((rows, plan.n), dtype=a.dtype, device=a.device)
+        gathered = None
+        if return_gathered:
+            gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
+        self.issue(plan, a, b, out, op, gathered)
+        return out, gathered
 
-        def band_arrived(op: schedule.Write) -> bool:  # in a capture: the band's arrival as a graph edge
-            if events and op.loc.space == "band":
-                arrived.append(self.copy_stream.record_event())
-                return True
-            return False
+    def prepare(self, plan: Plan, dtype: torch.dtype, op: str) -> None:
+        """Step 1: the workspace holds this plan's largest region, in each of the ``W + 1`` region slots."""
+        width = plan.k if plan.op == "all_gather" else plan.n
+        element = torch.empty((), dtype=dtype).element_size()
+        need = rs.region_rows(plan) * width * element
+        if need > self._region_bytes():
+            size = rs.regions(self.world_size) * (need + REGION_ALIGN)
+            if self.workspace.ensure(size, op, ones=(rs.FREE_BASE, rs.FLAG_SLOTS_USED)):
+                self._flag_ptrs.clear()
 
-        self._execute(schedule.all_gather(plan, self.rank), address, row_bytes, band_arrived)
-        return arrived
+    def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
+              gathered: torch.Tensor | None = None) -> None:
+        """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the caller's stream; for
+        all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it is returned)."""
+        ops = rs.schedule(plan, self.rank, gathered_own=gathered is not None and plan.op == "all_gather")
+        compute = torch.cuda.current_stream(self.device)
+        copy = self.copy_stream
+        while len(self._events) < rs.events(ops):
+            self._events.append(torch.cuda.Event())
+        events = self._events
+        element = a.element_size()
+        width = plan.k if plan.op == "all_gather" else plan.n
+        row_bytes = width * element
+        region = self._region_bytes()
+        own_sym = self.workspace.local((self.workspace.nbytes,), torch.uint8)
+        if gathered is None and plan.op == "all_gather":
+            gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=self.device)
+        tensors = {"a": a, "out": out, "gathered": gathered}
+        bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
+        streams = {"C": compute, "X": copy}
+        timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
+        waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
 
-    def finish_all_gather(self, plan: Plan) -> None:
-        """After the GEMM: join the copy stream (whose last operations are the done barrier) and clear the
-        flags."""
-        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        self.flags[: plan.num_groups].zero_()
+        def sym_view(loc: rs.Loc, rows: int) -> torch.Tensor:
+            start = rs.region_index(loc.kind, self.world_size) * region + loc.row * row_bytes
+            return own_sym[start : start + rows * row_bytes].view(a.dtype).view(rows, width)
 
-    def _execute(self, ops: tuple, address, row_bytes: int, intercept=None, out=None, scratch=None) -> None:
-        """Issue ``ops`` (``p2p_schedule``) on the copy stream: ``address(loc)`` resolves the call's own spaces
-        (the workspace headers' flags are resolved here), copies move ``rows * row_bytes`` bytes, and
-        ``intercept(op)`` may take a write over (returning True)."""
-        stream = self.copy_stream
+        def address(loc: rs.Loc) -> int:
+            if loc.space == "sym":
+                return (self.workspace.peer_ptr(loc.rank) + rs.region_index(loc.kind, self.world_size) * region
+                        + loc.row * row_bytes)
+            if loc.space == "flag":
+                return self._flag_ptr(loc.rank, loc.row)
+            row = plan.n * element if loc.space == "out" else row_bytes
+            return bases[loc.space] + loc.row * row
 
-        def resolve(loc: schedule.Loc) -> int:
-            return self.workspace.flag_ptr(loc.rank, loc.offset) if loc.space == "flag" else address(loc)
-
-        with torch.cuda.stream(stream):
-            for op in ops:
-                if isinstance(op, schedule.WaitGeq):
-                    stream_ops.wait_geq(stream, resolve(op.loc), op.value)
-                elif isinstance(op, schedule.Write):
-                    if intercept is None or not intercept(op):
-                        stream_ops.write(stream, resolve(op.loc), op.value)
-                elif isinstance(op, schedule.Copy):
-                    stream_ops.copy(stream, resolve(op.dst), resolve(op.src), op.rows * row_bytes)
+        events[0].record(compute)
+        for item in ops:
+            if isinstance(item, rs.Mm):
+                src = tensors[item.src.space][item.src.row : item.src.row + item.rows]
+                if item.dst.space == "sym":
+                    dst = sym_view(item.dst, item.rows)
                 else:
-                    self._sum(out, scratch, op)
+                    dst = tensors[item.dst.space][item.dst.row : item.dst.row + item.rows]
+                if item.accumulate:
+                    dst.addmm_(src, b)
+                else:
+                    torch.mm(src, b, out=dst)
+            elif isinstance(item, rs.Copy):
+                stream_ops.copy(copy, address(item.dst), address(item.src), item.rows * row_bytes)
+            elif isinstance(item, rs.Wait):
+                stream = streams[item.stream]
+                flag = address(item.flag)
+                stream_ops.wait_geq(stream, flag, 1)
+                stream_ops.write(stream, flag, 0)
+                if timeout is not None:
+                    waited.append((stream.record_event(), item))
+            elif isinstance(item, rs.Signal):
+                stream_ops.write(streams[item.stream], address(item.flag), 1)
+            elif isinstance(item, rs.Record):
+                events[item.event].record(streams[item.stream])
+            else:
+                streams[item.stream].wait_event(events[item.event])
+        compute.wait_stream(copy)
+        for tensor in (a, out, gathered):
+            if tensor is not None:
+                tensor.record_stream(copy)
+        if timeout is not None:
+            self._check_progress(waited, timeout, op)
 
-    # -- reduce-scatter and all-reduce -------------------------------------------------------------------------
-    def prepare_reduction(self, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
-        """Before the GEMM: the workspace it must write (in symmetric memory), and ``S`` ordered after earlier
-        work (not after the GEMM: ``S`` must see each group's counter while the GEMM still runs)."""
-        if 2 * plan.num_groups * self.world_size > schedule.GROUP_FLAG_SLOTS:
-            raise ValueError(f"{plan.op}: the P2P path supports groups * world_size <= "
-                             f"{schedule.GROUP_FLAG_SLOTS // 2}, got "
-                             f"{plan.num_groups} * {self.world_size}")
-        element_size = torch.empty((), dtype=dtype).element_size()
-        self.workspace.ensure(plan.m * plan.n * element_size, plan.op)
-        if (plan, dtype) not in self._summed:
-            self._warm_sums(plan, dtype)
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self.workspace.local((plan.m, plan.n), dtype)
+    def _flag_ptr(self, rank: int, slot: int) -> int:
+        ptr = self._flag_ptrs.get((rank, slot))
+        if ptr is None:
+            ptr = self._flag_ptrs[(rank, slot)] = self.workspace.flag_ptr(rank, slot)
+        return ptr
 
-    def _scratch(self, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
-        rows = schedule.scratch_rows(plan, self.rank)
-        return torch.empty((self.world_size, max(rows, 1), plan.n), dtype=dtype, device=self.device)
-
-    def _sum(self, out: torch.Tensor, scratch: torch.Tensor, op: schedule.Sum) -> None:
-        rows = slice(op.scratch_row, op.scratch_row + op.rows)
-        torch.sum(scratch[:, rows], dim=0, out=out[op.out_row : op.out_row + op.rows])
-
-    def _warm_sums(self, plan: Plan, dtype: torch.dtype) -> None:
-        """Run the plan's summing kernels once, eagerly, on same-shaped buffers: a call queues them behind stream
-        waits, and a kernel that is not loaded yet must not be launched there (deadlock rule 3)."""
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{plan.op}: the first P2P call of a plan loads its kernels and cannot be captured "
-                               "in a CUDA graph; call it once before capturing")
-        out_rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
-        out = torch.zeros((out_rows, plan.n), dtype=dtype, device=self.device)
-        scratch = self._scratch(plan, dtype).zero_()
-        for op in schedule.reduction(plan, self.rank):
-            if isinstance(op, schedule.Sum):
-                self._sum(out, scratch, op)
-        torch.cuda.synchronize(self.device)
-        self._summed.add((plan, dtype))
-
-    def reduce(self, out: torch.Tensor, plan: Plan) -> None:
-        """After the GEMM is launched on the current stream, run ``schedule.reduction`` on the copy stream:
-        reduce-scatter: this rank's rows of the sum into ``out`` ``[M/W, N]``; all-reduce: the whole sum into
-        ``out`` ``[M, N]``, each rank reducing its share of every group and pulling the peers' reduced shares."""
-        producer = torch.cuda.current_stream(self.device)
-        row_bytes = plan.n * out.element_size()
-        scratch = self._scratch(plan, out.dtype)  # contiguous [W][rows][N]: the schedule counts its rows flat
-        scratch.record_stream(self.copy_stream)
-        bases = {"out": lambda rank: out.data_ptr(), "scratch": lambda rank: scratch.data_ptr(),
-                 "work": self.workspace.peer_ptr}
-
-        def address(loc: schedule.Loc) -> int:
-            if loc.space == "counter":
-                return self.counters.data_ptr() + 4 * loc.offset
-            return bases[loc.space](loc.rank) + loc.offset * row_bytes
-
-        self._execute(schedule.reduction(plan, self.rank), address, row_bytes, out=out, scratch=scratch)
-        producer.wait_stream(self.copy_stream)
+    def _check_progress(self, waited, timeout: float, op: str) -> None:
+        deadline = time.monotonic() + timeout
+        for event, item in waited:
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"flashoverlap: rank {self.rank}: {op} on {self.name} (P2P path) waited more than "
+                        f"{timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {item.what}: a peer never reached this "
+                        "call, or called with other shapes or dtypes"
+                    )
+                time.sleep(1e-4)

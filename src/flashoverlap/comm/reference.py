@@ -62,3 +62,14 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, plan: Plan, group: d
             rows = slice(src * shard_rows + grp.row_start, src * shard_rows + grp.row_end)
             c[rows].copy_(band[src * grp.rows : (src + 1) * grp.rows].float() @ b32)
     return c, gathered_in_rank_order(gathered, plan)
+
+
+def run(plan: Plan, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, rank: int,
+        return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The communicator interface (``comm/__init__.py``): the op's result, and all-gather's gathered input."""
+    if plan.op == "all_reduce":
+        return gemm_all_reduce(a, b, plan, group), None
+    if plan.op == "reduce_scatter":
+        return gemm_reduce_scatter(a, b, plan, group), None
+    c, a_full = all_gather_gemm(a, b, plan, group, rank)
+    return c, a_full if return_gathered else None

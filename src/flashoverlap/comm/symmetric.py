@@ -48,10 +48,11 @@ class SymmetricWorkspace:
         self.handle = None
         self._peers: list[torch.Tensor] = []
 
-    def ensure(self, nbytes: int, op: str) -> None:
-        """Make the data region at least ``nbytes`` (collective when it grows)."""
+    def ensure(self, nbytes: int, op: str, ones: tuple[int, int] = (0, 0)) -> bool:
+        """Make the data region at least ``nbytes`` (collective when it grows); a new buffer's flags start at zero,
+        those in ``[ones[0], ones[1])`` at one. Returns whether the buffer was (re)allocated."""
         if nbytes <= self.nbytes:
-            return
+            return False
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"{op}: the P2P path needs a {size_class(nbytes)}-byte symmetric workspace, which must be allocated "
@@ -72,7 +73,9 @@ class SymmetricWorkspace:
         self.buffer, self.handle, self.nbytes = buffer, handle, size - FLAG_BYTES
         # Flags start at zero on every rank before any peer may set one of ours.
         self.flags.zero_()
+        self.flags[ones[0] : ones[1]] = 1
         self.barrier(0)
+        return True
 
     @property
     def flags(self) -> torch.Tensor:
@@ -114,23 +117,16 @@ def _use_cuda_backend(symm_mem, device: torch.device) -> None:
         symm_mem.set_backend("CUDA")
 
 
-_UNAVAILABLE: dict[int, str | None] = {}
-
-
 def p2p_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
-    """Why the P2P path cannot serve ``group`` (None if it can). Collective on first use per group: every rank
-    reports its host and GPU, and the answer is the same on every rank."""
-    key = id(group)
-    if key in _UNAVAILABLE:
-        return _UNAVAILABLE[key]
+    """Why the P2P path cannot serve ``group`` (None if it can). Collective: every rank reports its host and GPU,
+    and the answer is the same on every rank (``GroupState.p2p_reason`` asks once per group)."""
     why = _local_reason(device)
     no_access = [] if why else [d for d in range(torch.cuda.device_count())
                                 if d != device.index and not torch.cuda.can_device_access_peer(device.index, d)]
     mine = {"host": socket.gethostname(), "device": device.index, "why": why, "no_access": no_access}
     everyone: list[dict] = [{}] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    _UNAVAILABLE[key] = group_reason(everyone)
-    return _UNAVAILABLE[key]
+    return group_reason(everyone)
 
 
 def _local_reason(device: torch.device) -> str | None:
@@ -160,7 +156,7 @@ def group_reason(everyone: list[dict]) -> str | None:
     return None
 
 
-MAX_P2P_WORLD_SIZE = 8
+MAX_P2P_WORLD_SIZE = 8  # one NVLink node; comm/ring_schedule.py's flag layout is sized for it
 
 
 def p2p_excluded(reason: str | None, world_size: int, nccl_p2p_disabled: bool) -> str | None:

@@ -11,15 +11,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm.symmetric import p2p_excluded, p2p_unavailable_reason
-from flashoverlap.ops._checks import check_group, check_operands, choose_path
-from flashoverlap.plan import Plan, default_plan
+from flashoverlap.comm import reference, sequential
+from flashoverlap.comm.collectives import all_gather_into_tensor
+from flashoverlap.comm.nccl import debug_timeout
+from flashoverlap.comm.state import GroupState, existing_state, state_of
+from flashoverlap.comm.symmetric import p2p_excluded
+from flashoverlap.ops._checks import PATHS, check_group, check_operands, choose_path
+from flashoverlap.plan import OPS, Plan, default_plan
 from flashoverlap.tune import cache, rates
 
 _LOG = logging.getLogger("flashoverlap")
-# (op, group, device, dtype, shape, path, automatic?, default plan?) -> (group as given, group, world size,
-# default plan, path)
-_SEEN: dict[tuple, tuple] = {}
 
 
 @functools.lru_cache(maxsize=512)
@@ -29,49 +30,49 @@ def _default_plan(op: str, m: int, n: int, k: int, world_size: int, num_sms: int
                         path=path)
 
 
-def _cached_plan(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
-                 dtype: torch.dtype, path: str) -> Plan | None:
+def _cached_plan(op: str, m: int, n: int, k: int, state: GroupState, dtype: torch.dtype,
+                 path: str) -> Plan | None:
     """The plan cache's plan for this call under ``path`` (``"auto"``: `tune plan --path auto`'s): the shape's
     own, the nearest tuned M's, or None. Collective on a group's first lookup (rank 0's entries are agreed)."""
-    world_size = dist.get_world_size(group)
-    key = cache.cache_key(torch.cuda.get_device_name(device), world_size, op, path, str(dtype).replace("torch.", ""))
+    device = state.device
+    key = cache.cache_key(torch.cuda.get_device_name(device), state.world_size, op, path,
+                          str(dtype).replace("torch.", ""))
     with torch.cuda.device(device):  # the exchange's tensors go to this device
-        entries = cache.agreed_entries(group, key)
+        entries = cache.agreed_entries(state, key)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return cache.select(entries, op, m, n, k, world_size, num_sms)
+    return cache.select(entries, op, m, n, k, state.world_size, num_sms)
 
 
 def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
              dtype: torch.dtype, path: str = "nccl", tuned: bool = True) -> Plan:
     """The plan a call of ``op`` at this shape uses when none is given: on CUDA, the tuned plan from the plan cache
     (``tune/cache.py``: this shape's, or the nearest tuned M's) where there is one (and ``tuned``); otherwise the
-    default plan. For that, the first call for a group measures the machine's GEMM and all-reduce rates
+    default plan. For that, the first NCCL-path call for a group measures the machine's GEMM and all-reduce rates
     (collectively) to choose between overlap and sequential (the P2P path needs no rates: its transfers take no
     SM). ``tuned=False``: the default plan regardless of the cache (the benchmark's hand-set comparison)."""
     world_size = dist.get_world_size(group)
     element_size = torch.empty((), dtype=dtype).element_size()
     if device.type != "cuda":
         return _default_plan(op, m, n, k, world_size, 132, element_size, None)
+    state = state_of(group, device)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    cached = _cached_plan(op, m, n, k, group, device, dtype, path) if tuned else None
+    cached = _cached_plan(op, m, n, k, state, dtype, path) if tuned else None
     if cached is not None:
         return cached
     if path == "p2p":
         return _default_plan(op, m, n, k, world_size, num_sms, element_size, None, "p2p")
-    measured = rates.measure(group, device, dtype)
+    measured = rates.measure(state, dtype)
     moved = m * (k if op == "all_gather" else n) * element_size  # all-gather moves A, the others C
     comm_ms = measured.collective_ms(op, moved, world_size)
     # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
     return _default_plan(op, m, n, k, world_size, num_sms, element_size, round(comm_ms / measured.gemm_ms(m, n, k), 2))
 
 
-# The ops for which path="auto" takes P2P where it applies, when no tuned plan says otherwise: those where the
-# P2P path was measured faster than the NCCL path's default and than sequential at every nvlink grid shape
-# (benchmarks/results/h200x2-nvlink.json, 71a39d5: all-gather E 0.47-0.67 against ~0). For all-reduce and
-# reduce-scatter it lost to the NCCL path at some grid shapes and to sequential at the small ones, so "auto"
-# keeps NCCL there. `tune plan --path auto` replaces this rule by measurement, shape by shape.
-AUTO_P2P_OPS = frozenset({"all_gather"})
-_AUTO_LOGGED: set[tuple[int, str]] = set()
+# The ops for which path="auto" takes P2P where it applies, when no tuned plan says otherwise: where the P2P path
+# (cuBLAS and copy engines, comm/ring_schedule.py) was measured faster than the NCCL path and than sequential at
+# the nvlink grid (benchmarks/results/h200x2-nvlink.json). `tune plan --path auto` replaces this rule by
+# measurement, shape by shape.
+AUTO_P2P_OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
 
 
 def automatic_path(op: str, p2p_reason: str | None, world_size: int, nccl_p2p_disabled: bool = False,
@@ -89,42 +90,41 @@ def automatic_path(op: str, p2p_reason: str | None, world_size: int, nccl_p2p_di
     return "p2p", "every rank on one node with peer access between all GPUs"
 
 
-def _automatic_path(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
+def _automatic_path(op: str, m: int, n: int, k: int, state: GroupState,
                     dtype: torch.dtype) -> tuple[str, Plan | None]:
     """The path (and the tuned plan, if one decided it) for a path="auto" call; collective on first use."""
-    world_size = dist.get_world_size(group)
     disabled = os.environ.get("NCCL_P2P_DISABLE") == "1"
-    tuned = _cached_plan(op, m, n, k, group, device, dtype, "auto")
+    tuned = _cached_plan(op, m, n, k, state, dtype, "auto")
     # Collective (once per group), and only where the answer can matter; every rank takes the same branch.
     wanted = not disabled and (op in AUTO_P2P_OPS or (tuned is not None and tuned.path == "p2p"))
-    reason = p2p_unavailable_reason(group, device) if wanted else None
-    path, why = automatic_path(op, reason, world_size, disabled, tuned)
-    if (id(group), op) not in _AUTO_LOGGED:
-        _AUTO_LOGGED.add((id(group), op))
-        _LOG.debug("flashoverlap: path='auto' uses %s for %s on this group of %d ranks: %s", path, op, world_size,
-                   why)
+    reason = state.p2p_reason() if wanted else None
+    path, why = automatic_path(op, reason, state.world_size, disabled, tuned)
+    if ("auto", op) not in state.logged:
+        state.logged.add(("auto", op))
+        _LOG.debug("flashoverlap: path='auto' uses %s for %s on %s: %s", path, op, state.name, why)
     return path, tuned if tuned is not None and tuned.path == path else None
 
 
 def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
-                 plan: Plan | None, path: str) -> tuple[str, dist.ProcessGroup, Plan]:
-    """Check a call of op ``name`` (plan kind ``op``) and return its path, group and plan."""
+                 plan: Plan | None, path: str) -> tuple[str, GroupState, Plan]:
+    """Check a call of op ``name`` (plan kind ``op``) and return its path, group state and plan."""
     m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
     automatic = path == "auto" and plan is None and a.device.type == "cuda"
     path = choose_path(name, path, a.device, None if plan is None else plan.path)
     resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
-    key = (op, id(resolved), a.device, a.dtype, m, n, k, path, automatic, plan is None)
-    seen = _SEEN.get(key)
-    if seen is not None and seen[0] is resolved:
-        group, world_size, default, path = seen[1], seen[2], seen[3], seen[4]
-        m = m * world_size if op == "all_gather" else m
+    state = existing_state(resolved, a.device)
+    if state is None:  # the group's first call on this device: check it once
+        state = state_of(check_group(name, group, a.device), a.device)
+    key = (op, a.dtype, m, n, k, path, automatic, plan is None)
+    seen = state.calls.get(key)
+    world_size = state.world_size
+    if op == "all_gather":
+        m *= world_size  # a is this rank's shard: the plan is for the gathered M
+    if seen is not None:
+        default, path = seen
     else:
-        group = check_group(name, group, a.device)
-        world_size = dist.get_world_size(group)
-        if op == "all_gather":
-            m *= world_size  # a is this rank's shard: the plan is for the gathered M
         if op == "reduce_scatter" and m % world_size:
             raise ValueError(
                 f"{name}: a has M = {m} rows, which the {world_size} ranks of group cannot share evenly: "
@@ -132,20 +132,66 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
             )
         tuned = None
         if automatic:
-            path, tuned = _automatic_path(op, m, n, k, group, a.device, a.dtype)
+            path, tuned = _automatic_path(op, m, n, k, state, a.dtype)
         elif path == "p2p":
-            reason = p2p_unavailable_reason(group, a.device)
+            reason = state.p2p_reason()
             if reason is not None:
                 raise ValueError(f"{name}: path='p2p' cannot apply to this group: {reason}; use path='nccl'")
         plan_path = "p2p" if path == "p2p" else "nccl"
-        default = None if plan is not None else tuned or plan_for(op, m, n, k, group, a.device, a.dtype, plan_path)
-        if len(_SEEN) > 1024:
-            _SEEN.clear()
-        _SEEN[key] = (resolved, group, world_size, default, path)
+        default = None if plan is not None else tuned or plan_for(op, m, n, k, state.group, a.device, a.dtype,
+                                                                   plan_path)
+        if len(state.calls) > 1024:
+            state.calls.clear()
+        state.calls[key] = (default, path)
     plan = default if plan is None else plan
     if (plan.op, plan.m, plan.n, plan.k, plan.world_size) != (op, m, n, k, world_size):
         raise ValueError(
             f"{name}: plan is for {plan.op} (m, n, k) = {(plan.m, plan.n, plan.k)} over {plan.world_size} ranks, "
             f"but this call is {op} {(m, n, k)} over {world_size} ranks"
         )
-    return path, group, plan
+    return path, state, plan
+
+
+def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
+            plan: Plan | None, path: str, return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every op's body: check, choose path and plan, and run the call through the path's communicator
+    (``comm/__init__.py``). Returns the result, and all-gather's gathered input where ``return_gathered``."""
+    path, state, plan = prepare_call(name, op, a, b, group, plan, path)
+    if debug_timeout() is not None:
+        check_agreement(name, state, plan, a.dtype, path)
+    if path == "reference":
+        return reference.run(plan, a, b, state.group, state.rank, return_gathered)
+    with torch.cuda.device(a.device):
+        if plan.sequential:
+            return sequential.run(plan, a, b, state.group, return_gathered)
+        communicator = state.p2p if path == "p2p" else state.nccl
+        return communicator.run(plan, a, b, name, return_gathered)
+
+
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def check_agreement(name: str, state: GroupState, plan: Plan, dtype: torch.dtype, path: str) -> None:
+    """Debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT`` set): every rank of the group calls the same op with the same
+    shapes, dtype, path and plan, or every rank raises before anything is launched (one small all-gather)."""
+    if a_capture_is_running():
+        return
+    mine = [OPS.index(plan.op), plan.m, plan.n, plan.k, _DTYPE_CODES[dtype], PATHS.index(path),
+            hash(plan) & 0x7FFFFFFF]
+    device = state.device if state.device.type == "cuda" else torch.device("cpu")
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    everyone = torch.empty(state.world_size * len(mine), dtype=torch.int64, device=device)
+    all_gather_into_tensor(everyone, local, state.group)
+    rows = everyone.view(state.world_size, len(mine)).tolist()
+    for rank, row in enumerate(rows):
+        if row != rows[0]:
+            fields = ("op", "M", "N", "K", "dtype", "path", "plan")
+            differ = [f for f, x, y in zip(fields, row, rows[0]) if x != y]
+            raise ValueError(
+                f"{name}: rank {state.rank} of {state.name}: the ranks disagree on {', '.join(differ)} (rank "
+                f"{rank} differs from rank 0): every rank must call the op with the same shapes, dtype and path"
+            )
+
+
+def a_capture_is_running() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -29,7 +29,7 @@ VERSION = 1
 # A shape never tuned borrows the plan of the tuned M nearest to it (same N and K), within this factor.
 NEAREST_M_FACTOR = 2.0
 _WARNED: set[str] = set()
-_AGREED: dict[tuple, dict[str, dict]] = {}
+_generation = 0  # bumped by forget_agreed: older exchanges are stale
 
 
 def cache_dir() -> Path | None:
@@ -138,12 +138,13 @@ def _plan(entry: dict) -> Plan | None:
         return None
 
 
-def agreed_entries(group: dist.ProcessGroup, key: dict) -> dict[str, dict]:
+def agreed_entries(state, key: dict) -> dict[str, dict]:
     """Rank 0's cached entries for ``key``, the same on every rank of ``group``. The first lookup for a group
     exchanges rank 0's entries for every op, path and dtype of this GPU and world size at once (collective), so
     that later first calls of other ops or dtypes, inside a CUDA-graph capture too, need no collective."""
-    token = (id(group), key["gpu"], key["world_size"])
-    if token not in _AGREED:
+    group, agreed = state.group, state.agreed_cache  # state: comm.state.GroupState
+    token = (key["gpu"], key["world_size"], _generation)
+    if token not in agreed:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -159,10 +160,11 @@ def agreed_entries(group: dist.ProcessGroup, key: dict) -> dict[str, dict]:
                             every[f"{op}/{path}/{dtype}"] = entries
         box = [every]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        _AGREED[token] = box[0]
-    return _AGREED[token].get(f"{key['op']}/{key['path']}/{key['dtype']}", {})
+        agreed[token] = box[0]
+    return agreed[token].get(f"{key['op']}/{key['path']}/{key['dtype']}", {})
 
 
 def forget_agreed() -> None:
-    """Drop the exchanged entries (after a tuner wrote new ones)."""
-    _AGREED.clear()
+    """Make every group exchange the entries again on its next lookup (after a tuner wrote new ones)."""
+    global _generation
+    _generation += 1

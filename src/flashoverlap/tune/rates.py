@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_RATES: dict[tuple[int, int, torch.dtype], Rates] = {}
 
 
 @dataclass(frozen=True)
@@ -47,11 +46,12 @@ def _best_ms(fn, iters: int = 5, warmup: int = 3) -> float:
     return min(times)
 
 
-def measure(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> Rates:
-    """This machine's rates for ``group`` on ``device`` (tens of ms, once; collective over ``group``)."""
-    key = (id(group), device.index, dtype)
-    if key in _RATES:
-        return _RATES[key]
+def measure(state, dtype: torch.dtype) -> Rates:
+    """This machine's rates for the group of ``state`` (``comm.state.GroupState``) on its device (tens of ms,
+    once per group and dtype; collective over the group)."""
+    if dtype in state.rates:
+        return state.rates[dtype]
+    group, device = state.group, state.device
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "flashoverlap: the first call for a process group measures the GEMM and all-reduce rates and cannot "
@@ -66,5 +66,5 @@ def measure(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) 
     busbw = 2.0 * (world_size - 1) / world_size * buf.numel() * buf.element_size() / (comm_ms * 1e6)
     agreed = torch.tensor([2.0 * size**3 / (gemm_ms * 1e9), busbw], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    rates = _RATES[key] = Rates(float(agreed[0]), float(agreed[1]))
+    rates = state.rates[dtype] = Rates(float(agreed[0]), float(agreed[1]))
     return rates

@@ -1,0 +1,204 @@
+"""A CPU simulator of the P2P path's schedules (``comm/ring_schedule.py``) on every rank at once.
+
+Each rank has two streams, ``C`` and ``X``, fed in host order with what ``comm/p2p.py`` issues for each call: the
+user's producer of ``a`` (``Produce``), event 0 recorded on ``C``, the schedule, the join of ``X`` into ``C``
+(``Record``/``WaitEvent`` of ``JOIN``) and the user's consumer of the result (``Consume``). A scheduler runs one
+runnable stream at a time, chosen at random; a data operation reads when it starts and writes when it ends, so
+another stream may run in between. Flags and symmetric regions are shared memory, kept across calls; a region is a
+flat store whose rows are laid out by the call's width, so calls of different shapes reuse (and may overwrite)
+the same memory as on the GPU. It reports a deadlock (no stream can run), a signal that finds its flag still set
+(a lost signal), and every call's result that differs from the plain sum. Streams run at random speeds, some far
+slower than others, so that one rank or stream runs calls ahead of another.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashoverlap.comm import ring_schedule as rs
+
+JOIN = -1
+
+
+@dataclass(frozen=True)
+class Produce:
+    """On ``C``: the user's earlier work writes this call's ``a``."""
+
+    stream: str = "C"
+
+
+@dataclass(frozen=True)
+class Consume:
+    """On ``C``: the user's later work reads this call's result."""
+
+    stream: str = "C"
+
+
+class Failure(AssertionError):
+    pass
+
+
+@dataclass
+class Call:
+    plan: object
+    a: list  # per rank: this call's input (all-gather: the shard)
+    b: list  # per rank
+    want: list  # per rank: the expected result
+    want_gathered: np.ndarray | None
+
+
+def make_call(plan, rng: np.random.Generator) -> Call:
+    world = plan.world_size
+    rows = plan.block_rows if plan.op == "all_gather" else plan.m
+    a = [rng.standard_normal((rows, plan.k)) for _ in range(world)]
+    b = [rng.standard_normal((plan.k, plan.n)) for _ in range(world)]
+    if plan.op == "all_gather":
+        full = np.concatenate(a)
+        return Call(plan, a, b, [full @ b[r] for r in range(world)], full)
+    total = sum(a[r] @ b[r] for r in range(world))
+    if plan.op == "all_reduce":
+        return Call(plan, a, b, [total] * world, None)
+    per = plan.block_rows
+    return Call(plan, a, b, [total[r * per : (r + 1) * per] for r in range(world)], None)
+
+
+def host_order(call: Call, rank: int, drop: set = frozenset()) -> list:
+    """What the executor issues for one call on ``rank``: ``drop`` removes those indices of the schedule (and
+    ``"join"`` the executor's final wait of ``C`` for ``X``)."""
+    ops = [op for i, op in enumerate(rs.schedule(call.plan, rank)) if i not in drop]
+    join = [] if "join" in drop else [rs.WaitEvent("C", JOIN)]
+    return [Produce(), rs.Record("C", 0), *ops, rs.Record("X", JOIN), *join, Consume()]
+
+
+class Rank:
+    def __init__(self, world: int, region_size: int) -> None:
+        self.flags = np.zeros(rs.FLAG_SLOTS_USED, dtype=np.int64)
+        self.flags[rs.FREE_BASE :] = 1
+        self.regions = np.full((rs.regions(world), region_size), np.nan)
+        self.queues: dict[str, list] = {"C": [], "X": []}
+        self.pending: dict[str, object] = {"C": None, "X": None}
+        self.recorded: dict[int, int] = {}  # event -> completions
+        self.issued: dict[int, int] = {}  # event -> records issued so far (host order)
+
+
+def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = None, max_steps: int = 200000):
+    """Run ``calls`` back to back on every rank; ``drop``: per rank, schedule indices removed (mutations).
+    Raises ``Failure`` on a deadlock, a lost signal or a wrong result."""
+    world = calls[0].plan.world_size
+    widths = [c.plan.k if c.plan.op == "all_gather" else c.plan.n for c in calls]
+    region_size = max(rs.region_rows(c.plan) * w for c, w in zip(calls, widths))
+    ranks = [Rank(world, region_size) for _ in range(world)]
+    # The host allocates every buffer of a call when it issues the call; ``a`` holds garbage until Produce. As
+    # the caching allocator would, each call's result reuses the memory of the last one, which the user freed
+    # after Consume: a stream that runs ahead of the caller's can overwrite a result the user still reads.
+    local = []
+    for r in range(world):
+        outs = np.full(max(call.want[r].size for call in calls), np.nan)
+        gathered = np.full(max(call.plan.m * call.plan.k for call in calls), np.nan)
+        local.append([{"a": np.full(call.a[r].shape, np.nan),
+                       "out": outs[: call.want[r].size].reshape(call.want[r].shape),
+                       "gathered": gathered[: call.plan.m * call.plan.k].reshape(call.plan.m, call.plan.k)}
+                      for call in calls])
+    for r, rank in enumerate(ranks):
+        for i, call in enumerate(calls):
+            for op in host_order(call, r, (drop or {}).get(r, set())):
+                if isinstance(op, rs.WaitEvent):  # waits for the latest record issued before it
+                    op = (op, rank.issued.get(op.event, 0))
+                elif isinstance(op, rs.Record):
+                    rank.issued[op.event] = rank.issued.get(op.event, 0) + 1
+                rank.queues[rs.stream_of(op[0] if isinstance(op, tuple) else op)].append((i, op))
+    rng = random.Random(seed)
+    # Each stream runs at its own speed, some of them a thousand times slower than others: races that need one
+    # stream far ahead of another show up in few tries.
+    speed = {(r, name): 10 ** rng.uniform(-3, 0) for r in range(world) for name in ("C", "X")}
+
+    def buffer(r: int, i: int, loc: rs.Loc, rows: int, width: int) -> tuple[np.ndarray, slice]:
+        if loc.space == "sym":
+            region = ranks[loc.rank].regions[rs.region_index(loc.kind, world)]
+            view = region[: (region_size // width) * width].reshape(-1, width)
+            return view, slice(loc.row, loc.row + rows)
+        return local[r][i][loc.space], slice(loc.row, loc.row + rows)
+
+    def ready(r: int, item) -> bool:
+        i, op = item
+        if isinstance(op, tuple):
+            wait, target = op
+            return ranks[r].recorded.get(wait.event, 0) >= target
+        if isinstance(op, rs.Wait):
+            return ranks[op.flag.rank].flags[op.flag.row] == 1
+        return True
+
+    def start(r: int, item):
+        """Run a control op at once; for a data op return what it will write."""
+        i, op = item
+        call = calls[i]
+        if isinstance(op, Produce):
+            local[r][i]["a"][:] = call.a[r]
+            return None
+        if isinstance(op, Consume):
+            got = local[r][i]["out"]
+            if not np.allclose(got, call.want[r], rtol=1e-9, atol=1e-9):
+                raise Failure(f"rank {r}, call {i} ({call.plan.op}): wrong result")
+            return None
+        if isinstance(op, (tuple, rs.WaitEvent)):
+            return None
+        if isinstance(op, rs.Record):
+            ranks[r].recorded[op.event] = ranks[r].recorded.get(op.event, 0) + 1
+            return None
+        if isinstance(op, rs.Wait):
+            ranks[op.flag.rank].flags[op.flag.row] = 0
+            return None
+        if isinstance(op, rs.Signal):
+            flags = ranks[op.flag.rank].flags
+            if flags[op.flag.row] != 0:
+                raise Failure(f"rank {r}, call {i}: signal to rank {op.flag.rank} slot {op.flag.row} found it set "
+                              "(a lost signal)")
+            flags[op.flag.row] = 1
+            return None
+        if isinstance(op, rs.Copy):
+            w = call.plan.k if call.plan.op == "all_gather" else call.plan.n
+            src, rows = buffer(r, i, op.src, op.rows, w)
+            return (op.dst, op.rows, w, src[rows].copy(), False)
+        assert isinstance(op, rs.Mm)
+        w_dst = call.plan.n
+        src, rows = buffer(r, i, op.src, op.rows, call.plan.k)
+        value = src[rows] @ call.b[r]
+        if op.accumulate:
+            dst, drows = buffer(r, i, op.dst, op.rows, w_dst)
+            value = value + dst[drows]
+        return (op.dst, op.rows, w_dst, value, True)
+
+    steps = 0
+    while True:
+        runnable = []
+        for r, rank in enumerate(ranks):
+            for name in ("C", "X"):
+                if rank.pending[name] is not None or (rank.queues[name] and ready(r, rank.queues[name][0])):
+                    runnable.append((r, name))
+        if not runnable:
+            if any(rank.queues[s] for rank in ranks for s in ("C", "X")):
+                stuck = {(r, s): rank.queues[s][0] for r, rank in enumerate(ranks) for s in ("C", "X")
+                         if rank.queues[s]}
+                raise Failure(f"deadlock: {stuck}")
+            return steps
+        r, name = rng.choices(runnable, weights=[speed[s] for s in runnable])[0]
+        rank = ranks[r]
+        steps += 1
+        if steps > max_steps:
+            raise Failure("too many steps")
+        if rank.pending[name] is not None:  # a data op ends: its write lands
+            i, (dst, rows, w, value, _) = rank.pending[name]
+            view, sl = buffer(r, i, dst, rows, w)
+            view[sl] = value
+            rank.pending[name] = None
+            rank.queues[name].pop(0)
+            continue
+        item = rank.queues[name][0]
+        write = start(r, item)
+        if write is None:
+            rank.queues[name].pop(0)
+        else:
+            rank.pending[name] = (item[0], write)

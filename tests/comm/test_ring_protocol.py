@@ -1,0 +1,80 @@
+"""The P2P path's schedules (``comm/ring_schedule.py``) executed for every rank at once on the CPU
+(``tests/comm/ring_sim.py``): W = 2..8, the three ops, back-to-back calls of changing shapes and ops that overlap
+each other across ranks, in random interleavings; and every wait, signal and event of a schedule removed in turn
+is caught (a deadlock, a lost signal or a wrong result)."""
+
+import numpy as np
+import pytest
+
+from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.plan import TileConfig, default_plan
+from tests.comm.ring_sim import Failure, make_call, simulate
+
+TILE = TileConfig(16, 16, 16, 2, 1, 4)
+
+
+def _plan(op, world, m_blocks, n, k, sub):
+    m = 16 * m_blocks * world + (0 if op != "all_reduce" else 16 * (world - 1))
+    return default_plan(op, m, n, k, world, tile=TILE, num_groups=sub, path="p2p", allow_sequential=False)
+
+
+def _calls(world, seed, ops=("reduce_scatter", "all_reduce", "all_gather")):
+    rng = np.random.default_rng(seed)
+    plans = [_plan(op, world, m_blocks, n, k, sub)
+             for op, m_blocks, n, k, sub in [(ops[i % len(ops)], 2 + i % 3, 8 + 4 * i, 6 + i, 1 + i % 3)
+                                             for i in range(4)]]
+    return [make_call(plan, rng) for plan in plans]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_back_to_back_calls_of_every_op_are_right_in_random_interleavings(world):
+    for seed in range(6 if world < 8 else 3):
+        simulate(_calls(world, seed), seed=seed)
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+def test_schedule_shapes(op):
+    plan = _plan(op, 4, 3, 8, 8, 2)
+    ops = rs.schedule(plan, 1)
+    mms = [o for o in ops if isinstance(o, rs.Mm)]
+    if op == "all_gather":  # own shard at once, then each peer's sub-bands, in order rank+1, rank+2, ...
+        assert len(mms) == 1 + 3 * plan.num_groups and not any(o.accumulate for o in mms)
+        assert [o.dst.row // plan.block_rows for o in mms[1:]][:: plan.num_groups] == [2, 3, 0]
+    else:  # W steps of S sub-bands; all but the first step add the pulled partial in cuBLAS
+        per = plan.num_groups // 4 if op == "all_reduce" else plan.num_groups
+        assert len(mms) == 4 * per and sum(o.accumulate for o in mms) == 3 * per
+    assert all(isinstance(o, rs.Copy) is (rs.stream_of(o) == "X") for o in ops if isinstance(o, (rs.Copy, rs.Mm)))
+
+
+def _mutations(op, world):
+    plan = _plan(op, world, 2, 8, 6, 2)
+    ops = rs.schedule(plan, 0)
+    return plan, [i for i, o in enumerate(ops) if isinstance(o, (rs.Wait, rs.Signal, rs.WaitEvent))]
+
+
+def _caught(world, op, index, tries=60):
+    for seed in range(tries):
+        rng = np.random.default_rng(seed)
+        plan = _plan(op, world, 2, 8, 6, 2)
+        calls = [make_call(plan, rng) for _ in range(3)]
+        try:
+            simulate(calls, seed=seed, drop={0: {index}})
+        except Failure:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+def test_every_wait_signal_and_event_of_the_schedule_is_needed(op, world):
+    _, indices = _mutations(op, world)
+    assert indices
+    missed = [(i, rs.schedule(_plan(op, world, 2, 8, 6, 2), 0)[i]) for i in indices
+              if not _caught(world, op, i)]
+    assert not missed, f"removing these went unnoticed: {missed}"
+
+
+def test_the_executors_final_join_is_needed():
+    # All-reduce's last writes of the result are X's pulls. (Reduce-scatter's and all-gather's are C's, after
+    # events from X; there the join is what a CUDA-graph capture needs, every forked stream joined back.)
+    assert _caught(2, "all_reduce", "join")
