@@ -238,7 +238,7 @@ def test_rates_estimate_each_collective():
 
 
 def test_all_gather_plans_leave_nccl_its_sms_and_the_op_checks_it():
-    from flashoverlap.ops.all_gather_gemm import check_leaves_nccl_sms
+    from flashoverlap.comm.nccl import check_leaves_nccl_sms
     from flashoverlap.plan import nccl_free_sms
 
     assert nccl_free_sms(132, 16) == 32  # the CTAs plus a margin on an H200
@@ -258,15 +258,25 @@ def test_all_gather_plans_leave_nccl_its_sms_and_the_op_checks_it():
 
 def test_p2p_plans():
     ag = default_plan("all_gather", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=0.05, path="p2p")
-    assert (ag.path, ag.sequential, ag.num_groups, ag.grid_size, ag.comm_ctas) == ("p2p", False, 4, 132, 0)
+    assert (ag.path, ag.sequential, ag.num_groups, ag.gemm) == ("p2p", False, 1, "cublas")
     rs = default_plan("reduce_scatter", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=0.05, path="p2p")
-    assert (rs.path, rs.sequential, rs.num_groups, rs.grid_size) == ("p2p", False, 8, rs.num_tiles)
+    assert (rs.path, rs.sequential, rs.num_groups, rs.gemm) == ("p2p", False, 2, "cublas")
     assert default_plan("reduce_scatter", 256, 256, 256, 2, path="p2p").sequential  # too small to overlap
     ar = default_plan("all_reduce", 8192, 8192, 8192, 2, num_sms=132, path="p2p")
-    assert (ar.path, ar.sequential, ar.num_groups, ar.grid_size) == ("p2p", False, 8, ar.num_tiles)
+    assert (ar.path, ar.sequential, ar.num_groups, ar.sub_bands) == ("p2p", False, 4, 2)  # W blocks of 2
+    ar8 = default_plan("all_reduce", 8192, 8192, 8192, 8, path="p2p", num_groups=3)
+    assert (ar8.num_groups, ar8.sub_bands) == (24, 3)
+    # Few tile rows: as many sub-bands per rank block as there are, else sequential.
+    assert default_plan("all_reduce", 384, 16384, 8192, 2, path="p2p").sub_bands == 1
     with pytest.raises(ValueError, match="path must be one of"):
         default_plan("all_gather", 8192, 8192, 8192, 2, path="nvshmem")
-    assert "P2P (copy engines)" in ag.describe()
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        Plan("all_reduce", 8192, 8192, 8192, 2, group_row_tiles=(20, 22, 22), path="p2p", gemm="cublas")
+    with pytest.raises(ValueError, match="must be 'cublas' on the P2P path"):
+        Plan("reduce_scatter", 8192, 8192, 8192, 2, group_row_tiles=(32,), path="p2p")
+    with pytest.raises(ValueError, match="up to 8 ranks"):
+        Plan("reduce_scatter", 8192 * 2, 8192, 8192, 16, group_row_tiles=(8,), path="p2p", gemm="cublas")
+    assert "copy engines" in ag.describe()
 
 
 def test_cublas_band_plans():
@@ -276,7 +286,5 @@ def test_cublas_band_plans():
     assert Plan.from_dict(plan.to_dict()) == plan
     legacy = {key: value for key, value in plan.to_dict().items() if key != "gemm"}
     assert Plan.from_dict(legacy).gemm == "triton"  # cache entries written before the field existed
-    with pytest.raises(ValueError, match="only for the NCCL path"):
-        default_plan("all_gather", 4096, 4096, 4096, 2, gemm="cublas", path="p2p")
     with pytest.raises(ValueError, match="Plan.gemm must be one of"):
         default_plan("all_reduce", 4096, 4096, 4096, 2, gemm="cutlass", allow_sequential=False)

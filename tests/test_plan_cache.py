@@ -106,15 +106,19 @@ def test_the_cache_can_be_switched_off(monkeypatch):
 def _agree(rank, world_size, base):
     import os
 
+    import torch
     import torch.distributed as dist
+
+    from flashoverlap.comm.state import state_of
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = f"{base}/{rank}"  # every rank its own cache: rank 0's wins
     if rank == 0:
         cache.store(KEY, _tuned())
     else:
         cache.store(KEY, _tuned(num_programs=64))
-    entries = cache.agreed_entries(dist.group.WORLD, KEY)
-    other = cache.agreed_entries(dist.group.WORLD, {**KEY, "op": "all_gather"})  # no second exchange
+    state = state_of(dist.group.WORLD, torch.device("cpu"))
+    entries = cache.agreed_entries(state, KEY)
+    other = cache.agreed_entries(state, {**KEY, "op": "all_gather"})  # no second exchange
     return cache.select(entries, "all_reduce", 8192, 8192, 8192, world_size, 132).grid_size, other
 
 
@@ -145,16 +149,19 @@ def test_a_borrowed_plan_keeps_its_cublas_bands():
 def _agree_auto(rank, world_size, root):
     import os
 
+    import torch
     import torch.distributed as dist
+
+    from flashoverlap.comm.state import state_of
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = root
     auto = {**KEY, "path": "auto"}
     if rank == 0:
         cache.store(auto, default_plan("all_reduce", 8192, 8192, 8192, 2, num_groups=3, path="p2p",
                                        allow_sequential=False))
-    entries = cache.agreed_entries(dist.group.WORLD, auto)
+    entries = cache.agreed_entries(state_of(dist.group.WORLD, torch.device("cpu")), auto)
     plan = cache.select(entries, "all_reduce", 8192, 8192, 8192, world_size, 132)
-    return plan.path, plan.num_groups
+    return plan.path, plan.sub_bands
 
 
 def test_plans_tuned_for_path_auto_are_exchanged_and_keep_their_path(cache_in):

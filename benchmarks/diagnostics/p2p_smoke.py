@@ -14,7 +14,7 @@ import torch.distributed as dist
 import flashoverlap as fo
 from flashoverlap.bench.timing import time_side_by_side
 
-SHAPES = [(256, 512, 128), (1000, 1000, 100), (778, 2000, 1234), (4096, 4096, 4096)]
+SHAPES = [(256, 512, 128), (1000, 1000, 100), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by W
 GRID = {"all_reduce": [(8192, 8192, 8192), (16384, 8192, 4096)],
         "reduce_scatter": [(8192, 8192, 8192), (16384, 8192, 4096)],
         "all_gather": [(8192, 14336, 8192), (16384, 8192, 8192)]}

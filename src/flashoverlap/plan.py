@@ -231,6 +231,14 @@ class Plan:
         return len(self.group_row_tiles)
 
     @property
+    def sub_bands(self) -> int:
+        """Sub-bands per rank block: the groups, or for a P2P all-reduce (whose ring cuts ``C`` into ``world_size``
+        blocks of groups) the groups per block."""
+        if self.path == "p2p" and self.op == "all_reduce" and not self.sequential:
+            return self.num_groups // self.world_size
+        return self.num_groups
+
+    @property
     def grid_size(self) -> int:
         """Programs actually launched: never more than there are tiles."""
         return min(self.num_programs, self.num_tiles)
@@ -352,8 +360,9 @@ class Plan:
             f"  tiles {t.block_m}x{t.block_n}x{t.block_k} (group_m {t.group_m}, {t.num_stages} stages, "
             f"{t.num_warps} warps): {self.tiles_m} x {self.tiles_n} = {self.num_tiles} tiles, "
             f"{self.grid_size} programs, "
-            + ("bands computed by cuBLAS, " if self.gemm == "cublas" else "")
-            + ("P2P (copy engines)" if self.path == "p2p" else
+            + ("bands computed by cuBLAS, " if self.gemm == "cublas" and self.path == "nccl" else "")
+            + (f"P2P ring: {self.sub_bands} cuBLAS sub-band(s) per rank block, copy engines" if self.path == "p2p"
+               else
                f"NCCL CTAs {'default' if self.comm_ctas == 0 else self.comm_ctas}"),
         ]
         where = "" if self.blocks == 1 else f" of each of the {self.blocks} rank blocks"

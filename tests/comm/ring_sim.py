@@ -7,8 +7,9 @@ runnable stream at a time, chosen at random; a data operation reads when it star
 another stream may run in between. Flags and symmetric regions are shared memory, kept across calls; a region is a
 flat store whose rows are laid out by the call's width, so calls of different shapes reuse (and may overwrite)
 the same memory as on the GPU. It reports a deadlock (no stream can run), a signal that finds its flag still set
-(a lost signal), and every call's result that differs from the plain sum. Streams run at random speeds, some far
-slower than others, so that one rank or stream runs calls ahead of another.
+(a lost signal), every call's result that differs from the plain sum, and work on ``X`` before ``X`` joined the
+call's start on ``C`` (inside a CUDA-graph capture that work would not belong to the graph). Streams run at
+random speeds, some far slower than others, so that one rank or stream runs calls ahead of another.
 """
 
 from __future__ import annotations
@@ -131,10 +132,18 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
             return ranks[op.flag.rank].flags[op.flag.row] == 1
         return True
 
-    def start(r: int, item):
+    joined: set[tuple[int, int]] = set()  # (rank, call) whose X has waited for the call's start on C
+
+    def start(r: int, item, stream: str):
         """Run a control op at once; for a data op return what it will write."""
         i, op = item
         call = calls[i]
+        if stream == "X":
+            if isinstance(op, tuple) and op[0].event == 0:
+                joined.add((r, i))
+            elif (r, i) not in joined:
+                raise Failure(f"rank {r}, call {i}: X runs {op} before joining the call's start on C (outside a "
+                              "CUDA-graph capture)")
         if isinstance(op, Produce):
             local[r][i]["a"][:] = call.a[r]
             return None
@@ -197,7 +206,7 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
             rank.queues[name].pop(0)
             continue
         item = rank.queues[name][0]
-        write = start(r, item)
+        write = start(r, item, name)
         if write is None:
             rank.queues[name].pop(0)
         else:

@@ -14,12 +14,12 @@ from tests.comm import fake_cuda
 def _ranks(rank, world_size):
     fake_cuda.install(wait_timeout_s=0.0)  # one rank per process: a counter is set before its wait
     from flashoverlap.comm.collectives import gathered_in_rank_order
-    from flashoverlap.comm.nccl import NcclCommunicator
-    from flashoverlap.ops._bands import compute_bands
+    from flashoverlap.comm.nccl import NcclCommunicator, compute_bands
+    from flashoverlap.comm.state import state_of
     from flashoverlap.plan import TileConfig, default_plan
 
     tile = TileConfig(16, 16, 16, 2, 1, 4)
-    comm = NcclCommunicator(dist.group.WORLD, torch.device("cpu"))
+    comm = NcclCommunicator(state_of(dist.group.WORLD, torch.device("cpu")))
     gen = torch.Generator().manual_seed(rank)
     m, n, k = 48 * world_size, 40, 24
     a, b = torch.randn(m, k, generator=gen, dtype=torch.float64), torch.randn(k, n, generator=gen, dtype=torch.float64)

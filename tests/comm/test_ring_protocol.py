@@ -1,7 +1,7 @@
 """The P2P path's schedules (``comm/ring_schedule.py``) executed for every rank at once on the CPU
 (``tests/comm/ring_sim.py``): W = 2..8, the three ops, back-to-back calls of changing shapes and ops that overlap
 each other across ranks, in random interleavings; and every wait, signal and event of a schedule removed in turn
-is caught (a deadlock, a lost signal or a wrong result)."""
+is caught (a deadlock, a lost signal, a wrong result, or copy-stream work outside a capture's stream order)."""
 
 import numpy as np
 import pytest

@@ -52,9 +52,9 @@ def _correctness(rank, world_size):
                     _assert_close(got, want, f"{m}x{n}x{k} {dtype} b{'.t()' if transposed else ''} plan {name}")
                     checked += 1
     # The counters are zero again after every call (reset on the communication stream).
-    from flashoverlap.comm import nccl
+    from flashoverlap.comm.state import state_of
 
-    comm = nccl.communicator(dist.group.WORLD, device)
+    comm = state_of(dist.group.WORLD, device).nccl
     torch.cuda.synchronize()
     assert int(comm.counters.abs().sum()) == 0, "counters were not reset"
     # Repeated calls agree bitwise.
@@ -153,16 +153,16 @@ def _errors(rank, world_size):
 
 def _debug_timeout(rank, world_size):
     """Rule 4: a wait that is never satisfied becomes an error naming the group and rank, not a hang."""
-    from flashoverlap.comm import nccl
+    from flashoverlap.comm.state import state_of
 
     os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "2"
     device = torch.device("cuda", torch.cuda.current_device())
     m, n, k = 1024, 1024, 256
     plan = fo.default_plan("all_reduce", m, n, k, world_size, num_groups=4, allow_sequential=False)
-    comm = nccl.communicator(dist.group.WORLD, device)
+    comm = state_of(dist.group.WORLD, device).nccl
     comm.prepare(plan, torch.bfloat16)
     c = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
-    with pytest.raises(RuntimeError, match=rf"rank {rank}: group 0 of {plan.num_groups}"):
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: all_reduce on group .*: group 0 of {plan.num_groups}"):
         comm.all_reduce(c, plan)  # no GEMM was launched: nothing will ever bump the counters
     # Release the waits from another stream, as the GEMM would have, and check the GPU is healthy afterwards.
     with torch.cuda.stream(torch.cuda.Stream()):
@@ -206,14 +206,14 @@ def test_errors_and_debug_timeout():
     spawn(_debug_timeout, WORLD, "nccl", env=ENV)
 
 
-# -- the P2P path (issue 4) ---------------------------------------------------------------------------------------
+# -- the P2P path: cuBLAS and copy engines, a ring -----------------------------------------------------------------
 def _p2p_plans(m, n, k, world_size):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     yield "p2p-default", fo.default_plan("all_reduce", m, n, k, world_size, num_sms=sms, path="p2p")
     yield "p2p-overlapped", fo.default_plan("all_reduce", m, n, k, world_size, num_sms=sms, path="p2p",
                                             allow_sequential=False)
-    yield "p2p-persistent-small-tiles", fo.default_plan(
-        "all_reduce", m, n, k, world_size, num_sms=sms, path="p2p", num_programs=sms, num_groups=7,
+    yield "p2p-many-small-sub-bands", fo.default_plan(
+        "all_reduce", m, n, k, world_size, num_sms=sms, path="p2p", num_groups=5,
         tile=fo.TileConfig(64, 64, 32, 3, 2, 4), allow_sequential=False)
 
 

@@ -40,8 +40,8 @@ def _plans(m, n, k, world_size, path):
         yield "default", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p")
         yield "p2p-overlapped", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p",
                                                 allow_sequential=False)
-        yield "p2p-persistent-small-tiles", fo.default_plan(
-            "reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p", num_programs=sms,
+        yield "p2p-many-small-sub-bands", fo.default_plan(
+            "reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p",
             tile=fo.TileConfig(64, 64, 32, 3, 2, 4), num_groups=5, allow_sequential=False)
         return
     yield "default", None
@@ -139,7 +139,7 @@ def test_reduce_scatter_cuda_device_max_connections_one(path):
 
 def _auto_follows_the_tuned_path(rank, world_size, cache_dir, tuned_path):
     """A plan that `tune plan --path auto` cached for this shape decides path="auto" (the default), either way."""
-    from flashoverlap.comm import p2p
+    from flashoverlap.comm.state import state_of
     from flashoverlap.tune import cache
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = cache_dir
@@ -154,7 +154,7 @@ def _auto_follows_the_tuned_path(rank, world_size, cache_dir, tuned_path):
     want = _expected(a, b, world_size)
     poison_allocator(torch.device("cuda", torch.cuda.current_device()))
     assert_close(gemm_reduce_scatter(a, b), want, f"auto path, tuned on {tuned_path}")
-    used_p2p = any(comm.workspace.nbytes > 0 for comm in p2p._COMMUNICATORS.values())
+    used_p2p = state_of(torch.distributed.group.WORLD, a.device)._p2p is not None
     assert used_p2p == (tuned_path == "p2p"), f"path='auto' did not follow the tuned plan's path {tuned_path}"
     return True
 

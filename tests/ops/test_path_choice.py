@@ -13,10 +13,10 @@ def test_auto_picks_p2p_for_all_gather_where_it_applies():
     assert path == "nccl" and "NCCL_P2P_DISABLE" in why
 
 
-def test_auto_keeps_nccl_for_the_reductions():
-    for op in ("all_reduce", "reduce_scatter"):
-        path, why = _common.automatic_path(op, None, 2)
-        assert path == "nccl" and "not chosen automatically" in why
+def test_auto_picks_p2p_for_every_op_on_one_nvlink_node():
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        assert _common.automatic_path(op, None, 2)[0] == "p2p"
+        assert _common.automatic_path(op, None, 2, nccl_p2p_disabled=True)[0] == "nccl"
 
 
 def test_a_tuned_auto_plan_decides_the_path_where_it_applies():
@@ -28,6 +28,6 @@ def test_a_tuned_auto_plan_decides_the_path_where_it_applies():
     assert _common.automatic_path("all_gather", None, 2, tuned=nccl)[0] == "nccl"
     # A tuned P2P plan cannot apply where P2P does not: the rule decides, naming why.
     path, why = _common.automatic_path("reduce_scatter", "the group spans 2 hosts (a, b)", 2, tuned=p2p)
-    assert path == "nccl" and "not chosen automatically" in why
+    assert path == "nccl" and "spans 2 hosts" in why
     path, why = _common.automatic_path("all_gather", None, 2, nccl_p2p_disabled=True, tuned=p2p)
     assert path == "nccl" and "NCCL_P2P_DISABLE" in why

@@ -46,7 +46,7 @@ def test_reduction_timeline_by_hand():
 
 
 def test_all_gather_timeline_by_hand():
-    plan = _plan(2, op="all_gather", path="p2p", num_sms=512)  # gathered M 512: 32 x 16 = 512 tiles, half local
+    plan = _plan(2, op="all_gather", num_sms=512, num_programs=512)  # NCCL path, gathered M 512: 512 tiles
     machine = Machine(num_sms=512, wave_ms=1.0, cublas_ms=0.9)
     p = predict(plan, machine, FLAT)
     # Bands arrive at 0.3 and 0.6; the local half ends at 0.5; each band's remote tiles take a quarter.
@@ -63,6 +63,30 @@ def test_all_gather_timeline_by_hand():
     quick = predict(plan, Machine(512, 0.2, 0.9, comm_slowdown=2.0), FLAT)
     assert quick.comm_done_ms == pytest.approx((0.35, 0.675)) and quick.group_done_ms == pytest.approx((0.35, 0.675))
     assert quick.total_ms == pytest.approx(0.725)
+
+
+def test_p2p_ring_timelines_by_hand():
+    # Reduce-scatter, W = 2, M 512 (two rank blocks of 256 rows), 2 sub-bands of 128 rows; a 128-row matmul takes
+    # 0.2 ms, a pull 0.3 ms (FLAT). Step 0: C 0-0.2, 0.2-0.4; pulls 0.2-0.5, 0.5-0.8; step 1: C 0.5-0.7, 0.8-1.0.
+    machine = Machine(num_sms=132, wave_ms=1.0, cublas_ms=0.8, band_ms=((128, 0.2), (256, 0.4)))
+    rs = default_plan("reduce_scatter", 512, 64, 64, 2, tile=TileConfig(128, 64, 64, 8, 3, 8), num_groups=2,
+                      path="p2p", allow_sequential=False)
+    p = predict(rs, machine, FLAT)
+    assert p.comm_done_ms == pytest.approx((0.5, 0.8)) and p.group_done_ms == pytest.approx((0.4, 1.0))
+    assert p.total_ms == pytest.approx(1.0)
+    # All-reduce: the same ring, then each peer's two reduced sub-bands (written at 0.7 and 1.0) pulled once X is
+    # free (0.8): 0.8-1.1 and 1.1-1.4.
+    ar = default_plan("all_reduce", 512, 64, 64, 2, tile=TileConfig(128, 64, 64, 8, 3, 8), num_groups=2,
+                      path="p2p", allow_sequential=False)
+    assert ar.sub_bands == 2 and [g.rows for g in ar.groups] == [128] * 4
+    assert predict(ar, machine, FLAT).comm_done_ms == pytest.approx((0.5, 0.8, 1.1, 1.4))
+    # All-gather, one sub-band: the own shard (0.4) beside the pull of the peer's (0.6), then its matmul.
+    ag = default_plan("all_gather", 512, 64, 64, 2, tile=TileConfig(128, 64, 64, 8, 3, 8), path="p2p",
+                      allow_sequential=False)
+    p = predict(ag, machine, Curve((1, 10**12), (0.6, 0.6)))
+    assert p.comm_done_ms == pytest.approx((0.6,)) and p.total_ms == pytest.approx(1.0)
+    assert sorted(c.sub_bands for c in candidates("reduce_scatter", 8192, 8192, 8192, 2, 132, path="p2p")
+                  if not c.sequential) == [1, 2, 3, 4, 6, 8]
 
 
 def test_search_runs_sequentially_when_the_collective_is_negligible():
@@ -97,7 +121,8 @@ def test_cublas_bands_run_at_cublas_speed_and_are_candidates():
     assert p.group_done_ms == pytest.approx((0.45, 0.9)) and p.total_ms == pytest.approx(1.2)
     plans = candidates("all_reduce", 8192, 8192, 8192, 2, 132)
     assert sorted(p.num_groups for p in plans if p.gemm == "cublas") == [2, 4, 8]
-    assert not any(p.gemm == "cublas" for p in candidates("all_reduce", 8192, 8192, 8192, 2, 132, path="p2p"))
+    assert all(p.gemm == "cublas" for p in candidates("all_reduce", 8192, 8192, 8192, 2, 132, path="p2p")
+               if not p.sequential)
 
 
 def test_cublas_bands_take_their_measured_time_per_matmul():
@@ -151,22 +176,6 @@ def test_a_persistent_grid_takes_its_measured_time():
     one_per_tile = default_plan("all_reduce", 8192, 8192, 8192, 2, num_groups=4, allow_sequential=False)
     assert predict(one_per_tile, Machine(132, 0.1, 3.0, grid_ms=((100, 1.8),)), tiny).group_done_ms[-1] == \
         pytest.approx(1.6)  # 2048 tiles, 132 at a time: 16 waves
-
-
-def test_p2p_band_work_matches_the_schedules_pulls():
-    from flashoverlap.comm.p2p_schedule import Copy, reduction
-    from flashoverlap.tune.tuner import p2p_band_work
-
-    assert p2p_band_work("all_gather", 4096, 4) == (1, 1024, False)
-    assert p2p_band_work("reduce_scatter", 4096, 2) == (1, 2048, True)
-    assert p2p_band_work("all_reduce", 4096, 2) == (2, 2048, True)
-    # Against the schedule: rows a rank pulls from peers for one group, per round, times the row width.
-    for op, m in (("reduce_scatter", 128), ("all_reduce", 64)):
-        plan = default_plan(op, m, 24, 16, 2, tile=TILE, num_groups=1, path="p2p", allow_sequential=False)
-        pulled = sum(o.rows for o in reduction(plan, 0) if isinstance(o, Copy) and o.src.space == "work"
-                     and o.src.rank != 0)
-        rounds, share, _ = p2p_band_work(op, plan.group_bytes(2)[0], 2)
-        assert pulled * 24 * 2 == rounds * share
 
 
 def test_ranking_charges_cublas_bands_their_measured_time():

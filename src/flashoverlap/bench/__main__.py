@@ -25,9 +25,9 @@ from flashoverlap.bench import op_rows
 from flashoverlap.bench.op_rows import inputs as _inputs
 from flashoverlap.bench.rows import efficiency
 from flashoverlap.bench.timing import time_ms
-from flashoverlap.comm import nccl
+from flashoverlap.comm.state import state_of
 from flashoverlap.kernels.gemm import gemm
-from flashoverlap.ops.gemm_all_reduce import plan_for
+from flashoverlap.ops._common import plan_for
 from flashoverlap.plan import default_plan, nccl_free_sms
 
 
@@ -149,7 +149,7 @@ def interference(args, rank, world_size, device, dtype) -> dict:
     reps = 20
     main_stream = torch.cuda.current_stream()
     side = torch.cuda.Stream(device=device, priority=-(1 << 10))
-    comm = nccl.communicator(dist.group.WORLD, device)
+    comm = state_of(dist.group.WORLD, device).nccl
     out = {"steady": {}, "single": {}}
 
     def timed(fn) -> tuple[float, float]:
@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             for row in bench(m, n, k):
                 rows.append(row)
                 if rank == 0:
-                    print(f"  {op} {row['path']} {m}x{n}x{k}: done, E={row['E']:+.2f}", flush=True)
+                    auto = f", auto ({row['auto']['path']}) E={row['auto']['E']:+.2f}" if "auto" in row else ""
+                    print(f"  {op} {row['path']} {m}x{n}x{k}: done, E={row['E']:+.2f}{auto}", flush=True)
                     write_results(out, meta, rows, {})  # so far, in case a later row fails
     extra = {}
     if args.timeline:
@@ -326,7 +327,7 @@ def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: in
         raise SystemExit("--timeline needs an all_reduce row (--ops all_reduce)")
     m, n, k = row["M"], row["N"], row["K"]
     a, b = _inputs(m, n, k, dtype, dist.get_rank())
-    plan = plan_for(m, n, k, dist.group.WORLD, device, dtype)
+    plan = plan_for("all_reduce", m, n, k, dist.group.WORLD, device, dtype)
     note = ""
     if plan.sequential:  # draw the overlapped plan the op would use, and say so
         plan = default_plan("all_reduce", m, n, k, world_size, num_sms=device_sms(device), allow_sequential=False)
@@ -369,13 +370,20 @@ def print_table(rows: list[dict], meta: dict) -> None:
         name = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter"}.get(op, "all_gather_gemm")
         print(f"\n{name}, path {path}, {meta['gpus']}, {meta['setting']}, {rows[0]['dtype']} (ms)")
         print(f"{'M x N x K':>20} {'T_gemm':>7} {'ourGEMM':>7} {'T_comm':>7} {'T_seq':>7} {'decomp':>7} "
-              f"{'asyncTP':>7} {'T':>7} {'T_ideal':>7} {'speedup':>7} {'E':>6} {'host us seq/ours':>16}")
+              f"{'asyncTP':>7} {'T':>7} {'T_ideal':>7} {'speedup':>7} {'E':>6} {'host us seq/ours':>16} "
+              f"{'auto: T':>7} {'E':>6} {'path':>5} {'host us':>7}")
         for r in (r for r in rows if (r["op"], r["path"]) == (op, path)):
             base = r["baselines"]
             host = "{seq:.0f}/{ours:.0f}".format(**r["host_us"]) if r.get("host_us") else "-"
             print(f"{r['M']:>6}x{r['N']:>6}x{r['K']:>6} {ms(r['t_gemm_ms'])} {ms(r['t_our_gemm_ms'])} "
                   f"{ms(r['t_comm_ms'])} {ms(r['t_seq_ms'])} {ms(base['decomposition_ms'])} {ms(base['async_tp_ms'])} "
-                  f"{ms(r['t_ms'])} {ms(r['t_ideal_ms'])} {r['speedup']:7.2f} {r['E']:+6.2f} {host:>16}")
+                  f"{ms(r['t_ms'])} {ms(r['t_ideal_ms'])} {r['speedup']:7.2f} {r['E']:+6.2f} {host:>16}"
+                  + (_auto_columns(r["auto"]) if "auto" in r else ""))
+
+
+def _auto_columns(auto: dict) -> str:
+    host = f"{auto['host_us']:.0f}" if auto.get("host_us") is not None else "-"
+    return f" {auto['t_ms']:7.3f} {auto['E']:+6.2f} {auto['path']:>5} {host:>7}"
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ from flashoverlap.bench.baselines import (
     async_tp_ops,
     sequential_all_reduce,
 )
-from flashoverlap.bench.rows import add_default, result_row
+from flashoverlap.bench.rows import add_auto, add_default, result_row
 from flashoverlap.bench.timing import time_side_by_side
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.kernels.gemm import gemm
-from flashoverlap.ops._common import plan_for
+from flashoverlap.ops._common import plan_for, prepare_call
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
 from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from flashoverlap.plan import default_plan
@@ -51,7 +51,7 @@ def _try_async_tp(fn, *args):
 
 
 def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, before=None, why=None,
-             sweep=None, call=None, p2p_plan=None) -> list[dict]:
+             sweep=None, call=None, p2p_plan=None, auto=None) -> list[dict]:
     """Time ``fns`` (plus torch async TP where it runs) side by side and build the results row (and, where
     ``fns`` has ``ours_p2p``/``our_gemm_p2p``, the P2P path's row with the same baselines); with ``sweep``, also
     ``sweep(op, call, shape, row)``: ``call(plan)`` over a family of plans."""
@@ -73,6 +73,8 @@ def _measure(op, shape, dtype, fns, decomposed, plan, iters, fused, fused_args, 
     for row in rows:
         if fused is None:
             row["baselines"]["async_tp_note"] = failed or why or "not run"
+        if auto is not None:
+            add_auto(row, t["ours_auto"], auto[0], auto[1], host_us.get("ours_auto"))
     if sweep is not None:
         rows[0]["sweep"] = sweep(op, call, shape, rows[0])
     return rows
@@ -115,10 +117,12 @@ def bench_all_reduce(m, n, k, dtype, iters, world_size, device, setting, sweep=N
     }
     before = {"our_gemm": counters.zero_}
     call = lambda **kw: fo.gemm_all_reduce(a, b, **kw)  # noqa: E731
+    fns["ours_auto"] = lambda: fo.gemm_all_reduce(a, b)  # what a user gets: path="auto", no plan
+    auto = _auto("gemm_all_reduce", "all_reduce", a, b)
     p2p_plan = _p2p_reduction("all_reduce", a, b, call, fns, before, dtype, setting)
     return _measure("all_reduce", (m, n, k), dtype, fns, decomposed, plan, iters, None, (), before=before,
                     why="torch async TP has no fused all-reduce", sweep=sweep, call=lambda plan: call(plan=plan),
-                    p2p_plan=p2p_plan)
+                    p2p_plan=p2p_plan, auto=auto)
 
 
 def _p2p_reduction(op, a, b, call, fns, before, dtype, setting):
@@ -127,13 +131,9 @@ def _p2p_reduction(op, a, b, call, fns, before, dtype, setting):
     m, k = a.shape
     n = b.shape[1]
     p2p_plan = _try_p2p(op, call, (m, n, k), dtype, setting)
-    if p2p_plan is not None:
-        kernel_p2p = p2p_plan if not p2p_plan.sequential else default_plan(
-            op, m, n, k, p2p_plan.world_size, allow_sequential=False, path="p2p")
-        counters_p2p = torch.zeros(kernel_p2p.num_groups, dtype=torch.int32, device=a.device)
-        fns["our_gemm_p2p"] = lambda: gemm(a, b, kernel_p2p, counters=counters_p2p)
+    if p2p_plan is not None:  # the P2P path multiplies with cuBLAS: its GEMM alone is T_gemm
+        fns["our_gemm_p2p"] = fns["gemm"]
         fns["ours_p2p"] = lambda: call(plan=p2p_plan)
-        before["our_gemm_p2p"] = counters_p2p.zero_
     return p2p_plan
 
 
@@ -156,12 +156,14 @@ def bench_reduce_scatter(m, n, k, dtype, iters, world_size, device, setting, swe
         "ours": lambda: gemm_reduce_scatter(a, b, plan=plan),
     }
     before = {"our_gemm": counters.zero_}
+    fns["ours_auto"] = lambda: gemm_reduce_scatter(a, b)
+    auto = _auto("gemm_reduce_scatter", "reduce_scatter", a, b)
     p2p_plan = _p2p_reduction("reduce_scatter", a, b, lambda **kw: gemm_reduce_scatter(a, b, **kw), fns, before,
                               dtype, setting)
     fused_rs, _, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
     return _measure("reduce_scatter", (m, n, k), dtype, fns, decomposed, plan, iters, fused_rs, (a, b),
                     before=before, why=why, sweep=sweep, call=lambda plan: gemm_reduce_scatter(a, b, plan=plan),
-                    p2p_plan=p2p_plan)
+                    p2p_plan=p2p_plan, auto=auto)
 
 
 def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=None) -> list[dict]:
@@ -189,13 +191,21 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=N
         "ours": lambda: all_gather_gemm(a_shard, b, plan=plan),
     }
     p2p_plan = _try_p2p("all_gather", lambda **kw: all_gather_gemm(a_shard, b, **kw), (m, n, k), dtype, setting)
-    if p2p_plan is not None:
-        ready_p2p = torch.ones(p2p_plan.num_groups, dtype=torch.int32, device=device)
-        fns["our_gemm_p2p"] = lambda: gemm(a_full, b, p2p_plan, flags=ready_p2p, rank=rank)
+    if p2p_plan is not None:  # cuBLAS multiplies on the P2P path
+        fns["our_gemm_p2p"] = fns["gemm"]
         fns["ours_p2p"] = lambda: all_gather_gemm(a_shard, b, plan=p2p_plan)
+    fns["ours_auto"] = lambda: all_gather_gemm(a_shard, b)
+    auto = _auto("all_gather_gemm", "all_gather", a_shard, b)
     _, fused_ag, why = async_tp_ops() if setting == "nvlink" else (None, None, "nvlink setting only")
     return _measure("all_gather", (m, n, k), dtype, fns, decomposed, plan, iters, fused_ag, (a_shard, b), why=why,
-                    sweep=sweep, call=lambda plan: all_gather_gemm(a_shard, b, plan=plan), p2p_plan=p2p_plan)
+                    sweep=sweep, call=lambda plan: all_gather_gemm(a_shard, b, plan=plan), p2p_plan=p2p_plan,
+                    auto=auto)
+
+
+def _auto(name, op, a, b):
+    """The path and plan an untuned ``path="auto"`` call takes here (what a user gets)."""
+    path, _, plan = prepare_call(name, op, a, b, None, None, "auto")
+    return path, plan
 
 
 def _try_p2p(op, call, shape, dtype, setting):

@@ -13,7 +13,7 @@ def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
 
 
 def plan_summary(plan: Plan) -> dict:
-    return {"groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
+    return {"path": plan.path, "groups": plan.num_groups, "programs": plan.grid_size, "comm_ctas": plan.comm_ctas,
             "sequential": plan.sequential, "gemm": plan.gemm,
             "tile": [plan.tile.block_m, plan.tile.block_n, plan.tile.block_k, plan.tile.group_m]}
 
@@ -45,3 +45,11 @@ def add_default(row: dict, t_default: float, plan: Plan) -> None:
     row["t_default_ms"] = t_default
     row["E_default"] = efficiency(row["t_seq_ms"], t_default, row["t_ideal_ms"])
     row["plan_default"] = plan_summary(plan)
+
+
+def add_auto(row: dict, t_auto: float, path: str, plan: Plan, host_us: float | None) -> None:
+    """Add to ``row`` what a user gets from a plain call (``path="auto"``, no plan), timed side by side in the same
+    run: its time, E, speedup, path, plan and host time per call."""
+    row["auto"] = {"t_ms": t_auto, "E": efficiency(row["t_seq_ms"], t_auto, row["t_ideal_ms"]),
+                   "speedup": row["t_seq_ms"] / t_auto, "path": path, "plan": plan_summary(plan),
+                   "host_us": host_us}

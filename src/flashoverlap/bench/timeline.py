@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.bench.timing import start_behind_sleep
-from flashoverlap.comm import nccl
+from flashoverlap.comm.state import state_of
 
 
 def record(call, device: torch.device, group=None) -> dict:
     """Run ``call()`` once with the communicator of ``group`` recording; the groups' ready/done times in ms."""
-    comm = nccl.communicator(group or dist.group.WORLD, device)
+    comm = state_of(group or dist.group.WORLD, device).nccl
     comm.timeline = []
     try:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -34,9 +34,13 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.collectives import all_gather_into_tensor, place_own_shard, reduce_scatter_tensor
+from flashoverlap.comm.collectives import (
+    all_gather_into_tensor,
+    gathered_in_rank_order,
+    place_own_shard,
+    reduce_scatter_tensor,
+)
 from flashoverlap.comm.state import refuse_inside_capture
-from flashoverlap.comm.collectives import gathered_in_rank_order
 from flashoverlap.kernels.gemm import gemm
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
@@ -237,9 +241,10 @@ class NcclCommunicator:
             while not event.query():
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"flashoverlap: rank {self.rank}: {plan.op} on {self.name}: group {grp.index} of {plan.num_groups} (rows "
-                        f"[{grp.row_start}, {grp.row_end})) did not see its {grp.tile_count} tiles within "
-                        f"{timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT); its counter never reached the plan's count"
+                        f"flashoverlap: rank {self.rank}: {plan.op} on {self.name}: group {grp.index} of "
+                        f"{plan.num_groups} (rows [{grp.row_start}, {grp.row_end})) did not see its {grp.tile_count} "
+                        f"tiles within {timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT); its counter never reached the "
+                        "plan's count"
                     )
                 time.sleep(1e-4)
 

@@ -6,7 +6,8 @@ The schedule (which rows, in which order, which flags) is ``comm/ring_schedule.p
 why it cannot deadlock; this module only issues it. One call:
 
 1. Before anything is queued: the symmetric workspace is large enough (growing it is collective and refused
-   inside a CUDA-graph capture) and the region layout is fixed by its size.
+   inside a CUDA-graph capture) and the region layout is fixed by its size; on a plan's first call its cuBLAS
+   kernels are run once, eagerly (deadlock rule 3: none is loaded behind a stream wait).
 2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` /
    ``addmm_``), ``Copy`` on the copy stream ``X`` (``cuMemcpyDtoDAsync``), ``Wait`` (``cuStreamWaitValue32`` then
    a reset by ``cuStreamWriteValue32``), ``Signal`` (``cuStreamWriteValue32`` into this rank's or a peer's flag
@@ -45,6 +46,7 @@ class P2PCommunicator:
         self.workspace = SymmetricWorkspace(self.group, self.device)
         self._events: list[torch.cuda.Event] = []
         self._flag_ptrs: dict[tuple[int, int], int] = {}
+        self._warm: set[tuple] = set()  # (plan, dtype, b's strides) whose cuBLAS kernels are loaded
 
     def _region_bytes(self) -> int:
         return (self.workspace.nbytes // rs.regions(self.world_size)) // REGION_ALIGN * REGION_ALIGN
@@ -54,6 +56,10 @@ class P2PCommunicator:
         """One overlapped call of ``plan`` (not sequential): the op's result, and for all-gather the gathered input
         (rank order) where ``return_gathered``."""
         self.prepare(plan, a.dtype, op)
+        if plan.op == "all_gather":
+            a = a.contiguous()  # the copy engine moves the shard's rows as one block
+        if (plan, a.dtype, b.stride()) not in self._warm:
+            self._load_kernels(plan, a, b, op)
         rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
         out = torch.empty((rows, plan.n), dtype=a.dtype, device=a.device)
         gathered = None
@@ -74,8 +80,9 @@ class P2PCommunicator:
 
     def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
               gathered: torch.Tensor | None = None) -> None:
-        """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the caller's stream; for
-        all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it is returned)."""
+        """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
+        caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
+        is returned)."""
         ops = rs.schedule(plan, self.rank, gathered_own=gathered is not None and plan.op == "all_gather")
         compute = torch.cuda.current_stream(self.device)
         copy = self.copy_stream
@@ -141,6 +148,23 @@ class P2PCommunicator:
                 tensor.record_stream(copy)
         if timeout is not None:
             self._check_progress(waited, timeout, op)
+
+    def _load_kernels(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+        """Run each matmul shape of the schedule once, eagerly, on scratch outputs: the call queues them behind
+        stream waits, and a kernel that is not loaded yet must not be launched there (deadlock rule 3)."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{op}: the first P2P call of a shape loads its cuBLAS kernels and cannot be captured "
+                               "in a CUDA graph; call it once, eagerly, before capturing")
+        source = a if plan.op != "all_gather" else a.new_zeros((plan.m, plan.k))
+        for rows, accumulate in {(item.rows, item.accumulate) for item in rs.schedule(plan, self.rank)
+                                 if isinstance(item, rs.Mm)}:
+            scratch = torch.zeros((rows, plan.n), dtype=a.dtype, device=a.device)
+            if accumulate:
+                scratch.addmm_(source[:rows], b)
+            else:
+                torch.mm(source[:rows], b, out=scratch)
+        torch.cuda.synchronize(self.device)
+        self._warm.add((plan, a.dtype, b.stride()))
 
     def _flag_ptr(self, rank: int, slot: int) -> int:
         ptr = self._flag_ptrs.get((rank, slot))

@@ -168,9 +168,9 @@ def schedule(plan: Plan, rank: int, gathered_own: bool = True) -> tuple:
         raise ValueError(f"the P2P path supports up to {MAX_RANKS} ranks, got {plan.world_size}")
     # X starts after the caller's earlier work on C: it reads ``a`` (all-gather), or writes ``out`` on a peer's
     # signal alone (reduce-scatter's last step), where ``out``'s memory may still be in use by that work (the
-    # caching allocator hands out memory freed on C). All-reduce's X writes ``out`` only after signals that depend
-    # on this rank's C in the same call (every block's ring passes through every rank): no wait needed.
-    ops: list = [] if plan.op == "all_reduce" else [WaitEvent("X", 0)]
+    # caching allocator hands out memory freed on C); and inside a CUDA-graph capture, X's work belongs to the
+    # graph only if X joined the capturing stream before it.
+    ops: list = [WaitEvent("X", 0)]
     if plan.op == "all_gather":
         _all_gather(ops, plan, rank, gathered_own)
     else:
@@ -189,11 +189,11 @@ def _ring_reduce(ops: list, plan: Plan, rank: int) -> None:
         last = s == world - 1
         reduced = last and plan.op == "all_reduce"  # all-reduce's own block: published for every peer
         kind = RED if reduced else s
-        if last and plan.op == "reduce_scatter":
-            dst = lambda row: Loc("out", rank, row - base)  # noqa: E731  (this rank's [M/W, N] output)
-        else:
-            dst = lambda row, kind=kind: Loc("sym", rank, row - base, kind)  # noqa: E731
-        writes_sym = not (last and plan.op == "reduce_scatter")
+        writes_sym = not (last and plan.op == "reduce_scatter")  # else: this rank's [M/W, N] output
+
+        def dst(row: int, base: int = base, kind: int = kind, writes_sym: bool = writes_sym) -> Loc:
+            return Loc("sym", rank, row - base, kind) if writes_sym else Loc("out", rank, row - base)
+
         consumers = peers if reduced else [nxt]
         if writes_sym:  # the first write of this region in the call: its consumers are done with the last call's
             stream = "C" if s == 0 else "X"

@@ -121,7 +121,7 @@ def select(entries: dict[str, dict], op: str, m: int, n: int, k: int, world_size
         return None
     try:
         overlapped = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tuned.tile,
-                                  num_groups=tuned.num_groups, comm_ctas=tuned.comm_ctas, path=tuned.path,
+                                  num_groups=tuned.sub_bands, comm_ctas=tuned.comm_ctas, path=tuned.path,
                                   num_programs=None if tuned.num_programs >= tuned.num_tiles else tuned.num_programs,
                                   gemm=tuned.gemm, allow_sequential=False)  # one program per tile stays so
         if not tuned.sequential:

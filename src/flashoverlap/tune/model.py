@@ -109,6 +109,8 @@ def predict(plan: Plan, machine: Machine, curve: Curve, element_size: int = 2) -
     if plan.sequential:
         total = sequential_ms(plan, machine, curve, element_size)
         return Prediction(total, (machine.cublas_ms,), (total,))
+    if plan.path == "p2p":
+        return _ring(plan, machine, curve, element_size)
     local_ms, work_ms = _compute(plan, machine)
     consumer = plan.op == "all_gather"
     return _simulate(local_ms, work_ms, comm, consumer, machine.gemm_slowdown, machine.comm_slowdown)
@@ -177,6 +179,54 @@ def _simulate(local_ms: float, work_ms: list[float], comm_ms: list[float], consu
                 ends.append(t)
                 comm_left, comm_i = None, comm_i + 1
     return Prediction(t, tuple(done), tuple(ends))
+
+
+def _ring(plan: Plan, machine: Machine, curve: Curve, element_size: int) -> Prediction:
+    """The P2P path's ring (``comm/ring_schedule.py``), on one rank; every rank runs the same timeline shifted by
+    nothing (the ring is symmetric), so a partial from rank ``r - 1`` is ready when this rank's own of the same
+    (step, sub-band) is. ``C`` runs cuBLAS matmuls one after the other (``band_time``, times ``gemm_slowdown``: a
+    copy engine runs beside them); ``X`` runs the pulls one after the other (the curve at the pulled bytes, times
+    ``comm_slowdown``). A matmul that adds a pulled partial starts when ``C`` is free and that pull has landed; a
+    pull starts when ``X`` is free and its data is ready. Local copies (the own shard into symmetric memory, the
+    own reduced rows into the output) are not counted: they run at HBM speed on the copy engine."""
+    world = plan.world_size
+    width = plan.k if plan.op == "all_gather" else plan.n
+    mm = lambda rows: machine.band_time(rows, plan.m) * machine.gemm_slowdown  # noqa: E731
+    pull = lambda rows: curve.time_ms(rows * width * element_size) * machine.comm_slowdown  # noqa: E731
+    if plan.op == "all_gather":
+        sub_rows = [grp.rows for grp in plan.groups]
+        c_free = mm(plan.block_rows)  # the own shard first
+        x_free, done, ends = 0.0, [], []
+        for _ in range(world - 1):
+            for rows in sub_rows:
+                x_free += pull(rows)
+                ends.append(x_free)
+                c_free = max(c_free, x_free) + mm(rows)
+                done.append(c_free)
+        return Prediction(c_free, tuple(done), tuple(ends))
+    per = plan.sub_bands
+    groups = plan.groups
+    sub_rows = [g.rows for g in groups[:per]]  # every block is cut alike (the last may differ by a tile row)
+    c_free = x_free = 0.0
+    ready = [0.0] * per  # when the partial of (previous step, sub-band j) was written on the sending rank
+    done, ends = [], []
+    for s in range(world):
+        landed = list(ready)
+        if s > 0:
+            for j, rows in enumerate(sub_rows):
+                x_free = max(x_free, ready[j]) + pull(rows)
+                landed[j] = x_free
+                ends.append(x_free)
+        for j, rows in enumerate(sub_rows):
+            c_free = max(c_free, landed[j] if s > 0 else 0.0) + mm(rows)
+            ready[j] = c_free
+        done.append(c_free)
+    if plan.op == "all_reduce":  # every peer's reduced sub-bands, pulled once written
+        for _ in range(world - 1):
+            for j, rows in enumerate(sub_rows):
+                x_free = max(x_free, ready[j]) + pull(rows)
+                ends.append(x_free)
+    return Prediction(max(c_free, x_free), tuple(done), tuple(ends))
 
 
 def sequential_ms(plan: Plan, machine: Machine, curve: Curve, element_size: int = 2) -> float:

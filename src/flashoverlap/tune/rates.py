@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @dataclass(frozen=True)
 class Rates:
     gemm_tflops: float

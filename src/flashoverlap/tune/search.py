@@ -21,6 +21,8 @@ FREE_SMS = (0, 32)
 # (Through host memory 8 CTAs beat NCCL's own count by up to 4% at 330bb22/447f55d; on NVLink they were within 1%.)
 NCCL_CTAS = (8, 16)
 REDUCTION_NCCL_CTAS = (0, 8)
+# Sub-bands per rank block of the P2P path's ring plans (cuBLAS: no tiles, programs or CTAs to choose).
+P2P_SUB_BANDS = (1, 2, 3, 4, 6, 8)
 
 
 def tile_choices(m: int, n: int, k: int) -> tuple[TileConfig, ...]:
@@ -41,6 +43,10 @@ def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, p
     base = default_plan(op, m, n, k, world_size, num_sms=num_sms, allow_sequential=False, path=path)
     seq = Plan(op, m, n, k, world_size, base.tile, (base.tiles_per_block,), num_sms, 0, True, path)
     seen[("seq",)] = seq
+    if path == "p2p":
+        for plan in ring_plans(op, m, n, k, world_size, num_sms):
+            seen.setdefault((plan.group_row_tiles,), plan)
+        return list(seen.values())
     ctas_options = (0,) if path != "nccl" else NCCL_CTAS if op == "all_gather" else REDUCTION_NCCL_CTAS
     for tile in tile_choices(m, n, k):
         tiles = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tile, allow_sequential=False,
@@ -63,6 +69,14 @@ def candidates(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, p
     for plan in cublas_band_plans(op, m, n, k, world_size, num_sms, path):
         seen.setdefault(("cublas", plan.group_row_tiles), plan)
     return list(seen.values())
+
+
+def ring_plans(op: str, m: int, n: int, k: int, world_size: int, num_sms: int) -> list[Plan]:
+    """The P2P path's candidates: the ring with each sub-band count of ``P2P_SUB_BANDS`` (those the shape
+    allows)."""
+    plans = [default_plan(op, m, n, k, world_size, num_sms=num_sms, num_groups=sub, path="p2p",
+                          allow_sequential=False) for sub in P2P_SUB_BANDS]
+    return [plan for plan in plans if not plan.sequential]
 
 
 def cublas_band_plans(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, path: str) -> list[Plan]:

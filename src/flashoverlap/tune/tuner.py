@@ -25,7 +25,7 @@ from flashoverlap.kernels.gemm import gemm
 from flashoverlap.plan import Plan, TileConfig, default_plan
 from flashoverlap.tune import cache
 from flashoverlap.tune.model import Curve, Machine
-from flashoverlap.tune.search import FREE_SMS, candidates, cublas_band_plans, rank, tile_choices
+from flashoverlap.tune.search import FREE_SMS, candidates, cublas_band_plans, rank, ring_plans, tile_choices
 
 # Mutual slowdowns (GEMM, collective) when both run at once, for curve files written before ``tune bandwidth``
 # measured them: the steady-state figures of 2x H200 (DESIGN.md's facts; docs/why-overlap-is-hard.md): NCCL over
@@ -89,7 +89,8 @@ def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int,
     factor: its span over its time alone; the communication's: the span of the calls that ended while the GEMMs
     ran, over their time alone. Maximum over ranks. (Beside cuBLAS, whose programs hold their SMs to the end of
     each GEMM, the communication's kernels wait for the GEMM's end: 4-7x slower on NVLink at 330bb22, a
-    situation the ops' GEMM, whose programs retire tile by tile, does not create.)"""
+    situation the ops' GEMM, whose programs retire tile by tile, does not create. The P2P path multiplies with
+    cuBLAS, and its copy engines take no SM: there the GEMM is cuBLAS.)"""
     band = band or band_runner(op, path, group, device, dtype, max_bytes)
     _, move = _communication(op, group, device, dtype, min(SLOWDOWN_BYTES, max_bytes), band)
     world = dist.get_world_size(group)
@@ -99,7 +100,10 @@ def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int,
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
 
     def ours() -> None:
-        gemm(a, b, plan, counters=counters)  # the counters only count up here: nothing waits on them
+        if path == "p2p":  # the P2P path multiplies with cuBLAS
+            torch.matmul(a, b)
+        else:
+            gemm(a, b, plan, counters=counters)  # the counters only count up here: nothing waits on them
 
     gemm_alone = time_ms(ours, warmup=3, iters=10, group=group)
     move_alone = time_ms(move, warmup=3, iters=10, group=group)
@@ -130,22 +134,14 @@ def measure_slowdowns(op: str, path: str, group, device, dtype, max_bytes: int,
     return float(factors[0]), float(factors[1])
 
 
-def p2p_band_work(op: str, nbytes: int, world: int) -> tuple[int, int, bool]:
-    """What the P2P copy stream does for a group of ``nbytes`` (``comm/p2p_schedule.py``): ``(rounds, bytes
-    pulled from each peer per round, whether W pulled pieces are summed)``. Every op pulls ``nbytes / W`` from each
-    peer: all-gather the peer's rows of the band; reduce-scatter the peer's partial of this rank's rows;
-    all-reduce the peer's partial of this rank's share, then (second round) the peer's reduced share."""
-    return (2 if op == "all_reduce" else 1), nbytes // world, op != "all_gather"
-
-
 def band_runner(op: str, path: str, group, device, dtype, max_bytes: int) -> Callable[[int], None] | None:
     """On the P2P path, a ``_p2p_band_runner`` (it allocates symmetric memory, collectively); None on NCCL."""
     return _p2p_band_runner(op, group, device, dtype, max_bytes) if path == "p2p" else None
 
 
 def _p2p_band_runner(op: str, group, device, dtype, max_bytes: int) -> Callable[[int], None]:
-    """A function doing one band's P2P work of ``nbytes`` on the current stream: copy-engine pulls from each peer's
-    symmetric memory in rotated order, and the fp32-accumulated sum of the pulled partials."""
+    """A function doing one sub-band's P2P transfer of ``nbytes`` on the current stream: one copy-engine pull from
+    the next rank's symmetric memory (``comm/ring_schedule.py``: every transfer of the ring is one such pull)."""
     from flashoverlap.comm import stream_ops
     from flashoverlap.comm.symmetric import SymmetricWorkspace
 
@@ -153,21 +149,11 @@ def _p2p_band_runner(op: str, group, device, dtype, max_bytes: int) -> Callable[
     workspace = SymmetricWorkspace(group, device)
     workspace.ensure(max_bytes, "tune bandwidth")
     workspace.local((max_bytes,), torch.uint8).random_()
-    scratch = torch.empty(world * max_bytes, dtype=torch.uint8, device=device)
-    out = torch.empty(max_bytes, dtype=torch.uint8, device=device)
-    element = torch.empty((), dtype=dtype).element_size()
+    landing = torch.empty(max_bytes, dtype=torch.uint8, device=device)
 
     def run(nbytes: int) -> None:
-        rounds, share, summed = p2p_band_work(op, nbytes, world)
         stream = torch.cuda.current_stream(device)
-        for _ in range(rounds):
-            for step in range(1, world):
-                peer = (rank + step) % world
-                stream_ops.copy(stream, scratch.data_ptr() + step * share, workspace.peer_ptr(peer), share)
-            if summed:
-                parts = scratch[: world * share].view(dtype).view(world, share // element)
-                torch.sum(parts, dim=0, out=out[:share].view(dtype))
-                summed = False  # the second round pulls reduced shares: nothing to sum
+        stream_ops.copy(stream, landing.data_ptr(), workspace.peer_ptr((rank + 1) % world), nbytes)
 
     return run
 
@@ -240,6 +226,8 @@ def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path:
                     for rows in band_heights(op, m, n, k, world, sms, path))
     f_g, f_c = slowdowns
     machines = {}
+    if path == "p2p":  # cuBLAS does every multiplication: no Triton GEMM to measure
+        return {tile: Machine(sms, cublas, cublas, f_g, f_c, 0.0, band_ms) for tile in tile_choices(m, n, k)}
     for tile in tile_choices(m, n, k):
         def ours(programs: int | None, tile: TileConfig = tile) -> tuple[Plan, float]:
             plan = default_plan(op, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False, path=path,
@@ -258,7 +246,12 @@ def measure_machine(op: str, m: int, n: int, k: int, group, device, dtype, path:
 
 
 def band_heights(op: str, m: int, n: int, k: int, world: int, sms: int, path: str) -> list[int]:
-    """The row counts of the matmuls the cuBLAS-band candidates issue (one per group and row block)."""
+    """The row counts of the matmuls the cuBLAS-band candidates issue (one per group and row block; the P2P
+    ring's sub-bands, and all-gather's own shard)."""
+    if path == "p2p":
+        plans = ring_plans(op, m, n, k, world, sms)
+        own = {plans[0].block_rows} if plans and op == "all_gather" else set()
+        return sorted(own | {grp.rows for plan in plans for grp in plan.groups})
     return sorted({grp.rows for plan in cublas_band_plans(op, m, n, k, world, sms, path) for grp in plan.groups})
 
 

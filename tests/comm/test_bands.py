@@ -4,7 +4,7 @@ row tables, the same oracle as the kernel's interpreter tests)."""
 import pytest
 import torch
 
-from flashoverlap.ops._bands import compute_bands
+from flashoverlap.comm.nccl import compute_bands
 from flashoverlap.plan import TileConfig, default_plan
 
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call (2x H200): P2P smoke per op (under FLASHOVERLAP_DEBUG_TIMEOUT: an error, not a hang), the
+# nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
+# the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
+# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke bench host tests pcie block"] bash benchmarks/device_run.sh
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
+STEPS=${STEPS-smoke bench host tests}
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')x$NGPU
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+bench() {  # setting, tag, extra args, timeout
+    local env=""; [[ $1 == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
+    local cmd="$env torchrun --nproc-per-node $NGPU -m flashoverlap.bench ${3}"
+    echo "== $cmd" | tee "$OUT/bench-$1$2.log"
+    env $env FLASHOVERLAP_COMMAND="$cmd" timeout $4 torchrun --nproc-per-node $NGPU -m flashoverlap.bench $3 \
+        --out "$OUT/$gpu-$1$2.json" >> "$OUT/bench-$1$2.log" 2>&1; echo "bench $1$2: exit $?"
+    sed -n '/^gemm_all_reduce, path\|^gemm_reduce_scatter, path\|^all_gather_gemm, path/,/^$/p' "$OUT/bench-$1$2.log"
+    grep -iE "error|Traceback" "$OUT/bench-$1$2.log" | head -5
+}
+if has smoke; then
+    for op in reduce_scatter all_reduce all_gather; do
+        FLASHOVERLAP_DEBUG_TIMEOUT=20 timeout ${SMOKE_TIMEOUT:-90} torchrun --nproc-per-node $NGPU \
+            benchmarks/diagnostics/p2p_smoke.py $op > "$OUT/smoke-$op.log" 2>&1; echo "smoke $op: exit $?"
+        grep -E "rank 0:|Error|error" "$OUT/smoke-$op.log" | tail -8
+    done
+fi
+has bench && bench nvlink "" "--ops all_reduce,reduce_scatter,all_gather" ${BENCH_TIMEOUT:-300}
+has host && bench nvlink -host "--ops all_reduce,reduce_scatter,all_gather --shapes 16,8192,8192;4096,8192,8192" 120
+has pcie && bench pcie-like "" "--ops all_reduce,reduce_scatter,all_gather" ${BENCH_TIMEOUT:-300}
+if has tests; then
+    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -x -v --durations=0 ${TESTS-tests/gpu} > "$OUT/gpu-tests.log" 2>&1
+    echo "tests: exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-tests.log" | tail -30
+fi
+true
