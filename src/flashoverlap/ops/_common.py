@@ -5,8 +5,10 @@ host time before the first launch is GPU idle time when the GPU has nothing queu
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -177,7 +179,7 @@ def check_agreement(name: str, state: GroupState, plan: Plan, dtype: torch.dtype
     if a_capture_is_running():
         return
     mine = [OPS.index(plan.op), plan.m, plan.n, plan.k, _DTYPE_CODES[dtype], PATHS.index(path),
-            hash(plan) & 0x7FFFFFFF]
+            _digest(plan)]
     device = state.device if state.device.type == "cuda" else torch.device("cpu")
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     everyone = torch.empty(state.world_size * len(mine), dtype=torch.int64, device=device)
@@ -191,6 +193,12 @@ def check_agreement(name: str, state: GroupState, plan: Plan, dtype: torch.dtype
                 f"{name}: rank {state.rank} of {state.name}: the ranks disagree on {', '.join(differ)} (rank "
                 f"{rank} differs from rank 0): every rank must call the op with the same shapes, dtype and path"
             )
+
+
+@functools.lru_cache(maxsize=256)
+def _digest(plan: Plan) -> int:
+    """The same number for the same plan on every rank (``hash`` of a str is salted per process)."""
+    return zlib.crc32(json.dumps(plan.to_dict(), sort_keys=True).encode())
 
 
 def a_capture_is_running() -> bool:
