@@ -263,11 +263,12 @@ def test_p2p_plans():
     assert (rs.path, rs.sequential, rs.num_groups, rs.gemm) == ("p2p", False, 2, "cublas")
     assert default_plan("reduce_scatter", 256, 256, 256, 2, path="p2p").sequential  # too small to overlap
     ar = default_plan("all_reduce", 8192, 8192, 8192, 2, num_sms=132, path="p2p")
-    assert (ar.path, ar.sequential, ar.num_groups, ar.sub_bands) == ("p2p", False, 4, 2)  # W blocks of 2
+    assert (ar.path, ar.sequential, ar.num_groups, ar.sub_bands) == ("p2p", False, 8, 4)  # W blocks of 4
     ar8 = default_plan("all_reduce", 8192, 8192, 8192, 8, path="p2p", num_groups=3)
     assert (ar8.num_groups, ar8.sub_bands) == (24, 3)
     # Few tile rows: as many sub-bands per rank block as there are, else sequential.
     assert default_plan("all_reduce", 384, 16384, 8192, 2, path="p2p").sub_bands == 1
+    assert default_plan("all_reduce", 1024, 8192, 8192, 2, path="p2p").sub_bands == 4
     with pytest.raises(ValueError, match="path must be one of"):
         default_plan("all_gather", 8192, 8192, 8192, 2, path="nvshmem")
     with pytest.raises(ValueError, match="multiple of world_size"):

@@ -11,7 +11,9 @@ why it cannot deadlock; this module only issues it. One call:
 2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` /
    ``addmm_``), ``Copy`` on the copy stream ``X`` (``cuMemcpyDtoDAsync``), ``Wait`` (``cuStreamWaitValue32`` then
    a reset by ``cuStreamWriteValue32``), ``Signal`` (``cuStreamWriteValue32`` into this rank's or a peer's flag
-   header), and events between the two streams.
+   header), and events between the two streams. Host time is the cost here (an op call must not cost much more
+   than matmul plus a collective): the schedule is resolved once per plan (``_program``: addresses, offsets,
+   views) and the driver is called through ``ctypes`` (``stream_ops.fast``).
 3. ``C`` waits for ``X``: the result is complete on the caller's stream, as after ``matmul`` and a collective.
 
 With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set (outside a capture), an event after every flag wait is polled with a
@@ -31,6 +33,9 @@ from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import Plan
 
 REGION_ALIGN = 1 << 16
+# A resolved schedule step's first field (``P2PCommunicator._program``), and the call's buffers by index.
+_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT = range(6)
+_SPACES = {"a": 0, "out": 1, "gathered": 2}
 
 
 class P2PCommunicator:
@@ -45,8 +50,8 @@ class P2PCommunicator:
         self.copy_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))
         self.workspace = SymmetricWorkspace(self.group, self.device)
         self._events: list[torch.cuda.Event] = []
-        self._flag_ptrs: dict[tuple[int, int], int] = {}
         self._warm: set[tuple] = set()  # (plan, dtype, b's strides) whose cuBLAS kernels are loaded
+        self._programs: dict[tuple, tuple[list, tuple]] = {}
 
     def _region_bytes(self) -> int:
         return (self.workspace.nbytes // rs.regions(self.world_size)) // REGION_ALIGN * REGION_ALIGN
@@ -76,78 +81,111 @@ class P2PCommunicator:
         if need > self._region_bytes():
             size = rs.regions(self.world_size) * (need + REGION_ALIGN)
             if self.workspace.ensure(size, op, ones=(rs.FREE_BASE, rs.FLAG_SLOTS_USED)):
-                self._flag_ptrs.clear()
+                self._programs.clear()
 
     def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
               gathered: torch.Tensor | None = None) -> None:
         """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
         is returned)."""
-        ops = rs.schedule(plan, self.rank, gathered_own=gathered is not None and plan.op == "all_gather")
+        gathered_own = gathered is not None and plan.op == "all_gather"
+        if gathered is None and plan.op == "all_gather":
+            gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=self.device)
+        program, ops = self._program(plan, a.dtype, gathered_own)
         compute = torch.cuda.current_stream(self.device)
-        copy = self.copy_stream
+        handles = (compute.cuda_stream, self.copy_stream.cuda_stream)
+        streams = (compute, self.copy_stream)
+        events = self._events
+        tensors = (a, out, gathered)
+        bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
+        driver = stream_ops.fast()
+        wait, write, copy = driver.wait_geq, driver.write, driver.copy
+        timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
+        waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
+        events[0].record(compute)
+        for step, item in zip(program, ops):
+            code = step[0]
+            if code == _MM:
+                _, src_space, src_row, rows, dst, dst_row, accumulate = step
+                src = tensors[src_space][src_row : src_row + rows]
+                target = tensors[dst][dst_row : dst_row + rows] if isinstance(dst, int) else dst
+                if accumulate:
+                    target.addmm_(src, b)
+                else:
+                    torch.mm(src, b, out=target)
+            elif code == _COPY:
+                _, dst_space, dst_offset, src_space, src_offset, nbytes = step
+                copy(handles[1], bases[dst_space] + dst_offset, bases[src_space] + src_offset, nbytes)
+            elif code == _WAIT:
+                _, stream, flag = step
+                wait(handles[stream], flag, 1)
+                write(handles[stream], flag, 0)
+                if timeout is not None:
+                    waited.append((streams[stream].record_event(), item))
+            elif code == _SIGNAL:
+                write(handles[step[1]], step[2], 1)
+            elif code == _RECORD:
+                events[step[2]].record(streams[step[1]])
+            else:
+                streams[step[1]].wait_event(events[step[2]])
+        compute.wait_stream(self.copy_stream)
+        for tensor in tensors:
+            if tensor is not None:
+                tensor.record_stream(self.copy_stream)
+        if timeout is not None:
+            self._check_progress(waited, timeout, op)
+
+    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool) -> tuple[list, tuple]:
+        """The schedule with everything that does not change between calls resolved: flag addresses, copy
+        offsets and sizes, views of this rank's symmetric regions (built once per plan and workspace)."""
+        key = (plan, dtype, gathered_own, self.workspace.buffer.data_ptr())
+        cached = self._programs.get(key)
+        if cached is not None:
+            return cached
+        ops = rs.schedule(plan, self.rank, gathered_own=gathered_own)
         while len(self._events) < rs.events(ops):
             self._events.append(torch.cuda.Event())
-        events = self._events
-        element = a.element_size()
+        element = torch.empty((), dtype=dtype).element_size()
         width = plan.k if plan.op == "all_gather" else plan.n
         row_bytes = width * element
         region = self._region_bytes()
         own_sym = self.workspace.local((self.workspace.nbytes,), torch.uint8)
-        if gathered is None and plan.op == "all_gather":
-            gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=self.device)
-        tensors = {"a": a, "out": out, "gathered": gathered}
-        bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
-        streams = {"C": compute, "X": copy}
-        timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
-        waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
+        stream_index = {"C": 0, "X": 1}
 
-        def sym_view(loc: rs.Loc, rows: int) -> torch.Tensor:
-            start = rs.region_index(loc.kind, self.world_size) * region + loc.row * row_bytes
-            return own_sym[start : start + rows * row_bytes].view(a.dtype).view(rows, width)
+        def sym_offset(loc: rs.Loc) -> int:
+            return rs.region_index(loc.kind, self.world_size) * region + loc.row * row_bytes
 
-        def address(loc: rs.Loc) -> int:
+        def place(loc: rs.Loc) -> tuple[int, int]:  # (base index: a, out, gathered, absolute), byte offset
             if loc.space == "sym":
-                return (self.workspace.peer_ptr(loc.rank) + rs.region_index(loc.kind, self.world_size) * region
-                        + loc.row * row_bytes)
-            if loc.space == "flag":
-                return self._flag_ptr(loc.rank, loc.row)
+                return 3, self.workspace.peer_ptr(loc.rank) + sym_offset(loc)
             row = plan.n * element if loc.space == "out" else row_bytes
-            return bases[loc.space] + loc.row * row
+            return _SPACES[loc.space], loc.row * row
 
-        events[0].record(compute)
+        program = []
         for item in ops:
             if isinstance(item, rs.Mm):
-                src = tensors[item.src.space][item.src.row : item.src.row + item.rows]
                 if item.dst.space == "sym":
-                    dst = sym_view(item.dst, item.rows)
+                    start = sym_offset(item.dst)
+                    view = own_sym[start : start + item.rows * plan.n * element].view(dtype).view(item.rows, plan.n)
+                    dst, dst_row = view, 0
                 else:
-                    dst = tensors[item.dst.space][item.dst.row : item.dst.row + item.rows]
-                if item.accumulate:
-                    dst.addmm_(src, b)
-                else:
-                    torch.mm(src, b, out=dst)
+                    dst, dst_row = _SPACES[item.dst.space], item.dst.row
+                program.append((_MM, _SPACES[item.src.space], item.src.row, item.rows, dst, dst_row,
+                                item.accumulate))
             elif isinstance(item, rs.Copy):
-                stream_ops.copy(copy, address(item.dst), address(item.src), item.rows * row_bytes)
-            elif isinstance(item, rs.Wait):
-                stream = streams[item.stream]
-                flag = address(item.flag)
-                stream_ops.wait_geq(stream, flag, 1)
-                stream_ops.write(stream, flag, 0)
-                if timeout is not None:
-                    waited.append((stream.record_event(), item))
-            elif isinstance(item, rs.Signal):
-                stream_ops.write(streams[item.stream], address(item.flag), 1)
+                program.append((_COPY, *place(item.dst), *place(item.src), item.rows * row_bytes))
+            elif isinstance(item, (rs.Wait, rs.Signal)):
+                code = _WAIT if isinstance(item, rs.Wait) else _SIGNAL
+                flag = self.workspace.flag_ptr(item.flag.rank, item.flag.row)
+                program.append((code, stream_index[item.stream], flag))
             elif isinstance(item, rs.Record):
-                events[item.event].record(streams[item.stream])
+                program.append((_RECORD, stream_index[item.stream], item.event))
             else:
-                streams[item.stream].wait_event(events[item.event])
-        compute.wait_stream(copy)
-        for tensor in (a, out, gathered):
-            if tensor is not None:
-                tensor.record_stream(copy)
-        if timeout is not None:
-            self._check_progress(waited, timeout, op)
+                program.append((_WAIT_EVENT, stream_index[item.stream], item.event))
+        if len(self._programs) > 256:
+            self._programs.clear()
+        self._programs[key] = (program, ops)
+        return program, ops
 
     def _load_kernels(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
         """Run each matmul shape of the schedule once, eagerly, on scratch outputs: the call queues them behind
@@ -165,12 +203,6 @@ class P2PCommunicator:
                 torch.mm(source[:rows], b, out=scratch)
         torch.cuda.synchronize(self.device)
         self._warm.add((plan, a.dtype, b.stride()))
-
-    def _flag_ptr(self, rank: int, slot: int) -> int:
-        ptr = self._flag_ptrs.get((rank, slot))
-        if ptr is None:
-            ptr = self._flag_ptrs[(rank, slot)] = self.workspace.flag_ptr(rank, slot)
-        return ptr
 
     def _check_progress(self, waited, timeout: float, op: str) -> None:
         deadline = time.monotonic() + timeout

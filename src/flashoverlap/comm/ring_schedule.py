@@ -199,6 +199,7 @@ def _ring_reduce(ops: list, plan: Plan, rank: int) -> None:
             stream = "C" if s == 0 else "X"
             ops += [Wait(stream, Loc("flag", rank, free_slot(kind, c)), f"region {kind} free at rank {c}")
                     for c in consumers]
+        published = []  # all-reduce's last step: (sub-band, the event of its reduced rows)
         for j, (row, rows) in enumerate(bands[q]):
             if s > 0:  # the partial of this sub-band from rank - 1 (its step s - 1) lands in place, then C adds
                 ops += [Wait("X", Loc("flag", rank, full_slot(prv, s - 1, j)), f"partial {s - 1}.{j} from {prv}"),
@@ -210,17 +211,21 @@ def _ring_reduce(ops: list, plan: Plan, rank: int) -> None:
             ops.append(Mm(dst(row), Loc("a", rank, row), rows, accumulate=s > 0))
             if writes_sym:
                 ops += [Signal("C", Loc("flag", c, full_slot(rank, kind, j))) for c in consumers]
-            if reduced:  # the own reduced rows into out, beside the peers' pulls
-                ops += [Record("C", event), WaitEvent("X", event),
-                        Copy(Loc("out", rank, row), Loc("sym", rank, row - base, RED), rows)]
+            if reduced:
+                ops.append(Record("C", event))
+                published.append((j, event))
                 event += 1
-    if plan.op == "all_reduce":  # every peer's reduced block into out
-        for q in peers:
-            base = _block_start(plan, q)
-            for j, (row, rows) in enumerate(bands[q]):
-                ops += [Wait("X", Loc("flag", rank, full_slot(q, RED, j)), f"reduced {j} from {q}"),
-                        Copy(Loc("out", rank, row), Loc("sym", q, row - base, RED), rows)]
-            ops.append(Signal("X", Loc("flag", q, free_slot(RED, rank))))
+        # All-reduce: once X has queued every pull of the last step (none waits behind a reduced sub-band), each
+        # reduced sub-band j: the own rows into out, then every peer's rows j into out.
+        for j, ev in published:
+            row, rows = bands[q][j]
+            ops += [WaitEvent("X", ev), Copy(Loc("out", rank, row), Loc("sym", rank, row - base, RED), rows)]
+            for p in peers:
+                p_row, p_rows = bands[p][j]
+                ops += [Wait("X", Loc("flag", rank, full_slot(p, RED, j)), f"reduced {j} from {p}"),
+                        Copy(Loc("out", rank, p_row), Loc("sym", p, p_row - _block_start(plan, p), RED), p_rows)]
+        if published:
+            ops += [Signal("X", Loc("flag", p, free_slot(RED, rank))) for p in peers]
 
 
 def _all_gather(ops: list, plan: Plan, rank: int, gathered_own: bool) -> None:

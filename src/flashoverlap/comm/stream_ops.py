@@ -54,3 +54,45 @@ def copy(stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
     device's address space (symmetric memory)."""
     d = _driver()
     _check(d.cuMemcpyDtoDAsync(dst, src, nbytes, stream.cuda_stream), "cuMemcpyDtoDAsync")
+
+
+class FastDriver:
+    """The same operations through ``ctypes`` straight into ``libcuda``, for the P2P path's hot loop: a
+    ``cuda.bindings`` call costs several microseconds of argument conversion, and one call of a ring schedule
+    issues dozens of them. Raw stream handles (``torch.cuda.Stream.cuda_stream``) and device addresses; every
+    result is checked."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+
+        def bind(names, *argtypes):
+            for name in names:
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+                    return fn
+            raise RuntimeError(f"libcuda has none of {names}")
+
+        u64, u32, ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
+        self._wait = bind(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), ptr, u64, u32, ctypes.c_uint)
+        self._write = bind(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), ptr, u64, u32, ctypes.c_uint)
+        self._copy = bind(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), u64, u64, ctypes.c_size_t, ptr)
+
+    def wait_geq(self, stream: int, address: int, value: int) -> None:
+        if self._wait(stream, address, value, 0):  # CU_STREAM_WAIT_VALUE_GEQ
+            raise RuntimeError(f"cuStreamWaitValue32 failed (address {address:#x})")
+
+    def write(self, stream: int, address: int, value: int) -> None:
+        if self._write(stream, address, value, 0):  # CU_STREAM_WRITE_VALUE_DEFAULT: after a memory fence
+            raise RuntimeError(f"cuStreamWriteValue32 failed (address {address:#x})")
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        if self._copy(dst, src, nbytes, stream):
+            raise RuntimeError(f"cuMemcpyDtoDAsync failed ({nbytes} bytes, {src:#x} -> {dst:#x})")
+
+
+@functools.cache
+def fast() -> FastDriver:
+    return FastDriver()
