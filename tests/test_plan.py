@@ -268,7 +268,7 @@ def test_p2p_plans():
     assert (ar8.num_groups, ar8.sub_bands) == (24, 3)
     # Few tile rows: as many sub-bands per rank block as there are, else sequential.
     assert default_plan("all_reduce", 384, 16384, 8192, 2, path="p2p").sub_bands == 1
-    assert default_plan("all_reduce", 1024, 8192, 8192, 2, path="p2p").sub_bands == 4
+    assert default_plan("all_reduce", 2048, 8192, 8192, 2, path="p2p").sub_bands == 4
     with pytest.raises(ValueError, match="path must be one of"):
         default_plan("all_gather", 8192, 8192, 8192, 2, path="nvshmem")
     with pytest.raises(ValueError, match="multiple of world_size"):
