@@ -2,7 +2,8 @@
 # One device call (2x H200): P2P smoke per op (under FLASHOVERLAP_DEBUG_TIMEOUT: an error, not a hang), the
 # nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
 # the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
-# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke bench host tests pcie block"] bash benchmarks/device_run.sh
+# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host tests pcie"] bash benchmarks/device_run.sh
+# (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -26,6 +27,11 @@ if has smoke; then
             benchmarks/diagnostics/p2p_smoke.py $op > "$OUT/smoke-$op.log" 2>&1; echo "smoke $op: exit $?"
         grep -E "rank 0:|Error|error" "$OUT/smoke-$op.log" | tail -8
     done
+fi
+if has sweep; then
+    timeout ${SWEEP_TIMEOUT:-150} torchrun --nproc-per-node $NGPU benchmarks/diagnostics/p2p_sub_bands.py \
+        "$OUT/$gpu-nvlink-sub-bands.json" > "$OUT/sub-bands.log" 2>&1; echo "sweep: exit $?"
+    grep -vE "^W[0-9]|Warning|warn" "$OUT/sub-bands.log" | tail -16
 fi
 has bench && bench nvlink "" "--ops all_reduce,reduce_scatter,all_gather" ${BENCH_TIMEOUT:-300}
 has host && bench nvlink -host "--ops all_reduce,reduce_scatter,all_gather --shapes 16,8192,8192;4096,8192,8192" 120
