@@ -258,7 +258,7 @@ def test_all_gather_plans_leave_nccl_its_sms_and_the_op_checks_it():
 
 def test_p2p_plans():
     ag = default_plan("all_gather", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=0.05, path="p2p")
-    assert (ag.path, ag.sequential, ag.num_groups, ag.gemm) == ("p2p", False, 1, "cublas")
+    assert (ag.path, ag.sequential, ag.num_groups, ag.gemm) == ("p2p", False, 4, "cublas")
     rs = default_plan("reduce_scatter", 8192, 8192, 8192, 2, num_sms=132, comm_ratio=0.05, path="p2p")
     assert (rs.path, rs.sequential, rs.num_groups, rs.gemm) == ("p2p", False, 2, "cublas")
     assert default_plan("reduce_scatter", 256, 256, 256, 2, path="p2p").sequential  # too small to overlap
@@ -268,7 +268,8 @@ def test_p2p_plans():
     assert (ar8.num_groups, ar8.sub_bands) == (24, 3)
     # Few tile rows: as many sub-bands per rank block as there are, else sequential.
     assert default_plan("all_reduce", 384, 16384, 8192, 2, path="p2p").sub_bands == 1
-    assert default_plan("all_reduce", 2048, 8192, 8192, 2, path="p2p").sub_bands == 4
+    assert default_plan("all_reduce", 4096, 8192, 8192, 2, path="p2p").sub_bands == 4
+    assert default_plan("all_reduce", 2048, 8192, 8192, 2, path="p2p").sub_bands == 2  # sub-bands of >= 512 rows
     with pytest.raises(ValueError, match="path must be one of"):
         default_plan("all_gather", 8192, 8192, 8192, 2, path="nvshmem")
     with pytest.raises(ValueError, match="multiple of world_size"):

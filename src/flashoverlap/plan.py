@@ -385,9 +385,12 @@ MIN_OVERLAP_WAVES = 2.0
 # Reduce-scatter paid from a lower ratio: 16384x8192x4096 (ratio 0.43) hid half the hideable time with 8 groups,
 # one program per tile (benchmarks/results/logs, sweep at d2b0ea3).
 MIN_OVERLAP_COMM_RATIO = {"all_reduce": 0.5, "reduce_scatter": 0.4, "all_gather": 0.5}
-# Sub-bands per rank block of the P2P ring by default (2x H200 sketches: reduce-scatter best at 2, all-reduce at 4
-# at the large shapes, all-gather's own shard hides a whole peer shard's pull).
-P2P_SUB_BANDS = {"reduce_scatter": 2, "all_reduce": 4, "all_gather": 1}
+# Sub-bands per rank block of the P2P ring by default, and the fewest rows a sub-band's matmul may have: measured
+# on 2 H200s at the nvlink grid, 1..8 sub-bands side by side (benchmarks/results/logs/issue12, sub-bands sweep at
+# 1eba16f): reduce-scatter best at 2, all-reduce and all-gather at 4 (8 once, by 0.04 of E); sub-bands of 256 rows
+# lost to those of 512 everywhere (odd counts, with tile-rounded rows, lost to even ones).
+P2P_SUB_BANDS = {"reduce_scatter": 2, "all_reduce": 4, "all_gather": 4}
+P2P_MIN_SUB_BAND_ROWS = 512
 # NCCL CTAs for all-gather plans.
 ALL_GATHER_COMM_CTAS = 16
 # SMs a GEMM leaves to NCCL in communication-bound plans, and in every all-gather plan (whose GEMM waits for NCCL):
@@ -468,8 +471,8 @@ def default_plan(
       in on the high-priority stream), NCCL's own CTA count.
 
     ``path="p2p"`` (copy engines and cuBLAS, ``comm/ring_schedule.py``): every multiplication by cuBLAS, ``S``
-    sub-bands per rank block (``P2P_SUB_BANDS``: 2 for reduce-scatter, 4 for all-reduce, 1 for all-gather, whose own
-    shard's GEMM hides the whole pull of a peer's shard).
+    sub-bands per rank block (``P2P_SUB_BANDS``: 2 for reduce-scatter, 4 for all-reduce and all-gather, fewer where a
+    sub-band would have fewer than ``P2P_MIN_SUB_BAND_ROWS`` rows).
 
     ``gemm="cublas"`` (NCCL path): the decomposition as a plan, 4 even bands each computed by cuBLAS; the tuner
     weighs it against the signalling GEMM's plans. Never the default.
@@ -492,7 +495,8 @@ def default_plan(
     )
     if path == "p2p":
         gemm = "cublas"
-        per_block = num_groups or P2P_SUB_BANDS[op]
+        block_rows = m // world_size
+        per_block = num_groups or max(1, min(P2P_SUB_BANDS[op], block_rows // P2P_MIN_SUB_BAND_ROWS))
         if op == "all_reduce":  # the ring's W blocks, each of per_block groups
             per_block = min(per_block, tiles_m // world_size)
             too_small = too_small or per_block < 1 or world_size > P2P_MAX_RANKS

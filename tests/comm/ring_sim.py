@@ -1,14 +1,14 @@
 """A CPU simulator of the P2P path's schedules (``comm/ring_schedule.py``) on every rank at once.
 
-Each rank has two streams, ``C`` and ``X``, fed in host order with what ``comm/p2p.py`` issues for each call: the
-user's producer of ``a`` (``Produce``), event 0 recorded on ``C``, the schedule, the join of ``X`` into ``C``
-(``Record``/``WaitEvent`` of ``JOIN``) and the user's consumer of the result (``Consume``). A scheduler runs one
+Each rank has the streams ``C``, ``X`` and ``L``, fed in host order with what ``comm/p2p.py`` issues for each call: the
+user's producer of ``a`` (``Produce``), event 0 recorded on ``C``, the schedule, the joins of ``X`` and ``L`` into
+``C`` (``Record``/``WaitEvent`` of ``JOIN``) and the user's consumer of the result (``Consume``). A scheduler runs one
 runnable stream at a time, chosen at random; a data operation reads when it starts and writes when it ends, so
 another stream may run in between. Flags and symmetric regions are shared memory, kept across calls; a region is a
 flat store whose rows are laid out by the call's width, so calls of different shapes reuse (and may overwrite)
 the same memory as on the GPU. It reports a deadlock (no stream can run), a signal that finds its flag still set
-(a lost signal), every call's result that differs from the plain sum, and work on ``X`` before ``X`` joined the
-call's start on ``C`` (inside a CUDA-graph capture that work would not belong to the graph). Streams run at
+(a lost signal), every call's result that differs from the plain sum, and work on a copy stream before it joined
+the call's start on ``C`` (inside a CUDA-graph capture that work would not belong to the graph). Streams run at
 random speeds, some far slower than others, so that one rank or stream runs calls ahead of another.
 """
 
@@ -21,7 +21,8 @@ import numpy as np
 
 from flashoverlap.comm import ring_schedule as rs
 
-JOIN = -1
+JOIN = -1  # the executor's final joins of X (-1) and L (-2) into C
+STREAMS = ("C", "X", "L")
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,14 @@ def make_call(plan, rng: np.random.Generator) -> Call:
 def host_order(call: Call, rank: int, drop: set = frozenset()) -> list:
     """What the executor issues for one call on ``rank``: ``drop`` removes those indices of the schedule (and
     ``"join"`` the executor's final wait of ``C`` for ``X``)."""
-    ops = [op for i, op in enumerate(rs.schedule(call.plan, rank)) if i not in drop]
-    join = [] if "join" in drop else [rs.WaitEvent("C", JOIN)]
-    return [Produce(), rs.Record("C", 0), *ops, rs.Record("X", JOIN), *join, Consume()]
+    schedule = rs.schedule(call.plan, rank)
+    ops = [op for i, op in enumerate(schedule) if i not in drop]
+    joins = []
+    for n, stream in enumerate(rs.streams_used(schedule)):
+        joins.append(rs.Record(stream, JOIN - n))
+        if "join" not in drop:
+            joins.append(rs.WaitEvent("C", JOIN - n))
+    return [Produce(), rs.Record("C", 0), *ops, *joins, Consume()]
 
 
 class Rank:
@@ -79,8 +85,8 @@ class Rank:
         self.flags = np.zeros(rs.FLAG_SLOTS_USED, dtype=np.int64)
         self.flags[rs.FREE_BASE :] = 1
         self.regions = np.full((rs.regions(world), region_size), np.nan)
-        self.queues: dict[str, list] = {"C": [], "X": []}
-        self.pending: dict[str, object] = {"C": None, "X": None}
+        self.queues: dict[str, list] = {name: [] for name in STREAMS}
+        self.pending: dict[str, object] = {name: None for name in STREAMS}
         self.recorded: dict[int, int] = {}  # event -> completions
         self.issued: dict[int, int] = {}  # event -> records issued so far (host order)
 
@@ -114,7 +120,7 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
     rng = random.Random(seed)
     # Each stream runs at its own speed, some of them a thousand times slower than others: races that need one
     # stream far ahead of another show up in few tries.
-    speed = {(r, name): 10 ** rng.uniform(-3, 0) for r in range(world) for name in ("C", "X")}
+    speed = {(r, name): 10 ** rng.uniform(-3, 0) for r in range(world) for name in STREAMS}
 
     def buffer(r: int, i: int, loc: rs.Loc, rows: int, width: int) -> tuple[np.ndarray, slice]:
         if loc.space == "sym":
@@ -132,17 +138,17 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
             return ranks[op.flag.rank].flags[op.flag.row] == 1
         return True
 
-    joined: set[tuple[int, int]] = set()  # (rank, call) whose X has waited for the call's start on C
+    joined: set[tuple[int, int, str]] = set()  # (rank, call, stream) that waited for the call's start on C
 
     def start(r: int, item, stream: str):
         """Run a control op at once; for a data op return what it will write."""
         i, op = item
         call = calls[i]
-        if stream == "X":
+        if stream != "C":
             if isinstance(op, tuple) and op[0].event == 0:
-                joined.add((r, i))
-            elif (r, i) not in joined:
-                raise Failure(f"rank {r}, call {i}: X runs {op} before joining the call's start on C (outside a "
+                joined.add((r, i, stream))
+            elif (r, i, stream) not in joined:
+                raise Failure(f"rank {r}, call {i}: {stream} runs {op} before joining the call's start on C (outside a "
                               "CUDA-graph capture)")
         if isinstance(op, Produce):
             local[r][i]["a"][:] = call.a[r]
@@ -184,12 +190,12 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
     while True:
         runnable = []
         for r, rank in enumerate(ranks):
-            for name in ("C", "X"):
+            for name in STREAMS:
                 if rank.pending[name] is not None or (rank.queues[name] and ready(r, rank.queues[name][0])):
                     runnable.append((r, name))
         if not runnable:
-            if any(rank.queues[s] for rank in ranks for s in ("C", "X")):
-                stuck = {(r, s): rank.queues[s][0] for r, rank in enumerate(ranks) for s in ("C", "X")
+            if any(rank.queues[s] for rank in ranks for s in STREAMS):
+                stuck = {(r, s): rank.queues[s][0] for r, rank in enumerate(ranks) for s in STREAMS
                          if rank.queues[s]}
                 raise Failure(f"deadlock: {stuck}")
             return steps

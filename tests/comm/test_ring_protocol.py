@@ -43,7 +43,13 @@ def test_schedule_shapes(op):
     else:  # W steps of S sub-bands; all but the first step add the pulled partial in cuBLAS
         per = plan.num_groups // 4 if op == "all_reduce" else plan.num_groups
         assert len(mms) == 4 * per and sum(o.accumulate for o in mms) == 3 * per
-    assert all(isinstance(o, rs.Copy) is (rs.stream_of(o) == "X") for o in ops if isinstance(o, (rs.Copy, rs.Mm)))
+    # cuBLAS on C; pulls from peers on X; copies within the GPU on L.
+    for o in ops:
+        if isinstance(o, rs.Mm):
+            assert rs.stream_of(o) == "C"
+        elif isinstance(o, rs.Copy):
+            from_peer = o.src.space == "sym" and o.src.rank != 1
+            assert rs.stream_of(o) == ("X" if from_peer else "L"), o
 
 
 def _mutations(op, world):

@@ -9,12 +9,13 @@ why it cannot deadlock; this module only issues it. One call:
    inside a CUDA-graph capture) and the region layout is fixed by its size; on a plan's first call its cuBLAS
    kernels are run once, eagerly (deadlock rule 3: none is loaded behind a stream wait).
 2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` /
-   ``addmm_``), ``Copy`` on the copy stream ``X`` (``cuMemcpyDtoDAsync``), ``Wait`` (``cuStreamWaitValue32`` then
-   a reset by ``cuStreamWriteValue32``), ``Signal`` (``cuStreamWriteValue32`` into this rank's or a peer's flag
-   header), and events between the two streams. Host time is the cost here (an op call must not cost much more
-   than matmul plus a collective): the schedule is resolved once per plan (``_program``: addresses, offsets,
-   views) and the driver is called through ``ctypes`` (``stream_ops.fast``).
-3. ``C`` waits for ``X``: the result is complete on the caller's stream, as after ``matmul`` and a collective.
+   ``addmm_``), ``Copy`` on the copy streams ``X`` and ``L`` (``cuMemcpyDtoDAsync``), ``Wait``
+   (``cuStreamWaitValue32`` then a reset by ``cuStreamWriteValue32``), ``Signal`` (``cuStreamWriteValue32`` into
+   this rank's or a peer's flag header), and events between the streams. Host time is the cost here (an op call
+   must not cost much more than matmul plus a collective): the schedule is resolved once per plan (``_program``:
+   addresses, offsets, views) and the driver is called through ``ctypes`` (``stream_ops.fast``).
+3. ``C`` waits for the copy streams: the result is complete on the caller's stream, as after ``matmul`` and a
+   collective.
 
 With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set (outside a capture), an event after every flag wait is polled with a
 deadline; a wait that does not end in time raises an error naming the rank, the op, the group and the flag.
@@ -47,7 +48,8 @@ class P2PCommunicator:
         self.rank = state.rank
         self.world_size = state.world_size
         self.name = state.name
-        self.copy_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))
+        self.copy_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))  # X: pulls from peers
+        self.local_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))  # L: copies within the GPU
         self.workspace = SymmetricWorkspace(self.group, self.device)
         self._events: list[torch.cuda.Event] = []
         self._warm: set[tuple] = set()  # (plan, dtype, b's strides) whose cuBLAS kernels are loaded
@@ -91,10 +93,10 @@ class P2PCommunicator:
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
             gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=self.device)
-        program, ops = self._program(plan, a.dtype, gathered_own)
+        program, ops, joined = self._program(plan, a.dtype, gathered_own)
         compute = torch.cuda.current_stream(self.device)
-        handles = (compute.cuda_stream, self.copy_stream.cuda_stream)
-        streams = (compute, self.copy_stream)
+        streams = (compute, self.copy_stream, self.local_stream)
+        handles = tuple(stream.cuda_stream for stream in streams)
         events = self._events
         tensors = (a, out, gathered)
         bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
@@ -114,8 +116,8 @@ class P2PCommunicator:
                 else:
                     torch.mm(src, b, out=target)
             elif code == _COPY:
-                _, dst_space, dst_offset, src_space, src_offset, nbytes = step
-                copy(handles[1], bases[dst_space] + dst_offset, bases[src_space] + src_offset, nbytes)
+                _, stream, dst_space, dst_offset, src_space, src_offset, nbytes = step
+                copy(handles[stream], bases[dst_space] + dst_offset, bases[src_space] + src_offset, nbytes)
             elif code == _WAIT:
                 _, stream, flag = step
                 wait(handles[stream], flag, 1)
@@ -128,14 +130,15 @@ class P2PCommunicator:
                 events[step[2]].record(streams[step[1]])
             else:
                 streams[step[1]].wait_event(events[step[2]])
-        compute.wait_stream(self.copy_stream)
-        for tensor in tensors:
-            if tensor is not None:
-                tensor.record_stream(self.copy_stream)
+        for index in joined:  # step 3
+            compute.wait_stream(streams[index])
+            for tensor in tensors:
+                if tensor is not None:
+                    tensor.record_stream(streams[index])
         if timeout is not None:
             self._check_progress(waited, timeout, op)
 
-    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool) -> tuple[list, tuple]:
+    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool) -> tuple[list, tuple, tuple]:
         """The schedule with everything that does not change between calls resolved: flag addresses, copy
         offsets and sizes, views of this rank's symmetric regions (built once per plan and workspace)."""
         key = (plan, dtype, gathered_own, self.workspace.buffer.data_ptr())
@@ -150,7 +153,7 @@ class P2PCommunicator:
         row_bytes = width * element
         region = self._region_bytes()
         own_sym = self.workspace.local((self.workspace.nbytes,), torch.uint8)
-        stream_index = {"C": 0, "X": 1}
+        stream_index = {"C": 0, "X": 1, "L": 2}
 
         def sym_offset(loc: rs.Loc) -> int:
             return rs.region_index(loc.kind, self.world_size) * region + loc.row * row_bytes
@@ -173,7 +176,8 @@ class P2PCommunicator:
                 program.append((_MM, _SPACES[item.src.space], item.src.row, item.rows, dst, dst_row,
                                 item.accumulate))
             elif isinstance(item, rs.Copy):
-                program.append((_COPY, *place(item.dst), *place(item.src), item.rows * row_bytes))
+                program.append((_COPY, stream_index[item.stream], *place(item.dst), *place(item.src),
+                                item.rows * row_bytes))
             elif isinstance(item, (rs.Wait, rs.Signal)):
                 code = _WAIT if isinstance(item, rs.Wait) else _SIGNAL
                 flag = self.workspace.flag_ptr(item.flag.rank, item.flag.row)
@@ -184,8 +188,9 @@ class P2PCommunicator:
                 program.append((_WAIT_EVENT, stream_index[item.stream], item.event))
         if len(self._programs) > 256:
             self._programs.clear()
-        self._programs[key] = (program, ops)
-        return program, ops
+        joined = tuple(stream_index[name] for name in rs.streams_used(ops))
+        self._programs[key] = (program, ops, joined)
+        return program, ops, joined
 
     def _load_kernels(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
         """Run each matmul shape of the schedule once, eagerly, on scratch outputs: the call queues them behind

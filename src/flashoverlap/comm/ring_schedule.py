@@ -5,7 +5,9 @@ operations, CUDA events); ``tests/comm/test_ring_protocol.py`` executes it for e
 in random interleavings, over several back-to-back calls.
 
 Streams: ``C`` is the caller's stream (every multiplication, by cuBLAS); ``X`` is the rank's copy stream (every
-byte moved, by copy engine: no SM moves or sums data). One rule makes the protocol simple: **a rank writes data
+byte pulled from a peer, by copy engine: no SM moves or sums data); ``L``, a second copy stream, copies within
+the GPU (the own shard into symmetric memory, the own reduced rows into the output), so that those copies never
+queue ahead of a pull that the GEMM waits for. One rule makes the protocol simple: **a rank writes data
 only into its own memory**; peers *pull* from its symmetric regions with copy engines, and the only writes into a
 peer's memory are 32-bit flags.
 
@@ -27,10 +29,10 @@ W`` (block ``q``: rank ``q``'s rows), sub-band by sub-band. From step 1 on, ``X`
 in place (``addmm_``: cuBLAS sums in its epilogue, beta = 1). Steps before the last write the rank's symmetric
 region of kind ``s``, pulled by rank ``r + 1``; the last step's block is the rank's own, fully reduced, in ``out``.
 All-reduce is the same over the plan's ``W * S`` groups (block ``q``: groups ``q*S .. q*S+S-1``), except that the
-last step writes the region ``RED``, which ``X`` then copies into the rank's own rows of ``out`` and every peer
-pulls into its ``out`` (a direct all-gather of the reduced blocks). All-gather: ``X`` copies the rank's shard into
-its region ``SHARD`` and tells every peer; ``C`` multiplies the own shard first, then each sub-band of shard
-``r + 1``, ``r + 2``, ... as ``X`` lands it in the (ordinary) gathered tensor.
+last step writes the region ``RED``, which ``L`` then copies into the rank's own rows of ``out`` and every peer
+pulls into its ``out`` (a direct all-gather of the reduced blocks). All-gather: ``L`` copies the rank's shard into
+its region ``SHARD`` sub-band by sub-band and tells every peer of each; ``C`` multiplies the own shard first, then
+each sub-band of shard ``r + 1``, ``r + 2``, ... as ``X`` lands it in the (ordinary) gathered tensor.
 
 Why it cannot deadlock. Order the work of all ranks by (call, step, sub-band). Every wait of a call is on work of
 an earlier position: ``C`` of rank ``r`` at (s, j) waits on its ``X``'s pull of (s - 1, j) of rank ``r - 1``,
@@ -96,11 +98,13 @@ class Mm:
 
 @dataclass(frozen=True)
 class Copy:
-    """On ``X``: copy ``rows`` rows from ``src`` to ``dst`` (a copy engine)."""
+    """On ``stream`` (``X``, or ``L`` for copies within this GPU): copy ``rows`` rows from ``src`` to ``dst`` (a copy
+    engine)."""
 
     dst: Loc
     src: Loc
     rows: int
+    stream: str = "X"
 
 
 @dataclass(frozen=True)
@@ -132,17 +136,14 @@ class WaitEvent:
     event: int
 
 
-def _stream(op) -> str:
-    if isinstance(op, Mm):
-        return "C"
-    if isinstance(op, Copy):
-        return "X"
-    return op.stream
-
-
 def stream_of(op) -> str:
-    """The stream (``"C"`` or ``"X"``) that runs ``op``."""
-    return _stream(op)
+    """The stream (``"C"``, ``"X"`` or ``"L"``) that runs ``op``."""
+    return "C" if isinstance(op, Mm) else op.stream
+
+
+def streams_used(ops: tuple) -> tuple[str, ...]:
+    """The streams a schedule uses beside ``C``: ``("X",)`` or ``("X", "L")``."""
+    return ("X", "L") if any(stream_of(op) == "L" for op in ops) else ("X",)
 
 
 def blocks(plan: Plan) -> list[list[tuple[int, int]]]:
@@ -171,6 +172,8 @@ def schedule(plan: Plan, rank: int, gathered_own: bool = True) -> tuple:
     # caching allocator hands out memory freed on C); and inside a CUDA-graph capture, X's work belongs to the
     # graph only if X joined the capturing stream before it.
     ops: list = [WaitEvent("X", 0)]
+    if plan.op != "reduce_scatter":
+        ops.append(WaitEvent("L", 0))
     if plan.op == "all_gather":
         _all_gather(ops, plan, rank, gathered_own)
     else:
@@ -215,11 +218,12 @@ def _ring_reduce(ops: list, plan: Plan, rank: int) -> None:
                 ops.append(Record("C", event))
                 published.append((j, event))
                 event += 1
-        # All-reduce: once X has queued every pull of the last step (none waits behind a reduced sub-band), each
-        # reduced sub-band j: the own rows into out, then every peer's rows j into out.
+        # All-reduce: each reduced sub-band j, the own rows into out (L), and every peer's rows j into out (X, once
+        # it has queued every pull of the last step: none waits behind a reduced sub-band).
         for j, ev in published:
             row, rows = bands[q][j]
-            ops += [WaitEvent("X", ev), Copy(Loc("out", rank, row), Loc("sym", rank, row - base, RED), rows)]
+            ops += [WaitEvent("L", ev), Copy(Loc("out", rank, row), Loc("sym", rank, row - base, RED), rows, "L")]
+        for j, _ in published:
             for p in peers:
                 p_row, p_rows = bands[p][j]
                 ops += [Wait("X", Loc("flag", rank, full_slot(p, RED, j)), f"reduced {j} from {p}"),
@@ -232,18 +236,20 @@ def _all_gather(ops: list, plan: Plan, rank: int, gathered_own: bool) -> None:
     world, bands = plan.world_size, blocks(plan)
     peers = [(rank + step) % world for step in range(1, world)]
     own = plan.block_rows * rank
-    ops += [Wait("X", Loc("flag", rank, free_slot(SHARD, c)), f"shard free at rank {c}") for c in peers]
-    ops.append(Copy(Loc("sym", rank, 0, SHARD), Loc("a", rank, 0), plan.block_rows))
-    ops += [Signal("X", Loc("flag", c, full_slot(rank, SHARD, 0))) for c in peers]
+    # L publishes the own shard sub-band by sub-band; X pulls the peers' as they are published.
+    ops += [Wait("L", Loc("flag", rank, free_slot(SHARD, c)), f"shard free at rank {c}") for c in peers]
+    for j, (row, rows) in enumerate(bands[rank]):
+        ops.append(Copy(Loc("sym", rank, row - own, SHARD), Loc("a", rank, row - own), rows, "L"))
+        ops += [Signal("L", Loc("flag", c, full_slot(rank, SHARD, j))) for c in peers]
     if gathered_own:
-        ops.append(Copy(Loc("gathered", rank, own), Loc("a", rank, 0), plan.block_rows))
+        ops.append(Copy(Loc("gathered", rank, own), Loc("a", rank, 0), plan.block_rows, "L"))
     ops.append(Mm(Loc("out", rank, own), Loc("a", rank, 0), plan.block_rows, accumulate=False))
     event = 1
     for q in peers:
-        ops.append(Wait("X", Loc("flag", rank, full_slot(q, SHARD, 0)), f"shard of {q}"))
         base = plan.block_rows * q
         for j, (row, rows) in enumerate(bands[q]):
-            ops.append(Copy(Loc("gathered", rank, row), Loc("sym", q, row - base, SHARD), rows))
+            ops += [Wait("X", Loc("flag", rank, full_slot(q, SHARD, j)), f"shard {j} of {q}"),
+                    Copy(Loc("gathered", rank, row), Loc("sym", q, row - base, SHARD), rows)]
             if j == len(bands[q]) - 1:
                 ops.append(Signal("X", Loc("flag", q, free_slot(SHARD, rank))))
             ops += [Record("X", event), WaitEvent("C", event),
