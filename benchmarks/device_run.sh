@@ -2,7 +2,8 @@
 # One device call (2x H200): P2P smoke per op (under FLASHOVERLAP_DEBUG_TIMEOUT: an error, not a hang), the
 # nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
 # the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
-# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host tests pcie"] bash benchmarks/device_run.sh
+# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie"] [TESTS_K=<pytest -k>]
+#        bash benchmarks/device_run.sh
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -36,8 +37,13 @@ fi
 has bench && bench nvlink "" "--ops all_reduce,reduce_scatter,all_gather" ${BENCH_TIMEOUT:-300}
 has host && bench nvlink -host "--ops all_reduce,reduce_scatter,all_gather --shapes 16,8192,8192;4096,8192,8192" 120
 has pcie && bench pcie-like "" "--ops all_reduce,reduce_scatter,all_gather" ${BENCH_TIMEOUT:-300}
+if has profile; then
+    timeout 120 torchrun --nproc-per-node $NGPU benchmarks/diagnostics/host_profile.py p2p > "$OUT/host-profile.log" 2>&1
+    echo "profile: exit $?"; grep -E "^==|tottime|^ +[0-9]" "$OUT/host-profile.log" | head -60
+fi
 if has tests; then
-    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -x -v --durations=0 ${TESTS-tests/gpu} > "$OUT/gpu-tests.log" 2>&1
+    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -x -v --durations=0 tests/gpu ${TESTS_K:+-k "$TESTS_K"} \
+        > "$OUT/gpu-tests.log" 2>&1
     echo "tests: exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-tests.log" | tail -30
 fi
 true

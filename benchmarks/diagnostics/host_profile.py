@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 
-SHAPES = {"all_reduce": (8192, 8192, 8192), "reduce_scatter": (8192, 8192, 8192), "all_gather": (8192, 14336, 8192)}
+SHAPES = {"all_reduce": (4096, 8192, 8192), "reduce_scatter": (4096, 8192, 8192), "all_gather": (4096, 8192, 8192)}
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
 
 
@@ -48,7 +48,7 @@ def main():
             torch.cuda.synchronize()
             if rank == 0:
                 text = io.StringIO()
-                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
                 body = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
                 print(f"== {op} {m}x{n}x{k} {path}: {1e6 * spent / 20:.0f} us host per call\n{body}", flush=True)
     dist.destroy_process_group()
