@@ -49,14 +49,20 @@ def test_needs_initialised_distributed():
         (lambda: (torch.randn(3, 4, dtype=torch.float16), torch.randn(4, 5, dtype=torch.float16, device="meta")),
          ValueError, "same device"),
         (lambda: ([[1.0]], torch.randn(4, 5, dtype=torch.float16)), TypeError, "a must be a torch.Tensor"),
-        (lambda: (torch.randn(3, 4, dtype=torch.float16, requires_grad=True), torch.randn(4, 5, dtype=torch.float16)),
-         NotImplementedError, "autograd"),
     ],
 )
 def test_operand_errors(world_of_one, make, exc, match):
     a, b = make()
     with pytest.raises(exc, match=match):
         fo.gemm_all_reduce(a, b)
+
+
+def test_a_plan_cannot_be_combined_with_autograd(world_of_one):
+    a, b = _ab()
+    a.requires_grad_(True)
+    plan = fo.default_plan("all_reduce", 8, 6, 4, 1)
+    with pytest.raises(ValueError, match="plan= cannot be combined with autograd"):
+        fo.gemm_all_reduce(a, b, plan=plan)
 
 
 def test_no_grad_inputs_that_require_grad_are_fine(world_of_one):

@@ -1,5 +1,6 @@
 """Public ops, one file each: argument checks, plan lookup, choosing the path, launching."""
 
+from flashoverlap.ops import library  # noqa: F401  (registers torch.ops.flashoverlap.*)
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
 from flashoverlap.ops.gemm_all_reduce import gemm_all_reduce
 from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter

@@ -33,10 +33,6 @@ def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:
         )
     if min(m, n, k) < 1:
         raise ValueError(f"{op}: every dimension must be >= 1, got M={m}, N={n}, K={k}")
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        raise NotImplementedError(
-            f"{op}: autograd is not supported yet; call it under torch.no_grad() (inference) or detach the inputs"
-        )
     return m, n, k
 
 

@@ -154,6 +154,16 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
     return path, state, plan
 
 
+def needs_library(a: torch.Tensor, b: torch.Tensor, plan: Plan | None, name: str) -> bool:
+    """Whether a public op call goes through its custom op (``ops/library.py``): where autograd must record it, or
+    ``torch.compile`` traces it. Plain eager calls skip the dispatcher (host time)."""
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b))
+    if grad and plan is not None:
+        raise ValueError(f"{name}: plan= cannot be combined with autograd (an input requires grad); leave plan unset "
+                         "(the library's plan for the shape, tuned where the plan cache has one) or detach the inputs")
+    return grad or torch.compiler.is_compiling()
+
+
 def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
             plan: Plan | None, path: str, return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every op's body: check, choose path and plan, and run the call through the path's communicator

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.ops._common import execute
+from flashoverlap.ops._common import execute, needs_library
 from flashoverlap.plan import Plan
 
 OP = "all_gather_gemm"
@@ -31,5 +31,10 @@ def all_gather_gemm(
 
     Args: as :func:`flashoverlap.gemm_all_reduce`, with ``a_shard: [M/W, K]`` this rank's rows.
     """
-    c, gathered = execute(OP, "all_gather", a_shard, b, group, plan, path, return_gathered)
+    if needs_library(a_shard, b, plan, OP):
+        from flashoverlap.ops import library
+
+        c, gathered = torch.ops.flashoverlap.all_gather_gemm(a_shard, b, library.group_name(group), path)
+    else:
+        c, gathered = execute(OP, "all_gather", a_shard, b, group, plan, path, return_gathered)
     return (c, gathered) if return_gathered else c

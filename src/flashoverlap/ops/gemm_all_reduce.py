@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.ops._common import execute
+from flashoverlap.ops._common import execute, needs_library
 from flashoverlap.plan import Plan
 
 OP = "gemm_all_reduce"
@@ -39,4 +39,8 @@ def gemm_all_reduce(
     Returns:
         ``[M, N]`` row-major, the input dtype, identical on every rank of ``group``.
     """
+    if needs_library(a, b, plan, OP):
+        from flashoverlap.ops import library
+
+        return torch.ops.flashoverlap.gemm_all_reduce(a, b, library.group_name(group), path)
     return execute(OP, "all_reduce", a, b, group, plan, path)[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.ops._common import execute
+from flashoverlap.ops._common import execute, needs_library
 from flashoverlap.plan import Plan
 
 OP = "gemm_reduce_scatter"
@@ -28,4 +28,8 @@ def gemm_reduce_scatter(
 
     Args: as :func:`flashoverlap.gemm_all_reduce`; ``M`` must be divisible by the group's size.
     """
+    if needs_library(a, b, plan, OP):
+        from flashoverlap.ops import library
+
+        return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, library.group_name(group), path)
     return execute(OP, "reduce_scatter", a, b, group, plan, path)[0]

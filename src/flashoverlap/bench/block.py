@@ -1,0 +1,354 @@
+"""A Llama-style decoder block at tensor parallelism with sequence parallelism, five ways, and its benchmark.
+
+The block (``Block``, unsharded): ``h = x + o(attn(qkv(rms_norm(x))))``, ``y = h + down(silu(gate(n)) * up(n))``
+with ``n = rms_norm(h)``, causal SDPA with grouped KV heads. ``TPBlock`` is rank r's shard of it over ``W`` ranks,
+tokens split over the ranks between the projections (sequence parallelism): ``x_r [T/W, hidden]`` -> ``y_r [T/W,
+hidden]``. qkv and gate/up are column-parallel (rank r: its heads, its FFN columns), o and down row-parallel.
+How the projections communicate (``impl``):
+
+- ``"ours"``: ``flashoverlap.nn.ColumnParallelLinear`` / ``RowParallelLinear`` (``all_gather_gemm``,
+  ``gemm_reduce_scatter`` and their overlapped backwards);
+- ``"torch"``: plain PyTorch TP, matmul then NCCL (``torch.distributed._functional_collectives``, differentiable),
+  which torch's async TP (the Inductor micro-pipeline pass) rewrites when compiled with it on;
+- ``"nocomm"``: the same with every collective replaced by a local stand-in of the same shape (``repeat``, a row
+  slice): the bound on what hiding communication can win.
+
+``python -m flashoverlap.bench.block`` (under ``torchrun``) times a training step (forward and backward),
+prefill (forward, no grad) and a decode step (a few tokens, in a CUDA graph) for each, and writes
+``benchmarks/results/<gpus>-<setting>-block.json``. ``check_against_unsharded`` is the correctness check the CPU
+suite runs with gloo at toy sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from flashoverlap.nn import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+from flashoverlap.nn import sync_sequence_parallel_grads as sync_grads
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    hidden: int = 8192
+    heads: int = 64
+    kv_heads: int = 8
+    ffn: int = 28672
+    eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+TOY = BlockConfig(hidden=64, heads=4, kv_heads=2, ffn=96)
+
+
+def _attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Causal SDPA over ``qkv [T, (heads + 2 kv_heads) * head_dim]`` (q, k, v in that order) -> ``[T, heads *
+    head_dim]``."""
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, heads, head_dim).transpose(0, 1)
+    k = k.view(tokens, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+    v = v.view(tokens, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+    out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True)
+    return out.squeeze(0).transpose(0, 1).reshape(tokens, heads * head_dim)
+
+
+class Block(nn.Module):
+    """The unsharded block, ``x [T, hidden] -> [T, hidden]``."""
+
+    def __init__(self, cfg: BlockConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        kw = {"device": device, "dtype": dtype}
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden, **kw))
+        self.ffn_norm = nn.Parameter(torch.ones(cfg.hidden, **kw))
+        self.qkv = nn.Linear(cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False, **kw)
+        self.o = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, **kw)
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=False, **kw)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        n = F.rms_norm(x, (cfg.hidden,), self.attn_norm, cfg.eps)
+        h = x + self.o(_attention(self.qkv(n), cfg.heads, cfg.kv_heads, cfg.head_dim))
+        gate, up = self.gate_up(F.rms_norm(h, (cfg.hidden,), self.ffn_norm, cfg.eps)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+# -- how the sharded projections communicate -------------------------------------------------------------------
+class _Shard(nn.Module):
+    """A projection's shard ``weight [out_local, in_local]`` with plain-PyTorch communication (``"torch"``) or a
+    local stand-in of the same shape (``"nocomm"``)."""
+
+    def __init__(self, weight: torch.Tensor, column: bool, group, comm: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.column, self.comm = column, comm
+        self.group_name = group.group_name
+        self.world = dist.get_world_size(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        if self.column:
+            if self.comm:
+                x = funcol.all_gather_tensor_autograd(x, 0, self.group_name)
+            else:
+                x = x.repeat(self.world, 1)
+            return F.linear(x, self.weight)
+        y = F.linear(x, self.weight)
+        if self.comm:
+            return funcol.reduce_scatter_tensor_autograd(y, "sum", 0, self.group_name)
+        return y[: y.shape[0] // self.world]
+
+
+class TPBlock(nn.Module):
+    """Rank r's shard of a ``Block`` with sequence parallelism: ``x_r [T/W, hidden] -> [T/W, hidden]``."""
+
+    def __init__(self, block: Block, group=None, impl: str = "ours", path: str = "auto") -> None:
+        super().__init__()
+        if impl not in ("ours", "torch", "nocomm"):
+            raise ValueError(f"TPBlock: impl must be 'ours', 'torch' or 'nocomm', got {impl!r}")
+        group = group if group is not None else dist.group.WORLD
+        cfg = self.cfg = block.cfg
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        for what, count in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn)):
+            if count % world:
+                raise ValueError(f"TPBlock: {what} = {count} must be divisible by the group's {world} ranks")
+        self.heads, self.kv_heads = cfg.heads // world, cfg.kv_heads // world
+        hd = cfg.head_dim
+
+        def rows(weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+            """This rank's share of each stacked part (q, k, v; gate, up) of a column weight."""
+            parts = weight.split(sizes, dim=0)
+            return torch.cat([p[rank * (p.shape[0] // world) : (rank + 1) * (p.shape[0] // world)] for p in parts])
+
+        with torch.no_grad():
+            weights = {
+                "qkv": rows(block.qkv.weight, [cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]),
+                "gate_up": rows(block.gate_up.weight, [cfg.ffn, cfg.ffn]),
+                "o": block.o.weight[:, rank * self.heads * hd : (rank + 1) * self.heads * hd],
+                "down": block.down.weight[:, rank * cfg.ffn // world : (rank + 1) * cfg.ffn // world],
+            }
+        for name, weight in weights.items():
+            column = name in ("qkv", "gate_up")
+            if impl == "ours":
+                cls = ColumnParallelLinear if column else RowParallelLinear
+                out_f, in_f = weight.shape
+                layer = cls(in_f if column else in_f * world, out_f * world if column else out_f, bias=False,
+                            group=group, sequence_parallel=True, path=path, device=weight.device,
+                            dtype=weight.dtype)
+                with torch.no_grad():
+                    layer.weight.copy_(weight)
+            else:
+                layer = _Shard(weight.detach().clone(), column, group, comm=impl == "torch")
+            setattr(self, name, layer)
+        self.attn_norm = nn.Parameter(block.attn_norm.detach().clone())
+        self.ffn_norm = nn.Parameter(block.ffn_norm.detach().clone())
+        mark_sequence_parallel(self.attn_norm, self.ffn_norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        n = F.rms_norm(x, (cfg.hidden,), self.attn_norm, cfg.eps)
+        h = x + self.o(_attention(self.qkv(n), self.heads, self.kv_heads, cfg.head_dim))
+        gate, up = self.gate_up(F.rms_norm(h, (cfg.hidden,), self.ffn_norm, cfg.eps)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+# -- the check against the unsharded block --------------------------------------------------------------------
+def check_against_unsharded(rank: int, world: int, cfg: BlockConfig = TOY, tokens: int = 32,
+                            dtype: torch.dtype = torch.bfloat16, impl: str = "ours") -> dict[str, float]:
+    """Loss and every gradient of rank r's ``TPBlock`` against the unsharded block's (same weights and input),
+    on the current device; returns the relative errors by name (the caller asserts)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    torch.manual_seed(0)  # every rank builds the same full block and input
+    block = Block(cfg, device=device, dtype=dtype)
+    x = torch.randn(tokens, cfg.hidden, device=device, dtype=dtype)
+    x.requires_grad_(True)
+    loss = block(x).float().pow(2).mean()
+    loss.backward()
+    shard = TPBlock(block, impl=impl)
+    per = tokens // world
+    x_r = x.detach()[rank * per : (rank + 1) * per].clone().requires_grad_(True)
+    y_r = shard(x_r)
+    # The same loss: a mean over every token, each rank's part summed over the group.
+    part = y_r.float().pow(2).sum() / (tokens * cfg.hidden)
+    total = part.detach().clone()
+    dist.all_reduce(total)
+    part.backward()
+    sync_grads(shard)
+    errors = {"loss": _rel(total, loss.detach()), "x": _rel(x_r.grad, x.grad[rank * per : (rank + 1) * per])}
+    hd, w = cfg.head_dim, world
+
+    def col(full: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        parts = full.split(sizes, dim=0)
+        return torch.cat([p[rank * (p.shape[0] // w) : (rank + 1) * (p.shape[0] // w)] for p in parts])
+
+    want = {"qkv": col(block.qkv.weight.grad, [cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]),
+            "gate_up": col(block.gate_up.weight.grad, [cfg.ffn, cfg.ffn]),
+            "o": block.o.weight.grad[:, rank * shard.heads * hd : (rank + 1) * shard.heads * hd],
+            "down": block.down.weight.grad[:, rank * cfg.ffn // w : (rank + 1) * cfg.ffn // w]}
+    for name, grad in want.items():
+        errors[name] = _rel(getattr(shard, name).weight.grad, grad)
+    errors["attn_norm"] = _rel(shard.attn_norm.grad, block.attn_norm.grad)
+    errors["ffn_norm"] = _rel(shard.ffn_norm.grad, block.ffn_norm.grad)
+    return errors
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+def _time(fn, steps: int, warmup: int) -> float:
+    """Median ms of ``fn()`` over ``steps`` after ``warmup``, the maximum over ranks (CUDA events; each step
+    starts after a barrier, queued behind a GPU sleep so that launch time is hidden as in a running model)."""
+    from flashoverlap.bench.timing import start_behind_sleep
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(steps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start_behind_sleep(start)
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median)
+
+
+def _graph_time(fn, steps: int) -> float:
+    """``fn`` captured in a CUDA graph (after eager warm-up), its replay timed as ``_time`` does."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time(graph.replay, steps, 3)
+
+
+def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tokens: int, compile_ours: bool,
+               async_tp: bool, log) -> list[dict]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    block = Block(cfg, device=device, dtype=torch.bfloat16)
+    variants = {impl: TPBlock(block, impl=impl) for impl in ("torch", "nocomm", "ours")}
+    del block
+    compiled = {}
+    if compile_ours:
+        compiled["ours"] = torch.compile(variants["ours"], fullgraph=True)
+    if async_tp:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(dist.group.WORLD.group_name)
+        torch._inductor.config._micro_pipeline_tp = True
+        compiled["async_tp"] = torch.compile(variants["torch"], fullgraph=True)
+    runs = {"t_torch_ms": variants["torch"], "t_nocomm_ms": variants["nocomm"],
+            "t_async_tp_ms": compiled.get("async_tp"), "t_ours_eager_ms": variants["ours"],
+            "t_ours_compiled_ms": compiled.get("ours")}
+    rows = []
+    for tokens in token_counts:
+        x = torch.randn(tokens // world, cfg.hidden, device=device, dtype=torch.bfloat16)
+        for mode in ("prefill", "train"):
+            row = {"mode": mode, "tokens": tokens}
+            for name, model in runs.items():
+                if model is None:
+                    row[name] = None
+                    continue
+                if mode == "prefill":
+                    def step(model=model):
+                        with torch.no_grad():
+                            model(x)
+                else:
+                    x_grad = x.clone().requires_grad_(True)
+
+                    def step(model=model, x_grad=x_grad):
+                        model(x_grad).float().pow(2).mean().backward()
+                try:
+                    row[name] = _time(step, steps, 3)
+                except Exception as exc:  # noqa: BLE001  (a baseline that cannot run here: say why, keep going)
+                    row[name] = None
+                    row.setdefault("notes", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                for p in model.parameters():
+                    p.grad = None
+            rows.append(row)
+            log(rows)
+    x = torch.randn(decode_tokens // world, cfg.hidden, device=device, dtype=torch.bfloat16)
+    row = {"mode": "decode", "tokens": decode_tokens}
+    for name in ("t_torch_ms", "t_nocomm_ms", "t_ours_eager_ms"):
+        model = runs[name]
+
+        def step(model=model):
+            with torch.no_grad():
+                model(x)
+        row[name] = _graph_time(step, steps)
+    row["t_async_tp_ms"] = row["t_ours_compiled_ms"] = None
+    row["notes"] = {"decode": "each model's forward captured in one CUDA graph and replayed (eager modules)"}
+    rows.append(row)
+    log(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashoverlap.bench.__main__ import _meta, write_results
+
+    parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.block", description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="8192,16384", help="token counts (batch x sequence), comma-separated")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per figure (median)")
+    parser.add_argument("--decode-tokens", type=int, default=16, help="tokens of the decode step")
+    parser.add_argument("--no-compile", action="store_true", help="skip our compiled block")
+    parser.add_argument("--no-async-tp", action="store_true", help="skip torch's async TP (compiled)")
+    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpus>-<setting>-block.json)")
+    args = parser.parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    meta = _meta(args, dist.get_world_size())
+    meta["command"] = os.environ.get("FLASHOVERLAP_COMMAND", meta["command"].replace("flashoverlap.bench",
+                                                                                     "flashoverlap.bench.block"))
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    out = args.out or os.path.join("benchmarks", "results",
+                                   f"{gpu}x{dist.get_world_size()}-{meta['setting']}-block.json")
+    def log(rows: list[dict]) -> None:  # the last row, and every row so far in case a later one fails
+        if dist.get_rank() == 0:
+            row = rows[-1]
+            cells = " ".join(f"{k[2:-3]}={v:.2f}" for k, v in row.items() if k.startswith("t_") and v is not None)
+            print(f"{row['mode']:>8} {row['tokens']:>6} tokens: {cells} {row.get('notes', '')}", flush=True)
+            write_results(out, meta, rows, {})
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = bench_rows(BlockConfig(), tokens, args.steps, args.decode_tokens, not args.no_compile,
+                      not args.no_async_tp, log)
+    if dist.get_rank() == 0:
+        write_results(out, meta, rows, {})
+        print(f"wrote {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,12 @@
+"""Tensor-parallel layers on flashoverlap's ops (autograd, ``torch.compile``, CUDA graphs)."""
+
+from flashoverlap.nn.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    mark_sequence_parallel,
+    parallelize,
+    sync_sequence_parallel_grads,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "mark_sequence_parallel", "parallelize",
+           "sync_sequence_parallel_grads"]

@@ -1,0 +1,142 @@
+"""The ops as PyTorch custom ops (``torch.ops.flashoverlap.*``), with fake implementations and autograd.
+
+Registered with ``torch.library``, taking the process group by name, so that ``torch.compile(fullgraph=True)``
+traces a model that calls them and Inductor treats them as opaque (it never re-traces our Triton kernels); a CUDA
+graph captures them like any op. Plans are not arguments: a custom op runs the plan the library chooses (the
+tuned one from the plan cache where there is one).
+
+Autograd, with every backward on the overlapped ops where the math allows (``W`` ranks, rank r):
+
+- ``gemm_all_reduce(a_r [M, K/W], b_r [K/W, N]) -> c [M, N]`` (row-parallel linear): ``grad_a_r = grad_c @ b_r^T``,
+  ``grad_b_r = a_r^T @ grad_c`` (``grad_c`` is the same on every rank): no communication.
+- ``gemm_reduce_scatter(a_r [M, K/W], b_r) -> y_r [M/W, N]`` (row-parallel, sequence parallel): ``grad_a_r =
+  all_gather(grad_y) @ b_r^T`` by ``all_gather_gemm``, whose gathered ``grad_y`` also gives ``grad_b_r = a_r^T @
+  all_gather(grad_y)``.
+- ``all_gather_gemm(x_r [M/W, K], b_r [K, N/W]) -> c_r [M, N/W]`` (column-parallel, sequence parallel):
+  ``grad_x_r`` = rank r's rows of ``sum_q grad_c_q @ b_q^T`` by ``gemm_reduce_scatter``; ``grad_b_r =
+  all_gather(x)^T @ grad_c_r`` with the gathered input kept from the forward.
+- ``linear_column(x [M, K], w_r [N/W, K]) -> x @ w_r^T`` (column-parallel without sequence parallelism: ``x`` is
+  the same on every rank): ``grad_x = sum_q grad_y_q @ w_q`` by ``gemm_all_reduce``, ``grad_w_r = grad_y_r^T @ x``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from flashoverlap.ops._common import execute
+
+
+def group_name(group: dist.ProcessGroup | str | None) -> str:
+    """The name a custom op takes for ``group`` (None: the default group)."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("flashoverlap: torch.distributed is not initialised; call dist.init_process_group()")
+        group = dist.group.WORLD
+    return group.group_name
+
+
+def _world(name: str) -> int:
+    return dist.get_world_size(_resolve_process_group(name))
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("flashoverlap::gemm_all_reduce", mutates_args=())
+def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: str, path: str = "auto") -> torch.Tensor:
+    return execute("gemm_all_reduce", "all_reduce", a, b, _group(group), None, path)[0]
+
+
+@gemm_all_reduce.register_fake
+def _(a, b, group, path="auto"):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+@torch.library.custom_op("flashoverlap::gemm_reduce_scatter", mutates_args=())
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: str, path: str = "auto") -> torch.Tensor:
+    return execute("gemm_reduce_scatter", "reduce_scatter", a, b, _group(group), None, path)[0]
+
+
+@gemm_reduce_scatter.register_fake
+def _(a, b, group, path="auto"):
+    return a.new_empty((a.shape[0] // _world(group), b.shape[1]))
+
+
+@torch.library.custom_op("flashoverlap::all_gather_gemm", mutates_args=())
+def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: str,
+                    path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    c, gathered = execute("all_gather_gemm", "all_gather", a_shard, b, _group(group), None, path, True)
+    return c, gathered
+
+
+@all_gather_gemm.register_fake
+def _(a_shard, b, group, path="auto"):
+    rows = a_shard.shape[0] * _world(group)
+    return a_shard.new_empty((rows, b.shape[1])), a_shard.new_empty((rows, a_shard.shape[1]))
+
+
+@torch.library.custom_op("flashoverlap::linear_column", mutates_args=())
+def linear_column(x: torch.Tensor, w: torch.Tensor, group: str, path: str = "auto") -> torch.Tensor:
+    return torch.mm(x, w.t())
+
+
+@linear_column.register_fake
+def _(x, w, group, path="auto"):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+# -- autograd ------------------------------------------------------------------------------------------------------
+def _keep_operands(ctx, inputs, output) -> None:
+    a, b, group, path = inputs
+    ctx.save_for_backward(a, b)
+    ctx.group, ctx.path = group, path
+
+
+def _all_reduce_backward(ctx, grad_c):
+    a, b = ctx.saved_tensors
+    grad_a = torch.mm(grad_c, b.t()) if ctx.needs_input_grad[0] else None
+    grad_b = torch.mm(a.t(), grad_c) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None
+
+
+def _reduce_scatter_backward(ctx, grad_y):
+    a, b = ctx.saved_tensors
+    grad_a, grad_full = torch.ops.flashoverlap.all_gather_gemm(grad_y.contiguous(), b.t(), ctx.group, ctx.path)
+    grad_b = torch.mm(a.t(), grad_full) if ctx.needs_input_grad[1] else None
+    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
+
+
+def _keep_gathered(ctx, inputs, output) -> None:
+    a_shard, b, group, path = inputs
+    ctx.save_for_backward(b, output[1])
+    ctx.mark_non_differentiable(output[1])  # the gathered input is returned for reuse, not differentiated
+    ctx.group, ctx.path = group, path
+
+
+def _all_gather_backward(ctx, grad_c, grad_gathered):
+    b, gathered = ctx.saved_tensors
+    grad_a = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.ops.flashoverlap.gemm_reduce_scatter(grad_c.contiguous(), b.t(), ctx.group, ctx.path)
+    grad_b = torch.mm(gathered.t(), grad_c) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None
+
+
+def _linear_column_backward(ctx, grad_y):
+    x, w = ctx.saved_tensors
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = torch.ops.flashoverlap.gemm_all_reduce(grad_y.contiguous(), w, ctx.group, ctx.path)
+    grad_w = torch.mm(grad_y.t(), x) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None, None
+
+
+gemm_all_reduce.register_autograd(_all_reduce_backward, setup_context=_keep_operands)
+gemm_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_keep_operands)
+all_gather_gemm.register_autograd(_all_gather_backward, setup_context=_keep_gathered)
+linear_column.register_autograd(_linear_column_backward, setup_context=_keep_operands)
