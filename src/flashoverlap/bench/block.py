@@ -251,7 +251,7 @@ def _graph_time(fn, steps: int) -> float:
 
 def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tokens: int, compile_ours: bool,
                async_tp: bool, log) -> list[dict]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     block = Block(cfg, device=device, dtype=torch.bfloat16)
@@ -279,7 +279,7 @@ def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tok
                     row[name] = None
                     continue
                 if mode == "prefill":
-                    def step(model=model):
+                    def step(model=model, x=x):
                         with torch.no_grad():
                             model(x)
                 else:
@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens of the decode step")
     parser.add_argument("--no-compile", action="store_true", help="skip our compiled block")
     parser.add_argument("--no-async-tp", action="store_true", help="skip torch's async TP (compiled)")
-    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpus>-<setting>-block.json)")
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default benchmarks/results/<gpus>-<setting>-block.json)")
     args = parser.parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
