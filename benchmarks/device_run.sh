@@ -2,7 +2,8 @@
 # One device call (2x H200): P2P smoke per op (under FLASHOVERLAP_DEBUG_TIMEOUT: an error, not a hang), the
 # nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
 # the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
-# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie"] [TESTS_K=<pytest -k>]
+# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like"]
+#        [TESTS_K=<pytest -k>] [BLOCK_ARGS=...]
 #        bash benchmarks/device_run.sh
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
 set -u
@@ -41,6 +42,15 @@ if has profile; then
     timeout 120 torchrun --nproc-per-node $NGPU benchmarks/diagnostics/host_profile.py p2p > "$OUT/host-profile.log" 2>&1
     echo "profile: exit $?"; grep -E "^==|tottime|^ +[0-9]" "$OUT/host-profile.log" | head -60
 fi
+for setting in nvlink pcie-like; do
+    has block-$setting || continue
+    env=""; [[ $setting == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
+    cmd="$env torchrun --nproc-per-node $NGPU -m flashoverlap.bench.block ${BLOCK_ARGS:-}"
+    echo "== $cmd" | tee "$OUT/block-$setting.log"
+    env $env FLASHOVERLAP_COMMAND="$cmd" timeout ${BLOCK_TIMEOUT:-300} torchrun --nproc-per-node $NGPU \
+        -m flashoverlap.bench.block ${BLOCK_ARGS:-} --out "$OUT/$gpu-$setting-block.json" >> "$OUT/block-$setting.log" 2>&1
+    echo "block $setting: exit $?"; grep -E "tokens:|Error|error" "$OUT/block-$setting.log" | tail -8
+done
 if has tests; then
     timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -x -v --durations=0 tests/gpu ${TESTS_K:+-k "$TESTS_K"} \
         > "$OUT/gpu-tests.log" 2>&1
