@@ -77,20 +77,26 @@ class NcclCommunicator:
         self.timeline: list | None = None
 
     # -- one call ----------------------------------------------------------------------------------------
-    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str,
-            return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str, return_gathered: bool = False,
+            hook=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One overlapped call of ``plan`` (not sequential): the op's result, and for all-gather the gathered input
-        in rank order where ``return_gathered``."""
+        in rank order where ``return_gathered``. ``hook()``: independent work for the caller's stream, issued
+        once the op's own work is queued (it then runs beside the op's last collectives)."""
         if plan.op == "all_gather":
-            return self._all_gather_gemm(plan, a, b, op, return_gathered)
-        self.prepare(plan, a.dtype)
-        product, ready = produce(a, b, plan, self.counters)
-        if plan.op == "all_reduce":
-            self.all_reduce(product, plan, ready)
-            return product, None
-        out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
-        self.reduce_scatter(out, product, plan, ready)
-        return out, None
+            result = self._all_gather_gemm(plan, a, b, op, return_gathered)
+        else:
+            self.prepare(plan, a.dtype)
+            product, ready = produce(a, b, plan, self.counters)
+            if plan.op == "all_reduce":
+                self.all_reduce(product, plan, ready)
+                result = (product, None)
+            else:
+                out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
+                self.reduce_scatter(out, product, plan, ready)
+                result = (out, None)
+        if hook is not None:
+            hook()
+        return result
 
     def _all_gather_gemm(self, plan: Plan, a_shard: torch.Tensor, b: torch.Tensor, op: str,
                          return_gathered: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -35,7 +35,7 @@ from flashoverlap.plan import Plan
 
 REGION_ALIGN = 1 << 16
 # A resolved schedule step's first field (``P2PCommunicator._program``), and the call's buffers by index.
-_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT = range(6)
+_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK = range(7)
 _SPACES = {"a": 0, "out": 1, "gathered": 2}
 
 
@@ -58,10 +58,11 @@ class P2PCommunicator:
     def _region_bytes(self) -> int:
         return (self.workspace.nbytes // rs.regions(self.world_size)) // REGION_ALIGN * REGION_ALIGN
 
-    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str,
-            return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str, return_gathered: bool = False,
+            hook=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One overlapped call of ``plan`` (not sequential): the op's result, and for all-gather the gathered input
-        (rank order) where ``return_gathered``."""
+        (rank order) where ``return_gathered``. ``hook()``, if given, issues independent work on the caller's
+        stream where the schedule would wait for its first pull (``ring_schedule.Hook``)."""
         self.prepare(plan, a.dtype, op)
         if plan.op == "all_gather":
             a = a.contiguous()  # the copy engine moves the shard's rows as one block
@@ -72,7 +73,7 @@ class P2PCommunicator:
         gathered = None
         if return_gathered:
             gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
-        self.issue(plan, a, b, out, op, gathered)
+        self.issue(plan, a, b, out, op, gathered, hook)
         return out, gathered
 
     def prepare(self, plan: Plan, dtype: torch.dtype, op: str) -> None:
@@ -86,7 +87,7 @@ class P2PCommunicator:
                 self._programs.clear()
 
     def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
-              gathered: torch.Tensor | None = None) -> None:
+              gathered: torch.Tensor | None = None, hook=None) -> None:
         """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
         is returned)."""
@@ -128,6 +129,9 @@ class P2PCommunicator:
                 write(handles[step[1]], step[2], 1)
             elif code == _RECORD:
                 events[step[2]].record(streams[step[1]])
+            elif code == _HOOK:
+                if hook is not None:
+                    hook()
             else:
                 streams[step[1]].wait_event(events[step[2]])
         for index in joined:  # step 3
@@ -184,6 +188,8 @@ class P2PCommunicator:
                 program.append((code, stream_index[item.stream], flag))
             elif isinstance(item, rs.Record):
                 program.append((_RECORD, stream_index[item.stream], item.event))
+            elif isinstance(item, rs.Hook):
+                program.append((_HOOK,))
             else:
                 program.append((_WAIT_EVENT, stream_index[item.stream], item.event))
         if len(self._programs) > 256:

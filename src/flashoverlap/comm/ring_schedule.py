@@ -125,6 +125,15 @@ class Signal:
 
 
 @dataclass(frozen=True)
+class Hook:
+    """On ``C``: the caller's own independent work, if it gave some (``P2PCommunicator.run``'s ``hook``): placed
+    where ``C`` would otherwise wait for the first pull (after the ring's first step; after all-gather's own shard),
+    so that the pulls hide behind it. A backward pass puts its weight gradient there."""
+
+    stream: str = "C"
+
+
+@dataclass(frozen=True)
 class Record:
     stream: str
     event: int
@@ -202,6 +211,8 @@ def _ring_reduce(ops: list, plan: Plan, rank: int) -> None:
             stream = "C" if s == 0 else "X"
             ops += [Wait(stream, Loc("flag", rank, free_slot(kind, c)), f"region {kind} free at rank {c}")
                     for c in consumers]
+        if s == 1:
+            ops.append(Hook())
         published = []  # all-reduce's last step: (sub-band, the event of its reduced rows)
         for j, (row, rows) in enumerate(bands[q]):
             if s > 0:  # the partial of this sub-band from rank - 1 (its step s - 1) lands in place, then C adds
@@ -244,6 +255,7 @@ def _all_gather(ops: list, plan: Plan, rank: int, gathered_own: bool) -> None:
     if gathered_own:
         ops.append(Copy(Loc("gathered", rank, own), Loc("a", rank, 0), plan.block_rows, "L"))
     ops.append(Mm(Loc("out", rank, own), Loc("a", rank, 0), plan.block_rows, accumulate=False))
+    ops.append(Hook())
     event = 1
     for q in peers:
         base = plan.block_rows * q

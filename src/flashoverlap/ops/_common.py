@@ -165,19 +165,27 @@ def needs_library(a: torch.Tensor, b: torch.Tensor, plan: Plan | None, name: str
 
 
 def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
-            plan: Plan | None, path: str, return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            plan: Plan | None, path: str, return_gathered: bool = False,
+            hook=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every op's body: check, choose path and plan, and run the call through the path's communicator
-    (``comm/__init__.py``). Returns the result, and all-gather's gathered input where ``return_gathered``."""
+    (``comm/__init__.py``). Returns the result, and all-gather's gathered input where ``return_gathered``.
+    ``hook()``: independent work for the caller's stream that the call may overlap with its communication (the
+    P2P path runs it where it would wait for its first pull; the others once the op is issued)."""
     path, state, plan = prepare_call(name, op, a, b, group, plan, path)
     if debug_timeout() is not None:
         check_agreement(name, state, plan, a.dtype, path)
-    if path == "reference":
-        return reference.run(plan, a, b, state.group, state.rank, return_gathered)
+    if path == "reference" or plan.sequential:
+        if path == "reference":
+            result = reference.run(plan, a, b, state.group, state.rank, return_gathered)
+        else:
+            with torch.cuda.device(a.device):
+                result = sequential.run(plan, a, b, state.group, return_gathered)
+        if hook is not None:
+            hook()
+        return result
     with torch.cuda.device(a.device):
-        if plan.sequential:
-            return sequential.run(plan, a, b, state.group, return_gathered)
         communicator = state.p2p if path == "p2p" else state.nccl
-        return communicator.run(plan, a, b, name, return_gathered)
+        return communicator.run(plan, a, b, name, return_gathered, hook)
 
 
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}

@@ -5,7 +5,9 @@ traces a model that calls them and Inductor treats them as opaque (it never re-t
 graph captures them like any op. Plans are not arguments: a custom op runs the plan the library chooses (the
 tuned one from the plan cache where there is one).
 
-Autograd, with every backward on the overlapped ops where the math allows (``W`` ranks, rank r):
+Autograd, with every backward on the overlapped ops where the math allows (``W`` ranks, rank r); a backward's
+communicating product and its weight gradient are one custom op (``*_backward``), the weight gradient issued
+where the product would wait for its first pull, so that the pulls hide behind it:
 
 - ``gemm_all_reduce(a_r [M, K/W], b_r [K/W, N]) -> c [M, N]`` (row-parallel linear): ``grad_a_r = grad_c @ b_r^T``,
   ``grad_b_r = a_r^T @ grad_c`` (``grad_c`` is the same on every rank): no communication.
@@ -90,6 +92,63 @@ def _(x, w, group, path="auto"):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
+# -- backward passes: the communicating product with the weight gradient as its independent work ----------------
+# A plain-PyTorch backward overlaps a collective with the next GEMM for free (the collective is asynchronous); these
+# ops give the overlapped op the weight gradient as the independent work that hides its pulls (``execute``'s hook).
+@torch.library.custom_op("flashoverlap::all_gather_gemm_backward", mutates_args=())
+def all_gather_gemm_backward(grad_c: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor, group: str,
+                             path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_a_r = reduce_scatter(grad_c @ b^T)``, ``grad_b = gathered^T @ grad_c``."""
+    grad_b = torch.empty((gathered.shape[1], grad_c.shape[1]), dtype=grad_c.dtype, device=grad_c.device)
+    grad_a, _ = execute("all_gather_gemm backward", "reduce_scatter", grad_c, b.t(), _group(group), None, path,
+                        hook=lambda: torch.mm(gathered.t(), grad_c, out=grad_b))
+    return grad_a, grad_b
+
+
+@all_gather_gemm_backward.register_fake
+def _(grad_c, b, gathered, group, path="auto"):
+    return (grad_c.new_empty((grad_c.shape[0] // _world(group), b.shape[0])),
+            grad_c.new_empty((gathered.shape[1], grad_c.shape[1])))
+
+
+@torch.library.custom_op("flashoverlap::gemm_reduce_scatter_backward", mutates_args=())
+def gemm_reduce_scatter_backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group: str,
+                                 path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_a = all_gather(grad_y) @ b^T``; ``grad_b = a^T @ all_gather(grad_y)``, this rank's own rows first
+    (while the peers' arrive), the rest once gathered."""
+    process_group = _group(group)
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    rows = grad_y.shape[0]
+    own = slice(rank * rows, (rank + 1) * rows)
+    grad_b = torch.empty((a.shape[1], grad_y.shape[1]), dtype=grad_y.dtype, device=grad_y.device)
+    grad_a, gathered = execute("gemm_reduce_scatter backward", "all_gather", grad_y, b.t(), process_group, None,
+                               path, True, hook=lambda: torch.mm(a[own].t(), grad_y, out=grad_b))
+    for q in range(world):
+        if q != rank:
+            grad_b.addmm_(a[q * rows : (q + 1) * rows].t(), gathered[q * rows : (q + 1) * rows])
+    return grad_a, grad_b
+
+
+@gemm_reduce_scatter_backward.register_fake
+def _(grad_y, a, b, group, path="auto"):
+    return a.new_empty(a.shape), a.new_empty((a.shape[1], grad_y.shape[1]))
+
+
+@torch.library.custom_op("flashoverlap::linear_column_backward", mutates_args=())
+def linear_column_backward(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: str,
+                           path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_x = sum_q grad_y_q @ w_q`` (``gemm_all_reduce``), ``grad_w = grad_y^T @ x``."""
+    grad_w = torch.empty_like(w)
+    grad_x, _ = execute("linear_column backward", "all_reduce", grad_y, w, _group(group), None, path,
+                        hook=lambda: torch.mm(grad_y.t(), x, out=grad_w))
+    return grad_x, grad_w
+
+
+@linear_column_backward.register_fake
+def _(grad_y, x, w, group, path="auto"):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
 # -- autograd ------------------------------------------------------------------------------------------------------
 def _keep_operands(ctx, inputs, output) -> None:
     a, b, group, path = inputs
@@ -106,9 +165,9 @@ def _all_reduce_backward(ctx, grad_c):
 
 def _reduce_scatter_backward(ctx, grad_y):
     a, b = ctx.saved_tensors
-    grad_a, grad_full = torch.ops.flashoverlap.all_gather_gemm(grad_y.contiguous(), b.t(), ctx.group, ctx.path)
-    grad_b = torch.mm(a.t(), grad_full) if ctx.needs_input_grad[1] else None
-    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
+    grad_a, grad_b = torch.ops.flashoverlap.gemm_reduce_scatter_backward(grad_y.contiguous(), a, b, ctx.group,
+                                                                         ctx.path)
+    return (grad_a if ctx.needs_input_grad[0] else None), (grad_b if ctx.needs_input_grad[1] else None), None, None
 
 
 def _keep_gathered(ctx, inputs, output) -> None:
@@ -120,20 +179,15 @@ def _keep_gathered(ctx, inputs, output) -> None:
 
 def _all_gather_backward(ctx, grad_c, grad_gathered):
     b, gathered = ctx.saved_tensors
-    grad_a = None
-    if ctx.needs_input_grad[0]:
-        grad_a = torch.ops.flashoverlap.gemm_reduce_scatter(grad_c.contiguous(), b.t(), ctx.group, ctx.path)
-    grad_b = torch.mm(gathered.t(), grad_c) if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b, None, None
+    grad_a, grad_b = torch.ops.flashoverlap.all_gather_gemm_backward(grad_c.contiguous(), b, gathered, ctx.group,
+                                                                     ctx.path)
+    return (grad_a if ctx.needs_input_grad[0] else None), (grad_b if ctx.needs_input_grad[1] else None), None, None
 
 
 def _linear_column_backward(ctx, grad_y):
     x, w = ctx.saved_tensors
-    grad_x = None
-    if ctx.needs_input_grad[0]:
-        grad_x = torch.ops.flashoverlap.gemm_all_reduce(grad_y.contiguous(), w, ctx.group, ctx.path)
-    grad_w = torch.mm(grad_y.t(), x) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_w, None, None
+    grad_x, grad_w = torch.ops.flashoverlap.linear_column_backward(grad_y.contiguous(), x, w, ctx.group, ctx.path)
+    return (grad_x if ctx.needs_input_grad[0] else None), (grad_w if ctx.needs_input_grad[1] else None), None, None
 
 
 gemm_all_reduce.register_autograd(_all_reduce_backward, setup_context=_keep_operands)
