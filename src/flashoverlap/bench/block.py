@@ -211,27 +211,35 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------------
-def _time(fn, steps: int, warmup: int) -> float:
+def _time(fn, steps: int, warmup: int, host: list | None = None) -> float:
     """Median ms of ``fn()`` over ``steps`` after ``warmup``, the maximum over ranks (CUDA events; each step
-    starts after a barrier, queued behind a GPU sleep so that launch time is hidden as in a running model)."""
+    starts after a barrier, queued behind a GPU sleep so that launch time is hidden as in a running model).
+    ``host`` receives the median host time of issuing one step (ms, maximum over ranks)."""
+    import time
+
     from flashoverlap.bench.timing import start_behind_sleep
 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, issued = [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(steps):
         dist.barrier()
         torch.cuda.synchronize()
         start_behind_sleep(start)
+        t0 = time.perf_counter()
         fn()
+        issued.append(1e3 * (time.perf_counter() - t0))
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median)
+    medians = torch.tensor([statistics.median(times), statistics.median(issued)], dtype=torch.float64,
+                           device="cuda")
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    if host is not None:
+        host.append(float(medians[1]))
+    return float(medians[0])
 
 
 def _graph_time(fn, steps: int) -> float:
@@ -273,7 +281,7 @@ def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tok
     for tokens in token_counts:
         x = torch.randn(tokens // world, cfg.hidden, device=device, dtype=torch.bfloat16)
         for mode in ("prefill", "train"):
-            row = {"mode": mode, "tokens": tokens}
+            row = {"mode": mode, "tokens": tokens, "host_ms": {}}
             for name, model in runs.items():
                 if model is None:
                     row[name] = None
@@ -288,7 +296,9 @@ def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tok
                     def step(model=model, x_grad=x_grad):
                         model(x_grad).float().pow(2).mean().backward()
                 try:
-                    row[name] = _time(step, steps, 3)
+                    host: list[float] = []
+                    row[name] = _time(step, steps, 3, host)
+                    row["host_ms"][name] = host[0]
                 except Exception as exc:  # noqa: BLE001  (a baseline that cannot run here: say why, keep going)
                     row[name] = None
                     row.setdefault("notes", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
