@@ -1,4 +1,4 @@
-"""``python -m flashoverlap demo [--op ...]``: one overlapped op (GEMM+AllReduce by default, or GEMM+ReduceScatter,
+"""``flashoverlap demo [--op ...] [--shape M,N,K]``: one overlapped op (GEMM+AllReduce by default, or GEMM+ReduceScatter,
 AllGather+GEMM), checked against plain PyTorch.
 
 Without two GPUs it starts 2 CPU processes (gloo) and runs the reference communicator on the plan the GPU path
@@ -68,21 +68,18 @@ def _run(rank: int, world_size: int, op: str, m: int, n: int, k: int, dtype_name
     return out
 
 
-def main(m: int | None, n: int | None, k: int | None, dtype_name: str, world_size: int | None, cpu: bool,
+def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | None, cpu: bool,
          op: str = "all_reduce") -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     on_gpu = gpus >= 2 and not cpu
-    default = GPU_SHAPE if on_gpu else CPU_SHAPE
-    m, n, k = m or default[0], n or default[1], k or default[2]
+    m, n, k = shape or (GPU_SHAPE if on_gpu else CPU_SHAPE)
     if world_size is None:
         world_size = gpus if on_gpu else 2
     if on_gpu and world_size > gpus:
         raise SystemExit(f"--world-size {world_size} needs that many GPUs, found {gpus}")
-    if not on_gpu and dtype_name == "bfloat16":
-        dtype_name = "float16"  # CPU matmuls in fp32 either way; fp16 keeps the printout comparable
     where = f"{world_size} GPUs, NCCL" if on_gpu else f"{world_size} CPU processes, gloo, reference communicator"
     if op != "all_reduce" and m % world_size:
-        raise SystemExit(f"--m {m}: {OPS[op][0]} needs M divisible by the {world_size} ranks")
+        raise SystemExit(f"--shape {m},{n},{k}: {OPS[op][0]} needs M divisible by the {world_size} ranks")
     print(f"flashoverlap demo: {OPS[op][0]} of [{m}, {k}] @ [{k}, {n}] {dtype_name} on {where}")
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     results = spawn(_run, world_size, "nccl" if on_gpu else "gloo", args=(op, m, n, k, dtype_name, on_gpu), env=env)

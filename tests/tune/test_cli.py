@@ -8,8 +8,12 @@ import pytest
 from flashoverlap.cli import main
 
 
-def test_tune_commands_parse_and_need_torchrun(monkeypatch):
+def test_tune_commands_parse_and_need_gpus_and_torchrun(monkeypatch):
+    import torch
+
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for argv in (["tune", "bandwidth", "--ops", "all_reduce"],
                  ["tune", "plan", "--op", "all_gather", "--shape", "8,8,8", "--exhaustive"],
                  ["tune", "validate", "--path", "p2p"]):
