@@ -1,5 +1,5 @@
-"""``flashoverlap demo [--op ...] [--shape M,N,K]``: one overlapped op (GEMM+AllReduce by default, or GEMM+ReduceScatter,
-AllGather+GEMM), checked against plain PyTorch.
+"""``flashoverlap demo [--op ...] [--shape M,N,K]``: one overlapped op (GEMM+AllReduce by default, or
+GEMM+ReduceScatter, AllGather+GEMM), checked against plain PyTorch.
 
 Without two GPUs it starts 2 CPU processes (gloo) and runs the reference communicator on the plan the GPU path
 overlaps with at that shape; with two or more GPUs it runs the real overlapped op and times it next to the
