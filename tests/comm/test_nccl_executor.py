@@ -1,7 +1,9 @@
-"""The NCCL communicator's own code (group slices, workspace layout, counters, flags, per-band events) run on the
-CPU: each rank is a gloo process in which CUDA streams are stubs and the stream memory operations are plain memory
-reads and writes; the collectives are real (gloo). The GEMM's part is played by cuBLAS-band code (``torch.matmul``
-per band) or by setting the counters as the kernel would."""
+"""The NCCL communicator's own code (group slices, workspace layout, counters, flags, per-band events) on the CPU,
+with the producer asynchronous (``tests/comm/fake_cuda.py``): each rank is a gloo process whose CUDA streams run on
+the host and whose "GEMM" is a thread that writes the product tile by tile, bumping the group's counter after
+each tile (or, for cuBLAS bands, completing the band's event); the collectives are real (gloo). A collective issued
+before its group is complete reads NaN (the product starts NaN-poisoned) and fails the comparison; a counter not
+reset is caught by the next call; a wait never satisfied raises."""
 
 import pytest
 import torch
@@ -11,10 +13,48 @@ from flashoverlap.testing import spawn
 from tests.comm import fake_cuda
 
 
+def _producer(a, b, plan, product, counters):
+    """The signalling GEMM's effect, tile by tile in the plan's order (``Plan.tile_order``, ``tile_rows``,
+    ``tile_groups``): the tile's rows and columns written, then its group's counter bumped."""
+    from flashoverlap.comm.nccl import compute_bands
+
+    full = torch.empty_like(product)
+    compute_bands(a, b, plan, full)  # the whole product in the plan's layout, copied out tile by tile
+    _, out_rows, valid = plan.tile_rows()
+    steps = []
+    for tile, group in zip(plan.tile_order().tolist(), plan.tile_groups().tolist()):
+        p, col = divmod(tile, plan.tiles_n)
+        rows = slice(int(out_rows[p]), int(out_rows[p]) + int(valid[p]))
+        cols = slice(col * plan.tile.block_n, (col + 1) * plan.tile.block_n)
+
+        def step(rows=rows, cols=cols, group=group):
+            product[rows, cols] = full[rows, cols]
+            counters[group] += 1
+
+        steps.append(step)
+    return fake_cuda.Producer(steps, delay_s=0.002)
+
+
+def _band_producer(a, b, plan, product):
+    """cuBLAS bands: each group's rows, then its event."""
+    from flashoverlap.comm.nccl import compute_bands
+
+    full = torch.empty_like(product)
+    compute_bands(a, b, plan, full)
+    events = [fake_cuda.Event() for _ in plan.groups]
+
+    def band(grp, event):
+        rows = slice(grp.out_row_start, grp.out_row_end) if plan.blocks > 1 else slice(grp.row_start, grp.row_end)
+        product[rows] = full[rows]
+        event.done.set()
+
+    return fake_cuda.Producer([lambda g=g, e=e: band(g, e) for g, e in zip(plan.groups, events)]), events
+
+
 def _ranks(rank, world_size):
-    fake_cuda.install(wait_timeout_s=0.0)  # one rank per process: a counter is set before its wait
+    fake_cuda.install(wait_timeout_s=10.0)
     from flashoverlap.comm.collectives import gathered_in_rank_order
-    from flashoverlap.comm.nccl import NcclCommunicator, compute_bands
+    from flashoverlap.comm.nccl import NcclCommunicator
     from flashoverlap.comm.state import state_of
     from flashoverlap.plan import TileConfig, default_plan
 
@@ -26,35 +66,35 @@ def _ranks(rank, world_size):
     total = a @ b
     dist.all_reduce(total)
     checked = []
-    for op in ("all_reduce", "reduce_scatter"):
-        for gemm_kind in ("cublas", "triton"):
-            plan = default_plan(op, m, n, k, world_size, tile=tile, num_groups=3, gemm=gemm_kind,
-                                allow_sequential=False)
-            comm.prepare(plan, torch.float64)
-            target = torch.full((m, n), float("nan"), dtype=torch.float64)
-            compute_bands(a, b, plan, target)  # the product in the plan's layout
-            ready = None
-            if gemm_kind == "cublas":
-                ready = [object() for _ in plan.groups]  # the bands' events (stub streams ignore them)
-            else:
-                for grp in plan.groups:  # what the signalling kernel leaves behind
-                    comm.counters[grp.index] = grp.tile_count
-            if op == "all_reduce":
-                comm.all_reduce(target, plan, ready)
-                torch.testing.assert_close(target, total)
-            else:
-                out = torch.full((plan.block_rows, n), float("nan"), dtype=torch.float64)
-                comm.reduce_scatter(out, target, plan, ready)
-                torch.testing.assert_close(out, total[rank * plan.block_rows : (rank + 1) * plan.block_rows])
-            assert not comm.counters.any(), "counters not reset for the next call"
-            checked.append((op, gemm_kind))
+    for call in range(2):  # twice: the counters must be zero again for the second call
+        for op in ("all_reduce", "reduce_scatter"):
+            for gemm_kind in ("cublas", "triton"):
+                plan = default_plan(op, m, n, k, world_size, tile=tile, num_groups=3, gemm=gemm_kind,
+                                    allow_sequential=False)
+                comm.prepare(plan, torch.float64)
+                product = torch.full((m, n), float("nan"), dtype=torch.float64)
+                if gemm_kind == "cublas":
+                    producer, ready = _band_producer(a, b, plan, product)
+                else:
+                    producer, ready = _producer(a, b, plan, product, comm.counters), None
+                producer.start()
+                if op == "all_reduce":
+                    comm.all_reduce(product, plan, ready)
+                    torch.testing.assert_close(product, total)
+                else:
+                    out = torch.full((plan.block_rows, n), float("nan"), dtype=torch.float64)
+                    comm.reduce_scatter(out, product, plan, ready)
+                    torch.testing.assert_close(out, total[rank * plan.block_rows : (rank + 1) * plan.block_rows])
+                producer.join()
+                assert not comm.counters.any(), "counters not reset for the next call"
+                checked.append((op, gemm_kind))
     plan = default_plan("all_gather", m, n, k, world_size, tile=tile, num_groups=3, comm_ctas=0,
                         allow_sequential=False)  # NCCL's own CTA count: no capped NCCL group on gloo
     comm.prepare(plan, torch.float64)
     shard = a[: plan.block_rows].contiguous()
     gathered = torch.full((m, k), float("nan"), dtype=torch.float64)
     comm.all_gather(gathered, shard, plan)
-    assert comm.flags[: plan.num_groups].tolist() == [1] * plan.num_groups
+    assert comm.flags[: plan.num_groups].tolist() == [1] * plan.num_groups  # every band's flag raised
     full = torch.empty((m, k), dtype=torch.float64)
     dist.all_gather_into_tensor(full, shard)
     torch.testing.assert_close(gathered_in_rank_order(gathered, plan), full)
@@ -64,5 +104,5 @@ def _ranks(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_nccl_communicator_code_with_stub_streams(world_size):
-    assert spawn(_ranks, world_size, "gloo") == [4] * world_size
+def test_nccl_communicator_code_with_an_asynchronous_producer(world_size):
+    assert spawn(_ranks, world_size, "gloo") == [8] * world_size
