@@ -1,0 +1,137 @@
+"""The P2P communicator's executor (``comm/p2p.py``) on the CPU: its resolved program issued against a recording
+driver and recording streams, and the recording read back as the schedule it must be. Every flag wait resets its
+flag on the same stream, every copy moves its rows' bytes on its stream between the right addresses, every
+signal writes the right flag, events order the right streams, the hook runs where the schedule says, and the
+copy streams are joined back into the caller's stream."""
+
+import pytest
+import torch
+
+from flashoverlap.comm import p2p
+from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.plan import TileConfig, default_plan
+
+TILE = TileConfig(16, 16, 16, 2, 1, 4)
+PEER_BASE, FLAG_BASE, FLAG_STRIDE = 1 << 40, 1 << 36, 1 << 20
+
+
+class Recorder:
+    """Every driver call and stream call, in order: ``(stream, kind, *args)``."""
+
+    def __init__(self):
+        self.trace = []
+
+    def wait_geq(self, stream, address, value):
+        self.trace.append((stream, "wait", address, value))
+
+    def write(self, stream, address, value):
+        self.trace.append((stream, "write", address, value))
+
+    def copy(self, stream, dst, src, nbytes):
+        self.trace.append((stream, "copy", dst, src, nbytes))
+
+
+class FakeStream:
+    def __init__(self, handle, recorder):
+        self.cuda_stream, self.recorder = handle, recorder
+
+    def wait_stream(self, other):
+        self.recorder.trace.append((self.cuda_stream, "join", other.cuda_stream))
+
+    def wait_event(self, event):
+        self.recorder.trace.append((self.cuda_stream, "wait_event", event.index))
+
+    def record_event(self):
+        raise AssertionError("no debug timeout in this test")
+
+
+class FakeEvent:
+    def __init__(self, index, recorder):
+        self.index, self.recorder = index, recorder
+
+    def record(self, stream):
+        self.recorder.trace.append((stream.cuda_stream, "record", self.index))
+
+
+class FakeWorkspace:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def local(self, shape, dtype):
+        return self.buffer.view(dtype).view(shape)
+
+    def peer_ptr(self, rank):
+        return PEER_BASE * (rank + 1)
+
+    def flag_ptr(self, rank, slot):
+        return FLAG_BASE + rank * FLAG_STRIDE + 4 * slot
+
+
+def _communicator(rank, world, recorder, monkeypatch):
+    comm = object.__new__(p2p.P2PCommunicator)
+    comm.rank, comm.world_size, comm.name = rank, world, "test group"
+    comm.device = torch.device("cpu")
+    comm.copy_stream, comm.local_stream = FakeStream(1, recorder), FakeStream(2, recorder)
+    comm.workspace = FakeWorkspace(rs.regions(world) * (1 << 16))
+    comm._events = [FakeEvent(i, recorder) for i in range(64)]
+    comm._programs = {}
+    comm._warm = set()
+    compute = FakeStream(0, recorder)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(p2p.stream_ops, "fast", lambda: recorder)
+    monkeypatch.setattr(p2p, "debug_timeout", lambda: None)
+    return comm
+
+
+def _expected(plan, rank, comm, bases, row_bytes, gathered_own):
+    """The trace the schedule implies, with this test's addresses."""
+    region = comm._region_bytes()
+    stream = {"C": 0, "X": 1, "L": 2}
+
+    def address(loc):
+        if loc.space == "flag":
+            return comm.workspace.flag_ptr(loc.rank, loc.row)
+        if loc.space == "sym":
+            return comm.workspace.peer_ptr(loc.rank) + rs.region_index(loc.kind, plan.world_size) * region \
+                + loc.row * row_bytes
+        width = plan.n * 2 if loc.space == "out" else row_bytes
+        return bases[loc.space] + loc.row * width
+
+    out = [(0, "record", 0)]
+    ops = rs.schedule(plan, rank, gathered_own=gathered_own)
+    for op in ops:
+        if isinstance(op, rs.Wait):
+            out += [(stream[op.stream], "wait", address(op.flag), 1), (stream[op.stream], "write", address(op.flag), 0)]
+        elif isinstance(op, rs.Signal):
+            out.append((stream[op.stream], "write", address(op.flag), 1))
+        elif isinstance(op, rs.Copy):
+            out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
+        elif isinstance(op, rs.Record):
+            out.append((stream[op.stream], "record", op.event))
+        elif isinstance(op, rs.WaitEvent):
+            out.append((stream[op.stream], "wait_event", op.event))
+        elif isinstance(op, rs.Hook):
+            out.append((0, "hook"))
+    out += [(0, "join", stream[name]) for name in rs.streams_used(ops)]
+    return out
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2)])
+def test_the_executor_issues_exactly_the_schedule(op, world, rank, monkeypatch):
+    recorder = Recorder()
+    comm = _communicator(rank, world, recorder, monkeypatch)
+    m = 64 * world + (16 if op == "all_reduce" else 0)
+    plan = default_plan(op, m, 24, 20, world, tile=TILE, num_groups=2, path="p2p", allow_sequential=False)
+    rows = plan.block_rows if op == "all_gather" else plan.m
+    a = torch.randn(rows, plan.k, dtype=torch.bfloat16)
+    b = torch.randn(plan.k, plan.n, dtype=torch.bfloat16)
+    out = torch.empty(plan.block_rows if op == "reduce_scatter" else plan.m, plan.n, dtype=torch.bfloat16)
+    gathered = torch.empty(plan.m, plan.k, dtype=torch.bfloat16) if op == "all_gather" else None
+    comm.issue(plan, a, b, out, op, gathered, hook=lambda: recorder.trace.append((0, "hook")))
+    bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
+    width = plan.k if op == "all_gather" else plan.n
+    assert recorder.trace == _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None)

@@ -1,0 +1,137 @@
+"""Break the code on purpose, one named mutation at a time, and check that the tests catch it.
+
+Each mutation removes or weakens one wait, flag, signal, barrier or join of one path (a text replacement that
+must match exactly once), is applied to a temporary copy of the repository, and runs the tests that claim to
+catch it; "caught" means they failed. Run by hand (a few minutes on 2 cores):
+
+    python tools/mutate.py [--only NAME ...] [--out benchmarks/results/mutations.json]
+
+The results file is what docs/testing.md's table is rendered from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NCCL, RING, P2P = "src/flashoverlap/comm/nccl.py", "src/flashoverlap/comm/ring_schedule.py", "src/flashoverlap/comm/p2p.py"
+NCCL_TEST = "tests/comm/test_nccl_executor.py"
+RING_TEST = "tests/comm/test_ring_protocol.py::test_back_to_back_calls_of_every_op_are_right_in_random_interleavings"
+P2P_TEST = "tests/comm/test_p2p_executor.py"
+
+# (name, what it breaks, file, exact text, replacement, tests)
+MUTATIONS = [
+    ("nccl-collective-one-tile-early", "NCCL path: a group's collective waits for tile_count - 1 tiles", NCCL,
+     "wait_geq(self.comm_stream, address, grp.tile_count)",
+     "wait_geq(self.comm_stream, address, grp.tile_count - 1)", NCCL_TEST),
+    ("nccl-band-event-wait-removed", "NCCL path: a cuBLAS band's collective does not wait for the band's event", NCCL,
+     "                    self.comm_stream.wait_event(ready[grp.index])\n", "", NCCL_TEST),
+    ("nccl-counter-not-reset", "NCCL path: a group's counter is not reset after its wait", NCCL,
+     "                    stream_ops.write(self.comm_stream, address, 0)\n", "", NCCL_TEST),
+    ("nccl-band-flag-not-raised", "NCCL all-gather: a band's arrival flag is not raised", NCCL,
+     "                    stream_ops.write(self.comm_stream, base + 4 * grp.index, 1)\n",
+     "                    pass\n", NCCL_TEST),
+    ("nccl-flags-not-cleared", "NCCL all-gather: the band flags are not cleared after the GEMM", NCCL,
+     "        self.flags[: plan.num_groups].zero_()\n", "", NCCL_TEST),
+    ("ring-start-join-removed", "P2P ring: the copy stream does not wait for the call's start on C", RING,
+     '    ops: list = [WaitEvent("X", 0)]\n', "    ops: list = []\n", RING_TEST),
+    ("ring-local-start-join-removed", "P2P ring: the local copy stream does not wait for the call's start", RING,
+     '        ops.append(WaitEvent("L", 0))\n', "        pass\n", RING_TEST),
+    ("ring-region-free-wait-removed", "P2P ring: a partial's region is overwritten without its consumer's free flag",
+     RING, '            ops += [Wait(stream, Loc("flag", rank, free_slot(kind, c)), f"region {kind} free at rank {c}")\n'
+     "                    for c in consumers]\n", "", RING_TEST),
+    ("ring-partial-full-wait-removed", "P2P ring: a partial is pulled without waiting for its producer's flag", RING,
+     '                ops += [Wait("X", Loc("flag", rank, full_slot(prv, s - 1, j)), f"partial {s - 1}.{j} from {prv}"),\n'
+     "                        Copy(", "                ops += [Copy(", RING_TEST),
+    ("ring-partial-signal-removed", "P2P ring: a written partial is not signalled to its consumer", RING,
+     '                ops += [Signal("C", Loc("flag", c, full_slot(rank, kind, j))) for c in consumers]\n', "",
+     RING_TEST),
+    ("ring-free-signal-removed", "P2P ring: the consumer does not free a pulled region", RING,
+     '                    ops.append(Signal("X", Loc("flag", prv, free_slot(s - 1, rank))))\n',
+     "                    pass\n", RING_TEST),
+    ("ring-addmm-before-pull", "P2P ring: cuBLAS adds onto a partial before its pull has landed", RING,
+     '                ops += [Record("X", event), WaitEvent("C", event)]\n', '                ops += [Record("X", event)]\n',
+     RING_TEST),
+    ("ring-reduced-copy-early", "P2P all-reduce: the own reduced rows are copied out before cuBLAS wrote them", RING,
+     '            ops += [WaitEvent("L", ev), Copy(', "            ops += [Copy(", RING_TEST),
+    ("ring-reduced-full-wait-removed", "P2P all-reduce: a peer's reduced rows are pulled before they are written",
+     RING, '                ops += [Wait("X", Loc("flag", rank, full_slot(p, RED, j)), f"reduced {j} from {p}"),\n'
+     "                        Copy(", "                ops += [Copy(", RING_TEST),
+    ("ring-reduced-free-signal-removed", "P2P all-reduce: the reduced region is never freed for the next call", RING,
+     '            ops += [Signal("X", Loc("flag", p, free_slot(RED, rank))) for p in peers]\n', "", RING_TEST),
+    ("ag-shard-free-wait-removed", "P2P all-gather: the shard region is overwritten before the peers pulled it",
+     RING, '    ops += [Wait("L", Loc("flag", rank, free_slot(SHARD, c)), f"shard free at rank {c}") for c in peers]\n',
+     "", RING_TEST),
+    ("ag-shard-signal-removed", "P2P all-gather: a published shard sub-band is not signalled", RING,
+     '        ops += [Signal("L", Loc("flag", c, full_slot(rank, SHARD, j))) for c in peers]\n', "", RING_TEST),
+    ("ag-shard-full-wait-removed", "P2P all-gather: a peer's shard is pulled before it is published", RING,
+     '            ops += [Wait("X", Loc("flag", rank, full_slot(q, SHARD, j)), f"shard {j} of {q}"),\n'
+     "                    Copy(", "            ops += [Copy(", RING_TEST),
+    ("ag-shard-free-signal-removed", "P2P all-gather: a pulled shard is never freed", RING,
+     '                ops.append(Signal("X", Loc("flag", q, free_slot(SHARD, rank))))\n', "                pass\n",
+     RING_TEST),
+    ("ag-multiply-before-pull", "P2P all-gather: cuBLAS multiplies a sub-band before its pull has landed", RING,
+     '            ops += [Record("X", event), WaitEvent("C", event),\n                    Mm(',
+     '            ops += [Record("X", event),\n                    Mm(', RING_TEST),
+    ("p2p-flag-not-reset", "P2P executor: a flag wait does not reset the flag", P2P,
+     "                write(handles[stream], flag, 0)\n", "", P2P_TEST),
+    ("p2p-join-removed", "P2P executor: the copy streams are not joined back into the caller's stream", P2P,
+     "            compute.wait_stream(streams[index])\n", "            pass\n", P2P_TEST),
+    ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,
+     "        events[0].record(compute)\n", "", P2P_TEST),
+]
+
+
+def run(name: str, what: str, path: str, old: str, new: str, tests: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="flashoverlap-mutant-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".ruff_cache"))
+        target = copy / path
+        text = target.read_text()
+        if text.count(old) != 1:
+            return {"name": name, "what": what, "file": path, "tests": tests, "caught": None,
+                    "note": f"the mutation's text occurs {text.count(old)} times (the code changed: update the list)"}
+        target.write_text(text.replace(old, new))
+        env = dict(os.environ, PYTHONPATH=f"{copy / 'src'}{os.pathsep}{copy}")
+        start = time.time()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests.split()],
+                              cwd=copy, env=env, capture_output=True, text=True, timeout=900)
+        tail = [line for line in proc.stdout.splitlines() if line.strip()][-1:]
+        return {"name": name, "what": what, "file": path, "tests": tests, "caught": proc.returncode != 0,
+                "seconds": round(time.time() - start, 1), "pytest": tail[0] if tail else proc.stderr[-200:]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="*", default=None, help="mutation names to run (default: all)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mutations.json"))
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if args.only is None or m[0] in args.only]
+    rows = []
+    for mutation in chosen:
+        row = run(*mutation)
+        rows.append(row)
+        print(f"{'CAUGHT' if row['caught'] else 'MISSED' if row['caught'] is False else 'STALE'}  {row['name']}: "
+              f"{row.get('pytest', row.get('note'))}", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    meta = {"commit": commit + ("-dirty" if dirty else ""), "command": "python tools/mutate.py",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    missed = [r["name"] for r in rows if not r["caught"]]
+    print(f"{len(rows) - len(missed)} of {len(rows)} caught" + (f"; not caught: {missed}" if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
