@@ -34,7 +34,7 @@ MUTATIONS = [
      "wait_geq(self.comm_stream, address, grp.tile_count)",
      "wait_geq(self.comm_stream, address, grp.tile_count - 1)", NCCL_TEST),
     ("nccl-band-event-wait-removed", "NCCL path: a cuBLAS band's collective does not wait for the band's event", NCCL,
-     "                    self.comm_stream.wait_event(ready[grp.index])\n", "", NCCL_TEST),
+     "                    self.comm_stream.wait_event(ready[grp.index])\n", "                    pass\n", NCCL_TEST),
     ("nccl-counter-not-reset", "NCCL path: a group's counter is not reset after its wait", NCCL,
      "                    stream_ops.write(self.comm_stream, address, 0)\n", "", NCCL_TEST),
     ("nccl-band-flag-not-raised", "NCCL all-gather: a band's arrival flag is not raised", NCCL,
@@ -53,8 +53,8 @@ MUTATIONS = [
      '                ops += [Wait("X", Loc("flag", rank, full_slot(prv, s - 1, j)), f"partial {s - 1}.{j} from {prv}"),\n'
      "                        Copy(", "                ops += [Copy(", RING_TEST),
     ("ring-partial-signal-removed", "P2P ring: a written partial is not signalled to its consumer", RING,
-     '                ops += [Signal("C", Loc("flag", c, full_slot(rank, kind, j))) for c in consumers]\n', "",
-     RING_TEST),
+     '                ops += [Signal("C", Loc("flag", c, full_slot(rank, kind, j))) for c in consumers]\n',
+     "                pass\n", RING_TEST),
     ("ring-free-signal-removed", "P2P ring: the consumer does not free a pulled region", RING,
      '                    ops.append(Signal("X", Loc("flag", prv, free_slot(s - 1, rank))))\n',
      "                    pass\n", RING_TEST),
@@ -67,7 +67,8 @@ MUTATIONS = [
      RING, '                ops += [Wait("X", Loc("flag", rank, full_slot(p, RED, j)), f"reduced {j} from {p}"),\n'
      "                        Copy(", "                ops += [Copy(", RING_TEST),
     ("ring-reduced-free-signal-removed", "P2P all-reduce: the reduced region is never freed for the next call", RING,
-     '            ops += [Signal("X", Loc("flag", p, free_slot(RED, rank))) for p in peers]\n', "", RING_TEST),
+     '            ops += [Signal("X", Loc("flag", p, free_slot(RED, rank))) for p in peers]\n', "            pass\n",
+     RING_TEST),
     ("ag-shard-free-wait-removed", "P2P all-gather: the shard region is overwritten before the peers pulled it",
      RING, '    ops += [Wait("L", Loc("flag", rank, free_slot(SHARD, c)), f"shard free at rank {c}") for c in peers]\n',
      "", RING_TEST),
@@ -106,7 +107,10 @@ def run(name: str, what: str, path: str, old: str, new: str, tests: str) -> dict
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests.split()],
                               cwd=copy, env=env, capture_output=True, text=True, timeout=900)
         tail = [line for line in proc.stdout.splitlines() if line.strip()][-1:]
-        return {"name": name, "what": what, "file": path, "tests": tests, "caught": proc.returncode != 0,
+        # A failing test is a catch; a mutant that does not even import (pytest's exit code 2, collection errors)
+        # is a broken mutation, not a catch.
+        return {"name": name, "what": what, "file": path, "tests": tests,
+                "caught": proc.returncode == 1 if proc.returncode != 2 else None,
                 "seconds": round(time.time() - start, 1), "pytest": tail[0] if tail else proc.stderr[-200:]}
 
 
@@ -120,7 +124,7 @@ def main() -> int:
     for mutation in chosen:
         row = run(*mutation)
         rows.append(row)
-        print(f"{'CAUGHT' if row['caught'] else 'MISSED' if row['caught'] is False else 'STALE'}  {row['name']}: "
+        print(f"{'CAUGHT' if row['caught'] else 'MISSED' if row['caught'] is False else 'BROKEN'}  {row['name']}: "
               f"{row.get('pytest', row.get('note'))}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,

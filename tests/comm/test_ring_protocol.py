@@ -22,7 +22,7 @@ def _calls(world, seed, ops=("reduce_scatter", "all_reduce", "all_gather")):
     rng = np.random.default_rng(seed)
     plans = [_plan(op, world, m_blocks, n, k, sub)
              for op, m_blocks, n, k, sub in [(ops[i % len(ops)], 2 + i % 3, 8 + 4 * i, 6 + i, 1 + i % 3)
-                                             for i in range(4)]]
+                                             for i in range(6)]]  # every op twice
     return [make_call(plan, rng) for plan in plans]
 
 
