@@ -2,7 +2,8 @@
 # One device call (2x H200): P2P smoke per op (under FLASHOVERLAP_DEBUG_TIMEOUT: an error, not a hang), the
 # nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
 # the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
-# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like"]
+# Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like
+#        reliability"]
 #        [TESTS_K=<pytest -k>] [BLOCK_ARGS=...]
 #        bash benchmarks/device_run.sh
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
@@ -51,6 +52,11 @@ for setting in nvlink pcie-like; do
         -m flashoverlap.bench.block ${BLOCK_ARGS:-} --out "$OUT/$gpu-$setting-block.json" >> "$OUT/block-$setting.log" 2>&1
     echo "block $setting: exit $?"; grep -E "tokens:|Error|error" "$OUT/block-$setting.log" | tail -8
 done
+if has reliability; then
+    timeout ${RELIABILITY_TIMEOUT:-400} torchrun --nproc-per-node $NGPU benchmarks/reliability.py \
+        --calls ${RELIABILITY_CALLS:-10000} --out "$OUT/$gpu-reliability.json" > "$OUT/reliability.log" 2>&1
+    echo "reliability: exit $?"; grep -vE "^W[0-9]|Warning|warn" "$OUT/reliability.log" | tail -30
+fi
 if has tests; then
     timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -x -v --durations=0 tests/gpu ${TESTS_K:+-k "$TESTS_K"} \
         > "$OUT/gpu-tests.log" 2>&1

@@ -132,3 +132,34 @@ def test_package_imports_and_runs_without_cuda_bindings():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "1"
+
+
+def _disagree(rank, world_size, what):
+    import os
+
+    import pytest
+
+    os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "5"
+    dtype = torch.float16 if (what == "dtype" and rank == 1) else torch.bfloat16
+    m = 8 + (2 if what == "shape" and rank == 1 else 0)
+    a, b = torch.randn(m, 4, dtype=dtype), torch.randn(4, 6, dtype=dtype)
+    if what == "skip":
+        if rank == 1:  # skips the call, and stays alive past rank 0's timeout (as a rank stuck elsewhere would)
+            import time
+
+            time.sleep(8)
+            return "skipped"
+        with pytest.raises(RuntimeError, match=r"rank 0: gemm_all_reduce on group .* waited more than 5 s"):
+            fo.gemm_all_reduce(a, b)
+        return "timed out"
+    with pytest.raises(ValueError, match=f"disagree on {'dtype' if what == 'dtype' else 'M'}"):
+        fo.gemm_all_reduce(a, b)
+    return "refused"
+
+
+@pytest.mark.parametrize("what", ["dtype", "shape", "skip"])
+def test_debug_mode_catches_ranks_that_disagree_or_never_come(what):
+    from flashoverlap.testing import spawn
+
+    results = spawn(_disagree, 2, args=(what,))
+    assert results == (["timed out", "skipped"] if what == "skip" else ["refused", "refused"])

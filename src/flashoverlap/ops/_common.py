@@ -8,13 +8,14 @@ import functools
 import json
 import logging
 import os
+import time
+import warnings
 import zlib
 
 import torch
 import torch.distributed as dist
 
 from flashoverlap.comm import reference, sequential
-from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.comm.nccl import debug_timeout
 from flashoverlap.comm.state import GroupState, existing_state, state_of
 from flashoverlap.comm.symmetric import p2p_excluded
@@ -193,15 +194,30 @@ _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 def check_agreement(name: str, state: GroupState, plan: Plan, dtype: torch.dtype, path: str) -> None:
     """Debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT`` set): every rank of the group calls the same op with the same
-    shapes, dtype, path and plan, or every rank raises before anything is launched (one small all-gather)."""
+    shapes, dtype, path and plan, or every rank raises before anything is launched (one small all-gather). A rank
+    that never comes to the call (it skipped it, or raised before it) makes the others raise when the timeout
+    passes, naming the rank, the op and the group, instead of hanging; the group is unusable after that (its
+    collective is still pending): destroy it."""
     if a_capture_is_running():
         return
-    mine = [OPS.index(plan.op), plan.m, plan.n, plan.k, _DTYPE_CODES[dtype], PATHS.index(path),
-            _digest(plan)]
+    mine = [OPS.index(plan.op), plan.m, plan.n, plan.k, _DTYPE_CODES[dtype], PATHS.index(path), _digest(plan)]
     device = state.device if state.device.type == "cuda" else torch.device("cpu")
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     everyone = torch.empty(state.world_size * len(mine), dtype=torch.int64, device=device)
-    all_gather_into_tensor(everyone, local, state.group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        work = dist.all_gather_into_tensor(everyone, local, group=state.group, async_op=True)
+    timeout = debug_timeout()
+    deadline = time.monotonic() + timeout
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"flashoverlap: rank {state.rank}: {name} on {state.name} waited more than {timeout:g} s "
+                "(FLASHOVERLAP_DEBUG_TIMEOUT) for the other ranks to reach the call: a rank skipped it, raised "
+                "before it, or is stuck elsewhere; the group is unusable now"
+            )
+        time.sleep(1e-4)
+    work.wait()
     rows = everyone.view(state.world_size, len(mine)).tolist()
     for rank, row in enumerate(rows):
         if row != rows[0]:
