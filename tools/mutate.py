@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NCCL, RING, P2P = "src/flashoverlap/comm/nccl.py", "src/flashoverlap/comm/ring_schedule.py", "src/flashoverlap/comm/p2p.py"
+NCCL = "src/flashoverlap/comm/nccl.py"
+RING = "src/flashoverlap/comm/ring_schedule.py"
+P2P = "src/flashoverlap/comm/p2p.py"
 NCCL_TEST = "tests/comm/test_nccl_executor.py"
 RING_TEST = "tests/comm/test_ring_protocol.py::test_back_to_back_calls_of_every_op_are_right_in_random_interleavings"
 P2P_TEST = "tests/comm/test_p2p_executor.py"

@@ -380,8 +380,8 @@ class Plan:
 MIN_OVERLAP_BYTES = 4 << 20
 # Fewer waves of tiles than this leaves nothing to overlap with.
 MIN_OVERLAP_WAVES = 2.0
-# Measured on 2x H200 (docs/why-overlap-is-hard.md): where the collective takes under half the GEMM's time, NCCL's
-# slowdown beside the GEMM and the GEMM's beside NCCL cost more than the overlap hides.
+# Measured on 2x H200 (benchmarks/results/logs/why-overlap-is-hard.md): where the collective takes under half the
+# GEMM's time, NCCL's slowdown beside the GEMM and the GEMM's beside NCCL cost more than the overlap hides.
 # Reduce-scatter paid from a lower ratio: 16384x8192x4096 (ratio 0.43) hid half the hideable time with 8 groups,
 # one program per tile (benchmarks/results/logs, sweep at d2b0ea3).
 MIN_OVERLAP_COMM_RATIO = {"all_reduce": 0.5, "reduce_scatter": 0.4, "all_gather": 0.5}
@@ -461,7 +461,7 @@ def default_plan(
     """A reasonable plan for any shape, before tuning; any keyword given overrides the choice.
 
     ``comm_ratio`` is the collective's estimated time over the GEMM's (``tune.rates``). The choices, from
-    measurements on 2x H200 (docs/why-overlap-is-hard.md):
+    measurements on 2x H200 (benchmarks/results/logs/why-overlap-is-hard.md):
 
     - sequential where the output is under ``MIN_OVERLAP_BYTES``, the GEMM under ``MIN_OVERLAP_WAVES`` waves of
       tiles, or ``comm_ratio < MIN_OVERLAP_COMM_RATIO[op]``;

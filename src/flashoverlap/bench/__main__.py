@@ -1,4 +1,4 @@
-"""``python -m flashoverlap.bench`` (under ``torchrun --nproc-per-node W``): BENCHMARK.md's grid for the ops named
+"""``python -m flashoverlap.bench`` (under ``torchrun --nproc-per-node W``): docs/benchmarks.md's grid for the ops named
 by ``--ops`` (default all-reduce).
 
 Prints, per op and shape: T_gemm (cuBLAS), our GEMM alone (signalling on, the overlapped op's configuration),
@@ -224,7 +224,8 @@ def interference(args, rank, world_size, device, dtype) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=None, help="M,N,K;M,N,K;... (default: BENCHMARK.md's all-reduce grid)")
+    parser.add_argument("--shapes", default=None,
+                        help="M,N,K;M,N,K;... (default: docs/benchmarks.md's grid of each op)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--ops", default="all_reduce", type=lambda s: [op for op in s.split(",") if op],
                         help="comma-separated: all_reduce, reduce_scatter, all_gather (empty: no grid, e.g. with "

@@ -1,4 +1,4 @@
-"""Benchmark rows for the three ops (BENCHMARK.md's columns, side by side in one run): cuBLAS, our GEMM alone,
+"""Benchmark rows for the three ops (docs/benchmarks.md's columns, side by side in one run): cuBLAS, our GEMM alone,
 the collective alone, sequential, the best decomposition, torch async TP, flashoverlap on the NCCL path and, on
 NVLink, on the P2P path."""
 

@@ -1,4 +1,4 @@
-"""One results row in BENCHMARK.md's format, from the side-by-side times of one op at one shape."""
+"""One results row in docs/benchmarks.md's format, from the side-by-side times of one op at one shape."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from flashoverlap.plan import Plan
 
 
 def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
-    """BENCHMARK.md's E: the share of the hideable time ``t_seq - t_ideal`` that ``t`` hid."""
+    """docs/benchmarks.md's E: the share of the hideable time ``t_seq - t_ideal`` that ``t`` hid."""
     return (t_seq - t) / (t_seq - t_ideal) if t_seq > t_ideal else float("nan")
 
 

@@ -22,7 +22,8 @@ and raises an error naming the group and rank instead of hanging (rule 4).
 
 SMs: NCCL's kernels need SMs while the GEMM runs. A plan's ``num_programs`` below the SM count leaves SMs free, a
 plan with one program per tile lets NCCL's blocks in as GEMM programs retire, and ``comm_ctas`` sets NCCL's CTA count
-through a clone of the caller's process group created with that NCCL config (docs/why-overlap-is-hard.md).
+through a clone of the caller's process group created with that NCCL config
+(benchmarks/results/logs/why-overlap-is-hard.md).
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def check_leaves_nccl_sms(plan: Plan, num_sms: int, op: str = "all_gather_gemm")
         raise ValueError(
             f"{op}: the plan's GEMM ({plan.grid_size} programs) waits for bands NCCL delivers with "
             f"{plan.comm_ctas} CTAs; it needs comm_ctas >= 1 and programs <= {num_sms} SMs - {free} left to NCCL, "
-            "or the waits could starve NCCL of SMs and hang (DESIGN.md, deadlock rule 2)"
+            "or the waits could starve NCCL of SMs and hang (docs/design.md, deadlock rule 2)"
         )
 
 

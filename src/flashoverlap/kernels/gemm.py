@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashoverlap.plan import Plan
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Storing C through TMA measured no faster than plain stores on H200 (docs/why-overlap-is-hard.md).
+# Storing C through TMA measured no faster than plain stores on H200 (benchmarks/results/logs/why-overlap-is-hard.md).
 DEFAULT_TMA_STORE = False
 
 
@@ -67,7 +67,7 @@ def signalling_gemm_kernel(
 ):
     k_tiles = tl.cdiv(K, BLOCK_K)
     # flatten=False keeps the K loop pipelined on its own; flattening it into the tile loop made the
-    # signalling variant of this kernel three times slower on H200 (DESIGN.md).
+    # signalling variant of this kernel three times slower on H200 (docs/design.md).
     for i in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
         packed = tl.load(tile_order_ptr + i)
         pid_m = packed // tiles_n

@@ -28,7 +28,7 @@ from flashoverlap.tune.model import Curve, Machine
 from flashoverlap.tune.search import FREE_SMS, candidates, cublas_band_plans, rank, ring_plans, tile_choices
 
 # Mutual slowdowns (GEMM, collective) when both run at once, for curve files written before ``tune bandwidth``
-# measured them: the steady-state figures of 2x H200 (DESIGN.md's facts; docs/why-overlap-is-hard.md): NCCL over
+# measured them: the steady-state figures of 2x H200 (benchmarks/results/logs/why-overlap-is-hard.md): NCCL over
 # NVLink, NCCL through host memory, copy engines.
 SLOWDOWNS = {"nvlink": (1.09, 1.8), "pcie-like": (1.13, 1.06), "p2p": (1.03, 1.0)}
 MIN_CURVE_BYTES = 64 << 10
@@ -387,7 +387,7 @@ def _progress_bar(total: int, rank: int):
 
 def main(args) -> int:
     """``tune bandwidth``: measure and store each op's curve. ``tune plan``: tune one shape and cache the winner.
-    ``tune validate``: over BENCHMARK.md's grid, the model's predicted T against the measured T of its pick, and
+    ``tune validate``: over docs/benchmarks.md's grid, the model's predicted T against the measured T of its pick, and
     the pick against the exhaustive best; writes ``benchmarks/results/<gpus>-<setting>-model.json``."""
     if "RANK" not in os.environ:
         raise SystemExit("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap tune ...")
@@ -440,7 +440,7 @@ VALIDATE_ITERS = 6
 
 
 def model_check_row(op: str, path: str, m: int, n: int, k: int, records: list[dict], top: int = 3) -> dict:
-    """BENCHMARK.md's model-check row from every candidate's record, in the model's order: the model's pick is
+    """docs/benchmarks.md's model-check row from every candidate's record, in the model's order: the model's pick is
     what ``tune plan`` caches (``choose`` among the model's ``top``, sequential and the records marked
     ``hand_set``, with their measured times), its predicted time against its measured one, and the exhaustive
     best."""
