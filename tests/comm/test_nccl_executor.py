@@ -66,7 +66,7 @@ def _ranks(rank, world_size):
     total = a @ b
     dist.all_reduce(total)
     checked = []
-    for call in range(2):  # twice: the counters must be zero again for the second call
+    for _call in range(2):  # twice: the counters must be zero again for the second call
         for op in ("all_reduce", "reduce_scatter"):
             for gemm_kind in ("cublas", "triton"):
                 plan = default_plan(op, m, n, k, world_size, tile=tile, num_groups=3, gemm=gemm_kind,
