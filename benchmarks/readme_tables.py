@@ -136,8 +136,53 @@ def sub_band_table(path: str) -> str:
         "`torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py`.</sub>"
 
 
+def paths_table(path: str) -> str:
+    """Every row of a benchmark file: each path's T and E, plan and host time, beside the same baselines."""
+    data = _load(path)
+    lines = ["| op | path | M, N, K | T_gemm | T_comm | T_seq | T | E | plan | host µs seq / T |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        plan = row["plan"]
+        what = "sequential" if plan["sequential"] else f"{plan['groups']} groups" + (
+            ", cuBLAS" if plan.get("gemm") == "cublas" else f", {plan['programs']} programs")
+        host = row.get("host_us") or {}
+        lines.append(
+            f"| {OPS[row['op']]} | {row['path']} | {row['M']}, {row['N']}, {row['K']} | {_ms(row['t_gemm_ms'])} "
+            f"| {_ms(row['t_comm_ms'])} | {_ms(row['t_seq_ms'])} | {_ms(row['t_ms'])} | {_e(row['E'])} | {what} "
+            f"| {host.get('seq', float('nan')):.0f} / {host.get('ours', float('nan')):.0f} |")
+    return "\n".join(lines) + "\n\n" + _source(path, data)
+
+
+def model_summary(*paths: str) -> str:
+    """The tuner's model checks: mean and max prediction error, and picks within 3% of the exhaustive best."""
+    lines = ["| setting | path | mean error | max error | picks within 3% of the best |",
+             "| --- | --- | --- | --- | --- |"]
+    sources = []
+    for path in paths:
+        data = _load(path)
+        meta = data["meta"]
+        paths_in = sorted({row["path"] for row in data["rows"]})
+        lines.append(f"| {meta['setting']} | {', '.join(paths_in)} | {100 * meta['mean_error']:.1f}% "
+                     f"| {100 * meta['max_error']:.1f}% | {meta['picks_within_3pct']} of {len(data['rows'])} |")
+        sources.append(f"`{path}` (commit `{str(meta['commit'])[:10]}`)")
+    return "\n".join(lines) + "\n\n<sub>Sources: " + ", ".join(sources) + ": `tune validate`.</sub>"
+
+
+def mutations_table(path: str) -> str:
+    """The mutation run: each named mutation, what it breaks, and whether its tests caught it."""
+    data = _load(path)
+    lines = ["| mutation | what it breaks | caught by | caught |", "| --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        verdict = {True: "yes", False: "**no**", None: "broken mutation"}[row["caught"]]
+        lines.append(f"| `{row['name']}` | {row['what']} | `{row['tests'].split('::')[0]}` | {verdict} |")
+    caught = sum(1 for row in data["rows"] if row["caught"])
+    return "\n".join(lines) + f"\n\n{caught} of {len(data['rows'])} caught. <sub>Source: `{path}` (commit " \
+        f"`{str(data['meta']['commit'])[:10]}`): `{data['meta']['command']}`.</sub>"
+
+
 RENDERERS = {"ops": ops_table, "block": block_table, "e-range": e_range, "host-ratio-range": host_ratio_range,
-             "sub-bands": sub_band_table}
+             "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
+             "mutations": mutations_table}
 
 
 def render(spec: str) -> str:
