@@ -16,6 +16,7 @@ import pytest
 
 from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES, COPY_CASES
 
+
 # Triton 3.6's interpreter fails with numpy >= 2.4; the Triton that installs on CPU machines today (3.9) does not.
 def _release(text: str) -> tuple[int, int]:
     return tuple(int(x) for x in text.split(".")[:2])
