@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(args.shape, args.dtype, args.world_size, args.cpu, args.op)
     _needs_gpus(f"{args.command}{' ' + args.what if args.command == 'bench' else ''}")
     if args.command == "tune":
-        from flashoverlap.tune.tuner import main as tune_main
+        from flashoverlap.bench.tuner import main as tune_main
 
         return tune_main(args)
     rest = [a for a in args.args if a != "--"]

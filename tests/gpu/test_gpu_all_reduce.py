@@ -90,7 +90,7 @@ def _plain_gemm(rank, world_size):
             assert counters.tolist() == [g.tile_count for g in plan.groups]
             out.fill_(float("nan"))
             counters.zero_()
-            gemm(a, b, plan, out=out, counters=counters, tma_store=False)  # epilogue through plain stores
+            gemm(a, b, plan, out=out, counters=counters, experimental={"tma_store": False})  # plain stores
             _assert_close(out, torch.matmul(a, b), f"plain gemm, pointer stores {m}x{n}x{k} {dtype}")
             assert counters.tolist() == [g.tile_count for g in plan.groups]
             out.fill_(float("nan"))

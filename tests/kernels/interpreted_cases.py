@@ -27,7 +27,7 @@ def run(case):
     b = torch.randn(n, k, dtype=dtype).t() if bt else torch.randn(k, n, dtype=dtype)
     out = torch.full((m, n), float("nan"), dtype=dtype)
     counters = torch.zeros(plan.num_groups + 2, dtype=torch.int32) if signal else None
-    gemm(a, b, plan, out=out, counters=counters, use_tma=tma, tma_store=tma_store)
+    gemm(a, b, plan, out=out, counters=counters, use_tma=tma, experimental={"tma_store": tma_store})
     ref = a.double() @ b.double()
     if plan.blocks > 1:  # the workspace holds the product's rows where the plan's row tables put them
         placed = torch.full_like(ref, float("nan"))

@@ -141,7 +141,7 @@ def test_cublas_bands_take_their_measured_time_per_matmul():
 
 
 def test_tuner_keeps_sequential_unless_a_plan_beats_it_clearly():
-    from flashoverlap.tune.tuner import SEQUENTIAL_MARGIN, choose
+    from flashoverlap.bench.tuner import SEQUENTIAL_MARGIN, choose
 
     seq = {"plan": {"sequential": True}, "measured_ms": 1.0}
     close = {"plan": {"sequential": False}, "measured_ms": 1.0 / (1 + SEQUENTIAL_MARGIN / 2)}
@@ -194,7 +194,8 @@ def test_machine_figures_round_trip_through_dicts():
 
 
 def test_slowdowns_come_from_the_curve_file_else_the_defaults(tmp_path, monkeypatch):
-    from flashoverlap.tune import cache, tuner
+    from flashoverlap.bench import tuner
+    from flashoverlap.tune import cache
 
     monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
@@ -213,7 +214,7 @@ def test_slowdowns_come_from_the_curve_file_else_the_defaults(tmp_path, monkeypa
 
 
 def test_model_check_row_takes_the_pick_tune_plan_would_cache():
-    from flashoverlap.tune.tuner import model_check_row, model_check_summary
+    from flashoverlap.bench.tuner import model_check_row, model_check_summary
 
     plans = candidates("all_reduce", 8192, 8192, 8192, 2, 132)
     seq = next(p for p in plans if p.sequential)
@@ -247,7 +248,7 @@ def test_nccl_reduction_candidates_try_nccls_own_cta_count_and_eight():
 
 
 def test_model_check_pick_includes_the_hand_set_plan_tune_plan_always_times():
-    from flashoverlap.tune.tuner import model_check_row
+    from flashoverlap.bench.tuner import model_check_row
 
     plans = candidates("all_gather", 8192, 28672, 8192, 2, 132, path="p2p")
     seq = next(p for p in plans if p.sequential)

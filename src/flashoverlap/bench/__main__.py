@@ -118,11 +118,11 @@ def sweep_gemm(m, n, k, dtype, rank, world_size, device) -> list[dict]:
                             num_programs=base.num_tiles if programs == "tiles" else sms)
         counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
         try:
-            got = gemm(a, b, plan, counters=counters.zero_(), **options)
+            got = gemm(a, b, plan, counters=counters.zero_(), experimental=options)
             torch.cuda.synchronize()
             err = float((got.float() - ref.float()).norm() / ref.float().norm())
             t = time_ms(lambda plan=plan, counters=counters, options=options: gemm(a, b, plan, counters=counters,
-                                                                                  **options),
+                                                                                  experimental=options),
                         iters=20, before=counters.zero_)
         except Exception as exc:  # a loop form the compiler rejects, or out of shared memory
             t, err = float("nan"), float("nan")
@@ -346,8 +346,8 @@ def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: in
 
 def _predicted_group_times(plan, dtype, device) -> list[float] | None:
     """The model's group finish times for ``plan``, where every rank has a bandwidth curve (``tune bandwidth``)."""
+    from flashoverlap.bench import tuner
     from flashoverlap.tune import cache as plan_cache
-    from flashoverlap.tune import tuner
     from flashoverlap.tune.model import predict
     from flashoverlap.tune.search import machine_of
 

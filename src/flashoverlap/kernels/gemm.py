@@ -27,6 +27,7 @@ from flashoverlap.plan import Plan
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Storing C through TMA measured no faster than plain stores on H200 (benchmarks/results/logs/why-overlap-is-hard.md).
 DEFAULT_TMA_STORE = False
+EXPERIMENTAL = frozenset({"tma_store", "flatten", "warp_specialize"})
 
 
 @triton.jit
@@ -201,13 +202,11 @@ def gemm(
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     use_tma: bool | None = None,
-    tma_store: bool | None = None,
     flags: torch.Tensor | None = None,
     rank: int = 0,
     wait_error: torch.Tensor | None = None,
     max_spins: int = 0,
-    flatten: bool = False,
-    warp_specialize: bool = False,
+    experimental: dict | None = None,
 ) -> torch.Tensor:
     """``out = a @ b`` following ``plan``'s tile order; with ``counters``, each tile's group counter is bumped.
 
@@ -217,8 +216,12 @@ def gemm(
     ``a``: ``[M, K]``; ``b``: ``[K, N]`` (any strides; ``w.t()`` of a contiguous ``[N, K]`` weight is read in
     place); both bf16, fp16 or fp32, accumulated in fp32. ``out``: ``[M, N]`` of the same dtype, allocated when
     omitted. ``counters``: int32 with at least ``plan.num_groups`` elements, zero on entry; on exit entry ``g``
-    equals ``plan.groups[g].tile_count``. ``use_tma``: force or forbid TMA loads (default: where the strides allow);
-    ``tma_store``: store ``out`` through TMA too (default: with TMA loads, where ``out``'s strides allow).
+    equals ``plan.groups[g].tile_count``. ``use_tma``: force or forbid TMA loads (default: where the strides allow).
+
+    ``experimental``: switches only the benchmark's GEMM sweeps use, none of them faster in the configurations the
+    ops run (``EXPERIMENTAL``): ``tma_store`` (store ``out`` through TMA, where its strides allow), ``flatten``
+    (flatten the K loop into the tile loop: three times slower with signalling), ``warp_specialize`` (Triton's
+    warp specialization of the K loop, with TMA loads).
 
     All-gather plans: ``a`` is the gathered ``[M, K]`` buffer in the plan's layout; ``rank`` picks the tile
     order (own shard first); every tile of group ``g`` waits until ``flags[g] != 0``. With ``max_spins`` a wait
@@ -261,8 +264,12 @@ def gemm(
         b_arg = TensorDescriptor.from_tensor(b_stored, b_block)
     else:
         a_arg, b_arg = a, b
-    if tma_store is None:
-        tma_store = use_tma and DEFAULT_TMA_STORE
+    experimental = dict(experimental or {})
+    unknown = set(experimental) - EXPERIMENTAL
+    if unknown:
+        raise ValueError(f"gemm: unknown experimental switches {sorted(unknown)}; known: {sorted(EXPERIMENTAL)}")
+    tma_store = experimental.get("tma_store")
+    tma_store = (DEFAULT_TMA_STORE if tma_store is None else tma_store) and use_tma
     # A TMA store writes whole tiles: a row-mapped tile would overwrite the next band's rows of the workspace.
     tma_store = bool(tma_store and use_tma and _tma_ok(out) and not row_map)
     c_arg = TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]) if tma_store else out
@@ -298,8 +305,8 @@ def gemm(
         ROW_MAP=row_map,
         WAIT=wait,
         MAX_SPINS=int(max_spins) if wait else 0,
-        FLATTEN=flatten,
-        WARP_SPECIALIZE=bool(warp_specialize and use_tma),
+        FLATTEN=bool(experimental.get("flatten", False)),
+        WARP_SPECIALIZE=bool(experimental.get("warp_specialize", False) and use_tma),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )

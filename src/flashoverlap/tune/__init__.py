@@ -1,2 +1,3 @@
-"""Tuning: the machine's rates that default plans depend on (later: bandwidth curves, the performance model,
-plan search and the on-disk plan cache)."""
+"""Tuning policy the ops consult, no GPU harness: the measured rates behind default plans (``rates``), the on-disk
+plan cache (``cache``), the performance model (``model``) and the plan search (``search``). The measuring side,
+which times plans on the GPUs, is ``flashoverlap.bench.tuner`` (``flashoverlap tune ...``)."""

@@ -1,4 +1,4 @@
-"""The tuner's measuring side (issue 5; needs GPUs, run under torchrun): bandwidth curves and the mutual
+"""The tuner's measuring side (needs GPUs, run under torchrun): bandwidth curves and the mutual
 slowdowns of GEMM and communication, the machine figures the model needs per shape, and the search that ranks
 candidates (of one path, or of both for ``--path auto``) with the model, confirms the top few by timing them (or
 all, exhaustively) and caches the winner. Every rank measures; timings are the maximum over ranks, so all ranks
