@@ -27,26 +27,12 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from flashoverlap.testing import plain
 
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
 M_CHOICES = [1, 2, 7, 16, 127, 128, 500, 1000, 1023, 2048, 3001, 4096, 6000, 8191, 8192, 12288, 16384]
 NK_CHOICES = [64, 255, 512, 1000, 1024, 2048, 3000, 4096]
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def plain(op, a, b, group, world):
-    if op == "all_gather":
-        full = torch.empty((a.shape[0] * world, a.shape[1]), dtype=a.dtype, device=a.device)
-        all_gather_into_tensor(full, a.contiguous(), group)
-        return torch.matmul(full, b)
-    c = torch.matmul(a, b)
-    if op == "all_reduce":
-        dist.all_reduce(c, group=group)
-        return c
-    out = torch.empty((c.shape[0] // world, c.shape[1]), dtype=c.dtype, device=c.device)
-    reduce_scatter_tensor(out, c, group)
-    return out
 
 
 def operands(pools, rng_local, dtype, rows, n, k, transposed):
@@ -86,7 +72,7 @@ def random_calls(args, rank, world, device, log) -> dict:
             torch.full((1 << 28,), float("nan"), dtype=torch.float16, device=device)  # poison the allocator
         a, b = operands(pools, rng_local, dtype, rows, n, k, transposed)
         got = OPS[op](a, b, group, path=path)
-        want = plain(op, a, b, group, world)
+        want = plain(op, a, b, group)
         err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
         nan = bool(torch.isnan(got).any())
         checked += 1

@@ -13,25 +13,12 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap.bench.timing import time_side_by_side
+from flashoverlap.testing import plain
 
 SHAPES = [(256, 512, 128), (1000, 1000, 100), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by W
 GRID = {"all_reduce": [(8192, 8192, 8192), (16384, 8192, 4096)],
         "reduce_scatter": [(8192, 8192, 8192), (16384, 8192, 4096)],
         "all_gather": [(8192, 14336, 8192), (16384, 8192, 8192)]}
-
-
-def reference(op, a, b, world):
-    if op == "all_gather":
-        full = torch.empty(a.shape[0] * world, a.shape[1], dtype=a.dtype, device=a.device)
-        dist.all_gather_into_tensor(full, a)
-        return torch.matmul(full, b)
-    c = torch.matmul(a, b)
-    if op == "all_reduce":
-        dist.all_reduce(c)
-        return c
-    out = torch.empty(c.shape[0] // world, c.shape[1], dtype=c.dtype, device=c.device)
-    dist.reduce_scatter_tensor(out, c)
-    return out
 
 
 def call(op, a, b, path):
@@ -61,7 +48,7 @@ def main():
     for i, (m, n, k) in enumerate(SHAPES):
         for dtype in (torch.bfloat16, torch.float16):
             a, b = operands(op, m, n, k, world, dtype, 17 * i + rank)
-            want = reference(op, a, b, world)
+            want = plain(op, a, b)
             torch.cuda.synchronize()
             say(f"{op} {m}x{n}x{k} {dtype}: calling")
             torch.full((1 << 28,), float("nan"), dtype=torch.float16, device="cuda")  # poison the allocator
@@ -73,7 +60,7 @@ def main():
             say(f"{op} {m}x{n}x{k} {dtype}: nan={nan} rel_err={err:.2e} repeat_bitwise={again}")
     for m, n, k in GRID[op]:
         a, b = operands(op, m, n, k, world, torch.bfloat16, rank)
-        fns = {"seq": lambda a=a, b=b: reference(op, a, b, world),
+        fns = {"seq": lambda a=a, b=b: plain(op, a, b),
                "nccl": lambda a=a, b=b: call(op, a, b, "nccl"), "p2p": lambda a=a, b=b: call(op, a, b, "p2p")}
         host = {}
         times = time_side_by_side(fns, warmup=3, iters=10, host_us=host)

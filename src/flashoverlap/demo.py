@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.ops._common import plan_for
-from flashoverlap.testing import spawn
+from flashoverlap.testing import plain, spawn
 
 OPS = {"all_reduce": ("gemm_all_reduce", "matmul + all_reduce"),
        "reduce_scatter": ("gemm_reduce_scatter", "matmul + reduce_scatter"),
@@ -24,21 +23,6 @@ CPU_SHAPE = (4096, 4096, 1024)
 GPU_SHAPE = (16384, 8192, 4096)
 # Sums of world_size products in the input dtype: a few units in the last place.
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def _plain(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int) -> torch.Tensor:
-    """What users run today: the matmul and the collective, one after the other."""
-    if op == "all_gather":
-        full = torch.empty((a.shape[0] * world_size, a.shape[1]), dtype=a.dtype, device=a.device)
-        all_gather_into_tensor(full, a.contiguous(), None)
-        return torch.matmul(full, b)
-    c = torch.matmul(a, b)
-    if op == "all_reduce":
-        dist.all_reduce(c)
-        return c
-    out = torch.empty((c.shape[0] // world_size, c.shape[1]), dtype=c.dtype, device=c.device)
-    reduce_scatter_tensor(out, c, None)
-    return out
 
 
 def _run(rank: int, world_size: int, op: str, m: int, n: int, k: int, dtype_name: str, on_gpu: bool) -> dict:
@@ -57,14 +41,14 @@ def _run(rank: int, world_size: int, op: str, m: int, n: int, k: int, dtype_name
         # The plan the GPU path overlaps with at this shape (an H200's 132 SMs, NVLink-class bandwidth).
         plan = fo.default_plan(op, m, n, k, world_size, allow_sequential=False)
         got = fn(a, b, plan=plan, path="reference")
-    want = _plain(op, a, b, world_size)
+    want = plain(op, a, b)
     rel_err = float((got.double() - want.double()).norm() / want.double().norm())
     out = {"plan": plan.describe(a.element_size()), "rel_err": rel_err, "nan": bool(torch.isnan(got).any())}
     if on_gpu:
         from flashoverlap.bench.timing import time_side_by_side
 
         out["times"] = time_side_by_side(
-            {"sequential": lambda: _plain(op, a, b, world_size), "flashoverlap": lambda: fn(a, b)}, iters=20)
+            {"sequential": lambda: plain(op, a, b), "flashoverlap": lambda: fn(a, b)}, iters=20)
     return out
 
 

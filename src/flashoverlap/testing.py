@@ -1,4 +1,5 @@
-"""Running a function on several ranks at once: the one helper the tests, the demo and the GPU checks share.
+"""What the tests, the demo and the GPU checks share: running a function on several ranks at once (``spawn``), and
+the plain PyTorch code every op must equal (``plain``).
 
 ``spawn(fn, world_size, backend)`` starts ``world_size`` processes with ``torch.multiprocessing``, initialises a
 process group through a ``file://`` store in a fresh temporary directory (never a fixed port), runs
@@ -82,3 +83,25 @@ def spawn(
             first = min(errors)
             raise RuntimeError(f"rank {first} failed:\n{errors[first]}")
         return [results[r] for r in range(world_size)]
+
+
+def plain(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """What users run today, and the oracle every op is compared with: ``torch.matmul`` and then the collective
+    (``op``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``, whose ``a`` is this rank's shard), one after the
+    other, through ``torch.distributed`` alone."""
+    import warnings
+
+    world = dist.get_world_size(group)
+    with warnings.catch_warnings():  # torch >= 2.13 renames the *_tensor collectives; 2.11 has only these
+        warnings.simplefilter("ignore", FutureWarning)
+        if op == "all_gather":
+            full = torch.empty((a.shape[0] * world, a.shape[1]), dtype=a.dtype, device=a.device)
+            dist.all_gather_into_tensor(full, a.contiguous(), group=group)
+            return torch.matmul(full, b)
+        c = torch.matmul(a, b)
+        if op == "all_reduce":
+            dist.all_reduce(c, group=group)
+            return c
+        out = torch.empty((c.shape[0] // world, c.shape[1]), dtype=c.dtype, device=c.device)
+        dist.reduce_scatter_tensor(out, c, group=group)
+        return out

@@ -70,6 +70,19 @@ class _ParallelLinear(nn.Module):
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False, path: str = "auto"):
+        """This rank's shard of ``linear``, on its device and in its dtype."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    sequence_parallel=sequence_parallel, path=path, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
+        with torch.no_grad():
+            layer._copy_shard(linear)
+        return layer
+
+    def _copy_shard(self, linear: nn.Linear) -> None:
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"shard {self.rank}/{self.world_size}, sequence_parallel={self.sequence_parallel}")
@@ -96,19 +109,12 @@ class ColumnParallelLinear(_ParallelLinear):
             y = y + self.bias
         return y.view(*lead, y.shape[-1])
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False,
-                    path: str = "auto") -> ColumnParallelLinear:
-        """This rank's shard of ``linear`` (output features split)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    sequence_parallel=sequence_parallel, path=path, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
-        rows = slice(layer.rank * layer.weight.shape[0], (layer.rank + 1) * layer.weight.shape[0])
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rows])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
-        return layer
+    def _copy_shard(self, linear: nn.Linear) -> None:
+        """This rank's output features of ``linear``'s weight and bias."""
+        rows = slice(self.rank * self.weight.shape[0], (self.rank + 1) * self.weight.shape[0])
+        self.weight.copy_(linear.weight[rows])
+        if linear.bias is not None:
+            self.bias.copy_(linear.bias[rows])
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -137,19 +143,12 @@ class RowParallelLinear(_ParallelLinear):
             y = y + self.bias
         return y.view(*lead, y.shape[-1])
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False,
-                    path: str = "auto") -> RowParallelLinear:
-        """This rank's shard of ``linear`` (input features split; the bias whole)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    sequence_parallel=sequence_parallel, path=path, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
-        cols = slice(layer.rank * layer.weight.shape[1], (layer.rank + 1) * layer.weight.shape[1])
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, cols])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+    def _copy_shard(self, linear: nn.Linear) -> None:
+        """This rank's input features of ``linear``'s weight, and the whole bias."""
+        cols = slice(self.rank * self.weight.shape[1], (self.rank + 1) * self.weight.shape[1])
+        self.weight.copy_(linear.weight[:, cols])
+        if linear.bias is not None:
+            self.bias.copy_(linear.bias)
 
 
 STYLES = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear}
