@@ -79,7 +79,7 @@ class P2PCommunicator:
     def prepare(self, plan: Plan, dtype: torch.dtype, op: str) -> None:
         """Step 1: the workspace holds this plan's largest region, in each of the ``W + 1`` region slots."""
         width = plan.k if plan.op == "all_gather" else plan.n
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         need = rs.region_rows(plan) * width * element
         if need > self._region_bytes():
             size = rs.regions(self.world_size) * (need + REGION_ALIGN)
