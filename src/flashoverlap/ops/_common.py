@@ -172,9 +172,9 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
     (``comm/__init__.py``). Returns the result, and all-gather's gathered input where ``return_gathered``.
     ``hook()``: independent work for the caller's stream that the call may overlap with its communication (the
     P2P path runs it where it would wait for its first pull; the others once the op is issued)."""
+    if debug_timeout() is not None:  # before any collective of the call (plan lookups may run some)
+        check_agreement(name, op, a, b, group, plan, path)
     path, state, plan = prepare_call(name, op, a, b, group, plan, path)
-    if debug_timeout() is not None:
-        check_agreement(name, state, plan, a.dtype, path)
     if path == "reference" or plan.sequential:
         if path == "reference":
             result = reference.run(plan, a, b, state.group, state.rank, return_gathered)
@@ -192,15 +192,23 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 
-def check_agreement(name: str, state: GroupState, plan: Plan, dtype: torch.dtype, path: str) -> None:
-    """Debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT`` set): every rank of the group calls the same op with the same
-    shapes, dtype, path and plan, or every rank raises before anything is launched (one small all-gather). A rank
-    that never comes to the call (it skipped it, or raised before it) makes the others raise when the timeout
-    passes, naming the rank, the op and the group, instead of hanging; the group is unusable after that (its
-    collective is still pending): destroy it."""
+def check_agreement(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
+                    plan: Plan | None, path: str) -> None:
+    """Debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT`` set), before anything else of the call: every rank of the group
+    calls the same op with the same shapes, dtype, path and plan, or every rank raises before any collective or
+    launch (one small all-gather; a first call's plan lookup can itself be collective). A rank that never comes to
+    the call (it skipped it, or raised before it) makes the others raise when the timeout passes, naming the rank,
+    the op and the group, instead of hanging; the group is unusable after that (its collective is still pending):
+    destroy it."""
+    m, n, k = check_operands(name, a, b)
+    if path not in PATHS:
+        return  # choose_path raises the clear error
+    state = existing_state(group if group is not None or not dist.is_initialized() else dist.group.WORLD,
+                           a.device) or state_of(check_group(name, group, a.device), a.device)
+    dtype = a.dtype
     if a_capture_is_running():
         return
-    mine = [OPS.index(plan.op), plan.m, plan.n, plan.k, _DTYPE_CODES[dtype], PATHS.index(path), _digest(plan)]
+    mine = [OPS.index(op), m, n, k, _DTYPE_CODES[dtype], PATHS.index(path), 0 if plan is None else _digest(plan)]
     device = state.device if state.device.type == "cuda" else torch.device("cpu")
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     everyone = torch.empty(state.world_size * len(mine), dtype=torch.int64, device=device)
@@ -221,7 +229,7 @@ def check_agreement(name: str, state: GroupState, plan: Plan, dtype: torch.dtype
     rows = everyone.view(state.world_size, len(mine)).tolist()
     for rank, row in enumerate(rows):
         if row != rows[0]:
-            fields = ("op", "M", "N", "K", "dtype", "path", "plan")
+            fields = ("op", "M", "N", "K", "dtype", "path", "plan")  # M: all-gather's shard rows
             differ = [f for f, x, y in zip(fields, row, rows[0]) if x != y]
             raise ValueError(
                 f"{name}: rank {state.rank} of {state.name}: the ranks disagree on {', '.join(differ)} (rank "
