@@ -63,12 +63,30 @@ def _attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> t
     return out.squeeze(0).transpose(0, 1).reshape(tokens, heads * head_dim)
 
 
-class Block(nn.Module):
+class _Decoder(nn.Module):
+    """The block's computation, for whole or sharded projections: ``heads``/``kv_heads`` are this module's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        n = F.rms_norm(x, (cfg.hidden,), self.attn_norm, cfg.eps)
+        h = x + self.o(_attention(self.qkv(n), self.heads, self.kv_heads, cfg.head_dim))
+        gate, up = self.gate_up(F.rms_norm(h, (cfg.hidden,), self.ffn_norm, cfg.eps)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+def _column_shard(weight: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
+    """Rank r's share of each stacked part (q, k, v; gate, up) of a column-parallel weight (or its gradient)."""
+    parts = weight.split(sizes, dim=0)
+    return torch.cat([p[rank * (p.shape[0] // world) : (rank + 1) * (p.shape[0] // world)] for p in parts])
+
+
+class Block(_Decoder):
     """The unsharded block, ``x [T, hidden] -> [T, hidden]``."""
 
     def __init__(self, cfg: BlockConfig, device=None, dtype=None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.heads, self.kv_heads = cfg.heads, cfg.kv_heads
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = nn.Parameter(torch.ones(cfg.hidden, **kw))
         self.ffn_norm = nn.Parameter(torch.ones(cfg.hidden, **kw))
@@ -76,13 +94,6 @@ class Block(nn.Module):
         self.o = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, **kw)
         self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=False, **kw)
         self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=False, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        n = F.rms_norm(x, (cfg.hidden,), self.attn_norm, cfg.eps)
-        h = x + self.o(_attention(self.qkv(n), cfg.heads, cfg.kv_heads, cfg.head_dim))
-        gate, up = self.gate_up(F.rms_norm(h, (cfg.hidden,), self.ffn_norm, cfg.eps)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
 
 
 # -- how the sharded projections communicate -------------------------------------------------------------------
@@ -112,7 +123,7 @@ class _Shard(nn.Module):
         return y[: y.shape[0] // self.world]
 
 
-class TPBlock(nn.Module):
+class TPBlock(_Decoder):
     """Rank r's shard of a ``Block`` with sequence parallelism: ``x_r [T/W, hidden] -> [T/W, hidden]``."""
 
     def __init__(self, block: Block, group=None, impl: str = "ours", path: str = "auto") -> None:
@@ -128,15 +139,11 @@ class TPBlock(nn.Module):
         self.heads, self.kv_heads = cfg.heads // world, cfg.kv_heads // world
         hd = cfg.head_dim
 
-        def rows(weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-            """This rank's share of each stacked part (q, k, v; gate, up) of a column weight."""
-            parts = weight.split(sizes, dim=0)
-            return torch.cat([p[rank * (p.shape[0] // world) : (rank + 1) * (p.shape[0] // world)] for p in parts])
-
         with torch.no_grad():
             weights = {
-                "qkv": rows(block.qkv.weight, [cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]),
-                "gate_up": rows(block.gate_up.weight, [cfg.ffn, cfg.ffn]),
+                "qkv": _column_shard(block.qkv.weight, [cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd], rank,
+                                     world),
+                "gate_up": _column_shard(block.gate_up.weight, [cfg.ffn, cfg.ffn], rank, world),
                 "o": block.o.weight[:, rank * self.heads * hd : (rank + 1) * self.heads * hd],
                 "down": block.down.weight[:, rank * cfg.ffn // world : (rank + 1) * cfg.ffn // world],
             }
@@ -156,13 +163,6 @@ class TPBlock(nn.Module):
         self.attn_norm = nn.Parameter(block.attn_norm.detach().clone())
         self.ffn_norm = nn.Parameter(block.ffn_norm.detach().clone())
         mark_sequence_parallel(self.attn_norm, self.ffn_norm)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        n = F.rms_norm(x, (cfg.hidden,), self.attn_norm, cfg.eps)
-        h = x + self.o(_attention(self.qkv(n), self.heads, self.kv_heads, cfg.head_dim))
-        gate, up = self.gate_up(F.rms_norm(h, (cfg.hidden,), self.ffn_norm, cfg.eps)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
 
 
 # -- the check against the unsharded block --------------------------------------------------------------------
@@ -189,13 +189,9 @@ def check_against_unsharded(rank: int, world: int, cfg: BlockConfig = TOY, token
     sync_grads(shard)
     errors = {"loss": _rel(total, loss.detach()), "x": _rel(x_r.grad, x.grad[rank * per : (rank + 1) * per])}
     hd, w = cfg.head_dim, world
-
-    def col(full: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        parts = full.split(sizes, dim=0)
-        return torch.cat([p[rank * (p.shape[0] // w) : (rank + 1) * (p.shape[0] // w)] for p in parts])
-
-    want = {"qkv": col(block.qkv.weight.grad, [cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]),
-            "gate_up": col(block.gate_up.weight.grad, [cfg.ffn, cfg.ffn]),
+    want = {"qkv": _column_shard(block.qkv.weight.grad, [cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd],
+                                 rank, w),
+            "gate_up": _column_shard(block.gate_up.weight.grad, [cfg.ffn, cfg.ffn], rank, w),
             "o": block.o.weight.grad[:, rank * shard.heads * hd : (rank + 1) * shard.heads * hd],
             "down": block.down.weight.grad[:, rank * cfg.ffn // w : (rank + 1) * cfg.ffn // w]}
     for name, grad in want.items():
