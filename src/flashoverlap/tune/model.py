@@ -120,7 +120,7 @@ def _compute(plan: Plan, machine: Machine) -> tuple[float, list[float]]:
     """The GEMM side alone: the time of the tiles needing no communication (all-gather's own shard) and of each
     group's tiles. Triton plans: tiles are fluid (``wave_ms / slots`` each, or a persistent grid's measured time
     over its tiles), and the last group takes the rest of the GEMM's whole waves. cuBLAS-band plans: one matmul
-    per group and row block (``ops/_bands.py``)."""
+    per group and row block (``comm/nccl.py``'s ``compute_bands``)."""
     if plan.gemm == "cublas":
         calls = plan.blocks - 1 if plan.op == "all_gather" else plan.blocks
         bands = [machine.band_time(grp.rows, plan.m) for grp in plan.groups]
