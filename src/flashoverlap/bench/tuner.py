@@ -50,9 +50,9 @@ def curve_file(key: dict):
 def measure_curve(op: str, path: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
                   max_bytes: int, progress: Callable[[str], None] = print, band=None) -> Curve:
     """The time of one group's communication against the group's bytes (``Plan.group_bytes``), at log-spaced
-    sizes from 64 KiB to ``max_bytes`` (a factor 2 apart): the NCCL collective, or on the P2P path what the copy
-    stream does for a band (``p2p_band_work``; ``band``: a runner from ``band_runner`` to reuse), with every rank
-    doing it at once as in a call."""
+    sizes from 64 KiB to ``max_bytes`` (a factor 2 apart): the NCCL collective, or on the P2P path one copy-engine
+    pull of that many bytes (``band``: a runner from ``band_runner`` to reuse), with every rank doing it at once as
+    in a call."""
     band = band or band_runner(op, path, group, device, dtype, max_bytes)
     sizes, times, size = [], [], MIN_CURVE_BYTES
     while True:
