@@ -48,6 +48,7 @@ def _cli(*argv):
     (("demo", "--shape", "8,8"), "three positive integers"),
     (("demo", "--world-size", "0"), "positive integer"),
     (("demo", "--dtype", "float32"), "invalid choice"),
+    (("bench", "--ops", "all_reduce"), "choose from 'ops', 'block'"),
 ])
 def test_bad_values_are_rejected_with_the_option_named(argv, message):
     proc = _cli(*argv)
@@ -55,7 +56,7 @@ def test_bad_values_are_rejected_with_the_option_named(argv, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
-@pytest.mark.parametrize("argv", [("bench",), ("bench", "block"), ("tune", "plan", "--op", "all_reduce", "--shape",
+@pytest.mark.parametrize("argv", [("bench", "ops", "--ops", "all_reduce"), ("bench", "block"), ("tune", "plan", "--op", "all_reduce", "--shape",
                                                                       "8,8,8")])
 def test_gpu_commands_say_they_need_gpus(argv):
     proc = _cli(*argv)

@@ -65,8 +65,8 @@ def parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmark the ops (or the transformer block) against baselines; "
                                 "under torchrun on GPUs")
-    bench.add_argument("what", nargs="?", default="ops", choices=["ops", "block"],
-                       help="ops: BENCHMARK grid of the three ops (default); block: the tensor-parallel block")
+    bench.add_argument("what", choices=["ops", "block"],
+                       help="ops: the benchmark grid of the three ops; block: the tensor-parallel block")
     bench.add_argument("args", nargs=argparse.REMAINDER,
                        help="options of `python -m flashoverlap.bench` (ops) or `python -m flashoverlap.bench.block`")
 
