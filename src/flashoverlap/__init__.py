@@ -1,10 +1,13 @@
 """flashoverlap: tensor- and expert-parallel communication hidden behind the matrix multiplications that produce
-it. Pure Python: Triton kernels, torch.distributed (NCCL) and PyTorch symmetric memory."""
+it. Pure Python: Triton kernels, torch.distributed (NCCL), PyTorch symmetric memory and cuBLAS through torch.
+
+The ops (``gemm_all_reduce``, ``gemm_reduce_scatter``, ``all_gather_gemm``) are here; tensor-parallel layers are
+in ``flashoverlap.nn``."""
 
 from flashoverlap.ops import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
 from flashoverlap.plan import Group, Plan, TileConfig, default_plan
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["Group", "Plan", "TileConfig", "all_gather_gemm", "default_plan", "gemm_all_reduce",
            "gemm_reduce_scatter", "__version__"]
