@@ -3,7 +3,7 @@
 # nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
 # the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like
-#        reliability"]
+#        reliability ring-nvlink ring-pcie-like"]
 #        [TESTS_K=<pytest -k>] [BLOCK_ARGS=...]
 #        bash benchmarks/device_run.sh
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
@@ -51,6 +51,13 @@ for setting in nvlink pcie-like; do
     env $env FLASHOVERLAP_COMMAND="$cmd" timeout ${BLOCK_TIMEOUT:-300} torchrun --nproc-per-node $NGPU \
         -m flashoverlap.bench.block ${BLOCK_ARGS:-} --out "$OUT/$gpu-$setting-block.json" >> "$OUT/block-$setting.log" 2>&1
     echo "block $setting: exit $?"; grep -E "tokens:|Error|error" "$OUT/block-$setting.log" | tail -8
+done
+for setting in nvlink pcie-like; do  # the ring over NCCL send/recv beside the NCCL path
+    has ring-$setting || continue
+    env=""; [[ $setting == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
+    env $env timeout ${RING_TIMEOUT:-200} torchrun --nproc-per-node $NGPU benchmarks/diagnostics/ring_nccl.py \
+        "$OUT/$gpu-$setting-ring.json" > "$OUT/ring-$setting.log" 2>&1; echo "ring $setting: exit $?"
+    grep -vE "^W[0-9]|Warning|warn" "$OUT/ring-$setting.log" | tail -16
 done
 if has reliability; then
     timeout ${RELIABILITY_TIMEOUT:-400} torchrun --nproc-per-node $NGPU benchmarks/reliability.py \

@@ -56,8 +56,8 @@ def test_bad_values_are_rejected_with_the_option_named(argv, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
-@pytest.mark.parametrize("argv", [("bench", "ops", "--ops", "all_reduce"), ("bench", "block"), ("tune", "plan", "--op", "all_reduce", "--shape",
-                                                                      "8,8,8")])
+@pytest.mark.parametrize("argv", [("bench", "ops", "--ops", "all_reduce"), ("bench", "block"),
+                                  ("tune", "plan", "--op", "all_reduce", "--shape", "8,8,8")])
 def test_gpu_commands_say_they_need_gpus(argv):
     proc = _cli(*argv)
     assert proc.returncode == 1 and "needs CUDA GPUs" in proc.stderr and "Traceback" not in proc.stderr

@@ -274,7 +274,7 @@ def test_p2p_plans():
         default_plan("all_gather", 8192, 8192, 8192, 2, path="nvshmem")
     with pytest.raises(ValueError, match="multiple of world_size"):
         Plan("all_reduce", 8192, 8192, 8192, 2, group_row_tiles=(20, 22, 22), path="p2p", gemm="cublas")
-    with pytest.raises(ValueError, match="must be 'cublas' on the P2P path"):
+    with pytest.raises(ValueError, match="must be 'cublas' on the p2p path"):
         Plan("reduce_scatter", 8192, 8192, 8192, 2, group_row_tiles=(32,), path="p2p")
     with pytest.raises(ValueError, match="up to 8 ranks"):
         Plan("reduce_scatter", 8192 * 2, 8192, 8192, 16, group_row_tiles=(8,), path="p2p", gemm="cublas")

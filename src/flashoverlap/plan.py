@@ -21,7 +21,10 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # Ops whose M is split into world_size row blocks, one per rank, each tiled on its own.
 BLOCKED_OPS = ("reduce_scatter", "all_gather")
 # Which communicator consumes the plan: NCCL collectives on a stream, or copy engines and peer memory (P2P).
-PATHS = ("nccl", "p2p")
+PATHS = ("nccl", "p2p", "ring")
+# The paths that run the ring of cuBLAS sub-bands (comm/ring_schedule.py): over copy engines, or over NCCL
+# send/recv (comm/ring_nccl.py). Their plans have the same shape.
+RING_PATHS = ("p2p", "ring")
 # Who computes the groups: our signalling Triton GEMM, or cuBLAS band by band (the decomposition, as a plan: each
 # group's rows one matmul, its collective issued as soon as that matmul is done; NCCL path only).
 GEMMS = ("triton", "cublas")
@@ -108,7 +111,8 @@ class Plan:
     as they finish and the communication stream's kernels can take their SMs. ``comm_ctas`` sets the number of
     CTAs (channels) of NCCL's kernels (0 keeps NCCL's choice). ``sequential`` says overlap cannot pay at this
     shape: the op then runs the plain matmul followed by one collective on the whole result. ``path`` names the
-    communicator the plan is for: ``"nccl"`` or ``"p2p"`` (copy engines over peer-mapped memory, NVLink).
+    communicator the plan is for: ``"nccl"``, ``"p2p"`` (the ring over copy engines and peer-mapped memory, NVLink)
+    or ``"ring"`` (the same ring over NCCL send/recv).
     """
 
     op: str
@@ -131,8 +135,9 @@ class Plan:
             raise ValueError(f"Plan.path must be one of {PATHS}, got {self.path!r}")
         if self.gemm not in GEMMS:
             raise ValueError(f"Plan.gemm must be one of {GEMMS}, got {self.gemm!r}")
-        if self.path == "p2p" and self.gemm != "cublas" and not self.sequential:
-            raise ValueError("Plan.gemm must be 'cublas' on the P2P path (cuBLAS multiplies every sub-band there)")
+        if self.path in RING_PATHS and self.gemm != "cublas" and not self.sequential:
+            raise ValueError(f"Plan.gemm must be 'cublas' on the {self.path} path (cuBLAS multiplies every sub-band "
+                             "there)")
         for name in ("m", "n", "k", "world_size", "num_programs"):
             _check_int(f"Plan.{name}", getattr(self, name), 1)
         _check_int("Plan.comm_ctas", self.comm_ctas, 0)
@@ -157,7 +162,7 @@ class Plan:
             )
         if len(rows) > MAX_GROUPS:
             raise ValueError(f"a plan may have at most {MAX_GROUPS} groups, got {len(rows)}")
-        if self.path == "p2p" and not self.sequential:
+        if self.path in RING_PATHS and not self.sequential:
             self._check_p2p(len(rows))
 
     def _check_p2p(self, groups: int) -> None:
@@ -234,7 +239,7 @@ class Plan:
     def sub_bands(self) -> int:
         """Sub-bands per rank block: the groups, or for a P2P all-reduce (whose ring cuts ``C`` into ``world_size``
         blocks of groups) the groups per block."""
-        if self.path == "p2p" and self.op == "all_reduce" and not self.sequential:
+        if self.path in RING_PATHS and self.op == "all_reduce" and not self.sequential:
             return self.num_groups // self.world_size
         return self.num_groups
 
@@ -361,7 +366,8 @@ class Plan:
             f"{t.num_warps} warps): {self.tiles_m} x {self.tiles_n} = {self.num_tiles} tiles, "
             f"{self.grid_size} programs, "
             + ("bands computed by cuBLAS, " if self.gemm == "cublas" and self.path == "nccl" else "")
-            + (f"P2P ring: {self.sub_bands} cuBLAS sub-band(s) per rank block, copy engines" if self.path == "p2p"
+            + (f"{self.path} ring: {self.sub_bands} cuBLAS sub-band(s) per rank block, "
+               + ("copy engines" if self.path == "p2p" else "NCCL send/recv") if self.path in RING_PATHS
                else
                f"NCCL CTAs {'default' if self.comm_ctas == 0 else self.comm_ctas}"),
         ]
@@ -493,7 +499,7 @@ def default_plan(
         or world_size == 1
         or (path == "nccl" and comm_ratio is not None and comm_ratio < MIN_OVERLAP_COMM_RATIO[op])
     )
-    if path == "p2p":
+    if path in RING_PATHS:
         gemm = "cublas"
         block_rows = m // world_size
         per_block = num_groups or max(1, min(P2P_SUB_BANDS[op], block_rows // P2P_MIN_SUB_BAND_ROWS))
@@ -506,7 +512,7 @@ def default_plan(
     if too_small and allow_sequential:
         return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, comm_ctas or 0, True, path)
     comm_bound = comm_ratio is not None and comm_ratio >= 1.0
-    if gemm == "cublas" or path == "p2p":
+    if gemm == "cublas" or path in RING_PATHS:
         choice = dict(num_groups=4, profile="even", num_programs=num_sms, comm_ctas=0)
     elif op == "all_gather":
         # The GEMM spins on bands NCCL delivers, so NCCL must always find SMs: a fixed CTA count and that many
@@ -521,6 +527,6 @@ def default_plan(
     given = dict(num_groups=num_groups, profile=profile, num_programs=num_programs, comm_ctas=comm_ctas)
     choice.update({key: value for key, value in given.items() if value is not None})
     rows = split_rows(tiles_per_block, choice["num_groups"], choice["profile"])
-    if path == "p2p" and op == "all_reduce" and len(rows) % world_size:
+    if path in RING_PATHS and op == "all_reduce" and len(rows) % world_size:
         return Plan(op, m, n, k, world_size, tile, (tiles_per_block,), num_sms, 0, True, path)
     return Plan(op, m, n, k, world_size, tile, rows, choice["num_programs"], choice["comm_ctas"], False, path, gemm)

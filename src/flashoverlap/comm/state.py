@@ -43,6 +43,7 @@ class GroupState:
         self._p2p_reason: Any = _UNSET
         self._nccl = None
         self._p2p = None
+        self._ring = None
 
     @property
     def nccl(self):
@@ -63,6 +64,16 @@ class GroupState:
             refuse_inside_capture("creates a copy stream and symmetric memory")
             self._p2p = P2PCommunicator(self)
         return self._p2p
+
+    @property
+    def ring(self):
+        """The ring over NCCL send/recv (``comm/ring_nccl.py``), created on first use."""
+        if self._ring is None:
+            from flashoverlap.comm.ring_nccl import RingNcclCommunicator
+
+            refuse_inside_capture("creates a communication stream")
+            self._ring = RingNcclCommunicator(self)
+        return self._ring
 
     def p2p_reason(self) -> str | None:
         """Why the P2P path cannot serve this group (None if it can); collective on first use."""

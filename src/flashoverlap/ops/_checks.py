@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 DTYPES = (torch.bfloat16, torch.float16)
-PATHS = ("auto", "nccl", "p2p", "reference")
+PATHS = ("auto", "nccl", "p2p", "ring", "reference")
 
 
 def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:

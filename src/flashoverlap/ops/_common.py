@@ -4,6 +4,7 @@ host time before the first launch is GPU idle time when the GPU has nothing queu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -55,15 +56,15 @@ def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: 
     SM). ``tuned=False``: the default plan regardless of the cache (the benchmark's hand-set comparison)."""
     world_size = dist.get_world_size(group)
     element_size = torch.empty((), dtype=dtype).element_size()
-    if device.type != "cuda":
-        return _default_plan(op, m, n, k, world_size, 132, element_size, None)
+    if device.type != "cuda":  # the reference path, or the ring over gloo
+        return _default_plan(op, m, n, k, world_size, 132, element_size, None, "ring" if path == "ring" else "nccl")
     state = state_of(group, device)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     cached = _cached_plan(op, m, n, k, state, dtype, path) if tuned else None
     if cached is not None:
         return cached
-    if path == "p2p":
-        return _default_plan(op, m, n, k, world_size, num_sms, element_size, None, "p2p")
+    if path in ("p2p", "ring"):
+        return _default_plan(op, m, n, k, world_size, num_sms, element_size, None, path)
     measured = rates.measure(state, dtype)
     moved = m * (k if op == "all_gather" else n) * element_size  # all-gather moves A, the others C
     comm_ms = measured.collective_ms(op, moved, world_size)
@@ -140,7 +141,7 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
             reason = state.p2p_reason()
             if reason is not None:
                 raise ValueError(f"{name}: path='p2p' cannot apply to this group: {reason}; use path='nccl'")
-        plan_path = "p2p" if path == "p2p" else "nccl"
+        plan_path = path if path in ("p2p", "ring") else "nccl"
         default = None if plan is not None else tuned or plan_for(op, m, n, k, state.group, a.device, a.dtype,
                                                                    plan_path)
         if len(state.calls) > 1024:
@@ -175,17 +176,18 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
     if debug_timeout() is not None:  # before any collective of the call (plan lookups may run some)
         check_agreement(name, op, a, b, group, plan, path)
     path, state, plan = prepare_call(name, op, a, b, group, plan, path)
+    on_device = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
     if path == "reference" or plan.sequential:
         if path == "reference":
             result = reference.run(plan, a, b, state.group, state.rank, return_gathered)
         else:
-            with torch.cuda.device(a.device):
+            with on_device:
                 result = sequential.run(plan, a, b, state.group, return_gathered)
         if hook is not None:
             hook()
         return result
-    with torch.cuda.device(a.device):
-        communicator = state.p2p if path == "p2p" else state.nccl
+    communicator = state.p2p if path == "p2p" else state.ring if path == "ring" else state.nccl
+    with on_device:
         return communicator.run(plan, a, b, name, return_gathered, hook)
 
 
