@@ -32,7 +32,7 @@ def _gathered(a_shard, world_size):
     return full
 
 
-PATHS = ["nccl", "p2p"]
+PATHS = ["nccl", "p2p", "ring"]
 
 
 def _plans(m, n, k, world_size, path):

@@ -31,17 +31,17 @@ def _expected(a, b, world_size):
     return out
 
 
-PATHS = ["nccl", "p2p"]
+PATHS = ["nccl", "p2p", "ring"]
 
 
 def _plans(m, n, k, world_size, path):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if path == "p2p":
-        yield "default", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p")
-        yield "p2p-overlapped", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p",
-                                                allow_sequential=False)
-        yield "p2p-many-small-sub-bands", fo.default_plan(
-            "reduce_scatter", m, n, k, world_size, num_sms=sms, path="p2p",
+    if path in ("p2p", "ring"):
+        yield "default", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, path=path)
+        yield f"{path}-overlapped", fo.default_plan("reduce_scatter", m, n, k, world_size, num_sms=sms, path=path,
+                                                    allow_sequential=False)
+        yield f"{path}-many-small-sub-bands", fo.default_plan(
+            "reduce_scatter", m, n, k, world_size, num_sms=sms, path=path,
             tile=fo.TileConfig(64, 64, 32, 3, 2, 4), num_groups=5, allow_sequential=False)
         return
     yield "default", None
@@ -74,7 +74,7 @@ def _correctness(rank, world_size, path):
                     got = gemm_reduce_scatter(a, b, plan=plan)
                     assert got.shape == (m // world_size, n)
                     assert_close(got, want, f"{m}x{n}x{k} {dtype} plan {name}")
-                    if path == "p2p":
+                    if path in ("p2p", "ring"):
                         assert torch.equal(gemm_reduce_scatter(a, b, plan=plan), got), f"repeat differs ({name})"
                     checked += 1
     return checked
