@@ -8,6 +8,7 @@
   group on a high-priority stream; works across nodes and through host memory.
 - ``p2p``: over NVLink, cuBLAS sub-bands, copy-engine pulls from symmetric memory and reductions fused into cuBLAS,
   scheduled as a ring (``ring_schedule``).
+- ``ring_nccl``: the same ring with NCCL send/recv for the transfers (``path="ring"``), wherever NCCL runs.
 
 ``state.state_of(group, device)`` holds each (process group, device)'s communicators and everything else kept
 per group.
