@@ -57,11 +57,14 @@ def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) 
 
 def choose_path(op: str, path: str, device: torch.device, plan_path: str | None = None) -> str:
     """The path a call takes: ``path`` as asked, or for ``"auto"`` the given plan's path, else NCCL on CUDA (the
-    op may then choose P2P: ``_common.automatic_path``) and the reference elsewhere."""
+    op may then choose P2P: ``_common.automatic_path``) and the reference elsewhere (where a ring plan also runs:
+    ``"ring"`` needs only send/recv, which gloo has)."""
     if path not in PATHS:
         raise ValueError(f"{op}: path must be one of {PATHS}, got {path!r}")
     if path == "auto":
-        return (plan_path or "nccl") if device.type == "cuda" else "reference"
+        if device.type == "cuda":
+            return plan_path or "nccl"
+        return "ring" if plan_path == "ring" else "reference"
     if plan_path is not None and path != "reference" and path != plan_path:
         raise ValueError(f"{op}: path={path!r} but the plan given is for path {plan_path!r}; pass a matching plan, "
                          "or path='auto' to follow the plan")
