@@ -180,9 +180,34 @@ def mutations_table(path: str) -> str:
         f"`{str(data['meta']['commit'])[:10]}`): `{data['meta']['command']}`.</sub>"
 
 
+def reliability(path: str, commit: str) -> str:
+    """The reliability run's log (``benchmarks/reliability.py``'s output): the random calls' summary line and each
+    fault scenario's line."""
+    text = (ROOT / path).read_text()
+    summary, faults = None, []
+    for line in text.splitlines():
+        body = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else ""
+        if body.startswith("{"):
+            summary = json.loads(body)
+        elif body.startswith("fault"):
+            faults.append(body)
+    memory = summary["memory_bytes"]
+    lines = ["| calls checked (both ranks) | wrong | plain NCCL collectives checked "
+             "| memory after warm-up / at the end / peak (MiB) | flat (the script's bound: +64 MiB) | seconds |",
+             "| --- | --- | --- | --- | --- | --- |",
+             f"| {summary['checked_all_ranks']} of {2 * summary['calls']} | {summary['failures_all_ranks']} "
+             f"| {summary['plain_collectives_checked']} | {memory['after_warmup'] / 2**20:.0f} / "
+             f"{memory['end'] / 2**20:.0f} / {memory['max_allocated'] / 2**20:.0f} | "
+             f"{'yes' if summary['memory_flat'] else 'no'} | {summary['seconds']:.0f} |"]
+    fault_lines = "\n".join(f"- `{line[:160]}`" for line in faults) or "- none completed"
+    return "\n".join(lines) + f"\n\nFault scenarios completed ({len(faults)}):\n\n{fault_lines}\n\n<sub>Source: " \
+        f"`{path}` (commit `{commit[:10]}`): `torchrun --nproc-per-node 2 benchmarks/reliability.py --calls " \
+        f"{summary['calls']}`.</sub>"
+
+
 RENDERERS = {"ops": ops_table, "block": block_table, "e-range": e_range, "host-ratio-range": host_ratio_range,
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
-             "mutations": mutations_table}
+             "mutations": mutations_table, "reliability": reliability}
 
 
 def render(spec: str) -> str:
