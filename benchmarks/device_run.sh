@@ -3,7 +3,7 @@
 # nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
 # the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like
-#        reliability ring-nvlink ring-pcie-like"]
+#        reliability faults ring-nvlink ring-pcie-like"]
 #        [TESTS_K=<pytest -k>] [BLOCK_ARGS=...]
 #        bash benchmarks/device_run.sh
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
@@ -63,6 +63,16 @@ if has reliability; then
     timeout ${RELIABILITY_TIMEOUT:-400} torchrun --nproc-per-node $NGPU benchmarks/reliability.py \
         --calls ${RELIABILITY_CALLS:-10000} --out "$OUT/$gpu-reliability.json" > "$OUT/reliability.log" 2>&1
     echo "reliability: exit $?"; grep -vE "^W[0-9]|Warning|warn" "$OUT/reliability.log" | tail -30
+fi
+if has faults; then  # one process per fault scenario (a missing-peer error leaves the GPU busy for good)
+    : > "$OUT/faults.log"
+    for scenario in $(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import reliability; \
+            print(' '.join(':'.join(s) for s in reliability.SCENARIOS))"); do
+        timeout ${FAULT_TIMEOUT:-40} torchrun --nproc-per-node $NGPU benchmarks/reliability.py --fault $scenario \
+            --fault-timeout 3 --out "$OUT/fault-$scenario.json" >> "$OUT/faults.log" 2>&1
+        echo "fault $scenario: exit $?" >> "$OUT/faults.log"
+    done
+    grep -E "^\[.*fault|exit" "$OUT/faults.log" | cut -c1-200
 fi
 if has tests; then
     timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -x -v --durations=0 tests/gpu ${TESTS_K:+-k "$TESTS_K"} \

@@ -98,50 +98,55 @@ def random_calls(args, rank, world, device, log) -> dict:
             "memory_flat": memory["end"] <= memory["after_warmup"] + (64 << 20), "seconds": time.time() - start}
 
 
+SCENARIOS = [(op, path, kind) for op in OPS for path in ("nccl", "p2p") for kind in ("skip", "raise", "dtype", "shape")]
+
+
 def faults(args, rank, world, device, log) -> list[dict]:
+    """The fault scenarios (``--fault OP:PATH:KIND`` picks one). After a rank's missing-peer error the abandoned
+    collective's NCCL kernel keeps running on the GPU, so the next scenario's device-wide synchronisation would
+    wait behind it: run one scenario per process (``benchmarks/device_run.sh``'s ``faults`` step does)."""
     os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = str(args.fault_timeout)
     control = dist.new_group(list(range(world)), backend="gloo")  # stays healthy while the tested groups break
     results = []
-    for op in OPS:
-        for path in ("nccl", "p2p"):
-            for kind in ("skip", "raise", "dtype", "shape"):
-                group = dist.new_group(list(range(world)))
-                m, n, k = 4096, 2048, 1024
-                rows = m // world if op == "all_gather" else m
-                a = torch.randn(rows, k, dtype=torch.bfloat16, device=device)
-                b = torch.randn(k, n, dtype=torch.bfloat16, device=device)
-                OPS[op](a, b, group, path=path)  # warm: the group's state, plan cache, kernels
-                torch.cuda.synchronize()
-                dist.barrier(group=control)
-                outcome, start = "returned", time.monotonic()
-                try:
-                    if kind in ("skip", "raise") and rank == world - 1:
-                        if kind == "raise":
-                            raise KeyError("this rank failed before its call")
-                        outcome = "skipped the call"
-                    else:
-                        if kind == "dtype" and rank == world - 1:
-                            a, b = a.half(), b.half()
-                        if kind == "shape" and rank == world - 1:
-                            a = a[: rows - world]
-                        OPS[op](a, b, group, path=path)
-                except KeyError:
-                    outcome = "raised before the call"
-                except (RuntimeError, ValueError) as exc:
-                    outcome = f"{type(exc).__name__}: {str(exc)[:240]}"
-                elapsed = time.monotonic() - start
-                dist.barrier(group=control)
-                everyone = [None] * world
-                dist.all_gather_object(everyone, {"rank": rank, "outcome": outcome, "seconds": round(elapsed, 2)},
-                                       group=control)
-                if kind in ("skip", "raise"):
-                    waiter = everyone[0]
-                    ok = (waiter["outcome"].startswith("RuntimeError") and "rank 0: " in waiter["outcome"]
-                          and "group" in waiter["outcome"] and waiter["seconds"] < args.fault_timeout + 5)
-                else:
-                    ok = all(r["outcome"].startswith("ValueError") and "disagree" in r["outcome"] for r in everyone)
-                results.append({"op": op, "path": path, "fault": kind, "ok": ok, "ranks": everyone})
-                log(f"fault {kind:>5} {op:>14} {path:>4}: {'OK' if ok else 'NOT OK'} {everyone[0]['outcome'][:120]}")
+    chosen = SCENARIOS if args.fault is None else [tuple(args.fault.split(":"))]
+    for op, path, kind in chosen:
+        group = dist.new_group(list(range(world)))
+        m, n, k = 4096, 2048, 1024
+        rows = m // world if op == "all_gather" else m
+        a = torch.randn(rows, k, dtype=torch.bfloat16, device=device)
+        b = torch.randn(k, n, dtype=torch.bfloat16, device=device)
+        OPS[op](a, b, group, path=path)  # warm: the group's state, plan cache, kernels
+        torch.cuda.synchronize()
+        dist.barrier(group=control)
+        outcome, start = "returned", time.monotonic()
+        try:
+            if kind in ("skip", "raise") and rank == world - 1:
+                if kind == "raise":
+                    raise KeyError("this rank failed before its call")
+                outcome = "skipped the call"
+            else:
+                if kind == "dtype" and rank == world - 1:
+                    a, b = a.half(), b.half()
+                if kind == "shape" and rank == world - 1:
+                    a = a[: rows - world]
+                OPS[op](a, b, group, path=path)
+        except KeyError:
+            outcome = "raised before the call"
+        except (RuntimeError, ValueError) as exc:
+            outcome = f"{type(exc).__name__}: {str(exc)[:240]}"
+        elapsed = time.monotonic() - start
+        dist.barrier(group=control)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {"rank": rank, "outcome": outcome, "seconds": round(elapsed, 2)},
+                               group=control)
+        if kind in ("skip", "raise"):
+            waiter = everyone[0]
+            ok = (waiter["outcome"].startswith("RuntimeError") and "rank 0: " in waiter["outcome"]
+                  and "group" in waiter["outcome"] and waiter["seconds"] < args.fault_timeout + 5)
+        else:
+            ok = all(r["outcome"].startswith("ValueError") and "disagree" in r["outcome"] for r in everyone)
+        results.append({"op": op, "path": path, "fault": kind, "ok": ok, "ranks": everyone})
+        log(f"fault {kind:>5} {op:>14} {path:>4}: {'OK' if ok else 'NOT OK'} {everyone[0]['outcome'][:120]}")
     return results
 
 
@@ -151,6 +156,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--fault-timeout", type=float, default=5.0)
     parser.add_argument("--skip-faults", action="store_true")
+    parser.add_argument("--fault", default=None, metavar="OP:PATH:KIND",
+                        help="only this fault scenario (KIND: skip, raise, dtype, shape), and no random calls")
     parser.add_argument("--out", default="reliability.json")
     args = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
@@ -167,8 +174,9 @@ def main() -> int:
                        "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
                        "command": f"torchrun --nproc-per-node {world} benchmarks/reliability.py --calls {args.calls}",
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
-    report["random_calls"] = random_calls(args, rank, world, device, log)
-    log(json.dumps({k: v for k, v in report["random_calls"].items() if k != "failures"}))
+    if args.fault is None:
+        report["random_calls"] = random_calls(args, rank, world, device, log)
+        log(json.dumps({k: v for k, v in report["random_calls"].items() if k != "failures"}))
     if not args.skip_faults:
         report["faults"] = faults(args, rank, world, device, log)
     if dist.get_rank() == 0:
