@@ -152,7 +152,7 @@ class P2PCommunicator:
         ops = rs.schedule(plan, self.rank, gathered_own=gathered_own)
         while len(self._events) < rs.events(ops):
             self._events.append(torch.cuda.Event())
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         width = plan.k if plan.op == "all_gather" else plan.n
         row_bytes = width * element
         region = self._region_bytes()

@@ -48,10 +48,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from flashoverlap.plan import Plan
+from flashoverlap.plan import P2P_MAX_RANKS, P2P_MAX_SUB_BANDS, Plan
 
-MAX_RANKS = 8  # the P2P path's largest group (one NVLink node)
-MAX_SUB = 16  # sub-bands per block (a plan's groups; all-reduce: per rank block)
+MAX_RANKS = P2P_MAX_RANKS  # the flag layout is sized for the plan's limits
+MAX_SUB = P2P_MAX_SUB_BANDS
 RED, SHARD = MAX_RANKS - 1, MAX_RANKS  # region kinds beside the ring partials 0 .. W-2
 KINDS = MAX_RANKS + 1
 FREE_BASE = MAX_RANKS * KINDS * MAX_SUB  # first flag slot of the free flags

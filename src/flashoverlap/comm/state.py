@@ -8,6 +8,7 @@ destroyed and re-created gets a fresh state, never another group's rates, verdic
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -48,32 +49,27 @@ class GroupState:
     @property
     def nccl(self):
         """The NCCL communicator (``comm/nccl.py``), created on first use."""
-        if self._nccl is None:
-            from flashoverlap.comm.nccl import NcclCommunicator
-
-            refuse_inside_capture("creates NCCL state and buffers")
-            self._nccl = NcclCommunicator(self)
-        return self._nccl
+        return self._communicator("_nccl", "nccl", "NcclCommunicator", "creates NCCL state and buffers")
 
     @property
     def p2p(self):
         """The P2P communicator (``comm/p2p.py``), created on first use."""
-        if self._p2p is None:
-            from flashoverlap.comm.p2p import P2PCommunicator
-
-            refuse_inside_capture("creates a copy stream and symmetric memory")
-            self._p2p = P2PCommunicator(self)
-        return self._p2p
+        return self._communicator("_p2p", "p2p", "P2PCommunicator", "creates a copy stream and symmetric memory")
 
     @property
     def ring(self):
         """The ring over NCCL send/recv (``comm/ring_nccl.py``), created on first use."""
-        if self._ring is None:
-            from flashoverlap.comm.ring_nccl import RingNcclCommunicator
+        return self._communicator("_ring", "ring_nccl", "RingNcclCommunicator", "creates a communication stream")
 
-            refuse_inside_capture("creates a communication stream")
-            self._ring = RingNcclCommunicator(self)
-        return self._ring
+    def _communicator(self, attr: str, module: str, cls: str, what: str):
+        """The communicator held in ``attr``; on first use imported from ``comm/<module>.py`` (the communicators
+        import this module) and created, never inside a CUDA-graph capture."""
+        comm = getattr(self, attr)
+        if comm is None:
+            refuse_inside_capture(what)
+            comm = getattr(importlib.import_module(f"flashoverlap.comm.{module}"), cls)(self)
+            setattr(self, attr, comm)
+        return comm
 
     def p2p_reason(self) -> str | None:
         """Why the P2P path cannot serve this group (None if it can); collective on first use."""

@@ -18,6 +18,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from flashoverlap.plan import P2P_MAX_RANKS
+
 MIN_BYTES = 1 << 20
 FLAG_SLOTS = 16384  # int32 flags at the start of every buffer: up to groups * world_size of them per call
 FLAG_BYTES = 4 * FLAG_SLOTS
@@ -156,7 +158,7 @@ def group_reason(everyone: list[dict]) -> str | None:
     return None
 
 
-MAX_P2P_WORLD_SIZE = 8  # one NVLink node; comm/ring_schedule.py's flag layout is sized for it
+MAX_P2P_WORLD_SIZE = P2P_MAX_RANKS  # one NVLink node; the plan's limit, which the ring's flag layout is sized for
 
 
 def p2p_excluded(reason: str | None, world_size: int, nccl_p2p_disabled: bool) -> str | None:
