@@ -135,3 +135,73 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, monkeypatch):
     bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
     width = plan.k if op == "all_gather" else plan.n
     assert recorder.trace == _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None)
+
+
+class FakeGraph:
+    """A capture that queues the call's work once (into the trace, where a CUDA graph would hold it)."""
+
+    def __init__(self, recorder, issue):
+        self.recorder = recorder
+        issue()
+
+    def replay(self):
+        self.recorder.trace.append(("replay",))
+
+
+def _replaying(monkeypatch, op="reduce_scatter"):
+    """A rank-0 communicator whose run() replays through a recording capture, and one call's arguments."""
+    recorder = Recorder()
+    comm = _communicator(0, 2, recorder, monkeypatch)
+    comm.graphs = p2p.CallGraphs(None, capture=lambda issue: FakeGraph(recorder, issue))
+    plan = default_plan(op, 128, 24, 20, 2, tile=TILE, num_groups=2, path="p2p", allow_sequential=False)
+    a = torch.randn(plan.block_rows if op == "all_gather" else plan.m, plan.k, dtype=torch.bfloat16)
+    b = torch.randn(plan.k, plan.n, dtype=torch.bfloat16)
+    out = torch.empty(plan.block_rows if op == "reduce_scatter" else plan.m, plan.n, dtype=torch.bfloat16)
+    gathered = torch.empty(plan.m, plan.k, dtype=torch.bfloat16)
+    monkeypatch.setattr(comm, "prepare", lambda *args: None)
+    monkeypatch.setattr(comm, "_load_kernels", lambda *args: None)
+    monkeypatch.setattr(p2p, "replay_allowed", lambda: True)
+    # The allocator hands out the same block for a shape, call after call.
+    blocks = {tuple(out.shape): out, tuple(gathered.shape): gathered}
+    monkeypatch.setattr(p2p.torch, "empty", lambda shape, **kw: blocks[tuple(shape)])
+    return recorder, comm, plan, a, b, blocks
+
+
+def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypatch):
+    recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
+    comm.run(plan, a, b, "op")  # first call: eager
+    eager = list(recorder.trace)
+    assert eager and ("replay",) not in eager
+    recorder.trace.clear()
+    comm.run(plan, a, b, "op")  # second: captured (the same work), then replayed
+    assert recorder.trace == eager + [("replay",)]
+    recorder.trace.clear()
+    comm.run(plan, a, b, "op")  # third: the graph alone, no driver call
+    assert recorder.trace == [("replay",)]
+
+
+def test_a_call_on_other_tensors_is_not_replayed_from_a_graph_of_the_first(monkeypatch):
+    recorder, comm, plan, a, b, blocks = _replaying(monkeypatch)
+    for _ in range(3):
+        comm.run(plan, a, b, "op")
+    for other_a, other_b in ((a.clone(), b), (a, b.clone()), (a, b.t().contiguous().t()), (a, b)):
+        if other_a is a and other_b is b:  # the same inputs, but the allocator gives the output another block
+            shape = (plan.block_rows, plan.n)
+            blocks[shape] = torch.empty_like(blocks[shape])
+        recorder.trace.clear()
+        comm.run(plan, other_a, other_b, "op")
+        assert ("replay",) not in recorder.trace and recorder.trace, "a graph replayed for other tensors"
+
+
+def test_calls_with_a_hook_or_under_the_debug_timeout_are_issued_eagerly(monkeypatch):
+    recorder, comm, plan, a, b, _ = _replaying(monkeypatch, "all_gather")
+    for _ in range(3):
+        comm.run(plan, a, b, "op", hook=lambda: recorder.trace.append((0, "hook")))
+    assert ("replay",) not in recorder.trace and recorder.trace.count((0, "hook")) == 3
+    recorder.trace.clear()
+    monkeypatch.setattr(p2p, "debug_timeout", lambda: 5.0)
+    monkeypatch.setattr(comm, "_check_progress", lambda *args: None)
+    monkeypatch.setattr(FakeStream, "record_event", lambda self: None, raising=False)
+    for _ in range(3):
+        comm.run(plan, a, b, "op")
+    assert ("replay",) not in recorder.trace and recorder.trace

@@ -13,7 +13,8 @@ why it cannot deadlock; this module only issues it. One call:
    (``cuStreamWaitValue32`` then a reset by ``cuStreamWriteValue32``), ``Signal`` (``cuStreamWriteValue32`` into
    this rank's or a peer's flag header), and events between the streams. Host time is the cost here (an op call
    must not cost much more than matmul plus a collective): the schedule is resolved once per plan (``_program``:
-   addresses, offsets, views) and the driver is called through ``ctypes`` (``stream_ops.fast``).
+   addresses, offsets, views) and the driver is called through ``ctypes`` (``stream_ops.fast``); a call that
+   repeats with the same tensors replays a CUDA graph of steps 2 and 3 instead (``comm/replay.py``).
 3. ``C`` waits for the copy streams: the result is complete on the caller's stream, as after ``matmul`` and a
    collective.
 
@@ -30,6 +31,7 @@ import torch
 from flashoverlap.comm import ring_schedule as rs
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.nccl import debug_timeout
+from flashoverlap.comm.replay import CallGraphs, replay_allowed
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import Plan
 
@@ -54,6 +56,7 @@ class P2PCommunicator:
         self._events: list[torch.cuda.Event] = []
         self._warm: set[tuple] = set()  # (plan, dtype, b's strides) whose cuBLAS kernels are loaded
         self._programs: dict[tuple, tuple[list, tuple]] = {}
+        self.graphs = CallGraphs(self.device)  # repeated calls replayed (comm/replay.py)
 
     def _region_bytes(self) -> int:
         return (self.workspace.nbytes // rs.regions(self.world_size)) // REGION_ALIGN * REGION_ALIGN
@@ -73,6 +76,10 @@ class P2PCommunicator:
         gathered = None
         if return_gathered:
             gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
+        if hook is None and debug_timeout() is None and replay_allowed():
+            signature = self._signature(plan, a, b, out, gathered)
+            if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, op, gathered)):
+                return out, gathered
         self.issue(plan, a, b, out, op, gathered, hook)
         return out, gathered
 
@@ -85,6 +92,7 @@ class P2PCommunicator:
             size = rs.regions(self.world_size) * (need + REGION_ALIGN)
             if self.workspace.ensure(size, op, ones=(rs.FREE_BASE, rs.FLAG_SLOTS_USED)):
                 self._programs.clear()
+                self.graphs.clear()
 
     def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
               gathered: torch.Tensor | None = None, hook=None) -> None:
@@ -215,6 +223,13 @@ class P2PCommunicator:
         torch.cuda.synchronize(self.device)
         self._warm.add((plan, a.dtype, b.stride()))
 
+    def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                   gathered: torch.Tensor | None) -> tuple:
+        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
+        where each tensor lies and how it is laid out, and the workspace."""
+        return (plan, a.dtype, _address(a), _address(b), _address(out), _address(gathered),
+                self.workspace.buffer.data_ptr())
+
     def _check_progress(self, waited, timeout: float, op: str) -> None:
         deadline = time.monotonic() + timeout
         for event, item in waited:
@@ -226,3 +241,8 @@ class P2PCommunicator:
                         "call, or called with other shapes or dtypes"
                     )
                 time.sleep(1e-4)
+
+
+def _address(tensor: torch.Tensor | None) -> tuple | None:
+    """What a captured call depends on of a tensor besides its values: where it is and how it is laid out."""
+    return None if tensor is None else (tensor.data_ptr(), tensor.shape, tensor.stride())

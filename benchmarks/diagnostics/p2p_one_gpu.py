@@ -1,0 +1,127 @@
+"""The P2P path's schedule on ONE GPU shared by two processes: a check of its mechanics (symmetric memory, copy
+engines, flag waits, and repeated calls replayed from CUDA graphs) where no two-GPU machine is at hand. Not a
+performance figure: the two ranks share one GPU's SMs and copy engines, and NCCL refuses two ranks on one GPU, so
+the group is gloo and the communicator is called directly (the ops ask for an NCCL group).
+
+Each rank makes every rank's inputs from seeds, so the plain PyTorch result is computed locally. Every call's
+output is checked (and then poisoned with NaN, so that a later call handed the same memory shows any element it
+did not write), eager calls (``FLASHOVERLAP_REPLAY=0``) and replayed ones alike; then the host time to issue one
+call (the GPU kept busy ahead of it) is printed for eager and replayed calls, beside ``torch.mm`` alone.
+
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py [out.json]
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap.bench.timing import QUEUE_AHEAD_CYCLES
+from flashoverlap.comm.state import state_of
+
+SHAPES = [(1002, 1000, 520), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by 2
+HOST_SHAPE = (4096, 8192, 8192)
+OPS = ("reduce_scatter", "all_reduce", "all_gather")
+
+
+def operands(op, m, n, k, world, dtype, seed, transposed):
+    """Every rank's a (full M rows; all-gather: the shards stacked) and the shared b."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a_all = [torch.randn(m, k, dtype=dtype, device="cuda", generator=gen) for _ in range(world)]
+    w = torch.randn(n, k, dtype=dtype, device="cuda", generator=gen) / k**0.5
+    b = w.t() if transposed else w.t().contiguous()
+    if op == "all_gather":
+        full = a_all[0]
+        return [full[r * m // world : (r + 1) * m // world] for r in range(world)], b, full @ b
+    total = sum(a.float() @ b.float() for a in a_all).to(dtype)
+    return a_all, b, total
+
+
+def expected_rows(op, total, rank, world):
+    if op == "reduce_scatter":
+        rows = total.shape[0] // world
+        return total[rank * rows : (rank + 1) * rows]
+    return total
+
+
+def check(got, want, what):
+    nan = bool(torch.isnan(got).any())
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    limit = 1e-2 if got.dtype == torch.bfloat16 else 2e-3
+    if nan or err >= limit:
+        raise AssertionError(f"{what}: nan={nan} rel_err={err:.2e}")
+
+
+def host_us(fn, calls=30):
+    times = []
+    for _ in range(calls):
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def main():
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    device = torch.device("cuda", 0)
+    comm = state_of(dist.group.WORLD, device).p2p
+    report = {"checked": 0, "host_us": {}}
+    for op in OPS:
+        for i, (m, n, k) in enumerate(SHAPES):
+            for dtype in (torch.bfloat16, torch.float16):
+                for transposed in (True, False):
+                    a_all, b, total = operands(op, m, n, k, world, dtype, 31 * i, transposed)
+                    a, want = a_all[rank], expected_rows(op, total, rank, world)
+                    plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+                    for replay in ("0", "1"):
+                        os.environ["FLASHOVERLAP_REPLAY"] = replay
+                        replays = comm.graphs.replays
+                        for call in range(4):
+                            got, gathered = comm.run(plan, a, b, op, return_gathered=op == "all_gather")
+                            torch.cuda.synchronize()
+                            what = f"{op} {m}x{n}x{k} {dtype} b{'.t()' if transposed else ''} replay={replay} #{call}"
+                            check(got, want, what)
+                            if gathered is not None:
+                                check(gathered, torch.cat(a_all), what + " gathered")
+                            got.fill_(float("nan"))
+                            del got, gathered
+                            report["checked"] += 1
+                        if replay == "1" and comm.graphs.replays - replays < 2:
+                            count = comm.graphs.replays - replays
+                            raise AssertionError(f"{op} {m}x{n}x{k}: {count} replays of 4 calls")
+        print(f"rank {rank}: {op}: correct, eager and replayed ({report['checked']} calls so far, "
+              f"{comm.graphs.captures} captures, {comm.graphs.replays} replays)", flush=True)
+    m, n, k = HOST_SHAPE
+    for op in OPS:
+        rows = m // world if op == "all_gather" else m
+        a = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
+        plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+        for replay in ("0", "1"):
+            os.environ["FLASHOVERLAP_REPLAY"] = replay
+            report["host_us"][f"{op} replay={replay}"] = host_us(
+                lambda plan=plan, a=a, b=b, op=op: comm.run(plan, a, b, op))
+        report["host_us"][f"{op} torch.mm"] = host_us(lambda a=a, b=b: torch.mm(a, b))
+    if rank == 0:
+        print(json.dumps(report, indent=1), flush=True)
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

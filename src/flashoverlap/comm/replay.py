@@ -1,0 +1,110 @@
+"""Replaying a call that repeats: one CUDA graph per call signature, so that a repeated call costs the host one
+graph launch instead of the dozens of driver and cuBLAS calls that issuing its schedule takes.
+
+A call's *signature* is everything its GPU work depends on apart from the values in the tensors: the plan, the
+dtype, and the address and strides of every tensor it reads or writes (``P2PCommunicator._signature``). A graph
+captured for a signature computes on whatever those addresses hold when it is replayed, so a replay is exactly the
+eager call. Inside a model the same layer's call sees the same addresses step after step (the caching allocator
+hands them out in the same order), and so does a benchmark loop.
+
+A signature is captured the second time it is seen: a call that never repeats pays no capture, and one that
+repeats pays one (about an eager call's host time plus the graph's instantiation). The graphs share one memory pool
+and one capture stream; at most ``capacity`` are kept, the least recently used dropped first. Graphs of one
+communicator replay one after another, like the group's calls themselves, so scratch memory that a graph frees
+inside its own capture may be reused by the next capture.
+
+Where replay is not used (``replay_allowed`` says why): inside a user's capture (the call is captured into the
+user's graph instead), in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``: each flag wait is polled with a deadline, which
+needs the eager schedule), with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (the deadlock argument of
+``comm/ring_schedule.py`` rests on the issue order of the streams' work, which a graph launch does not keep on a
+single hardware queue), and with ``FLASHOVERLAP_REPLAY=0``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+CAPACITY = 32
+CAPTURE_AFTER = 2  # calls of a signature before it is captured
+
+
+def replay_allowed() -> bool:
+    """Whether calls may be replayed from graphs here: not switched off, not on a single hardware queue, not
+    inside a capture (the communicator adds its own conditions: no hook, no debug timeout)."""
+    if os.environ.get("FLASHOVERLAP_REPLAY", "1") == "0" or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+class CallGraphs:
+    """The captured graphs of one communicator, by signature."""
+
+    def __init__(self, device: torch.device, capacity: int = CAPACITY, capture_after: int = CAPTURE_AFTER,
+                 capture: Callable[[Callable[[], None]], object] | None = None) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.capture_after = capture_after
+        self._capture = capture or self._capture_cuda
+        self._graphs: OrderedDict[Hashable, object] = OrderedDict()
+        self._seen: OrderedDict[Hashable, int] = OrderedDict()
+        self._stream: torch.cuda.Stream | None = None
+        self._pool = None
+        self.captures = 0
+        self.replays = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, signature: Hashable, issue: Callable[[], None]) -> bool:
+        """Replay the graph of ``signature`` on the current stream, capturing ``issue()`` (which queues the call's
+        work on the current stream and joins every other stream it uses back into it) into it first where this
+        is the signature's ``capture_after``-th call. False: not replayed; the caller issues the call eagerly."""
+        graph = self._graphs.get(signature)
+        if graph is None:
+            seen = self._seen.pop(signature, 0) + 1
+            if seen < self.capture_after:
+                self._seen[signature] = seen
+                _trim(self._seen, 4 * self.capacity)
+                return False
+            graph = self._capture(issue)
+            self.captures += 1
+            self._graphs[signature] = graph
+            _trim(self._graphs, self.capacity)
+        else:
+            self._graphs.move_to_end(signature)
+        graph.replay()
+        self.replays += 1
+        return True
+
+    def clear(self) -> None:
+        """Drop every graph (the addresses they hold are no longer valid, e.g. the workspace was reallocated)."""
+        self._graphs.clear()
+        self._seen.clear()
+
+    def _capture_cuda(self, issue: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # Thread-local: the NCCL watchdog's event queries on other threads must not invalidate the capture.
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                issue()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass  # the capture was invalidated by the error being raised
+                raise
+            graph.capture_end()
+        return graph
+
+
+def _trim(entries: OrderedDict, limit: int) -> None:
+    while len(entries) > limit:
+        entries.popitem(last=False)

@@ -1,0 +1,75 @@
+"""Replaying repeated calls (``comm/replay.py``) on the CPU, with a capture that records instead of a CUDA graph:
+a signature is captured on its second call and replayed from then on, a new signature never replays another's
+graph, the least recently used graph goes first, and replay is off where it must be."""
+
+import pytest
+
+from flashoverlap.comm import replay
+
+
+class FakeGraph:
+    def __init__(self, log, issue):
+        self.log = log
+        issue()  # what a capture does: the call's work is queued (here: logged) once, into the graph
+
+    def replay(self):
+        self.log.append("replay")
+
+
+def _graphs(log, **kw):
+    return replay.CallGraphs(None, capture=lambda issue: FakeGraph(log, issue), **kw)
+
+
+def test_a_signature_is_captured_on_its_second_call_and_replayed_after():
+    log = []
+    graphs = _graphs(log)
+    issue = lambda: log.append("issue")  # noqa: E731
+    assert graphs.run("s", issue) is False and log == []  # first call: the caller issues it eagerly
+    assert graphs.run("s", issue) is True and log == ["issue", "replay"]
+    assert graphs.run("s", issue) is True and log == ["issue", "replay", "replay"]
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 2, 1)
+
+
+def test_another_signature_never_replays_a_graph_captured_for_the_first():
+    log = []
+    graphs = _graphs(log)
+    for _ in range(3):
+        graphs.run("s", lambda: log.append("s"))
+    assert graphs.run("t", lambda: log.append("t")) is False
+    assert graphs.run("t", lambda: log.append("t")) is True
+    assert log == ["s", "replay", "replay", "t", "replay"]
+
+
+def test_the_least_recently_used_graph_is_dropped_first():
+    graphs = _graphs([], capacity=2)
+    for signature in ("a", "b", "a", "b", "a", "c", "c"):  # a and b captured, a replayed, then c captured
+        graphs.run(signature, lambda: None)
+    assert list(graphs._graphs) == ["a", "c"]  # b was the least recently used
+    assert graphs.captures == 3
+
+
+def test_clear_forgets_every_graph_and_every_count():
+    graphs = _graphs([])
+    for _ in range(2):
+        graphs.run("s", lambda: None)
+    graphs.clear()
+    assert len(graphs) == 0 and graphs.run("s", lambda: None) is False
+
+
+@pytest.mark.parametrize("env,allowed", [({}, True), ({"FLASHOVERLAP_REPLAY": "0"}, False),
+                                         ({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, False),
+                                         ({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, True)])
+def test_replay_is_off_where_it_must_be(env, allowed, monkeypatch):
+    for name in ("FLASHOVERLAP_REPLAY", "CUDA_DEVICE_MAX_CONNECTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(replay.torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert replay.replay_allowed() is allowed
+
+
+def test_replay_is_off_inside_a_users_capture(monkeypatch):
+    monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(replay.torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert replay.replay_allowed() is False
