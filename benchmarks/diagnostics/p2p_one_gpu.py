@@ -1,7 +1,8 @@
 """The P2P path's schedule on ONE GPU shared by two processes: a check of its mechanics (symmetric memory, copy
 engines, flag waits, and repeated calls replayed from CUDA graphs) where no two-GPU machine is at hand. Not a
-performance figure: the two ranks share one GPU's SMs and copy engines, and NCCL refuses two ranks on one GPU, so
-the group is gloo and the communicator is called directly (the ops ask for an NCCL group).
+performance figure: the two ranks share one GPU's SMs and copy engines. NCCL refuses two ranks on one GPU, so the
+group is gloo and the communicator is called directly (the ops ask for an NCCL group); PyTorch's symmetric memory
+refuses them too, so the workspace is shared by CUDA IPC instead (``IpcWorkspace``, the same interface).
 
 Each rank makes every rank's inputs from seeds, so the plain PyTorch result is computed locally. Every call's
 output is checked (and then poisoned with NaN, so that a later call handed the same memory shows any element it
@@ -22,11 +23,38 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap.bench.timing import QUEUE_AHEAD_CYCLES
+from flashoverlap.comm import symmetric
 from flashoverlap.comm.state import state_of
 
 SHAPES = [(1002, 1000, 520), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by 2
 HOST_SHAPE = (4096, 8192, 8192)
 OPS = ("reduce_scatter", "all_reduce", "all_gather")
+
+
+class IpcWorkspace(symmetric.SymmetricWorkspace):
+    """``SymmetricWorkspace`` with the buffers exchanged as CUDA IPC handles (which work between processes on one
+    GPU) and a host barrier."""
+
+    def ensure(self, nbytes, op, ones=(0, 0)):
+        if nbytes <= self.nbytes:
+            return False
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        torch.cuda.synchronize()
+        size = symmetric.size_class(symmetric.FLAG_BYTES + nbytes)
+        buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        handles = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(handles, reduce_tensor(buffer), group=self.group)
+        rank = dist.get_rank(self.group)
+        self._peers = [buffer if r == rank else rebuild(*args) for r, (rebuild, args) in enumerate(handles)]
+        self.buffer, self.nbytes = buffer, size - symmetric.FLAG_BYTES
+        self.flags[ones[0] : ones[1]] = 1
+        self.barrier(0)
+        return True
+
+    def barrier(self, channel):
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)
 
 
 def operands(op, m, n, k, world, dtype, seed, transposed):
@@ -77,6 +105,7 @@ def main():
     world = dist.get_world_size()
     device = torch.device("cuda", 0)
     comm = state_of(dist.group.WORLD, device).p2p
+    comm.workspace = IpcWorkspace(dist.group.WORLD, device)
     report = {"checked": 0, "host_us": {}}
     for op in OPS:
         for i, (m, n, k) in enumerate(SHAPES):
