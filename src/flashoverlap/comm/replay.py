@@ -84,11 +84,11 @@ class CallGraphs:
         """Drop every graph (the addresses they hold are no longer valid, e.g. the workspace was reallocated)."""
         self._graphs.clear()
         self._seen.clear()
+        self._pool = None
 
     def _capture_cuda(self, issue: Callable[[], None]) -> torch.cuda.CUDAGraph:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # Thread-local: the NCCL watchdog's event queries on other threads must not invalidate the capture.
         with torch.cuda.stream(self._stream):
@@ -102,6 +102,9 @@ class CallGraphs:
                     pass  # the capture was invalidated by the error being raised
                 raise
             graph.capture_end()
+        # Later captures share this graph's pool; it lives while any graph that uses it does (``clear`` forgets
+        # it, and ``run`` captures before it drops the least recently used graph).
+        self._pool = graph.pool()
         return graph
 
 
