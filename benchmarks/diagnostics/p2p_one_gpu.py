@@ -106,7 +106,11 @@ def main():
     device = torch.device("cuda", 0)
     comm = state_of(dist.group.WORLD, device).p2p
     comm.workspace = IpcWorkspace(dist.group.WORLD, device)
-    report = {"checked": 0, "host_us": {}}
+    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
+                       "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
+                       "command": "torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py",
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+              "checked": 0, "host_us": {}}
     for op in OPS:
         for i, (m, n, k) in enumerate(SHAPES):
             for dtype in (torch.bfloat16, torch.float16):
