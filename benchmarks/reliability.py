@@ -6,8 +6,9 @@
    dtype, ``b`` as ``w.t()`` or not, ``M`` from 1 to 16384 (odd and round), ``N`` and ``K``, on the world group
    or on a second group of the same ranks; inputs are fresh random slices of a large random pool, outputs
    NaN-poisoned every 50 calls; each result compared with ``matmul`` + the NCCL collective. Between them, plain
-   NCCL all-reduces on the same group, checked. GPU memory sampled after warm-up (every op, path and dtype at the
-   largest shape first) and at the end.
+   NCCL all-reduces on the same group, checked. GPU memory allocated is sampled after warm-up (every op, path and
+   dtype at the largest shape first), every 1000 calls and at the end, each time with no call's tensors alive: it
+   is flat if no sample exceeds the warm-up's by more than 64 MiB.
 2. Faults, in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``), each on a fresh group, for every op and path: one rank
    skips the call, or raises before it: the other rank must get a Python error naming its rank, the op and the
    group within the timeout (plus a margin), not hang; ranks that disagree on the dtype or on M: every rank must
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from flashoverlap.comm.state import existing_state
 from flashoverlap.testing import plain
 
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
@@ -35,9 +37,9 @@ NK_CHOICES = [64, 255, 512, 1000, 1024, 2048, 3000, 4096]
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def operands(pools, rng_local, dtype, rows, n, k, transposed):
+def operands(pools, start, dtype, rows, n, k, transposed):
+    """``a [rows, K]`` and ``b [K, N]`` (``w.t()`` or contiguous): views of the random pool from ``start``."""
     pool = pools[dtype]
-    start = rng_local.randrange(0, pool.numel() - rows * k - n * k)
     a = pool[start : start + rows * k].view(rows, k)
     w = pool[start + rows * k : start + rows * k + n * k].view(n, k) / k**0.5
     return a, (w.t() if transposed else w.t().contiguous())
@@ -55,47 +57,75 @@ def random_calls(args, rank, world, device, log) -> dict:
             for dtype in TOLERANCE:
                 for group in (None, second):
                     m = max(M_CHOICES)
-                    a, b = operands(pools, rng_local, dtype, m // world if op == "all_gather" else m, 4096, 4096, True)
+                    a, b = operands(pools, 0, dtype, m // world if op == "all_gather" else m, 4096, 4096, True)
                     OPS[op](a, b, group, path=path)
     torch.cuda.synchronize()
-    memory = {"after_warmup": torch.cuda.memory_allocated(device)}
+    memory = {"after_warmup": torch.cuda.memory_allocated(device), "samples": []}
     start = time.time()
+    last = None
     for call in range(args.calls):
-        op, path = rng.choice(list(OPS)), rng.choice(["auto", "nccl", "p2p"])
-        dtype, transposed = rng.choice(list(TOLERANCE)), rng.random() < 0.5
-        group = second if rng.random() < 0.1 else None
-        m, n, k = rng.choice(M_CHOICES), rng.choice(NK_CHOICES), rng.choice(NK_CHOICES)
-        if op != "all_reduce":
-            m = max(world, -(-m // world) * world)
-        rows = m // world if op == "all_gather" else m
-        if call % 50 == 0:
-            torch.full((1 << 28,), float("nan"), dtype=torch.float16, device=device)  # poison the allocator
-        a, b = operands(pools, rng_local, dtype, rows, n, k, transposed)
-        got = OPS[op](a, b, group, path=path)
-        want = plain(op, a, b, group)
-        err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
-        nan = bool(torch.isnan(got).any())
+        if last is not None and rng.random() < 0.25:
+            # The last call again on the same tensors, whose values change in place: the P2P path replays it
+            # from a CUDA graph (comm/replay.py) once it repeats, and must read the new values.
+            op, path, dtype, transposed, group, (m, n, k), rows, start = last
+            pools[dtype][start : start + rows * k].neg_()
+        else:
+            op, path = rng.choice(list(OPS)), rng.choice(["auto", "nccl", "p2p"])
+            dtype, transposed = rng.choice(list(TOLERANCE)), rng.random() < 0.5
+            group = second if rng.random() < 0.1 else None
+            m, n, k = rng.choice(M_CHOICES), rng.choice(NK_CHOICES), rng.choice(NK_CHOICES)
+            if op != "all_reduce":
+                m = max(world, -(-m // world) * world)
+            rows = m // world if op == "all_gather" else m
+            start = rng_local.randrange(0, pools[dtype].numel() - rows * k - n * k)
+            if call % 50 == 0:
+                torch.full((1 << 28,), float("nan"), dtype=torch.float16, device=device)  # poison the allocator
+        last = (op, path, dtype, transposed, group, (m, n, k), rows, start)
+        failure = checked_call(pools, start, op, path, dtype, transposed, group, (m, n, k), rows)
         checked += 1
-        if nan or not err < TOLERANCE[dtype]:
-            failures.append({"call": call, "op": op, "path": path, "dtype": str(dtype), "shape": [m, n, k],
-                             "group": "second" if group is not None else "world", "rel_err": err, "nan": nan})
+        if failure is not None:
+            failures.append({"call": call, **failure})
         if call % 5 == 0:  # a plain collective on the same group between the ops
-            x = torch.full((1000 + call % 7,), float(rank + 1), device=device)
-            dist.all_reduce(x, group=group)
-            plain_checked += 1
-            if not torch.all(x == world * (world + 1) / 2):
+            if not plain_all_reduce_ok(1000 + call % 7, rank, world, device, group):
                 failures.append({"call": call, "plain_all_reduce": "wrong"})
+            plain_checked += 1
         if (call + 1) % 1000 == 0:
+            memory["samples"].append(torch.cuda.memory_allocated(device))  # no call's tensors are alive here
             log(f"{call + 1} calls, {len(failures)} failures, {time.time() - start:.0f} s, "
-                f"{torch.cuda.memory_allocated(device) / 2**20:.0f} MiB allocated")
+                f"{memory['samples'][-1] / 2**20:.0f} MiB allocated")
     torch.cuda.synchronize()
     memory["end"] = torch.cuda.memory_allocated(device)
     memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
-    counts = torch.tensor([checked, len(failures), plain_checked], device=device)
+    highest = max(memory["samples"] + [memory["end"]])
+    replays = sum(state.p2p.graphs.replays for state in (existing_state(g, device) for g in (dist.group.WORLD, second))
+                  if state is not None and state._p2p is not None)
+    counts = torch.tensor([checked, len(failures), plain_checked, replays], device=device)
     dist.all_reduce(counts)
     return {"calls": args.calls, "checked_all_ranks": int(counts[0]), "failures_all_ranks": int(counts[1]),
-            "plain_collectives_checked": int(counts[2]), "failures": failures[:20], "memory_bytes": memory,
-            "memory_flat": memory["end"] <= memory["after_warmup"] + (64 << 20), "seconds": time.time() - start}
+            "plain_collectives_checked": int(counts[2]), "p2p_calls_replayed_all_ranks": int(counts[3]),
+            "failures": failures[:20], "memory_bytes": memory,
+            "memory_flat": highest <= memory["after_warmup"] + (64 << 20), "seconds": time.time() - start}
+
+
+def checked_call(pools, start, op, path, dtype, transposed, group, shape, rows) -> dict | None:
+    """One call compared with plain PyTorch: None if right, else what went wrong. Its tensors die on return, so
+    that memory sampled between calls holds none of them."""
+    m, n, k = shape
+    a, b = operands(pools, start, dtype, rows, n, k, transposed)
+    got = OPS[op](a, b, group, path=path)
+    want = plain(op, a, b, group)
+    err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+    nan = bool(torch.isnan(got).any())
+    if nan or not err < TOLERANCE[dtype]:
+        return {"op": op, "path": path, "dtype": str(dtype), "shape": [m, n, k],
+                "group": "second" if group is not None else "world", "rel_err": err, "nan": nan}
+    return None
+
+
+def plain_all_reduce_ok(numel, rank, world, device, group) -> bool:
+    x = torch.full((numel,), float(rank + 1), device=device)
+    dist.all_reduce(x, group=group)
+    return bool(torch.all(x == world * (world + 1) / 2))
 
 
 SCENARIOS = [(op, path, kind) for op in OPS for path in ("nccl", "p2p") for kind in ("skip", "raise", "dtype", "shape")]
