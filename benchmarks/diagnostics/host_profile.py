@@ -1,8 +1,9 @@
-"""Where an op's host time goes: cProfile over 20 calls of each op and path at one grid shape, each call queued
-behind a GPU sleep so that the host never blocks on a full launch queue. Prints, per (op, path), the host time per
-call and the functions with the most own time.
+"""Where an op's host time goes: cProfile over 20 calls of each op and path at one shape (default 4096x8192x8192),
+each call queued behind a GPU sleep so that the host never blocks on a full launch queue. Prints, per (op, path),
+the host time per call beside plain PyTorch's (matmul then the collective, unprofiled) and the functions with the
+most own time.
 
-torchrun --nproc-per-node 2 benchmarks/diagnostics/host_profile.py [nccl,p2p]"""
+torchrun --nproc-per-node 2 benchmarks/diagnostics/host_profile.py [nccl,p2p [M,N,K]]"""
 
 import cProfile
 import io
@@ -15,25 +16,40 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from flashoverlap.testing import plain
 
-SHAPES = {"all_reduce": (4096, 8192, 8192), "reduce_scatter": (4096, 8192, 8192), "all_gather": (4096, 8192, 8192)}
+SHAPE = (4096, 8192, 8192)
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+
+
+def host_us(fn, calls=20):
+    """Median host time of one call of ``fn`` issued behind GPU work."""
+    times = []
+    for _ in range(calls):
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * sorted(times)[len(times) // 2]
 
 
 def main():
     paths = (sys.argv[1] if len(sys.argv) > 1 else "nccl,p2p").split(",")
+    m, n, k = (int(x) for x in sys.argv[2].split(",")) if len(sys.argv) > 2 else SHAPE
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     world = dist.get_world_size()
-    for op, (m, n, k) in SHAPES.items():
+    for op in OPS:
         rows = m // world if op == "all_gather" else m
         a = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
         b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t() / k**0.5
+        plain_us = host_us(lambda: plain(op, a, b))  # noqa: B023
         for path in paths:
-            for _ in range(3):
-                OPS[op](a, b, path=path)
-            torch.cuda.synchronize()
+            ours_us = host_us(lambda: OPS[op](a, b, path=path))  # noqa: B023
             profile = cProfile.Profile()
             spent = 0.0
             for _ in range(20):
@@ -50,7 +66,8 @@ def main():
                 text = io.StringIO()
                 pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
                 body = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
-                print(f"== {op} {m}x{n}x{k} {path}: {1e6 * spent / 20:.0f} us host per call\n{body}", flush=True)
+                print(f"== {op} {m}x{n}x{k} {path}: {1e6 * spent / 20:.0f} us host per call profiled, {ours_us:.0f} "
+                      f"unprofiled; plain PyTorch {plain_us:.0f} us)\n{body}", flush=True)
     dist.destroy_process_group()
 
 
