@@ -19,6 +19,8 @@ class Rates:
         return 2.0 * m * n * k / (self.gemm_tflops * 1e9)
 
     def all_reduce_ms(self, nbytes: int, world_size: int) -> float:
+        if world_size == 1:  # nothing moves (and the measured bus bandwidth is 0)
+            return 0.0
         return 2.0 * (world_size - 1) / world_size * nbytes / (self.allreduce_busbw_gbs * 1e6)
 
     def collective_ms(self, op: str, nbytes: int, world_size: int) -> float:
