@@ -89,19 +89,17 @@ def plain(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | 
     """What users run today, and the oracle every op is compared with: ``torch.matmul`` and then the collective
     (``op``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``, whose ``a`` is this rank's shard), one after the
     other, through ``torch.distributed`` alone."""
-    import warnings
+    from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 
     world = dist.get_world_size(group)
-    with warnings.catch_warnings():  # torch >= 2.13 renames the *_tensor collectives; 2.11 has only these
-        warnings.simplefilter("ignore", FutureWarning)
-        if op == "all_gather":
-            full = torch.empty((a.shape[0] * world, a.shape[1]), dtype=a.dtype, device=a.device)
-            dist.all_gather_into_tensor(full, a.contiguous(), group=group)
-            return torch.matmul(full, b)
-        c = torch.matmul(a, b)
-        if op == "all_reduce":
-            dist.all_reduce(c, group=group)
-            return c
-        out = torch.empty((c.shape[0] // world, c.shape[1]), dtype=c.dtype, device=c.device)
-        dist.reduce_scatter_tensor(out, c, group=group)
-        return out
+    if op == "all_gather":
+        full = torch.empty((a.shape[0] * world, a.shape[1]), dtype=a.dtype, device=a.device)
+        all_gather_into_tensor(full, a.contiguous(), group)
+        return torch.matmul(full, b)
+    c = torch.matmul(a, b)
+    if op == "all_reduce":
+        dist.all_reduce(c, group=group)
+        return c
+    out = torch.empty((c.shape[0] // world, c.shape[1]), dtype=c.dtype, device=c.device)
+    reduce_scatter_tensor(out, c, group)
+    return out

@@ -3,28 +3,26 @@ the one layout helper the all-gather paths share."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 
 from flashoverlap.plan import Plan
 
+# torch >= 2.13 deprecates the *_tensor names for *_single, which torch 2.11 (the GPU machines') does not have.
+# Chosen once: a ``warnings.catch_warnings`` around every call would cost host time on every op call.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """``dist.reduce_scatter_tensor``: torch >= 2.13 deprecates the name for ``reduce_scatter_single``, which
-    torch 2.11 (the GPU machines') does not have."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.reduce_scatter_tensor(out, inp, group=group)
+    """``dist.reduce_scatter_tensor`` (or its torch >= 2.13 name)."""
+    _reduce_scatter(out, inp, group=group)
 
 
-def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """``dist.all_gather_into_tensor``: torch >= 2.13 deprecates the name for ``all_gather_single``, which torch
-    2.11 does not have."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.all_gather_into_tensor(out, inp, group=group)
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
+                           async_op: bool = False):
+    """``dist.all_gather_into_tensor`` (or its torch >= 2.13 name); its work handle where ``async_op``."""
+    return _all_gather(out, inp, group=group, async_op=async_op)
 
 
 def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,

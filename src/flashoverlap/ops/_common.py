@@ -10,13 +10,13 @@ import json
 import logging
 import os
 import time
-import warnings
 import zlib
 
 import torch
 import torch.distributed as dist
 
 from flashoverlap.comm import reference, sequential
+from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.comm.nccl import debug_timeout
 from flashoverlap.comm.state import GroupState, existing_state, state_of
 from flashoverlap.comm.symmetric import p2p_excluded
@@ -214,9 +214,7 @@ def check_agreement(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group:
     device = state.device if state.device.type == "cuda" else torch.device("cpu")
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     everyone = torch.empty(state.world_size * len(mine), dtype=torch.int64, device=device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        work = dist.all_gather_into_tensor(everyone, local, group=state.group, async_op=True)
+    work = all_gather_into_tensor(everyone, local, state.group, async_op=True)
     timeout = debug_timeout()
     deadline = time.monotonic() + timeout
     while not work.is_completed():
