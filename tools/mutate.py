@@ -29,6 +29,10 @@ P2P = "src/flashoverlap/comm/p2p.py"
 NCCL_TEST = "tests/comm/test_nccl_executor.py"
 RING_TEST = "tests/comm/test_ring_protocol.py::test_back_to_back_calls_of_every_op_are_right_in_random_interleavings"
 P2P_TEST = "tests/comm/test_p2p_executor.py"
+OPS_DRIVER = "src/flashoverlap/comm/stream_ops.py"
+DRIVER_TEST = "tests/comm/test_stream_ops.py"
+REPLAY = "src/flashoverlap/comm/replay.py"
+REPLAY_TEST = "tests/comm/test_replay.py"
 
 # (name, what it breaks, file, exact text, replacement, tests)
 MUTATIONS = [
@@ -85,8 +89,18 @@ MUTATIONS = [
     ("ag-multiply-before-pull", "P2P all-gather: cuBLAS multiplies a sub-band before its pull has landed", RING,
      '            ops += [Record("X", event), WaitEvent("C", event),\n                    Mm(',
      '            ops += [Record("X", event),\n                    Mm(', RING_TEST),
-    ("p2p-flag-not-reset", "P2P executor: a flag wait does not reset the flag", P2P,
-     "                write(handles[stream], flag, 0)\n", "", P2P_TEST),
+    ("p2p-flag-not-reset", "P2P driver: a flag wait does not reset the flag (a batch of the wait alone)", OPS_DRIVER,
+     "        if self._batch(stream, 2, self._pair, 0):\n", "        if self._batch(stream, 1, self._pair, 0):\n",
+     DRIVER_TEST),
+    ("p2p-flag-reset-before-wait", "P2P driver: the flag is reset before the wait (the signal is lost)", OPS_DRIVER,
+     "self._pair, 0, _WAIT_VALUE_32, address, 1, 0, 0, _WRITE_VALUE_32, address, 0, 0, 0)",
+     "self._pair, 0, _WRITE_VALUE_32, address, 0, 0, 0, _WAIT_VALUE_32, address, 1, 0, 0)", DRIVER_TEST),
+    ("p2p-wait-not-issued", "P2P executor: a flag wait is not issued at all", P2P,
+     "                wait_reset(handles[stream], flag)\n", "                pass\n", P2P_TEST),
+    ("replay-output-not-in-signature", "P2P replay: a call whose output lies elsewhere replays the old graph", P2P,
+     "_address(b), _address(out), _address(gathered)", "_address(b), _address(gathered)", P2P_TEST),
+    ("replay-inside-user-capture", "P2P replay: a call inside a user's capture launches a graph of its own",
+     REPLAY, "    return not torch.cuda.is_current_stream_capturing()\n", "    return True\n", REPLAY_TEST),
     ("p2p-join-removed", "P2P executor: the copy streams are not joined back into the caller's stream", P2P,
      "            compute.wait_stream(streams[index])\n", "            pass\n", P2P_TEST),
     ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,

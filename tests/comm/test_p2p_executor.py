@@ -24,6 +24,10 @@ class Recorder:
     def wait_geq(self, stream, address, value):
         self.trace.append((stream, "wait", address, value))
 
+    def wait_reset(self, stream, address):
+        self.wait_geq(stream, address, 1)
+        self.write(stream, address, 0)
+
     def write(self, stream, address, value):
         self.trace.append((stream, "write", address, value))
 

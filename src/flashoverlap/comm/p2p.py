@@ -10,7 +10,7 @@ why it cannot deadlock; this module only issues it. One call:
    kernels are run once, eagerly (deadlock rule 3: none is loaded behind a stream wait).
 2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` /
    ``addmm_``), ``Copy`` on the copy streams ``X`` and ``L`` (``cuMemcpyDtoDAsync``), ``Wait``
-   (``cuStreamWaitValue32`` then a reset by ``cuStreamWriteValue32``), ``Signal`` (``cuStreamWriteValue32`` into
+   (a wait for 1 and a reset to 0, one ``cuStreamBatchMemOp``), ``Signal`` (``cuStreamWriteValue32`` into
    this rank's or a peer's flag header), and events between the streams. Host time is the cost here (an op call
    must not cost much more than matmul plus a collective): the schedule is resolved once per plan (``_program``:
    addresses, offsets, views) and the driver is called through ``ctypes`` (``stream_ops.fast``); a call that
@@ -110,7 +110,7 @@ class P2PCommunicator:
         tensors = (a, out, gathered)
         bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
         driver = stream_ops.fast()
-        wait, write, copy = driver.wait_geq, driver.write, driver.copy
+        wait_reset, write, copy = driver.wait_reset, driver.write, driver.copy
         timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
         waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
         events[0].record(compute)
@@ -129,8 +129,7 @@ class P2PCommunicator:
                 copy(handles[stream], bases[dst_space] + dst_offset, bases[src_space] + src_offset, nbytes)
             elif code == _WAIT:
                 _, stream, flag = step
-                wait(handles[stream], flag, 1)
-                write(handles[stream], flag, 0)
+                wait_reset(handles[stream], flag)
                 if timeout is not None:
                     waited.append((streams[stream].record_event(), item))
             elif code == _SIGNAL:

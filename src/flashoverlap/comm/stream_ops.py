@@ -9,6 +9,7 @@ imported on first use so that the CPU-only parts of the package never need it.
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 
@@ -56,6 +57,13 @@ def copy(stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
     _check(d.cuMemcpyDtoDAsync(dst, src, nbytes, stream.cuda_stream), "cuMemcpyDtoDAsync")
 
 
+# One CUstreamBatchMemOpParams (cuda.h): a 48-byte union whose wait/write member is the operation (uint32), the
+# address (CUdeviceptr), the value (a union of uint32 and uint64), the flags (uint32) and an alias (driver's own).
+_MEM_OP = struct.Struct("<I4xQQI4xQ8x")
+_WAIT_RESET = struct.Struct("<" + 2 * _MEM_OP.format[1:])
+_WAIT_VALUE_32, _WRITE_VALUE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STREAM_MEM_OP_WRITE_VALUE_32
+
+
 class FastDriver:
     """The same operations through ``ctypes`` straight into ``libcuda``, for the P2P path's hot loop: a
     ``cuda.bindings`` call costs several microseconds of argument conversion, and one call of a ring schedule
@@ -79,6 +87,8 @@ class FastDriver:
         self._wait = bind(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), ptr, u64, u32, ctypes.c_uint)
         self._write = bind(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), ptr, u64, u32, ctypes.c_uint)
         self._copy = bind(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), u64, u64, ctypes.c_size_t, ptr)
+        self._batch = bind(("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"), ptr, ctypes.c_uint, ptr, ctypes.c_uint)
+        self._pair = ctypes.create_string_buffer(2 * _MEM_OP.size)  # reused: the driver reads it during the call
 
     def wait_geq(self, stream: int, address: int, value: int) -> None:
         if self._wait(stream, address, value, 0):  # CU_STREAM_WAIT_VALUE_GEQ
@@ -87,6 +97,13 @@ class FastDriver:
     def write(self, stream: int, address: int, value: int) -> None:
         if self._write(stream, address, value, 0):  # CU_STREAM_WRITE_VALUE_DEFAULT: after a memory fence
             raise RuntimeError(f"cuStreamWriteValue32 failed (address {address:#x})")
+
+    def wait_reset(self, stream: int, address: int) -> None:
+        """Block ``stream`` until the int32 at ``address`` is >= 1, then write 0 there: one batch of two stream
+        memory operations, run in order (one driver call, and one graph node when captured)."""
+        _WAIT_RESET.pack_into(self._pair, 0, _WAIT_VALUE_32, address, 1, 0, 0, _WRITE_VALUE_32, address, 0, 0, 0)
+        if self._batch(stream, 2, self._pair, 0):
+            raise RuntimeError(f"cuStreamBatchMemOp failed (wait and reset of {address:#x})")
 
     def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
         if self._copy(dst, src, nbytes, stream):
