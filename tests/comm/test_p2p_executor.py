@@ -209,3 +209,15 @@ def test_calls_with_a_hook_or_under_the_debug_timeout_are_issued_eagerly(monkeyp
     for _ in range(3):
         comm.run(plan, a, b, "op")
     assert ("replay",) not in recorder.trace and recorder.trace
+
+
+def test_a_call_after_the_cublas_precision_switch_changed_is_not_replayed(monkeypatch):
+    recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
+    for _ in range(3):
+        comm.run(plan, a, b, "op")
+    matmul = torch.backends.cuda.matmul
+    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction",
+                        not matmul.allow_bf16_reduced_precision_reduction)
+    recorder.trace.clear()
+    comm.run(plan, a, b, "op")  # cuBLAS may pick another kernel now: the old graph must not run
+    assert ("replay",) not in recorder.trace and recorder.trace

@@ -225,9 +225,11 @@ class P2PCommunicator:
     def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                    gathered: torch.Tensor | None) -> tuple:
         """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
-        where each tensor lies and how it is laid out, and the workspace."""
+        where each tensor lies and how it is laid out, the workspace, and the cuBLAS switches that pick kernels."""
+        matmul = torch.backends.cuda.matmul
         return (plan, a.dtype, _address(a), _address(b), _address(out), _address(gathered),
-                self.workspace.buffer.data_ptr())
+                self.workspace.buffer.data_ptr(), matmul.allow_bf16_reduced_precision_reduction,
+                matmul.allow_fp16_reduced_precision_reduction)
 
     def _check_progress(self, waited, timeout: float, op: str) -> None:
         deadline = time.monotonic() + timeout
