@@ -98,7 +98,7 @@ MUTATIONS = [
     ("p2p-wait-not-issued", "P2P executor: a flag wait is not issued at all", P2P,
      "                wait_reset(handles[stream], flag)\n", "                pass\n", P2P_TEST),
     ("replay-output-not-in-signature", "P2P replay: a call whose output lies elsewhere replays the old graph", P2P,
-     "_address(b), _address(out), _address(gathered)", "_address(b), _address(gathered)", P2P_TEST),
+     "address(b), address(out), address(gathered)", "address(b), address(gathered)", P2P_TEST),
     ("replay-inside-user-capture", "P2P replay: a call inside a user's capture launches a graph of its own",
      REPLAY, "    return not torch.cuda.is_current_stream_capturing()\n", "    return True\n", REPLAY_TEST),
     ("p2p-join-removed", "P2P executor: the copy streams are not joined back into the caller's stream", P2P,

@@ -6,7 +6,8 @@ refuses them too, so the workspace is shared by CUDA IPC instead (``IpcWorkspace
 
 Each rank makes every rank's inputs from seeds, so the plain PyTorch result is computed locally. Every call's
 output is checked (and then poisoned with NaN, so that a later call handed the same memory shows any element it
-did not write), eager calls (``FLASHOVERLAP_REPLAY=0``) and replayed ones alike; then the host time to issue one
+did not write), eager calls (``FLASHOVERLAP_REPLAY=0``) and replayed ones alike, with a weight-gradient hook
+(``replay.Matmul``) on new values held in the replayed graphs; then the host time to issue one
 call (the GPU kept busy ahead of it) is printed for eager and replayed calls, beside ``torch.mm`` alone.
 
 CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py [out.json]
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import flashoverlap as fo
 from flashoverlap.bench.timing import QUEUE_AHEAD_CYCLES
 from flashoverlap.comm import symmetric
+from flashoverlap.comm.replay import Matmul
 from flashoverlap.comm.state import state_of
 
 SHAPES = [(1002, 1000, 520), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by 2
@@ -118,18 +120,26 @@ def main():
                     a_all, b, total = operands(op, m, n, k, world, dtype, 31 * i, transposed)
                     a, want = a_all[rank], expected_rows(op, total, rank, world)
                     plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+                    x = torch.randn(k, m, dtype=dtype, device="cuda")  # a weight gradient as the hook's work
+                    y = torch.randn(m, n, dtype=dtype, device="cuda")
                     for replay in ("0", "1"):
                         os.environ["FLASHOVERLAP_REPLAY"] = replay
                         replays = comm.graphs.replays
                         for call in range(4):
-                            got, gathered = comm.run(plan, a, b, op, return_gathered=op == "all_gather")
+                            x.normal_()  # new values in the same tensors: a graph must read them
+                            grad = torch.full((k, n), float("nan"), dtype=dtype, device="cuda")
+                            hooked = call % 2 == 0 or replay == "1"
+                            got, gathered = comm.run(plan, a, b, op, return_gathered=op == "all_gather",
+                                                     hook=Matmul(x, y, grad) if hooked else None)
                             torch.cuda.synchronize()
                             what = f"{op} {m}x{n}x{k} {dtype} b{'.t()' if transposed else ''} replay={replay} #{call}"
                             check(got, want, what)
+                            if hooked:
+                                check(grad, x @ y, what + " hook")
                             if gathered is not None:
                                 check(gathered, torch.cat(a_all), what + " gathered")
                             got.fill_(float("nan"))
-                            del got, gathered
+                            del got, gathered, grad  # the next call gets the same memory back
                             report["checked"] += 1
                         if replay == "1" and comm.graphs.replays - replays < 2:
                             count = comm.graphs.replays - replays

@@ -9,6 +9,7 @@ import torch
 
 from flashoverlap.comm import p2p
 from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.comm.replay import Matmul
 from flashoverlap.plan import TileConfig, default_plan
 
 TILE = TileConfig(16, 16, 16, 2, 1, 4)
@@ -197,7 +198,7 @@ def test_a_call_on_other_tensors_is_not_replayed_from_a_graph_of_the_first(monke
         assert ("replay",) not in recorder.trace and recorder.trace, "a graph replayed for other tensors"
 
 
-def test_calls_with_a_hook_or_under_the_debug_timeout_are_issued_eagerly(monkeypatch):
+def test_calls_with_arbitrary_hooks_or_under_the_debug_timeout_are_issued_eagerly(monkeypatch):
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch, "all_gather")
     for _ in range(3):
         comm.run(plan, a, b, "op", hook=lambda: recorder.trace.append((0, "hook")))
@@ -221,3 +222,25 @@ def test_a_call_after_the_cublas_precision_switch_changed_is_not_replayed(monkey
     recorder.trace.clear()
     comm.run(plan, a, b, "op")  # cuBLAS may pick another kernel now: the old graph must not run
     assert ("replay",) not in recorder.trace and recorder.trace
+
+
+class RecordedMatmul(Matmul):
+    def __init__(self, recorder, *tensors):
+        super().__init__(*tensors)
+        self.recorder = recorder
+
+    def __call__(self):
+        self.recorder.trace.append((0, "hook"))
+
+
+def test_a_weight_gradient_hook_is_held_in_the_graph_and_its_tensors_are_in_the_signature(monkeypatch):
+    recorder, comm, plan, a, b, _ = _replaying(monkeypatch, "all_gather")
+    x, y, grad = torch.randn(20, 8), torch.randn(8, 24), torch.zeros(20, 24)
+    for _ in range(3):
+        comm.run(plan, a, b, "op", hook=RecordedMatmul(recorder, x, y, grad))
+    assert recorder.trace.count((0, "hook")) == 2  # the eager call's, and the capture's; the replay holds it
+    assert recorder.trace[-1] == ("replay",)
+    for other in (RecordedMatmul(recorder, x, y, torch.zeros(20, 24)), RecordedMatmul(recorder, x.clone(), y, grad)):
+        recorder.trace.clear()
+        comm.run(plan, a, b, "op", hook=other)
+        assert recorder.trace.count((0, "hook")) == 1 and ("replay",) not in recorder.trace

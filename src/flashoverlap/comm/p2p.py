@@ -31,7 +31,7 @@ import torch
 from flashoverlap.comm import ring_schedule as rs
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.nccl import debug_timeout
-from flashoverlap.comm.replay import CallGraphs, replay_allowed
+from flashoverlap.comm.replay import CallGraphs, address, replay_allowed
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import Plan
 
@@ -76,9 +76,10 @@ class P2PCommunicator:
         gathered = None
         if return_gathered:
             gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
-        if hook is None and debug_timeout() is None and replay_allowed():
-            signature = self._signature(plan, a, b, out, gathered)
-            if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, op, gathered)):
+        held = None if hook is None else getattr(hook, "signature", None)  # a hook's work a graph may hold
+        if (hook is None or held is not None) and debug_timeout() is None and replay_allowed():
+            signature = (*self._signature(plan, a, b, out, gathered), held)
+            if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, op, gathered, hook)):
                 return out, gathered
         self.issue(plan, a, b, out, op, gathered, hook)
         return out, gathered
@@ -227,7 +228,7 @@ class P2PCommunicator:
         """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
         where each tensor lies and how it is laid out, the workspace, and the cuBLAS switches that pick kernels."""
         matmul = torch.backends.cuda.matmul
-        return (plan, a.dtype, _address(a), _address(b), _address(out), _address(gathered),
+        return (plan, a.dtype, address(a), address(b), address(out), address(gathered),
                 self.workspace.buffer.data_ptr(), matmul.allow_bf16_reduced_precision_reduction,
                 matmul.allow_fp16_reduced_precision_reduction)
 
@@ -243,7 +244,3 @@ class P2PCommunicator:
                     )
                 time.sleep(1e-4)
 
-
-def _address(tensor: torch.Tensor | None) -> tuple | None:
-    """What a captured call depends on of a tensor besides its values: where it is and how it is laid out."""
-    return None if tensor is None else (tensor.data_ptr(), tensor.shape, tensor.stride())

@@ -13,9 +13,11 @@ and one capture stream; at most ``capacity`` are kept, the least recently used d
 communicator replay one after another, like the group's calls themselves, so scratch memory that a graph frees
 inside its own capture may be reused by the next capture.
 
-Where replay is not used (``replay_allowed`` says why): inside a user's capture (the call is captured into the
-user's graph instead), in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``: each flag wait is polled with a deadline, which
-needs the eager schedule), with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (the deadlock argument of
+A call's independent work (a communicator's ``hook``) is held in its graph where it has a signature of its own
+(``Matmul``: a backward's weight gradient); other hooks are arbitrary code, and their calls are issued eagerly.
+Where replay is not used either (``replay_allowed`` says why): inside a user's capture (the call is captured into
+the user's graph instead), in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``: each flag wait is polled with a
+deadline, which needs the eager schedule), with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (the deadlock argument of
 ``comm/ring_schedule.py`` rests on the issue order of the streams' work, which a graph launch does not keep on a
 single hardware queue), and with ``FLASHOVERLAP_REPLAY=0``.
 """
@@ -30,6 +32,26 @@ import torch
 
 CAPACITY = 32
 CAPTURE_AFTER = 2  # calls of a signature before it is captured
+
+
+def address(tensor: torch.Tensor | None) -> tuple | None:
+    """What a captured call depends on of a tensor besides its values: where it is and how it is laid out."""
+    return None if tensor is None else (tensor.data_ptr(), tensor.shape, tensor.stride())
+
+
+class Matmul:
+    """``out = x @ y`` on the current stream, as a call's independent work (a communicator's ``hook``: a backward
+    pass's weight gradient) that a replayed call may hold, because its ``signature`` says what it depends on."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
+        self.x, self.y, self.out = x, y, out
+
+    def __call__(self) -> None:
+        torch.mm(self.x, self.y, out=self.out)
+
+    @property
+    def signature(self) -> tuple:
+        return address(self.x), address(self.y), address(self.out)
 
 
 def replay_allowed() -> bool:

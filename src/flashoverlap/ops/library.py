@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from flashoverlap.comm.replay import Matmul
 from flashoverlap.ops._common import execute
 
 
@@ -101,7 +102,7 @@ def all_gather_gemm_backward(grad_c: torch.Tensor, b: torch.Tensor, gathered: to
     """``grad_a_r = reduce_scatter(grad_c @ b^T)``, ``grad_b = gathered^T @ grad_c``."""
     grad_b = torch.empty((gathered.shape[1], grad_c.shape[1]), dtype=grad_c.dtype, device=grad_c.device)
     grad_a, _ = execute("all_gather_gemm backward", "reduce_scatter", grad_c, b.t(), _group(group), None, path,
-                        hook=lambda: torch.mm(gathered.t(), grad_c, out=grad_b))
+                        hook=Matmul(gathered.t(), grad_c, grad_b))
     return grad_a, grad_b
 
 
@@ -122,7 +123,7 @@ def gemm_reduce_scatter_backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch
     own = slice(rank * rows, (rank + 1) * rows)
     grad_b = torch.empty((a.shape[1], grad_y.shape[1]), dtype=grad_y.dtype, device=grad_y.device)
     grad_a, gathered = execute("gemm_reduce_scatter backward", "all_gather", grad_y, b.t(), process_group, None,
-                               path, True, hook=lambda: torch.mm(a[own].t(), grad_y, out=grad_b))
+                               path, True, hook=Matmul(a[own].t(), grad_y, grad_b))
     for q in range(world):
         if q != rank:
             grad_b.addmm_(a[q * rows : (q + 1) * rows].t(), gathered[q * rows : (q + 1) * rows])
@@ -140,7 +141,7 @@ def linear_column_backward(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tenso
     """``grad_x = sum_q grad_y_q @ w_q`` (``gemm_all_reduce``), ``grad_w = grad_y^T @ x``."""
     grad_w = torch.empty_like(w)
     grad_x, _ = execute("linear_column backward", "all_reduce", grad_y, w, _group(group), None, path,
-                        hook=lambda: torch.mm(grad_y.t(), x, out=grad_w))
+                        hook=Matmul(grad_y.t(), x, grad_w))
     return grad_x, grad_w
 
 
