@@ -3,7 +3,7 @@
 # nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
 # the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like
-#        reliability faults ring-nvlink ring-pcie-like"]
+#        reliability faults ring-nvlink ring-pcie-like block-profile"]
 #        [TESTS_K=<pytest -k>] [BLOCK_ARGS=...]
 #        bash benchmarks/device_run.sh
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
@@ -59,6 +59,11 @@ for setting in nvlink pcie-like; do  # the ring over NCCL send/recv beside the N
         "$OUT/$gpu-$setting-ring.json" > "$OUT/ring-$setting.log" 2>&1; echo "ring $setting: exit $?"
     grep -vE "^W[0-9]|Warning|warn" "$OUT/ring-$setting.log" | tail -16
 done
+if has block-profile; then  # where the block's training step spends GPU time, per implementation
+    timeout ${PROFILE_TIMEOUT:-240} torchrun --nproc-per-node $NGPU benchmarks/diagnostics/block_profile.py \
+        ${PROFILE_TOKENS:-8192} train > "$OUT/block-profile.log" 2>&1; echo "block-profile: exit $?"
+    grep -E "^==|^ +[0-9.]+ ms" "$OUT/block-profile.log" | head -60
+fi
 if has reliability; then
     timeout ${RELIABILITY_TIMEOUT:-400} torchrun --nproc-per-node $NGPU benchmarks/reliability.py \
         --calls ${RELIABILITY_CALLS:-10000} --out "$OUT/$gpu-reliability.json" > "$OUT/reliability.log" 2>&1
