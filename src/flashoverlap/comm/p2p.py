@@ -243,4 +243,3 @@ class P2PCommunicator:
                         "call, or called with other shapes or dtypes"
                     )
                 time.sleep(1e-4)
-
