@@ -16,24 +16,12 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from flashoverlap.bench.timing import host_us
 from flashoverlap.testing import plain
 
 SHAPE = (4096, 8192, 8192)
+PROFILE_SLEEP = 20_000_000  # about 10 ms of GPU work ahead of each call
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
-
-
-def host_us(fn, calls=20):
-    """Median host time of one call of ``fn`` issued behind GPU work."""
-    times = []
-    for _ in range(calls):
-        dist.barrier()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return 1e6 * sorted(times)[len(times) // 2]
 
 
 def main():
@@ -47,15 +35,15 @@ def main():
         rows = m // world if op == "all_gather" else m
         a = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
         b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t() / k**0.5
-        plain_us = host_us(lambda: plain(op, a, b))  # noqa: B023
+        plain_us = host_us(lambda: plain(op, a, b), sleep_cycles=PROFILE_SLEEP)  # noqa: B023
         for path in paths:
-            ours_us = host_us(lambda: OPS[op](a, b, path=path))  # noqa: B023
+            ours_us = host_us(lambda: OPS[op](a, b, path=path), sleep_cycles=PROFILE_SLEEP)  # noqa: B023
             profile = cProfile.Profile()
             spent = 0.0
             for _ in range(20):
                 dist.barrier()
                 torch.cuda.synchronize()
-                torch.cuda._sleep(20_000_000)  # about 10 ms of GPU work ahead of the call
+                torch.cuda._sleep(PROFILE_SLEEP)
                 t0 = time.perf_counter()
                 profile.enable()
                 OPS[op](a, b, path=path)

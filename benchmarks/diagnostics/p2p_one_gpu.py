@@ -15,7 +15,6 @@ CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_on
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.bench.timing import QUEUE_AHEAD_CYCLES
+from flashoverlap.bench.timing import host_us
 from flashoverlap.comm import symmetric
 from flashoverlap.comm.replay import Matmul
 from flashoverlap.comm.state import state_of
@@ -87,19 +86,6 @@ def check(got, want, what):
         raise AssertionError(f"{what}: nan={nan} rel_err={err:.2e}")
 
 
-def host_us(fn, calls=30):
-    times = []
-    for _ in range(calls):
-        dist.barrier()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return 1e6 * statistics.median(times)
-
-
 def main():
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(0)
@@ -155,8 +141,8 @@ def main():
         for replay in ("0", "1"):
             os.environ["FLASHOVERLAP_REPLAY"] = replay
             report["host_us"][f"{op} replay={replay}"] = host_us(
-                lambda plan=plan, a=a, b=b, op=op: comm.run(plan, a, b, op))
-        report["host_us"][f"{op} torch.mm"] = host_us(lambda a=a, b=b: torch.mm(a, b))
+                lambda plan=plan, a=a, b=b, op=op: comm.run(plan, a, b, op), calls=30)
+        report["host_us"][f"{op} torch.mm"] = host_us(lambda a=a, b=b: torch.mm(a, b), calls=30)
     if rank == 0:
         print(json.dumps(report, indent=1), flush=True)
         if len(sys.argv) > 1:

@@ -14,26 +14,13 @@ import time
 
 import torch
 
+from flashoverlap.bench.timing import time_ms
+
 GRID = {"all_reduce": [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
                        (2048, 8192, 14336)],
         "all_gather": [(4096, 8192, 8192), (8192, 14336, 8192), (16384, 8192, 8192), (8192, 28672, 8192)]}
 WORLD = 2
 SUB_BANDS = (1, 2, 4, 8)
-
-
-def gpu_ms(fn, iters=30):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        torch.cuda._sleep(1_000_000)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def pieces(op: str, m: int, s: int) -> list[tuple[int, int, bool]]:
@@ -65,10 +52,11 @@ def main():
             a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             b = (torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5).t()
             out = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")  # addmm_ adds to it: no garbage
-            whole = gpu_ms(lambda: torch.mm(a, b, out=out))  # noqa: B023
+            whole = time_ms(lambda: torch.mm(a, b, out=out), iters=30)  # noqa: B023
             row = {"op": op, "M": m, "N": n, "K": k, "whole_ms": whole, "split_ms": {}}
             for s in SUB_BANDS:
-                row["split_ms"][s] = gpu_ms(lambda s=s, a=a, b=b, out=out, op=op: ring_products(op, a, b, out, s))
+                row["split_ms"][s] = time_ms(lambda s=s, a=a, b=b, out=out, op=op: ring_products(op, a, b, out, s),
+                                             iters=30)
             rows.append(row)
             excess = ", ".join(f"S={s}: {100 * (t / whole - 1):+.1f}%" for s, t in row["split_ms"].items())
             print(f"{op} {m}x{n}x{k}: whole {whole:.3f} ms; {excess}", flush=True)

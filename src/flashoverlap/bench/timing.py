@@ -23,6 +23,22 @@ def start_behind_sleep(start: torch.cuda.Event) -> None:
     start.record()
 
 
+def host_us(fn: Callable[[], object], calls: int = 20, sleep_cycles: int = QUEUE_AHEAD_CYCLES) -> float:
+    """This rank's median host time (microseconds) to issue one call of ``fn`` while the GPU is busy ahead of it
+    (``sleep_cycles`` of GPU sleep), the ranks aligned before each call where a process group exists."""
+    times = []
+    for _ in range(calls):
+        if dist.is_initialized():
+            dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
 def time_ms(
     fn: Callable[[], object],
     *,

@@ -65,7 +65,8 @@ _WAIT_VALUE_32, _WRITE_VALUE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STR
 
 
 class FastDriver:
-    """The same operations through ``ctypes`` straight into ``libcuda``, for the P2P path's hot loop: a
+    """The P2P path's operations (a write, a copy, a wait with its reset) through ``ctypes`` straight into
+    ``libcuda``, for its hot loop: a
     ``cuda.bindings`` call costs several microseconds of argument conversion, and one call of a ring schedule
     issues dozens of them. Raw stream handles (``torch.cuda.Stream.cuda_stream``) and device addresses; every
     result is checked."""
@@ -84,15 +85,10 @@ class FastDriver:
             raise RuntimeError(f"libcuda has none of {names}")
 
         u64, u32, ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
-        self._wait = bind(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), ptr, u64, u32, ctypes.c_uint)
         self._write = bind(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), ptr, u64, u32, ctypes.c_uint)
         self._copy = bind(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), u64, u64, ctypes.c_size_t, ptr)
         self._batch = bind(("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"), ptr, ctypes.c_uint, ptr, ctypes.c_uint)
         self._pair = ctypes.create_string_buffer(2 * _MEM_OP.size)  # reused: the driver reads it during the call
-
-    def wait_geq(self, stream: int, address: int, value: int) -> None:
-        if self._wait(stream, address, value, 0):  # CU_STREAM_WAIT_VALUE_GEQ
-            raise RuntimeError(f"cuStreamWaitValue32 failed (address {address:#x})")
 
     def write(self, stream: int, address: int, value: int) -> None:
         if self._write(stream, address, value, 0):  # CU_STREAM_WRITE_VALUE_DEFAULT: after a memory fence
