@@ -66,10 +66,9 @@ _WAIT_VALUE_32, _WRITE_VALUE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STR
 
 class FastDriver:
     """The P2P path's operations (a write, a copy, a wait with its reset) through ``ctypes`` straight into
-    ``libcuda``, for its hot loop: a
-    ``cuda.bindings`` call costs several microseconds of argument conversion, and one call of a ring schedule
-    issues dozens of them. Raw stream handles (``torch.cuda.Stream.cuda_stream``) and device addresses; every
-    result is checked."""
+    ``libcuda``, for its hot loop: a ``cuda.bindings`` call costs several microseconds of argument conversion, and
+    one call of a ring schedule issues dozens of them. Raw stream handles (``torch.cuda.Stream.cuda_stream``) and
+    device addresses; every result is checked."""
 
     def __init__(self) -> None:
         import ctypes
