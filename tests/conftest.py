@@ -1,4 +1,36 @@
 import os
 
+import pytest
+import torch
+
 # What the environment said before any test module was imported (see tests/test_environment.py).
 INITIAL_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
+
+
+def _globals() -> dict:
+    """The process-wide torch entry points and switches that CPU tests stand in for (fake CUDA streams, a recording
+    allocator) or flip: each must be the same after every test as before it."""
+    matmul = torch.backends.cuda.matmul
+    return {
+        "torch.empty": torch.empty,
+        "torch.zeros": torch.zeros,
+        "torch.cuda.current_stream": torch.cuda.current_stream,
+        "torch.cuda.is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "torch.cuda.is_available": torch.cuda.is_available,
+        "torch.cuda.Stream": torch.cuda.Stream,
+        "torch.cuda.Event": torch.cuda.Event,
+        "torch.Tensor.record_stream": torch.Tensor.record_stream,
+        "torch.mm": torch.mm,
+        "allow_bf16_reduced_precision_reduction": matmul.allow_bf16_reduced_precision_reduction,
+        "allow_fp16_reduced_precision_reduction": matmul.allow_fp16_reduced_precision_reduction,
+    }
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_stand_ins():
+    """Fail the test that leaves a stand-in or a flipped switch behind, instead of the unrelated tests after it."""
+    before = _globals()
+    yield
+    changed = [name for name, value in _globals().items() if value is not before[name]
+               and value != before[name]]
+    assert not changed, f"this test left {changed} changed for the tests after it"

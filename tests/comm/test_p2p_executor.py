@@ -4,6 +4,8 @@ flag on the same stream, every copy moves its rows' bytes on its stream between 
 signal writes the right flag, events order the right streams, the hook runs where the schedule says, and the
 copy streams are joined back into the caller's stream."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -168,7 +170,8 @@ def _replaying(monkeypatch, op="reduce_scatter"):
     monkeypatch.setattr(p2p, "replay_allowed", lambda: True)
     # The allocator hands out the same block for a shape, call after call.
     blocks = {tuple(out.shape): out, tuple(gathered.shape): gathered}
-    monkeypatch.setattr(p2p.torch, "empty", lambda shape, **kw: blocks[tuple(shape)])
+    # On this communicator alone: a stand-in for torch.empty itself would outlive the test if an undo failed.
+    monkeypatch.setattr(comm, "_new", lambda shape, dtype: blocks[tuple(shape)])
     return recorder, comm, plan, a, b, blocks
 
 
@@ -216,12 +219,24 @@ def test_a_call_after_the_cublas_precision_switch_changed_is_not_replayed(monkey
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
     for _ in range(3):
         comm.run(plan, a, b, "op")
-    matmul = torch.backends.cuda.matmul
-    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction",
-                        not matmul.allow_bf16_reduced_precision_reduction)
-    recorder.trace.clear()
-    comm.run(plan, a, b, "op")  # cuBLAS may pick another kernel now: the old graph must not run
+    with flipped_bf16_reduced_precision():
+        recorder.trace.clear()
+        comm.run(plan, a, b, "op")  # cuBLAS may pick another kernel now: the old graph must not run
     assert ("replay",) not in recorder.trace and recorder.trace
+
+
+@contextlib.contextmanager
+def flipped_bf16_reduced_precision():
+    """cuBLAS's bf16 reduced-precision switch flipped, and set back through the same setter whatever happens.
+    (Not monkeypatch: the switch is a property of torch's cuBLAS module, not a plain attribute, and pytest >= 9.2
+    undoes such a patch with ``delattr``, which raises and leaves the rest of the test's patches in place.)"""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = not before
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
 
 
 class RecordedMatmul(Matmul):

@@ -72,10 +72,10 @@ class P2PCommunicator:
         if (plan, a.dtype, b.stride()) not in self._warm:
             self._load_kernels(plan, a, b, op)
         rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
-        out = torch.empty((rows, plan.n), dtype=a.dtype, device=a.device)
+        out = self._new((rows, plan.n), a.dtype)
         gathered = None
         if return_gathered:
-            gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
+            gathered = self._new((plan.m, plan.k), a.dtype)
         held = None if hook is None else getattr(hook, "signature", None)  # a hook's work a graph may hold
         if (hook is None or held is not None) and debug_timeout() is None and replay_allowed():
             signature = (*self._signature(plan, a, b, out, gathered), held)
@@ -83,6 +83,11 @@ class P2PCommunicator:
                 return out, gathered
         self.issue(plan, a, b, out, op, gathered, hook)
         return out, gathered
+
+    def _new(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A call's output or gathered buffer, from the caching allocator (whose reuse of addresses is what lets a
+        repeated call replay its graph)."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def prepare(self, plan: Plan, dtype: torch.dtype, op: str) -> None:
         """Step 1: the workspace holds this plan's largest region, in each of the ``W + 1`` region slots."""
@@ -102,7 +107,7 @@ class P2PCommunicator:
         is returned)."""
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
-            gathered = torch.empty((plan.m, plan.k), dtype=a.dtype, device=self.device)
+            gathered = self._new((plan.m, plan.k), a.dtype)
         program, ops, joined = self._program(plan, a.dtype, gathered_own)
         compute = torch.cuda.current_stream(self.device)
         streams = (compute, self.copy_stream, self.local_stream)
