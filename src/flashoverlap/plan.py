@@ -445,6 +445,14 @@ def split_rows(tiles_m: int, num_groups: int, profile: str = "even", ratio: floa
     return tuple(sizes)
 
 
+def sequential_plan(op: str, m: int, n: int, k: int, world_size: int, path: str = "nccl") -> Plan:
+    """The plan that runs ``op`` as plain PyTorch would: the matmul, then one collective on the whole result."""
+    tile = default_tile_config(m, n, k)
+    blocks = world_size if op in BLOCKED_OPS else 1
+    return Plan(op, m, n, k, world_size, tile, (math.ceil(max(1, m // blocks) / tile.block_m),), sequential=True,
+                path=path)
+
+
 def default_plan(
     op: str,
     m: int,

@@ -39,7 +39,8 @@ def test_needs_initialised_distributed():
          "a must be 2-D"),
         (lambda: (torch.randn(3, 4, dtype=torch.float16), torch.randn(4, dtype=torch.float16)), ValueError,
          "b must be 2-D"),
-        (lambda: (torch.randn(3, 4), torch.randn(4, 5)), ValueError, "a must be bfloat16 or float16"),
+        (lambda: (torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)), ValueError,
+         "a must be bfloat16, float16 or float32"),
         (lambda: (torch.randn(3, 4, dtype=torch.float16), torch.randn(4, 5, dtype=torch.bfloat16)), ValueError,
          "same dtype"),
         (lambda: (torch.randn(3, 4, dtype=torch.float16), torch.randn(5, 5, dtype=torch.float16)), ValueError,
@@ -163,3 +164,10 @@ def test_debug_mode_catches_ranks_that_disagree_or_never_come(what):
 
     results = spawn(_disagree, 2, args=(what,))
     assert results == (["timed out", "skipped"] if what == "skip" else ["refused", "refused"])
+
+
+def test_float32_takes_no_overlapped_plan(world_of_one):
+    a, b = _ab(dtype=torch.float32)
+    plan = fo.default_plan("all_reduce", 8, 6, 4, 1, allow_sequential=False)
+    with pytest.raises(ValueError, match="float32 runs only the matmul-then-collective plan"):
+        fo.gemm_all_reduce(a, b, plan=plan)

@@ -64,3 +64,24 @@ def _check_subgroup(rank, world_size):
 
 def test_reference_all_reduce_subgroup():
     assert spawn(_check_subgroup, 3)[1:] == [(33, 50), (33, 50)]
+
+
+def _check_float32(rank, world_size):
+    """float32 runs the reference path on the CPU (and the sequential plan on CUDA): every op, plain PyTorch's
+    answer to float32 rounding."""
+    torch.manual_seed(rank)
+    a, w = torch.randn(6, 5), torch.randn(7, 5)
+    want = a @ w.t()
+    dist.all_reduce(want)
+    got = torch.full_like(want, float("nan"))
+    got.copy_(fo.gemm_all_reduce(a, w.t()))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(fo.gemm_reduce_scatter(a, w.t()), want[3 * rank : 3 * rank + 3])
+    shards = [torch.empty(3, 5) for _ in range(world_size)]
+    dist.all_gather(shards, a[:3].contiguous())
+    torch.testing.assert_close(fo.all_gather_gemm(a[:3], w.t()), torch.cat(shards) @ w.t())
+    assert got.dtype == torch.float32
+
+
+def test_reference_ops_take_float32():
+    spawn(_check_float32, 2, "gloo")

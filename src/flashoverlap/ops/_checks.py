@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The overlapped paths' kernels (Triton, and cuBLAS sub-bands accumulated in the output) are half-precision: float32
+# calls run the plain matmul and one collective (a sequential plan) on CUDA, and the reference path elsewhere.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 PATHS = ("auto", "nccl", "p2p", "ring", "reference")
 
 
@@ -18,7 +21,7 @@ def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:
         if t.ndim != 2:
             raise ValueError(f"{op}: {name} must be 2-D, got shape {list(t.shape)}")
         if t.dtype not in DTYPES:
-            raise ValueError(f"{op}: {name} must be bfloat16 or float16, got {t.dtype}")
+            raise ValueError(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     if a.dtype != b.dtype:
         raise ValueError(f"{op}: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")

@@ -20,8 +20,8 @@ from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.comm.nccl import debug_timeout
 from flashoverlap.comm.state import GroupState, existing_state, state_of
 from flashoverlap.comm.symmetric import p2p_excluded
-from flashoverlap.ops._checks import PATHS, check_group, check_operands, choose_path
-from flashoverlap.plan import OPS, Plan, default_plan
+from flashoverlap.ops._checks import HALF_DTYPES, PATHS, check_group, check_operands, choose_path
+from flashoverlap.plan import OPS, Plan, default_plan, sequential_plan
 from flashoverlap.tune import cache, rates
 
 _LOG = logging.getLogger("flashoverlap")
@@ -115,8 +115,13 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
     m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
-    automatic = path == "auto" and plan is None and a.device.type == "cuda"
+    full_precision = a.dtype not in HALF_DTYPES
+    automatic = path == "auto" and plan is None and a.device.type == "cuda" and not full_precision
     path = choose_path(name, path, a.device, None if plan is None else plan.path)
+    if full_precision and (path in ("p2p", "ring") or (plan is not None and not plan.sequential)):
+        raise ValueError(f"{name}: {a.dtype} runs only the matmul-then-collective plan or the reference path (the "
+                         "overlapped paths' kernels are bfloat16/float16): use path='auto' with no plan, or cast a "
+                         "and b to torch.bfloat16")
     resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
     state = existing_state(resolved, a.device)
     if state is None:  # the group's first call on this device: check it once
@@ -142,8 +147,12 @@ def prepare_call(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: di
             if reason is not None:
                 raise ValueError(f"{name}: path='p2p' cannot apply to this group: {reason}; use path='nccl'")
         plan_path = path if path in ("p2p", "ring") else "nccl"
-        default = None if plan is not None else tuned or plan_for(op, m, n, k, state.group, a.device, a.dtype,
-                                                                   plan_path)
+        if plan is not None:
+            default = None
+        elif full_precision:
+            default = sequential_plan(op, m, n, k, world_size)
+        else:
+            default = tuned or plan_for(op, m, n, k, state.group, a.device, a.dtype, plan_path)
         if len(state.calls) > 1024:
             state.calls.clear()
         state.calls[key] = (default, path)
@@ -191,7 +200,7 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
         return communicator.run(plan, a, b, name, return_gathered, hook)
 
 
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
 def check_agreement(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
