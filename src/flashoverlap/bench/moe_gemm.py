@@ -1,0 +1,288 @@
+"""The expert GEMMs on one GPU: our grouped GEMM as the MoE paths run it, against ``torch._grouped_mm`` and a
+per-expert ``torch.mm`` loop, at the per-rank slices (W = 2) of issue 20's three configs.
+
+A rank's slice at W = 2 holds ``experts`` local experts and ``rows`` received rows (tokens x top-k), laid out as
+the dispatch delivers them: per source rank, per local expert (``2 * experts`` segments). Routing: balanced (every
+(source, expert) the same rows) or Zipf(1.2) (expert popularity ``i^-1.2`` over the local experts in a seeded
+random order, each row's source uniform). Projections: ``up`` ``[rows, H] x [H, 2F]`` (gate and up fused) and
+``down`` ``[rows, F] x [F, H]``; weights ``[E, K, N]`` row-major, fresh random bf16 inputs.
+
+Per row, timed side by side (CUDA events, median, each call queued behind a GPU sleep, warm-up first):
+- ``t_triton_ms``: ``grouped_gemm`` on the dispatch layout with signals on (one group per source rank, flags
+  zeroed between calls, untimed), heavy-first order; ``t_src_first_ms`` the same with the own source first
+  (``seg_priority`` = source), ``t_given_ms`` in the given order;
+- ``t_grouped_mm_ms``: one ``torch._grouped_mm`` on the rows regrouped by expert (the plain path's anchor);
+  ``t_cublas_path_ms``: one ``torch._grouped_mm`` per source chunk, as the P2P path runs cuBLAS on the dispatch
+  layout;
+- ``t_loop_ms``: ``torch.mm`` per expert on the regrouped rows; ``t_loop_path_ms``: per non-empty segment.
+``path`` is what ``choose_grouped_gemm`` picks, ``t_ms`` that path as the paths run it, ``tflops`` at ``t_ms``.
+
+``python -m flashoverlap.bench.moe_gemm --out FILE`` writes ``{"meta", "rows"}``; ``--sweep FILE`` times tile
+variants of ours instead (the measurements behind ``kernels.grouped_gemm``'s tile and policy tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import torch
+
+from flashoverlap.bench.timing import host_us, time_side_by_side
+from flashoverlap.kernels.grouped_gemm import (
+    GroupedTile,
+    choose_grouped_gemm,
+    default_tile,
+    grouped_gemm,
+)
+
+WORLD = 2
+# name: (local experts at W = 2, hidden H, expert FFN F, rows per rank = tokens x top-k)
+CONFIGS = {
+    "mixtral": (4, 4096, 14336, 16384),
+    "qwen3-30b-a3b": (64, 2048, 768, 65536),
+    "deepseek-v3": (128, 7168, 2048, 32768),
+}
+TOY_CONFIGS = {"toy": (3, 32, 24, 200)}  # for a dry run of the bench's plumbing on the CPU
+ROUTINGS = ("balanced", "zipf")
+PROJS = ("up", "down")
+
+# Tile variants the sweep times (kernels/grouped_gemm.py's DEFAULT_TILES come from these).
+# Suffix: -p one persistent program per SM, -p2 two, -np one program per tile of the bound.
+SWEEP_TILES = {
+    "128x256x64-s3-w8-p": GroupedTile(128, 256, 64, 8, 3, 8, 0),
+    "128x256x64-s3-w8-np": GroupedTile(128, 256, 64, 8, 3, 8, None),
+    "128x256x64-s4-w8-p": GroupedTile(128, 256, 64, 8, 4, 8, 0),
+    "128x256x64-s4-w8-np": GroupedTile(128, 256, 64, 8, 4, 8, None),
+    "128x128x64-s3-w4-p2": GroupedTile(128, 128, 64, 8, 3, 4, -2),
+    "128x128x64-s4-w8-p": GroupedTile(128, 128, 64, 8, 4, 8, 0),
+    "128x128x64-s4-w8-np": GroupedTile(128, 128, 64, 8, 4, 8, None),
+    "64x256x64-s4-w4-p": GroupedTile(64, 256, 64, 8, 4, 4, 0),
+    "256x128x64-s3-w8-p": GroupedTile(256, 128, 64, 8, 3, 8, 0),
+}
+
+
+def routing_counts(rows: int, experts: int, routing: str, seed: int = 0) -> torch.Tensor:
+    """Rows per (source rank, local expert), ``[WORLD, experts]`` int64, summing to ``rows``."""
+    if routing == "balanced":
+        flat = torch.full((WORLD * experts,), rows // (WORLD * experts), dtype=torch.int64)
+        flat[: rows - int(flat.sum())] += 1
+        return flat.view(WORLD, experts)
+    gen = torch.Generator().manual_seed(seed)
+    popularity = torch.arange(1, experts + 1, dtype=torch.float64) ** -1.2
+    popularity = popularity[torch.randperm(experts, generator=gen)]
+    expert = torch.multinomial(popularity, rows, replacement=True, generator=gen)
+    source = torch.randint(0, WORLD, (rows,), generator=gen)
+    return torch.bincount(source * experts + expert, minlength=WORLD * experts).view(WORLD, experts)
+
+
+class Slice:
+    """One rank's operands at one (config, routing, proj), in the dispatch layout and regrouped by expert."""
+
+    def __init__(self, config: str, routing: str, proj: str, seed: int = 0, device: str = "cuda"):
+        experts, hidden, ffn, rows = CONFIGS[config] if config in CONFIGS else TOY_CONFIGS[config]
+        self.k, self.n = (hidden, 2 * ffn) if proj == "up" else (ffn, hidden)
+        self.experts, self.rows = experts, rows
+        self.counts = routing_counts(rows, experts, routing, seed)  # [WORLD, experts], dispatch order
+        dev = torch.device(device)
+        gen = torch.Generator(device=dev).manual_seed(seed + 1)
+        self.x = torch.randn(rows, self.k, dtype=torch.bfloat16, device=dev, generator=gen)
+        self.w = torch.randn(experts, self.k, self.n, dtype=torch.bfloat16, device=dev, generator=gen)
+        self.w /= self.k**0.5
+        flat = self.counts.flatten()
+        self.seg_ends = flat.cumsum(0).to(torch.int32).to(dev)
+        self.seg_expert = torch.arange(experts, dtype=torch.int32).repeat(WORLD).to(dev)
+        self.seg_source = torch.arange(WORLD, dtype=torch.int32).repeat_interleave(experts).to(dev)
+        self.flags = torch.zeros(WORLD, dtype=torch.int32, device=dev)
+        # Host-side segment bounds (the loops need them; the Triton and _grouped_mm calls do not).
+        ends = flat.cumsum(0).tolist()
+        self.segments = list(zip([0, *ends[:-1]], ends, [e for _ in range(WORLD) for e in range(experts)]))
+        # Expert-major regrouping: rows of expert e from every source, sources in order.
+        order = sorted(range(len(self.segments)), key=lambda i: (self.segments[i][2], i))
+        perm = torch.cat([torch.arange(self.segments[i][0], self.segments[i][1]) for i in order])
+        self.perm = perm.to(dev)
+        self.x_by_expert = self.x[self.perm].contiguous()
+        per_expert = self.counts.sum(0)
+        self.offs = per_expert.cumsum(0).to(torch.int32).to(dev)
+        expert_ends = per_expert.cumsum(0).tolist()
+        self.expert_bounds = list(zip([0, *expert_ends[:-1]], expert_ends))
+        chunk_ends = self.counts.sum(1).cumsum(0).tolist()
+        self.chunks = [(a, b, self.counts[s].cumsum(0).to(torch.int32).to(dev))
+                       for s, (a, b) in enumerate(zip([0, *chunk_ends[:-1]], chunk_ends))]
+        self.out = torch.empty(rows, self.n, dtype=torch.bfloat16, device=dev)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.k * self.n
+
+    def triton(self, tile: GroupedTile | None = None, order: str = "heavy-first", priority: bool = False):
+        prio = self.seg_source if priority else None
+        return lambda: grouped_gemm(self.x, self.w, self.seg_ends, self.seg_expert, out=self.out,
+                                    seg_signal=self.seg_source, flags=self.flags, order=order, seg_priority=prio,
+                                    tile=tile)
+
+    def grouped_mm(self):
+        return lambda: torch._grouped_mm(self.x_by_expert, self.w, offs=self.offs)
+
+    def cublas_path(self):
+        def run():
+            for a, b, offs in self.chunks:
+                torch._grouped_mm(self.x[a:b], self.w, offs=offs)
+        return run
+
+    def loop(self):
+        def run():
+            for e, (a, b) in enumerate(self.expert_bounds):
+                if b > a:
+                    torch.mm(self.x_by_expert[a:b], self.w[e], out=self.out[a:b])
+        return run
+
+    def loop_path(self):
+        def run():
+            for a, b, e in self.segments:
+                if b > a:
+                    torch.mm(self.x[a:b], self.w[e], out=self.out[a:b])
+        return run
+
+    def check(self, fn: Callable[[], object], what: str) -> float:
+        """Relative error of ``fn``'s output (poisoned first) against ``torch._grouped_mm``."""
+        self.out.fill_(float("nan"))
+        self.flags.zero_()
+        fn()
+        want = torch._grouped_mm(self.x_by_expert, self.w, offs=self.offs).float()
+        got = self.out[self.perm].float()
+        if torch.isnan(got).any():
+            raise AssertionError(f"{what}: NaN in the output (a row was never written)")
+        if what.startswith("triton") and self.flags.tolist() != [1] * WORLD:
+            raise AssertionError(f"{what}: flags {self.flags.tolist()} after the call, expected all 1")
+        err = float((got - want).norm() / want.norm())
+        if err > 1e-2:
+            raise AssertionError(f"{what}: relative error {err:.2e} against torch._grouped_mm")
+        return err
+
+
+def _meta(argv: list[str]) -> dict:
+    commit = os.environ.get("FLASHOVERLAP_COMMIT")
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    check=True).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True).stdout.strip()
+            commit += "-dirty" if dirty else ""
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "world_size_sliced": WORLD,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "commit": commit,
+        "command": os.environ.get("FLASHOVERLAP_COMMAND", " ".join(["python -m flashoverlap.bench.moe_gemm", *argv])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def bench_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> dict:
+    s = Slice(config, routing, proj)
+    tile = default_tile(s.rows, s.experts, s.k, s.n)
+    fns = {"triton": s.triton(tile), "src_first": s.triton(tile, priority=True),
+           "given": s.triton(tile, order="given"), "grouped_mm": s.grouped_mm(), "cublas_path": s.cublas_path(),
+           "loop": s.loop(), "loop_path": s.loop_path()}
+    errs = {name: s.check(fns[name], name) for name in ("triton", "src_first", "given", "loop_path")}
+    zero = s.flags.zero_
+    before = {name: zero for name in ("triton", "src_first", "given")}
+    hosts: dict[str, float] = {}
+    t = time_side_by_side(fns, warmup=warmup, iters=iters, before=before, host_us=hosts)
+    path = choose_grouped_gemm(experts=s.experts, rows=s.rows, k=s.k, n=s.n, dtype=torch.bfloat16)
+    t_ms = {"triton": t["triton"], "cublas": t["cublas_path"], "loop": t["loop_path"]}[path]
+    zero()
+    return {
+        "config": config, "routing": routing, "proj": proj, "path": path, "experts": s.experts, "rows": s.rows,
+        "K": s.k, "N": s.n, "max_expert_rows": int(s.counts.sum(0).max()), "t_ms": t_ms,
+        "t_grouped_mm_ms": t["grouped_mm"], "t_loop_ms": t["loop"], "tflops": s.flops / t_ms / 1e9,
+        "t_triton_ms": t["triton"], "t_src_first_ms": t["src_first"], "t_given_ms": t["given"],
+        "t_cublas_path_ms": t["cublas_path"], "t_loop_path_ms": t["loop_path"],
+        "triton_vs_grouped_mm": t["grouped_mm"] / t["triton"],
+        "tile": [tile.block_m, tile.block_n, tile.block_k, tile.group_m, tile.num_stages, tile.num_warps,
+                 tile.num_programs],
+        "host_us": {"triton": host_us(fns["triton"]), "grouped_mm": host_us(fns["grouped_mm"])},
+        "rel_err": errs,
+    }
+
+
+def sweep_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> dict:
+    s = Slice(config, routing, proj)
+    fns: dict[str, Callable[[], object]] = {}
+    for name, tile in SWEEP_TILES.items():
+        if tile.num_programs is not None and tile.num_programs < 0:  # -k: k programs per SM
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            tile = GroupedTile(tile.block_m, tile.block_n, tile.block_k, tile.group_m, tile.num_stages,
+                               tile.num_warps, -tile.num_programs * sms)
+        try:
+            s.check(s.triton(tile), f"triton {name}")
+        except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
+            print(f"  {config} {routing} {proj} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        fns[name] = s.triton(tile)
+        if name == "128x256x64-s3-w8-p":
+            fns[name + "-srcfirst"] = s.triton(tile, priority=True)
+            fns[name + "-given"] = s.triton(tile, order="given")
+    fns["grouped_mm"] = s.grouped_mm()
+    fns["loop"] = s.loop()
+    before = {name: s.flags.zero_ for name in fns if name not in ("grouped_mm", "loop")}
+    t = time_side_by_side(fns, warmup=warmup, iters=iters, before=before)
+    return {"config": config, "routing": routing, "proj": proj, "experts": s.experts, "rows": s.rows, "K": s.k,
+            "N": s.n, "flops": s.flops, "t_ms": t}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.moe_gemm", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="results JSON (benchmarks/results/h200x1-moe-gemm.json)")
+    parser.add_argument("--sweep", help="time SWEEP_TILES instead and write them to this JSON")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--routings", default=",".join(ROUTINGS))
+    parser.add_argument("--projs", default=",".join(PROJS))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_gemm: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = []
+    for config in args.configs.split(","):
+        for routing in args.routings.split(","):
+            for proj in args.projs.split(","):
+                fn = sweep_row if args.sweep else bench_row
+                row = fn(config, routing, proj, args.iters, args.warmup)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache()
+    if args.sweep:
+        for r in rows:  # the fastest variants first, as a fraction of torch._grouped_mm's time
+            ranked = sorted(r["t_ms"].items(), key=lambda kv: kv[1])
+            print(f"{r['config']} {r['routing']} {r['proj']}: g_mm {r['t_ms']['grouped_mm']:.3f} ms; "
+                  + ", ".join(f"{name} {r['t_ms']['grouped_mm'] / t:.3f}" for name, t in ranked[:5]))
+    else:
+        print(f"{'config':14} {'routing':8} {'proj':4} {'path':6} {'ours':>7} {'g_mm':>7} {'loop':>7} "
+              f"{'ratio':>6} {'TFLOP/s':>7}")
+        for r in rows:
+            print(f"{r['config']:14} {r['routing']:8} {r['proj']:4} {r['path']:6} {r['t_triton_ms']:7.3f} "
+                  f"{r['t_grouped_mm_ms']:7.3f} {r['t_loop_ms']:7.3f} {r['triton_vs_grouped_mm']:6.3f} "
+                  f"{r['tflops']:7.1f}")
+    target = args.sweep or args.out
+    if target:
+        with open(target, "w") as f:
+            json.dump({"meta": _meta(argv), "rows": rows}, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""The grouped GEMM of the expert-parallel paths: ``out[rows of segment s] = x[rows of s] @ w[seg_expert[s]]``
+over contiguous row segments, in a device-chosen tile order, publishing a flag per signal group.
+
+Segment sizes never reach the host (the bounded MoE mode is replayed from a CUDA graph): a one-program prep kernel
+reads the segment ends on the device, orders the segments (``order``/``seg_priority``), and writes a small table
+(per position in that order: cumulative tile end, rows, expert, signal group) plus each group's expected tile count.
+The GEMM kernel then walks tiles ``pid, pid + programs, ...`` up to the table's total; a tile finds its segment by
+counting the cumulative ends at or below its index (one vector load of the table, no search loop), so tiles never
+straddle two segments. The grid is sized on the host from a bound (``max_rows``); a bound that is too small costs
+time (programs take more tiles), never correctness.
+
+Signals, as in ``kernels/gemm.py``: after a tile is stored, ``debug_barrier`` then one acq_rel atomic on its group's
+counter; the tile that brings the counter to the group's expected count resets the counter and sets
+``flags[g] = 1`` with release semantics, so a waiter on the flag (a stream wait, an acquire load) sees every row of
+the group. Groups with no tiles are flagged by the prep kernel.
+
+``torch._grouped_mm`` (cuBLAS/CUTLASS) is the alternative where it measures faster; ``choose_grouped_gemm`` holds
+the measured policy and ``grouped_mm_reference`` the plain-PyTorch oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# The sort key packs (priority, -m tiles, expert, segment) into one int64 (the prep kernel sorts keys, not pairs).
+_SEG_BITS, _EXPERT_BITS, _MTILE_BITS, _PRIO_BITS = 13, 16, 22, 12
+MAX_SEGMENTS = 1 << _SEG_BITS
+MAX_EXPERTS = 1 << _EXPERT_BITS
+MAX_PRIORITY = (1 << _PRIO_BITS) - 1
+_INT32_MAX = 2**31 - 1
+# Table rows (each BLOCK_S long), then counters and expected tile counts (each num_groups long).
+_CUM, _TILE0, _ROW0, _ROW1, _EXPERT, _GROUP = range(6)
+_TABLE_ROWS = 6
+
+
+@triton.jit
+def _segment_table_kernel(
+    seg_ends_ptr,  # int32 [S]: cumulative row ends
+    seg_expert_ptr,  # int32 [S]
+    seg_signal_ptr,  # int32 [S] (SIGNAL)
+    seg_priority_ptr,  # int32 [S] (HAS_PRIORITY)
+    table_ptr,  # int32 [6 * BLOCK_S + 2 * num_groups]: written here
+    flags_ptr,  # int32 [num_groups] (SIGNAL): set to 1 for groups with no tiles
+    num_segments,
+    num_groups,
+    num_experts,
+    total_rows,
+    tiles_n,
+    BLOCK_S: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SORT: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
+    HAS_PRIORITY: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    HAS_GROUPS: tl.constexpr,  # seg_signal given; otherwise every segment is in group 0
+    PEER: tl.constexpr,
+):
+    pos = tl.arange(0, BLOCK_S)
+    valid = pos < num_segments
+    if SORT:
+        # Rows are clamped to [0, total_rows] and an end below its start is an empty segment: a bad table costs
+        # wrong rows, never an access out of bounds.
+        end = tl.load(seg_ends_ptr + pos, mask=valid, other=0)
+        start = tl.load(seg_ends_ptr + pos - 1, mask=valid & (pos > 0), other=0)
+        start = tl.minimum(tl.maximum(start, 0), total_rows)
+        end = tl.maximum(tl.minimum(tl.maximum(end, 0), total_rows), start)
+        key = pos.to(tl.int64)
+        if HEAVY_FIRST:
+            m_tiles = tl.minimum(tl.cdiv(end - start, BLOCK_M), (1 << 22) - 1)
+            expert = tl.load(seg_expert_ptr + pos, mask=valid, other=0)
+            expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1)
+            # More tiles first; equal tile counts by expert, so that one expert's segments (one per source rank)
+            # run side by side and share its weights through L2.
+            key |= expert.to(tl.int64) << 13
+            key |= ((1 << 22) - 1 - m_tiles).to(tl.int64) << 29
+        if HAS_PRIORITY:
+            prio = tl.load(seg_priority_ptr + pos, mask=valid, other=0)
+            prio = tl.minimum(tl.maximum(prio, 0), (1 << 12) - 1)
+            key |= prio.to(tl.int64) << 51
+        key = tl.where(valid, key, 0x7FFFFFFFFFFFFFFF)
+        key = tl.sort(key)
+        seg = (key & ((1 << 13) - 1)).to(tl.int32)
+    else:
+        seg = pos
+    end = tl.load(seg_ends_ptr + seg, mask=valid, other=0)
+    start = tl.load(seg_ends_ptr + seg - 1, mask=valid & (seg > 0), other=0)
+    start = tl.minimum(tl.maximum(start, 0), total_rows)
+    end = tl.maximum(tl.minimum(tl.maximum(end, 0), total_rows), start)
+    tiles = tl.where(valid, tl.cdiv(end - start, BLOCK_M) * tiles_n, 0)
+    cum = tl.cumsum(tiles, 0)
+    expert = tl.load(seg_expert_ptr + seg, mask=valid, other=0)
+    expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1)
+    tl.store(table_ptr + 0 * BLOCK_S + pos, tl.where(valid, cum, 0x7FFFFFFF))
+    tl.store(table_ptr + 1 * BLOCK_S + pos, cum - tiles)
+    tl.store(table_ptr + 2 * BLOCK_S + pos, start)
+    tl.store(table_ptr + 3 * BLOCK_S + pos, end)
+    tl.store(table_ptr + 4 * BLOCK_S + pos, expert)
+    if SIGNAL:
+        if HAS_GROUPS:
+            group = tl.load(seg_signal_ptr + seg, mask=valid, other=-1)
+        else:
+            group = tl.where(valid, 0, -1)
+        group = tl.where((group >= 0) & (group < num_groups), group, -1)  # out of range: never signalled
+        tl.store(table_ptr + 5 * BLOCK_S + pos, group)
+        counters_ptr = table_ptr + 6 * BLOCK_S
+        for g in range(num_groups):
+            expected = tl.sum(tl.where(group == g, tiles, 0), axis=0)
+            tl.store(counters_ptr + g, 0)
+            tl.store(counters_ptr + num_groups + g, expected)
+            if expected == 0:
+                # Nothing will ever be stored for this group: flag it now, so that its waiter does not hang.
+                if PEER:
+                    tl.atomic_xchg(flags_ptr + g, 1, sem="release", scope="sys")
+                else:
+                    tl.atomic_xchg(flags_ptr + g, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    x,  # [rows, K]: a pointer, or a TMA descriptor with block [BLOCK_M, BLOCK_K]
+    w,  # pointer to [E, K, N] (any strides), or a TMA descriptor of [E*K, N] / (W_KMAJOR) [E*N, K]
+    out,  # [rows, N] pointer
+    table_ptr,  # int32: the prep kernel's table
+    flags_ptr,  # int32 [num_groups] (SIGNAL)
+    total_rows,
+    N,
+    K,
+    num_segments,
+    num_groups,
+    tiles_n,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    W_KMAJOR: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    PEER: tl.constexpr,
+):
+    cum = tl.load(table_ptr + tl.arange(0, BLOCK_S))  # cumulative tile ends in tile order; INT32_MAX past the end
+    total = tl.load(table_ptr + num_segments - 1)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # flatten=False: flattening the K loop into the tile loop made the signalling GEMM 3x slower (DESIGN.md).
+    for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=False):
+        p = tl.sum((cum <= t).to(tl.int32), axis=0)  # position of the tile's segment in tile order
+        tile0 = tl.load(table_ptr + 1 * BLOCK_S + p)
+        row0 = tl.load(table_ptr + 2 * BLOCK_S + p)
+        row1 = tl.load(table_ptr + 3 * BLOCK_S + p)
+        expert = tl.load(table_ptr + 4 * BLOCK_S + p)
+        # Inside a segment: bands of GROUP_M tile rows, column after column (L2 reuse of x rows and w columns).
+        local = t - tile0
+        m_tiles = tl.cdiv(row1 - row0, BLOCK_M)
+        width = GROUP_M * tiles_n
+        first_m = (local // width) * GROUP_M
+        height = tl.minimum(m_tiles - first_m, GROUP_M)
+        pid_m = first_m + (local % width) % height
+        pid_n = (local % width) // height
+        off_m = row0 + pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            # Rows past the segment are another segment's (or zero-filled past x): computed, never stored. Columns
+            # past N read the next expert's rows of the flattened weight: also never stored.
+            for kk in tl.range(k_tiles):
+                a_tile = x.load([off_m, kk * BLOCK_K])
+                if W_KMAJOR:
+                    b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
+                else:
+                    b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
+                acc = tl.dot(a_tile, b_tile, acc)
+        else:
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            offs_m = tl.where(offs_m < total_rows, offs_m, 0)  # clamped; masked at the store
+            offs_n = tl.where(offs_n < N, offs_n, 0)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            b_ptrs = w + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+            for kk in range(k_tiles):
+                k_left = K - kk * BLOCK_K
+                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                acc = tl.dot(a_tile, b_tile, acc)
+                a_ptrs += BLOCK_K * stride_xk
+                b_ptrs += BLOCK_K * stride_wk
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        c_ptrs = out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+        tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(rows[:, None] < row1) & (cols[None, :] < N))
+        if SIGNAL:
+            group = tl.load(table_ptr + 5 * BLOCK_S + p)
+            if group >= 0:
+                counter = table_ptr + 6 * BLOCK_S + group
+                expected = tl.load(table_ptr + 6 * BLOCK_S + num_groups + group)
+                # Every thread's stores of this tile come before the counter's release. acq_rel: the tile that
+                # completes the group has then seen the group's other tiles, and its flag release carries them.
+                tl.debug_barrier()
+                if PEER:
+                    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys") + 1
+                    if done == expected:
+                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="sys")  # ready for the next call
+                        tl.atomic_xchg(flags_ptr + group, 1, sem="release", scope="sys")
+                else:
+                    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+                    if done == expected:
+                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                        tl.atomic_xchg(flags_ptr + group, 1, sem="release", scope="gpu")
+
+
+# -- launcher -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupedTile:
+    """Tile shape and launch shape of the grouped GEMM. ``num_programs``: ``None`` launches one program per tile
+    of the host-side bound (programs past the real tiles exit at once); an int launches that many persistent
+    programs (``0``: one per SM)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    num_programs: int | None = 0
+
+
+# Measured on one H200 (torch 2.11, triton 3.6): benchmarks/results/h200x1-moe-gemm.json, produced by
+# src/flashoverlap/bench/moe_gemm.py. Keyed by (K, N) class; see default_tile.
+DEFAULT_TILE = GroupedTile()
+
+
+def default_tile(rows: int, experts: int, k: int, n: int) -> GroupedTile:
+    """The tile the paths use when none is given (from the measurements named at ``DEFAULT_TILE``)."""
+    return DEFAULT_TILE
+
+
+def workspace_size(num_segments: int, num_groups: int) -> int:
+    """int32 elements of the scratch table for ``num_segments`` segments and ``num_groups`` signal groups."""
+    return _TABLE_ROWS * _block_s(num_segments) + 2 * num_groups
+
+
+def _block_s(num_segments: int) -> int:
+    # Few sizes (64, 512, 4096, 8192), so that a handful of kernel variants covers every segment count.
+    size = 64
+    while size < num_segments:
+        size = min(size * 8, MAX_SEGMENTS)
+    return size
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return (t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+            and t.data_ptr() % 16 == 0 and t.numel() > 0)
+
+
+def _check_segments(name: str, t: torch.Tensor | None, num_segments: int, device: torch.device) -> None:
+    if t is None:
+        return
+    if t.dtype != torch.int32 or t.ndim != 1 or t.numel() != num_segments or t.device != device:
+        raise ValueError(f"{name} must be a 1-D int32 tensor of {num_segments} elements (one per segment) on "
+                         f"{device}, got {t.dtype} {list(t.shape)} on {t.device}")
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    seg_ends: torch.Tensor,
+    seg_expert: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    seg_signal: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None,
+    order: str = "heavy-first",
+    seg_priority: torch.Tensor | None = None,
+    max_rows: int | None = None,
+    tile: GroupedTile | None = None,
+    use_tma: bool | None = None,
+    peer_visible: bool = False,
+    workspace: torch.Tensor | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
+    """``out[a:b] = x[a:b] @ w[seg_expert[s]]`` for every segment ``s`` = rows ``[a, b) = [seg_ends[s-1],
+    seg_ends[s])`` (``a = 0`` for ``s = 0``); rows at or past ``seg_ends[-1]`` are not written. No host
+    synchronisation: capturable in a CUDA graph, replayable with new segment ends.
+
+    ``x``: ``[rows, K]`` bf16/fp16 (fp32 runs as tf32), unit inner stride. ``w``: ``[E, K, N]`` of x's dtype, any
+    strides; ``w_nk.transpose(1, 2)`` of a contiguous ``[E, N, K]`` weight is read in place. ``seg_ends``,
+    ``seg_expert``: int32 ``[S]`` on x's device; ``seg_ends`` non-decreasing (like ``torch._grouped_mm``'s
+    ``offs``); segments may be empty; several segments may share an expert. ``out``: ``[rows, N]`` of x's dtype
+    (allocated when omitted).
+
+    Signals: with ``flags`` (int32 ``[G]``, zero on entry), ``flags[g]`` becomes 1 (release; system scope with
+    ``peer_visible``) once every row of every segment with ``seg_signal[s] == g`` is stored; groups with no rows
+    are flagged too. ``seg_signal`` (int32 ``[S]``, values in ``[0, G)``) defaults to group 0 for every segment;
+    out-of-range values are never signalled. The caller zeroes ``flags`` again before the next call (stream order).
+
+    Order: ``"given"`` computes segments in index order; ``"heavy-first"`` puts segments with more tile rows first
+    (ties: by expert, so one expert's segments run together and share its weights in L2; then by index).
+    ``seg_priority`` (int32 ``[S]``, values in ``[0, 4095]``, lower first) comes before either: give each signal
+    group its own priority (e.g. the own rank's segments 0, or destinations in sending order) to complete groups
+    one after another instead of all at the end.
+
+    ``max_rows``: a host-side bound on ``seg_ends[-1]`` (default ``rows``) that sizes the grid when
+    ``tile.num_programs`` is ``None``; a bound too small only makes programs take several tiles. ``tile``: tile and
+    launch shape (default ``default_tile``). ``workspace``: int32 scratch of ``workspace_size(S, G)`` elements
+    (allocated per call when omitted; calls that may run concurrently need their own). ``validate``: check
+    ``seg_ends`` and ``seg_expert`` on the host first (a synchronisation; for tests and debugging).
+    """
+    if x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"x must be [rows, K] and w [E, K, N], got x {list(x.shape)} and w {list(w.shape)}")
+    rows, k = x.shape
+    num_experts, k_w, n = w.shape
+    if k != k_w:
+        raise ValueError(f"x is [rows, K] = {list(x.shape)} but w is [E, K, N] = {list(w.shape)}: K differs "
+                         "(pass w_nk.transpose(1, 2) for an [E, N, K] weight)")
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x and w must share one dtype of bf16, fp16, fp32, got {x.dtype} and {w.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"x and w must be on one device, got {x.device} and {w.device}")
+    if num_experts < 1 or num_experts > MAX_EXPERTS:
+        raise ValueError(f"w must hold 1 to {MAX_EXPERTS} experts, got {num_experts}")
+    num_segments = seg_ends.numel()
+    if num_segments > MAX_SEGMENTS:
+        raise ValueError(f"at most {MAX_SEGMENTS} segments, got {num_segments}: merge segments of one expert")
+    _check_segments("seg_ends", seg_ends, num_segments, x.device)
+    _check_segments("seg_expert", seg_expert, num_segments, x.device)
+    _check_segments("seg_signal", seg_signal, num_segments, x.device)
+    _check_segments("seg_priority", seg_priority, num_segments, x.device)
+    if order not in ("given", "heavy-first"):
+        raise ValueError(f"order must be 'given' or 'heavy-first', got {order!r}")
+    if seg_signal is not None and flags is None:
+        raise ValueError("seg_signal needs flags: an int32 tensor with one zeroed element per signal group")
+    signal = flags is not None
+    num_groups = flags.numel() if signal else 0
+    if signal and (flags.dtype != torch.int32 or flags.ndim != 1 or num_groups < 1 or flags.device != x.device):
+        raise ValueError(f"flags must be a 1-D int32 tensor with one element per signal group on {x.device}, got "
+                         f"{flags.dtype} {list(flags.shape)} on {flags.device}")
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, n) or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be [{rows}, {n}] {x.dtype} on {x.device}, got {list(out.shape)} {out.dtype} "
+                         f"on {out.device}")
+    if x.stride(1) != 1 and rows > 1 and k > 1:
+        raise ValueError(f"x must have unit inner stride, got strides {x.stride()}: pass x.contiguous()")
+    tile = tile or default_tile(max_rows if max_rows is not None else rows, num_experts, k, n)
+    max_rows = rows if max_rows is None else max_rows
+    if max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+    if validate:
+        _validate(seg_ends, seg_expert, rows, num_experts)
+    if num_segments == 0:
+        if signal:
+            flags.fill_(1)
+        return out
+    block_s = _block_s(num_segments)
+    need = workspace_size(num_segments, num_groups)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.int32, device=x.device)
+    elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != x.device:
+        raise ValueError(f"workspace must be int32 with >= {need} elements on {x.device} "
+                         f"(workspace_size({num_segments}, {num_groups}))")
+    tiles_n = triton.cdiv(n, tile.block_n)
+    sort = order == "heavy-first" or seg_priority is not None
+    _segment_table_kernel[(1,)](
+        seg_ends, seg_expert, seg_signal if seg_signal is not None else seg_ends,
+        seg_priority if seg_priority is not None else seg_ends, workspace, flags if signal else workspace,
+        num_segments, num_groups, num_experts, rows, tiles_n,
+        BLOCK_S=block_s, BLOCK_M=tile.block_m, SORT=sort, HEAVY_FIRST=order == "heavy-first",
+        HAS_PRIORITY=seg_priority is not None, SIGNAL=signal, HAS_GROUPS=seg_signal is not None,
+        PEER=bool(peer_visible), num_warps=4 if block_s <= 1024 else 8,
+    )
+    bound_tiles = (triton.cdiv(max_rows, tile.block_m) + min(num_segments, max_rows)) * tiles_n
+    if tile.num_programs is None:
+        grid = bound_tiles
+    else:
+        programs = tile.num_programs or _sm_count(x.device)
+        grid = min(programs, bound_tiles) if bound_tiles else 0
+    if grid == 0 or n == 0:
+        return out
+    w_kmajor = w.stride(1) == 1 and w.stride(2) != 1  # w is w_nk.transpose(1, 2)
+    w_stored = w.transpose(1, 2) if w_kmajor else w
+    if use_tma is None:
+        use_tma = (x.is_cuda and k > 0 and _tma_ok(x) and _tma_ok(w_stored)
+                   and w_stored.stride(0) == w_stored.shape[1] * w_stored.stride(1)
+                   and (w_kmajor or k % tile.block_k == 0))
+    if use_tma:
+        # The weights as one 2-D tensor: [E*K, N], or [E*N, K] for the transposed view. Reading across an
+        # expert's edge is harmless where it happens (columns past N, masked at the store); K past an expert's
+        # edge would not be, hence K % block_k == 0 for the [E*K, N] layout.
+        w_2d = w_stored.reshape(-1, w_stored.shape[2])
+        x_arg = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+        w_block = [tile.block_n, tile.block_k] if w_kmajor else [tile.block_k, tile.block_n]
+        w_arg = TensorDescriptor.from_tensor(w_2d, w_block)
+    else:
+        x_arg, w_arg = x, w
+    grouped_gemm_kernel[(grid,)](
+        x_arg, w_arg, out, workspace, flags if signal else workspace,
+        rows, n, k, num_segments, num_groups, tiles_n,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
+        USE_TMA=bool(use_tma), W_KMAJOR=bool(w_kmajor and use_tma), SIGNAL=signal, PEER=bool(peer_visible),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, to exercise the persistent loop
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def _validate(seg_ends: torch.Tensor, seg_expert: torch.Tensor, rows: int, num_experts: int) -> None:
+    ends = seg_ends.tolist()
+    if any(b < a for a, b in zip([0, *ends], ends)) or (ends and ends[-1] > rows):
+        raise ValueError(f"seg_ends must be non-decreasing from 0 up to at most rows = {rows}, got {ends}")
+    experts = seg_expert.tolist()
+    if any(e < 0 or e >= num_experts for e in experts):
+        raise ValueError(f"seg_expert must lie in [0, {num_experts}), got {experts}")
+
+
+def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, seg_ends: torch.Tensor,
+                         seg_expert: torch.Tensor) -> torch.Tensor:
+    """The oracle: a loop over segments in plain PyTorch, accumulated in fp32 or better, returned in x's dtype.
+    Rows at or past ``seg_ends[-1]`` are zero."""
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros((x.shape[0], w.shape[2]), dtype=x.dtype, device=x.device)
+    start = 0
+    for end, expert in zip(seg_ends.tolist(), seg_expert.tolist()):
+        if end > start:
+            out[start:end] = (x[start:end].to(acc_dtype) @ w[expert].to(acc_dtype)).to(x.dtype)
+        start = max(start, end)
+    return out
+
+
+# -- policy -------------------------------------------------------------------------------------------------
+# Which grouped GEMM the MoE paths run, from measurements on one H200 (see DEFAULT_TILE): (experts, rows, K, N)
+# of a measured per-rank slice -> the faster of ours and torch._grouped_mm there, balanced and Zipf routing alike.
+MEASURED_PICKS: dict[tuple[int, int, int, int], str] = {}
+
+
+def choose_grouped_gemm(*, experts: int, rows: int, k: int, n: int, dtype: torch.dtype,
+                        device_capability: tuple[int, int] | None = None) -> str:
+    """``"triton"`` (``grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``: bf16 only, rows grouped by expert,
+    one call per expert-contiguous chunk, no per-tile signals) or ``"loop"`` (``torch.mm`` per segment) for a
+    slice of ``rows`` rows over ``experts`` local experts, ``[rows, k] x [k, n]`` each.
+
+    fp32 -> ``"loop"`` (the Triton kernel runs fp32 as tf32; cuBLAS grouped GEMM is bf16 only). Otherwise the
+    measured pick of the nearest measured slice (log distance over rows per expert, K and N); ``"cublas"`` only for
+    bf16 on sm90 (``device_capability``, when given) with 16-byte aligned rows (``k % 8 == n % 8 == 0``).
+    """
+    if dtype == torch.float32:
+        return "loop"
+    if not MEASURED_PICKS:
+        return "triton"
+
+    def distance(key: tuple[int, int, int, int]) -> float:
+        e, r, kk, nn = key
+        return (abs(math.log((rows / max(experts, 1) + 1) / (r / e + 1))) + abs(math.log(max(k, 1) / kk))
+                + abs(math.log(max(n, 1) / nn)))
+
+    pick = MEASURED_PICKS[min(MEASURED_PICKS, key=distance)]
+    cublas_ok = (dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0
+                 and (device_capability is None or device_capability[0] == 9))
+    if pick == "cublas" and not cublas_ok:
+        return "triton"
+    return pick

@@ -1,0 +1,314 @@
+"""The grouped GEMM (kernels/grouped_gemm.py): values, flags, counters and tile orders under the Triton
+interpreter; argument errors; the policy; and, on a GPU, bf16 values and CUDA-graph replay with new segment ends.
+
+The interpreted cases run in one child process (``python -m tests.kernels.test_grouped_gemm``), which sets
+TRITON_INTERPRET before triton is imported; this process never sets it. fp16/fp32 only there (the interpreter's bf16
+dot is wrong); bf16 runs in the GPU tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+
+if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flashoverlap.kernels.grouped_gemm import (  # noqa: E402
+    MAX_SEGMENTS,
+    GroupedTile,
+    choose_grouped_gemm,
+    grouped_gemm,
+    grouped_mm_reference,
+    workspace_size,
+)
+
+SMALL = GroupedTile(16, 16, 16, 2, 1, 4, None)  # one program per tile of the bound
+# (name, dtype, experts, K, N, segment sizes, segment experts, signal groups or None, number of groups, order,
+#  priorities or None, w transposed, TMA loads, num_programs, max_rows, rows past the last segment)
+CASES = [
+    ("odd-pointer-fp16", "float16", 4, 37, 45, [10, 0, 33, 5, 20, 7], [2, 0, 2, 0, 1, 2], [0, 1, 0, 1, 1, 0], 3,
+     "heavy-first", None, False, False, None, None, 0),
+    ("round-tma-persistent-fp16", "float16", 2, 32, 48, [16, 32, 16], [0, 1, 0], [0, 1, 1], 2, "given", None,
+     False, True, 3, None, 0),
+    ("wt-tma-priority-fp32", "float32", 2, 40, 24, [5, 17, 0, 9], [1, 0, 1, 0], [0, 1, 0, 1], 2, "heavy-first",
+     [1, 0, 1, 0], True, True, None, None, 0),
+    ("wt-pointer-odd-fp16", "float16", 3, 29, 33, [7, 19, 1], [2, 0, 2], [1, 0, 1], 2, "heavy-first", None, True,
+     False, 2, None, 0),
+    ("one-expert-many-segments-fp16", "float16", 2, 24, 20, [3, 0, 18, 1, 0, 25, 7, 0, 2], [1] * 9, None, 0,
+     "heavy-first", None, False, False, None, None, 0),
+    ("empty-group-flagged-fp32", "float32", 3, 17, 19, [12, 0, 0, 9], [0, 2, 1, 0], [0, 1, 1, 0], 2, "given",
+     None, False, False, None, None, 0),
+    ("tail-rows-untouched-fp16", "float16", 2, 16, 32, [20, 17], [1, 0], [0, 0], 1, "heavy-first", None, False,
+     True, None, None, 13),
+    ("bound-too-small-fp16", "float16", 2, 21, 40, [30, 18, 9], [0, 1, 0], [0, 0, 1], 2, "heavy-first",
+     [0, 0, 1], False, False, None, 8, 0),
+    ("all-empty-fp16", "float16", 2, 16, 16, [0, 0], [0, 1], [0, 1], 2, "heavy-first", None, False, False, None,
+     None, 5),
+    ("forty-segments-fp16", "float16", 5, 16, 16, [(3 * i) % 7 for i in range(40)], [i % 5 for i in range(40)],
+     [i % 3 for i in range(40)], 3, "heavy-first", [i % 2 for i in range(40)], False, True, 4, None, 0),
+]
+
+
+def run_case(case) -> dict:
+    (name, dtype_name, experts, k, n, sizes, seg_experts, groups, num_groups, order, prio, w_t, tma, programs,
+     max_rows, tail) = case
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    rows = int(ends[-1]) + tail
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(experts, n, k, generator=gen).to(dtype).transpose(1, 2) if w_t
+         else torch.randn(experts, k, n, generator=gen).to(dtype))
+    seg_expert = torch.tensor(seg_experts, dtype=torch.int32)
+    seg_signal = torch.tensor(groups, dtype=torch.int32) if groups is not None else None
+    seg_priority = torch.tensor(prio, dtype=torch.int32) if prio is not None else None
+    tile = GroupedTile(16, 16, 16, 2, 1, 4, programs)
+    workspace = torch.full((workspace_size(len(sizes), num_groups),), -7, dtype=torch.int32)  # garbage on entry
+    outs, flags_after = [], []
+    for this_order in (order, "given" if order == "heavy-first" else "heavy-first"):
+        out = torch.full((rows, n), float("nan"), dtype=dtype)
+        flags = torch.zeros(num_groups, dtype=torch.int32) if num_groups else None
+        grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=seg_signal, flags=flags, order=this_order,
+                     seg_priority=seg_priority, max_rows=max_rows, tile=tile, use_tma=tma, workspace=workspace)
+        outs.append(out)
+        flags_after.append(flags.tolist() if flags is not None else None)
+    ref = grouped_mm_reference(x.double(), w.double(), ends, seg_expert)
+    covered = int(ends[-1])
+    out = outs[0]
+    norm = float(ref[:covered].norm()) or 1.0
+    block_s = (workspace.numel() - 2 * num_groups) // 6
+    tiles = [-(-s // 16) * -(-n // 16) for s in sizes]
+    expected = [sum(t for t, g in zip(tiles, groups) if g == group) for group in range(num_groups)] if groups else []
+    return {
+        "name": name,
+        "rel_err": float((out[:covered].double() - ref[:covered]).norm()) / norm,
+        "nan": bool(torch.isnan(out[:covered]).any()),
+        "tail_untouched": bool(torch.isnan(out[covered:]).all()),
+        "orders_equal": bool(torch.equal(outs[0][:covered], outs[1][:covered])),
+        "flags": flags_after,
+        "counters": workspace[6 * block_s: 6 * block_s + num_groups].tolist(),
+        "expected": workspace[6 * block_s + num_groups:].tolist(),
+        "want_expected": expected,
+        "num_groups": num_groups,
+    }
+
+
+def run_edge_cases() -> list[dict]:
+    rows = []
+    # No segments at all: every group flagged, nothing launched.
+    x, w = torch.randn(4, 8).half(), torch.randn(2, 8, 8).half()
+    flags = torch.zeros(3, dtype=torch.int32)
+    none = torch.zeros(0, dtype=torch.int32)
+    out = torch.full((4, 8), float("nan"), dtype=torch.float16)
+    grouped_gemm(x, w, none, none, out=out, flags=flags)
+    rows.append({"name": "no-segments", "flags": flags.tolist(), "untouched": bool(torch.isnan(out).all())})
+    # peer_visible (system-scope atomics) and the default workspace/tile path, several calls re-zeroing flags.
+    ends = torch.tensor([5, 5, 23], dtype=torch.int32)
+    seg_expert = torch.tensor([1, 0, 1], dtype=torch.int32)
+    x, w = torch.randn(23, 24).half(), torch.randn(2, 24, 16).half()
+    ref = grouped_mm_reference(x.double(), w.double(), ends, seg_expert)
+    errs, flag_rows = [], []
+    for _ in range(2):
+        flags = torch.zeros(2, dtype=torch.int32)
+        out = torch.full((23, 16), float("nan"), dtype=torch.float16)
+        grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=torch.tensor([0, 1, 0], dtype=torch.int32),
+                     flags=flags, peer_visible=True, tile=SMALL)
+        errs.append(float((out.double() - ref).norm() / ref.norm()))
+        flag_rows.append(flags.tolist())
+    rows.append({"name": "peer-visible-twice", "errs": errs, "flags": flag_rows})
+    return rows
+
+
+# -- the pytest side ----------------------------------------------------------------------------------------
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(".")[:2])
+
+
+# Triton 3.6's interpreter fails with numpy >= 2.4 (the GPU machines' pair); the Triton of the CPU machines does not.
+needs_interpreter = pytest.mark.skipif(
+    _release(np.__version__) >= (2, 4) and _release(version("triton")) < (3, 9),
+    reason=f"Triton {version('triton')}'s interpreter needs numpy < 2.4: {np.__version__}")
+
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_grouped_gemm"], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {row["name"]: row for row in results}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_interpreted_grouped_gemm(interpreted, case):
+    row = interpreted[case[0]]
+    assert not row["nan"], "a row of a segment was never written"
+    assert row["rel_err"] < (1e-5 if case[1] == "float32" else 2e-3)
+    assert row["tail_untouched"], "rows past the last segment were written"
+    # Each output tile is computed the same way whatever the order: the results are bitwise equal.
+    assert row["orders_equal"]
+    if row["num_groups"]:
+        assert row["flags"] == [[1] * row["num_groups"]] * 2, "every group flagged, in both calls"
+        assert row["counters"] == [0] * row["num_groups"], "the counters are back to zero after the call"
+        assert row["expected"] == row["want_expected"]
+
+
+@needs_interpreter
+def test_interpreted_edges(interpreted):
+    assert interpreted["no-segments"] == {"name": "no-segments", "flags": [1, 1, 1], "untouched": True}
+    row = interpreted["peer-visible-twice"]
+    assert max(row["errs"]) < 2e-3
+    assert row["flags"] == [[1, 1], [1, 1]]
+
+
+def _args(rows=8, k=16, n=8, experts=2, segments=2, dtype=torch.float16):
+    x = torch.randn(rows, k).to(dtype)
+    w = torch.randn(experts, k, n).to(dtype)
+    ends = torch.tensor([rows // 2, rows][:segments], dtype=torch.int32)
+    return x, w, ends, torch.zeros(segments, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "w": a["w"][:, :5]}, "K differs"),
+    (lambda a: {**a, "w": a["w"].float()}, "one dtype"),
+    (lambda a: {**a, "x": a["x"][0]}, "x must be"),
+    (lambda a: {**a, "seg_ends": a["seg_ends"].long()}, "seg_ends must be a 1-D int32"),
+    (lambda a: {**a, "seg_expert": a["seg_expert"][:1]}, "seg_expert must be a 1-D int32"),
+    (lambda a: {**a, "order": "light-first"}, "order must be"),
+    (lambda a: {**a, "seg_signal": torch.zeros(2, dtype=torch.int32)}, "seg_signal needs flags"),
+    (lambda a: {**a, "flags": torch.zeros(2, dtype=torch.int64)}, "flags must be"),
+    (lambda a: {**a, "flags": torch.zeros(1, dtype=torch.int32), "seg_signal": torch.zeros(3, dtype=torch.int32)},
+     "seg_signal must be a 1-D int32"),
+    (lambda a: {**a, "out": torch.empty(8, 9, dtype=torch.float16)}, "out must be"),
+    (lambda a: {**a, "x": a["x"].t().contiguous().t()}, "unit inner stride"),
+    (lambda a: {**a, "max_rows": -1}, "max_rows"),
+    (lambda a: {**a, "workspace": torch.zeros(3, dtype=torch.int32)}, "workspace must be"),
+    (lambda a: {**a, "seg_ends": torch.tensor([5, 3], dtype=torch.int32), "validate": True}, "non-decreasing"),
+    (lambda a: {**a, "seg_expert": torch.tensor([0, 2], dtype=torch.int32), "validate": True}, r"in \[0, 2\)"),
+    (lambda a: {**a, "seg_ends": torch.zeros(MAX_SEGMENTS + 1, dtype=torch.int32)}, "at most"),
+])
+def test_bad_arguments_raise_before_launch(change, message):
+    x, w, ends, experts = _args()
+    kwargs = change({"x": x, "w": w, "seg_ends": ends, "seg_expert": experts})
+    with pytest.raises(ValueError, match=message):
+        grouped_gemm(kwargs.pop("x"), kwargs.pop("w"), kwargs.pop("seg_ends"), kwargs.pop("seg_expert"), **kwargs)
+
+
+def test_policy():
+    assert choose_grouped_gemm(experts=8, rows=4096, k=1024, n=1024, dtype=torch.float32) == "loop"
+    for dtype in (torch.bfloat16, torch.float16):
+        for shape in [(4, 16384, 4096, 28672), (64, 65536, 768, 2048), (128, 32768, 7168, 4096), (3, 999, 37, 45)]:
+            e, r, k, n = shape
+            pick = choose_grouped_gemm(experts=e, rows=r, k=k, n=n, dtype=dtype)
+            assert pick in ("triton", "cublas", "loop")
+            if dtype != torch.bfloat16 or k % 8 or n % 8:
+                assert pick != "cublas", "cuBLAS grouped GEMM is bf16 with 16-byte aligned rows only"
+            assert choose_grouped_gemm(experts=e, rows=r, k=k, n=n, dtype=dtype,
+                                       device_capability=(8, 0)) != "cublas"
+
+
+def test_bench_routing_counts():
+    from flashoverlap.bench.moe_gemm import CONFIGS, WORLD, routing_counts
+
+    for experts, _, _, rows in CONFIGS.values():
+        balanced = routing_counts(rows, experts, "balanced")
+        assert balanced.shape == (WORLD, experts) and int(balanced.sum()) == rows
+        assert int(balanced.max() - balanced.min()) <= 1
+        zipf = routing_counts(rows, experts, "zipf")
+        assert int(zipf.sum()) == rows and zipf.sum(0).max() > 2 * zipf.sum(0).float().mean()
+
+
+# -- GPU ----------------------------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                               reason="needs a CUDA GPU, and TRITON_INTERPRET unset")
+
+
+def _gpu_case(rows_per_seg, experts, k, n, dtype, w_t, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    sizes = torch.tensor(rows_per_seg, dtype=torch.int64)
+    ends = sizes.cumsum(0).to(torch.int32).cuda()
+    rows = int(sizes.sum())
+    x = torch.randn(rows, k, dtype=dtype, device="cuda", generator=gen)
+    w = torch.randn(experts, n, k, dtype=dtype, device="cuda", generator=gen) / k**0.5
+    w = w.transpose(1, 2) if w_t else w.transpose(1, 2).contiguous()
+    seg_expert = (torch.arange(len(rows_per_seg), dtype=torch.int32, device="cuda") * 7) % experts
+    return x, w, ends, seg_expert
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype, w_t", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True)])
+@pytest.mark.parametrize("sizes, experts, k, n", [
+    ([300, 0, 129, 1000, 1, 77], 5, 512, 384),
+    ([128] * 16, 8, 1024, 2048),
+    ([0, 700, 33], 4, 520, 1000),  # K and N not multiples of the tile: pointer or TMA edges
+])
+def test_gpu_values_and_flags(dtype, w_t, sizes, experts, k, n):
+    x, w, ends, seg_expert = _gpu_case(sizes, experts, k, n, dtype, w_t, seed=len(sizes) + k)
+    want = grouped_mm_reference(x, w, ends, seg_expert)
+    groups = torch.arange(len(sizes), dtype=torch.int32, device="cuda") % 3
+    for order in ("given", "heavy-first"):
+        for tile in (None, GroupedTile(64, 128, 64, 4, 4, 4, 7)):
+            out = torch.full_like(want, float("nan"))
+            flags = torch.zeros(4, dtype=torch.int32, device="cuda")
+            grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=groups, flags=flags, order=order, tile=tile)
+            assert not torch.isnan(out).any()
+            err = float((out.double() - want.double()).norm() / want.double().norm())
+            assert err < 1e-2, (order, tile, err)
+            assert flags.tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_graph_replay_with_new_segment_ends():
+    """Bounded mode: captured once, replayed with other segment sizes (same count, rows within the bound)."""
+    x, w, ends, seg_expert = _gpu_case([200, 50, 0, 300, 10, 440], 3, 256, 512, torch.bfloat16, True, seed=3)
+    groups = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.int32, device="cuda")
+    flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+    out = torch.empty(x.shape[0], 512, dtype=x.dtype, device="cuda")
+
+    def call():
+        grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=groups, flags=flags)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    gen = torch.Generator().manual_seed(0)
+    for replay in range(5):
+        sizes = torch.randint(0, 300, (6,), generator=gen)
+        sizes[replay % 6] = 0
+        ends.copy_(sizes.cumsum(0).clamp_max(x.shape[0]).to(torch.int32))
+        x.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
+        out.fill_(float("nan"))
+        flags.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        covered = int(ends[-1])
+        want = grouped_mm_reference(x, w, ends, seg_expert)[:covered]
+        assert not torch.isnan(out[:covered]).any()
+        assert float((out[:covered].double() - want.double()).norm() / want.double().norm()) < 1e-2
+        assert flags.tolist() == [1, 1]
+
+
+if __name__ == "__main__":
+    for case in CASES:
+        print(json.dumps(run_case(case)), flush=True)
+    for row in run_edge_cases():
+        print(json.dumps(row), flush=True)
+    sys.exit(0)
