@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from flashoverlap.plan import MAX_GROUPS, Plan, TileConfig, default_plan, split_rows
+from flashoverlap.plan import MAX_GROUPS, Plan, TileConfig
+from flashoverlap.tune.defaults import default_plan, split_rows
 
 SMALL = TileConfig(16, 16, 16, 2, 1, 4)
 

@@ -6,8 +6,9 @@ import warnings
 
 import pytest
 
-from flashoverlap.plan import Plan, TileConfig, default_plan
+from flashoverlap.plan import Plan, TileConfig
 from flashoverlap.tune import cache
+from flashoverlap.tune.defaults import default_plan
 
 KEY = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")
 
@@ -106,19 +107,16 @@ def test_the_cache_can_be_switched_off(monkeypatch):
 def _agree(rank, world_size, base):
     import os
 
-    import torch
     import torch.distributed as dist
-
-    from flashoverlap.comm.state import state_of
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = f"{base}/{rank}"  # every rank its own cache: rank 0's wins
     if rank == 0:
         cache.store(KEY, _tuned())
     else:
         cache.store(KEY, _tuned(num_programs=64))
-    state = state_of(dist.group.WORLD, torch.device("cpu"))
-    entries = cache.agreed_entries(state, KEY)
-    other = cache.agreed_entries(state, {**KEY, "op": "all_gather"})  # no second exchange
+    every = cache.exchange_entries(dist.group.WORLD, KEY["gpu"], KEY["world_size"])
+    entries = cache.entries_for(every, KEY)
+    other = cache.entries_for(every, {**KEY, "op": "all_gather"})
     return cache.select(entries, "all_reduce", 8192, 8192, 8192, world_size, 132).grid_size, other
 
 
@@ -149,17 +147,14 @@ def test_a_borrowed_plan_keeps_its_cublas_bands():
 def _agree_auto(rank, world_size, root):
     import os
 
-    import torch
     import torch.distributed as dist
-
-    from flashoverlap.comm.state import state_of
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = root
     auto = {**KEY, "path": "auto"}
     if rank == 0:
         cache.store(auto, default_plan("all_reduce", 8192, 8192, 8192, 2, num_groups=3, path="p2p",
                                        allow_sequential=False))
-    entries = cache.agreed_entries(state_of(dist.group.WORLD, torch.device("cpu")), auto)
+    entries = cache.entries_for(cache.exchange_entries(dist.group.WORLD, KEY["gpu"], KEY["world_size"]), auto)
     plan = cache.select(entries, "all_reduce", 8192, 8192, 8192, world_size, 132)
     return plan.path, plan.sub_bands
 

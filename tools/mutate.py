@@ -31,8 +31,10 @@ RING_TEST = "tests/comm/test_ring_protocol.py::test_back_to_back_calls_of_every_
 P2P_TEST = "tests/comm/test_p2p_executor.py"
 OPS_DRIVER = "src/flashoverlap/comm/stream_ops.py"
 DRIVER_TEST = "tests/comm/test_stream_ops.py"
-REPLAY = "src/flashoverlap/comm/replay.py"
-REPLAY_TEST = "tests/comm/test_replay.py"
+CALLS = "src/flashoverlap/runtime/calls.py"
+CALLS_TEST = "tests/runtime/test_calls.py"
+POLICY = "src/flashoverlap/runtime/policy.py"
+POLICY_TEST = "tests/runtime/test_policy.py"
 
 # (name, what it breaks, file, exact text, replacement, tests)
 MUTATIONS = [
@@ -99,8 +101,17 @@ MUTATIONS = [
      "                wait_reset(handles[stream], flag)\n", "                pass\n", P2P_TEST),
     ("replay-output-not-in-signature", "P2P replay: a call whose output lies elsewhere replays the old graph", P2P,
      "address(b), address(out), address(gathered)", "address(b), address(gathered)", P2P_TEST),
-    ("replay-inside-user-capture", "P2P replay: a call inside a user's capture launches a graph of its own",
-     REPLAY, "    return not torch.cuda.is_current_stream_capturing()\n", "    return True\n", REPLAY_TEST),
+    ("replay-inside-user-capture", "Runtime: a call inside a user's capture may launch a graph of its own",
+     CALLS, "                env.replay and not capturing)", "                env.replay)", CALLS_TEST),
+    ("dispatch-sequential-plan-overlapped", "Runtime: a sequential plan is handed to its path's overlapped communicator",
+     CALLS, '"sequential" if plan.sequential and path != "reference" else path', "path", CALLS_TEST),
+    ("policy-p2p-ignores-group-verdict", "Path policy: P2P is allowed on a group whose ranks lack peer access",
+     POLICY, "        reason = request.p2p_reason()\n", "        reason = None\n", POLICY_TEST),
+    ("policy-float32-overlapped", "Path policy: float32 may take an overlapped path", POLICY,
+     "    if request.dtype not in HALF_DTYPES and (request.plan is None or not request.plan.sequential):",
+     "    if False:", POLICY_TEST),
+    ("policy-auto-ignores-nccl-p2p-disable", "Path policy: path='auto' takes P2P with NCCL_P2P_DISABLE=1", POLICY,
+     '        return "NCCL_P2P_DISABLE=1 is set"\n', "        return None\n", POLICY_TEST),
     ("p2p-join-removed", "P2P executor: the copy streams are not joined back into the caller's stream", P2P,
      "            compute.wait_stream(streams[index])\n", "            pass\n", P2P_TEST),
     ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.bench.baselines import DecomposedAllGather
-from flashoverlap.ops._common import plan_for
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
+from flashoverlap.runtime import plan_for
 
 
 def step(name, fn):

@@ -7,7 +7,8 @@ refuses them too, so the workspace is shared by CUDA IPC instead (``IpcWorkspace
 Each rank makes every rank's inputs from seeds, so the plain PyTorch result is computed locally. Every call's
 output is checked (and then poisoned with NaN, so that a later call handed the same memory shows any element it
 did not write), eager calls (``FLASHOVERLAP_REPLAY=0``) and replayed ones alike, with a weight-gradient hook
-(``replay.Matmul``) on new values held in the replayed graphs; then the host time to issue one
+(``replay.Matmul``) on new values held in the replayed graphs (the communicator is called with ``Call``s, as the
+runtime calls it); then the host time to issue one
 call (the GPU kept busy ahead of it) is printed for eager and replayed calls, beside ``torch.mm`` alone.
 
 CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py [out.json]
@@ -24,8 +25,9 @@ import torch.distributed as dist
 import flashoverlap as fo
 from flashoverlap.bench.timing import host_us
 from flashoverlap.comm import symmetric
+from flashoverlap.comm.protocol import Call
 from flashoverlap.comm.replay import Matmul
-from flashoverlap.comm.state import state_of
+from flashoverlap.runtime.context import context_of
 
 SHAPES = [(1002, 1000, 520), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by 2
 HOST_SHAPE = (4096, 8192, 8192)
@@ -92,7 +94,7 @@ def main():
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     device = torch.device("cuda", 0)
-    comm = state_of(dist.group.WORLD, device).p2p
+    comm = context_of(dist.group.WORLD, device).communicator("gemm", "p2p")
     comm.workspace = IpcWorkspace(dist.group.WORLD, device)
     report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
                        "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
@@ -109,14 +111,14 @@ def main():
                     x = torch.randn(k, m, dtype=dtype, device="cuda")  # a weight gradient as the hook's work
                     y = torch.randn(m, n, dtype=dtype, device="cuda")
                     for replay in ("0", "1"):
-                        os.environ["FLASHOVERLAP_REPLAY"] = replay
                         replays = comm.graphs.replays
                         for call in range(4):
                             x.normal_()  # new values in the same tensors: a graph must read them
                             grad = torch.full((k, n), float("nan"), dtype=dtype, device="cuda")
                             hooked = call % 2 == 0 or replay == "1"
-                            got, gathered = comm.run(plan, a, b, op, return_gathered=op == "all_gather",
-                                                     hook=Matmul(x, y, grad) if hooked else None)
+                            got, gathered = comm.run(Call(op, plan, a, b, op == "all_gather",
+                                                          Matmul(x, y, grad) if hooked else None,
+                                                          replay=replay == "1"))
                             torch.cuda.synchronize()
                             what = f"{op} {m}x{n}x{k} {dtype} b{'.t()' if transposed else ''} replay={replay} #{call}"
                             check(got, want, what)
@@ -139,9 +141,8 @@ def main():
         b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
         plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
         for replay in ("0", "1"):
-            os.environ["FLASHOVERLAP_REPLAY"] = replay
-            report["host_us"][f"{op} replay={replay}"] = host_us(
-                lambda plan=plan, a=a, b=b, op=op: comm.run(plan, a, b, op), calls=30)
+            call = Call(op, plan, a, b, replay=replay == "1")
+            report["host_us"][f"{op} replay={replay}"] = host_us(lambda call=call: comm.run(call), calls=30)
         report["host_us"][f"{op} torch.mm"] = host_us(lambda a=a, b=b: torch.mm(a, b), calls=30)
     if rank == 0:
         print(json.dumps(report, indent=1), flush=True)

@@ -5,9 +5,11 @@ The ops (``gemm_all_reduce``, ``gemm_reduce_scatter``, ``all_gather_gemm``) are 
 in ``flashoverlap.nn``."""
 
 from flashoverlap.ops import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
-from flashoverlap.plan import Group, Plan, TileConfig, default_plan
+from flashoverlap.plan import Group, Plan, TileConfig
+from flashoverlap.runtime import release
+from flashoverlap.tune.defaults import default_plan
 
 __version__ = "0.2.0"
 
 __all__ = ["Group", "Plan", "TileConfig", "all_gather_gemm", "default_plan", "gemm_all_reduce",
-           "gemm_reduce_scatter", "__version__"]
+           "gemm_reduce_scatter", "release", "__version__"]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.ops._common import plan_for
+from flashoverlap.runtime import plan_for
 from flashoverlap.testing import plain, spawn
 
 OPS = {"all_reduce": ("gemm_all_reduce", "matmul + all_reduce"),

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from flashoverlap.comm.nccl import compute_bands
-from flashoverlap.plan import TileConfig, default_plan
+from flashoverlap.plan import TileConfig
+from flashoverlap.tune.defaults import default_plan
 
 
 @pytest.mark.parametrize("op,m,world_size,groups", [("all_reduce", 77, 2, 3), ("reduce_scatter", 96, 2, 3),

@@ -55,11 +55,12 @@ def _ranks(rank, world_size):
     fake_cuda.install(wait_timeout_s=10.0)
     from flashoverlap.comm.collectives import gathered_in_rank_order
     from flashoverlap.comm.nccl import NcclCommunicator
-    from flashoverlap.comm.state import state_of
-    from flashoverlap.plan import TileConfig, default_plan
+    from flashoverlap.comm.protocol import CommGroup
+    from flashoverlap.plan import TileConfig
+    from flashoverlap.tune.defaults import default_plan
 
     tile = TileConfig(16, 16, 16, 2, 1, 4)
-    comm = NcclCommunicator(state_of(dist.group.WORLD, torch.device("cpu")))
+    comm = NcclCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
     gen = torch.Generator().manual_seed(rank)
     m, n, k = 48 * world_size, 40, 24
     a, b = torch.randn(m, k, generator=gen, dtype=torch.float64), torch.randn(k, n, generator=gen, dtype=torch.float64)

@@ -11,8 +11,10 @@ import torch
 
 from flashoverlap.comm import p2p
 from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.comm.protocol import Call
 from flashoverlap.comm.replay import Matmul
-from flashoverlap.plan import TileConfig, default_plan
+from flashoverlap.plan import TileConfig
+from flashoverlap.tune.defaults import default_plan
 
 TILE = TileConfig(16, 16, 16, 2, 1, 4)
 PEER_BASE, FLAG_BASE, FLAG_STRIDE = 1 << 40, 1 << 36, 1 << 20
@@ -89,7 +91,6 @@ def _communicator(rank, world, recorder, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     monkeypatch.setattr(p2p.stream_ops, "fast", lambda: recorder)
-    monkeypatch.setattr(p2p, "debug_timeout", lambda: None)
     return comm
 
 
@@ -167,7 +168,6 @@ def _replaying(monkeypatch, op="reduce_scatter"):
     gathered = torch.empty(plan.m, plan.k, dtype=torch.bfloat16)
     monkeypatch.setattr(comm, "prepare", lambda *args: None)
     monkeypatch.setattr(comm, "_load_kernels", lambda *args: None)
-    monkeypatch.setattr(p2p, "replay_allowed", lambda: True)
     # The allocator hands out the same block for a shape, call after call.
     blocks = {tuple(out.shape): out, tuple(gathered.shape): gathered}
     # On this communicator alone: a stand-in for torch.empty itself would outlive the test if an undo failed.
@@ -177,51 +177,58 @@ def _replaying(monkeypatch, op="reduce_scatter"):
 
 def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypatch):
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
-    comm.run(plan, a, b, "op")  # first call: eager
+    comm.run(Call("op", plan, a, b, replay=True))  # first call: eager
     eager = list(recorder.trace)
     assert eager and ("replay",) not in eager
     recorder.trace.clear()
-    comm.run(plan, a, b, "op")  # second: captured (the same work), then replayed
+    comm.run(Call("op", plan, a, b, replay=True))  # second: captured (the same work), then replayed
     assert recorder.trace == eager + [("replay",)]
     recorder.trace.clear()
-    comm.run(plan, a, b, "op")  # third: the graph alone, no driver call
+    comm.run(Call("op", plan, a, b, replay=True))  # third: the graph alone, no driver call
     assert recorder.trace == [("replay",)]
 
 
 def test_a_call_on_other_tensors_is_not_replayed_from_a_graph_of_the_first(monkeypatch):
     recorder, comm, plan, a, b, blocks = _replaying(monkeypatch)
     for _ in range(3):
-        comm.run(plan, a, b, "op")
+        comm.run(Call("op", plan, a, b, replay=True))
     for other_a, other_b in ((a.clone(), b), (a, b.clone()), (a, b.t().contiguous().t()), (a, b)):
         if other_a is a and other_b is b:  # the same inputs, but the allocator gives the output another block
             shape = (plan.block_rows, plan.n)
             blocks[shape] = torch.empty_like(blocks[shape])
         recorder.trace.clear()
-        comm.run(plan, other_a, other_b, "op")
+        comm.run(Call("op", plan, other_a, other_b, replay=True))
         assert ("replay",) not in recorder.trace and recorder.trace, "a graph replayed for other tensors"
 
 
-def test_calls_with_arbitrary_hooks_or_under_the_debug_timeout_are_issued_eagerly(monkeypatch):
+def test_calls_with_arbitrary_hooks_or_not_to_be_replayed_are_issued_eagerly(monkeypatch):
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch, "all_gather")
     for _ in range(3):
-        comm.run(plan, a, b, "op", hook=lambda: recorder.trace.append((0, "hook")))
+        comm.run(Call("op", plan, a, b, hook=lambda: recorder.trace.append((0, "hook")), replay=True))
     assert ("replay",) not in recorder.trace and recorder.trace.count((0, "hook")) == 3
     recorder.trace.clear()
-    monkeypatch.setattr(p2p, "debug_timeout", lambda: 5.0)
-    monkeypatch.setattr(comm, "_check_progress", lambda *args: None)
-    monkeypatch.setattr(FakeStream, "record_event", lambda self: None, raising=False)
-    for _ in range(3):
-        comm.run(plan, a, b, "op")
+    for _ in range(3):  # the runtime says no replay (debug mode, a user's capture, switched off)
+        comm.run(Call("op", plan, a, b))
     assert ("replay",) not in recorder.trace and recorder.trace
+
+
+def test_a_call_with_a_debug_deadline_polls_every_flag_wait(monkeypatch):
+    recorder, comm, plan, a, b, _ = _replaying(monkeypatch, "all_gather")
+    polled = []
+    monkeypatch.setattr(comm, "_check_progress", lambda waited, timeout, op: polled.append((len(waited), timeout)))
+    monkeypatch.setattr(FakeStream, "record_event", lambda self: None, raising=False)
+    comm.run(Call("op", plan, a, b, timeout=5.0))
+    waits = sum(isinstance(item, rs.Wait) for item in rs.schedule(plan, 0, gathered_own=False))
+    assert polled == [(waits, 5.0)] and waits > 0
 
 
 def test_a_call_after_the_cublas_precision_switch_changed_is_not_replayed(monkeypatch):
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
     for _ in range(3):
-        comm.run(plan, a, b, "op")
+        comm.run(Call("op", plan, a, b, replay=True))
     with flipped_bf16_reduced_precision():
         recorder.trace.clear()
-        comm.run(plan, a, b, "op")  # cuBLAS may pick another kernel now: the old graph must not run
+        comm.run(Call("op", plan, a, b, replay=True))  # cuBLAS may pick another kernel now: the old graph must not run
     assert ("replay",) not in recorder.trace and recorder.trace
 
 
@@ -252,10 +259,10 @@ def test_a_weight_gradient_hook_is_held_in_the_graph_and_its_tensors_are_in_the_
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch, "all_gather")
     x, y, grad = torch.randn(20, 8), torch.randn(8, 24), torch.zeros(20, 24)
     for _ in range(3):
-        comm.run(plan, a, b, "op", hook=RecordedMatmul(recorder, x, y, grad))
+        comm.run(Call("op", plan, a, b, hook=RecordedMatmul(recorder, x, y, grad), replay=True))
     assert recorder.trace.count((0, "hook")) == 2  # the eager call's, and the capture's; the replay holds it
     assert recorder.trace[-1] == ("replay",)
     for other in (RecordedMatmul(recorder, x, y, torch.zeros(20, 24)), RecordedMatmul(recorder, x.clone(), y, grad)):
         recorder.trace.clear()
-        comm.run(plan, a, b, "op", hook=other)
+        comm.run(Call("op", plan, a, b, hook=other, replay=True))
         assert recorder.trace.count((0, "hook")) == 1 and ("replay",) not in recorder.trace

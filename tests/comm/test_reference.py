@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm import reference
-from flashoverlap.plan import TileConfig, default_plan
+from flashoverlap.plan import TileConfig
 from flashoverlap.testing import spawn
+from flashoverlap.tune.defaults import default_plan
 
 SHAPES = [(2, 5, 3), (96, 40, 24), (250, 33, 17), (512, 64, 64)]
 

@@ -2,7 +2,6 @@
 a signature is captured on its second call and replayed from then on, a new signature never replays another's
 graph, the least recently used graph goes first, and replay is off where it must be."""
 
-import pytest
 
 from flashoverlap.comm import replay
 
@@ -54,22 +53,3 @@ def test_clear_forgets_every_graph_and_every_count():
         graphs.run("s", lambda: None)
     graphs.clear()
     assert len(graphs) == 0 and graphs.run("s", lambda: None) is False
-
-
-@pytest.mark.parametrize("env,allowed", [({}, True), ({"FLASHOVERLAP_REPLAY": "0"}, False),
-                                         ({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, False),
-                                         ({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, True)])
-def test_replay_is_off_where_it_must_be(env, allowed, monkeypatch):
-    for name in ("FLASHOVERLAP_REPLAY", "CUDA_DEVICE_MAX_CONNECTIONS"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(replay.torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert replay.replay_allowed() is allowed
-
-
-def test_replay_is_off_inside_a_users_capture(monkeypatch):
-    monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    monkeypatch.setattr(replay.torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert replay.replay_allowed() is False

@@ -12,8 +12,8 @@ SHAPES = [(96, 40, 24), (130, 72, 33), (256, 64, 64)]
 
 def _ranks(rank, world_size):
     import flashoverlap as fo
-    from flashoverlap.ops._common import execute
     from flashoverlap.plan import TileConfig
+    from flashoverlap.runtime import execute
     from flashoverlap.testing import plain
 
     tile = TileConfig(16, 16, 16, 2, 1, 4)
@@ -48,9 +48,9 @@ def _ranks(rank, world_size):
     assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
     assert calls == [1]
     # path="auto" follows a ring plan on the CPU too (not the reference).
-    from flashoverlap.ops._checks import choose_path
+    from flashoverlap.runtime.calls import resolve
 
-    assert choose_path("op", "auto", a.device, "ring") == "ring"
+    assert resolve("op", "reduce_scatter", a, b, None, ring, "auto")[0] == "ring"
     return checked
 
 

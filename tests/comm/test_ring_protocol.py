@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from flashoverlap.comm import ring_schedule as rs
-from flashoverlap.plan import TileConfig, default_plan
+from flashoverlap.plan import TileConfig
+from flashoverlap.tune.defaults import default_plan
 from tests.comm.ring_sim import Failure, make_call, simulate
 
 TILE = TileConfig(16, 16, 16, 2, 1, 4)

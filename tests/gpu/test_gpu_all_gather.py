@@ -164,14 +164,14 @@ def test_all_gather_refuses_plans_that_could_starve_nccl():
 
 def _auto_path(rank, world_size, expect_p2p):
     """path="auto" (the default): P2P where every GPU reaches every other, NCCL under NCCL_P2P_DISABLE=1."""
-    from flashoverlap.comm.state import state_of
+    from flashoverlap.runtime.context import context_of
 
     rows, n, k = 2048, 8192, 8192  # a grid shape, where the P2P default plan overlaps
     a_shard, b = inputs(rows, n, k, torch.bfloat16, seed=rank)
     want = torch.matmul(_gathered(a_shard, world_size), b)
     poison_allocator(torch.device("cuda", torch.cuda.current_device()))
     assert_close(all_gather_gemm(a_shard, b), want, f"auto path (P2P expected: {expect_p2p})")
-    used_p2p = state_of(dist.group.WORLD, a_shard.device)._p2p is not None
+    used_p2p = ("gemm", "p2p") in context_of(dist.group.WORLD, a_shard.device).communicators
     assert used_p2p == expect_p2p, f"path='auto' {'did not take' if expect_p2p else 'took'} the P2P path"
     return True
 

@@ -52,9 +52,9 @@ def _correctness(rank, world_size):
                     _assert_close(got, want, f"{m}x{n}x{k} {dtype} b{'.t()' if transposed else ''} plan {name}")
                     checked += 1
     # The counters are zero again after every call (reset on the communication stream).
-    from flashoverlap.comm.state import state_of
+    from flashoverlap.runtime.context import context_of
 
-    comm = state_of(dist.group.WORLD, device).nccl
+    comm = context_of(dist.group.WORLD, device).communicator("gemm", "nccl")
     torch.cuda.synchronize()
     assert int(comm.counters.abs().sum()) == 0, "counters were not reset"
     # Repeated calls agree bitwise.
@@ -90,7 +90,7 @@ def _plain_gemm(rank, world_size):
             assert counters.tolist() == [g.tile_count for g in plan.groups]
             out.fill_(float("nan"))
             counters.zero_()
-            gemm(a, b, plan, out=out, counters=counters, experimental={"tma_store": False})  # plain stores
+            gemm(a, b, plan, out=out, counters=counters, tma_store=False)  # plain stores
             _assert_close(out, torch.matmul(a, b), f"plain gemm, pointer stores {m}x{n}x{k} {dtype}")
             assert counters.tolist() == [g.tile_count for g in plan.groups]
             out.fill_(float("nan"))
@@ -153,13 +153,13 @@ def _errors(rank, world_size):
 
 def _debug_timeout(rank, world_size):
     """Rule 4: a wait that is never satisfied becomes an error naming the group and rank, not a hang."""
-    from flashoverlap.comm.state import state_of
+    from flashoverlap.runtime.context import context_of
 
     os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "2"
     device = torch.device("cuda", torch.cuda.current_device())
     m, n, k = 1024, 1024, 256
     plan = fo.default_plan("all_reduce", m, n, k, world_size, num_groups=4, allow_sequential=False)
-    comm = state_of(dist.group.WORLD, device).nccl
+    comm = context_of(dist.group.WORLD, device).communicator("gemm", "nccl")
     comm.prepare(plan, torch.bfloat16)
     c = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
     with pytest.raises(RuntimeError, match=rf"rank {rank}: all_reduce on group .*: group 0 of {plan.num_groups}"):

@@ -139,7 +139,7 @@ def test_reduce_scatter_cuda_device_max_connections_one(path):
 
 def _auto_follows_the_tuned_path(rank, world_size, cache_dir, tuned_path):
     """A plan that `tune plan --path auto` cached for this shape decides path="auto" (the default), either way."""
-    from flashoverlap.comm.state import state_of
+    from flashoverlap.runtime.context import context_of
     from flashoverlap.tune import cache
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = cache_dir
@@ -154,7 +154,7 @@ def _auto_follows_the_tuned_path(rank, world_size, cache_dir, tuned_path):
     want = _expected(a, b, world_size)
     poison_allocator(torch.device("cuda", torch.cuda.current_device()))
     assert_close(gemm_reduce_scatter(a, b), want, f"auto path, tuned on {tuned_path}")
-    used_p2p = state_of(torch.distributed.group.WORLD, a.device)._p2p is not None
+    used_p2p = ("gemm", "p2p") in context_of(torch.distributed.group.WORLD, a.device).communicators
     assert used_p2p == (tuned_path == "p2p"), f"path='auto' did not follow the tuned plan's path {tuned_path}"
     return True
 

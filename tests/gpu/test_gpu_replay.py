@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.comm.state import state_of
+from flashoverlap.runtime.context import context_of
 from flashoverlap.testing import plain, spawn
 from tests.gpu.helpers import ENV, WORLD, assert_close, inputs, needs_gpus
 
@@ -41,7 +41,7 @@ def _repeated_calls(rank, world_size):
                             got.fill_(float("nan"))  # the next call's output gets this memory back
                             del got, want
     os.environ.pop("FLASHOVERLAP_REPLAY")
-    replays = state_of(dist.group.WORLD, device).p2p.graphs.replays
+    replays = context_of(dist.group.WORLD, device).communicator("gemm", "p2p").graphs.replays
     # 3 ops x 2 shapes x 2 dtypes x 2 layouts, 5 replayed calls each: the first eager, then a capture and replays.
     assert replays >= 24 * 3, f"only {replays} calls were replayed"
     return replays

@@ -10,9 +10,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from flashoverlap.kernels.copy import sm_copy  # noqa: E402
+from flashoverlap.bench.copy_kernel import sm_copy  # noqa: E402
 from flashoverlap.kernels.gemm import gemm  # noqa: E402
-from flashoverlap.plan import TileConfig, default_plan  # noqa: E402
+from flashoverlap.plan import TileConfig  # noqa: E402
+from flashoverlap.tune.defaults import default_plan  # noqa: E402
 from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES, COPY_CASES  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def run(case):
     b = torch.randn(n, k, dtype=dtype).t() if bt else torch.randn(k, n, dtype=dtype)
     out = torch.full((m, n), float("nan"), dtype=dtype)
     counters = torch.zeros(plan.num_groups + 2, dtype=torch.int32) if signal else None
-    gemm(a, b, plan, out=out, counters=counters, use_tma=tma, experimental={"tma_store": tma_store})
+    gemm(a, b, plan, out=out, counters=counters, use_tma=tma, tma_store=tma_store)
     ref = a.double() @ b.double()
     if plan.blocks > 1:  # the workspace holds the product's rows where the plan's row tables put them
         placed = torch.full_like(ref, float("nan"))

@@ -5,8 +5,9 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
-from flashoverlap.plan import TileConfig, default_plan
+from flashoverlap.plan import TileConfig
 from flashoverlap.testing import spawn
+from flashoverlap.tune.defaults import default_plan
 
 
 def _check(rank, world_size):

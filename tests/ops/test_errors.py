@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.comm.nccl import debug_timeout
 
 
 @pytest.fixture
@@ -110,24 +109,12 @@ def test_world_of_one_matches_matmul(world_of_one):
     torch.testing.assert_close(fo.gemm_all_reduce(a, b), torch.matmul(a, b))
 
 
-def test_debug_timeout_parsing(monkeypatch):
-    monkeypatch.delenv("FLASHOVERLAP_DEBUG_TIMEOUT", raising=False)
-    assert debug_timeout() is None
-    monkeypatch.setenv("FLASHOVERLAP_DEBUG_TIMEOUT", "2.5")
-    assert debug_timeout() == 2.5
-    monkeypatch.setenv("FLASHOVERLAP_DEBUG_TIMEOUT", "0")
-    assert debug_timeout() is None
-    monkeypatch.setenv("FLASHOVERLAP_DEBUG_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match="FLASHOVERLAP_DEBUG_TIMEOUT"):
-        debug_timeout()
-
-
 def test_package_imports_and_runs_without_cuda_bindings():
     # The NCCL path imports cuda.bindings on first use only: a CPU user never needs it.
     code = (
         "import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
         "import flashoverlap, flashoverlap.comm.nccl\n"
-        "from flashoverlap.plan import default_plan\n"
+        "from flashoverlap.tune.defaults import default_plan\n"
         "print(default_plan('all_reduce', 64, 64, 64, 2).num_groups)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -166,8 +153,10 @@ def test_debug_mode_catches_ranks_that_disagree_or_never_come(what):
     assert results == (["timed out", "skipped"] if what == "skip" else ["refused", "refused"])
 
 
-def test_float32_takes_no_overlapped_plan(world_of_one):
+def test_float32_runs_any_plan_on_the_reference_path_but_no_overlapped_one_on_cuda(world_of_one):
     a, b = _ab(dtype=torch.float32)
     plan = fo.default_plan("all_reduce", 8, 6, 4, 1, allow_sequential=False)
-    with pytest.raises(ValueError, match="float32 runs only the matmul-then-collective plan"):
-        fo.gemm_all_reduce(a, b, plan=plan)
+    torch.testing.assert_close(fo.gemm_all_reduce(a, b, plan=plan), a @ b)  # the CPU: the reference path
+    with pytest.raises(ValueError, match="path='nccl' needs CUDA tensors"):
+        fo.gemm_all_reduce(a, b, plan=plan, path="nccl")
+    # On CUDA the rule is the policy's (tests/runtime/test_policy.py): float32 runs only sequential plans there.

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
-from flashoverlap.plan import TileConfig, default_plan
+from flashoverlap.plan import TileConfig
 from flashoverlap.testing import spawn
+from flashoverlap.tune.defaults import default_plan
 
 
 def _check(rank, world_size):

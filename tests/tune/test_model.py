@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from flashoverlap.plan import TileConfig, default_plan
+from flashoverlap.plan import TileConfig
+from flashoverlap.tune.defaults import default_plan
 from flashoverlap.tune.model import Curve, Machine, predict, sequential_ms
 from flashoverlap.tune.search import candidates, rank
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashoverlap.plan import default_plan
+from flashoverlap.tune.defaults import default_plan
 from flashoverlap.tune.rates import Rates
 
 

@@ -22,13 +22,14 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap.bench import op_rows
+from flashoverlap.bench.gemm_forms import gemm_form
 from flashoverlap.bench.op_rows import inputs as _inputs
 from flashoverlap.bench.rows import efficiency
 from flashoverlap.bench.timing import time_ms
-from flashoverlap.comm.state import state_of
-from flashoverlap.kernels.gemm import gemm
-from flashoverlap.ops._common import plan_for
-from flashoverlap.plan import default_plan, nccl_free_sms
+from flashoverlap.plan import nccl_free_sms
+from flashoverlap.runtime import plan_for
+from flashoverlap.runtime.context import context_of
+from flashoverlap.tune.defaults import default_plan
 
 
 def _setting() -> str:
@@ -118,11 +119,11 @@ def sweep_gemm(m, n, k, dtype, rank, world_size, device) -> list[dict]:
                             num_programs=base.num_tiles if programs == "tiles" else sms)
         counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
         try:
-            got = gemm(a, b, plan, counters=counters.zero_(), experimental=options)
+            got = gemm_form(a, b, plan, counters.zero_(), options)
             torch.cuda.synchronize()
             err = float((got.float() - ref.float()).norm() / ref.float().norm())
-            t = time_ms(lambda plan=plan, counters=counters, options=options: gemm(a, b, plan, counters=counters,
-                                                                                  experimental=options),
+            t = time_ms(lambda plan=plan, counters=counters, options=options: gemm_form(a, b, plan, counters,
+                                                                                        options),
                         iters=20, before=counters.zero_)
         except Exception as exc:  # a loop form the compiler rejects, or out of shared memory
             t, err = float("nan"), float("nan")
@@ -149,7 +150,7 @@ def interference(args, rank, world_size, device, dtype) -> dict:
     reps = 20
     main_stream = torch.cuda.current_stream()
     side = torch.cuda.Stream(device=device, priority=-(1 << 10))
-    comm = state_of(dist.group.WORLD, device).nccl
+    comm = context_of(dist.group.WORLD, device).communicator("gemm", "nccl")
     out = {"steady": {}, "single": {}}
 
     def timed(fn) -> tuple[float, float]:

@@ -15,9 +15,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from flashoverlap.bench.copy_kernel import sm_copy
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.symmetric import SymmetricWorkspace
-from flashoverlap.kernels.copy import sm_copy
 
 MOVER_BYTES = 64 << 20
 REPS = 20

@@ -13,13 +13,23 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.bench.timing import start_behind_sleep
-from flashoverlap.comm.state import state_of
+from flashoverlap.runtime.context import context_of
 
 
 def record(call, device: torch.device, group=None) -> dict:
-    """Run ``call()`` once with the communicator of ``group`` recording; the groups' ready/done times in ms."""
-    comm = state_of(group or dist.group.WORLD, device).nccl
-    comm.timeline = []
+    """Run ``call()`` once with the NCCL communicator of ``group`` recording, by wrapping its per-group launch
+    from outside: the groups' ready/done times in ms."""
+    comm = context_of(group or dist.group.WORLD, device).communicator("gemm", "nccl")
+    marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+    launch_group = comm.launch_group
+
+    def recording(launch, grp, comm_group) -> None:  # runs on the communication stream
+        ready = torch.cuda.current_stream(device).record_event(torch.cuda.Event(enable_timing=True))
+        launch_group(launch, grp, comm_group)
+        marks.append((grp.index, ready, torch.cuda.current_stream(device).record_event(
+            torch.cuda.Event(enable_timing=True))))
+
+    comm.launch_group = recording
     try:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         dist.barrier(group=group)
@@ -30,9 +40,9 @@ def record(call, device: torch.device, group=None) -> dict:
         call()
         end.record()
         torch.cuda.synchronize()
-        groups = [(g, start.elapsed_time(ready), start.elapsed_time(done)) for g, ready, done in comm.timeline]
+        groups = [(g, start.elapsed_time(ready), start.elapsed_time(done)) for g, ready, done in marks]
     finally:
-        comm.timeline = None
+        del comm.launch_group  # the class's own again
     return {"total_ms": start.elapsed_time(end), "groups": groups}
 
 

@@ -20,10 +20,13 @@ import torch.distributed as dist
 from flashoverlap.bench.op_rows import inputs
 from flashoverlap.bench.timing import time_ms
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
-from flashoverlap.comm.symmetric import p2p_excluded, p2p_unavailable_reason
+from flashoverlap.comm.symmetric import p2p_unavailable_reason
 from flashoverlap.kernels.gemm import gemm
-from flashoverlap.plan import Plan, TileConfig, default_plan
+from flashoverlap.plan import Plan, TileConfig
+from flashoverlap.runtime import settings
+from flashoverlap.runtime.policy import p2p_excluded
 from flashoverlap.tune import cache
+from flashoverlap.tune.defaults import default_plan
 from flashoverlap.tune.model import Curve, Machine
 from flashoverlap.tune.search import FREE_SMS, candidates, cublas_band_plans, rank, ring_plans, tile_choices
 
@@ -286,17 +289,17 @@ class Search:
 
 def search_paths(path: str, group, device) -> list[str]:
     """The paths a search covers: the one asked for, or for ``"auto"`` NCCL and, where it applies to this group,
-    P2P (the same rule as the ops' ``path="auto"``: ``comm.symmetric.p2p_excluded``)."""
+    P2P (the same rule as the ops' ``path="auto"``: ``runtime.policy.p2p_excluded``)."""
     if path != "auto":
         return [path]
-    disabled = os.environ.get("NCCL_P2P_DISABLE") == "1"
+    disabled = settings.read().nccl_p2p_disabled
     reason = None if disabled else p2p_unavailable_reason(group, device)
     return ["nccl"] if p2p_excluded(reason, dist.get_world_size(group), disabled) else ["nccl", "p2p"]
 
 
 def model_search(op: str, m: int, n: int, k: int, group, device, dtype, path: str = "nccl") -> Search:
     """Measure the machine figures and rank every candidate plan of every path searched with the model."""
-    from flashoverlap.ops._common import plan_for
+    from flashoverlap.runtime import plan_for
 
     world = dist.get_world_size(group)
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -28,12 +28,12 @@ through a clone of the caller's process group created with that NCCL config
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from flashoverlap import guards
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.collectives import (
     all_gather_into_tensor,
@@ -41,66 +41,58 @@ from flashoverlap.comm.collectives import (
     place_own_shard,
     reduce_scatter_tensor,
 )
-from flashoverlap.comm.state import refuse_inside_capture
-from flashoverlap.kernels.gemm import gemm
+from flashoverlap.comm.protocol import Call, CommGroup
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
-
-
-def debug_timeout() -> float | None:
-    """Seconds to wait for each group before raising, from ``FLASHOVERLAP_DEBUG_TIMEOUT`` (unset: no check)."""
-    value = os.environ.get("FLASHOVERLAP_DEBUG_TIMEOUT")
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"FLASHOVERLAP_DEBUG_TIMEOUT must be a number of seconds, got {value!r}") from None
-    return seconds if seconds > 0 else None
 
 
 class NcclCommunicator:
     """Counters, a high-priority stream and the NCCL groups for one (process group, device)."""
 
-    def __init__(self, state) -> None:
-        self.group = state.group
-        self.device = state.device
-        self.rank = state.rank
-        self.name = state.name
-        # The most negative priority is clamped to the device's highest.
-        self.comm_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))
+    path = "nccl"
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group.process_group
+        self.device = group.device
+        self.rank = group.rank
+        self.name = group.name
+        self.comm_stream = guards.comm_stream(self.device)
         self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
         # All-gather: flags[g] != 0 once group g's band of every shard has landed; zero between calls.
         self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
         self._warm: set[tuple[str, int, torch.dtype]] = set()
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
-        # When a list: each reduction-type call appends, per group, (index, ready event, done event): the moment
-        # the comm stream saw the group's tiles complete, and the moment its collective finished (timeline).
-        self.timeline: list | None = None
 
     # -- one call ----------------------------------------------------------------------------------------
-    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str, return_gathered: bool = False,
-            hook=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One overlapped call of ``plan`` (not sequential): the op's result, and for all-gather the gathered input
-        in rank order where ``return_gathered``. ``hook()``: independent work for the caller's stream, issued
-        once the op's own work is queued (it then runs beside the op's last collectives)."""
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One overlapped call of ``call.plan`` (not sequential): the op's result, and for all-gather the gathered
+        input in rank order where asked. The hook is issued once the op's own work is queued (it then runs beside
+        the op's last collectives)."""
+        plan, a, b = call.plan, call.a, call.b
         if plan.op == "all_gather":
-            result = self._all_gather_gemm(plan, a, b, op, return_gathered)
+            result = self._all_gather_gemm(plan, a, b, call.name, call.return_gathered, call.timeout)
         else:
             self.prepare(plan, a.dtype)
             product, ready = produce(a, b, plan, self.counters)
             if plan.op == "all_reduce":
-                self.all_reduce(product, plan, ready)
+                self.all_reduce(product, plan, ready, call.timeout)
                 result = (product, None)
             else:
                 out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
-                self.reduce_scatter(out, product, plan, ready)
+                self.reduce_scatter(out, product, plan, ready, call.timeout)
                 result = (out, None)
-        if hook is not None:
-            hook()
+        if call.hook is not None:
+            call.hook()
         return result
 
+    def release(self) -> None:
+        """Destroy the capped-CTA clones of the group (collective over the group's ranks, like their creation)."""
+        for clone in self._capped_groups.values():
+            dist.destroy_process_group(clone)
+        self._capped_groups.clear()
+        self._warm.clear()
+
     def _all_gather_gemm(self, plan: Plan, a_shard: torch.Tensor, b: torch.Tensor, op: str,
-                         return_gathered: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         return_gathered: bool, timeout: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The communication stream gathers band after band (launched before the GEMM: here it is the producer)
         and raises a flag per band; the GEMM, persistent on all SMs but those left to NCCL, computes its own shard
         and then waits in-kernel for each band's flag. NCCL runs a fixed ``comm_ctas`` CTAs on SMs the GEMM never
@@ -108,15 +100,16 @@ class NcclCommunicator:
         are refused. Inside a CUDA-graph capture the in-kernel waits become graph edges (``_bands_by_cublas``)."""
         device = a_shard.device
         if plan.gemm == "triton":  # only a GEMM that spins on the bands can starve NCCL
-            check_leaves_nccl_sms(plan, torch.cuda.get_device_properties(device).multi_processor_count, op)
+            check_leaves_nccl_sms(plan, guards.sm_count(device), op)
         self.prepare(plan, a_shard.dtype)
         gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
-        if plan.gemm == "cublas" or torch.cuda.is_current_stream_capturing():
+        if plan.gemm == "cublas" or guards.capturing():
             c = _bands_by_cublas(self, gathered, a_shard, b, plan)
         else:
+            from flashoverlap.kernels.gemm import gemm  # Triton: imported where a kernel runs
+
             _cublas_ready(device, a_shard.dtype)
             self.all_gather(gathered, a_shard, plan)
-            timeout = debug_timeout()
             wait_error = torch.zeros(1, dtype=torch.int32, device=device) if timeout else None
             # About a microsecond a poll: the debug bound in polls.
             max_spins = int(timeout * 1e6) if timeout else 0
@@ -134,7 +127,7 @@ class NcclCommunicator:
     # -- 1. before the GEMM -----------------------------------------------------------------------------
     def prepare(self, plan: Plan, dtype: torch.dtype) -> None:
         if (plan.op, plan.comm_ctas, dtype) not in self._warm:
-            refuse_inside_capture("creates NCCL state and buffers")
+            guards.refuse_inside_capture(f"the first NCCL-path {plan.op} call on {self.name} creates NCCL state")
             comm_group = self.comm_group(plan.comm_ctas)
             # The very collective the plan will issue, once, outside any wait: NCCL loads its kernels lazily.
             world_size = dist.get_world_size(comm_group)
@@ -168,13 +161,15 @@ class NcclCommunicator:
         return self._capped_groups[comm_ctas]
 
     # -- 3. and 4. after the GEMM ---------------------------------------------------------------------
-    def all_reduce(self, c: torch.Tensor, plan: Plan, ready: list[torch.cuda.Event] | None = None) -> None:
+    def all_reduce(self, c: torch.Tensor, plan: Plan, ready: list[torch.cuda.Event] | None = None,
+                   timeout: float | None = None) -> None:
         """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each
         (its counters tell; or, for bands computed by cuBLAS, the events in ``ready``)."""
-        self._issue(plan, lambda grp, group: dist.all_reduce(c[grp.row_start : grp.row_end], group=group), ready)
+        self._issue(plan, lambda grp, group: dist.all_reduce(c[grp.row_start : grp.row_end], group=group), ready,
+                    timeout)
 
     def reduce_scatter(self, out: torch.Tensor, workspace: torch.Tensor, plan: Plan,
-                       ready: list[torch.cuda.Event] | None = None) -> None:
+                       ready: list[torch.cuda.Event] | None = None, timeout: float | None = None) -> None:
         """Reduce-scatter each group's ``[W][rows][N]`` slice of ``workspace`` into its band of this rank's
         ``out [M/W, N]``, as the GEMM (already launched on the current stream) finishes each group."""
 
@@ -182,7 +177,7 @@ class NcclCommunicator:
             band = workspace[grp.out_row_start : grp.out_row_end]
             reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
 
-        self._issue(plan, launch, ready)
+        self._issue(plan, launch, ready, timeout)
 
     def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
                    events: bool = False) -> list[torch.cuda.Event]:
@@ -217,11 +212,15 @@ class NcclCommunicator:
         torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
         self.flags[: plan.num_groups].zero_()
 
-    def _issue(self, plan: Plan, launch, ready: list[torch.cuda.Event] | None = None) -> None:
+    def launch_group(self, launch, grp, comm_group: dist.ProcessGroup) -> None:
+        """Issue group ``grp``'s collective on the communication stream once its rows are ready (the benchmark's
+        timeline wraps this, from outside, to record when each group became ready and when it finished)."""
+        launch(grp, comm_group)
+
+    def _issue(self, plan: Plan, launch, ready: list[torch.cuda.Event] | None = None,
+               timeout: float | None = None) -> None:
         producer = torch.cuda.current_stream(self.device)
         comm_group = self.comm_group(plan.comm_ctas)
-        timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
-        timing = self.timeline is not None and not torch.cuda.is_current_stream_capturing()
         waited = []
         base = self.counters.data_ptr()
         with torch.cuda.stream(self.comm_stream):
@@ -232,12 +231,9 @@ class NcclCommunicator:
                     address = base + 4 * grp.index
                     stream_ops.wait_geq(self.comm_stream, address, grp.tile_count)
                     stream_ops.write(self.comm_stream, address, 0)
-                if timeout is not None or timing:
-                    waited.append(self.comm_stream.record_event(torch.cuda.Event(enable_timing=timing)))
-                launch(grp, comm_group)
-                if timing:
-                    self.timeline.append((grp.index, waited[-1], self.comm_stream.record_event(
-                        torch.cuda.Event(enable_timing=True))))
+                if timeout is not None:
+                    waited.append(self.comm_stream.record_event())
+                self.launch_group(launch, grp, comm_group)
         producer.wait_stream(self.comm_stream)
         if timeout is not None:
             self._check_progress(plan, waited, timeout)
@@ -245,15 +241,11 @@ class NcclCommunicator:
     def _check_progress(self, plan: Plan, waited: list[torch.cuda.Event], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for grp, event in zip(plan.groups, waited):
-            while not event.query():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"flashoverlap: rank {self.rank}: {plan.op} on {self.name}: group {grp.index} of "
-                        f"{plan.num_groups} (rows [{grp.row_start}, {grp.row_end})) did not see its {grp.tile_count} "
-                        f"tiles within {timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT); its counter never reached the "
-                        "plan's count"
-                    )
-                time.sleep(1e-4)
+            guards.poll_until(event.query, deadline, lambda grp=grp: (
+                f"flashoverlap: rank {self.rank}: {plan.op} on {self.name}: group {grp.index} of "
+                f"{plan.num_groups} (rows [{grp.row_start}, {grp.row_end})) did not see its {grp.tile_count} "
+                f"tiles within {timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT); its counter never reached the "
+                "plan's count"))
 
 
 _CUBLAS_READY: set[tuple[torch.device, torch.dtype]] = set()
@@ -313,6 +305,8 @@ def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan,
     if plan.gemm == "cublas":
         out = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
         return out, compute_bands(a, b, plan, out)
+    from flashoverlap.kernels.gemm import gemm  # Triton: imported where a kernel runs
+
     return gemm(a, b, plan, counters=counters), None
 
 

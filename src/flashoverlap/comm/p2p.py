@@ -28,10 +28,11 @@ import time
 
 import torch
 
+from flashoverlap import guards
 from flashoverlap.comm import ring_schedule as rs
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.nccl import debug_timeout
-from flashoverlap.comm.replay import CallGraphs, address, replay_allowed
+from flashoverlap.comm.protocol import Call, CommGroup, held_signature
+from flashoverlap.comm.replay import CallGraphs, address
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import Plan
 
@@ -42,16 +43,18 @@ _SPACES = {"a": 0, "out": 1, "gathered": 2}
 
 
 class P2PCommunicator:
-    """Copy stream, events and symmetric workspace for one (process group, device) (``comm/state.py``)."""
+    """Copy stream, events and symmetric workspace for one (process group, device)."""
 
-    def __init__(self, state) -> None:
-        self.group = state.group
-        self.device = state.device
-        self.rank = state.rank
-        self.world_size = state.world_size
-        self.name = state.name
-        self.copy_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))  # X: pulls from peers
-        self.local_stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10))  # L: copies within the GPU
+    path = "p2p"
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group.process_group
+        self.device = group.device
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.name = group.name
+        self.copy_stream = guards.comm_stream(self.device)  # X: pulls from peers
+        self.local_stream = guards.comm_stream(self.device)  # L: copies within the GPU
         self.workspace = SymmetricWorkspace(self.group, self.device)
         self._events: list[torch.cuda.Event] = []
         self._warm: set[tuple] = set()  # (plan, dtype, b's strides) whose cuBLAS kernels are loaded
@@ -61,11 +64,11 @@ class P2PCommunicator:
     def _region_bytes(self) -> int:
         return (self.workspace.nbytes // rs.regions(self.world_size)) // REGION_ALIGN * REGION_ALIGN
 
-    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str, return_gathered: bool = False,
-            hook=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One overlapped call of ``plan`` (not sequential): the op's result, and for all-gather the gathered input
-        (rank order) where ``return_gathered``. ``hook()``, if given, issues independent work on the caller's
-        stream where the schedule would wait for its first pull (``ring_schedule.Hook``)."""
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One overlapped call of ``call.plan`` (not sequential): the op's result, and for all-gather the gathered
+        input (rank order) where asked. The hook, if any, issues independent work on the caller's stream where the
+        schedule would wait for its first pull (``ring_schedule.Hook``)."""
+        plan, a, b, op, hook = call.plan, call.a, call.b, call.name, call.hook
         self.prepare(plan, a.dtype, op)
         if plan.op == "all_gather":
             a = a.contiguous()  # the copy engine moves the shard's rows as one block
@@ -74,15 +77,23 @@ class P2PCommunicator:
         rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
         out = self._new((rows, plan.n), a.dtype)
         gathered = None
-        if return_gathered:
+        if call.return_gathered:
             gathered = self._new((plan.m, plan.k), a.dtype)
-        held = None if hook is None else getattr(hook, "signature", None)  # a hook's work a graph may hold
-        if (hook is None or held is not None) and debug_timeout() is None and replay_allowed():
+        held = held_signature(hook)  # a hook's work a graph may hold
+        if call.replay and (hook is None or held is not None):
             signature = (*self._signature(plan, a, b, out, gathered), held)
             if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, op, gathered, hook)):
                 return out, gathered
-        self.issue(plan, a, b, out, op, gathered, hook)
+        self.issue(plan, a, b, out, op, gathered, hook, call.timeout)
         return out, gathered
+
+    def release(self) -> None:
+        """Free the graphs, the resolved programs and the symmetric workspace (the peers free theirs in the same
+        collective release)."""
+        self.graphs.clear()
+        self._programs.clear()
+        self._warm.clear()
+        self.workspace.release()
 
     def _new(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         """A call's output or gathered buffer, from the caching allocator (whose reuse of addresses is what lets a
@@ -101,7 +112,7 @@ class P2PCommunicator:
                 self.graphs.clear()
 
     def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
-              gathered: torch.Tensor | None = None, hook=None) -> None:
+              gathered: torch.Tensor | None = None, hook=None, timeout: float | None = None) -> None:
         """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
         is returned)."""
@@ -117,7 +128,6 @@ class P2PCommunicator:
         bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
         driver = stream_ops.fast()
         wait_reset, write, copy = driver.wait_reset, driver.write, driver.copy
-        timeout = None if torch.cuda.is_current_stream_capturing() else debug_timeout()
         waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
         events[0].record(compute)
         for step, item in zip(program, ops):
@@ -214,9 +224,7 @@ class P2PCommunicator:
     def _load_kernels(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
         """Run each matmul shape of the schedule once, eagerly, on scratch outputs: the call queues them behind
         stream waits, and a kernel that is not loaded yet must not be launched there (deadlock rule 3)."""
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{op}: the first P2P call of a shape loads its cuBLAS kernels and cannot be captured "
-                               "in a CUDA graph; call it once, eagerly, before capturing")
+        guards.refuse_inside_capture(f"{op}: the first P2P call of a shape loads its cuBLAS kernels")
         source = a if plan.op != "all_gather" else a.new_zeros((plan.m, plan.k))
         for rows, accumulate in {(item.rows, item.accumulate) for item in rs.schedule(plan, self.rank)
                                  if isinstance(item, rs.Mm)}:
@@ -240,11 +248,7 @@ class P2PCommunicator:
     def _check_progress(self, waited, timeout: float, op: str) -> None:
         deadline = time.monotonic() + timeout
         for event, item in waited:
-            while not event.query():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"flashoverlap: rank {self.rank}: {op} on {self.name} (P2P path) waited more than "
-                        f"{timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {item.what}: a peer never reached this "
-                        "call, or called with other shapes or dtypes"
-                    )
-                time.sleep(1e-4)
+            guards.poll_until(event.query, deadline, lambda item=item: (
+                f"flashoverlap: rank {self.rank}: {op} on {self.name} (P2P path) waited more than "
+                f"{timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {item.what}: a peer never reached this call, or "
+                "called with other shapes or dtypes"))

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm.collectives import all_gather_into_tensor, gathered_in_rank_order, reduce_scatter_tensor
+from flashoverlap.comm.protocol import Call, CommGroup
 from flashoverlap.plan import Plan
 
 
@@ -64,12 +65,27 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, plan: Plan, group: d
     return c, gathered_in_rank_order(gathered, plan)
 
 
-def run(plan: Plan, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, rank: int,
-        return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The communicator interface (``comm/__init__.py``): the op's result, and all-gather's gathered input."""
-    if plan.op == "all_reduce":
-        return gemm_all_reduce(a, b, plan, group), None
-    if plan.op == "reduce_scatter":
-        return gemm_reduce_scatter(a, b, plan, group), None
-    c, a_full = all_gather_gemm(a, b, plan, group, rank)
-    return c, a_full if return_gathered else None
+class ReferenceCommunicator:
+    """The reference path behind the communicator protocol (``comm/protocol.py``): holds nothing."""
+
+    path = "reference"
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group
+
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The op's result, and all-gather's gathered input where asked; the hook runs after (nothing overlaps)."""
+        plan, a, b, process_group = call.plan, call.a, call.b, self.group.process_group
+        if plan.op == "all_reduce":
+            result = gemm_all_reduce(a, b, plan, process_group), None
+        elif plan.op == "reduce_scatter":
+            result = gemm_reduce_scatter(a, b, plan, process_group), None
+        else:
+            c, a_full = all_gather_gemm(a, b, plan, process_group, self.group.rank)
+            result = c, a_full if call.return_gathered else None
+        if call.hook is not None:
+            call.hook()
+        return result
+
+    def release(self) -> None:
+        pass

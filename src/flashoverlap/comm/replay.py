@@ -15,16 +15,15 @@ inside its own capture may be reused by the next capture.
 
 A call's independent work (a communicator's ``hook``) is held in its graph where it has a signature of its own
 (``Matmul``: a backward's weight gradient); other hooks are arbitrary code, and their calls are issued eagerly.
-Where replay is not used either (``replay_allowed`` says why): inside a user's capture (the call is captured into
-the user's graph instead), in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``: each flag wait is polled with a
-deadline, which needs the eager schedule), with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (the deadlock argument of
-``comm/ring_schedule.py`` rests on the issue order of the streams' work, which a graph launch does not keep on a
-single hardware queue), and with ``FLASHOVERLAP_REPLAY=0``.
+Where replay is not used either (the runtime's verdict, ``Call.replay``; ``runtime/settings.py``): inside a user's
+capture (the call is captured into the user's graph instead), in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``: each
+flag wait is polled with a deadline, which needs the eager schedule), with ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+(the deadlock argument of ``comm/ring_schedule.py`` rests on the issue order of the streams' work, which a graph
+launch does not keep on a single hardware queue), and with ``FLASHOVERLAP_REPLAY=0``.
 """
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
@@ -52,14 +51,6 @@ class Matmul:
     @property
     def signature(self) -> tuple:
         return address(self.x), address(self.y), address(self.out)
-
-
-def replay_allowed() -> bool:
-    """Whether calls may be replayed from graphs here: not switched off, not on a single hardware queue, not
-    inside a capture (the communicator adds its own conditions: no hook, no debug timeout)."""
-    if os.environ.get("FLASHOVERLAP_REPLAY", "1") == "0" or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        return False
-    return not torch.cuda.is_current_stream_capturing()
 
 
 class CallGraphs:

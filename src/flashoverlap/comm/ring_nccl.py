@@ -22,18 +22,22 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from flashoverlap import guards
 from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.comm.protocol import Call, CommGroup
 from flashoverlap.plan import Plan
 
 
 class RingNcclCommunicator:
-    """A high-priority stream for one (process group, device) (``comm/state.py``)."""
+    """A high-priority stream for one (process group, device)."""
 
-    def __init__(self, state) -> None:
-        self.group, self.device = state.group, state.device
-        self.rank, self.world_size = state.rank, state.world_size
+    path = "ring"
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group, self.device = group.process_group, group.device
+        self.rank, self.world_size = group.rank, group.world_size
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=self.device, priority=-(1 << 10)) if self.cuda else None
+        self.stream = guards.comm_stream(self.device) if self.cuda else None
         world = self.world_size
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % world)
@@ -59,10 +63,10 @@ class RingNcclCommunicator:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
-    def run(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str, return_gathered: bool = False,
-            hook=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One call of a ring plan (not sequential); ``hook()`` issues independent work on ``C`` where it would
-        wait for its first receive."""
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One call of a ring plan (not sequential); the hook issues independent work on ``C`` where it would wait
+        for its first receive."""
+        plan, a, b, hook, return_gathered = call.plan, call.a, call.b, call.hook, call.return_gathered
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
             self.stream.wait_stream(compute)  # inputs ready, and memory handed out on C free to use on S
@@ -76,6 +80,9 @@ class RingNcclCommunicator:
                 if tensor is not None:
                     tensor.record_stream(self.stream)
         return result
+
+    def release(self) -> None:
+        pass  # a stream only
 
     def _reduce(self, plan: Plan, a, b, compute, hook) -> tuple[torch.Tensor, None]:
         world, r = self.world_size, self.rank

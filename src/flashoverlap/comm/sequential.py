@@ -7,20 +7,36 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
-from flashoverlap.plan import Plan
+from flashoverlap.comm.protocol import Call, CommGroup
 
 
-def run(plan: Plan, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup,
-        return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The op's result (and all-gather's gathered input where ``return_gathered``), as plain PyTorch computes it."""
-    if plan.op == "all_gather":
-        a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
-        all_gather_into_tensor(a_full, a.contiguous(), group)
-        return torch.matmul(a_full, b), a_full if return_gathered else None
-    c = torch.matmul(a, b)
-    if plan.op == "all_reduce":
-        dist.all_reduce(c, group=group)
-        return c, None
-    out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
-    reduce_scatter_tensor(out, c, group)
-    return out, None
+class SequentialCommunicator:
+    """Plans with ``sequential=True`` behind the communicator protocol (``comm/protocol.py``): holds nothing."""
+
+    path = "sequential"
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group
+
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The op's result (and all-gather's gathered input where asked), as plain PyTorch computes it; the hook is
+        issued once the collective is queued, so that it runs beside it."""
+        plan, a, b, process_group = call.plan, call.a, call.b, self.group.process_group
+        if plan.op == "all_gather":
+            a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
+            all_gather_into_tensor(a_full, a.contiguous(), process_group)
+            result = torch.matmul(a_full, b), a_full if call.return_gathered else None
+        elif plan.op == "all_reduce":
+            c = torch.matmul(a, b)
+            dist.all_reduce(c, group=process_group)
+            result = c, None
+        else:
+            out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
+            reduce_scatter_tensor(out, torch.matmul(a, b), process_group)
+            result = out, None
+        if call.hook is not None:
+            call.hook()
+        return result
+
+    def release(self) -> None:
+        pass

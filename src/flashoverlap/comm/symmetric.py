@@ -18,7 +18,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from flashoverlap.plan import P2P_MAX_RANKS
+from flashoverlap import guards
 
 MIN_BYTES = 1 << 20
 FLAG_SLOTS = 16384  # int32 flags at the start of every buffer: up to groups * world_size of them per call
@@ -55,12 +55,9 @@ class SymmetricWorkspace:
         those in ``[ones[0], ones[1])`` at one. Returns whether the buffer was (re)allocated."""
         if nbytes <= self.nbytes:
             return False
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"{op}: the P2P path needs a {size_class(nbytes)}-byte symmetric workspace, which must be allocated "
-                "and exchanged with the peers outside CUDA-graph capture: call the op once, eagerly, with the "
-                "largest shape first"
-            )
+        guards.refuse_inside_capture(
+            f"{op}: the P2P path needs a {size_class(nbytes)}-byte symmetric workspace, allocated and exchanged with "
+            "the peers (call the largest shape first)")
         if self.buffer is not None:
             # The old buffer may still be in use by queued work of the previous call (and, until this rank has
             # passed that call's done barrier, by peers pulling from it): let it all finish before freeing it.
@@ -78,6 +75,14 @@ class SymmetricWorkspace:
         self.flags[ones[0] : ones[1]] = 1
         self.barrier(0)
         return True
+
+    def release(self) -> None:
+        """Free the buffer (collective: every rank releases, after a barrier, so no peer still pulls from it)."""
+        if self.buffer is None:
+            return
+        self.barrier(0)
+        torch.cuda.synchronize(self.device)
+        self.buffer, self.handle, self._peers, self.nbytes = None, None, [], 0
 
     @property
     def flags(self) -> torch.Tensor:
@@ -121,7 +126,7 @@ def _use_cuda_backend(symm_mem, device: torch.device) -> None:
 
 def p2p_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
     """Why the P2P path cannot serve ``group`` (None if it can). Collective: every rank reports its host and GPU,
-    and the answer is the same on every rank (``GroupState.p2p_reason`` asks once per group)."""
+    and the answer is the same on every rank (the runtime asks once per group)."""
     why = _local_reason(device)
     no_access = [] if why else [d for d in range(torch.cuda.device_count())
                                 if d != device.index and not torch.cuda.can_device_access_peer(device.index, d)]
@@ -155,21 +160,4 @@ def group_reason(everyone: list[dict]) -> str | None:
             if peer != rank and other["device"] in info["no_access"]:
                 return (f"rank {rank}'s GPU {info['device']} cannot access the memory of rank {peer}'s GPU "
                         f"{other['device']} directly (no NVLink or PCIe peer access)")
-    return None
-
-
-MAX_P2P_WORLD_SIZE = P2P_MAX_RANKS  # one NVLink node; the plan's limit, which the ring's flag layout is sized for
-
-
-def p2p_excluded(reason: str | None, world_size: int, nccl_p2p_disabled: bool) -> str | None:
-    """Why ``path="auto"`` must not take P2P on a group (None if it may): ``reason`` from
-    ``p2p_unavailable_reason``; ``nccl_p2p_disabled``: NCCL_P2P_DISABLE=1 is set, a statement that peer-to-peer
-    traffic is off here (or emulated off, as in the benchmark's pcie-like setting). Pure: the same inputs on every
-    rank give the same answer."""
-    if nccl_p2p_disabled:
-        return "NCCL_P2P_DISABLE=1 is set"
-    if reason is not None:
-        return f"P2P does not apply: {reason}"
-    if world_size > MAX_P2P_WORLD_SIZE:
-        return f"{world_size} ranks: P2P is used up to {MAX_P2P_WORLD_SIZE} (one node)"
     return None

@@ -25,9 +25,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashoverlap.plan import Plan
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Storing C through TMA measured no faster than plain stores on H200 (benchmarks/results/logs/why-overlap-is-hard.md).
-DEFAULT_TMA_STORE = False
-EXPERIMENTAL = frozenset({"tma_store", "flatten", "warp_specialize"})
 
 
 @triton.jit
@@ -206,7 +203,7 @@ def gemm(
     rank: int = 0,
     wait_error: torch.Tensor | None = None,
     max_spins: int = 0,
-    experimental: dict | None = None,
+    tma_store: bool = False,
 ) -> torch.Tensor:
     """``out = a @ b`` following ``plan``'s tile order; with ``counters``, each tile's group counter is bumped.
 
@@ -218,16 +215,24 @@ def gemm(
     omitted. ``counters``: int32 with at least ``plan.num_groups`` elements, zero on entry; on exit entry ``g``
     equals ``plan.groups[g].tile_count``. ``use_tma``: force or forbid TMA loads (default: where the strides allow).
 
-    ``experimental``: switches only the benchmark's GEMM sweeps use, none of them faster in the configurations the
-    ops run (``EXPERIMENTAL``): ``tma_store`` (store ``out`` through TMA, where its strides allow), ``flatten``
-    (flatten the K loop into the tile loop: three times slower with signalling), ``warp_specialize`` (Triton's
-    warp specialization of the K loop, with TMA loads).
+    ``tma_store``: store ``out`` through TMA where its strides allow (measured no faster than plain stores on an
+    H200, benchmarks/results/logs/why-overlap-is-hard.md; off by default).
 
     All-gather plans: ``a`` is the gathered ``[M, K]`` buffer in the plan's layout; ``rank`` picks the tile
     order (own shard first); every tile of group ``g`` waits until ``flags[g] != 0``. With ``max_spins`` a wait
     gives up after that many polls and writes ``1 + g`` to ``wait_error`` (int32, one element) instead of
     hanging: the result is then wrong and the caller must raise.
     """
+    out, args, meta = launch_arguments(a, b, plan, out=out, counters=counters, use_tma=use_tma, flags=flags,
+                                       rank=rank, wait_error=wait_error, max_spins=max_spins, tma_store=tma_store)
+    signalling_gemm_kernel[(plan.grid_size,)](*args, **meta)
+    return out
+
+
+def launch_arguments(a, b, plan, *, out=None, counters=None, use_tma=None, flags=None, rank=0, wait_error=None,
+                     max_spins=0, tma_store=False) -> tuple[torch.Tensor, tuple, dict]:
+    """``gemm``'s checks and the kernel's arguments: ``(out, positional arguments, constexprs and launch
+    options)``. The benchmark's sweeps launch the kernel with other loop forms from these (``bench/gemm_forms.py``)."""
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"a and b must be 2-D, got a.ndim={a.ndim}, b.ndim={b.ndim}")
     m, k = a.shape
@@ -264,16 +269,10 @@ def gemm(
         b_arg = TensorDescriptor.from_tensor(b_stored, b_block)
     else:
         a_arg, b_arg = a, b
-    experimental = dict(experimental or {})
-    unknown = set(experimental) - EXPERIMENTAL
-    if unknown:
-        raise ValueError(f"gemm: unknown experimental switches {sorted(unknown)}; known: {sorted(EXPERIMENTAL)}")
-    tma_store = experimental.get("tma_store")
-    tma_store = (DEFAULT_TMA_STORE if tma_store is None else tma_store) and use_tma
     # A TMA store writes whole tiles: a row-mapped tile would overwrite the next band's rows of the workspace.
     tma_store = bool(tma_store and use_tma and _tma_ok(out) and not row_map)
     c_arg = TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]) if tma_store else out
-    signalling_gemm_kernel[(plan.grid_size,)](
+    args = (
         a_arg,
         b_arg,
         c_arg,
@@ -294,6 +293,8 @@ def gemm(
         out.stride(1),
         plan.num_tiles,
         plan.tiles_n,
+    )
+    meta = dict(
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,
@@ -305,9 +306,7 @@ def gemm(
         ROW_MAP=row_map,
         WAIT=wait,
         MAX_SPINS=int(max_spins) if wait else 0,
-        FLATTEN=bool(experimental.get("flatten", False)),
-        WARP_SPECIALIZE=bool(experimental.get("warp_specialize", False) and use_tma),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
-    return out
+    return out, args, meta

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.ops._common import execute, needs_library
+from flashoverlap.ops import library
 from flashoverlap.plan import Plan
+from flashoverlap.runtime import execute
 
 OP = "all_gather_gemm"
 
@@ -31,9 +32,7 @@ def all_gather_gemm(
 
     Args: as :func:`flashoverlap.gemm_all_reduce`, with ``a_shard: [M/W, K]`` this rank's rows.
     """
-    if needs_library(a_shard, b, plan, OP):
-        from flashoverlap.ops import library
-
+    if library.needed(a_shard, b, plan, OP):
         c, gathered = torch.ops.flashoverlap.all_gather_gemm(a_shard, b, library.group_name(group), path)
     else:
         c, gathered = execute(OP, "all_gather", a_shard, b, group, plan, path, return_gathered)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.ops._common import execute, needs_library
+from flashoverlap.ops import library
 from flashoverlap.plan import Plan
+from flashoverlap.runtime import execute
 
 OP = "gemm_all_reduce"
 
@@ -39,8 +40,6 @@ def gemm_all_reduce(
     Returns:
         ``[M, N]`` row-major, the input dtype, identical on every rank of ``group``.
     """
-    if needs_library(a, b, plan, OP):
-        from flashoverlap.ops import library
-
+    if library.needed(a, b, plan, OP):
         return torch.ops.flashoverlap.gemm_all_reduce(a, b, library.group_name(group), path)
     return execute(OP, "all_reduce", a, b, group, plan, path)[0]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.ops._common import execute, needs_library
+from flashoverlap.ops import library
 from flashoverlap.plan import Plan
+from flashoverlap.runtime import execute
 
 OP = "gemm_reduce_scatter"
 
@@ -28,8 +29,6 @@ def gemm_reduce_scatter(
 
     Args: as :func:`flashoverlap.gemm_all_reduce`; ``M`` must be divisible by the group's size.
     """
-    if needs_library(a, b, plan, OP):
-        from flashoverlap.ops import library
-
+    if library.needed(a, b, plan, OP):
         return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, library.group_name(group), path)
     return execute(OP, "reduce_scatter", a, b, group, plan, path)[0]

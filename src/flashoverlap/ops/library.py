@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from flashoverlap.comm.replay import Matmul
-from flashoverlap.ops._common import execute
+from flashoverlap.plan import Plan
+from flashoverlap.runtime import execute
 
 
 def group_name(group: dist.ProcessGroup | str | None) -> str:
@@ -40,6 +41,16 @@ def group_name(group: dist.ProcessGroup | str | None) -> str:
             raise RuntimeError("flashoverlap: torch.distributed is not initialised; call dist.init_process_group()")
         group = dist.group.WORLD
     return group.group_name
+
+
+def needed(a: torch.Tensor, b: torch.Tensor, plan: Plan | None, name: str) -> bool:
+    """Whether a public op call goes through its custom op: where autograd must record it, or ``torch.compile``
+    traces it. Plain eager calls skip the dispatcher (host time)."""
+    grad = torch.is_grad_enabled() and (getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False))
+    if grad and plan is not None:
+        raise ValueError(f"{name}: plan= cannot be combined with autograd (an input requires grad); leave plan unset "
+                         "(the library's plan for the shape, tuned where the plan cache has one) or detach the inputs")
+    return grad or torch.compiler.is_compiling()
 
 
 def _world(name: str) -> int:

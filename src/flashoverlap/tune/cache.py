@@ -7,7 +7,7 @@ ignored; a call never fails because of the cache. Writers merge their entries in
 replace it atomically, so concurrent tuners lose nothing and readers never see half a file.
 
 Ranks must use the same plan (different plans issue different collectives and hang), and on several nodes their
-caches may differ: ``agreed_entries`` gives every rank rank 0's entries, exchanged once per (group, key).
+caches may differ: ``exchange_entries`` gives every rank rank 0's entries, exchanged once per group.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from flashoverlap.plan import OPS, PATHS, Plan, default_plan
+from flashoverlap import guards
+from flashoverlap.plan import OPS, PLAN_PATHS, Plan
+from flashoverlap.tune.defaults import default_plan
 
 VERSION = 1
 # A shape never tuned borrows the plan of the tuned M nearest to it (same N and K), within this factor.
@@ -138,30 +140,33 @@ def _plan(entry: dict) -> Plan | None:
         return None
 
 
-def agreed_entries(state, key: dict) -> dict[str, dict]:
-    """Rank 0's cached entries for ``key``, the same on every rank of ``group``. The first lookup for a group
-    exchanges rank 0's entries for every op, path and dtype of this GPU and world size at once (collective), so
-    that later first calls of other ops or dtypes, inside a CUDA-graph capture too, need no collective."""
-    group, agreed = state.group, state.agreed_cache  # state: comm.state.GroupState
-    token = (key["gpu"], key["world_size"], _generation)
-    if token not in agreed:
-        import torch
+def exchange_entries(group: dist.ProcessGroup, gpu: str, world_size: int) -> dict[str, dict[str, dict]]:
+    """Rank 0's cached entries for every op, path and dtype of this GPU and world size, the same on every rank of
+    ``group`` (collective: one broadcast), by ``"op/path/dtype"``. The runtime exchanges once per group and
+    ``generation()`` and keeps the answer, so that later first calls of other ops or dtypes, inside a CUDA-graph
+    capture too, need no collective."""
+    guards.refuse_inside_capture("the first call for a process group exchanges the plan cache between ranks")
+    every = {}
+    if dist.get_rank(group) == 0:
+        for op in OPS:
+            for path in (*PLAN_PATHS, "auto"):  # "auto": `tune plan --path auto`, whose plans name their path
+                for dtype in ("bfloat16", "float16"):
+                    entries = load(cache_key(gpu, world_size, op, path, dtype))
+                    if entries:
+                        every[f"{op}/{path}/{dtype}"] = entries
+    box = [every]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("flashoverlap: the first call for a process group exchanges the plan cache between "
-                               "ranks and cannot be captured in a CUDA graph; call the op once before capturing")
-        every = {}
-        if dist.get_rank(group) == 0:
-            for op in OPS:
-                for path in (*PATHS, "auto"):  # "auto": `tune plan --path auto`, whose plans name their path
-                    for dtype in ("bfloat16", "float16"):
-                        entries = load(cache_key(key["gpu"], key["world_size"], op, path, dtype))
-                        if entries:
-                            every[f"{op}/{path}/{dtype}"] = entries
-        box = [every]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        agreed[token] = box[0]
-    return agreed[token].get(f"{key['op']}/{key['path']}/{key['dtype']}", {})
+
+def entries_for(every: dict[str, dict[str, dict]], key: dict) -> dict[str, dict]:
+    """``key``'s entries out of ``exchange_entries``' answer."""
+    return every.get(f"{key['op']}/{key['path']}/{key['dtype']}", {})
+
+
+def generation() -> int:
+    """Bumped by ``forget_agreed``: exchanges made before are stale."""
+    return _generation
 
 
 def forget_agreed() -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flashoverlap import guards
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -47,17 +49,10 @@ def _best_ms(fn, iters: int = 5, warmup: int = 3) -> float:
     return min(times)
 
 
-def measure(state, dtype: torch.dtype) -> Rates:
-    """This machine's rates for the group of ``state`` (``comm.state.GroupState``) on its device (tens of ms,
-    once per group and dtype; collective over the group)."""
-    if dtype in state.rates:
-        return state.rates[dtype]
-    group, device = state.group, state.device
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "flashoverlap: the first call for a process group measures the GEMM and all-reduce rates and cannot "
-            "be captured in a CUDA graph; call the op once before capturing"
-        )
+def measure(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> Rates:
+    """This machine's rates for ``group`` on ``device`` (tens of ms; collective over the group). The runtime keeps
+    the answer per (group, device, dtype)."""
+    guards.refuse_inside_capture("the first call for a process group measures the GEMM and all-reduce rates")
     size = 4096
     a = torch.randn(size, size, dtype=dtype, device=device)
     gemm_ms = _best_ms(lambda: torch.matmul(a, a))
@@ -67,5 +62,4 @@ def measure(state, dtype: torch.dtype) -> Rates:
     busbw = 2.0 * (world_size - 1) / world_size * buf.numel() * buf.element_size() / (comm_ms * 1e6)
     agreed = torch.tensor([2.0 * size**3 / (gemm_ms * 1e9), busbw], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    rates = state.rates[dtype] = Rates(float(agreed[0]), float(agreed[1]))
-    return rates
+    return Rates(float(agreed[0]), float(agreed[1]))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from flashoverlap.plan import Plan, TileConfig, default_plan, default_tile_config, nccl_free_sms
+from flashoverlap.plan import Plan, TileConfig, nccl_free_sms
+from flashoverlap.tune.defaults import default_plan, default_tile_config
 from flashoverlap.tune.model import Curve, Machine, predict
 
 GROUPS = (1, 2, 3, 4, 6, 8, 12, 16)

@@ -1,5 +1,5 @@
-"""Argument checks shared by the ops: every problem is a ValueError/RuntimeError naming the argument, raised before
-anything is launched."""
+"""Argument checks shared by the ops: every problem is a ValueError/RuntimeError/TypeError naming the argument,
+raised before anything is launched."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ import torch
 import torch.distributed as dist
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The overlapped paths' kernels (Triton, and cuBLAS sub-bands accumulated in the output) are half-precision: float32
-# calls run the plain matmul and one collective (a sequential plan) on CUDA, and the reference path elsewhere.
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-PATHS = ("auto", "nccl", "p2p", "ring", "reference")
 
 
 def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:
@@ -56,21 +52,3 @@ def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) 
                 "NCCL group (init_process_group('nccl') or new_group(backend='nccl'))"
             )
     return group
-
-
-def choose_path(op: str, path: str, device: torch.device, plan_path: str | None = None) -> str:
-    """The path a call takes: ``path`` as asked, or for ``"auto"`` the given plan's path, else NCCL on CUDA (the
-    op may then choose P2P: ``_common.automatic_path``) and the reference elsewhere (where a ring plan also runs:
-    ``"ring"`` needs only send/recv, which gloo has)."""
-    if path not in PATHS:
-        raise ValueError(f"{op}: path must be one of {PATHS}, got {path!r}")
-    if path == "auto":
-        if device.type == "cuda":
-            return plan_path or "nccl"
-        return "ring" if plan_path == "ring" else "reference"
-    if plan_path is not None and path != "reference" and path != plan_path:
-        raise ValueError(f"{op}: path={path!r} but the plan given is for path {plan_path!r}; pass a matching plan, "
-                         "or path='auto' to follow the plan")
-    if path in ("nccl", "p2p") and device.type != "cuda":
-        raise ValueError(f"{op}: path={path!r} needs CUDA tensors, got tensors on {device}; use path='reference'")
-    return path

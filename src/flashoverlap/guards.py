@@ -1,0 +1,67 @@
+"""One helper per rule that every layer with GPU work obeys: the capture guard, the communication streams'
+priority, the SM count, the debug deadline and its poll. Nothing else in the package spells these out."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+# The most negative priority, which CUDA clamps to the device's highest: communication streams run their work
+# ahead of the GEMM's waves as soon as it is ready.
+COMM_PRIORITY = -(1 << 10)
+# Plans made where no GPU can be asked (the reference path, the CPU tests) assume an H200's SMs.
+DEFAULT_SMS = 132
+DEBUG_TIMEOUT_VARIABLE = "FLASHOVERLAP_DEBUG_TIMEOUT"
+
+
+def comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new stream of the highest priority on ``device``."""
+    return torch.cuda.Stream(device=device, priority=COMM_PRIORITY)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never on a machine without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_inside_capture(what: str) -> None:
+    """Raise where ``what`` (a first call's set-up: allocations, collectives, kernel loads) would be captured."""
+    if capturing():
+        raise RuntimeError(
+            f"flashoverlap: {what} and cannot be captured in a CUDA graph; call the op once, eagerly, with the "
+            "same shapes before capturing"
+        )
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The SMs of ``device`` (``DEFAULT_SMS`` off the GPU)."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def debug_timeout(environ: os._Environ | dict = os.environ) -> float | None:
+    """Seconds any wait may take before it raises, from ``FLASHOVERLAP_DEBUG_TIMEOUT`` (unset or <= 0: no bound).
+    Read once per call, by the runtime, which hands the value down with the call."""
+    value = environ.get(DEBUG_TIMEOUT_VARIABLE)
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{DEBUG_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}") from None
+    return seconds if seconds > 0 else None
+
+
+def poll_until(ready: Callable[[], bool], deadline: float, failure: Callable[[], str]) -> None:
+    """Poll ``ready()`` until it is true; past ``deadline`` (``time.monotonic``) raise ``failure()`` as a
+    RuntimeError. The one deadline loop behind every debug-mode wait."""
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure())
+        time.sleep(1e-4)

@@ -1,0 +1,122 @@
+"""The one state object per (process group, device), and its registry: ``context_of``, ``release``.
+
+A ``GroupContext`` owns everything kept between calls on one group: its communicators (built on first use from
+the table ``COMMUNICATORS``), the measured rates by dtype, the plan-cache entries the ranks agreed on, the resolved
+calls by signature, the P2P verdict and what was logged once. Lower layers never see it: communicators get a
+``CommGroup`` (values), the tuner gets the group, device and dtype and returns values, which the context keeps.
+The registry holds a reference to the group itself and checks identity: a group that was destroyed and re-created
+gets a fresh context, never another group's rates, verdict or buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap import guards
+from flashoverlap.comm.nccl import NcclCommunicator
+from flashoverlap.comm.p2p import P2PCommunicator
+from flashoverlap.comm.protocol import CommGroup, Communicator
+from flashoverlap.comm.reference import ReferenceCommunicator
+from flashoverlap.comm.ring_nccl import RingNcclCommunicator
+from flashoverlap.comm.sequential import SequentialCommunicator
+
+# The dispatch table: (kind of call, path) -> how to build its communicator. "gemm": the tensor-parallel ops
+# (``flashoverlap.plan.Plan`` calls); "expert": the all-to-all ops of expert parallelism.
+COMMUNICATORS: dict[tuple[str, str], type[Communicator]] = {
+    ("gemm", "reference"): ReferenceCommunicator,
+    ("gemm", "sequential"): SequentialCommunicator,
+    ("gemm", "nccl"): NcclCommunicator,
+    ("gemm", "p2p"): P2PCommunicator,
+    ("gemm", "ring"): RingNcclCommunicator,
+}
+# Communicators whose construction allocates or creates streams (refused inside a CUDA-graph capture).
+_HOLD_NOTHING = {("gemm", "reference"), ("gemm", "sequential")}
+_UNSET = object()
+
+
+class GroupContext:
+    """The state of one (process group, device); see the module docstring."""
+
+    def __init__(self, process_group: dist.ProcessGroup, device: torch.device) -> None:
+        self.process_group = process_group
+        self.device = device
+        self.group = CommGroup.of(process_group, device)
+        self.communicators: dict[tuple[str, str], Communicator] = {}
+        self.rates: dict[torch.dtype, Any] = {}  # tune.rates.Rates by dtype
+        self.agreed: dict[tuple, dict] = {}  # tune.cache.exchange_entries' answers, by (gpu, world, generation)
+        self.calls: dict[tuple, tuple] = {}  # runtime.calls: a call signature's path and plan
+        self.logged: set = set()
+        self._p2p_reason: Any = _UNSET
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def name(self) -> str:
+        return self.group.name
+
+    def communicator(self, kind: str, path: str) -> Communicator:
+        """The communicator for ``(kind, path)``, built on first use (never inside a CUDA-graph capture where it
+        allocates)."""
+        key = (kind, path)
+        comm = self.communicators.get(key)
+        if comm is None:
+            if key not in _HOLD_NOTHING:
+                guards.refuse_inside_capture(f"the first {path}-path call on {self.name} creates its streams and "
+                                             "buffers")
+            comm = self.communicators[key] = COMMUNICATORS[key](self.group)
+        return comm
+
+    def p2p_reason(self) -> str | None:
+        """Why the P2P path cannot serve this group (None if it can); collective on first use."""
+        if self._p2p_reason is _UNSET:
+            from flashoverlap.comm.symmetric import p2p_unavailable_reason
+
+            self._p2p_reason = p2p_unavailable_reason(self.process_group, self.device)
+        return self._p2p_reason
+
+    def release(self) -> None:
+        """Release every communicator's buffers, clones and graphs, and forget what was measured and resolved."""
+        for comm in self.communicators.values():
+            comm.release()
+        self.communicators.clear()
+        self.rates.clear()
+        self.agreed.clear()
+        self.calls.clear()
+        self.logged.clear()
+        self._p2p_reason = _UNSET
+
+
+_CONTEXTS: dict[tuple[int, str, int | None], GroupContext] = {}
+
+
+def context_of(process_group: dist.ProcessGroup, device: torch.device) -> GroupContext:
+    """The context of ``process_group`` on ``device``, created on first use."""
+    key = (id(process_group), device.type, device.index)
+    context = _CONTEXTS.get(key)
+    if context is None or context.process_group is not process_group:
+        context = _CONTEXTS[key] = GroupContext(process_group, device)
+    return context
+
+
+def existing_context(process_group: dist.ProcessGroup | None, device: torch.device) -> GroupContext | None:
+    """The context of ``process_group`` on ``device`` if it has one (identity-checked), else None."""
+    context = _CONTEXTS.get((id(process_group), device.type, device.index))
+    return context if context is not None and context.process_group is process_group else None
+
+
+def release(group: dist.ProcessGroup | None = None) -> None:
+    """Free everything flashoverlap holds for ``group`` (None: every group): the P2P path's symmetric workspace,
+    the NCCL path's cloned process groups, replayed CUDA graphs, measured rates and cached plans. Collective where
+    the group's communicators hold peer-mapped memory or cloned groups: call it on every rank of the group, after
+    its last call (and before ``dist.destroy_process_group``). The next call on the group starts afresh."""
+    for key in [key for key, context in _CONTEXTS.items() if group is None or context.process_group is group]:
+        _CONTEXTS.pop(key).release()

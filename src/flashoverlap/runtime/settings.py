@@ -1,0 +1,32 @@
+"""What the environment says about a call, read once per call (``read``) and handed down as values: the debug
+deadline, whether repeated calls may be replayed from CUDA graphs, whether NCCL's peer-to-peer transport is off.
+
+| variable | effect |
+| --- | --- |
+| ``FLASHOVERLAP_DEBUG_TIMEOUT=S`` | every wait is bounded by about ``S`` seconds (debug mode; no replay) |
+| ``FLASHOVERLAP_REPLAY=0`` | repeated P2P calls are issued eagerly, never replayed from a graph |
+| ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay either (a graph launch does not keep the issue order on one queue) |
+| ``NCCL_P2P_DISABLE=1`` | ``path="auto"`` never takes the P2P path (NCCL moves bytes through host memory) |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from flashoverlap import guards
+
+
+@dataclass(frozen=True)
+class Settings:
+    timeout: float | None  # the debug deadline in seconds; None: waits are not bounded
+    replay: bool  # repeated calls may be replayed from CUDA graphs (before the capture check of the call itself)
+    nccl_p2p_disabled: bool
+
+
+def read(environ: os._Environ | dict = os.environ) -> Settings:
+    """The settings in force for one call."""
+    timeout = guards.debug_timeout(environ)
+    replay = (timeout is None and environ.get("FLASHOVERLAP_REPLAY", "1") != "0"
+              and environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1")
+    return Settings(timeout, replay, environ.get("NCCL_P2P_DISABLE") == "1")

@@ -1,0 +1,101 @@
+"""The runtime's dispatch (``runtime/calls.py``): every call reaches the communicator the table names with a
+``Call`` resolved once (the debug deadline and the replay verdict included), and every communicator follows the one
+protocol (``comm/protocol.py``)."""
+
+import inspect
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap import guards
+from flashoverlap.comm.protocol import Call, Communicator
+from flashoverlap.runtime import context as context_module
+from flashoverlap.runtime.context import COMMUNICATORS, context_of
+from flashoverlap.tune.defaults import sequential_plan
+
+
+@pytest.fixture
+def world_of_one():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
+        try:
+            yield context_of(dist.group.WORLD, torch.device("cpu"))
+        finally:
+            fo.release()
+            dist.destroy_process_group()
+
+
+class Recording:
+    """A communicator that records the calls it is given and answers with the plain product."""
+
+    path = "recording"
+
+    def __init__(self, group):
+        self.group, self.calls = group, []
+
+    def run(self, call):
+        self.calls.append(call)
+        return call.a @ call.b, None
+
+    def release(self):
+        pass
+
+
+def _install(context, key):
+    recording = Recording(context.group)
+    context.communicators[key] = recording
+    return recording
+
+
+def test_a_call_reaches_its_communicator_with_the_settings_read_once(world_of_one, monkeypatch):
+    reference = _install(world_of_one, ("gemm", "reference"))
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    monkeypatch.delenv("FLASHOVERLAP_DEBUG_TIMEOUT", raising=False)
+    monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    hook = lambda: None  # noqa: E731
+    fo.gemm_all_reduce(a, b)
+    from flashoverlap.runtime import execute
+
+    execute("name", "all_reduce", a, b, None, None, "auto", hook=hook)
+    first, second = reference.calls
+    assert isinstance(first, Call) and first.plan.op == "all_reduce" and first.a is a and first.b is b
+    assert first.name == "gemm_all_reduce" and first.replay and first.timeout is None and first.hook is None
+    assert second.hook is hook and second.name == "name"
+
+
+def test_no_replay_and_no_deadline_inside_a_users_capture(world_of_one, monkeypatch):
+    reference = _install(world_of_one, ("gemm", "reference"))
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    fo.gemm_all_reduce(a, b)
+    monkeypatch.setattr(guards, "capturing", lambda: True)
+    fo.gemm_all_reduce(a, b)
+    outside, inside = reference.calls
+    assert outside.replay and not inside.replay, "a call inside a user's capture must be captured, not replayed"
+
+
+def test_a_sequential_plan_runs_the_sequential_communicator_on_any_path(world_of_one):
+    sequential = _install(world_of_one, ("gemm", "sequential"))
+    ring = _install(world_of_one, ("gemm", "ring"))
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    plan = sequential_plan("all_reduce", 8, 6, 4, 1, path="ring")
+    fo.gemm_all_reduce(a, b, plan=plan, path="ring")
+    assert len(sequential.calls) == 1 and not ring.calls
+
+
+def test_every_communicator_follows_the_protocol():
+    gemm_kinds = [key for key in COMMUNICATORS if key[0] == "gemm"]
+    assert {path for _, path in gemm_kinds} == {"reference", "sequential", "nccl", "p2p", "ring"}
+    for key, build in COMMUNICATORS.items():
+        assert build.path == key[1], f"{build.__name__}.path is {build.path!r}, the table says {key[1]!r}"
+        assert list(inspect.signature(build.__init__).parameters) == ["self", "group"], build
+        assert list(inspect.signature(build.run).parameters) == ["self", "call"], build
+        assert callable(build.release), build
+        for member in ("run", "release"):
+            assert member in vars(Communicator) and hasattr(build, member)
+    assert context_module._HOLD_NOTHING <= set(COMMUNICATORS)

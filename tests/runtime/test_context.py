@@ -1,0 +1,77 @@
+"""One context per (process group, device), identity-checked: a group re-created where an old one was (same id)
+gets a fresh context, never the old one's rates, verdict, plan cache or communicators; ``release`` frees what a
+context holds, through every communicator's own ``release``."""
+
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap.runtime import context as context_module
+from flashoverlap.runtime.context import context_of, existing_context
+from flashoverlap.testing import spawn
+
+
+def _ranks(rank, world_size):
+    cpu = torch.device("cpu")
+    world = context_of(dist.group.WORLD, cpu)
+    assert context_of(dist.group.WORLD, cpu) is world  # found again
+    world.rates[torch.bfloat16] = "measured for WORLD"
+    world._p2p_reason = "verdict for WORLD"
+    sub = dist.new_group([0, 1])
+    assert existing_context(sub, cpu) is None
+    fresh = context_of(sub, cpu)
+    assert fresh is not world and not fresh.rates and fresh.name.endswith("(ranks [0, 1])")
+    # A destroyed group's object freed and a new one allocated at the same address: the registry's entry for
+    # that id still names the old group, so the new one must not inherit it.
+    other = dist.new_group([0, 1])
+    key = (id(other), cpu.type, cpu.index)
+    context_module._CONTEXTS[key] = world  # what an id-keyed cache would hand out
+    assert existing_context(other, cpu) is None
+    renewed = context_of(other, cpu)
+    assert renewed is not world and renewed.process_group is other and not renewed.rates
+    assert renewed._p2p_reason is not world._p2p_reason
+    fo.release(other)
+    assert existing_context(other, cpu) is None
+    return True
+
+
+def test_a_recreated_group_gets_fresh_context():
+    assert spawn(_ranks, 2) == [True, True]
+
+
+class _Holding:
+    """A communicator that records its release."""
+
+    released = 0
+
+    def __init__(self, group):
+        self.group = group
+
+    def release(self):
+        type(self).released += 1
+
+
+def _release(rank, world_size):
+    cpu = torch.device("cpu")
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    fo.gemm_all_reduce(a, b)  # the reference communicator, a resolved call
+    ctx = context_of(dist.group.WORLD, cpu)
+    assert ctx.calls and ctx.communicators
+    ctx.communicators[("gemm", "p2p")] = _Holding(ctx.group)
+    ctx.rates[torch.float32] = "rates"
+    ctx.agreed[("gpu", 2, 0)] = {"entries": 1}
+    ctx._p2p_reason = "verdict"
+    fo.release()  # every group
+    assert _Holding.released == 1, "release did not reach the communicators"
+    assert not ctx.communicators and not ctx.calls and not ctx.rates and not ctx.agreed
+    assert ctx._p2p_reason is context_module._UNSET
+    assert existing_context(dist.group.WORLD, cpu) is None
+    again = fo.gemm_all_reduce(a, b)  # the next call starts afresh
+    want = a @ b
+    dist.all_reduce(want)
+    torch.testing.assert_close(again, want)
+    return True
+
+
+def test_release_frees_every_communicator_and_forgets_the_group():
+    assert spawn(_release, 2) == [True, True]
