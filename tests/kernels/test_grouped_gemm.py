@@ -54,6 +54,15 @@ CASES = [
      [i % 3 for i in range(40)], 3, "heavy-first", [i % 2 for i in range(40)], False, True, 4, None, 0),
 ]
 
+# Launch options beyond the tile shape: dynamic tile taking, half-height tail tiles.
+TILE_OPTIONS = {
+    "round-tma-persistent-fp16": {"dynamic": True},
+    "wt-tma-priority-fp32": {"half_tail": True},
+    "wt-pointer-odd-fp16": {"dynamic": True, "half_tail": True},
+    "one-expert-many-segments-fp16": {"half_tail": True},
+    "forty-segments-fp16": {"dynamic": True, "half_tail": True},
+}
+
 
 def run_case(case) -> dict:
     (name, dtype_name, experts, k, n, sizes, seg_experts, groups, num_groups, order, prio, w_t, tma, programs,
@@ -68,7 +77,7 @@ def run_case(case) -> dict:
     seg_expert = torch.tensor(seg_experts, dtype=torch.int32)
     seg_signal = torch.tensor(groups, dtype=torch.int32) if groups is not None else None
     seg_priority = torch.tensor(prio, dtype=torch.int32) if prio is not None else None
-    tile = GroupedTile(16, 16, 16, 2, 1, 4, programs)
+    tile = GroupedTile(16, 16, 16, 2, 1, 4, programs, **TILE_OPTIONS.get(name, {}))
     workspace = torch.full((workspace_size(len(sizes), num_groups),), -7, dtype=torch.int32)  # garbage on entry
     outs, flags_after = [], []
     for this_order in (order, "given" if order == "heavy-first" else "heavy-first"):
@@ -82,7 +91,7 @@ def run_case(case) -> dict:
     covered = int(ends[-1])
     out = outs[0]
     norm = float(ref[:covered].norm()) or 1.0
-    block_s = (workspace.numel() - 2 * num_groups) // 6
+    block_s = (workspace.numel() - 2 * num_groups - 1) // 6
     tiles = [-(-s // 16) * -(-n // 16) for s in sizes]
     expected = [sum(t for t, g in zip(tiles, groups) if g == group) for group in range(num_groups)] if groups else []
     return {
@@ -93,7 +102,7 @@ def run_case(case) -> dict:
         "orders_equal": bool(torch.equal(outs[0][:covered], outs[1][:covered])),
         "flags": flags_after,
         "counters": workspace[6 * block_s: 6 * block_s + num_groups].tolist(),
-        "expected": workspace[6 * block_s + num_groups:].tolist(),
+        "expected": workspace[6 * block_s + num_groups: 6 * block_s + 2 * num_groups].tolist(),
         "want_expected": expected,
         "num_groups": num_groups,
     }
@@ -259,7 +268,8 @@ def test_gpu_values_and_flags(dtype, w_t, sizes, experts, k, n):
     want = grouped_mm_reference(x, w, ends, seg_expert)
     groups = torch.arange(len(sizes), dtype=torch.int32, device="cuda") % 3
     for order in ("given", "heavy-first"):
-        for tile in (None, GroupedTile(64, 128, 64, 4, 4, 4, 7)):
+        for tile in (None, GroupedTile(64, 128, 64, 4, 4, 4, 7, dynamic=True, half_tail=True),
+                     GroupedTile(128, 256, 64, 8, 3, 8, None, half_tail=True)):
             out = torch.full_like(want, float("nan"))
             flags = torch.zeros(4, dtype=torch.int32, device="cuda")
             grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=groups, flags=flags, order=order, tile=tile)

@@ -24,6 +24,7 @@ variants of ours instead (the measurements behind ``kernels.grouped_gemm``'s til
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -53,17 +54,22 @@ ROUTINGS = ("balanced", "zipf")
 PROJS = ("up", "down")
 
 # Tile variants the sweep times (kernels/grouped_gemm.py's DEFAULT_TILES come from these).
-# Suffix: -p one persistent program per SM, -p2 two, -np one program per tile of the bound.
+# Suffix: -np one program per tile of the bound, -p one persistent program per SM (-p2 two) taking tiles by stride,
+# -pd the same taking tiles from an atomic counter; -h half-height tail tiles; -nosig without signals.
+_T = GroupedTile
 SWEEP_TILES = {
-    "128x256x64-s3-w8-p": GroupedTile(128, 256, 64, 8, 3, 8, 0),
-    "128x256x64-s3-w8-np": GroupedTile(128, 256, 64, 8, 3, 8, None),
-    "128x256x64-s4-w8-p": GroupedTile(128, 256, 64, 8, 4, 8, 0),
-    "128x256x64-s4-w8-np": GroupedTile(128, 256, 64, 8, 4, 8, None),
-    "128x128x64-s3-w4-p2": GroupedTile(128, 128, 64, 8, 3, 4, -2),
-    "128x128x64-s4-w8-p": GroupedTile(128, 128, 64, 8, 4, 8, 0),
-    "128x128x64-s4-w8-np": GroupedTile(128, 128, 64, 8, 4, 8, None),
-    "64x256x64-s4-w4-p": GroupedTile(64, 256, 64, 8, 4, 4, 0),
-    "256x128x64-s3-w8-p": GroupedTile(256, 128, 64, 8, 3, 8, 0),
+    "128x256x64-s3-np": _T(128, 256, 64, 8, 3, 8, None),
+    "128x256x64-s3-p": _T(128, 256, 64, 8, 3, 8, 0),
+    "128x256x64-s3-pd": _T(128, 256, 64, 8, 3, 8, 0, dynamic=True),
+    "128x256x64-s3-pd-nosig": _T(128, 256, 64, 8, 3, 8, 0, dynamic=True),
+    "128x256x64-s3-pd-h": _T(128, 256, 64, 8, 3, 8, 0, dynamic=True, half_tail=True),
+    "128x256x64-s3-np-h": _T(128, 256, 64, 8, 3, 8, None, half_tail=True),
+    "128x256x64-s4-np": _T(128, 256, 64, 8, 4, 8, None),
+    "128x256x64-s4-pd": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True),
+    "128x256x64-s4-pd-h": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True),
+    "128x256x64-s4-np-h": _T(128, 256, 64, 8, 4, 8, None, half_tail=True),
+    "128x256x128-s2-pd-h": _T(128, 256, 128, 8, 2, 8, 0, dynamic=True, half_tail=True),
+    "128x128x64-s3-w4-p2d-h": _T(128, 128, 64, 8, 3, 4, -2, dynamic=True, half_tail=True),
 }
 
 
@@ -120,11 +126,12 @@ class Slice:
     def flops(self) -> float:
         return 2.0 * self.rows * self.k * self.n
 
-    def triton(self, tile: GroupedTile | None = None, order: str = "heavy-first", priority: bool = False):
+    def triton(self, tile: GroupedTile | None = None, order: str = "heavy-first", priority: bool = False,
+               signals: bool = True):
         prio = self.seg_source if priority else None
+        signal, flags = (self.seg_source, self.flags) if signals else (None, None)
         return lambda: grouped_gemm(self.x, self.w, self.seg_ends, self.seg_expert, out=self.out,
-                                    seg_signal=self.seg_source, flags=self.flags, order=order, seg_priority=prio,
-                                    tile=tile)
+                                    seg_signal=signal, flags=flags, order=order, seg_priority=prio, tile=tile)
 
     def grouped_mm(self):
         return lambda: torch._grouped_mm(self.x_by_expert, self.w, offs=self.offs)
@@ -158,7 +165,7 @@ class Slice:
         got = self.out[self.perm].float()
         if torch.isnan(got).any():
             raise AssertionError(f"{what}: NaN in the output (a row was never written)")
-        if what.startswith("triton") and self.flags.tolist() != [1] * WORLD:
+        if what.startswith("triton") and "nosig" not in what and self.flags.tolist() != [1] * WORLD:
             raise AssertionError(f"{what}: flags {self.flags.tolist()} after the call, expected all 1")
         err = float((got - want).norm() / want.norm())
         if err > 1e-2:
@@ -222,17 +229,14 @@ def sweep_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> 
     for name, tile in SWEEP_TILES.items():
         if tile.num_programs is not None and tile.num_programs < 0:  # -k: k programs per SM
             sms = torch.cuda.get_device_properties(0).multi_processor_count
-            tile = GroupedTile(tile.block_m, tile.block_n, tile.block_k, tile.group_m, tile.num_stages,
-                               tile.num_warps, -tile.num_programs * sms)
+            tile = dataclasses.replace(tile, num_programs=-tile.num_programs * sms)
+        signals = not name.endswith("-nosig")
         try:
-            s.check(s.triton(tile), f"triton {name}")
+            s.check(s.triton(tile, signals=signals), f"triton {name}")
         except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
             print(f"  {config} {routing} {proj} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
-        fns[name] = s.triton(tile)
-        if name == "128x256x64-s3-w8-p":
-            fns[name + "-srcfirst"] = s.triton(tile, priority=True)
-            fns[name + "-given"] = s.triton(tile, order="given")
+        fns[name] = s.triton(tile, signals=signals)
     fns["grouped_mm"] = s.grouped_mm()
     fns["loop"] = s.loop()
     before = {name: s.flags.zero_ for name in fns if name not in ("grouped_mm", "loop")}

@@ -45,7 +45,7 @@ def _segment_table_kernel(
     seg_expert_ptr,  # int32 [S]
     seg_signal_ptr,  # int32 [S] (SIGNAL)
     seg_priority_ptr,  # int32 [S] (HAS_PRIORITY)
-    table_ptr,  # int32 [6 * BLOCK_S + 2 * num_groups]: written here
+    table_ptr,  # int32 [6 * BLOCK_S + 2 * num_groups + 1]: written here
     flags_ptr,  # int32 [num_groups] (SIGNAL): set to 1 for groups with no tiles
     num_segments,
     num_groups,
@@ -101,6 +101,7 @@ def _segment_table_kernel(
     tl.store(table_ptr + 2 * BLOCK_S + pos, start)
     tl.store(table_ptr + 3 * BLOCK_S + pos, end)
     tl.store(table_ptr + 4 * BLOCK_S + pos, expert)
+    tl.store(table_ptr + 6 * BLOCK_S + 2 * num_groups, 0)  # the GEMM's next-tile counter (DYNAMIC)
     if SIGNAL:
         if HAS_GROUPS:
             group = tl.load(seg_signal_ptr + seg, mask=valid, other=-1)
@@ -122,8 +123,58 @@ def _segment_table_kernel(
 
 
 @triton.jit
+def _tile_info(table_ptr, cum, t, num_segments, BLOCK_S: tl.constexpr):
+    """Position in tile order of tile ``t``'s segment, and that segment's first tile, rows and expert."""
+    p = tl.minimum(tl.sum((cum <= t).to(tl.int32), axis=0), num_segments - 1)
+    tile0 = tl.load(table_ptr + 1 * BLOCK_S + p)
+    row0 = tl.load(table_ptr + 2 * BLOCK_S + p)
+    row1 = tl.load(table_ptr + 3 * BLOCK_S + p)
+    expert = tl.load(table_ptr + 4 * BLOCK_S + p)
+    return p, tile0, row0, row1, expert
+
+
+@triton.jit
+def _tile_mma_store(x, w, out, off_m, off_n, row1, expert, total_rows, N, K, stride_xm, stride_xk, stride_we,
+                    stride_wk, stride_wn, stride_om, stride_on, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
+    """``out[off_m : min(off_m + ROWS, row1), off_n : off_n + BLOCK_N] = x[...] @ w[expert][:, ...]``."""
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if USE_TMA:
+        # Rows past the segment are another segment's (or zero-filled past x): computed, never stored. Columns
+        # past N read the next expert's rows of the flattened weight: also never stored.
+        for kk in tl.range(k_tiles):
+            a_tile = x.load([off_m, kk * BLOCK_K])
+            if W_KMAJOR:
+                b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
+            else:
+                b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
+            acc = tl.dot(a_tile, b_tile, acc)
+    else:
+        offs_m = off_m + tl.arange(0, ROWS)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        offs_m = tl.where(offs_m < total_rows, offs_m, 0)  # clamped; masked at the store
+        offs_n = tl.where(offs_n < N, offs_n, 0)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        b_ptrs = w + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        for kk in range(k_tiles):
+            k_left = K - kk * BLOCK_K
+            a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = tl.dot(a_tile, b_tile, acc)
+            a_ptrs += BLOCK_K * stride_xk
+            b_ptrs += BLOCK_K * stride_wk
+    rows = off_m + tl.arange(0, ROWS)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    c_ptrs = out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(rows[:, None] < row1) & (cols[None, :] < N))
+
+
+@triton.jit
 def grouped_gemm_kernel(
     x,  # [rows, K]: a pointer, or a TMA descriptor with block [BLOCK_M, BLOCK_K]
+    x_half,  # (HALF_TAIL) the same rows: a pointer, or a TMA descriptor with block [BLOCK_M // 2, BLOCK_K]
     w,  # pointer to [E, K, N] (any strides), or a TMA descriptor of [E*K, N] / (W_KMAJOR) [E*N, K]
     out,  # [rows, N] pointer
     table_ptr,  # int32: the prep kernel's table
@@ -150,57 +201,38 @@ def grouped_gemm_kernel(
     W_KMAJOR: tl.constexpr,
     SIGNAL: tl.constexpr,
     PEER: tl.constexpr,
+    DYNAMIC: tl.constexpr = False,  # tiles past the first wave taken from an atomic counter, not by stride
+    HALF_TAIL: tl.constexpr = False,  # a segment's last tile of <= BLOCK_M // 2 rows runs at half height
 ):
     cum = tl.load(table_ptr + tl.arange(0, BLOCK_S))  # cumulative tile ends in tile order; INT32_MAX past the end
     total = tl.load(table_ptr + num_segments - 1)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    # flatten=False: flattening the K loop into the tile loop made the signalling GEMM 3x slower (DESIGN.md).
-    for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=False):
-        p = tl.sum((cum <= t).to(tl.int32), axis=0)  # position of the tile's segment in tile order
-        tile0 = tl.load(table_ptr + 1 * BLOCK_S + p)
-        row0 = tl.load(table_ptr + 2 * BLOCK_S + p)
-        row1 = tl.load(table_ptr + 3 * BLOCK_S + p)
-        expert = tl.load(table_ptr + 4 * BLOCK_S + p)
+    next_ptr = table_ptr + 6 * BLOCK_S + 2 * num_groups
+    t = tl.program_id(0)
+    p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t, num_segments, BLOCK_S)
+    # The next tile's index and table entries are fetched while this one computes and stores: their latency
+    # (an atomic, then dependent loads) stays off the critical path.
+    while t < total:
+        if DYNAMIC:
+            t_next = tl.atomic_add(next_ptr, 1, sem="relaxed", scope="gpu") + tl.num_programs(0)
+        else:
+            t_next = t + tl.num_programs(0)
         # Inside a segment: bands of GROUP_M tile rows, column after column (L2 reuse of x rows and w columns).
         local = t - tile0
         m_tiles = tl.cdiv(row1 - row0, BLOCK_M)
         width = GROUP_M * tiles_n
         first_m = (local // width) * GROUP_M
         height = tl.minimum(m_tiles - first_m, GROUP_M)
-        pid_m = first_m + (local % width) % height
-        pid_n = (local % width) // height
-        off_m = row0 + pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
-            # Rows past the segment are another segment's (or zero-filled past x): computed, never stored. Columns
-            # past N read the next expert's rows of the flattened weight: also never stored.
-            for kk in tl.range(k_tiles):
-                a_tile = x.load([off_m, kk * BLOCK_K])
-                if W_KMAJOR:
-                    b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
-                else:
-                    b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
-                acc = tl.dot(a_tile, b_tile, acc)
+        off_m = row0 + (first_m + (local % width) % height) * BLOCK_M
+        off_n = ((local % width) // height) * BLOCK_N
+        if HALF_TAIL and row1 - off_m <= BLOCK_M // 2:
+            _tile_mma_store(x_half, w, out, off_m, off_n, row1, expert, total_rows, N, K, stride_xm, stride_xk,
+                            stride_we, stride_wk, stride_wn, stride_om, stride_on, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                            USE_TMA, W_KMAJOR)
         else:
-            offs_m = off_m + tl.arange(0, BLOCK_M)
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            offs_m = tl.where(offs_m < total_rows, offs_m, 0)  # clamped; masked at the store
-            offs_n = tl.where(offs_n < N, offs_n, 0)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = x + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            b_ptrs = w + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-            for kk in range(k_tiles):
-                k_left = K - kk * BLOCK_K
-                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-                acc = tl.dot(a_tile, b_tile, acc)
-                a_ptrs += BLOCK_K * stride_xk
-                b_ptrs += BLOCK_K * stride_wk
-        rows = off_m + tl.arange(0, BLOCK_M)
-        cols = off_n + tl.arange(0, BLOCK_N)
-        c_ptrs = out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-        tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(rows[:, None] < row1) & (cols[None, :] < N))
+            _tile_mma_store(x, w, out, off_m, off_n, row1, expert, total_rows, N, K, stride_xm, stride_xk,
+                            stride_we, stride_wk, stride_wn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_K,
+                            USE_TMA, W_KMAJOR)
+        p_next, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t_next, num_segments, BLOCK_S)
         if SIGNAL:
             group = tl.load(table_ptr + 5 * BLOCK_S + p)
             if group >= 0:
@@ -219,6 +251,8 @@ def grouped_gemm_kernel(
                     if done == expected:
                         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                         tl.atomic_xchg(flags_ptr + group, 1, sem="release", scope="gpu")
+        t = t_next
+        p = p_next
 
 
 # -- launcher -----------------------------------------------------------------------------------------------
@@ -228,7 +262,9 @@ def grouped_gemm_kernel(
 class GroupedTile:
     """Tile shape and launch shape of the grouped GEMM. ``num_programs``: ``None`` launches one program per tile
     of the host-side bound (programs past the real tiles exit at once); an int launches that many persistent
-    programs (``0``: one per SM)."""
+    programs (``0``: one per SM), which take tiles by stride, or (``dynamic``) the first by program id and the
+    rest from an atomic counter. ``half_tail``: a segment's last tile, when it has at most ``block_m // 2`` rows,
+    runs at half height (skewed routing leaves many small segments)."""
 
     block_m: int = 128
     block_n: int = 256
@@ -237,6 +273,8 @@ class GroupedTile:
     num_stages: int = 3
     num_warps: int = 8
     num_programs: int | None = 0
+    dynamic: bool = False
+    half_tail: bool = False
 
 
 # Measured on one H200 (torch 2.11, triton 3.6): benchmarks/results/h200x1-moe-gemm.json, produced by
@@ -251,7 +289,7 @@ def default_tile(rows: int, experts: int, k: int, n: int) -> GroupedTile:
 
 def workspace_size(num_segments: int, num_groups: int) -> int:
     """int32 elements of the scratch table for ``num_segments`` segments and ``num_groups`` signal groups."""
-    return _TABLE_ROWS * _block_s(num_segments) + 2 * num_groups
+    return _TABLE_ROWS * _block_s(num_segments) + 2 * num_groups + 1
 
 
 def _block_s(num_segments: int) -> int:
@@ -398,22 +436,26 @@ def grouped_gemm(
         use_tma = (x.is_cuda and k > 0 and _tma_ok(x) and _tma_ok(w_stored)
                    and w_stored.stride(0) == w_stored.shape[1] * w_stored.stride(1)
                    and (w_kmajor or k % tile.block_k == 0))
+    half_tail = tile.half_tail and tile.block_m >= 32
     if use_tma:
         # The weights as one 2-D tensor: [E*K, N], or [E*N, K] for the transposed view. Reading across an
         # expert's edge is harmless where it happens (columns past N, masked at the store); K past an expert's
         # edge would not be, hence K % block_k == 0 for the [E*K, N] layout.
         w_2d = w_stored.reshape(-1, w_stored.shape[2])
         x_arg = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+        x_half = TensorDescriptor.from_tensor(x, [tile.block_m // 2, tile.block_k]) if half_tail else x_arg
         w_block = [tile.block_n, tile.block_k] if w_kmajor else [tile.block_k, tile.block_n]
         w_arg = TensorDescriptor.from_tensor(w_2d, w_block)
     else:
-        x_arg, w_arg = x, w
+        x_arg = x_half = x
+        w_arg = w
     grouped_gemm_kernel[(grid,)](
-        x_arg, w_arg, out, workspace, flags if signal else workspace,
+        x_arg, x_half, w_arg, out, workspace, flags if signal else workspace,
         rows, n, k, num_segments, num_groups, tiles_n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
         USE_TMA=bool(use_tma), W_KMAJOR=bool(w_kmajor and use_tma), SIGNAL=signal, PEER=bool(peer_visible),
+        DYNAMIC=bool(tile.dynamic and tile.num_programs is not None), HALF_TAIL=half_tail,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
