@@ -1,6 +1,8 @@
 """ColumnParallelLinear and RowParallelLinear on two gloo ranks (reference path, bf16): an MLP of a column then a
 row layer, with and without sequence parallelism, against the unsharded MLP: output, loss and every gradient
-(input, weights, biases); ``from_linear`` and ``parallelize`` shard existing layers; construction errors."""
+(input, weights, biases); ``from_linear`` and ``parallelize`` shard existing layers; fp32 layers built without a
+``dtype`` (as ``nn.Linear`` is) against ``nn.Linear``; construction errors, and an input of another dtype than the
+weight's refused before any communication."""
 
 import pytest
 import torch
@@ -82,11 +84,74 @@ def _errors(rank, world_size):
         row(torch.randn(3, 4, dtype=torch.bfloat16))
     layer = fnn.ColumnParallelLinear.from_linear(nn.Linear(6, 4, dtype=torch.bfloat16), sequence_parallel=True)
     assert layer.weight.shape == (2, 6) and "shard" in repr(layer)
+    # A wrong input dtype is refused before any communication: only rank 1 calls, and both then meet in a barrier
+    # (a layer that communicated first would leave rank 1 in a collective that rank 0 never joins).
+    if rank == 1:
+        for sequence_parallel in (False, True):
+            for cls, width in ((fnn.ColumnParallelLinear, 8), (fnn.RowParallelLinear, 4)):
+                bf16_layer = cls(8, 8, sequence_parallel=sequence_parallel, dtype=torch.bfloat16)
+                with pytest.raises(ValueError, match=rf"{cls.__name__}: the input x is torch.float32 but the layer's "
+                                   r"weight is torch.bfloat16; cast the input \(x.to\(torch.bfloat16\)\) or build"):
+                    bf16_layer(torch.randn(4, width))
+                fp32_layer = cls(8, 8, sequence_parallel=sequence_parallel)
+                with pytest.raises(ValueError, match="x is torch.float16 but the layer's weight is torch.float32"):
+                    fp32_layer(torch.randn(4, width, dtype=torch.float16))
+    dist.barrier()
     return dist.get_rank()
 
 
 def test_layer_errors_name_the_argument():
-    assert spawn(_errors, 2) == [0, 1]
+    assert spawn(_errors, 2, timeout=120) == [0, 1]
+
+
+def _fp32_layers(rank, world_size):
+    """Each layer built as the docs build it, without ``dtype`` (fp32), against ``nn.Linear``: output, input
+    gradient, weight and bias gradients, with and without sequence parallelism; 7 tokens per rank, odd widths.
+    The loss is ``sum(y^2)`` of what each rank holds: the unsharded loss, split over the ranks where the output
+    is (column layer, or row layer with sequence parallelism), whole on every rank where it is whole (row layer
+    without it, whose backward then passes the gradient through, as Megatron-LM's does)."""
+    from flashoverlap.nn import ColumnParallelLinear, RowParallelLinear, sync_sequence_parallel_grads
+
+    per = 7
+    own_tokens = slice(rank * per, (rank + 1) * per)
+    errors = {}
+    for sequence_parallel in (False, True):
+        torch.manual_seed(1)
+        for cls, full in ((ColumnParallelLinear, nn.Linear(21, 9 * world_size)),
+                          (RowParallelLinear, nn.Linear(11 * world_size, 13))):
+            layer = cls(full.in_features, full.out_features, sequence_parallel=sequence_parallel)
+            assert layer.weight.dtype == layer.bias.dtype == torch.float32
+            with torch.no_grad():
+                layer._copy_shard(full)
+            x = torch.randn(per * world_size, full.in_features)
+            x_full = x.clone().requires_grad_(True)
+            y_full = full(x_full)
+            y_full.pow(2).sum().backward()
+            if cls is ColumnParallelLinear:  # output features split; with sequence parallelism input tokens too
+                cols = slice(rank * 9, (rank + 1) * 9)
+                x_r = (x[own_tokens] if sequence_parallel else x).clone().requires_grad_(True)
+                want = {"y": y_full[:, cols], "x": x_full.grad[own_tokens] if sequence_parallel else x_full.grad,
+                        "weight": full.weight.grad[cols], "bias": full.bias.grad[cols]}
+            else:  # input features split; with sequence parallelism output tokens too
+                cols = slice(rank * 11, (rank + 1) * 11)
+                x_r = x[:, cols].clone().requires_grad_(True)
+                want = {"y": y_full[own_tokens] if sequence_parallel else y_full, "x": x_full.grad[:, cols],
+                        "weight": full.weight.grad[:, cols], "bias": full.bias.grad}
+            y = layer(x_r)
+            assert y.dtype == torch.float32
+            y.pow(2).sum().backward()
+            sync_sequence_parallel_grads(layer)
+            got = {"y": y, "x": x_r.grad, "weight": layer.weight.grad, "bias": layer.bias.grad}
+            for name in got:
+                errors[f"{cls.__name__} sequence_parallel={sequence_parallel} {name}"] = _rel(got[name], want[name])
+    return errors
+
+
+def test_fp32_layers_without_a_dtype_match_nn_linear():
+    for rank, errors in enumerate(spawn(_fp32_layers, 2)):
+        bad = {k: v for k, v in errors.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len(errors) == 16
 
 
 def _weight_grad_layouts(rank, world_size):

@@ -12,7 +12,11 @@ Shapes, for a group of ``W`` ranks, rank r, tokens flattened to rows (``T``):
 
 Leading dimensions of ``x`` are kept (``[B, S, in]`` works; with sequence parallelism the flattened tokens are
 what is split, so shard along the outermost token dimension). Shards are ``nn.Linear``-shaped, in any dtype the
-ops take (bf16, fp16), on any device: CPU tensors run the reference path (gloo), CUDA tensors the fast paths.
+ops take, on any device: CPU tensors run the reference path (gloo), CUDA tensors the fast paths. bf16 and fp16 are
+overlapped; fp32 (``nn.Linear``'s default, so a layer built without ``dtype``) runs ``matmul`` then one collective
+on CUDA and the reference path on the CPU, because the overlapped paths' kernels are half-precision. An input whose
+dtype differs from the weight's is refused before any communication (``nn.Linear`` would refuse it too, in
+``matmul``; here a rank that refused late would leave its peers waiting in a collective).
 
 With sequence parallelism, parameters kept whole on every rank but applied to this rank's tokens only (a row
 layer's bias, normalisation weights) get a gradient from this rank's tokens only: ``sync_sequence_parallel_grads``
@@ -68,6 +72,13 @@ class _ParallelLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``x`` as rows ``[T, features]`` and its leading dimensions, after checking its dtype against the weight's
+        (before any communication, so that no rank refuses while its peers wait in a collective)."""
+        if x.dtype != self.weight.dtype:
+            name, want = type(self).__name__, str(self.weight.dtype).replace("torch.", "")
+            raise ValueError(f"{name}: the input x is {x.dtype} but the layer's weight is {self.weight.dtype}; "
+                             f"cast the input (x.to(torch.{want})) or build the layer with "
+                             f"dtype={x.dtype} (or call .to({x.dtype}) on it)")
         return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
     @classmethod
