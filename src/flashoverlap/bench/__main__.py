@@ -224,31 +224,11 @@ def interference(args, rank, world_size, device, dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flashoverlap.cli import add_bench_ops_arguments, join_values
+
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=None,
-                        help="M,N,K;M,N,K;... (default: docs/benchmarks.md's grid of each op)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--ops", default="all_reduce", type=lambda s: [op for op in s.split(",") if op],
-                        help="comma-separated: all_reduce, reduce_scatter, all_gather (empty: no grid, e.g. with "
-                             "--movers alone)")
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--sweep", action="store_true", help="also time a family of plans per shape")
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    parser.add_argument("--sweep-groups", type=ints, default=[4, 8])
-    parser.add_argument("--sweep-profiles", type=lambda s: s.split(","), default=["even", "small-first",
-                                                                                   "small-last"])
-    parser.add_argument("--sweep-programs", type=lambda s: s.split(","), default=["tiles", "16"],
-                        help="'tiles' (one tile per program) and/or SMs left free (0 = persistent on every SM)")
-    parser.add_argument("--sweep-ctas", type=ints, default=[0, 4, 8, 32])
-    parser.add_argument("--gemm-sweep", action="store_true", help="time our GEMM alone over tile configurations")
-    parser.add_argument("--sweep-iters", type=int, default=10)
-    parser.add_argument("--interference", action="store_true", help="measure GEMM/NCCL mutual slowdown")
-    parser.add_argument("--movers", action="store_true",
-                        help="measure how copy engines and SM copies over NVLink and a GEMM slow each other")
-    parser.add_argument("--timeline", default=None, metavar="PNG",
-                        help="also draw one gemm_all_reduce call of the first all-reduce shape on two lanes")
-    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpus>-<setting>.json)")
-    args = parser.parse_args(argv)
+    add_bench_ops_arguments(parser)  # the same options as `flashoverlap bench ops`, defined once
+    args = parser.parse_args(join_values(list(sys.argv[1:] if argv is None else argv)))
 
     if "RANK" not in os.environ:
         parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench")
@@ -258,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl", device_id=device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
-    shapes = op_rows.GRID_ALL_REDUCE if args.shapes is None else [
-        tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    shapes = op_rows.GRID_ALL_REDUCE if args.shapes is None else args.shapes
 
     meta = _meta(args, world_size)
     gpu = torch.cuda.get_device_name().split()[-1].lower()

@@ -1,0 +1,118 @@
+"""The command line's parsing, on a CPU machine: every command's ``--help`` lists every option of the commands under
+it (``bench --help`` those of ``bench ops`` and ``bench block``) and prints instead of refusing for want of GPUs;
+one strict parser for shapes and counts, used by ``flashoverlap`` and by ``python -m flashoverlap.bench[.block]``
+alike (``1_6`` is not 16, ``-8,8,8`` gets the shape's message, not argparse's "expected one argument")."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from flashoverlap import cli
+
+
+def _sub(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices) if actions else {}
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")} - {"--help"}
+
+
+def _main(capsys, *argv) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as stop:
+        cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return stop.value.code, out, err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "tune"])
+def test_every_commands_help_lists_every_option_beneath_it(capsys, command):
+    parser = _sub(cli.parser())[command]
+    beneath = _sub(parser)
+    want = _options(parser).union(*(_options(p) for p in beneath.values()))
+    assert want, command
+    code, out, _ = _main(capsys, command, "--help")
+    assert code == 0
+    missing = sorted(opt for opt in want if opt not in out)
+    assert not missing, f"`flashoverlap {command} --help` does not list {missing}"
+    for name, sub in beneath.items():  # and each subcommand's own --help describes each of its options
+        code, out, _ = _main(capsys, command, name, "--help")
+        assert code == 0 and all(opt in out for opt in _options(sub)), (command, name)
+
+
+@pytest.mark.parametrize("argv", [("bench", "ops", "--help"), ("bench", "block", "--help"),
+                                  ("tune", "plan", "--help")])
+def test_help_of_gpu_commands_prints_on_a_cpu_machine(argv):
+    proc = subprocess.run([sys.executable, "-m", "flashoverlap", *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: flashoverlap {argv[0]} {argv[1]}") and "needs CUDA" not in proc.stderr
+
+
+@pytest.mark.parametrize("text", ["-8,8,8", "1_6,8,8", "+8,8,8", " 8,8,8", "8,8", "8,8,8,", "0,8,8", "8,8,8.0",
+                                  "\uff18,8,8", "", "8,,8"])
+def test_a_bad_shape_is_refused_with_the_shapes_message(capsys, text):
+    for argv in (("demo", "--shape", text), ("tune", "plan", "--op", "all_reduce", "--shape", text),
+                 ("bench", "ops", "--shapes", f"8,8,8;{text}")):
+        code, _, err = _main(capsys, *argv)
+        assert code == 2, argv
+        assert "expected three positive integers M,N,K (digits only)" in err, (argv, err)
+        assert "expected one argument" not in err
+
+
+def test_shapes_and_counts_parse_strictly():
+    assert cli.shape("8,16,32") == (8, 16, 32)
+    assert cli.shapes("1,2,3;4,5,6") == [(1, 2, 3), (4, 5, 6)]
+    assert cli.positive_ints("8192,16384") == [8192, 16384]
+    assert cli.non_negative_ints("0,4") == [0, 4]
+    for bad in ("1_6", "-1", "0", "+2", "2.0", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.positive(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
+        cli.positive_ints("8,1_6")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown op"):
+        cli.op_names("all_reduce,all_to_all")
+    assert cli.op_names("") == []
+    assert cli.join_values(["demo", "--shape", "-8,8,8", "--cpu"]) == ["demo", "--shape=-8,8,8", "--cpu"]
+    assert cli.join_values(["--shape", "--cpu"]) == ["--shape", "--cpu"]  # an option is left an option
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("bench", "block", "--tokens", "8192,1_6"), "comma-separated positive integers"),
+    (("bench", "block", "--steps", "-3"), "positive integer"),
+    (("bench", "ops", "--iters", "0"), "positive integer"),
+    (("bench", "ops", "--sweep-ctas", "4,-1"), "integers >= 0"),
+    (("tune", "validate", "--ops", "all_reduce,gather"), "unknown op"),
+    (("demo", "--world-size", "1_0"), "positive integer"),
+])
+def test_bad_counts_are_refused_naming_the_option(capsys, argv, message):
+    code, _, err = _main(capsys, *argv)
+    assert code == 2 and message in err and f"argument {argv[-2]}" in err, err
+
+
+@pytest.mark.parametrize("module,argv", [("flashoverlap.bench", ["--shapes", "1_6,8,8"]),
+                                         ("flashoverlap.bench.block", ["--tokens", "-8"])])
+def test_the_benchmark_modules_parse_with_the_same_functions(module, argv):
+    proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "digits only" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_benchmarks_are_handed_the_options_after_their_name(monkeypatch):
+    import torch
+
+    import flashoverlap.bench.block as block
+
+    seen = {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def block_main(argv):
+        seen["argv"] = argv
+        return 0
+
+    monkeypatch.setattr(block, "main", block_main)
+    assert cli.main(["bench", "block", "--tokens", "64", "--steps", "5"]) == 0
+    assert seen["argv"] == ["--tokens", "64", "--steps", "5"]
