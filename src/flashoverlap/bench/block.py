@@ -14,9 +14,11 @@ How the projections communicate (``impl``):
   slice): the bound on what hiding communication can win.
 
 ``python -m flashoverlap.bench.block`` (under ``torchrun``) times a training step (forward and backward),
-prefill (forward, no grad) and a decode step (a few tokens, in a CUDA graph) for each, and writes
-``benchmarks/results/<gpus>-<setting>-block.json``. ``check_against_unsharded`` is the correctness check the CPU
-suite runs with gloo at toy sizes.
+prefill (forward, no grad) and a decode step (a few tokens, in a CUDA graph) for each, eager and compiled
+(``torch.compile(fullgraph=True)``; torch's async TP is the plain block compiled with Inductor's micro-pipeline TP
+pass), and writes ``benchmarks/results/<gpus>-<setting>-block.json``: one row per mode and token count with the
+figures named in ``FIGURES``. ``e_block`` compares eager with eager and compiled with compiled.
+``check_against_unsharded`` is the correctness check the CPU suite runs with gloo at toy sizes.
 """
 
 from __future__ import annotations
@@ -253,32 +255,77 @@ def _graph_time(fn, steps: int) -> float:
     return _time(graph.replay, steps, 3)
 
 
-def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tokens: int, compile_ours: bool,
-               async_tp: bool, log) -> list[dict]:
-    world = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
-    block = Block(cfg, device=device, dtype=torch.bfloat16)
-    variants = {impl: TPBlock(block, impl=impl) for impl in ("torch", "nocomm", "ours")}
-    del block
-    compiled = {}
-    if compile_ours:
-        compiled["ours"] = torch.compile(variants["ours"], fullgraph=True)
-    if async_tp:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+# Each figure of a results row: which block runs, and whether it is compiled. E_block compares like with like: the
+# eager figures with each other, the compiled ones with each other (a compiled block against an eager baseline would
+# count the compiler's gain as overlap).
+FIGURES = {
+    "t_torch_eager_ms": ("torch", False),
+    "t_nocomm_eager_ms": ("nocomm", False),
+    "t_ours_eager_ms": ("ours", False),
+    "t_torch_compiled_ms": ("torch", True),
+    "t_nocomm_compiled_ms": ("nocomm", True),
+    "t_async_tp_ms": ("async_tp", True),
+    "t_ours_compiled_ms": ("ours", True),
+}
 
-        enable_symm_mem_for_group(dist.group.WORLD.group_name)
-        torch._inductor.config._micro_pipeline_tp = True
-        compiled["async_tp"] = torch.compile(variants["torch"], fullgraph=True)
-    runs = {"t_torch_ms": variants["torch"], "t_nocomm_ms": variants["nocomm"],
-            "t_async_tp_ms": compiled.get("async_tp"), "t_ours_eager_ms": variants["ours"],
-            "t_ours_compiled_ms": compiled.get("ours")}
+
+def e_block(row: dict, compiled: bool, impl: str = "ours") -> float | None:
+    """``(t_torch - t_impl) / (t_torch - t_nocomm)``, all three eager or all three compiled (``impl``: ``"ours"``,
+    or ``"async_tp"``, which exists compiled only); None where a figure is missing or the bound is not positive."""
+    kind = "compiled" if compiled else "eager"
+    torch_ms, nocomm_ms = row.get(f"t_torch_{kind}_ms"), row.get(f"t_nocomm_{kind}_ms")
+    t = row.get("t_async_tp_ms" if impl == "async_tp" else f"t_ours_{kind}_ms")
+    if impl == "async_tp" and not compiled:
+        return None
+    if None in (torch_ms, nocomm_ms, t) or torch_ms <= nocomm_ms:
+        return None
+    return (torch_ms - t) / (torch_ms - nocomm_ms)
+
+
+def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tokens: int, compile_blocks: bool,
+               async_tp: bool, log, *, dtype: torch.dtype = torch.bfloat16, backend: str = "inductor",
+               time_step=_time, time_graph=_graph_time) -> list[dict]:
+    """One row per mode and token count with every figure of ``FIGURES`` (None where skipped or failed, and
+    why in ``notes``); ``log(rows)`` after each row. Runs on the current CUDA device, or on the CPU where the group
+    is gloo (``time_step``/``time_graph`` then stand-ins: the CPU suite checks the rows' form this way)."""
+    world = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else \
+        torch.device("cpu")
+    torch.manual_seed(0)
+    block = Block(cfg, device=device, dtype=dtype)
+    eager = {impl: TPBlock(block, impl=impl) for impl in ("torch", "nocomm", "ours")}
+    models: dict[str, nn.Module | None] = dict.fromkeys(FIGURES)
+    for name, (impl, compiled) in FIGURES.items():
+        if not compiled:
+            models[name] = eager[impl]
+        elif impl == "async_tp":
+            if compile_blocks and async_tp:
+                from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+                enable_symm_mem_for_group(dist.group.WORLD.group_name)
+                # Its own copy of the plain block: Inductor's micro-pipeline TP pass on for this compile only.
+                models[name] = torch.compile(TPBlock(block, impl="torch"), fullgraph=True, backend=backend,
+                                             **({"options": {"_micro_pipeline_tp": True}}
+                                                if backend == "inductor" else {}))
+        elif compile_blocks:
+            models[name] = torch.compile(eager[impl], fullgraph=True, backend=backend)
+    del block
+    # Every block shares one code object (_Decoder.forward): each instance, grad mode and token count is a
+    # recompilation of it, more than dynamo's default limit of 8, past which it would run the rest eagerly and
+    # silently. A limit that fits, and an error rather than a silent eager figure.
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        return _timed_rows(cfg, models, token_counts, steps, decode_tokens, log, world, device, dtype, time_step,
+                           time_graph)
+
+
+def _timed_rows(cfg, models, token_counts, steps, decode_tokens, log, world, device, dtype, time_step,
+                time_graph) -> list[dict]:
     rows = []
     for tokens in token_counts:
-        x = torch.randn(tokens // world, cfg.hidden, device=device, dtype=torch.bfloat16)
+        x = torch.randn(tokens // world, cfg.hidden, device=device, dtype=dtype)
         for mode in ("prefill", "train"):
-            row = {"mode": mode, "tokens": tokens, "host_ms": {}}
-            for name, model in runs.items():
+            row: dict = {"mode": mode, "tokens": tokens, "host_ms": {}}
+            for name, model in models.items():
                 if model is None:
                     row[name] = None
                     continue
@@ -293,7 +340,7 @@ def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tok
                         model(x_grad).float().pow(2).mean().backward()
                 try:
                     host: list[float] = []
-                    row[name] = _time(step, steps, 3, host)
+                    row[name] = time_step(step, steps, 3, host)
                     row["host_ms"][name] = host[0]
                 except Exception as exc:  # noqa: BLE001  (a baseline that cannot run here: say why, keep going)
                     row[name] = None
@@ -302,34 +349,35 @@ def bench_rows(cfg: BlockConfig, token_counts: list[int], steps: int, decode_tok
                     p.grad = None
             rows.append(row)
             log(rows)
-    x = torch.randn(decode_tokens // world, cfg.hidden, device=device, dtype=torch.bfloat16)
-    row = {"mode": "decode", "tokens": decode_tokens}
-    for name in ("t_torch_ms", "t_nocomm_ms", "t_ours_eager_ms"):
-        model = runs[name]
+    x = torch.randn(decode_tokens // world, cfg.hidden, device=device, dtype=dtype)
+    row = dict.fromkeys(FIGURES)
+    row.update({"mode": "decode", "tokens": decode_tokens})
+    for name, (_, compiled) in FIGURES.items():
+        if compiled:
+            continue
+        model = models[name]
 
         def step(model=model):
             with torch.no_grad():
                 model(x)
-        row[name] = _graph_time(step, steps)
-    row["t_async_tp_ms"] = row["t_ours_compiled_ms"] = None
-    row["notes"] = {"decode": "each model's forward captured in one CUDA graph and replayed (eager modules)"}
+        row[name] = time_graph(step, steps)
+    row["notes"] = {"decode": "each eager block's forward captured in one CUDA graph and replayed"}
     rows.append(row)
     log(rows)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
     from flashoverlap.bench.__main__ import _meta, write_results
+    from flashoverlap.cli import add_bench_block_arguments, join_values
 
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.block", description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", default="8192,16384", help="token counts (batch x sequence), comma-separated")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per figure (median)")
-    parser.add_argument("--decode-tokens", type=int, default=16, help="tokens of the decode step")
-    parser.add_argument("--no-compile", action="store_true", help="skip our compiled block")
-    parser.add_argument("--no-async-tp", action="store_true", help="skip torch's async TP (compiled)")
-    parser.add_argument("--out", default=None,
-                        help="results JSON (default benchmarks/results/<gpus>-<setting>-block.json)")
-    args = parser.parse_args(argv)
+    add_bench_block_arguments(parser)  # the same options as `flashoverlap bench block`, defined once
+    args = parser.parse_args(join_values(list(sys.argv[1:] if argv is None else argv)))
+    if "RANK" not in os.environ:
+        parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench.block")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
@@ -340,15 +388,17 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     out = args.out or os.path.join("benchmarks", "results",
                                    f"{gpu}x{dist.get_world_size()}-{meta['setting']}-block.json")
+
     def log(rows: list[dict]) -> None:  # the last row, and every row so far in case a later one fails
         if dist.get_rank() == 0:
             row = rows[-1]
-            cells = " ".join(f"{k[2:-3]}={v:.2f}" for k, v in row.items() if k.startswith("t_") and v is not None)
-            print(f"{row['mode']:>8} {row['tokens']:>6} tokens: {cells} {row.get('notes', '')}", flush=True)
+            cells = " ".join(f"{k[2:-3]}={v:.2f}" for k, v in row.items() if k in FIGURES and v is not None)
+            gains = " ".join(f"E_block_{kind}={e:+.2f}" for kind, e in
+                             (("eager", e_block(row, False)), ("compiled", e_block(row, True))) if e is not None)
+            print(f"{row['mode']:>8} {row['tokens']:>6} tokens: {cells} {gains} {row.get('notes', '')}", flush=True)
             write_results(out, meta, rows, {})
 
-    tokens = [int(t) for t in args.tokens.split(",")]
-    rows = bench_rows(BlockConfig(), tokens, args.steps, args.decode_tokens, not args.no_compile,
+    rows = bench_rows(BlockConfig(), args.tokens, args.steps, args.decode_tokens, not args.no_compile,
                       not args.no_async_tp, log)
     if dist.get_rank() == 0:
         write_results(out, meta, rows, {})
