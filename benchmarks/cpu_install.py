@@ -1,0 +1,106 @@
+"""What a CPU-only machine installs, measured: fresh virtual environments in a temporary directory, the README's
+CPU install (``pip install torch==2.13.0`` first, the small CPU build, then the package), without extras and with
+``[test]``; the size of each one's site-packages (``du``). With ``--suite``, also the time of the README's test
+command (``pytest``, random order) in the ``[test]`` environment.
+
+    python benchmarks/cpu_install.py [--suite] [--out benchmarks/results/cpu-install.json]
+
+Writes the results file that README.md renders (``benchmarks/readme_tables.py``: ``cpu-install``, ``suite-time``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCH = "torch==2.13.0"
+INSTALLS = [("", "pip install -e ."), ("[test]", 'pip install -e ".[test]"')]
+
+
+def _run(cmd: list[str], **kw) -> str:
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw).stdout
+
+
+def _site_packages(venv: Path) -> Path:
+    return next(venv.glob("lib/python*/site-packages"))
+
+
+def _mib(path: Path) -> int:
+    return int(_run(["du", "-sk", str(path)]).split()[0]) // 1024
+
+
+def _packages(python: Path) -> list[str]:
+    listed = json.loads(_run([str(python), "-m", "pip", "list", "--format", "json"]))
+    return sorted(f"{p['name']}=={p['version']}" for p in listed if p["name"] not in ("pip", "setuptools"))
+
+
+def measure(extra: str, tmp: Path) -> tuple[dict, Path]:
+    venv = tmp / f"venv{extra.strip('[]') or '-core'}"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    python = venv / "bin" / "python"
+    _run([str(python), "-m", "pip", "install", "--quiet", TORCH])
+    _run([str(python), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}{extra}"])
+    site = _site_packages(venv)
+    packages = _packages(python)
+    return {"extra": extra or None, "site_packages_mib": _mib(site), "packages": packages,
+            "has_triton": any(p.lower().startswith("triton==") for p in packages),
+            "has_cuda_bindings": any(p.lower().startswith("cuda-bindings==") for p in packages)}, python
+
+
+def suite(python: Path) -> dict:
+    """The README's test command in that environment, timed; its closing line parsed for the counts."""
+    start = time.perf_counter()
+    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    tail = proc.stdout.strip().splitlines()[-1]
+    seed = re.search(r"randomly-seed=(\d+)", proc.stdout)
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", tail)}
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:], proc.stderr[-3000:])
+        raise SystemExit(f"pytest failed ({tail}); no time recorded")
+    return {"command": "pytest", "seconds": round(seconds, 1), "counts": counts,
+            "randomly_seed": int(seed.group(1)) if seed else None, "cores": os.cpu_count()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", action="store_true", help="also time `pytest` in the [test] environment")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu-install.json"))
+    args = parser.parse_args()
+    commit = _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]).strip()
+    dirty = _run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]).strip()
+    result = {"meta": {"command": "python benchmarks/cpu_install.py" + (" --suite" if args.suite else ""),
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "commit": commit + ("-dirty" if dirty else ""), "python": platform.python_version(),
+                       "torch": TORCH, "machine": f"{os.cpu_count()} cores, no GPU"},
+              "installs": []}
+    with tempfile.TemporaryDirectory(prefix="flashoverlap-install-") as tmp:
+        for extra, command in INSTALLS:
+            record, python = measure(extra, Path(tmp))
+            record["command"] = f"pip install {TORCH}; {command}"
+            result["installs"].append(record)
+            print(f"{command}: {record['site_packages_mib']} MiB", flush=True)
+        if args.suite:
+            result["suite"] = suite(python)
+            print(f"pytest: {result['suite']['seconds']} s {result['suite']['counts']}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
