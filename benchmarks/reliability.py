@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.comm.state import existing_state
+from flashoverlap.runtime import settings
+from flashoverlap.runtime.context import existing_context
 from flashoverlap.testing import plain
 
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
@@ -97,8 +98,9 @@ def random_calls(args, rank, world, device, log) -> dict:
     memory["end"] = torch.cuda.memory_allocated(device)
     memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
     highest = max(memory["samples"] + [memory["end"]])
-    replays = sum(state.p2p.graphs.replays for state in (existing_state(g, device) for g in (dist.group.WORLD, second))
-                  if state is not None and state._p2p is not None)
+    contexts = [existing_context(g, device) for g in (dist.group.WORLD, second)]
+    replays = sum(ctx.communicators[("gemm", "p2p")].graphs.replays for ctx in contexts
+                  if ctx is not None and ("gemm", "p2p") in ctx.communicators)
     counts = torch.tensor([checked, len(failures), plain_checked, replays], device=device)
     dist.all_reduce(counts)
     return {"calls": args.calls, "checked_all_ranks": int(counts[0]), "failures_all_ranks": int(counts[1]),
@@ -136,6 +138,7 @@ def faults(args, rank, world, device, log) -> list[dict]:
     collective's NCCL kernel keeps running on the GPU, so the next scenario's device-wide synchronisation would
     wait behind it: run one scenario per process (``benchmarks/device_run.sh``'s ``faults`` step does)."""
     os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = str(args.fault_timeout)
+    settings.refresh()
     control = dist.new_group(list(range(world)), backend="gloo")  # stays healthy while the tested groups break
     results = []
     chosen = SCENARIOS if args.fault is None else [tuple(args.fault.split(":"))]

@@ -34,3 +34,14 @@ def _no_leaked_stand_ins():
     changed = [name for name, value in _globals().items() if value is not before[name]
                and value != before[name]]
     assert not changed, f"this test left {changed} changed for the tests after it"
+
+
+@pytest.fixture(autouse=True)
+def _settings_read_afresh():
+    """The runtime reads its environment variables once and keeps them (``runtime/settings.py``): every test starts
+    from the environment as it is, not as an earlier test left the cached settings."""
+    from flashoverlap.runtime import settings
+
+    settings.refresh()
+    yield
+    settings.refresh()

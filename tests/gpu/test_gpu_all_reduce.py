@@ -155,7 +155,7 @@ def _debug_timeout(rank, world_size):
     """Rule 4: a wait that is never satisfied becomes an error naming the group and rank, not a hang."""
     from flashoverlap.runtime.context import context_of
 
-    os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "2"
+    os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "2"  # for the op call after the timeout (the debug agreement check)
     device = torch.device("cuda", torch.cuda.current_device())
     m, n, k = 1024, 1024, 256
     plan = fo.default_plan("all_reduce", m, n, k, world_size, num_groups=4, allow_sequential=False)
@@ -163,7 +163,7 @@ def _debug_timeout(rank, world_size):
     comm.prepare(plan, torch.bfloat16)
     c = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
     with pytest.raises(RuntimeError, match=rf"rank {rank}: all_reduce on group .*: group 0 of {plan.num_groups}"):
-        comm.all_reduce(c, plan)  # no GEMM was launched: nothing will ever bump the counters
+        comm.all_reduce(c, plan, timeout=2.0)  # no GEMM was launched: nothing will ever bump the counters
     # Release the waits from another stream, as the GEMM would have, and check the GPU is healthy afterwards.
     with torch.cuda.stream(torch.cuda.Stream()):
         comm.counters[: plan.num_groups].copy_(torch.tensor([g.tile_count for g in plan.groups]))

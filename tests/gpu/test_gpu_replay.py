@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from flashoverlap.runtime import settings
 from flashoverlap.runtime.context import context_of
 from flashoverlap.testing import plain, spawn
 from tests.gpu.helpers import ENV, WORLD, assert_close, inputs, needs_gpus
@@ -31,6 +32,7 @@ def _repeated_calls(rank, world_size):
                     plan = fo.default_plan(op, m, n, k, world_size, path="p2p", allow_sequential=False)
                     for replay in ("1", "0"):
                         os.environ["FLASHOVERLAP_REPLAY"] = replay
+                        settings.refresh()
                         for call in range(5):
                             gen = torch.Generator(device="cuda").manual_seed(1000 * call + 10 * i + rank)
                             a.copy_(torch.randn(a.shape, dtype=dtype, device="cuda", generator=gen))
@@ -41,6 +43,7 @@ def _repeated_calls(rank, world_size):
                             got.fill_(float("nan"))  # the next call's output gets this memory back
                             del got, want
     os.environ.pop("FLASHOVERLAP_REPLAY")
+    settings.refresh()
     replays = context_of(dist.group.WORLD, device).communicator("gemm", "p2p").graphs.replays
     # 3 ops x 2 shapes x 2 dtypes x 2 layouts, 5 replayed calls each: the first eager, then a capture and replays.
     assert replays >= 24 * 3, f"only {replays} calls were replayed"

@@ -13,6 +13,7 @@ import flashoverlap as fo
 from flashoverlap import guards
 from flashoverlap.comm.protocol import Call, Communicator
 from flashoverlap.runtime import context as context_module
+from flashoverlap.runtime import settings
 from flashoverlap.runtime.context import COMMUNICATORS, context_of
 from flashoverlap.tune.defaults import sequential_plan
 
@@ -56,6 +57,7 @@ def test_a_call_reaches_its_communicator_with_the_settings_read_once(world_of_on
     monkeypatch.delenv("FLASHOVERLAP_DEBUG_TIMEOUT", raising=False)
     monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    settings.refresh()  # the settings are read once, at the next call
     hook = lambda: None  # noqa: E731
     fo.gemm_all_reduce(a, b)
     from flashoverlap.runtime import execute
@@ -67,11 +69,27 @@ def test_a_call_reaches_its_communicator_with_the_settings_read_once(world_of_on
     assert second.hook is hook and second.name == "name"
 
 
+def test_the_settings_are_read_once_and_again_after_refresh(world_of_one, monkeypatch):
+    reference = _install(world_of_one, ("gemm", "reference"))
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    settings.refresh()
+    fo.gemm_all_reduce(a, b)
+    monkeypatch.setenv("FLASHOVERLAP_REPLAY", "0")
+    fo.gemm_all_reduce(a, b)  # no environment read on this call
+    settings.refresh()
+    fo.gemm_all_reduce(a, b)
+    assert [call.replay for call in reference.calls] == [True, True, False]
+    settings.refresh()
+
+
 def test_no_replay_and_no_deadline_inside_a_users_capture(world_of_one, monkeypatch):
     reference = _install(world_of_one, ("gemm", "reference"))
     a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
     monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    settings.refresh()
     fo.gemm_all_reduce(a, b)
     monkeypatch.setattr(guards, "capturing", lambda: True)
     fo.gemm_all_reduce(a, b)

@@ -15,6 +15,7 @@ symmetric memory) and ``ring`` (the same ring over NCCL send/recv). The all-to-a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -57,12 +58,16 @@ class Hook(Protocol):
     def __call__(self) -> None: ...
 
 
-@runtime_checkable
-class HeldHook(Hook, Protocol):
+class HeldHook(ABC):
     """A hook whose GPU work is fixed by ``signature`` (what it reads and writes, by address and layout), so that a
-    replayed call may hold it in its graph (``comm/replay.py``)."""
+    replayed call may hold it in its graph (``comm/replay.py``). A base class, not a structural protocol: the check
+    runs on every call, and an ``isinstance`` against a runtime-checkable protocol costs tens of microseconds."""
+
+    @abstractmethod
+    def __call__(self) -> None: ...
 
     @property
+    @abstractmethod
     def signature(self) -> tuple: ...
 
 

@@ -29,6 +29,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from flashoverlap.comm.protocol import HeldHook
+
 CAPACITY = 32
 CAPTURE_AFTER = 2  # calls of a signature before it is captured
 
@@ -38,7 +40,7 @@ def address(tensor: torch.Tensor | None) -> tuple | None:
     return None if tensor is None else (tensor.data_ptr(), tensor.shape, tensor.stride())
 
 
-class Matmul:
+class Matmul(HeldHook):
     """``out = x @ y`` on the current stream, as a call's independent work (a communicator's ``hook``: a backward
     pass's weight gradient) that a replayed call may hold, because its ``signature`` says what it depends on."""
 

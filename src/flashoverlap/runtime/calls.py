@@ -35,7 +35,7 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
     """Every tensor-parallel op's body: check, resolve, run. Returns the result, and all-gather's gathered input
     where ``return_gathered``. ``hook()``: independent work for the caller's stream that the call may overlap with
     its communication (``comm/protocol.Hook``)."""
-    env = settings.read()
+    env = settings.current()
     if env.timeout is not None:  # before any collective of the call (plan lookups may run some)
         check_agreement(name, op, a, b, group, plan, path)
     path, context, plan = resolve(name, op, a, b, group, plan, path, env.nccl_p2p_disabled)
@@ -43,9 +43,9 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
     call = Call(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
                 env.replay and not capturing)
     communicator = context.communicator("gemm", "sequential" if plan.sequential and path != "reference" else path)
-    if a.device.type != "cuda":
+    if a.device.type != "cuda" or a.device.index == torch.cuda.current_device():
         return communicator.run(call)
-    with torch.cuda.device(a.device):
+    with torch.cuda.device(a.device):  # the communicator's streams and allocations on the tensors' device
         return communicator.run(call)
 
 
@@ -192,7 +192,7 @@ def check_agreement(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group:
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     everyone = torch.empty(context.world_size * len(mine), dtype=torch.int64, device=device)
     work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
-    timeout = guards.debug_timeout()
+    timeout = settings.current().timeout
     guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: (
         f"flashoverlap: rank {context.rank}: {name} on {context.name} waited more than {timeout:g} s "
         "(FLASHOVERLAP_DEBUG_TIMEOUT) for the other ranks to reach the call: a rank skipped it, raised "

@@ -1,5 +1,6 @@
-"""What the environment says about a call, read once per call (``read``) and handed down as values: the debug
-deadline, whether repeated calls may be replayed from CUDA graphs, whether NCCL's peer-to-peer transport is off.
+"""What the environment says about calls, read once (``current``; ``refresh`` to read it again) and handed down as
+values: the debug deadline, whether repeated calls may be replayed from CUDA graphs, whether NCCL's peer-to-peer
+transport is off.
 
 | variable | effect |
 | --- | --- |
@@ -24,8 +25,26 @@ class Settings:
     nccl_p2p_disabled: bool
 
 
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """The settings in force: read from the environment at the first call, then kept (reading the environment costs
+    microseconds a call). A program that changes these variables while it runs calls ``refresh()`` after."""
+    global _current
+    if _current is None:
+        _current = read()
+    return _current
+
+
+def refresh() -> None:
+    """Read the environment again at the next call."""
+    global _current
+    _current = None
+
+
 def read(environ: os._Environ | dict = os.environ) -> Settings:
-    """The settings in force for one call."""
+    """The settings the environment ``environ`` gives."""
     timeout = guards.debug_timeout(environ)
     replay = (timeout is None and environ.get("FLASHOVERLAP_REPLAY", "1") != "0"
               and environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1")
