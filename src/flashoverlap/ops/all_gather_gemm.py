@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from flashoverlap.ops import library
 from flashoverlap.plan import Plan
-from flashoverlap.runtime import execute
+from flashoverlap.runtime.calls import execute
 
 OP = "all_gather_gemm"
 

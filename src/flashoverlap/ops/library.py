@@ -29,7 +29,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from flashoverlap.comm.replay import Matmul
 from flashoverlap.plan import Plan
-from flashoverlap.runtime import execute
+from flashoverlap.runtime.calls import execute
 
 
 def group_name(group: dist.ProcessGroup | str | None) -> str:

@@ -1,9 +1,11 @@
 """The runtime: everything a call resolves between the public op and its communicator (``comm/``), and the one
 state object per group (``context``). Modules: ``checks`` (operands, group), ``policy`` (path rules),
-``settings`` (the environment, read once per call), ``context`` (per-group state, the communicator table,
-``release``), ``calls`` (check, resolve, run; ``plan_for``; the debug agreement check)."""
+``settings`` (the environment, read once), ``context`` (per-group state, the communicator table, ``release``),
+``calls`` (check, resolve, run), ``plans`` (path and plan of a call; ``plan_for``), ``agreement`` (debug mode: the
+ranks agree on a call)."""
 
-from flashoverlap.runtime.calls import execute, plan_for
+from flashoverlap.runtime.calls import execute
 from flashoverlap.runtime.context import release
+from flashoverlap.runtime.plans import plan_for
 
 __all__ = ["execute", "plan_for", "release"]

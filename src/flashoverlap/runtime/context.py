@@ -22,6 +22,7 @@ from flashoverlap.comm.protocol import CommGroup, Communicator
 from flashoverlap.comm.reference import ReferenceCommunicator
 from flashoverlap.comm.ring_nccl import RingNcclCommunicator
 from flashoverlap.comm.sequential import SequentialCommunicator
+from flashoverlap.runtime.checks import check_group
 
 # The dispatch table: (kind of call, path) -> how to build its communicator. "gemm": the tensor-parallel ops
 # (``flashoverlap.plan.Plan`` calls); "expert": the all-to-all ops of expert parallelism.
@@ -104,6 +105,16 @@ def context_of(process_group: dist.ProcessGroup, device: torch.device) -> GroupC
     context = _CONTEXTS.get(key)
     if context is None or context.process_group is not process_group:
         context = _CONTEXTS[key] = GroupContext(process_group, device)
+    return context
+
+
+def group_context(name: str, group: dist.ProcessGroup | None, device: torch.device) -> GroupContext:
+    """The context of the group a call of op ``name`` names (None: the default group), checked on its first call on
+    ``device`` (``checks.check_group``)."""
+    resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
+    context = existing_context(resolved, device)
+    if context is None:  # the group's first call on this device: check it once
+        context = context_of(check_group(name, group, device), device)
     return context
 
 

@@ -1,0 +1,114 @@
+"""Which path and plan a call takes when the caller gives none (or gives only part): the path rules
+(``policy``), the tuned plan from the plan cache (``tune/cache.py``, exchanged once per group), or the default plan
+for the shape (``tune/defaults.py``) sized with the machine's measured rates (``tune/rates.py``), kept in the group's
+context."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap import guards
+from flashoverlap.plan import Plan
+from flashoverlap.runtime import policy
+from flashoverlap.runtime.context import GroupContext, context_of
+from flashoverlap.tune import cache, rates
+from flashoverlap.tune.defaults import default_plan, sequential_plan
+
+_LOG = logging.getLogger("flashoverlap")
+
+
+def path_and_plan(name: str, op: str, m: int, n: int, k: int, context: GroupContext, a: torch.Tensor,
+                  plan: Plan | None, path: str, nccl_p2p_disabled: bool) -> tuple[str, Plan | None]:
+    """The path a call takes, and its plan where none is given (None where one is): ``path`` as asked (checked
+    by its rule), the given plan's, or for ``"auto"`` the tuned plan's or the rule's; the plan tuned for the shape,
+    else the default."""
+    path = policy.explicit_path(name, path, _request(context, a, plan, nccl_p2p_disabled))
+    tuned = None
+    if path == "auto":
+        path, tuned = _automatic_path(op, m, n, k, context, a.dtype, nccl_p2p_disabled)
+    if plan is not None:
+        return path, None
+    if a.dtype not in policy.HALF_DTYPES or path == "reference" and a.device.type == "cuda":
+        return path, sequential_plan(op, m, n, k, context.world_size)
+    return path, tuned or _plan_for(op, m, n, k, context, a.dtype, path if path in ("p2p", "ring") else "nccl")
+
+
+def given_plan_path(name: str, path: str, context: GroupContext, a: torch.Tensor, plan: Plan,
+                    nccl_p2p_disabled: bool) -> str:
+    """The path of a call given ``plan`` (checked on every call: plans may differ from call to call)."""
+    return policy.explicit_path(name, path, _request(context, a, plan, nccl_p2p_disabled))
+
+
+def _request(context: GroupContext, a: torch.Tensor, plan: Plan | None, nccl_p2p_disabled: bool) -> policy.Request:
+    return policy.Request(a.device, a.dtype, context.world_size, plan, context.p2p_reason, nccl_p2p_disabled)
+
+
+def _automatic_path(op: str, m: int, n: int, k: int, context: GroupContext, dtype: torch.dtype,
+                    nccl_p2p_disabled: bool) -> tuple[str, Plan | None]:
+    """The path (and the tuned plan, if one decided it) for a path="auto" call; collective on first use."""
+    tuned = _cached_plan(op, m, n, k, context, dtype, "auto")
+    # Collective (once per group), and only where the answer can matter; every rank takes the same branch.
+    reason = None if nccl_p2p_disabled else context.p2p_reason()
+    path, why = policy.automatic_path(reason, context.world_size, nccl_p2p_disabled, tuned)
+    if ("auto", op) not in context.logged:
+        context.logged.add(("auto", op))
+        _LOG.debug("flashoverlap: path='auto' uses %s for %s on %s: %s", path, op, context.name, why)
+    return path, tuned if tuned is not None and tuned.path == path else None
+
+
+@functools.lru_cache(maxsize=512)
+def _default_plan(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, element_size: int,
+                  comm_ratio: float | None, path: str = "nccl") -> Plan:
+    return default_plan(op, m, n, k, world_size, num_sms=num_sms, element_size=element_size, comm_ratio=comm_ratio,
+                        path=path)
+
+
+def _cached_plan(op: str, m: int, n: int, k: int, context: GroupContext, dtype: torch.dtype,
+                 path: str) -> Plan | None:
+    """The plan cache's plan for this call under ``path`` (``"auto"``: `tune plan --path auto`'s): the shape's
+    own, the nearest tuned M's, or None. Collective on a group's first lookup (rank 0's entries are agreed)."""
+    device = context.device
+    gpu = torch.cuda.get_device_name(device)
+    token = (gpu, context.world_size, cache.generation())
+    every = context.agreed.get(token)
+    if every is None:
+        with torch.cuda.device(device):  # the exchange's tensors go to this device
+            every = context.agreed[token] = cache.exchange_entries(context.process_group, gpu, context.world_size)
+    key = cache.cache_key(gpu, context.world_size, op, path, str(dtype).replace("torch.", ""))
+    return cache.select(cache.entries_for(every, key), op, m, n, k, context.world_size, guards.sm_count(device))
+
+
+def _plan_for(op: str, m: int, n: int, k: int, context: GroupContext, dtype: torch.dtype, path: str,
+              tuned: bool = True) -> Plan:
+    world_size = context.world_size
+    if context.device.type != "cuda":  # the reference path, or the ring over gloo
+        return _default_plan(op, m, n, k, world_size, guards.DEFAULT_SMS, dtype.itemsize, None,
+                             "ring" if path == "ring" else "nccl")
+    num_sms = guards.sm_count(context.device)
+    cached = _cached_plan(op, m, n, k, context, dtype, path) if tuned else None
+    if cached is not None:
+        return cached
+    if path in ("p2p", "ring"):  # no rates needed: the ring's transfers take no SM
+        return _default_plan(op, m, n, k, world_size, num_sms, dtype.itemsize, None, path)
+    measured = context.rates.get(dtype)
+    if measured is None:
+        measured = context.rates[dtype] = rates.measure(context.process_group, context.device, dtype)
+    moved = m * (k if op == "all_gather" else n) * dtype.itemsize  # all-gather moves A, the others C
+    comm_ms = measured.collective_ms(op, moved, world_size)
+    # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
+    return _default_plan(op, m, n, k, world_size, num_sms, dtype.itemsize,
+                         round(comm_ms / measured.gemm_ms(m, n, k), 2))
+
+
+def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
+             dtype: torch.dtype, path: str = "nccl", tuned: bool = True) -> Plan:
+    """The plan a call of ``op`` at this shape uses when none is given: on CUDA, the tuned plan from the plan cache
+    (``tune/cache.py``: this shape's, or the nearest tuned M's) where there is one (and ``tuned``); otherwise the
+    default plan. For that, the first NCCL-path call for a group measures the machine's GEMM and all-reduce rates
+    (collectively) to choose between overlap and sequential (the P2P path needs no rates: its transfers take no
+    SM). ``tuned=False``: the default plan regardless of the cache (the benchmark's hand-set comparison)."""
+    return _plan_for(op, m, n, k, context_of(group, device), dtype, path, tuned)
