@@ -1,0 +1,376 @@
+"""The contract of an expert-parallel (MoE) call: what the all-to-all communicators are given, as plain values.
+
+This module owns the description of one dispatch or combine call (``ExpertPlan``: shapes, mode, bound, the
+grouped-GEMM choice; dtype-free, hashable), the per-call routing (``Layout``: device tensors built once per layer
+by ``expert_layout``, shared by the layer's dispatch and combine and by their backward calls), the call a
+communicator's ``run(call)`` receives (``ExpertCall``), and the small layout mechanics every path shares
+(``send_buffer``, ``source_rows``, ``recv_segments``). Communicators (``comm/expert_reference.py``,
+``comm/expert_nccl.py``, ``comm/expert_p2p.py``) implement ``run(ExpertCall)``; the runtime
+(``runtime/experts.py``) checks operands, resolves the path and builds the plan before any of them runs.
+
+Shape algebra, for a group of ``W`` ranks, this rank ``r``, ``E`` experts of which ``L = E / W`` are local (expert
+``e`` lives on rank ``e // L`` as local expert ``e % L``), ``T`` tokens on this rank, top-``k`` routing:
+
+- ``x_r: [T, H]`` this rank's tokens; ``topk_idx_r: [T, k]`` int (global expert indices in ``[0, E)``);
+  ``topk_weights_r: [T, k]`` float (router weights).
+- choices: the ``T * k`` (token, choice) pairs, numbered ``j = t * k + c`` (``topk_idx_r.flatten()`` order).
+- send order: the choices sorted (stably) by expert, hence by (destination rank, local expert):
+  ``send_order_r: [T*k]``, ``send_order_r[i] = j``. ``send_counts_r: [W, L]``: choices this rank sends to
+  (rank d, local expert l). ``recv_counts_r: [W, L]``: rows rank s sends to this rank's local expert l
+  (``recv_counts_r[s, l] == send_counts_s[r, l]``; one all-gather of the counts).
+- send buffer ``[S_r, H]``: the rows leaving this rank, grouped by destination, by local expert inside. Row
+  ``send_rows_r[i]`` holds choice ``send_order_r[i]``'s row (``x_r[j // k]``).
+- receive buffer ``[R_r, H]``: the rows arriving here, grouped by (source rank, local expert), sources in rank
+  order. Segment ``(s, l)`` (index ``s * L + l``) is rows ``[recv_seg_starts[s*L + l], recv_seg_ends[s*L + l])``.
+- weights: ``w_up_r: [L, H, 2F]`` (gate and up fused: columns ``[:F]`` gate, ``[F:]`` up), ``w_down_r: [L, F, H]``;
+  any strides (``w.transpose(1, 2)`` of ``nn.Linear``-shaped ``[L, N, K]`` weights is read in place).
+
+Two modes (``ExpertPlan.mode``):
+
+- ``"exact"``: rows are packed. ``S_r = T * k`` (``send_rows_r[i] == i``), ``R_r = sum(recv_counts_r)``.
+  ``expert_layout`` exchanges the counts and synchronises with the host once, so that the layout also carries the
+  host split sizes ``send_splits`` / ``recv_splits`` (rows per peer) that ``all_to_all_single`` takes.
+- ``"bounded"``: every (source, destination) pair moves at most ``bound`` rows, in fixed slots, so that no shape
+  depends on the routing and nothing synchronises with the host (capturable in a CUDA graph, traceable with
+  ``torch.compile(fullgraph=True)``). ``S_r = R_r = W * bound``: the rows for destination d are
+  ``[d * bound, d * bound + sum(send_counts_r[d]))``; the rows from source s are
+  ``[s * bound, s * bound + sum(recv_counts_r[s]))``. Rows between and after are padding. Dropless: a source
+  whose rows for one destination exceed ``bound`` (or an expert index outside ``[0, E)``) is an error that names
+  the bound and the ranks, raised by every rank once the counts are exchanged, before any token row moves: a Python
+  error on the CPU, ``torch._assert_async`` on CUDA (no synchronisation; the CUDA context is lost, as with any
+  device-side assertion). Never a dropped token.
+
+What the calls compute (``ExpertCall``; ``K, N`` are the per-expert GEMM's, ``ExpertPlan.gemm_shape``):
+
+- dispatch: ``a: [T, H]`` (``per_choice``: ``[T*k, H]``, one row per choice: combine's backward), ``b: [L, H, N]``
+  -> ``h_r: [R_r, N]``, ``h_r[seg (s, l)] = recv_rows[seg (s, l)] @ b[l]`` (fp32 accumulation, rounded to a's
+  dtype); with ``return_gathered`` also ``recv_rows_r: [R_r, H]``, the rows received. Plain equivalent: gather the
+  rows in send order, ``all_to_all_single`` with the split sizes, a GEMM per local expert.
+- combine: ``a: [R_r, K]`` (dispatch's layout), ``b: [L, K, H]`` -> ``out_r: [T, H]``, ``out_r[t] = sum_c
+  w[t, c] * y[t, c]`` where ``y[t, c]`` is choice ``(t, c)``'s row of ``a @ b[l]`` returned to its origin by the
+  reverse all-to-all, ``w`` the router weights (``layout.weights``; ``weighted=False``: weight 1, the sum that
+  dispatch's backward needs); the weighted sum in fp32, rounded to a's dtype. With ``return_gathered`` also
+  ``y_back_r: [S_r, H]``, the unweighted rows as they came back, in the send layout (router weights' gradient).
+- Padding rows (bounded mode) and rows no segment covers are zero in every output; the rows of a token with no
+  choices never occur (every token has k choices).
+
+For the fast paths: the per-expert GEMM runs on the receive buffer's segments (``recv_segments``: starts, ends,
+local expert; int32, on the device, never on the host in bounded mode). In bounded mode the segments leave gaps
+(each source's slot is ``bound`` rows), which ``kernels.grouped_gemm`` (segment ends only: a segment starts where
+the previous one ends) would compute as part of the next segment; a fast path covers each gap with a segment of
+its own (any expert, signal group out of range) until the kernel takes segment starts. Outputs must still be
+zero there (zero the buffer, or the gap rows, first).
+
+Autograd (``ops/moe.py``) composes these: dispatch's backward is a combine (``b^T``, unweighted) and combine's
+backward a per-choice dispatch (``b^T`` of the router-weighted output gradient), plus per-expert weight gradients
+on the received rows and ``grad_w[t, c] = <grad_out[t], y_back[t, c]>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from flashoverlap.comm.collectives import all_gather_into_tensor
+from flashoverlap.comm.protocol import Call, CommGroup
+
+OPS = ("dispatch", "combine")
+MODES = ("exact", "bounded")
+GEMMS = ("triton", "cublas", "loop")
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """One expert call as plain values (no dtype, no device, no tensors), validated on construction.
+
+    ``op``: ``"dispatch"`` (all-to-all, then the GEMM) or ``"combine"`` (GEMM, then the reverse all-to-all and the
+    weighted sum). ``world_size`` ranks; ``experts`` in all (``experts_per_rank = experts / world_size`` on each).
+    ``hidden``: the width of the rows that move (the token side: ``H`` forward); ``ffn``: the expert side of the
+    GEMM (dispatch's ``N``, combine's ``K``: ``2F`` and ``F`` forward; in dispatch's backward, a combine,
+    ``ffn = 2F``; in combine's backward, a dispatch, ``ffn = F``). ``top_k`` choices per token, ``tokens`` (``T``)
+    on this rank. ``mode``: ``"exact"`` (``bound`` None) or ``"bounded"`` (``bound`` >= 1 rows per (source,
+    destination) pair, the same on every rank). ``gemm``: the grouped GEMM the fast paths run (``"triton"``:
+    ``kernels.grouped_gemm``, ``"cublas"``: ``torch._grouped_mm``, ``"loop"``: ``torch.mm`` per segment; the
+    reference path always loops). ``per_choice`` (dispatch): the rows given are one per choice ``[T*k, H]``
+    instead of one per token. ``weighted`` (combine): sum the returned rows with the router weights (else with 1).
+    """
+
+    op: str
+    world_size: int
+    experts: int
+    hidden: int
+    ffn: int
+    top_k: int
+    tokens: int
+    mode: str = "exact"
+    bound: int | None = None
+    gemm: str = "loop"
+    per_choice: bool = False
+    weighted: bool = True
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"ExpertPlan: op must be one of {OPS}, got {self.op!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"ExpertPlan: mode must be one of {MODES}, got {self.mode!r}")
+        if self.gemm not in GEMMS:
+            raise ValueError(f"ExpertPlan: gemm must be one of {GEMMS}, got {self.gemm!r}")
+        for name in ("world_size", "experts", "hidden", "ffn", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ExpertPlan: {name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.tokens, int) or self.tokens < 0:
+            raise ValueError(f"ExpertPlan: tokens must be an int >= 0, got {self.tokens!r}")
+        if self.experts % self.world_size:
+            raise ValueError(f"ExpertPlan: {self.experts} experts cannot be shared evenly by {self.world_size} ranks")
+        if self.top_k > self.experts:
+            raise ValueError(f"ExpertPlan: top_k = {self.top_k} exceeds the {self.experts} experts")
+        if self.mode == "exact" and self.bound is not None:
+            raise ValueError(f"ExpertPlan: mode='exact' takes no bound, got bound={self.bound}")
+        if self.mode == "bounded" and (not isinstance(self.bound, int) or self.bound < 1):
+            raise ValueError(f"ExpertPlan: mode='bounded' needs bound >= 1 (rows per source and destination), got "
+                             f"{self.bound!r}")
+        if self.per_choice and self.op != "dispatch":
+            raise ValueError("ExpertPlan: per_choice applies to dispatch only")
+        if not self.weighted and self.op != "combine":
+            raise ValueError("ExpertPlan: weighted=False applies to combine only")
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.experts // self.world_size
+
+    @property
+    def gemm_shape(self) -> tuple[int, int]:
+        """``(K, N)`` of each expert's GEMM: dispatch ``[rows, hidden] x [hidden, ffn]``, combine ``[rows, ffn] x
+        [ffn, hidden]``."""
+        return (self.hidden, self.ffn) if self.op == "dispatch" else (self.ffn, self.hidden)
+
+    @property
+    def choices(self) -> int:
+        """``T * k``: the (token, choice) rows this rank sends."""
+        return self.tokens * self.top_k
+
+    @property
+    def send_capacity(self) -> int:
+        """``S_r``: rows of the send buffer (exact: ``T * k``; bounded: ``W * bound``)."""
+        return self.choices if self.mode == "exact" else self.world_size * self.bound
+
+    @property
+    def recv_capacity(self) -> int | None:
+        """``R_r`` where it is fixed (bounded: ``W * bound``); None in exact mode (``layout.recv_rows``)."""
+        return None if self.mode == "exact" else self.world_size * self.bound
+
+
+@dataclass(frozen=True, eq=False)  # tensors: compared and hashed by identity
+class Layout:
+    """One layer's routing on this rank (see the module docstring): device tensors, plus host split sizes in exact
+    mode. Built by ``expert_layout``; shared by the dispatch and combine of one layer and their backward calls.
+
+    ``send_order``: int64 ``[T*k]`` choices in send order. ``send_rows``: int64 ``[T*k]``, the send-buffer row of
+    each (exact: ``arange``; bounded: its destination's slot). ``send_counts``, ``recv_counts``: int64 ``[W, L]``.
+    ``recv_seg_starts``, ``recv_seg_ends``: int32 ``[W*L]``, segment ``(s, l)``'s rows in the receive buffer.
+    ``weights``: router weights in send order ``[T*k]`` (their dtype), or None. ``send_splits``, ``recv_splits``:
+    rows per peer (exact mode; None in bounded mode, where every split is ``bound``). ``mode``, ``bound``,
+    ``top_k``, ``tokens``, ``experts``: the values it was built for."""
+
+    send_order: torch.Tensor
+    send_rows: torch.Tensor
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    recv_seg_starts: torch.Tensor
+    recv_seg_ends: torch.Tensor
+    mode: str
+    bound: int | None
+    top_k: int
+    tokens: int
+    experts: int
+    weights: torch.Tensor | None = None
+    send_splits: tuple[int, ...] | None = None
+    recv_splits: tuple[int, ...] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.send_counts.shape[0]
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.send_counts.shape[1]
+
+    @property
+    def send_capacity(self) -> int:
+        return self.tokens * self.top_k if self.mode == "exact" else self.world_size * self.bound
+
+    @property
+    def recv_rows(self) -> int:
+        """``R_r``: rows of the receive buffer (exact: ``sum(recv_splits)``, host-known; bounded: ``W * bound``)."""
+        return sum(self.recv_splits) if self.mode == "exact" else self.world_size * self.bound
+
+    def with_weights(self, topk_weights: torch.Tensor | None) -> Layout:
+        """This layout with the router weights ``[T, k]`` taken in send order (None: no weights)."""
+        weights = None if topk_weights is None else topk_weights.reshape(-1).index_select(0, self.send_order)
+        return replace(self, weights=weights)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors, in the order ``Layout.of_tensors`` takes them (custom ops pass them one by one)."""
+        return [self.send_order, self.send_rows, self.send_counts, self.recv_counts, self.recv_seg_starts,
+                self.recv_seg_ends]
+
+    @classmethod
+    def of_tensors(cls, tensors: list[torch.Tensor], mode: str, bound: int | None, top_k: int, tokens: int,
+                   experts: int, send_splits: list[int] | None = None,
+                   recv_splits: list[int] | None = None) -> Layout:
+        """The layout from ``tensors()`` and its values (custom ops rebuild it so)."""
+        exact = mode == "exact"
+        return cls(*tensors, mode=mode, bound=None if exact else bound, top_k=top_k, tokens=tokens,
+                   experts=experts, send_splits=tuple(send_splits) if exact else None,
+                   recv_splits=tuple(recv_splits) if exact else None)
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertCall(Call):
+    """An expert call as a communicator's ``run`` receives it: the protocol's ``Call`` (``plan``: an
+    ``ExpertPlan``; ``a``, ``b``: the rows and the stacked local weights ``[L, K, N]``; ``return_gathered``: also
+    return dispatch's received rows or combine's returned rows; ``hook``, ``timeout``, ``replay`` as for every
+    call) with the routing ``layout`` added (its ``weights`` set for a weighted combine). ``run`` returns
+    ``(result, extra)`` as described in the module docstring."""
+
+    layout: Layout | None = None
+
+
+# -- building the layout -----------------------------------------------------------------------------------------
+
+
+def default_bound(tokens: int, top_k: int) -> int:
+    """The worst case for one (source, destination) pair: every choice of every token to one rank. Ranks must
+    agree on the bound: this default assumes they all have ``tokens`` tokens."""
+    return max(1, tokens * top_k)
+
+
+class BoundExceeded(RuntimeError):
+    """A bounded-mode layout whose rows for one destination exceed the bound (or an expert index out of range):
+    raised on every rank, before any token row moves."""
+
+
+def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *, mode: str = "exact",
+                  bound: int | None = None, topk_weights: torch.Tensor | None = None) -> Layout:
+    """This rank's routing layout (see the module docstring) for ``topk_idx: [T, k]`` over ``num_experts`` experts
+    shared evenly by ``group``'s ranks; ``topk_weights: [T, k]`` (optional) are taken in send order. Collective:
+    one all-gather of every rank's ``[W, L + 1]`` counts (each destination's per-expert counts and the rank's
+    number of out-of-range indices): every rank then knows every (source, destination) total, so that a bad index
+    or an exceeded bound anywhere makes every rank raise together, instead of one rank raising while its peers
+    wait in the next collective.
+
+    exact: one host synchronisation (the split sizes, and the check). bounded: none on CUDA (the check is
+    ``torch._assert_async``); on the CPU the check is a plain ``BoundExceeded``.
+    """
+    world, rank, device = group.world_size, group.rank, topk_idx.device
+    if num_experts % world:
+        raise ValueError(f"expert_layout: {num_experts} experts cannot be shared evenly by {world} ranks")
+    if mode not in MODES:
+        raise ValueError(f"expert_layout: mode must be one of {MODES}, got {mode!r}")
+    if mode == "bounded" and (not isinstance(bound, int) or bound < 1):
+        raise ValueError(f"expert_layout: mode='bounded' needs bound >= 1, got {bound!r}")
+    local = num_experts // world
+    tokens, top_k = topk_idx.shape
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    bad = (flat < 0) | (flat >= num_experts)
+    expert = flat.clamp(0, num_experts - 1)  # an out-of-range index is reported below, never used to address
+    sorted_expert, send_order = torch.sort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=num_experts)
+    message = torch.empty((world, local + 1), dtype=torch.int64, device=device)
+    message[:, :local] = counts.view(world, local)
+    message[:, local] = bad.sum()
+    everyone = torch.empty((world * world, local + 1), dtype=torch.int64, device=device)
+    all_gather_into_tensor(everyone, message, group.process_group)
+    everyone = everyone.view(world, world, local + 1)  # [source, destination, counts and bad indices]
+    send_counts, recv_counts = counts.view(world, local), everyone[:, rank, :local].contiguous()
+    pair_totals = everyone[:, :, :local].sum(2)  # [source, destination]
+    bad_at = everyone[:, 0, local]
+    send_totals = send_counts.sum(1)
+    dest = sorted_expert // local
+    dest_starts = torch.cumsum(send_totals, 0) - send_totals
+    if mode == "exact":
+        summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at]).tolist()  # the one host sync
+        send_splits, recv_splits, bad_list = summary[:world], summary[world : 2 * world], summary[2 * world :]
+        _raise_on_bad_indices(bad_list, num_experts, group)
+        send_rows = torch.arange(tokens * top_k, dtype=torch.int64, device=device)
+        seg_ends = torch.cumsum(recv_counts.reshape(-1), 0)
+        splits = {"send_splits": tuple(send_splits), "recv_splits": tuple(recv_splits)}
+    else:
+        _check_bound(pair_totals, bad_at, bound, num_experts, group)
+        position = torch.arange(tokens * top_k, dtype=torch.int64, device=device) - dest_starts[dest]
+        # Clamped: a row past the bound (an error raised above) never writes outside its slot.
+        send_rows = dest * bound + position.clamp(max=bound - 1)
+        base = torch.arange(world, dtype=torch.int64, device=device)[:, None] * bound
+        seg_ends = (base + torch.cumsum(recv_counts, 1)).reshape(-1)
+        splits = {}
+    seg_starts = seg_ends - recv_counts.reshape(-1)
+    layout = Layout(send_order, send_rows, send_counts, recv_counts, seg_starts.to(torch.int32),
+                    seg_ends.to(torch.int32), mode=mode, bound=bound if mode == "bounded" else None, top_k=top_k,
+                    tokens=tokens, experts=num_experts, **splits)
+    return layout.with_weights(topk_weights) if topk_weights is not None else layout
+
+
+def _raise_on_bad_indices(bad_at: list[int], num_experts: int, group: CommGroup) -> None:
+    ranks = [s for s, n in enumerate(bad_at) if n]
+    if ranks:
+        raise ValueError(f"topk_idx: rank(s) {ranks} of {group.name} hold expert indices outside [0, {num_experts}) "
+                         f"({sum(bad_at)} in all); nothing was sent")
+
+
+def _check_bound(pair_totals: torch.Tensor, bad_at: torch.Tensor, bound: int, num_experts: int,
+                 group: CommGroup) -> None:
+    """Every rank sees every (source, destination) total: all raise, or none."""
+    if pair_totals.device.type != "cuda":
+        _raise_on_bad_indices(bad_at.tolist(), num_experts, group)
+        totals = pair_totals.tolist()
+        over = [(s, d, n) for s, row in enumerate(totals) for d, n in enumerate(row) if n > bound]
+        if over:
+            worst = max(n for _, _, n in over)
+            pairs = ", ".join(f"rank {s} -> rank {d}: {n}" for s, d, n in over[:8])
+            raise BoundExceeded(
+                f"bound={bound} rows per (source, destination) exceeded on {group.name} ({pairs}); pass "
+                f"bound >= {worst} (the worst case is tokens * top_k), or mode='exact'; nothing was sent")
+        return
+    ok = (pair_totals.max() <= bound) & (bad_at.sum() == 0)
+    torch._assert_async(ok, f"flashoverlap: bound={bound} rows per (source, destination) exceeded, or an expert "
+                            f"index outside [0, {num_experts}), on {group.name}: pass a larger bound (worst case "
+                            "tokens * top_k) or mode='exact'")
+
+
+# -- layout mechanics every path shares ----------------------------------------------------------------------------
+
+
+def source_rows(plan: ExpertPlan, layout: Layout) -> torch.Tensor:
+    """int64 ``[T*k]``: the row of a dispatch's ``a`` that each choice in send order carries (``a[t]`` for choice
+    ``t * k + c``, or ``a[j]`` itself with ``per_choice``)."""
+    return layout.send_order if plan.per_choice else torch.div(layout.send_order, plan.top_k, rounding_mode="floor")
+
+
+def send_buffer(a: torch.Tensor, plan: ExpertPlan, layout: Layout) -> torch.Tensor:
+    """Dispatch's send buffer ``[S_r, H]``: each choice's row at its ``send_rows`` position, padding zero."""
+    rows = a.index_select(0, source_rows(plan, layout))
+    if plan.mode == "exact":
+        return rows
+    buffer = a.new_zeros((plan.send_capacity, a.shape[1]))
+    return buffer.index_copy_(0, layout.send_rows, rows)
+
+
+def recv_segments(layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(starts, ends, local_expert)``, int32 ``[W*L]`` each: the received rows' segments in (source, local
+    expert) order and the local expert of each (``grouped_gemm``'s ``seg_expert``)."""
+    local = layout.experts_per_rank
+    expert = torch.arange(local, dtype=torch.int32, device=layout.recv_seg_ends.device).repeat(layout.world_size)
+    return layout.recv_seg_starts, layout.recv_seg_ends, expert
+
+
+def combine_at_origin(y_back: torch.Tensor, plan: ExpertPlan, layout: Layout, out_dtype: torch.dtype) -> torch.Tensor:
+    """``out[t] = sum_c w[t, c] * y[t, c]`` from the rows back at the origin ``y_back: [S_r, H]`` (send layout), in
+    fp32, rounded to ``out_dtype``; ``w = 1`` where the plan is unweighted or the layout has no weights."""
+    rows = y_back.index_select(0, layout.send_rows).float()
+    if plan.weighted and layout.weights is not None:
+        rows = rows * layout.weights.float()[:, None]
+    tokens = torch.div(layout.send_order, plan.top_k, rounding_mode="floor")
+    out = torch.zeros((plan.tokens, y_back.shape[1]), dtype=torch.float32, device=y_back.device)
+    return out.index_add_(0, tokens, rows).to(out_dtype)
