@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
+from flashoverlap.comm.expert_reference import ExpertReferenceCommunicator
 from flashoverlap.comm.nccl import NcclCommunicator
 from flashoverlap.comm.p2p import P2PCommunicator
 from flashoverlap.comm.protocol import CommGroup, Communicator
@@ -32,9 +33,10 @@ COMMUNICATORS: dict[tuple[str, str], type[Communicator]] = {
     ("gemm", "nccl"): NcclCommunicator,
     ("gemm", "p2p"): P2PCommunicator,
     ("gemm", "ring"): RingNcclCommunicator,
+    ("expert", "reference"): ExpertReferenceCommunicator,
 }
 # Communicators whose construction allocates or creates streams (refused inside a CUDA-graph capture).
-_HOLD_NOTHING = {("gemm", "reference"), ("gemm", "sequential")}
+_HOLD_NOTHING = {("gemm", "reference"), ("gemm", "sequential"), ("expert", "reference")}
 _UNSET = object()
 
 

@@ -1,0 +1,74 @@
+"""The reference expert communicator: dispatch and combine (``comm/expert.py``) in plain PyTorch, one step after
+the other: ``all_to_all_single`` with the layout's split sizes, a ``torch.mm`` per received segment (fp32
+accumulation, rounded to the input dtype), the reverse ``all_to_all_single`` and the weighted sum at the origin.
+
+It runs on any backend that has ``all_to_all_single`` (gloo on the CPU included) and overlaps nothing. It is the
+executable specification of the expert calls and the CPU test oracle's partner. It reads the segment bounds on
+the host (one synchronisation on CUDA), so on CUDA its bounded mode is not capturable: the fast paths are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, Layout, combine_at_origin, send_buffer
+from flashoverlap.comm.protocol import CommGroup
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group: dist.ProcessGroup) -> None:
+    """``all_to_all_single`` by rows; ``None`` splits: equal slots (bounded mode)."""
+    dist.all_to_all_single(out, inp, None if out_splits is None else list(out_splits),
+                           None if in_splits is None else list(in_splits), group=group)
+
+
+def _segment_mm(rows: torch.Tensor, b: torch.Tensor, layout: Layout, n: int) -> torch.Tensor:
+    """``out[seg (s, l)] = rows[seg (s, l)] @ b[l]`` for every received segment; rows outside every segment zero."""
+    out = rows.new_zeros((rows.shape[0], n))
+    local = layout.experts_per_rank
+    starts, ends = layout.recv_seg_starts.tolist(), layout.recv_seg_ends.tolist()
+    for index, (start, end) in enumerate(zip(starts, ends)):
+        if end > start:
+            out[start:end] = (rows[start:end].float() @ b[index % local].float()).to(rows.dtype)
+    return out
+
+
+def dispatch(a: torch.Tensor, b: torch.Tensor, plan: ExpertPlan, layout: Layout,
+             group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h [R, N], recv_rows [R, H])``: the rows sent in send order, received grouped by (source, local expert),
+    each segment times its expert's ``b[l]``."""
+    send = send_buffer(a, plan, layout)
+    recv = a.new_empty((layout.recv_rows, a.shape[1]))
+    _all_to_all(recv, send, layout.recv_splits, layout.send_splits, group)
+    return _segment_mm(recv, b, layout, b.shape[2]), recv
+
+
+def combine(a: torch.Tensor, b: torch.Tensor, plan: ExpertPlan, layout: Layout,
+            group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H], y_back [S, H])``: each received segment times its expert's ``b[l]``, sent back to where it
+    came from, and summed at the origin over each token's choices with the router weights."""
+    y = _segment_mm(a, b, layout, b.shape[2])
+    back = a.new_empty((layout.send_capacity, b.shape[2]))
+    _all_to_all(back, y, layout.send_splits, layout.recv_splits, group)
+    return combine_at_origin(back, plan, layout, a.dtype), back
+
+
+class ExpertReferenceCommunicator:
+    """The reference expert path behind the communicator protocol (``comm/protocol.py``): holds nothing."""
+
+    path = "reference"
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group
+
+    def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The call's result, and its extra rows where ``return_gathered``; the hook runs after (nothing
+        overlaps)."""
+        step = dispatch if call.plan.op == "dispatch" else combine
+        result, extra = step(call.a, call.b, call.plan, call.layout, self.group.process_group)
+        if call.hook is not None:
+            call.hook()
+        return result, extra if call.return_gathered else None
+
+    def release(self) -> None:
+        pass
