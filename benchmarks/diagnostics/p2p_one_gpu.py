@@ -30,7 +30,7 @@ from flashoverlap.comm.replay import Matmul
 from flashoverlap.runtime.context import context_of
 
 SHAPES = [(1002, 1000, 520), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by 2
-HOST_SHAPE = (4096, 8192, 8192)
+HOST_SHAPE = (4096, 8192, 8192)  # the issue's host-time shape (host time, not GPU time, is what is compared)
 OPS = ("reduce_scatter", "all_reduce", "all_gather")
 
 
@@ -88,6 +88,87 @@ def check(got, want, what):
         raise AssertionError(f"{what}: nan={nan} rel_err={err:.2e}")
 
 
+def host_rows(comm, rank, world) -> list[dict]:
+    """Host time per call at ``HOST_SHAPE`` (issued while the GPU is busy), in one run: the P2P communicator eager
+    and replayed, ``torch.mm`` alone; and on a one-rank NCCL group (one per process: NCCL takes one rank on the
+    shared GPU), the public op (its plan is the sequential one) against ``torch.mm`` plus the same collective issued
+    directly. Also a cProfile of eager calls, printed, for where the time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+
+    m, n, k = HOST_SHAPE
+    solo = [dist.new_group([r], backend="nccl") for r in range(world)][rank]  # collective: every rank makes each
+    public = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+              "all_gather": fo.all_gather_gemm}
+    rows = []
+    for op in OPS:
+        rows_a = m // world if op == "all_gather" else m
+        a = torch.randn(rows_a, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
+        plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+        mm_us = host_us(lambda a=a, b=b: torch.mm(a, b), calls=30)
+        for mode, replay in (("eager", False), ("replayed", True)):
+            call = Call(op, plan, a, b, replay=replay)
+            us = host_us(lambda call=call: comm.run(call), calls=30)
+            rows.append({"op": op, "path": "p2p", "mode": mode, "M": m, "N": n, "K": k, "host_us": round(us, 1),
+                         "torch_mm_us": round(mm_us, 1), "direct_us": None})
+        eager = Call(op, plan, a, b)
+        profile = cProfile.Profile()
+        for _ in range(10):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)
+            profile.enable()
+            comm.run(eager)
+            profile.disable()
+        if rank == 0:
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(10)
+            print(f"== eager {op}: cProfile of 10 calls\n" + "\n".join(
+                line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+        # The sequential plan: the public op on a one-rank NCCL group, beside the same work issued directly.
+        full = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        gathered = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+
+        def direct(op=op, full=full, b=b, out=out, gathered=gathered):
+            if op == "all_gather":
+                all_gather_into_tensor(gathered, full, solo)
+                return torch.mm(gathered, b)
+            c = torch.mm(full, b)
+            if op == "all_reduce":
+                dist.all_reduce(c, group=solo)
+                return c
+            reduce_scatter_tensor(out, c, solo)
+            return out
+
+        ours = host_us(lambda op=op, full=full, b=b: public[op](full, b, group=solo), calls=30)
+        direct_us = host_us(direct, calls=30)
+        mm_us = host_us(lambda full=full, b=b: torch.mm(full, b), calls=30)
+        rows.append({"op": op, "path": "nccl", "mode": "sequential", "M": m, "N": n, "K": k,
+                     "host_us": round(ours, 1), "torch_mm_us": round(mm_us, 1), "direct_us": round(direct_us, 1)})
+    return rows
+
+
+def release_check(comm, device) -> dict:
+    """The communicator's release frees its graphs and workspace: caching-allocator memory before and after."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(device)
+    graphs = len(comm.graphs)
+    comm.release()
+    gc.collect()
+    torch.cuda.synchronize()
+    freed = held - torch.cuda.memory_allocated(device)
+    if len(comm.graphs) or comm.workspace.buffer is not None:
+        raise AssertionError("release left graphs or the workspace in place")
+    return {"graphs_before": graphs, "bytes_freed": freed, "workspace_after": None}
+
+
 def main():
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(0)
@@ -98,9 +179,10 @@ def main():
     comm.workspace = IpcWorkspace(dist.group.WORLD, device)
     report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
                        "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": "torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py",
+                       "command": "CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 "
+                                  "benchmarks/diagnostics/p2p_one_gpu.py OUT.json",
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-              "checked": 0, "host_us": {}}
+              "checked": 0}
     for op in OPS:
         for i, (m, n, k) in enumerate(SHAPES):
             for dtype in (torch.bfloat16, torch.float16):
@@ -134,16 +216,8 @@ def main():
                             raise AssertionError(f"{op} {m}x{n}x{k}: {count} replays of 4 calls")
         print(f"rank {rank}: {op}: correct, eager and replayed ({report['checked']} calls so far, "
               f"{comm.graphs.captures} captures, {comm.graphs.replays} replays)", flush=True)
-    m, n, k = HOST_SHAPE
-    for op in OPS:
-        rows = m // world if op == "all_gather" else m
-        a = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
-        plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
-        for replay in ("0", "1"):
-            call = Call(op, plan, a, b, replay=replay == "1")
-            report["host_us"][f"{op} replay={replay}"] = host_us(lambda call=call: comm.run(call), calls=30)
-        report["host_us"][f"{op} torch.mm"] = host_us(lambda a=a, b=b: torch.mm(a, b), calls=30)
+    report["rows"] = host_rows(comm, rank, world)
+    report["release"] = release_check(comm, device)
     if rank == 0:
         print(json.dumps(report, indent=1), flush=True)
         if len(sys.argv) > 1:
