@@ -37,9 +37,9 @@ import torch
 from flashoverlap.bench.timing import host_us, time_side_by_side
 from flashoverlap.kernels.grouped_gemm import (
     GroupedTile,
-    choose_grouped_gemm,
     default_tile,
     grouped_gemm,
+    pick_grouped_gemm,
 )
 
 WORLD = 2
@@ -54,22 +54,17 @@ ROUTINGS = ("balanced", "zipf")
 PROJS = ("up", "down")
 
 # Tile variants the sweep times (kernels/grouped_gemm.py's DEFAULT_TILES come from these).
-# Suffix: -np one program per tile of the bound, -p one persistent program per SM (-p2 two) taking tiles by stride,
-# -pd the same taking tiles from an atomic counter; -h half-height tail tiles; -nosig without signals.
+# Suffix: -np one program per tile of the bound, -p one persistent program per SM taking tiles by stride, -pd the
+# same taking tiles from an atomic counter; -h half-height tail tiles; -nosig without signals. (The sweeps behind
+# the default tiles, with more variants, are in benchmarks/results/logs/moe-gemm/.)
 _T = GroupedTile
 SWEEP_TILES = {
-    "128x256x64-s3-np": _T(128, 256, 64, 8, 3, 8, None),
-    "128x256x64-s3-p": _T(128, 256, 64, 8, 3, 8, 0),
-    "128x256x64-s3-pd": _T(128, 256, 64, 8, 3, 8, 0, dynamic=True),
-    "128x256x64-s3-pd-nosig": _T(128, 256, 64, 8, 3, 8, 0, dynamic=True),
-    "128x256x64-s3-pd-h": _T(128, 256, 64, 8, 3, 8, 0, dynamic=True, half_tail=True),
     "128x256x64-s3-np-h": _T(128, 256, 64, 8, 3, 8, None, half_tail=True),
-    "128x256x64-s4-np": _T(128, 256, 64, 8, 4, 8, None),
-    "128x256x64-s4-pd": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True),
+    "128x256x64-s3-p-h": _T(128, 256, 64, 8, 3, 8, 0, half_tail=True),
+    "128x256x64-s4-p-h": _T(128, 256, 64, 8, 4, 8, 0, half_tail=True),
     "128x256x64-s4-pd-h": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True),
     "128x256x64-s4-np-h": _T(128, 256, 64, 8, 4, 8, None, half_tail=True),
-    "128x256x128-s2-pd-h": _T(128, 256, 128, 8, 2, 8, 0, dynamic=True, half_tail=True),
-    "128x128x64-s3-w4-p2d-h": _T(128, 128, 64, 8, 3, 4, -2, dynamic=True, half_tail=True),
+    "128x256x64-s4-p-h-nosig": _T(128, 256, 64, 8, 4, 8, 0, half_tail=True),
 }
 
 
@@ -202,22 +197,15 @@ def bench_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> 
            "given": s.triton(tile, order="given"), "grouped_mm": s.grouped_mm(), "cublas_path": s.cublas_path(),
            "loop": s.loop(), "loop_path": s.loop_path()}
     errs = {name: s.check(fns[name], name) for name in ("triton", "src_first", "given", "loop_path")}
-    zero = s.flags.zero_
-    before = {name: zero for name in ("triton", "src_first", "given")}
-    hosts: dict[str, float] = {}
-    t = time_side_by_side(fns, warmup=warmup, iters=iters, before=before, host_us=hosts)
-    path = choose_grouped_gemm(experts=s.experts, rows=s.rows, k=s.k, n=s.n, dtype=torch.bfloat16)
-    t_ms = {"triton": t["triton"], "cublas": t["cublas_path"], "loop": t["loop_path"]}[path]
-    zero()
+    t = time_side_by_side(fns, warmup=warmup, iters=iters)  # flags need no reset: each call rewrites them
     return {
-        "config": config, "routing": routing, "proj": proj, "path": path, "experts": s.experts, "rows": s.rows,
-        "K": s.k, "N": s.n, "max_expert_rows": int(s.counts.sum(0).max()), "t_ms": t_ms,
-        "t_grouped_mm_ms": t["grouped_mm"], "t_loop_ms": t["loop"], "tflops": s.flops / t_ms / 1e9,
+        "config": config, "routing": routing, "proj": proj, "path": None, "experts": s.experts, "rows": s.rows,
+        "K": s.k, "N": s.n, "max_expert_rows": int(s.counts.sum(0).max()), "t_ms": None,
+        "t_grouped_mm_ms": t["grouped_mm"], "t_loop_ms": t["loop"], "tflops": None, "flops": s.flops,
         "t_triton_ms": t["triton"], "t_src_first_ms": t["src_first"], "t_given_ms": t["given"],
         "t_cublas_path_ms": t["cublas_path"], "t_loop_path_ms": t["loop_path"],
         "triton_vs_grouped_mm": t["grouped_mm"] / t["triton"],
-        "tile": [tile.block_m, tile.block_n, tile.block_k, tile.group_m, tile.num_stages, tile.num_warps,
-                 tile.num_programs],
+        "tile": dataclasses.asdict(tile),
         "host_us": {"triton": host_us(fns["triton"]), "grouped_mm": host_us(fns["grouped_mm"])},
         "rel_err": errs,
     }
@@ -239,10 +227,28 @@ def sweep_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> 
         fns[name] = s.triton(tile, signals=signals)
     fns["grouped_mm"] = s.grouped_mm()
     fns["loop"] = s.loop()
-    before = {name: s.flags.zero_ for name in fns if name not in ("grouped_mm", "loop")}
-    t = time_side_by_side(fns, warmup=warmup, iters=iters, before=before)
+    t = time_side_by_side(fns, warmup=warmup, iters=iters)
     return {"config": config, "routing": routing, "proj": proj, "experts": s.experts, "rows": s.rows, "K": s.k,
             "N": s.n, "flops": s.flops, "t_ms": t}
+
+
+def assign_paths(rows: list[dict]) -> None:
+    """``path``: what ``choose_grouped_gemm``'s rule picks from these rows' own times (balanced and Zipf summed per
+    slice, since a path cannot know its routing in advance), segment sizes on the host (the exact mode; loop
+    allowed); ``path_bounded``: the same without them (the bounded mode). ``t_ms``, ``tflops``: at ``path``."""
+    slices: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        slices.setdefault((r["config"], r["proj"]), []).append(r)
+    for group in slices.values():
+        total = [sum(r[key] for r in group) for key in ("t_triton_ms", "t_cublas_path_ms", "t_loop_path_ms")]
+        k, n = group[0]["K"], group[0]["N"]
+        path = pick_grouped_gemm(*total, dtype=torch.bfloat16, k=k, n=n, host_counts=True)
+        bounded = pick_grouped_gemm(*total, dtype=torch.bfloat16, k=k, n=n, host_counts=False)
+        key = {"triton": "t_triton_ms", "cublas": "t_cublas_path_ms", "loop": "t_loop_path_ms"}
+        for r in group:
+            r["path"], r["path_bounded"] = path, bounded
+            r["t_ms"], r["t_bounded_ms"] = r[key[path]], r[key[bounded]]
+            r["tflops"] = r["flops"] / r["t_ms"] / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,17 +274,20 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
+    if not args.sweep:
+        assign_paths(rows)
     if args.sweep:
         for r in rows:  # the fastest variants first, as a fraction of torch._grouped_mm's time
             ranked = sorted(r["t_ms"].items(), key=lambda kv: kv[1])
             print(f"{r['config']} {r['routing']} {r['proj']}: g_mm {r['t_ms']['grouped_mm']:.3f} ms; "
                   + ", ".join(f"{name} {r['t_ms']['grouped_mm'] / t:.3f}" for name, t in ranked[:5]))
     else:
-        print(f"{'config':14} {'routing':8} {'proj':4} {'path':6} {'ours':>7} {'g_mm':>7} {'loop':>7} "
-              f"{'ratio':>6} {'TFLOP/s':>7}")
+        print(f"{'config':14} {'routing':8} {'proj':4} {'path':6} {'bounded':7} {'ours':>7} {'g_mm':>7} "
+              f"{'g_mm/2':>7} {'loop':>7} {'loop/s':>7} {'ratio':>6} {'TFLOP/s':>7}")
         for r in rows:
-            print(f"{r['config']:14} {r['routing']:8} {r['proj']:4} {r['path']:6} {r['t_triton_ms']:7.3f} "
-                  f"{r['t_grouped_mm_ms']:7.3f} {r['t_loop_ms']:7.3f} {r['triton_vs_grouped_mm']:6.3f} "
+            print(f"{r['config']:14} {r['routing']:8} {r['proj']:4} {r['path']:6} {r['path_bounded']:7} "
+                  f"{r['t_triton_ms']:7.3f} {r['t_grouped_mm_ms']:7.3f} {r['t_cublas_path_ms']:7.3f} "
+                  f"{r['t_loop_ms']:7.3f} {r['t_loop_path_ms']:7.3f} {r['triton_vs_grouped_mm']:6.3f} "
                   f"{r['tflops']:7.1f}")
     target = args.sweep or args.out
     if target:

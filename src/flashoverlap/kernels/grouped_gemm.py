@@ -3,16 +3,18 @@ over contiguous row segments, in a device-chosen tile order, publishing a flag p
 
 Segment sizes never reach the host (the bounded MoE mode is replayed from a CUDA graph): a one-program prep kernel
 reads the segment ends on the device, orders the segments (``order``/``seg_priority``), and writes a small table
-(per position in that order: cumulative tile end, rows, expert, signal group) plus each group's expected tile count.
+(per position in that order: cumulative tile end, rows, expert, signal group) and each group's starting flag value.
 The GEMM kernel then walks tiles ``pid, pid + programs, ...`` up to the table's total; a tile finds its segment by
 counting the cumulative ends at or below its index (one vector load of the table, no search loop), so tiles never
 straddle two segments. The grid is sized on the host from a bound (``max_rows``); a bound that is too small costs
 time (programs take more tiles), never correctness.
 
-Signals, as in ``kernels/gemm.py``: after a tile is stored, ``debug_barrier`` then one acq_rel atomic on its group's
-counter; the tile that brings the counter to the group's expected count resets the counter and sets
-``flags[g] = 1`` with release semantics, so a waiter on the flag (a stream wait, an acquire load) sees every row of
-the group. Groups with no tiles are flagged by the prep kernel.
+Signals, as in ``kernels/gemm.py`` (``debug_barrier``, then a release atomic add per stored tile), with two changes
+that made them cheap where tiles are short (K = 768: 7% of the time, measured): the flag *is* the counter, started
+by the prep kernel at ``1 - tiles of the group``, so it reaches exactly 1 when the group's last tile is published
+and no tile needs the atomic's result; and a tile is published only after its program's next tile has computed its
+products (just before that tile's store), when its own stores have long completed and the release fence is free. A
+waiter must therefore wait for ``flags[g] == 1`` (``cuStreamWaitValue32`` EQ 1, or GEQ 1), never for non-zero.
 
 ``torch._grouped_mm`` (cuBLAS/CUTLASS) is the alternative where it measures faster; ``choose_grouped_gemm`` holds
 the measured policy and ``grouped_mm_reference`` the plain-PyTorch oracle.
@@ -34,8 +36,8 @@ MAX_SEGMENTS = 1 << _SEG_BITS
 MAX_EXPERTS = 1 << _EXPERT_BITS
 MAX_PRIORITY = (1 << _PRIO_BITS) - 1
 _INT32_MAX = 2**31 - 1
-# Table rows (each BLOCK_S long), then counters and expected tile counts (each num_groups long).
-_CUM, _TILE0, _ROW0, _ROW1, _EXPERT, _GROUP = range(6)
+# Table rows (each BLOCK_S long: cumulative tile end, first tile, first row, end row, expert, signal group of each
+# position in tile order), then the dynamic next-tile counter.
 _TABLE_ROWS = 6
 
 
@@ -45,8 +47,8 @@ def _segment_table_kernel(
     seg_expert_ptr,  # int32 [S]
     seg_signal_ptr,  # int32 [S] (SIGNAL)
     seg_priority_ptr,  # int32 [S] (HAS_PRIORITY)
-    table_ptr,  # int32 [6 * BLOCK_S + 2 * num_groups + 1]: written here
-    flags_ptr,  # int32 [num_groups] (SIGNAL): set to 1 for groups with no tiles
+    table_ptr,  # int32 [6 * BLOCK_S + 1]: written here
+    flags_ptr,  # int32 [num_groups] (SIGNAL): set to 1 - (the group's tile count)
     num_segments,
     num_groups,
     num_experts,
@@ -59,7 +61,6 @@ def _segment_table_kernel(
     HAS_PRIORITY: tl.constexpr,
     SIGNAL: tl.constexpr,
     HAS_GROUPS: tl.constexpr,  # seg_signal given; otherwise every segment is in group 0
-    PEER: tl.constexpr,
 ):
     pos = tl.arange(0, BLOCK_S)
     valid = pos < num_segments
@@ -101,7 +102,7 @@ def _segment_table_kernel(
     tl.store(table_ptr + 2 * BLOCK_S + pos, start)
     tl.store(table_ptr + 3 * BLOCK_S + pos, end)
     tl.store(table_ptr + 4 * BLOCK_S + pos, expert)
-    tl.store(table_ptr + 6 * BLOCK_S + 2 * num_groups, 0)  # the GEMM's next-tile counter (DYNAMIC)
+    tl.store(table_ptr + 6 * BLOCK_S, 0)  # the GEMM's next-tile counter (DYNAMIC)
     if SIGNAL:
         if HAS_GROUPS:
             group = tl.load(seg_signal_ptr + seg, mask=valid, other=-1)
@@ -109,17 +110,11 @@ def _segment_table_kernel(
             group = tl.where(valid, 0, -1)
         group = tl.where((group >= 0) & (group < num_groups), group, -1)  # out of range: never signalled
         tl.store(table_ptr + 5 * BLOCK_S + pos, group)
-        counters_ptr = table_ptr + 6 * BLOCK_S
         for g in range(num_groups):
+            # The flag counts up from 1 - (the group's tiles): each stored tile adds 1, the last one makes it 1. A
+            # group with no tiles is 1 at once, so its waiter does not hang.
             expected = tl.sum(tl.where(group == g, tiles, 0), axis=0)
-            tl.store(counters_ptr + g, 0)
-            tl.store(counters_ptr + num_groups + g, expected)
-            if expected == 0:
-                # Nothing will ever be stored for this group: flag it now, so that its waiter does not hang.
-                if PEER:
-                    tl.atomic_xchg(flags_ptr + g, 1, sem="release", scope="sys")
-                else:
-                    tl.atomic_xchg(flags_ptr + g, 1, sem="release", scope="gpu")
+            tl.store(flags_ptr + g, 1 - expected)
 
 
 @triton.jit
@@ -134,10 +129,23 @@ def _tile_info(table_ptr, cum, t, num_segments, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _tile_mma_store(x, w, out, off_m, off_n, row1, expert, total_rows, N, K, stride_xm, stride_xk, stride_we,
-                    stride_wk, stride_wn, stride_om, stride_on, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
-    """``out[off_m : min(off_m + ROWS, row1), off_n : off_n + BLOCK_N] = x[...] @ w[expert][:, ...]``."""
+def _publish(flags_ptr, group, PEER: tl.constexpr):
+    """Count one stored tile of ``group`` (none if negative): every thread's stores come before the release."""
+    if group >= 0:
+        tl.debug_barrier()
+        if PEER:
+            tl.atomic_add(flags_ptr + group, 1, sem="release", scope="sys")
+        else:
+            tl.atomic_add(flags_ptr + group, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K, stride_xm,
+                    stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+                    SIGNAL: tl.constexpr, PEER: tl.constexpr):
+    """``out[off_m : min(off_m + ROWS, row1), off_n : off_n + BLOCK_N] = x[...] @ w[expert][:, ...]``; between
+    the products and the store, the previous tile of this program is published to its group ``pending``."""
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     if USE_TMA:
@@ -165,6 +173,8 @@ def _tile_mma_store(x, w, out, off_m, off_n, row1, expert, total_rows, N, K, str
             acc = tl.dot(a_tile, b_tile, acc)
             a_ptrs += BLOCK_K * stride_xk
             b_ptrs += BLOCK_K * stride_wk
+    if SIGNAL:
+        _publish(flags_ptr, pending, PEER)
     rows = off_m + tl.arange(0, ROWS)
     cols = off_n + tl.arange(0, BLOCK_N)
     c_ptrs = out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
@@ -206,9 +216,13 @@ def grouped_gemm_kernel(
 ):
     cum = tl.load(table_ptr + tl.arange(0, BLOCK_S))  # cumulative tile ends in tile order; INT32_MAX past the end
     total = tl.load(table_ptr + num_segments - 1)
-    next_ptr = table_ptr + 6 * BLOCK_S + 2 * num_groups
+    next_ptr = table_ptr + 6 * BLOCK_S
     t = tl.program_id(0)
     p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t, num_segments, BLOCK_S)
+    # A tile is published (its group's flag incremented, release) after the *next* tile's products, just before
+    # that tile's store: by then its own stores have long completed, so the release fence costs nothing. The last
+    # tile of a program is published after the loop.
+    pending = -1
     # The next tile's index and table entries are fetched while this one computes and stores: their latency
     # (an atomic, then dependent loads) stays off the critical path.
     while t < total:
@@ -225,34 +239,19 @@ def grouped_gemm_kernel(
         off_m = row0 + (first_m + (local % width) % height) * BLOCK_M
         off_n = ((local % width) // height) * BLOCK_N
         if HALF_TAIL and row1 - off_m <= BLOCK_M // 2:
-            _tile_mma_store(x_half, w, out, off_m, off_n, row1, expert, total_rows, N, K, stride_xm, stride_xk,
-                            stride_we, stride_wk, stride_wn, stride_om, stride_on, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                            USE_TMA, W_KMAJOR)
+            _tile_mma_store(x_half, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
+                            stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+                            BLOCK_M // 2, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER)
         else:
-            _tile_mma_store(x, w, out, off_m, off_n, row1, expert, total_rows, N, K, stride_xm, stride_xk,
-                            stride_we, stride_wk, stride_wn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_K,
-                            USE_TMA, W_KMAJOR)
-        p_next, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t_next, num_segments, BLOCK_S)
+            _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
+                            stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER)
         if SIGNAL:
-            group = tl.load(table_ptr + 5 * BLOCK_S + p)
-            if group >= 0:
-                counter = table_ptr + 6 * BLOCK_S + group
-                expected = tl.load(table_ptr + 6 * BLOCK_S + num_groups + group)
-                # Every thread's stores of this tile come before the counter's release. acq_rel: the tile that
-                # completes the group has then seen the group's other tiles, and its flag release carries them.
-                tl.debug_barrier()
-                if PEER:
-                    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys") + 1
-                    if done == expected:
-                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="sys")  # ready for the next call
-                        tl.atomic_xchg(flags_ptr + group, 1, sem="release", scope="sys")
-                else:
-                    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
-                    if done == expected:
-                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                        tl.atomic_xchg(flags_ptr + group, 1, sem="release", scope="gpu")
+            pending = tl.load(table_ptr + 5 * BLOCK_S + p)
+        p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t_next, num_segments, BLOCK_S)
         t = t_next
-        p = p_next
+    if SIGNAL:
+        _publish(flags_ptr, pending, PEER)
 
 
 # -- launcher -----------------------------------------------------------------------------------------------
@@ -277,19 +276,29 @@ class GroupedTile:
     half_tail: bool = False
 
 
-# Measured on one H200 (torch 2.11, triton 3.6): benchmarks/results/h200x1-moe-gemm.json, produced by
-# src/flashoverlap/bench/moe_gemm.py. Keyed by (K, N) class; see default_tile.
-DEFAULT_TILE = GroupedTile()
+# Tiles measured on one H200 (torch 2.11, triton 3.6) by `python -m flashoverlap.bench.moe_gemm --sweep`:
+# benchmarks/results/logs/moe-gemm/sweep1-ab7bb3a.json and sweep2-b77905f.json (commits ab7bb3a, b77905f). Across
+# the three MoE slices, 128x256x64 tiles with 8 warps won everywhere (128x128, 64x256, 256x128 and 128x256x128
+# lost 5-50%); persistent programs won for few large experts, one program per tile for many small experts with a
+# long K (DeepSeek-like up projection: 0.92 of torch._grouped_mm against 0.84 persistent), and 4 stages with the
+# atomic tile counter for many small experts with a short K (DeepSeek-like down: 0.92-0.95 against 0.85).
+# Half-height tail tiles gained up to 7% with skewed routing and cost nothing measurable elsewhere.
+TILE_FEW_EXPERTS = GroupedTile(128, 256, 64, 8, 4, 8, 0, half_tail=True)
+TILE_MANY_EXPERTS_LONG_K = GroupedTile(128, 256, 64, 8, 3, 8, None, half_tail=True)
+TILE_MANY_EXPERTS = GroupedTile(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True)
 
 
 def default_tile(rows: int, experts: int, k: int, n: int) -> GroupedTile:
-    """The tile the paths use when none is given (from the measurements named at ``DEFAULT_TILE``)."""
-    return DEFAULT_TILE
+    """The tile the paths use when none is given, for ``rows`` (a bound) over ``experts`` experts, ``[rows, k] x
+    [k, n]`` each (from the sweeps named at ``TILE_FEW_EXPERTS``)."""
+    if rows > 512 * max(experts, 1):
+        return TILE_FEW_EXPERTS
+    return TILE_MANY_EXPERTS_LONG_K if k >= 4096 else TILE_MANY_EXPERTS
 
 
-def workspace_size(num_segments: int, num_groups: int) -> int:
-    """int32 elements of the scratch table for ``num_segments`` segments and ``num_groups`` signal groups."""
-    return _TABLE_ROWS * _block_s(num_segments) + 2 * num_groups + 1
+def workspace_size(num_segments: int) -> int:
+    """int32 elements of the scratch table for ``num_segments`` segments."""
+    return _TABLE_ROWS * _block_s(num_segments) + 1
 
 
 def _block_s(num_segments: int) -> int:
@@ -342,10 +351,12 @@ def grouped_gemm(
     ``offs``); segments may be empty; several segments may share an expert. ``out``: ``[rows, N]`` of x's dtype
     (allocated when omitted).
 
-    Signals: with ``flags`` (int32 ``[G]``, zero on entry), ``flags[g]`` becomes 1 (release; system scope with
-    ``peer_visible``) once every row of every segment with ``seg_signal[s] == g`` is stored; groups with no rows
-    are flagged too. ``seg_signal`` (int32 ``[S]``, values in ``[0, G)``) defaults to group 0 for every segment;
-    out-of-range values are never signalled. The caller zeroes ``flags`` again before the next call (stream order).
+    Signals: with ``flags`` (int32 ``[G]``; zero on entry is safe, any value is overwritten), ``flags[g]`` becomes
+    exactly 1 (release; system scope with ``peer_visible``) once every row of every segment with
+    ``seg_signal[s] == g`` is stored, and is <= 0 before: wait for ``== 1`` (or signed ``>= 1``), not for
+    non-zero. Groups with no rows are 1 as soon as the prep kernel has run. ``seg_signal`` (int32 ``[S]``, values
+    in ``[0, G)``) defaults to group 0 for every segment; out-of-range values are never signalled. Flags are
+    rewritten at the start of each call (stream order), so replays need no reset.
 
     Order: ``"given"`` computes segments in index order; ``"heavy-first"`` puts segments with more tile rows first
     (ties: by expert, so one expert's segments run together and share its weights in L2; then by index).
@@ -355,7 +366,7 @@ def grouped_gemm(
 
     ``max_rows``: a host-side bound on ``seg_ends[-1]`` (default ``rows``) that sizes the grid when
     ``tile.num_programs`` is ``None``; a bound too small only makes programs take several tiles. ``tile``: tile and
-    launch shape (default ``default_tile``). ``workspace``: int32 scratch of ``workspace_size(S, G)`` elements
+    launch shape (default ``default_tile``). ``workspace``: int32 scratch of ``workspace_size(S)`` elements
     (allocated per call when omitted; calls that may run concurrently need their own). ``validate``: check
     ``seg_ends`` and ``seg_expert`` on the host first (a synchronisation; for tests and debugging).
     """
@@ -406,12 +417,12 @@ def grouped_gemm(
             flags.fill_(1)
         return out
     block_s = _block_s(num_segments)
-    need = workspace_size(num_segments, num_groups)
+    need = workspace_size(num_segments)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.int32, device=x.device)
     elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != x.device:
         raise ValueError(f"workspace must be int32 with >= {need} elements on {x.device} "
-                         f"(workspace_size({num_segments}, {num_groups}))")
+                         f"(workspace_size({num_segments}))")
     tiles_n = triton.cdiv(n, tile.block_n)
     sort = order == "heavy-first" or seg_priority is not None
     _segment_table_kernel[(1,)](
@@ -420,7 +431,7 @@ def grouped_gemm(
         num_segments, num_groups, num_experts, rows, tiles_n,
         BLOCK_S=block_s, BLOCK_M=tile.block_m, SORT=sort, HEAVY_FIRST=order == "heavy-first",
         HAS_PRIORITY=seg_priority is not None, SIGNAL=signal, HAS_GROUPS=seg_signal is not None,
-        PEER=bool(peer_visible), num_warps=4 if block_s <= 1024 else 8,
+        num_warps=4 if block_s <= 1024 else 8,
     )
     bound_tiles = (triton.cdiv(max_rows, tile.block_m) + min(num_segments, max_rows)) * tiles_n
     if tile.num_programs is None:
@@ -496,24 +507,39 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, seg_ends: torch.Tenso
 
 
 # -- policy -------------------------------------------------------------------------------------------------
-# Which grouped GEMM the MoE paths run, from measurements on one H200 (see DEFAULT_TILE): (experts, rows, K, N)
-# of a measured per-rank slice -> the faster of ours and torch._grouped_mm there, balanced and Zipf routing alike.
-MEASURED_PICKS: dict[tuple[int, int, int, int], str] = {}
+# Measured times (ms, balanced + Zipf(1.2) routing summed) of the three ways at each per-rank slice, keyed by
+# (experts, rows, K, N): triton = grouped_gemm as the paths run it (signals on), cublas = torch._grouped_mm per
+# source chunk, loop = torch.mm per segment. Filled from benchmarks/results/h200x1-moe-gemm.json (see its meta for
+# the commit that produced it); empty means "no measurement": the policy then answers "triton".
+MEASURED_MS: dict[tuple[int, int, int, int], tuple[float, float, float]] = {}
+
+
+def pick_grouped_gemm(t_triton: float, t_cublas: float, t_loop: float, *, dtype: torch.dtype, k: int, n: int,
+                      host_counts: bool = False, device_capability: tuple[int, int] | None = None) -> str:
+    """The fastest allowed of three measured times: ``"cublas"`` only for bf16 with 16-byte aligned rows
+    (``k % 8 == n % 8 == 0``) on sm90 (when ``device_capability`` is given), ``"loop"`` only when the segment sizes
+    are on the host (``host_counts``: the exact mode; the bounded mode never synchronises)."""
+    times = {"triton": t_triton}
+    if dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0 and (device_capability in (None, (9, 0))):
+        times["cublas"] = t_cublas
+    if host_counts:
+        times["loop"] = t_loop
+    return min(times, key=times.get)
 
 
 def choose_grouped_gemm(*, experts: int, rows: int, k: int, n: int, dtype: torch.dtype,
-                        device_capability: tuple[int, int] | None = None) -> str:
-    """``"triton"`` (``grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``: bf16 only, rows grouped by expert,
-    one call per expert-contiguous chunk, no per-tile signals) or ``"loop"`` (``torch.mm`` per segment) for a
-    slice of ``rows`` rows over ``experts`` local experts, ``[rows, k] x [k, n]`` each.
+                        host_counts: bool = False, device_capability: tuple[int, int] | None = None) -> str:
+    """``"triton"`` (``grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``: bf16 only, rows grouped by expert in
+    each chunk, one call per chunk, no per-tile signals) or ``"loop"`` (``torch.mm`` per segment, sizes on the
+    host) for ``rows`` rows (a bound) over ``experts`` local experts, ``[rows, k] x [k, n]`` each: the fastest
+    measured at the nearest measured slice (log distance over rows per expert, K and N), among the ways allowed
+    (``pick_grouped_gemm``). This is the kernel alone: a path that needs per-tile signals (NCCL) runs Triton.
 
-    fp32 -> ``"loop"`` (the Triton kernel runs fp32 as tf32; cuBLAS grouped GEMM is bf16 only). Otherwise the
-    measured pick of the nearest measured slice (log distance over rows per expert, K and N); ``"cublas"`` only for
-    bf16 on sm90 (``device_capability``, when given) with 16-byte aligned rows (``k % 8 == n % 8 == 0``).
+    fp32: ``"loop"`` with ``host_counts``, else ``"triton"`` (which runs fp32 as tf32).
     """
     if dtype == torch.float32:
-        return "loop"
-    if not MEASURED_PICKS:
+        return "loop" if host_counts else "triton"
+    if not MEASURED_MS:
         return "triton"
 
     def distance(key: tuple[int, int, int, int]) -> float:
@@ -521,9 +547,6 @@ def choose_grouped_gemm(*, experts: int, rows: int, k: int, n: int, dtype: torch
         return (abs(math.log((rows / max(experts, 1) + 1) / (r / e + 1))) + abs(math.log(max(k, 1) / kk))
                 + abs(math.log(max(n, 1) / nn)))
 
-    pick = MEASURED_PICKS[min(MEASURED_PICKS, key=distance)]
-    cublas_ok = (dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0
-                 and (device_capability is None or device_capability[0] == 9))
-    if pick == "cublas" and not cublas_ok:
-        return "triton"
-    return pick
+    t_triton, t_cublas, t_loop = MEASURED_MS[min(MEASURED_MS, key=distance)]
+    return pick_grouped_gemm(t_triton, t_cublas, t_loop, dtype=dtype, k=k, n=n, host_counts=host_counts,
+                             device_capability=device_capability)
