@@ -134,3 +134,83 @@ def automatic_path(p2p_reason: str | None, world_size: int, nccl_p2p_disabled: b
     if excluded is not None:
         return "nccl", excluded
     return "p2p", "every rank on one node with peer access between all GPUs"
+
+
+# -- expert-parallel (MoE) calls: dispatch and combine (``runtime/experts.py``) -----------------------------------
+# The expert paths a caller names. Their rules look at what the GEMM rules do, plus which expert communicators the
+# runtime's table holds (the NCCL and P2P ones are built separately: a path whose communicator is absent does not
+# apply, and "auto" passes it by).
+EXPERT_PATHS = ("auto", "nccl", "p2p", "reference")
+
+
+@dataclass(frozen=True)
+class ExpertRequest:
+    """What the expert path rules look at: the call's device, dtype and group size, the expert paths the table
+    can build (``available``), the group's P2P verdict (asked only where a rule needs it: the first ask is
+    collective) and whether NCCL_P2P_DISABLE=1 is set."""
+
+    device: torch.device
+    dtype: torch.dtype
+    world_size: int
+    available: frozenset
+    p2p_reason: Callable[[], str | None]
+    nccl_p2p_disabled: bool = False
+
+
+def _expert_built(path: str, request: ExpertRequest) -> str | None:
+    if path not in request.available:
+        return f"no expert communicator for path={path!r} is installed in this version; use path='reference'"
+    return None
+
+
+def reason_not_expert_reference(request: ExpertRequest) -> str | None:
+    """The reference expert path runs anywhere ``all_to_all_single`` does (gloo included)."""
+    return None
+
+
+def reason_not_expert_nccl(request: ExpertRequest) -> str | None:
+    """NCCL expert path: CUDA tensors, its communicator installed."""
+    if request.device.type != "cuda":
+        return f"path='nccl' needs CUDA tensors, got tensors on {request.device}; use path='reference'"
+    return _expert_built("nccl", request)
+
+
+def reason_not_expert_p2p(request: ExpertRequest) -> str | None:
+    """P2P expert path: CUDA tensors in half precision, its communicator installed, every rank on one node with
+    peer access, at most ``P2P_MAX_RANKS``."""
+    if request.device.type != "cuda":
+        return f"path='p2p' needs CUDA tensors, got tensors on {request.device}; use path='reference'"
+    why = _expert_built("p2p", request)
+    if why is None and request.dtype not in HALF_DTYPES:
+        why = f"path='p2p' runs bfloat16/float16, got {request.dtype}; use path='nccl'"
+    if why is None and request.world_size > P2P_MAX_RANKS:
+        why = f"{request.world_size} ranks: the P2P path serves up to {P2P_MAX_RANKS} (one node)"
+    if why is None:
+        reason = request.p2p_reason()
+        why = None if reason is None else f"path='p2p' cannot apply to this group: {reason}; use path='nccl'"
+    return why
+
+
+EXPERT_REASON_NOT = {"reference": reason_not_expert_reference, "nccl": reason_not_expert_nccl,
+                     "p2p": reason_not_expert_p2p}
+
+
+def expert_path(name: str, path: str, request: ExpertRequest) -> tuple[str, str]:
+    """The path of an expert call and why: a named path where its rule allows it (else the clear error); for
+    ``"auto"``: the reference off CUDA; on CUDA P2P where its rule allows it and NCCL_P2P_DISABLE is unset, else
+    NCCL where installed, else the reference. Pure but for the P2P verdict (the same on every rank)."""
+    if path not in EXPERT_PATHS:
+        raise ValueError(f"{name}: path must be one of {EXPERT_PATHS}, got {path!r}")
+    if path != "auto":
+        why = EXPERT_REASON_NOT[path](request)
+        if why is not None:
+            raise ValueError(f"{name}: {why}")
+        return path, "asked for"
+    if request.device.type != "cuda":
+        return "reference", f"tensors on {request.device}"
+    p2p_why = "NCCL_P2P_DISABLE=1 is set" if request.nccl_p2p_disabled else reason_not_expert_p2p(request)
+    if p2p_why is None:
+        return "p2p", "every rank on one node with peer access between all GPUs"
+    if reason_not_expert_nccl(request) is None:
+        return "nccl", p2p_why
+    return "reference", f"{p2p_why}; {_expert_built('nccl', request)}"

@@ -1,0 +1,251 @@
+"""One expert-parallel (MoE) call, from the public op to its communicator: ``layout`` checks the routing and builds
+the layer's ``Layout`` (``comm/expert.py``); ``execute`` checks the operands against the layout and the weights,
+resolves the path (``policy.expert_path``) and the plan (``ExpertPlan``, cached per call signature in the group's
+context), and runs the call through ``context.communicator("expert", path)``.
+
+Every check raises before anything is sent, naming the argument. In debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``)
+the ranks first agree on the call (one small all-gather, bounded by the deadline): the same op, experts, widths,
+top-k, mode, bound, dtype and path, and counts that match (what rank s sends to rank r is what r's layout expects
+from s); a disagreement raises on every rank, naming the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap import guards
+from flashoverlap.comm.collectives import all_gather_into_tensor
+from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, default_bound, expert_layout
+from flashoverlap.comm.protocol import Hook
+from flashoverlap.kernels.grouped_gemm import choose_grouped_gemm
+from flashoverlap.runtime import policy, settings
+from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+# -- the layout ------------------------------------------------------------------------------------------------
+
+
+def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None, mode: str = "exact",
+           bound: int | None = None, topk_weights: torch.Tensor | None = None) -> Layout:
+    """The checked routing layout of one layer (collective): ``topk_idx [T, k]`` integer, ``num_experts``
+    divisible by the group's size, ``mode`` ``"exact"`` or ``"bounded"`` (``bound`` default: ``T * k``, the worst
+    case; the same on every rank)."""
+    if not isinstance(topk_idx, torch.Tensor):
+        raise TypeError(f"{name}: topk_idx must be a torch.Tensor [T, k], got {type(topk_idx).__name__}")
+    if topk_idx.ndim != 2 or topk_idx.dtype not in _INT_DTYPES:
+        raise ValueError(f"{name}: topk_idx must be a 2-D integer tensor [T, k] (expert indices), got "
+                         f"{topk_idx.dtype} of shape {list(topk_idx.shape)}")
+    if mode not in MODES:
+        raise ValueError(f"{name}: mode must be one of {MODES}, got {mode!r}")
+    context = group_context(name, group, topk_idx.device)
+    world = context.world_size
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
+        raise ValueError(f"{name}: num_experts must be a positive multiple of the group's {world} ranks (each "
+                         f"holds num_experts / {world}), got {num_experts!r}")
+    tokens, top_k = topk_idx.shape
+    if top_k < 1 or top_k > num_experts:
+        raise ValueError(f"{name}: topk_idx is [T, k] = {list(topk_idx.shape)}: k must lie in [1, num_experts = "
+                         f"{num_experts}]")
+    if topk_weights is not None:
+        _check_router_weights(name, topk_weights, topk_idx.shape, topk_idx.device)
+    if mode == "bounded":
+        bound = default_bound(tokens, top_k) if bound is None else bound
+        if not isinstance(bound, int) or bound < 1:
+            raise ValueError(f"{name}: bound must be an int >= 1 (rows one rank may send another), got {bound!r}")
+    elif bound is not None:
+        raise ValueError(f"{name}: bound={bound} applies to mode='bounded' only; mode='exact' exchanges the counts")
+    if mode == "exact":
+        guards.refuse_inside_capture(f"{name}: mode='exact' synchronises with the host (the split sizes); use "
+                                     "mode='bounded' inside a CUDA graph, which")
+    env = settings.current()
+    if env.timeout is not None and not guards.capturing():
+        header = [0, num_experts, 0, 0, top_k, MODES.index(mode), bound or 0, 0, 0, 0, 0]
+        _agree(name, context, header, None, env.timeout)
+    return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
+
+
+def _check_router_weights(name: str, topk_weights: object, shape: torch.Size, device: torch.device) -> None:
+    if not isinstance(topk_weights, torch.Tensor):
+        raise TypeError(f"{name}: topk_weights must be a torch.Tensor [T, k], got {type(topk_weights).__name__}")
+    if tuple(topk_weights.shape) != tuple(shape) or not topk_weights.is_floating_point():
+        raise ValueError(f"{name}: topk_weights must be a floating tensor of topk_idx's shape [T, k] = "
+                         f"{list(shape)}, got {topk_weights.dtype} of shape {list(topk_weights.shape)}")
+    if topk_weights.device != device:
+        raise ValueError(f"{name}: topk_weights is on {topk_weights.device} but the tokens are on {device}")
+
+
+# -- a call ----------------------------------------------------------------------------------------------------
+
+
+def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, group: dist.ProcessGroup | None,
+            path: str = "auto", *, topk_weights: torch.Tensor | None = None, per_choice: bool = False,
+            weighted: bool = True, return_gathered: bool = False,
+            hook: Hook | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One expert call (``op``: ``"dispatch"`` or ``"combine"``, see ``comm/expert.py``): check, resolve, run.
+
+    dispatch: ``a [T, H]`` (``per_choice``: ``[T*k, H]``), ``b [L, H, N]``. combine: ``a [R, K]`` in the layout's
+    receive rows, ``b [L, K, H]``, ``topk_weights [T, k]`` where ``weighted``. Returns the result and, where
+    ``return_gathered``, the extra rows (dispatch: received, combine: returned to the origin)."""
+    env = settings.current()
+    context, resolved, plan = _resolve(name, op, a, b, routing, group, path, topk_weights, per_choice, weighted,
+                                       env.nccl_p2p_disabled)
+    capturing = guards.capturing()
+    if env.timeout is not None and not capturing:
+        header = [1 + ("dispatch", "combine").index(op), plan.experts, plan.hidden, plan.ffn, plan.top_k,
+                  MODES.index(plan.mode), plan.bound or 0, _DTYPE_CODES[a.dtype],
+                  policy.EXPERT_PATHS.index(path), int(per_choice), int(weighted)]
+        _agree(name, context, header, routing, env.timeout)
+    if op == "combine" and weighted:
+        routing = routing.with_weights(topk_weights)
+    call = ExpertCall(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
+                      env.replay and not capturing, layout=routing)
+    communicator = context.communicator("expert", resolved)
+    if a.device.type != "cuda" or a.device.index == torch.cuda.current_device():
+        return communicator.run(call)
+    with torch.cuda.device(a.device):
+        return communicator.run(call)
+
+
+def _key(op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, path: str, per_choice: bool,
+         weighted: bool) -> tuple:
+    return ("expert", op, a.dtype, tuple(b.shape), routing.tokens, routing.top_k, routing.experts, routing.mode,
+            routing.bound, path, per_choice, weighted)
+
+
+def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, group: dist.ProcessGroup | None,
+             path: str, topk_weights: torch.Tensor | None, per_choice: bool, weighted: bool,
+             nccl_p2p_disabled: bool) -> tuple[GroupContext, str, ExpertPlan]:
+    """Check the call's operands and return its group context, path and plan (kept in the context's cache by
+    the call's signature)."""
+    _check_operands(name, op, a, b, routing, topk_weights, per_choice, weighted)
+    context = group_context(name, group, a.device)
+    if routing.world_size != context.world_size:
+        raise ValueError(f"{name}: layout was built for {routing.world_size} ranks but the group has "
+                         f"{context.world_size}; build it with the same group")
+    local = b.shape[0]
+    if local * context.world_size != routing.experts:
+        raise ValueError(f"{name}: the weights hold {local} local experts ([L, K, N] = {list(b.shape)}) but the "
+                         f"layout routes to {routing.experts} experts over {context.world_size} ranks "
+                         f"({routing.experts // context.world_size} per rank)")
+    key = _key(op, a, b, routing, path, per_choice, weighted)
+    seen = context.calls.get(key)
+    if seen is None:
+        request = policy.ExpertRequest(a.device, a.dtype, context.world_size,
+                                       frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
+                                       context.p2p_reason, nccl_p2p_disabled)
+        resolved, _ = policy.expert_path(name, path, request)
+        k, n = b.shape[1], b.shape[2]
+        hidden, ffn = (k, n) if op == "dispatch" else (n, k)
+        gemm = "loop"
+        if resolved != "reference":
+            capability = torch.cuda.get_device_capability(a.device) if a.device.type == "cuda" else None
+            gemm = choose_grouped_gemm(experts=local, rows=routing.tokens * routing.top_k, k=k, n=n, dtype=a.dtype,
+                                       device_capability=capability)
+        plan = ExpertPlan(op, context.world_size, routing.experts, hidden, ffn, routing.top_k, routing.tokens,
+                          routing.mode, routing.bound, gemm, per_choice, weighted)
+        if len(context.calls) > 1024:
+            context.calls.clear()
+        seen = context.calls[key] = (resolved, plan)
+    return context, seen[0], seen[1]
+
+
+def _check_operands(name: str, op: str, a: object, b: object, routing: object, topk_weights: object,
+                    per_choice: bool, weighted: bool) -> None:
+    """Everything local about a call, before any collective: types, dtypes, devices, and every width against the
+    weights and the layout."""
+    rows_name, w_name = ("x", "w_up") if op == "dispatch" else ("a", "w_down")
+    for arg, t, dims in ((rows_name, a, 2), (w_name, b, 3)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != dims:
+            raise ValueError(f"{name}: {arg} must be {dims}-D, got shape {list(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name}: {arg} must be bfloat16, float16 or float32, got {t.dtype}")
+    if not isinstance(routing, Layout):
+        raise TypeError(f"{name}: layout must be a flashoverlap Layout (from flashoverlap.moe_layout), got "
+                        f"{type(routing).__name__}")
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if a.dtype != b.dtype:
+        raise ValueError(f"{name}: {rows_name} is {a.dtype} but {w_name} is {b.dtype}; cast one to the other")
+    if a.device != b.device or routing.send_order.device != a.device:
+        raise ValueError(f"{name}: {rows_name} ({a.device}), {w_name} ({b.device}) and the layout "
+                         f"({routing.send_order.device}) must be on one device")
+    local, k, n = b.shape
+    if local < 1 or k < 1 or n < 1:
+        raise ValueError(f"{name}: {w_name} must be [L, K, N] with every dimension >= 1, got {list(b.shape)}")
+    if op == "dispatch":
+        want = routing.tokens * routing.top_k if per_choice else routing.tokens
+        if a.shape[0] != want:
+            what = "T * k rows (one per choice)" if per_choice else "T rows (one per token)"
+            raise ValueError(f"{name}: x has {a.shape[0]} rows but the layout routes {routing.tokens} tokens: "
+                             f"x must have {what} = {want}")
+        if a.shape[1] != k:
+            raise ValueError(f"{name}: x has hidden size {a.shape[1]} ([T, H] = {list(a.shape)}) but w_up is "
+                             f"[L, H, N] = {list(b.shape)}: H must agree (pass w.transpose(1, 2) for [L, N, H] "
+                             "weights)")
+        return
+    if a.shape[0] != routing.recv_rows:
+        raise ValueError(f"{name}: a has {a.shape[0]} rows but the layout delivers {routing.recv_rows} to this "
+                         "rank: pass the dispatch's output rows (same layout), activated")
+    if a.shape[1] != k:
+        raise ValueError(f"{name}: a has {a.shape[1]} features ([R, F] = {list(a.shape)}) but w_down is "
+                         f"[L, F, H] = {list(b.shape)}: F must agree (pass w.transpose(1, 2) for [L, H, F] weights)")
+    if weighted:
+        if topk_weights is None:
+            raise ValueError(f"{name}: topk_weights [T, k] is required")
+        _check_router_weights(name, topk_weights, torch.Size((routing.tokens, routing.top_k)), a.device)
+
+
+# -- debug mode: the ranks agree --------------------------------------------------------------------------------
+_FIELDS = ("op", "experts", "hidden", "ffn", "top_k", "mode", "bound", "dtype", "path", "per_choice", "weighted")
+
+
+def _agree(name: str, context: GroupContext, header: list[int], routing: Layout | None, timeout: float) -> None:
+    """Every rank makes the same call, and (given a layout) what each rank sends each other rank is what that rank's
+    layout expects to receive; else every rank raises, naming the ranks. A rank that does not come to the call makes
+    the others raise after ``timeout`` seconds, naming the op and the group."""
+    device = context.device if context.device.type == "cuda" else torch.device("cpu")
+    world = context.world_size
+    counts = [] if routing is None else [routing.send_counts.to(device).reshape(-1),
+                                         routing.recv_counts.to(device).reshape(-1)]
+    local = torch.cat([torch.tensor(header, dtype=torch.int64, device=device), *counts])
+    everyone = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
+    work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
+    guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: (
+        f"flashoverlap: rank {context.rank}: {name} on {context.name} waited more than {timeout:g} s "
+        "(FLASHOVERLAP_DEBUG_TIMEOUT) for the other ranks to reach the call: a rank skipped it, raised before it, or "
+        "is stuck elsewhere; the group is unusable now"))
+    work.wait()
+    rows = everyone.view(world, -1).tolist()
+    for rank, row in enumerate(rows):
+        if row[: len(header)] != rows[0][: len(header)]:
+            differ = [f for f, x, y in zip(_FIELDS, row, rows[0]) if x != y]
+            raise ValueError(f"{name}: rank {context.rank} of {context.name}: the ranks disagree on "
+                             f"{', '.join(differ)} (rank {rank} differs from rank 0): every rank must make the same "
+                             "call with the same experts, shapes, dtype, mode, bound and path")
+    if routing is None:
+        return
+    pairs = routing.send_counts.numel()
+    sends = [row[len(header) : len(header) + pairs] for row in rows]  # [source][destination * L + l]
+    receives = [row[len(header) + pairs :] for row in rows]  # [destination][source * L + l]
+    local_experts = pairs // world
+    bad = [(s, d) for s in range(world) for d in range(world)
+           if sends[s][d * local_experts : (d + 1) * local_experts]
+           != receives[d][s * local_experts : (s + 1) * local_experts]]
+    if bad:
+        described = ", ".join(f"rank {s} sends rank {d} other counts than rank {d} expects" for s, d in bad[:8])
+        raise ValueError(f"{name}: rank {context.rank} of {context.name}: the ranks' layouts disagree ({described}): "
+                         "build the layout once per layer on every rank (moe_layout) and pass the same one to the "
+                         "layer's dispatch and combine")
+    if routing.mode == "exact":
+        splits = [sum(sends[context.rank][d * local_experts : (d + 1) * local_experts]) for d in range(world)]
+        if list(routing.send_splits) != splits:
+            raise ValueError(f"{name}: rank {context.rank}: the layout's send_splits {list(routing.send_splits)} "
+                             f"disagree with its counts {splits}")
