@@ -130,17 +130,17 @@ def host_rows(comm, rank, world) -> list[dict]:
                 line for line in text.getvalue().splitlines() if line.strip()), flush=True)
         # The sequential plan: the public op on a one-rank NCCL group, beside the same work issued directly.
         full = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        gathered = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
 
-        def direct(op=op, full=full, b=b, out=out, gathered=gathered):
+        def direct(op=op, full=full, b=b):  # plain PyTorch code: it allocates its outputs as the op does
             if op == "all_gather":
+                gathered = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
                 all_gather_into_tensor(gathered, full, solo)
                 return torch.mm(gathered, b)
             c = torch.mm(full, b)
             if op == "all_reduce":
                 dist.all_reduce(c, group=solo)
                 return c
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             reduce_scatter_tensor(out, c, solo)
             return out
 
