@@ -1,0 +1,224 @@
+"""The expert-parallel ops as PyTorch custom ops (``torch.ops.flashoverlap.moe_*``), with fake implementations and
+autograd, so that ``torch.compile(fullgraph=True)`` traces a model that calls them (bounded mode: every shape is
+fixed by the bound) and autograd records them. The layout travels as its tensors plus plain values (``bound = 0``
+means exact mode; the split sizes are ``int[]``, empty in bounded mode).
+
+Autograd, for one layer (``comm/expert.py`` has the shape algebra; ``b^T`` is ``b.transpose(1, 2)``):
+
+- ``moe_dispatch(x [T, H], w_up [L, H, N]) -> h [R, N]`` (and the received rows ``recv [R, H]``):
+  ``grad_x`` = combine of ``grad_h`` with ``w_up^T``, unweighted (each token's k copies summed back at the
+  origin: the reverse all-to-all); ``grad_w_up[l] = sum over segments of expert l of recv[seg]^T @ grad_h[seg]``.
+- ``moe_combine(a [R, F], w_down [L, F, H], topk_weights [T, k]) -> out [T, H]`` (and the returned rows
+  ``y_back [S, H]``): ``grad_a`` = per-choice dispatch of ``topk_weights[t, c] * grad_out[t]`` with ``w_down^T``
+  (the forward all-to-all); ``grad_w_down[l] = sum a[seg]^T @ g_recv[seg]`` with the received gradient rows;
+  ``grad_topk_weights[t, c] = <grad_out[t], y_back[row of (t, c)]>``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from flashoverlap.comm.expert import Layout, default_bound
+from flashoverlap.runtime import experts
+
+
+def _world(group: str) -> int:
+    return dist.get_world_size(_resolve_process_group(group))
+
+
+def _layout(tensors: list[torch.Tensor], num_experts: int, top_k: int, bound: int, send_splits: list[int],
+            recv_splits: list[int]) -> Layout:
+    tokens = tensors[0].shape[0] // top_k
+    return Layout.of_tensors(tensors, "bounded" if bound else "exact", bound or None, top_k, tokens, num_experts,
+                             send_splits, recv_splits)
+
+
+def layout_values(routing: Layout) -> tuple[int, int, int, list[int], list[int]]:
+    """``(num_experts, top_k, bound, send_splits, recv_splits)``: what the custom ops take beside the tensors."""
+    return (routing.experts, routing.top_k, routing.bound or 0, list(routing.send_splits or ()),
+            list(routing.recv_splits or ()))
+
+
+@torch.library.custom_op("flashoverlap::moe_layout", mutates_args=())
+def moe_layout(topk_idx: torch.Tensor, num_experts: int, group: str, bound: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bounded-mode layout's tensors (``Layout.tensors()``); collective."""
+    routing = experts.layout("moe_layout", topk_idx, num_experts, _resolve_process_group(group), "bounded", bound)
+    return tuple(t.clone() for t in routing.tensors())  # custom ops may not return views of one another
+
+
+@moe_layout.register_fake
+def _(topk_idx, num_experts, group, bound):
+    world = _world(group)
+    local, choices = num_experts // world, topk_idx.numel()
+    i64 = dict(dtype=torch.int64, device=topk_idx.device)
+    i32 = dict(dtype=torch.int32, device=topk_idx.device)
+    return (torch.empty(choices, **i64), torch.empty(choices, **i64), torch.empty((world, local), **i64),
+            torch.empty((world, local), **i64), torch.empty(world * local, **i32), torch.empty(world * local, **i32))
+
+
+@torch.library.custom_op("flashoverlap::moe_dispatch", mutates_args=())
+def moe_dispatch(x: torch.Tensor, w: torch.Tensor, send_order: torch.Tensor, send_rows: torch.Tensor,
+                 send_counts: torch.Tensor, recv_counts: torch.Tensor, seg_starts: torch.Tensor,
+                 seg_ends: torch.Tensor, group: str, num_experts: int, top_k: int, bound: int,
+                 send_splits: list[int], recv_splits: list[int], per_choice: bool,
+                 path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h [R, N], recv [R, H])``: see ``comm/expert.py``."""
+    routing = _layout([send_order, send_rows, send_counts, recv_counts, seg_starts, seg_ends], num_experts, top_k,
+                      bound, send_splits, recv_splits)
+    name = "moe_gemm_combine backward" if per_choice else "moe_dispatch_gemm"
+    h, recv = experts.execute(name, "dispatch", x, w, routing, _resolve_process_group(group), path,
+                              per_choice=per_choice, return_gathered=True)
+    return h, recv
+
+
+@moe_dispatch.register_fake
+def _(x, w, send_order, send_rows, send_counts, recv_counts, seg_starts, seg_ends, group, num_experts, top_k, bound,
+      send_splits, recv_splits, per_choice, path):
+    rows = send_counts.shape[0] * bound if bound else sum(recv_splits)
+    return x.new_empty((rows, w.shape[2])), x.new_empty((rows, x.shape[1]))
+
+
+@torch.library.custom_op("flashoverlap::moe_combine", mutates_args=())
+def moe_combine(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor | None, send_order: torch.Tensor,
+                send_rows: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor,
+                seg_starts: torch.Tensor, seg_ends: torch.Tensor, group: str, num_experts: int, top_k: int,
+                bound: int, send_splits: list[int], recv_splits: list[int],
+                path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H], y_back [S, H])``: see ``comm/expert.py``; ``topk_weights`` None: the unweighted sum."""
+    routing = _layout([send_order, send_rows, send_counts, recv_counts, seg_starts, seg_ends], num_experts, top_k,
+                      bound, send_splits, recv_splits)
+    weighted = topk_weights is not None
+    name = "moe_gemm_combine" if weighted else "moe_dispatch_gemm backward"
+    out, back = experts.execute(name, "combine", a, w, routing, _resolve_process_group(group), path,
+                                topk_weights=topk_weights, weighted=weighted, return_gathered=True)
+    return out, back
+
+
+@moe_combine.register_fake
+def _(a, w, topk_weights, send_order, send_rows, send_counts, recv_counts, seg_starts, seg_ends, group, num_experts,
+      top_k, bound, send_splits, recv_splits, path):
+    tokens = send_order.shape[0] // top_k
+    sent = send_counts.shape[0] * bound if bound else send_order.shape[0]
+    return a.new_empty((tokens, w.shape[2])), a.new_empty((sent, w.shape[2]))
+
+
+@torch.library.custom_op("flashoverlap::moe_weight_grad", mutates_args=())
+def moe_weight_grad(rows: torch.Tensor, grads: torch.Tensor, seg_starts: torch.Tensor, seg_ends: torch.Tensor,
+                    local: int, k_major: bool) -> torch.Tensor:
+    """``grad_w [L, K, N]``, ``grad_w[l] = sum over the received segments (s, l) of rows[seg]^T @ grads[seg]``
+    (``rows [R, K]``, ``grads [R, N]``); laid out as ``w.transpose(1, 2)`` of a contiguous ``[L, N, K]`` where
+    ``k_major`` (the layout of weights stored ``nn.Linear``-shaped), else contiguous. No host synchronisation where
+    ``torch._grouped_mm`` takes the dtype (the CPU, bf16 on CUDA): rows are put in expert order on the device."""
+    count = rows.shape[0]
+    segments = seg_ends.numel()
+    index = torch.arange(count, device=rows.device)
+    seg = torch.searchsorted(seg_ends.to(torch.int64), index, right=True)  # the first segment ending past the row
+    clamped = seg.clamp(max=segments - 1)
+    inside = (seg < segments) & (index >= seg_starts.to(torch.int64)[clamped])  # else a gap (bounded padding)
+    expert = torch.where(inside, clamped % local, local)
+    order = torch.sort(expert, stable=True).indices
+    per_expert = torch.zeros(local + 1, dtype=torch.int64, device=rows.device).index_add_(
+        0, expert, torch.ones_like(expert))
+    offs = torch.cumsum(per_expert[:local], 0).to(torch.int32)
+    rows_sorted, grads_sorted = rows.index_select(0, order), grads.index_select(0, order)
+    if rows.device.type == "cpu" or rows.dtype == torch.bfloat16:
+        if k_major:  # [L, N, K], returned as its [L, K, N] view
+            return torch._grouped_mm(grads_sorted.t(), rows_sorted, offs).transpose(1, 2)
+        return torch._grouped_mm(rows_sorted.t(), grads_sorted, offs)
+    out = rows.new_zeros((local, grads.shape[1], rows.shape[1])).transpose(1, 2) if k_major else rows.new_zeros(
+        (local, rows.shape[1], grads.shape[1]))
+    start = 0
+    for expert_index, end in enumerate(offs.tolist()):  # fp16/fp32 on CUDA: one host synchronisation
+        if end > start:
+            out[expert_index] = (rows_sorted[start:end].t().float() @ grads_sorted[start:end].float()).to(rows.dtype)
+        start = end
+    return out
+
+
+@moe_weight_grad.register_fake
+def _(rows, grads, seg_starts, seg_ends, local, k_major):
+    if k_major:
+        return rows.new_empty((local, grads.shape[1], rows.shape[1])).transpose(1, 2)
+    return rows.new_empty((local, rows.shape[1], grads.shape[1]))
+
+
+def _k_major(w: torch.Tensor) -> bool:
+    """Whether ``w [L, K, N]`` is the ``transpose(1, 2)`` view of a contiguous ``[L, N, K]`` weight."""
+    return w.stride(1) == 1 and w.stride(2) != 1
+
+
+# -- autograd ------------------------------------------------------------------------------------------------------
+def _keep_dispatch(ctx, inputs, output) -> None:
+    x, w, *tensors = inputs[:8]
+    ctx.save_for_backward(w, output[1], *tensors)
+    ctx.values = inputs[8:]  # group, num_experts, top_k, bound, send_splits, recv_splits, per_choice, path
+    ctx.x_shape = x.shape
+    ctx.mark_non_differentiable(output[1])
+    ctx.k_major = _k_major(w)
+
+
+def _dispatch_backward(ctx, grad_h, grad_recv):
+    w, recv, *tensors = ctx.saved_tensors
+    group, num_experts, top_k, bound, send_splits, recv_splits, per_choice, path = ctx.values
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        out, back = torch.ops.flashoverlap.moe_combine(grad_h.contiguous(), w.transpose(1, 2), None, *tensors, group,
+                                                       num_experts, top_k, bound, send_splits, recv_splits, path)
+        if per_choice:  # one row per choice: its own returned row, unsummed
+            send_order, send_rows = tensors[0], tensors[1]
+            grad_x = back.new_empty(ctx.x_shape).index_copy_(0, send_order, back.index_select(0, send_rows))
+        else:
+            grad_x = out
+    if ctx.needs_input_grad[1]:
+        grad_w = torch.ops.flashoverlap.moe_weight_grad(recv, grad_h.contiguous(), tensors[4], tensors[5],
+                                                        w.shape[0], ctx.k_major)
+    return (grad_x, grad_w) + (None,) * 14
+
+
+def _keep_combine(ctx, inputs, output) -> None:
+    a, w, topk_weights, *tensors = inputs[:9]
+    ctx.save_for_backward(a, w, topk_weights, output[1], *tensors)
+    ctx.values = inputs[9:]  # group, num_experts, top_k, bound, send_splits, recv_splits, path
+    ctx.mark_non_differentiable(output[1])
+    ctx.k_major = _k_major(w)
+
+
+def _combine_backward(ctx, grad_out, grad_back):
+    a, w, topk_weights, back, *tensors = ctx.saved_tensors
+    group, num_experts, top_k, bound, send_splits, recv_splits, path = ctx.values
+    send_order, send_rows = tensors[0], tensors[1]
+    grad_out = grad_out.contiguous()
+    tokens, hidden = grad_out.shape
+    grad_a = grad_w = grad_weights = None
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        # Each choice's gradient row: its router weight times its token's output gradient (what the plain
+        # weighted sum's backward gives), rounded to the rows' dtype.
+        scale = topk_weights.float()[:, :, None] if topk_weights is not None else 1.0
+        per_choice = (grad_out.float()[:, None, :] * scale).to(a.dtype).expand(tokens, top_k, hidden)
+        grad_a, g_recv = torch.ops.flashoverlap.moe_dispatch(
+            per_choice.reshape(tokens * top_k, hidden), w.transpose(1, 2), *tensors, group, num_experts, top_k,
+            bound, send_splits, recv_splits, True, path)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.ops.flashoverlap.moe_weight_grad(a, g_recv, tensors[4], tensors[5], w.shape[0],
+                                                            ctx.k_major)
+    if topk_weights is not None and ctx.needs_input_grad[2]:
+        token = torch.div(send_order, top_k, rounding_mode="floor")
+        dots = (grad_out.float().index_select(0, token) * back.index_select(0, send_rows).float()).sum(1)
+        grad_weights = dots.new_empty(tokens * top_k).index_copy_(0, send_order, dots)
+        grad_weights = grad_weights.view(tokens, top_k).to(topk_weights.dtype)
+    return (grad_a if ctx.needs_input_grad[0] else None, grad_w, grad_weights) + (None,) * 13
+
+
+moe_dispatch.register_autograd(_dispatch_backward, setup_context=_keep_dispatch)
+moe_combine.register_autograd(_combine_backward, setup_context=_keep_combine)
+
+
+def bounded_layout(topk_idx: torch.Tensor, num_experts: int, group: str, bound: int | None) -> Layout:
+    """A bounded-mode layout through the custom op (what ``torch.compile`` traces)."""
+    tokens, top_k = topk_idx.shape
+    bound = default_bound(tokens, top_k) if bound is None else bound
+    tensors = torch.ops.flashoverlap.moe_layout(topk_idx, num_experts, group, bound)
+    return Layout.of_tensors(list(tensors), "bounded", bound, top_k, tokens, num_experts)
