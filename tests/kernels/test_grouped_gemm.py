@@ -88,9 +88,11 @@ def run_case(case) -> dict:
     seg_expert = torch.tensor(seg_experts, dtype=torch.int32)
     seg_signal = torch.tensor(groups, dtype=torch.int32) if groups is not None else None
     seg_priority = torch.tensor(prio, dtype=torch.int32) if prio is not None else None
-    tile = GroupedTile(16, 16, 16, 2, 1, 4, programs, **TILE_OPTIONS.get(name, {}))
+    options = TILE_OPTIONS.get(name, {})
+    # Half-height tiles need block_m >= 32 (their dot is block_m / 2 >= 16 rows high).
+    tile = GroupedTile(32 if options.get("half_tail") else 16, 16, 16, 2, 1, 4, programs, **options)
     workspace = torch.full((workspace_size(len(sizes)),), -7, dtype=torch.int32)  # garbage on entry
-    tiles = [-(-s // 16) * -(-n // 16) for s in sizes]
+    tiles = [-(-s // tile.block_m) * -(-n // 16) for s in sizes]
     expected = [sum(t for t, g in zip(tiles, groups) if g == group) for group in range(num_groups)] if groups else []
     start_flags = None
     if num_groups:

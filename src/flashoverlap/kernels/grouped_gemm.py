@@ -10,7 +10,8 @@ straddle two segments. The grid is sized on the host from a bound (``max_rows``)
 time (programs take more tiles), never correctness.
 
 Signals, as in ``kernels/gemm.py`` (``debug_barrier``, then a release atomic add per stored tile), with two changes
-that made them cheap where tiles are short (K = 768: 7% of the time, measured): the flag *is* the counter, started
+that made them cheaper where tiles are short (K = 768: 7% of the time with a returning atomic per tile and a flag
+set by the last tile, 3% now; logs/moe-gemm/sweep2-b77905f, sweep3-e410e6d): the flag *is* the counter, started
 by the prep kernel at ``1 - tiles of the group``, so it reaches exactly 1 when the group's last tile is published
 and no tile needs the atomic's result; and a tile is published only after its program's next tile has computed its
 products (just before that tile's store), when its own stores have long completed and the release fence is free. A
@@ -31,11 +32,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # The sort key packs (priority, -m tiles, expert, segment) into one int64 (the prep kernel sorts keys, not pairs).
-_SEG_BITS, _EXPERT_BITS, _MTILE_BITS, _PRIO_BITS = 13, 16, 22, 12
-MAX_SEGMENTS = 1 << _SEG_BITS
-MAX_EXPERTS = 1 << _EXPERT_BITS
-MAX_PRIORITY = (1 << _PRIO_BITS) - 1
-_INT32_MAX = 2**31 - 1
+# Bits, low to high: segment 13, expert 16, m tiles 22, priority 12 (the kernel spells these numbers out).
+MAX_SEGMENTS = 1 << 13
+MAX_EXPERTS = 1 << 16
+MAX_PRIORITY = (1 << 12) - 1
 # Table rows (each BLOCK_S long: cumulative tile end, first tile, first row, end row, expert, signal group of each
 # position in tile order), then the dynamic next-tile counter.
 _TABLE_ROWS = 6
@@ -393,12 +393,14 @@ def grouped_gemm(
     if order not in ("given", "heavy-first"):
         raise ValueError(f"order must be 'given' or 'heavy-first', got {order!r}")
     if seg_signal is not None and flags is None:
-        raise ValueError("seg_signal needs flags: an int32 tensor with one zeroed element per signal group")
+        raise ValueError("seg_signal needs flags: an int32 tensor with one element per signal group")
     signal = flags is not None
     num_groups = flags.numel() if signal else 0
     if signal and (flags.dtype != torch.int32 or flags.ndim != 1 or num_groups < 1 or flags.device != x.device):
         raise ValueError(f"flags must be a 1-D int32 tensor with one element per signal group on {x.device}, got "
                          f"{flags.dtype} {list(flags.shape)} on {flags.device}")
+    if max_rows is not None and max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
     if out is None:
         out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     elif out.shape != (rows, n) or out.dtype != x.dtype or out.device != x.device:
@@ -408,8 +410,6 @@ def grouped_gemm(
         raise ValueError(f"x must have unit inner stride, got strides {x.stride()}: pass x.contiguous()")
     tile = tile or default_tile(max_rows if max_rows is not None else rows, num_experts, k, n)
     max_rows = rows if max_rows is None else max_rows
-    if max_rows < 0:
-        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
     if validate:
         _validate(seg_ends, seg_expert, rows, num_experts)
     if num_segments == 0:
@@ -507,11 +507,18 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, seg_ends: torch.Tenso
 
 
 # -- policy -------------------------------------------------------------------------------------------------
-# Measured times (ms, balanced + Zipf(1.2) routing summed) of the three ways at each per-rank slice, keyed by
-# (experts, rows, K, N): triton = grouped_gemm as the paths run it (signals on), cublas = torch._grouped_mm per
-# source chunk, loop = torch.mm per segment. Filled from benchmarks/results/h200x1-moe-gemm.json (see its meta for
-# the commit that produced it); empty means "no measurement": the policy then answers "triton".
-MEASURED_MS: dict[tuple[int, int, int, int], tuple[float, float, float]] = {}
+# Measured times (ms, balanced + Zipf(1.2) routing summed) of the three ways at each per-rank slice (W = 2), keyed by
+# (experts, rows, K, N): triton = grouped_gemm as the paths run it (dispatch layout, signals on, default tile),
+# cublas = torch._grouped_mm per source chunk, loop = torch.mm per segment. From
+# benchmarks/results/h200x1-moe-gemm.json, produced at commit e410e6d on one H200 (torch 2.11, triton 3.6).
+MEASURED_MS: dict[tuple[int, int, int, int], tuple[float, float, float]] = {
+    (4, 16384, 4096, 28672): (10.490, 10.363, 10.008),  # Mixtral-like up
+    (4, 16384, 14336, 4096): (4.948, 5.112, 4.752),  # Mixtral-like down
+    (64, 65536, 2048, 1536): (1.285, 1.322, 2.541),  # Qwen3-30B-A3B-like up
+    (64, 65536, 768, 2048): (0.795, 0.794, 3.173),  # Qwen3-30B-A3B-like down
+    (128, 32768, 7168, 4096): (7.358, 11.311, 12.458),  # DeepSeek-V3-like up
+    (128, 32768, 2048, 7168): (3.771, 5.866, 9.474),  # DeepSeek-V3-like down
+}
 
 
 def pick_grouped_gemm(t_triton: float, t_cublas: float, t_loop: float, *, dtype: torch.dtype, k: int, n: int,
