@@ -27,9 +27,18 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _jit = triton.jit
+except ModuleNotFoundError as exc:  # a CPU install without the gpu extra: the policy and the oracle still import
+    _MISSING = exc
+
+    def _jit(fn):
+        return fn
 
 # The sort key packs (priority, -m tiles, expert, segment) into one int64 (the prep kernel sorts keys, not pairs).
 # Bits, low to high: segment 13, expert 16, m tiles 22, priority 12 (the kernel spells these numbers out).
@@ -41,7 +50,7 @@ MAX_PRIORITY = (1 << 12) - 1
 _TABLE_ROWS = 6
 
 
-@triton.jit
+@_jit
 def _segment_table_kernel(
     seg_ends_ptr,  # int32 [S]: cumulative row ends
     seg_expert_ptr,  # int32 [S]
@@ -117,7 +126,7 @@ def _segment_table_kernel(
             tl.store(flags_ptr + g, 1 - expected)
 
 
-@triton.jit
+@_jit
 def _tile_info(table_ptr, cum, t, num_segments, BLOCK_S: tl.constexpr):
     """Position in tile order of tile ``t``'s segment, and that segment's first tile, rows and expert."""
     p = tl.minimum(tl.sum((cum <= t).to(tl.int32), axis=0), num_segments - 1)
@@ -128,7 +137,7 @@ def _tile_info(table_ptr, cum, t, num_segments, BLOCK_S: tl.constexpr):
     return p, tile0, row0, row1, expert
 
 
-@triton.jit
+@_jit
 def _publish(flags_ptr, group, PEER: tl.constexpr):
     """Count one stored tile of ``group`` (none if negative): every thread's stores come before the release."""
     if group >= 0:
@@ -139,7 +148,7 @@ def _publish(flags_ptr, group, PEER: tl.constexpr):
             tl.atomic_add(flags_ptr + group, 1, sem="release", scope="gpu")
 
 
-@triton.jit
+@_jit
 def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K, stride_xm,
                     stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, ROWS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
@@ -181,7 +190,7 @@ def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, t
     tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(rows[:, None] < row1) & (cols[None, :] < N))
 
 
-@triton.jit
+@_jit
 def grouped_gemm_kernel(
     x,  # [rows, K]: a pointer, or a TMA descriptor with block [BLOCK_M, BLOCK_K]
     x_half,  # (HALF_TAIL) the same rows: a pointer, or a TMA descriptor with block [BLOCK_M // 2, BLOCK_K]
@@ -370,6 +379,9 @@ def grouped_gemm(
     (allocated per call when omitted; calls that may run concurrently need their own). ``validate``: check
     ``seg_ends`` and ``seg_expert`` on the host first (a synchronisation; for tests and debugging).
     """
+    if "_MISSING" in globals():
+        raise ModuleNotFoundError(f"grouped_gemm needs triton ({_MISSING}): pip install 'flashoverlap[gpu]', or use "
+                                  "grouped_mm_reference / torch._grouped_mm")
     if x.ndim != 2 or w.ndim != 3:
         raise ValueError(f"x must be [rows, K] and w [E, K, N], got x {list(x.shape)} and w {list(w.shape)}")
     rows, k = x.shape
@@ -423,7 +435,7 @@ def grouped_gemm(
     elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != x.device:
         raise ValueError(f"workspace must be int32 with >= {need} elements on {x.device} "
                          f"(workspace_size({num_segments}))")
-    tiles_n = triton.cdiv(n, tile.block_n)
+    tiles_n = -(-n // tile.block_n)
     sort = order == "heavy-first" or seg_priority is not None
     _segment_table_kernel[(1,)](
         seg_ends, seg_expert, seg_signal if seg_signal is not None else seg_ends,
@@ -433,7 +445,7 @@ def grouped_gemm(
         HAS_PRIORITY=seg_priority is not None, SIGNAL=signal, HAS_GROUPS=seg_signal is not None,
         num_warps=4 if block_s <= 1024 else 8,
     )
-    bound_tiles = (triton.cdiv(max_rows, tile.block_m) + min(num_segments, max_rows)) * tiles_n
+    bound_tiles = (-(-max_rows // tile.block_m) + min(num_segments, max_rows)) * tiles_n
     if tile.num_programs is None:
         grid = bound_tiles
     else:
