@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+_TRITON_MISSING: ModuleNotFoundError | None = None
 try:
     import triton
     import triton.language as tl
@@ -35,7 +36,7 @@ try:
 
     _jit = triton.jit
 except ModuleNotFoundError as exc:  # a CPU install without the gpu extra: the policy and the oracle still import
-    _MISSING = exc
+    _TRITON_MISSING = exc
 
     def _jit(fn):
         return fn
@@ -379,9 +380,9 @@ def grouped_gemm(
     (allocated per call when omitted; calls that may run concurrently need their own). ``validate``: check
     ``seg_ends`` and ``seg_expert`` on the host first (a synchronisation; for tests and debugging).
     """
-    if "_MISSING" in globals():
-        raise ModuleNotFoundError(f"grouped_gemm needs triton ({_MISSING}): pip install 'flashoverlap[gpu]', or use "
-                                  "grouped_mm_reference / torch._grouped_mm")
+    if _TRITON_MISSING is not None:
+        raise ModuleNotFoundError(f"grouped_gemm needs triton ({_TRITON_MISSING}): pip install "
+                                  "'flashoverlap[gpu]', or use grouped_mm_reference / torch._grouped_mm")
     if x.ndim != 2 or w.ndim != 3:
         raise ValueError(f"x must be [rows, K] and w [E, K, N], got x {list(x.shape)} and w {list(w.shape)}")
     rows, k = x.shape
