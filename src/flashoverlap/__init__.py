@@ -5,6 +5,7 @@ The ops (``gemm_all_reduce``, ``gemm_reduce_scatter``, ``all_gather_gemm``) are 
 in ``flashoverlap.nn``."""
 
 from flashoverlap.ops import all_gather_gemm, gemm_all_reduce, gemm_reduce_scatter
+from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine, moe_layout
 from flashoverlap.plan import Group, Plan, TileConfig
 from flashoverlap.runtime import release
 from flashoverlap.tune.defaults import default_plan
@@ -13,3 +14,4 @@ __version__ = "0.2.0"
 
 __all__ = ["Group", "Plan", "TileConfig", "all_gather_gemm", "default_plan", "gemm_all_reduce",
            "gemm_reduce_scatter", "release", "__version__"]
+__all__ += ["moe_dispatch_gemm", "moe_gemm_combine", "moe_layout"]

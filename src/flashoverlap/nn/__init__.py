@@ -7,6 +7,8 @@ from flashoverlap.nn.layers import (
     parallelize,
     sync_sequence_parallel_grads,
 )
+from flashoverlap.nn.moe import ExpertParallelMLP, MoEBlock, MoEExpert, route
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "mark_sequence_parallel", "parallelize",
            "sync_sequence_parallel_grads"]
+__all__ += ["ExpertParallelMLP", "MoEBlock", "MoEExpert", "route"]

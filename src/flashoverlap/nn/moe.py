@@ -1,0 +1,179 @@
+"""An expert-parallel SwiGLU MoE layer on flashoverlap's all-to-all ops, and the plain block it shards.
+
+Shapes, for a group of ``W`` ranks, rank r, ``E`` experts (``L = E / W`` here: experts ``[r*L, (r+1)*L)``), hidden
+``H``, expert FFN ``F``, tokens flattened to rows (``T`` on this rank), top-k routing:
+
+- ``MoEBlock`` (plain PyTorch, unsharded; the reference): ``gate: Linear(H, E)``, experts ``e`` with
+  ``w1, w3: [F, H]`` and ``w2: [H, F]`` (``nn.Linear`` weights); ``y[t] = sum_c p[t, c] * w2_e (silu(w1_e x[t]) *
+  w3_e x[t])`` over the top-k experts ``e = idx[t, c]`` of ``softmax(gate(x[t]))``, ``p`` renormalised over the k
+  (Mixtral; Qwen3-MoE with ``norm_topk_prob``).
+- ``ExpertParallelMLP``: rank r holds ``w13_r: [L, 2F, H]`` (its experts' ``w1`` then ``w3``, stacked) and
+  ``w2_r: [L, H, F]``, and (optionally) the whole gate. ``x_r: [T, H]`` -> ``moe_layout`` of the routing ->
+  ``h_r = moe_dispatch_gemm(x_r, w13_r^T)``: ``[R_r, 2F]`` -> ``a_r = silu(h_r[:, :F]) * h_r[:, F:]`` ->
+  ``y_r = moe_gemm_combine(a_r, w2_r^T, p_r)``: ``[T, H]``, this rank's tokens. The router is given as top-k
+  indices and weights, or as logits, or computed by the layer's own gate.
+
+Backward: the ops' autograd (``ops/moe_library.py``) gives ``x``, ``w13``, ``w2`` and the router weights their
+gradients (the gate's through the router weights). The gate is replicated: with data parallelism over the expert
+group, its gradient is summed by the data-parallel reduction like any replicated parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine, moe_layout
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing: ``(topk_idx [T, k] int64, topk_weights [T, k])`` from ``logits [T, E]``. The softmax
+    in fp32 over all experts, the k largest, renormalised to sum 1 where ``normalize``; weights returned in the
+    logits' dtype (as Mixtral and Qwen3-MoE do)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, idx = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return idx, weights.to(logits.dtype)
+
+
+class MoEExpert(nn.Module):
+    """One SwiGLU expert: ``w2(silu(w1(x)) * w3(x))``, ``w1, w3: Linear(H, F)``, ``w2: Linear(F, H)``, no bias."""
+
+    def __init__(self, hidden: int, ffn: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False, device=device, dtype=dtype)
+        self.w3 = nn.Linear(hidden, ffn, bias=False, device=device, dtype=dtype)
+        self.w2 = nn.Linear(ffn, hidden, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEBlock(nn.Module):
+    """The plain (unsharded) MoE block of the common shape: a gate ``Linear(H, E)`` and ``E`` SwiGLU experts,
+    softmax top-k routing (see the module docstring). Loops over experts: a reference, not a fast layer."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, normalize: bool = True, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        self.hidden, self.ffn, self.num_experts, self.top_k, self.normalize = hidden, ffn, num_experts, top_k, normalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = nn.ModuleList(MoEExpert(hidden, ffn, device, dtype) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
+                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]``; the routing from the gate unless given (``[..., k]`` each)."""
+        rows = x.reshape(-1, self.hidden)
+        if topk_idx is None:
+            topk_idx, topk_weights = route(self.gate(rows), self.top_k, self.normalize)
+        topk_idx = topk_idx.reshape(rows.shape[0], -1)
+        topk_weights = topk_weights.reshape(rows.shape[0], -1)
+        out = torch.zeros_like(rows, dtype=torch.float32)
+        for e, expert in enumerate(self.experts):
+            token, choice = torch.nonzero(topk_idx == e, as_tuple=True)
+            if token.numel():
+                y = expert(rows[token]) * topk_weights[token, choice, None]
+                out = out.index_add(0, token, y.float())
+        return out.to(x.dtype).view(x.shape)
+
+
+class ExpertParallelMLP(nn.Module):
+    """SwiGLU experts sharded over ``group``, tokens moved by flashoverlap's all-to-all ops (see the module
+    docstring). ``gate=True`` adds a replicated router ``Linear(H, E)`` so that ``forward(x)`` routes by itself.
+
+    Args:
+        hidden, ffn, num_experts, top_k: ``H``, ``F``, ``E`` (a multiple of the group's size), ``k``.
+        group: the expert-parallel process group (default: the world).
+        gate: hold a router ``Linear(H, E)`` (no bias), replicated on every rank.
+        normalize: renormalise the top-k router weights (Mixtral, Qwen3-MoE ``norm_topk_prob``).
+        mode, bound: as ``flashoverlap.moe_layout`` (``"bounded"`` for CUDA graphs and ``fullgraph=True``).
+        path: as ``flashoverlap.moe_dispatch_gemm``.
+        device, dtype: of the parameters (bf16/fp16 for the overlapped paths; fp32 runs too).
+    """
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, group: dist.ProcessGroup | None = None,
+                 gate: bool = False, normalize: bool = True, mode: str = "exact", bound: int | None = None,
+                 path: str = "auto", device=None, dtype=None) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("ExpertParallelMLP: torch.distributed is not initialised; call "
+                               "dist.init_process_group()")
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if num_experts % self.world_size:
+            raise ValueError(f"ExpertParallelMLP: num_experts = {num_experts} must be divisible by the group's "
+                             f"{self.world_size} ranks (each holds num_experts / {self.world_size})")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"ExpertParallelMLP: top_k = {top_k} must lie in [1, num_experts = {num_experts}]")
+        self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
+        self.local_experts = num_experts // self.world_size
+        self.normalize, self.mode, self.bound, self.path = normalize, mode, bound, path
+        self.w13 = nn.Parameter(torch.empty((self.local_experts, 2 * ffn, hidden), device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty((self.local_experts, hidden, ffn), device=device, dtype=dtype))
+        self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype) if gate else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Each expert's linears as nn.Linear initialises them (bounds from their own fan-in).
+        nn.init.uniform_(self.w13, -1 / math.sqrt(self.hidden), 1 / math.sqrt(self.hidden))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.ffn), 1 / math.sqrt(self.ffn))
+
+    @property
+    def first_expert(self) -> int:
+        """The global index of this rank's first expert."""
+        return self.rank * self.local_experts
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                *, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]``, this rank's tokens. Routing: ``topk_idx`` and ``topk_weights``
+        (``[..., k]`` each), or ``logits [..., E]`` (softmax top-k), or neither (the layer's gate)."""
+        rows = x.reshape(-1, self.hidden)
+        if topk_idx is not None:
+            if topk_weights is None or logits is not None:
+                raise ValueError("ExpertParallelMLP: pass topk_idx with topk_weights, or logits, or neither")
+        else:
+            if topk_weights is not None:
+                raise ValueError("ExpertParallelMLP: topk_weights needs topk_idx")
+            if logits is None:
+                if self.gate is None:
+                    raise ValueError("ExpertParallelMLP: no routing given and the layer has no gate; pass "
+                                     "topk_idx and topk_weights, or logits, or build it with gate=True")
+                logits = self.gate(rows)
+            topk_idx, topk_weights = route(logits.reshape(rows.shape[0], -1), self.top_k, self.normalize)
+        if x.dtype != self.w13.dtype:
+            raise ValueError(f"ExpertParallelMLP: the input x is {x.dtype} but the experts' weights are "
+                             f"{self.w13.dtype}; cast one to the other")
+        topk_idx = topk_idx.reshape(rows.shape[0], -1)
+        topk_weights = topk_weights.reshape(rows.shape[0], -1)
+        routing = moe_layout(topk_idx, self.num_experts, self.group, mode=self.mode, bound=self.bound)
+        h = moe_dispatch_gemm(rows, self.w13.transpose(1, 2), routing, self.group, path=self.path)
+        a = F.silu(h[:, : self.ffn]) * h[:, self.ffn :]
+        y = moe_gemm_combine(a, self.w2.transpose(1, 2), topk_weights, routing, self.group, path=self.path)
+        return y.view(x.shape)
+
+    @classmethod
+    def from_moe_block(cls, block: MoEBlock, group: dist.ProcessGroup | None = None, *, mode: str = "exact",
+                       bound: int | None = None, path: str = "auto") -> ExpertParallelMLP:
+        """This rank's shard of ``block`` (its experts, and the whole gate), on the block's device and dtype."""
+        weight = block.gate.weight
+        layer = cls(block.hidden, block.ffn, block.num_experts, block.top_k, group=group, gate=True,
+                    normalize=block.normalize, mode=mode, bound=bound, path=path, device=weight.device,
+                    dtype=weight.dtype)
+        with torch.no_grad():
+            layer.gate.weight.copy_(weight)
+            for i in range(layer.local_experts):
+                expert = block.experts[layer.first_expert + i]
+                layer.w13[i, : block.ffn].copy_(expert.w1.weight)
+                layer.w13[i, block.ffn :].copy_(expert.w3.weight)
+                layer.w2[i].copy_(expert.w2.weight)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.num_experts} ({self.local_experts} here: "
+                f"{self.first_expert}..{self.first_expert + self.local_experts - 1}), top_k={self.top_k}, "
+                f"mode={self.mode!r}, shard {self.rank}/{self.world_size}")
