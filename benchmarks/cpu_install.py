@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -59,19 +60,26 @@ def measure(extra: str, tmp: Path) -> tuple[dict, Path]:
 
 
 def suite(python: Path) -> dict:
-    """The README's test command in that environment, timed; its closing line parsed for the counts."""
+    """The README's test command in that environment, timed (wall clock, and the CPU time of pytest and every
+    process it started); its closing line parsed for the counts, its header for pytest-randomly's seed. The load
+    average before and after is kept: other work on the machine lengthens the wall time, not the CPU time."""
+    load_before = os.getloadavg()[0]
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True,
+                          text=True)
     seconds = time.perf_counter() - start
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
     tail = proc.stdout.strip().splitlines()[-1]
     seed = re.search(r"randomly-seed=(\d+)", proc.stdout)
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", tail)}
     if proc.returncode != 0:
         print(proc.stdout[-5000:], proc.stderr[-3000:])
         raise SystemExit(f"pytest failed ({tail}); no time recorded")
-    return {"command": "pytest", "seconds": round(seconds, 1), "counts": counts,
-            "randomly_seed": int(seed.group(1)) if seed else None, "cores": os.cpu_count()}
+    return {"command": "pytest", "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "counts": counts,
+            "randomly_seed": int(seed.group(1)) if seed else None, "cores": os.cpu_count(),
+            "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
 def main() -> int:
