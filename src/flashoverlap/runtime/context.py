@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
+from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator
+from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator
 from flashoverlap.comm.expert_reference import ExpertReferenceCommunicator
 from flashoverlap.comm.nccl import NcclCommunicator
 from flashoverlap.comm.p2p import P2PCommunicator
@@ -34,6 +36,8 @@ COMMUNICATORS: dict[tuple[str, str], type[Communicator]] = {
     ("gemm", "p2p"): P2PCommunicator,
     ("gemm", "ring"): RingNcclCommunicator,
     ("expert", "reference"): ExpertReferenceCommunicator,
+    ("expert", "nccl"): ExpertNcclCommunicator,
+    ("expert", "p2p"): ExpertP2PCommunicator,
 }
 # Communicators whose construction allocates or creates streams (refused inside a CUDA-graph capture).
 _HOLD_NOTHING = {("gemm", "reference"), ("gemm", "sequential"), ("expert", "reference")}

@@ -1,0 +1,436 @@
+"""The NCCL expert communicator (path ``"nccl"``): dispatch and combine (``comm/expert.py``) with plain NCCL
+send/recv per peer on a high-priority stream, overlapped with the experts' grouped GEMMs. It works wherever NCCL
+does: across nodes, and through host memory (PCIe machines, ``NCCL_P2P_DISABLE=1``). Also the chunk mechanics
+that both fast expert paths share (``Chunks``, ``pair_rounds``, ``relative_ends``, ``multiply_chunk``).
+
+Chunks. A call moves one *chunk* of rows per (source, destination) pair: in exact mode the layout's host split sizes
+(``send_splits``/``recv_splits``, rows packed), in bounded mode whole ``bound``-row slots (padding included: NCCL
+needs sizes the host knows, and the bounded mode never asks the device). Dispatch's receive buffer holds chunk ``s``
+(rows from rank ``s``) at ``recv_offsets[s]``; its segments ``(s, l)`` are that chunk's rows for local expert ``l``.
+Combine's input ``a`` has dispatch's layout, so its chunk ``d`` is what goes back to rank ``d``, and its returned
+rows land in the send layout, chunk ``s`` (from rank ``s``) at ``send_offsets[s]``.
+
+Rounds (``pair_rounds``): the ``W - 1`` peers are met one per round, in the rounds of a round-robin tournament (the
+circle method; with ``W`` odd, one rank sits each round out), and each round is ONE group of NCCL operations with
+that peer (``batch_isend_irecv``: the send to it and the receive from it). **Why this cannot deadlock**: NCCL runs one
+rank's groups one after another, in issue order; the pairing is symmetric (r meets p in round k exactly when p meets
+r in round k), so if every rank has finished its rounds before k, round k's group on r is matched by the group p
+issues in the same round, and nothing else in it can be missing. The only other thing the communication stream
+waits on is the GEMM's rows for that peer (combine), and the GEMM, launched before any of these waits (deadlock rule
+1), waits on nothing. By induction over k every round completes. The host issues the rounds in the same order on
+every rank, so the same holds with one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``): every wait sits behind
+the work that satisfies it. The NCCL kernels and the peer connections are loaded by a warm-up exchange on the
+first call (deadlock rule 3), outside any wait and outside any capture.
+
+One dispatch, on the caller's stream ``C`` and the communication stream ``S``:
+
+1. ``C`` gathers the send buffer (``send_buffer``); ``S`` waits for it, then runs the rounds, each followed by an
+   event ``arrived[p]``.
+2. ``C`` multiplies the own chunk at once (straight from the send buffer), runs the hook, then for each peer in
+   round order waits for ``arrived[p]`` (a stream wait on an event: no SM spins) and multiplies chunk ``p``.
+3. ``C`` joins ``S``.
+
+One combine, own rank's chunk LAST: the own rows need no transfer, so computing them last hides the last peer's
+transfer behind them, and every peer's rows leave as early as possible (FlashOverlap's order).
+
+- exact mode with the Triton GEMM (FlashOverlap's design): one signalling launch of ``kernels.grouped_gemm`` over
+  all of ``a``, segments prioritised by their destination's round (own last), one flag per destination; ``S`` waits
+  for each destination's flag with ``cuStreamWaitValue32`` (zero SMs), resets it, then sends. The launch runs one
+  program per tile, so that NCCL's CTAs get SMs as the GEMM's programs retire (a persistent GEMM holding every SM
+  starves NCCL until it ends: docs/design.md). Every flag, the own one included, is waited for and reset on
+  ``S``, so that every flag is 0 before the next call's GEMM sets it (a stale 1 would let a send go early).
+- otherwise (bounded mode, whose gaps between slots the kernel cannot skip yet; the cuBLAS and loop GEMMs): one
+  GEMM per destination in round order on ``C``, each followed by an event that ``S`` waits for before that round.
+
+The origin's weighted sum (``combine_at_origin``) runs on ``C`` after ``C`` joins ``S``.
+
+With ``FLASHOVERLAP_DEBUG_TIMEOUT`` (``call.timeout``), an event after each round is polled with a deadline; a round
+that does not finish in time raises an error naming the rank, the op, the group and the peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap import guards
+from flashoverlap.comm import stream_ops
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, Layout, combine_at_origin, send_buffer
+from flashoverlap.comm.protocol import CommGroup
+
+# -- the chunk mechanics both fast expert paths share ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Rows per (this rank, peer) pair of one call, host-known: ``send[d]`` rows go to rank ``d`` (dispatch's send
+    buffer; combine's returned rows come back from ``d`` into the same places), ``recv[s]`` rows come from rank
+    ``s`` (dispatch's receive buffer; combine's ``a``). Exact mode: the layout's splits, packed; bounded mode:
+    ``bound`` each (whole slots)."""
+
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+
+    @property
+    def send_offsets(self) -> tuple[int, ...]:
+        return _offsets(self.send)
+
+    @property
+    def recv_offsets(self) -> tuple[int, ...]:
+        return _offsets(self.recv)
+
+    @classmethod
+    def of(cls, plan: ExpertPlan, layout: Layout) -> Chunks:
+        if plan.mode == "exact":
+            return cls(tuple(layout.send_splits), tuple(layout.recv_splits))
+        whole = (plan.bound,) * plan.world_size
+        return cls(whole, whole)
+
+
+def _offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return tuple(out)
+
+
+def pair_rounds(rank: int, world: int) -> tuple[int | None, ...]:
+    """This rank's peer in each round of a round-robin tournament over ``world`` ranks (the circle method: rank
+    ``n - 1`` fixed, the others rotating), None where it sits the round out (``world`` odd). Symmetric: ``rank``
+    meets ``p`` in round k exactly when ``p`` meets ``rank`` in round k."""
+    n = world + world % 2  # odd: a phantom rank n - 1, whose partner idles
+    rounds = []
+    for k in range(n - 1):
+        if rank == n - 1:
+            partner = next(q for q in range(n - 1) if (2 * q) % (n - 1) == k % (n - 1))
+        else:
+            partner = (k - rank) % (n - 1)
+            if partner == rank:
+                partner = n - 1
+        rounds.append(None if partner >= world else partner)
+    return tuple(rounds)
+
+
+def relative_ends(layout: Layout) -> torch.Tensor:
+    """int32 ``[W, L]``: each received segment's end relative to its chunk's first row (the chunk's first segment
+    starts there, also when it is empty): row ``s`` is chunk ``s``'s ``seg_ends`` for the grouped GEMM. Device-only
+    (capturable)."""
+    world, local = layout.world_size, layout.experts_per_rank
+    ends = layout.recv_seg_ends.view(world, local)
+    return (ends - layout.recv_seg_starts.view(world, local)[:, :1]).to(torch.int32)
+
+
+_HOST_ENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def host_relative_ends(layout: Layout) -> list[list[int]]:
+    """``relative_ends`` on the host, per chunk: one host synchronisation per layout (exact mode only, which the
+    per-segment ``torch.mm`` loop needs), kept while the layout lives."""
+    ends = _HOST_ENDS.get(layout)
+    if ends is None:
+        ends = _HOST_ENDS[layout] = relative_ends(layout).tolist()
+    return ends
+
+
+def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device) -> str:
+    """The grouped GEMM a chunk runs: the plan's, except where it cannot: the per-segment loop needs host sizes
+    (bounded mode never has them: Triton instead), cuBLAS's grouped GEMM takes bf16 rows of 16-byte multiples only
+    (else Triton). Off the GPU (the CPU tests) the Triton kernel runs only under the interpreter: a loop instead."""
+    kind = plan.gemm
+    k, n = plan.gemm_shape
+    if kind == "cublas" and (dtype != torch.bfloat16 or k % 8 or n % 8):
+        kind = "triton"
+    if device.type != "cuda":
+        return kind if kind == "cublas" or os.environ.get("TRITON_INTERPRET") == "1" else "loop"
+    if kind == "loop" and plan.mode == "bounded":
+        return "triton"
+    return kind
+
+
+def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+                   seg_expert: torch.Tensor, *, host_ends: list[int] | None = None,
+                   workspace: torch.Tensor | None = None) -> None:
+    """``out[rows of l] = x[rows of l] @ w[l]`` for the ``L`` segments of one chunk (``ends``: int32 ``[L]``
+    relative to ``x``'s first row, on the device; ``seg_expert``: int32 ``arange(L)``), fp32 accumulation. Rows
+    past ``ends[-1]`` are not written, except by cuBLAS, which writes them zero. ``kind``: ``"triton"``
+    (``kernels.grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``), ``"loop"`` (``torch.mm`` per segment;
+    ``host_ends`` the same ends on the host, read from ``ends`` off the GPU)."""
+    rows = x.shape[0]
+    if rows == 0:
+        return
+    if kind == "triton":
+        from flashoverlap.kernels.grouped_gemm import grouped_gemm  # Triton: imported where a kernel runs
+
+        grouped_gemm(x, w, ends, seg_expert, out=out, order="heavy-first", max_rows=rows, workspace=workspace)
+    elif kind == "cublas":
+        product = torch._grouped_mm(x, w, offs=ends)
+        # Rows past the last segment are undefined in its result; here they are padding (bounded mode), zero.
+        tail = torch.arange(rows, device=x.device)[:, None] >= ends[-1:].to(torch.int64)
+        out.copy_(product.masked_fill_(tail, 0))
+    else:
+        if host_ends is None:
+            if x.device.type == "cuda":
+                raise ValueError("multiply_chunk: the loop GEMM needs the segment ends on the host (host_ends)")
+            host_ends = ends.tolist()
+        start = 0
+        for expert, end in enumerate(host_ends):
+            if end > start:
+                torch.mm(x[start:end], w[expert], out=out[start:end])
+            start = max(start, end)
+
+
+def segment_table(tables: dict, world: int, local: int, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The constant int32 tables of a (world, local experts, rank), kept in ``tables``: ``expert`` (``arange(L)``,
+    one chunk's ``seg_expert``), ``all_experts`` (every segment's local expert), ``signal`` (every segment's
+    destination), ``priority`` (every segment's destination's round in ``pair_rounds``, the own rank last)."""
+    key = (world, local, rank, device)
+    table = tables.get(key)
+    if table is None:
+        guards.refuse_inside_capture("the expert communicators' first call of a shape makes their tables")
+        order = [p for p in pair_rounds(rank, world) if p is not None] + [rank]
+        rank_priority = [order.index(s) for s in range(world)]
+        expert = torch.arange(local, dtype=torch.int32, device=device)
+        table = tables[key] = {
+            "expert": expert,
+            "all_experts": expert.repeat(world),
+            "signal": torch.arange(world, dtype=torch.int32, device=device).repeat_interleave(local),
+            "priority": torch.tensor(rank_priority, dtype=torch.int32, device=device).repeat_interleave(local),
+        }
+    return table
+
+
+# -- the communicator -------------------------------------------------------------------------------------------
+
+
+class ExpertNcclCommunicator:
+    """A high-priority stream, one flag per destination, and the peers' rounds for one (process group, device);
+    see the module docstring."""
+
+    path = "nccl"
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group.process_group
+        self.device = group.device
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.name = group.name
+        self.comm_stream = guards.comm_stream(self.device)
+        # flags[d]: destination d's rows of the signalling GEMM are stored (exactly 1); 0 between calls.
+        self.flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        self.rounds = pair_rounds(self.rank, self.world_size)
+        self._tables: dict = {}
+        self._comm_group: dist.ProcessGroup | None = None
+        self._global: list[int] = []
+
+    # -- one call ------------------------------------------------------------------------------------------
+    def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The call's result and, where ``return_gathered``, its extra rows (``comm/expert.py``)."""
+        if call.layout is None:
+            raise ValueError(f"{call.name}: an expert call needs its layout")
+        self.prepare(call.name)
+        if call.plan.op == "dispatch":
+            return self._dispatch(call)
+        return self._combine(call)
+
+    def release(self) -> None:
+        """Destroy the high-priority clone of the group (collective over the group's ranks, like its creation)."""
+        if self._comm_group is not None and self._comm_group is not self.group:
+            dist.destroy_process_group(self._comm_group)
+        self._comm_group = None
+        self._tables.clear()
+
+    def _new(self, shape: tuple[int, int], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        """A call's buffer (zeroed where padding rows must read zero), from the caching allocator."""
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        return buffer.zero_() if zero else buffer
+
+    def prepare(self, op: str) -> None:
+        """On the first call: the group that carries the transfers (a clone of an NCCL group with high-priority
+        internal streams), then one exchange with every peer in round order, eagerly: NCCL sets up its peer
+        connections and loads its kernels here, never behind a stream wait or inside a capture."""
+        if self._comm_group is not None:
+            return
+        guards.refuse_inside_capture(f"{op}: the first NCCL-path expert call sets up the peer connections")
+        group = self.group
+        if self.device.type == "cuda" and dist.get_backend(self.group) == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+            group = dist.new_group(dist.get_process_group_ranks(self.group), backend="nccl", pg_options=options,
+                                   use_local_synchronization=True)
+        self._global = [dist.get_global_rank(group, p) for p in range(self.world_size)]
+        self._comm_group = group
+        probe = torch.zeros((self.world_size, 8), dtype=torch.uint8, device=self.device)
+        landed = torch.empty_like(probe)
+        with torch.cuda.stream(self.comm_stream):
+            for p in self.rounds:
+                if p is not None:
+                    self._exchange(probe[p], landed[p], p)
+        self.comm_stream.synchronize()
+
+    def _exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, peer: int) -> None:
+        """One round: a group of the send to ``peer`` and the receive from it (either may be None: no rows), on the
+        current stream, which then waits for both."""
+        ops = []
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, self._global[peer], self._comm_group))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, self._global[peer], self._comm_group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    # -- dispatch ------------------------------------------------------------------------------------------
+    def _dispatch(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        plan, layout, a, b = call.plan, call.layout, call.a, call.b
+        chunks = Chunks.of(plan, layout)
+        bounded = plan.mode == "bounded"
+        send_at, recv_at = chunks.send_offsets, chunks.recv_offsets
+        compute = torch.cuda.current_stream(self.device)
+        send = send_buffer(a, plan, layout)
+        rows = layout.recv_rows
+        recv = self._new((rows, a.shape[1]), a.dtype)
+        h = self._new((rows, b.shape[2]), a.dtype, zero=bounded)
+        comm = self.comm_stream
+        comm.wait_stream(compute)  # the send buffer is written
+        arrived, waited = {}, []
+        with torch.cuda.stream(comm):
+            for p in self.rounds:
+                if p is None:
+                    continue
+                self._exchange(_rows(send, send_at[p], chunks.send[p]), _rows(recv, recv_at[p], chunks.recv[p]), p)
+                arrived[p] = comm.record_event()
+                waited.append((p, arrived[p]))
+        me = self.rank
+        if call.return_gathered and chunks.recv[me]:
+            recv[recv_at[me] : recv_at[me] + chunks.recv[me]].copy_(send[send_at[me] : send_at[me] + chunks.send[me]])
+        kind = chunk_gemm(plan, a.dtype, a.device)
+        multiply = self._multiplier(kind, plan, layout, b)
+        multiply(me, send, send_at[me], h, recv_at[me], chunks.recv[me])
+        if call.hook is not None:
+            call.hook()
+        for p in self.rounds:
+            if p is not None and chunks.recv[p]:
+                compute.wait_event(arrived[p])
+                multiply(p, recv, recv_at[p], h, recv_at[p], chunks.recv[p])
+        compute.wait_stream(comm)
+        if call.timeout is not None:
+            self._check_progress(call, waited, "the rows from and to")
+        return h, recv if call.return_gathered else None
+
+    # -- combine -------------------------------------------------------------------------------------------
+    def _combine(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        plan, layout, b = call.plan, call.layout, call.b
+        a = call.a if call.a.stride(-1) == 1 else call.a.contiguous()
+        chunks = Chunks.of(plan, layout)
+        bounded = plan.mode == "bounded"
+        send_at, recv_at = chunks.send_offsets, chunks.recv_offsets
+        me, hidden = self.rank, b.shape[2]
+        compute = torch.cuda.current_stream(self.device)
+        comm = self.comm_stream
+        back = self._new((layout.send_capacity, hidden), a.dtype, zero=bounded)
+        y = self._new((a.shape[0], hidden), a.dtype, zero=bounded)
+        comm.wait_stream(compute)  # earlier work on the buffers; the GEMM itself is waited for per destination
+        waited = []
+        kind = chunk_gemm(plan, a.dtype, a.device)
+        if not bounded and plan.gemm == "triton" and a.shape[0] > 0:
+            # FlashOverlap: one signalling GEMM, launched before any wait on it (deadlock rule 1).
+            table = segment_table(self._tables, self.world_size, layout.experts_per_rank, me, self.device)
+            self._signalling_gemm(a, b, layout, y, table, chunks)
+            if call.hook is not None:
+                call.hook()
+            with torch.cuda.stream(comm):
+                for p in [*self.rounds, me]:  # every flag waited for and reset, the own one last
+                    if p is None:
+                        continue
+                    address = self.flags.data_ptr() + 4 * p
+                    stream_ops.wait_geq(comm, address, 1)
+                    stream_ops.write(comm, address, 0)
+                    if p != me:
+                        self._exchange(_rows(y, recv_at[p], chunks.recv[p]), _rows(back, send_at[p], chunks.send[p]),
+                                       p)
+                    if call.timeout is not None:
+                        waited.append((p, comm.record_event()))
+            compute.wait_stream(comm)
+            if chunks.recv[me]:  # the own rows, stored once S has seen the own flag (the last one)
+                back[send_at[me] : send_at[me] + chunks.send[me]].copy_(y[recv_at[me] : recv_at[me] + chunks.recv[me]])
+        else:
+            multiply = self._multiplier(kind, plan, layout, b)
+            for p in self.rounds:
+                if p is None:
+                    continue
+                multiply(p, a, recv_at[p], y, recv_at[p], chunks.recv[p])
+                done = compute.record_event()
+                with torch.cuda.stream(comm):
+                    comm.wait_event(done)
+                    self._exchange(_rows(y, recv_at[p], chunks.recv[p]), _rows(back, send_at[p], chunks.send[p]), p)
+                    if call.timeout is not None:
+                        waited.append((p, comm.record_event()))
+            # The own rows last, straight into their place among the returned rows.
+            multiply(me, a, recv_at[me], back, send_at[me], chunks.recv[me])
+            if call.hook is not None:
+                call.hook()
+        compute.wait_stream(comm)
+        if call.timeout is not None:
+            self._check_progress(call, waited, "the rows for and from")
+        out = combine_at_origin(back, plan, layout, a.dtype)
+        return out, back if call.return_gathered else None
+
+    # -- the GEMMs -----------------------------------------------------------------------------------------
+    def _multiplier(self, kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor):
+        """``multiply(chunk, x, x_row, out, out_row, rows)``: chunk ``chunk``'s segments of ``x`` (from row
+        ``x_row``) times their experts into ``out`` (from row ``out_row``), on the current stream."""
+        ends = relative_ends(layout)
+        host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
+        table = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank, self.device)
+        workspace = None
+        if kind == "triton":
+            from flashoverlap.kernels.grouped_gemm import workspace_size
+
+            workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=self.device)
+
+        def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
+            if rows:
+                multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows],
+                               table["expert"], host_ends=None if host is None else host[chunk],
+                               workspace=workspace)
+
+        return multiply
+
+    def _signalling_gemm(self, a: torch.Tensor, b: torch.Tensor, layout: Layout, y: torch.Tensor,
+                         table: dict[str, torch.Tensor], chunks: Chunks) -> None:
+        """``y`` = every segment of ``a`` times its expert, on the current stream, destinations in round order
+        (own last) and ``flags[d]`` exactly 1 once destination d's rows are stored. Off the GPU (the CPU tests,
+        without the interpreter) a loop, then every flag."""
+        if a.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            ends = relative_ends(layout)
+            for d, (start, rows) in enumerate(zip(chunks.recv_offsets, chunks.recv)):
+                multiply_chunk("loop", a[start : start + rows], b, ends[d], y[start : start + rows], table["expert"])
+            self.flags.fill_(1)
+            return
+        from flashoverlap.kernels.grouped_gemm import default_tile, grouped_gemm
+
+        tile = dataclasses.replace(default_tile(a.shape[0], layout.experts_per_rank, a.shape[1], b.shape[2]),
+                                   num_programs=None, dynamic=False)
+        grouped_gemm(a, b, layout.recv_seg_ends, table["all_experts"], out=y, seg_signal=table["signal"],
+                     flags=self.flags, order="heavy-first", seg_priority=table["priority"], max_rows=a.shape[0],
+                     tile=tile)
+
+    def _check_progress(self, call: ExpertCall, waited: list, what: str) -> None:
+        deadline = time.monotonic() + call.timeout
+        for peer, event in waited:
+            guards.poll_until(event.query, deadline, lambda peer=peer: (
+                f"flashoverlap: rank {self.rank}: {call.name} ({call.plan.op}) on {self.name} (NCCL path) waited more "
+                f"than {call.timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {what} rank {peer}: a peer never reached "
+                "this call, or called it with another layout, shapes or dtype"))
+
+
+def _rows(t: torch.Tensor, start: int, rows: int) -> torch.Tensor | None:
+    """Rows ``[start, start + rows)`` of ``t``, or None where there are none (no transfer)."""
+    return t[start : start + rows] if rows else None

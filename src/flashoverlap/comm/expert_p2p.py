@@ -1,0 +1,461 @@
+"""The P2P expert communicator (path ``"p2p"``, one NVLink node): dispatch and combine (``comm/expert.py``) with
+copy-engine pushes into the peers' symmetric memory, a flag per (source, destination) pair set by a stream write
+after each push, and the receiver's grouped GEMM per arrived chunk. No SM moves a byte; no kernel waits on a flag.
+
+The schedule (``schedule``) is data, pure Python: for one rank and one call, the ordered operations of its two
+streams, ``C`` (the caller's: the GEMMs, and the copies out of this rank's own symmetric slots) and ``X`` (the copy
+stream, high priority: the pushes into the peers'). ``ExpertP2PCommunicator`` issues it on the GPU;
+``tests/comm/expert_sim.py`` executes it for every rank at once on the CPU in random interleavings.
+
+Memory. Each rank's symmetric data region holds ``W`` slots, slot ``s`` for the rows rank ``s`` pushes here (one
+chunk: ``comm/expert_nccl.py``'s ``Chunks``; bounded mode whole ``bound``-row slots, exact mode the layout's
+splits). Slot offsets depend only on the workspace size, the same on every rank: the workspace grows only to sizes
+all ranks agree on (bounded: the bound; exact: the largest chunk of any pair, agreed once per layout). The rows
+that land are copied out (copy engine, on ``C``) into the call's ordinary buffer (dispatch's received rows,
+combine's returned rows), which frees the slot early and gives both paths the same buffers.
+
+Flags, per (source s, destination d) pair: ``full[s]`` lives at d: s's ``X`` sets it after its push; d's ``C``
+waits for it, resets it, copies the slot out, then sets ``free[d]``, which lives at s and starts at 1: s's ``X``
+waits for it (and resets it) before its next push into that slot, in this call or a later one, of either op. A
+pair with no rows (exact mode, known to both sides) skips all four. Every flag is reset by its waiter before its
+setter can set it again, so a captured CUDA graph replays (bounded mode; exact mode's sizes change every layer).
+
+dispatch on rank r: ``C`` gathers the send buffer (event 0); ``X`` (after event 0) pushes chunk d to rank
+d = r+1, r+2, ...; ``C`` multiplies the own chunk at once (from the send buffer), runs the hook, then for each
+source s = r-1, r-2, ... waits for ``full[s]``, copies the slot out, frees it and multiplies chunk s. At step i
+rank r pushes to r+i while r+i consumes from r: the first rows pushed are the first consumed.
+
+combine on rank r, own chunk LAST (its rows need no transfer: computed last, they hide the last push): for each
+destination d = r+1, r+2, ...: ``C`` multiplies chunk d (event), ``X`` waits for it and for ``free``, pushes it to
+d's slot r and sets ``full``; then ``C`` multiplies the own chunk straight into its returned rows, runs the hook,
+copies out what the peers pushed here (as dispatch's consumer does), and sums each token's rows with their router
+weights (``combine_at_origin``).
+
+**Why it cannot deadlock.** Split each call into phase A (the gather and GEMMs of the chunks that leave, and their
+pushes) and phase B (the waits for what arrives, the copies out, the GEMMs on them). A wait in phase A of call i is
+on this rank's own earlier work (an event on ``C``) or on a ``free`` flag, which the peer sets in its phase B of an
+earlier call; a wait in phase B of call i is on a ``full`` flag, which the peer sets in its phase A of call i. Every
+rank issues phase A before phase B and calls in order, and each stream runs its work in issue order, so the earliest
+unfinished (call, phase) over all ranks can always proceed: also with one hardware queue for all streams
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``), where the queue order is the issue order. Copies and stream memory operations
+need no SM; the GEMMs wait on nothing but their own stream. A kernel first launched behind a flag wait (deadlock
+rule 3) is loaded eagerly on a plan's first call; and every producer is issued before any wait on it, so even a
+kernel that loads late cannot wait on something the host has yet to issue.
+
+With ``FLASHOVERLAP_DEBUG_TIMEOUT`` (``call.timeout``), an event after every flag wait is polled with a deadline:
+a wait that does not end in time raises an error naming the rank, the op, the group and the flag's pair.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap import guards
+from flashoverlap.comm import stream_ops
+from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
+from flashoverlap.comm.expert_nccl import (
+    Chunks,
+    chunk_gemm,
+    host_relative_ends,
+    multiply_chunk,
+    relative_ends,
+    segment_table,
+)
+from flashoverlap.comm.protocol import CommGroup, held_signature
+from flashoverlap.comm.replay import CallGraphs, address
+from flashoverlap.comm.symmetric import SymmetricWorkspace
+from flashoverlap.plan import P2P_MAX_RANKS
+
+SLOT_ALIGN = 1 << 12
+MAX_RANKS = P2P_MAX_RANKS
+FREE_BASE = MAX_RANKS  # flag slots: full[s] at s (0 .. W-1), free[d] at FREE_BASE + d
+
+
+# -- the schedule, as data ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Rows of a buffer: ``space`` one of the call's buffers (dispatch: ``send``, ``recv``, ``h``; combine: ``a``,
+    ``y``, ``back``) or ``sym`` (rank ``rank``'s symmetric slot ``slot``); or a flag (``space`` ``flag``, ``row``
+    the flag slot of rank ``rank``)."""
+
+    space: str
+    rank: int
+    row: int
+    slot: int = 0
+
+
+@dataclass(frozen=True)
+class Gather:
+    """On ``C``: dispatch's send buffer, from the tokens (``send_buffer``)."""
+
+    stream: str = "C"
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """On ``C``: ``dst[rows] = src[rows]`` times their experts, by the segments of chunk ``chunk``."""
+
+    src: Loc
+    dst: Loc
+    rows: int
+    chunk: int
+    stream: str = "C"
+
+
+@dataclass(frozen=True)
+class Copy:
+    """On ``stream``: ``rows`` rows from ``src`` to ``dst`` by a copy engine."""
+
+    dst: Loc
+    src: Loc
+    rows: int
+    stream: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """On ``stream``: block until the flag is 1, then reset it to 0."""
+
+    stream: str
+    flag: Loc
+    what: str
+
+
+@dataclass(frozen=True)
+class Signal:
+    """On ``stream``: set the flag (possibly a peer's) to 1."""
+
+    stream: str
+    flag: Loc
+
+
+@dataclass(frozen=True)
+class Record:
+    stream: str
+    event: int
+
+
+@dataclass(frozen=True)
+class WaitEvent:
+    stream: str
+    event: int
+
+
+@dataclass(frozen=True)
+class Hook:
+    """On ``C``: the caller's independent work, where ``C`` would otherwise wait for the peers' rows."""
+
+    stream: str = "C"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """On ``C``: combine's weighted sum of the returned rows at the origin."""
+
+    stream: str = "C"
+
+
+def full_flag(owner: int, source: int) -> Loc:
+    return Loc("flag", owner, source)
+
+
+def free_flag(owner: int, consumer: int) -> Loc:
+    return Loc("flag", owner, FREE_BASE + consumer)
+
+
+def _offsets(sizes: tuple[int, ...]) -> list[int]:
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule(op: str, rank: int, send: tuple[int, ...], recv: tuple[int, ...], gathered: bool = False) -> tuple:
+    """The ordered operations of one call on ``rank``: ``op`` ``"dispatch"`` or ``"combine"``; ``send[d]``: rows
+    of the chunk this rank sends rank d in dispatch (and gets back from d in combine), ``recv[s]``: rows it
+    receives from rank s in dispatch (and sends back to s in combine); ``gathered``: dispatch also copies the own
+    rows into the received rows it returns. The executor records nothing before the list and joins ``X`` into ``C``
+    after it."""
+    world = len(send)
+    if world > MAX_RANKS or len(recv) != world:
+        raise ValueError(f"the P2P expert path serves up to {MAX_RANKS} ranks, with one size per rank; got "
+                         f"send {send}, recv {recv}")
+    at_send, at_recv = _offsets(send), _offsets(recv)
+    ops: list = []
+    if op == "dispatch":
+        ops += [Gather(), Record("C", 0), WaitEvent("X", 0)]  # X starts after the send buffer is written
+        for step in range(1, world):
+            d = (rank + step) % world
+            if send[d]:
+                ops += [Wait("X", free_flag(rank, d), f"slot {rank} free at rank {d}"),
+                        Copy(Loc("sym", d, 0, rank), Loc("send", rank, at_send[d]), send[d], "X"),
+                        Signal("X", full_flag(d, rank))]
+        if recv[rank]:
+            ops.append(Gemm(Loc("send", rank, at_send[rank]), Loc("h", rank, at_recv[rank]), recv[rank], rank))
+            if gathered:
+                ops.append(Copy(Loc("recv", rank, at_recv[rank]), Loc("send", rank, at_send[rank]), recv[rank], "C"))
+        ops.append(Hook())
+        for step in range(1, world):
+            s = (rank - step) % world
+            if recv[s]:
+                ops += _consume(rank, s, Loc("recv", rank, at_recv[s]), recv[s])
+                ops.append(Gemm(Loc("recv", rank, at_recv[s]), Loc("h", rank, at_recv[s]), recv[s], s))
+        return tuple(ops)
+    if op != "combine":
+        raise ValueError(f"op must be 'dispatch' or 'combine', got {op!r}")
+    if not any(recv[d] for d in range(world) if d != rank):
+        # X pushes nothing, yet joins the call: inside a capture, the executor's final join of X into C must wait
+        # on work of the capture (otherwise X's first wait is for a product of the call).
+        ops += [Record("C", 0), WaitEvent("X", 0)]
+    event = 1
+    for step in range(1, world):
+        d = (rank + step) % world
+        if recv[d]:
+            ops += [Gemm(Loc("a", rank, at_recv[d]), Loc("y", rank, at_recv[d]), recv[d], d), Record("C", event),
+                    WaitEvent("X", event), Wait("X", free_flag(rank, d), f"slot {rank} free at rank {d}"),
+                    Copy(Loc("sym", d, 0, rank), Loc("y", rank, at_recv[d]), recv[d], "X"),
+                    Signal("X", full_flag(d, rank))]
+            event += 1
+    if recv[rank]:  # the own rows last, straight into their place among the returned rows
+        ops.append(Gemm(Loc("a", rank, at_recv[rank]), Loc("back", rank, at_send[rank]), recv[rank], rank))
+    ops.append(Hook())
+    for step in range(1, world):
+        s = (rank - step) % world
+        if send[s]:
+            ops += _consume(rank, s, Loc("back", rank, at_send[s]), send[s])
+    ops.append(Finish())
+    return tuple(ops)
+
+
+def _consume(rank: int, source: int, dst: Loc, rows: int) -> list:
+    """Phase B for one source: wait for its rows, copy them out of the slot, free the slot."""
+    return [Wait("C", full_flag(rank, source), f"the rows from rank {source}"),
+            Copy(dst, Loc("sym", rank, 0, source), rows, "C"), Signal("C", free_flag(source, rank))]
+
+
+def events(ops: tuple) -> int:
+    """How many events a schedule uses (0 .. n-1)."""
+    return 1 + max((op.event for op in ops if isinstance(op, Record)), default=0)
+
+
+# -- the executor -----------------------------------------------------------------------------------------------
+
+
+class ExpertP2PCommunicator:
+    """A copy stream, events and a symmetric workspace of ``W`` slots for one (process group, device)."""
+
+    path = "p2p"
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group.process_group
+        self.device = group.device
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.name = group.name
+        self.copy_stream = guards.comm_stream(self.device)  # X: the pushes to the peers
+        self.workspace = SymmetricWorkspace(self.group, self.device)
+        self._events = [torch.cuda.Event() for _ in range(max(self.world_size, 1))]
+        self._warm: set[tuple] = set()
+        self._tables: dict = {}
+        self._agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.graphs = CallGraphs(self.device)  # repeated bounded-mode calls replayed (comm/replay.py)
+
+    def _slot_bytes(self) -> int:
+        return (self.workspace.nbytes // max(self.world_size, 1)) // SLOT_ALIGN * SLOT_ALIGN
+
+    def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The call's result and, where ``return_gathered``, its extra rows (``comm/expert.py``). A repeated
+        bounded-mode call (``call.replay``) replays a CUDA graph of its schedule."""
+        plan, layout, a = call.plan, call.layout, call.a
+        if layout is None:
+            raise ValueError(f"{call.name}: an expert call needs its layout")
+        if plan.op == "combine" and a.stride(-1) != 1:
+            a = a.contiguous()
+        chunks = Chunks.of(plan, layout)
+        self.prepare(call, chunks)
+        outputs = self._outputs(call, a)
+        held = held_signature(call.hook)
+        if call.replay and plan.mode == "bounded" and (call.hook is None or held is not None):
+            signature = (*self._signature(call, a, outputs), held)
+            if self.graphs.run(signature, lambda: self.issue(call, a, chunks, outputs)):
+                return self._result(call, outputs)
+        self.issue(call, a, chunks, outputs, call.timeout)
+        return self._result(call, outputs)
+
+    def release(self) -> None:
+        """Free the graphs and the symmetric workspace (the peers free theirs in the same collective release)."""
+        self.graphs.clear()
+        self._warm.clear()
+        self._tables.clear()
+        self.workspace.release()
+
+    def _new(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A call's output, from the caching allocator (whose reuse of addresses lets a repeated call replay)."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dispatch: ``(h [R, N], received rows [R, H])``; combine: ``(out [T, H], returned rows [S, H])``. The
+        row buffers are where the pushed rows are copied out to, returned or not."""
+        plan, layout, hidden = call.plan, call.layout, call.plan.hidden
+        if plan.op == "dispatch":
+            rows = layout.recv_rows
+            return self._new((rows, call.b.shape[2]), a.dtype), self._new((rows, hidden), a.dtype)
+        return self._new((plan.tokens, hidden), a.dtype), self._new((layout.send_capacity, hidden), a.dtype)
+
+    def _scratch(self, shape: tuple[int, int], dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        """A temporary of one call (combine's products), allocated on the caller's stream (in a replayed call, from
+        the graph's pool)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device) if zero else torch.empty(shape, dtype=dtype,
+                                                                                            device=self.device)
+
+    @staticmethod
+    def _result(call: ExpertCall, outputs: tuple[torch.Tensor, torch.Tensor]):
+        return outputs[0], outputs[1] if call.return_gathered else None
+
+    # -- before anything is queued -------------------------------------------------------------------------
+    def prepare(self, call: ExpertCall, chunks: Chunks) -> None:
+        """The workspace holds this call's largest chunk in each of its ``W`` slots (growing it is collective, to a
+        size every rank agrees on, and refused inside a capture); a plan's first call loads its GEMM kernels."""
+        plan, layout, dtype = call.plan, call.layout, call.a.dtype
+        rows = plan.bound if plan.mode == "bounded" else self._agreed_rows(layout, chunks)
+        need = rows * plan.hidden * dtype.itemsize
+        if need > self._slot_bytes():
+            size = self.world_size * (need + SLOT_ALIGN)
+            if self.workspace.ensure(size, call.name, ones=(FREE_BASE, FREE_BASE + self.world_size)):
+                self.graphs.clear()
+        key = (plan, dtype, call.b.stride())
+        if key not in self._warm:
+            self._load_kernels(call, chunks)
+            self._warm.add(key)
+
+    def _agreed_rows(self, layout, chunks: Chunks) -> int:
+        """Exact mode: the largest chunk any pair of ranks moves with this layout, the same on every rank (one
+        all-reduce of one integer per layout: every rank knows only its own pairs)."""
+        rows = self._agreed.get(layout)
+        if rows is None:
+            guards.refuse_inside_capture("the P2P path's exact mode agrees on its slot size with the peers")
+            device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+            largest = torch.tensor([max(chunks.send + chunks.recv, default=0)], dtype=torch.int64, device=device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+            rows = self._agreed[layout] = int(largest.item())
+        return rows
+
+    def _load_kernels(self, call: ExpertCall, chunks: Chunks) -> None:
+        """Run each GEMM of the schedule once, eagerly, on scratch rows: the call queues them behind flag waits, where
+        a kernel that is not loaded yet must not be launched first (deadlock rule 3)."""
+        guards.refuse_inside_capture(f"{call.name}: the first P2P call of a shape loads its GEMM kernels")
+        plan, b = call.plan, call.b
+        multiply = self._multiplier(call, chunk_gemm(plan, call.a.dtype, self.device))
+        k, n = b.shape[1], b.shape[2]
+        for item in schedule(plan.op, self.rank, chunks.send, chunks.recv):
+            if isinstance(item, Gemm):
+                x = torch.zeros((item.rows, k), dtype=call.a.dtype, device=self.device)
+                multiply(item.chunk, x, 0, torch.empty((item.rows, n), dtype=call.a.dtype, device=self.device), 0,
+                         item.rows)
+        torch.cuda.synchronize(self.device)
+
+    def _multiplier(self, call: ExpertCall, kind: str):
+        plan, layout, b = call.plan, call.layout, call.b
+        ends = relative_ends(layout)
+        host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
+        table = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank, self.device)
+        workspace = None
+        if kind == "triton":
+            from flashoverlap.kernels.grouped_gemm import workspace_size
+
+            workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=self.device)
+
+        def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
+            multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows],
+                           table["expert"], host_ends=None if host is None else host[chunk], workspace=workspace)
+
+        return multiply
+
+    # -- the call's GPU work ----------------------------------------------------------------------------------
+    def issue(self, call: ExpertCall, a: torch.Tensor, chunks: Chunks, outputs: tuple[torch.Tensor, torch.Tensor],
+              timeout: float | None = None) -> None:
+        """The schedule of one call (after ``prepare``), on the caller's stream and the copy stream; ``outputs`` (see
+        ``_outputs``) hold the result on the caller's stream afterwards."""
+        plan, layout = call.plan, call.layout
+        bounded = plan.mode == "bounded"
+        ops = schedule(plan.op, self.rank, chunks.send, chunks.recv, call.return_gathered and plan.op == "dispatch")
+        compute = torch.cuda.current_stream(self.device)
+        streams = {"C": compute, "X": self.copy_stream}
+        handles = {name: stream.cuda_stream for name, stream in streams.items()}
+        if plan.op == "dispatch":
+            h, recv = outputs
+            if bounded:
+                h.zero_()  # padding rows (no segment covers them) read zero
+            tensors = {"h": h, "recv": recv}
+        else:
+            out, back = outputs
+            if bounded:
+                back.zero_()  # the own slot's padding rows, which no GEMM writes
+            # Chunks leave whole (bounded mode: slots, padding included), so the rows no segment covers are zero.
+            tensors = {"a": a, "back": back, "y": self._scratch((a.shape[0], plan.hidden), a.dtype, zero=bounded)}
+        multiply = self._multiplier(call, chunk_gemm(plan, a.dtype, self.device))
+        row_bytes = plan.hidden * a.dtype.itemsize
+        slot_bytes = self._slot_bytes()
+        workspace = self.workspace
+
+        def place(loc: Loc) -> int:
+            if loc.space == "sym":
+                return workspace.peer_ptr(loc.rank) + loc.slot * slot_bytes + loc.row * row_bytes
+            return tensors[loc.space].data_ptr() + loc.row * row_bytes
+
+        driver = stream_ops.fast()
+        events = self._events
+        waited = []
+        for item in ops:
+            if isinstance(item, Gemm):
+                multiply(item.chunk, tensors[item.src.space], item.src.row, tensors[item.dst.space], item.dst.row,
+                         item.rows)
+            elif isinstance(item, Copy):
+                driver.copy(handles[item.stream], place(item.dst), place(item.src), item.rows * row_bytes)
+            elif isinstance(item, Wait):
+                driver.wait_reset(handles[item.stream], workspace.flag_ptr(item.flag.rank, item.flag.row))
+                if timeout is not None:
+                    waited.append((streams[item.stream].record_event(), item))
+            elif isinstance(item, Signal):
+                driver.write(handles[item.stream], workspace.flag_ptr(item.flag.rank, item.flag.row), 1)
+            elif isinstance(item, Record):
+                events[item.event].record(streams[item.stream])
+            elif isinstance(item, WaitEvent):
+                streams[item.stream].wait_event(events[item.event])
+            elif isinstance(item, Gather):
+                tensors["send"] = send_buffer(a, plan, layout)
+            elif isinstance(item, Hook):
+                if call.hook is not None:
+                    call.hook()
+            else:  # Finish
+                outputs[0].copy_(combine_at_origin(tensors["back"], plan, layout, a.dtype))
+        compute.wait_stream(self.copy_stream)  # X read send / y: nothing reuses them before its pushes are done
+        if timeout is not None:
+            self._check_progress(call, waited, timeout)
+
+    def _signature(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
+        where each tensor lies (operands, the layout's, the outputs), the workspace and cuBLAS's switches."""
+        layout, matmul = call.layout, torch.backends.cuda.matmul
+        return (call.plan, a.dtype, call.return_gathered, address(a), address(call.b),
+                tuple(address(t) for t in layout.tensors()), address(layout.weights),
+                tuple(address(t) for t in outputs), self.workspace.buffer.data_ptr(),
+                matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+
+    def _check_progress(self, call: ExpertCall, waited: list, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for event, item in waited:
+            guards.poll_until(event.query, deadline, lambda item=item: (
+                f"flashoverlap: rank {self.rank}: {call.name} ({call.plan.op}) on {self.name} (P2P path) waited more "
+                f"than {timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {item.what}: a peer never reached this call, "
+                "or called it with another layout, shapes or dtype"))

@@ -1,0 +1,144 @@
+"""The NCCL expert communicator's own code (``comm/expert_nccl.py``: chunks, rounds, send/recv groups, flags and
+their resets, per-chunk GEMMs) on the CPU: each rank a gloo process whose CUDA streams run on the host
+(``tests/comm/fake_cuda.py``); the transfers are real (gloo). Combine's signalling GEMM is a thread that stores
+the rows segment by segment, destinations in the communicator's priority order, counting each destination's flag
+up to 1 (the kernel's contract), so a send issued before its rows are stored sends NaN (every buffer the
+communicator allocates starts NaN) and fails the comparison. Every output is compared with the reference
+communicator's on the same call: W = 2 and 3, exact and bounded, the three GEMM kinds, skewed routing, a rank that
+sends none and one that receives none, the backward variants (per-choice dispatch, unweighted combine)."""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashoverlap.testing import spawn
+from tests.comm import fake_cuda
+
+FFN, LOCAL, TOP_K = 8, 3, 2
+
+
+def _routing(case, rank, world, gen):
+    """(tokens, topk_idx) of ``rank`` for one case: skewed towards low expert indices (rank 0's experts),
+    balanced, a rank 1 with no tokens (sends none), or no token choosing rank 0's experts (it receives none)."""
+    experts = LOCAL * world
+    tokens = 0 if case == "sends_none" and rank == 1 else 7 + 3 * rank
+    weights = torch.ones(experts)
+    if case == "skewed":
+        weights = 1.0 / torch.arange(1, experts + 1, dtype=torch.float) ** 1.5
+    if case == "receives_none":
+        weights[:LOCAL] = 0
+    idx = torch.stack([torch.multinomial(weights, TOP_K, generator=gen) for _ in range(tokens)]) if tokens else \
+        torch.empty((0, TOP_K), dtype=torch.int64)
+    return tokens, idx
+
+
+def _async_signalling(comm, producers):
+    """A stand-in for the signalling grouped GEMM: a thread that stores y segment by segment in the kernel's
+    priority order (destinations by round, own last) and counts each destination's flag up to exactly 1."""
+    from flashoverlap.comm.expert_nccl import pair_rounds, relative_ends
+
+    def launch(a, b, layout, y, table, chunks):
+        world = layout.world_size
+        ends = relative_ends(layout).tolist()
+        order = [p for p in pair_rounds(comm.rank, world) if p is not None] + [comm.rank]
+        steps = []
+        for d in range(world):
+            starts = [0] + ends[d][:-1]
+            segments = [(chunks.recv_offsets[d] + s, chunks.recv_offsets[d] + e, expert)
+                        for expert, (s, e) in enumerate(zip(starts, ends[d])) if e > s]
+            comm.flags[d] = 1 - len(segments)  # the prep kernel's start value
+            for first, last, expert in segments:
+                def step(first=first, last=last, expert=expert, d=d):
+                    y[first:last] = (a[first:last].float() @ b[expert].float()).to(y.dtype)
+                    comm.flags[d] += 1
+                steps.append((order.index(d), step))
+        producer = fake_cuda.Producer([step for _, step in sorted(steps, key=lambda s: s[0])], delay_s=0.002)
+        producers.append(producer)
+        producer.start()
+
+    return launch
+
+
+def _ranks(rank, world):
+    fake_cuda.install(wait_timeout_s=10.0)
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend with the ranks and the producer
+    from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
+    from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator
+    from flashoverlap.comm.expert_reference import ExpertReferenceCommunicator
+    from flashoverlap.comm.protocol import CommGroup
+
+    group = CommGroup.of(dist.group.WORLD, torch.device("cpu"))
+    comm, reference = ExpertNcclCommunicator(group), ExpertReferenceCommunicator(group)
+    producers: list[threading.Thread] = []
+    comm._signalling_gemm = _async_signalling(comm, producers)
+
+    def poisoned(shape, dtype, zero=False):
+        buffer = torch.full(shape, float("nan"), dtype=dtype)
+        return buffer.zero_() if zero else buffer
+
+    comm._new = poisoned
+    experts = LOCAL * world
+    checked = 0
+    for case in ("skewed", "balanced", "sends_none", "receives_none"):
+        gen = torch.Generator().manual_seed(1000 * rank + len(case))
+        tokens, idx = _routing(case, rank, world, gen)
+        # Every rank knows every rank's token count (the formula), so the bound is the same on every rank.
+        bound = max(7 + 3 * (world - 1), 1) * TOP_K
+        for mode in ("exact", "bounded"):
+            layout = expert_layout(idx, experts, group, mode=mode, bound=bound if mode == "bounded" else None)
+            for gemm in ("triton", "cublas", "loop"):
+                dtype = torch.bfloat16 if gemm == "cublas" and case == "skewed" else torch.float32
+                hidden = 24 if gemm == "cublas" else 20  # cuBLAS's grouped GEMM: rows of 16-byte multiples
+                tol = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+                per_choice = gemm == "loop" and case == "balanced"  # combine's backward: one row per choice
+                x = torch.randn(tokens * TOP_K if per_choice else tokens, hidden, generator=gen).to(dtype)
+                w_up = torch.randn(LOCAL, 2 * FFN, hidden, generator=gen).to(dtype).transpose(1, 2)  # w.t() view
+                plan = ExpertPlan("dispatch", world, experts, hidden, 2 * FFN, TOP_K, tokens, mode,
+                                  bound if mode == "bounded" else None, gemm, per_choice=per_choice)
+                call = ExpertCall("moe_dispatch_gemm", plan, x, w_up, return_gathered=True, layout=layout)
+                h, recv = comm.run(call)
+                want_h, want_recv = reference.run(call)
+                torch.testing.assert_close(h, want_h, **tol)
+                torch.testing.assert_close(recv, want_recv, **tol)
+                weighted = gemm != "cublas"  # dispatch's backward: the unweighted sum
+                topk_weights = torch.rand(tokens, TOP_K, generator=gen)
+                act = torch.randn(layout.recv_rows, FFN, generator=gen).to(dtype)
+                w_down = torch.randn(LOCAL, FFN, hidden, generator=gen).to(dtype)
+                plan = ExpertPlan("combine", world, experts, hidden, FFN, TOP_K, tokens, mode,
+                                  bound if mode == "bounded" else None, gemm, weighted=weighted)
+                call = ExpertCall("moe_gemm_combine", plan, act, w_down, return_gathered=gemm != "loop",
+                                  layout=layout.with_weights(topk_weights) if weighted else layout)
+                out, back = comm.run(call)
+                want_out, want_back = reference.run(call)
+                torch.testing.assert_close(out, want_out, **tol)
+                if gemm != "loop":
+                    torch.testing.assert_close(back, want_back, **tol)
+                else:
+                    assert back is None
+                assert not comm.flags.any(), "a flag was left set for the next call"
+                checked += 1
+    for producer in producers:
+        producer.join()
+    return checked, len(producers)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_expert_nccl_communicator_matches_the_reference(world):
+    results = spawn(_ranks, world, "gloo")
+    # Every case and mode and GEMM ran; the signalling GEMM ran for every exact-mode Triton combine with rows.
+    assert all(checked == 4 * 2 * 3 for checked, _ in results)
+    assert all(signalling >= 2 for _, signalling in results)
+
+
+def test_pair_rounds_meet_every_peer_once_and_symmetrically():
+    from flashoverlap.comm.expert_nccl import pair_rounds
+
+    for world in range(1, 10):
+        rounds = [pair_rounds(r, world) for r in range(world)]
+        assert len({len(r) for r in rounds}) == 1
+        for r in range(world):
+            assert sorted(p for p in rounds[r] if p is not None) == [p for p in range(world) if p != r]
+            for k, p in enumerate(rounds[r]):
+                assert p is None or rounds[p][k] == r

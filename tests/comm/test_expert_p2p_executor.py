@@ -1,0 +1,287 @@
+"""The P2P expert communicator's executor (``comm/expert_p2p.py``) on the CPU: one call issued against a recording
+driver and recording streams, read back as the schedule it must be (every flag wait resets its flag on its stream,
+every copy moves its rows' bytes between the right addresses: peers' slots by the workspace's slot size, every
+signal writes the right flag, the GEMMs read and write the right rows with their chunk's segments, the hook and the
+weighted sum where the schedule says, the copy stream joined back); the workspace sized for the largest chunk any
+pair moves (agreed once per layout in exact mode); repeated bounded calls replayed from a graph; and the debug
+deadline polling every flag wait."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashoverlap.comm import expert_p2p as ep
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, Layout
+from flashoverlap.comm.expert_nccl import relative_ends
+from flashoverlap.comm.replay import CallGraphs
+
+PEER_BASE, FLAG_BASE, FLAG_STRIDE = 1 << 40, 1 << 36, 1 << 20
+LOCAL, HIDDEN, FFN, TOP_K = 2, 24, 16, 2
+
+
+class Recorder:
+    def __init__(self):
+        self.trace = []
+
+    def wait_reset(self, stream, address):
+        self.trace += [(stream, "wait", address, 1), (stream, "write", address, 0)]
+
+    def write(self, stream, address, value):
+        self.trace.append((stream, "write", address, value))
+
+    def copy(self, stream, dst, src, nbytes):
+        self.trace.append((stream, "copy", dst, src, nbytes))
+
+
+class FakeStream:
+    def __init__(self, handle, recorder):
+        self.cuda_stream, self.recorder = handle, recorder
+
+    def wait_stream(self, other):
+        self.recorder.trace.append((self.cuda_stream, "join", other.cuda_stream))
+
+    def wait_event(self, event):
+        self.recorder.trace.append((self.cuda_stream, "wait_event", event.index))
+
+
+class FakeEvent:
+    def __init__(self, index, recorder):
+        self.index, self.recorder = index, recorder
+
+    def record(self, stream):
+        self.recorder.trace.append((stream.cuda_stream, "record", self.index))
+
+
+class FakeWorkspace:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+        self.buffer = torch.zeros(8, dtype=torch.uint8)
+        self.grown = []
+
+    def ensure(self, nbytes, op, ones=(0, 0)):
+        self.grown.append((nbytes, ones))
+        self.nbytes = nbytes
+        return True
+
+    def peer_ptr(self, rank):
+        return PEER_BASE * (rank + 1)
+
+    def flag_ptr(self, rank, slot):
+        return FLAG_BASE + rank * FLAG_STRIDE + 4 * slot
+
+
+def _layout(world, rank, mode, send, recv, bound=None):
+    """A hand-made layout of ``rank`` (no collective): ``send[d]`` rows to rank d, ``recv[s]`` from rank s, split
+    over the local experts as evenly as they go."""
+    def per_expert(n):
+        return [n // LOCAL + (1 if e < n % LOCAL else 0) for e in range(LOCAL)]
+
+    recv_counts = torch.tensor([per_expert(n) for n in recv], dtype=torch.int64)
+    send_counts = torch.tensor([per_expert(n) for n in send], dtype=torch.int64)
+    if mode == "exact":
+        ends = torch.cumsum(recv_counts.reshape(-1), 0)
+    else:
+        ends = (torch.arange(world)[:, None] * bound + torch.cumsum(recv_counts, 1)).reshape(-1)
+    starts = ends - recv_counts.reshape(-1)
+    choices = sum(send)
+    tokens = choices // TOP_K
+    splits = {"send_splits": tuple(send), "recv_splits": tuple(recv)} if mode == "exact" else {}
+    return Layout(torch.arange(choices), torch.arange(choices), send_counts, recv_counts, starts.to(torch.int32),
+                  ends.to(torch.int32), mode=mode, bound=bound, top_k=TOP_K, tokens=tokens, experts=LOCAL * world,
+                  weights=torch.rand(choices), **splits)
+
+
+def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
+    comm = object.__new__(ep.ExpertP2PCommunicator)
+    comm.rank, comm.world_size, comm.name = rank, world, "test group"
+    comm.device = torch.device("cpu")
+    comm.group = None
+    comm.copy_stream = FakeStream(1, recorder)
+    comm.workspace = FakeWorkspace(world * slot_bytes)
+    comm._events = [FakeEvent(i, recorder) for i in range(world)]
+    comm._warm, comm._tables = set(), {}
+    comm._agreed = {}
+    comm.graphs = CallGraphs(None)
+    compute = FakeStream(0, recorder)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(ep.stream_ops, "fast", lambda: recorder)
+
+    def gemm(kind, x, w, ends, out, seg_expert, host_ends=None, workspace=None):
+        recorder.trace.append(("gemm", x.data_ptr(), x.shape[0], out.data_ptr(), tuple(ends.tolist())))
+
+    monkeypatch.setattr(ep, "multiply_chunk", gemm)
+    return comm
+
+
+def _expected(comm, call, chunks, tensors, row_bytes):
+    stream = {"C": 0, "X": 1}
+    slot = comm._slot_bytes()
+    ends = relative_ends(call.layout)
+
+    def address(loc):
+        if loc.space == "flag":
+            return comm.workspace.flag_ptr(loc.rank, loc.row)
+        if loc.space == "sym":
+            return comm.workspace.peer_ptr(loc.rank) + loc.slot * slot + loc.row * row_bytes
+        return tensors[loc.space].data_ptr() + loc.row * row_bytes
+
+    out = []
+    gathered = call.return_gathered and call.plan.op == "dispatch"
+    for op in ep.schedule(call.plan.op, comm.rank, chunks.send, chunks.recv, gathered):
+        if isinstance(op, ep.Wait):
+            out += [(stream[op.stream], "wait", address(op.flag), 1), (stream[op.stream], "write", address(op.flag), 0)]
+        elif isinstance(op, ep.Signal):
+            out.append((stream[op.stream], "write", address(op.flag), 1))
+        elif isinstance(op, ep.Copy):
+            out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
+        elif isinstance(op, ep.Record):
+            out.append((stream[op.stream], "record", op.event))
+        elif isinstance(op, ep.WaitEvent):
+            out.append((stream[op.stream], "wait_event", op.event))
+        elif isinstance(op, ep.Gemm):
+            x = tensors[op.src.space][op.src.row : op.src.row + op.rows]
+            dst = tensors[op.dst.space][op.dst.row : op.dst.row + op.rows]
+            out.append(("gemm", x.data_ptr(), op.rows, dst.data_ptr(), tuple(ends[op.chunk].tolist())))
+        elif isinstance(op, ep.Gather):
+            out.append(("gather",))
+        elif isinstance(op, ep.Hook):
+            out.append((0, "hook"))
+        else:
+            out.append(("finish",))
+    return out + [(0, "join", 1)]
+
+
+CASES = [  # (world, rank, mode, send, recv, bound)
+    (2, 0, "exact", (3, 5), (3, 2), None),
+    (2, 1, "bounded", (6, 6), (6, 6), 6),
+    (3, 2, "exact", (2, 0, 4), (3, 0, 4), None),  # a pair with no rows either way
+    (3, 0, "exact", (0, 0, 0), (0, 1, 3), None),  # sends none (no tokens)
+    (3, 1, "exact", (1, 0, 2), (0, 0, 0), None),  # receives none
+    (4, 3, "bounded", (5, 5, 5, 5), (5, 5, 5, 5), 5),
+]
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+@pytest.mark.parametrize("world,rank,mode,send,recv,bound", CASES)
+def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, recv, bound, monkeypatch):
+    recorder = Recorder()
+    comm = _communicator(rank, world, recorder, monkeypatch)
+    layout = _layout(world, rank, mode, send, recv, bound)
+    tokens = layout.tokens
+    plan = ExpertPlan(op, world, LOCAL * world, HIDDEN, 2 * FFN if op == "dispatch" else FFN, TOP_K, tokens, mode,
+                      bound, "triton")
+    send_tensor = torch.empty(layout.send_capacity, HIDDEN, dtype=torch.bfloat16)
+    y = torch.empty(layout.recv_rows, HIDDEN, dtype=torch.bfloat16)
+
+    def gather(a, plan, layout):
+        recorder.trace.append(("gather",))
+        return send_tensor
+
+    def finish(back, plan, layout, dtype):
+        recorder.trace.append(("finish",))
+        return torch.zeros(plan.tokens, HIDDEN, dtype=dtype)
+
+    monkeypatch.setattr(ep, "send_buffer", gather)
+    monkeypatch.setattr(ep, "combine_at_origin", finish)
+    monkeypatch.setattr(comm, "_scratch", lambda shape, dtype, zero: y)
+    if op == "dispatch":
+        a = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16)
+        b = torch.randn(LOCAL, 2 * FFN, HIDDEN, dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        a = torch.randn(layout.recv_rows, FFN, dtype=torch.bfloat16)
+        b = torch.randn(LOCAL, FFN, HIDDEN, dtype=torch.bfloat16)
+    call = ExpertCall("moe op", plan, a, b, return_gathered=op == "dispatch", layout=layout,
+                      hook=lambda: recorder.trace.append((0, "hook")))
+    chunks = ep.Chunks.of(plan, layout)
+    outputs = comm._outputs(call, a)
+    comm.issue(call, a, chunks, outputs)
+    if op == "dispatch":
+        tensors = {"send": send_tensor, "h": outputs[0], "recv": outputs[1]}
+    else:
+        tensors = {"a": a, "y": y, "back": outputs[1]}
+    assert recorder.trace == _expected(comm, call, chunks, tensors, HIDDEN * 2)
+
+
+def test_the_workspace_holds_the_largest_chunk_of_any_pair_agreed_once_per_layout(monkeypatch):
+    recorder = Recorder()
+    comm = _communicator(0, 2, recorder, monkeypatch, slot_bytes=0)
+    reduced = []
+
+    def all_reduce(tensor, op=None, group=None):  # a peer moves 40 rows in one of its pairs
+        reduced.append(int(tensor.item()))
+        tensor.fill_(40)
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(comm, "_load_kernels", lambda call, chunks: None)
+    layout = _layout(2, 0, "exact", (3, 5), (4, 2))
+    plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, layout.tokens)
+    call = ExpertCall("op", plan, torch.zeros(4, HIDDEN, dtype=torch.bfloat16), torch.zeros(LOCAL, HIDDEN, 2 * FFN),
+                      layout=layout)
+    for _ in range(2):
+        comm.prepare(call, ep.Chunks.of(plan, layout))
+    assert reduced == [5]  # this rank's own largest chunk, once for the layout
+    assert comm._slot_bytes() >= 40 * HIDDEN * 2 and len(comm.workspace.grown) == 1
+    assert comm.workspace.grown[0][1] == (ep.FREE_BASE, ep.FREE_BASE + 2)  # the free flags start at 1
+    bounded = _layout(2, 0, "bounded", (50, 50), (50, 50), bound=50)
+    plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, bounded.tokens, "bounded", 50)
+    comm.prepare(ExpertCall("op", plan, call.a, call.b, layout=bounded), ep.Chunks.of(plan, bounded))
+    assert reduced == [5] and comm._slot_bytes() >= 50 * HIDDEN * 2  # bounded: the bound, no agreement needed
+
+
+class FakeGraph:
+    def __init__(self, recorder, issue):
+        self.recorder = recorder
+        issue()
+
+    def replay(self):
+        self.recorder.trace.append(("replay",))
+
+
+def _replaying(monkeypatch, mode):
+    recorder = Recorder()
+    comm = _communicator(0, 2, recorder, monkeypatch)
+    comm.graphs = CallGraphs(None, capture=lambda issue: FakeGraph(recorder, issue))
+    monkeypatch.setattr(comm, "prepare", lambda call, chunks: None)
+    layout = _layout(2, 0, mode, (4, 4), (4, 4), 4 if mode == "bounded" else None)
+    plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, layout.tokens, mode,
+                      4 if mode == "bounded" else None, "triton")
+    a = torch.randn(layout.tokens, HIDDEN, dtype=torch.bfloat16)
+    b = torch.randn(LOCAL, HIDDEN, 2 * FFN, dtype=torch.bfloat16)
+    outputs = comm._outputs(ExpertCall("op", plan, a, b, layout=layout), a)
+    monkeypatch.setattr(comm, "_outputs", lambda call, a: outputs)  # the allocator's same blocks, call after call
+    send = torch.empty(layout.send_capacity, HIDDEN, dtype=torch.bfloat16)
+    monkeypatch.setattr(ep, "send_buffer", lambda a, plan, layout: send)
+    return recorder, comm, ExpertCall("op", plan, a, b, layout=layout, replay=True)
+
+
+def test_a_repeated_bounded_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypatch):
+    recorder, comm, call = _replaying(monkeypatch, "bounded")
+    comm.run(call)
+    eager = list(recorder.trace)
+    assert eager and ("replay",) not in eager
+    recorder.trace.clear()
+    comm.run(call)
+    assert recorder.trace == eager + [("replay",)]
+    recorder.trace.clear()
+    comm.run(call)
+    assert recorder.trace == [("replay",)]
+
+
+def test_exact_mode_calls_are_never_replayed(monkeypatch):
+    recorder, comm, call = _replaying(monkeypatch, "exact")
+    for _ in range(3):
+        recorder.trace.clear()
+        comm.run(call)
+        assert recorder.trace and ("replay",) not in recorder.trace
+
+
+def test_a_call_with_a_debug_deadline_polls_every_flag_wait(monkeypatch):
+    recorder, comm, call = _replaying(monkeypatch, "bounded")
+    polled = []
+    monkeypatch.setattr(comm, "_check_progress", lambda call, waited, timeout: polled.append((len(waited), timeout)))
+    monkeypatch.setattr(FakeStream, "record_event", lambda self: None, raising=False)
+    comm.run(ExpertCall("op", call.plan, call.a, call.b, layout=call.layout, timeout=5.0))
+    chunks = ep.Chunks.of(call.plan, call.layout)
+    waits = sum(isinstance(op, ep.Wait) for op in ep.schedule("dispatch", 0, chunks.send, chunks.recv))
+    assert polled == [(waits, 5.0)] and waits == 2
