@@ -1,0 +1,102 @@
+"""The expert call contract without ranks: ``ExpertPlan`` validation and shape algebra, the expert path rules
+(``policy.expert_path``), and ``expert_layout`` on a world of one (send order, rows, segments, both modes, the
+bound check), in this process."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap.comm.expert import BoundExceeded, ExpertPlan, expert_layout, recv_segments, send_buffer
+from flashoverlap.comm.protocol import CommGroup
+from flashoverlap.runtime import policy
+
+
+def test_plan_is_validated_hashable_and_states_its_shapes():
+    plan = ExpertPlan("dispatch", 4, 16, 64, 96, 2, 10, "bounded", 20)
+    assert plan == ExpertPlan("dispatch", 4, 16, 64, 96, 2, 10, "bounded", 20) and hash(plan) == hash(
+        ExpertPlan("dispatch", 4, 16, 64, 96, 2, 10, "bounded", 20))
+    assert plan.experts_per_rank == 4 and plan.gemm_shape == (64, 96) and plan.send_capacity == 80
+    assert plan.recv_capacity == 80 and plan.choices == 20
+    combine = ExpertPlan("combine", 4, 16, 64, 96, 2, 10)
+    assert combine.gemm_shape == (96, 64) and combine.send_capacity == 20 and combine.recv_capacity is None
+    for bad, match in [(dict(op="scatter"), "op must be"), (dict(experts=6), "cannot be shared evenly"),
+                       (dict(mode="bounded"), "needs bound"), (dict(bound=3), "takes no bound"),
+                       (dict(top_k=17), "exceeds"), (dict(hidden=0), "hidden must be"), (dict(gemm="x"), "gemm"),
+                       (dict(weighted=False), "combine only"), (dict(tokens=-1), "tokens")]:
+        args = dict(op="dispatch", world_size=4, experts=16, hidden=64, ffn=96, top_k=2, tokens=10) | bad
+        with pytest.raises(ValueError, match=match):
+            ExpertPlan(**args)
+
+
+def _request(device="cuda", dtype=torch.bfloat16, world=2, available=("reference", "nccl", "p2p"), p2p=None,
+             disabled=False):
+    asked = []
+
+    def p2p_reason():
+        asked.append(True)
+        return p2p
+
+    request = policy.ExpertRequest(torch.device(device), dtype, world, frozenset(available), p2p_reason, disabled)
+    return request, asked
+
+
+def test_auto_takes_p2p_then_nccl_then_the_reference():
+    assert policy.expert_path("op", "auto", _request()[0])[0] == "p2p"
+    assert policy.expert_path("op", "auto", _request(p2p="no peer access")[0])[0] == "nccl"
+    assert policy.expert_path("op", "auto", _request(disabled=True)[0]) == ("nccl", "NCCL_P2P_DISABLE=1 is set")
+    assert policy.expert_path("op", "auto", _request(dtype=torch.float32)[0])[0] == "nccl"
+    assert policy.expert_path("op", "auto", _request(world=16)[0])[0] == "nccl"
+    assert policy.expert_path("op", "auto", _request(available=("reference",))[0])[0] == "reference"
+    request, asked = _request(device="cpu")
+    assert policy.expert_path("op", "auto", request)[0] == "reference" and not asked  # no collective off CUDA
+    request, asked = _request(available=("reference", "nccl"))
+    assert policy.expert_path("op", "auto", request)[0] == "nccl" and not asked  # nor for a path not installed
+
+
+def test_a_named_path_that_cannot_apply_says_why():
+    with pytest.raises(ValueError, match="op: path='p2p' cannot apply to this group: no peer access"):
+        policy.expert_path("op", "p2p", _request(p2p="no peer access")[0])
+    with pytest.raises(ValueError, match="no expert communicator for path='nccl'"):
+        policy.expert_path("op", "nccl", _request(available=("reference",))[0])
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        policy.expert_path("op", "nccl", _request(device="cpu")[0])
+    with pytest.raises(ValueError, match="path must be one of"):
+        policy.expert_path("op", "ring", _request()[0])
+    assert policy.expert_path("op", "reference", _request()[0])[0] == "reference"
+
+
+@pytest.fixture
+def world_of_one():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
+        try:
+            yield CommGroup.of(dist.group.WORLD, torch.device("cpu"))
+        finally:
+            fo.release()
+            dist.destroy_process_group()
+
+
+def test_layout_on_one_rank(world_of_one):
+    idx = torch.tensor([[3, 1], [0, 3], [2, 1]])
+    weights = torch.rand(3, 2)
+    exact = expert_layout(idx, 4, world_of_one, topk_weights=weights)
+    # Choices t * k + c sorted stably by expert: expert 0: (1, 0); 1: (0, 1), (2, 1); 2: (2, 0); 3: (0, 0), (1, 1).
+    assert exact.send_order.tolist() == [2, 1, 5, 4, 0, 3] and exact.send_rows.tolist() == list(range(6))
+    assert exact.send_counts.tolist() == [[1, 2, 1, 2]] == exact.recv_counts.tolist()
+    assert exact.send_splits == (6,) == exact.recv_splits and exact.recv_rows == 6
+    assert torch.equal(exact.weights, weights.reshape(-1)[exact.send_order])
+    starts, ends, local = recv_segments(exact)
+    assert starts.tolist() == [0, 1, 3, 4] and ends.tolist() == [1, 3, 4, 6] and local.tolist() == [0, 1, 2, 3]
+    bounded = expert_layout(idx, 4, world_of_one, mode="bounded", bound=8)
+    assert bounded.send_splits is None and bounded.recv_rows == 8 and bounded.send_capacity == 8
+    plan = ExpertPlan("dispatch", 1, 4, 5, 7, 2, 3, "bounded", 8)
+    x = torch.randn(3, 5)
+    buffer = send_buffer(x, plan, bounded)
+    assert torch.equal(buffer[:6], x[bounded.send_order // 2]) and not buffer[6:].any()  # padding zero
+    with pytest.raises(BoundExceeded, match=r"bound=5 .*rank 0 -> rank 0: 6.*pass bound >= 6"):
+        expert_layout(idx, 4, world_of_one, mode="bounded", bound=5)
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0\] .* outside \[0, 4\) \(1 in all\)"):
+        expert_layout(torch.tensor([[0, 4]]), 4, world_of_one)

@@ -1,0 +1,131 @@
+"""Bad input to the MoE ops, on two gloo ranks: every error names the argument and is raised on every rank before
+any token row moves, and the group stays usable (a good call after the errors gives the plain answer). Collective
+errors (an expert index out of range on one rank, a routing beyond the bound) are raised by every rank together;
+in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``) ranks that disagree on a call or on the counts raise, naming the
+ranks."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.moe import cases
+
+
+def _raises(kind, match, fn, *args, **kwargs) -> str:
+    with pytest.raises(kind, match=match) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+def _good_call(rank, p, fo, mode="exact"):
+    """A call the errors must not have spoiled: the plain answer."""
+    own = slice(rank * p["local"], (rank + 1) * p["local"])
+    layout = fo.moe_layout(p["idx"][rank], p["experts"], mode=mode, bound=64 if mode == "bounded" else None)
+    h = fo.moe_dispatch_gemm(p["x"][rank], p["w13"][own].transpose(1, 2), layout)
+    y = fo.moe_gemm_combine(F.silu(h[:, : cases.FFN]) * h[:, cases.FFN :], p["w2"][own].transpose(1, 2),
+                            p["weights"][rank], layout)
+    cases.close("after the errors", y, cases.oracle(p, rank)["y"], torch.float32)
+
+
+def _argument_errors(rank, world):
+    import flashoverlap as fo
+
+    p = cases.problem(world, "skewed", 2, torch.float32)
+    own = slice(rank * p["local"], (rank + 1) * p["local"])
+    x, idx, weights = p["x"][rank], p["idx"][rank], p["weights"][rank]
+    w_up, w_down = p["w13"][own].transpose(1, 2), p["w2"][own].transpose(1, 2)
+    E = p["experts"]
+    _raises(TypeError, "topk_idx must be a torch.Tensor", fo.moe_layout, idx.tolist(), E)
+    _raises(ValueError, "topk_idx must be a 2-D integer tensor", fo.moe_layout, idx.float(), E)
+    _raises(ValueError, "topk_idx must be a 2-D integer tensor", fo.moe_layout, idx[:, 0], E)
+    _raises(ValueError, "num_experts must be a positive multiple of the group's 2 ranks", fo.moe_layout, idx, 7)
+    _raises(ValueError, r"k must lie in \[1, num_experts = 2\]", fo.moe_layout, torch.zeros(3, 4, dtype=torch.int64),
+            2)
+    _raises(ValueError, "mode must be one of", fo.moe_layout, idx, E, mode="fast")
+    _raises(ValueError, "bound must be an int >= 1", fo.moe_layout, idx, E, mode="bounded", bound=0)
+    _raises(ValueError, "bound=5 applies to mode='bounded' only", fo.moe_layout, idx, E, bound=5)
+    layout = fo.moe_layout(idx, E)
+    _raises(ValueError, "x has hidden size 15", fo.moe_dispatch_gemm, x[:, :15], w_up, layout)
+    _raises(ValueError, "x has 9 rows but the layout routes", fo.moe_dispatch_gemm, x[:9], w_up, layout)
+    _raises(ValueError, "w_up must be 3-D", fo.moe_dispatch_gemm, x, w_up[0], layout)
+    _raises(ValueError, "x is torch.float32 but w_up is torch.bfloat16", fo.moe_dispatch_gemm, x,
+            w_up.bfloat16(), layout)
+    _raises(ValueError, "x must be bfloat16, float16 or float32", fo.moe_dispatch_gemm, x.long(), w_up, layout)
+    _raises(ValueError, "the weights hold 3 local experts", fo.moe_dispatch_gemm, x, w_up[:3], layout)
+    _raises(TypeError, "layout must be the Layout moe_layout returns", fo.moe_dispatch_gemm, x, w_up, idx)
+    _raises(ValueError, "path must be one of", fo.moe_dispatch_gemm, x, w_up, layout, path="fast")
+    _raises(ValueError, "path='nccl' needs CUDA tensors", fo.moe_dispatch_gemm, x, w_up, layout, path="nccl")
+    # Through the custom op (autograd records it): the same errors.
+    _raises(ValueError, "x has hidden size 15", fo.moe_dispatch_gemm, x[:, :15].clone().requires_grad_(), w_up,
+            layout)
+    h = fo.moe_dispatch_gemm(x, w_up, layout)
+    a = F.silu(h[:, : cases.FFN]) * h[:, cases.FFN :]
+    _raises(ValueError, "a has 3 rows but the layout delivers", fo.moe_gemm_combine, a[:3], w_down, weights, layout)
+    _raises(ValueError, "a has 23 features", fo.moe_gemm_combine, a[:, :23], w_down, weights, layout)
+    _raises(ValueError, "topk_weights must be a floating tensor of topk_idx's shape", fo.moe_gemm_combine, a, w_down,
+            weights[:, :1], layout)
+    _raises(ValueError, "topk_weights must be a floating tensor", fo.moe_gemm_combine, a, w_down, idx, layout)
+    _raises(ValueError, "w_down must be 3-D", fo.moe_gemm_combine, a, w_down[0], weights, layout)
+    _good_call(rank, p, fo)
+    return True
+
+
+def _collective_errors(rank, world):
+    import flashoverlap as fo
+    from flashoverlap.comm.expert import BoundExceeded
+
+    p = cases.problem(world, "balanced", 2, torch.float32)
+    idx = p["idx"][rank].clone()
+    if rank == 1:
+        idx[3, 1] = p["experts"]  # one index out of range, on rank 1 only: both ranks must raise
+    message = _raises(ValueError, r"topk_idx: rank\(s\) \[1\] of group .* hold expert indices outside \[0, 8\)",
+                      fo.moe_layout, idx, p["experts"])
+    # Every token to rank 0's experts: 11 rows from rank 1 to rank 0 (T_1 = 11 tokens, top-1 there).
+    crowded = torch.zeros((p["x"][rank].shape[0], 1), dtype=torch.int64)
+    bound = _raises(BoundExceeded, r"bound=3 rows per \(source, destination\) exceeded .*rank 1 -> rank 0: 11",
+                    fo.moe_layout, crowded, p["experts"], mode="bounded", bound=3)
+    _good_call(rank, p, fo, mode="bounded")
+    return message, bound
+
+
+def _debug_errors(rank, world):
+    import flashoverlap as fo
+    from flashoverlap.runtime import settings
+
+    os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "60"
+    settings.refresh()
+    try:
+        p = cases.problem(world, "skewed", 2, torch.float32)
+        q = cases.problem(world, "balanced", 2, torch.float32, seed=7)
+        own = slice(rank * p["local"], (rank + 1) * p["local"])
+        w_up = p["w13"][own].transpose(1, 2)
+        _raises(ValueError, r"the ranks disagree on bound \(rank 1 differs from rank 0\)", fo.moe_layout,
+                p["idx"][rank], p["experts"], mode="bounded", bound=40 + rank)
+        layouts = [fo.moe_layout(p["idx"][rank], p["experts"]), fo.moe_layout(q["idx"][rank], p["experts"])]
+        # Rank 1 passes the other layer's layout: what each rank sends is not what the other expects.
+        _raises(ValueError, "the ranks' layouts disagree .*rank 0 sends rank 1 other counts than rank 1 expects",
+                fo.moe_dispatch_gemm, p["x"][rank], w_up, layouts[rank])
+        x = p["x"][rank] if rank == 0 else p["x"][rank].half()
+        _raises(ValueError, r"the ranks disagree on dtype \(rank 1 differs from rank 0\)", fo.moe_dispatch_gemm,
+                x, w_up.to(x.dtype), layouts[0])
+        _good_call(rank, p, fo)
+    finally:
+        del os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"]
+        settings.refresh()
+    return True
+
+
+def test_bad_arguments_are_named_before_anything_moves(ranks):
+    ranks(2).run(_argument_errors)
+
+
+def test_a_bad_index_or_an_exceeded_bound_raises_on_every_rank(ranks):
+    (index0, bound0), (index1, bound1) = ranks(2).run(_collective_errors)
+    assert index0 == index1 and "nothing was sent" in index0
+    assert "bound=3" in bound0 and "bound=3" in bound1 and "bound >= 11" in bound0
+
+
+def test_debug_mode_names_the_ranks_that_disagree(ranks):
+    ranks(2).run(_debug_errors)

@@ -1,0 +1,107 @@
+"""``ExpertParallelMLP`` on two gloo ranks: ``from_moe_block`` against the plain ``MoEBlock`` (output and every
+gradient: input, gate, experts), routing by its own gate, by logits and by given indices and weights, bounded mode
+with the default bound; and ``torch.compile(fullgraph=True)`` of the layer in bounded mode (forward and backward
+equal to eager; ``aot_eager``: Dynamo and AOTAutograd trace the custom ops through their fakes), exact mode compiled
+with its layout as a graph break."""
+
+import torch
+import torch.distributed as dist
+
+from tests.moe.cases import close
+
+H, FFN, E, T, K = 16, 24, 8, 10, 2
+
+
+def _block_and_inputs(world, dtype):
+    from flashoverlap.nn import MoEBlock
+
+    torch.manual_seed(0)
+    block = MoEBlock(H, FFN, E, K, dtype=dtype)
+    x = torch.randn(world, T, H, dtype=dtype)
+    grad = torch.randn(world, T, H, dtype=dtype)
+    return block, x, grad
+
+
+def _grads(module):
+    return {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+def _from_moe_block(rank, world, dtype_name):
+    from flashoverlap.nn import ExpertParallelMLP, route
+
+    dtype = getattr(torch, dtype_name)
+    block, x, grad = _block_and_inputs(world, dtype)
+    x_full = x.clone().requires_grad_()
+    want = block(x_full)
+    (want.float() * grad.float()).sum().backward()
+    want_grads = _grads(block)
+    local = E // world
+    for mode in ("exact", "bounded"):  # bounded: the default bound (every rank has T tokens)
+        layer = ExpertParallelMLP.from_moe_block(block, mode=mode)
+        x_r = x[rank].clone().requires_grad_()
+        y = layer(x_r)
+        close(f"{mode}: y", y, want[rank].detach(), dtype)
+        (y.float() * grad[rank].float()).sum().backward()
+        close(f"{mode}: grad x", x_r.grad, x_full.grad[rank], dtype)
+        gate_grad = layer.gate.weight.grad.clone()
+        dist.all_reduce(gate_grad)  # the replicated gate: each rank's tokens give it their part
+        close(f"{mode}: grad gate", gate_grad, want_grads["gate.weight"], dtype)
+        for i in range(local):
+            e = rank * local + i
+            w13 = torch.cat([want_grads[f"experts.{e}.w1.weight"], want_grads[f"experts.{e}.w3.weight"]])
+            close(f"{mode}: grad w13[{i}]", layer.w13.grad[i], w13, dtype)
+            close(f"{mode}: grad w2[{i}]", layer.w2.grad[i], want_grads[f"experts.{e}.w2.weight"], dtype)
+    # The router given from outside, as logits or as indices and weights, on [batch, tokens, H] inputs.
+    with torch.no_grad():
+        logits = block.gate(x[rank])
+        idx, weights = route(logits, K)
+        for routed in (layer(x[rank][None], logits=logits[None]), layer(x[rank][None], idx[None], weights[None])):
+            close("routed from outside", routed[0], want[rank], dtype)
+    return True
+
+
+def test_from_moe_block_matches_the_plain_block(ranks):
+    ranks(2).run(_from_moe_block, "bfloat16")
+    ranks(2).run(_from_moe_block, "float32")
+
+
+def _compiled(rank, world):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from flashoverlap.nn import ExpertParallelMLP
+
+    traced = []
+
+    def backend(gm, example_inputs):  # aot_eager, recording what Dynamo's graph calls
+        traced.extend(str(node.target) for node in gm.graph.nodes)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    dtype = torch.float16
+    block, x, grad = _block_and_inputs(world, dtype)
+    results = {}
+    for mode, fullgraph in (("bounded", True), ("exact", False)):
+        layer = ExpertParallelMLP.from_moe_block(block, mode=mode)
+        outs = []
+        for compiled in (False, True):
+            layer.zero_grad()
+            run = torch.compile(layer, fullgraph=fullgraph, backend=backend) if compiled else layer
+            x_r = x[rank].clone().requires_grad_()
+            y = run(x_r)
+            (y.float() * grad[rank].float()).sum().backward()
+            outs.append((y.detach(), x_r.grad, layer.w13.grad.clone(), layer.w2.grad.clone(),
+                         layer.gate.weight.grad.clone()))
+        for name, eager, compiled in zip(("y", "grad x", "grad w13", "grad w2", "grad gate"), *outs):
+            close(f"{mode} compiled: {name}", compiled, eager, dtype)
+        results[mode] = sorted({t for t in traced if "flashoverlap" in t})
+        traced.clear()
+    torch._dynamo.reset()
+    return results
+
+
+def test_compiled_layer_matches_eager(ranks):
+    got = ranks(2).run(_compiled)[0]
+    # One graph held the layout, the dispatch and the combine (fullgraph=True: no break); in exact mode the layout
+    # ran outside the graph (its split sizes are host integers), the two ops inside.
+    ops = "flashoverlap.{}"
+    assert got["bounded"] == [ops.format(op) for op in ("moe_combine", "moe_dispatch", "moe_layout")], got
+    assert got["exact"] == [ops.format(op) for op in ("moe_combine", "moe_dispatch")], got
