@@ -1,0 +1,354 @@
+"""The expert-parallel (MoE) communicators' mechanics on ONE GPU shared by two processes: a correctness check where
+no two-GPU machine is at hand, not a performance figure (the two ranks share one GPU's SMs and copy engines).
+
+- P2P path (``comm/expert_p2p.py``), W = 2: PyTorch's symmetric memory and NCCL refuse two ranks on one GPU, so the
+  group is gloo, the workspace is shared by CUDA IPC (``p2p_one_gpu.IpcWorkspace``) and the communicator is called
+  directly with ``ExpertCall``s; the layouts are the real ``expert_layout`` with its one all-gather routed through
+  the host (gloo takes CPU tensors). Exact and bounded mode, the three grouped GEMMs (Triton, cuBLAS, loop), bf16
+  and fp16, skewed and balanced routing, a rank that sends none, one that receives none, the backward variants
+  (per-choice dispatch, unweighted combine), eager calls (a weight-gradient hook held in the graph), bounded calls
+  replayed from the communicator's own CUDA graphs, and bounded calls captured in a user's CUDA graph and replayed
+  with NEW routing copied into the layout's tensors (nothing in bounded mode depends on the host).
+- NCCL path (``comm/expert_nccl.py``): NCCL refuses two ranks on one GPU, so its transfers cannot run here. What
+  runs is its W = 1 case on a one-rank NCCL group per process: the own-chunk GEMMs, combine's signalling grouped GEMM
+  with its flag waited for by ``cuStreamWaitValue32`` and reset, exact and bounded, eager and in a user's CUDA graph.
+
+Every rank makes every rank's inputs from seeds and computes the expected results locally, from the definition
+(``comm/expert.py``'s docstring: rows in stable expert order per source, fp32 accumulation), not from any
+communicator. Every output is checked, then poisoned with NaN, and the communicators' outputs start NaN, so an
+element never written shows. Host time to issue one call (GPU busy ahead) is printed for P2P eager and replayed
+beside ``torch._grouped_mm`` alone on the same rows.
+
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/moe_one_gpu.py [out.json]
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from p2p_one_gpu import IpcWorkspace  # noqa: E402
+
+from flashoverlap.bench.timing import host_us  # noqa: E402
+from flashoverlap.comm import expert as expert_module  # noqa: E402
+from flashoverlap.comm.collectives import all_gather_into_tensor  # noqa: E402
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout  # noqa: E402
+from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator  # noqa: E402
+from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator  # noqa: E402
+from flashoverlap.comm.protocol import CommGroup  # noqa: E402
+from flashoverlap.comm.replay import Matmul  # noqa: E402
+
+# (name, tokens of rank s, hidden, ffn, experts, top_k, routing)
+CASES = [
+    ("odd-skewed", lambda s: 333 + 7 * s, 520, 264, 8, 2, "skewed"),
+    ("round-balanced", lambda s: 2048, 1024, 512, 16, 4, "balanced"),
+    ("rank1-sends-none", lambda s: 0 if s == 1 else 300, 256, 128, 4, 2, "balanced"),
+    ("rank0-receives-none", lambda s: 301 + s, 256, 128, 4, 2, "avoid-rank0"),
+]
+_ORIGINAL_ALL_GATHER = expert_module.all_gather_into_tensor
+
+
+def _all_gather_through_host(out, inp, group, async_op=False):
+    """``expert_layout``'s one all-gather: gloo takes CPU tensors; a one-rank NCCL group goes as it is."""
+    if dist.get_backend(group) != "gloo":
+        return _ORIGINAL_ALL_GATHER(out, inp, group, async_op)
+    cpu = torch.empty(out.shape, dtype=out.dtype)
+    all_gather_into_tensor(cpu, inp.cpu(), group)
+    out.copy_(cpu)
+
+
+expert_module.all_gather_into_tensor = _all_gather_through_host
+
+
+def inputs(case, world, dtype, seed):
+    """Every rank's (topk_idx, topk_weights, x, w_up [L, H, 2F] (a transposed view), w_down [L, F, H] (a view))."""
+    _, tokens, hidden, ffn, experts, top_k, routing = case
+    local = experts // world
+    out = []
+    for s in range(world):
+        gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + s)
+        t = tokens(s)
+        keys = -torch.log(-torch.log(torch.rand(t, experts, device="cuda", generator=gen).clamp(1e-9, 1 - 1e-9)))
+        if routing == "skewed":  # Zipf(1.2) expert popularity, sampled without replacement (Gumbel top-k)
+            keys = keys + torch.log(1.0 / torch.arange(1, experts + 1, device="cuda") ** 1.2)
+        elif routing == "avoid-rank0":
+            keys[:, :local] = float("-inf")
+        idx = keys.topk(top_k, dim=1).indices if t else torch.empty((0, top_k), dtype=torch.int64, device="cuda")
+        weights = torch.rand(t, top_k, device="cuda", generator=gen)
+        x = torch.randn(t, hidden, device="cuda", generator=gen).to(dtype)
+        w_up = (torch.randn(local, 2 * ffn, hidden, device="cuda", generator=gen) / hidden**0.5).to(dtype)
+        w_down = (torch.randn(local, hidden, ffn, device="cuda", generator=gen) / ffn**0.5).to(dtype)
+        out.append((idx, weights, x, w_up.transpose(1, 2), w_down.transpose(1, 2)))
+    return out
+
+
+class Routing:
+    """The definition of the expert calls (comm/expert.py), computed from every rank's routing: ``chosen[s][d]``
+    the choices of rank s that go to rank d, in stable expert order; the receive offsets and sizes per mode."""
+
+    def __init__(self, all_idx, world, local, mode, bound):
+        self.world, self.local, self.mode, self.bound = world, local, mode, bound
+        self.idx = [i.reshape(-1) for i in all_idx]
+        self.top_k = all_idx[0].shape[1]
+        self.chosen = []
+        for flat in self.idx:
+            order = torch.sort(flat, stable=True).indices
+            dest = flat[order] // local
+            self.chosen.append([order[dest == d] for d in range(world)])
+        self.n = [[len(self.chosen[s][d]) for d in range(world)] for s in range(world)]
+
+    def recv_at(self, d, s):
+        return s * self.bound if self.mode == "bounded" else sum(self.n[q][d] for q in range(s))
+
+    def send_at(self, s, d):
+        return d * self.bound if self.mode == "bounded" else sum(self.n[s][q] for q in range(d))
+
+    def recv_rows(self, d):
+        return self.world * self.bound if self.mode == "bounded" else sum(self.n[s][d] for s in range(self.world))
+
+    def segments(self, s, d):
+        """(first, last, local expert) within chunk (s -> d)."""
+        experts = (self.idx[s][self.chosen[s][d]] % self.local).tolist()
+        return [(experts.index(e), len(experts) - experts[::-1].index(e), e) for e in sorted(set(experts))]
+
+    def dispatch(self, r, xs, w_up, per_choice=False):
+        """(h [R, N], received rows [R, H]) of rank r."""
+        x0 = xs[0]
+        recv = torch.zeros(self.recv_rows(r), x0.shape[1], dtype=x0.dtype, device="cuda")
+        h = torch.zeros(self.recv_rows(r), w_up.shape[2], dtype=x0.dtype, device="cuda")
+        for s in range(self.world):
+            j = self.chosen[s][r]
+            rows = xs[s][j if per_choice else torch.div(j, self.top_k, rounding_mode="floor")]
+            at = self.recv_at(r, s)
+            recv[at : at + len(j)] = rows
+            for first, last, e in self.segments(s, r):
+                h[at + first : at + last] = (rows[first:last].float() @ w_up[e].float()).to(x0.dtype)
+        return h, recv
+
+    def combine(self, r, acts, w_downs, weights, tokens, weighted=True):
+        """(out [T, H], returned rows [S, H]) of rank r, from every rank's activations and w_down."""
+        dtype, hidden = acts[0].dtype, w_downs[0].shape[2]
+        capacity = self.world * self.bound if self.mode == "bounded" else tokens * self.top_k
+        back = torch.zeros(capacity, hidden, dtype=dtype, device="cuda")
+        out = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
+        for d in range(self.world):
+            j = self.chosen[r][d]
+            at = self.recv_at(d, r)
+            y = torch.zeros(len(j), hidden, dtype=dtype, device="cuda")
+            for first, last, e in self.segments(r, d):
+                y[first:last] = (acts[d][at + first : at + last].float() @ w_downs[d][e].float()).to(dtype)
+            back[self.send_at(r, d) : self.send_at(r, d) + len(j)] = y
+            scale = weights.reshape(-1)[j].float()[:, None] if weighted else 1.0
+            out.index_add_(0, torch.div(j, self.top_k, rounding_mode="floor"), y.float() * scale)
+        return out.to(dtype), back
+
+
+def check(got, want, what):
+    if tuple(got.shape) != tuple(want.shape):
+        raise AssertionError(f"{what}: shape {list(got.shape)}, expected {list(want.shape)}")
+    if got.numel() == 0:
+        return
+    nan = bool(torch.isnan(got).any())
+    err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    limit = 1e-2 if got.dtype == torch.bfloat16 else 2e-3
+    if nan or err >= limit:
+        raise AssertionError(f"{what}: nan={nan} rel_err={err:.2e}")
+
+
+def poisoned(shape, dtype, zero=False):
+    buffer = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    return buffer.zero_() if zero else buffer
+
+
+def activations(routing, world, ffn, dtype, seed):
+    out = []
+    for d in range(world):
+        gen = torch.Generator(device="cuda").manual_seed(seed * 7919 + d)
+        out.append(torch.randn(routing.recv_rows(d), ffn, device="cuda", generator=gen).to(dtype))
+    return out
+
+
+def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, report, variant=False):
+    """Dispatch then combine of one configuration (a few calls each), every output checked."""
+    name, tokens, hidden, ffn, experts, top_k, _ = case
+    local = experts // world
+    everyone = inputs(case, world, dtype, seed)
+    idx, weights, x, w_up, w_down = everyone[rank]
+    bound = max(tokens(s) for s in range(world)) * top_k if mode == "bounded" else None
+    bound = max(bound, 1) if bound is not None else None
+    routing = Routing([e[0] for e in everyone], world, local, mode, bound)
+    layout = expert_layout(idx, experts, group, mode=mode, bound=bound)
+    per_choice = variant  # combine's backward: one row per choice
+    xs = [e[2].repeat_interleave(top_k, 0) if per_choice else e[2] for e in everyone]
+    want_h, want_recv = routing.dispatch(rank, xs, w_up, per_choice)
+    plan = ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, bound, gemm,
+                      per_choice=per_choice)
+    what = f"{type(comm).__name__} {name} {mode} {gemm} {dtype} replay={replay} variant={variant}"
+    hook_x = torch.randn(hidden, 64, dtype=dtype, device="cuda")
+    hook_y = torch.randn(64, 96, dtype=dtype, device="cuda")
+    for call in range(4 if replay else 2):
+        hook_x.normal_()
+        grad = torch.full((hidden, 96), float("nan"), dtype=dtype, device="cuda")
+        h, recv = comm.run(ExpertCall("moe_dispatch_gemm", plan, xs[rank], w_up, True, Matmul(hook_x, hook_y, grad),
+                                      replay=replay, layout=layout))
+        torch.cuda.synchronize()
+        check(h, want_h, f"{what} dispatch #{call}")
+        check(recv, want_recv, f"{what} received rows #{call}")
+        check(grad, hook_x @ hook_y, f"{what} hook #{call}")
+        h.fill_(float("nan")), recv.fill_(float("nan"))
+        report["checked"] += 1
+    acts = activations(routing, world, ffn, dtype, seed)
+    w_downs = [e[4] for e in everyone]
+    weighted = not variant  # dispatch's backward: the unweighted sum
+    want_out, want_back = routing.combine(rank, acts, w_downs, weights, tokens(rank), weighted)
+    plan = ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, bound, gemm,
+                      weighted=weighted)
+    call_layout = layout.with_weights(weights) if weighted else layout
+    for call in range(4 if replay else 2):
+        out, back = comm.run(ExpertCall("moe_gemm_combine", plan, acts[rank], w_down, True, replay=replay,
+                                        layout=call_layout))
+        torch.cuda.synchronize()
+        check(out, want_out, f"{what} combine #{call}")
+        check(back, want_back, f"{what} returned rows #{call}")
+        out.fill_(float("nan")), back.fill_(float("nan"))
+        report["checked"] += 1
+
+
+def captured(comm, group, rank, world, case, gemm, dtype, report):
+    """Bounded dispatch and combine captured in a user's CUDA graph, replayed with new routing, tokens, weights
+    and activations copied into the captured tensors."""
+    name, tokens, hidden, ffn, experts, top_k, _ = case
+    local = experts // world
+    bound = max(max(tokens(s) for s in range(world)) * top_k, 1)
+    first = inputs(case, world, dtype, 500)
+    idx, weights, x, w_up, w_down = first[rank]
+    layout = expert_layout(idx, experts, group, mode="bounded", bound=bound)
+    x_in, w_in = x.clone(), weights.clone()
+    act_in = torch.randn(world * bound, ffn, dtype=dtype, device="cuda")
+    plan_d = ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), "bounded", bound, gemm)
+    plan_c = ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), "bounded", bound, gemm)
+    # Eagerly once (first calls of the shape load kernels and size the workspace), then captured.
+    comm.run(ExpertCall("dispatch", plan_d, x_in, w_up, layout=layout))
+    comm.run(ExpertCall("combine", plan_c, act_in, w_down, layout=layout.with_weights(w_in)))
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        h, recv = comm.run(ExpertCall("dispatch", plan_d, x_in, w_up, True, layout=layout))
+        out, back = comm.run(ExpertCall("combine", plan_c, act_in, w_down, True, layout=layout.with_weights(w_in)))
+    torch.cuda.current_stream().wait_stream(side)
+    for replay in range(3):
+        everyone = inputs(case, world, dtype, 600 + replay)
+        new = expert_layout(everyone[rank][0], experts, group, mode="bounded", bound=bound)
+        for mine, theirs in zip(layout.tensors(), new.tensors()):
+            mine.copy_(theirs)
+        x_in.copy_(everyone[rank][2])
+        w_in.copy_(everyone[rank][1])
+        routing = Routing([e[0] for e in everyone], world, local, "bounded", bound)
+        acts = activations(routing, world, ffn, dtype, 700 + replay)
+        act_in.copy_(acts[rank])
+        for t in (h, recv, out, back):
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_h, want_recv = routing.dispatch(rank, [e[2] for e in everyone], w_up)
+        want_out, want_back = routing.combine(rank, acts, [e[4] for e in everyone], everyone[rank][1], tokens(rank))
+        what = f"{type(comm).__name__} {name} bounded {gemm} {dtype} user graph replay {replay}"
+        check(h, want_h, what + " dispatch")
+        check(recv, want_recv, what + " received rows")
+        check(out, want_out, what + " combine")
+        check(back, want_back, what + " returned rows")
+        report["checked"] += 1
+    del graph
+
+
+def host_rows(comm, group, rank, world):
+    """Host time to issue one call of the round case (GPU busy ahead), P2P eager and replayed, beside
+    ``torch._grouped_mm`` alone on the rows this rank receives."""
+    case = CASES[1]
+    _, tokens, hidden, ffn, experts, top_k, _ = case
+    idx, weights, x, w_up, w_down = inputs(case, world, torch.bfloat16, 42)[rank]
+    bound = tokens(0) * top_k
+    rows = []
+    for mode in ("exact", "bounded"):
+        layout = expert_layout(idx, experts, group, mode=mode, bound=bound if mode == "bounded" else None)
+        plan = ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode,
+                          bound if mode == "bounded" else None, "cublas")
+        for replay in (False, True) if mode == "bounded" else (False,):
+            call = ExpertCall("moe_dispatch_gemm", plan, x, w_up, layout=layout, replay=replay)
+            us = host_us(lambda call=call: comm.run(call), calls=30)
+            rows.append({"op": "dispatch", "path": "p2p", "mode": mode, "replayed": replay, "host_us": round(us, 1)})
+    recv = torch.randn(layout.recv_rows, hidden, dtype=torch.bfloat16, device="cuda")
+    ends = layout.recv_seg_ends[-(experts // world):].contiguous()
+    mm_us = host_us(lambda: torch._grouped_mm(recv, w_up, offs=ends), calls=30)
+    rows.append({"op": "torch._grouped_mm alone", "host_us": round(mm_us, 1)})
+    return rows
+
+
+def main():
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    device = torch.device("cuda", 0)
+    group = CommGroup.of(dist.group.WORLD, device)
+    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
+                       "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
+                       "command": "CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 "
+                                  "benchmarks/diagnostics/moe_one_gpu.py OUT.json",
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+              "checked": 0, "not_run": "the NCCL path's transfers (NCCL refuses two ranks on one GPU): only its W = 1 "
+                                       "case ran, on a one-rank NCCL group per process"}
+    blocks = [torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=device) for _ in range(4)]
+    del blocks  # the caching allocator's free memory reads NaN: an unwritten element shows
+    p2p = ExpertP2PCommunicator(group)
+    p2p.workspace = IpcWorkspace(dist.group.WORLD, device)
+    p2p._new = lambda shape, dtype: poisoned(shape, dtype)
+    start = time.time()
+    for i, case in enumerate(CASES):
+        for mode in ("exact", "bounded"):
+            for gemm in ("triton", "cublas", "loop") if mode == "exact" else ("triton", "cublas"):
+                dtypes = (torch.bfloat16, torch.float16) if gemm == "triton" and i < 2 else (torch.bfloat16,)
+                for dtype in dtypes:
+                    one_config(p2p, group, rank, world, case, mode, gemm, dtype, 10 * i + 1, False, report)
+                    if mode == "bounded":
+                        one_config(p2p, group, rank, world, case, mode, gemm, dtype, 10 * i + 2, True, report)
+            one_config(p2p, group, rank, world, case, mode, "triton", torch.bfloat16, 10 * i + 3, False, report,
+                       variant=True)
+        print(f"rank {rank}: P2P {case[0]}: correct ({report['checked']} calls so far, {p2p.graphs.captures} "
+              f"captures, {p2p.graphs.replays} replays, {time.time() - start:.0f} s)", flush=True)
+    for gemm in ("triton", "cublas"):
+        captured(p2p, group, rank, world, CASES[0], gemm, torch.bfloat16, report)
+    print(f"rank {rank}: P2P bounded calls in a user's CUDA graph, new routing each replay: correct", flush=True)
+    report["rows"] = host_rows(p2p, group, rank, world)
+    p2p.release()
+    # The NCCL path, W = 1: a one-rank NCCL group per process (every process makes each, collectively).
+    solo = [dist.new_group([r], backend="nccl") for r in range(world)][rank]
+    solo_group = CommGroup.of(solo, device)
+    nccl = ExpertNcclCommunicator(solo_group)
+    nccl._new = poisoned
+    for i, case in enumerate(CASES[:2]):
+        one_case = (case[0], lambda s, t=case[1]: t(rank), *case[2:])
+        for mode in ("exact", "bounded"):
+            for gemm in ("triton", "cublas", "loop") if mode == "exact" else ("triton", "cublas"):
+                one_config(nccl, solo_group, 0, 1, one_case, mode, gemm, torch.bfloat16, 10 * i + 5, False, report)
+    captured(nccl, solo_group, 0, 1, (CASES[0][0], lambda s: CASES[0][1](rank), *CASES[0][2:]), "triton",
+             torch.bfloat16, report)
+    print(f"rank {rank}: NCCL path at W = 1 (own chunks, signalling GEMM and its flags, a user's graph): correct",
+          flush=True)
+    nccl.release()
+    if rank == 0:
+        print(json.dumps(report, indent=1), flush=True)
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
