@@ -256,7 +256,8 @@ def captured(comm, group, rank, world, case, gemm, dtype, report):
         graph.replay()
         torch.cuda.synchronize()
         want_h, want_recv = routing.dispatch(rank, [e[2] for e in everyone], w_up)
-        want_out, want_back = routing.combine(rank, acts, [e[4] for e in everyone], everyone[rank][1], tokens(rank))
+        # The weights are the captured ones (the first inputs'); tokens, routing and activations are new.
+        want_out, want_back = routing.combine(rank, acts, [e[4] for e in first], everyone[rank][1], tokens(rank))
         what = f"{type(comm).__name__} {name} bounded {gemm} {dtype} user graph replay {replay}"
         check(h, want_h, what + " dispatch")
         check(recv, want_recv, what + " received rows")
