@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flashoverlap.comm import expert_nccl
 from flashoverlap.comm import expert_p2p as ep
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan, Layout
 from flashoverlap.comm.expert_nccl import relative_ends
@@ -106,10 +107,10 @@ def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(ep.stream_ops, "fast", lambda: recorder)
 
-    def gemm(kind, x, w, ends, out, seg_expert, host_ends=None, workspace=None):
+    def gemm(kind, x, w, ends, out, seg_expert, host_ends=None, workspace=None, tail=True):
         recorder.trace.append(("gemm", x.data_ptr(), x.shape[0], out.data_ptr(), tuple(ends.tolist())))
 
-    monkeypatch.setattr(ep, "multiply_chunk", gemm)
+    monkeypatch.setattr(expert_nccl, "multiply_chunk", gemm)
     return comm
 
 

@@ -156,12 +156,13 @@ def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device) -> st
 
 def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
                    seg_expert: torch.Tensor, *, host_ends: list[int] | None = None,
-                   workspace: torch.Tensor | None = None) -> None:
+                   workspace: torch.Tensor | None = None, tail: bool = True) -> None:
     """``out[rows of l] = x[rows of l] @ w[l]`` for the ``L`` segments of one chunk (``ends``: int32 ``[L]``
     relative to ``x``'s first row, on the device; ``seg_expert``: int32 ``arange(L)``), fp32 accumulation. Rows
     past ``ends[-1]`` are not written, except by cuBLAS, which writes them zero. ``kind``: ``"triton"``
     (``kernels.grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``), ``"loop"`` (``torch.mm`` per segment;
-    ``host_ends`` the same ends on the host, read from ``ends`` off the GPU)."""
+    ``host_ends`` the same ends on the host, read from ``ends`` off the GPU). ``tail=False``: the segments cover
+    every row (exact mode's chunks), so cuBLAS's result needs no mask."""
     rows = x.shape[0]
     if rows == 0:
         return
@@ -171,9 +172,9 @@ def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tens
         grouped_gemm(x, w, ends, seg_expert, out=out, order="heavy-first", max_rows=rows, workspace=workspace)
     elif kind == "cublas":
         product = torch._grouped_mm(x, w, offs=ends)
-        # Rows past the last segment are undefined in its result; here they are padding (bounded mode), zero.
-        tail = torch.arange(rows, device=x.device)[:, None] >= ends[-1:].to(torch.int64)
-        out.copy_(product.masked_fill_(tail, 0))
+        if tail:  # rows past the last segment are undefined in its result; here they are padding, zero
+            product.masked_fill_(torch.arange(rows, device=x.device)[:, None] >= ends[-1:].to(torch.int64), 0)
+        out.copy_(product)
     else:
         if host_ends is None:
             if x.device.type == "cuda":
@@ -184,6 +185,27 @@ def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tens
             if end > start:
                 torch.mm(x[start:end], w[expert], out=out[start:end])
             start = max(start, end)
+
+
+def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, seg_expert: torch.Tensor):
+    """``multiply(chunk, x, x_row, out, out_row, rows)``: chunk ``chunk``'s segments of ``x`` (from row ``x_row``)
+    times their experts' ``b[l]`` into ``out`` (from row ``out_row``), on the current stream (``multiply_chunk``);
+    nothing for no rows. The chunks' relative ends and the Triton kernel's table are made once per call."""
+    ends = relative_ends(layout)
+    host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
+    workspace = None
+    if kind == "triton":
+        from flashoverlap.kernels.grouped_gemm import workspace_size  # Triton: imported where a kernel runs
+
+        workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=b.device)
+    tail = plan.mode == "bounded"
+
+    def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
+        if rows:
+            multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows], seg_expert,
+                           host_ends=None if host is None else host[chunk], workspace=workspace, tail=tail)
+
+    return multiply
 
 
 def segment_table(tables: dict, world: int, local: int, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -384,24 +406,8 @@ class ExpertNcclCommunicator:
 
     # -- the GEMMs -----------------------------------------------------------------------------------------
     def _multiplier(self, kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor):
-        """``multiply(chunk, x, x_row, out, out_row, rows)``: chunk ``chunk``'s segments of ``x`` (from row
-        ``x_row``) times their experts into ``out`` (from row ``out_row``), on the current stream."""
-        ends = relative_ends(layout)
-        host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
         table = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank, self.device)
-        workspace = None
-        if kind == "triton":
-            from flashoverlap.kernels.grouped_gemm import workspace_size
-
-            workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=self.device)
-
-        def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
-            if rows:
-                multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows],
-                               table["expert"], host_ends=None if host is None else host[chunk],
-                               workspace=workspace)
-
-        return multiply
+        return chunk_multiplier(kind, plan, layout, b, table["expert"])
 
     def _signalling_gemm(self, a: torch.Tensor, b: torch.Tensor, layout: Layout, y: torch.Tensor,
                          table: dict[str, torch.Tensor], chunks: Chunks) -> None:

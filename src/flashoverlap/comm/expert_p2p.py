@@ -59,14 +59,7 @@ import torch.distributed as dist
 from flashoverlap import guards
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
-from flashoverlap.comm.expert_nccl import (
-    Chunks,
-    chunk_gemm,
-    host_relative_ends,
-    multiply_chunk,
-    relative_ends,
-    segment_table,
-)
+from flashoverlap.comm.expert_nccl import Chunks, chunk_gemm, chunk_multiplier, segment_table
 from flashoverlap.comm.protocol import CommGroup, held_signature
 from flashoverlap.comm.replay import CallGraphs, address
 from flashoverlap.comm.symmetric import SymmetricWorkspace
@@ -365,21 +358,8 @@ class ExpertP2PCommunicator:
         torch.cuda.synchronize(self.device)
 
     def _multiplier(self, call: ExpertCall, kind: str):
-        plan, layout, b = call.plan, call.layout, call.b
-        ends = relative_ends(layout)
-        host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
-        table = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank, self.device)
-        workspace = None
-        if kind == "triton":
-            from flashoverlap.kernels.grouped_gemm import workspace_size
-
-            workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=self.device)
-
-        def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
-            multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows],
-                           table["expert"], host_ends=None if host is None else host[chunk], workspace=workspace)
-
-        return multiply
+        table = segment_table(self._tables, self.world_size, call.layout.experts_per_rank, self.rank, self.device)
+        return chunk_multiplier(kind, call.plan, call.layout, call.b, table["expert"])
 
     # -- the call's GPU work ----------------------------------------------------------------------------------
     def issue(self, call: ExpertCall, a: torch.Tensor, chunks: Chunks, outputs: tuple[torch.Tensor, torch.Tensor],
