@@ -9,6 +9,7 @@ deadline polling every flag wait."""
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap.comm import expert_nccl
 from flashoverlap.comm import expert_p2p as ep
@@ -101,7 +102,7 @@ def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
     comm.workspace = FakeWorkspace(world * slot_bytes)
     comm._events = [FakeEvent(i, recorder) for i in range(world)]
     comm._warm, comm._tables = set(), {}
-    comm._agreed = {}
+    comm._agreed = WeakTensorKeyDictionary()
     comm.graphs = CallGraphs(None)
     compute = FakeStream(0, recorder)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
@@ -219,9 +220,9 @@ def test_the_workspace_holds_the_largest_chunk_of_any_pair_agreed_once_per_layou
     plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, layout.tokens)
     call = ExpertCall("op", plan, torch.zeros(4, HIDDEN, dtype=torch.bfloat16), torch.zeros(LOCAL, HIDDEN, 2 * FFN),
                       layout=layout)
-    for _ in range(2):
-        comm.prepare(call, ep.Chunks.of(plan, layout))
-    assert reduced == [5]  # this rank's own largest chunk, once for the layout
+    for routing in (layout, layout, layout.with_weights(torch.rand(layout.tokens, TOP_K))):  # one layer's calls
+        comm.prepare(ExpertCall("op", plan, call.a, call.b, layout=routing), ep.Chunks.of(plan, routing))
+    assert reduced == [5]  # this rank's own largest chunk, once for the layer
     assert comm._slot_bytes() >= 40 * HIDDEN * 2 and len(comm.workspace.grown) == 1
     assert comm.workspace.grown[0][1] == (ep.FREE_BASE, ep.FREE_BASE + 2)  # the free flags start at 1
     bounded = _layout(2, 0, "bounded", (50, 50), (50, 50), bound=50)

@@ -53,11 +53,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap import guards
 from flashoverlap.comm import stream_ops
@@ -127,15 +127,17 @@ def relative_ends(layout: Layout) -> torch.Tensor:
     return (ends - layout.recv_seg_starts.view(world, local)[:, :1]).to(torch.int32)
 
 
-_HOST_ENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# By the layout's segment ends: the tensor that a layer's dispatch, combine (``Layout.with_weights`` makes a new
+# Layout around the same tensors) and backward calls share.
+_HOST_ENDS = WeakTensorKeyDictionary()
 
 
 def host_relative_ends(layout: Layout) -> list[list[int]]:
-    """``relative_ends`` on the host, per chunk: one host synchronisation per layout (exact mode only, which the
-    per-segment ``torch.mm`` loop needs), kept while the layout lives."""
-    ends = _HOST_ENDS.get(layout)
+    """``relative_ends`` on the host, per chunk: one host synchronisation per layer's layout (exact mode only,
+    which the per-segment ``torch.mm`` loop needs), kept while its tensors live."""
+    ends = _HOST_ENDS.get(layout.recv_seg_ends)
     if ends is None:
-        ends = _HOST_ENDS[layout] = relative_ends(layout).tolist()
+        ends = _HOST_ENDS[layout.recv_seg_ends] = relative_ends(layout).tolist()
     return ends
 
 
@@ -288,6 +290,9 @@ class ExpertNcclCommunicator:
                                    use_local_synchronization=True)
         self._global = [dist.get_global_rank(group, p) for p in range(self.world_size)]
         self._comm_group = group
+        # A first operation on the group with every rank in it (NCCL creates its communicator lazily, and a first
+        # batch of point-to-point operations must involve every rank), then the rounds.
+        dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         probe = torch.zeros((self.world_size, 8), dtype=torch.uint8, device=self.device)
         landed = torch.empty_like(probe)
         with torch.cuda.stream(self.comm_stream):

@@ -50,11 +50,11 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap import guards
 from flashoverlap.comm import stream_ops
@@ -260,7 +260,7 @@ class ExpertP2PCommunicator:
         self._events = [torch.cuda.Event() for _ in range(max(self.world_size, 1))]
         self._warm: set[tuple] = set()
         self._tables: dict = {}
-        self._agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._agreed = WeakTensorKeyDictionary()  # by the layout's segment ends (see _agreed_rows)
         self.graphs = CallGraphs(self.device)  # repeated bounded-mode calls replayed (comm/replay.py)
 
     def _slot_bytes(self) -> int:
@@ -333,14 +333,15 @@ class ExpertP2PCommunicator:
 
     def _agreed_rows(self, layout, chunks: Chunks) -> int:
         """Exact mode: the largest chunk any pair of ranks moves with this layout, the same on every rank (one
-        all-reduce of one integer per layout: every rank knows only its own pairs)."""
-        rows = self._agreed.get(layout)
+        all-reduce of one integer per layer's layout, kept by its segment ends, the tensor its dispatch, combine and
+        backward calls share: every rank knows only its own pairs)."""
+        rows = self._agreed.get(layout.recv_seg_ends)
         if rows is None:
             guards.refuse_inside_capture("the P2P path's exact mode agrees on its slot size with the peers")
             device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
             largest = torch.tensor([max(chunks.send + chunks.recv, default=0)], dtype=torch.int64, device=device)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-            rows = self._agreed[layout] = int(largest.item())
+            rows = self._agreed[layout.recv_seg_ends] = int(largest.item())
         return rows
 
     def _load_kernels(self, call: ExpertCall, chunks: Chunks) -> None:
