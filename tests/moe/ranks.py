@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _INT_POISON = 1 << 40
+_GRACE = 20.0  # seconds the other ranks get to report once one has failed
 
 
 def _poisoned(t: torch.Tensor) -> torch.Tensor:
@@ -83,12 +84,15 @@ class Ranks:
         errors: dict[int, str] = {}
         try:
             for _ in range(self.world):
-                rank, status, payload = self._results.get(timeout=timeout)
+                # Once a rank has failed, the others may wait for it in a collective: give them a little while.
+                rank, status, payload = self._results.get(timeout=_GRACE if errors else timeout)
                 (results if status == "ok" else errors)[rank] = payload
         except queue.Empty:
             self.broken = True
             self.close()
-            raise RuntimeError(f"ranks did not all report within {timeout} s (a rank hangs in a collective)") from None
+            if not errors:
+                raise RuntimeError(f"ranks did not all report within {timeout} s (a rank hangs in a collective)"
+                                   ) from None
         if errors:
             first = min(errors)
             raise RuntimeError(f"rank {first} failed:\n{errors[first]}")
@@ -99,7 +103,7 @@ class Ranks:
             if p.is_alive() and not self.broken:
                 jobs.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=0.1 if self.broken else 10)
             if p.is_alive():
                 p.kill()
         self._tmp.cleanup()

@@ -84,8 +84,12 @@ def _collective_errors(rank, world):
                       fo.moe_layout, idx, p["experts"])
     # Every token to rank 0's experts: 11 rows from rank 1 to rank 0 (T_1 = 11 tokens, top-1 there).
     crowded = torch.zeros((p["x"][rank].shape[0], 1), dtype=torch.int64)
-    bound = _raises(BoundExceeded, r"bound=3 rows per \(source, destination\) exceeded .*rank 1 -> rank 0: 11",
-                    fo.moe_layout, crowded, p["experts"], mode="bounded", bound=3)
+    bound = _raises(BoundExceeded, r"bound=10 rows per \(source, destination\) exceeded .*rank 1 -> rank 0: 11",
+                    fo.moe_layout, crowded, p["experts"], mode="bounded", bound=10)
+    at_the_bound = fo.moe_layout(crowded, p["experts"], mode="bounded", bound=11)  # exactly the bound: fine
+    h = fo.moe_dispatch_gemm(p["x"][rank], p["w13"][:4].transpose(1, 2), at_the_bound)
+    # Rank 0 receives its own 10 rows and rank 1's 11, each in its slot of 11 rows; rank 1 receives none.
+    assert h.shape[0] == 22 and int(h.any(dim=1).sum()) == (21 if rank == 0 else 0)
     _good_call(rank, p, fo, mode="bounded")
     return message, bound
 
@@ -124,7 +128,7 @@ def test_bad_arguments_are_named_before_anything_moves(ranks):
 def test_a_bad_index_or_an_exceeded_bound_raises_on_every_rank(ranks):
     (index0, bound0), (index1, bound1) = ranks(2).run(_collective_errors)
     assert index0 == index1 and "nothing was sent" in index0
-    assert "bound=3" in bound0 and "bound=3" in bound1 and "bound >= 11" in bound0
+    assert "bound=10" in bound0 and "bound=10" in bound1 and "bound >= 11" in bound0
 
 
 def test_debug_mode_names_the_ranks_that_disagree(ranks):

@@ -20,7 +20,7 @@ graph, traceable with ``torch.compile(fullgraph=True)``). Dropless in both: a ro
 naming the bound, on every rank, before any token moves.
 
 ``torch.compile``: bounded mode traces whole (every shape follows from the bound). Exact mode's ``moe_layout``
-is a graph break (``torch.compiler.disable``): its split sizes are host integers read from the device, which a
+is a graph break (run under ``torch.compiler.disable``): its split sizes are host integers read from the device, which a
 graph cannot hold without data-dependent shapes; the graph after it takes them as inputs (Dynamo may recompile
 when they change, then treats them as dynamic). Under ``fullgraph=True`` use bounded mode.
 """
@@ -62,11 +62,12 @@ def moe_layout(
     if torch.compiler.is_compiling():
         if mode == "bounded":
             return moe_library.bounded_layout(topk_idx, num_experts, group_name(group), bound)
-        return _exact_layout(topk_idx, num_experts, group, bound)
+        # A graph break: the split sizes are host integers. (Wrapped here, not at import: torch.compiler.disable
+        # imports Dynamo, seconds of every process's start-up.)
+        return torch.compiler.disable(_exact_layout)(topk_idx, num_experts, group, bound)
     return experts.layout("moe_layout", topk_idx, num_experts, group, mode, bound)
 
 
-@torch.compiler.disable
 def _exact_layout(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None,
                   bound: int | None) -> Layout:
     return experts.layout("moe_layout", topk_idx, num_experts, group, "exact", bound)
