@@ -5,9 +5,10 @@ Inductor post-grad pass (``torch._inductor.config.post_grad_custom_post_pass``, 
 rewrites, in every graph compiled afterwards, forward and backward alike, the matmul + functional-collective
 patterns that DTensor (PyTorch's ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel``) emits:
 
-- ``all_gather_into_tensor(x) -> wait_tensor -> [reshape] -> mm(., b)`` into ``flashoverlap::all_gather_gemm(x, b)``
-  (its gathered input replaces the all-gather's result for every other user, such as the copy saved for backward;
-  where several matmuls read one all-gather, the widest one is fused and the others read the gathered input);
+- ``all_gather_into_tensor(x) -> wait_tensor -> [reshape] -> mm(., b)`` (or ``addmm(bias, ., b)``, a linear with a
+  bias) into ``flashoverlap::all_gather_gemm(x, b)``: its gathered input replaces the all-gather's result for every
+  other reader, such as the copy saved for backward; where several matmuls read one all-gather (q, k and v), the
+  widest is fused and the others read the gathered input;
 - ``mm(a, b) -> [reshape] -> reduce_scatter_tensor(sum) -> wait_tensor`` into ``flashoverlap::gemm_reduce_scatter``;
 - ``mm(a, b) -> [reshape] -> all_reduce(sum) -> wait_tensor`` into ``flashoverlap::gemm_all_reduce``.
 
@@ -176,17 +177,20 @@ def _split_cat(cat: torch.fx.Node) -> tuple[torch.fx.Node, int, int, int] | None
     return src, split_dim % src_val.ndim, cat_dim % src_val.ndim, len(pieces)
 
 
-def _row_view_chain(start: torch.fx.Node, end: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The reshapes from ``end`` back to ``start`` (``end`` may be ``start``): each a view/reshape of the one before,
-    which on contiguous tensors keeps the bytes in order. None if ``end`` is not reached that way."""
-    chain = []
-    node = end
-    while node is not start:
-        if not (isinstance(node, torch.fx.Node) and node.target in _VIEWS):
-            return None
-        chain.append(node)
-        node = node.args[0]
-    return chain
+def _bias_addmm(node: torch.fx.Node, a: torch.fx.Node) -> bool:
+    """``addmm(bias, a, b)`` with a bias of the product's last dimension and ``alpha = beta = 1`` (``F.linear``
+    with a bias): the same as ``a @ b + bias``."""
+    if node.target is not _aten.addmm.default or node.args[1] is not a or len(node.args) > 3:
+        return False
+    if any(node.kwargs.get(name, 1) != 1 for name in ("alpha", "beta")):
+        return False
+    bias, out = _val(node.args[0]), _val(node)
+    return bias is not None and out is not None and bias.ndim == 1 and bias.shape[0] == out.shape[-1]
+
+
+def _operands(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """A matmul's ``(a, b)``, of ``mm(a, b)`` or ``addmm(bias, a, b)``."""
+    return (mm.args[1], mm.args[2]) if mm.target is _aten.addmm.default else (mm.args[0], mm.args[1])
 
 
 class _Rewriter:
@@ -249,8 +253,8 @@ class _Rewriter:
             for user in node.users:
                 if user.target in _VIEWS and user.args[0] is node:
                     stack.append(user)
-                elif user.target is _aten.mm.default and user.args[0] is node:
-                    a_val, b = _val(node), user.args[1]
+                elif (user.target is _aten.mm.default and user.args[0] is node) or _bias_addmm(user, node):
+                    a_val, b = _val(node), _operands(user)[1]
                     if (a_val is None or _val(b) is None or a_val.shape[-1] != result_val.shape[-1]
                             or shard_val.numel() % a_val.shape[-1] or result in _ancestors(b)):
                         continue
@@ -258,11 +262,13 @@ class _Rewriter:
         if not candidates:
             return self._left("all_gather_into_tensor", gather, "no matmul reads it as rows")
         mm = max(candidates, key=lambda n: _val(n).shape[-1])  # the widest product hides the most
-        a = mm.args[0]
+        a, b = _operands(mm)
         k = _val(a).shape[-1]
         rows = self._call(_aten.reshape.default, (shard, [shard_val.numel() // k, k]), mm)
-        fused = self._call(torch.ops.flashoverlap.all_gather_gemm.default, (rows, mm.args[1], group), mm)
+        fused = self._call(torch.ops.flashoverlap.all_gather_gemm.default, (rows, b, group), mm)
         product = self._call(operator.getitem, (fused, 0), mm)
+        if mm.target is _aten.addmm.default:  # addmm(bias, a, b) = a @ b + bias
+            product = self._call(_aten.add.Tensor, (product, mm.args[0]), mm)
         gathered = self._call(operator.getitem, (fused, 1), mm)
         gathered_as_result = self._call(_aten.reshape.default, (gathered, list(result_val.shape)), mm)
         mm.replace_all_uses_with(product)

@@ -8,7 +8,9 @@ from flashoverlap.nn.layers import (
     sync_sequence_parallel_grads,
 )
 from flashoverlap.nn.moe import ExpertParallelMLP, MoEBlock, MoEExpert, route
+from flashoverlap.nn.styles import ColwiseParallel, RowwiseParallel, styles_from_hf_plan
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "mark_sequence_parallel", "parallelize",
            "sync_sequence_parallel_grads"]
 __all__ += ["ExpertParallelMLP", "MoEBlock", "MoEExpert", "route"]
+__all__ += ["ColwiseParallel", "RowwiseParallel", "styles_from_hf_plan"]
