@@ -1,6 +1,7 @@
 """Bad input to the MoE ops, on two gloo ranks: every error names the argument and is raised on every rank before
 any token row moves, and the group stays usable (a good call after the errors gives the plain answer). Collective
-errors (an expert index out of range on one rank, a routing beyond the bound) are raised by every rank together;
+errors (an expert index out of range on one rank, a routing beyond the bound, ranks that disagree on the mode or
+the bound) are raised by every rank together;
 in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``) ranks that disagree on a call or on the counts raise, naming the
 ranks."""
 
@@ -90,8 +91,13 @@ def _collective_errors(rank, world):
     h = fo.moe_dispatch_gemm(p["x"][rank], p["w13"][:4].transpose(1, 2), at_the_bound)
     # Rank 0 receives its own 10 rows and rank 1's 11, each in its slot of 11 rows; rank 1 receives none.
     assert h.shape[0] == 22 and int(h.any(dim=1).sum()) == (21 if rank == 0 else 0)
+    # The default bound is tokens * top_k: ranks with 10 and 11 tokens disagree, and so do exact and bounded.
+    disagree = _raises(ValueError, r"disagree on the mode or the bound \(rank 0: bounded, bound=20, rank 1: "
+                       r"bounded, bound=22\)", fo.moe_layout, p["idx"][rank], p["experts"], mode="bounded")
+    _raises(ValueError, r"disagree on the mode or the bound \(rank 0: exact, rank 1: bounded, bound=30\)",
+            fo.moe_layout, p["idx"][rank], p["experts"], mode=("exact", "bounded")[rank], bound=rank * 30 or None)
     _good_call(rank, p, fo, mode="bounded")
-    return message, bound
+    return message, bound, disagree
 
 
 def _debug_errors(rank, world):
@@ -126,7 +132,8 @@ def test_bad_arguments_are_named_before_anything_moves(ranks):
 
 
 def test_a_bad_index_or_an_exceeded_bound_raises_on_every_rank(ranks):
-    (index0, bound0), (index1, bound1) = ranks(2).run(_collective_errors)
+    (index0, bound0, disagree0), (index1, bound1, disagree1) = ranks(2).run(_collective_errors)
+    assert disagree0 == disagree1
     assert index0 == index1 and "nothing was sent" in index0
     assert "bound=10" in bound0 and "bound=10" in bound1 and "bound >= 11" in bound0
 

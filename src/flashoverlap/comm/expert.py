@@ -256,10 +256,10 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
                   bound: int | None = None, topk_weights: torch.Tensor | None = None) -> Layout:
     """This rank's routing layout (see the module docstring) for ``topk_idx: [T, k]`` over ``num_experts`` experts
     shared evenly by ``group``'s ranks; ``topk_weights: [T, k]`` (optional) are taken in send order. Collective:
-    one all-gather of every rank's ``[W, L + 1]`` counts (each destination's per-expert counts and the rank's
-    number of out-of-range indices): every rank then knows every (source, destination) total, so that a bad index
-    or an exceeded bound anywhere makes every rank raise together, instead of one rank raising while its peers
-    wait in the next collective.
+    one all-gather of every rank's ``[W, L + 2]`` counts (each destination's per-expert counts, the rank's number
+    of out-of-range indices, its bound): every rank then knows every (source, destination) total, so that a bad
+    index, an exceeded bound or ranks that disagree on the mode or the bound make every rank raise together,
+    instead of one rank raising (or sizing its buffers differently) while its peers wait in the next collective.
 
     exact: one host synchronisation (the split sizes, and the check). bounded: none on CUDA (the check is
     ``torch._assert_async``); on the CPU the check is a plain ``BoundExceeded``.
@@ -278,27 +278,29 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     expert = flat.clamp(0, num_experts - 1)  # an out-of-range index is reported below, never used to address
     sorted_expert, send_order = torch.sort(expert, stable=True)
     counts = torch.bincount(expert, minlength=num_experts)
-    message = torch.empty((world, local + 1), dtype=torch.int64, device=device)
+    message = torch.empty((world, local + 2), dtype=torch.int64, device=device)
     message[:, :local] = counts.view(world, local)
     message[:, local] = bad.sum()
-    everyone = torch.empty((world * world, local + 1), dtype=torch.int64, device=device)
+    message[:, local + 1] = bound if mode == "bounded" else 0  # the ranks must agree on it: checked below
+    everyone = torch.empty((world * world, local + 2), dtype=torch.int64, device=device)
     all_gather_into_tensor(everyone, message, group.process_group)
-    everyone = everyone.view(world, world, local + 1)  # [source, destination, counts and bad indices]
+    everyone = everyone.view(world, world, local + 2)  # [source, destination, counts, bad indices, bound]
     send_counts, recv_counts = counts.view(world, local), everyone[:, rank, :local].contiguous()
     pair_totals = everyone[:, :, :local].sum(2)  # [source, destination]
-    bad_at = everyone[:, 0, local]
+    bad_at, bounds = everyone[:, 0, local], everyone[:, 0, local + 1]
     send_totals = send_counts.sum(1)
     dest = sorted_expert // local
     dest_starts = torch.cumsum(send_totals, 0) - send_totals
     if mode == "exact":
-        summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at]).tolist()  # the one host sync
-        send_splits, recv_splits, bad_list = summary[:world], summary[world : 2 * world], summary[2 * world :]
-        _raise_on_bad_indices(bad_list, num_experts, group)
+        summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at, bounds]).tolist()  # the one sync
+        send_splits, recv_splits = summary[:world], summary[world : 2 * world]
+        _raise_on_disagreement(summary[3 * world :], 0, group)
+        _raise_on_bad_indices(summary[2 * world : 3 * world], num_experts, group)
         send_rows = torch.arange(tokens * top_k, dtype=torch.int64, device=device)
         seg_ends = torch.cumsum(recv_counts.reshape(-1), 0)
         splits = {"send_splits": tuple(send_splits), "recv_splits": tuple(recv_splits)}
     else:
-        _check_bound(pair_totals, bad_at, bound, num_experts, group)
+        _check_bound(pair_totals, bad_at, bounds, bound, num_experts, group)
         position = torch.arange(tokens * top_k, dtype=torch.int64, device=device) - dest_starts[dest]
         # Clamped: a row past the bound (an error raised above) never writes outside its slot.
         send_rows = dest * bound + position.clamp(max=bound - 1)
@@ -319,10 +321,20 @@ def _raise_on_bad_indices(bad_at: list[int], num_experts: int, group: CommGroup)
                          f"({sum(bad_at)} in all); nothing was sent")
 
 
-def _check_bound(pair_totals: torch.Tensor, bad_at: torch.Tensor, bound: int, num_experts: int,
-                 group: CommGroup) -> None:
-    """Every rank sees every (source, destination) total: all raise, or none."""
+def _raise_on_disagreement(bounds: list[int], mine: int, group: CommGroup) -> None:
+    """Every rank got every rank's mode and bound (0: exact): all raise, or none."""
+    if any(b != mine for b in bounds):
+        said = ", ".join(f"rank {s}: " + (f"bounded, bound={b}" if b else "exact") for s, b in enumerate(bounds))
+        raise ValueError(f"expert_layout: the ranks of {group.name} disagree on the mode or the bound ({said}); "
+                         "every rank must pass the same mode and bound (the default bound, tokens * top_k, differs "
+                         "where the ranks' token counts differ: pass bound explicitly); nothing was sent")
+
+
+def _check_bound(pair_totals: torch.Tensor, bad_at: torch.Tensor, bounds: torch.Tensor, bound: int,
+                 num_experts: int, group: CommGroup) -> None:
+    """Every rank sees every (source, destination) total, and every rank's bound: all raise, or none."""
     if pair_totals.device.type != "cuda":
+        _raise_on_disagreement(bounds.tolist(), bound, group)
         _raise_on_bad_indices(bad_at.tolist(), num_experts, group)
         totals = pair_totals.tolist()
         over = [(s, d, n) for s, row in enumerate(totals) for d, n in enumerate(row) if n > bound]
@@ -333,10 +345,10 @@ def _check_bound(pair_totals: torch.Tensor, bad_at: torch.Tensor, bound: int, nu
                 f"bound={bound} rows per (source, destination) exceeded on {group.name} ({pairs}); pass "
                 f"bound >= {worst} (the worst case is tokens * top_k), or mode='exact'; nothing was sent")
         return
-    ok = (pair_totals.max() <= bound) & (bad_at.sum() == 0)
-    torch._assert_async(ok, f"flashoverlap: bound={bound} rows per (source, destination) exceeded, or an expert "
-                            f"index outside [0, {num_experts}), on {group.name}: pass a larger bound (worst case "
-                            "tokens * top_k) or mode='exact'")
+    ok = (pair_totals.max() <= bound) & (bad_at.sum() == 0) & (bounds == bound).all()
+    torch._assert_async(ok, f"flashoverlap: bound={bound} rows per (source, destination) exceeded, an expert "
+                            f"index outside [0, {num_experts}), or ranks that disagree on the bound, on {group.name}: "
+                            "pass the same, larger bound on every rank (worst case tokens * top_k) or mode='exact'")
 
 
 # -- layout mechanics every path shares ----------------------------------------------------------------------------

@@ -81,6 +81,17 @@ def _check_router_weights(name: str, topk_weights: object, shape: torch.Size, de
         raise ValueError(f"{name}: topk_weights is on {topk_weights.device} but the tokens are on {device}")
 
 
+def resolved_path(name: str, device: torch.device, dtype: torch.dtype, group: dist.ProcessGroup | None,
+                  path: str = "auto") -> str:
+    """The path an expert call on ``device`` in ``dtype`` takes for ``path`` (the error where it cannot apply);
+    collective where the P2P verdict must be asked (its first ask on the group)."""
+    context = group_context(name, group, device)
+    request = policy.ExpertRequest(device, dtype, context.world_size,
+                                   frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
+                                   context.p2p_reason, settings.current().nccl_p2p_disabled)
+    return policy.expert_path(name, path, request)[0]
+
+
 # -- a call ----------------------------------------------------------------------------------------------------
 
 

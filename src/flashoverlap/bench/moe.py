@@ -1,0 +1,300 @@
+"""The MoE layer benchmark (BENCHMARK.md, "The MoE layer"): one expert-parallel SwiGLU MoE layer on ``W`` ranks,
+flashoverlap's ops against the plain layer users run today, the same tokens, routing and weights.
+
+Per row {config, W, tokens, routing, mode, path, pass}, timed side by side (``timing.time_side_by_side``: CUDA
+events, each call queued behind a GPU sleep, median per rank, maximum over ranks, calls interleaved):
+
+- ``t_plain_ms``: the plain layer: the counts' ``all_to_all_single`` and one host synchronisation, the rows in send
+  order, NCCL ``all_to_all_single`` with the split sizes, regrouped by expert, ``torch._grouped_mm`` (gate and up
+  fused), SwiGLU, ``torch._grouped_mm``, back to (source, expert) order, the reverse ``all_to_all_single``, the
+  router-weighted sum (``index_add_``); forward+backward through ``torch.distributed.nn.functional``'s
+  differentiable all-to-all;
+- ``t_nocomm_ms``: the same with every all-to-all replaced by a local copy of the same size (the rows it would
+  have received, recorded once): the bound on what overlap can win;
+- ``t_ms``: ``moe_layout`` + ``moe_dispatch_gemm`` + SwiGLU + ``moe_gemm_combine`` on ``path`` (``mode``:
+  exact or bounded with the default bound);
+- ``E = (t_plain - t) / (t_plain - t_nocomm)``; ``host_us`` and ``host_plain_us``: the host time to issue one call
+  while the GPU is busy.
+
+Configs (all experts over the W ranks): Mixtral-8x7B-like (8 experts, top-2, H 4096, F 14336), Qwen3-30B-A3B-like
+(128, top-8, H 2048, F 768), DeepSeek-V3-like (256, top-8, H 7168, F 2048); routing balanced (every expert the same
+share) or Zipf(1.2) (expert popularity ``i^-1.2`` in a seeded order, k distinct experts per token); bf16.
+
+``torchrun --nproc-per-node W -m flashoverlap.bench.moe [--configs ...] [--tokens ...] [--out FILE]`` writes
+``benchmarks/results/<gpu>x<W>-<setting>-moe.json`` ({"meta", "rows"}); ``W = 1`` is a dry run of the code (no
+communication to hide). ``bench_rows`` runs on the CPU too (gloo, toy sizes, a stand-in timer) for its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+
+from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine, moe_layout
+from flashoverlap.runtime import experts
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+
+
+CONFIGS = {
+    "mixtral": MoEConfig(8, 2, 4096, 14336),
+    "qwen3-30b-a3b": MoEConfig(128, 8, 2048, 768),
+    "deepseek-v3": MoEConfig(256, 8, 7168, 2048),
+}
+TOY_CONFIGS = {"toy": MoEConfig(8, 2, 16, 24)}
+ROUTINGS = ("balanced", "zipf")
+MODES = ("exact", "bounded")
+PASSES = ("forward", "forward+backward")
+FIGURES = ("t_plain_ms", "t_nocomm_ms", "t_ms")
+
+
+def route(tokens: int, config: MoEConfig, routing: str, seed: int, device: torch.device,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_idx [T, k] int64, topk_weights [T, k])``: balanced (choice c of token t: expert ``(t*k + c + seed)
+    % E``) or Zipf(1.2) (k distinct experts per token, popularity ``i^-1.2`` over a seeded order of the experts);
+    router weights a softmax of random logits."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, k = config.experts, config.top_k
+    if routing == "balanced":
+        idx = (torch.arange(tokens)[:, None] * k + torch.arange(k)[None, :] + seed) % experts
+    elif routing == "zipf":
+        popularity = torch.arange(1, experts + 1, dtype=torch.float64) ** -1.2
+        popularity = popularity[torch.randperm(experts, generator=gen)]
+        idx = torch.multinomial(popularity.expand(tokens, -1), k, replacement=False, generator=gen)
+    else:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
+    return idx.to(device), weights.to(device=device, dtype=dtype)
+
+
+class _StandIn(torch.autograd.Function):
+    """A local copy in place of an all-to-all: forward ``out_rows`` (the rows it would have received), backward a
+    copy of ``in_rows`` (as many rows as the all-to-all's input): the same bytes, no communication."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, out_rows: torch.Tensor, in_rows: torch.Tensor) -> torch.Tensor:
+        ctx.in_rows = in_rows
+        return out_rows.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.in_rows.clone(), None, None
+
+
+class PlainMoE:
+    """The plain expert-parallel layer (see the module docstring), on this rank's experts ``w_up [L, H, 2F]``,
+    ``w_down [L, F, H]``. ``comm=False``: every all-to-all replaced by a copy of what it delivered last time
+    (``record`` first)."""
+
+    def __init__(self, w_up: torch.Tensor, w_down: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        self.w_up, self.w_down, self.group = w_up, w_down, group
+        self.world = dist.get_world_size(group)
+        self.recorded: dict[str, torch.Tensor] = {}
+
+    def without_comm(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self(x, topk_idx, topk_weights, comm=False)
+
+    def _exchange(self, name: str, inp: torch.Tensor, rows: int, out_splits: list[int], in_splits: list[int],
+                  comm: bool, record: bool) -> torch.Tensor:
+        if comm:
+            out = inp.new_empty((rows, inp.shape[1]))
+            out = dist_fn.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+            if record:
+                self.recorded[name] = out.detach().clone()
+            return out
+        return _StandIn.apply(inp, self.recorded[name], inp.detach())
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, comm: bool = True,
+                 record: bool = False) -> torch.Tensor:
+        world, local, ffn = self.world, self.w_up.shape[0], self.w_down.shape[1]
+        tokens, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=world * local)
+        if comm:
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=self.group)
+            if record:
+                self.recorded["counts"] = recv_counts.clone()
+        else:
+            recv_counts = self.recorded["counts"].clone()
+        totals = torch.cat([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
+        send_splits, recv_splits = totals[:world], totals[world:]
+        received = sum(recv_splits)
+        token = torch.div(order, k, rounding_mode="floor")
+        x_recv = self._exchange("x", x.index_select(0, token), received, recv_splits, send_splits, comm, record)
+        # (source, expert) order -> expert order for the grouped GEMMs, and back.
+        per_segment = recv_counts.view(world, local).reshape(-1)
+        row_expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(world), per_segment,
+                                             output_size=received)
+        perm = torch.argsort(row_expert, stable=True)
+        offs = torch.cumsum(recv_counts.view(world, local).sum(0), 0).to(torch.int32)
+        h = torch._grouped_mm(x_recv.index_select(0, perm), self.w_up, offs=offs)
+        a = F.silu(h[:, :ffn]) * h[:, ffn:]
+        y = torch._grouped_mm(a, self.w_down, offs=offs).index_select(0, torch.argsort(perm))
+        y_back = self._exchange("y", y, tokens * k, send_splits, recv_splits, comm, record)
+        weighted = y_back * topk_weights.reshape(-1).index_select(0, order)[:, None].to(y_back.dtype)
+        return torch.zeros_like(x).index_add(0, token, weighted)
+
+
+def _ours(w_up: torch.Tensor, w_down: torch.Tensor, group, mode: str, path: str) -> Callable:
+    ffn = w_down.shape[1]
+    experts_total = w_up.shape[0] * dist.get_world_size(group)
+
+    def layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        routing = moe_layout(topk_idx, experts_total, group, mode=mode)
+        h = moe_dispatch_gemm(x, w_up, routing, group, path=path)
+        return moe_gemm_combine(F.silu(h[:, :ffn]) * h[:, ffn:], w_down, topk_weights, routing, group, path=path)
+
+    return layer
+
+
+def _step(layer: Callable, args: tuple, grad: torch.Tensor | None, params: list[torch.Tensor]) -> Callable:
+    """One timed call: forward, or forward and backward (gradients cleared first, host-side only)."""
+    if grad is None:
+        def forward():
+            with torch.no_grad():
+                layer(*args)
+        return forward
+
+    def forward_backward():
+        for p in params:
+            p.grad = None
+        layer(*args).backward(grad)
+    return forward_backward
+
+
+def e_overlap(row: dict) -> float | None:
+    """``(t_plain - t) / (t_plain - t_nocomm)``, None where there is no communication time to hide."""
+    hideable = row["t_plain_ms"] - row["t_nocomm_ms"]
+    return None if hideable <= 1e-9 else (row["t_plain_ms"] - row["t_ms"]) / hideable
+
+
+def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings: list[str], modes: list[str],
+               paths: list[str], passes: list[str], timer: Callable, log: Callable[[list[dict]], None] | None = None,
+               device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
+               group: dist.ProcessGroup | None = None, seed: int = 0) -> list[dict]:
+    """Every row (see the module docstring). ``timer(fns, host_us) -> {name: ms}``: ``timing.time_side_by_side``
+    on the GPU, a stand-in on the CPU. A path that cannot serve the call is skipped with a note row."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rows: list[dict] = []
+    for name, config in configs.items():
+        if config.experts % world:
+            raise ValueError(f"{name}: {config.experts} experts cannot be shared by {world} ranks")
+        local = config.experts // world
+        gen = torch.Generator(device=device).manual_seed(seed + 7919 * rank)
+        w_up = (torch.randn(local, config.hidden, 2 * config.ffn, generator=gen, device=device, dtype=dtype)
+                / config.hidden**0.5)
+        w_down = (torch.randn(local, config.ffn, config.hidden, generator=gen, device=device, dtype=dtype)
+                  / config.ffn**0.5)
+        plain = PlainMoE(w_up, w_down, group)
+        for tokens in token_counts:
+            x = torch.randn(tokens, config.hidden, generator=gen, device=device, dtype=dtype)
+            grad = torch.randn(tokens, config.hidden, generator=gen, device=device, dtype=dtype)
+            for routing in routings:
+                idx, weights = route(tokens, config, routing, seed + rank, device, dtype)
+                plain(x, idx, weights, record=True)  # what the stand-ins copy
+                for pass_ in passes:
+                    train = pass_ == "forward+backward"
+                    for tensor in (x, w_up, w_down, weights):
+                        tensor.requires_grad_(train)
+                    params = [x, w_up, w_down, weights]
+                    for path in paths:
+                        try:
+                            resolved = experts.resolved_path("bench moe", device, dtype, group, path)
+                        except ValueError as exc:
+                            rows.append({"config": name, "W": world, "tokens": tokens, "routing": routing,
+                                         "path": path, "pass": pass_, "notes": f"skipped: {exc}"})
+                            continue
+                        for mode in modes:
+                            fns = {
+                                "t_plain_ms": _step(plain, (x, idx, weights), grad if train else None, params),
+                                "t_nocomm_ms": _step(plain.without_comm, (x, idx, weights), grad if train else None,
+                                                     params),
+                                "t_ms": _step(_ours(w_up, w_down, group, mode, path), (x, idx, weights),
+                                              grad if train else None, params),
+                            }
+                            host: dict[str, float] = {}
+                            times = timer(fns, host)
+                            row = {"config": name, "W": world, "tokens": tokens, "routing": routing, "mode": mode,
+                                   "path": resolved, "pass": pass_, "experts": config.experts,
+                                   "top_k": config.top_k, **{f: round(times[f], 4) for f in FIGURES}}
+                            row["E"] = e_overlap(row)
+                            row["host_us"] = round(host["t_ms"], 1)
+                            row["host_plain_us"] = round(host["t_plain_ms"], 1)
+                            rows.append(row)
+                            if log is not None:
+                                log(rows)
+                    for tensor in (x, w_up, w_down, weights):
+                        tensor.requires_grad_(False)
+                        tensor.grad = None
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashoverlap.bench.__main__ import _meta, write_results
+    from flashoverlap.bench.timing import time_side_by_side
+
+    parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.moe", description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per rank")
+    parser.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--paths", nargs="+", default=["auto"], help="auto, nccl, p2p, reference")
+    parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<gpu>x<W>-<setting>"
+                                                    "-moe.json)")
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench.moe")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    world = dist.get_world_size()
+    meta = _meta(args, world)
+    meta["command"] = os.environ.get("FLASHOVERLAP_COMMAND", meta["command"].replace("flashoverlap.bench",
+                                                                                     "flashoverlap.bench.moe"))
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{meta['setting']}-moe.json")
+
+    def timer(fns: dict, host: dict) -> dict:
+        return time_side_by_side(fns, warmup=args.warmup, iters=args.iters, host_us=host)
+
+    def log(rows: list[dict]) -> None:
+        if dist.get_rank() == 0:
+            row = rows[-1]
+            figures = " ".join(f"{f}={row[f]:.3f}" for f in FIGURES)
+            e = "E=  n/a" if row["E"] is None else f"E={row['E']:+.2f}"
+            print(f"{row['config']:>14} W={row['W']} {row['tokens']:>6} {row['routing']:>8} {row['mode']:>7} "
+                  f"{row['path']:>9} {row['pass']:>16}: {figures} {e} host_us={row['host_us']:.0f} "
+                  f"(plain {row['host_plain_us']:.0f})", flush=True)
+            write_results(out, meta, rows, {})
+
+    configs = {name: CONFIGS[name] for name in args.configs}
+    rows = bench_rows(configs, args.tokens, args.routings, args.modes, args.paths, args.passes, timer, log, device)
+    if dist.get_rank() == 0:
+        write_results(out, meta, rows, {})
+        print(f"wrote {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
