@@ -3,7 +3,7 @@
 # nvlink benchmark grid of all three ops (sequential, decomposition, async TP, NCCL path, P2P path, path="auto"),
 # the host-time shapes, then the GPU tests; each step under its own timeout. Logs and JSON land in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=<sha> [STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like
-#        reliability faults ring-nvlink ring-pcie-like block-profile"]
+#        reliability faults ring-nvlink ring-pcie-like block-profile moe-nvlink moe-pcie-like hf-nvlink hf-pcie-like"]
 #        [TESTS_K=<pytest -k>] [BLOCK_ARGS=...]
 #        bash benchmarks/device_run.sh
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
@@ -79,6 +79,26 @@ if has faults; then  # one process per fault scenario (a missing-peer error leav
     done
     grep -E "^\[.*fault|exit" "$OUT/faults.log" | cut -c1-200
 fi
+for setting in nvlink pcie-like; do  # the MoE layer (issue 22): every config, routing, mode, path, both passes
+    has moe-$setting || continue
+    env=""; [[ $setting == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
+    paths=${MOE_PATHS:-auto nccl p2p}; [[ $setting == pcie-like ]] && paths=${MOE_PATHS:-auto nccl}
+    cmd="$env torchrun --nproc-per-node $NGPU -m flashoverlap.bench.moe --paths $paths ${MOE_ARGS:-}"
+    echo "== $cmd" | tee "$OUT/moe-$setting.log"
+    env $env FLASHOVERLAP_COMMAND="$cmd" timeout ${MOE_TIMEOUT:-540} torchrun --nproc-per-node $NGPU \
+        -m flashoverlap.bench.moe --paths $paths ${MOE_ARGS:-} --out "$OUT/$gpu-$setting-moe.json" \
+        >> "$OUT/moe-$setting.log" 2>&1
+    echo "moe $setting: exit $?"; grep -vE "^W[0-9]|Warning|warn" "$OUT/moe-$setting.log" | tail -20
+done
+for setting in nvlink pcie-like; do  # the Hugging Face Llama example at an 8B shape (issue 22): styles, pass, baselines
+    has hf-$setting || continue
+    env=""; [[ $setting == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
+    cmd="$env torchrun --nproc-per-node $NGPU examples/hf_llama_tp.py ${HF_ARGS:-}"
+    echo "== $cmd" | tee "$OUT/hf-$setting.log"
+    env $env FLASHOVERLAP_COMMAND="$cmd" timeout ${HF_TIMEOUT:-540} torchrun --nproc-per-node $NGPU \
+        examples/hf_llama_tp.py ${HF_ARGS:-} --out "$OUT/$gpu-$setting-hf-llama.json" >> "$OUT/hf-$setting.log" 2>&1
+    echo "hf $setting: exit $?"; grep -vE "^W[0-9]|Warning|warn" "$OUT/hf-$setting.log" | tail -20
+done
 if has tests; then
     timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -x -v --durations=0 tests/gpu ${TESTS_K:+-k "$TESTS_K"} \
         > "$OUT/gpu-tests.log" 2>&1
