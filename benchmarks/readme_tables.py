@@ -60,8 +60,8 @@ def _auto(row: dict) -> dict:
 def ops_table(path: str) -> str:
     """One row per op and shape: what ``path="auto"`` gave, beside sequential, decomposition and async TP."""
     data = _load(path)
-    lines = ["| op | M, N, K | T_seq | best decomp. | async TP | **ours** (path) | speedup | E | E async TP "
-             "| host µs seq / ours |",
+    lines = ["| op | M, N, K | T_seq (ms) | best decomp. (ms) | async TP (ms) | **ours** (ms, path) | speedup | E "
+             "| E async TP | host µs seq / ours |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     seen = set()
     for row in data["rows"]:
@@ -78,26 +78,61 @@ def ops_table(path: str) -> str:
             f"| {row['t_seq_ms'] / auto['t_ms']:.2f}x | {_e(auto['E'])} "
             f"| {_e(efficiency(row['t_seq_ms'], tp, row['t_ideal_ms']) if tp else None)} "
             f"| {host.get('seq', float('nan')):.0f} / {auto['host_us'] or float('nan'):.0f} |")
-    return "\n".join(lines) + "\n\n" + _source(path, data)
+    return "\n".join(lines) + "\n\n" + OPS_LEGEND + "\n\n" + _source(path, data)
+
+
+OPS_LEGEND = (
+    "<sub>`T_seq`: `torch.matmul` then the NCCL collective, one after the other (what users run today). "
+    "`best decomp.`: the GEMM cut into 2, 4 or 8 row chunks, each chunk's collective issued asynchronously on a "
+    "second stream, the best of the three. `async TP`: PyTorch's `torch.ops.symm_mem.fused_matmul_reduce_scatter` / "
+    "`fused_all_gather_matmul` (none for all-reduce). **ours** (`T`): a plain call (`path=\"auto\"`, no tuning "
+    "cache) and the path it took. `speedup`: `T_seq / T`. `E`: `(T_seq - T) / (T_seq - max(T_gemm, T_comm))`, the "
+    "share of the hideable time hidden (`T_gemm`: `torch.matmul` alone, `T_comm`: the collective alone); `E async "
+    "TP`: the same for async TP. `host µs`: the host time to issue one call while the GPU is busy.</sub>")
+
+
+BLOCK_FIGURES = ("t_torch_eager_ms", "t_nocomm_eager_ms", "t_ours_eager_ms", "t_torch_compiled_ms",
+                 "t_nocomm_compiled_ms", "t_async_tp_ms", "t_ours_compiled_ms")
+
+
+def _e_block(row: dict, kind: str, t) -> float | None:
+    """``(t_torch - t) / (t_torch - t_nocomm)`` with the baselines of the same kind (eager or compiled)."""
+    torch_ms, nocomm_ms = row[f"t_torch_{kind}_ms"], row[f"t_nocomm_{kind}_ms"]
+    if None in (torch_ms, nocomm_ms, t) or torch_ms <= nocomm_ms:
+        return None
+    return (torch_ms - t) / (torch_ms - nocomm_ms)
 
 
 def block_table(path: str) -> str:
-    """The transformer block: each implementation's step time, and E_block = share of the communication bound won."""
+    """The transformer block, two lines per mode and token count: eager blocks beside each other, compiled blocks
+    beside each other, and E_block of each line against its own line's baselines (never across the two)."""
     data = _load(path)
-    lines = ["| mode | tokens | PyTorch TP | no communication | async TP (compiled) | **ours eager** "
-             "| **ours compiled** | E_block eager | E_block compiled |",
+    lines = ["| mode | tokens | blocks | PyTorch TP (ms) | no communication (ms) | async TP (ms) | **ours** (ms) "
+             "| E_block ours | E_block async TP |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in data["rows"]:
-        bound = row["t_torch_ms"] - row["t_nocomm_ms"]
+        missing = [name for name in BLOCK_FIGURES if name not in row]
+        if missing:
+            raise ValueError(f"{path}: a block row without {missing} (a file from before eager and compiled "
+                             "baselines were measured separately): measure it again")
+        for kind in ("eager", "compiled"):
+            ours = row[f"t_ours_{kind}_ms"]
+            if ours is None and row[f"t_torch_{kind}_ms"] is None:
+                continue  # nothing of this kind was measured (decode steps are eager only)
+            tp = row["t_async_tp_ms"] if kind == "compiled" else None
+            lines.append(
+                f"| {row['mode']} | {row['tokens']} | {kind} | {_ms(row[f't_torch_{kind}_ms'])} "
+                f"| {_ms(row[f't_nocomm_{kind}_ms'])} | {_ms(tp)} | **{_ms(ours)}** | {_e(_e_block(row, kind, ours))} "
+                f"| {_e(_e_block(row, kind, tp))} |")
+    return "\n".join(lines) + "\n\n" + BLOCK_LEGEND + "\n\n" + _source(path, data)
 
-        def e_block(t, bound=bound, row=row):
-            return None if t is None or bound <= 0 else (row["t_torch_ms"] - t) / bound
 
-        lines.append(
-            f"| {row['mode']} | {row['tokens']} | {_ms(row['t_torch_ms'])} | {_ms(row['t_nocomm_ms'])} "
-            f"| {_ms(row['t_async_tp_ms'])} | **{_ms(row['t_ours_eager_ms'])}** | **{_ms(row['t_ours_compiled_ms'])}** "
-            f"| {_e(e_block(row['t_ours_eager_ms']))} | {_e(e_block(row['t_ours_compiled_ms']))} |")
-    return "\n".join(lines) + "\n\n" + _source(path, data)
+BLOCK_LEGEND = (
+    "<sub>ms per step. `PyTorch TP`: matmul then NCCL through differentiable functional collectives. `no "
+    "communication`: the same block with every collective replaced by a local stand-in of the same shape (the bound "
+    "on what overlap can win). `async TP`: the plain block compiled with Inductor's micro-pipeline TP pass (compiled "
+    "only). `E_block`: `(PyTorch TP - T) / (PyTorch TP - no communication)` within the line: eager against eager, "
+    "compiled against compiled.</sub>")
 
 
 def e_range(path: str, op: str, path_name: str = "auto") -> str:
@@ -139,7 +174,7 @@ def sub_band_table(path: str) -> str:
 def paths_table(path: str) -> str:
     """Every row of a benchmark file: each path's T and E, plan and host time, beside the same baselines."""
     data = _load(path)
-    lines = ["| op | path | M, N, K | T_gemm | T_comm | T_seq | T | E | plan | host µs seq / T |",
+    lines = ["| op | path | M, N, K | T_gemm (ms) | T_comm (ms) | T_seq (ms) | T (ms) | E | plan | host µs seq / T |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in data["rows"]:
         plan = row["plan"]
@@ -150,7 +185,13 @@ def paths_table(path: str) -> str:
             f"| {OPS[row['op']]} | {row['path']} | {row['M']}, {row['N']}, {row['K']} | {_ms(row['t_gemm_ms'])} "
             f"| {_ms(row['t_comm_ms'])} | {_ms(row['t_seq_ms'])} | {_ms(row['t_ms'])} | {_e(row['E'])} | {what} "
             f"| {host.get('seq', float('nan')):.0f} / {host.get('ours', float('nan')):.0f} |")
-    return "\n".join(lines) + "\n\n" + _source(path, data)
+    return "\n".join(lines) + "\n\n" + PATHS_LEGEND + "\n\n" + _source(path, data)
+
+
+PATHS_LEGEND = (
+    "<sub>`T_gemm`: `torch.matmul` alone. `T_comm`: the NCCL collective alone on the whole result. `T_seq`: the two "
+    "one after the other. `T`: flashoverlap on that path, end to end. `E`: `(T_seq - T) / (T_seq - max(T_gemm, "
+    "T_comm))`. `host µs`: the host time to issue one call while the GPU is busy.</sub>")
 
 
 def model_summary(*paths: str) -> str:
@@ -205,9 +246,41 @@ def reliability(path: str, commit: str) -> str:
         f"{summary['calls']}`.</sub>"
 
 
+def cpu_install(path: str) -> str:
+    """What a CPU machine installs: site-packages of a fresh environment per install command."""
+    data = _load(path)
+    meta = data["meta"]
+    lines = [f"| CPU install, fresh environment, `pip install {meta['torch']}` first | site-packages (MiB) "
+             "| triton | cuda-bindings |", "| --- | --- | --- | --- |"]
+    for row in data["installs"]:
+        command = "pip install -e ." if row["extra"] is None else f'pip install -e ".{row["extra"]}"'
+        lines.append(f"| `{command}` | {row['site_packages_mib']} | {'yes' if row['has_triton'] else 'no'} "
+                     f"| {'yes' if row['has_cuda_bindings'] else 'no'} |")
+    return "\n".join(lines) + f"\n\n<sub>Source: `{path}` ({meta['machine']}, Python {meta['python']}, commit " \
+        f"`{str(meta['commit'])[:10]}`, {meta['date'][:10]}): `{meta['command']}`.</sub>"
+
+
+def _min_s(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds:02d} s"
+
+
+def suite_time(path: str) -> str:
+    """How long the README's ``pytest`` took on the CPU machine (wall clock, and CPU time, which other work on the
+    machine does not lengthen), and what it counted (inline)."""
+    data = _load(path)
+    suite, meta = data["suite"], data["meta"]
+    counts = ", ".join(f"{n} {word}" for word, n in suite["counts"].items())
+    load = suite["load_average_before_after"][0]
+    return f"{_min_s(suite['seconds'])} on a {suite['cores']}-core CPU machine (load average {load:.1f} at the " \
+        f"start, from other work), {_min_s(suite['cpu_seconds'])} of CPU time ({counts}; `{path}`, commit " \
+        f"`{str(meta['commit'])[:10]}`)"
+
+
 RENDERERS = {"ops": ops_table, "block": block_table, "e-range": e_range, "host-ratio-range": host_ratio_range,
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
-             "mutations": mutations_table, "reliability": reliability}
+             "mutations": mutations_table, "reliability": reliability, "cpu-install": cpu_install,
+             "suite-time": suite_time}
 
 
 def render(spec: str) -> str:
