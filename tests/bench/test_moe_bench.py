@@ -46,7 +46,7 @@ def _bench(rank, world):
         host.update({name: 1.0 for name in fns})
         return {"t_plain_ms": 3.0, "t_nocomm_ms": 1.0, "t_ms": 2.0}
 
-    rows = bench_rows(TOY_CONFIGS, [6, 9], ["balanced", "zipf"], ["exact", "bounded"], ["auto", "nccl"],
+    rows = bench_rows(TOY_CONFIGS, [6], ["balanced", "zipf"], ["exact", "bounded"], ["auto", "nccl"],
                       ["forward", "forward+backward"], timer, device=torch.device("cpu"))
     return errors, rows, len(calls)
 
@@ -56,8 +56,8 @@ def test_moe_bench_rows_on_two_cpu_ranks():
         assert all(err < 3e-2 for err in errors.values()), errors
         timed = [r for r in rows if "notes" not in r]
         skipped = [r for r in rows if "notes" in r]
-        assert len(timed) == 2 * 2 * 2 * 2 and calls == 3 * len(timed)  # tokens x routings x passes x modes
-        assert len(skipped) == 2 * 2 * 2 and all("needs CUDA tensors" in r["notes"] for r in skipped)
+        assert len(timed) == 2 * 2 * 2 and calls == 3 * len(timed)  # routings x passes x modes
+        assert len(skipped) == 2 * 2 and all("needs CUDA tensors" in r["notes"] for r in skipped)
         for row in timed:
             assert row["path"] == "reference" and row["W"] == 2 and row["E"] == 0.5
             assert row["host_us"] == row["host_plain_us"] == 1.0 and row["config"] == "toy"

@@ -120,6 +120,8 @@ def _debug_errors(rank, world):
         x = p["x"][rank] if rank == 0 else p["x"][rank].half()
         _raises(ValueError, r"the ranks disagree on dtype \(rank 1 differs from rank 0\)", fo.moe_dispatch_gemm,
                 x, w_up.to(x.dtype), layouts[0])
+        _raises(ValueError, r"the ranks disagree on path \(rank 1 differs from rank 0\)", fo.moe_dispatch_gemm,
+                p["x"][rank], w_up, layouts[0], path=("auto", "reference")[rank])
         _good_call(rank, p, fo)
     finally:
         del os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"]

@@ -105,14 +105,18 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layou
     receive rows, ``b [L, K, H]``, ``topk_weights [T, k]`` where ``weighted``. Returns the result and, where
     ``return_gathered``, the extra rows (dispatch: received, combine: returned to the origin)."""
     env = settings.current()
+    capturing = guards.capturing()
+    if env.timeout is not None and not capturing and path in policy.EXPERT_PATHS:
+        # Before anything collective of the call (a first call's path rule may ask the P2P verdict).
+        _check_operands(name, op, a, b, routing, topk_weights, per_choice, weighted)
+        k, n = b.shape[1], b.shape[2]
+        hidden, ffn = (k, n) if op == "dispatch" else (n, k)
+        header = [1 + ("dispatch", "combine").index(op), routing.experts, hidden, ffn, routing.top_k,
+                  MODES.index(routing.mode), routing.bound or 0, _DTYPE_CODES[a.dtype],
+                  policy.EXPERT_PATHS.index(path), int(per_choice), int(weighted)]
+        _agree(name, group_context(name, group, a.device), header, routing, env.timeout)
     context, resolved, plan = _resolve(name, op, a, b, routing, group, path, topk_weights, per_choice, weighted,
                                        env.nccl_p2p_disabled)
-    capturing = guards.capturing()
-    if env.timeout is not None and not capturing:
-        header = [1 + ("dispatch", "combine").index(op), plan.experts, plan.hidden, plan.ffn, plan.top_k,
-                  MODES.index(plan.mode), plan.bound or 0, _DTYPE_CODES[a.dtype],
-                  policy.EXPERT_PATHS.index(path), int(per_choice), int(weighted)]
-        _agree(name, context, header, routing, env.timeout)
     if op == "combine" and weighted:
         routing = routing.with_weights(topk_weights)
     call = ExpertCall(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
