@@ -108,6 +108,8 @@ def _run(model, x_local, compiled=False):
     # Compiled: Inductor with ATen kernels (its C++ code generation costs a minute on two cores, and is the same
     # for either style); a dispatch mode cannot watch a compiled graph, so the ops are seen in eager runs only.
     seen = _OpsSeen()
+    if compiled:
+        torch._dynamo.reset()  # another case's compiled code must not be reused (and recompiling can recurse)
     run = torch.compile(model, fullgraph=True, options={"fallback_by_default": True}) if compiled else model
     with seen if not compiled else contextlib.nullcontext():
         y = run(x_local)
@@ -191,6 +193,7 @@ CASES = [
     ("replicate", 1, 8, torch.float64, False),  # a dtype the ops do not take: PyTorch's path
     ("not_overlapped", 1, 8, torch.float32, False),
     ("sequence", 3, 10, torch.float32, True),
+    ("titan", 1, 10, torch.float32, True),  # a DTensor input under compile
 ]
 
 
