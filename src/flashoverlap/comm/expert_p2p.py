@@ -62,6 +62,7 @@ from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
 from flashoverlap.comm.expert_nccl import Chunks, chunk_gemm, chunk_multiplier, segment_table
 from flashoverlap.comm.protocol import CommGroup, held_signature
 from flashoverlap.comm.replay import CallGraphs, address
+from flashoverlap.comm.ring_schedule import Hook, Record, Signal, Wait, WaitEvent  # the ring's step types
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import P2P_MAX_RANKS
 
@@ -111,42 +112,6 @@ class Copy:
     src: Loc
     rows: int
     stream: str
-
-
-@dataclass(frozen=True)
-class Wait:
-    """On ``stream``: block until the flag is 1, then reset it to 0."""
-
-    stream: str
-    flag: Loc
-    what: str
-
-
-@dataclass(frozen=True)
-class Signal:
-    """On ``stream``: set the flag (possibly a peer's) to 1."""
-
-    stream: str
-    flag: Loc
-
-
-@dataclass(frozen=True)
-class Record:
-    stream: str
-    event: int
-
-
-@dataclass(frozen=True)
-class WaitEvent:
-    stream: str
-    event: int
-
-
-@dataclass(frozen=True)
-class Hook:
-    """On ``C``: the caller's independent work, where ``C`` would otherwise wait for the peers' rows."""
-
-    stream: str = "C"
 
 
 @dataclass(frozen=True)
