@@ -1,0 +1,138 @@
+"""Where one eager P2P call's host time goes, step by step, under the conditions of ``p2p_one_gpu.py``'s host rows
+(two processes sharing one GPU, the ranks aligned by a barrier, the GPU busy ahead): every torch and driver entry
+point the call uses is wrapped to stamp its start and end, and the time between stamps is the call's own Python.
+A diagnostic for issue 19 (eager host time), not a library figure.
+
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/host_trace.py [out.json]
+"""
+
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from p2p_one_gpu import HOST_SHAPE, OPS, IpcWorkspace  # noqa: E402
+
+import flashoverlap as fo  # noqa: E402
+from flashoverlap.comm import stream_ops  # noqa: E402
+from flashoverlap.comm.protocol import Call  # noqa: E402
+from flashoverlap.runtime.context import context_of  # noqa: E402
+
+CALLS = 20
+stamps: list[tuple[str, int, int]] = []
+
+
+def traced(name, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stamps.append((name, t0, time.perf_counter_ns()))
+
+    return wrapper
+
+
+def patch():
+    """Wrap the entry points; returns the undo list."""
+    undo = []
+
+    def swap(owner, attr, name):
+        original = getattr(owner, attr)
+        undo.append((owner, attr, original))
+        setattr(owner, attr, traced(name, original))
+
+    swap(torch, "mm", "torch.mm")
+    swap(torch, "empty", "torch.empty")
+    swap(torch.Tensor, "addmm_", "addmm_")
+    swap(torch.Tensor, "record_stream", "record_stream")
+    swap(torch.cuda, "current_stream", "current_stream")
+    swap(torch.cuda.Event, "record", "event.record")
+    swap(torch.cuda.Stream, "wait_event", "wait_event")
+    swap(torch.cuda.Stream, "wait_stream", "wait_stream")
+    swap(torch.cuda.Stream, "record_event", "record_event")
+    driver = stream_ops.fast()
+    for attr in ("write", "wait_reset", "copy"):
+        swap(driver, attr, f"driver.{attr}")
+    return undo
+
+
+def trace(fn):
+    """One call per repeat, as ``bench.timing.host_us`` times it; per repeat: the total, the time inside each entry
+    point by name, and the rest (the call's own Python)."""
+    runs = []
+    for _ in range(CALLS):
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)
+        stamps.clear()
+        t0 = time.perf_counter_ns()
+        fn()
+        total = time.perf_counter_ns() - t0
+        inside = collections.defaultdict(float)
+        counts = collections.Counter()
+        for name, start, end in stamps:
+            inside[name] += (end - start) / 1000
+            counts[name] += 1
+        first = [(name, round((start - t0) / 1000, 1), round((end - start) / 1000, 1))
+                 for name, start, end in stamps[:6]]
+        runs.append({"total": total / 1000, "inside": dict(inside), "counts": dict(counts), "first": first})
+    torch.cuda.synchronize()
+    middle = sorted(runs, key=lambda r: r["total"])[len(runs) // 2]
+    names = sorted({n for r in runs for n in r["inside"]})
+    return {"total_us": round(statistics.median(r["total"] for r in runs), 1),
+            "median_run": {"inside_us": {n: round(middle["inside"].get(n, 0), 1) for n in names},
+                           "counts": middle["counts"],
+                           "python_us": round(middle["total"] - sum(middle["inside"].values()), 1),
+                           "first_steps_at_us": middle["first"]}}
+
+
+def main():
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    device = torch.device("cuda", 0)
+    comm = context_of(dist.group.WORLD, device).communicator("gemm", "p2p")
+    comm.workspace = IpcWorkspace(dist.group.WORLD, device)
+    m, n, k = HOST_SHAPE
+    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
+                       "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
+                       "command": "CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 "
+                                  "benchmarks/diagnostics/host_trace.py OUT.json", "shape": [m, n, k]},
+              "ops": {}}
+    undo = None
+    for op in OPS:
+        rows_a = m // world if op == "all_gather" else m
+        a = torch.randn(rows_a, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
+        plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+        call = Call(op, plan, a, b, replay=False)
+        for _ in range(3):
+            comm.run(call)
+        torch.cuda.synchronize()
+        undo = patch()
+        try:
+            report["ops"][op] = {"plan": str(plan), "p2p_eager": trace(lambda call=call: comm.run(call)),
+                                 "torch.mm": trace(lambda a=a, b=b: torch.mm(a, b)),
+                                 "torch.mm x4": trace(lambda a=a, b=b: [torch.mm(a, b) for _ in range(4)])}
+        finally:
+            for owner, attr, original in reversed(undo):
+                setattr(owner, attr, original)
+    if rank == 0:
+        print(json.dumps(report, indent=1), flush=True)
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
