@@ -1,7 +1,8 @@
 """The command line's parsing, on a CPU machine: every command's ``--help`` lists every option of the commands under
 it (``bench --help`` those of ``bench ops`` and ``bench block``) and prints instead of refusing for want of GPUs;
-one strict parser for shapes and counts, used by ``flashoverlap`` and by ``python -m flashoverlap.bench[.block]``
-alike (``1_6`` is not 16, ``-8,8,8`` gets the shape's message, not argparse's "expected one argument")."""
+one strict parser for shapes and counts (``bench/args.py``), used by ``flashoverlap`` and by ``python -m
+flashoverlap.bench[.block]`` alike (``1_6`` is not 16, ``-8,8,8`` gets the shape's message, not argparse's
+"expected one argument")."""
 
 import argparse
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from flashoverlap import cli
+from flashoverlap.bench import args
 
 
 def _sub(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -68,20 +70,20 @@ def test_a_bad_shape_is_refused_with_the_shapes_message(capsys, text):
 
 
 def test_shapes_and_counts_parse_strictly():
-    assert cli.shape("8,16,32") == (8, 16, 32)
-    assert cli.shapes("1,2,3;4,5,6") == [(1, 2, 3), (4, 5, 6)]
-    assert cli.positive_ints("8192,16384") == [8192, 16384]
-    assert cli.non_negative_ints("0,4") == [0, 4]
+    assert args.shape("8,16,32") == (8, 16, 32)
+    assert args.shapes("1,2,3;4,5,6") == [(1, 2, 3), (4, 5, 6)]
+    assert args.positive_ints("8192,16384") == [8192, 16384]
+    assert args.non_negative_ints("0,4") == [0, 4]
     for bad in ("1_6", "-1", "0", "+2", "2.0", ""):
         with pytest.raises(argparse.ArgumentTypeError):
-            cli.positive(bad)
+            args.positive(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
-        cli.positive_ints("8,1_6")
+        args.positive_ints("8,1_6")
     with pytest.raises(argparse.ArgumentTypeError, match="unknown op"):
-        cli.op_names("all_reduce,all_to_all")
-    assert cli.op_names("") == []
-    assert cli.join_values(["demo", "--shape", "-8,8,8", "--cpu"]) == ["demo", "--shape=-8,8,8", "--cpu"]
-    assert cli.join_values(["--shape", "--cpu"]) == ["--shape", "--cpu"]  # an option is left an option
+        args.op_names("all_reduce,all_to_all")
+    assert args.op_names("") == []
+    assert args.join_values(["demo", "--shape", "-8,8,8", "--cpu"]) == ["demo", "--shape=-8,8,8", "--cpu"]
+    assert args.join_values(["--shape", "--cpu"]) == ["--shape", "--cpu"]  # an option is left an option
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap.bench import op_rows
+from flashoverlap.bench.args import add_bench_ops_arguments, join_values
 from flashoverlap.bench.gemm_forms import gemm_form
 from flashoverlap.bench.op_rows import inputs as _inputs
 from flashoverlap.bench.rows import efficiency
@@ -36,7 +37,9 @@ def _setting() -> str:
     return "pcie-like" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink"
 
 
-def _meta(args: argparse.Namespace, world_size: int) -> dict:
+def _meta(args: argparse.Namespace, world_size: int, command: str | None = None) -> dict:
+    """What a results file records about its run; ``command``: the module and the arguments its parser was given
+    (default: this module's, from ``sys.argv``), unless ``FLASHOVERLAP_COMMAND`` names the exact command."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
@@ -53,7 +56,8 @@ def _meta(args: argparse.Namespace, world_size: int) -> dict:
         "triton": __import__("triton").__version__,
         "nccl": nccl_version,
         "commit": os.environ.get("FLASHOVERLAP_COMMIT", commit),
-        "command": os.environ.get("FLASHOVERLAP_COMMAND", " ".join(["python -m flashoverlap.bench", *sys.argv[1:]])),
+        "command": os.environ.get("FLASHOVERLAP_COMMAND",
+                                  command or " ".join(["python -m flashoverlap.bench", *sys.argv[1:]])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEV"))},
     }
@@ -224,11 +228,10 @@ def interference(args, rank, world_size, device, dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flashoverlap.cli import add_bench_ops_arguments, join_values
-
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench", description=__doc__.split("\n\n")[0])
     add_bench_ops_arguments(parser)  # the same options as `flashoverlap bench ops`, defined once
-    args = parser.parse_args(join_values(list(sys.argv[1:] if argv is None else argv)))
+    argv = join_values(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(argv)
 
     if "RANK" not in os.environ:
         parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench")
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     shapes = op_rows.GRID_ALL_REDUCE if args.shapes is None else args.shapes
 
-    meta = _meta(args, world_size)
+    meta = _meta(args, world_size, " ".join([parser.prog, *argv]))
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world_size}-{meta['setting']}.json")
     rows = []

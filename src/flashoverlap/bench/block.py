@@ -371,20 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from flashoverlap.bench.__main__ import _meta, write_results
-    from flashoverlap.cli import add_bench_block_arguments, join_values
+    from flashoverlap.bench.args import add_bench_block_arguments, join_values
 
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.block", description=__doc__.split("\n")[0])
     add_bench_block_arguments(parser)  # the same options as `flashoverlap bench block`, defined once
-    args = parser.parse_args(join_values(list(sys.argv[1:] if argv is None else argv)))
+    argv = join_values(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench.block")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)
-    meta = _meta(args, dist.get_world_size())
-    meta["command"] = os.environ.get("FLASHOVERLAP_COMMAND", meta["command"].replace("flashoverlap.bench",
-                                                                                     "flashoverlap.bench.block"))
+    meta = _meta(args, dist.get_world_size(), " ".join([parser.prog, *argv]))
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     out = args.out or os.path.join("benchmarks", "results",
                                    f"{gpu}x{dist.get_world_size()}-{meta['setting']}-block.json")
