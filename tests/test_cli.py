@@ -1,7 +1,7 @@
 """The command line's parsing, on a CPU machine: every command's ``--help`` lists every option of the commands under
-it (``bench --help`` those of ``bench ops`` and ``bench block``) and prints instead of refusing for want of GPUs;
-one strict parser for shapes and counts (``bench/args.py``), used by ``flashoverlap`` and by ``python -m
-flashoverlap.bench[.block]`` alike (``1_6`` is not 16, ``-8,8,8`` gets the shape's message, not argparse's
+it (``bench --help`` those of ``bench ops``, ``bench block`` and ``bench moe``) and prints instead of refusing for
+want of GPUs; one strict parser for shapes and counts (``bench/args.py``), used by ``flashoverlap`` and by ``python
+-m flashoverlap.bench[.block|.moe]`` alike (``1_6`` is not 16, ``-8,8,8`` gets the shape's message, not argparse's
 "expected one argument")."""
 
 import argparse
@@ -49,7 +49,8 @@ def test_help_of_gpu_commands_prints_on_a_cpu_machine(capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU machine, wherever this runs
-    for argv in (("bench", "ops", "--help"), ("bench", "block", "--help"), ("tune", "plan", "--help")):
+    for argv in (("bench", "ops", "--help"), ("bench", "block", "--help"), ("bench", "moe", "--help"),
+                 ("tune", "plan", "--help")):
         code, out, err = _main(capsys, *argv)
         assert code == 0 and out.startswith(f"usage: flashoverlap {argv[0]} {argv[1]}"), (argv, err)
     # And as a user types it, in a fresh process.
@@ -93,6 +94,11 @@ def test_shapes_and_counts_parse_strictly():
     (("bench", "ops", "--sweep-ctas", "4,-1"), "integers >= 0"),
     (("tune", "validate", "--ops", "all_reduce,gather"), "unknown op"),
     (("demo", "--world-size", "1_0"), "positive integer"),
+    (("bench", "moe", "--tokens", "4096,8192"), "positive integer"),
+    (("bench", "moe", "--warmup", "-1"), "integer >= 0"),
+    (("bench", "moe", "--iters", "0"), "positive integer"),
+    (("bench", "moe", "--paths", "ring"), "invalid choice: 'ring'"),
+    (("bench", "moe", "--configs", "mixtral-8x7b"), "invalid choice"),
 ])
 def test_bad_counts_are_refused_naming_the_option(capsys, argv, message):
     code, _, err = _main(capsys, *argv)
@@ -100,7 +106,8 @@ def test_bad_counts_are_refused_naming_the_option(capsys, argv, message):
 
 
 @pytest.mark.parametrize("module,argv", [("flashoverlap.bench.__main__", ["--shapes", "1_6,8,8"]),
-                                         ("flashoverlap.bench.block", ["--tokens", "-8"])])
+                                         ("flashoverlap.bench.block", ["--tokens", "-8"]),
+                                         ("flashoverlap.bench.moe", ["--tokens", "4096", "-8"])])
 def test_the_benchmark_modules_parse_with_the_same_functions(capsys, module, argv):
     import importlib
 
@@ -111,20 +118,38 @@ def test_the_benchmark_modules_parse_with_the_same_functions(capsys, module, arg
         in err, err
 
 
-def test_the_benchmarks_are_handed_the_options_after_their_name(monkeypatch):
+@pytest.mark.parametrize("what,argv", [("block", ["--tokens", "64", "--steps", "5"]),
+                                       ("moe", ["--tokens", "64", "128", "--paths", "nccl", "p2p"])])
+def test_the_benchmarks_are_handed_the_options_after_their_name(monkeypatch, what, argv):
+    import importlib
+
     import torch
 
-    import flashoverlap.bench.block as block
-
+    module = importlib.import_module(f"flashoverlap.bench.{what}")
     seen = {}
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
-    def block_main(argv):
+    def bench_main(argv):
         seen["argv"] = argv
         return 0
 
-    monkeypatch.setattr(block, "main", block_main)
-    assert cli.main(["bench", "block", "--tokens", "64", "--steps", "5"]) == 0
-    assert seen["argv"] == ["--tokens", "64", "--steps", "5"]
+    monkeypatch.setattr(module, "main", bench_main)
+    assert cli.main(["bench", what, *argv]) == 0
+    assert seen["argv"] == argv
+
+
+def test_the_moe_options_name_what_the_benchmark_has():
+    from flashoverlap.bench import moe
+    from flashoverlap.runtime.policy import EXPERT_PATHS
+
+    assert args.MOE_CONFIGS == list(moe.CONFIGS)
+    assert (args.MOE_ROUTINGS, args.MOE_MODES, args.MOE_PASSES) == (list(moe.ROUTINGS), list(moe.MODES),
+                                                                    list(moe.PASSES))
+    assert args.MOE_PATHS == list(EXPERT_PATHS)
+    parser = argparse.ArgumentParser()
+    args.add_bench_moe_arguments(parser)
+    parsed = parser.parse_args(["--tokens", "64", "128", "--paths", "auto", "nccl", "--warmup", "0"])
+    assert (parsed.tokens, parsed.paths, parsed.warmup, parsed.configs) == ([64, 128], ["auto", "nccl"], 0,
+                                                                            args.MOE_CONFIGS)

@@ -1,8 +1,8 @@
-"""The command line: ``flashoverlap demo | bench ops|block | tune ... | version`` (also ``python -m
+"""The command line: ``flashoverlap demo | bench ops|block|moe | tune ... | version`` (also ``python -m
 flashoverlap ...``).
 
 The options and their strict value parsers are ``bench/args.py``'s, shared with ``python -m flashoverlap.bench``,
-and ``.bench.block``, so that ``--help`` lists the same options everywhere and on any machine; this
+``.bench.block`` and ``.bench.moe``, so that ``--help`` lists the same options everywhere and on any machine; this
 module imports the benchmarks only to run them, and they never import it. ``bench`` and ``tune`` need CUDA GPUs
 and run under ``torchrun``; they say so after parsing, so their ``--help`` works on a CPU machine. Nothing here
 imports torch until a command runs.
@@ -18,6 +18,7 @@ from flashoverlap.bench.args import (
     DTYPES,
     OPS,
     add_bench_block_arguments,
+    add_bench_moe_arguments,
     add_bench_ops_arguments,
     join_values,
     op_list,
@@ -66,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
                                 "under torchrun on GPUs", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Benchmarks, under torchrun on CUDA GPUs; results JSON under "
                                 "benchmarks/results/ (docs/benchmarks.md).")
-    kinds = bench.add_subparsers(dest="what", required=True, metavar="{ops,block}")
+    kinds = bench.add_subparsers(dest="what", required=True, metavar="{ops,block,moe}")
     bench_parsers = {
         "ops": kinds.add_parser("ops", help="the benchmark grid of the three ops against their baselines",
                                 description="The ops against matmul + collective, decomposition and async TP "
@@ -75,9 +76,14 @@ def parser() -> argparse.ArgumentParser:
                                   description="A Llama-style block at tensor parallelism: ours against plain "
                                   "PyTorch TP, async TP and no communication, eager and compiled (also `python -m "
                                   "flashoverlap.bench.block`)."),
+        "moe": kinds.add_parser("moe", help="the expert-parallel MoE layer against the plain layer",
+                                description="One expert-parallel SwiGLU MoE layer: ours against NCCL all-to-all + "
+                                "torch._grouped_mm and against no communication, per config, routing, mode and path "
+                                "(also `python -m flashoverlap.bench.moe`)."),
     }
     add_bench_ops_arguments(bench_parsers["ops"])
     add_bench_block_arguments(bench_parsers["block"])
+    add_bench_moe_arguments(bench_parsers["moe"])
     bench.epilog = _usage_lines(bench_parsers)
 
     tune = commands.add_parser("tune", help="the tuner, under torchrun: bandwidth curves, plan search, model check",
@@ -134,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         from flashoverlap.bench.block import main as block_main
 
         return block_main(rest)
+    if args.what == "moe":
+        from flashoverlap.bench.moe import main as moe_main
+
+        return moe_main(rest)
     from flashoverlap.bench.__main__ import main as bench_main
 
     return bench_main(rest)

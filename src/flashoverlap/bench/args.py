@@ -1,7 +1,7 @@
 """Every option of the benchmarks, and the strict value parsers that every command shares.
 
-The benchmark modules (``python -m flashoverlap.bench``, ``.bench.block``) and the command line
-(``flashoverlap bench ops|block``, ``demo``, ``tune``) take their options from here, so that ``--help`` lists the
+The benchmark modules (``python -m flashoverlap.bench``, ``.bench.block``, ``.bench.moe``) and the command line
+(``flashoverlap bench ops|block|moe``, ``demo``, ``tune``) take their options from here, so that ``--help`` lists the
 same options everywhere; this module imports nothing of flashoverlap and no torch, so that both sides import it and
 neither imports the other (``cli`` hands a benchmark its arguments; a benchmark never reaches back into ``cli``).
 
@@ -18,9 +18,15 @@ import re
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
 DTYPES = ["bfloat16", "float16"]
+# The MoE benchmark's choices, by name (bench/moe.py holds what they mean; a test checks the two agree).
+MOE_CONFIGS = ["mixtral", "qwen3-30b-a3b", "deepseek-v3"]
+MOE_ROUTINGS = ["balanced", "zipf"]
+MOE_MODES = ["exact", "bounded"]
+MOE_PATHS = ["auto", "nccl", "p2p", "reference"]
+MOE_PASSES = ["forward", "forward+backward"]
 # Options whose value may start with "-" (a mistyped negative dimension): joined to their option before parsing.
 _VALUE_OPTIONS = ("--shape", "--shapes", "--tokens", "--world-size", "--top", "--max-mib", "--iters", "--steps",
-                  "--decode-tokens", "--sweep-iters", "--sweep-groups", "--sweep-ctas")
+                  "--decode-tokens", "--sweep-iters", "--sweep-groups", "--sweep-ctas", "--warmup")
 _DIGITS = re.compile(r"[0-9]+")
 
 
@@ -152,4 +158,25 @@ def add_bench_block_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-tp", action="store_true", help="skip torch's async TP (compiled)")
     parser.add_argument("--out", default=None,
                         help="results JSON (default benchmarks/results/<gpus>-<setting>-block.json)")
+
+
+def add_bench_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the MoE layer benchmark. Lists are space-separated (``--paths auto nccl``), as the two-GPU run's
+    script passes them."""
+    def names(flag: str, choices: list[str], default: list[str], what: str, metavar: str) -> None:
+        parser.add_argument(flag, nargs="+", choices=choices, default=default, metavar=metavar,
+                            help=f"{what}, space-separated, from {', '.join(choices)} (default: "
+                                 f"{' '.join(default)})")
+
+    names("--configs", MOE_CONFIGS, MOE_CONFIGS, "model configs", "CONFIG")
+    parser.add_argument("--tokens", nargs="+", type=positive, default=[4096, 16384], metavar="T",
+                        help="tokens per rank, space-separated (default: 4096 16384)")
+    names("--routings", MOE_ROUTINGS, MOE_ROUTINGS, "routings", "ROUTING")
+    names("--modes", MOE_MODES, MOE_MODES, "uneven-split modes", "MODE")
+    names("--paths", MOE_PATHS, ["auto"], "paths", "PATH")
+    names("--passes", MOE_PASSES, MOE_PASSES, "passes", "PASS")
+    parser.add_argument("--warmup", type=non_negative, default=3, help="untimed calls first (default 3)")
+    parser.add_argument("--iters", type=positive, default=20, help="timed calls per figure (default 20)")
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default benchmarks/results/<gpu>x<W>-<setting>-moe.json)")
 

@@ -20,7 +20,8 @@ Configs (all experts over the W ranks): Mixtral-8x7B-like (8 experts, top-2, H 4
 (128, top-8, H 2048, F 768), DeepSeek-V3-like (256, top-8, H 7168, F 2048); routing balanced (every expert the same
 share) or Zipf(1.2) (expert popularity ``i^-1.2`` in a seeded order, k distinct experts per token); bf16.
 
-``torchrun --nproc-per-node W -m flashoverlap.bench.moe [--configs ...] [--tokens ...] [--out FILE]`` writes
+``torchrun --nproc-per-node W -m flashoverlap.bench.moe [--configs ...] [--tokens ...] [--out FILE]`` (or
+``torchrun --nproc-per-node W -m flashoverlap bench moe ...``; options in ``bench/args.py``) writes
 ``benchmarks/results/<gpu>x<W>-<setting>-moe.json`` ({"meta", "rows"}); ``W = 1`` is a dry run of the code (no
 communication to hide). ``bench_rows`` runs on the CPU too (gloo, toy sizes, a stand-in timer) for its tests.
 """
@@ -246,20 +247,15 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
     from flashoverlap.bench.__main__ import _meta, write_results
+    from flashoverlap.bench.args import add_bench_moe_arguments, join_values
     from flashoverlap.bench.timing import time_side_by_side
 
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.moe", description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per rank")
-    parser.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--paths", nargs="+", default=["auto"], help="auto, nccl, p2p, reference")
-    parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<gpu>x<W>-<setting>"
-                                                    "-moe.json)")
+    add_bench_moe_arguments(parser)  # the same options as `flashoverlap bench moe`, defined once
+    argv = join_values(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench.moe")
@@ -268,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)
     world = dist.get_world_size()
-    meta = _meta(args, world)
-    meta["command"] = os.environ.get("FLASHOVERLAP_COMMAND", meta["command"].replace("flashoverlap.bench",
-                                                                                     "flashoverlap.bench.moe"))
+    meta = _meta(args, world, " ".join([parser.prog, *argv]))
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{meta['setting']}-moe.json")
 
