@@ -138,6 +138,26 @@ def test_nccl_through_host_memory_has_its_own_cache(monkeypatch):
     assert cache.load(host) and not cache.load(nvlink)
 
 
+def test_the_transport_is_the_callers_value_where_given(monkeypatch):
+    # The runtime passes its read-once setting: the environment of the moment does not override it.
+    for env in ("1", "0"):
+        monkeypatch.setenv("NCCL_P2P_DISABLE", env)
+        host = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16", nccl_p2p_disabled=True)
+        nvlink = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16", nccl_p2p_disabled=False)
+        assert host["nccl_p2p"] == "disabled" and "nccl_p2p" not in nvlink
+    # exchange_entries looks its entries up under the caller's transport too (one rank: nothing to send).
+    monkeypatch.setattr(cache.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(cache.dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(cache.dist, "broadcast_object_list", lambda box, src, group: None)
+    cache.store(host, _tuned())
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    every = cache.exchange_entries(None, "NVIDIA H200", 2, nccl_p2p_disabled=True)
+    assert cache.entries_for(every, host) == cache.load(host) != {}
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    assert cache.exchange_entries(None, "NVIDIA H200", 2, nccl_p2p_disabled=False) == {}
+    assert cache.exchange_entries(None, "NVIDIA H200", 2) != {}  # no value given: the environment's
+
+
 def test_a_borrowed_plan_keeps_its_cublas_bands():
     cache.store(KEY, _tuned(m=8192, gemm="cublas"))
     near = cache.select(cache.load(KEY), "all_reduce", 6000, 8192, 8192, 2, 132)

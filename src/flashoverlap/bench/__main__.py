@@ -330,12 +330,13 @@ def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: in
 def _predicted_group_times(plan, dtype, device) -> list[float] | None:
     """The model's group finish times for ``plan``, where every rank has a bandwidth curve (``tune bandwidth``)."""
     from flashoverlap.bench import tuner
+    from flashoverlap.runtime import settings
     from flashoverlap.tune import cache as plan_cache
     from flashoverlap.tune.model import predict
     from flashoverlap.tune.search import machine_of
 
     key = plan_cache.cache_key(torch.cuda.get_device_name(device), plan.world_size, plan.op, plan.path,
-                               str(dtype).replace("torch.", ""))
+                               str(dtype).replace("torch.", ""), settings.current().nccl_p2p_disabled)
     curve = tuner.load_curve(key)
     everyone = torch.tensor([curve is not None], dtype=torch.int32, device=device)
     dist.all_reduce(everyone, op=dist.ReduceOp.MIN)

@@ -41,13 +41,24 @@ def cache_dir() -> Path | None:
     return Path(os.environ.get("FLASHOVERLAP_CACHE_DIR") or Path.home() / ".cache" / "flashoverlap")
 
 
-def cache_key(gpu: str, world_size: int, op: str, path: str, dtype: str) -> dict:
-    """What a tuned plan depends on. With ``NCCL_P2P_DISABLE=1`` NCCL moves data through host memory, a different
-    machine as far as plans go (the benchmark's pcie-like setting): that is part of the key too."""
+def cache_key(gpu: str, world_size: int, op: str, path: str, dtype: str,
+              nccl_p2p_disabled: bool | None = None) -> dict:
+    """What a tuned plan depends on. With NCCL's peer-to-peer transport disabled (``NCCL_P2P_DISABLE=1``) NCCL
+    moves data through host memory, a different machine as far as plans go (the benchmark's pcie-like setting):
+    that is part of the key too. ``nccl_p2p_disabled`` is the caller's value (the runtime's is
+    ``runtime.settings.current().nccl_p2p_disabled``, read once); None, for callers that have none, reads the
+    environment here."""
+    if nccl_p2p_disabled is None:
+        nccl_p2p_disabled = _p2p_disabled_in_environment()
     key = {"gpu": gpu, "world_size": world_size, "op": op, "path": path, "dtype": dtype}
-    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+    if nccl_p2p_disabled:
         key["nccl_p2p"] = "disabled"
     return key
+
+
+def _p2p_disabled_in_environment() -> bool:
+    # The default for callers that pass no value (tune/ sits below runtime/ and cannot ask its read-once settings).
+    return os.environ.get("NCCL_P2P_DISABLE") == "1"
 
 
 def cache_file(key: dict) -> Path | None:
@@ -140,18 +151,21 @@ def _plan(entry: dict) -> Plan | None:
         return None
 
 
-def exchange_entries(group: dist.ProcessGroup, gpu: str, world_size: int) -> dict[str, dict[str, dict]]:
-    """Rank 0's cached entries for every op, path and dtype of this GPU and world size, the same on every rank of
-    ``group`` (collective: one broadcast), by ``"op/path/dtype"``. The runtime exchanges once per group and
-    ``generation()`` and keeps the answer, so that later first calls of other ops or dtypes, inside a CUDA-graph
-    capture too, need no collective."""
+def exchange_entries(group: dist.ProcessGroup, gpu: str, world_size: int,
+                     nccl_p2p_disabled: bool | None = None) -> dict[str, dict[str, dict]]:
+    """Rank 0's cached entries for every op, path and dtype of this GPU and world size (and NCCL transport:
+    ``nccl_p2p_disabled`` as in ``cache_key``), the same on every rank of ``group`` (collective: one broadcast), by
+    ``"op/path/dtype"``. The runtime exchanges once per group and ``generation()`` and keeps the answer, so that
+    later first calls of other ops or dtypes, inside a CUDA-graph capture too, need no collective."""
     guards.refuse_inside_capture("the first call for a process group exchanges the plan cache between ranks")
+    if nccl_p2p_disabled is None:
+        nccl_p2p_disabled = _p2p_disabled_in_environment()
     every = {}
     if dist.get_rank(group) == 0:
         for op in OPS:
             for path in (*PLAN_PATHS, "auto"):  # "auto": `tune plan --path auto`, whose plans name their path
                 for dtype in ("bfloat16", "float16"):
-                    entries = load(cache_key(gpu, world_size, op, path, dtype))
+                    entries = load(cache_key(gpu, world_size, op, path, dtype, nccl_p2p_disabled))
                     if entries:
                         every[f"{op}/{path}/{dtype}"] = entries
     box = [every]
