@@ -7,18 +7,23 @@ Two parts, per op:
 - ``p2p-executor``: the P2P communicator's ``run`` for a 4096x8192x8192-shaped plan at W = 2 (the schedule the
   one-GPU diagnostic times), with the driver, streams and events replaced by recorders and cuBLAS by a no-op.
 
-It runs against whichever flashoverlap is importable, so the same script measures an older commit too (it adapts
-to the communicator interface before the runtime layer, 7a977f7 and earlier):
+It runs against whichever flashoverlap is importable, with that checkout's own recording fakes
+(``tests/comm/test_p2p_executor.py``), so the same script measures an older commit too (it adapts to the
+communicator interface before the runtime layer, 7a977f7 and earlier). Each figure is the least time per call over
+several windows (other work on a shared machine only adds time). Measure both from clean checkouts:
 
-    python benchmarks/host_python.py --label after --out benchmarks/results/cpu-host-python.json
-    git worktree add /tmp/before 7a977f7 && PYTHONPATH=/tmp/before/src python benchmarks/host_python.py \\
-        --label before --out benchmarks/results/cpu-host-python.json
+    git worktree add /tmp/fo-before 7a977f7 && git worktree add --detach /tmp/fo-after HEAD
+    PYTHONPATH=/tmp/fo-before/src python benchmarks/host_python.py --label before \\
+        --out benchmarks/results/cpu-host-python.json
+    PYTHONPATH=/tmp/fo-after/src python benchmarks/host_python.py --label after \\
+        --out benchmarks/results/cpu-host-python.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -32,7 +37,10 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.comm's recording driver and streams
+# The checkout whose flashoverlap is importable (this one, or the one PYTHONPATH names): its own tests.comm
+# recording driver and streams fit its communicators (an older commit's fakes, for an older commit).
+SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents[2]
+sys.path.insert(0, str(SOURCE))
 
 import flashoverlap as fo  # noqa: E402
 from tests.comm import test_p2p_executor as fakes  # noqa: E402
@@ -41,14 +49,18 @@ OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatte
 SHAPE = (4096, 8192, 8192)
 
 
-def _per_call_us(fn, seconds: float = 1.0) -> float:
-    fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(200):
+def _per_call_us(fn, windows: int = 20, calls: int = 50) -> float:
+    """The least time per call over ``windows`` runs of ``calls`` calls: on a shared machine, other work only ever
+    adds time, so the least window is the code's own cost (as ``timeit`` advises)."""
+    for _ in range(calls):  # warm: first-call caches, lazily built objects
+        fn()
+    best = float("inf")
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(calls):
             fn()
-        calls += 200
-    return (time.perf_counter() - start) / calls * 1e6
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
 
 
 def runtime_us(op: str) -> float:
@@ -143,20 +155,31 @@ def main() -> int:
             rows.append({"op": op, "part": "p2p-executor", "mode": args.label, "us_per_call": round(us, 2),
                          "driver_and_stream_calls": steps})
         dist.destroy_process_group()
-    source = Path(fo.__file__).resolve().parents[2]
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=source, capture_output=True,
+    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=SOURCE, capture_output=True,
                             text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=source,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=SOURCE,
                            capture_output=True, text=True).stdout.strip()
+    commit += "-dirty" if dirty else ""
     for row in rows:
-        row["commit"] = commit + ("-dirty" if dirty else "")
+        row["commit"] = commit
         print(json.dumps(row))
     if args.out:
         path = Path(args.out)
         data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
         data["rows"] = [r for r in data["rows"] if r["mode"] != args.label] + rows
-        data["meta"] = {"command": "python benchmarks/host_python.py --label LABEL --out FILE (see its docstring)",
-                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        pythonpath = os.environ.get("PYTHONPATH")
+        runs = {label: run for label, run in data["meta"].get("runs", {}).items() if label != args.label}
+        runs[args.label] = {
+            "commit": commit, "source": "this checkout" if SOURCE == ROOT else f"PYTHONPATH={pythonpath}",
+            "command": " ".join(filter(None, [f"PYTHONPATH={pythonpath}" if pythonpath else "", "python",
+                                              *sys.argv])),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average": round(os.getloadavg()[0], 2)}
+        data["meta"] = {"command": "python benchmarks/host_python.py --label LABEL --out FILE (runs: each label's "
+                                   "exact command; the script's docstring)",
+                        "script_commit": subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT,
+                                                        capture_output=True, text=True).stdout.strip(),
+                        "runs": runs,
                         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
                         "torch": torch.__version__, "shape": list(SHAPE), "world_size_p2p": 2}
         path.write_text(json.dumps(data, indent=1) + "\n")
