@@ -3,13 +3,14 @@ driver and recording streams, read back as the schedule it must be (every flag w
 every copy moves its rows' bytes between the right addresses: peers' slots by the workspace's slot size, every
 signal writes the right flag, the GEMMs read and write the right rows with their chunk's segments, the hook and the
 weighted sum where the schedule says, the copy stream joined back); the workspace sized for the largest chunk any
-pair moves (agreed once per layout in exact mode); repeated bounded calls replayed from a graph; and the debug
-deadline polling every flag wait."""
+pair moves (the layout's max_pair_rows in exact mode: no collective); repeated bounded calls replayed from a graph;
+and the debug deadline polling every flag wait."""
+
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap.comm import expert_nccl
 from flashoverlap.comm import expert_p2p as ep
@@ -72,9 +73,10 @@ class FakeWorkspace:
         return FLAG_BASE + rank * FLAG_STRIDE + 4 * slot
 
 
-def _layout(world, rank, mode, send, recv, bound=None):
+def _layout(world, rank, mode, send, recv, bound=None, max_pair_rows=None):
     """A hand-made layout of ``rank`` (no collective): ``send[d]`` rows to rank d, ``recv[s]`` from rank s, split
-    over the local experts as evenly as they go."""
+    over the local experts as evenly as they go; ``max_pair_rows`` default: this rank's own largest pair (exact),
+    the bound (bounded)."""
     def per_expert(n):
         return [n // LOCAL + (1 if e < n % LOCAL else 0) for e in range(LOCAL)]
 
@@ -87,10 +89,12 @@ def _layout(world, rank, mode, send, recv, bound=None):
     starts = ends - recv_counts.reshape(-1)
     choices = sum(send)
     tokens = choices // TOP_K
+    if max_pair_rows is None:
+        max_pair_rows = max(send + recv) if mode == "exact" else bound
     splits = {"send_splits": tuple(send), "recv_splits": tuple(recv)} if mode == "exact" else {}
     return Layout(torch.arange(choices), torch.arange(choices), send_counts, recv_counts, starts.to(torch.int32),
                   ends.to(torch.int32), mode=mode, bound=bound, top_k=TOP_K, tokens=tokens, experts=LOCAL * world,
-                  weights=torch.rand(choices), **splits)
+                  weights=torch.rand(choices), max_pair_rows=max_pair_rows, **splits)
 
 
 def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
@@ -102,7 +106,6 @@ def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
     comm.workspace = FakeWorkspace(world * slot_bytes)
     comm._events = [FakeEvent(i, recorder) for i in range(world)]
     comm._warm, comm._tables = set(), {}
-    comm._agreed = WeakTensorKeyDictionary()
     comm.graphs = CallGraphs(None)
     compute = FakeStream(0, recorder)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
@@ -204,31 +207,36 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, r
     assert recorder.trace == _expected(comm, call, chunks, tensors, HIDDEN * 2)
 
 
-def test_the_workspace_holds_the_largest_chunk_of_any_pair_agreed_once_per_layout(monkeypatch):
+def test_the_workspace_holds_the_largest_chunk_of_any_pair_with_no_collective(monkeypatch):
     recorder = Recorder()
     comm = _communicator(0, 2, recorder, monkeypatch, slot_bytes=0)
-    reduced = []
+    collectives = []
 
-    def all_reduce(tensor, op=None, group=None):  # a peer moves 40 rows in one of its pairs
-        reduced.append(int(tensor.item()))
-        tensor.fill_(40)
+    def forbidden(name):
+        return lambda *args, **kwargs: collectives.append(name)
 
-    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier"):
+        monkeypatch.setattr(dist, name, forbidden(name))
     monkeypatch.setattr(comm, "_load_kernels", lambda call, chunks: None)
-    layout = _layout(2, 0, "exact", (3, 5), (4, 2))
+    # A peer's pair moves 40 rows, more than any of this rank's (5): the layout says so (expert_layout read it from
+    # the all-gathered counts); the slots must hold it with no collective and no host synchronisation of their own.
+    layout = _layout(2, 0, "exact", (3, 5), (4, 2), max_pair_rows=40)
     plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, layout.tokens)
-    call = ExpertCall("op", plan, torch.zeros(4, HIDDEN, dtype=torch.bfloat16), torch.zeros(LOCAL, HIDDEN, 2 * FFN),
-                      layout=layout)
+    a, b = torch.zeros(4, HIDDEN, dtype=torch.bfloat16), torch.zeros(LOCAL, HIDDEN, 2 * FFN)
     for routing in (layout, layout, layout.with_weights(torch.rand(layout.tokens, TOP_K))):  # one layer's calls
-        comm.prepare(ExpertCall("op", plan, call.a, call.b, layout=routing), ep.Chunks.of(plan, routing))
-    assert reduced == [5]  # this rank's own largest chunk, once for the layer
+        comm.prepare(ExpertCall("op", plan, a, b, layout=routing), ep.Chunks.of(plan, routing))
+    assert collectives == []
     assert comm._slot_bytes() >= 40 * HIDDEN * 2 and len(comm.workspace.grown) == 1
     assert comm.workspace.grown[0][1] == (ep.FREE_BASE, ep.FREE_BASE + 2)  # the free flags start at 1
     bounded = _layout(2, 0, "bounded", (50, 50), (50, 50), bound=50)
     plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, bounded.tokens, "bounded", 50)
-    comm.prepare(ExpertCall("op", plan, call.a, call.b, layout=bounded), ep.Chunks.of(plan, bounded))
-    assert reduced == [5] and comm._slot_bytes() >= 50 * HIDDEN * 2  # bounded: the bound, no agreement needed
+    comm.prepare(ExpertCall("op", plan, a, b, layout=bounded), ep.Chunks.of(plan, bounded))
+    assert collectives == [] and comm._slot_bytes() >= 50 * HIDDEN * 2  # bounded: the bound
+    plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, layout.tokens)
+    for bad, match in ((dataclasses.replace(layout, max_pair_rows=None), "the layout has no max_pair_rows"),
+                       (dataclasses.replace(layout, max_pair_rows=4), "max_pair_rows=4 is below its own largest")):
+        with pytest.raises(ValueError, match=match):
+            comm.prepare(ExpertCall("op", plan, a, b, layout=bad), ep.Chunks.of(plan, bad))
 
 
 class FakeGraph:

@@ -86,12 +86,13 @@ def test_layout_on_one_rank(world_of_one):
     # Choices t * k + c sorted stably by expert: expert 0: (1, 0); 1: (0, 1), (2, 1); 2: (2, 0); 3: (0, 0), (1, 1).
     assert exact.send_order.tolist() == [2, 1, 5, 4, 0, 3] and exact.send_rows.tolist() == list(range(6))
     assert exact.send_counts.tolist() == [[1, 2, 1, 2]] == exact.recv_counts.tolist()
-    assert exact.send_splits == (6,) == exact.recv_splits and exact.recv_rows == 6
+    assert exact.send_splits == (6,) == exact.recv_splits and exact.recv_rows == 6 and exact.max_pair_rows == 6
     assert torch.equal(exact.weights, weights.reshape(-1)[exact.send_order])
     starts, ends, local = recv_segments(exact)
     assert starts.tolist() == [0, 1, 3, 4] and ends.tolist() == [1, 3, 4, 6] and local.tolist() == [0, 1, 2, 3]
     bounded = expert_layout(idx, 4, world_of_one, mode="bounded", bound=8)
     assert bounded.send_splits is None and bounded.recv_rows == 8 and bounded.send_capacity == 8
+    assert bounded.max_pair_rows == 8  # the bound
     plan = ExpertPlan("dispatch", 1, 4, 5, 7, 2, 3, "bounded", 8)
     x = torch.randn(3, 5)
     buffer = send_buffer(x, plan, bounded)

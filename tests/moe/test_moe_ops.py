@@ -3,7 +3,7 @@ unsharded SwiGLU MoE (``cases.py``): output and every gradient (tokens, both exp
 and without autograd (the custom ops and the direct runtime call), in bf16, fp16 and fp32 (turning from case to
 case), exact and bounded mode, every routing of ``cases.ROUTINGS`` at top-k 1, 2 and 8, uneven token counts,
 weights as ``transpose(1, 2)`` views and contiguous; allocations poisoned (``ranks.py``), bounded mode's padding
-rows checked to be zero."""
+rows checked to be zero; the layout's ``max_pair_rows`` against the largest pair of the whole problem."""
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ def _forward_backward(rank, world, mode):
     """Every routing at every top-k it allows, the dtype turning from case to case (each dtype meets most routings
     over the three world sizes and two modes)."""
     import flashoverlap as fo
+    from flashoverlap.ops import moe_library
 
     done = []
     turn = world + (mode == "bounded")
@@ -48,6 +49,12 @@ def _forward_backward(rank, world, mode):
             w13 = p["w13"][own].clone().requires_grad_()
             w2 = p["w2"][own].clone().requires_grad_()
             layout = fo.moe_layout(p["idx"][rank], p["experts"], mode=mode, bound=bound)
+            # The group's largest (source, destination) pair, the same on every rank (exact: from the exchanged
+            # counts; bounded: the bound), also in the layout the custom ops rebuild from its tensors and values.
+            pairs = [int((i // p["local"] == d).sum()) for i in p["idx"] for d in range(world)]
+            largest = max(pairs) if mode == "exact" else bound
+            rebuilt = moe_library._layout(layout.tensors(), *moe_library.layout_values(layout))
+            assert layout.max_pair_rows == largest == rebuilt.max_pair_rows, f"{where}: max_pair_rows"
             # The transposed views nn.Linear-shaped weights give, and (every other case) contiguous [L, K, N].
             w_up, w_down = w13.transpose(1, 2), w2.transpose(1, 2)
             if seed % 2:

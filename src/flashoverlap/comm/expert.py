@@ -171,8 +171,11 @@ class Layout:
     each (exact: ``arange``; bounded: its destination's slot). ``send_counts``, ``recv_counts``: int64 ``[W, L]``.
     ``recv_seg_starts``, ``recv_seg_ends``: int32 ``[W*L]``, segment ``(s, l)``'s rows in the receive buffer.
     ``weights``: router weights in send order ``[T*k]`` (their dtype), or None. ``send_splits``, ``recv_splits``:
-    rows per peer (exact mode; None in bounded mode, where every split is ``bound``). ``mode``, ``bound``,
-    ``top_k``, ``tokens``, ``experts``: the values it was built for."""
+    rows per peer (exact mode; None in bounded mode, where every split is ``bound``). ``max_pair_rows``: the most
+    rows any (source, destination) pair of the group moves, the same on every rank (exact mode: read from the
+    all-gathered counts in ``expert_layout``'s one host synchronisation, so that a path sizing per-pair buffers
+    alike on every rank needs no collective of its own; bounded mode: ``bound``). ``mode``, ``bound``, ``top_k``,
+    ``tokens``, ``experts``: the values it was built for."""
 
     send_order: torch.Tensor
     send_rows: torch.Tensor
@@ -188,6 +191,7 @@ class Layout:
     weights: torch.Tensor | None = None
     send_splits: tuple[int, ...] | None = None
     recv_splits: tuple[int, ...] | None = None
+    max_pair_rows: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -218,13 +222,15 @@ class Layout:
 
     @classmethod
     def of_tensors(cls, tensors: list[torch.Tensor], mode: str, bound: int | None, top_k: int, tokens: int,
-                   experts: int, send_splits: list[int] | None = None,
-                   recv_splits: list[int] | None = None) -> Layout:
-        """The layout from ``tensors()`` and its values (custom ops rebuild it so)."""
+                   experts: int, send_splits: list[int] | None = None, recv_splits: list[int] | None = None,
+                   max_pair_rows: int | None = None) -> Layout:
+        """The layout from ``tensors()`` and its values (custom ops rebuild it so); ``max_pair_rows``: exact mode's
+        (bounded mode: the bound)."""
         exact = mode == "exact"
         return cls(*tensors, mode=mode, bound=None if exact else bound, top_k=top_k, tokens=tokens,
                    experts=experts, send_splits=tuple(send_splits) if exact else None,
-                   recv_splits=tuple(recv_splits) if exact else None)
+                   recv_splits=tuple(recv_splits) if exact else None,
+                   max_pair_rows=max_pair_rows if exact else bound)
 
 
 @dataclass(frozen=True, eq=False)
@@ -261,8 +267,8 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     index, an exceeded bound or ranks that disagree on the mode or the bound make every rank raise together,
     instead of one rank raising (or sizing its buffers differently) while its peers wait in the next collective.
 
-    exact: one host synchronisation (the split sizes, and the check). bounded: none on CUDA (the check is
-    ``torch._assert_async``); on the CPU the check is a plain ``BoundExceeded``.
+    exact: one host synchronisation (the split sizes, the largest pair's rows, and the check). bounded: none on
+    CUDA (the check is ``torch._assert_async``); on the CPU the check is a plain ``BoundExceeded``.
     """
     world, rank, device = group.world_size, group.rank, topk_idx.device
     if num_experts % world:
@@ -292,13 +298,16 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     dest = sorted_expert // local
     dest_starts = torch.cumsum(send_totals, 0) - send_totals
     if mode == "exact":
-        summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at, bounds]).tolist()  # the one sync
+        # The one sync; the largest pair of the group comes with it (every rank reads the same all-gathered totals).
+        summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at, bounds,
+                             pair_totals.max().reshape(1)]).tolist()
         send_splits, recv_splits = summary[:world], summary[world : 2 * world]
-        _raise_on_disagreement(summary[3 * world :], 0, group)
+        _raise_on_disagreement(summary[3 * world : 4 * world], 0, group)
         _raise_on_bad_indices(summary[2 * world : 3 * world], num_experts, group)
         send_rows = torch.arange(tokens * top_k, dtype=torch.int64, device=device)
         seg_ends = torch.cumsum(recv_counts.reshape(-1), 0)
-        splits = {"send_splits": tuple(send_splits), "recv_splits": tuple(recv_splits)}
+        splits = {"send_splits": tuple(send_splits), "recv_splits": tuple(recv_splits),
+                  "max_pair_rows": summary[4 * world]}
     else:
         _check_bound(pair_totals, bad_at, bounds, bound, num_experts, group)
         position = torch.arange(tokens * top_k, dtype=torch.int64, device=device) - dest_starts[dest]
@@ -306,7 +315,7 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
         send_rows = dest * bound + position.clamp(max=bound - 1)
         base = torch.arange(world, dtype=torch.int64, device=device)[:, None] * bound
         seg_ends = (base + torch.cumsum(recv_counts, 1)).reshape(-1)
-        splits = {}
+        splits = {"max_pair_rows": bound}
     seg_starts = seg_ends - recv_counts.reshape(-1)
     layout = Layout(send_order, send_rows, send_counts, recv_counts, seg_starts.to(torch.int32),
                     seg_ends.to(torch.int32), mode=mode, bound=bound if mode == "bounded" else None, top_k=top_k,

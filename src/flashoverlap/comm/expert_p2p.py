@@ -10,7 +10,8 @@ stream, high priority: the pushes into the peers'). ``ExpertP2PCommunicator`` is
 Memory. Each rank's symmetric data region holds ``W`` slots, slot ``s`` for the rows rank ``s`` pushes here (one
 chunk: ``comm/expert_nccl.py``'s ``Chunks``; bounded mode whole ``bound``-row slots, exact mode the layout's
 splits). Slot offsets depend only on the workspace size, the same on every rank: the workspace grows only to sizes
-all ranks agree on (bounded: the bound; exact: the largest chunk of any pair, agreed once per layout). The rows
+all ranks agree on (bounded: the bound; exact: the largest chunk of any pair, ``Layout.max_pair_rows``, which
+``expert_layout`` reads from the all-gathered counts in its one host synchronisation: no collective here). The rows
 that land are copied out (copy engine, on ``C``) into the call's ordinary buffer (dispatch's received rows,
 combine's returned rows), which frees the slot early and gives both paths the same buffers.
 
@@ -53,8 +54,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap import guards
 from flashoverlap.comm import stream_ops
@@ -225,7 +224,6 @@ class ExpertP2PCommunicator:
         self._events = [torch.cuda.Event() for _ in range(max(self.world_size, 1))]
         self._warm: set[tuple] = set()
         self._tables: dict = {}
-        self._agreed = WeakTensorKeyDictionary()  # by the layout's segment ends (see _agreed_rows)
         self.graphs = CallGraphs(self.device)  # repeated bounded-mode calls replayed (comm/replay.py)
 
     def _slot_bytes(self) -> int:
@@ -282,10 +280,11 @@ class ExpertP2PCommunicator:
 
     # -- before anything is queued -------------------------------------------------------------------------
     def prepare(self, call: ExpertCall, chunks: Chunks) -> None:
-        """The workspace holds this call's largest chunk in each of its ``W`` slots (growing it is collective, to a
-        size every rank agrees on, and refused inside a capture); a plan's first call loads its GEMM kernels."""
+        """The workspace holds the largest chunk any pair moves in this call in each of its ``W`` slots (growing it
+        is collective, to a size every rank agrees on, and refused inside a capture); a plan's first call loads its
+        GEMM kernels."""
         plan, layout, dtype = call.plan, call.layout, call.a.dtype
-        rows = plan.bound if plan.mode == "bounded" else self._agreed_rows(layout, chunks)
+        rows = plan.bound if plan.mode == "bounded" else self._largest_pair(call.name, layout, chunks)
         need = rows * plan.hidden * dtype.itemsize
         if need > self._slot_bytes():
             size = self.world_size * (need + SLOT_ALIGN)
@@ -296,17 +295,18 @@ class ExpertP2PCommunicator:
             self._load_kernels(call, chunks)
             self._warm.add(key)
 
-    def _agreed_rows(self, layout, chunks: Chunks) -> int:
-        """Exact mode: the largest chunk any pair of ranks moves with this layout, the same on every rank (one
-        all-reduce of one integer per layer's layout, kept by its segment ends, the tensor its dispatch, combine and
-        backward calls share: every rank knows only its own pairs)."""
-        rows = self._agreed.get(layout.recv_seg_ends)
+    @staticmethod
+    def _largest_pair(name: str, layout, chunks: Chunks) -> int:
+        """Exact mode: the largest chunk any pair of ranks moves with this layout, the same on every rank: the
+        layout's ``max_pair_rows`` (every rank knows only its own pairs; ``expert_layout`` read the group's largest
+        with its split sizes, so no collective and no host synchronisation is added here)."""
+        rows = layout.max_pair_rows
         if rows is None:
-            guards.refuse_inside_capture("the P2P path's exact mode agrees on its slot size with the peers")
-            device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-            largest = torch.tensor([max(chunks.send + chunks.recv, default=0)], dtype=torch.int64, device=device)
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-            rows = self._agreed[layout.recv_seg_ends] = int(largest.item())
+            raise ValueError(f"{name}: the layout has no max_pair_rows (the P2P path sizes its slots by it): build "
+                             "it with moe_layout / expert_layout")
+        if rows < max(chunks.send + chunks.recv, default=0):  # a layout's own pairs are among the group's
+            raise ValueError(f"{name}: the layout's max_pair_rows={rows} is below its own largest split "
+                             f"{max(chunks.send + chunks.recv)}: build it with moe_layout / expert_layout")
         return rows
 
     def _load_kernels(self, call: ExpertCall, chunks: Chunks) -> None:
