@@ -113,9 +113,11 @@ MUTATIONS = [
     ("policy-auto-ignores-nccl-p2p-disable", "Path policy: path='auto' takes P2P with NCCL_P2P_DISABLE=1", POLICY,
      '        return "NCCL_P2P_DISABLE=1 is set"\n', "        return None\n", POLICY_TEST),
     ("p2p-join-removed", "P2P executor: the copy streams are not joined back into the caller's stream", P2P,
-     "            compute.wait_stream(streams[index])\n", "            pass\n", P2P_TEST),
+     "            wait_event(handles[0], joins[index])\n", "            pass\n", P2P_TEST),
+    ("p2p-matmul-reads-wrong-rows", "P2P executor: every matmul reads the first row block of its input", P2P,
+     "                src = parts[src_space][src_part]\n", "                src = parts[src_space][0]\n", P2P_TEST),
     ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,
-     "        events[0].record(compute)\n", "", P2P_TEST),
+     "        record(events[0], handles[0])\n", "", P2P_TEST),
 ]
 
 

@@ -39,27 +39,29 @@ class Recorder:
     def copy(self, stream, dst, src, nbytes):
         self.trace.append((stream, "copy", dst, src, nbytes))
 
+    def current_stream(self, index):
+        return 0  # the caller's stream: handle 0
+
+    def new_event(self):  # event handles 0, 1, 2, ... in the order they are made
+        self.events = getattr(self, "events", 0) + 1
+        return self.events - 1
+
+    def free_event(self, event):
+        self.trace.append((None, "free", event))
+
+    def record(self, event, stream):
+        self.trace.append((stream, "record", event))
+
+    def wait_event(self, stream, event):
+        self.trace.append((stream, "wait_event", event))
+
 
 class FakeStream:
-    def __init__(self, handle, recorder):
-        self.cuda_stream, self.recorder = handle, recorder
-
-    def wait_stream(self, other):
-        self.recorder.trace.append((self.cuda_stream, "join", other.cuda_stream))
-
-    def wait_event(self, event):
-        self.recorder.trace.append((self.cuda_stream, "wait_event", event.index))
+    def __init__(self, handle):
+        self.cuda_stream = handle
 
     def record_event(self):
         raise AssertionError("no debug timeout in this test")
-
-
-class FakeEvent:
-    def __init__(self, index, recorder):
-        self.index, self.recorder = index, recorder
-
-    def record(self, stream):
-        self.recorder.trace.append((stream.cuda_stream, "record", self.index))
 
 
 class FakeWorkspace:
@@ -81,16 +83,26 @@ def _communicator(rank, world, recorder, monkeypatch):
     comm = object.__new__(p2p.P2PCommunicator)
     comm.rank, comm.world_size, comm.name = rank, world, "test group"
     comm.device = torch.device("cpu")
-    comm.copy_stream, comm.local_stream = FakeStream(1, recorder), FakeStream(2, recorder)
+    comm.copy_stream, comm.local_stream = FakeStream(1), FakeStream(2)
+    comm._index, comm._handles = 0, (1, 2)
     comm.workspace = FakeWorkspace(rs.regions(world) * (1 << 16))
-    comm._events = [FakeEvent(i, recorder) for i in range(64)]
+    comm._events, comm._joins = [], None
     comm._programs = {}
     comm._warm = set()
-    compute = FakeStream(0, recorder)
+    compute = FakeStream(0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     monkeypatch.setattr(p2p.stream_ops, "fast", lambda: recorder)
+
+    def mm(src, b, *, out):  # the matmuls, recorded by the rows they read and write
+        recorder.trace.append((0, "mm", src.data_ptr(), tuple(src.shape), out.data_ptr(), tuple(out.shape), False))
+
+    def addmm_(target, src, b):
+        recorder.trace.append((0, "mm", src.data_ptr(), tuple(src.shape), target.data_ptr(), tuple(target.shape),
+                               True))
+
+    monkeypatch.setattr(p2p.torch, "mm", mm)
+    monkeypatch.setattr(torch.Tensor, "addmm_", addmm_)
     return comm
 
 
@@ -123,7 +135,19 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own):
             out.append((stream[op.stream], "wait_event", op.event))
         elif isinstance(op, rs.Hook):
             out.append((0, "hook"))
-    out += [(0, "join", stream[name]) for name in rs.streams_used(ops)]
+        elif isinstance(op, rs.Mm):
+            src_width = plan.k * 2
+            src = bases[op.src.space] + op.src.row * src_width
+            if op.dst.space == "sym":  # this rank's own region, through its local mapping
+                dst = comm.workspace.buffer.data_ptr() + rs.region_index(op.dst.kind, plan.world_size) * region \
+                    + op.dst.row * plan.n * 2
+            else:
+                dst = bases[op.dst.space] + op.dst.row * plan.n * 2
+            out.append((0, "mm", src, (op.rows, plan.k), dst, (op.rows, plan.n), op.accumulate))
+    for name in rs.streams_used(ops):  # each copy stream joined into the caller's by an event of its own
+        join = comm._joins[stream[name]]
+        assert join not in range(rs.events(ops))
+        out += [(stream[name], "record", join), (0, "wait_event", join)]
     return out
 
 

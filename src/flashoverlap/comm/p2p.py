@@ -13,10 +13,13 @@ why it cannot deadlock; this module only issues it. One call:
    (a wait for 1 and a reset to 0, one ``cuStreamBatchMemOp``), ``Signal`` (``cuStreamWriteValue32`` into
    this rank's or a peer's flag header), and events between the streams. Host time is the cost here (an op call
    must not cost much more than matmul plus a collective): the schedule is resolved once per plan (``_program``:
-   addresses, offsets, views) and the driver is called through ``ctypes`` (``stream_ops.fast``); a call that
-   repeats with the same tensors replays a CUDA graph of steps 2 and 3 instead (``comm/replay.py``).
-3. ``C`` waits for the copy streams: the result is complete on the caller's stream, as after ``matmul`` and a
-   collective.
+   addresses, offsets, views) and the driver is called through ``ctypes`` (``stream_ops.fast``), events and
+   stream handles included (driver events, not ``torch.cuda.Event``); a call that repeats with the same tensors
+   replays a CUDA graph of steps 2 and 3 instead (``comm/replay.py``).
+3. ``C`` waits for the copy streams (an event recorded on each, waited for on ``C``): the result is complete on
+   the caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams
+   touch (``a``, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
+   of their memory, on ``C`` or on a stream the user synchronised with ``C``, is ordered after every use.
 
 With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set (outside a capture), an event after every flag wait is polled with a
 deadline; a wait that does not end in time raises an error naming the rank, the op, the group and the flag.
@@ -42,6 +45,35 @@ _MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK = range(7)
 _SPACES = {"a": 0, "out": 1, "gathered": 2}
 
 
+def _cuts(ops: list, totals: tuple[int, int, int]) -> tuple[list, list[dict]]:
+    """How each of the call's tensors (a, out, gathered: ``totals`` rows) is cut into the row blocks its matmuls
+    read or write: per tensor None (no matmul uses it), ``(sizes, None)`` where the blocks tile it (the call
+    makes every view in one ``split_with_sizes``), else ``(None, blocks)`` (one slice per block); and per tensor
+    the index of each ``(row, rows)`` block among the views."""
+    used: list[set] = [set(), set(), set()]
+    for item in ops:
+        if isinstance(item, rs.Mm):
+            used[_SPACES[item.src.space]].add((item.src.row, item.rows))
+            if item.dst.space != "sym":
+                used[_SPACES[item.dst.space]].add((item.dst.row, item.rows))
+    cuts, index = [], []
+    for blocks, total in zip(used, totals):
+        if not blocks:
+            cuts.append(None)
+            index.append({})
+            continue
+        bounds = sorted({0, total, *(row for row, _ in blocks), *(row + rows for row, rows in blocks)})
+        follows = dict(zip(bounds, bounds[1:]))
+        if bounds[-1] == total and all(follows.get(row) == row + rows for row, rows in blocks):
+            cuts.append(([end - start for start, end in zip(bounds, bounds[1:])], None))
+            index.append({(row, rows): bounds.index(row) for row, rows in blocks})
+        else:
+            ordered = sorted(blocks)
+            cuts.append((None, ordered))
+            index.append({block: i for i, block in enumerate(ordered)})
+    return cuts, index
+
+
 class P2PCommunicator:
     """Copy stream, events and symmetric workspace for one (process group, device)."""
 
@@ -56,7 +88,10 @@ class P2PCommunicator:
         self.copy_stream = guards.comm_stream(self.device)  # X: pulls from peers
         self.local_stream = guards.comm_stream(self.device)  # L: copies within the GPU
         self.workspace = SymmetricWorkspace(self.group, self.device)
-        self._events: list[torch.cuda.Event] = []
+        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._handles = (self.copy_stream.cuda_stream, self.local_stream.cuda_stream)
+        self._events: list[int] = []  # driver events (``stream_ops.FastDriver``), the schedule's by index
+        self._joins: tuple[int, int, int] | None = None  # step 3: one driver event per copy stream
         self._warm: set[tuple] = set()  # (plan, dtype, b's strides) whose cuBLAS kernels are loaded
         self._programs: dict[tuple, tuple[list, tuple]] = {}
         self.graphs = CallGraphs(self.device)  # repeated calls replayed (comm/replay.py)
@@ -93,6 +128,10 @@ class P2PCommunicator:
         self.graphs.clear()
         self._programs.clear()
         self._warm.clear()
+        driver = stream_ops.fast() if self._events else None
+        for event in [*self._events, *(self._joins or ())[1:]]:
+            driver.free_event(event)
+        self._events, self._joins = [], None
         self.workspace.release()
 
     def _new(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -119,23 +158,25 @@ class P2PCommunicator:
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
             gathered = self._new((plan.m, plan.k), a.dtype)
-        program, ops, joined = self._program(plan, a.dtype, gathered_own)
-        compute = torch.cuda.current_stream(self.device)
-        streams = (compute, self.copy_stream, self.local_stream)
-        handles = tuple(stream.cuda_stream for stream in streams)
-        events = self._events
-        tensors = (a, out, gathered)
-        bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
+        program, ops, joined, cuts = self._program(plan, a.dtype, gathered_own)
         driver = stream_ops.fast()
-        wait_reset, write, copy = driver.wait_reset, driver.write, driver.copy
+        handles = (driver.current_stream(self._index), *self._handles)
+        events = self._events
+        # The matmuls' row blocks of a, out and gathered: one split per tensor (one C call for all its views).
+        parts = [None if cut is None else tensor.split_with_sizes(cut[0]) if cut[0] is not None
+                 else [tensor[row : row + rows] for row, rows in cut[1]]
+                 for tensor, cut in zip((a, out, gathered), cuts)]
+        bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
+        wait_reset, write, copy, record, wait_event = (driver.wait_reset, driver.write, driver.copy, driver.record,
+                                                       driver.wait_event)
         waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
-        events[0].record(compute)
+        record(events[0], handles[0])
         for step, item in zip(program, ops):
             code = step[0]
             if code == _MM:
-                _, src_space, src_row, rows, dst, dst_row, accumulate = step
-                src = tensors[src_space][src_row : src_row + rows]
-                target = tensors[dst][dst_row : dst_row + rows] if isinstance(dst, int) else dst
+                _, src_space, src_part, dst, dst_part, accumulate = step
+                src = parts[src_space][src_part]
+                target = dst if dst_part is None else parts[dst][dst_part]
                 if accumulate:
                     target.addmm_(src, b)
                 else:
@@ -146,35 +187,38 @@ class P2PCommunicator:
             elif code == _WAIT:
                 _, stream, flag = step
                 wait_reset(handles[stream], flag)
-                if timeout is not None:
-                    waited.append((streams[stream].record_event(), item))
+                if timeout is not None:  # debug mode: an event to poll, through torch
+                    waited.append((self._stream(stream).record_event(), item))
             elif code == _SIGNAL:
                 write(handles[step[1]], step[2], 1)
             elif code == _RECORD:
-                events[step[2]].record(streams[step[1]])
+                record(events[step[2]], handles[step[1]])
             elif code == _HOOK:
                 if hook is not None:
                     hook()
             else:
-                streams[step[1]].wait_event(events[step[2]])
+                wait_event(handles[step[1]], events[step[2]])
+        joins = self._joins
         for index in joined:  # step 3
-            compute.wait_stream(streams[index])
-            for tensor in tensors:
-                if tensor is not None:
-                    tensor.record_stream(streams[index])
+            record(joins[index], handles[index])
+            wait_event(handles[0], joins[index])
         if timeout is not None:
             self._check_progress(waited, timeout, op)
 
-    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool) -> tuple[list, tuple, tuple]:
+    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool) -> tuple[list, tuple, tuple, list]:
         """The schedule with everything that does not change between calls resolved: flag addresses, copy
-        offsets and sizes, views of this rank's symmetric regions (built once per plan and workspace)."""
+        offsets and sizes, views of this rank's symmetric regions (built once per plan and workspace), and how
+        the call's tensors are cut into the matmuls' row blocks (``_cuts``)."""
         key = (plan, dtype, gathered_own, self.workspace.buffer.data_ptr())
         cached = self._programs.get(key)
         if cached is not None:
             return cached
         ops = rs.schedule(plan, self.rank, gathered_own=gathered_own)
+        driver = stream_ops.fast()
         while len(self._events) < rs.events(ops):
-            self._events.append(torch.cuda.Event())
+            self._events.append(driver.new_event())
+        if self._joins is None:
+            self._joins = (0, driver.new_event(), driver.new_event())
         element = dtype.itemsize
         width = plan.k if plan.op == "all_gather" else plan.n
         row_bytes = width * element
@@ -191,17 +235,21 @@ class P2PCommunicator:
             row = plan.n * element if loc.space == "out" else row_bytes
             return _SPACES[loc.space], loc.row * row
 
+        totals = (plan.block_rows if plan.op == "all_gather" else plan.m,
+                  plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.m)
+        cuts, index = _cuts(ops, totals)
         program = []
         for item in ops:
             if isinstance(item, rs.Mm):
+                src = _SPACES[item.src.space]
                 if item.dst.space == "sym":
                     start = sym_offset(item.dst)
                     view = own_sym[start : start + item.rows * plan.n * element].view(dtype).view(item.rows, plan.n)
-                    dst, dst_row = view, 0
+                    dst, dst_part = view, None
                 else:
-                    dst, dst_row = _SPACES[item.dst.space], item.dst.row
-                program.append((_MM, _SPACES[item.src.space], item.src.row, item.rows, dst, dst_row,
-                                item.accumulate))
+                    dst = _SPACES[item.dst.space]
+                    dst_part = index[dst][item.dst.row, item.rows]
+                program.append((_MM, src, index[src][item.src.row, item.rows], dst, dst_part, item.accumulate))
             elif isinstance(item, rs.Copy):
                 program.append((_COPY, stream_index[item.stream], *place(item.dst), *place(item.src),
                                 item.rows * row_bytes))
@@ -218,8 +266,8 @@ class P2PCommunicator:
         if len(self._programs) > 256:
             self._programs.clear()
         joined = tuple(stream_index[name] for name in rs.streams_used(ops))
-        self._programs[key] = (program, ops, joined)
-        return program, ops, joined
+        self._programs[key] = (program, ops, joined, cuts)
+        return program, ops, joined, cuts
 
     def _load_kernels(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
         """Run each matmul shape of the schedule once, eagerly, on scratch outputs: the call queues them behind
@@ -244,6 +292,10 @@ class P2PCommunicator:
         return (plan, a.dtype, address(a), address(b), address(out), address(gathered),
                 self.workspace.buffer.data_ptr(), matmul.allow_bf16_reduced_precision_reduction,
                 matmul.allow_fp16_reduced_precision_reduction)
+
+    def _stream(self, index: int) -> torch.cuda.Stream:
+        """The schedule's stream ``index`` (``C``, ``X``, ``L``) as a torch object (debug mode's polled events)."""
+        return (torch.cuda.current_stream(self.device), self.copy_stream, self.local_stream)[index]
 
     def _check_progress(self, waited, timeout: float, op: str) -> None:
         deadline = time.monotonic() + timeout

@@ -65,10 +65,11 @@ _WAIT_VALUE_32, _WRITE_VALUE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STR
 
 
 class FastDriver:
-    """The P2P path's operations (a write, a copy, a wait with its reset) through ``ctypes`` straight into
-    ``libcuda``, for its hot loop: a ``cuda.bindings`` call costs several microseconds of argument conversion, and
-    one call of a ring schedule issues dozens of them. Raw stream handles (``torch.cuda.Stream.cuda_stream``) and
-    device addresses; every result is checked."""
+    """The P2P path's operations (a write, a copy, a wait with its reset, an event recorded on one stream and
+    waited for on another) through ``ctypes`` straight into ``libcuda``, for its hot loop: a ``cuda.bindings``
+    call costs several microseconds of argument conversion, ``torch.cuda.Event.record``, ``Stream.wait_event``
+    and ``torch.cuda.current_stream`` cost several more through Python objects, and one call of a ring schedule
+    issues dozens of them. Raw stream and event handles and device addresses; every result is checked."""
 
     def __init__(self) -> None:
         import ctypes
@@ -87,7 +88,16 @@ class FastDriver:
         self._write = bind(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), ptr, u64, u32, ctypes.c_uint)
         self._copy = bind(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), u64, u64, ctypes.c_size_t, ptr)
         self._batch = bind(("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"), ptr, ctypes.c_uint, ptr, ctypes.c_uint)
+        self._event_create = bind(("cuEventCreate",), ptr, ctypes.c_uint)
+        self._event_destroy = bind(("cuEventDestroy_v2", "cuEventDestroy"), ptr)
+        self._event_record = bind(("cuEventRecord",), ptr, ptr)
+        self._stream_wait_event = bind(("cuStreamWaitEvent",), ptr, ptr, ctypes.c_uint)
         self._pair = ctypes.create_string_buffer(2 * _MEM_OP.size)  # reused: the driver reads it during the call
+        self._handle = ctypes.c_void_p()
+        self._ref = ctypes.byref(self._handle)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch; one C call
+        self.current_stream = raw if raw is not None else (
+            lambda index: torch.cuda.current_stream(index).cuda_stream)
 
     def write(self, stream: int, address: int, value: int) -> None:
         if self._write(stream, address, value, 0):  # CU_STREAM_WRITE_VALUE_DEFAULT: after a memory fence
@@ -103,6 +113,27 @@ class FastDriver:
     def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
         if self._copy(dst, src, nbytes, stream):
             raise RuntimeError(f"cuMemcpyDtoDAsync failed ({nbytes} bytes, {src:#x} -> {dst:#x})")
+
+    def new_event(self) -> int:
+        """A driver event without timing (``CU_EVENT_DISABLE_TIMING``), for ordering streams; the caller frees it
+        with ``free_event``."""
+        if self._event_create(self._ref, 0x2):
+            raise RuntimeError("cuEventCreate failed")
+        return self._handle.value
+
+    def free_event(self, event: int) -> None:
+        if self._event_destroy(event):
+            raise RuntimeError(f"cuEventDestroy failed (event {event:#x})")
+
+    def record(self, event: int, stream: int) -> None:
+        """``event`` marks the work queued so far on ``stream`` (inside a capture: a dependency of the graph)."""
+        if self._event_record(event, stream):
+            raise RuntimeError(f"cuEventRecord failed (event {event:#x}, stream {stream:#x})")
+
+    def wait_event(self, stream: int, event: int) -> None:
+        """Work queued on ``stream`` from now on waits for ``event``'s last record."""
+        if self._stream_wait_event(stream, event, 0):
+            raise RuntimeError(f"cuStreamWaitEvent failed (stream {stream:#x}, event {event:#x})")
 
 
 @functools.cache
