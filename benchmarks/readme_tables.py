@@ -6,16 +6,19 @@ A document holds, for each rendered piece, a pair of markers:
     ...whatever the renderer NAME makes of the files (replaced on --write)...
     <!-- end render -->
 
-``python benchmarks/readme_tables.py --write`` rewrites every such piece; ``--check`` (what the CPU suite runs,
-``tests/test_readme.py``) exits 1 and names the pieces whose text differs from a fresh rendering. Every table
-ends with its source: the file, the commit that produced it and the command. A sentence that states a range
-computes it here (``range-*`` renderers).
+``python benchmarks/readme_tables.py --write [DOC ...]`` rewrites every such piece (of the documents named, else
+of all); ``--check`` (what the CPU suite runs, ``tests/test_readme.py``) exits 1 and names the pieces whose text
+differs from a fresh rendering. Every table ends with its source: the file, the commit that produced it and the
+command. A sentence that states a range computes it here (``range-*`` renderers). A spec's file may be a glob
+(``moe-layer``): every matching file is rendered, and none renders nothing.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -277,10 +280,139 @@ def suite_time(path: str) -> str:
         f"`{str(meta['commit'])[:10]}`)"
 
 
+def _sourced(path: str, meta: dict) -> str:
+    """A source line from whatever a file's meta holds (files of different scripts name their fields apart)."""
+    what = ", ".join(str(meta[k]) for k in ("gpus", "gpu", "setting") if meta.get(k))
+    what += f", torch {meta['torch']}" if meta.get("torch") else ""
+    date = f", {meta['date'][:10]}" if meta.get("date") else ""
+    commit = str(meta["commit"])[:10]
+    return f"<sub>Source: `{path}` ({what}, commit `{commit}`{date}): `{meta['command'].strip()}`.</sub>"
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def host_one_gpu(path: str) -> str:
+    """Host time per call on one GPU shared by two processes: per op, path and mode, beside ``torch.mm`` alone in
+    the same run (eager and replayed calls: their ratio) or beside ``torch.mm`` plus the collective issued directly
+    (calls of the sequential plan: the difference)."""
+    data = _load(path)
+    lines = ["| op | path | mode | M, N, K | host (µs) | `torch.mm` (µs) | direct (µs) | host / `torch.mm` "
+             "| host - direct (µs) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        direct = row.get("direct_us")
+        ratio = f"{row['host_us'] / row['torch_mm_us']:.1f}x" if direct is None and row.get("torch_mm_us") else "-"
+        extra = f"{row['host_us'] - direct:+.0f}" if direct is not None else "-"
+        lines.append(f"| {OPS.get(row['op'], row['op'])} | {row['path']} | {row['mode']} | {row['M']}, {row['N']}, "
+                     f"{row['K']} | {_us(row['host_us'])} | {_us(row.get('torch_mm_us'))} | {_us(direct)} | {ratio} "
+                     f"| {extra} |")
+    return "\n".join(lines) + "\n\n" + HOST_LEGEND + "\n\n" + _sourced(path, data["meta"])
+
+
+HOST_LEGEND = (
+    "<sub>Host time to issue one call (µs), measured with two processes sharing one GPU (a gloo group, CUDA IPC in "
+    "place of symmetric memory): host cost, not two-GPU speed. Baselines, same run: `torch.mm` alone on the same "
+    "operands (for `eager`, a P2P call issued afresh, and `replayed`, a repeated call replayed from a CUDA graph), "
+    "and `direct`: `torch.mm` plus the same collective issued directly on a one-rank NCCL group (for `sequential`, "
+    "a call of the matmul-then-collective plan).</sub>")
+
+
+def moe_gemm(path: str) -> str:
+    """The expert GEMMs on one GPU: the grouped GEMM on the path the library chooses, beside ``torch._grouped_mm``
+    and a per-expert ``torch.mm`` loop, per config, routing and projection."""
+    data = _load(path)
+    meta = data["meta"]
+    lines = ["| config | routing | proj | experts | rows | **ours** (ms, path) | `torch._grouped_mm` (ms) "
+             "| per-expert loop (ms) | ours vs `_grouped_mm` |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        speed = f"{row['t_grouped_mm_ms'] / row['t_ms']:.2f}x" if row.get("t_ms") and row.get("t_grouped_mm_ms") \
+            else "-"
+        lines.append(f"| {row['config']} | {row['routing']} | {row['proj']} | {row['experts']} | {row['rows']} "
+                     f"| **{_ms(row.get('t_ms'))}** ({row.get('path') or '-'}) | {_ms(row.get('t_grouped_mm_ms'))} "
+                     f"| {_ms(row.get('t_loop_ms'))} | {speed} |")
+    world = meta.get("world_size_sliced")
+    legend = (f"<sub>ms per call, bf16, one rank's slice{f' at W = {world}' if world else ''} (its local experts and "
+              "the rows it receives; `rows`: tokens x top-k). **ours**: the grouped GEMM as the expert paths run it, "
+              "signals included, on the path the library chooses (`triton`: our signalling kernel, `cublas`: "
+              "`torch._grouped_mm` per arrived chunk, `loop`: `torch.mm` per (source, expert) segment). "
+              "`torch._grouped_mm`: PyTorch's grouped GEMM alone, on the rows regrouped by expert. `per-expert "
+              "loop`: one `torch.mm` per expert. `ours vs _grouped_mm`: its time over ours (above 1: ours is "
+              "faster).</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, meta)
+
+
+def cpu_host_python(path: str) -> str:
+    """The Python cost per call on the CPU with CUDA faked, per op and part, one column per label (``before``,
+    ``after``), and their ratio where both are there."""
+    data = _load(path)
+    meta = data["meta"]
+    labels = list(dict.fromkeys(row["mode"] for row in data["rows"]))
+    by = {(row["op"], row["part"], row["mode"]): row for row in data["rows"]}
+    both = labels[:2] if len(labels) >= 2 else []
+    lines = ["| op | part | " + " | ".join(f"{label} (µs per call)" for label in labels)
+             + (f" | {both[1]} / {both[0]}" if both else "") + " | driver and stream calls |",
+             "| --- | --- | " + " | ".join("---" for _ in labels) + (" | ---" if both else "") + " | --- |"]
+    for op, part in dict.fromkeys((row["op"], row["part"]) for row in data["rows"]):
+        rows = [by.get((op, part, label)) for label in labels]
+        cells = " | ".join("-" if r is None else f"{r['us_per_call']:.1f}" for r in rows)
+        if both:
+            first, second = by.get((op, part, both[0])), by.get((op, part, both[1]))
+            cells += f" | {second['us_per_call'] / first['us_per_call']:.2f}x" if first and second else " | -"
+        steps = " / ".join(str(r.get("driver_and_stream_calls", "-")) if r else "-" for r in rows)
+        lines.append(f"| {OPS.get(op, op)} | {part} | {cells} | {steps} |")
+    shape = "x".join(str(d) for d in meta.get("shape", []))
+    legend = ("<sub>µs of Python per call on a CPU machine, CUDA faked (the least over several windows of calls; "
+              f"{meta.get('machine', '')}, torch {meta.get('torch', '')}). `runtime`: the public op on a one-rank "
+              "gloo group (checks, path and plan resolution, dispatch) with a communicator that returns at once. "
+              f"`p2p-executor`: the P2P communicator's `run` of a {shape} plan at W = {meta.get('world_size_p2p')} "
+              "against recording fakes of the driver, streams and events (cuBLAS a no-op); `driver and stream "
+              "calls`: the calls it issued per call, per label. Not the GPU's host time: the driver's own cost is "
+              "left out.</sub>")
+    runs = meta.get("runs", {})
+    sources = "; ".join(f"{label}: commit `{run['commit']}`, `{run['command']}`" for label, run in runs.items())
+    return "\n".join(lines) + "\n\n" + legend + f"\n\n<sub>Source: `{path}`: {sources}.</sub>"
+
+
+def moe_layer(pattern: str) -> str:
+    """Every MoE layer results file matching ``pattern``, under a heading (no file: nothing): per config, tokens,
+    routing and pass, the plain layer, the bound without communication, and the fastest of ours over modes and
+    paths."""
+    pieces = []
+    for file in sorted(glob.glob(str(ROOT / pattern))):
+        path = os.path.relpath(file, ROOT) if Path(file).is_relative_to(ROOT) else file
+        data = _load(path)
+        lines = ["| config | tokens | routing | pass | plain (ms) | no communication (ms) | **ours** (ms, mode, path) "
+                 "| E | host µs plain / ours |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        best: dict[tuple, dict] = {}
+        for row in data["rows"]:
+            if row.get("t_ms") is None:
+                continue  # a path that could not serve the call (its note row)
+            key = (row["config"], row["W"], row["tokens"], row["routing"], row["pass"])
+            if key not in best or row["t_ms"] < best[key]["t_ms"]:
+                best[key] = row
+        for (config, _, tokens, routing, pass_), row in best.items():
+            lines.append(f"| {config} | {tokens} | {routing} | {pass_} | {_ms(row['t_plain_ms'])} "
+                         f"| {_ms(row['t_nocomm_ms'])} | **{_ms(row['t_ms'])}** ({row['mode']}, {row['path']}) "
+                         f"| {_e(row.get('E'))} | {_us(row.get('host_plain_us'))} / {_us(row.get('host_us'))} |")
+        pieces.append("\n".join(lines) + "\n\n" + _sourced(path, data["meta"]))
+    return "### The MoE layer\n\n" + "\n\n".join(pieces) + "\n\n" + MOE_LEGEND if pieces else ""
+
+
+MOE_LEGEND = (
+    "<sub>ms per layer call (bf16, SwiGLU experts over the W ranks). `plain`: NCCL `all_to_all_single` of the rows, "
+    "`torch._grouped_mm`, the reverse all-to-all and the weighted sum (the counts exchanged first, one host "
+    "synchronisation). `no communication`: the same with every all-to-all a local copy of the same size (the bound "
+    "on what overlap can win). **ours**: the fastest of the file's modes and paths. `E`: `(plain - ours) / (plain - "
+    "no communication)`. `host µs`: the host time to issue one call while the GPU is busy.</sub>")
+
+
 RENDERERS = {"ops": ops_table, "block": block_table, "e-range": e_range, "host-ratio-range": host_ratio_range,
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
              "mutations": mutations_table, "reliability": reliability, "cpu-install": cpu_install,
-             "suite-time": suite_time}
+             "suite-time": suite_time, "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
+             "cpu-host-python": cpu_host_python, "moe-layer": moe_layer}
 
 
 def render(spec: str) -> str:
@@ -289,10 +421,11 @@ def render(spec: str) -> str:
     return text if "\n" not in text else text + "\n"
 
 
-def process(write: bool) -> list[str]:
-    """Re-render every marked piece; returns ``doc: spec`` for each that differed (rewritten with ``write``)."""
+def process(write: bool, only: list[str] | None = None) -> list[str]:
+    """Re-render every marked piece (of the documents named in ``only``, paths from the repository's root, where
+    given); returns ``doc: spec`` for each that differed (rewritten with ``write``)."""
     stale = []
-    for doc in DOCS:
+    for doc in DOCS if not only else [ROOT / name for name in only]:
         text = doc.read_text()
 
         def fresh(match: re.Match, doc=doc) -> str:
@@ -308,9 +441,10 @@ def process(write: bool) -> list[str]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] not in (["--write"], ["--check"]):
-        raise SystemExit("usage: python benchmarks/readme_tables.py --write|--check")
-    stale = process(write=sys.argv[1] == "--write")
+    if sys.argv[1:2] not in (["--write"], ["--check"]):
+        raise SystemExit("usage: python benchmarks/readme_tables.py --write|--check [DOC ...] (default: every "
+                         "document)")
+    stale = process(write=sys.argv[1] == "--write", only=sys.argv[2:])
     for piece in stale:
         print(("rewrote " if sys.argv[1] == "--write" else "stale: ") + piece)
     raise SystemExit(1 if stale and sys.argv[1] == "--check" else 0)
