@@ -6,8 +6,9 @@ up to 1 (the kernel's contract), so a send issued before its rows are stored sen
 communicator allocates starts NaN) and fails the comparison. Every output is compared with the reference
 communicator's on the same call: W = 2 and 3, exact and bounded, the three GEMM kinds, fp32, bf16 and fp16,
 skewed routing, a rank that sends none and one that receives none, the backward variants (per-choice dispatch,
-unweighted combine)."""
+unweighted combine) and a combine into a preallocated out (the Triton cases)."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -111,10 +112,12 @@ def _ranks(rank, world):
                 w_down = torch.randn(LOCAL, FFN, hidden, generator=gen).to(dtype)
                 plan = ExpertPlan("combine", world, experts, hidden, FFN, TOP_K, tokens, mode,
                                   bound if mode == "bounded" else None, gemm, weighted=weighted)
+                given = poisoned((tokens, hidden), dtype) if gemm == "triton" else None  # a preallocated out
                 call = ExpertCall("moe_gemm_combine", plan, act, w_down, return_gathered=gemm != "loop",
-                                  layout=layout.with_weights(topk_weights) if weighted else layout)
+                                  layout=layout.with_weights(topk_weights) if weighted else layout, out=given)
                 out, back = comm.run(call)
-                want_out, want_back = reference.run(call)
+                assert given is None or out is given
+                want_out, want_back = reference.run(dataclasses.replace(call, out=None))
                 torch.testing.assert_close(out, want_out, **tol)
                 if gemm != "loop":
                     torch.testing.assert_close(back, want_back, **tol)

@@ -182,9 +182,10 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, r
         recorder.trace.append(("gather",))
         return send_tensor
 
-    def finish(back, plan, layout, dtype):
+    def finish(back, plan, layout, dtype, out=None):
         recorder.trace.append(("finish",))
-        return torch.zeros(plan.tokens, HIDDEN, dtype=dtype)
+        assert out is not None and out.data_ptr() == given.data_ptr()  # the weighted sum lands in the call's out
+        return out
 
     monkeypatch.setattr(ep, "send_buffer", gather)
     monkeypatch.setattr(ep, "combine_at_origin", finish)
@@ -195,10 +196,12 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, r
     else:
         a = torch.randn(layout.recv_rows, FFN, dtype=torch.bfloat16)
         b = torch.randn(LOCAL, FFN, HIDDEN, dtype=torch.bfloat16)
+    given = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)  # combine: the caller's preallocated result
     call = ExpertCall("moe op", plan, a, b, return_gathered=op == "dispatch", layout=layout,
-                      hook=lambda: recorder.trace.append((0, "hook")))
+                      hook=lambda: recorder.trace.append((0, "hook")), out=given if op == "combine" else None)
     chunks = ep.Chunks.of(plan, layout)
     outputs = comm._outputs(call, a)
+    assert (outputs[0] is given) == (op == "combine")
     comm.issue(call, a, chunks, outputs)
     if op == "dispatch":
         tensors = {"send": send_tensor, "h": outputs[0], "recv": outputs[1]}

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from flashoverlap.comm import expert
 from flashoverlap.comm.expert import BoundExceeded, ExpertPlan, expert_layout, recv_segments, send_buffer
 from flashoverlap.comm.protocol import CommGroup
 from flashoverlap.runtime import policy
@@ -101,3 +102,25 @@ def test_layout_on_one_rank(world_of_one):
         expert_layout(idx, 4, world_of_one, mode="bounded", bound=5)
     with pytest.raises(ValueError, match=r"rank\(s\) \[0\] .* outside \[0, 4\) \(1 in all\)"):
         expert_layout(torch.tensor([[0, 4]]), 4, world_of_one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_combine_at_origin_writes_into_a_given_out(world_of_one, dtype):
+    idx = torch.tensor([[3, 1], [0, 3], [2, 1], [1, 2], [0, 2]])
+    layout = expert_layout(idx, 4, world_of_one, topk_weights=torch.rand(5, 2))
+    plan = ExpertPlan("combine", 1, 4, 7, 3, 2, 5)
+    back = torch.randn(layout.send_capacity, 7).to(dtype)
+    want = expert.combine_at_origin(back, plan, layout, dtype)
+    out = torch.full((5, 7), float("nan"), dtype=dtype)
+    got = expert.combine_at_origin(back, plan, layout, dtype, out=out)
+    assert got is out and torch.equal(out, want)  # every row written, bit for bit the allocating result
+    tokens = torch.div(layout.send_order, 2, rounding_mode="floor")
+    plain = torch.zeros(5, 7).index_add_(0, tokens, back.float() * layout.weights[:, None])
+    torch.testing.assert_close(out.float(), plain, atol=1e-2 if dtype != torch.float32 else 1e-6, rtol=1e-2)
+    for bad, match in ((torch.empty(4, 7, dtype=dtype), r"\[5, 7\] .* got \[4, 7\]"),
+                       (torch.empty(5, 7, dtype=torch.float64), "got .*torch.float64"),
+                       (torch.empty(5, 7, dtype=dtype, device="meta"), "got .* on meta")):
+        with pytest.raises(ValueError, match=f"combine_at_origin: out must be .*{match}"):
+            expert.combine_at_origin(back, plan, layout, dtype, out=bad)
+    with pytest.raises(TypeError, match="combine_at_origin: out must be a torch.Tensor"):
+        expert.combine_at_origin(back, plan, layout, dtype, out=[0.0])

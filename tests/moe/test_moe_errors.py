@@ -20,13 +20,15 @@ def _raises(kind, match, fn, *args, **kwargs) -> str:
     return str(info.value)
 
 
-def _good_call(rank, p, fo, mode="exact"):
-    """A call the errors must not have spoiled: the plain answer."""
+def _good_call(rank, p, fo, mode="exact", out=False):
+    """A call the errors must not have spoiled: the plain answer (``out``: into a preallocated result, poisoned)."""
     own = slice(rank * p["local"], (rank + 1) * p["local"])
     layout = fo.moe_layout(p["idx"][rank], p["experts"], mode=mode, bound=64 if mode == "bounded" else None)
     h = fo.moe_dispatch_gemm(p["x"][rank], p["w13"][own].transpose(1, 2), layout)
+    given = torch.full((layout.tokens, cases.H), float("nan")) if out else None
     y = fo.moe_gemm_combine(F.silu(h[:, : cases.FFN]) * h[:, cases.FFN :], p["w2"][own].transpose(1, 2),
-                            p["weights"][rank], layout)
+                            p["weights"][rank], layout, out=given)
+    assert given is None or y is given
     cases.close("after the errors", y, cases.oracle(p, rank)["y"], torch.float32)
 
 
@@ -69,7 +71,14 @@ def _argument_errors(rank, world):
             weights[:, :1], layout)
     _raises(ValueError, "topk_weights must be a floating tensor", fo.moe_gemm_combine, a, w_down, idx, layout)
     _raises(ValueError, "w_down must be 3-D", fo.moe_gemm_combine, a, w_down[0], weights, layout)
-    _good_call(rank, p, fo)
+    tokens = x.shape[0]
+    for out, got in ((torch.empty(tokens + 1, cases.H), rf"\[{tokens + 1}, {cases.H}\] torch.float32"),
+                     (torch.empty(tokens, cases.H, dtype=torch.float16), "torch.float16"), ([], "list")):
+        _raises((ValueError, TypeError), rf"moe_gemm_combine: out must be .*{got}", fo.moe_gemm_combine, a, w_down,
+                weights, layout, out=out)
+    _raises(ValueError, "out= does not take part in autograd", fo.moe_gemm_combine, a, w_down,
+            weights.clone().requires_grad_(), layout, out=torch.empty(tokens, cases.H))
+    _good_call(rank, p, fo, out=True)
     return True
 
 

@@ -238,10 +238,12 @@ class ExpertCall(Call):
     """An expert call as a communicator's ``run`` receives it: the protocol's ``Call`` (``plan``: an
     ``ExpertPlan``; ``a``, ``b``: the rows and the stacked local weights ``[L, K, N]``; ``return_gathered``: also
     return dispatch's received rows or combine's returned rows; ``hook``, ``timeout``, ``replay`` as for every
-    call) with the routing ``layout`` added (its ``weights`` set for a weighted combine). ``run`` returns
-    ``(result, extra)`` as described in the module docstring."""
+    call) with the routing ``layout`` added (its ``weights`` set for a weighted combine), and for a combine
+    ``out``, a preallocated ``[T, H]`` result in ``a``'s dtype (checked by the runtime) or None. ``run`` returns
+    ``(result, extra)`` as described in the module docstring (the result is ``out`` where given)."""
 
     layout: Layout | None = None
+    out: torch.Tensor | None = None
 
 
 # -- building the layout -----------------------------------------------------------------------------------------
@@ -386,12 +388,30 @@ def recv_segments(layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return layout.recv_seg_starts, layout.recv_seg_ends, expert
 
 
-def combine_at_origin(y_back: torch.Tensor, plan: ExpertPlan, layout: Layout, out_dtype: torch.dtype) -> torch.Tensor:
+def combine_at_origin(y_back: torch.Tensor, plan: ExpertPlan, layout: Layout, out_dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_c w[t, c] * y[t, c]`` from the rows back at the origin ``y_back: [S_r, H]`` (send layout), in
-    fp32, rounded to ``out_dtype``; ``w = 1`` where the plan is unweighted or the layout has no weights."""
+    fp32, rounded to ``out_dtype``; ``w = 1`` where the plan is unweighted or the layout has no weights. ``out``: a
+    preallocated ``[T, H]`` tensor of ``out_dtype`` on ``y_back``'s device to write the result into (and return);
+    None: a new one."""
+    shape = (plan.tokens, y_back.shape[1])
+    if out is not None:
+        check_out("combine_at_origin", out, shape, out_dtype, y_back.device)
     rows = y_back.index_select(0, layout.send_rows).float()
     if plan.weighted and layout.weights is not None:
         rows = rows * layout.weights.float()[:, None]
     tokens = torch.div(layout.send_order, plan.top_k, rounding_mode="floor")
-    out = torch.zeros((plan.tokens, y_back.shape[1]), dtype=torch.float32, device=y_back.device)
-    return out.index_add_(0, tokens, rows).to(out_dtype)
+    if out is not None and out_dtype == torch.float32:  # the sum straight into it: no fp32 temporary
+        return out.zero_().index_add_(0, tokens, rows)
+    total = torch.zeros(shape, dtype=torch.float32, device=y_back.device).index_add_(0, tokens, rows)
+    return total.to(out_dtype) if out is None else out.copy_(total)
+
+
+def check_out(name: str, out: object, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+    """A preallocated combine output: a tensor of ``shape``, ``dtype`` and ``device`` (an error naming ``out`` and
+    what it must be, otherwise)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: out must be a torch.Tensor {list(shape)} or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"{name}: out must be {list(shape)} {dtype} on {device} (the combine's [T, H] result), got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}")

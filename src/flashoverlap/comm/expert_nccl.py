@@ -406,7 +406,7 @@ class ExpertNcclCommunicator:
         compute.wait_stream(comm)
         if call.timeout is not None:
             self._check_progress(call, waited, "the rows for and from")
-        out = combine_at_origin(back, plan, layout, a.dtype)
+        out = combine_at_origin(back, plan, layout, a.dtype, out=call.out)
         return out, back if call.return_gathered else None
 
     # -- the GEMMs -----------------------------------------------------------------------------------------

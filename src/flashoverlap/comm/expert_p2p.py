@@ -260,13 +260,14 @@ class ExpertP2PCommunicator:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dispatch: ``(h [R, N], received rows [R, H])``; combine: ``(out [T, H], returned rows [S, H])``. The
-        row buffers are where the pushed rows are copied out to, returned or not."""
+        """dispatch: ``(h [R, N], received rows [R, H])``; combine: ``(out [T, H], returned rows [S, H])``, ``out``
+        the call's own where given. The row buffers are where the pushed rows are copied out to, returned or not."""
         plan, layout, hidden = call.plan, call.layout, call.plan.hidden
         if plan.op == "dispatch":
             rows = layout.recv_rows
             return self._new((rows, call.b.shape[2]), a.dtype), self._new((rows, hidden), a.dtype)
-        return self._new((plan.tokens, hidden), a.dtype), self._new((layout.send_capacity, hidden), a.dtype)
+        out = call.out if call.out is not None else self._new((plan.tokens, hidden), a.dtype)
+        return out, self._new((layout.send_capacity, hidden), a.dtype)
 
     def _scratch(self, shape: tuple[int, int], dtype: torch.dtype, zero: bool) -> torch.Tensor:
         """A temporary of one call (combine's products), allocated on the caller's stream (in a replayed call, from
@@ -384,7 +385,7 @@ class ExpertP2PCommunicator:
                 if call.hook is not None:
                     call.hook()
             else:  # Finish
-                outputs[0].copy_(combine_at_origin(tensors["back"], plan, layout, a.dtype))
+                combine_at_origin(tensors["back"], plan, layout, a.dtype, out=outputs[0])
         compute.wait_stream(self.copy_stream)  # X read send / y: nothing reuses them before its pushes are done
         if timeout is not None:
             self._check_progress(call, waited, timeout)

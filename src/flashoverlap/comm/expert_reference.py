@@ -43,14 +43,15 @@ def dispatch(a: torch.Tensor, b: torch.Tensor, plan: ExpertPlan, layout: Layout,
     return _segment_mm(recv, b, layout, b.shape[2]), recv
 
 
-def combine(a: torch.Tensor, b: torch.Tensor, plan: ExpertPlan, layout: Layout,
-            group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def combine(a: torch.Tensor, b: torch.Tensor, plan: ExpertPlan, layout: Layout, group: dist.ProcessGroup,
+            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], y_back [S, H])``: each received segment times its expert's ``b[l]``, sent back to where it
-    came from, and summed at the origin over each token's choices with the router weights."""
+    came from, and summed at the origin over each token's choices with the router weights (into ``out`` where
+    given)."""
     y = _segment_mm(a, b, layout, b.shape[2])
     back = a.new_empty((layout.send_capacity, b.shape[2]))
     _all_to_all(back, y, layout.send_splits, layout.recv_splits, group)
-    return combine_at_origin(back, plan, layout, a.dtype), back
+    return combine_at_origin(back, plan, layout, a.dtype, out=out), back
 
 
 class ExpertReferenceCommunicator:
@@ -64,8 +65,10 @@ class ExpertReferenceCommunicator:
     def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The call's result, and its extra rows where ``return_gathered``; the hook runs after (nothing
         overlaps)."""
-        step = dispatch if call.plan.op == "dispatch" else combine
-        result, extra = step(call.a, call.b, call.plan, call.layout, self.group.process_group)
+        if call.plan.op == "dispatch":
+            result, extra = dispatch(call.a, call.b, call.plan, call.layout, self.group.process_group)
+        else:
+            result, extra = combine(call.a, call.b, call.plan, call.layout, self.group.process_group, call.out)
         if call.hook is not None:
             call.hook()
         return result, extra if call.return_gathered else None

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm.expert import Layout
+from flashoverlap.comm.expert import Layout, check_out
 from flashoverlap.ops import moe_library
 from flashoverlap.ops.library import group_name
 from flashoverlap.runtime import experts
@@ -126,6 +126,7 @@ def moe_gemm_combine(
     group: dist.ProcessGroup | None = None,
     *,
     path: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multiply each received row by its expert's last projection, send it back to its token's rank, and sum
     each token's k rows there with its router weights: ``y[t] = sum_c topk_weights[t, c] * (a_{t,c} @
@@ -137,14 +138,22 @@ def moe_gemm_combine(
         topk_weights: ``[T, k]`` floating (any float dtype; summed in fp32): each token's router weights, in
             ``topk_idx``'s order.
         layout, group, path: as for ``moe_dispatch_gemm``.
+        out: a preallocated ``[T, H]`` result in a's dtype and device (checked before anything is sent), written
+            and returned; not where autograd records the call (as for PyTorch's ``out=``).
 
     Returns:
-        ``y: [T, H]`` in a's dtype, in this rank's token order.
+        ``y: [T, H]`` in a's dtype, in this rank's token order (``out`` where given).
     """
     _check_layout("moe_gemm_combine", layout)
     if _needed(a, w_down, topk_weights):
-        out, _ = torch.ops.flashoverlap.moe_combine(a, w_down, topk_weights, *layout.tensors(), group_name(group),
-                                                    *moe_library.layout_values(layout), path)
-        return out
+        if out is not None:
+            if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (a, w_down, topk_weights)):
+                raise ValueError("moe_gemm_combine: out= does not take part in autograd and a, w_down or "
+                                 "topk_weights requires grad: drop out=, or call under torch.no_grad()")
+            if isinstance(a, torch.Tensor) and isinstance(w_down, torch.Tensor) and w_down.ndim == 3:
+                check_out("moe_gemm_combine", out, (layout.tokens, w_down.shape[2]), a.dtype, a.device)
+        y, _ = torch.ops.flashoverlap.moe_combine(a, w_down, topk_weights, *layout.tensors(), group_name(group),
+                                                  *moe_library.layout_values(layout), path)
+        return y if out is None else out.copy_(y)  # traced (torch.compile): the copy is part of the graph
     return experts.execute("moe_gemm_combine", "combine", a, w_down, layout, group, path,
-                           topk_weights=topk_weights)[0]
+                           topk_weights=topk_weights, out=out)[0]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from flashoverlap import guards
 from flashoverlap.comm.collectives import all_gather_into_tensor
-from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, default_bound, expert_layout
+from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
 from flashoverlap.comm.protocol import Hook
 from flashoverlap.kernels.grouped_gemm import choose_grouped_gemm
 from flashoverlap.runtime import policy, settings
@@ -97,18 +97,19 @@ def resolved_path(name: str, device: torch.device, dtype: torch.dtype, group: di
 
 def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, group: dist.ProcessGroup | None,
             path: str = "auto", *, topk_weights: torch.Tensor | None = None, per_choice: bool = False,
-            weighted: bool = True, return_gathered: bool = False,
-            hook: Hook | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            weighted: bool = True, return_gathered: bool = False, hook: Hook | None = None,
+            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One expert call (``op``: ``"dispatch"`` or ``"combine"``, see ``comm/expert.py``): check, resolve, run.
 
     dispatch: ``a [T, H]`` (``per_choice``: ``[T*k, H]``), ``b [L, H, N]``. combine: ``a [R, K]`` in the layout's
-    receive rows, ``b [L, K, H]``, ``topk_weights [T, k]`` where ``weighted``. Returns the result and, where
-    ``return_gathered``, the extra rows (dispatch: received, combine: returned to the origin)."""
+    receive rows, ``b [L, K, H]``, ``topk_weights [T, k]`` where ``weighted``, ``out``: a preallocated ``[T, H]``
+    result in a's dtype (or None). Returns the result and, where ``return_gathered``, the extra rows (dispatch:
+    received, combine: returned to the origin)."""
     env = settings.current()
     capturing = guards.capturing()
     if env.timeout is not None and not capturing and path in policy.EXPERT_PATHS:
         # Before anything collective of the call (a first call's path rule may ask the P2P verdict).
-        _check_operands(name, op, a, b, routing, topk_weights, per_choice, weighted)
+        _check_operands(name, op, a, b, routing, topk_weights, per_choice, weighted, out)
         k, n = b.shape[1], b.shape[2]
         hidden, ffn = (k, n) if op == "dispatch" else (n, k)
         header = [1 + ("dispatch", "combine").index(op), routing.experts, hidden, ffn, routing.top_k,
@@ -116,11 +117,11 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layou
                   policy.EXPERT_PATHS.index(path), int(per_choice), int(weighted)]
         _agree(name, group_context(name, group, a.device), header, routing, env.timeout)
     context, resolved, plan = _resolve(name, op, a, b, routing, group, path, topk_weights, per_choice, weighted,
-                                       env.nccl_p2p_disabled)
+                                       env.nccl_p2p_disabled, out)
     if op == "combine" and weighted:
         routing = routing.with_weights(topk_weights)
     call = ExpertCall(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
-                      env.replay and not capturing, layout=routing)
+                      env.replay and not capturing, layout=routing, out=out)
     communicator = context.communicator("expert", resolved)
     if a.device.type != "cuda" or a.device.index == torch.cuda.current_device():
         return communicator.run(call)
@@ -136,10 +137,10 @@ def _key(op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, path: str, 
 
 def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, group: dist.ProcessGroup | None,
              path: str, topk_weights: torch.Tensor | None, per_choice: bool, weighted: bool,
-             nccl_p2p_disabled: bool) -> tuple[GroupContext, str, ExpertPlan]:
+             nccl_p2p_disabled: bool, out: torch.Tensor | None = None) -> tuple[GroupContext, str, ExpertPlan]:
     """Check the call's operands and return its group context, path and plan (kept in the context's cache by
     the call's signature)."""
-    _check_operands(name, op, a, b, routing, topk_weights, per_choice, weighted)
+    _check_operands(name, op, a, b, routing, topk_weights, per_choice, weighted, out)
     context = group_context(name, group, a.device)
     if routing.world_size != context.world_size:
         raise ValueError(f"{name}: layout was built for {routing.world_size} ranks but the group has "
@@ -172,9 +173,9 @@ def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layo
 
 
 def _check_operands(name: str, op: str, a: object, b: object, routing: object, topk_weights: object,
-                    per_choice: bool, weighted: bool) -> None:
-    """Everything local about a call, before any collective: types, dtypes, devices, and every width against the
-    weights and the layout."""
+                    per_choice: bool, weighted: bool, out: object = None) -> None:
+    """Everything local about a call, before any collective: types, dtypes, devices, every width against the
+    weights and the layout, and a combine's preallocated ``out``."""
     rows_name, w_name = ("x", "w_up") if op == "dispatch" else ("a", "w_down")
     for arg, t, dims in ((rows_name, a, 2), (w_name, b, 3)):
         if not isinstance(t, torch.Tensor):
@@ -205,6 +206,8 @@ def _check_operands(name: str, op: str, a: object, b: object, routing: object, t
             raise ValueError(f"{name}: x has hidden size {a.shape[1]} ([T, H] = {list(a.shape)}) but w_up is "
                              f"[L, H, N] = {list(b.shape)}: H must agree (pass w.transpose(1, 2) for [L, N, H] "
                              "weights)")
+        if out is not None:
+            raise ValueError(f"{name}: out applies to a combine only")
         return
     if a.shape[0] != routing.recv_rows:
         raise ValueError(f"{name}: a has {a.shape[0]} rows but the layout delivers {routing.recv_rows} to this "
@@ -216,6 +219,8 @@ def _check_operands(name: str, op: str, a: object, b: object, routing: object, t
         if topk_weights is None:
             raise ValueError(f"{name}: topk_weights [T, k] is required")
         _check_router_weights(name, topk_weights, torch.Size((routing.tokens, routing.top_k)), a.device)
+    if out is not None:
+        check_out(name, out, (routing.tokens, n), a.dtype, a.device)
 
 
 # -- debug mode: the ranks agree --------------------------------------------------------------------------------
