@@ -91,6 +91,8 @@ def _ranks(rank, world):
         for mode in ("exact", "bounded"):
             layout = expert_layout(idx, experts, group, mode=mode, bound=bound if mode == "bounded" else None)
             for gemm in ("triton", "cublas", "loop"):
+                # The loop needs host sizes: in bounded mode the plan leaves the choice (None) to chunk_gemm.
+                plan_gemm = None if gemm == "loop" and mode == "bounded" else gemm
                 dtype = {("cublas", "skewed"): torch.bfloat16, ("loop", "skewed"): torch.float16,
                          ("triton", "receives_none"): torch.float16}.get((gemm, case), torch.float32)
                 hidden = 24 if gemm == "cublas" else 20  # cuBLAS's grouped GEMM: rows of 16-byte multiples
@@ -100,7 +102,7 @@ def _ranks(rank, world):
                 x = torch.randn(tokens * TOP_K if per_choice else tokens, hidden, generator=gen).to(dtype)
                 w_up = torch.randn(LOCAL, 2 * FFN, hidden, generator=gen).to(dtype).transpose(1, 2)  # w.t() view
                 plan = ExpertPlan("dispatch", world, experts, hidden, 2 * FFN, TOP_K, tokens, mode,
-                                  bound if mode == "bounded" else None, gemm, per_choice=per_choice)
+                                  bound if mode == "bounded" else None, plan_gemm, per_choice=per_choice)
                 call = ExpertCall("moe_dispatch_gemm", plan, x, w_up, return_gathered=True, layout=layout)
                 h, recv = comm.run(call)
                 want_h, want_recv = reference.run(call)
@@ -111,7 +113,7 @@ def _ranks(rank, world):
                 act = torch.randn(layout.recv_rows, FFN, generator=gen).to(dtype)
                 w_down = torch.randn(LOCAL, FFN, hidden, generator=gen).to(dtype)
                 plan = ExpertPlan("combine", world, experts, hidden, FFN, TOP_K, tokens, mode,
-                                  bound if mode == "bounded" else None, gemm, weighted=weighted)
+                                  bound if mode == "bounded" else None, plan_gemm, weighted=weighted)
                 given = poisoned((tokens, hidden), dtype) if gemm == "triton" else None  # a preallocated out
                 call = ExpertCall("moe_gemm_combine", plan, act, w_down, return_gathered=gemm != "loop",
                                   layout=layout.with_weights(topk_weights) if weighted else layout, out=given)

@@ -1,6 +1,7 @@
-"""The expert call contract without ranks: ``ExpertPlan`` validation and shape algebra, the expert path rules
-(``policy.expert_path``), and ``expert_layout`` on a world of one (send order, rows, segments, both modes, the
-bound check), in this process."""
+"""The expert call contract without ranks: ``ExpertPlan`` validation and shape algebra, the grouped-GEMM choice
+(never the loop in bounded mode), the expert path rules (``policy.expert_path``), ``expert_layout`` on a world of
+one (send order, rows, segments, both modes, the bound check) and the weighted sum at the origin into a given
+``out``, in this process."""
 
 import tempfile
 
@@ -11,7 +12,9 @@ import torch.distributed as dist
 import flashoverlap as fo
 from flashoverlap.comm import expert
 from flashoverlap.comm.expert import BoundExceeded, ExpertPlan, expert_layout, recv_segments, send_buffer
+from flashoverlap.comm.expert_nccl import chunk_gemm
 from flashoverlap.comm.protocol import CommGroup
+from flashoverlap.runtime import experts as runtime_experts
 from flashoverlap.runtime import policy
 
 
@@ -30,6 +33,26 @@ def test_plan_is_validated_hashable_and_states_its_shapes():
         args = dict(op="dispatch", world_size=4, experts=16, hidden=64, ffn=96, top_k=2, tokens=10) | bad
         with pytest.raises(ValueError, match=match):
             ExpertPlan(**args)
+
+
+def test_the_gemm_default_is_the_runtimes_choice_and_never_a_loop_in_bounded_mode(monkeypatch):
+    assert ExpertPlan("dispatch", 2, 4, 8, 8, 1, 3, "bounded", 3).gemm is None
+    assert ExpertPlan("dispatch", 2, 4, 8, 8, 1, 3, gemm="loop").gemm == "loop"  # exact mode: host sizes
+    with pytest.raises(ValueError, match=r"gemm='loop' cannot run with mode='bounded'.*gemm='triton' or 'cublas'"):
+        ExpertPlan("dispatch", 2, 4, 8, 8, 1, 3, "bounded", 3, "loop")
+    # A plan without a choice (built outside the runtime), on CUDA: the loop where sizes are on the host, else Triton.
+    cuda = torch.device("cuda")  # chunk_gemm reads only the device's type
+    assert chunk_gemm(ExpertPlan("combine", 2, 4, 8, 8, 1, 3), torch.bfloat16, cuda) == "loop"
+    assert chunk_gemm(ExpertPlan("combine", 2, 4, 8, 8, 1, 3, "bounded", 3), torch.bfloat16, cuda) == "triton"
+    # The runtime's choice: the measured policy (fp32: Triton), and where Triton is missing the loop (exact) or
+    # cuBLAS's grouped GEMM (bounded): never the loop in bounded mode.
+    for available, exact, bounded in ((True, "triton", "triton"), (False, "loop", "cublas")):
+        monkeypatch.setattr(runtime_experts, "_triton_available", lambda available=available: available)
+        assert runtime_experts.choose_gemm("exact", 4, 64, 32, 32, torch.float32, None) == exact
+        assert runtime_experts.choose_gemm("bounded", 4, 64, 32, 32, torch.float32, None) == bounded
+        for dtype in (torch.bfloat16, torch.float16):
+            for rows, k in ((64, 32), (1 << 16, 4096)):
+                assert runtime_experts.choose_gemm("bounded", 4, rows, k, k, dtype, (9, 0)) in ("triton", "cublas")
 
 
 def _request(device="cuda", dtype=torch.bfloat16, world=2, available=("reference", "nccl", "p2p"), p2p=None,

@@ -91,9 +91,12 @@ class ExpertPlan:
     ``ffn = 2F``; in combine's backward, a dispatch, ``ffn = F``). ``top_k`` choices per token, ``tokens`` (``T``)
     on this rank. ``mode``: ``"exact"`` (``bound`` None) or ``"bounded"`` (``bound`` >= 1 rows per (source,
     destination) pair, the same on every rank). ``gemm``: the grouped GEMM the fast paths run (``"triton"``:
-    ``kernels.grouped_gemm``, ``"cublas"``: ``torch._grouped_mm``, ``"loop"``: ``torch.mm`` per segment; the
-    reference path always loops). ``per_choice`` (dispatch): the rows given are one per choice ``[T*k, H]``
-    instead of one per token. ``weighted`` (combine): sum the returned rows with the router weights (else with 1).
+    ``kernels.grouped_gemm``, ``"cublas"``: ``torch._grouped_mm``, ``"loop"``: ``torch.mm`` per segment, exact
+    mode only: it needs the segment sizes on the host, which bounded mode never reads; None: the runtime's choice,
+    ``runtime/experts.py``, which a plan built elsewhere leaves to ``expert_nccl.chunk_gemm``: the loop in exact
+    mode, Triton in bounded mode; the reference path always loops and keeps None). ``per_choice`` (dispatch): the
+    rows given are one per choice ``[T*k, H]`` instead of one per token. ``weighted`` (combine): sum the returned
+    rows with the router weights (else with 1).
     """
 
     op: str
@@ -105,7 +108,7 @@ class ExpertPlan:
     tokens: int
     mode: str = "exact"
     bound: int | None = None
-    gemm: str = "loop"
+    gemm: str | None = None
     per_choice: bool = False
     weighted: bool = True
 
@@ -114,8 +117,13 @@ class ExpertPlan:
             raise ValueError(f"ExpertPlan: op must be one of {OPS}, got {self.op!r}")
         if self.mode not in MODES:
             raise ValueError(f"ExpertPlan: mode must be one of {MODES}, got {self.mode!r}")
-        if self.gemm not in GEMMS:
-            raise ValueError(f"ExpertPlan: gemm must be one of {GEMMS}, got {self.gemm!r}")
+        if self.gemm is not None and self.gemm not in GEMMS:
+            raise ValueError(f"ExpertPlan: gemm must be one of {GEMMS} or None (the runtime chooses), got "
+                             f"{self.gemm!r}")
+        if self.gemm == "loop" and self.mode == "bounded":
+            raise ValueError("ExpertPlan: gemm='loop' cannot run with mode='bounded': the per-segment loop needs the "
+                             "segment sizes on the host, which bounded mode never reads; pass gemm='triton' or "
+                             "'cublas' (or None: the runtime chooses), or mode='exact'")
         for name in ("world_size", "experts", "hidden", "ffn", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

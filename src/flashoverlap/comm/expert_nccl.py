@@ -142,17 +142,17 @@ def host_relative_ends(layout: Layout) -> list[list[int]]:
 
 
 def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device) -> str:
-    """The grouped GEMM a chunk runs: the plan's, except where it cannot: the per-segment loop needs host sizes
-    (bounded mode never has them: Triton instead), cuBLAS's grouped GEMM takes bf16 rows of 16-byte multiples only
-    (else Triton). Off the GPU (the CPU tests) the Triton kernel runs only under the interpreter: a loop instead."""
-    kind = plan.gemm
+    """The grouped GEMM a chunk runs: the plan's, except where it cannot: cuBLAS's grouped GEMM takes bf16 rows of
+    16-byte multiples only (else Triton). A plan without a choice (``gemm=None``, built outside the runtime): the
+    per-segment loop in exact mode, Triton in bounded mode (the loop needs host sizes, which bounded mode never
+    has; ``ExpertPlan`` refuses the pair). Off the GPU (the CPU tests) the Triton kernel runs only under the
+    interpreter: a loop instead."""
+    kind = plan.gemm if plan.gemm is not None else ("triton" if plan.mode == "bounded" else "loop")
     k, n = plan.gemm_shape
     if kind == "cublas" and (dtype != torch.bfloat16 or k % 8 or n % 8):
         kind = "triton"
     if device.type != "cuda":
         return kind if kind == "cublas" or os.environ.get("TRITON_INTERPRET") == "1" else "loop"
-    if kind == "loop" and plan.mode == "bounded":
-        return "triton"
     return kind
 
 

@@ -159,17 +159,41 @@ def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layo
         resolved, _ = policy.expert_path(name, path, request)
         k, n = b.shape[1], b.shape[2]
         hidden, ffn = (k, n) if op == "dispatch" else (n, k)
-        gemm = "loop"
+        gemm = None  # the reference path always loops
         if resolved != "reference":
             capability = torch.cuda.get_device_capability(a.device) if a.device.type == "cuda" else None
-            gemm = choose_grouped_gemm(experts=local, rows=routing.tokens * routing.top_k, k=k, n=n, dtype=a.dtype,
-                                       device_capability=capability)
+            gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, a.dtype, capability)
         plan = ExpertPlan(op, context.world_size, routing.experts, hidden, ffn, routing.top_k, routing.tokens,
                           routing.mode, routing.bound, gemm, per_choice, weighted)
         if len(context.calls) > 1024:
             context.calls.clear()
         seen = context.calls[key] = (resolved, plan)
     return context, seen[0], seen[1]
+
+
+def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.dtype,
+                capability: tuple[int, int] | None) -> str:
+    """The grouped GEMM a fast path's plan runs (``ExpertPlan.gemm``): the measured policy's choice
+    (``kernels.grouped_gemm.choose_grouped_gemm``, never the per-segment loop, whose host sizes bounded mode never
+    has) for ``local`` experts and ``rows`` rows (``T * k``), except where Triton is not installed: then exact
+    mode loops, and bounded mode takes ``torch._grouped_mm`` (cuBLAS) where this torch has it (which
+    ``expert_nccl.chunk_gemm`` still hands to Triton outside bf16 rows of 16-byte multiples: that call then says
+    Triton is missing)."""
+    gemm = choose_grouped_gemm(experts=local, rows=rows, k=k, n=n, dtype=dtype, device_capability=capability)
+    if gemm == "triton" and not _triton_available():
+        if mode == "exact":
+            return "loop"
+        if hasattr(torch, "_grouped_mm"):
+            return "cublas"
+    return gemm
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _check_operands(name: str, op: str, a: object, b: object, routing: object, topk_weights: object,
