@@ -39,8 +39,9 @@ def traced(name, fn):
     return wrapper
 
 
-def patch():
-    """Wrap the entry points; returns the undo list."""
+def patch(sequential=False):
+    """Wrap the entry points (``sequential``: those of the public op's sequential plan and the runtime under it);
+    returns the undo list."""
     undo = []
 
     def swap(owner, attr, name):
@@ -57,8 +58,28 @@ def patch():
     swap(torch.cuda.Stream, "wait_event", "wait_event")
     swap(torch.cuda.Stream, "wait_stream", "wait_stream")
     swap(torch.cuda.Stream, "record_event", "record_event")
+    if sequential:
+        from flashoverlap.comm import collectives
+        from flashoverlap.comm import sequential as seq
+        from flashoverlap.ops import library
+        from flashoverlap.runtime import calls, settings
+
+        swap(torch, "matmul", "torch.matmul")
+        swap(dist, "all_reduce", "dist.all_reduce")
+        swap(collectives, "_reduce_scatter", "reduce_scatter")
+        swap(collectives, "_all_gather", "all_gather")
+        swap(torch.Tensor, "contiguous", "contiguous")
+        swap(torch.cuda, "is_current_stream_capturing", "is_capturing")
+        swap(torch.cuda, "current_device", "current_device")
+        swap(calls, "check_operands", "check_operands")
+        swap(calls, "group_context", "group_context")
+        swap(calls, "resolve", "resolve")
+        swap(settings, "current", "settings.current")
+        swap(library, "needed", "library.needed")
+        swap(seq.SequentialCommunicator, "run", "sequential.run")
+        return undo
     driver = stream_ops.fast()
-    for attr in ("write", "wait_reset", "copy"):
+    for attr in ("write", "wait_reset", "copy", "record", "wait_event", "current_stream"):
         swap(driver, attr, f"driver.{attr}")
     return undo
 
@@ -122,6 +143,40 @@ def main():
             report["ops"][op] = {"plan": str(plan), "p2p_eager": trace(lambda call=call: comm.run(call)),
                                  "torch.mm": trace(lambda a=a, b=b: torch.mm(a, b)),
                                  "torch.mm x4": trace(lambda a=a, b=b: [torch.mm(a, b) for _ in range(4)])}
+        finally:
+            for owner, attr, original in reversed(undo):
+                setattr(owner, attr, original)
+    solo = [dist.new_group([r], backend="nccl") for r in range(world)][rank]
+    public = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+              "all_gather": fo.all_gather_gemm}
+    from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+
+    for op in OPS:
+        full = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
+
+        def direct(op=op, full=full, b=b):
+            if op == "all_gather":
+                gathered = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+                all_gather_into_tensor(gathered, full, solo)
+                return torch.mm(gathered, b)
+            c = torch.mm(full, b)
+            if op == "all_reduce":
+                dist.all_reduce(c, group=solo)
+                return c
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            reduce_scatter_tensor(out, c, solo)
+            return out
+
+        def ours(op=op, full=full, b=b):
+            return public[op](full, b, group=solo)
+
+        for _ in range(3):
+            ours(), direct()
+        torch.cuda.synchronize()
+        undo = patch(sequential=True)
+        try:
+            report["ops"][op].update({"sequential_ours": trace(ours), "sequential_direct": trace(direct)})
         finally:
             for owner, attr, original in reversed(undo):
                 setattr(owner, attr, original)

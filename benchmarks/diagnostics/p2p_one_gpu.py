@@ -9,7 +9,8 @@ output is checked (and then poisoned with NaN, so that a later call handed the s
 did not write), eager calls (``FLASHOVERLAP_REPLAY=0``) and replayed ones alike, with a weight-gradient hook
 (``replay.Matmul``) on new values held in the replayed graphs (the communicator is called with ``Call``s, as the
 runtime calls it); then the host time to issue one
-call (the GPU kept busy ahead of it) is printed for eager and replayed calls, beside ``torch.mm`` alone.
+call (the GPU kept busy ahead of it) is printed for eager and replayed calls, beside ``torch.mm`` alone, timed
+interleaved (``bench.timing.host_us_interleaved``: one call of each per round, 40 rounds, medians).
 
 CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py [out.json]
 """
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.bench.timing import host_us
+from flashoverlap.bench.timing import host_us_interleaved
 from flashoverlap.comm import symmetric
 from flashoverlap.comm.protocol import Call
 from flashoverlap.comm.replay import Matmul
@@ -109,12 +110,15 @@ def host_rows(comm, rank, world) -> list[dict]:
         a = torch.randn(rows_a, k, dtype=torch.bfloat16, device="cuda")
         b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
         plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
-        mm_us = host_us(lambda a=a, b=b: torch.mm(a, b), calls=30)
-        for mode, replay in (("eager", False), ("replayed", True)):
-            call = Call(op, plan, a, b, replay=replay)
-            us = host_us(lambda call=call: comm.run(call), calls=30)
-            rows.append({"op": op, "path": "p2p", "mode": mode, "M": m, "N": n, "K": k, "host_us": round(us, 1),
-                         "torch_mm_us": round(mm_us, 1), "direct_us": None})
+        calls = {mode: Call(op, plan, a, b, replay=replay) for mode, replay in (("eager", False), ("replayed", True))}
+        for call in calls.values():  # kernels loaded, graphs captured: the timed calls are the steady ones
+            comm.run(call)
+            comm.run(call)
+        us = host_us_interleaved({"torch.mm": lambda a=a, b=b: torch.mm(a, b),
+                                  **{mode: lambda call=call: comm.run(call) for mode, call in calls.items()}})
+        for mode in calls:
+            rows.append({"op": op, "path": "p2p", "mode": mode, "M": m, "N": n, "K": k, "host_us": round(us[mode], 1),
+                         "torch_mm_us": round(us["torch.mm"], 1), "direct_us": None})
         eager = Call(op, plan, a, b)
         profile = cProfile.Profile()
         for _ in range(10):
@@ -144,11 +148,11 @@ def host_rows(comm, rank, world) -> list[dict]:
             reduce_scatter_tensor(out, c, solo)
             return out
 
-        ours = host_us(lambda op=op, full=full, b=b: public[op](full, b, group=solo), calls=30)
-        direct_us = host_us(direct, calls=30)
-        mm_us = host_us(lambda full=full, b=b: torch.mm(full, b), calls=30)
+        us = host_us_interleaved({"ours": lambda op=op, full=full, b=b: public[op](full, b, group=solo),
+                                  "direct": direct, "torch.mm": lambda full=full, b=b: torch.mm(full, b)})
         rows.append({"op": op, "path": "nccl", "mode": "sequential", "M": m, "N": n, "K": k,
-                     "host_us": round(ours, 1), "torch_mm_us": round(mm_us, 1), "direct_us": round(direct_us, 1)})
+                     "host_us": round(us["ours"], 1), "torch_mm_us": round(us["torch.mm"], 1),
+                     "direct_us": round(us["direct"], 1)})
     return rows
 
 

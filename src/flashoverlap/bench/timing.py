@@ -39,6 +39,27 @@ def host_us(fn: Callable[[], object], calls: int = 20, sleep_cycles: int = QUEUE
     return 1e6 * statistics.median(times)
 
 
+def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
+                        sleep_cycles: int = QUEUE_AHEAD_CYCLES) -> dict[str, float]:
+    """``host_us`` of several callables measured side by side: each round times one call of each, in an order
+    that rotates from round to round, so that slow and fast spells of the host fall on all of them alike (one
+    call's host time, right after the ranks align and the GPU is given work, varies by 2x from run to run)."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(calls):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            if dist.is_initialized():
+                dist.barrier()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return {name: 1e6 * statistics.median(values) for name, values in times.items()}
+
+
 def time_ms(
     fn: Callable[[], object],
     *,

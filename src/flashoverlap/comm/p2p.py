@@ -104,10 +104,10 @@ class P2PCommunicator:
         input (rank order) where asked. The hook, if any, issues independent work on the caller's stream where the
         schedule would wait for its first pull (``ring_schedule.Hook``)."""
         plan, a, b, op, hook = call.plan, call.a, call.b, call.name, call.hook
-        self.prepare(plan, a.dtype, op)
         if plan.op == "all_gather":
             a = a.contiguous()  # the copy engine moves the shard's rows as one block
-        if (plan, a.dtype, b.stride()) not in self._warm:
+        if (plan, a.dtype, b.stride()) not in self._warm:  # step 1, once per plan, dtype and layout of b (the
+            self.prepare(plan, a.dtype, op)  # workspace only grows; release() empties _warm)
             self._load_kernels(plan, a, b, op)
         rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
         out = self._new((rows, plan.n), a.dtype)
@@ -209,7 +209,7 @@ class P2PCommunicator:
         """The schedule with everything that does not change between calls resolved: flag addresses, copy
         offsets and sizes, views of this rank's symmetric regions (built once per plan and workspace), and how
         the call's tensors are cut into the matmuls' row blocks (``_cuts``)."""
-        key = (plan, dtype, gathered_own, self.workspace.buffer.data_ptr())
+        key = (plan, dtype, gathered_own)  # a new workspace empties the cache (prepare, release)
         cached = self._programs.get(key)
         if cached is not None:
             return cached
