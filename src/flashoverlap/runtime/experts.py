@@ -20,7 +20,6 @@ from flashoverlap import guards
 from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
 from flashoverlap.comm.protocol import Hook
-from flashoverlap.kernels.grouped_gemm import choose_grouped_gemm
 from flashoverlap.runtime import policy, settings
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
 
@@ -179,6 +178,10 @@ def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.d
     mode loops, and bounded mode takes ``torch._grouped_mm`` (cuBLAS) where this torch has it (which
     ``expert_nccl.chunk_gemm`` still hands to Triton outside bf16 rows of 16-byte multiples: that call then says
     Triton is missing)."""
+    # Imported here, not with this module: kernels.grouped_gemm imports Triton (a tenth of a second, and not
+    # installed at all on a CPU install), which the reference path and `import flashoverlap` never need.
+    from flashoverlap.kernels.grouped_gemm import choose_grouped_gemm
+
     gemm = choose_grouped_gemm(experts=local, rows=rows, k=k, n=n, dtype=dtype, device_capability=capability)
     if gemm == "triton" and not _triton_available():
         if mode == "exact":
