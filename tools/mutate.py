@@ -114,6 +114,8 @@ MUTATIONS = [
      '        return "NCCL_P2P_DISABLE=1 is set"\n', "        return None\n", POLICY_TEST),
     ("p2p-join-removed", "P2P executor: the copy streams are not joined back into the caller's stream", P2P,
      "            wait_event(handles[0], joins[index])\n", "            pass\n", P2P_TEST),
+    ("runtime-fast-path-ignores-shape", "Runtime: a repeated call's cached answer is keyed without a's shape", CALLS,
+     "        signature = (op, name, a.shape, b.shape,", "        signature = (op, name, b.shape,", CALLS_TEST),
     ("p2p-matmul-reads-wrong-rows", "P2P executor: every matmul reads the first row block of its input", P2P,
      "                src = parts[src_space][src_part]\n", "                src = parts[src_space][0]\n", P2P_TEST),
     ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,

@@ -117,3 +117,33 @@ def test_every_communicator_follows_the_protocol():
         for member in ("run", "release"):
             assert member in vars(Communicator) and hasattr(build, member)
     assert context_module._HOLD_NOTHING <= set(COMMUNICATORS)
+
+
+def test_a_repeated_call_is_resolved_once_and_anything_else_afresh(world_of_one, monkeypatch):
+    """The fast path (``context.RESOLVED``): a call whose whole signature was resolved before skips the operand
+    checks; another shape, dtype, path or plan is checked again; a release forgets every answer."""
+    from flashoverlap.runtime import calls
+
+    reference = _install(world_of_one, ("gemm", "reference"))
+    checked = []
+    check = calls.check_operands
+    monkeypatch.setattr(calls, "check_operands", lambda *args: checked.append(args[1].shape) or check(*args))
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.testing.assert_close(fo.gemm_all_reduce(a, b), a @ b)
+    assert len(checked) == 1 and len(reference.calls) == 3
+    assert reference.calls[2].plan is reference.calls[0].plan
+    fo.gemm_all_reduce(torch.randn(10, 4, dtype=torch.bfloat16), b)  # another M
+    fo.gemm_all_reduce(a.half(), b.half())  # another dtype
+    fo.gemm_all_reduce(a, b, path="reference")  # another path
+    assert len(checked) == 4
+    with pytest.raises(ValueError, match="K differ"):  # bad operands are never answered from the cache
+        fo.gemm_all_reduce(a, torch.randn(5, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K differ"):
+        fo.gemm_all_reduce(a, torch.randn(5, 6, dtype=torch.bfloat16))
+    assert context_module.RESOLVED
+    fo.release()
+    assert not context_module.RESOLVED
+    _install(context_of(dist.group.WORLD, torch.device("cpu")), ("gemm", "reference"))
+    fo.gemm_all_reduce(a, b)
+    assert len(checked) == 7

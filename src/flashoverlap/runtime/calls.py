@@ -16,7 +16,7 @@ from flashoverlap.comm.protocol import Call, Hook
 from flashoverlap.plan import Plan
 from flashoverlap.runtime import agreement, plans, settings
 from flashoverlap.runtime.checks import check_operands
-from flashoverlap.runtime.context import GroupContext, group_context
+from flashoverlap.runtime.context import RESOLVED, GroupContext, group_context
 
 
 def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
@@ -41,7 +41,17 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
 
 def resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
             plan: Plan | None, path: str, nccl_p2p_disabled: bool = False) -> tuple[str, GroupContext, Plan]:
-    """Check a call of op ``name`` (plan kind ``op``) and return its path, group context and plan."""
+    """Check a call of op ``name`` (plan kind ``op``) and return its path, group context and plan. A call whose
+    whole signature was resolved before (plain tensors, a plan given or not) gets the same answer at once
+    (``context.RESOLVED``): its operands pass the same checks, its group is the same object."""
+    signature = None
+    if type(a) is torch.Tensor and type(b) is torch.Tensor and (plan is None or type(plan) is Plan):
+        resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
+        signature = (op, name, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, resolved, plan, path,
+                     nccl_p2p_disabled)
+        answer = RESOLVED.get(signature)
+        if answer is not None:
+            return answer
     m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
@@ -71,4 +81,8 @@ def resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
             f"{name}: plan is for {plan.op} (m, n, k) = {(plan.m, plan.n, plan.k)} over {plan.world_size} ranks, "
             f"but this call is {op} {(m, n, k)} over {world_size} ranks"
         )
+    if signature is not None:
+        if len(RESOLVED) > 1024:
+            RESOLVED.clear()
+        RESOLVED[signature] = (path, context, plan)
     return path, context, plan

@@ -103,6 +103,10 @@ class GroupContext:
 
 
 _CONTEXTS: dict[tuple[int, str, int | None], GroupContext] = {}
+# runtime.calls' fast path: a whole call signature (operand shapes, dtypes and devices, the group object, plan, path)
+# -> (path, context, plan), so that a repeated call skips the checks and lookups its first call made. Emptied by
+# every release (its values hold contexts).
+RESOLVED: dict[tuple, tuple] = {}
 
 
 def context_of(process_group: dist.ProcessGroup, device: torch.device) -> GroupContext:
@@ -135,5 +139,6 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     the NCCL path's cloned process groups, replayed CUDA graphs, measured rates and cached plans. Collective where
     the group's communicators hold peer-mapped memory or cloned groups: call it on every rank of the group, after
     its last call (and before ``dist.destroy_process_group``). The next call on the group starts afresh."""
+    RESOLVED.clear()
     for key in [key for key, context in _CONTEXTS.items() if group is None or context.process_group is group]:
         _CONTEXTS.pop(key).release()
