@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from flashoverlap import guards
 from flashoverlap.plan import Plan
-from flashoverlap.runtime import policy
+from flashoverlap.runtime import policy, settings
 from flashoverlap.runtime.context import GroupContext, context_of
 from flashoverlap.tune import cache, rates
 from flashoverlap.tune.defaults import default_plan, sequential_plan
@@ -73,12 +73,14 @@ def _cached_plan(op: str, m: int, n: int, k: int, context: GroupContext, dtype: 
     own, the nearest tuned M's, or None. Collective on a group's first lookup (rank 0's entries are agreed)."""
     device = context.device
     gpu = torch.cuda.get_device_name(device)
-    token = (gpu, context.world_size, cache.generation())
+    transport = settings.current().nccl_p2p_disabled  # read once, as every path rule reads it
+    token = (gpu, context.world_size, cache.generation(), transport)
     every = context.agreed.get(token)
     if every is None:
         with torch.cuda.device(device):  # the exchange's tensors go to this device
-            every = context.agreed[token] = cache.exchange_entries(context.process_group, gpu, context.world_size)
-    key = cache.cache_key(gpu, context.world_size, op, path, str(dtype).replace("torch.", ""))
+            every = context.agreed[token] = cache.exchange_entries(context.process_group, gpu, context.world_size,
+                                                                   transport)
+    key = cache.cache_key(gpu, context.world_size, op, path, str(dtype).replace("torch.", ""), transport)
     return cache.select(cache.entries_for(every, key), op, m, n, k, context.world_size, guards.sm_count(device))
 
 
