@@ -67,8 +67,6 @@ def test_import_and_the_reference_path_need_no_triton(tmp_path):
     assert proc.returncode == 0 and "reference path OK" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/ import triton with no hint of the gpu extra: the lead's files; "
-                   "remove this mark when the error names it")
 def test_the_gpu_kernels_say_how_to_install_triton(tmp_path):
     proc = _without_gpu_packages(tmp_path, "import flashoverlap.kernels.gemm")
     assert proc.returncode != 0 and "flashoverlap[gpu]" in proc.stderr, proc.stderr[-3000:]

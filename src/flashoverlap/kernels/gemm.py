@@ -18,9 +18,14 @@ import os
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+try:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError as exc:  # a CPU install has no Triton; only the GPU paths need it
+    raise ImportError(
+        f"flashoverlap's GPU kernels need Triton (>= 3.3, with tensor descriptors): pip install 'flashoverlap[gpu]' "
+        f"({exc})") from exc
 
 from flashoverlap.plan import Plan
 
