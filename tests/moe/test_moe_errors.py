@@ -1,14 +1,16 @@
 """Bad input to the MoE ops, on two gloo ranks: every error names the argument and is raised on every rank before
-any token row moves, and the group stays usable (a good call after the errors gives the plain answer). Collective
-errors (an expert index out of range on one rank, a routing beyond the bound, ranks that disagree on the mode or
-the bound) are raised by every rank together;
-in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``) ranks that disagree on a call or on the counts raise, naming the
-ranks."""
+any token row moves, and the group stays usable (a good call after the errors gives the plain answer). Local
+errors (types, shapes, a hidden size that disagrees with the weights, a layout used with another group, a bad
+``out``); collective errors (an expert index out of range on one rank, exact and bounded mode, a routing beyond
+the bound, ranks that disagree on the mode or the bound) are raised by every rank together; in debug mode
+(``FLASHOVERLAP_DEBUG_TIMEOUT``) ranks that disagree on a call (bound, dtype, path, hidden size) or on the counts
+raise, naming the ranks."""
 
 import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.moe import cases
@@ -60,6 +62,9 @@ def _argument_errors(rank, world):
     _raises(TypeError, "layout must be the Layout moe_layout returns", fo.moe_dispatch_gemm, x, w_up, idx)
     _raises(ValueError, "path must be one of", fo.moe_dispatch_gemm, x, w_up, layout, path="fast")
     _raises(ValueError, "path='nccl' needs CUDA tensors", fo.moe_dispatch_gemm, x, w_up, layout, path="nccl")
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group, in one order
+    _raises(ValueError, "layout was built for 2 ranks but the group has 1", fo.moe_dispatch_gemm, x, w_up, layout,
+            alone)
     # Through the custom op (autograd records it): the same errors.
     _raises(ValueError, "x has hidden size 15", fo.moe_dispatch_gemm, x[:, :15].clone().requires_grad_(), w_up,
             layout)
@@ -92,6 +97,11 @@ def _collective_errors(rank, world):
         idx[3, 1] = p["experts"]  # one index out of range, on rank 1 only: both ranks must raise
     message = _raises(ValueError, r"topk_idx: rank\(s\) \[1\] of group .* hold expert indices outside \[0, 8\)",
                       fo.moe_layout, idx, p["experts"])
+    below = p["idx"][rank].clone()
+    if rank == 0:
+        below[0, 0] = -1  # a negative index, on rank 0 only, in bounded mode (checked with the bound)
+    _raises(ValueError, r"topk_idx: rank\(s\) \[0\] of group .* outside \[0, 8\) \(1 in all\); nothing was sent",
+            fo.moe_layout, below, p["experts"], mode="bounded", bound=64)
     # Every token to rank 0's experts: 11 rows from rank 1 to rank 0 (T_1 = 11 tokens, top-1 there).
     crowded = torch.zeros((p["x"][rank].shape[0], 1), dtype=torch.int64)
     bound = _raises(BoundExceeded, r"bound=10 rows per \(source, destination\) exceeded .*rank 1 -> rank 0: 11",
@@ -131,6 +141,10 @@ def _debug_errors(rank, world):
                 x, w_up.to(x.dtype), layouts[0])
         _raises(ValueError, r"the ranks disagree on path \(rank 1 differs from rank 0\)", fo.moe_dispatch_gemm,
                 p["x"][rank], w_up, layouts[0], path=("auto", "reference")[rank])
+        # Each rank's x and w_up agree, but rank 1's hidden size is not rank 0's.
+        width = cases.H - rank
+        _raises(ValueError, r"the ranks disagree on hidden \(rank 1 differs from rank 0\)", fo.moe_dispatch_gemm,
+                p["x"][rank][:, :width], w_up[:, :width], layouts[0])
         _good_call(rank, p, fo)
     finally:
         del os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"]
