@@ -56,15 +56,33 @@ CASES = [
      None, 5),
     ("forty-segments-fp16", "float16", 5, 16, 16, [(3 * i) % 7 for i in range(40)], [i % 5 for i in range(40)],
      [i % 3 for i in range(40)], 3, "heavy-first", [i % 2 for i in range(40)], False, True, 4, None, 0),
+    # Tails of every kind (block_m 64: <= 16 rows transposed, <= 32 half height, else full), light segments mixed
+    # among heavy ones, atomic tile counter.
+    ("swap-mix-dynamic-fp16", "float16", 3, 24, 20, [70, 5, 17, 33, 0, 64, 1, 100], [0, 1, 2, 0, 1, 2, 1, 0],
+     [0, 1, 0, 1, 0, 1, 0, 1], 2, "heavy-first", None, False, False, 3, None, 4),
+    ("swap-wt-tma-fp16", "float16", 2, 32, 24, [3, 40, 16, 81, 9], [1, 0, 1, 0, 0], [1, 1, 0, 0, 1], 2,
+     "heavy-first", None, True, True, None, None, 0),
+    ("swap-only-mix-per-tile-fp16", "float16", 4, 16, 17, [31, 129, 2, 64, 65, 32, 0, 7], [3, 0, 1, 2, 3, 0, 1, 2],
+     [0] * 8, 1, "heavy-first", None, False, False, None, None, 0),
+    ("flat-mix-fp16", "float16", 3, 24, 24, [50, 3, 0, 17, 33, 1, 16], [2, 0, 1, 2, 0, 1, 0], None, 0,
+     "heavy-first", None, False, False, 3, None, 6),
+    ("flat-wt-tma-fp16", "float16", 2, 32, 32, [20, 7, 45, 0, 16], [0, 1, 1, 0, 1], None, 0, "given", None, True,
+     True, 2, None, 0),
 ]
 
-# Launch options beyond the tile shape: dynamic tile taking, half-height tail tiles.
+# Launch options beyond the tile shape: dynamic tile taking, half-height and transposed tail tiles, light tiles
+# mixed among heavy ones, the flattened loop (no signals), and the tile height.
 TILE_OPTIONS = {
     "round-tma-persistent-fp16": {"dynamic": True},
-    "wt-tma-priority-fp32": {"half_tail": True},
+    "wt-tma-priority-fp32": {"half_tail": True, "swap_rows": 16, "mix": True},  # fp32: no swap; priority: no mix
     "wt-pointer-odd-fp16": {"dynamic": True, "half_tail": True},
-    "one-expert-many-segments-fp16": {"half_tail": True},
+    "one-expert-many-segments-fp16": {"half_tail": True, "mix": True},
     "forty-segments-fp16": {"dynamic": True, "half_tail": True},
+    "swap-mix-dynamic-fp16": {"block_m": 64, "swap_rows": 16, "half_tail": True, "mix": True, "dynamic": True},
+    "swap-wt-tma-fp16": {"swap_rows": 16},
+    "swap-only-mix-per-tile-fp16": {"block_m": 64, "swap_rows": 32, "mix": True},
+    "flat-mix-fp16": {"flat": True, "mix": True},
+    "flat-wt-tma-fp16": {"flat": True, "half_tail": True, "swap_rows": 16},  # flat: no tails of either kind
 }
 
 
@@ -88,9 +106,10 @@ def run_case(case) -> dict:
     seg_expert = torch.tensor(seg_experts, dtype=torch.int32)
     seg_signal = torch.tensor(groups, dtype=torch.int32) if groups is not None else None
     seg_priority = torch.tensor(prio, dtype=torch.int32) if prio is not None else None
-    options = TILE_OPTIONS.get(name, {})
-    # Half-height tiles need block_m >= 32 (their dot is block_m / 2 >= 16 rows high).
-    tile = GroupedTile(32 if options.get("half_tail") else 16, 16, 16, 2, 1, 4, programs, **options)
+    options = dict(TILE_OPTIONS.get(name, {}))
+    # Half-height and transposed tiles need block_m >= 32 (their dot is at least 16 rows high).
+    block_m = options.pop("block_m", 32 if options.get("half_tail") or options.get("swap_rows") else 16)
+    tile = GroupedTile(block_m, 16, 16, 2, 1, 4, programs, **options)
     workspace = torch.full((workspace_size(len(sizes)),), -7, dtype=torch.int32)  # garbage on entry
     tiles = [-(-s // tile.block_m) * -(-n // 16) for s in sizes]
     expected = [sum(t for t, g in zip(tiles, groups) if g == group) for group in range(num_groups)] if groups else []
@@ -128,6 +147,83 @@ def run_case(case) -> dict:
         "want_start_flags": [1 - e for e in expected],
         "num_groups": num_groups,
     }
+
+
+# Segments with row starts (the bounded MoE mode's receive slots: gaps between segments, segments in any order).
+# (name, dtype, experts, K, N, rows, starts, ends, experts of the segments, signal groups or None, number of
+#  groups, priorities or None, w transposed, TMA loads, num_programs, tile options)
+GAP_CASES = [
+    # W = 2 slots of 20 rows, 3 local experts: rows [13, 20) and [38, 40) are padding; own source first.
+    ("gaps-bounded-fp16", "float16", 3, 24, 40, 40, [0, 4, 4, 20, 31, 31], [4, 4, 13, 31, 31, 38],
+     [0, 1, 2, 0, 1, 2], [0, 0, 0, 1, 1, 1], 2, [1, 1, 1, 0, 0, 0], False, False, None, {}),
+    # Segments listed out of row order, an end below its start (empty), tails of every kind, mixed, persistent.
+    ("gaps-unordered-swap-mix-fp16", "float16", 2, 32, 24, 120, [70, 0, 9, 103, 60, 50], [100, 5, 41, 120, 55, 50],
+     [1, 0, 1, 0, 0, 1], [1, 0, 1, 0, 1, 0], 2, None, True, True, 3,
+     {"block_m": 64, "swap_rows": 16, "half_tail": True, "mix": True, "dynamic": True}),
+    # fp32 (tf32 on a GPU), given order, no signals, one program per tile.
+    ("gaps-given-fp32", "float32", 2, 20, 18, 33, [30, 2, 11], [33, 9, 27], [1, 0, 1], None, 0, None, False, False,
+     None, {}),
+    ("gaps-flat-fp16", "float16", 2, 16, 32, 64, [40, 0, 17], [63, 16, 39], [0, 1, 0], None, 0, None, False, True, 2,
+     {"flat": True}),
+]
+
+
+def run_gap_case(case) -> dict:
+    (name, dtype_name, experts, k, n, rows, starts, ends, seg_experts, groups, num_groups, prio, w_t, tma, programs,
+     options) = case
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(experts, n, k, generator=gen).to(dtype).transpose(1, 2) if w_t
+         else torch.randn(experts, k, n, generator=gen).to(dtype))
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    seg_starts, seg_ends, seg_expert = i32(starts), i32(ends), i32(seg_experts)
+    options = dict(options)
+    tile = GroupedTile(options.pop("block_m", 32), 16, 16, 2, 1, 4, programs, **options)
+    covered = torch.zeros(rows, dtype=torch.bool)
+    for a, b in zip(starts, ends):
+        covered[a:max(a, b)] = True
+    ref = grouped_mm_reference(x.double(), w.double(), seg_ends, seg_expert, seg_starts=seg_starts)
+    outs, flag_rows = [], []
+    for order in ("heavy-first", "given"):
+        out = torch.full((rows, n), float("nan"), dtype=dtype)
+        flags = torch.zeros(num_groups, dtype=torch.int32) if num_groups else None
+        grouped_gemm(x, w, seg_ends, seg_expert, seg_starts=seg_starts, out=out,
+                     seg_signal=i32(groups) if groups else None, flags=flags, order=order,
+                     seg_priority=i32(prio) if prio else None, tile=tile, use_tma=tma, validate=True)
+        outs.append(out)
+        flag_rows.append(flags.tolist() if flags is not None else None)
+    out = outs[0]
+    norm = float(ref[covered].norm()) or 1.0
+    return {
+        "name": name,
+        "rel_err": float((out[covered].double() - ref[covered]).norm()) / norm,
+        "nan": bool(torch.isnan(out[covered]).any()),
+        "gaps_untouched": bool(torch.isnan(out[~covered]).all()),
+        "gap_rows": int((~covered).sum()),
+        "orders_equal": bool(torch.equal(outs[0][covered], outs[1][covered])),
+        "flags": flag_rows,
+        "num_groups": num_groups,
+    }
+
+
+def run_launch_to_tile() -> dict:
+    """``_launch_to_tile`` over every slot of a few (total, heavy) pairs: a permutation of the tiles, heavy ones and
+    light ones each in table order."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(out_ptr, total, heavy, MIX: tl.constexpr):
+        t = tl.program_id(0)
+        tl.store(out_ptr + t, gg._launch_to_tile(t, total, heavy, MIX))
+
+    rows = {}
+    for total, heavy in ((1, 0), (1, 1), (7, 3), (16, 16), (16, 0), (50, 9), (64, 48)):
+        out = torch.full((total,), -1, dtype=torch.int32)
+        probe[(total,)](out, total, heavy, MIX=True)
+        rows[f"{total},{heavy}"] = out.tolist()
+    return {"name": "launch-to-tile", "maps": rows}
 
 
 def run_edge_cases() -> list[dict]:
@@ -195,6 +291,32 @@ def test_interpreted_grouped_gemm(interpreted, case):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("case", GAP_CASES, ids=[c[0] for c in GAP_CASES])
+def test_interpreted_segment_starts(interpreted, case):
+    row = interpreted[case[0]]
+    assert not row["nan"], "a row of a segment was never written"
+    assert row["rel_err"] < (1e-5 if case[1] == "float32" else 2e-3)
+    assert row["gap_rows"] > 0 and row["gaps_untouched"], "rows between the segments were written"
+    assert row["orders_equal"]
+    if row["num_groups"]:
+        assert row["flags"] == [[1] * row["num_groups"]] * 2
+
+
+@needs_interpreter
+def test_interpreted_launch_to_tile(interpreted):
+    for key, mapped in interpreted["launch-to-tile"]["maps"].items():
+        total, heavy = map(int, key.split(","))
+        assert sorted(mapped) == list(range(total)), (key, mapped)
+        heavy_part = [u for u in mapped if u < heavy]
+        light_part = [u for u in mapped if u >= heavy]
+        assert heavy_part == sorted(heavy_part) and light_part == sorted(light_part), (key, mapped)
+        if 0 < heavy < total:  # light tiles spread out: every window of total / light slots holds one at most
+            gaps = [b - a for a, b in zip([i for i, u in enumerate(mapped) if u >= heavy],
+                                          [i for i, u in enumerate(mapped) if u >= heavy][1:])]
+            assert min(gaps, default=total) >= (total // (total - heavy)), (key, mapped)
+
+
+@needs_interpreter
 def test_interpreted_edges(interpreted):
     assert interpreted["no-segments"] == {"name": "no-segments", "flags": [1, 1, 1], "untouched": True}
     row = interpreted["peer-visible-twice"]
@@ -229,6 +351,13 @@ def _args(rows=8, k=16, n=8, experts=2, segments=2, dtype=torch.float16):
     (lambda a: {**a, "seg_ends": torch.tensor([5, 3], dtype=torch.int32), "validate": True}, "non-decreasing"),
     (lambda a: {**a, "seg_expert": torch.tensor([0, 2], dtype=torch.int32), "validate": True}, r"in \[0, 2\)"),
     (lambda a: {**a, "seg_ends": torch.zeros(MAX_SEGMENTS + 1, dtype=torch.int32)}, "at most"),
+    (lambda a: {**a, "seg_starts": torch.zeros(2, dtype=torch.int64)}, "seg_starts must be a 1-D int32"),
+    (lambda a: {**a, "seg_starts": torch.tensor([0, 3], dtype=torch.int32), "validate": True}, "must not overlap"),
+    (lambda a: {**a, "seg_starts": torch.tensor([0, 9], dtype=torch.int32), "validate": True},
+     r"bounds must lie in \[0, rows = 8\]"),
+    (lambda a: {**a, "tile": GroupedTile(128, 256, 64, swap_rows=24)}, "swap_rows must be 0 or a power of two"),
+    (lambda a: {**a, "tile": GroupedTile(32, 256, 64, swap_rows=32)}, "swap_rows must be 0 or a power of two"),
+    (lambda a: {**a, "tile": GroupedTile(96, 256, 64)}, "powers of two"),
 ])
 def test_bad_arguments_raise_before_launch(change, message):
     x, w, ends, experts = _args()
@@ -355,6 +484,9 @@ def test_gpu_graph_replay_with_new_segment_ends():
 if __name__ == "__main__":
     for case in CASES:
         print(json.dumps(run_case(case)), flush=True)
+    for case in GAP_CASES:
+        print(json.dumps(run_gap_case(case)), flush=True)
     for row in run_edge_cases():
         print(json.dumps(row), flush=True)
+    print(json.dumps(run_launch_to_tile()), flush=True)
     sys.exit(0)

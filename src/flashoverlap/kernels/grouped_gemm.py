@@ -47,17 +47,19 @@ MAX_SEGMENTS = 1 << 13
 MAX_EXPERTS = 1 << 16
 MAX_PRIORITY = (1 << 12) - 1
 # Table rows (each BLOCK_S long: cumulative tile end, first tile, first row, end row, expert, signal group of each
-# position in tile order), then the dynamic next-tile counter.
+# position in tile order), then two scalars: the dynamic next-tile counter and the tiles of heavy segments (MIX).
 _TABLE_ROWS = 6
+_TABLE_SCALARS = 2
 
 
 @_jit
 def _segment_table_kernel(
-    seg_ends_ptr,  # int32 [S]: cumulative row ends
+    seg_ends_ptr,  # int32 [S]: row ends
+    seg_starts_ptr,  # int32 [S] (HAS_STARTS): row starts; otherwise each segment starts at the previous end
     seg_expert_ptr,  # int32 [S]
     seg_signal_ptr,  # int32 [S] (SIGNAL)
     seg_priority_ptr,  # int32 [S] (HAS_PRIORITY)
-    table_ptr,  # int32 [6 * BLOCK_S + 1]: written here
+    table_ptr,  # int32 [6 * BLOCK_S + 2]: written here
     flags_ptr,  # int32 [num_groups] (SIGNAL): set to 1 - (the group's tile count)
     num_segments,
     num_groups,
@@ -71,16 +73,14 @@ def _segment_table_kernel(
     HAS_PRIORITY: tl.constexpr,
     SIGNAL: tl.constexpr,
     HAS_GROUPS: tl.constexpr,  # seg_signal given; otherwise every segment is in group 0
+    HAS_STARTS: tl.constexpr = False,
 ):
     pos = tl.arange(0, BLOCK_S)
     valid = pos < num_segments
     if SORT:
         # Rows are clamped to [0, total_rows] and an end below its start is an empty segment: a bad table costs
         # wrong rows, never an access out of bounds.
-        end = tl.load(seg_ends_ptr + pos, mask=valid, other=0)
-        start = tl.load(seg_ends_ptr + pos - 1, mask=valid & (pos > 0), other=0)
-        start = tl.minimum(tl.maximum(start, 0), total_rows)
-        end = tl.maximum(tl.minimum(tl.maximum(end, 0), total_rows), start)
+        start, end = _segment_rows(seg_ends_ptr, seg_starts_ptr, pos, valid, total_rows, HAS_STARTS)
         key = pos.to(tl.int64)
         if HEAVY_FIRST:
             m_tiles = tl.minimum(tl.cdiv(end - start, BLOCK_M), (1 << 22) - 1)
@@ -99,11 +99,9 @@ def _segment_table_kernel(
         seg = (key & ((1 << 13) - 1)).to(tl.int32)
     else:
         seg = pos
-    end = tl.load(seg_ends_ptr + seg, mask=valid, other=0)
-    start = tl.load(seg_ends_ptr + seg - 1, mask=valid & (seg > 0), other=0)
-    start = tl.minimum(tl.maximum(start, 0), total_rows)
-    end = tl.maximum(tl.minimum(tl.maximum(end, 0), total_rows), start)
-    tiles = tl.where(valid, tl.cdiv(end - start, BLOCK_M) * tiles_n, 0)
+    start, end = _segment_rows(seg_ends_ptr, seg_starts_ptr, seg, valid, total_rows, HAS_STARTS)
+    m_tiles = tl.cdiv(end - start, BLOCK_M)
+    tiles = tl.where(valid, m_tiles * tiles_n, 0)
     cum = tl.cumsum(tiles, 0)
     expert = tl.load(seg_expert_ptr + seg, mask=valid, other=0)
     expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1)
@@ -113,6 +111,9 @@ def _segment_table_kernel(
     tl.store(table_ptr + 3 * BLOCK_S + pos, end)
     tl.store(table_ptr + 4 * BLOCK_S + pos, expert)
     tl.store(table_ptr + 6 * BLOCK_S, 0)  # the GEMM's next-tile counter (DYNAMIC)
+    # The tiles of segments with more than one tile row: in heavy-first order without priorities they come first,
+    # and the GEMM (MIX) spreads the rest evenly among them.
+    tl.store(table_ptr + 6 * BLOCK_S + 1, tl.sum(tl.where(m_tiles > 1, tiles, 0), axis=0))
     if SIGNAL:
         if HAS_GROUPS:
             group = tl.load(seg_signal_ptr + seg, mask=valid, other=-1)
@@ -128,6 +129,36 @@ def _segment_table_kernel(
 
 
 @_jit
+def _segment_rows(seg_ends_ptr, seg_starts_ptr, seg, valid, total_rows, HAS_STARTS: tl.constexpr):
+    """Rows ``[start, end)`` of segments ``seg``, clamped into ``[0, total_rows]`` with ``end >= start``."""
+    end = tl.load(seg_ends_ptr + seg, mask=valid, other=0)
+    if HAS_STARTS:
+        start = tl.load(seg_starts_ptr + seg, mask=valid, other=0)
+    else:
+        start = tl.load(seg_ends_ptr + seg - 1, mask=valid & (seg > 0), other=0)
+    start = tl.minimum(tl.maximum(start, 0), total_rows)
+    end = tl.maximum(tl.minimum(tl.maximum(end, 0), total_rows), start)
+    return start, end
+
+
+@_jit
+def _launch_to_tile(t, total, heavy, MIX: tl.constexpr):
+    """The tile (in the table's order) that launch slot ``t`` computes. With MIX the table's light tiles (those
+    past ``heavy``: segments of one tile row) are spread evenly among its heavy ones (Bresenham: slot ``t`` is light
+    when ``floor((t + 1) * light / total)`` steps up), so that memory-bound tiles run beside compute-bound ones
+    instead of after them all."""
+    if MIX:
+        t64 = t + tl.zeros((), tl.int64)  # int64 products; t is a Python int in the interpreter's flattened loop
+        light = total - heavy
+        before = (t64 * light) // tl.maximum(total, 1)
+        upto = ((t64 + 1) * light) // tl.maximum(total, 1)
+        u = tl.where(upto > before, heavy + before, t64 - upto).to(tl.int32)
+    else:
+        u = t
+    return u
+
+
+@_jit
 def _tile_info(table_ptr, cum, t, num_segments, BLOCK_S: tl.constexpr):
     """Position in tile order of tile ``t``'s segment, and that segment's first tile, rows and expert."""
     p = tl.minimum(tl.sum((cum <= t).to(tl.int32), axis=0), num_segments - 1)
@@ -136,6 +167,21 @@ def _tile_info(table_ptr, cum, t, num_segments, BLOCK_S: tl.constexpr):
     row1 = tl.load(table_ptr + 3 * BLOCK_S + p)
     expert = tl.load(table_ptr + 4 * BLOCK_S + p)
     return p, tile0, row0, row1, expert
+
+
+@_jit
+def _tile_offsets(t, tile0, row0, row1, tiles_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    """First row and column of tile ``t`` of the segment ``[row0, row1)`` whose tiles start at ``tile0``: bands of
+    GROUP_M tile rows, column after column (L2 reuse of x rows and w columns)."""
+    local = t - tile0
+    m_tiles = tl.cdiv(row1 - row0, BLOCK_M)
+    width = GROUP_M * tiles_n
+    first_m = (local // width) * GROUP_M
+    height = tl.minimum(m_tiles - first_m, GROUP_M)
+    off_m = row0 + (first_m + (local % width) % height) * BLOCK_M
+    off_n = ((local % width) // height) * BLOCK_N
+    return off_m, off_n
 
 
 @_jit
@@ -153,10 +199,17 @@ def _publish(flags_ptr, group, PEER: tl.constexpr):
 def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K, stride_xm,
                     stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, ROWS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-                    SIGNAL: tl.constexpr, PEER: tl.constexpr):
+                    SIGNAL: tl.constexpr, PEER: tl.constexpr, SWAP: tl.constexpr = False):
     """``out[off_m : min(off_m + ROWS, row1), off_n : off_n + BLOCK_N] = x[...] @ w[expert][:, ...]``; between
-    the products and the store, the previous tile of this program is published to its group ``pending``."""
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    the products and the store, the previous tile of this program is published to its group ``pending``.
+
+    SWAP computes the transposed product, ``w[...]^T @ x[...]^T`` (``[BLOCK_N, ROWS]``), so that a tile of few rows
+    (ROWS down to 16) is the narrow side of the tensor-core instruction, whose other side is at least 64 high: a
+    16-row tail costs 16 rows of products instead of 64."""
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     if USE_TMA:
         # Rows past the segment are another segment's (or zero-filled past x): computed, never stored. Columns
@@ -167,7 +220,10 @@ def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, t
                 b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
             else:
                 b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
-            acc = tl.dot(a_tile, b_tile, acc)
+            if SWAP:
+                acc = tl.dot(b_tile.T, a_tile.T, acc)
+            else:
+                acc = tl.dot(a_tile, b_tile, acc)
     else:
         offs_m = off_m + tl.arange(0, ROWS)
         offs_n = off_n + tl.arange(0, BLOCK_N)
@@ -180,7 +236,10 @@ def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, t
             k_left = K - kk * BLOCK_K
             a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            acc = tl.dot(a_tile, b_tile, acc)
+            if SWAP:
+                acc = tl.dot(tl.trans(b_tile), tl.trans(a_tile), acc)
+            else:
+                acc = tl.dot(a_tile, b_tile, acc)
             a_ptrs += BLOCK_K * stride_xk
             b_ptrs += BLOCK_K * stride_wk
     if SIGNAL:
@@ -188,13 +247,18 @@ def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, t
     rows = off_m + tl.arange(0, ROWS)
     cols = off_n + tl.arange(0, BLOCK_N)
     c_ptrs = out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-    tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(rows[:, None] < row1) & (cols[None, :] < N))
+    if SWAP:
+        result = tl.trans(acc).to(out.dtype.element_ty)
+    else:
+        result = acc.to(out.dtype.element_ty)
+    tl.store(c_ptrs, result, mask=(rows[:, None] < row1) & (cols[None, :] < N))
 
 
 @_jit
 def grouped_gemm_kernel(
     x,  # [rows, K]: a pointer, or a TMA descriptor with block [BLOCK_M, BLOCK_K]
     x_half,  # (HALF_TAIL) the same rows: a pointer, or a TMA descriptor with block [BLOCK_M // 2, BLOCK_K]
+    x_swap,  # (SWAP_ROWS) the same rows: a pointer, or a TMA descriptor with block [SWAP_ROWS, BLOCK_K]
     w,  # pointer to [E, K, N] (any strides), or a TMA descriptor of [E*K, N] / (W_KMAJOR) [E*N, K]
     out,  # [rows, N] pointer
     table_ptr,  # int32: the prep kernel's table
@@ -223,45 +287,61 @@ def grouped_gemm_kernel(
     PEER: tl.constexpr,
     DYNAMIC: tl.constexpr = False,  # tiles past the first wave taken from an atomic counter, not by stride
     HALF_TAIL: tl.constexpr = False,  # a segment's last tile of <= BLOCK_M // 2 rows runs at half height
+    SWAP_ROWS: tl.constexpr = 0,  # a segment's last tile of <= SWAP_ROWS rows runs transposed (0: never)
+    MIX: tl.constexpr = False,  # light tiles spread among heavy ones (_launch_to_tile)
+    FLAT: tl.constexpr = False,  # one flattened, pipelined loop over tiles and K (full-height tiles, no signals)
 ):
     cum = tl.load(table_ptr + tl.arange(0, BLOCK_S))  # cumulative tile ends in tile order; INT32_MAX past the end
     total = tl.load(table_ptr + num_segments - 1)
-    next_ptr = table_ptr + 6 * BLOCK_S
-    t = tl.program_id(0)
-    p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t, num_segments, BLOCK_S)
-    # A tile is published (its group's flag incremented, release) after the *next* tile's products, just before
-    # that tile's store: by then its own stores have long completed, so the release fence costs nothing. The last
-    # tile of a program is published after the loop.
-    pending = -1
-    # The next tile's index and table entries are fetched while this one computes and stores: their latency
-    # (an atomic, then dependent loads) stays off the critical path.
-    while t < total:
-        if DYNAMIC:
-            t_next = tl.atomic_add(next_ptr, 1, sem="relaxed", scope="gpu") + tl.num_programs(0)
-        else:
-            t_next = t + tl.num_programs(0)
-        # Inside a segment: bands of GROUP_M tile rows, column after column (L2 reuse of x rows and w columns).
-        local = t - tile0
-        m_tiles = tl.cdiv(row1 - row0, BLOCK_M)
-        width = GROUP_M * tiles_n
-        first_m = (local // width) * GROUP_M
-        height = tl.minimum(m_tiles - first_m, GROUP_M)
-        off_m = row0 + (first_m + (local % width) % height) * BLOCK_M
-        off_n = ((local % width) // height) * BLOCK_N
-        if HALF_TAIL and row1 - off_m <= BLOCK_M // 2:
-            _tile_mma_store(x_half, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
+    heavy = tl.load(table_ptr + 6 * BLOCK_S + 1)
+    if FLAT:
+        # Static stride, no signals (the launcher never sets FLAT with SIGNAL: the barrier before a tile's release
+        # splits the fused loop, which then runs unpipelined). The compiler fuses this loop with the K loop, so
+        # that the next tile's first loads are in flight during this tile's store.
+        for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
+            u = _launch_to_tile(t, total, heavy, MIX)
+            p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, u, num_segments, BLOCK_S)
+            off_m, off_n = _tile_offsets(u, tile0, row0, row1, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
+            _tile_mma_store(x, w, out, flags_ptr, -1, off_m, off_n, row1, expert, total_rows, N, K,
                             stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-                            BLOCK_M // 2, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER)
-        else:
-            _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
-                            stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER)
+                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, False, PEER)
+    else:
+        next_ptr = table_ptr + 6 * BLOCK_S
+        t = tl.program_id(0)
+        u = _launch_to_tile(t, total, heavy, MIX)
+        p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, u, num_segments, BLOCK_S)
+        # A tile is published (its group's flag incremented, release) after the *next* tile's products, just
+        # before that tile's store: by then its own stores have long completed, so the release fence costs nothing.
+        # The last tile of a program is published after the loop.
+        pending = -1
+        # The next tile's index and table entries are fetched while this one computes and stores: their latency
+        # (an atomic, then dependent loads) stays off the critical path.
+        while t < total:
+            if DYNAMIC:
+                t_next = tl.atomic_add(next_ptr, 1, sem="relaxed", scope="gpu") + tl.num_programs(0)
+            else:
+                t_next = t + tl.num_programs(0)
+            off_m, off_n = _tile_offsets(u, tile0, row0, row1, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
+            left = row1 - off_m
+            if SWAP_ROWS > 0 and left <= SWAP_ROWS:
+                _tile_mma_store(x_swap, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
+                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+                                SWAP_ROWS, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, True)
+            elif HALF_TAIL and left <= BLOCK_M // 2:
+                _tile_mma_store(x_half, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
+                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+                                BLOCK_M // 2, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER)
+            else:
+                _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
+                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER)
+            if SIGNAL:
+                pending = tl.load(table_ptr + 5 * BLOCK_S + p)
+            u = _launch_to_tile(t_next, total, heavy, MIX)
+            p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, u, num_segments, BLOCK_S)
+            t = t_next
         if SIGNAL:
-            pending = tl.load(table_ptr + 5 * BLOCK_S + p)
-        p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t_next, num_segments, BLOCK_S)
-        t = t_next
-    if SIGNAL:
-        _publish(flags_ptr, pending, PEER)
+            _publish(flags_ptr, pending, PEER)
 
 
 # -- launcher -----------------------------------------------------------------------------------------------
@@ -273,7 +353,14 @@ class GroupedTile:
     of the host-side bound (programs past the real tiles exit at once); an int launches that many persistent
     programs (``0``: one per SM), which take tiles by stride, or (``dynamic``) the first by program id and the
     rest from an atomic counter. ``half_tail``: a segment's last tile, when it has at most ``block_m // 2`` rows,
-    runs at half height (skewed routing leaves many small segments)."""
+    runs at half height (skewed routing leaves many small segments). ``swap_rows`` (0, or a power of two from 16
+    to ``block_m // 2``): a last tile of at most that many rows runs transposed, ``w^T x^T``, at that height
+    (bf16/fp16 only; others ignore it). ``mix``: in heavy-first order without priorities, the tiles of one-tile-row
+    segments (memory-bound: a weight strip read for few rows) are spread evenly among the others (compute-bound),
+    instead of all running after them. ``flat``: persistent programs (``num_programs`` an int, not ``dynamic``)
+    run one flattened loop over their tiles and K, software-pipelined across tiles; full-height tiles only
+    (``half_tail`` and ``swap_rows`` do not apply); without signals only (the barrier before each tile's release
+    would split the loop: with ``flags``, ``flat`` is ignored)."""
 
     block_m: int = 128
     block_n: int = 256
@@ -284,6 +371,9 @@ class GroupedTile:
     num_programs: int | None = 0
     dynamic: bool = False
     half_tail: bool = False
+    swap_rows: int = 0
+    mix: bool = False
+    flat: bool = False
 
 
 # Tiles measured on one H200 (torch 2.11, triton 3.6) by `python -m flashoverlap.bench.moe_gemm --sweep`:
@@ -308,7 +398,7 @@ def default_tile(rows: int, experts: int, k: int, n: int) -> GroupedTile:
 
 def workspace_size(num_segments: int) -> int:
     """int32 elements of the scratch table for ``num_segments`` segments."""
-    return _TABLE_ROWS * _block_s(num_segments) + 1
+    return _TABLE_ROWS * _block_s(num_segments) + _TABLE_SCALARS
 
 
 def _block_s(num_segments: int) -> int:
@@ -339,6 +429,7 @@ def grouped_gemm(
     seg_ends: torch.Tensor,
     seg_expert: torch.Tensor,
     *,
+    seg_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     seg_signal: torch.Tensor | None = None,
     flags: torch.Tensor | None = None,
@@ -351,15 +442,18 @@ def grouped_gemm(
     workspace: torch.Tensor | None = None,
     validate: bool = False,
 ) -> torch.Tensor:
-    """``out[a:b] = x[a:b] @ w[seg_expert[s]]`` for every segment ``s`` = rows ``[a, b) = [seg_ends[s-1],
-    seg_ends[s])`` (``a = 0`` for ``s = 0``); rows at or past ``seg_ends[-1]`` are not written. No host
-    synchronisation: capturable in a CUDA graph, replayable with new segment ends.
+    """``out[a:b] = x[a:b] @ w[seg_expert[s]]`` for every segment ``s`` = rows ``[a, b)``: ``b = seg_ends[s]`` and
+    ``a = seg_starts[s]``, or, without ``seg_starts``, ``a = seg_ends[s-1]`` (``a = 0`` for ``s = 0``). Rows that no
+    segment covers (past ``seg_ends[-1]``; with ``seg_starts`` also the gaps between segments) are not written. No
+    host synchronisation: capturable in a CUDA graph, replayable with new segment bounds.
 
     ``x``: ``[rows, K]`` bf16/fp16 (fp32 runs as tf32), unit inner stride. ``w``: ``[E, K, N]`` of x's dtype, any
     strides; ``w_nk.transpose(1, 2)`` of a contiguous ``[E, N, K]`` weight is read in place. ``seg_ends``,
-    ``seg_expert``: int32 ``[S]`` on x's device; ``seg_ends`` non-decreasing (like ``torch._grouped_mm``'s
-    ``offs``); segments may be empty; several segments may share an expert. ``out``: ``[rows, N]`` of x's dtype
-    (allocated when omitted).
+    ``seg_expert`` (and ``seg_starts``): int32 ``[S]`` on x's device. Without ``seg_starts``, ``seg_ends`` is
+    non-decreasing (like ``torch._grouped_mm``'s ``offs``); with it, segments may lie in any order with gaps between
+    them (the bounded MoE mode's receive slots: ``recv_seg_starts``, ``recv_seg_ends``) but must not overlap. An end
+    below its start is an empty segment; bounds are clamped into ``[0, rows]``. Segments may be empty; several
+    segments may share an expert. ``out``: ``[rows, N]`` of x's dtype (allocated when omitted).
 
     Signals: with ``flags`` (int32 ``[G]``; zero on entry is safe, any value is overwritten), ``flags[g]`` becomes
     exactly 1 (release; system scope with ``peer_visible``) once every row of every segment with
@@ -372,13 +466,14 @@ def grouped_gemm(
     (ties: by expert, so one expert's segments run together and share its weights in L2; then by index).
     ``seg_priority`` (int32 ``[S]``, values in ``[0, 4095]``, lower first) comes before either: give each signal
     group its own priority (e.g. the own rank's segments 0, or destinations in sending order) to complete groups
-    one after another instead of all at the end.
+    one after another instead of all at the end. ``tile.mix`` spreads the one-tile-row segments among the others
+    (heavy-first order without priorities only).
 
-    ``max_rows``: a host-side bound on ``seg_ends[-1]`` (default ``rows``) that sizes the grid when
+    ``max_rows``: a host-side bound on the rows the segments cover (default ``rows``) that sizes the grid when
     ``tile.num_programs`` is ``None``; a bound too small only makes programs take several tiles. ``tile``: tile and
     launch shape (default ``default_tile``). ``workspace``: int32 scratch of ``workspace_size(S)`` elements
-    (allocated per call when omitted; calls that may run concurrently need their own). ``validate``: check
-    ``seg_ends`` and ``seg_expert`` on the host first (a synchronisation; for tests and debugging).
+    (allocated per call when omitted; calls that may run concurrently need their own). ``validate``: check the
+    segment tables on the host first (a synchronisation; for tests and debugging).
     """
     if _TRITON_MISSING is not None:
         raise ModuleNotFoundError(f"grouped_gemm needs triton ({_TRITON_MISSING}): pip install "
@@ -400,6 +495,7 @@ def grouped_gemm(
     if num_segments > MAX_SEGMENTS:
         raise ValueError(f"at most {MAX_SEGMENTS} segments, got {num_segments}: merge segments of one expert")
     _check_segments("seg_ends", seg_ends, num_segments, x.device)
+    _check_segments("seg_starts", seg_starts, num_segments, x.device)
     _check_segments("seg_expert", seg_expert, num_segments, x.device)
     _check_segments("seg_signal", seg_signal, num_segments, x.device)
     _check_segments("seg_priority", seg_priority, num_segments, x.device)
@@ -422,9 +518,10 @@ def grouped_gemm(
     if x.stride(1) != 1 and rows > 1 and k > 1:
         raise ValueError(f"x must have unit inner stride, got strides {x.stride()}: pass x.contiguous()")
     tile = tile or default_tile(max_rows if max_rows is not None else rows, num_experts, k, n)
+    _check_tile(tile)
     max_rows = rows if max_rows is None else max_rows
     if validate:
-        _validate(seg_ends, seg_expert, rows, num_experts)
+        _validate(seg_ends, seg_expert, rows, num_experts, seg_starts)
     if num_segments == 0:
         if signal:
             flags.fill_(1)
@@ -439,12 +536,13 @@ def grouped_gemm(
     tiles_n = -(-n // tile.block_n)
     sort = order == "heavy-first" or seg_priority is not None
     _segment_table_kernel[(1,)](
-        seg_ends, seg_expert, seg_signal if seg_signal is not None else seg_ends,
-        seg_priority if seg_priority is not None else seg_ends, workspace, flags if signal else workspace,
+        seg_ends, seg_starts if seg_starts is not None else seg_ends, seg_expert,
+        seg_signal if seg_signal is not None else seg_ends, seg_priority if seg_priority is not None else seg_ends,
+        workspace, flags if signal else workspace,
         num_segments, num_groups, num_experts, rows, tiles_n,
         BLOCK_S=block_s, BLOCK_M=tile.block_m, SORT=sort, HEAVY_FIRST=order == "heavy-first",
         HAS_PRIORITY=seg_priority is not None, SIGNAL=signal, HAS_GROUPS=seg_signal is not None,
-        num_warps=4 if block_s <= 1024 else 8,
+        HAS_STARTS=seg_starts is not None, num_warps=4 if block_s <= 1024 else 8,
     )
     bound_tiles = (-(-max_rows // tile.block_m) + min(num_segments, max_rows)) * tiles_n
     if tile.num_programs is None:
@@ -460,7 +558,14 @@ def grouped_gemm(
         use_tma = (x.is_cuda and k > 0 and _tma_ok(x) and _tma_ok(w_stored)
                    and w_stored.stride(0) == w_stored.shape[1] * w_stored.stride(1)
                    and (w_kmajor or k % tile.block_k == 0))
-    half_tail = tile.half_tail and tile.block_m >= 32
+    # The flattened loop is pipelined across tiles only without signals: the barrier before each release splits it.
+    flat = tile.flat and tile.num_programs is not None and not tile.dynamic and not signal
+    half_tail = tile.half_tail and tile.block_m >= 32 and not flat
+    # The transposed product takes its weight tile as the left operand: 16-bit types only (tf32 tensor-core
+    # operands must be K-major).
+    swap_rows = tile.swap_rows if x.dtype != torch.float32 and not flat else 0
+    # Launch slots map to tiles in the table's order unless mixed, which needs heavy segments first, then light.
+    mix = tile.mix and order == "heavy-first" and seg_priority is None
     if use_tma:
         # The weights as one 2-D tensor: [E*K, N], or [E*N, K] for the transposed view. Reading across an
         # expert's edge is harmless where it happens (columns past N, masked at the store); K past an expert's
@@ -468,21 +573,34 @@ def grouped_gemm(
         w_2d = w_stored.reshape(-1, w_stored.shape[2])
         x_arg = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
         x_half = TensorDescriptor.from_tensor(x, [tile.block_m // 2, tile.block_k]) if half_tail else x_arg
+        x_swap = TensorDescriptor.from_tensor(x, [swap_rows, tile.block_k]) if swap_rows else x_arg
         w_block = [tile.block_n, tile.block_k] if w_kmajor else [tile.block_k, tile.block_n]
         w_arg = TensorDescriptor.from_tensor(w_2d, w_block)
     else:
-        x_arg = x_half = x
+        x_arg = x_half = x_swap = x
         w_arg = w
     grouped_gemm_kernel[(grid,)](
-        x_arg, x_half, w_arg, out, workspace, flags if signal else workspace,
+        x_arg, x_half, x_swap, w_arg, out, workspace, flags if signal else workspace,
         rows, n, k, num_segments, num_groups, tiles_n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
         USE_TMA=bool(use_tma), W_KMAJOR=bool(w_kmajor and use_tma), SIGNAL=signal, PEER=bool(peer_visible),
-        DYNAMIC=bool(tile.dynamic and tile.num_programs is not None), HALF_TAIL=half_tail,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        DYNAMIC=bool(tile.dynamic and tile.num_programs is not None), HALF_TAIL=half_tail, SWAP_ROWS=swap_rows,
+        MIX=mix, FLAT=flat, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
+
+
+def _check_tile(tile: GroupedTile) -> None:
+    def pow2(v: int) -> bool:
+        return v > 0 and v & (v - 1) == 0
+
+    if not (pow2(tile.block_m) and pow2(tile.block_n) and pow2(tile.block_k) and min(tile.block_m, tile.block_n,
+                                                                                    tile.block_k) >= 16):
+        raise ValueError(f"tile: block_m, block_n, block_k must be powers of two >= 16, got {tile}")
+    if tile.swap_rows and not (pow2(tile.swap_rows) and 16 <= tile.swap_rows <= tile.block_m // 2):
+        raise ValueError(f"tile.swap_rows must be 0 or a power of two in [16, block_m // 2 = {tile.block_m // 2}], "
+                         f"got {tile.swap_rows}")
 
 
 _SMS: dict[torch.device, int] = {}
@@ -496,26 +614,41 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[device]
 
 
-def _validate(seg_ends: torch.Tensor, seg_expert: torch.Tensor, rows: int, num_experts: int) -> None:
+def _validate(seg_ends: torch.Tensor, seg_expert: torch.Tensor, rows: int, num_experts: int,
+              seg_starts: torch.Tensor | None = None) -> None:
     ends = seg_ends.tolist()
-    if any(b < a for a, b in zip([0, *ends], ends)) or (ends and ends[-1] > rows):
-        raise ValueError(f"seg_ends must be non-decreasing from 0 up to at most rows = {rows}, got {ends}")
+    if seg_starts is None:
+        if any(b < a for a, b in zip([0, *ends], ends)) or (ends and ends[-1] > rows):
+            raise ValueError(f"seg_ends must be non-decreasing from 0 up to at most rows = {rows}, got {ends}")
+    else:
+        starts = seg_starts.tolist()
+        bad = [(a, b) for a, b in zip(starts, ends) if not (0 <= a <= rows and 0 <= b <= rows)]
+        if bad:
+            raise ValueError(f"segment bounds must lie in [0, rows = {rows}], got (start, end) {bad[:4]}")
+        spans = sorted((a, b) for a, b in zip(starts, ends) if b > a)
+        overlaps = [(p, q) for p, q in zip(spans, spans[1:]) if q[0] < p[1]]
+        if overlaps:
+            raise ValueError(f"segments must not overlap, got rows {overlaps[0][0]} and {overlaps[0][1]}")
     experts = seg_expert.tolist()
     if any(e < 0 or e >= num_experts for e in experts):
         raise ValueError(f"seg_expert must lie in [0, {num_experts}), got {experts}")
 
 
-def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, seg_ends: torch.Tensor,
-                         seg_expert: torch.Tensor) -> torch.Tensor:
+def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, seg_ends: torch.Tensor, seg_expert: torch.Tensor,
+                         seg_starts: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle: a loop over segments in plain PyTorch, accumulated in fp32 or better, returned in x's dtype.
-    Rows at or past ``seg_ends[-1]`` are zero."""
+    Rows that no segment covers are zero."""
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros((x.shape[0], w.shape[2]), dtype=x.dtype, device=x.device)
-    start = 0
-    for end, expert in zip(seg_ends.tolist(), seg_expert.tolist()):
+    ends = seg_ends.tolist()
+    starts = seg_starts.tolist() if seg_starts is not None else [0, *ends[:-1]]
+    previous = 0
+    for start, end, expert in zip(starts, ends, seg_expert.tolist()):
+        if seg_starts is None:  # a segment starts where the previous one ended (an end below it: empty)
+            start = previous
+            previous = max(previous, end)
         if end > start:
             out[start:end] = (x[start:end].to(acc_dtype) @ w[expert].to(acc_dtype)).to(x.dtype)
-        start = max(start, end)
     return out
 
 
