@@ -55,6 +55,9 @@ class Recorder:
     def wait_event(self, stream, event):
         self.trace.append((stream, "wait_event", event))
 
+    def launch_graph(self, graph_exec, stream):
+        self.trace.append((stream, "launch_graph", graph_exec))
+
 
 class FakeStream:
     def __init__(self, handle):
@@ -290,3 +293,23 @@ def test_a_weight_gradient_hook_is_held_in_the_graph_and_its_tensors_are_in_the_
         recorder.trace.clear()
         comm.run(Call("op", plan, a, b, hook=other, replay=True))
         assert recorder.trace.count((0, "hook")) == 1 and ("replay",) not in recorder.trace
+
+
+class FakeInstantiatedGraph(FakeGraph):
+    """A capture whose instantiated graph torch hands out (``raw_cuda_graph_exec``), as torch >= 2.6 does."""
+
+    def raw_cuda_graph_exec(self):
+        return 77
+
+    def replay(self):
+        raise AssertionError("an instantiated graph is launched through the driver, not CUDAGraph.replay")
+
+
+def test_a_replay_launches_the_instantiated_graph_on_the_callers_stream(monkeypatch):
+    recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
+    comm.graphs = p2p.CallGraphs(torch.device("cuda", 0), capture=lambda issue: FakeInstantiatedGraph(recorder, issue))
+    comm.run(Call("op", plan, a, b, replay=True))
+    comm.run(Call("op", plan, a, b, replay=True))  # captured, then launched
+    recorder.trace.clear()
+    comm.run(Call("op", plan, a, b, replay=True))
+    assert recorder.trace == [(0, "launch_graph", 77)]

@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from flashoverlap.comm import stream_ops
 from flashoverlap.comm.protocol import HeldHook
 
 CAPACITY = 32
@@ -64,7 +65,7 @@ class CallGraphs:
         self.capacity = capacity
         self.capture_after = capture_after
         self._capture = capture or self._capture_cuda
-        self._graphs: OrderedDict[Hashable, object] = OrderedDict()
+        self._graphs: OrderedDict[Hashable, tuple[object, int | None]] = OrderedDict()  # graph, its exec handle
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
         self._stream: torch.cuda.Stream | None = None
         self._pool = None
@@ -78,8 +79,8 @@ class CallGraphs:
         """Replay the graph of ``signature`` on the current stream, capturing ``issue()`` (which queues the call's
         work on the current stream and joins every other stream it uses back into it) into it first where this
         is the signature's ``capture_after``-th call. False: not replayed; the caller issues the call eagerly."""
-        graph = self._graphs.get(signature)
-        if graph is None:
+        entry = self._graphs.get(signature)
+        if entry is None:
             seen = self._seen.pop(signature, 0) + 1
             if seen < self.capture_after:
                 self._seen[signature] = seen
@@ -87,11 +88,20 @@ class CallGraphs:
                 return False
             graph = self._capture(issue)
             self.captures += 1
-            self._graphs[signature] = graph
+            # Launched through the driver where torch hands out the instantiated graph (host time: our graphs
+            # draw no random numbers, so CUDAGraph.replay's other work does not apply); else replayed by torch.
+            raw = getattr(graph, "raw_cuda_graph_exec", None)
+            entry = self._graphs[signature] = (graph, raw() if raw is not None else None)
             _trim(self._graphs, self.capacity)
         else:
             self._graphs.move_to_end(signature)
-        graph.replay()
+        graph, graph_exec = entry
+        if graph_exec is None:
+            graph.replay()
+        else:
+            driver = stream_ops.fast()
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            driver.launch_graph(graph_exec, driver.current_stream(index))
         self.replays += 1
         return True
 

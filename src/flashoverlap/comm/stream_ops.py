@@ -92,6 +92,7 @@ class FastDriver:
         self._event_destroy = bind(("cuEventDestroy_v2", "cuEventDestroy"), ptr)
         self._event_record = bind(("cuEventRecord",), ptr, ptr)
         self._stream_wait_event = bind(("cuStreamWaitEvent",), ptr, ptr, ctypes.c_uint)
+        self._graph_launch = bind(("cuGraphLaunch",), ptr, ptr)
         self._pair = ctypes.create_string_buffer(2 * _MEM_OP.size)  # reused: the driver reads it during the call
         self._handle = ctypes.c_void_p()
         self._ref = ctypes.byref(self._handle)
@@ -129,6 +130,12 @@ class FastDriver:
         """``event`` marks the work queued so far on ``stream`` (inside a capture: a dependency of the graph)."""
         if self._event_record(event, stream):
             raise RuntimeError(f"cuEventRecord failed (event {event:#x}, stream {stream:#x})")
+
+    def launch_graph(self, graph_exec: int, stream: int) -> None:
+        """Launch an instantiated CUDA graph (``torch.cuda.CUDAGraph.raw_cuda_graph_exec()``) on ``stream``: what
+        ``CUDAGraph.replay`` does for a graph that draws no random numbers, without its Python and C++ layers."""
+        if self._graph_launch(graph_exec, stream):
+            raise RuntimeError(f"cuGraphLaunch failed (graph {graph_exec:#x}, stream {stream:#x})")
 
     def wait_event(self, stream: int, event: int) -> None:
         """Work queued on ``stream`` from now on waits for ``event``'s last record."""

@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 import torch
+
 try:
     import triton
     import triton.language as tl
