@@ -434,14 +434,47 @@ def test_gpu_values_and_flags(dtype, w_t, sizes, experts, k, n):
     groups = torch.arange(len(sizes), dtype=torch.int32, device="cuda") % 3
     for order in ("given", "heavy-first"):
         for tile in (None, GroupedTile(64, 128, 64, 4, 4, 4, 7, dynamic=True, half_tail=True),
-                     GroupedTile(128, 256, 64, 8, 3, 8, None, half_tail=True)):
-            out = torch.full_like(want, float("nan"))
-            flags = torch.zeros(4, dtype=torch.int32, device="cuda")
-            grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=groups, flags=flags, order=order, tile=tile)
-            assert not torch.isnan(out).any()
-            err = float((out.double() - want.double()).norm() / want.double().norm())
-            assert err < 1e-2, (order, tile, err)
-            assert flags.tolist() == [1, 1, 1, 1]
+                     GroupedTile(128, 256, 64, 8, 3, 8, None, half_tail=True),
+                     GroupedTile(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True, swap_rows=32, mix=True),
+                     GroupedTile(128, 256, 64, 8, 3, 8, None, half_tail=True, swap_rows=16, mix=True),
+                     GroupedTile(128, 256, 64, 8, 4, 8, 5, flat=True, mix=True)):
+            for signals in (True, False) if tile is not None and tile.flat else (True,):
+                out = torch.full_like(want, float("nan"))
+                flags = torch.zeros(4, dtype=torch.int32, device="cuda") if signals else None
+                grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=groups if signals else None, flags=flags,
+                             order=order, tile=tile)
+                assert not torch.isnan(out).any()
+                err = float((out.double() - want.double()).norm() / want.double().norm())
+                assert err < 1e-2, (order, tile, err)
+                assert not signals or flags.tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("tile", [None, GroupedTile(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True,
+                                                    swap_rows=32, mix=True),
+                                  GroupedTile(128, 256, 64, 8, 4, 8, 0, flat=True)])
+def test_gpu_segment_starts_leave_gaps(tile):
+    """The bounded mode's layout: W = 3 slots of 400 rows, 4 local experts each, padding after each slot's rows."""
+    gen = torch.Generator().manual_seed(11)
+    bound, world, local, k, n = 400, 3, 4, 512, 768
+    counts = torch.randint(0, 120, (world, local), generator=gen)
+    counts[1, 2] = 0
+    starts = (torch.arange(world)[:, None] * bound + counts.cumsum(1) - counts).flatten().to(torch.int32).cuda()
+    ends = (starts.cpu() + counts.flatten()).to(torch.int32).cuda()
+    seg_expert = torch.arange(local, dtype=torch.int32).repeat(world).cuda()
+    x = torch.randn(world * bound, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(local, k, n, dtype=torch.bfloat16, device="cuda") / k**0.5
+    covered = torch.zeros(world * bound, dtype=torch.bool, device="cuda")
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        covered[a:b] = True
+    want = grouped_mm_reference(x, w, ends, seg_expert, seg_starts=starts)
+    out = torch.full_like(want, float("nan"))
+    grouped_gemm(x, w, ends, seg_expert, seg_starts=starts, out=out, tile=tile, validate=True)
+    assert torch.isnan(out[~covered]).all(), "a gap row was written"
+    assert not torch.isnan(out[covered]).any()
+    err = float((out[covered].double() - want[covered].double()).norm() / want[covered].double().norm())
+    assert err < 1e-2
 
 
 @pytest.mark.gpu

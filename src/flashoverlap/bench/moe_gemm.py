@@ -8,17 +8,22 @@ random order, each row's source uniform). Projections: ``up`` ``[rows, H] x [H, 
 ``down`` ``[rows, F] x [F, H]``; weights ``[E, K, N]`` row-major, fresh random bf16 inputs.
 
 Per row, timed side by side (CUDA events, median, each call queued behind a GPU sleep, warm-up first):
-- ``t_triton_ms``: ``grouped_gemm`` on the dispatch layout with signals on (one group per source rank, flags
-  zeroed between calls, untimed), heavy-first order; ``t_src_first_ms`` the same with the own source first
-  (``seg_priority`` = source), ``t_given_ms`` in the given order;
+- ``t_chunks_ms``: ``grouped_gemm`` once per source chunk, as the dispatch of both fast paths and the P2P combine
+  run it (``comm/expert_nccl.py``'s ``multiply_chunk``: heavy-first, no signals, the default tile of a chunk);
+- ``t_signal_ms``: one launch over every chunk with one signal group per source and the sources in the NCCL
+  path's round order (own last), one program per tile, as the NCCL combine's signalling GEMM runs it (exact mode);
+- ``t_triton_ms``: one launch over every chunk with signals, heavy-first, the default tile: what a path could run
+  once every chunk has landed (no priorities);
 - ``t_grouped_mm_ms``: one ``torch._grouped_mm`` on the rows regrouped by expert (the plain path's anchor);
-  ``t_cublas_path_ms``: one ``torch._grouped_mm`` per source chunk, as the P2P path runs cuBLAS on the dispatch
-  layout;
+  ``t_cublas_path_ms``: one ``torch._grouped_mm`` per source chunk, as the paths run cuBLAS;
 - ``t_loop_ms``: ``torch.mm`` per expert on the regrouped rows; ``t_loop_path_ms``: per non-empty segment.
-``path`` is what ``choose_grouped_gemm`` picks, ``t_ms`` that path as the paths run it, ``tflops`` at ``t_ms``.
+``path`` is the fastest of the three ways as the paths run them (``t_chunks_ms``, ``t_cublas_path_ms``,
+``t_loop_path_ms``, balanced and Zipf summed per slice: ``pick_grouped_gemm``); ``t_ms`` that way's time,
+``tflops`` at ``t_ms``. Every timed way is first checked against ``torch._grouped_mm`` on an output poisoned with NaN
+(flags included).
 
 ``python -m flashoverlap.bench.moe_gemm --out FILE`` writes ``{"meta", "rows"}``; ``--sweep FILE`` times tile
-variants of ours instead (the measurements behind ``kernels.grouped_gemm``'s tile and policy tables).
+variants of ours in the three forms instead (the measurements behind ``kernels.grouped_gemm``'s tile rule).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from flashoverlap.kernels.grouped_gemm import (
     default_tile,
     grouped_gemm,
     pick_grouped_gemm,
+    workspace_size,
 )
 
 WORLD = 2
@@ -53,18 +59,38 @@ TOY_CONFIGS = {"toy": (3, 32, 24, 200)}  # for a dry run of the bench's plumbing
 ROUTINGS = ("balanced", "zipf")
 PROJS = ("up", "down")
 
-# Tile variants the sweep times (kernels/grouped_gemm.py's DEFAULT_TILES come from these).
-# Suffix: -np one program per tile of the bound, -p one persistent program per SM taking tiles by stride, -pd the
-# same taking tiles from an atomic counter; -h half-height tail tiles; -nosig without signals. (The sweeps behind
-# the default tiles, with more variants, are in benchmarks/results/logs/moe-gemm/.)
+# Tile variants the sweep times (kernels/grouped_gemm.py's default_tile comes from these), each in the forms named
+# in SWEEP_FORMS. Suffix: -np one program per tile of the bound, -p one persistent program per SM taking tiles by
+# stride, -pd the same taking tiles from an atomic counter, -flat the same (by stride) in one flattened loop
+# (no signals: chunks only); -h half-height tail tiles, -s32 transposed tail tiles of <= 32 rows, -mix light
+# tiles spread among heavy ones. (Earlier sweeps, with more shapes, are in benchmarks/results/logs/moe-gemm/.)
 _T = GroupedTile
 SWEEP_TILES = {
-    "128x256x64-s3-np-h": _T(128, 256, 64, 8, 3, 8, None, half_tail=True),
-    "128x256x64-s3-p-h": _T(128, 256, 64, 8, 3, 8, 0, half_tail=True),
-    "128x256x64-s4-p-h": _T(128, 256, 64, 8, 4, 8, 0, half_tail=True),
-    "128x256x64-s4-pd-h": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True),
-    "128x256x64-s4-np-h": _T(128, 256, 64, 8, 4, 8, None, half_tail=True),
-    "128x256x64-s4-p-h-nosig": _T(128, 256, 64, 8, 4, 8, 0, half_tail=True),
+    "s3-np-h": _T(128, 256, 64, 8, 3, 8, None, half_tail=True),
+    "s3-np-h-s32-mix": _T(128, 256, 64, 8, 3, 8, None, half_tail=True, swap_rows=32, mix=True),
+    "s4-np-h-s32-mix": _T(128, 256, 64, 8, 4, 8, None, half_tail=True, swap_rows=32, mix=True),
+    "s4-p-h": _T(128, 256, 64, 8, 4, 8, 0, half_tail=True),
+    "s4-pd-h": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True),
+    "s4-pd-h-mix": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True, mix=True),
+    "s4-pd-h-s32": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True, swap_rows=32),
+    "s4-pd-h-s32-mix": _T(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True, swap_rows=32, mix=True),
+    "s4-flat": _T(128, 256, 64, 8, 4, 8, 0, flat=True),
+    "s3-flat-mix": _T(128, 256, 64, 8, 3, 8, 0, flat=True, mix=True),
+}
+# Forms: "one" (one launch, signals per source, heavy-first: t_triton_ms), "chunks" (per source chunk, no signals:
+# t_chunks_ms), "signal" (one launch, one program per tile, sources in round order: t_signal_ms; the tile's
+# launch shape is replaced, so only its tail options count).
+SWEEP_FORMS = {
+    "s3-np-h": ("one", "chunks", "signal"),
+    "s3-np-h-s32-mix": ("one", "chunks", "signal"),
+    "s4-np-h-s32-mix": ("one", "chunks"),
+    "s4-p-h": ("one", "chunks"),
+    "s4-pd-h": ("one", "chunks"),
+    "s4-pd-h-mix": ("one", "chunks"),
+    "s4-pd-h-s32": ("one", "chunks"),
+    "s4-pd-h-s32-mix": ("one", "chunks"),
+    "s4-flat": ("chunks",),
+    "s3-flat-mix": ("chunks",),
 }
 
 
@@ -99,6 +125,8 @@ class Slice:
         self.seg_ends = flat.cumsum(0).to(torch.int32).to(dev)
         self.seg_expert = torch.arange(experts, dtype=torch.int32).repeat(WORLD).to(dev)
         self.seg_source = torch.arange(WORLD, dtype=torch.int32).repeat_interleave(experts).to(dev)
+        # The NCCL combine's priorities on rank 0: the peers in their rounds (comm/expert_nccl.py), the own last.
+        self.seg_round = torch.tensor([1] * experts + [0] * experts, dtype=torch.int32, device=dev)
         self.flags = torch.zeros(WORLD, dtype=torch.int32, device=dev)
         # Host-side segment bounds (the loops need them; the Triton and _grouped_mm calls do not).
         ends = flat.cumsum(0).tolist()
@@ -113,20 +141,45 @@ class Slice:
         expert_ends = per_expert.cumsum(0).tolist()
         self.expert_bounds = list(zip([0, *expert_ends[:-1]], expert_ends))
         chunk_ends = self.counts.sum(1).cumsum(0).tolist()
+        # Per source chunk: first row, end row, segment ends relative to the chunk (multiply_chunk's ``ends``).
         self.chunks = [(a, b, self.counts[s].cumsum(0).to(torch.int32).to(dev))
                        for s, (a, b) in enumerate(zip([0, *chunk_ends[:-1]], chunk_ends))]
+        self.local_experts = torch.arange(experts, dtype=torch.int32, device=dev)
+        self.workspace = torch.empty(workspace_size(experts), dtype=torch.int32, device=dev)
         self.out = torch.empty(rows, self.n, dtype=torch.bfloat16, device=dev)
 
     @property
     def flops(self) -> float:
         return 2.0 * self.rows * self.k * self.n
 
-    def triton(self, tile: GroupedTile | None = None, order: str = "heavy-first", priority: bool = False,
-               signals: bool = True):
-        prio = self.seg_source if priority else None
+    def default_tile(self) -> GroupedTile:
+        return default_tile(self.rows, self.experts, self.k, self.n)
+
+    def chunk_tile(self, a: int, b: int) -> GroupedTile:
+        return default_tile(b - a, self.experts, self.k, self.n)
+
+    def triton(self, tile: GroupedTile | None = None, order: str = "heavy-first", signals: bool = True):
+        """One launch over every chunk, one signal group per source (``t_triton_ms``)."""
         signal, flags = (self.seg_source, self.flags) if signals else (None, None)
         return lambda: grouped_gemm(self.x, self.w, self.seg_ends, self.seg_expert, out=self.out,
-                                    seg_signal=signal, flags=flags, order=order, seg_priority=prio, tile=tile)
+                                    seg_signal=signal, flags=flags, order=order, tile=tile)
+
+    def triton_signal(self, tile: GroupedTile | None = None):
+        """As the NCCL combine's signalling GEMM: sources in round order, one program per tile (``t_signal_ms``)."""
+        tile = dataclasses.replace(tile or self.default_tile(), num_programs=None, dynamic=False)
+        return lambda: grouped_gemm(self.x, self.w, self.seg_ends, self.seg_expert, out=self.out,
+                                    seg_signal=self.seg_source, flags=self.flags, order="heavy-first",
+                                    seg_priority=self.seg_round, max_rows=self.rows, tile=tile)
+
+    def triton_chunks(self, tile: GroupedTile | None = None):
+        """One launch per source chunk, as ``multiply_chunk`` runs it (``t_chunks_ms``)."""
+        def run():
+            for a, b, ends in self.chunks:
+                if b > a:
+                    grouped_gemm(self.x[a:b], self.w, ends, self.local_experts, out=self.out[a:b],
+                                 order="heavy-first", max_rows=b - a, workspace=self.workspace,
+                                 tile=tile or self.chunk_tile(a, b))
+        return run
 
     def grouped_mm(self):
         return lambda: torch._grouped_mm(self.x_by_expert, self.w, offs=self.offs)
@@ -151,8 +204,9 @@ class Slice:
                     torch.mm(self.x[a:b], self.w[e], out=self.out[a:b])
         return run
 
-    def check(self, fn: Callable[[], object], what: str) -> float:
-        """Relative error of ``fn``'s output (poisoned first) against ``torch._grouped_mm``."""
+    def check(self, fn: Callable[[], object], what: str, signals: bool = False) -> float:
+        """Relative error of ``fn``'s output (poisoned first) against ``torch._grouped_mm``; with ``signals``, every
+        flag must read exactly 1 afterwards."""
         self.out.fill_(float("nan"))
         self.flags.zero_()
         fn()
@@ -160,7 +214,7 @@ class Slice:
         got = self.out[self.perm].float()
         if torch.isnan(got).any():
             raise AssertionError(f"{what}: NaN in the output (a row was never written)")
-        if what.startswith("triton") and "nosig" not in what and self.flags.tolist() != [1] * WORLD:
+        if signals and self.flags.tolist() != [1] * WORLD:
             raise AssertionError(f"{what}: flags {self.flags.tolist()} after the call, expected all 1")
         err = float((got - want).norm() / want.norm())
         if err > 1e-2:
@@ -192,21 +246,26 @@ def _meta(argv: list[str]) -> dict:
 
 def bench_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> dict:
     s = Slice(config, routing, proj)
-    tile = default_tile(s.rows, s.experts, s.k, s.n)
-    fns = {"triton": s.triton(tile), "src_first": s.triton(tile, priority=True),
-           "given": s.triton(tile, order="given"), "grouped_mm": s.grouped_mm(), "cublas_path": s.cublas_path(),
-           "loop": s.loop(), "loop_path": s.loop_path()}
-    errs = {name: s.check(fns[name], name) for name in ("triton", "src_first", "given", "loop_path")}
+    tile = s.default_tile()
+    fns = {"chunks": s.triton_chunks(), "signal": s.triton_signal(), "triton": s.triton(tile),
+           "grouped_mm": s.grouped_mm(), "cublas_path": s.cublas_path(), "loop": s.loop(),
+           "loop_path": s.loop_path()}
+    errs = {name: s.check(fns[name], name, signals=name in ("signal", "triton"))
+            for name in ("chunks", "signal", "triton", "loop_path")}
     t = time_side_by_side(fns, warmup=warmup, iters=iters)  # flags need no reset: each call rewrites them
+    a, b, _ = s.chunks[0]
     return {
         "config": config, "routing": routing, "proj": proj, "path": None, "experts": s.experts, "rows": s.rows,
         "K": s.k, "N": s.n, "max_expert_rows": int(s.counts.sum(0).max()), "t_ms": None,
         "t_grouped_mm_ms": t["grouped_mm"], "t_loop_ms": t["loop"], "tflops": None, "flops": s.flops,
-        "t_triton_ms": t["triton"], "t_src_first_ms": t["src_first"], "t_given_ms": t["given"],
+        "t_chunks_ms": t["chunks"], "t_signal_ms": t["signal"], "t_triton_ms": t["triton"],
         "t_cublas_path_ms": t["cublas_path"], "t_loop_path_ms": t["loop_path"],
+        "chunks_vs_grouped_mm": t["grouped_mm"] / t["chunks"],
+        "signal_vs_grouped_mm": t["grouped_mm"] / t["signal"],
         "triton_vs_grouped_mm": t["grouped_mm"] / t["triton"],
-        "tile": dataclasses.asdict(tile),
-        "host_us": {"triton": host_us(fns["triton"]), "grouped_mm": host_us(fns["grouped_mm"])},
+        "tile": dataclasses.asdict(tile), "tile_chunks": dataclasses.asdict(s.chunk_tile(a, b)),
+        "host_us": {"chunks": host_us(fns["chunks"]), "triton": host_us(fns["triton"]),
+                    "grouped_mm": host_us(fns["grouped_mm"])},
         "rel_err": errs,
     }
 
@@ -214,37 +273,39 @@ def bench_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> 
 def sweep_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> dict:
     s = Slice(config, routing, proj)
     fns: dict[str, Callable[[], object]] = {}
+    failed = {}
     for name, tile in SWEEP_TILES.items():
-        if tile.num_programs is not None and tile.num_programs < 0:  # -k: k programs per SM
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            tile = dataclasses.replace(tile, num_programs=-tile.num_programs * sms)
-        signals = not name.endswith("-nosig")
-        try:
-            s.check(s.triton(tile, signals=signals), f"triton {name}")
-        except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
-            print(f"  {config} {routing} {proj} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            continue
-        fns[name] = s.triton(tile, signals=signals)
+        for form in SWEEP_FORMS[name]:
+            make = {"one": s.triton, "chunks": s.triton_chunks, "signal": s.triton_signal}[form]
+            try:
+                s.check(make(tile), f"{form} {name}", signals=form != "chunks")
+            except Exception as exc:  # a variant that does not compile, fit or check out is reported, not fatal
+                failed[f"{form} {name}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"  {config} {routing} {proj} {form} {name}: {failed[f'{form} {name}']}", flush=True)
+                continue
+            fns[f"{form} {name}"] = make(tile)
     fns["grouped_mm"] = s.grouped_mm()
+    fns["cublas_path"] = s.cublas_path()
     fns["loop"] = s.loop()
     t = time_side_by_side(fns, warmup=warmup, iters=iters)
     return {"config": config, "routing": routing, "proj": proj, "experts": s.experts, "rows": s.rows, "K": s.k,
-            "N": s.n, "flops": s.flops, "t_ms": t}
+            "N": s.n, "flops": s.flops, "t_ms": t, "failed": failed}
 
 
 def assign_paths(rows: list[dict]) -> None:
-    """``path``: what ``choose_grouped_gemm``'s rule picks from these rows' own times (balanced and Zipf summed per
-    slice, since a path cannot know its routing in advance), segment sizes on the host (the exact mode; loop
-    allowed); ``path_bounded``: the same without them (the bounded mode). ``t_ms``, ``tflops``: at ``path``."""
+    """``path``: what ``pick_grouped_gemm``'s rule picks from these rows' own times as the paths run them (Triton
+    per chunk, cuBLAS per chunk, the loop per segment; balanced and Zipf summed per slice, since a path cannot know
+    its routing in advance), segment sizes on the host (the exact mode; loop allowed); ``path_bounded``: the same
+    without them (the bounded mode). ``t_ms``, ``tflops``: at ``path``."""
     slices: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         slices.setdefault((r["config"], r["proj"]), []).append(r)
+    key = {"triton": "t_chunks_ms", "cublas": "t_cublas_path_ms", "loop": "t_loop_path_ms"}
     for group in slices.values():
-        total = [sum(r[key] for r in group) for key in ("t_triton_ms", "t_cublas_path_ms", "t_loop_path_ms")]
+        total = [sum(r[key[kind]] for r in group) for kind in ("triton", "cublas", "loop")]
         k, n = group[0]["K"], group[0]["N"]
         path = pick_grouped_gemm(*total, dtype=torch.bfloat16, k=k, n=n, host_counts=True)
         bounded = pick_grouped_gemm(*total, dtype=torch.bfloat16, k=k, n=n, host_counts=False)
-        key = {"triton": "t_triton_ms", "cublas": "t_cublas_path_ms", "loop": "t_loop_path_ms"}
         for r in group:
             r["path"], r["path_bounded"] = path, bounded
             r["t_ms"], r["t_bounded_ms"] = r[key[path]], r[key[bounded]]
@@ -277,18 +338,24 @@ def main(argv: list[str] | None = None) -> int:
     if not args.sweep:
         assign_paths(rows)
     if args.sweep:
-        for r in rows:  # the fastest variants first, as a fraction of torch._grouped_mm's time
-            ranked = sorted(r["t_ms"].items(), key=lambda kv: kv[1])
-            print(f"{r['config']} {r['routing']} {r['proj']}: g_mm {r['t_ms']['grouped_mm']:.3f} ms; "
-                  + ", ".join(f"{name} {r['t_ms']['grouped_mm'] / t:.3f}" for name, t in ranked[:5]))
+        for r in rows:  # the fastest variants of each form, as a fraction of torch._grouped_mm's time
+            g = r["t_ms"]["grouped_mm"]
+            print(f"{r['config']} {r['routing']} {r['proj']}: g_mm {g:.3f} ms, cublas/chunk "
+                  f"{g / r['t_ms']['cublas_path']:.3f}, loop {g / r['t_ms']['loop']:.3f}")
+            for form in ("one", "chunks", "signal"):
+                ranked = sorted(((name, v) for name, v in r["t_ms"].items() if name.startswith(form + " ")),
+                                key=lambda kv: kv[1])
+                print(f"    {form:6}: " + ", ".join(f"{name.split(' ', 1)[1]} {g / v:.3f}" for name, v in ranked))
     else:
-        print(f"{'config':14} {'routing':8} {'proj':4} {'path':6} {'bounded':7} {'ours':>7} {'g_mm':>7} "
-              f"{'g_mm/2':>7} {'loop':>7} {'loop/s':>7} {'ratio':>6} {'TFLOP/s':>7}")
+        print(f"{'config':14} {'routing':8} {'proj':4} {'path':6} {'bounded':7} {'g_mm':>7} {'chunks':>7} "
+              f"{'g_mm/ch':>7} {'loop/s':>7} {'signal':>7} {'one':>7} {'loop':>7} {'t_ms':>7} {'ratio':>6} "
+              f"{'one/gmm':>7}")
         for r in rows:
             print(f"{r['config']:14} {r['routing']:8} {r['proj']:4} {r['path']:6} {r['path_bounded']:7} "
-                  f"{r['t_triton_ms']:7.3f} {r['t_grouped_mm_ms']:7.3f} {r['t_cublas_path_ms']:7.3f} "
-                  f"{r['t_loop_ms']:7.3f} {r['t_loop_path_ms']:7.3f} {r['triton_vs_grouped_mm']:6.3f} "
-                  f"{r['tflops']:7.1f}")
+                  f"{r['t_grouped_mm_ms']:7.3f} {r['t_chunks_ms']:7.3f} {r['t_cublas_path_ms']:7.3f} "
+                  f"{r['t_loop_path_ms']:7.3f} {r['t_signal_ms']:7.3f} {r['t_triton_ms']:7.3f} "
+                  f"{r['t_loop_ms']:7.3f} {r['t_ms']:7.3f} {r['t_grouped_mm_ms'] / r['t_ms']:6.3f} "
+                  f"{r['triton_vs_grouped_mm']:7.3f}")
     target = args.sweep or args.out
     if target:
         with open(target, "w") as f:
