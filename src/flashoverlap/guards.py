@@ -23,8 +23,11 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device, priority=COMM_PRIORITY)
 
 
-def capturing() -> bool:
-    """Whether the current CUDA stream is being captured into a graph (never on a machine without CUDA)."""
+def capturing(operand: torch.Tensor | None = None) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never on a machine without CUDA). Given a
+    call's ``operand``, a CPU tensor answers at once (no CUDA query: host time on every call)."""
+    if operand is not None:
+        return operand.is_cuda and torch.cuda.is_current_stream_capturing()
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 

@@ -46,7 +46,7 @@ def group_name(group: dist.ProcessGroup | str | None) -> str:
 def needed(a: torch.Tensor, b: torch.Tensor, plan: Plan | None, name: str) -> bool:
     """Whether a public op call goes through its custom op: where autograd must record it, or ``torch.compile``
     traces it. Plain eager calls skip the dispatcher (host time)."""
-    grad = torch.is_grad_enabled() and (getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False))
+    grad = (getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False)) and torch.is_grad_enabled()
     if grad and plan is not None:
         raise ValueError(f"{name}: plan= cannot be combined with autograd (an input requires grad); leave plan unset "
                          "(the library's plan for the shape, tuned where the plan cache has one) or detach the inputs")

@@ -29,7 +29,7 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
     if env.timeout is not None:  # before any collective of the call (plan lookups may run some)
         agreement.check(name, op, a, b, group, plan, path, env.timeout)
     path, context, plan = resolve(name, op, a, b, group, plan, path, env.nccl_p2p_disabled)
-    capturing = guards.capturing()
+    capturing = guards.capturing(a)
     call = Call(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
                 env.replay and not capturing)
     communicator = context.communicator("gemm", "sequential" if plan.sequential and path != "reference" else path)
