@@ -388,8 +388,11 @@ def test_policy():
 
 def test_default_tile():
     few, many = default_tile(16384, 4, 4096, 28672), default_tile(32768, 128, 7168, 4096)
-    assert few.num_programs is not None and many.num_programs is None
-    assert default_tile(32768, 128, 2048, 7168).dynamic
+    assert few.num_programs is not None and few.flat and not few.dynamic and many.num_programs is None
+    assert default_tile(32768, 64, 768, 2048).flat  # 512 rows per expert: a Qwen3-like chunk
+    short_k = default_tile(32768, 128, 2048, 7168)
+    assert short_k.dynamic and not short_k.flat
+    assert many.swap_rows == short_k.swap_rows == 32 and many.mix and short_k.mix
 
 
 def test_bench_routing_counts():

@@ -376,23 +376,31 @@ class GroupedTile:
     flat: bool = False
 
 
-# Tiles measured on one H200 (torch 2.11, triton 3.6) by `python -m flashoverlap.bench.moe_gemm --sweep`:
-# benchmarks/results/logs/moe-gemm/sweep1-ab7bb3a.json and sweep2-b77905f.json (commits ab7bb3a, b77905f). Across
-# the three MoE slices, 128x256x64 tiles with 8 warps won everywhere (128x128, 64x256, 256x128 and 128x256x128
-# lost 5-50%); persistent programs won for few large experts, one program per tile for many small experts with a
-# long K (DeepSeek-like up projection: 0.92 of torch._grouped_mm against 0.84 persistent), and 4 stages with the
-# atomic tile counter for many small experts with a short K (DeepSeek-like down: 0.92-0.95 against 0.85).
-# Half-height tail tiles gained up to 7% with skewed routing and cost nothing measurable elsewhere.
-TILE_FEW_EXPERTS = GroupedTile(128, 256, 64, 8, 4, 8, 0, half_tail=True)
-TILE_MANY_EXPERTS_LONG_K = GroupedTile(128, 256, 64, 8, 3, 8, None, half_tail=True)
-TILE_MANY_EXPERTS = GroupedTile(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True)
+# Tiles measured on one H200 (torch 2.11, triton 3.6). Sweeps 1-3 (benchmarks/results/logs/moe-gemm/, commits
+# ab7bb3a, b77905f, e410e6d): 128x256x64 tiles with 8 warps won everywhere (128x128, 64x256, 256x128 and 128x256x128
+# lost 5-50%). Sweep 4 (benchmarks/results/logs/issue20/moe-gemm-sweep-72796ed.{json,log}: `python -m
+# flashoverlap.bench.moe_gemm --sweep ... --iters 8 --warmup 2` at 72796ed) timed the tail, mix and flat options in
+# the forms the paths run, chosen here by the per-chunk form (``multiply_chunk``: the dispatch of both fast paths,
+# the P2P combine), balanced and Zipf(1.2) routing summed:
+# - more than 256 rows per expert (Mixtral-like and Qwen3-like chunks: 2048 and 512): the flattened persistent loop,
+#   1.01-1.08x torch._grouped_mm on Mixtral-like and 1.02/0.96-0.98 on Qwen3-like chunks, against 0.87-0.99 for the
+#   best unflattened tile; where signals rule it out (the flag launches) it runs as persistent 4-stage tiles with
+#   half-height tails, the best of those there;
+# - at most 256 rows per expert (DeepSeek-like: 128 per chunk), long K: one program per tile, 3 stages, transposed
+#   tails of <= 32 rows and light tiles mixed (Zipf up 0.91 against 0.85 without; balanced the same, 0.75: each
+#   chunk streams every expert's weights, 7.5 GB, at about 4.1 TB/s);
+# - the same with a short K: persistent programs with the atomic counter, 4 stages, same tails and mix (Zipf down
+#   0.93 against 0.83; balanced the same).
+TILE_FLAT = GroupedTile(128, 256, 64, 8, 4, 8, 0, half_tail=True, flat=True)
+TILE_MANY_EXPERTS_LONG_K = GroupedTile(128, 256, 64, 8, 3, 8, None, half_tail=True, swap_rows=32, mix=True)
+TILE_MANY_EXPERTS = GroupedTile(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True, swap_rows=32, mix=True)
 
 
 def default_tile(rows: int, experts: int, k: int, n: int) -> GroupedTile:
     """The tile the paths use when none is given, for ``rows`` (a bound) over ``experts`` experts, ``[rows, k] x
-    [k, n]`` each (from the sweeps named at ``TILE_FEW_EXPERTS``)."""
-    if rows > 512 * max(experts, 1):
-        return TILE_FEW_EXPERTS
+    [k, n]`` each (from the sweeps named at ``TILE_FLAT``)."""
+    if rows > 256 * max(experts, 1):
+        return TILE_FLAT
     return TILE_MANY_EXPERTS_LONG_K if k >= 4096 else TILE_MANY_EXPERTS
 
 
