@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -53,7 +54,7 @@ def _meta(args: argparse.Namespace, world_size: int, command: str | None = None)
         "world_size": world_size,
         "setting": _setting(),
         "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        "triton": importlib.metadata.version("triton"),
         "nccl": nccl_version,
         "commit": os.environ.get("FLASHOVERLAP_COMMIT", commit),
         "command": os.environ.get("FLASHOVERLAP_COMMAND",

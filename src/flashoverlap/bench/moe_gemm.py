@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -237,7 +238,7 @@ def _meta(argv: list[str]) -> dict:
         "gpu": torch.cuda.get_device_name(),
         "world_size_sliced": WORLD,
         "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        "triton": importlib.metadata.version("triton"),
         "commit": commit,
         "command": os.environ.get("FLASHOVERLAP_COMMAND", " ".join(["python -m flashoverlap.bench.moe_gemm", *argv])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
