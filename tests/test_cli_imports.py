@@ -110,3 +110,27 @@ def test_the_options_import_no_torch():
     proc = subprocess.run([sys.executable, "-c", code, str(SRC / "flashoverlap" / "bench" / "args.py")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "(8, 16, 32)", proc.stderr
+
+
+def dynamic_imports(src: Path = SRC) -> list[str]:
+    """Every ``__import__(...)`` or ``importlib.import_module(...)`` call in the package: an import that the graph
+    above (and a reader's "go to definition") cannot follow."""
+    found = []
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if name in ("__import__", "import_module"):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    return found
+
+
+def test_no_dynamic_import_in_the_package():
+    assert dynamic_imports() == []
+
+
+def test_dynamic_imports_are_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("import importlib\nx = importlib.import_module('os')\ny = __import__('sys')\n")
+    assert dynamic_imports(tmp_path) == ["pkg/a.py:2", "pkg/a.py:3"]
