@@ -122,7 +122,7 @@ def dynamic_imports(src: Path = SRC) -> list[str]:
                 f = node.func
                 name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
                 if name in ("__import__", "import_module"):
-                    found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+                    found.append(f"{path.relative_to(src)}:{node.lineno}")
     return found
 
 
