@@ -132,5 +132,6 @@ def test_no_dynamic_import_in_the_package():
 
 def test_dynamic_imports_are_found(tmp_path):
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "a.py").write_text("import importlib\nx = importlib.import_module('os')\ny = __import__('sys')\n")
+    source = "import importlib\nx = importlib.import_module('os')\ny = __import__('sys')\n"
+    (tmp_path / "pkg" / "a.py").write_text(source)
     assert dynamic_imports(tmp_path) == ["pkg/a.py:2", "pkg/a.py:3"]

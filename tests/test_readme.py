@@ -143,7 +143,8 @@ def test_the_grouped_gemm_table_compares_the_chosen_path_with_grouped_mm(tmp_pat
     row = {"config": "toy", "routing": "zipf", "proj": "up", "path": "triton", "experts": 4, "rows": 64,
            "t_ms": 2.0, "t_grouped_mm_ms": 2.5, "t_loop_ms": 3.0, "t_triton_ms": 1.5, "tile": {"block_m": 64}}
     meta = {"gpu": "synthetic", "world_size_sliced": 2, "torch": "-", "commit": "0" * 40, "command": "none"}
-    table = _renderer().moe_gemm(_results(tmp_path, "gemm.json", meta, [row, {**row, "t_loop_ms": None, "t_triton_ms": None}]))
+    rows = [row, {**row, "t_loop_ms": None, "t_triton_ms": None}]
+    table = _renderer().moe_gemm(_results(tmp_path, "gemm.json", meta, rows))
     assert _table(table) == [["toy", "zipf", "up", "4", "64", "**2.000** (triton)", "2.500", "3.000", "1.25x", "1.500"],
                              ["toy", "zipf", "up", "4", "64", "**2.000** (triton)", "2.500", "-", "1.25x", "-"]]
     assert "at W = 2" in table and "above 1: ours is faster" in table
