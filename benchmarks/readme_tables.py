@@ -338,8 +338,8 @@ def moe_gemm(path: str) -> str:
               "signals included, on the path the library chooses (`triton`: our signalling kernel, `cublas`: "
               "`torch._grouped_mm` per arrived chunk, `loop`: `torch.mm` per (source, expert) segment), once "
               "per source rank's chunk as it lands: each launch streams every local expert's weights again, which "
-              "costs most where few rows per expert meet large weights (DeepSeek-like). `one launch after every chunk`: our "
-              "kernel once over all the rows, as a path that waited for every chunk (no overlap) would run it. "
+              "costs most where few rows per expert meet large weights (DeepSeek-like). `one launch after every "
+              "chunk`: our kernel once over all the rows, as a path that waited for every chunk (no overlap) would run it. "
               "`torch._grouped_mm`: PyTorch's grouped GEMM alone, on the rows regrouped by expert. `per-expert "
               "loop`: one `torch.mm` per expert. `ours vs _grouped_mm`: its time over ours (above 1: ours is "
               "faster).</sub>")
