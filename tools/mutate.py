@@ -106,7 +106,7 @@ MUTATIONS = [
     ("dispatch-sequential-plan-overlapped", "Runtime: a sequential plan is handed to its path's overlapped communicator",
      CALLS, '"sequential" if plan.sequential and path != "reference" else path', "path", CALLS_TEST),
     ("policy-p2p-ignores-group-verdict", "Path policy: P2P is allowed on a group whose ranks lack peer access",
-     POLICY, "        reason = request.p2p_reason()\n", "        reason = None\n", POLICY_TEST),
+     POLICY, "    reason = request.p2p_reason()\n", "    reason = None\n", POLICY_TEST),
     ("policy-float32-overlapped", "Path policy: float32 may take an overlapped path", POLICY,
      "    if request.dtype not in HALF_DTYPES and (request.plan is None or not request.plan.sequential):",
      "    if False:", POLICY_TEST),

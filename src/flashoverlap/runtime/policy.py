@@ -58,15 +58,19 @@ def reason_not_nccl(request: Request) -> str | None:
     return _needs_cuda("nccl", request) or _full_precision(request)
 
 
+def _p2p_group(request: Request | ExpertRequest) -> str | None:
+    """The group's part of the P2P rule (tensor-parallel and expert calls alike): at most ``P2P_MAX_RANKS`` ranks,
+    and the group's P2P verdict (asked last: the first ask is collective)."""
+    if request.world_size > P2P_MAX_RANKS:
+        return f"{request.world_size} ranks: the P2P path serves up to {P2P_MAX_RANKS} (one node)"
+    reason = request.p2p_reason()
+    return None if reason is None else f"path='p2p' cannot apply to this group: {reason}; use path='nccl'"
+
+
 def reason_not_p2p(request: Request) -> str | None:
     """P2P: CUDA tensors in half precision, every rank on one node with peer access, at most ``P2P_MAX_RANKS``."""
     why = _needs_cuda("p2p", request) or _full_precision(request)
-    if why is None and request.world_size > P2P_MAX_RANKS:
-        why = f"{request.world_size} ranks: the P2P path serves up to {P2P_MAX_RANKS} (one node)"
-    if why is None:
-        reason = request.p2p_reason()
-        why = None if reason is None else f"path='p2p' cannot apply to this group: {reason}; use path='nccl'"
-    return why
+    return why or _p2p_group(request)
 
 
 def reason_not_ring(request: Request) -> str | None:
@@ -183,12 +187,7 @@ def reason_not_expert_p2p(request: ExpertRequest) -> str | None:
     why = _expert_built("p2p", request)
     if why is None and request.dtype not in HALF_DTYPES:
         why = f"path='p2p' runs bfloat16/float16, got {request.dtype}; use path='nccl'"
-    if why is None and request.world_size > P2P_MAX_RANKS:
-        why = f"{request.world_size} ranks: the P2P path serves up to {P2P_MAX_RANKS} (one node)"
-    if why is None:
-        reason = request.p2p_reason()
-        why = None if reason is None else f"path='p2p' cannot apply to this group: {reason}; use path='nccl'"
-    return why
+    return why or _p2p_group(request)
 
 
 EXPERT_REASON_NOT = {"reference": reason_not_expert_reference, "nccl": reason_not_expert_nccl,
