@@ -29,11 +29,12 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from p2p_one_gpu import IpcWorkspace  # noqa: E402
 
-from flashoverlap.bench.timing import host_us  # noqa: E402
+from flashoverlap.bench.timing import host_us, host_us_interleaved  # noqa: E402
 from flashoverlap.comm import expert as expert_module  # noqa: E402
 from flashoverlap.comm.collectives import all_gather_into_tensor  # noqa: E402
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout  # noqa: E402
@@ -41,6 +42,7 @@ from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator  # noqa: E402
 from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator  # noqa: E402
 from flashoverlap.comm.protocol import CommGroup  # noqa: E402
 from flashoverlap.comm.replay import Matmul  # noqa: E402
+from flashoverlap.runtime.experts import choose_gemm  # noqa: E402
 
 # (name, tokens of rank s, hidden, ffn, experts, top_k, routing)
 CASES = [
@@ -267,12 +269,162 @@ def captured(comm, group, rank, world, case, gemm, dtype, report):
     del graph
 
 
-def host_rows(comm, group, rank, world):
+def plain_layer(x, topk_idx, topk_weights, w_up, w_down, group):
+    """The plain expert-parallel layer users run today, on ``group`` (here a one-rank NCCL group: NCCL takes one rank
+    per GPU, and a one-rank group issues the same host work): the per-expert counts' ``all_to_all_single`` and one
+    host synchronisation (the split sizes), the rows in send order, ``all_to_all_single`` of the rows, regrouped by
+    expert, ``torch._grouped_mm`` (gate and up fused), SwiGLU, ``torch._grouped_mm``, back to (source, expert)
+    order, the reverse ``all_to_all_single``, the router-weighted sum. ``topk_idx`` indexes the group's
+    ``W * L`` experts (``L = w_up.shape[0]``)."""
+    world, local, ffn = dist.get_world_size(group), w_up.shape[0], w_down.shape[1]
+    tokens, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=world * local)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    totals = torch.cat([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
+    send_splits, recv_splits = totals[:world], totals[world:]
+    received = sum(recv_splits)
+    token = torch.div(order, k, rounding_mode="floor")
+    x_recv = x.new_empty((received, x.shape[1]))
+    dist.all_to_all_single(x_recv, x.index_select(0, token), recv_splits, send_splits, group=group)
+    per_segment = recv_counts.view(world, local).reshape(-1)
+    row_expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(world), per_segment,
+                                         output_size=received)
+    perm = torch.argsort(row_expert, stable=True)
+    offs = torch.cumsum(recv_counts.view(world, local).sum(0), 0).to(torch.int32)
+    h = torch._grouped_mm(x_recv.index_select(0, perm), w_up, offs=offs)
+    a = F.silu(h[:, :ffn]) * h[:, ffn:]
+    y = torch._grouped_mm(a, w_down, offs=offs).index_select(0, torch.argsort(perm))
+    y_back = y.new_empty((tokens * k, y.shape[1]))
+    dist.all_to_all_single(y_back, y, send_splits, recv_splits, group=group)
+    weighted = y_back * topk_weights.reshape(-1).index_select(0, order)[:, None].to(y_back.dtype)
+    return torch.zeros_like(x).index_add(0, token, weighted)
+
+
+def expected_plain(x, topk_idx, topk_weights, w_up, w_down):
+    """The plain layer's result on one rank, from the definition: ``y[t] = sum_c w[t, c] * expert(x[t])``."""
+    ffn = w_down.shape[1]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w_up.shape[0]):
+        token, choice = torch.nonzero(topk_idx == e, as_tuple=True)
+        if token.numel():
+            h = (x[token].float() @ w_up[e].float()).to(x.dtype)
+            a = F.silu(h[:, :ffn]) * h[:, ffn:]
+            y = (a.float() @ w_down[e].float()).to(x.dtype)
+            out.index_add_(0, token, y.float() * topk_weights[token, choice, None].float())
+    return out.to(x.dtype)
+
+
+class LayoutExchange:
+    """``expert_layout``'s one all-gather as a layer on an NCCL group issues it, for the timed layer calls: this
+    rank's part through the one-rank NCCL group, the peers' parts copied from a real exchange (through the host, on
+    gloo) recorded first, so the layout is the real one and the host work is one NCCL collective and a copy."""
+
+    def __init__(self, solo, rank, world):
+        self.solo, self.rank, self.world = solo, rank, world
+        self.recorded = {}
+        self.key, self.record = None, True  # the layout's mode; record the real exchange (else replay it)
+
+    def __call__(self, out, inp, group, async_op=False):
+        if self.record:
+            _all_gather_through_host(out, inp, group)
+            self.recorded[self.key] = out.clone()
+            return None
+        rows, recorded = out.view(self.world, -1), self.recorded[self.key].view(self.world, -1)
+        _ORIGINAL_ALL_GATHER(rows[self.rank].view(inp.shape), inp, self.solo)
+        for peer in range(self.world):
+            if peer != self.rank:
+                rows[peer].copy_(recorded[peer])
+        return None
+
+
+def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_down, everyone):
+    """Host time per layer call, ours (the P2P path as ``ExpertParallelMLP`` runs it below the public op: the
+    layout, the dispatch communicator run, SwiGLU, the router weights in send order, the combine communicator run)
+    beside the plain layer (``plain_layer`` on the one-rank NCCL group ``solo``), interleaved in one run. Timed with
+    the GPU idle before each call (``sleep_cycles=0``): both layers synchronise with the host once in exact mode
+    (the plain layer in every mode), which would otherwise wait out a sleep queued ahead. Each layer is checked
+    once against the definition first."""
+    import cProfile
+    import io
+    import pstats
+
+    _, tokens, hidden, ffn, experts, top_k, _ = case
+    local = experts // world
+    bound = tokens(0) * top_k
+    dtype = x.dtype
+    capability = torch.cuda.get_device_capability()
+    # The plain layer on its one-rank group: this rank's tokens to its own L experts (the same rows and GEMMs).
+    plain_idx = idx % local
+    want = expected_plain(x, plain_idx, weights, w_up, w_down)
+    check(plain_layer(x, plain_idx, weights, w_up, w_down, solo), want, "plain layer")
+    exchange = LayoutExchange(solo, rank, world)
+    rows = []
+    for mode in ("exact", "bounded"):
+        mode_bound = bound if mode == "bounded" else None
+        gemm = choose_gemm(mode, local, tokens(rank) * top_k, hidden, 2 * ffn, dtype, capability)
+        plan_d = ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, mode_bound, gemm)
+        gemm_c = choose_gemm(mode, local, tokens(rank) * top_k, ffn, hidden, dtype, capability)
+        plan_c = ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, mode_bound, gemm_c)
+        exchange.key, exchange.record = mode, True
+        expert_module.all_gather_into_tensor = exchange
+        try:
+            expert_layout(idx, experts, group, mode=mode, bound=mode_bound)  # records the real exchange
+            exchange.record = False
+
+            def ours(replay, mode=mode, mode_bound=mode_bound, plan_d=plan_d, plan_c=plan_c):
+                layout = expert_layout(idx, experts, group, mode=mode, bound=mode_bound)
+                h, _ = comm.run(ExpertCall("moe_dispatch_gemm", plan_d, x, w_up, layout=layout, replay=replay))
+                a = F.silu(h[:, :ffn]) * h[:, ffn:]
+                y, _ = comm.run(ExpertCall("moe_gemm_combine", plan_c, a, w_down, layout=layout.with_weights(weights),
+                                           replay=replay))
+                return y
+
+            routing = Routing([e[0] for e in everyone], world, local, mode, mode_bound)
+            acts = []
+            for d in range(world):
+                h_d, _ = routing.dispatch(d, [e[2] for e in everyone], everyone[d][3])
+                acts.append(F.silu(h_d[:, :ffn]) * h_d[:, ffn:])
+            want_y, _ = routing.combine(rank, acts, [e[4] for e in everyone], weights, tokens(rank))
+            check(ours(False), want_y, f"layer {mode}")
+            for replay in (False, True) if mode == "bounded" else (False,):
+                for _ in range(3):  # kernels loaded, graphs captured: the timed calls are the steady ones
+                    ours(replay)
+                    plain_layer(x, plain_idx, weights, w_up, w_down, solo)
+                us = host_us_interleaved({"ours": lambda replay=replay, ours=ours: ours(replay),
+                                          "plain": lambda: plain_layer(x, plain_idx, weights, w_up, w_down, solo)},
+                                         calls=40, sleep_cycles=0)
+                rows.append({"op": "layer", "path": "p2p", "mode": mode, "replayed": replay, "gemm": [gemm, gemm_c],
+                             "host_us": round(us["ours"], 1), "plain_us": round(us["plain"], 1),
+                             "ratio": round(us["ours"] / us["plain"], 2)})
+            profile = cProfile.Profile()
+            for _ in range(10):
+                dist.barrier()
+                torch.cuda.synchronize()
+                profile.enable()
+                ours(False)
+                profile.disable()
+            torch.cuda.synchronize()
+            if rank == 0:
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+                print(f"== eager layer, {mode}: cProfile of 10 calls\n" + "\n".join(
+                    line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+        finally:
+            expert_module.all_gather_into_tensor = _all_gather_through_host
+    return rows
+
+
+def host_rows(comm, group, solo, rank, world):
     """Host time to issue one call of the round case (GPU busy ahead), P2P eager and replayed, beside
-    ``torch._grouped_mm`` alone on the rows this rank receives."""
+    ``torch._grouped_mm`` alone on the rows this rank receives; and one layer call, ours beside the plain layer
+    (``layer_rows``)."""
     case = CASES[1]
     _, tokens, hidden, ffn, experts, top_k, _ = case
-    idx, weights, x, w_up, w_down = inputs(case, world, torch.bfloat16, 42)[rank]
+    everyone = inputs(case, world, torch.bfloat16, 42)
+    idx, weights, x, w_up, w_down = everyone[rank]
     bound = tokens(0) * top_k
     rows = []
     for mode in ("exact", "bounded"):
@@ -287,6 +439,7 @@ def host_rows(comm, group, rank, world):
     ends = layout.recv_seg_ends[-(experts // world):].contiguous()
     mm_us = host_us(lambda: torch._grouped_mm(recv, w_up, offs=ends), calls=30)
     rows.append({"op": "torch._grouped_mm alone", "host_us": round(mm_us, 1)})
+    rows += layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_down, everyone)
     return rows
 
 
@@ -325,10 +478,11 @@ def main():
     for gemm in ("triton", "cublas"):
         captured(p2p, group, rank, world, CASES[0], gemm, torch.bfloat16, report)
     print(f"rank {rank}: P2P bounded calls in a user's CUDA graph, new routing each replay: correct", flush=True)
-    report["rows"] = host_rows(p2p, group, rank, world)
-    p2p.release()
-    # The NCCL path, W = 1: a one-rank NCCL group per process (every process makes each, collectively).
+    # A one-rank NCCL group per process (every process makes each, collectively): the plain layer's collectives in
+    # the host rows, then the NCCL path's W = 1 case.
     solo = [dist.new_group([r], backend="nccl") for r in range(world)][rank]
+    report["rows"] = host_rows(p2p, group, solo, rank, world)
+    p2p.release()
     solo_group = CommGroup.of(solo, device)
     nccl = ExpertNcclCommunicator(solo_group)
     nccl._new = poisoned

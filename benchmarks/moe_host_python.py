@@ -1,0 +1,160 @@
+"""The Python cost of one P2P expert call (``comm/expert_p2p.py``) on the CPU, with the CUDA layer faked: what the
+library's own code costs per call, apart from what torch's kernels and the driver cost. Not a timed test: a
+measurement, written to a results file.
+
+Rows, per mode (``exact``, ``bounded``; eager, no replay), at W = 2, rank 0, the cuBLAS grouped GEMM chosen:
+- ``dispatch``: the communicator's ``run`` of one dispatch (send buffer gathered, the own chunk's GEMM, the peer's
+  pushes, flag waits, copies and the peer chunk's GEMM), the driver, streams and events replaced by the
+  checkout's own recorders (``tests/comm/test_expert_p2p_executor.py``) and the grouped GEMM by a no-op.
+- ``combine``: the same for one combine (its weighted sum at the origin included).
+- ``layer``: the layer as ``ExpertParallelMLP`` runs it below the public op, per call: the layout's router weights
+  in send order (``Layout.with_weights``), a dispatch, the SwiGLU activation, a combine.
+The tensors are small (the rows' sizes do not change the Python); torch's own CPU kernels are in the figure, the
+same before and after.
+
+It runs against whichever flashoverlap is importable, with that checkout's own recording fakes, so the same
+script measures the commit a change starts from. Each figure is the least time per call over several windows
+(other work on a shared machine only adds time):
+
+    git worktree add --detach /tmp/fo-moe-before <commit>
+    PYTHONPATH=/tmp/fo-moe-before/src python benchmarks/moe_host_python.py --label before \\
+        --out benchmarks/results/cpu-moe-host-python.json
+    PYTHONPATH=src python benchmarks/moe_host_python.py --label after --out benchmarks/results/cpu-moe-host-python.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+# The checkout whose flashoverlap is importable: its own recording driver and streams fit its communicator.
+SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents[2]
+sys.path.insert(0, str(SOURCE))
+
+from flashoverlap.comm import expert_nccl  # noqa: E402
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan  # noqa: E402
+from tests.comm import test_expert_p2p_executor as fakes  # noqa: E402
+
+WORLD, RANK = 2, 0
+SEND, RECV = (24, 20), (24, 16)  # rows this rank sends each rank, and receives from each (exact mode)
+BOUND = 32
+
+
+def _per_call_us(fn, windows: int = 20, calls: int = 100) -> float:
+    """The least time per call over ``windows`` runs of ``calls`` calls (as ``timeit`` advises)."""
+    for _ in range(calls):  # warm: first-call caches, lazily built objects
+        fn()
+    best = float("inf")
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def rows_for(mode: str, patch) -> list[dict]:
+    recorder = fakes.Recorder()
+    comm = fakes._communicator(RANK, WORLD, recorder, patch)
+    patch.setattr(expert_nccl, "multiply_chunk", lambda *args, **kwargs: None)  # the grouped GEMM: a no-op
+    patch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)  # a first call's kernel loading
+    bounded = mode == "bounded"
+    half = (BOUND // 2,) * WORLD  # bounded: half of each slot used
+    layout = fakes._layout(WORLD, RANK, mode, half if bounded else SEND, half if bounded else RECV,
+                           BOUND if bounded else None)
+    tokens, top_k, local = layout.tokens, fakes.TOP_K, fakes.LOCAL
+    hidden, ffn = fakes.HIDDEN, fakes.FFN
+    bound = BOUND if bounded else None
+    plan_d = ExpertPlan("dispatch", WORLD, local * WORLD, hidden, 2 * ffn, top_k, tokens, mode, bound, "cublas")
+    plan_c = ExpertPlan("combine", WORLD, local * WORLD, hidden, ffn, top_k, tokens, mode, bound, "cublas")
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    w_up = torch.randn(local, 2 * ffn, hidden, dtype=torch.bfloat16).transpose(1, 2)
+    w_down = torch.randn(local, hidden, ffn, dtype=torch.bfloat16).transpose(1, 2)
+    act = torch.randn(layout.recv_rows, ffn, dtype=torch.bfloat16)
+    weights = torch.rand(tokens, top_k)
+    weighted = layout.with_weights(weights)
+
+    def dispatch():
+        recorder.trace.clear()
+        comm.run(ExpertCall("moe_dispatch_gemm", plan_d, x, w_up, layout=layout))
+
+    def combine():
+        recorder.trace.clear()
+        comm.run(ExpertCall("moe_gemm_combine", plan_c, act, w_down, layout=weighted))
+
+    def layer():
+        recorder.trace.clear()
+        h, _ = comm.run(ExpertCall("moe_dispatch_gemm", plan_d, x, w_up, layout=layout))
+        a = F.silu(h[:, :ffn]) * h[:, ffn:]
+        comm.run(ExpertCall("moe_gemm_combine", plan_c, a, w_down, layout=layout.with_weights(weights)))
+
+    out = []
+    for op, fn in (("dispatch", dispatch), ("combine", combine), ("layer", layer)):
+        recorder.trace.clear()
+        fn()
+        steps = len(recorder.trace)
+        out.append({"op": op, "path": "p2p", "mode": mode, "us_per_call": round(_per_call_us(fn), 2),
+                    "driver_and_stream_calls": steps})
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
+    parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
+    args = parser.parse_args()
+    import pytest
+
+    torch.set_num_threads(1)
+    rows = []
+    for mode in ("exact", "bounded"):
+        with pytest.MonkeyPatch.context() as patch:
+            rows += rows_for(mode, patch)
+    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=SOURCE, capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=SOURCE,
+                           capture_output=True, text=True).stdout.strip()
+    commit += "-dirty" if dirty else ""
+    for row in rows:
+        row["label"], row["commit"] = args.label, commit
+        print(json.dumps(row))
+    if args.out:
+        path = Path(args.out)
+        data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
+        data["rows"] = [r for r in data["rows"] if r["label"] != args.label] + rows
+        pythonpath = os.environ.get("PYTHONPATH")
+        runs = {label: run for label, run in data["meta"].get("runs", {}).items() if label != args.label}
+        runs[args.label] = {
+            "commit": commit, "source": "this checkout" if SOURCE == ROOT else f"PYTHONPATH={pythonpath}",
+            "command": " ".join(filter(None, [f"PYTHONPATH={pythonpath}" if pythonpath else "", "python",
+                                              *sys.argv])),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average": round(os.getloadavg()[0], 2)}
+        data["meta"] = {"command": "python benchmarks/moe_host_python.py --label LABEL --out FILE (runs: each "
+                                   "label's exact command; the script's docstring)",
+                        "script_commit": subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT,
+                                                        capture_output=True, text=True).stdout.strip(),
+                        "runs": runs,
+                        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
+                        "torch": torch.__version__, "world_size": WORLD, "rank": RANK,
+                        "exact_splits": {"send": list(SEND), "recv": list(RECV)}, "bound": BOUND,
+                        "unit": "us_per_call: least over 20 windows of 100 calls; torch's CPU kernels on small "
+                                "tensors included, the grouped GEMM a no-op, the driver and streams recorders"}
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
