@@ -52,7 +52,7 @@ SEND, RECV = (24, 20), (24, 16)  # rows this rank sends each rank, and receives 
 BOUND = 32
 
 
-def _per_call_us(fn, windows: int = 20, calls: int = 100) -> float:
+def _per_call_us(fn, windows: int = 60, calls: int = 100) -> float:
     """The least time per call over ``windows`` runs of ``calls`` calls (as ``timeit`` advises)."""
     for _ in range(calls):  # warm: first-call caches, lazily built objects
         fn()
@@ -150,7 +150,7 @@ def main() -> int:
                         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
                         "torch": torch.__version__, "world_size": WORLD, "rank": RANK,
                         "exact_splits": {"send": list(SEND), "recv": list(RECV)}, "bound": BOUND,
-                        "unit": "us_per_call: least over 20 windows of 100 calls; torch's CPU kernels on small "
+                        "unit": "us_per_call: least over 60 windows of 100 calls; torch's CPU kernels on small "
                                 "tensors included, the grouped GEMM a no-op, the driver and streams recorders"}
         path.write_text(json.dumps(data, indent=1) + "\n")
     return 0

@@ -120,6 +120,10 @@ MUTATIONS = [
      "                src = parts[src_space][src_part]\n", "                src = parts[src_space][0]\n", P2P_TEST),
     ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,
      "        record(events[0], handles[0])\n", "", P2P_TEST),
+    ("expert-p2p-schedule-kept-past-workspace-growth", "P2P expert executor: a resolved schedule (slot and peer "
+     "addresses) is kept when the workspace grows", "src/flashoverlap/comm/expert_p2p.py",
+     "                self.graphs.clear()\n                self._programs.clear()\n",
+     "                self.graphs.clear()\n", "tests/comm/test_expert_p2p_executor.py"),
 ]
 
 

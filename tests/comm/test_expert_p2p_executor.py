@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap.comm import expert_nccl
 from flashoverlap.comm import expert_p2p as ep
@@ -35,6 +36,23 @@ class Recorder:
     def copy(self, stream, dst, src, nbytes):
         self.trace.append((stream, "copy", dst, src, nbytes))
 
+    # Driver events and raw stream handles (``stream_ops.FastDriver``): event handles are 100, 101, ...
+    def current_stream(self, index):
+        return 0
+
+    def new_event(self):
+        self.made = getattr(self, "made", 0) + 1
+        return 99 + self.made
+
+    def free_event(self, event):
+        self.trace.append(("free", event))
+
+    def record(self, event, stream):
+        self.trace.append((stream, "record", event))
+
+    def wait_event(self, stream, event):
+        self.trace.append((stream, "wait_event", event))
+
 
 class FakeStream:
     def __init__(self, handle, recorder):
@@ -45,14 +63,6 @@ class FakeStream:
 
     def wait_event(self, event):
         self.recorder.trace.append((self.cuda_stream, "wait_event", event.index))
-
-
-class FakeEvent:
-    def __init__(self, index, recorder):
-        self.index, self.recorder = index, recorder
-
-    def record(self, stream):
-        self.recorder.trace.append((stream.cuda_stream, "record", self.index))
 
 
 class FakeWorkspace:
@@ -104,8 +114,9 @@ def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
     comm.group = None
     comm.copy_stream = FakeStream(1, recorder)
     comm.workspace = FakeWorkspace(world * slot_bytes)
-    comm._events = [FakeEvent(i, recorder) for i in range(world)]
-    comm._warm, comm._tables = set(), {}
+    comm._index, comm._events, comm._join = 0, [], None
+    comm._warm, comm._tables, comm._programs = set(), {}, {}
+    comm._ends = WeakTensorKeyDictionary()
     comm.graphs = CallGraphs(None)
     compute = FakeStream(0, recorder)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
@@ -140,9 +151,9 @@ def _expected(comm, call, chunks, tensors, row_bytes):
         elif isinstance(op, ep.Copy):
             out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
         elif isinstance(op, ep.Record):
-            out.append((stream[op.stream], "record", op.event))
+            out.append((stream[op.stream], "record", comm._events[op.event]))
         elif isinstance(op, ep.WaitEvent):
-            out.append((stream[op.stream], "wait_event", op.event))
+            out.append((stream[op.stream], "wait_event", comm._events[op.event]))
         elif isinstance(op, ep.Gemm):
             x = tensors[op.src.space][op.src.row : op.src.row + op.rows]
             dst = tensors[op.dst.space][op.dst.row : op.dst.row + op.rows]
@@ -153,7 +164,7 @@ def _expected(comm, call, chunks, tensors, row_bytes):
             out.append((0, "hook"))
         else:
             out.append(("finish",))
-    return out + [(0, "join", 1)]
+    return out + [(1, "record", comm._join), (0, "wait_event", comm._join)]  # X joined into C
 
 
 CASES = [  # (world, rank, mode, send, recv, bound)
@@ -298,3 +309,107 @@ def test_a_call_with_a_debug_deadline_polls_every_flag_wait(monkeypatch):
     chunks = ep.Chunks.of(call.plan, call.layout)
     waits = sum(isinstance(op, ep.Wait) for op in ep.schedule("dispatch", 0, chunks.send, chunks.recv))
     assert polled == [(waits, 5.0)] and waits == 2
+
+
+# -- what the executor keeps between calls: resolved schedules and (exact mode) each chunk's segment ends ----------
+
+
+def _run_call(comm, recorder, monkeypatch, layout, op="dispatch", hidden=HIDDEN):
+    """One eager call of ``op`` with ``layout`` (send buffer and weighted sum recorded, not computed); returns its
+    trace and the trace the schedule says it must be."""
+    world = comm.world_size
+    ffn = 2 * FFN if op == "dispatch" else FFN
+    plan = ExpertPlan(op, world, LOCAL * world, hidden, ffn, TOP_K, layout.tokens, layout.mode, layout.bound,
+                      "triton")
+    send_tensor = torch.empty(layout.send_capacity, hidden, dtype=torch.bfloat16)
+    y = torch.empty(layout.recv_rows, hidden, dtype=torch.bfloat16)
+    monkeypatch.setattr(ep, "send_buffer", lambda a, plan, layout: recorder.trace.append(("gather",)) or send_tensor)
+    monkeypatch.setattr(ep, "combine_at_origin", lambda back, plan, layout, dtype, out=None:
+                        recorder.trace.append(("finish",)) or out)
+    monkeypatch.setattr(comm, "_scratch", lambda shape, dtype, zero: y)
+    monkeypatch.setattr(comm, "_load_kernels", lambda call, chunks: None)
+    if op == "dispatch":
+        a, b = torch.randn(layout.tokens, hidden, dtype=torch.bfloat16), torch.randn(LOCAL, hidden, ffn)
+    else:
+        a, b = torch.randn(layout.recv_rows, ffn, dtype=torch.bfloat16), torch.randn(LOCAL, ffn, hidden)
+    call = ExpertCall("op", plan, a, b, layout=layout, hook=lambda: recorder.trace.append((0, "hook")))
+    chunks = ep.Chunks.of(plan, layout)
+    comm.prepare(call, chunks)
+    outputs = comm._outputs(call, a)
+    recorder.trace.clear()
+    comm.issue(call, a, chunks, outputs)
+    tensors = {"send": send_tensor, "h": outputs[0], "recv": outputs[1]} if op == "dispatch" else \
+        {"a": a, "y": y, "back": outputs[1]}
+    return list(recorder.trace), _expected(comm, call, chunks, tensors, hidden * 2)
+
+
+def test_a_resolved_schedule_is_kept_per_layout_shape_and_workspace(monkeypatch):
+    recorder = Recorder()
+    comm = _communicator(0, 2, recorder, monkeypatch)
+    first = _layout(2, 0, "exact", (3, 5), (3, 2))
+    got, want = _run_call(comm, recorder, monkeypatch, first)
+    assert got == want and len(comm._programs) == 1
+    program = next(iter(comm._programs.values()))
+    got, want = _run_call(comm, recorder, monkeypatch, _layout(2, 0, "exact", (3, 5), (3, 2)))  # same sizes: reused
+    assert got == want and len(comm._programs) == 1 and next(iter(comm._programs.values())) is program
+    got, want = _run_call(comm, recorder, monkeypatch, _layout(2, 0, "exact", (4, 1), (2, 6)))  # a new layout
+    assert got == want and len(comm._programs) == 2
+    got, want = _run_call(comm, recorder, monkeypatch, first, hidden=40)  # new shapes: other row offsets
+    assert got == want and len(comm._programs) == 3
+    # The workspace grows (a pair that moves more rows than a slot holds): the slots' and peers' addresses move.
+    big = _layout(2, 0, "exact", (3, 5), (3, 2), max_pair_rows=4000)
+    comm.workspace.peer_ptr = lambda rank: PEER_BASE * (rank + 7)
+    got, want = _run_call(comm, recorder, monkeypatch, big)
+    assert len(comm.workspace.grown) == 1 and got == want and len(comm._programs) == 1
+
+
+def test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_every_call(monkeypatch):
+    recorder = Recorder()
+    comm = _communicator(1, 3, recorder, monkeypatch)
+    made = []
+    real = ep.relative_ends
+    monkeypatch.setattr(ep, "relative_ends", lambda layout: made.append(layout.mode) or real(layout))
+    exact = _layout(3, 1, "exact", (2, 3, 5), (5, 1, 3))
+    for op in ("dispatch", "combine", "dispatch"):  # one layer's calls: the ends made once
+        routing = exact if op == "dispatch" else exact.with_weights(torch.rand(exact.tokens, TOP_K))
+        got, want = _run_call(comm, recorder, monkeypatch, routing, op)
+        assert got == want
+    assert made == ["exact"]
+    other = _layout(3, 1, "exact", (4, 3, 2), (1, 3, 5))  # another layer's layout: its own ends
+    got, want = _run_call(comm, recorder, monkeypatch, other)
+    assert got == want and made == ["exact", "exact"]
+    bounded = _layout(3, 1, "bounded", (6, 6, 6), (6, 6, 6), bound=6)
+    got, want = _run_call(comm, recorder, monkeypatch, bounded)
+    assert got == want
+    # New routing copied into the layout's tensors (as before a user's graph replays): the next call reads it.
+    fresh = _layout(3, 1, "bounded", (6, 6, 6), (2, 5, 3), bound=6)
+    for mine, theirs in zip(bounded.tensors(), fresh.tensors()):
+        mine.copy_(theirs)
+    got, want = _run_call(comm, recorder, monkeypatch, bounded)
+    assert got == want and made == ["exact", "exact", "bounded", "bounded"]
+    assert [step[4] for step in got if step[0] == "gemm"] == [(3, 5), (1, 2), (2, 3)]  # own chunk, then 0, 2
+
+
+def test_release_through_the_runtime_empties_what_the_executor_keeps(monkeypatch):
+    import flashoverlap
+    from flashoverlap.runtime import context as runtime_context
+
+    recorder = Recorder()
+    comm = _communicator(0, 2, recorder, monkeypatch)
+    comm.workspace.release = lambda: recorder.trace.append(("workspace released",))
+    layout = _layout(2, 0, "exact", (3, 5), (3, 2))
+    _run_call(comm, recorder, monkeypatch, layout)
+    assert comm._programs and comm._events and comm._join is not None and len(comm._ends) == 1
+    events = [*comm._events, comm._join]
+    group = object()  # a process group's stand-in: the runtime keys its contexts by identity
+    held = object.__new__(runtime_context.GroupContext)
+    held.process_group, held.device, held.communicators = group, torch.device("cpu"), {("expert", "p2p"): comm}
+    held.rates, held.agreed, held.calls, held.logged = {}, {}, {}, set()
+    monkeypatch.setitem(runtime_context._CONTEXTS, (id(group), "cpu", None), held)
+    recorder.trace.clear()
+    flashoverlap.release(group)
+    assert not comm._programs and not comm._events and comm._join is None and len(comm._ends) == 0
+    assert sorted(recorder.trace[:-1]) == [("free", e) for e in sorted(events)]
+    assert recorder.trace[-1] == ("workspace released",)
+    got, want = _run_call(comm, recorder, monkeypatch, layout)  # the next call starts afresh
+    assert got == want and len(comm._programs) == 1

@@ -54,11 +54,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap import guards
-from flashoverlap.comm import stream_ops
+from flashoverlap.comm import expert_nccl, stream_ops
 from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
-from flashoverlap.comm.expert_nccl import Chunks, chunk_gemm, chunk_multiplier, segment_table
+from flashoverlap.comm.expert_nccl import Chunks, chunk_gemm, host_relative_ends, relative_ends, segment_table
 from flashoverlap.comm.protocol import CommGroup, held_signature
 from flashoverlap.comm.replay import CallGraphs, address
 from flashoverlap.comm.ring_schedule import Hook, Record, Signal, Wait, WaitEvent  # the ring's step types
@@ -68,6 +69,11 @@ from flashoverlap.plan import P2P_MAX_RANKS
 SLOT_ALIGN = 1 << 12
 MAX_RANKS = P2P_MAX_RANKS
 FREE_BASE = MAX_RANKS  # flag slots: full[s] at s (0 .. W-1), free[d] at FREE_BASE + d
+# A resolved schedule step's first field (``ExpertP2PCommunicator._program``); the call's buffers by index (3: an
+# absolute address, a peer's slot or a flag), per op.
+_GEMM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _GATHER, _HOOK, _FINISH = range(9)
+_SPACES = {"dispatch": {"send": 0, "recv": 1, "h": 2}, "combine": {"a": 0, "y": 1, "back": 2}}
+_STREAMS = {"C": 0, "X": 1}
 
 
 # -- the schedule, as data ------------------------------------------------------------------------------------
@@ -221,9 +227,17 @@ class ExpertP2PCommunicator:
         self.name = group.name
         self.copy_stream = guards.comm_stream(self.device)  # X: the pushes to the peers
         self.workspace = SymmetricWorkspace(self.group, self.device)
-        self._events = [torch.cuda.Event() for _ in range(max(self.world_size, 1))]
+        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._events: list[int] = []  # driver events (``stream_ops.FastDriver``): the schedules' by index
+        self._join: int | None = None  # the driver event that joins X into C after a call
         self._warm: set[tuple] = set()
         self._tables: dict = {}
+        # Resolved schedules (``_program``) by (op, chunks, gathered, row bytes): emptied where the workspace grows
+        # (its slots and peers' addresses move) and on release.
+        self._programs: dict[tuple, tuple] = {}
+        # Exact mode: each chunk's relative segment ends (``_chunk_ends``), by the layout's segment ends (shared by
+        # a layer's dispatch, combine and backward calls), kept while the layout lives.
+        self._ends = WeakTensorKeyDictionary()
         self.graphs = CallGraphs(self.device)  # repeated bounded-mode calls replayed (comm/replay.py)
 
     def _slot_bytes(self) -> int:
@@ -249,10 +263,19 @@ class ExpertP2PCommunicator:
         return self._result(call, outputs)
 
     def release(self) -> None:
-        """Free the graphs and the symmetric workspace (the peers free theirs in the same collective release)."""
+        """Free the graphs, the resolved schedules, the driver events and the symmetric workspace (the peers free
+        theirs in the same collective release)."""
         self.graphs.clear()
         self._warm.clear()
         self._tables.clear()
+        self._programs.clear()
+        self._ends.clear()
+        events = [*self._events, *([] if self._join is None else [self._join])]
+        if events:
+            driver = stream_ops.fast()
+            for event in events:
+                driver.free_event(event)
+        self._events, self._join = [], None
         self.workspace.release()
 
     def _new(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -291,6 +314,7 @@ class ExpertP2PCommunicator:
             size = self.world_size * (need + SLOT_ALIGN)
             if self.workspace.ensure(size, call.name, ones=(FREE_BASE, FREE_BASE + self.world_size)):
                 self.graphs.clear()
+                self._programs.clear()
         key = (plan, dtype, call.b.stride())
         if key not in self._warm:
             self._load_kernels(call, chunks)
@@ -325,70 +349,153 @@ class ExpertP2PCommunicator:
         torch.cuda.synchronize(self.device)
 
     def _multiplier(self, call: ExpertCall, kind: str):
-        table = segment_table(self._tables, self.world_size, call.layout.experts_per_rank, self.rank, self.device)
-        return chunk_multiplier(kind, call.plan, call.layout, call.b, table["expert"])
+        """``multiply(chunk, x, x_row, out, out_row, rows)`` (``expert_nccl.chunk_multiplier``'s): chunk ``chunk``'s
+        segments of ``x`` from row ``x_row`` times their experts' ``b[l]`` into ``out`` from row ``out_row``, on
+        the current stream; nothing for no rows. Each chunk's ends are one view of ``_chunk_ends``."""
+        plan, layout, b = call.plan, call.layout, call.b
+        seg_expert = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank,
+                                   self.device)["expert"]
+        ends = self._chunk_ends(layout)
+        host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
+        workspace = None
+        if kind == "triton":
+            from flashoverlap.kernels.grouped_gemm import workspace_size  # Triton: imported where a kernel runs
+
+            workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=b.device)
+        tail = plan.mode == "bounded"
+        multiply_chunk = expert_nccl.multiply_chunk
+
+        def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
+            if rows:
+                multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows],
+                               seg_expert, host_ends=None if host is None else host[chunk], workspace=workspace,
+                               tail=tail)
+
+        return multiply
+
+    def _chunk_ends(self, layout) -> tuple[torch.Tensor, ...]:
+        """Each chunk's segment ends relative to its first row (``relative_ends``, one view per chunk). Exact mode:
+        made once per layout (exact layouts are never captured: their sizes are host values); bounded mode: per
+        call, on the device, so that a graph holding the call reads the layout's tensors as they are at replay."""
+        if layout.mode != "exact":
+            return relative_ends(layout).unbind(0)
+        ends = self._ends.get(layout.recv_seg_ends)
+        if ends is None:
+            ends = self._ends[layout.recv_seg_ends] = relative_ends(layout).unbind(0)
+        return ends
 
     # -- the call's GPU work ----------------------------------------------------------------------------------
     def issue(self, call: ExpertCall, a: torch.Tensor, chunks: Chunks, outputs: tuple[torch.Tensor, torch.Tensor],
               timeout: float | None = None) -> None:
         """The schedule of one call (after ``prepare``), on the caller's stream and the copy stream; ``outputs`` (see
-        ``_outputs``) hold the result on the caller's stream afterwards."""
+        ``_outputs``) hold the result on the caller's stream afterwards. The schedule comes resolved (``_program``),
+        and the driver is called through ``ctypes`` with raw stream and event handles (``stream_ops.fast``), as the
+        tensor-parallel P2P executor does."""
         plan, layout = call.plan, call.layout
         bounded = plan.mode == "bounded"
-        ops = schedule(plan.op, self.rank, chunks.send, chunks.recv, call.return_gathered and plan.op == "dispatch")
-        compute = torch.cuda.current_stream(self.device)
-        streams = {"C": compute, "X": self.copy_stream}
-        handles = {name: stream.cuda_stream for name, stream in streams.items()}
+        program, ops = self._program(plan.op, chunks, call.return_gathered and plan.op == "dispatch",
+                                     plan.hidden * a.dtype.itemsize)
+        driver = stream_ops.fast()
+        handles = (driver.current_stream(self._index), self.copy_stream.cuda_stream)
         if plan.op == "dispatch":
             h, recv = outputs
             if bounded:
                 h.zero_()  # padding rows (no segment covers them) read zero
-            tensors = {"h": h, "recv": recv}
+            tensors = [None, recv, h]  # the send buffer: made by the schedule's Gather
         else:
             out, back = outputs
             if bounded:
                 back.zero_()  # the own slot's padding rows, which no GEMM writes
             # Chunks leave whole (bounded mode: slots, padding included), so the rows no segment covers are zero.
-            tensors = {"a": a, "back": back, "y": self._scratch((a.shape[0], plan.hidden), a.dtype, zero=bounded)}
+            tensors = [a, self._scratch((a.shape[0], plan.hidden), a.dtype, zero=bounded), back]
+        bases = [0 if t is None else t.data_ptr() for t in tensors] + [0]
         multiply = self._multiplier(call, chunk_gemm(plan, a.dtype, self.device))
-        row_bytes = plan.hidden * a.dtype.itemsize
-        slot_bytes = self._slot_bytes()
-        workspace = self.workspace
-
-        def place(loc: Loc) -> int:
-            if loc.space == "sym":
-                return workspace.peer_ptr(loc.rank) + loc.slot * slot_bytes + loc.row * row_bytes
-            return tensors[loc.space].data_ptr() + loc.row * row_bytes
-
-        driver = stream_ops.fast()
         events = self._events
+        wait_reset, write, copy, record, wait_event = (driver.wait_reset, driver.write, driver.copy, driver.record,
+                                                       driver.wait_event)
         waited = []
-        for item in ops:
-            if isinstance(item, Gemm):
-                multiply(item.chunk, tensors[item.src.space], item.src.row, tensors[item.dst.space], item.dst.row,
-                         item.rows)
-            elif isinstance(item, Copy):
-                driver.copy(handles[item.stream], place(item.dst), place(item.src), item.rows * row_bytes)
-            elif isinstance(item, Wait):
-                driver.wait_reset(handles[item.stream], workspace.flag_ptr(item.flag.rank, item.flag.row))
-                if timeout is not None:
-                    waited.append((streams[item.stream].record_event(), item))
-            elif isinstance(item, Signal):
-                driver.write(handles[item.stream], workspace.flag_ptr(item.flag.rank, item.flag.row), 1)
-            elif isinstance(item, Record):
-                events[item.event].record(streams[item.stream])
-            elif isinstance(item, WaitEvent):
-                streams[item.stream].wait_event(events[item.event])
-            elif isinstance(item, Gather):
-                tensors["send"] = send_buffer(a, plan, layout)
-            elif isinstance(item, Hook):
+        for step, item in zip(program, ops):
+            code = step[0]
+            if code == _GEMM:
+                _, chunk, src, src_row, dst, dst_row, rows = step
+                multiply(chunk, tensors[src], src_row, tensors[dst], dst_row, rows)
+            elif code == _COPY:
+                _, stream, dst, dst_offset, src, src_offset, nbytes = step
+                copy(handles[stream], bases[dst] + dst_offset, bases[src] + src_offset, nbytes)
+            elif code == _WAIT:
+                wait_reset(handles[step[1]], step[2])
+                if timeout is not None:  # debug mode: an event to poll, through torch
+                    waited.append((self._stream(step[1]).record_event(), item))
+            elif code == _SIGNAL:
+                write(handles[step[1]], step[2], 1)
+            elif code == _RECORD:
+                record(events[step[2]], handles[step[1]])
+            elif code == _WAIT_EVENT:
+                wait_event(handles[step[1]], events[step[2]])
+            elif code == _GATHER:
+                tensors[0] = send_buffer(a, plan, layout)
+                bases[0] = tensors[0].data_ptr()
+            elif code == _HOOK:
                 if call.hook is not None:
                     call.hook()
-            else:  # Finish
-                combine_at_origin(tensors["back"], plan, layout, a.dtype, out=outputs[0])
-        compute.wait_stream(self.copy_stream)  # X read send / y: nothing reuses them before its pushes are done
+            else:  # _FINISH
+                combine_at_origin(back, plan, layout, a.dtype, out=out)
+        # X read send / y: nothing reuses them before its pushes are done.
+        record(self._join, handles[1])
+        wait_event(handles[0], self._join)
         if timeout is not None:
             self._check_progress(call, waited, timeout)
+
+    def _program(self, op: str, chunks: Chunks, gathered: bool, row_bytes: int) -> tuple[list, tuple]:
+        """The schedule of a call (``schedule``) with what does not change between calls resolved: each step as a
+        tuple of its code, streams, buffers by index (``_SPACES``; 3: absolute), byte offsets, flag addresses and
+        sizes; made once per (op, chunks, gathered, row bytes) and workspace, with the driver events it uses."""
+        key = (op, chunks.send, chunks.recv, gathered, row_bytes)
+        cached = self._programs.get(key)
+        if cached is not None:
+            return cached
+        ops = schedule(op, self.rank, chunks.send, chunks.recv, gathered)
+        driver = stream_ops.fast()
+        while len(self._events) < events(ops):
+            self._events.append(driver.new_event())
+        if self._join is None:
+            self._join = driver.new_event()
+        spaces, slot_bytes, workspace = _SPACES[op], self._slot_bytes(), self.workspace
+
+        def place(loc: Loc) -> tuple[int, int]:  # (buffer index, byte offset)
+            if loc.space == "sym":
+                return 3, workspace.peer_ptr(loc.rank) + loc.slot * slot_bytes + loc.row * row_bytes
+            return spaces[loc.space], loc.row * row_bytes
+
+        program = []
+        for item in ops:
+            if isinstance(item, Gemm):
+                program.append((_GEMM, item.chunk, spaces[item.src.space], item.src.row, spaces[item.dst.space],
+                                item.dst.row, item.rows))
+            elif isinstance(item, Copy):
+                program.append((_COPY, _STREAMS[item.stream], *place(item.dst), *place(item.src),
+                                item.rows * row_bytes))
+            elif isinstance(item, (Wait, Signal)):
+                program.append((_WAIT if isinstance(item, Wait) else _SIGNAL, _STREAMS[item.stream],
+                                workspace.flag_ptr(item.flag.rank, item.flag.row)))
+            elif isinstance(item, Record):
+                program.append((_RECORD, _STREAMS[item.stream], item.event))
+            elif isinstance(item, WaitEvent):
+                program.append((_WAIT_EVENT, _STREAMS[item.stream], item.event))
+            elif isinstance(item, Gather):
+                program.append((_GATHER,))
+            elif isinstance(item, Hook):
+                program.append((_HOOK,))
+            else:  # Finish
+                program.append((_FINISH,))
+        if len(self._programs) > 256:
+            self._programs.clear()
+        cached = self._programs[key] = (program, ops)
+        return cached
+
+    def _stream(self, index: int) -> torch.cuda.Stream:
+        """The schedule's stream ``index`` (``C``, ``X``) as a torch object (debug mode's polled events)."""
+        return (torch.cuda.current_stream(self.device), self.copy_stream)[index]
 
     def _signature(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
         """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
