@@ -71,6 +71,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.comm.protocol import Call, CommGroup
@@ -290,8 +291,8 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     local = num_experts // world
     tokens, top_k = topk_idx.shape
     flat = topk_idx.reshape(-1).to(torch.int64)
-    bad = (flat < 0) | (flat >= num_experts)
     expert = flat.clamp(0, num_experts - 1)  # an out-of-range index is reported below, never used to address
+    bad = flat != expert  # the indices outside [0, num_experts): the ones the clamp moved
     sorted_expert, send_order = torch.sort(expert, stable=True)
     counts = torch.bincount(expert, minlength=num_experts)
     message = torch.empty((world, local + 2), dtype=torch.int64, device=device)
@@ -304,9 +305,6 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     send_counts, recv_counts = counts.view(world, local), everyone[:, rank, :local].contiguous()
     pair_totals = everyone[:, :, :local].sum(2)  # [source, destination]
     bad_at, bounds = everyone[:, 0, local], everyone[:, 0, local + 1]
-    send_totals = send_counts.sum(1)
-    dest = sorted_expert // local
-    dest_starts = torch.cumsum(send_totals, 0) - send_totals
     if mode == "exact":
         # The one sync; the largest pair of the group comes with it (every rank reads the same all-gathered totals).
         summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at, bounds,
@@ -320,6 +318,9 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
                   "max_pair_rows": summary[4 * world]}
     else:
         _check_bound(pair_totals, bad_at, bounds, bound, num_experts, group)
+        send_totals = send_counts.sum(1)
+        dest = sorted_expert // local
+        dest_starts = torch.cumsum(send_totals, 0) - send_totals
         position = torch.arange(tokens * top_k, dtype=torch.int64, device=device) - dest_starts[dest]
         # Clamped: a row past the bound (an error raised above) never writes outside its slot.
         send_rows = dest * bound + position.clamp(max=bound - 1)
@@ -376,7 +377,24 @@ def _check_bound(pair_totals: torch.Tensor, bad_at: torch.Tensor, bounds: torch.
 def source_rows(plan: ExpertPlan, layout: Layout) -> torch.Tensor:
     """int64 ``[T*k]``: the row of a dispatch's ``a`` that each choice in send order carries (``a[t]`` for choice
     ``t * k + c``, or ``a[j]`` itself with ``per_choice``)."""
-    return layout.send_order if plan.per_choice else torch.div(layout.send_order, plan.top_k, rounding_mode="floor")
+    return layout.send_order if plan.per_choice else choice_tokens(layout, plan.top_k)
+
+
+# Exact mode: each layout's ``choice_tokens``, by its send order (the tensor a layer's dispatch, combine and backward
+# calls share: ``Layout.with_weights`` makes a new Layout around the same tensors), kept while the layout lives.
+_TOKENS = WeakTensorKeyDictionary()
+
+
+def choice_tokens(layout: Layout, top_k: int) -> torch.Tensor:
+    """int64 ``[T*k]``: the token of each choice in send order (``send_order // top_k``). Exact mode: made once per
+    layout (an exact layout is never captured: its sizes are host values); bounded mode: per call, on the device, so
+    that a CUDA graph holding the call reads the layout's tensors as they are when it replays."""
+    if layout.mode != "exact" or top_k != layout.top_k:
+        return torch.div(layout.send_order, top_k, rounding_mode="floor")
+    tokens = _TOKENS.get(layout.send_order)
+    if tokens is None:
+        tokens = _TOKENS[layout.send_order] = torch.div(layout.send_order, top_k, rounding_mode="floor")
+    return tokens
 
 
 def send_buffer(a: torch.Tensor, plan: ExpertPlan, layout: Layout) -> torch.Tensor:
@@ -405,10 +423,13 @@ def combine_at_origin(y_back: torch.Tensor, plan: ExpertPlan, layout: Layout, ou
     shape = (plan.tokens, y_back.shape[1])
     if out is not None:
         check_out("combine_at_origin", out, shape, out_dtype, y_back.device)
-    rows = y_back.index_select(0, layout.send_rows).float()
+    # Exact mode's send rows are packed (``send_rows`` is ``arange``): the rows are read in place.
+    rows = y_back if layout.mode == "exact" else y_back.index_select(0, layout.send_rows)
     if plan.weighted and layout.weights is not None:
-        rows = rows * layout.weights.float()[:, None]
-    tokens = torch.div(layout.send_order, plan.top_k, rounding_mode="floor")
+        rows = rows * layout.weights.float()[:, None]  # in fp32 (type promotion): the rows' exact fp32 values
+    else:
+        rows = rows.float()
+    tokens = choice_tokens(layout, plan.top_k)
     if out is not None and out_dtype == torch.float32:  # the sum straight into it: no fp32 temporary
         return out.zero_().index_add_(0, tokens, rows)
     total = torch.zeros(shape, dtype=torch.float32, device=y_back.device).index_add_(0, tokens, rows)
