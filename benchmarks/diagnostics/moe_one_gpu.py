@@ -19,7 +19,20 @@ communicator. Every output is checked, then poisoned with NaN, and the communica
 element never written shows. Host time to issue one call (GPU busy ahead) is printed for P2P eager and replayed
 beside ``torch._grouped_mm`` alone on the same rows.
 
-CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/moe_one_gpu.py [out.json]
+Host time per layer call (rows ``{op: "layer", path, mode, replayed, gemm, host_us, plain_us, ratio}``, issue 20's
+target: at most 1.5x the plain layer's): one layer of ours as ``ExpertParallelMLP`` runs it below the public op
+(``expert_layout``, the dispatch communicator run, SwiGLU, the router weights in send order, the combine
+communicator run; the grouped GEMM the runtime's policy chooses), exact, bounded eager and bounded replayed, beside
+the plain layer (``plain_layer``: the counts' ``all_to_all_single`` and one host synchronisation, the rows'
+``all_to_all_single``, ``torch._grouped_mm`` up, SwiGLU, ``torch._grouped_mm`` down, the reverse
+``all_to_all_single``, the weighted sum) on a one-rank NCCL group per process (NCCL refuses two ranks on one GPU; a
+one-rank group issues the same host work), timed interleaved (``host_us_interleaved``) with the GPU idle before each
+call, since both synchronise with the host. Our layout's all-gather is issued as on NCCL: this rank's part through
+the one-rank group, the peer's part copied from a real exchange recorded first (``LayoutExchange``). Both layers
+are checked against the definition once; a cProfile of ten eager calls of ours is printed per mode.
+
+CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \
+    torchrun --nproc-per-node 2 benchmarks/diagnostics/moe_one_gpu.py [out.json]
 """
 
 import json

@@ -68,7 +68,7 @@ on the received rows and ``grad_w[t, c] = <grad_out[t], y_back[t, c]>``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -222,7 +222,11 @@ class Layout:
     def with_weights(self, topk_weights: torch.Tensor | None) -> Layout:
         """This layout with the router weights ``[T, k]`` taken in send order (None: no weights)."""
         weights = None if topk_weights is None else topk_weights.reshape(-1).index_select(0, self.send_order)
-        return replace(self, weights=weights)
+        # dataclasses.replace, without its per-field __init__ (a frozen dataclass's: microseconds, once per combine).
+        layout = object.__new__(Layout)
+        layout.__dict__.update(self.__dict__)
+        layout.__dict__["weights"] = weights
+        return layout
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors, in the order ``Layout.of_tensors`` takes them (custom ops pass them one by one)."""
