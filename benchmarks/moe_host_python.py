@@ -12,7 +12,9 @@ Rows, per mode (``exact``, ``bounded``; eager, no replay), at W = 2, rank 0, the
   not timed); ``layer, a new layout each call``: the same with a layout the communicator has never seen, as a
   model's layers give it one per call (what is kept per layout serves the layer's combine, not the next layer).
 The tensors are small (the rows' sizes do not change the Python); torch's own CPU kernels are in the figure, the
-same before and after.
+same before and after. ``torch_ops``: the torch operators one call issues (each costs its own host time on a GPU,
+most of them a kernel launch; the CPU figure understates that), the layer rows' two clones and the activation
+included.
 
 It runs against whichever flashoverlap is importable, with that checkout's own recording fakes, so the same
 script measures the commit a change starts from. Each figure is the least time per call over several windows
@@ -121,8 +123,19 @@ def rows_for(mode: str, patch) -> list[dict]:
         fn()
         steps = len(recorder.trace)
         out.append({"op": op, "path": "p2p", "mode": mode, "us_per_call": round(_per_call_us(fn), 2),
-                    "driver_and_stream_calls": steps})
+                    "driver_and_stream_calls": steps, "torch_ops": _torch_ops(fn)})
     return out
+
+
+def _torch_ops(fn) -> int:
+    """The torch operators one call issues from Python (the profiler's top-level ``aten::`` events): on a GPU each
+    costs host time of its own (a dispatch, and most a kernel launch), which the CPU's figure understates."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.name.startswith("aten::") and event.cpu_parent is None)
 
 
 def main() -> int:
