@@ -228,25 +228,36 @@ def interference(args, rank, world_size, device, dtype) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench", description=__doc__.split("\n\n")[0])
-    add_bench_ops_arguments(parser)  # the same options as `flashoverlap bench ops`, defined once
+def start_run(prog: str, description: str, add_arguments, argv: list[str] | None,
+              suffix: str) -> tuple[argparse.Namespace, list[str], dict, str, torch.device]:
+    """A benchmark's start under torchrun, written once: its options parsed (``add_arguments``: the same as its
+    ``flashoverlap bench`` subcommand's), the NCCL group on this rank's GPU, the results' meta and the default
+    results path ``benchmarks/results/<gpu>x<W>-<setting><suffix>.json``. Returns the options, the argument list
+    as parsed, the meta, the path and the device."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
     argv = join_values(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
-
     if "RANK" not in os.environ:
-        parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench")
+        parser.error(f"run it under torchrun, e.g. torchrun --nproc-per-node 2 -m {prog.split()[-1]}")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)
+    world_size = dist.get_world_size()
+    meta = _meta(args, world_size, " ".join([prog, *argv]))
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world_size}-{meta['setting']}{suffix}.json")
+    return args, argv, meta, out, device
+
+
+def main(argv: list[str] | None = None) -> int:
+    # the same options as `flashoverlap bench ops`, defined once
+    args, argv, meta, out, device = start_run("python -m flashoverlap.bench", __doc__.split("\n\n")[0],
+                                              add_bench_ops_arguments, argv, "")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
     shapes = op_rows.GRID_ALL_REDUCE if args.shapes is None else args.shapes
-
-    meta = _meta(args, world_size, " ".join([parser.prog, *argv]))
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world_size}-{meta['setting']}.json")
     rows = []
     if rank == 0:
         print(f"# {meta['gpus']}, {meta['setting']}, torch {meta['torch']}, triton {meta['triton']}, "
@@ -259,8 +270,6 @@ def main(argv: list[str] | None = None) -> int:
         def sweep(op, call, shape, row):
             return sweep_plans(op, call, shape, args, world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
     for op in args.ops:
-        if op not in benches:
-            parser.error(f"--ops: unknown op {op!r}")
         fn, grid = benches[op]
         op_shapes = grid if args.shapes is None else shapes
 

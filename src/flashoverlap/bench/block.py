@@ -23,8 +23,6 @@ figures named in ``FIGURES``. ``e_block`` compares eager with eager and compiled
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 from dataclasses import dataclass
 
@@ -368,25 +366,13 @@ def _timed_rows(cfg, models, token_counts, steps, decode_tokens, log, world, dev
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
 
-    from flashoverlap.bench.__main__ import _meta, write_results
-    from flashoverlap.bench.args import add_bench_block_arguments, join_values
+    from flashoverlap.bench.__main__ import start_run, write_results
+    from flashoverlap.bench.args import add_bench_block_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.block", description=__doc__.split("\n")[0])
-    add_bench_block_arguments(parser)  # the same options as `flashoverlap bench block`, defined once
-    argv = join_values(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(argv)
-    if "RANK" not in os.environ:
-        parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench.block")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
-    meta = _meta(args, dist.get_world_size(), " ".join([parser.prog, *argv]))
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    out = args.out or os.path.join("benchmarks", "results",
-                                   f"{gpu}x{dist.get_world_size()}-{meta['setting']}-block.json")
+    # the same options as `flashoverlap bench block`, defined once
+    args, _, meta, out, _ = start_run("python -m flashoverlap.bench.block", __doc__.split("\n")[0],
+                                      add_bench_block_arguments, argv, "-block")
 
     def log(rows: list[dict]) -> None:  # the last row, and every row so far in case a later one fails
         if dist.get_rank() == 0:

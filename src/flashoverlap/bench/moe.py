@@ -28,8 +28,6 @@ communication to hide). ``bench_rows`` runs on the CPU too (gloo, toy sizes, a s
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -247,26 +245,14 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
 
-    from flashoverlap.bench.__main__ import _meta, write_results
-    from flashoverlap.bench.args import add_bench_moe_arguments, join_values
+    from flashoverlap.bench.__main__ import start_run, write_results
+    from flashoverlap.bench.args import add_bench_moe_arguments
     from flashoverlap.bench.timing import time_side_by_side
 
-    parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.moe", description=__doc__.split("\n")[0])
-    add_bench_moe_arguments(parser)  # the same options as `flashoverlap bench moe`, defined once
-    argv = join_values(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(argv)
-    if "RANK" not in os.environ:
-        parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench.moe")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
-    world = dist.get_world_size()
-    meta = _meta(args, world, " ".join([parser.prog, *argv]))
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{meta['setting']}-moe.json")
+    # the same options as `flashoverlap bench moe`, defined once
+    args, _, meta, out, device = start_run("python -m flashoverlap.bench.moe", __doc__.split("\n")[0],
+                                           add_bench_moe_arguments, argv, "-moe")
 
     def timer(fns: dict, host: dict) -> dict:
         return time_side_by_side(fns, warmup=args.warmup, iters=args.iters, host_us=host)
