@@ -104,7 +104,7 @@ MUTATIONS = [
     ("replay-inside-user-capture", "Runtime: a call inside a user's capture may launch a graph of its own",
      CALLS, "                env.replay and not capturing)", "                env.replay)", CALLS_TEST),
     ("dispatch-sequential-plan-overlapped", "Runtime: a sequential plan is handed to its path's overlapped communicator",
-     CALLS, '"sequential" if plan.sequential and path != "reference" else path', "path", CALLS_TEST),
+     CALLS, 'if plan.sequential and path != "reference":', "if False:", CALLS_TEST),
     ("policy-p2p-ignores-group-verdict", "Path policy: P2P is allowed on a group whose ranks lack peer access",
      POLICY, "    reason = request.p2p_reason()\n", "    reason = None\n", POLICY_TEST),
     ("policy-float32-overlapped", "Path policy: float32 may take an overlapped path", POLICY,

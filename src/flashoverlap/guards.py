@@ -25,10 +25,19 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 def capturing(operand: torch.Tensor | None = None) -> bool:
     """Whether the current CUDA stream is being captured into a graph (never on a machine without CUDA). Given a
-    call's ``operand``, a CPU tensor answers at once (no CUDA query: host time on every call)."""
+    call's ``operand``, a CPU tensor answers at once, and a CUDA tensor (CUDA is initialised) asks torch's C
+    binding directly, without its Python wrapper: host time on every call."""
     if operand is not None:
-        return operand.is_cuda and torch.cuda.is_current_stream_capturing()
+        return operand.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def on_current_device(operand: torch.Tensor) -> bool:
+    """Whether ``operand`` lies on the current CUDA device, or on the CPU: a call's streams and allocations then
+    need no device switch. Asked on every call, so through torch's C binding (CUDA is initialised where a tensor
+    lives on it)."""
+    index = operand.get_device()
+    return index < 0 or index == torch._C._cuda_getDevice()
 
 
 def refuse_inside_capture(what: str) -> None:

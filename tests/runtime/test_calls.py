@@ -106,6 +106,39 @@ def test_a_sequential_plan_runs_the_sequential_communicator_on_any_path(world_of
     assert len(sequential.calls) == 1 and not ring.calls
 
 
+def test_a_sequential_plan_asks_no_capture_question_and_carries_no_deadline(world_of_one, monkeypatch):
+    # The sequential communicator waits on nothing and never replays: its calls skip the capture query (host time
+    # of every decode-sized call) and are handed neither a deadline nor a replay verdict.
+    sequential = _install(world_of_one, ("gemm", "sequential"))
+    monkeypatch.setenv("FLASHOVERLAP_DEBUG_TIMEOUT", "5")
+    settings.refresh()
+    asked = []  # the per-call question, about the call's operand (debug mode's agreement check asks its own)
+
+    def capturing(operand=None):
+        if operand is not None:
+            asked.append(operand)
+        return False
+
+    monkeypatch.setattr(guards, "capturing", capturing)
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    fo.gemm_all_reduce(a, b, plan=sequential_plan("all_reduce", 8, 6, 4, 1, path="ring"), path="ring")
+    (call,) = sequential.calls
+    assert not asked and call.timeout is None and not call.replay
+
+
+def test_on_current_device_compares_with_the_current_cuda_device(monkeypatch):
+    class OnDevice:  # a CUDA tensor's get_device(), without CUDA
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)  # absent from CPU builds
+    assert guards.on_current_device(torch.zeros(1))  # the CPU: never a device switch
+    assert guards.on_current_device(OnDevice(1)) and not guards.on_current_device(OnDevice(0))
+
+
 def test_every_communicator_follows_the_protocol():
     gemm_kinds = [key for key in COMMUNICATORS if key[0] == "gemm"]
     assert {path for _, path in gemm_kinds} == {"reference", "sequential", "nccl", "p2p", "ring"}

@@ -246,7 +246,7 @@ class Layout:
                    max_pair_rows=max_pair_rows if exact else bound)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(slots=True, eq=False)  # as Call: a value communicators never write, built without frozen's __init__
 class ExpertCall(Call):
     """An expert call as a communicator's ``run`` receives it: the protocol's ``Call`` (``plan``: an
     ``ExpertPlan``; ``a``, ``b``: the rows and the stacked local weights ``[L, K, N]``; ``return_gathered``: also

@@ -76,9 +76,9 @@ def held_signature(hook: Hook | None) -> tuple | None:
     return hook.signature if isinstance(hook, HeldHook) else None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)  # not frozen: a frozen dataclass's __init__ costs microseconds on every call
 class Call:
-    """One call, as resolved by the runtime.
+    """One call, as resolved by the runtime: a value that communicators read and never write.
 
     ``name``: the public op, for messages ("gemm_all_reduce", "all_gather_gemm backward"); ``plan``: its plan (for
     the GEMM ops a ``flashoverlap.plan.Plan``); ``a``, ``b``: the operands; ``return_gathered``: all-gather also

@@ -29,11 +29,16 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
     if env.timeout is not None:  # before any collective of the call (plan lookups may run some)
         agreement.check(name, op, a, b, group, plan, path, env.timeout)
     path, context, plan = resolve(name, op, a, b, group, plan, path, env.nccl_p2p_disabled)
-    capturing = guards.capturing(a)
-    call = Call(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
-                env.replay and not capturing)
-    communicator = context.communicator("gemm", "sequential" if plan.sequential and path != "reference" else path)
-    if a.device.type != "cuda" or a.device.index == torch.cuda.current_device():
+    if plan.sequential and path != "reference":
+        # The sequential plan waits on nothing and is never replayed: no capture query (host time, the decode case).
+        call = Call(name, plan, a, b, return_gathered, hook)
+        communicator = context.communicator("gemm", "sequential")
+    else:
+        capturing = guards.capturing(a)
+        call = Call(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
+                    env.replay and not capturing)
+        communicator = context.communicator("gemm", path)
+    if guards.on_current_device(a):
         return communicator.run(call)
     with torch.cuda.device(a.device):  # the communicator's streams and allocations on the tensors' device
         return communicator.run(call)

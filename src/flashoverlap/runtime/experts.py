@@ -122,7 +122,7 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layou
     call = ExpertCall(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
                       env.replay and not capturing, layout=routing, out=out)
     communicator = context.communicator("expert", resolved)
-    if a.device.type != "cuda" or a.device.index == torch.cuda.current_device():
+    if guards.on_current_device(a):
         return communicator.run(call)
     with torch.cuda.device(a.device):
         return communicator.run(call)

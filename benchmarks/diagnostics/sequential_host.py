@@ -1,0 +1,113 @@
+"""Where the host time of a call that runs the sequential plan goes, on one GPU and a one-rank NCCL group (one
+process: the sequential plan needs no peer). Each op's public call is timed interleaved
+(``bench.timing.host_us_interleaved``: GPU busy ahead, medians) beside the same work issued directly (``torch.mm``
+plus the collective, the outputs allocated as the op allocates them), ``torch.mm`` alone, and the parts our call adds
+in front of that work, each alone: the runtime's whole body (``runtime.calls.execute``), the sequential
+communicator's ``run`` of a prepared call, the resolution of a repeated call (``runtime.calls.resolve``), a
+``Call``'s construction, the custom-op test (``library.needed``), the capture guard, the device query, and
+``torch.matmul`` in place of ``torch.mm``. A cProfile of 50 calls of ours follows per op.
+
+CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \
+    torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py [out.json]
+"""
+
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap import guards
+from flashoverlap.bench.timing import host_us_interleaved
+from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from flashoverlap.comm.protocol import Call
+from flashoverlap.ops import library
+from flashoverlap.runtime import calls, settings
+
+M, N, K = 4096, 8192, 8192
+PUBLIC = {"all_reduce": (fo.gemm_all_reduce, "gemm_all_reduce"),
+          "reduce_scatter": (fo.gemm_reduce_scatter, "gemm_reduce_scatter"),
+          "all_gather": (fo.all_gather_gemm, "all_gather_gemm")}
+
+
+def direct_call(op, a, b, group):
+    """Plain PyTorch: the op's work issued directly, allocating its outputs as the op does."""
+    if op == "all_gather":
+        gathered = torch.empty(M, K, dtype=a.dtype, device=a.device)
+        all_gather_into_tensor(gathered, a, group)
+        return torch.mm(gathered, b)
+    c = torch.mm(a, b)
+    if op == "all_reduce":
+        dist.all_reduce(c, group=group)
+        return c
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    reduce_scatter_tensor(out, c, group)
+    return out
+
+
+def op_row(op, public, name, group) -> dict:
+    """One op's row, printed, then a cProfile of 50 calls of ours."""
+    a = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(N, K, dtype=torch.bfloat16, device="cuda").t()
+    for _ in range(3):  # plan resolved, kernels loaded, NCCL warm
+        public(a, b, group=group)
+        direct_call(op, a, b, group)
+    torch.cuda.synchronize()
+    _, context, plan = calls.resolve(name, op, a, b, group, None, "auto", settings.current().nccl_p2p_disabled)
+    comm = context.communicator("gemm", "sequential")
+    call = Call(name, plan, a, b, False, None, None, False)
+    parts = {
+        "ours": lambda: public(a, b, group=group),
+        "direct": lambda: direct_call(op, a, b, group),
+        "torch.mm": lambda: torch.mm(a, b),
+        "torch.matmul": lambda: torch.matmul(a, b),
+        "execute": lambda: calls.execute(name, op, a, b, group, None, "auto"),
+        "communicator.run": lambda: comm.run(call),
+        "resolve (repeated call)": lambda: calls.resolve(name, op, a, b, group, None, "auto",
+                                                         settings.current().nccl_p2p_disabled),
+        "Call(...)": lambda: Call(name, plan, a, b, False, None, None, False),
+        "library.needed": lambda: library.needed(a, b, None, name),
+        "capture guard": lambda: guards.capturing(a),
+        "current_device": torch.cuda.current_device,
+    }
+    us = host_us_interleaved(parts, calls=60)
+    row = {"op": op, "M": M, "N": N, "K": K, **{key: round(value, 1) for key, value in us.items()}}
+    row["ours - direct"] = round(us["ours"] - us["direct"], 1)
+    print(json.dumps(row), flush=True)
+    profile = cProfile.Profile()
+    for _ in range(50):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)
+        profile.enable()
+        public(a, b, group=group)
+        profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
+    print(f"== {op}: cProfile of 50 calls\n" + "\n".join(
+        line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+    return row
+
+
+def main() -> int:
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    rows = [op_row(op, public, name, dist.group.WORLD) for op, (public, name) in PUBLIC.items()]
+    torch.cuda.synchronize()
+    report = {"meta": {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
+                       "command": "torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py OUT.json"},
+              "rows": rows}
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
