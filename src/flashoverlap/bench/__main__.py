@@ -310,6 +310,15 @@ def write_results(path: str, meta: dict, rows: list[dict], extra: dict) -> None:
         json.dump({"meta": meta, "rows": rows, **extra}, f, indent=1)
 
 
+def finish_run(path: str, meta: dict, rows: list[dict]) -> int:
+    """A torchrun benchmark's end, written once: rank 0 writes the results, then the group is taken down."""
+    if dist.get_rank() == 0:
+        write_results(path, meta, rows, {})
+        print(f"wrote {path}")
+    dist.destroy_process_group()
+    return 0
+
+
 def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: int, device) -> dict:
     """One call of an all-reduce row's shape with its plan, recorded and (on rank 0) drawn: the first row the op
     overlaps (NCCL path), else the first row."""

@@ -66,22 +66,21 @@ def non_negative(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0 (digits only), got {text!r}") from None
 
 
+def _ints(text: str, parse, what: str) -> list[int]:
+    try:
+        return [parse(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what} (digits only), got {text!r}") from None
+
+
 def positive_ints(text: str) -> list[int]:
     """``A,B,...``: positive integers."""
-    try:
-        return [positive(part) for part in text.split(",")]
-    except argparse.ArgumentTypeError:
-        message = f"expected comma-separated positive integers (digits only), got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
+    return _ints(text, positive, "positive integers")
 
 
 def non_negative_ints(text: str) -> list[int]:
     """``A,B,...``: integers >= 0."""
-    try:
-        return [non_negative(part) for part in text.split(",")]
-    except argparse.ArgumentTypeError:
-        message = f"expected comma-separated integers >= 0 (digits only), got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
+    return _ints(text, non_negative, "integers >= 0")
 
 
 def op_names(text: str) -> list[str]:

@@ -367,7 +367,7 @@ def _timed_rows(cfg, models, token_counts, steps, decode_tokens, log, world, dev
 
 def main(argv: list[str] | None = None) -> int:
 
-    from flashoverlap.bench.__main__ import start_run, write_results
+    from flashoverlap.bench.__main__ import finish_run, start_run, write_results
     from flashoverlap.bench.args import add_bench_block_arguments
 
     # the same options as `flashoverlap bench block`, defined once
@@ -385,11 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = bench_rows(BlockConfig(), args.tokens, args.steps, args.decode_tokens, not args.no_compile,
                       not args.no_async_tp, log)
-    if dist.get_rank() == 0:
-        write_results(out, meta, rows, {})
-        print(f"wrote {out}")
-    dist.destroy_process_group()
-    return 0
+    return finish_run(out, meta, rows)
 
 
 if __name__ == "__main__":

@@ -246,7 +246,7 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
 
 def main(argv: list[str] | None = None) -> int:
 
-    from flashoverlap.bench.__main__ import start_run, write_results
+    from flashoverlap.bench.__main__ import finish_run, start_run, write_results
     from flashoverlap.bench.args import add_bench_moe_arguments
     from flashoverlap.bench.timing import time_side_by_side
 
@@ -269,11 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = {name: CONFIGS[name] for name in args.configs}
     rows = bench_rows(configs, args.tokens, args.routings, args.modes, args.paths, args.passes, timer, log, device)
-    if dist.get_rank() == 0:
-        write_results(out, meta, rows, {})
-        print(f"wrote {out}")
-    dist.destroy_process_group()
-    return 0
+    return finish_run(out, meta, rows)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from flashoverlap import guards
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan, Layout, combine_at_origin, send_buffer
-from flashoverlap.comm.protocol import CommGroup
+from flashoverlap.comm.protocol import CommGroup, GroupFields
 
 # -- the chunk mechanics both fast expert paths share ----------------------------------------------------------
 
@@ -233,18 +233,14 @@ def segment_table(tables: dict, world: int, local: int, rank: int, device: torch
 # -- the communicator -------------------------------------------------------------------------------------------
 
 
-class ExpertNcclCommunicator:
+class ExpertNcclCommunicator(GroupFields):
     """A high-priority stream, one flag per destination, and the peers' rounds for one (process group, device);
     see the module docstring."""
 
     path = "nccl"
 
     def __init__(self, group: CommGroup) -> None:
-        self.group = group.process_group
-        self.device = group.device
-        self.rank = group.rank
-        self.world_size = group.world_size
-        self.name = group.name
+        super().__init__(group)
         self.comm_stream = guards.comm_stream(self.device)
         # flags[d]: destination d's rows of the signalling GEMM are stored (exactly 1); 0 between calls.
         self.flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)

@@ -60,7 +60,7 @@ from flashoverlap import guards
 from flashoverlap.comm import expert_nccl, stream_ops
 from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
 from flashoverlap.comm.expert_nccl import Chunks, chunk_gemm, host_relative_ends, relative_ends, segment_table
-from flashoverlap.comm.protocol import CommGroup, held_signature
+from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs, address
 from flashoverlap.comm.ring_schedule import Hook, Record, Signal, Wait, WaitEvent  # the ring's step types
 from flashoverlap.comm.symmetric import SymmetricWorkspace
@@ -214,17 +214,13 @@ def events(ops: tuple) -> int:
 # -- the executor -----------------------------------------------------------------------------------------------
 
 
-class ExpertP2PCommunicator:
+class ExpertP2PCommunicator(GroupFields):
     """A copy stream, events and a symmetric workspace of ``W`` slots for one (process group, device)."""
 
     path = "p2p"
 
     def __init__(self, group: CommGroup) -> None:
-        self.group = group.process_group
-        self.device = group.device
-        self.rank = group.rank
-        self.world_size = group.world_size
-        self.name = group.name
+        super().__init__(group)
         self.copy_stream = guards.comm_stream(self.device)  # X: the pushes to the peers
         self.workspace = SymmetricWorkspace(self.group, self.device)
         self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()

@@ -41,20 +41,17 @@ from flashoverlap.comm.collectives import (
     place_own_shard,
     reduce_scatter_tensor,
 )
-from flashoverlap.comm.protocol import Call, CommGroup
+from flashoverlap.comm.protocol import Call, CommGroup, GroupFields
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
 
-class NcclCommunicator:
+class NcclCommunicator(GroupFields):
     """Counters, a high-priority stream and the NCCL groups for one (process group, device)."""
 
     path = "nccl"
 
     def __init__(self, group: CommGroup) -> None:
-        self.group = group.process_group
-        self.device = group.device
-        self.rank = group.rank
-        self.name = group.name
+        super().__init__(group)
         self.comm_stream = guards.comm_stream(self.device)
         self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
         # All-gather: flags[g] != 0 once group g's band of every shard has landed; zero between calls.

@@ -34,7 +34,7 @@ import torch
 from flashoverlap import guards
 from flashoverlap.comm import ring_schedule as rs
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.protocol import Call, CommGroup, held_signature
+from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs, address
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import Plan
@@ -74,17 +74,13 @@ def _cuts(ops: list, totals: tuple[int, int, int]) -> tuple[list, list[dict]]:
     return cuts, index
 
 
-class P2PCommunicator:
+class P2PCommunicator(GroupFields):
     """Copy stream, events and symmetric workspace for one (process group, device)."""
 
     path = "p2p"
 
     def __init__(self, group: CommGroup) -> None:
-        self.group = group.process_group
-        self.device = group.device
-        self.rank = group.rank
-        self.world_size = group.world_size
-        self.name = group.name
+        super().__init__(group)
         self.copy_stream = guards.comm_stream(self.device)  # X: pulls from peers
         self.local_stream = guards.comm_stream(self.device)  # L: copies within the GPU
         self.workspace = SymmetricWorkspace(self.group, self.device)

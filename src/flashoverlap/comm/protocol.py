@@ -97,6 +97,18 @@ class Call:
     replay: bool = False
 
 
+class GroupFields:
+    """The group's values that the fast communicators keep as attributes, set from the ``CommGroup`` in one place:
+    ``group`` (the ``ProcessGroup``), ``device``, ``rank``, ``world_size`` and ``name`` (for messages)."""
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group.process_group
+        self.device = group.device
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.name = group.name
+
+
 @runtime_checkable
 class Communicator(Protocol):
     """What every communicator is (see the module docstring). ``path`` names it in the runtime's table."""

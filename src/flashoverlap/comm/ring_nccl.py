@@ -24,18 +24,17 @@ import torch.distributed as dist
 
 from flashoverlap import guards
 from flashoverlap.comm import ring_schedule as rs
-from flashoverlap.comm.protocol import Call, CommGroup
+from flashoverlap.comm.protocol import Call, CommGroup, GroupFields
 from flashoverlap.plan import Plan
 
 
-class RingNcclCommunicator:
+class RingNcclCommunicator(GroupFields):
     """A high-priority stream for one (process group, device)."""
 
     path = "ring"
 
     def __init__(self, group: CommGroup) -> None:
-        self.group, self.device = group.process_group, group.device
-        self.rank, self.world_size = group.rank, group.world_size
+        super().__init__(group)
         self.cuda = self.device.type == "cuda"
         self.stream = guards.comm_stream(self.device) if self.cuda else None
         world = self.world_size

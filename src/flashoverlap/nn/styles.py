@@ -134,12 +134,10 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int, size: int) -> t
     return rows.view(moved).movedim(0, dim).contiguous()
 
 
-class ColwiseParallel(torch_styles.ColwiseParallel):
-    """PyTorch's ``ColwiseParallel`` (same arguments, same layouts, same DTensor parameters: ``weight`` and
-    ``bias`` ``Shard(0)``) whose ``nn.Linear`` runs ``all_gather_gemm`` when its input is sharded on a dimension
-    other than the last (sequence parallelism: ``input_layouts=Shard(1)``), and ``linear_column`` (backward by
-    ``gemm_all_reduce``) when its input is a plain tensor annotated ``Replicate`` (the default). Other cases run as
-    PyTorch runs them: see the module docstring. ``path`` is the ops' path (``"auto"``)."""
+class _OverlappedLinear:
+    """What both styles add to PyTorch's: the ops' ``path``, a linear's forward routed to the style once its
+    parameters are distributed as PyTorch's style distributes them, and PyTorch's own forward for the cases our ops
+    do not take."""
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True, path: str = "auto") -> None:
@@ -147,10 +145,7 @@ class ColwiseParallel(torch_styles.ColwiseParallel):
                          use_local_output=use_local_output)
         self.path = path
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        layout = self.input_layouts[0]
-        if not isinstance(module, nn.Linear) or isinstance(layout, Partial) or layout == Shard(-1):
-            return super()._apply(module, device_mesh)  # PyTorch's style outright
+    def _route(self, module: nn.Linear, device_mesh: DeviceMesh) -> nn.Module:
         binding = _Binding(self, device_mesh)
         distribute_module(module, device_mesh, self._partition_linear_fn)
         _bind(module, binding)
@@ -161,6 +156,20 @@ class ColwiseParallel(torch_styles.ColwiseParallel):
         x = self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, (x,), binding.mesh)
         y = F.linear(x, module.weight, module.bias)
         return self._prepare_output_fn(self.output_layouts, self.use_local_output, module, y, binding.mesh)
+
+
+class ColwiseParallel(_OverlappedLinear, torch_styles.ColwiseParallel):
+    """PyTorch's ``ColwiseParallel`` (same arguments, same layouts, same DTensor parameters: ``weight`` and
+    ``bias`` ``Shard(0)``) whose ``nn.Linear`` runs ``all_gather_gemm`` when its input is sharded on a dimension
+    other than the last (sequence parallelism: ``input_layouts=Shard(1)``), and ``linear_column`` (backward by
+    ``gemm_all_reduce``) when its input is a plain tensor annotated ``Replicate`` (the default). Other cases run as
+    PyTorch runs them: see the module docstring. ``path`` is the ops' path (``"auto"``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        layout = self.input_layouts[0]
+        if not isinstance(module, nn.Linear) or isinstance(layout, Partial) or layout == Shard(-1):
+            return super()._apply(module, device_mesh)  # PyTorch's style outright
+        return self._route(module, device_mesh)
 
     def _linear_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
@@ -192,7 +201,7 @@ class ColwiseParallel(torch_styles.ColwiseParallel):
         return self._prepare_output_fn(self.output_layouts, self.use_local_output, module, y, binding.mesh)
 
 
-class RowwiseParallel(torch_styles.RowwiseParallel):
+class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
     """PyTorch's ``RowwiseParallel`` (same arguments, same layouts, same DTensor parameters: ``weight``
     ``Shard(1)``, ``bias`` ``Replicate``) whose ``nn.Linear`` runs ``gemm_reduce_scatter`` when its output is
     sharded on a dimension other than the last (sequence parallelism: ``output_layouts=Shard(1)``), and
@@ -200,28 +209,13 @@ class RowwiseParallel(torch_styles.RowwiseParallel):
     default ``input_layouts``); other cases run as PyTorch runs them: see the module docstring. ``path`` is the ops'
     path (``"auto"``)."""
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True, path: str = "auto") -> None:
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
-                         use_local_output=use_local_output)
-        self.path = path
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         inp, out = self.input_layouts[0], self.output_layouts[0]
         if (not isinstance(module, nn.Linear) or not isinstance(inp, Shard) or not isinstance(out, (Replicate, Shard))
                 or out == Shard(-1)):
             return super()._apply(module, device_mesh)  # PyTorch's style outright
         self.desired_input_layouts = (Shard(-1),)  # what PyTorch's _apply sets for a linear
-        binding = _Binding(self, device_mesh)
-        distribute_module(module, device_mesh, self._partition_linear_fn)
-        _bind(module, binding)
-        return module
-
-    def _torch_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
-        """Exactly what PyTorch's style runs: its input hook, DTensor ``F.linear``, its output hook."""
-        x = self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, (x,), binding.mesh)
-        y = F.linear(x, module.weight, module.bias)
-        return self._prepare_output_fn(self.output_layouts, self.use_local_output, module, y, binding.mesh)
+        return self._route(module, device_mesh)
 
     def _linear_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)

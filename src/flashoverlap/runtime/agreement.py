@@ -16,9 +16,9 @@ from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.plan import OPS, Plan
 from flashoverlap.runtime import policy
 from flashoverlap.runtime.checks import check_operands
-from flashoverlap.runtime.context import group_context
+from flashoverlap.runtime.context import GroupContext, group_context
 
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # the same number on every rank
 
 
 def check(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
@@ -35,18 +35,10 @@ def check(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Proc
     context = group_context(name, group, a.device)
     if guards.capturing():
         return
-    mine = [OPS.index(op), m, n, k, _DTYPE_CODES[a.dtype], policy.CALL_PATHS.index(path),
+    mine = [OPS.index(op), m, n, k, DTYPE_CODES[a.dtype], policy.CALL_PATHS.index(path),
             0 if plan is None else _digest(plan)]
     device = context.device if context.device.type == "cuda" else torch.device("cpu")
-    local = torch.tensor(mine, dtype=torch.int64, device=device)
-    everyone = torch.empty(context.world_size * len(mine), dtype=torch.int64, device=device)
-    work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
-    guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: (
-        f"flashoverlap: rank {context.rank}: {name} on {context.name} waited more than {timeout:g} s "
-        "(FLASHOVERLAP_DEBUG_TIMEOUT) for the other ranks to reach the call: a rank skipped it, raised "
-        "before it, or is stuck elsewhere; the group is unusable now"))
-    work.wait()
-    rows = everyone.view(context.world_size, len(mine)).tolist()
+    rows = gather_rows(name, context, torch.tensor(mine, dtype=torch.int64, device=device), timeout)
     for rank, row in enumerate(rows):
         if row != rows[0]:
             fields = ("op", "M", "N", "K", "dtype", "path", "plan")  # M: all-gather's shard rows
@@ -55,6 +47,20 @@ def check(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Proc
                 f"{name}: rank {context.rank} of {context.name}: the ranks disagree on {', '.join(differ)} (rank "
                 f"{rank} differs from rank 0): every rank must call the op with the same shapes, dtype and path"
             )
+
+
+def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: float) -> list[list[int]]:
+    """Every rank's ``local`` (int64, the same length on every rank), by rank: one all-gather, waited for with
+    debug mode's deadline (``guards.poll_until``), so that a rank that never comes to the call makes the others
+    raise, naming the rank, the call and the group, instead of hanging."""
+    everyone = torch.empty(context.world_size * local.numel(), dtype=torch.int64, device=local.device)
+    work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
+    guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: (
+        f"flashoverlap: rank {context.rank}: {name} on {context.name} waited more than {timeout:g} s "
+        "(FLASHOVERLAP_DEBUG_TIMEOUT) for the other ranks to reach the call: a rank skipped it, raised "
+        "before it, or is stuck elsewhere; the group is unusable now"))
+    work.wait()
+    return everyone.view(context.world_size, -1).tolist()
 
 
 @functools.lru_cache(maxsize=256)

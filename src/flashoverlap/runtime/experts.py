@@ -11,20 +11,16 @@ from s); a disagreement raises on every rank, naming the ranks.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
-from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
 from flashoverlap.comm.protocol import Hook
-from flashoverlap.runtime import policy, settings
+from flashoverlap.runtime import agreement, policy, settings
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
@@ -112,7 +108,7 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layou
         k, n = b.shape[1], b.shape[2]
         hidden, ffn = (k, n) if op == "dispatch" else (n, k)
         header = [1 + ("dispatch", "combine").index(op), routing.experts, hidden, ffn, routing.top_k,
-                  MODES.index(routing.mode), routing.bound or 0, _DTYPE_CODES[a.dtype],
+                  MODES.index(routing.mode), routing.bound or 0, agreement.DTYPE_CODES[a.dtype],
                   policy.EXPERT_PATHS.index(path), int(per_choice), int(weighted)]
         _agree(name, group_context(name, group, a.device), header, routing, env.timeout)
     context, resolved, plan = _resolve(name, op, a, b, routing, group, path, topk_weights, per_choice, weighted,
@@ -263,14 +259,7 @@ def _agree(name: str, context: GroupContext, header: list[int], routing: Layout 
     counts = [] if routing is None else [routing.send_counts.to(device).reshape(-1),
                                          routing.recv_counts.to(device).reshape(-1)]
     local = torch.cat([torch.tensor(header, dtype=torch.int64, device=device), *counts])
-    everyone = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
-    work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
-    guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: (
-        f"flashoverlap: rank {context.rank}: {name} on {context.name} waited more than {timeout:g} s "
-        "(FLASHOVERLAP_DEBUG_TIMEOUT) for the other ranks to reach the call: a rank skipped it, raised before it, or "
-        "is stuck elsewhere; the group is unusable now"))
-    work.wait()
-    rows = everyone.view(world, -1).tolist()
+    rows = agreement.gather_rows(name, context, local, timeout)
     for rank, row in enumerate(rows):
         if row[: len(header)] != rows[0][: len(header)]:
             differ = [f for f, x, y in zip(_FIELDS, row, rows[0]) if x != y]
