@@ -23,7 +23,9 @@ Per row, timed side by side (CUDA events, median, each call queued behind a GPU 
 (flags included).
 
 ``python -m flashoverlap.bench.moe_gemm --out FILE`` writes ``{"meta", "rows"}``; ``--sweep FILE`` times tile
-variants of ours in the three forms instead (the measurements behind ``kernels.grouped_gemm``'s tile rule).
+variants of ours in the three forms instead (the measurements behind ``kernels.grouped_gemm``'s tile rule);
+``--expert-groups FILE`` times the per-source form beside launches per group of experts over every source's rows
+(``Slice.triton_expert_groups``, ``cublas_expert_groups``): what a dispatch chunked by expert groups would run.
 """
 
 from __future__ import annotations
@@ -182,6 +184,45 @@ class Slice:
                                  tile=tile or self.chunk_tile(a, b))
         return run
 
+    def triton_expert_groups(self, groups: int, tile: GroupedTile | None = None):
+        """One launch per group of ``experts / groups`` consecutive local experts, over every source's rows of those
+        experts where the dispatch layout holds them (segment starts and ends, no regrouping): what a dispatch that
+        sent each destination its rows expert group by expert group would run once a group's rows from every
+        source had landed (each expert's weights streamed once, not once per source)."""
+        per = -(-self.experts // groups)
+        launches = []
+        for g in range(groups):
+            picked = [(a, b, e) for a, b, e in self.segments if g * per <= e < (g + 1) * per]
+            starts, ends, experts = (torch.tensor(col, dtype=torch.int32, device=self.x.device) for col in zip(*picked))
+            rows = sum(b - a for a, b, _ in picked)
+            launches.append((starts, ends, experts, rows))
+
+        def run():
+            for starts, ends, experts, rows in launches:
+                if rows:
+                    grouped_gemm(self.x, self.w, ends, experts, seg_starts=starts, out=self.out, order="heavy-first",
+                                 max_rows=rows, workspace=self.workspace,
+                                 tile=tile or default_tile(rows, per, self.k, self.n))
+        return run
+
+    def cublas_expert_groups(self, groups: int):
+        """``torch._grouped_mm`` once per expert group on its rows regrouped by expert (a receive layout that is
+        expert-major within each group): the cuBLAS form of ``triton_expert_groups``."""
+        per = -(-self.experts // groups)
+        per_expert = self.counts.sum(0).tolist()
+        launches, row = [], 0
+        for g in range(groups):
+            sizes = per_expert[g * per : (g + 1) * per]
+            offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(self.x.device)
+            launches.append((row, row + sum(sizes), g * per, g * per + len(sizes), offs))
+            row += sum(sizes)
+
+        def run():
+            for a, b, e0, e1, offs in launches:
+                if b > a:
+                    torch._grouped_mm(self.x_by_expert[a:b], self.w[e0:e1], offs=offs)
+        return run
+
     def grouped_mm(self):
         return lambda: torch._grouped_mm(self.x_by_expert, self.w, offs=self.offs)
 
@@ -293,6 +334,24 @@ def sweep_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> 
             "N": s.n, "flops": s.flops, "t_ms": t, "failed": failed}
 
 
+EXPERT_GROUPS = (2, 4, 8)
+
+
+def expert_group_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> dict:
+    """Today's per-source form beside per-expert-group forms (``Slice.triton_expert_groups`` and
+    ``cublas_expert_groups`` at each of ``EXPERT_GROUPS``), each checked first, timed side by side with
+    ``torch._grouped_mm``: what a dispatch chunked by expert groups instead of by source would gain."""
+    s = Slice(config, routing, proj)
+    fns = {"grouped_mm": s.grouped_mm(), "chunks": s.triton_chunks()}
+    for groups in EXPERT_GROUPS:
+        fns[f"triton/{groups} groups"] = s.triton_expert_groups(groups)
+        s.check(fns[f"triton/{groups} groups"], f"triton/{groups} groups")
+        fns[f"cublas/{groups} groups"] = s.cublas_expert_groups(groups)
+    t = time_side_by_side(fns, warmup=warmup, iters=iters)
+    return {"config": config, "routing": routing, "proj": proj, "experts": s.experts, "rows": s.rows,
+            "t_ms": t, "vs_grouped_mm": {name: t["grouped_mm"] / v for name, v in t.items()}}
+
+
 def assign_paths(rows: list[dict]) -> None:
     """``path``: what ``pick_grouped_gemm``'s rule picks from these rows' own times as the paths run them (Triton
     per chunk, cuBLAS per chunk, the loop per segment; balanced and Zipf summed per slice, since a path cannot know
@@ -318,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.moe_gemm", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="results JSON (benchmarks/results/h200x1-moe-gemm.json)")
     parser.add_argument("--sweep", help="time SWEEP_TILES instead and write them to this JSON")
+    parser.add_argument("--expert-groups", help="time the per-expert-group forms (EXPERT_GROUPS) instead and write "
+                        "them to this JSON")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--routings", default=",".join(ROUTINGS))
     parser.add_argument("--projs", default=",".join(PROJS))
@@ -331,12 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.configs.split(","):
         for routing in args.routings.split(","):
             for proj in args.projs.split(","):
-                fn = sweep_row if args.sweep else bench_row
+                fn = expert_group_row if args.expert_groups else sweep_row if args.sweep else bench_row
                 row = fn(config, routing, proj, args.iters, args.warmup)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
-    if not args.sweep:
+    if not (args.sweep or args.expert_groups):
         assign_paths(rows)
     if args.sweep:
         for r in rows:  # the fastest variants of each form, as a fraction of torch._grouped_mm's time
@@ -347,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                 ranked = sorted(((name, v) for name, v in r["t_ms"].items() if name.startswith(form + " ")),
                                 key=lambda kv: kv[1])
                 print(f"    {form:6}: " + ", ".join(f"{name.split(' ', 1)[1]} {g / v:.3f}" for name, v in ranked))
+    elif args.expert_groups:
+        for r in rows:
+            print(f"{r['config']} {r['routing']} {r['proj']}: vs torch._grouped_mm " + ", ".join(
+                f"{name} {ratio:.3f}" for name, ratio in r["vs_grouped_mm"].items() if name != "grouped_mm"))
     else:
         print(f"{'config':14} {'routing':8} {'proj':4} {'path':6} {'bounded':7} {'g_mm':>7} {'chunks':>7} "
               f"{'g_mm/ch':>7} {'loop/s':>7} {'signal':>7} {'one':>7} {'loop':>7} {'t_ms':>7} {'ratio':>6} "
@@ -357,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['t_loop_path_ms']:7.3f} {r['t_signal_ms']:7.3f} {r['t_triton_ms']:7.3f} "
                   f"{r['t_loop_ms']:7.3f} {r['t_ms']:7.3f} {r['t_grouped_mm_ms'] / r['t_ms']:6.3f} "
                   f"{r['triton_vs_grouped_mm']:7.3f}")
-    target = args.sweep or args.out
+    target = args.sweep or args.expert_groups or args.out
     if target:
         with open(target, "w") as f:
             json.dump({"meta": _meta(argv), "rows": rows}, f, indent=1)
