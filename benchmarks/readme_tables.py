@@ -318,6 +318,30 @@ HOST_LEGEND = (
     "a call of the matmul-then-collective plan).</sub>")
 
 
+def moe_host_one_gpu(path: str) -> str:
+    """Host time per MoE layer call on one GPU shared by two processes: ours (below the public op) beside the plain
+    layer, timed interleaved in the same run, per mode."""
+    data = _load(path)
+    lines = ["| mode | replayed | grouped GEMM (up, down) | ours (µs) | plain layer (µs) | ours / plain |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        if row.get("op") != "layer":
+            continue
+        lines.append(f"| {row['mode']} | {'yes' if row['replayed'] else 'no'} | {', '.join(row['gemm'])} "
+                     f"| {_us(row['host_us'])} | {_us(row['plain_us'])} | {row['host_us'] / row['plain_us']:.2f}x |")
+    return "\n".join(lines) + "\n\n" + MOE_HOST_LEGEND + "\n\n" + _sourced(path, data["meta"])
+
+
+MOE_HOST_LEGEND = (
+    "<sub>Host time to issue one MoE layer call (µs), the GPU idle before each call (both layers synchronise with "
+    "the host), two processes sharing one GPU (W = 2, P2P path through CUDA IPC; 2048 tokens per rank, hidden 1024, "
+    "FFN 512, 16 experts, top-4, balanced, bf16). ours: `expert_layout`, the dispatch, SwiGLU and the combine, as "
+    "`ExpertParallelMLP` runs them below the public op, on the grouped GEMM the runtime chooses. plain layer: the "
+    "counts' `all_to_all_single` and one host synchronisation, the rows' `all_to_all_single`, `torch._grouped_mm` "
+    "up, SwiGLU, `torch._grouped_mm` down, the reverse all-to-all and the weighted sum, on a one-rank NCCL group "
+    "(NCCL refuses two ranks on one GPU; the host work is the same). Timed interleaved in one run.</sub>")
+
+
 def moe_gemm(path: str) -> str:
     """The expert GEMMs on one GPU: the grouped GEMM on the path the library chooses, beside ``torch._grouped_mm``
     and a per-expert ``torch.mm`` loop, per config, routing and projection."""
@@ -415,7 +439,7 @@ RENDERERS = {"ops": ops_table, "block": block_table, "e-range": e_range, "host-r
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
              "mutations": mutations_table, "reliability": reliability, "cpu-install": cpu_install,
              "suite-time": suite_time, "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
-             "cpu-host-python": cpu_host_python, "moe-layer": moe_layer}
+             "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu}
 
 
 def render(spec: str) -> str:

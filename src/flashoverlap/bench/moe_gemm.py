@@ -191,7 +191,7 @@ class Slice:
         source had landed (each expert's weights streamed once, not once per source)."""
         per = -(-self.experts // groups)
         launches = []
-        for g in range(groups):
+        for g in range(-(-self.experts // per)):  # no empty group where groups exceed the experts
             picked = [(a, b, e) for a, b, e in self.segments if g * per <= e < (g + 1) * per]
             starts, ends, experts = (torch.tensor(col, dtype=torch.int32, device=self.x.device) for col in zip(*picked))
             rows = sum(b - a for a, b, _ in picked)
@@ -211,7 +211,7 @@ class Slice:
         per = -(-self.experts // groups)
         per_expert = self.counts.sum(0).tolist()
         launches, row = [], 0
-        for g in range(groups):
+        for g in range(-(-self.experts // per)):
             sizes = per_expert[g * per : (g + 1) * per]
             offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(self.x.device)
             launches.append((row, row + sum(sizes), g * per, g * per + len(sizes), offs))
