@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from p2p_one_gpu import HOST_SHAPE, OPS, IpcWorkspace  # noqa: E402
+from p2p_one_gpu import HOST_SHAPE, OPS, IpcWorkspace, direct_call  # noqa: E402
 
 import flashoverlap as fo  # noqa: E402
 from flashoverlap.comm import stream_ops  # noqa: E402
@@ -149,24 +149,12 @@ def main():
     solo = [dist.new_group([r], backend="nccl") for r in range(world)][rank]
     public = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
               "all_gather": fo.all_gather_gemm}
-    from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
-
     for op in OPS:
         full = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
 
         def direct(op=op, full=full, b=b):
-            if op == "all_gather":
-                gathered = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
-                all_gather_into_tensor(gathered, full, solo)
-                return torch.mm(gathered, b)
-            c = torch.mm(full, b)
-            if op == "all_reduce":
-                dist.all_reduce(c, group=solo)
-                return c
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            reduce_scatter_tensor(out, c, solo)
-            return out
+            return direct_call(op, full, b, solo, m)
 
         def ours(op=op, full=full, b=b):
             return public[op](full, b, group=solo)

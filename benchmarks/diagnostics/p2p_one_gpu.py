@@ -26,6 +26,7 @@ import torch.distributed as dist
 import flashoverlap as fo
 from flashoverlap.bench.timing import host_us_interleaved
 from flashoverlap.comm import symmetric
+from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.comm.protocol import Call
 from flashoverlap.comm.replay import Matmul
 from flashoverlap.runtime.context import context_of
@@ -89,6 +90,23 @@ def check(got, want, what):
         raise AssertionError(f"{what}: nan={nan} rel_err={err:.2e}")
 
 
+def direct_call(op, a, b, group, out_rows):
+    """The work of a call of the sequential plan in plain PyTorch on ``group``, allocating its outputs as the op
+    does: the ``direct`` baseline of the host rows (``out_rows``: all-gather's gathered rows, reduce-scatter's
+    rows of the result on this rank; given, so that the baseline asks nothing of the group per call)."""
+    if op == "all_gather":
+        gathered = torch.empty(out_rows, a.shape[1], dtype=a.dtype, device=a.device)
+        all_gather_into_tensor(gathered, a, group)
+        return torch.mm(gathered, b)
+    c = torch.mm(a, b)
+    if op == "all_reduce":
+        dist.all_reduce(c, group=group)
+        return c
+    out = torch.empty(out_rows, c.shape[1], dtype=a.dtype, device=a.device)
+    reduce_scatter_tensor(out, c, group)
+    return out
+
+
 def host_rows(comm, rank, world) -> list[dict]:
     """Host time per call at ``HOST_SHAPE`` (issued while the GPU is busy), in one run: the P2P communicator eager
     and replayed, ``torch.mm`` alone; and on a one-rank NCCL group (one per process: NCCL takes one rank on the
@@ -97,8 +115,6 @@ def host_rows(comm, rank, world) -> list[dict]:
     import cProfile
     import io
     import pstats
-
-    from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 
     m, n, k = HOST_SHAPE
     solo = [dist.new_group([r], backend="nccl") for r in range(world)][rank]  # collective: every rank makes each
@@ -135,18 +151,8 @@ def host_rows(comm, rank, world) -> list[dict]:
         # The sequential plan: the public op on a one-rank NCCL group, beside the same work issued directly.
         full = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
 
-        def direct(op=op, full=full, b=b):  # plain PyTorch code: it allocates its outputs as the op does
-            if op == "all_gather":
-                gathered = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
-                all_gather_into_tensor(gathered, full, solo)
-                return torch.mm(gathered, b)
-            c = torch.mm(full, b)
-            if op == "all_reduce":
-                dist.all_reduce(c, group=solo)
-                return c
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            reduce_scatter_tensor(out, c, solo)
-            return out
+        def direct(op=op, full=full, b=b):
+            return direct_call(op, full, b, solo, m)
 
         us = host_us_interleaved({"ours": lambda op=op, full=full, b=b: public[op](full, b, group=solo),
                                   "direct": direct, "torch.mm": lambda full=full, b=b: torch.mm(full, b)})

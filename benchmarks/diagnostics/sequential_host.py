@@ -4,8 +4,9 @@ process: the sequential plan needs no peer). Each op's public call is timed inte
 plus the collective, the outputs allocated as the op allocates them), ``torch.mm`` alone, and the parts our call adds
 in front of that work, each alone: the runtime's whole body (``runtime.calls.execute``), the sequential
 communicator's ``run`` of a prepared call, the resolution of a repeated call (``runtime.calls.resolve``), a
-``Call``'s construction, the custom-op test (``library.needed``), the capture guard, the device query, and
-``torch.matmul`` in place of ``torch.mm``. A cProfile of 50 calls of ours follows per op.
+``Call``'s construction, the custom-op test (``library.needed``), the device check (``guards.on_current_device``),
+the capture guard (which the P2P and NCCL paths ask, the sequential plan not), and ``torch.matmul`` in place of
+``torch.mm``. A cProfile of 50 calls of ours follows per op.
 
 CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \
     torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py [out.json]
@@ -21,10 +22,12 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from p2p_one_gpu import direct_call  # noqa: E402
+
 import flashoverlap as fo
 from flashoverlap import guards
 from flashoverlap.bench.timing import host_us_interleaved
-from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.comm.protocol import Call
 from flashoverlap.ops import library
 from flashoverlap.runtime import calls, settings
@@ -35,35 +38,20 @@ PUBLIC = {"all_reduce": (fo.gemm_all_reduce, "gemm_all_reduce"),
           "all_gather": (fo.all_gather_gemm, "all_gather_gemm")}
 
 
-def direct_call(op, a, b, group):
-    """Plain PyTorch: the op's work issued directly, allocating its outputs as the op does."""
-    if op == "all_gather":
-        gathered = torch.empty(M, K, dtype=a.dtype, device=a.device)
-        all_gather_into_tensor(gathered, a, group)
-        return torch.mm(gathered, b)
-    c = torch.mm(a, b)
-    if op == "all_reduce":
-        dist.all_reduce(c, group=group)
-        return c
-    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    reduce_scatter_tensor(out, c, group)
-    return out
-
-
 def op_row(op, public, name, group) -> dict:
     """One op's row, printed, then a cProfile of 50 calls of ours."""
     a = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(N, K, dtype=torch.bfloat16, device="cuda").t()
     for _ in range(3):  # plan resolved, kernels loaded, NCCL warm
         public(a, b, group=group)
-        direct_call(op, a, b, group)
+        direct_call(op, a, b, group, M)
     torch.cuda.synchronize()
     _, context, plan = calls.resolve(name, op, a, b, group, None, "auto", settings.current().nccl_p2p_disabled)
     comm = context.communicator("gemm", "sequential")
     call = Call(name, plan, a, b, False, None, None, False)
     parts = {
         "ours": lambda: public(a, b, group=group),
-        "direct": lambda: direct_call(op, a, b, group),
+        "direct": lambda: direct_call(op, a, b, group, M),
         "torch.mm": lambda: torch.mm(a, b),
         "torch.matmul": lambda: torch.matmul(a, b),
         "execute": lambda: calls.execute(name, op, a, b, group, None, "auto"),
@@ -72,8 +60,8 @@ def op_row(op, public, name, group) -> dict:
                                                          settings.current().nccl_p2p_disabled),
         "Call(...)": lambda: Call(name, plan, a, b, False, None, None, False),
         "library.needed": lambda: library.needed(a, b, None, name),
-        "capture guard": lambda: guards.capturing(a),
-        "current_device": torch.cuda.current_device,
+        "capture guard (not asked by the sequential plan)": lambda: guards.capturing(a),
+        "device check": lambda: guards.on_current_device(a),
     }
     us = host_us_interleaved(parts, calls=60)
     row = {"op": op, "M": M, "N": N, "K": K, **{key: round(value, 1) for key, value in us.items()}}

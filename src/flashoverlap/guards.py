@@ -1,5 +1,5 @@
-"""One helper per rule that every layer with GPU work obeys: the capture guard, the communication streams'
-priority, the SM count, the debug deadline and its poll. Nothing else in the package spells these out."""
+"""One helper per rule that every layer with GPU work obeys: the capture guard, the device check, the communication
+streams' priority, the SM count, the debug deadline and its poll. Nothing else in the package spells these out."""
 
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ def on_current_device(operand: torch.Tensor) -> bool:
     """Whether ``operand`` lies on the current CUDA device, or on the CPU: a call's streams and allocations then
     need no device switch. Asked on every call, so through torch's C binding (CUDA is initialised where a tensor
     lives on it)."""
-    index = operand.get_device()
-    return index < 0 or index == torch._C._cuda_getDevice()
+    return not operand.is_cuda or operand.get_device() == torch._C._cuda_getDevice()
 
 
 def refuse_inside_capture(what: str) -> None:

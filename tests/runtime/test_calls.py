@@ -121,13 +121,23 @@ def test_a_sequential_plan_asks_no_capture_question_and_carries_no_deadline(worl
 
     monkeypatch.setattr(guards, "capturing", capturing)
     a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
-    fo.gemm_all_reduce(a, b, plan=sequential_plan("all_reduce", 8, 6, 4, 1, path="ring"), path="ring")
-    (call,) = sequential.calls
-    assert not asked and call.timeout is None and not call.replay
+    plan = sequential_plan("all_reduce", 8, 6, 4, 1, path="ring")
+    fo.gemm_all_reduce(a, b, plan=plan, path="ring")
+    monkeypatch.delenv("FLASHOVERLAP_DEBUG_TIMEOUT")  # outside debug mode, where other calls may be replayed
+    monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    settings.refresh()
+    assert settings.current().replay
+    fo.gemm_all_reduce(a, b, plan=plan, path="ring")
+    debug, plain = sequential.calls
+    assert not asked
+    assert debug.timeout is None and not debug.replay and plain.timeout is None and not plain.replay
 
 
 def test_on_current_device_compares_with_the_current_cuda_device(monkeypatch):
-    class OnDevice:  # a CUDA tensor's get_device(), without CUDA
+    class OnDevice:  # a CUDA tensor's is_cuda and get_device(), without CUDA
+        is_cuda = True
+
         def __init__(self, index):
             self.index = index
 

@@ -366,7 +366,6 @@ def _timed_rows(cfg, models, token_counts, steps, decode_tokens, log, world, dev
 
 
 def main(argv: list[str] | None = None) -> int:
-
     from flashoverlap.bench.__main__ import finish_run, start_run, write_results
     from flashoverlap.bench.args import add_bench_block_arguments
 

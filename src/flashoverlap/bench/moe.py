@@ -245,7 +245,6 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     from flashoverlap.bench.__main__ import finish_run, start_run, write_results
     from flashoverlap.bench.args import add_bench_moe_arguments
     from flashoverlap.bench.timing import time_side_by_side

@@ -85,7 +85,8 @@ class Call:
     returns its gathered input; ``hook``: independent work (``Hook``); ``timeout``: the debug deadline in seconds
     (``FLASHOVERLAP_DEBUG_TIMEOUT``, read once by the runtime; None: waits are not bounded); ``replay``: a repeated
     call may be replayed from a CUDA graph (the runtime's verdict: not switched off, not inside a user's capture,
-    not in debug mode)."""
+    not in debug mode). A call of a sequential plan, which waits on nothing and is never replayed, always has
+    ``timeout=None`` and ``replay=False``."""
 
     name: str
     plan: Any
