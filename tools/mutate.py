@@ -36,8 +36,14 @@ CALLS_TEST = "tests/runtime/test_calls.py"
 POLICY = "src/flashoverlap/runtime/policy.py"
 POLICY_TEST = "tests/runtime/test_policy.py"
 
+GUARDS = "src/flashoverlap/guards.py"
+GUARDS_TEST = "tests/test_guards.py"
+
 # (name, what it breaks, file, exact text, replacement, tests)
 MUTATIONS = [
+    ("debug-deadline-per-wait", "Debug mode: each of a call's waits gets its own deadline, so a stuck call takes "
+     "longer than the timeout to raise", GUARDS, "poll_until(event.query, deadline, lambda what=what: failure(what))",
+     "poll_until(event.query, time.monotonic() + timeout, lambda what=what: failure(what))", GUARDS_TEST),
     ("nccl-collective-one-tile-early", "NCCL path: a group's collective waits for tile_count - 1 tiles", NCCL,
      "wait_geq(self.comm_stream, address, grp.tile_count)",
      "wait_geq(self.comm_stream, address, grp.tile_count - 1)", NCCL_TEST),

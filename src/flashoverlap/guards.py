@@ -76,3 +76,12 @@ def poll_until(ready: Callable[[], bool], deadline: float, failure: Callable[[],
         if time.monotonic() > deadline:
             raise RuntimeError(failure())
         time.sleep(1e-4)
+
+
+def poll_events(waited, timeout: float, failure: Callable[[object], str]) -> None:
+    """Debug mode's check of a call's waits, after the call is issued: each ``(event, what)`` of ``waited`` (an
+    event recorded after a wait, and what it waited for) must complete within ``timeout`` seconds of now, one
+    deadline for them all; the first that does not raises ``failure(what)`` as a RuntimeError."""
+    deadline = time.monotonic() + timeout
+    for event, what in waited:
+        poll_until(event.query, deadline, lambda what=what: failure(what))

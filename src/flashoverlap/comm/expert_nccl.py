@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -430,12 +429,10 @@ class ExpertNcclCommunicator(GroupFields):
                      tile=tile)
 
     def _check_progress(self, call: ExpertCall, waited: list, what: str) -> None:
-        deadline = time.monotonic() + call.timeout
-        for peer, event in waited:
-            guards.poll_until(event.query, deadline, lambda peer=peer: (
-                f"flashoverlap: rank {self.rank}: {call.name} ({call.plan.op}) on {self.name} (NCCL path) waited more "
-                f"than {call.timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {what} rank {peer}: a peer never reached "
-                "this call, or called it with another layout, shapes or dtype"))
+        guards.poll_events(((event, peer) for peer, event in waited), call.timeout, lambda peer: (
+            f"flashoverlap: rank {self.rank}: {call.name} ({call.plan.op}) on {self.name} (NCCL path) waited more "
+            f"than {call.timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {what} rank {peer}: a peer never reached "
+            "this call, or called it with another layout, shapes or dtype"))
 
 
 def _rows(t: torch.Tensor, start: int, rows: int) -> torch.Tensor | None:

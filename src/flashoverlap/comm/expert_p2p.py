@@ -50,7 +50,6 @@ a wait that does not end in time raises an error naming the rank, the op, the gr
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -503,9 +502,7 @@ class ExpertP2PCommunicator(GroupFields):
                 matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
 
     def _check_progress(self, call: ExpertCall, waited: list, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for event, item in waited:
-            guards.poll_until(event.query, deadline, lambda item=item: (
-                f"flashoverlap: rank {self.rank}: {call.name} ({call.plan.op}) on {self.name} (P2P path) waited more "
-                f"than {timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {item.what}: a peer never reached this call, "
-                "or called it with another layout, shapes or dtype"))
+        guards.poll_events(waited, timeout, lambda item: (
+            f"flashoverlap: rank {self.rank}: {call.name} ({call.plan.op}) on {self.name} (P2P path) waited more "
+            f"than {timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {item.what}: a peer never reached this call, "
+            "or called it with another layout, shapes or dtype"))

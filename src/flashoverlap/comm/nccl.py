@@ -28,8 +28,6 @@ through a clone of the caller's process group created with that NCCL config
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -236,13 +234,11 @@ class NcclCommunicator(GroupFields):
             self._check_progress(plan, waited, timeout)
 
     def _check_progress(self, plan: Plan, waited: list[torch.cuda.Event], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for grp, event in zip(plan.groups, waited):
-            guards.poll_until(event.query, deadline, lambda grp=grp: (
-                f"flashoverlap: rank {self.rank}: {plan.op} on {self.name}: group {grp.index} of "
-                f"{plan.num_groups} (rows [{grp.row_start}, {grp.row_end})) did not see its {grp.tile_count} "
-                f"tiles within {timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT); its counter never reached the "
-                "plan's count"))
+        guards.poll_events(zip(waited, plan.groups), timeout, lambda grp: (
+            f"flashoverlap: rank {self.rank}: {plan.op} on {self.name}: group {grp.index} of "
+            f"{plan.num_groups} (rows [{grp.row_start}, {grp.row_end})) did not see its {grp.tile_count} "
+            f"tiles within {timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT); its counter never reached the "
+            "plan's count"))
 
 
 _CUBLAS_READY: set[tuple[torch.device, torch.dtype]] = set()

@@ -27,8 +27,6 @@ deadline; a wait that does not end in time raises an error naming the rank, the 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from flashoverlap import guards
@@ -294,9 +292,7 @@ class P2PCommunicator(GroupFields):
         return (torch.cuda.current_stream(self.device), self.copy_stream, self.local_stream)[index]
 
     def _check_progress(self, waited, timeout: float, op: str) -> None:
-        deadline = time.monotonic() + timeout
-        for event, item in waited:
-            guards.poll_until(event.query, deadline, lambda item=item: (
-                f"flashoverlap: rank {self.rank}: {op} on {self.name} (P2P path) waited more than "
-                f"{timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {item.what}: a peer never reached this call, or "
-                "called with other shapes or dtypes"))
+        guards.poll_events(waited, timeout, lambda item: (
+            f"flashoverlap: rank {self.rank}: {op} on {self.name} (P2P path) waited more than "
+            f"{timeout:g} s (FLASHOVERLAP_DEBUG_TIMEOUT) for {item.what}: a peer never reached this call, or "
+            "called with other shapes or dtypes"))
