@@ -44,6 +44,8 @@ import torch
 
 from flashoverlap.bench.timing import host_us, time_side_by_side
 from flashoverlap.kernels.grouped_gemm import (
+    TILE_FLAT,
+    TILE_MANY_EXPERTS,
     GroupedTile,
     default_tile,
     grouped_gemm,
@@ -339,14 +341,16 @@ EXPERT_GROUPS = (2, 4, 8)
 
 def expert_group_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> dict:
     """Today's per-source form beside per-expert-group forms (``Slice.triton_expert_groups`` and
-    ``cublas_expert_groups`` at each of ``EXPERT_GROUPS``; the Triton forms checked first, the cuBLAS ones being
+    ``cublas_expert_groups`` at each of ``EXPERT_GROUPS``; Triton with the default tile, the flattened persistent
+    loop (``TILE_FLAT``) and the persistent dynamic tile (``TILE_MANY_EXPERTS``); the Triton forms checked first, the cuBLAS ones being
     ``torch._grouped_mm`` itself on slices of its operands), timed side by side with
     ``torch._grouped_mm``: what a dispatch chunked by expert groups instead of by source would gain."""
     s = Slice(config, routing, proj)
     fns = {"grouped_mm": s.grouped_mm(), "chunks": s.triton_chunks()}
     for groups in EXPERT_GROUPS:
-        fns[f"triton/{groups} groups"] = s.triton_expert_groups(groups)
-        s.check(fns[f"triton/{groups} groups"], f"triton/{groups} groups")
+        for label, tile in (("triton", None), ("triton-flat", TILE_FLAT), ("triton-dynamic", TILE_MANY_EXPERTS)):
+            fns[f"{label}/{groups} groups"] = s.triton_expert_groups(groups, tile)
+            s.check(fns[f"{label}/{groups} groups"], f"{label}/{groups} groups")
         fns[f"cublas/{groups} groups"] = s.cublas_expert_groups(groups)
     t = time_side_by_side(fns, warmup=warmup, iters=iters)
     return {"config": config, "routing": routing, "proj": proj, "experts": s.experts, "rows": s.rows,
