@@ -342,8 +342,8 @@ EXPERT_GROUPS = (2, 4, 8)
 def expert_group_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> dict:
     """Today's per-source form beside per-expert-group forms (``Slice.triton_expert_groups`` and
     ``cublas_expert_groups`` at each of ``EXPERT_GROUPS``; Triton with the default tile, the flattened persistent
-    loop (``TILE_FLAT``) and the persistent dynamic tile (``TILE_MANY_EXPERTS``); the Triton forms checked first, the cuBLAS ones being
-    ``torch._grouped_mm`` itself on slices of its operands), timed side by side with
+    loop (``TILE_FLAT``) and the persistent dynamic tile (``TILE_MANY_EXPERTS``), each checked first; the cuBLAS
+    ones are ``torch._grouped_mm`` itself on slices of its operands), timed side by side with
     ``torch._grouped_mm``: what a dispatch chunked by expert groups instead of by source would gain."""
     s = Slice(config, routing, proj)
     fns = {"grouped_mm": s.grouped_mm(), "chunks": s.triton_chunks()}
