@@ -22,15 +22,10 @@ several windows (other work on a shared machine only adds time). Measure both fr
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -41,26 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # recording driver and streams fit its communicators (an older commit's fakes, for an older commit).
 SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents[2]
 sys.path.insert(0, str(SOURCE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
+
+from cpu_runs import checkout_commit, per_call_us, write_run  # noqa: E402
 
 import flashoverlap as fo  # noqa: E402
 from tests.comm import test_p2p_executor as fakes  # noqa: E402
 
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
 SHAPE = (4096, 8192, 8192)
-
-
-def _per_call_us(fn, windows: int = 20, calls: int = 50) -> float:
-    """The least time per call over ``windows`` runs of ``calls`` calls: on a shared machine, other work only ever
-    adds time, so the least window is the code's own cost (as ``timeit`` advises)."""
-    for _ in range(calls):  # warm: first-call caches, lazily built objects
-        fn()
-    best = float("inf")
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
 
 
 def runtime_us(op: str) -> float:
@@ -84,7 +68,7 @@ def runtime_us(op: str) -> float:
                 pass
 
         context_of(dist.group.WORLD, torch.device("cpu")).communicators[("gemm", "reference")] = Noop()
-    return _per_call_us(lambda: OPS[op](a, b))
+    return per_call_us(lambda: OPS[op](a, b), windows=20, calls=50)
 
 
 def p2p_executor_us(op: str) -> tuple[float, int]:
@@ -136,7 +120,7 @@ def p2p_executor_us(op: str) -> tuple[float, int]:
                 comm.run(resolved)
         call()
         steps = len(recorder.trace)
-        return _per_call_us(call), steps
+        return per_call_us(call, windows=20, calls=50), steps
     finally:
         patch.undo()
 
@@ -155,34 +139,13 @@ def main() -> int:
             rows.append({"op": op, "part": "p2p-executor", "mode": args.label, "us_per_call": round(us, 2),
                          "driver_and_stream_calls": steps})
         dist.destroy_process_group()
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=SOURCE, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=SOURCE,
-                           capture_output=True, text=True).stdout.strip()
-    commit += "-dirty" if dirty else ""
+    commit = checkout_commit(SOURCE)
     for row in rows:
         row["commit"] = commit
         print(json.dumps(row))
     if args.out:
-        path = Path(args.out)
-        data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
-        data["rows"] = [r for r in data["rows"] if r["mode"] != args.label] + rows
-        pythonpath = os.environ.get("PYTHONPATH")
-        runs = {label: run for label, run in data["meta"].get("runs", {}).items() if label != args.label}
-        runs[args.label] = {
-            "commit": commit, "source": "this checkout" if SOURCE == ROOT else f"PYTHONPATH={pythonpath}",
-            "command": " ".join(filter(None, [f"PYTHONPATH={pythonpath}" if pythonpath else "", "python",
-                                              *sys.argv])),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "load_average": round(os.getloadavg()[0], 2)}
-        data["meta"] = {"command": "python benchmarks/host_python.py --label LABEL --out FILE (runs: each label's "
-                                   "exact command; the script's docstring)",
-                        "script_commit": subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT,
-                                                        capture_output=True, text=True).stdout.strip(),
-                        "runs": runs,
-                        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
-                        "torch": torch.__version__, "shape": list(SHAPE), "world_size_p2p": 2}
-        path.write_text(json.dumps(data, indent=1) + "\n")
+        write_run(args.out, args.label, "mode", rows, commit, ROOT, SOURCE, "host_python.py",
+                  {"shape": list(SHAPE), "world_size_p2p": 2})
     return 0
 
 

@@ -30,14 +30,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.util
 import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,6 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The checkout whose flashoverlap is importable: its own recording driver and streams fit its communicator.
 SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents[2]
 sys.path.insert(0, str(SOURCE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
+
+from cpu_runs import checkout_commit, per_call_us, write_run  # noqa: E402
 
 from flashoverlap.comm import expert_nccl  # noqa: E402
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan  # noqa: E402
@@ -55,19 +53,6 @@ from tests.comm import test_expert_p2p_executor as fakes  # noqa: E402
 WORLD, RANK = 2, 0
 SEND, RECV = (24, 20), (24, 16)  # rows this rank sends each rank, and receives from each (exact mode)
 BOUND = 32
-
-
-def _per_call_us(fn, windows: int = 60, calls: int = 100) -> float:
-    """The least time per call over ``windows`` runs of ``calls`` calls (as ``timeit`` advises)."""
-    for _ in range(calls):  # warm: first-call caches, lazily built objects
-        fn()
-    best = float("inf")
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
 
 
 def rows_for(mode: str, patch) -> list[dict]:
@@ -122,7 +107,8 @@ def rows_for(mode: str, patch) -> list[dict]:
         recorder.trace.clear()
         fn()
         steps = len(recorder.trace)
-        out.append({"op": op, "path": "p2p", "mode": mode, "us_per_call": round(_per_call_us(fn), 2),
+        us = per_call_us(fn, windows=60, calls=100)
+        out.append({"op": op, "path": "p2p", "mode": mode, "us_per_call": round(us, 2),
                     "driver_and_stream_calls": steps, "torch_ops": _torch_ops(fn)})
     return out
 
@@ -158,38 +144,16 @@ def main() -> int:
         if key not in least or row["us_per_call"] < least[key]["us_per_call"]:
             least[key] = row
     rows = list(least.values())
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=SOURCE, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=SOURCE,
-                           capture_output=True, text=True).stdout.strip()
-    commit += "-dirty" if dirty else ""
+    commit = checkout_commit(SOURCE)
     for row in rows:
         row["label"], row["commit"] = args.label, commit
         print(json.dumps(row))
     if args.out:
-        path = Path(args.out)
-        data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
-        data["rows"] = [r for r in data["rows"] if r["label"] != args.label] + rows
-        pythonpath = os.environ.get("PYTHONPATH")
-        runs = {label: run for label, run in data["meta"].get("runs", {}).items() if label != args.label}
-        runs[args.label] = {
-            "commit": commit, "source": "this checkout" if SOURCE == ROOT else f"PYTHONPATH={pythonpath}",
-            "command": " ".join(filter(None, [f"PYTHONPATH={pythonpath}" if pythonpath else "", "python",
-                                              *sys.argv])),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "load_average": round(os.getloadavg()[0], 2)}
-        data["meta"] = {"command": "python benchmarks/moe_host_python.py --label LABEL --out FILE (runs: each "
-                                   "label's exact command; the script's docstring)",
-                        "script_commit": subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT,
-                                                        capture_output=True, text=True).stdout.strip(),
-                        "runs": runs,
-                        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
-                        "torch": torch.__version__, "world_size": WORLD, "rank": RANK,
-                        "exact_splits": {"send": list(SEND), "recv": list(RECV)}, "bound": BOUND,
-                        "unit": "us_per_call: least over 60 windows of 100 calls, times --repeat; torch's CPU "
-                                "kernels on small tensors included, the grouped GEMM a no-op, the driver and streams "
-                                "recorders"}
-        path.write_text(json.dumps(data, indent=1) + "\n")
+        write_run(args.out, args.label, "label", rows, commit, ROOT, SOURCE, "moe_host_python.py",
+                  {"world_size": WORLD, "rank": RANK, "exact_splits": {"send": list(SEND), "recv": list(RECV)},
+                   "bound": BOUND,
+                   "unit": "us_per_call: least over 60 windows of 100 calls, times --repeat; torch's CPU kernels on "
+                           "small tensors included, the grouped GEMM a no-op, the driver and streams recorders"})
     return 0
 
 

@@ -1,0 +1,63 @@
+"""What the CPU host-cost scripts (``host_python.py``, ``moe_host_python.py``) share: the least time per call, the
+measured checkout's commit, and one labelled run ("before", "after") merged into a results file beside the others."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def per_call_us(fn: Callable[[], object], windows: int, calls: int) -> float:
+    """The least time per call over ``windows`` runs of ``calls`` calls: on a shared machine, other work only ever
+    adds time, so the least window is the code's own cost (as ``timeit`` advises)."""
+    for _ in range(calls):  # warm: first-call caches, lazily built objects
+        fn()
+    best = float("inf")
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True).stdout.strip()
+
+
+def checkout_commit(source: Path) -> str:
+    """The measured checkout's commit, ``-dirty`` where its ``src`` differs from it."""
+    dirty = _git(source, "status", "--porcelain", "--untracked-files=no", "--", "src")
+    return _git(source, "rev-parse", "--short=10", "HEAD") + ("-dirty" if dirty else "")
+
+
+def write_run(out: str, label: str, label_key: str, rows: list[dict], commit: str, root: Path, source: Path,
+              script: str, meta: dict) -> None:
+    """Merge one run's ``rows`` (each naming ``label`` under ``label_key``) into the results file ``out``: the
+    file's rows of other labels are kept, and ``meta.runs`` records each label's commit, source, exact command,
+    date and load; ``meta`` adds the script's own fields."""
+    path = Path(out)
+    data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "rows": []}
+    data["rows"] = [r for r in data["rows"] if r[label_key] != label] + rows
+    pythonpath = os.environ.get("PYTHONPATH")
+    runs = {name: run for name, run in data["meta"].get("runs", {}).items() if name != label}
+    runs[label] = {
+        "commit": commit, "source": "this checkout" if source == root else f"PYTHONPATH={pythonpath}",
+        "command": " ".join(filter(None, [f"PYTHONPATH={pythonpath}" if pythonpath else "", "python", *sys.argv])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average": round(os.getloadavg()[0], 2)}
+    data["meta"] = {"command": f"python benchmarks/{script} --label LABEL --out FILE (runs: each label's exact "
+                               "command; the script's docstring)",
+                    "script_commit": _git(root, "rev-parse", "--short=10", "HEAD"), "runs": runs,
+                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
+                    "torch": torch.__version__, **meta}
+    path.write_text(json.dumps(data, indent=1) + "\n")
