@@ -1,5 +1,9 @@
 """The plan: validation, groups, tile order, default plans."""
 
+import copy
+import dataclasses
+import pickle
+
 import numpy as np
 import pytest
 
@@ -91,6 +95,20 @@ def test_plans_are_frozen_and_hashable():
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     with pytest.raises(AttributeError):
         a.m = 1
+
+
+def test_a_plans_cached_hash_follows_its_fields_and_is_never_carried_between_processes():
+    a = default_plan("all_reduce", 8192, 8192, 8192, 2)
+    changed = [dataclasses.replace(a, **{name: value}) for name, value in (
+        ("num_programs", 100), ("comm_ctas", 4), ("tile", TileConfig(128, 128, 32, 4, 2, 4)),
+        ("group_row_tiles", (32, 32)), ("sequential", True))]
+    assert all(plan != a for plan in changed) and len({hash(plan) for plan in changed} | {hash(a)}) == 6
+    state = pickle.dumps(a)
+    assert b"_hash" not in state  # a string's hash is salted per process: an unpickled plan hashes its fields anew
+    copied = pickle.loads(state)
+    assert copied == a and hash(copied) == hash(a) and hash(copy.deepcopy(a)) == hash(a)
+    rebuilt = Plan.from_dict(a.to_dict())
+    assert rebuilt == a and hash(rebuilt) == hash(a) and len({a, rebuilt, copied}) == 1
 
 
 @pytest.mark.parametrize("tiles_m,groups", [(64, 8), (7, 3), (5, 8), (1, 1), (128, 12), (16, 6)])

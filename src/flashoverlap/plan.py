@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from functools import cached_property
 
 import numpy as np
@@ -164,6 +165,22 @@ class Plan:
             raise ValueError(f"a plan may have at most {MAX_GROUPS} groups, got {len(rows)}")
         if self.path in RING_PATHS and not self.sequential:
             self._check_p2p(len(rows))
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    # Hashed once: a plan keys the runtime's and the communicators' caches, several lookups per call, and the
+    # generated hash of a dataclass rebuilds and hashes the tuple of every field (the tile's too) each time.
+    def __hash__(self) -> int:
+        return self._hash
+
+    def _fields(self) -> tuple:  # what the generated __eq__ compares
+        return tuple(getattr(self, item.name) for item in dataclass_fields(self))
+
+    def __getstate__(self) -> dict:  # a string's hash differs between processes: never carry the cached one
+        return {key: value for key, value in self.__dict__.items() if key != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_hash", hash(self._fields()))
 
     def _check_p2p(self, groups: int) -> None:
         if self.world_size > P2P_MAX_RANKS:

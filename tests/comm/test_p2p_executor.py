@@ -91,7 +91,8 @@ def _communicator(rank, world, recorder, monkeypatch):
     comm.workspace = FakeWorkspace(rs.regions(world) * (1 << 16))
     comm._events, comm._joins = [], None
     comm._programs = {}
-    comm._warm = set()
+    comm._ready = {}
+    comm._one = torch.ones(1, dtype=torch.int32)
     compute = FakeStream(0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -128,8 +129,8 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own):
     for op in ops:
         if isinstance(op, rs.Wait):
             out += [(stream[op.stream], "wait", address(op.flag), 1), (stream[op.stream], "write", address(op.flag), 0)]
-        elif isinstance(op, rs.Signal):
-            out.append((stream[op.stream], "write", address(op.flag), 1))
+        elif isinstance(op, rs.Signal):  # a copy of the word that holds 1
+            out.append((stream[op.stream], "copy", address(op.flag), comm._one.data_ptr(), 4))
         elif isinstance(op, rs.Copy):
             out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
         elif isinstance(op, rs.Record):

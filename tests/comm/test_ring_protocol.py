@@ -85,3 +85,20 @@ def test_the_executors_final_join_is_needed():
     # All-reduce's last writes of the result are X's pulls. (Reduce-scatter's and all-gather's are C's, after
     # events from X; there the join is what a CUDA-graph capture needs, every forked stream joined back.)
     assert _caught(2, "all_reduce", "join")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+def test_only_signals_write_into_a_peers_memory(op, world):
+    """The P2P executor's signal is a plain copy with no memory fence (``comm/p2p.py``): sound because what it
+    announces lies in this rank's own memory (or was pulled from the peer) and has ended on its stream. So no
+    step may write into a peer's memory but a signal, and every signal goes to a peer."""
+    for sub in (1, 2, 3):
+        plan = _plan(op, world, 3, 8, 8, sub)
+        for rank in range(world):
+            for gathered_own in (False, True):
+                for item in rs.schedule(plan, rank, gathered_own=gathered_own):
+                    if isinstance(item, (rs.Copy, rs.Mm)):
+                        assert item.dst.space != "sym" or item.dst.rank == rank, item
+                    if isinstance(item, rs.Signal):
+                        assert item.flag.rank != rank, item

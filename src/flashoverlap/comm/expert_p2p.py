@@ -60,7 +60,7 @@ from flashoverlap.comm import expert_nccl, stream_ops
 from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
 from flashoverlap.comm.expert_nccl import Chunks, chunk_gemm, host_relative_ends, relative_ends, segment_table
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
-from flashoverlap.comm.replay import CallGraphs, address
+from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
 from flashoverlap.comm.ring_schedule import Hook, Record, Signal, Wait, WaitEvent  # the ring's step types
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import P2P_MAX_RANKS
@@ -495,11 +495,10 @@ class ExpertP2PCommunicator(GroupFields):
     def _signature(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
         """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
         where each tensor lies (operands, the layout's, the outputs), the workspace and cuBLAS's switches."""
-        layout, matmul = call.layout, torch.backends.cuda.matmul
+        layout = call.layout
         return (call.plan, a.dtype, call.return_gathered, address(a), address(call.b),
                 tuple(address(t) for t in layout.tensors()), address(layout.weights),
-                tuple(address(t) for t in outputs), self.workspace.buffer.data_ptr(),
-                matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+                tuple(address(t) for t in outputs), self.workspace.buffer.data_ptr(), cublas_switches())
 
     def _check_progress(self, call: ExpertCall, waited: list, timeout: float) -> None:
         guards.poll_events(waited, timeout, lambda item: (

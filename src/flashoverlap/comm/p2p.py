@@ -1,6 +1,6 @@
 """The P2P communicator (over NVLink, Flux's principle with cuBLAS): every multiplication by cuBLAS on the caller's
 stream, every byte moved by a copy engine on a copy stream, every reduction fused into cuBLAS (``addmm_`` on the
-pulled partial, beta = 1), and every cross-rank signal a stream memory operation. No SM moves or sums bytes.
+pulled partial, beta = 1), and every cross-rank wait a stream memory operation. No SM moves or sums bytes.
 
 The schedule (which rows, in which order, which flags) is ``comm/ring_schedule.py``, whose module docstring argues
 why it cannot deadlock; this module only issues it. One call:
@@ -10,12 +10,20 @@ why it cannot deadlock; this module only issues it. One call:
    kernels are run once, eagerly (deadlock rule 3: none is loaded behind a stream wait).
 2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` /
    ``addmm_``), ``Copy`` on the copy streams ``X`` and ``L`` (``cuMemcpyDtoDAsync``), ``Wait``
-   (a wait for 1 and a reset to 0, one ``cuStreamBatchMemOp``), ``Signal`` (``cuStreamWriteValue32`` into
-   this rank's or a peer's flag header), and events between the streams. Host time is the cost here (an op call
+   (a wait for 1 and a reset to 0, one ``cuStreamBatchMemOp``), ``Signal`` (a 4-byte ``cuMemcpyDtoDAsync`` of a
+   word that holds 1 into a peer's flag header), and events between the streams. Host time is the cost here (an op call
    must not cost much more than matmul plus a collective): the schedule is resolved once per plan (``_program``:
    addresses, offsets, views) and the driver is called through ``ctypes`` (``stream_ops.fast``), events and
    stream handles included (driver events, not ``torch.cuda.Event``); a call that repeats with the same tensors
    replays a CUDA graph of steps 2 and 3 instead (``comm/replay.py``).
+   A signal is a copy, not a ``cuStreamWriteValue32``: in a captured graph a stream memory operation is a node
+   that costs the host several microseconds at every launch (a copy node costs nothing more), and the GPU a few
+   microseconds between two matmuls (a 4-byte copy under one); measured on one H200 by
+   ``benchmarks/diagnostics/replay_host.py``. The order the peer relies on holds without a fence: what a signal
+   announces is work that precedes it on its stream and has ended before the copy starts (rows a matmul or a
+   copy wrote into this GPU's own memory, where the peer then reads them; or a pull from the peer that is
+   complete), since no step of the schedule writes into a peer's memory but the signals themselves
+   (``tests/comm/test_ring_schedule.py``). Waits stay stream memory operations: only they block a stream.
 3. ``C`` waits for the copy streams (an event recorded on each, waited for on ``C``): the result is complete on
    the caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams
    touch (``a``, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
@@ -32,14 +40,14 @@ import torch
 from flashoverlap import guards
 from flashoverlap.comm import ring_schedule as rs
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, held_signature
-from flashoverlap.comm.replay import CallGraphs, address
+from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
+from flashoverlap.comm.replay import CallGraphs, cublas_switches
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import Plan
 
 REGION_ALIGN = 1 << 16
 # A resolved schedule step's first field (``P2PCommunicator._program``), and the call's buffers by index.
-_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK = range(7)
+_MM, _COPY, _WAIT, _RECORD, _WAIT_EVENT, _HOOK = range(6)
 _SPACES = {"a": 0, "out": 1, "gathered": 2}
 
 
@@ -86,7 +94,8 @@ class P2PCommunicator(GroupFields):
         self._handles = (self.copy_stream.cuda_stream, self.local_stream.cuda_stream)
         self._events: list[int] = []  # driver events (``stream_ops.FastDriver``), the schedule's by index
         self._joins: tuple[int, int, int] | None = None  # step 3: one driver event per copy stream
-        self._warm: set[tuple] = set()  # (plan, dtype, b's strides) whose cuBLAS kernels are loaded
+        self._ready: dict[tuple, tuple[int, int]] = {}  # (plan, dtype, b's strides) past step 1: output shape
+        self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # what a signal copies into a flag
         self._programs: dict[tuple, tuple[list, tuple]] = {}
         self.graphs = CallGraphs(self.device)  # repeated calls replayed (comm/replay.py)
 
@@ -96,32 +105,45 @@ class P2PCommunicator(GroupFields):
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One overlapped call of ``call.plan`` (not sequential): the op's result, and for all-gather the gathered
         input (rank order) where asked. The hook, if any, issues independent work on the caller's stream where the
-        schedule would wait for its first pull (``ring_schedule.Hook``)."""
-        plan, a, b, op, hook = call.plan, call.a, call.b, call.name, call.hook
+        schedule would wait for its first pull (``ring_schedule.Hook``).
+
+        Written for host time (a replayed call is this method and one graph launch): one lookup of what step 1
+        settled for the plan, the signature built inline, no per-call helper objects."""
+        plan, a, b, hook = call.plan, call.a, call.b, call.hook
         if plan.op == "all_gather":
             a = a.contiguous()  # the copy engine moves the shard's rows as one block
-        if (plan, a.dtype, b.stride()) not in self._warm:  # step 1, once per plan, dtype and layout of b (the
-            self.prepare(plan, a.dtype, op)  # workspace only grows; release() empties _warm)
-            self._load_kernels(plan, a, b, op)
-        rows = plan.block_rows if plan.op == "reduce_scatter" else plan.m
-        out = self._new((rows, plan.n), a.dtype)
-        gathered = None
-        if call.return_gathered:
-            gathered = self._new((plan.m, plan.k), a.dtype)
-        held = held_signature(hook)  # a hook's work a graph may hold
-        if call.replay and (hook is None or held is not None):
-            signature = (*self._signature(plan, a, b, out, gathered), held)
-            if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, op, gathered, hook)):
+        out_shape = self._ready.get((plan, a.dtype, b.stride()))
+        if out_shape is None:  # step 1, once per plan, dtype and layout of b (release() empties _ready)
+            out_shape = self._make_ready(plan, a, b, call.name)
+        out = self._new(out_shape, a.dtype)
+        gathered = self._new((plan.m, plan.k), a.dtype) if call.return_gathered else None
+        if call.replay and (hook is None or isinstance(hook, HeldHook)):
+            # What the GPU work depends on besides the tensors' values (comm/replay.py): the plan, the dtype, where
+            # each tensor lies and how it is laid out (out and gathered: fresh and contiguous, of the plan's
+            # shapes), the workspace, the cuBLAS switches that pick kernels, the held hook's tensors.
+            signature = (plan, a.dtype, a.data_ptr(), a.shape, a.stride(), b.data_ptr(), b.shape, b.stride(),
+                         out.data_ptr(), None if gathered is None else gathered.data_ptr(),
+                         self.workspace.buffer.data_ptr(), cublas_switches(), None if hook is None else hook.signature)
+            if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, call.name, gathered, hook)):
                 return out, gathered
-        self.issue(plan, a, b, out, op, gathered, hook, call.timeout)
+        self.issue(plan, a, b, out, call.name, gathered, hook, call.timeout)
         return out, gathered
+
+    def _make_ready(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> tuple[int, int]:
+        """Step 1 for a plan, dtype and layout of b: the workspace (it only grows) and the cuBLAS kernels; returns
+        the shape of the call's output."""
+        self.prepare(plan, a.dtype, op)
+        self._load_kernels(plan, a, b, op)
+        out_shape = (plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n)
+        self._ready[(plan, a.dtype, b.stride())] = out_shape
+        return out_shape
 
     def release(self) -> None:
         """Free the graphs, the resolved programs and the symmetric workspace (the peers free theirs in the same
         collective release)."""
         self.graphs.clear()
         self._programs.clear()
-        self._warm.clear()
+        self._ready.clear()
         driver = stream_ops.fast() if self._events else None
         for event in [*self._events, *(self._joins or ())[1:]]:
             driver.free_event(event)
@@ -161,8 +183,7 @@ class P2PCommunicator(GroupFields):
                  else [tensor[row : row + rows] for row, rows in cut[1]]
                  for tensor, cut in zip((a, out, gathered), cuts)]
         bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
-        wait_reset, write, copy, record, wait_event = (driver.wait_reset, driver.write, driver.copy, driver.record,
-                                                       driver.wait_event)
+        wait_reset, copy, record, wait_event = driver.wait_reset, driver.copy, driver.record, driver.wait_event
         waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
         record(events[0], handles[0])
         for step, item in zip(program, ops):
@@ -183,8 +204,6 @@ class P2PCommunicator(GroupFields):
                 wait_reset(handles[stream], flag)
                 if timeout is not None:  # debug mode: an event to poll, through torch
                     waited.append((self._stream(stream).record_event(), item))
-            elif code == _SIGNAL:
-                write(handles[step[1]], step[2], 1)
             elif code == _RECORD:
                 record(events[step[2]], handles[step[1]])
             elif code == _HOOK:
@@ -247,10 +266,13 @@ class P2PCommunicator(GroupFields):
             elif isinstance(item, rs.Copy):
                 program.append((_COPY, stream_index[item.stream], *place(item.dst), *place(item.src),
                                 item.rows * row_bytes))
-            elif isinstance(item, (rs.Wait, rs.Signal)):
-                code = _WAIT if isinstance(item, rs.Wait) else _SIGNAL
-                flag = self.workspace.flag_ptr(item.flag.rank, item.flag.row)
-                program.append((code, stream_index[item.stream], flag))
+            elif isinstance(item, rs.Wait):
+                program.append((_WAIT, stream_index[item.stream], self.workspace.flag_ptr(item.flag.rank,
+                                                                                         item.flag.row)))
+            elif isinstance(item, rs.Signal):  # a copy of the word that holds 1 (see the module docstring)
+                program.append((_COPY, stream_index[item.stream], 3, self.workspace.flag_ptr(item.flag.rank,
+                                                                                             item.flag.row),
+                                3, self._one.data_ptr(), 4))
             elif isinstance(item, rs.Record):
                 program.append((_RECORD, stream_index[item.stream], item.event))
             elif isinstance(item, rs.Hook):
@@ -276,16 +298,6 @@ class P2PCommunicator(GroupFields):
             else:
                 torch.mm(source[:rows], b, out=scratch)
         torch.cuda.synchronize(self.device)
-        self._warm.add((plan, a.dtype, b.stride()))
-
-    def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                   gathered: torch.Tensor | None) -> tuple:
-        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
-        where each tensor lies and how it is laid out, the workspace, and the cuBLAS switches that pick kernels."""
-        matmul = torch.backends.cuda.matmul
-        return (plan, a.dtype, address(a), address(b), address(out), address(gathered),
-                self.workspace.buffer.data_ptr(), matmul.allow_bf16_reduced_precision_reduction,
-                matmul.allow_fp16_reduced_precision_reduction)
 
     def _stream(self, index: int) -> torch.cuda.Stream:
         """The schedule's stream ``index`` (``C``, ``X``, ``L``) as a torch object (debug mode's polled events)."""

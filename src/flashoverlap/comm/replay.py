@@ -2,7 +2,7 @@
 graph launch instead of the dozens of driver and cuBLAS calls that issuing its schedule takes.
 
 A call's *signature* is everything its GPU work depends on apart from the values in the tensors: the plan, the
-dtype, and the address and strides of every tensor it reads or writes (``P2PCommunicator._signature``). A graph
+dtype, and the address and strides of every tensor it reads or writes (``P2PCommunicator.run``). A graph
 captured for a signature computes on whatever those addresses hold when it is replayed, so a replay is exactly the
 eager call. Inside a model the same layer's call sees the same addresses step after step (the caching allocator
 hands them out in the same order), and so does a benchmark loop.
@@ -41,6 +41,13 @@ def address(tensor: torch.Tensor | None) -> tuple | None:
     return None if tensor is None else (tensor.data_ptr(), tensor.shape, tensor.stride())
 
 
+def cublas_switches() -> tuple:
+    """cuBLAS's reduced-precision switches, which pick the kernels a captured matmul runs: part of a signature. Read
+    through torch's C getters (the ``torch.backends.cuda.matmul`` attributes go through a Python ``__getattr__``)."""
+    return (torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
+            torch._C._get_cublas_allow_fp16_reduced_precision_reduction())
+
+
 class Matmul(HeldHook):
     """``out = x @ y`` on the current stream, as a call's independent work (a communicator's ``hook``: a backward
     pass's weight gradient) that a replayed call may hold, because its ``signature`` says what it depends on."""
@@ -65,10 +72,14 @@ class CallGraphs:
         self.capacity = capacity
         self.capture_after = capture_after
         self._capture = capture or self._capture_cuda
-        self._graphs: OrderedDict[Hashable, tuple[object, int | None]] = OrderedDict()  # graph, its exec handle
+        # signature -> [graph, its exec handle (None: replayed by torch), the use it was last replayed or captured
+        # on]: a hit is one lookup (the least recently used is found only when a capture overflows the capacity)
+        self._graphs: dict[Hashable, list] = {}
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
+        self._uses = 0
         self._stream: torch.cuda.Stream | None = None
         self._pool = None
+        self._launch = None  # (driver, device index): resolved on the first launch
         self.captures = 0
         self.replays = 0
 
@@ -79,6 +90,7 @@ class CallGraphs:
         """Replay the graph of ``signature`` on the current stream, capturing ``issue()`` (which queues the call's
         work on the current stream and joins every other stream it uses back into it) into it first where this
         is the signature's ``capture_after``-th call. False: not replayed; the caller issues the call eagerly."""
+        self._uses += 1
         entry = self._graphs.get(signature)
         if entry is None:
             seen = self._seen.pop(signature, 0) + 1
@@ -91,17 +103,19 @@ class CallGraphs:
             # Launched through the driver where torch hands out the instantiated graph (host time: our graphs
             # draw no random numbers, so CUDAGraph.replay's other work does not apply); else replayed by torch.
             raw = getattr(graph, "raw_cuda_graph_exec", None)
-            entry = self._graphs[signature] = (graph, raw() if raw is not None else None)
-            _trim(self._graphs, self.capacity)
+            entry = self._graphs[signature] = [graph, raw() if raw is not None else None, self._uses]
+            if len(self._graphs) > self.capacity:
+                del self._graphs[min(self._graphs, key=lambda key: self._graphs[key][2])]
         else:
-            self._graphs.move_to_end(signature)
-        graph, graph_exec = entry
-        if graph_exec is None:
-            graph.replay()
+            entry[2] = self._uses
+        if entry[1] is None:
+            entry[0].replay()
         else:
-            driver = stream_ops.fast()
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            driver.launch_graph(graph_exec, driver.current_stream(index))
+            if self._launch is None:
+                self._launch = (stream_ops.fast(), self.device.index if self.device.index is not None
+                                else torch.cuda.current_device())
+            driver, index = self._launch
+            driver.launch_graph(entry[1], driver.current_stream(index))
         self.replays += 1
         return True
 
@@ -110,6 +124,7 @@ class CallGraphs:
         self._graphs.clear()
         self._seen.clear()
         self._pool = None
+        self._launch = None
 
     def _capture_cuda(self, issue: Callable[[], None]) -> torch.cuda.CUDAGraph:
         if self._stream is None:

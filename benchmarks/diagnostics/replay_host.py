@@ -1,0 +1,227 @@
+"""Where a replayed P2P call's host time goes, under the conditions of ``p2p_one_gpu.py``'s host rows (two processes
+sharing one GPU, ranks aligned, GPU busy ahead, ``bench.timing.host_us_interleaved``): per op at 4096x8192x8192,
+the replayed call (``P2PCommunicator.run``) beside ``torch.mm`` alone, the launch of its graph alone (through the
+driver, as ``CallGraphs.run`` does, and through ``CUDAGraph.replay``), the output's allocation, and the graph's
+nodes by type; then the launch of synthetic graphs of N nodes of one type (kernels, copies, flag writes, waits,
+on one stream or alternating between two), to tell what a node of each type costs at launch. A diagnostic for
+issue 19 (replayed host time), not a library figure.
+
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/replay_host.py [out.json]
+"""
+
+import collections
+import ctypes
+import json
+import os
+import statistics
+import struct
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from p2p_one_gpu import HOST_SHAPE, OPS, IpcWorkspace  # noqa: E402
+
+import flashoverlap as fo  # noqa: E402
+from flashoverlap.bench.timing import host_us_interleaved  # noqa: E402
+from flashoverlap.comm import ring_schedule as rs  # noqa: E402
+from flashoverlap.comm import stream_ops  # noqa: E402
+from flashoverlap.comm.protocol import Call  # noqa: E402
+from flashoverlap.runtime.context import context_of  # noqa: E402
+
+# CUgraphNodeType (cuda.h)
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
+              7: "event_record", 8: "ext_semas_signal", 9: "ext_semas_wait", 10: "mem_alloc", 11: "mem_free",
+              12: "batch_mem_op", 13: "conditional"}
+
+
+def node_types(graph: torch.cuda.CUDAGraph) -> dict:
+    """The graph's nodes by type (a graph built with ``keep_graph=True``)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    if lib.cuGraphGetNodes(handle, None, ctypes.byref(count)):
+        return {"error": "cuGraphGetNodes"}
+    nodes = (ctypes.c_void_p * count.value)()
+    lib.cuGraphGetNodes(handle, nodes, ctypes.byref(count))
+    kinds = collections.Counter()
+    for node in nodes:
+        kind = ctypes.c_int(0)
+        lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        kinds[NODE_TYPES.get(kind.value, str(kind.value))] += 1
+    return {"total": count.value, **dict(kinds)}
+
+
+def replayed_rows(comm, world) -> dict:
+    m, n, k = HOST_SHAPE
+    rows = {}
+    driver = stream_ops.fast()
+    for op in OPS:
+        rows_a = m // world if op == "all_gather" else m
+        a = torch.randn(rows_a, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
+        plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+        call = Call(op, plan, a, b, replay=True)
+        for _ in range(4):
+            comm.run(call)
+        torch.cuda.synchronize()
+        graph, graph_exec, _ = next(reversed(comm.graphs._graphs.values()))  # the signature just captured
+        out_rows = plan.block_rows if op == "reduce_scatter" else m
+
+        def launch(graph_exec=graph_exec):
+            driver.launch_graph(graph_exec, driver.current_stream(0))
+
+        us = host_us_interleaved({
+            "torch.mm": lambda a=a, b=b: torch.mm(a, b),
+            "replayed": lambda call=call: comm.run(call),
+            "graph launch (driver)": launch,
+            "graph.replay()": lambda graph=graph: graph.replay(),
+            "torch.empty(out)": lambda rows=out_rows: torch.empty((rows, n), dtype=torch.bfloat16, device="cuda"),
+        })
+        steps = collections.Counter(type(item).__name__ for item in rs.schedule(plan, dist.get_rank()))
+        rows[op] = {"us": {name: round(value, 1) for name, value in us.items()}, "schedule_steps": dict(steps)}
+        print(op, rows[op], flush=True)
+    return rows
+
+
+def synthetic_rows(rank: int) -> dict:
+    """Graphs of N nodes of one kind, captured once, launched through the driver (host time, both ranks, as the
+    replayed rows); then, on rank 0 alone, the GPU time of eight 512-row ``torch.mm`` with a flag signal after each
+    (a stream write, a 4-byte copy from a word that holds 1, or none), as a replayed P2P graph holds them."""
+    driver = stream_ops.fast()
+    tiny = torch.zeros(16, device="cuda")
+    flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+    one = torch.ones(1, dtype=torch.int32, device="cuda")
+    scratch = torch.empty(1 << 16, dtype=torch.uint8, device="cuda")
+    a = torch.randn(4096, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda").t()
+    c = torch.empty(4096, 8192, dtype=torch.bfloat16, device="cuda")
+    pairs = ctypes.create_string_buffer(4 * stream_ops._MEM_OP.size)
+    batch = ctypes.CDLL("libcuda.so.1").cuStreamBatchMemOp_v2
+
+    def two_wait_resets(stream, first, second):  # one node: wait >= 1, reset, wait >= 1, reset
+        fields = []
+        for address in (first, second):
+            fields += [stream_ops._WAIT_VALUE_32, address, 1, 0, 0, stream_ops._WRITE_VALUE_32, address, 0, 0, 0]
+        struct.Struct("<" + 4 * stream_ops._MEM_OP.format[1:]).pack_into(pairs, 0, *fields)
+        assert batch(ctypes.c_void_p(stream), 4, pairs, 0) == 0
+
+    def body(kind, count):
+        main = torch.cuda.current_stream().cuda_stream
+        for i in range(count):
+            flag = flags.data_ptr() + 4 * (i % 32)
+            if kind == "kernel":
+                tiny.add_(1)
+            elif kind == "memcpy 4 KiB":
+                driver.copy(main, scratch.data_ptr(), scratch.data_ptr() + 8192, 4096)
+            elif kind in ("flag write", "flag write, uploaded"):
+                driver.write(main, flag, 1)
+            elif kind == "flag copy (4 B from a word of 1)":
+                driver.copy(main, flag, one.data_ptr(), 4)
+            elif kind == "write + wait_reset":
+                driver.write(main, flag, 1)
+                driver.wait_reset(main, flag)
+            elif kind == "2 writes + 2 wait_resets in one batch":
+                driver.write(main, flag, 1)
+                driver.write(main, flag + 128, 1)
+                two_wait_resets(main, flag, flag + 128)
+            elif kind.startswith("mm"):
+                torch.mm(a[512 * (i % 8): 512 * (i % 8 + 1)], b, out=c[512 * (i % 8): 512 * (i % 8 + 1)])
+                if kind == "mm + flag write":
+                    driver.write(main, flag, 1)
+                elif kind == "mm + flag copy":
+                    driver.copy(main, flag, one.data_ptr(), 4)
+
+    launch_kinds = {"kernel": (1, 40), "memcpy 4 KiB": (40,), "flag write": (1, 8, 40), "flag write, uploaded": (40,),
+                    "flag copy (4 B from a word of 1)": (8, 40), "write + wait_reset": (20,),
+                    "2 writes + 2 wait_resets in one batch": (10,), "mm": (8,), "mm + flag write": (8,),
+                    "mm + flag copy": (8,)}
+    graphs = {}
+    upload = ctypes.CDLL("libcuda.so.1").cuGraphUpload
+    for kind, counts in launch_kinds.items():
+        for count in counts:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            body(kind, 1)  # warm (kernel loaded)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                body(kind, count)
+            graph.instantiate()
+            if kind.endswith("uploaded"):
+                assert upload(ctypes.c_void_p(graph.raw_cuda_graph_exec()),
+                              ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
+            graphs[f"{kind} x{count}"] = graph
+    torch.cuda.synchronize()
+    execs = {name: graph.raw_cuda_graph_exec() for name, graph in graphs.items()}
+    fns = {name: (lambda g=graph_exec: driver.launch_graph(g, driver.current_stream(0)))
+           for name, graph_exec in execs.items()}
+    fns["torch.mm 4096x8192x8192"] = lambda: torch.mm(a, b)
+    us = host_us_interleaved(fns, calls=30)
+    result = {name: {"host_us": round(value, 1)} for name, value in us.items()}
+    for name, graph in graphs.items():
+        result[name]["nodes"] = node_types(graph)
+    dist.barrier()
+    if rank == 0:  # GPU time with the GPU to itself (the other rank waits at the barrier)
+        gpu = {name: [] for name in graphs if name.startswith("mm")}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(30):
+            for name in gpu:
+                torch.cuda._sleep(1_000_000)
+                start.record()
+                driver.launch_graph(execs[name], driver.current_stream(0))
+                end.record()
+                end.synchronize()
+                gpu[name].append(start.elapsed_time(end) * 1000)
+        for name, times in gpu.items():
+            result[name]["gpu_us"] = round(statistics.median(times), 1)
+        # The same beside bulk copies on another stream (a copy stream's pulls, as in a call): does a signal's
+        # 4-byte copy queue behind them on a copy engine?
+        side = torch.cuda.Stream()
+        big = torch.empty(2, 64 << 20, dtype=torch.uint8, device="cuda")
+        busy = {name: [] for name in gpu}
+        for _ in range(20):
+            for name in busy:
+                torch.cuda._sleep(1_000_000)
+                side.wait_stream(torch.cuda.current_stream())
+                for _ in range(12):
+                    driver.copy(side.cuda_stream, big[1].data_ptr(), big[0].data_ptr(), 64 << 20)
+                start.record()
+                driver.launch_graph(execs[name], driver.current_stream(0))
+                end.record()
+                end.synchronize()
+                torch.cuda.synchronize()
+                busy[name].append(start.elapsed_time(end) * 1000)
+        for name, times in busy.items():
+            result[name]["gpu_us_beside_copies"] = round(statistics.median(times), 1)
+    dist.barrier()
+    return result
+
+
+def main():
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    device = torch.device("cuda", 0)
+    comm = context_of(dist.group.WORLD, device).communicator("gemm", "p2p")
+    comm.workspace = IpcWorkspace(dist.group.WORLD, device)
+    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
+                       "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
+                       "command": "CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 "
+                                  "benchmarks/diagnostics/replay_host.py OUT.json",
+                       "unit": "us of host time per call, median of 40 (30 for synthetic), GPU busy ahead",
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+    report["replayed"] = replayed_rows(comm, world)
+    report["synthetic"] = synthetic_rows(rank)
+    if rank == 0:
+        print(json.dumps(report, indent=1), flush=True)
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
