@@ -36,6 +36,10 @@ CALLS_TEST = "tests/runtime/test_calls.py"
 POLICY = "src/flashoverlap/runtime/policy.py"
 POLICY_TEST = "tests/runtime/test_policy.py"
 
+REPLAY = "src/flashoverlap/comm/replay.py"
+REPLAY_TEST = "tests/comm/test_replay.py"
+PLAN = "src/flashoverlap/plan.py"
+PLAN_TEST = "tests/test_plan.py"
 GUARDS = "src/flashoverlap/guards.py"
 GUARDS_TEST = "tests/test_guards.py"
 
@@ -106,7 +110,18 @@ MUTATIONS = [
     ("p2p-wait-not-issued", "P2P executor: a flag wait is not issued at all", P2P,
      "                wait_reset(handles[stream], flag)\n", "                pass\n", P2P_TEST),
     ("replay-output-not-in-signature", "P2P replay: a call whose output lies elsewhere replays the old graph", P2P,
-     "address(b), address(out), address(gathered)", "address(b), address(gathered)", P2P_TEST),
+     "                         out.data_ptr(), None if gathered is None else gathered.data_ptr(),",
+     "                         None if gathered is None else gathered.data_ptr(),", P2P_TEST),
+    ("p2p-signal-copies-no-one", "P2P executor: a signal copies some other word than the one that holds 1", P2P,
+     "3, self._one.data_ptr(), 4))", "3, 0, 4))", P2P_TEST),
+    ("replay-evicts-the-newest", "P2P replay: a capture over the capacity drops the most recently used graph",
+     REPLAY, "del self._graphs[min(self._graphs,", "del self._graphs[max(self._graphs,", REPLAY_TEST),
+    ("plan-hash-ignores-fields", "Plan: the cached hash leaves out the last fields (sequential, path, gemm)", PLAN,
+     "for item in dataclass_fields(self))", "for item in dataclass_fields(self)[:-3])", PLAN_TEST),
+    ("plan-hash-pickled", "Plan: the cached hash travels in a pickle (another process salts strings otherwise)",
+     PLAN, 'if key != "_hash"}', "if True}", PLAN_TEST),
+    ("sequential-hook-skips-device-check", "Runtime: a sequential call with a hook skips the current-device check",
+     CALLS, "        if hook is None:  # it names", "        if True:  # it names", CALLS_TEST),
     ("replay-inside-user-capture", "Runtime: a call inside a user's capture may launch a graph of its own",
      CALLS, "                env.replay and not capturing)", "                env.replay)", CALLS_TEST),
     ("dispatch-sequential-plan-overlapped", "Runtime: a sequential plan is handed to its path's overlapped communicator",

@@ -194,6 +194,28 @@ def synthetic_rows(rank: int) -> dict:
                 busy[name].append(start.elapsed_time(end) * 1000)
         for name, times in busy.items():
             result[name]["gpu_us_beside_copies"] = round(statistics.median(times), 1)
+        # One signal alone on the caller's stream, timed by events around it, while another stream runs bulk
+        # copies (or nothing): a copy that queues behind them takes tens of microseconds.
+        for kind in ("flag write", "flag copy"):
+            for beside in (False, True):
+                times = []
+                for _ in range(30):
+                    torch.cuda.synchronize()
+                    if beside:
+                        for _ in range(12):
+                            driver.copy(side.cuda_stream, big[1].data_ptr(), big[0].data_ptr(), 64 << 20)
+                        torch.cuda._sleep(200_000)  # the copies under way
+                    start.record()
+                    if kind == "flag write":
+                        driver.write(driver.current_stream(0), flags.data_ptr(), 1)
+                    else:
+                        driver.copy(driver.current_stream(0), flags.data_ptr(), one.data_ptr(), 4)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) * 1000)
+                torch.cuda.synchronize()
+                result[f"one {kind} on its own stream{', bulk copies beside' if beside else ''}"] = {
+                    "gpu_us": round(statistics.median(times), 1), "gpu_us_max": round(max(times), 1)}
     dist.barrier()
     return result
 

@@ -220,13 +220,14 @@ class Plan:
         return cls(tile=tile, **fields)
 
     # -- derived shape -------------------------------------------------------------------------------------
-    @property
+    # Cached (read on every call of a plan, by the communicators): a plan is frozen, so they never go stale.
+    @cached_property
     def blocks(self) -> int:
         """Row blocks of ``C`` tiled separately: 1, or ``world_size`` for reduce-scatter and all-gather (one per
         rank's rows), so that no tile straddles two ranks' rows."""
         return self.world_size if self.op in BLOCKED_OPS else 1
 
-    @property
+    @cached_property
     def block_rows(self) -> int:
         return self.m // self.blocks
 

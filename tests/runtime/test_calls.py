@@ -134,6 +134,22 @@ def test_a_sequential_plan_asks_no_capture_question_and_carries_no_deadline(worl
     assert debug.timeout is None and not debug.replay and plain.timeout is None and not plain.replay
 
 
+def test_a_sequential_call_asks_the_device_question_only_where_a_hook_may_allocate(world_of_one, monkeypatch):
+    # The sequential communicator names a's device in every allocation and has no stream of its own, so the
+    # runtime skips the current-device check (host time); a hook is arbitrary code and runs on a's device.
+    sequential = _install(world_of_one, ("gemm", "sequential"))
+    asked = []
+    monkeypatch.setattr(guards, "on_current_device", lambda operand: asked.append(operand) or True)
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    plan = sequential_plan("all_reduce", 8, 6, 4, 1, path="ring")
+    fo.gemm_all_reduce(a, b, plan=plan, path="ring")
+    assert not asked and len(sequential.calls) == 1
+    from flashoverlap.runtime import execute
+
+    execute("name", "all_reduce", a, b, None, plan, "ring", hook=lambda: None)
+    assert asked == [a] and len(sequential.calls) == 2
+
+
 def test_on_current_device_compares_with_the_current_cuda_device(monkeypatch):
     class OnDevice:  # a CUDA tensor's is_cuda and get_device(), without CUDA
         is_cuda = True

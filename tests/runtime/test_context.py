@@ -24,6 +24,9 @@ def _ranks(rank, world_size):
     # A destroyed group's object freed and a new one allocated at the same address: the registry's entry for
     # that id still names the old group, so the new one must not inherit it.
     other = dist.new_group([0, 1])
+    # Both ranks connected before either goes on: a rank that raced ahead to its exit closed the group's sockets
+    # while the other was still connecting (gloo: "Connection closed by peer", a flaky failure).
+    dist.barrier(group=other)
     key = (id(other), cpu.type, cpu.index)
     context_module._CONTEXTS[key] = world  # what an id-keyed cache would hand out
     assert existing_context(other, cpu) is None
@@ -32,6 +35,7 @@ def _ranks(rank, world_size):
     assert renewed._p2p_reason is not world._p2p_reason
     fo.release(other)
     assert existing_context(other, cpu) is None
+    dist.barrier()
     return True
 
 

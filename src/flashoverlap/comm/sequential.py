@@ -1,4 +1,4 @@
-"""The sequential fallback: ``torch.matmul`` and then one NCCL collective on the whole result, what a plan with
+"""The sequential fallback: ``torch.mm`` and then one NCCL collective on the whole result, what a plan with
 ``sequential=True`` runs where overlap cannot pay (small GEMMs, short collectives)."""
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ class SequentialCommunicator:
         if plan.op == "all_gather":
             a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
             all_gather_into_tensor(a_full, a.contiguous(), process_group)
-            result = torch.matmul(a_full, b), a_full if call.return_gathered else None
+            result = torch.mm(a_full, b), a_full if call.return_gathered else None
         elif plan.op == "all_reduce":
-            c = torch.matmul(a, b)
+            c = torch.mm(a, b)
             dist.all_reduce(c, group=process_group)
             result = c, None
         else:
             out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
-            reduce_scatter_tensor(out, torch.matmul(a, b), process_group)
+            reduce_scatter_tensor(out, torch.mm(a, b), process_group)
             result = out, None
         if call.hook is not None:
             call.hook()
