@@ -7,7 +7,6 @@ CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/host_t
 """
 
 import collections
-import json
 import os
 import statistics
 import sys
@@ -17,12 +16,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from p2p_one_gpu import HOST_SHAPE, OPS, IpcWorkspace, direct_call  # noqa: E402
+from p2p_one_gpu import HOST_SHAPE, OPS, close_run, direct_call, host_operands, ipc_p2p, open_run  # noqa: E402
 
 import flashoverlap as fo  # noqa: E402
 from flashoverlap.comm import stream_ops  # noqa: E402
 from flashoverlap.comm.protocol import Call  # noqa: E402
-from flashoverlap.runtime.context import context_of  # noqa: E402
 
 CALLS = 20
 stamps: list[tuple[str, int, int]] = []
@@ -115,25 +113,13 @@ def trace(fn):
 
 
 def main():
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    device = torch.device("cuda", 0)
-    comm = context_of(dist.group.WORLD, device).communicator("gemm", "p2p")
-    comm.workspace = IpcWorkspace(dist.group.WORLD, device)
+    rank, world, device, meta = open_run("host_trace.py")
+    comm = ipc_p2p(device)
     m, n, k = HOST_SHAPE
-    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
-                       "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": "CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 "
-                                  "benchmarks/diagnostics/host_trace.py OUT.json", "shape": [m, n, k]},
-              "ops": {}}
+    report = {"meta": {**meta, "shape": [m, n, k]}, "ops": {}}
     undo = None
     for op in OPS:
-        rows_a = m // world if op == "all_gather" else m
-        a = torch.randn(rows_a, k, dtype=torch.bfloat16, device="cuda")
-        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
-        plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+        a, b, plan = host_operands(op, world)
         call = Call(op, plan, a, b, replay=False)
         for _ in range(3):
             comm.run(call)
@@ -168,13 +154,7 @@ def main():
         finally:
             for owner, attr, original in reversed(undo):
                 setattr(owner, attr, original)
-    if rank == 0:
-        print(json.dumps(report, indent=1), flush=True)
-        if len(sys.argv) > 1:
-            with open(sys.argv[1], "w") as f:
-                json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_run(report, rank)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVS
     torchrun --nproc-per-node 2 benchmarks/diagnostics/moe_one_gpu.py [out.json]
 """
 
-import json
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from p2p_one_gpu import IpcWorkspace  # noqa: E402
+from p2p_one_gpu import IpcWorkspace, close_run, open_run  # noqa: E402
 
 from flashoverlap.bench.timing import host_us, host_us_interleaved  # noqa: E402
 from flashoverlap.comm import expert as expert_module  # noqa: E402
@@ -462,19 +461,11 @@ def host_rows(comm, group, solo, rank, world):
 
 
 def main():
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    device = torch.device("cuda", 0)
+    rank, world, device, meta = open_run("moe_one_gpu.py")
     group = CommGroup.of(dist.group.WORLD, device)
-    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
-                       "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": "CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 "
-                                  "benchmarks/diagnostics/moe_one_gpu.py OUT.json",
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-              "checked": 0, "not_run": "the NCCL path's transfers (NCCL refuses two ranks on one GPU): only its W = 1 "
-                                       "case ran, on a one-rank NCCL group per process"}
+    report = {"meta": meta, "checked": 0,
+              "not_run": "the NCCL path's transfers (NCCL refuses two ranks on one GPU): only its W = 1 case ran, on a "
+                         "one-rank NCCL group per process"}
     blocks = [torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=device) for _ in range(4)]
     del blocks  # the caching allocator's free memory reads NaN: an unwritten element shows
     p2p = ExpertP2PCommunicator(group)
@@ -514,13 +505,7 @@ def main():
     print(f"rank {rank}: NCCL path at W = 1 (own chunks, signalling GEMM and its flags, a user's graph): correct",
           flush=True)
     nccl.release()
-    if rank == 0:
-        print(json.dumps(report, indent=1), flush=True)
-        if len(sys.argv) > 1:
-            with open(sys.argv[1], "w") as f:
-                json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_run(report, rank)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,15 @@ def direct_call(op, a, b, group, out_rows):
     return out
 
 
+def host_operands(op: str, world: int) -> tuple[torch.Tensor, torch.Tensor, fo.Plan]:
+    """Fresh operands of ``op`` at ``HOST_SHAPE`` (all-gather: this rank's shard; b as ``w.t()``) and the P2P
+    path's default overlapped plan for them: the call whose host time the diagnostics time."""
+    m, n, k = HOST_SHAPE
+    a = torch.randn(m // world if op == "all_gather" else m, k, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
+    return a, b, fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+
+
 def host_rows(comm, rank, world) -> list[dict]:
     """Host time per call at ``HOST_SHAPE`` (issued while the GPU is busy), in one run: the P2P communicator eager
     and replayed, ``torch.mm`` alone; and on a one-rank NCCL group (one per process: NCCL takes one rank on the
@@ -122,10 +131,7 @@ def host_rows(comm, rank, world) -> list[dict]:
               "all_gather": fo.all_gather_gemm}
     rows = []
     for op in OPS:
-        rows_a = m // world if op == "all_gather" else m
-        a = torch.randn(rows_a, k, dtype=torch.bfloat16, device="cuda")
-        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
-        plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+        a, b, plan = host_operands(op, world)
         calls = {mode: Call(op, plan, a, b, replay=replay) for mode, replay in (("eager", False), ("replayed", True))}
         for call in calls.values():  # kernels loaded, graphs captured: the timed calls are the steady ones
             comm.run(call)
@@ -179,20 +185,43 @@ def release_check(comm, device) -> dict:
     return {"graphs_before": graphs, "bytes_freed": freed, "workspace_after": None}
 
 
-def main():
+def open_run(script: str) -> tuple[int, int, torch.device, dict]:
+    """The start of every two-process one-GPU diagnostic: the gloo world group on GPU 0; returns this process's
+    rank, the world size, the device and the results file's ``meta`` for ``script`` (its commit from
+    ``FLASHOVERLAP_COMMIT``: the device machine's git snapshot is stale)."""
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(0)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    device = torch.device("cuda", 0)
+    meta = {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes", "torch": torch.__version__,
+            "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
+            "command": f"CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/{script} OUT.json",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return rank, world, torch.device("cuda", 0), meta
+
+
+def ipc_p2p(device: torch.device):
+    """The world group's P2P communicator, its workspace exchanged by CUDA IPC."""
     comm = context_of(dist.group.WORLD, device).communicator("gemm", "p2p")
     comm.workspace = IpcWorkspace(dist.group.WORLD, device)
-    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
-                       "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": "CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 "
-                                  "benchmarks/diagnostics/p2p_one_gpu.py OUT.json",
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-              "checked": 0}
+    return comm
+
+
+def close_run(report: dict, rank: int) -> None:
+    """Rank 0 prints the report and writes it to the path given (``sys.argv[1]``); then every rank leaves."""
+    if rank == 0:
+        print(json.dumps(report, indent=1), flush=True)
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    rank, world, device, meta = open_run("p2p_one_gpu.py")
+    comm = ipc_p2p(device)
+    report = {"meta": meta, "checked": 0}
     for op in OPS:
         for i, (m, n, k) in enumerate(SHAPES):
             for dtype in (torch.bfloat16, torch.float16):
@@ -228,13 +257,7 @@ def main():
               f"{comm.graphs.captures} captures, {comm.graphs.replays} replays)", flush=True)
     report["rows"] = host_rows(comm, rank, world)
     report["release"] = release_check(comm, device)
-    if rank == 0:
-        print(json.dumps(report, indent=1), flush=True)
-        if len(sys.argv) > 1:
-            with open(sys.argv[1], "w") as f:
-                json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_run(report, rank)
 
 
 if __name__ == "__main__":

@@ -11,25 +11,21 @@ CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/replay
 
 import collections
 import ctypes
-import json
 import os
 import statistics
 import struct
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from p2p_one_gpu import HOST_SHAPE, OPS, IpcWorkspace  # noqa: E402
+from p2p_one_gpu import HOST_SHAPE, OPS, close_run, host_operands, ipc_p2p, open_run  # noqa: E402
 
-import flashoverlap as fo  # noqa: E402
 from flashoverlap.bench.timing import host_us_interleaved  # noqa: E402
 from flashoverlap.comm import ring_schedule as rs  # noqa: E402
 from flashoverlap.comm import stream_ops  # noqa: E402
 from flashoverlap.comm.protocol import Call  # noqa: E402
-from flashoverlap.runtime.context import context_of  # noqa: E402
 
 # CUgraphNodeType (cuda.h)
 NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
@@ -59,10 +55,7 @@ def replayed_rows(comm, world) -> dict:
     rows = {}
     driver = stream_ops.fast()
     for op in OPS:
-        rows_a = m // world if op == "all_gather" else m
-        a = torch.randn(rows_a, k, dtype=torch.bfloat16, device="cuda")
-        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()
-        plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
+        a, b, plan = host_operands(op, world)
         call = Call(op, plan, a, b, replay=True)
         for _ in range(4):
             comm.run(call)
@@ -221,28 +214,11 @@ def synthetic_rows(rank: int) -> dict:
 
 
 def main():
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    device = torch.device("cuda", 0)
-    comm = context_of(dist.group.WORLD, device).communicator("gemm", "p2p")
-    comm.workspace = IpcWorkspace(dist.group.WORLD, device)
-    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes",
-                       "torch": torch.__version__, "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": "CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 "
-                                  "benchmarks/diagnostics/replay_host.py OUT.json",
-                       "unit": "us of host time per call, median of 40 (30 for synthetic), GPU busy ahead",
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
-    report["replayed"] = replayed_rows(comm, world)
-    report["synthetic"] = synthetic_rows(rank)
-    if rank == 0:
-        print(json.dumps(report, indent=1), flush=True)
-        if len(sys.argv) > 1:
-            with open(sys.argv[1], "w") as f:
-                json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    rank, world, device, meta = open_run("replay_host.py")
+    comm = ipc_p2p(device)
+    meta["unit"] = "us of host time per call, median of 40 (30 for synthetic), GPU busy ahead"
+    report = {"meta": meta, "replayed": replayed_rows(comm, world), "synthetic": synthetic_rows(rank)}
+    close_run(report, rank)
 
 
 if __name__ == "__main__":
