@@ -113,7 +113,13 @@ MUTATIONS = [
      "                         out.data_ptr(), None if gathered is None else gathered.data_ptr(),",
      "                         None if gathered is None else gathered.data_ptr(),", P2P_TEST),
     ("p2p-signal-copies-no-one", "P2P executor: a signal copies some other word than the one that holds 1", P2P,
-     "3, self._one.data_ptr(), 4))", "3, 0, 4))", P2P_TEST),
+     "3, flag, 3, self._one.data_ptr(), 4) if captured", "3, flag, 3, 0, 4) if captured", P2P_TEST),
+    ("p2p-user-capture-signals-by-stream-write", "P2P executor: a call captured into a user's graph signals with "
+     "stream writes (graph nodes that cost the host at every launch)", P2P,
+     "captured=not call.replay and guards.capturing(a))", "captured=False)", P2P_TEST),
+    ("p2p-replay-graph-signals-by-stream-write", "P2P executor: the replay graph is captured with stream-write "
+     "signals", P2P, "                                                             captured=True)):",
+     "                                                             captured=False)):", P2P_TEST),
     ("replay-evicts-the-newest", "P2P replay: a capture over the capacity drops the most recently used graph",
      REPLAY, "del self._graphs[min(self._graphs,", "del self._graphs[max(self._graphs,", REPLAY_TEST),
     ("plan-hash-ignores-fields", "Plan: the cached hash leaves out the last fields (sequential, path, gemm)", PLAN,

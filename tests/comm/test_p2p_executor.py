@@ -110,8 +110,9 @@ def _communicator(rank, world, recorder, monkeypatch):
     return comm
 
 
-def _expected(plan, rank, comm, bases, row_bytes, gathered_own):
-    """The trace the schedule implies, with this test's addresses."""
+def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
+    """The trace the schedule implies, with this test's addresses (``captured``: issued into a CUDA graph, where a
+    signal is a copy of the word that holds 1)."""
     region = comm._region_bytes()
     stream = {"C": 0, "X": 1, "L": 2}
 
@@ -129,8 +130,9 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own):
     for op in ops:
         if isinstance(op, rs.Wait):
             out += [(stream[op.stream], "wait", address(op.flag), 1), (stream[op.stream], "write", address(op.flag), 0)]
-        elif isinstance(op, rs.Signal):  # a copy of the word that holds 1
-            out.append((stream[op.stream], "copy", address(op.flag), comm._one.data_ptr(), 4))
+        elif isinstance(op, rs.Signal):
+            out.append((stream[op.stream], "copy", address(op.flag), comm._one.data_ptr(), 4) if captured
+                       else (stream[op.stream], "write", address(op.flag), 1))
         elif isinstance(op, rs.Copy):
             out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
         elif isinstance(op, rs.Record):
@@ -155,9 +157,10 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own):
     return out
 
 
+@pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2)])
-def test_the_executor_issues_exactly_the_schedule(op, world, rank, monkeypatch):
+def test_the_executor_issues_exactly_the_schedule(op, world, rank, captured, monkeypatch):
     recorder = Recorder()
     comm = _communicator(rank, world, recorder, monkeypatch)
     m = 64 * world + (16 if op == "all_reduce" else 0)
@@ -167,10 +170,11 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, monkeypatch):
     b = torch.randn(plan.k, plan.n, dtype=torch.bfloat16)
     out = torch.empty(plan.block_rows if op == "reduce_scatter" else plan.m, plan.n, dtype=torch.bfloat16)
     gathered = torch.empty(plan.m, plan.k, dtype=torch.bfloat16) if op == "all_gather" else None
-    comm.issue(plan, a, b, out, op, gathered, hook=lambda: recorder.trace.append((0, "hook")))
+    comm.issue(plan, a, b, out, op, gathered, hook=lambda: recorder.trace.append((0, "hook")), captured=captured)
     bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
     width = plan.k if op == "all_gather" else plan.n
-    assert recorder.trace == _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None)
+    assert recorder.trace == _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None,
+                                       captured=captured)
 
 
 class FakeGraph:
@@ -210,10 +214,26 @@ def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypat
     assert eager and ("replay",) not in eager
     recorder.trace.clear()
     comm.run(Call("op", plan, a, b, replay=True))  # second: captured (the same work), then replayed
-    assert recorder.trace == eager + [("replay",)]
+    one = comm._one.data_ptr()  # in the graph a signal is a copy of the word that holds 1, not a stream write
+    as_captured = [(step[0], "copy", step[2], one, 4) if step[1] == "write" and step[3] == 1 else step
+                   for step in eager]
+    assert as_captured != eager and recorder.trace == as_captured + [("replay",)]
     recorder.trace.clear()
     comm.run(Call("op", plan, a, b, replay=True))  # third: the graph alone, no driver call
     assert recorder.trace == [("replay",)]
+
+
+def test_a_call_inside_a_users_capture_signals_by_copy_and_an_eager_one_by_stream_write(monkeypatch):
+    recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
+    kinds = []
+    for inside in (False, True):
+        monkeypatch.setattr(p2p.guards, "capturing", lambda operand=None, inside=inside: inside)
+        recorder.trace.clear()
+        comm.run(Call("op", plan, a, b, replay=False))  # not replayed: eager, or captured into the user's graph
+        one = comm._one.data_ptr()  # a copy's source, a write's value: (stream, kind, address, source or value)
+        kinds.append({step[1] for step in recorder.trace
+                      if step[1] == "copy" and step[3] == one or step[1] == "write" and step[3] == 1})
+    assert kinds == [{"write"}, {"copy"}]
 
 
 def test_a_call_on_other_tensors_is_not_replayed_from_a_graph_of_the_first(monkeypatch):

@@ -10,20 +10,22 @@ why it cannot deadlock; this module only issues it. One call:
    kernels are run once, eagerly (deadlock rule 3: none is loaded behind a stream wait).
 2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` /
    ``addmm_``), ``Copy`` on the copy streams ``X`` and ``L`` (``cuMemcpyDtoDAsync``), ``Wait``
-   (a wait for 1 and a reset to 0, one ``cuStreamBatchMemOp``), ``Signal`` (a 4-byte ``cuMemcpyDtoDAsync`` of a
-   word that holds 1 into a peer's flag header), and events between the streams. Host time is the cost here (an op call
-   must not cost much more than matmul plus a collective): the schedule is resolved once per plan (``_program``:
-   addresses, offsets, views) and the driver is called through ``ctypes`` (``stream_ops.fast``), events and
-   stream handles included (driver events, not ``torch.cuda.Event``); a call that repeats with the same tensors
-   replays a CUDA graph of steps 2 and 3 instead (``comm/replay.py``).
-   A signal is a copy, not a ``cuStreamWriteValue32``: in a captured graph a stream memory operation is a node
-   that costs the host several microseconds at every launch (a copy node costs nothing more), and the GPU a few
-   microseconds between two matmuls (a 4-byte copy under one); measured on one H200 by
-   ``benchmarks/diagnostics/replay_host.py``. The order the peer relies on holds without a fence: what a signal
-   announces is work that precedes it on its stream and has ended before the copy starts (rows a matmul or a
-   copy wrote into this GPU's own memory, where the peer then reads them; or a pull from the peer that is
-   complete), since no step of the schedule writes into a peer's memory but the signals themselves
-   (``tests/comm/test_ring_schedule.py``). Waits stay stream memory operations: only they block a stream.
+   (a wait for 1 and a reset to 0, one ``cuStreamBatchMemOp``), ``Signal`` (a 1 into a peer's flag header), and
+   events between the streams. Host time is the cost here (an op call must not cost much more than matmul plus a
+   collective): the schedule is resolved once per plan (``_program``: addresses, offsets, views) and the driver is
+   called through ``ctypes`` (``stream_ops.fast``), events and stream handles included (driver events, not
+   ``torch.cuda.Event``); a call that repeats with the same tensors replays a CUDA graph of steps 2 and 3 instead
+   (``comm/replay.py``).
+   A signal issued eagerly is a ``cuStreamWriteValue32``; captured into a graph (ours or a user's), it is a
+   4-byte ``cuMemcpyDtoDAsync`` of a word that holds 1. Measured on one H200
+   (``benchmarks/diagnostics/replay_host.py``, ``host_trace.py``): in a graph a stream memory operation is a node
+   that costs the host microseconds at every launch and the GPU a few between two matmuls, where a copy node
+   costs nothing at launch and less on the GPU; issued eagerly, the copy is the dearer driver call. The order the
+   peer relies on holds for the copy without a fence: what a signal announces is work that precedes it on its
+   stream and has ended before the copy starts (rows a matmul or a copy wrote into this GPU's own memory, where
+   the peer then reads them; or a pull from the peer that is complete), since no step of the schedule writes into
+   a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Waits are always stream
+   memory operations: only they block a stream.
 3. ``C`` waits for the copy streams (an event recorded on each, waited for on ``C``): the result is complete on
    the caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams
    touch (``a``, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
@@ -47,7 +49,7 @@ from flashoverlap.plan import Plan
 
 REGION_ALIGN = 1 << 16
 # A resolved schedule step's first field (``P2PCommunicator._program``), and the call's buffers by index.
-_MM, _COPY, _WAIT, _RECORD, _WAIT_EVENT, _HOOK = range(6)
+_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK = range(7)
 _SPACES = {"a": 0, "out": 1, "gathered": 2}
 
 
@@ -124,9 +126,12 @@ class P2PCommunicator(GroupFields):
             signature = (plan, a.dtype, a.data_ptr(), a.shape, a.stride(), b.data_ptr(), b.shape, b.stride(),
                          out.data_ptr(), None if gathered is None else gathered.data_ptr(),
                          self.workspace.buffer.data_ptr(), cublas_switches(), None if hook is None else hook.signature)
-            if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, call.name, gathered, hook)):
+            if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, call.name, gathered, hook,
+                                                             captured=True)):
                 return out, gathered
-        self.issue(plan, a, b, out, call.name, gathered, hook, call.timeout)
+        # A call the runtime let replay is not inside a capture; any other may be inside a user's.
+        self.issue(plan, a, b, out, call.name, gathered, hook, call.timeout,
+                   captured=not call.replay and guards.capturing(a))
         return out, gathered
 
     def _make_ready(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> tuple[int, int]:
@@ -167,14 +172,15 @@ class P2PCommunicator(GroupFields):
                 self.graphs.clear()
 
     def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
-              gathered: torch.Tensor | None = None, hook=None, timeout: float | None = None) -> None:
+              gathered: torch.Tensor | None = None, hook=None, timeout: float | None = None,
+              captured: bool = False) -> None:
         """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
-        is returned)."""
+        is returned). ``captured``: the work is being captured into a CUDA graph (signals as copies)."""
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
             gathered = self._new((plan.m, plan.k), a.dtype)
-        program, ops, joined, cuts = self._program(plan, a.dtype, gathered_own)
+        program, ops, joined, cuts = self._program(plan, a.dtype, gathered_own, captured)
         driver = stream_ops.fast()
         handles = (driver.current_stream(self._index), *self._handles)
         events = self._events
@@ -183,7 +189,8 @@ class P2PCommunicator(GroupFields):
                  else [tensor[row : row + rows] for row, rows in cut[1]]
                  for tensor, cut in zip((a, out, gathered), cuts)]
         bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
-        wait_reset, copy, record, wait_event = driver.wait_reset, driver.copy, driver.record, driver.wait_event
+        wait_reset, write, copy, record, wait_event = (driver.wait_reset, driver.write, driver.copy, driver.record,
+                                                       driver.wait_event)
         waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
         record(events[0], handles[0])
         for step, item in zip(program, ops):
@@ -204,6 +211,8 @@ class P2PCommunicator(GroupFields):
                 wait_reset(handles[stream], flag)
                 if timeout is not None:  # debug mode: an event to poll, through torch
                     waited.append((self._stream(stream).record_event(), item))
+            elif code == _SIGNAL:
+                write(handles[step[1]], step[2], 1)
             elif code == _RECORD:
                 record(events[step[2]], handles[step[1]])
             elif code == _HOOK:
@@ -218,11 +227,12 @@ class P2PCommunicator(GroupFields):
         if timeout is not None:
             self._check_progress(waited, timeout, op)
 
-    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool) -> tuple[list, tuple, tuple, list]:
+    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool,
+                 captured: bool = False) -> tuple[list, tuple, tuple, list]:
         """The schedule with everything that does not change between calls resolved: flag addresses, copy
         offsets and sizes, views of this rank's symmetric regions (built once per plan and workspace), and how
         the call's tensors are cut into the matmuls' row blocks (``_cuts``)."""
-        key = (plan, dtype, gathered_own)  # a new workspace empties the cache (prepare, release)
+        key = (plan, dtype, gathered_own, captured)  # a new workspace empties the cache (prepare, release)
         cached = self._programs.get(key)
         if cached is not None:
             return cached
@@ -269,10 +279,10 @@ class P2PCommunicator(GroupFields):
             elif isinstance(item, rs.Wait):
                 program.append((_WAIT, stream_index[item.stream], self.workspace.flag_ptr(item.flag.rank,
                                                                                          item.flag.row)))
-            elif isinstance(item, rs.Signal):  # a copy of the word that holds 1 (see the module docstring)
-                program.append((_COPY, stream_index[item.stream], 3, self.workspace.flag_ptr(item.flag.rank,
-                                                                                             item.flag.row),
-                                3, self._one.data_ptr(), 4))
+            elif isinstance(item, rs.Signal):  # captured: a copy of the word that holds 1 (the module docstring)
+                flag = self.workspace.flag_ptr(item.flag.rank, item.flag.row)
+                program.append((_COPY, stream_index[item.stream], 3, flag, 3, self._one.data_ptr(), 4) if captured
+                               else (_SIGNAL, stream_index[item.stream], flag))
             elif isinstance(item, rs.Record):
                 program.append((_RECORD, stream_index[item.stream], item.event))
             elif isinstance(item, rs.Hook):
