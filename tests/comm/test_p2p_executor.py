@@ -112,7 +112,7 @@ def _communicator(rank, world, recorder, monkeypatch):
 
 def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
     """The trace the schedule implies, with this test's addresses (``captured``: issued into a CUDA graph, where a
-    signal is a copy of the word that holds 1)."""
+    copy stream's signal is a copy of the word that holds 1)."""
     region = comm._region_bytes()
     stream = {"C": 0, "X": 1, "L": 2}
 
@@ -131,8 +131,8 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
         if isinstance(op, rs.Wait):
             out += [(stream[op.stream], "wait", address(op.flag), 1), (stream[op.stream], "write", address(op.flag), 0)]
         elif isinstance(op, rs.Signal):
-            out.append((stream[op.stream], "copy", address(op.flag), comm._one.data_ptr(), 4) if captured
-                       else (stream[op.stream], "write", address(op.flag), 1))
+            out.append((stream[op.stream], "copy", address(op.flag), comm._one.data_ptr(), 4)
+                       if captured and op.stream != "C" else (stream[op.stream], "write", address(op.flag), 1))
         elif isinstance(op, rs.Copy):
             out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
         elif isinstance(op, rs.Record):
@@ -214,16 +214,16 @@ def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypat
     assert eager and ("replay",) not in eager
     recorder.trace.clear()
     comm.run(Call("op", plan, a, b, replay=True))  # second: captured (the same work), then replayed
-    one = comm._one.data_ptr()  # in the graph a signal is a copy of the word that holds 1, not a stream write
-    as_captured = [(step[0], "copy", step[2], one, 4) if step[1] == "write" and step[3] == 1 else step
-                   for step in eager]
+    one = comm._one.data_ptr()  # in the graph a copy stream's signal is a copy of the word that holds 1
+    as_captured = [(step[0], "copy", step[2], one, 4) if step[1] == "write" and step[3] == 1 and step[0] != 0
+                   else step for step in eager]
     assert as_captured != eager and recorder.trace == as_captured + [("replay",)]
     recorder.trace.clear()
     comm.run(Call("op", plan, a, b, replay=True))  # third: the graph alone, no driver call
     assert recorder.trace == [("replay",)]
 
 
-def test_a_call_inside_a_users_capture_signals_by_copy_and_an_eager_one_by_stream_write(monkeypatch):
+def test_in_a_users_capture_copy_streams_signal_by_copy_and_eager_calls_by_stream_write(monkeypatch):
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
     kinds = []
     for inside in (False, True):
@@ -231,9 +231,27 @@ def test_a_call_inside_a_users_capture_signals_by_copy_and_an_eager_one_by_strea
         recorder.trace.clear()
         comm.run(Call("op", plan, a, b, replay=False))  # not replayed: eager, or captured into the user's graph
         one = comm._one.data_ptr()  # a copy's source, a write's value: (stream, kind, address, source or value)
-        kinds.append({step[1] for step in recorder.trace
+        kinds.append({(step[0] == 0, step[1]) for step in recorder.trace  # (on the caller's stream, how)
                       if step[1] == "copy" and step[3] == one or step[1] == "write" and step[3] == 1})
-    assert kinds == [{"write"}, {"copy"}]
+    assert kinds == [{(True, "write"), (False, "write")}, {(True, "write"), (False, "copy")}]
+
+
+def test_release_forgets_every_plan_made_ready_every_program_and_every_graph(monkeypatch):
+    recorder, comm, plan, a, b, _ = _replaying(monkeypatch, "all_reduce")
+    released = []
+    comm.workspace.release = lambda: released.append(True)
+    for _ in range(3):
+        comm.run(Call("op", plan, a, b, replay=True))
+    assert comm._ready and comm._programs and len(comm.graphs) == 1
+    events = len(comm._events)
+    recorder.trace.clear()
+    comm.release()
+    assert not comm._ready and not comm._programs and len(comm.graphs) == 0 and released == [True]
+    freed = [step[2] for step in recorder.trace if step[1] == "free"]
+    assert len(freed) == events + 2 and not comm._events and comm._joins is None  # the joins' two events too
+    recorder.trace.clear()
+    comm.run(Call("op", plan, a, b, replay=True))  # made ready again, issued eagerly (no graph survives)
+    assert ("replay",) not in recorder.trace and recorder.trace and comm._ready
 
 
 def test_a_call_on_other_tensors_is_not_replayed_from_a_graph_of_the_first(monkeypatch):
@@ -270,28 +288,29 @@ def test_a_call_with_a_debug_deadline_polls_every_flag_wait(monkeypatch):
     assert polled == [(waits, 5.0)] and waits > 0
 
 
-def test_a_call_after_the_cublas_precision_switch_changed_is_not_replayed(monkeypatch):
+@pytest.mark.parametrize("switch", ["allow_bf16_reduced_precision_reduction", "allow_fp16_accumulation"])
+def test_a_call_after_a_cublas_switch_changed_is_not_replayed(switch, monkeypatch):
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
     for _ in range(3):
         comm.run(Call("op", plan, a, b, replay=True))
-    with flipped_bf16_reduced_precision():
+    with flipped(switch):
         recorder.trace.clear()
         comm.run(Call("op", plan, a, b, replay=True))  # cuBLAS may pick another kernel now: the old graph must not run
     assert ("replay",) not in recorder.trace and recorder.trace
 
 
 @contextlib.contextmanager
-def flipped_bf16_reduced_precision():
-    """cuBLAS's bf16 reduced-precision switch flipped, and set back through the same setter whatever happens.
-    (Not monkeypatch: the switch is a property of torch's cuBLAS module, not a plain attribute, and pytest >= 9.2
+def flipped(switch):
+    """One of cuBLAS's switches flipped, and set back through the same setter whatever happens. (Not
+    monkeypatch: the switch is a property of torch's cuBLAS module, not a plain attribute, and pytest >= 9.2
     undoes such a patch with ``delattr``, which raises and leaves the rest of the test's patches in place.)"""
     matmul = torch.backends.cuda.matmul
-    before = matmul.allow_bf16_reduced_precision_reduction
-    matmul.allow_bf16_reduced_precision_reduction = not before
+    before = getattr(matmul, switch)
+    setattr(matmul, switch, not before)
     try:
         yield
     finally:
-        matmul.allow_bf16_reduced_precision_reduction = before
+        setattr(matmul, switch, before)
 
 
 class RecordedMatmul(Matmul):

@@ -53,3 +53,11 @@ def test_clear_forgets_every_graph_and_every_count():
         graphs.run("s", lambda: None)
     graphs.clear()
     assert len(graphs) == 0 and graphs.run("s", lambda: None) is False
+
+
+def test_at_capacity_one_each_capture_replaces_the_graph_before_it():
+    log = []
+    graphs = _graphs(log, capacity=1)
+    for signature in ("a", "a", "b", "b", "a"):  # a captured, b captured (a dropped), a seen anew: not replayed
+        graphs.run(signature, lambda: None)
+    assert list(graphs._graphs) == ["b"] and graphs.captures == 2 and log == ["replay", "replay"]

@@ -16,16 +16,18 @@ why it cannot deadlock; this module only issues it. One call:
    called through ``ctypes`` (``stream_ops.fast``), events and stream handles included (driver events, not
    ``torch.cuda.Event``); a call that repeats with the same tensors replays a CUDA graph of steps 2 and 3 instead
    (``comm/replay.py``).
-   A signal issued eagerly is a ``cuStreamWriteValue32``; captured into a graph (ours or a user's), it is a
-   4-byte ``cuMemcpyDtoDAsync`` of a word that holds 1. Measured on one H200
+   A signal is a ``cuStreamWriteValue32``, except on a copy stream (``X``, ``L``) inside a captured graph (ours or
+   a user's), where it is a 4-byte ``cuMemcpyDtoDAsync`` of a word that holds 1. Measured on one H200
    (``benchmarks/diagnostics/replay_host.py``, ``host_trace.py``): in a graph a stream memory operation is a node
-   that costs the host microseconds at every launch and the GPU a few between two matmuls, where a copy node
-   costs nothing at launch and less on the GPU; issued eagerly, the copy is the dearer driver call. The order the
-   peer relies on holds for the copy without a fence: what a signal announces is work that precedes it on its
-   stream and has ended before the copy starts (rows a matmul or a copy wrote into this GPU's own memory, where
-   the peer then reads them; or a pull from the peer that is complete), since no step of the schedule writes into
-   a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Waits are always stream
-   memory operations: only they block a stream.
+   that costs the host microseconds at every launch, a copy node nothing; issued eagerly, the copy is the dearer
+   driver call; and between two matmuls on ``C`` with copies running beside them (as ``X`` pulls during a call)
+   a copy signal cost the GPU more than a write (it waits for a copy engine), so ``C`` keeps the write. On a copy
+   stream the signal follows that stream's own copy anyway. The order the peer relies on holds for the copy
+   without a fence: what a signal announces precedes it on its stream and has ended before the copy starts
+   (stream order), and it lies in this GPU's own memory (rows a copy wrote, read there by the peer) or is a pull
+   from the peer that is complete; no fence is needed because no step of the schedule writes into a peer's
+   memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Waits are always stream memory
+   operations: only they block a stream.
 3. ``C`` waits for the copy streams (an event recorded on each, waited for on ``C``): the result is complete on
    the caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams
    touch (``a``, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
@@ -98,6 +100,7 @@ class P2PCommunicator(GroupFields):
         self._joins: tuple[int, int, int] | None = None  # step 3: one driver event per copy stream
         self._ready: dict[tuple, tuple[int, int]] = {}  # (plan, dtype, b's strides) past step 1: output shape
         self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # what a signal copies into a flag
+        torch.cuda.synchronize(self.device)  # written before any stream of ours copies it (they wait on no event)
         self._programs: dict[tuple, tuple[list, tuple]] = {}
         self.graphs = CallGraphs(self.device)  # repeated calls replayed (comm/replay.py)
 
@@ -176,7 +179,7 @@ class P2PCommunicator(GroupFields):
               captured: bool = False) -> None:
         """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
-        is returned). ``captured``: the work is being captured into a CUDA graph (signals as copies)."""
+        is returned). ``captured``: the work is being captured into a CUDA graph (copy streams' signals as copies)."""
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
             gathered = self._new((plan.m, plan.k), a.dtype)
@@ -279,9 +282,10 @@ class P2PCommunicator(GroupFields):
             elif isinstance(item, rs.Wait):
                 program.append((_WAIT, stream_index[item.stream], self.workspace.flag_ptr(item.flag.rank,
                                                                                          item.flag.row)))
-            elif isinstance(item, rs.Signal):  # captured: a copy of the word that holds 1 (the module docstring)
+            elif isinstance(item, rs.Signal):  # captured, on a copy stream: a copy of the word that holds 1
                 flag = self.workspace.flag_ptr(item.flag.rank, item.flag.row)
-                program.append((_COPY, stream_index[item.stream], 3, flag, 3, self._one.data_ptr(), 4) if captured
+                by_copy = captured and item.stream != "C"  # the module docstring says why not on C
+                program.append((_COPY, stream_index[item.stream], 3, flag, 3, self._one.data_ptr(), 4) if by_copy
                                else (_SIGNAL, stream_index[item.stream], flag))
             elif isinstance(item, rs.Record):
                 program.append((_RECORD, stream_index[item.stream], item.event))

@@ -41,11 +41,17 @@ def address(tensor: torch.Tensor | None) -> tuple | None:
     return None if tensor is None else (tensor.data_ptr(), tensor.shape, tensor.stride())
 
 
+_FP16_ACCUMULATION = getattr(torch._C, "_get_cublas_allow_fp16_accumulation", lambda: None)
+_BLAS_BACKEND = getattr(torch._C, "_get_blas_preferred_backend", lambda: None)
+
+
 def cublas_switches() -> tuple:
-    """cuBLAS's reduced-precision switches, which pick the kernels a captured matmul runs: part of a signature. Read
-    through torch's C getters (the ``torch.backends.cuda.matmul`` attributes go through a Python ``__getattr__``)."""
+    """The switches that pick the kernels a captured half-precision matmul runs: cuBLAS's reduced-precision
+    reductions (bf16, fp16; in newer torch with their split-K halves), fp16 accumulation and the preferred BLAS
+    library. Part of a signature (float32 never takes a path that replays). Read through torch's C getters (the
+    ``torch.backends.cuda.matmul`` attributes go through a Python ``__getattr__``)."""
     return (torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
-            torch._C._get_cublas_allow_fp16_reduced_precision_reduction())
+            torch._C._get_cublas_allow_fp16_reduced_precision_reduction(), _FP16_ACCUMULATION(), _BLAS_BACKEND())
 
 
 class Matmul(HeldHook):
