@@ -113,10 +113,14 @@ MUTATIONS = [
      "                         out.data_ptr(), None if gathered is None else gathered.data_ptr(),",
      "                         None if gathered is None else gathered.data_ptr(),", P2P_TEST),
     ("p2p-signal-copies-no-one", "P2P executor: a signal copies some other word than the one that holds 1", P2P,
-     "3, flag, 3, self._one.data_ptr(), 4) if by_copy", "3, flag, 3, 0, 4) if by_copy", P2P_TEST),
-    ("p2p-captured-compute-stream-signals-by-copy", "P2P executor: in a graph the caller's stream signals by copy "
-     "too (a copy that waits for a copy engine between two matmuls)", P2P,
-     'by_copy = captured and item.stream != "C"', "by_copy = captured", P2P_TEST),
+     "3, flag, 3, self._one.data_ptr(), 4))", "3, flag, 3, 0, 4))", P2P_TEST),
+    ("p2p-forked-signal-on-the-callers-stream", "P2P executor: in a graph the caller's stream copies its own "
+     "signals (its next matmul waits for a copy engine)", P2P,
+     "                copy(handles[3], step[1], one, 4)", "                copy(handles[0], step[1], one, 4)",
+     P2P_TEST),
+    ("p2p-signal-stream-not-joined", "P2P executor: the signal stream is not joined back into the caller's stream "
+     "(a capture ends with a stream outside it)", P2P, '            joined += (stream_index["S"],)',
+     "            joined += ()", P2P_TEST),
     ("replay-signature-ignores-fp16-accumulation", "P2P replay: a call after cuBLAS's fp16-accumulation switch "
      "changed replays the old graph", REPLAY, "_fp16_reduced_precision_reduction(), _FP16_ACCUMULATION(),",
      "_fp16_reduced_precision_reduction(),", P2P_TEST),

@@ -86,10 +86,10 @@ def _communicator(rank, world, recorder, monkeypatch):
     comm = object.__new__(p2p.P2PCommunicator)
     comm.rank, comm.world_size, comm.name = rank, world, "test group"
     comm.device = torch.device("cpu")
-    comm.copy_stream, comm.local_stream = FakeStream(1), FakeStream(2)
-    comm._index, comm._handles = 0, (1, 2)
+    comm.copy_stream, comm.local_stream, comm.signal_stream = FakeStream(1), FakeStream(2), FakeStream(3)
+    comm._index, comm._handles = 0, (1, 2, 3)
     comm.workspace = FakeWorkspace(rs.regions(world) * (1 << 16))
-    comm._events, comm._joins = [], None
+    comm._events, comm._joins, comm._fork = [], None, None
     comm._programs = {}
     comm._ready = {}
     comm._one = torch.ones(1, dtype=torch.int32)
@@ -114,7 +114,7 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
     """The trace the schedule implies, with this test's addresses (``captured``: issued into a CUDA graph, where a
     copy stream's signal is a copy of the word that holds 1)."""
     region = comm._region_bytes()
-    stream = {"C": 0, "X": 1, "L": 2}
+    stream = {"C": 0, "X": 1, "L": 2, "S": 3}
 
     def address(loc):
         if loc.space == "flag":
@@ -131,8 +131,13 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
         if isinstance(op, rs.Wait):
             out += [(stream[op.stream], "wait", address(op.flag), 1), (stream[op.stream], "write", address(op.flag), 0)]
         elif isinstance(op, rs.Signal):
-            out.append((stream[op.stream], "copy", address(op.flag), comm._one.data_ptr(), 4)
-                       if captured and op.stream != "C" else (stream[op.stream], "write", address(op.flag), 1))
+            if not captured:
+                out.append((stream[op.stream], "write", address(op.flag), 1))
+            else:  # a copy of the word that holds 1; C's on the signal stream S, forked from C by an event
+                if op.stream == "C":
+                    out += [(0, "record", comm._fork), (3, "wait_event", comm._fork)]
+                out.append((3 if op.stream == "C" else stream[op.stream], "copy", address(op.flag),
+                            comm._one.data_ptr(), 4))
         elif isinstance(op, rs.Copy):
             out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
         elif isinstance(op, rs.Record):
@@ -150,7 +155,8 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
             else:
                 dst = bases[op.dst.space] + op.dst.row * plan.n * 2
             out.append((0, "mm", src, (op.rows, plan.k), dst, (op.rows, plan.n), op.accumulate))
-    for name in rs.streams_used(ops):  # each copy stream joined into the caller's by an event of its own
+    forked = captured and any(isinstance(op, rs.Signal) and op.stream == "C" for op in ops)
+    for name in rs.streams_used(ops) + (("S",) if forked else ()):  # each joined into C by an event of its own
         join = comm._joins[stream[name]]
         assert join not in range(rs.events(ops))
         out += [(stream[name], "record", join), (0, "wait_event", join)]
@@ -208,16 +214,22 @@ def _replaying(monkeypatch, op="reduce_scatter"):
 
 
 def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypatch):
-    recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
+    recorder, comm, plan, a, b, blocks = _replaying(monkeypatch)
     comm.run(Call("op", plan, a, b, replay=True))  # first call: eager
     eager = list(recorder.trace)
     assert eager and ("replay",) not in eager
     recorder.trace.clear()
-    comm.run(Call("op", plan, a, b, replay=True))  # second: captured (the same work), then replayed
-    one = comm._one.data_ptr()  # in the graph a copy stream's signal is a copy of the word that holds 1
-    as_captured = [(step[0], "copy", step[2], one, 4) if step[1] == "write" and step[3] == 1 and step[0] != 0
-                   else step for step in eager]
-    assert as_captured != eager and recorder.trace == as_captured + [("replay",)]
+    comm.run(Call("op", plan, a, b, replay=True))  # second: captured (the same schedule), then replayed
+    replayed = list(recorder.trace)
+    recorder.trace.clear()
+    comm.issue(plan, a, b, blocks[(plan.block_rows, plan.n)], "op", captured=True)  # the schedule as captured
+    assert replayed == recorder.trace + [("replay",)]
+    # ... where every signal is a copy of the word that holds 1 (the caller's stream's forked onto S), none a write
+    signals = sum(isinstance(item, rs.Signal) for item in rs.schedule(plan, 0))
+    one = comm._one.data_ptr()
+    assert sum(step[1] == "write" and step[3] == 1 for step in eager) == signals
+    assert sum(step[1] == "copy" and step[3] == one for step in replayed[:-1]) == signals
+    assert not any(step[1] == "write" and step[3] == 1 for step in replayed[:-1])
     recorder.trace.clear()
     comm.run(Call("op", plan, a, b, replay=True))  # third: the graph alone, no driver call
     assert recorder.trace == [("replay",)]
@@ -231,9 +243,10 @@ def test_in_a_users_capture_copy_streams_signal_by_copy_and_eager_calls_by_strea
         recorder.trace.clear()
         comm.run(Call("op", plan, a, b, replay=False))  # not replayed: eager, or captured into the user's graph
         one = comm._one.data_ptr()  # a copy's source, a write's value: (stream, kind, address, source or value)
-        kinds.append({(step[0] == 0, step[1]) for step in recorder.trace  # (on the caller's stream, how)
+        kinds.append({(step[0], step[1]) for step in recorder.trace  # (stream, how)
                       if step[1] == "copy" and step[3] == one or step[1] == "write" and step[3] == 1})
-    assert kinds == [{(True, "write"), (False, "write")}, {(True, "write"), (False, "copy")}]
+    # reduce-scatter signals on C and X; in a capture, C's signals go to the signal stream S (3)
+    assert kinds == [{(0, "write"), (1, "write")}, {(3, "copy"), (1, "copy")}]
 
 
 def test_release_forgets_every_plan_made_ready_every_program_and_every_graph(monkeypatch):
@@ -248,7 +261,7 @@ def test_release_forgets_every_plan_made_ready_every_program_and_every_graph(mon
     comm.release()
     assert not comm._ready and not comm._programs and len(comm.graphs) == 0 and released == [True]
     freed = [step[2] for step in recorder.trace if step[1] == "free"]
-    assert len(freed) == events + 2 and not comm._events and comm._joins is None  # the joins' two events too
+    assert len(freed) == events + 4 and not comm._events and comm._joins is None  # the joins' three, the fork
     recorder.trace.clear()
     comm.run(Call("op", plan, a, b, replay=True))  # made ready again, issued eagerly (no graph survives)
     assert ("replay",) not in recorder.trace and recorder.trace and comm._ready

@@ -16,19 +16,20 @@ why it cannot deadlock; this module only issues it. One call:
    called through ``ctypes`` (``stream_ops.fast``), events and stream handles included (driver events, not
    ``torch.cuda.Event``); a call that repeats with the same tensors replays a CUDA graph of steps 2 and 3 instead
    (``comm/replay.py``).
-   A signal is a ``cuStreamWriteValue32``, except on a copy stream (``X``, ``L``) inside a captured graph (ours or
-   a user's), where it is a 4-byte ``cuMemcpyDtoDAsync`` of a word that holds 1. Measured on one H200
+   A signal issued eagerly is a ``cuStreamWriteValue32``. Captured into a graph (ours or a user's), it is a 4-byte
+   ``cuMemcpyDtoDAsync`` of a word that holds 1: on a copy stream (``X``, ``L``) in place, behind that stream's own
+   copy; on ``C``, on a branch of its own (stream ``S``, forked from ``C`` by an event, joined back in step 3),
+   so that ``C``'s next matmul never waits for a copy engine. Measured on one H200
    (``benchmarks/diagnostics/replay_host.py``, ``host_trace.py``): in a graph a stream memory operation is a node
-   that costs the host microseconds at every launch, a copy node nothing; issued eagerly, the copy is the dearer
-   driver call; and between two matmuls on ``C`` with copies running beside them (as ``X`` pulls during a call)
-   a copy signal cost the GPU more than a write (it waits for a copy engine), so ``C`` keeps the write. On a copy
-   stream the signal follows that stream's own copy anyway. The order the peer relies on holds for the copy
-   without a fence: what a signal announces precedes it on its stream and has ended before the copy starts
-   (stream order), and it lies in this GPU's own memory (rows a copy wrote, read there by the peer) or is a pull
-   from the peer that is complete; no fence is needed because no step of the schedule writes into a peer's
-   memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Waits are always stream memory
-   operations: only they block a stream.
-3. ``C`` waits for the copy streams (an event recorded on each, waited for on ``C``): the result is complete on
+   that costs the host microseconds at every launch (a copy node, and an event's edge, nothing) and the GPU a few
+   between two matmuls; issued eagerly, the copy is the dearer driver call. ``S`` holds nothing but these copies,
+   each after a matmul of ``C``'s that has already been queued, so it never waits on a peer. The order the peer
+   relies on holds for the copy without a fence: what a signal announces precedes it (on its stream, or on ``C``
+   before the fork) and has ended before the copy starts, and it lies in this GPU's own memory, where the peer
+   reads it, or is a pull from the peer that is complete; no fence is needed because no step of the schedule
+   writes into a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Waits are
+   always stream memory operations: only they block a stream.
+3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on
    the caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams
    touch (``a``, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
    of their memory, on ``C`` or on a stream the user synchronised with ``C``, is ordered after every use.
@@ -51,7 +52,7 @@ from flashoverlap.plan import Plan
 
 REGION_ALIGN = 1 << 16
 # A resolved schedule step's first field (``P2PCommunicator._program``), and the call's buffers by index.
-_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK = range(7)
+_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK, _FORKED_SIGNAL = range(8)
 _SPACES = {"a": 0, "out": 1, "gathered": 2}
 
 
@@ -93,11 +94,13 @@ class P2PCommunicator(GroupFields):
         super().__init__(group)
         self.copy_stream = guards.comm_stream(self.device)  # X: pulls from peers
         self.local_stream = guards.comm_stream(self.device)  # L: copies within the GPU
+        self.signal_stream = guards.comm_stream(self.device)  # S: C's signals inside a graph (no waits, ever)
         self.workspace = SymmetricWorkspace(self.group, self.device)
         self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self._handles = (self.copy_stream.cuda_stream, self.local_stream.cuda_stream)
+        self._handles = (self.copy_stream.cuda_stream, self.local_stream.cuda_stream, self.signal_stream.cuda_stream)
         self._events: list[int] = []  # driver events (``stream_ops.FastDriver``), the schedule's by index
-        self._joins: tuple[int, int, int] | None = None  # step 3: one driver event per copy stream
+        self._joins: tuple[int, int, int, int] | None = None  # step 3: one driver event per stream of ours
+        self._fork: int | None = None  # the event that hands a signal of C's to S
         self._ready: dict[tuple, tuple[int, int]] = {}  # (plan, dtype, b's strides) past step 1: output shape
         self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # what a signal copies into a flag
         torch.cuda.synchronize(self.device)  # written before any stream of ours copies it (they wait on no event)
@@ -153,9 +156,9 @@ class P2PCommunicator(GroupFields):
         self._programs.clear()
         self._ready.clear()
         driver = stream_ops.fast() if self._events else None
-        for event in [*self._events, *(self._joins or ())[1:]]:
+        for event in [*self._events, *(self._joins or ())[1:], *([] if self._fork is None else [self._fork])]:
             driver.free_event(event)
-        self._events, self._joins = [], None
+        self._events, self._joins, self._fork = [], None, None
         self.workspace.release()
 
     def _new(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -179,14 +182,14 @@ class P2PCommunicator(GroupFields):
               captured: bool = False) -> None:
         """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
-        is returned). ``captured``: the work is being captured into a CUDA graph (copy streams' signals as copies)."""
+        is returned). ``captured``: the work is being captured into a CUDA graph (its signals are copies)."""
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
             gathered = self._new((plan.m, plan.k), a.dtype)
         program, ops, joined, cuts = self._program(plan, a.dtype, gathered_own, captured)
         driver = stream_ops.fast()
         handles = (driver.current_stream(self._index), *self._handles)
-        events = self._events
+        events, fork, one = self._events, self._fork, self._one.data_ptr()
         # The matmuls' row blocks of a, out and gathered: one split per tensor (one C call for all its views).
         parts = [None if cut is None else tensor.split_with_sizes(cut[0]) if cut[0] is not None
                  else [tensor[row : row + rows] for row, rows in cut[1]]
@@ -216,6 +219,10 @@ class P2PCommunicator(GroupFields):
                     waited.append((self._stream(stream).record_event(), item))
             elif code == _SIGNAL:
                 write(handles[step[1]], step[2], 1)
+            elif code == _FORKED_SIGNAL:  # C's signal in a graph: a branch on S, which C never waits for
+                record(fork, handles[0])
+                wait_event(handles[3], fork)
+                copy(handles[3], step[1], one, 4)
             elif code == _RECORD:
                 record(events[step[2]], handles[step[1]])
             elif code == _HOOK:
@@ -244,13 +251,15 @@ class P2PCommunicator(GroupFields):
         while len(self._events) < rs.events(ops):
             self._events.append(driver.new_event())
         if self._joins is None:
-            self._joins = (0, driver.new_event(), driver.new_event())
+            self._joins = (0, driver.new_event(), driver.new_event(), driver.new_event())
+        if captured and self._fork is None:
+            self._fork = driver.new_event()
         element = dtype.itemsize
         width = plan.k if plan.op == "all_gather" else plan.n
         row_bytes = width * element
         region = self._region_bytes()
         own_sym = self.workspace.local((self.workspace.nbytes,), torch.uint8)
-        stream_index = {"C": 0, "X": 1, "L": 2}
+        stream_index = {"C": 0, "X": 1, "L": 2, "S": 3}
 
         def sym_offset(loc: rs.Loc) -> int:
             return rs.region_index(loc.kind, self.world_size) * region + loc.row * row_bytes
@@ -282,11 +291,14 @@ class P2PCommunicator(GroupFields):
             elif isinstance(item, rs.Wait):
                 program.append((_WAIT, stream_index[item.stream], self.workspace.flag_ptr(item.flag.rank,
                                                                                          item.flag.row)))
-            elif isinstance(item, rs.Signal):  # captured, on a copy stream: a copy of the word that holds 1
+            elif isinstance(item, rs.Signal):  # in a graph, a copy of the word that holds 1 (module docstring)
                 flag = self.workspace.flag_ptr(item.flag.rank, item.flag.row)
-                by_copy = captured and item.stream != "C"  # the module docstring says why not on C
-                program.append((_COPY, stream_index[item.stream], 3, flag, 3, self._one.data_ptr(), 4) if by_copy
-                               else (_SIGNAL, stream_index[item.stream], flag))
+                if not captured:
+                    program.append((_SIGNAL, stream_index[item.stream], flag))
+                elif item.stream == "C":
+                    program.append((_FORKED_SIGNAL, flag))
+                else:
+                    program.append((_COPY, stream_index[item.stream], 3, flag, 3, self._one.data_ptr(), 4))
             elif isinstance(item, rs.Record):
                 program.append((_RECORD, stream_index[item.stream], item.event))
             elif isinstance(item, rs.Hook):
@@ -296,6 +308,8 @@ class P2PCommunicator(GroupFields):
         if len(self._programs) > 256:
             self._programs.clear()
         joined = tuple(stream_index[name] for name in rs.streams_used(ops))
+        if captured and any(isinstance(item, rs.Signal) and item.stream == "C" for item in ops):
+            joined += (stream_index["S"],)
         self._programs[key] = (program, ops, joined, cuts)
         return program, ops, joined, cuts
 
