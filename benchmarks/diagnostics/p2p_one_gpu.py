@@ -10,7 +10,7 @@ did not write), eager calls (``FLASHOVERLAP_REPLAY=0``) and replayed ones alike,
 (``replay.Matmul``) on new values held in the replayed graphs (the communicator is called with ``Call``s, as the
 runtime calls it); then the host time to issue one
 call (the GPU kept busy ahead of it) is printed for eager and replayed calls, beside ``torch.mm`` alone, timed
-interleaved (``bench.timing.host_us_interleaved``: one call of each per round, 40 rounds, medians).
+interleaved (``bench.timing.host_us_interleaved``: one call of each per round, ``HOST_ROUNDS`` rounds, medians).
 
 CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py [out.json]
 """
@@ -33,6 +33,9 @@ from flashoverlap.runtime.context import context_of
 
 SHAPES = [(1002, 1000, 520), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by 2
 HOST_SHAPE = (4096, 8192, 8192)  # the issue's host-time shape (host time, not GPU time, is what is compared)
+# Rounds of the interleaved host timings: one cold call's host time moves by tens of percent from call to call
+# (`torch.mm`'s own median moved between 81 and 167 us across runs at 40 rounds), so the medians take many.
+HOST_ROUNDS = 150
 OPS = ("reduce_scatter", "all_reduce", "all_gather")
 
 
@@ -137,7 +140,8 @@ def host_rows(comm, rank, world) -> list[dict]:
             comm.run(call)
             comm.run(call)
         us = host_us_interleaved({"torch.mm": lambda a=a, b=b: torch.mm(a, b),
-                                  **{mode: lambda call=call: comm.run(call) for mode, call in calls.items()}})
+                                  **{mode: lambda call=call: comm.run(call) for mode, call in calls.items()}},
+                                 calls=HOST_ROUNDS)
         for mode in calls:
             rows.append({"op": op, "path": "p2p", "mode": mode, "M": m, "N": n, "K": k, "host_us": round(us[mode], 1),
                          "torch_mm_us": round(us["torch.mm"], 1), "direct_us": None})
@@ -161,7 +165,8 @@ def host_rows(comm, rank, world) -> list[dict]:
             return direct_call(op, full, b, solo, m)
 
         us = host_us_interleaved({"ours": lambda op=op, full=full, b=b: public[op](full, b, group=solo),
-                                  "direct": direct, "torch.mm": lambda full=full, b=b: torch.mm(full, b)})
+                                  "direct": direct, "torch.mm": lambda full=full, b=b: torch.mm(full, b)},
+                                 calls=HOST_ROUNDS)
         rows.append({"op": op, "path": "nccl", "mode": "sequential", "M": m, "N": n, "K": k,
                      "host_us": round(us["ours"], 1), "torch_mm_us": round(us["torch.mm"], 1),
                      "direct_us": round(us["direct"], 1)})
