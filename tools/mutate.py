@@ -110,8 +110,10 @@ MUTATIONS = [
     ("p2p-wait-not-issued", "P2P executor: a flag wait is not issued at all", P2P,
      "                wait_reset(handles[stream], flag)\n", "                pass\n", P2P_TEST),
     ("replay-output-not-in-signature", "P2P replay: a call whose output lies elsewhere replays the old graph", P2P,
-     "                         out.data_ptr(), None if gathered is None else gathered.data_ptr(),",
-     "                         None if gathered is None else gathered.data_ptr(),", P2P_TEST),
+     "b.data_ptr(), b.shape, b.stride(), out.data_ptr(),\n", "b.data_ptr(), b.shape, b.stride(),\n", P2P_TEST),
+    ("replay-hit-skips-nothing-after-release", "P2P replay: release keeps the graphs, so a later call replays one "
+     "captured on the freed workspace", P2P, "        self.graphs.clear()\n        self._programs.clear()\n"
+     "        self._ready.clear()\n", "        self._programs.clear()\n        self._ready.clear()\n", P2P_TEST),
     ("p2p-signal-copies-no-one", "P2P executor: a signal copies some other word than the one that holds 1", P2P,
      "3, flag, 3, self._one.data_ptr(), 4))", "3, flag, 3, 0, 4))", P2P_TEST),
     ("p2p-forked-signal-on-the-callers-stream", "P2P executor: in a graph the caller's stream copies its own "
@@ -128,8 +130,7 @@ MUTATIONS = [
      "stream writes (graph nodes that cost the host at every launch)", P2P,
      "captured=not call.replay and guards.capturing(a))", "captured=False)", P2P_TEST),
     ("p2p-replay-graph-signals-by-stream-write", "P2P executor: the replay graph is captured with stream-write "
-     "signals", P2P, "                                                             captured=True)):",
-     "                                                             captured=False)):", P2P_TEST),
+     "signals", P2P, "gathered, hook, captured=True)):", "gathered, hook, captured=False)):", P2P_TEST),
     ("replay-evicts-the-newest", "P2P replay: a capture over the capacity drops the most recently used graph",
      REPLAY, "del self._graphs[min(self._graphs,", "del self._graphs[max(self._graphs,", REPLAY_TEST),
     ("plan-hash-ignores-fields", "Plan: the cached hash leaves out the last fields (sequential, path, gemm)", PLAN,

@@ -91,7 +91,7 @@ def _communicator(rank, world, recorder, monkeypatch):
     comm.workspace = FakeWorkspace(rs.regions(world) * (1 << 16))
     comm._events, comm._joins, comm._fork = [], None, None
     comm._programs = {}
-    comm._ready = {}
+    comm._ready = set()
     comm._one = torch.ones(1, dtype=torch.int32)
     compute = FakeStream(0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)

@@ -101,7 +101,7 @@ class P2PCommunicator(GroupFields):
         self._events: list[int] = []  # driver events (``stream_ops.FastDriver``), the schedule's by index
         self._joins: tuple[int, int, int, int] | None = None  # step 3: one driver event per stream of ours
         self._fork: int | None = None  # the event that hands a signal of C's to S
-        self._ready: dict[tuple, tuple[int, int]] = {}  # (plan, dtype, b's strides) past step 1: output shape
+        self._ready: set[tuple] = set()  # (plan, dtype, b's strides) past step 1
         self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # what a signal copies into a flag
         torch.cuda.synchronize(self.device)  # written before any stream of ours copies it (they wait on no event)
         self._programs: dict[tuple, tuple[list, tuple]] = {}
@@ -115,39 +115,42 @@ class P2PCommunicator(GroupFields):
         input (rank order) where asked. The hook, if any, issues independent work on the caller's stream where the
         schedule would wait for its first pull (``ring_schedule.Hook``).
 
-        Written for host time (a replayed call is this method and one graph launch): one lookup of what step 1
-        settled for the plan, the signature built inline, no per-call helper objects."""
+        Written for host time (a replayed call is this method and one graph launch): a repeated call's graph is
+        looked up first, by a signature built from the call alone; only a call without one asks whether step 1 was
+        done. (A graph exists only for a plan past step 1 on the workspace in its signature: ``prepare`` and
+        ``release`` drop every graph.)"""
         plan, a, b, hook = call.plan, call.a, call.b, call.hook
         if plan.op == "all_gather":
             a = a.contiguous()  # the copy engine moves the shard's rows as one block
-        out_shape = self._ready.get((plan, a.dtype, b.stride()))
-        if out_shape is None:  # step 1, once per plan, dtype and layout of b (release() empties _ready)
-            out_shape = self._make_ready(plan, a, b, call.name)
-        out = self._new(out_shape, a.dtype)
+        out = self._new((plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n), a.dtype)
         gathered = self._new((plan.m, plan.k), a.dtype) if call.return_gathered else None
-        if call.replay and (hook is None or isinstance(hook, HeldHook)):
-            # What the GPU work depends on besides the tensors' values (comm/replay.py): the plan, the dtype, where
-            # each tensor lies and how it is laid out (out and gathered: fresh and contiguous, of the plan's
-            # shapes), the workspace, the cuBLAS switches that pick kernels, the held hook's tensors.
-            signature = (plan, a.dtype, a.data_ptr(), a.shape, a.stride(), b.data_ptr(), b.shape, b.stride(),
-                         out.data_ptr(), None if gathered is None else gathered.data_ptr(),
-                         self.workspace.buffer.data_ptr(), cublas_switches(), None if hook is None else hook.signature)
-            if self.graphs.run(signature, lambda: self.issue(plan, a, b, out, call.name, gathered, hook,
-                                                             captured=True)):
-                return out, gathered
+        replay = call.replay and (hook is None or isinstance(hook, HeldHook))
+        if replay and self.graphs.replay(self._signature(plan, a, b, out, gathered, hook)):
+            return out, gathered
+        if (plan, a.dtype, b.stride()) not in self._ready:  # step 1, once per plan, dtype and layout of b
+            self._make_ready(plan, a, b, call.name)
+        if replay and self.graphs.run(self._signature(plan, a, b, out, gathered, hook),
+                                      lambda: self.issue(plan, a, b, out, call.name, gathered, hook, captured=True)):
+            return out, gathered
         # A call the runtime let replay is not inside a capture; any other may be inside a user's.
         self.issue(plan, a, b, out, call.name, gathered, hook, call.timeout,
                    captured=not call.replay and guards.capturing(a))
         return out, gathered
 
-    def _make_ready(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> tuple[int, int]:
-        """Step 1 for a plan, dtype and layout of b: the workspace (it only grows) and the cuBLAS kernels; returns
-        the shape of the call's output."""
+    def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                   gathered: torch.Tensor | None, hook) -> tuple:
+        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
+        where each tensor lies and how it is laid out (``out`` and ``gathered``: fresh and contiguous, of the plan's
+        shapes), the workspace, the cuBLAS switches that pick kernels, the held hook's tensors."""
+        return (plan, a.dtype, a.data_ptr(), a.shape, a.stride(), b.data_ptr(), b.shape, b.stride(), out.data_ptr(),
+                None if gathered is None else gathered.data_ptr(), self.workspace.buffer.data_ptr(), cublas_switches(),
+                None if hook is None else hook.signature)
+
+    def _make_ready(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+        """Step 1 for a plan, dtype and layout of b: the workspace (it only grows) and the cuBLAS kernels."""
         self.prepare(plan, a.dtype, op)
         self._load_kernels(plan, a, b, op)
-        out_shape = (plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n)
-        self._ready[(plan, a.dtype, b.stride())] = out_shape
-        return out_shape
+        self._ready.add((plan, a.dtype, b.stride()))
 
     def release(self) -> None:
         """Free the graphs, the resolved programs and the symmetric workspace (the peers free theirs in the same

@@ -92,28 +92,14 @@ class CallGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, signature: Hashable, issue: Callable[[], None]) -> bool:
-        """Replay the graph of ``signature`` on the current stream, capturing ``issue()`` (which queues the call's
-        work on the current stream and joins every other stream it uses back into it) into it first where this
-        is the signature's ``capture_after``-th call. False: not replayed; the caller issues the call eagerly."""
-        self._uses += 1
+    def replay(self, signature: Hashable) -> bool:
+        """Replay the graph of ``signature`` on the current stream, if one was captured (a repeated call's whole
+        host work: one lookup and one launch). False: none; the caller goes on to ``run``."""
         entry = self._graphs.get(signature)
         if entry is None:
-            seen = self._seen.pop(signature, 0) + 1
-            if seen < self.capture_after:
-                self._seen[signature] = seen
-                _trim(self._seen, 4 * self.capacity)
-                return False
-            graph = self._capture(issue)
-            self.captures += 1
-            # Launched through the driver where torch hands out the instantiated graph (host time: our graphs
-            # draw no random numbers, so CUDAGraph.replay's other work does not apply); else replayed by torch.
-            raw = getattr(graph, "raw_cuda_graph_exec", None)
-            entry = self._graphs[signature] = [graph, raw() if raw is not None else None, self._uses]
-            if len(self._graphs) > self.capacity:
-                del self._graphs[min(self._graphs, key=lambda key: self._graphs[key][2])]
-        else:
-            entry[2] = self._uses
+            return False
+        self._uses += 1
+        entry[2] = self._uses
         if entry[1] is None:
             entry[0].replay()
         else:
@@ -124,6 +110,27 @@ class CallGraphs:
             driver.launch_graph(entry[1], driver.current_stream(index))
         self.replays += 1
         return True
+
+    def run(self, signature: Hashable, issue: Callable[[], None]) -> bool:
+        """Replay the graph of ``signature`` on the current stream, capturing ``issue()`` (which queues the call's
+        work on the current stream and joins every other stream it uses back into it) into it first where this
+        is the signature's ``capture_after``-th call. False: not replayed; the caller issues the call eagerly."""
+        if self.replay(signature):
+            return True
+        seen = self._seen.pop(signature, 0) + 1
+        if seen < self.capture_after:
+            self._seen[signature] = seen
+            _trim(self._seen, 4 * self.capacity)
+            return False
+        graph = self._capture(issue)
+        self.captures += 1
+        # Launched through the driver where torch hands out the instantiated graph (host time: our graphs draw no
+        # random numbers, so CUDAGraph.replay's other work does not apply); else replayed by torch.
+        raw = getattr(graph, "raw_cuda_graph_exec", None)
+        self._graphs[signature] = [graph, raw() if raw is not None else None, self._uses]
+        if len(self._graphs) > self.capacity:
+            del self._graphs[min(self._graphs, key=lambda key: self._graphs[key][2])]
+        return self.replay(signature)
 
     def clear(self) -> None:
         """Drop every graph (the addresses they hold are no longer valid, e.g. the workspace was reallocated)."""
