@@ -124,13 +124,17 @@ class P2PCommunicator(GroupFields):
             a = a.contiguous()  # the copy engine moves the shard's rows as one block
         out = self._new((plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n), a.dtype)
         gathered = self._new((plan.m, plan.k), a.dtype) if call.return_gathered else None
-        replay = call.replay and (hook is None or isinstance(hook, HeldHook))
-        if replay and self.graphs.replay(self._signature(plan, a, b, out, gathered, hook)):
-            return out, gathered
+        signature = None
+        if call.replay and (hook is None or isinstance(hook, HeldHook)):
+            signature = self._signature(plan, a, b, out, gathered, hook)
+            if self.graphs.replay(signature):
+                return out, gathered
         if (plan, a.dtype, b.stride()) not in self._ready:  # step 1, once per plan, dtype and layout of b
             self._make_ready(plan, a, b, call.name)
-        if replay and self.graphs.run(self._signature(plan, a, b, out, gathered, hook),
-                                      lambda: self.issue(plan, a, b, out, call.name, gathered, hook, captured=True)):
+            if signature is not None:  # step 1 may have grown the workspace, which the signature names
+                signature = self._signature(plan, a, b, out, gathered, hook)
+        if signature is not None and self.graphs.record(
+                signature, lambda: self.issue(plan, a, b, out, call.name, gathered, hook, captured=True)):
             return out, gathered
         # A call the runtime let replay is not inside a capture; any other may be inside a user's.
         self.issue(plan, a, b, out, call.name, gathered, hook, call.timeout,

@@ -115,8 +115,11 @@ class CallGraphs:
         """Replay the graph of ``signature`` on the current stream, capturing ``issue()`` (which queues the call's
         work on the current stream and joins every other stream it uses back into it) into it first where this
         is the signature's ``capture_after``-th call. False: not replayed; the caller issues the call eagerly."""
-        if self.replay(signature):
-            return True
+        return self.replay(signature) or self.record(signature, issue)
+
+    def record(self, signature: Hashable, issue: Callable[[], None]) -> bool:
+        """``run`` for a signature that ``replay`` just found no graph for: count the call, and on its
+        ``capture_after``-th capture ``issue()`` and replay it. False: not replayed."""
         seen = self._seen.pop(signature, 0) + 1
         if seen < self.capture_after:
             self._seen[signature] = seen
