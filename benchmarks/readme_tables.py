@@ -298,15 +298,21 @@ def host_one_gpu(path: str) -> str:
     the same run (eager and replayed calls: their ratio) or beside ``torch.mm`` plus the collective issued directly
     (calls of the sequential plan: the difference)."""
     data = _load(path)
+    paired = any("paired_ratio" in row or "paired_extra_us" in row for row in data["rows"])
     lines = ["| op | path | mode | M, N, K | host (µs) | `torch.mm` (µs) | direct (µs) | host / `torch.mm` "
-             "| host - direct (µs) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| host - direct (µs) |" + (" paired: ratio / extra (µs) |" if paired else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if paired else "")]
     for row in data["rows"]:
         direct = row.get("direct_us")
         ratio = f"{row['host_us'] / row['torch_mm_us']:.1f}x" if direct is None and row.get("torch_mm_us") else "-"
         extra = f"{row['host_us'] - direct:+.0f}" if direct is not None else "-"
-        lines.append(f"| {OPS.get(row['op'], row['op'])} | {row['path']} | {row['mode']} | {row['M']}, {row['N']}, "
-                     f"{row['K']} | {_us(row['host_us'])} | {_us(row.get('torch_mm_us'))} | {_us(direct)} | {ratio} "
-                     f"| {extra} |")
+        line = (f"| {OPS.get(row['op'], row['op'])} | {row['path']} | {row['mode']} | {row['M']}, {row['N']}, "
+                f"{row['K']} | {_us(row['host_us'])} | {_us(row.get('torch_mm_us'))} | {_us(direct)} | {ratio} "
+                f"| {extra} |")
+        if paired:
+            line += (f" {row['paired_ratio']:.1f}x |" if "paired_ratio" in row
+                     else f" {row['paired_extra_us']:+.0f} |" if "paired_extra_us" in row else " - |")
+        lines.append(line)
     return "\n".join(lines) + "\n\n" + HOST_LEGEND + "\n\n" + _sourced(path, data["meta"])
 
 
@@ -315,7 +321,9 @@ HOST_LEGEND = (
     "place of symmetric memory): host cost, not two-GPU speed. Baselines, same run: `torch.mm` alone on the same "
     "operands (for `eager`, a P2P call issued afresh, and `replayed`, a repeated call replayed from a CUDA graph), "
     "and `direct`: `torch.mm` plus the same collective issued directly on a one-rank NCCL group (for `sequential`, "
-    "a call of the matmul-then-collective plan).</sub>")
+    "a call of the matmul-then-collective plan). Paired (where the file has it): the median over rounds of the "
+    "call's ratio to `torch.mm` (eager, replayed) or of its difference from `direct` (sequential) timed in the same "
+    "round, which a slow spell of the host that lasts a round moves less than the medians apart.</sub>")
 
 
 def moe_host_one_gpu(path: str) -> str:

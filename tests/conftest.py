@@ -7,6 +7,17 @@ import torch
 INITIAL_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 
 
+def pytest_configure(config):
+    """The multi-process tests' ranks fork from one server that has imported torch (``testing.start_context``):
+    start it now, so that it imports with the environment the session began with, whichever test spawns first."""
+    from flashoverlap.testing import start_context
+
+    if start_context().get_start_method() == "forkserver":
+        import multiprocessing.forkserver
+
+        multiprocessing.forkserver.ensure_running()
+
+
 def _globals() -> dict:
     """The process-wide torch entry points and switches that CPU tests stand in for (fake CUDA streams, a recording
     allocator) or flip: each must be the same after every test as before it."""

@@ -1,12 +1,12 @@
 """The plan cache: round trips, nearest-M selection, corrupt and foreign files, concurrent writers, the switches."""
 
 import json
-import multiprocessing as mp
 import warnings
 
 import pytest
 
 from flashoverlap.plan import Plan, TileConfig
+from flashoverlap.testing import start_context
 from flashoverlap.tune import cache
 from flashoverlap.tune.defaults import default_plan
 
@@ -94,7 +94,7 @@ def _write_many(args):
 
 
 def test_concurrent_writers_lose_nothing(cache_in):
-    with mp.get_context("spawn").Pool(4) as pool:
+    with start_context().Pool(4) as pool:
         pool.map(_write_many, [(str(cache_in), 1 + 10 * i) for i in range(4)])
     assert len(cache.load(KEY)) == 40
 

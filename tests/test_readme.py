@@ -139,6 +139,17 @@ def test_one_gpu_host_time_gives_ratios_to_torch_mm_and_differences_to_the_direc
         assert term in table, term
 
 
+def test_one_gpu_host_time_shows_the_paired_figures_where_the_file_has_them(tmp_path):
+    rows = [{"op": "all_reduce", "path": "p2p", "mode": "eager", "M": 8, "N": 16, "K": 32, "host_us": 300.0,
+             "torch_mm_us": 100.0, "direct_us": None, "paired_ratio": 2.46},
+            {"op": "all_reduce", "path": "nccl", "mode": "sequential", "M": 8, "N": 16, "K": 32, "host_us": 150.0,
+             "torch_mm_us": 50.0, "direct_us": 120.0, "paired_extra_us": 21.4}]
+    meta = {"gpus": "synthetic", "torch": "-", "commit": "0" * 40, "command": "none", "date": "2000-01-01"}
+    table = _renderer().host_one_gpu(_results(tmp_path, "host.json", meta, rows))
+    assert [row[7:] for row in _table(table)] == [["3.0x", "-", "2.5x"], ["-", "+30", "+21"]]
+    assert "paired" in table.splitlines()[0] and "same round" in table
+
+
 def test_the_grouped_gemm_table_compares_the_chosen_path_with_grouped_mm(tmp_path):
     row = {"config": "toy", "routing": "zipf", "proj": "up", "path": "triton", "experts": 4, "rows": 64,
            "t_ms": 2.0, "t_grouped_mm_ms": 2.5, "t_loop_ms": 3.0, "t_triton_ms": 1.5, "tile": {"block_m": 64}}

@@ -10,7 +10,9 @@ did not write), eager calls (``FLASHOVERLAP_REPLAY=0``) and replayed ones alike,
 (``replay.Matmul``) on new values held in the replayed graphs (the communicator is called with ``Call``s, as the
 runtime calls it); then the host time to issue one
 call (the GPU kept busy ahead of it) is printed for eager and replayed calls, beside ``torch.mm`` alone, timed
-interleaved (``bench.timing.host_us_interleaved``: one call of each per round, ``HOST_ROUNDS`` rounds, medians).
+interleaved (``bench.timing.host_us_interleaved``: one call of each per round, ``HOST_ROUNDS`` rounds, medians;
+also the paired figures, the median over rounds of a call's ratio to ``torch.mm`` and, for the sequential plan, of
+its difference from the direct call in the same round).
 
 CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py [out.json]
 """
@@ -141,10 +143,11 @@ def host_rows(comm, rank, world) -> list[dict]:
             comm.run(call)
         us = host_us_interleaved({"torch.mm": lambda a=a, b=b: torch.mm(a, b),
                                   **{mode: lambda call=call: comm.run(call) for mode, call in calls.items()}},
-                                 calls=HOST_ROUNDS)
+                                 calls=HOST_ROUNDS, pairs=tuple((mode, "torch.mm") for mode in calls))
         for mode in calls:
             rows.append({"op": op, "path": "p2p", "mode": mode, "M": m, "N": n, "K": k, "host_us": round(us[mode], 1),
-                         "torch_mm_us": round(us["torch.mm"], 1), "direct_us": None})
+                         "torch_mm_us": round(us["torch.mm"], 1), "direct_us": None,
+                         "paired_ratio": round(us[f"{mode} / torch.mm"], 2)})
         eager = Call(op, plan, a, b)
         profile = cProfile.Profile()
         for _ in range(10):
@@ -166,10 +169,10 @@ def host_rows(comm, rank, world) -> list[dict]:
 
         us = host_us_interleaved({"ours": lambda op=op, full=full, b=b: public[op](full, b, group=solo),
                                   "direct": direct, "torch.mm": lambda full=full, b=b: torch.mm(full, b)},
-                                 calls=HOST_ROUNDS)
+                                 calls=HOST_ROUNDS, pairs=(("ours", "direct"),))
         rows.append({"op": op, "path": "nccl", "mode": "sequential", "M": m, "N": n, "K": k,
                      "host_us": round(us["ours"], 1), "torch_mm_us": round(us["torch.mm"], 1),
-                     "direct_us": round(us["direct"], 1)})
+                     "direct_us": round(us["direct"], 1), "paired_extra_us": round(us["ours - direct"], 1)})
     return rows
 
 

@@ -63,9 +63,12 @@ def op_row(op, public, name, group) -> dict:
         "capture guard (not asked by the sequential plan)": lambda: guards.capturing(a),
         "device check": lambda: guards.on_current_device(a),
     }
-    us = host_us_interleaved(parts, calls=60)
+    us = host_us_interleaved(parts, calls=60, pairs=(("ours", "direct"),))
+    paired = us.pop("ours - direct")
+    us.pop("ours / direct")
     row = {"op": op, "M": M, "N": N, "K": K, **{key: round(value, 1) for key, value in us.items()}}
     row["ours - direct"] = round(us["ours"] - us["direct"], 1)
+    row["ours - direct, paired"] = round(paired, 1)  # the median of each round's difference
     print(json.dumps(row), flush=True)
     profile = cProfile.Profile()
     for _ in range(50):

@@ -44,3 +44,14 @@ def test_a_tuned_row_carries_the_hand_set_plan_timed_beside_it():
     add_default(row, 1.35, hand)
     assert row["t_default_ms"] == 1.35 and abs(row["E_default"] - 0.3) < 1e-12
     assert row["plan_default"]["groups"] == 6 and row["plan_default"]["comm_ctas"] == 8 and row["plan"]["groups"] == 3
+
+
+def test_paired_figures_are_medians_of_each_rounds_difference_and_ratio():
+    from flashoverlap.bench.timing import paired_figures
+
+    # Medians apart: 3 - 1 = 2 s. Round by round the call costs 0.5, 1 and 2 s more (median 1 s) and 2x, 1.11x and
+    # 3x as much (median 2x): a slow round moves both calls, and the paired figures with them.
+    times = {"ours": [1.0, 10.0, 3.0], "base": [0.5, 9.0, 1.0], "other": [0.0, 0.0, 0.0]}
+    figures = paired_figures(times, (("ours", "base"),))
+    assert figures == {"ours - base": 1e6, "ours / base": 2.0}
+    assert paired_figures(times, ()) == {}

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from flashoverlap.testing import start_context
 
 _INT_POISON = 1 << 40
 _GRACE = 20.0  # seconds the other ranks get to report once one has failed
@@ -41,7 +42,9 @@ def poison_allocations() -> None:
     torch.Tensor.new_empty = lambda self, *args, **kwargs: _poisoned(new_empty(self, *args, **kwargs))
 
 
-def _serve(rank: int, world: int, init_file: str, jobs, results) -> None:
+def _serve(rank: int, world: int, init_file: str, environ: dict, jobs, results) -> None:
+    os.environ.clear()  # the environment at the start of the ranks, not the forkserver's (testing.start_context)
+    os.environ.update(environ)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     poison_allocations()
     try:
@@ -63,12 +66,13 @@ class Ranks:
 
     def __init__(self, world: int) -> None:
         self.world = world
-        ctx = mp.get_context("spawn")
+        ctx = start_context()
         self._tmp = tempfile.TemporaryDirectory(prefix="flashoverlap-moe-")
         init_file = os.path.join(self._tmp.name, "rendezvous")
         self._jobs = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_serve, args=(r, world, init_file, self._jobs[r], self._results),
+        environ = dict(os.environ)
+        self._procs = [ctx.Process(target=_serve, args=(r, world, init_file, environ, self._jobs[r], self._results),
                                    daemon=True) for r in range(world)]
         for p in self._procs:
             p.start()

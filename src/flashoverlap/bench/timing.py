@@ -40,10 +40,15 @@ def host_us(fn: Callable[[], object], calls: int = 20, sleep_cycles: int = QUEUE
 
 
 def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
-                        sleep_cycles: int = QUEUE_AHEAD_CYCLES) -> dict[str, float]:
+                        sleep_cycles: int = QUEUE_AHEAD_CYCLES,
+                        pairs: tuple[tuple[str, str], ...] = ()) -> dict[str, float]:
     """``host_us`` of several callables measured side by side: each round times one call of each, in an order
     that rotates from round to round, so that slow and fast spells of the host fall on all of them alike (one
-    call's host time, right after the ranks align and the GPU is given work, varies by 2x from run to run)."""
+    call's host time, right after the ranks align and the GPU is given work, varies by 2x from run to run).
+
+    For each ``(name, baseline)`` in ``pairs`` the result also holds, under ``"name - baseline"``, the median over
+    rounds of the two calls' difference in the same round (microseconds), and under ``"name / baseline"`` the median
+    of their ratio: paired figures, which a slow spell that lasts a round moves less than the medians apart."""
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(calls):
@@ -57,7 +62,18 @@ def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
             fns[name]()
             times[name].append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return {name: 1e6 * statistics.median(values) for name, values in times.items()}
+    return {**{name: 1e6 * statistics.median(values) for name, values in times.items()}, **paired_figures(times, pairs)}
+
+
+def paired_figures(times: dict[str, list[float]], pairs: tuple[tuple[str, str], ...]) -> dict[str, float]:
+    """Per ``(name, baseline)``: the median over rounds of ``name``'s time minus ``baseline``'s (microseconds) and of
+    their ratio, ``times`` holding each callable's seconds round by round."""
+    figures = {}
+    for name, baseline in pairs:
+        rounds = list(zip(times[name], times[baseline]))
+        figures[f"{name} - {baseline}"] = 1e6 * statistics.median(ours - base for ours, base in rounds)
+        figures[f"{name} / {baseline}"] = statistics.median(ours / base for ours, base in rounds)
+    return figures
 
 
 def time_ms(

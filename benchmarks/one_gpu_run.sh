@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call on ONE GPU (the two-GPU kinds withheld): the tests that need one GPU (compiled kernels), the
+# ranks of flashoverlap.testing.spawn on a one-rank NCCL group (the forkserver start with CUDA), then the one-GPU
+# diagnostics that write the committed results: P2P mechanics and host time (two processes), the expert paths'
+# mechanics and an MoE layer's host time (two processes), the sequential plan's host time in parts (one process).
+# Logs and JSON land in $OUT.
+# Usage: FLASHOVERLAP_COMMIT=$(git rev-parse --short=10 HEAD) [STEPS="tests spawn p2p moe sequential"] \
+#        bash benchmarks/one_gpu_run.sh
+# (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
+STEPS=${STEPS-tests spawn p2p moe sequential}
+commit=${FLASHOVERLAP_COMMIT:-unknown}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests (the rest skip or run on CPU)
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:randomly tests/kernels > "$OUT/gpu-tests-$commit.log" 2>&1
+    echo "tests: exit $?"; tail -3 "$OUT/gpu-tests-$commit.log"
+fi
+if has spawn; then  # testing.spawn's ranks (forkserver) reach CUDA: the demo's rank body on a one-rank NCCL group
+    timeout 120 python3 -c '
+from flashoverlap.demo import _run
+from flashoverlap.testing import spawn, start_context
+print(start_context().get_start_method(), spawn(_run, 1, "nccl", args=("all_reduce", 512, 256, 384, "bfloat16", True)))
+' > "$OUT/spawn-$commit.log" 2>&1; echo "spawn: exit $?"; tail -3 "$OUT/spawn-$commit.log"
+fi
+if has p2p; then
+    CUDA_VISIBLE_DEVICES=0 timeout ${P2P_TIMEOUT:-300} torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py \
+        "$OUT/h200x1-host.json" > "$OUT/p2p-one-gpu-$commit.log" 2>&1; echo "p2p: exit $?"
+    grep -E "checked|Error|error" "$OUT/p2p-one-gpu-$commit.log" | tail -5
+fi
+if has moe; then
+    CUDA_VISIBLE_DEVICES=0 timeout ${MOE_TIMEOUT:-300} torchrun --nproc-per-node 2 benchmarks/diagnostics/moe_one_gpu.py \
+        "$OUT/h200x1-moe-host.json" > "$OUT/moe-one-gpu-$commit.log" 2>&1; echo "moe: exit $?"
+    grep -E "checked|Error|error" "$OUT/moe-one-gpu-$commit.log" | tail -5
+fi
+if has sequential; then
+    timeout ${SEQ_TIMEOUT:-180} torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py \
+        "$OUT/sequential-host-$commit.json" > "$OUT/sequential-host-$commit.log" 2>&1; echo "sequential: exit $?"
+    grep -E "^\{" "$OUT/sequential-host-$commit.log" | cut -c1-400
+fi
