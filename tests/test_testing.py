@@ -16,7 +16,7 @@ def _report(rank, world_size, name):
     before, _touched = _touched, rank
     print(f"rank {rank} of {world_size} says hello")
     print(f"rank {rank} warns", file=sys.stderr)
-    return before, os.environ.get(name), os.environ.get("FLASHOVERLAP_TEST_GONE")
+    return before, os.environ.get(name), os.environ.get("FLASHOVERLAP_TEST_GONE"), "PATH" in os.environ
 
 
 def _fail(rank, world_size):
@@ -28,10 +28,12 @@ def test_ranks_see_the_callers_environment_at_the_call_and_start_fresh(monkeypat
     monkeypatch.setenv("FLASHOVERLAP_TEST_SET", "set after the session began")
     monkeypatch.setenv("FLASHOVERLAP_TEST_GONE", "removed before the call")
     monkeypatch.delenv("FLASHOVERLAP_TEST_GONE")
+    assert "PATH" in os.environ  # set when the session (and the forkserver) began; removed for this call
+    monkeypatch.delenv("PATH")
     first = spawn(_report, 2, args=("FLASHOVERLAP_TEST_SET",))
-    assert first == [(None, "set after the session began", None)] * 2
+    assert first == [(None, "set after the session began", None, False)] * 2
     again = spawn(_report, 2, args=("FLASHOVERLAP_TEST_SET",), env={"FLASHOVERLAP_TEST_SET": "given"})
-    assert again == [(None, "given", None)] * 2  # env wins; no rank of the first call is reused
+    assert again == [(None, "given", None, False)] * 2  # env wins; no rank of the first call is reused
     out, err = capfd.readouterr()
     assert out.count("rank 0 of 2 says hello") == 2 and out.count("rank 1 of 2 says hello") == 2
     assert err.count("rank 1 warns") == 2

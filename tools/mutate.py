@@ -43,8 +43,21 @@ PLAN_TEST = "tests/test_plan.py"
 GUARDS = "src/flashoverlap/guards.py"
 GUARDS_TEST = "tests/test_guards.py"
 
+TESTING = "src/flashoverlap/testing.py"
+TESTING_TEST = "tests/test_testing.py"
+TIMING = "src/flashoverlap/bench/timing.py"
+
 # (name, what it breaks, file, exact text, replacement, tests)
 MUTATIONS = [
+    ("spawn-keeps-the-forkservers-environment", "testing.spawn: a rank keeps the environment the forkserver started "
+     "with, adding the caller's on top (a variable the caller removed survives)", TESTING,
+     "    os.environ.clear()  # the caller's environment at the call (env included), not the forkserver's\n", "",
+     TESTING_TEST),
+    ("spawn-output-not-relayed", "testing.spawn: what the ranks print never reaches the caller's streams", TESTING,
+     "            _relay(output, world_size)\n", "            pass\n", TESTING_TEST),
+    ("paired-figures-are-medians-apart", "bench.timing: the paired difference is the difference of the medians",
+     TIMING, "1e6 * statistics.median(ours - base for ours, base in rounds)",
+     "1e6 * (statistics.median(times[name]) - statistics.median(times[baseline]))", "tests/bench/test_rows.py"),
     ("debug-deadline-per-wait", "Debug mode: each of a call's waits gets its own deadline, so a stuck call takes "
      "longer than the timeout to raise", GUARDS, "poll_until(event.query, deadline, lambda what=what: failure(what))",
      "poll_until(event.query, time.monotonic() + timeout, lambda what=what: failure(what))", GUARDS_TEST),
