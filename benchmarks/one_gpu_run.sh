@@ -21,8 +21,8 @@ fi
 if has spawn; then  # testing.spawn's ranks (forkserver) reach CUDA: the demo's rank body on a one-rank NCCL group
     timeout 120 python3 -c '
 from flashoverlap.demo import _run
-from flashoverlap.testing import spawn, start_context
-print(start_context().get_start_method(), spawn(_run, 1, "nccl", args=("all_reduce", 512, 256, 384, "bfloat16", True)))
+from flashoverlap.testing import rank_context, spawn
+print(rank_context().get_start_method(), spawn(_run, 1, "nccl", args=("all_reduce", 512, 256, 384, "bfloat16", True)))
 ' > "$OUT/spawn-$commit.log" 2>&1; echo "spawn: exit $?"; tail -3 "$OUT/spawn-$commit.log"
 fi
 if has p2p; then

@@ -8,14 +8,12 @@ INITIAL_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 
 
 def pytest_configure(config):
-    """The multi-process tests' ranks fork from one server that has imported torch (``testing.start_context``):
-    start it now, so that it imports with the environment the session began with, whichever test spawns first."""
-    from flashoverlap.testing import start_context
+    """The multi-process tests' ranks fork from one server that has imported torch (``testing.rank_context``): start
+    it now, with the environment the session began with. Started by a test that had changed a variable read at
+    import, it would send every later call to fresh interpreters (correct, but slow)."""
+    from flashoverlap.testing import rank_context
 
-    if start_context().get_start_method() == "forkserver":
-        import multiprocessing.forkserver
-
-        multiprocessing.forkserver.ensure_running()
+    rank_context()
 
 
 def _globals() -> dict:

@@ -1,12 +1,13 @@
 """The plan cache: round trips, nearest-M selection, corrupt and foreign files, concurrent writers, the switches."""
 
 import json
+import os
 import warnings
 
 import pytest
 
 from flashoverlap.plan import Plan, TileConfig
-from flashoverlap.testing import start_context
+from flashoverlap.testing import apply_environ, rank_context
 from flashoverlap.tune import cache
 from flashoverlap.tune.defaults import default_plan
 
@@ -86,15 +87,13 @@ def test_an_invalid_entry_is_skipped():
 
 def _write_many(args):
     directory, first = args
-    import os
-
     os.environ["FLASHOVERLAP_CACHE_DIR"] = directory
     for m in range(first, first + 10):
         cache.store(KEY, default_plan("all_reduce", 128 * m, 1024, 1024, 2, allow_sequential=False))
 
 
 def test_concurrent_writers_lose_nothing(cache_in):
-    with start_context().Pool(4) as pool:
+    with rank_context().Pool(4, initializer=apply_environ, initargs=(dict(os.environ),)) as pool:
         pool.map(_write_many, [(str(cache_in), 1 + 10 * i) for i in range(4)])
     assert len(cache.load(KEY)) == 40
 

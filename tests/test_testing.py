@@ -1,14 +1,17 @@
 """``flashoverlap.testing.spawn``, which every multi-process test stands on: fresh ranks per call, the caller's
-environment at the call, the ranks' output on the caller's streams, a rank's failure raised in the caller."""
+environment at the call, the ranks' output on the caller's streams while they run, a rank's failure raised in the
+caller, a rank that ends without reporting or a call that never ends turned into an error in bounded time."""
 
 import os
 import sys
+import time
 
 import pytest
 
-from flashoverlap.testing import spawn
+from flashoverlap import testing
+from flashoverlap.testing import apply_environ, rank_context, spawn
 
-_touched = None  # a module global a rank sets: a rank of a later call must not see it
+_touched = None  # a module global a rank sets: a rank of a later call must not see it (no rank is reused)
 
 
 def _report(rank, world_size, name):
@@ -16,29 +19,97 @@ def _report(rank, world_size, name):
     before, _touched = _touched, rank
     print(f"rank {rank} of {world_size} says hello")
     print(f"rank {rank} warns", file=sys.stderr)
-    return before, os.environ.get(name), os.environ.get("FLASHOVERLAP_TEST_GONE"), "PATH" in os.environ
+    return before, os.environ.get(name), os.environ.get("FLASHOVERLAP_TEST_GONE")
 
 
 def _fail(rank, world_size):
+    print(f"rank {rank} was here")
     if rank == 1:
         raise ValueError("rank one refuses")
+
+
+def _vanish(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+
+
+def _hang(rank, world_size):
+    print(f"rank {rank} started", flush=True)
+    time.sleep(600)
+
+
+def _salt(rank, world_size):
+    return hash("flashoverlap")
 
 
 def test_ranks_see_the_callers_environment_at_the_call_and_start_fresh(monkeypatch, capfd):
     monkeypatch.setenv("FLASHOVERLAP_TEST_SET", "set after the session began")
     monkeypatch.setenv("FLASHOVERLAP_TEST_GONE", "removed before the call")
     monkeypatch.delenv("FLASHOVERLAP_TEST_GONE")
-    assert "PATH" in os.environ  # set when the session (and the forkserver) began; removed for this call
-    monkeypatch.delenv("PATH")
     first = spawn(_report, 2, args=("FLASHOVERLAP_TEST_SET",))
-    assert first == [(None, "set after the session began", None, False)] * 2
+    assert first == [(None, "set after the session began", None)] * 2
     again = spawn(_report, 2, args=("FLASHOVERLAP_TEST_SET",), env={"FLASHOVERLAP_TEST_SET": "given"})
-    assert again == [(None, "given", None, False)] * 2  # env wins; no rank of the first call is reused
+    assert again == [(None, "given", None)] * 2  # env wins; no rank of the first call is reused
     out, err = capfd.readouterr()
     assert out.count("rank 0 of 2 says hello") == 2 and out.count("rank 1 of 2 says hello") == 2
     assert err.count("rank 1 warns") == 2
 
 
-def test_a_failing_rank_is_raised_with_its_traceback():
+def test_a_rank_takes_exactly_the_environment_it_is_handed():
+    environ = {"KEPT": "1", "CHANGED": "old", "GONE": "x"}
+    apply_environ({"KEPT": "1", "CHANGED": "new", "ADDED": "y"}, environ)
+    assert environ == {"KEPT": "1", "CHANGED": "new", "ADDED": "y"}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver is used on Linux only")
+def test_variables_read_at_import_send_the_call_to_fresh_interpreters(monkeypatch):
+    server = rank_context()
+    assert server.get_start_method() == "forkserver"
+    assert rank_context(dict(os.environ, FLASHOVERLAP_DEBUG_TIMEOUT="5", NCCL_P2P_DISABLE="1")) is server
+    assert rank_context(dict(os.environ, OMP_NUM_THREADS="1")).get_start_method() == "spawn"
+    without_path = dict(os.environ)
+    without_path.pop("PATH")
+    assert rank_context(without_path).get_start_method() == "spawn"
+    assert rank_context(fresh=True).get_start_method() == "spawn"
+
+
+def test_fresh_ranks_salt_their_string_hashes_apart():
+    first, second = spawn(_salt, 2, fresh=True)
+    assert first != second  # as separate machines' processes do (equal by chance with probability 2**-64)
+
+
+def test_a_failing_rank_is_raised_with_its_traceback_and_every_ranks_output(capfd):
     with pytest.raises(RuntimeError, match="rank 1 failed:(.|\n)*ValueError: rank one refuses"):
         spawn(_fail, 2)
+    out, _ = capfd.readouterr()
+    assert "rank 0 was here" in out and "rank 1 was here" in out
+
+
+def test_a_rank_that_ends_without_reporting_is_an_error_at_once():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 ended \\(exit code 3\\) without reporting"):
+        spawn(_vanish, 2, timeout=120)
+    assert time.monotonic() - start < 60
+
+
+def test_a_call_that_never_ends_is_an_error_after_its_timeout_with_what_the_ranks_printed(capfd):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not all report within 3 s"):
+        spawn(_hang, 2, timeout=3)
+    assert time.monotonic() - start < 60
+    out, _ = capfd.readouterr()
+    assert "rank 0 started" in out and "rank 1 started" in out
+
+
+def test_the_others_get_a_grace_period_once_a_rank_has_failed(monkeypatch):
+    monkeypatch.setattr(testing, "FAILURE_GRACE", 2.0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        spawn(_fail_while_the_other_hangs, 2, timeout=300)
+    assert time.monotonic() - start < 60
+
+
+def _fail_while_the_other_hangs(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    time.sleep(600)

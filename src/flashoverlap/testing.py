@@ -5,22 +5,34 @@ the plain PyTorch code every op must equal (``plain``).
 process group through a ``file://`` store in a fresh temporary directory (never a fixed port), runs
 ``fn(rank, world_size, *args)`` in each, and raises in the parent if any rank failed, with that rank's traceback.
 
-Where the platform has it, the ranks are forked from a ``forkserver`` that has imported torch and flashoverlap
-once (``start_context``): a fresh interpreter per rank paid that import, seconds per rank on a CPU machine, in every
-call. Each rank is still a new process (no state passes from one ``spawn`` to the next: the server only imports,
-it never runs a rank's work or touches CUDA). The server keeps the environment it started with, so every rank is
-handed the caller's ``os.environ`` as it is at the call, and applies it before anything else. Likewise the
-server's stdout and stderr are not the caller's: each rank prints into files that are copied, once the ranks have
-ended, onto the caller's own ``sys.stdout`` and ``sys.stderr`` (where a test runner captures them for the test).
+On Linux the ranks are forked from a ``forkserver`` that imported torch and flashoverlap once (``rank_context``): a
+fresh interpreter per rank paid that import, seconds per rank on a CPU machine, at every call. Each rank is still a
+new process (nothing passes from one call to the next: the server only imports; it never runs a rank's work or
+touches CUDA). What differs from fresh interpreters, and how it is handled:
+
+- The server keeps the environment it started with: each rank is handed the caller's ``os.environ`` as it is at the
+  call (``env`` on top) and takes it as its own before anything else (``apply_environ``). A variable read when torch
+  is imported (``OMP_NUM_THREADS``, ``TORCH_LOGS``, ...) would come too late that way: a call whose environment
+  differs from the server's in anything but the variables read only once work runs (``READ_AT_WORK``: flashoverlap's,
+  NCCL's, CUDA's, pytest's) starts its ranks in fresh interpreters.
+- Forked ranks share the server's string-hash salt, where separate machines' processes do not: ``fresh=True`` starts
+  fresh interpreters, for tests of what ranks must agree on.
+- The server's stdout and stderr are not the caller's: each rank prints into files that are copied onto the
+  caller's own ``sys.stdout`` and ``sys.stderr`` while the call waits (where a test runner captures them).
+
+A rank that fails makes the call raise with its traceback once the others have reported or had ``FAILURE_GRACE``
+seconds to; a rank that ends without reporting, at once; a call not done within ``timeout``, then.
 """
 
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import sys
 import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
@@ -28,31 +40,51 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _PRELOAD = ["torch", "torch.distributed", "flashoverlap"]
-_START = None  # the context start_context() made, kept for the process
+# Environment variables read only once a rank runs its work, never while torch or flashoverlap is imported.
+READ_AT_WORK = ("FLASHOVERLAP_", "NCCL_", "TORCH_NCCL_", "CUDA_", "PYTEST_")
+FAILURE_GRACE = 20.0  # seconds the other ranks get to report once one has failed (they may wait for it)
+_POLL = 0.2  # seconds between looks at the ranks (their output relayed, an ended rank noticed)
+_server: tuple | None = None  # (the forkserver context, the environment the server started with), once started
 
 
-def start_context():
-    """The start method of the ranks: ``forkserver`` preloading ``_PRELOAD`` where the platform has it, else
-    ``spawn`` (both start ranks without the caller's CUDA state, which a forked CUDA context could not use)."""
-    global _START
-    if _START is None:
-        if "forkserver" in mp.get_all_start_methods():
-            _START = mp.get_context("forkserver")
-            _START.set_forkserver_preload(_PRELOAD)
-        else:
-            _START = mp.get_context("spawn")
-    return _START
+def rank_context(environ: dict | None = None, fresh: bool = False):
+    """The start method for ranks that will run with ``environ`` (default: this process's): the forkserver (Linux;
+    started at the first call, with this process's environment then) unless ``fresh`` or ``environ`` differs from
+    the server's in a variable outside ``READ_AT_WORK``; else ``spawn``. Both start ranks without the caller's CUDA
+    state, which a forked CUDA context could not use."""
+    global _server
+    if fresh or sys.platform != "linux" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if _server is None:
+        from multiprocessing import forkserver
+
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+        forkserver.ensure_running()
+        _server = (context, dict(os.environ))
+    context, server_environ = _server
+    environ = os.environ if environ is None else environ
+    differ = (environ.keys() ^ server_environ.keys()) | {
+        name for name in environ.keys() & server_environ.keys() if environ[name] != server_environ[name]}
+    if any(not name.startswith(READ_AT_WORK) for name in differ):
+        return mp.get_context("spawn")
+    return context
+
+
+def apply_environ(environ: dict, target: MutableMapping[str, str] = os.environ) -> None:
+    """Make ``target`` (a rank's ``os.environ``) exactly ``environ``: the caller's variables, not the forkserver's."""
+    target.clear()
+    target.update(environ)
 
 
 def _worker(rank: int, fn: Callable, world_size: int, backend: str, init_file: str, env: dict, args: tuple, queue,
             output: str):
-    os.environ.clear()  # the caller's environment at the call (env included), not the forkserver's
-    os.environ.update(env)
-    for fd, suffix in ((1, "out"), (2, "err")):  # the forkserver's stdout and stderr are not the caller's: to files
-        log = os.open(f"{output}.{rank}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(log, fd)
-        os.close(log)
     try:
+        apply_environ(env)
+        for fd, suffix in ((1, "out"), (2, "err")):  # the server's stdout and stderr are not the caller's: to files
+            log = os.open(f"{output}.{rank}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(log, fd)
+            os.close(log)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device_id = torch.device("cuda", torch.cuda.current_device())
@@ -72,19 +104,22 @@ def _worker(rank: int, fn: Callable, world_size: int, backend: str, init_file: s
         sys.stderr.flush()
 
 
-def _relay(output: str, world_size: int) -> None:
-    """What each rank printed, in rank order, on the caller's own stdout and stderr (where a test runner captures
-    it for the test that spawned the ranks)."""
+def _relay(output: str, world_size: int, offsets: dict) -> None:
+    """What each rank printed since the last look (``offsets``: bytes already copied, per file), in rank order, onto
+    the caller's own stdout and stderr."""
     for rank in range(world_size):
         for stream, suffix in ((sys.stdout, "out"), (sys.stderr, "err")):
+            path = f"{output}.{rank}.{suffix}"
             try:
-                with open(f"{output}.{rank}.{suffix}", errors="replace") as f:
-                    text = f.read()
-            except FileNotFoundError:  # the rank died before it opened its files
+                with open(path, "rb") as f:
+                    f.seek(offsets.get(path, 0))
+                    data = f.read()
+            except FileNotFoundError:  # not opened yet, or the rank ended before it opened it
                 continue
-            if text:
-                stream.write(text)
-        sys.stdout.flush()
+            if data:
+                offsets[path] = offsets.get(path, 0) + len(data)
+                stream.write(data.decode(errors="replace"))
+                stream.flush()
 
 
 def spawn(
@@ -94,42 +129,60 @@ def spawn(
     args: tuple = (),
     env: dict[str, str] | None = None,
     timeout: float = 600.0,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result, in rank order.
 
     ``fn`` must be importable (a module-level function). ``env`` is applied in each child before the process group
-    and any CUDA context exist (so e.g. ``CUDA_DEVICE_MAX_CONNECTIONS`` takes effect there).
+    and any CUDA context exist (so e.g. ``CUDA_DEVICE_MAX_CONNECTIONS`` takes effect there). ``fresh``: every rank a
+    new interpreter (its own string-hash salt, as on separate machines), not a fork of the preloaded server.
     """
-    ctx = start_context()
+    environ = {**os.environ, **(env or {})}
+    ctx = rank_context(environ, fresh)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="flashoverlap-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         output = os.path.join(tmp, "rank")  # rank r prints into output.r.out and output.r.err
-        procs = [
-            ctx.Process(
-                target=_worker,
-                args=(rank, fn, world_size, backend, init_file, {**os.environ, **(env or {})}, args, queue, output),
-            )
-            for rank in range(world_size)
-        ]
+        procs = [ctx.Process(target=_worker, args=(rank, fn, world_size, backend, init_file, environ, args, queue,
+                                                  output)) for rank in range(world_size)]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        offsets: dict[str, int] = {}
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world_size):
-                rank, status, payload = queue.get(timeout=timeout)
+            while len(results) + len(errors) < world_size:
+                try:
+                    rank, status, payload = queue.get(timeout=_POLL)
+                except queue_module.Empty:
+                    _relay(output, world_size, offsets)
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise RuntimeError(f"spawn: ranks did not all report within {timeout} s") from None
+                    ended = [r for r, p in enumerate(procs) if r not in results and r not in errors
+                             and not p.is_alive()]
+                    if ended and queue.empty():
+                        time.sleep(_POLL)  # a report sent just before the rank ended may still be on its way
+                        if queue.empty():
+                            raise RuntimeError(f"spawn: rank {ended[0]} ended (exit code {procs[ended[0]].exitcode}) "
+                                               "without reporting") from None
+                    continue
                 (results if status == "ok" else errors)[rank] = payload
-        except Exception as exc:  # a rank died without reporting, or timed out
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"spawn: ranks did not all report within {timeout} s: {exc!r}") from None
+                if errors:
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+        except RuntimeError:
+            if not errors:
+                for p in procs:
+                    p.kill()
+                raise
         finally:
             for p in procs:
-                p.join(timeout=60)
+                p.join(timeout=0.1 if errors or len(results) < world_size else 60)
                 if p.is_alive():
                     p.kill()
-            _relay(output, world_size)
+                    p.join()
+            _relay(output, world_size, offsets)
         if errors:
             first = min(errors)
             raise RuntimeError(f"rank {first} failed:\n{errors[first]}")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flashoverlap.testing import start_context
+from flashoverlap.testing import apply_environ, rank_context
 
 _INT_POISON = 1 << 40
 _GRACE = 20.0  # seconds the other ranks get to report once one has failed
@@ -43,8 +43,7 @@ def poison_allocations() -> None:
 
 
 def _serve(rank: int, world: int, init_file: str, environ: dict, jobs, results) -> None:
-    os.environ.clear()  # the environment at the start of the ranks, not the forkserver's (testing.start_context)
-    os.environ.update(environ)
+    apply_environ(environ)  # the environment at the start of the ranks, not the forkserver's (testing.rank_context)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     poison_allocations()
     try:
@@ -66,12 +65,12 @@ class Ranks:
 
     def __init__(self, world: int) -> None:
         self.world = world
-        ctx = start_context()
+        environ = dict(os.environ)
+        ctx = rank_context(environ)
         self._tmp = tempfile.TemporaryDirectory(prefix="flashoverlap-moe-")
         init_file = os.path.join(self._tmp.name, "rendezvous")
         self._jobs = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
-        environ = dict(os.environ)
         self._procs = [ctx.Process(target=_serve, args=(r, world, init_file, environ, self._jobs[r], self._results),
                                    daemon=True) for r in range(world)]
         for p in self._procs:

@@ -127,6 +127,8 @@ def _disagree(rank, world_size, what):
 
     import pytest
 
+    from flashoverlap.testing import plain
+
     os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "5"
     dtype = torch.float16 if (what == "dtype" and rank == 1) else torch.bfloat16
     m = 8 + (2 if what == "shape" and rank == 1 else 0)
@@ -140,17 +142,29 @@ def _disagree(rank, world_size, what):
         with pytest.raises(RuntimeError, match=r"rank 0: gemm_all_reduce on group .* waited more than 5 s"):
             fo.gemm_all_reduce(a, b)
         return "timed out"
+    if what in ("same plan", "plan"):  # a plan given: the same on both ranks, or another tiling on rank 1
+        tile = fo.TileConfig(32 if what == "plan" and rank == 1 else 64, 64, 32, 8, 3, 4)
+        plan = fo.default_plan("all_reduce", m, 6, 4, world_size, tile=tile, allow_sequential=False)
+        if what == "same plan":
+            torch.testing.assert_close(fo.gemm_all_reduce(a, b, plan=plan), plain("all_reduce", a, b))
+            return "agreed"
+        with pytest.raises(ValueError, match="disagree on plan"):
+            fo.gemm_all_reduce(a, b, plan=plan)
+        return "refused"
     with pytest.raises(ValueError, match=f"disagree on {'dtype' if what == 'dtype' else 'M'}"):
         fo.gemm_all_reduce(a, b)
     return "refused"
 
 
-@pytest.mark.parametrize("what", ["dtype", "shape", "skip"])
+@pytest.mark.parametrize("what", ["dtype", "shape", "skip", "plan", "same plan"])
 def test_debug_mode_catches_ranks_that_disagree_or_never_come(what):
     from flashoverlap.testing import spawn
 
-    results = spawn(_disagree, 2, args=(what,))
-    assert results == (["timed out", "skipped"] if what == "skip" else ["refused", "refused"])
+    # Fresh interpreters: each rank its own string-hash salt, as on separate machines, so that what the ranks compare
+    # cannot agree by a salt they happen to share.
+    results = spawn(_disagree, 2, args=(what,), fresh=True)
+    expected = {"skip": ["timed out", "skipped"], "same plan": ["agreed", "agreed"]}
+    assert results == expected.get(what, ["refused", "refused"])
 
 
 def test_float32_runs_any_plan_on_the_reference_path_but_no_overlapped_one_on_cuda(world_of_one):
