@@ -16,6 +16,14 @@ def pytest_configure(config):
     rank_context()
 
 
+def pytest_terminal_summary(terminalreporter):
+    from flashoverlap.testing import fresh_because
+
+    if fresh_because():
+        terminalreporter.write_line(f"testing.spawn started fresh interpreters (not the forkserver's forks) because "
+                                    f"these variables had changed: {', '.join(fresh_because())}")
+
+
 def _globals() -> dict:
     """The process-wide torch entry points and switches that CPU tests stand in for (fake CUDA streams, a recording
     allocator) or flip: each must be the same after every test as before it."""

@@ -63,14 +63,19 @@ def test_a_rank_takes_exactly_the_environment_it_is_handed():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the forkserver is used on Linux only")
 def test_variables_read_at_import_send_the_call_to_fresh_interpreters(monkeypatch):
+    monkeypatch.setattr(testing, "_fresh_because", set())  # what this test sends is not the session's to report
     server = rank_context()
     assert server.get_start_method() == "forkserver"
     assert rank_context(dict(os.environ, FLASHOVERLAP_DEBUG_TIMEOUT="5", NCCL_P2P_DISABLE="1")) is server
+    # What torch.compile's inductor leaves in the environment of a process that compiled (as tests here do).
+    assert rank_context(dict(os.environ, TORCHINDUCTOR_CACHE_DIR="/tmp/x",
+                             _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR="1")) is server
     assert rank_context(dict(os.environ, OMP_NUM_THREADS="1")).get_start_method() == "spawn"
     without_path = dict(os.environ)
     without_path.pop("PATH")
     assert rank_context(without_path).get_start_method() == "spawn"
     assert rank_context(fresh=True).get_start_method() == "spawn"
+    assert testing.fresh_because() == ["OMP_NUM_THREADS", "PATH"]
 
 
 def test_fresh_ranks_salt_their_string_hashes_apart():

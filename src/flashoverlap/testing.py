@@ -40,11 +40,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _PRELOAD = ["torch", "torch.distributed", "flashoverlap"]
-# Environment variables read only once a rank runs its work, never while torch or flashoverlap is imported.
-READ_AT_WORK = ("FLASHOVERLAP_", "NCCL_", "TORCH_NCCL_", "CUDA_", "PYTEST_")
+# Environment variables read only once a rank runs its work, never while torch or flashoverlap is imported
+# (torch.compile's inductor sets two of its own in the process that compiles).
+READ_AT_WORK = ("FLASHOVERLAP_", "NCCL_", "TORCH_NCCL_", "CUDA_", "PYTEST_", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")
 FAILURE_GRACE = 20.0  # seconds the other ranks get to report once one has failed (they may wait for it)
 _POLL = 0.2  # seconds between looks at the ranks (their output relayed, an ended rank noticed)
 _server: tuple | None = None  # (the forkserver context, the environment the server started with), once started
+_fresh_because: set[str] = set()  # variables that sent a call to fresh interpreters (``fresh_because``)
 
 
 def rank_context(environ: dict | None = None, fresh: bool = False):
@@ -66,9 +68,16 @@ def rank_context(environ: dict | None = None, fresh: bool = False):
     environ = os.environ if environ is None else environ
     differ = (environ.keys() ^ server_environ.keys()) | {
         name for name in environ.keys() & server_environ.keys() if environ[name] != server_environ[name]}
-    if any(not name.startswith(READ_AT_WORK) for name in differ):
+    read_at_import = {name for name in differ if not name.startswith(READ_AT_WORK)}
+    if read_at_import:
+        _fresh_because.update(read_at_import)
         return mp.get_context("spawn")
     return context
+
+
+def fresh_because() -> list[str]:
+    """The variables whose change, in this process, sent a call's ranks to fresh interpreters (slower, not wrong)."""
+    return sorted(_fresh_because)
 
 
 def apply_environ(environ: dict, target: MutableMapping[str, str] = os.environ) -> None:
