@@ -14,7 +14,7 @@ touches CUDA). What differs from fresh interpreters, and how it is handled:
   call (``env`` on top) and takes it as its own before anything else (``apply_environ``). A variable read when torch
   is imported (``OMP_NUM_THREADS``, ``TORCH_LOGS``, ...) would come too late that way: a call whose environment
   differs from the server's in anything but the variables read only once work runs (``READ_AT_WORK``: flashoverlap's,
-  NCCL's, CUDA's, pytest's) starts its ranks in fresh interpreters.
+  NCCL's, CUDA's, pytest's, inductor's) starts its ranks in fresh interpreters.
 - Forked ranks share the server's string-hash salt, where separate machines' processes do not: ``fresh=True`` starts
   fresh interpreters, for tests of what ranks must agree on.
 - The server's stdout and stderr are not the caller's: each rank prints into files that are copied onto the
@@ -166,8 +166,7 @@ def spawn(
                     rank, status, payload = queue.get(timeout=_POLL)
                 except queue_module.Empty:
                     _relay(output, world_size, offsets)
-                    now = time.monotonic()
-                    if now > deadline:
+                    if time.monotonic() > deadline:
                         raise RuntimeError(f"spawn: ranks did not all report within {timeout} s") from None
                     ended = [r for r, p in enumerate(procs) if r not in results and r not in errors
                              and not p.is_alive()]
