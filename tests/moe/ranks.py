@@ -20,10 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flashoverlap.testing import apply_environ, rank_context
+from flashoverlap.testing import FAILURE_GRACE, apply_environ, rank_context
 
 _INT_POISON = 1 << 40
-_GRACE = 20.0  # seconds the other ranks get to report once one has failed
 
 
 def _poisoned(t: torch.Tensor) -> torch.Tensor:
@@ -88,7 +87,7 @@ class Ranks:
         try:
             for _ in range(self.world):
                 # Once a rank has failed, the others may wait for it in a collective: give them a little while.
-                rank, status, payload = self._results.get(timeout=_GRACE if errors else timeout)
+                rank, status, payload = self._results.get(timeout=FAILURE_GRACE if errors else timeout)
                 (results if status == "ok" else errors)[rank] = payload
         except queue.Empty:
             self.broken = True
