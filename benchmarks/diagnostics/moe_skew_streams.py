@@ -173,7 +173,7 @@ class PathSplit:
         dev = s.x.device
         light = {int(e) for e in split.experts.tolist()}
         order = [(a, b, e) for e in sorted(light) for a, b, ee in s.segments if ee == e and b > a]
-        idx = torch.cat([torch.arange(a, b) for a, b, _ in order]).to(dev) if order else torch.empty(0, device=dev)
+        idx = torch.cat([torch.arange(a, b) for a, b, _ in order] or [torch.empty(0, dtype=torch.int64)]).to(dev)
         sizes = [sum(b - a for a, b, ee in order if ee == e) for e in sorted(light)]
         ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
         experts = torch.tensor(sorted(light), dtype=torch.int32, device=dev)
@@ -182,6 +182,8 @@ class PathSplit:
         def run():
             for a, b, e in self.own + self.rest:
                 torch.mm(s.x[a:b], s.w[e], out=s.out[a:b])
+            if not order:
+                return
             xl = s.x.index_select(0, idx)
             grouped_gemm(xl, s.w, ends, experts, out=y, max_rows=idx.numel(), workspace=self.workspace)
             s.out.index_copy_(0, idx, y)
