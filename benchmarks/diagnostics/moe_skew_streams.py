@@ -17,7 +17,9 @@ are *heavy*, the others *light*. Forms, each first checked against ``torch._grou
   segments; ``heavy-src+light-em``: the heavy experts per (source, expert) segment, the light ones in one Triton
   launch on expert-major rows (which rows a light expert's tile covers is what the layout changes);
   ``heavy-em+light-src``: the reverse; ``heavy-src+light-gathered``: the heavy per segment, the light rows gathered
-  expert-major (``index_select``), one Triton launch, and put back (``index_copy_``): no new kernel, no new layout.
+  expert-major (``index_select``), one Triton launch, and put back (``index_copy_``); ``heavy-src+light-rowmap``:
+  the heavy per segment, the light ones in one Triton launch whose tiles take each light expert's rows from every
+  source through a row map (``grouped_gemm(row_map=...)``): no copy, no new layout (what a path would run).
 
 CUDA_VISIBLE_DEVICES=0 FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src \\
     python benchmarks/diagnostics/moe_skew_streams.py [out.json]
@@ -189,6 +191,29 @@ class PathSplit:
             s.out.index_copy_(0, idx, y)
         return run
 
+    def row_mapped(self, split: "Split"):
+        """The hybrid as the paths run it, on the rows as they land: the heavy experts per (source, expert)
+        segment (``torch.mm``), then one Triton launch over the light experts with each expert's rows from every
+        source taken as one segment through a row map (``grouped_gemm(row_map=...)``): no copy, no new layout."""
+        s = self.s
+        dev = s.x.device
+        light = sorted(int(e) for e in split.experts.tolist())
+        pieces = [(a, b) for e in light for a, b, ee in s.segments if ee == e and b > a]
+        row_map = torch.cat([torch.arange(a, b) for a, b in pieces] or [torch.empty(0, dtype=torch.int64)])
+        row_map = row_map.to(torch.int32).to(dev)
+        sizes = [sum(b - a for a, b, ee in s.segments if ee == e) for e in light]
+        ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+        experts = torch.tensor(light, dtype=torch.int32, device=dev)
+        workspace = torch.empty(workspace_size(max(len(light), 1)), dtype=torch.int32, device=dev)
+
+        def run():
+            for a, b, e in self.own + self.rest:
+                torch.mm(s.x[a:b], s.w[e], out=s.out[a:b])
+            if light:
+                grouped_gemm(s.x, s.w, ends, experts, out=s.out, row_map=row_map, max_rows=row_map.numel(),
+                             workspace=workspace)
+        return run
+
     def check_mixed(self, split: "Split", fn, heavy_by_source: bool) -> float:
         s = self.s
         s.out.fill_(float("nan"))
@@ -261,11 +286,13 @@ def main() -> int:
                 splits.append(split)
                 meta[threshold] = {"heavy_experts": len(split.heavy), "heavy_rows": split.heavy_rows,
                                    "light_rows": split.light_rows, "light_runs": len(split.run_calls)}
+                path = PathSplit(s, threshold)
+                fns[f"heavy-src+light-rowmap t{threshold}"] = path.row_mapped(split)
+                path_forms.add(f"heavy-src+light-rowmap t{threshold}")
                 if not split.heavy:
                     continue
                 fns[f"serial t{threshold} sms132"] = split.triton(132, serial=True)
                 fns[f"split-gmm t{threshold} sms56"] = split.gmm(56)
-                path = PathSplit(s, threshold)
                 fns[f"heavy-src+light-gathered t{threshold}"] = path.gathered(split)
                 path_forms.add(f"heavy-src+light-gathered t{threshold}")
                 for by_source in (True, False):

@@ -207,6 +207,52 @@ def run_gap_case(case) -> dict:
     }
 
 
+# Logical rows through a row map (the hybrid expert GEMM's light experts: one expert's rows from every source rank,
+# which lie apart in the dispatch layout). (name, dtype, experts, K, N, physical rows, segment sizes over the
+# logical rows, experts of the segments, w transposed, TMA, num_programs, tile options): the map is a seeded random
+# choice of distinct physical rows, so that logical neighbours lie anywhere.
+ROW_MAP_CASES = [
+    ("map-pointer-fp16", "float16", 3, 24, 40, 90, [13, 0, 30, 5], [2, 0, 1, 2], False, False, None, {}),
+    ("map-wt-tma-swap-mix-fp16", "float16", 2, 32, 24, 160, [70, 5, 17, 33, 1], [0, 1, 1, 0, 1], True, True, 3,
+     {"block_m": 64, "swap_rows": 16, "half_tail": True, "mix": True, "dynamic": True}),
+    ("map-tma-flat-fp16", "float16", 2, 32, 32, 70, [20, 7, 25], [1, 0, 1], False, True, 2, {"flat": True}),
+    ("map-fp32", "float32", 2, 20, 18, 41, [9, 16], [1, 0], False, False, None, {}),
+]
+
+
+def run_row_map_case(case) -> dict:
+    name, dtype_name, experts, k, n, rows, sizes, seg_experts, w_t, tma, programs, options = case
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(experts, n, k, generator=gen).to(dtype).transpose(1, 2) if w_t
+         else torch.randn(experts, k, n, generator=gen).to(dtype))
+    logical = sum(sizes)
+    row_map = torch.randperm(rows, generator=gen)[:logical].to(torch.int32)
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    seg_expert = torch.tensor(seg_experts, dtype=torch.int32)
+    options = dict(options)
+    tile = GroupedTile(options.pop("block_m", 32), 16, 16, 2, 1, 4, programs, **options)
+    ref = grouped_mm_reference(x[row_map.long()].double(), w.double(), ends, seg_expert)
+    outs = []
+    for order in ("heavy-first", "given"):
+        out = torch.full((rows, n), float("nan"), dtype=dtype)
+        grouped_gemm(x, w, ends, seg_expert, out=out, order=order, tile=tile, use_tma=tma, row_map=row_map,
+                     validate=True)
+        outs.append(out)
+    mapped = torch.zeros(rows, dtype=torch.bool)
+    mapped[row_map.long()] = True
+    got = outs[0][row_map.long()].double()
+    return {
+        "name": name,
+        "rel_err": float((got - ref).norm()) / (float(ref.norm()) or 1.0),
+        "nan": bool(torch.isnan(got).any()),
+        "unmapped_untouched": bool(torch.isnan(outs[0][~mapped]).all()),
+        "unmapped_rows": int((~mapped).sum()),
+        "orders_equal": bool(torch.equal(outs[0][mapped], outs[1][mapped])),
+    }
+
+
 def run_launch_to_tile() -> dict:
     """``_launch_to_tile`` over every slot of a few (total, heavy) pairs: a permutation of the tiles, heavy ones and
     light ones each in table order."""
@@ -303,6 +349,16 @@ def test_interpreted_segment_starts(interpreted, case):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("case", ROW_MAP_CASES, ids=[c[0] for c in ROW_MAP_CASES])
+def test_interpreted_row_map(interpreted, case):
+    row = interpreted[case[0]]
+    assert not row["nan"], "a mapped row of a segment was never written"
+    assert row["rel_err"] < (1e-5 if case[1] == "float32" else 2e-3)
+    assert row["unmapped_rows"] > 0 and row["unmapped_untouched"], "a row the map does not name was written"
+    assert row["orders_equal"]
+
+
+@needs_interpreter
 def test_interpreted_launch_to_tile(interpreted):
     for key, mapped in interpreted["launch-to-tile"]["maps"].items():
         total, heavy = map(int, key.split(","))
@@ -358,6 +414,13 @@ def _args(rows=8, k=16, n=8, experts=2, segments=2, dtype=torch.float16):
     (lambda a: {**a, "tile": GroupedTile(128, 256, 64, swap_rows=24)}, "swap_rows must be 0 or a power of two"),
     (lambda a: {**a, "tile": GroupedTile(32, 256, 64, swap_rows=32)}, "swap_rows must be 0 or a power of two"),
     (lambda a: {**a, "tile": GroupedTile(96, 256, 64)}, "powers of two"),
+    (lambda a: {**a, "row_map": torch.arange(8), "out": torch.empty(8, 8, dtype=torch.float16)},
+     "row_map must be a 1-D int32"),
+    (lambda a: {**a, "row_map": torch.arange(8, dtype=torch.int32)}, "row_map needs out"),
+    (lambda a: {**a, "row_map": torch.tensor([0, 1, 2, 3, 3, 5, 6, 7], dtype=torch.int32),
+                "out": torch.empty(8, 8, dtype=torch.float16), "validate": True}, "row_map must name distinct"),
+    (lambda a: {**a, "row_map": torch.tensor([0, 1, 2, 3, 4, 5, 6, 8], dtype=torch.int32),
+                "out": torch.empty(8, 8, dtype=torch.float16), "validate": True}, r"in \[0, 8\)"),
 ])
 def test_bad_arguments_raise_before_launch(change, message):
     x, w, ends, experts = _args()
@@ -482,6 +545,40 @@ def test_gpu_segment_starts_leave_gaps(tile):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("tile", [None, GroupedTile(128, 256, 64, 8, 4, 8, 0, dynamic=True, half_tail=True,
+                                                    swap_rows=32, mix=True),
+                                  GroupedTile(128, 256, 64, 8, 4, 8, 0, flat=True)])
+@pytest.mark.parametrize("w_t", [False, True])
+def test_gpu_row_map(tile, w_t):
+    """The hybrid GEMM's light experts: each expert's rows from W = 3 sources, which lie apart in the dispatch
+    layout, taken as one segment through the map; rows the map leaves out stay untouched."""
+    gen = torch.Generator().manual_seed(5)
+    world, local, k, n = 3, 5, 512, 768
+    counts = torch.randint(0, 90, (world, local), generator=gen)
+    counts[2, 1] = 0
+    rows = int(counts.sum())
+    starts = (counts.flatten().cumsum(0) - counts.flatten()).view(world, local)
+    light = [0, 1, 3]  # experts 2 and 4 are left out of the map (the heavy ones, run elsewhere)
+    row_map = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))
+                         for e in light for s in range(world)]).to(torch.int32).cuda()
+    ends = torch.tensor([int(counts[:, e].sum()) for e in light]).cumsum(0).to(torch.int32).cuda()
+    seg_expert = torch.tensor(light, dtype=torch.int32, device="cuda")
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(local, n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    w = w.transpose(1, 2) if w_t else w.transpose(1, 2).contiguous()
+    want = grouped_mm_reference(x[row_map.long()], w, ends, seg_expert)
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm(x, w, ends, seg_expert, out=out, row_map=row_map, tile=tile, validate=True)
+    mapped = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    mapped[row_map.long()] = True
+    assert torch.isnan(out[~mapped]).all(), "a row outside the map was written"
+    got = out[row_map.long()]
+    assert not torch.isnan(got).any()
+    assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_graph_replay_with_new_segment_ends():
     """Bounded mode: captured once, replayed with other segment sizes (same count, rows within the bound)."""
     x, w, ends, seg_expert = _gpu_case([200, 50, 0, 300, 10, 440], 3, 256, 512, torch.bfloat16, True, seed=3)
@@ -522,6 +619,8 @@ if __name__ == "__main__":
         print(json.dumps(run_case(case)), flush=True)
     for case in GAP_CASES:
         print(json.dumps(run_gap_case(case)), flush=True)
+    for case in ROW_MAP_CASES:
+        print(json.dumps(run_row_map_case(case)), flush=True)
     for row in run_edge_cases():
         print(json.dumps(row), flush=True)
     print(json.dumps(run_launch_to_tile()), flush=True)

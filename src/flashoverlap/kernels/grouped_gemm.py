@@ -197,11 +197,15 @@ def _publish(flags_ptr, group, PEER: tl.constexpr):
 
 @_jit
 def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K, stride_xm,
-                    stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, ROWS: tl.constexpr,
+                    stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map, ROWS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-                    SIGNAL: tl.constexpr, PEER: tl.constexpr, SWAP: tl.constexpr = False):
+                    SIGNAL: tl.constexpr, PEER: tl.constexpr, SWAP: tl.constexpr = False,
+                    ROW_MAP: tl.constexpr = False):
     """``out[off_m : min(off_m + ROWS, row1), off_n : off_n + BLOCK_N] = x[...] @ w[expert][:, ...]``; between
     the products and the store, the previous tile of this program is published to its group ``pending``.
+
+    ROW_MAP: the rows are logical, ``row_map[r]`` the row of ``x`` and ``out`` that logical row ``r`` is: ``x`` is a
+    pointer (its rows gathered with plain loads), ``w`` may still be a TMA descriptor.
 
     SWAP computes the transposed product, ``w[...]^T @ x[...]^T`` (``[BLOCK_N, ROWS]``), so that a tile of few rows
     (ROWS down to 16) is the narrow side of the tensor-core instruction, whose other side is at least 64 high: a
@@ -211,11 +215,21 @@ def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, t
     else:
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
+    if ROW_MAP:  # logical rows past the last are clamped onto it: computed, never stored
+        logical = tl.minimum(off_m + tl.arange(0, ROWS), total_rows - 1)
+        gathered = tl.load(row_map + logical).to(tl.int64)
     if USE_TMA:
         # Rows past the segment are another segment's (or zero-filled past x): computed, never stored. Columns
         # past N read the next expert's rows of the flattened weight: also never stored.
+        if ROW_MAP:
+            offs_ka = tl.arange(0, BLOCK_K)
+            a_ptrs = x + gathered[:, None] * stride_xm + offs_ka[None, :] * stride_xk
         for kk in tl.range(k_tiles):
-            a_tile = x.load([off_m, kk * BLOCK_K])
+            if ROW_MAP:
+                a_tile = tl.load(a_ptrs, mask=offs_ka[None, :] < K - kk * BLOCK_K, other=0.0)
+                a_ptrs += BLOCK_K * stride_xk
+            else:
+                a_tile = x.load([off_m, kk * BLOCK_K])
             if W_KMAJOR:
                 b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
             else:
@@ -227,7 +241,10 @@ def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, t
     else:
         offs_m = off_m + tl.arange(0, ROWS)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        offs_m = tl.where(offs_m < total_rows, offs_m, 0)  # clamped; masked at the store
+        if ROW_MAP:
+            offs_m = gathered
+        else:
+            offs_m = tl.where(offs_m < total_rows, offs_m, 0)  # clamped; masked at the store
         offs_n = tl.where(offs_n < N, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
@@ -246,7 +263,10 @@ def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, t
         _publish(flags_ptr, pending, PEER)
     rows = off_m + tl.arange(0, ROWS)
     cols = off_n + tl.arange(0, BLOCK_N)
-    c_ptrs = out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    if ROW_MAP:
+        c_ptrs = out + gathered[:, None] * stride_om + cols[None, :] * stride_on
+    else:
+        c_ptrs = out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     if SWAP:
         result = tl.trans(acc).to(out.dtype.element_ty)
     else:
@@ -276,6 +296,7 @@ def grouped_gemm_kernel(
     stride_wn,
     stride_om,
     stride_on,
+    row_map,  # int32 [total_rows] (ROW_MAP): the row of x and out each logical row is
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -290,6 +311,7 @@ def grouped_gemm_kernel(
     SWAP_ROWS: tl.constexpr = 0,  # a segment's last tile of <= SWAP_ROWS rows runs transposed (0: never)
     MIX: tl.constexpr = False,  # light tiles spread among heavy ones (_launch_to_tile)
     FLAT: tl.constexpr = False,  # one flattened, pipelined loop over tiles and K (full-height tiles, no signals)
+    ROW_MAP: tl.constexpr = False,  # rows are logical, gathered and scattered through row_map
 ):
     cum = tl.load(table_ptr + tl.arange(0, BLOCK_S))  # cumulative tile ends in tile order; INT32_MAX past the end
     total = tl.load(table_ptr + num_segments - 1)
@@ -303,8 +325,8 @@ def grouped_gemm_kernel(
             p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, u, num_segments, BLOCK_S)
             off_m, off_n = _tile_offsets(u, tile0, row0, row1, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
             _tile_mma_store(x, w, out, flags_ptr, -1, off_m, off_n, row1, expert, total_rows, N, K,
-                            stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, False, PEER)
+                            stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map,
+                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, False, PEER, False, ROW_MAP)
     else:
         next_ptr = table_ptr + 6 * BLOCK_S
         t = tl.program_id(0)
@@ -325,16 +347,16 @@ def grouped_gemm_kernel(
             left = row1 - off_m
             if SWAP_ROWS > 0 and left <= SWAP_ROWS:
                 _tile_mma_store(x_swap, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
-                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-                                SWAP_ROWS, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, True)
+                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map,
+                                SWAP_ROWS, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, True, ROW_MAP)
             elif HALF_TAIL and left <= BLOCK_M // 2:
                 _tile_mma_store(x_half, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
-                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-                                BLOCK_M // 2, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER)
+                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map,
+                                BLOCK_M // 2, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, False, ROW_MAP)
             else:
                 _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
-                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER)
+                                stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map,
+                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, False, ROW_MAP)
             if SIGNAL:
                 pending = tl.load(table_ptr + 5 * BLOCK_S + p)
             u = _launch_to_tile(t_next, total, heavy, MIX)
@@ -449,6 +471,7 @@ def grouped_gemm(
     peer_visible: bool = False,
     workspace: torch.Tensor | None = None,
     validate: bool = False,
+    row_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[a:b] = x[a:b] @ w[seg_expert[s]]`` for every segment ``s`` = rows ``[a, b)``: ``b = seg_ends[s]`` and
     ``a = seg_starts[s]``, or, without ``seg_starts``, ``a = seg_ends[s-1]`` (``a = 0`` for ``s = 0``). Rows that no
@@ -482,6 +505,13 @@ def grouped_gemm(
     launch shape (default ``default_tile``). ``workspace``: int32 scratch of ``workspace_size(S)`` elements
     (allocated per call when omitted; calls that may run concurrently need their own). ``validate``: check the
     segment tables on the host first (a synchronisation; for tests and debugging).
+
+    ``row_map`` (int32 ``[R]`` on x's device): the segments cover *logical* rows ``[0, R)``, and logical row ``r``
+    is row ``row_map[r]`` of ``x`` and of ``out`` (gathered and scattered in place: a segment's rows need not be
+    contiguous in ``x``, e.g. one expert's rows from every source rank in the dispatch layout). ``out`` must be
+    given; rows of ``out`` that no mapped row names are not written; the mapped rows of covered logical rows must
+    be distinct and lie in ``[0, rows)`` (checked with ``validate``). ``x`` is read with plain loads (the weights
+    still through TMA where allowed).
     """
     if _TRITON_MISSING is not None:
         raise ModuleNotFoundError(f"grouped_gemm needs triton ({_TRITON_MISSING}): pip install "
@@ -518,12 +548,24 @@ def grouped_gemm(
                          f"{flags.dtype} {list(flags.shape)} on {flags.device}")
     if max_rows is not None and max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+    physical_rows = rows
+    if row_map is not None:
+        if row_map.dtype != torch.int32 or row_map.ndim != 1 or row_map.device != x.device:
+            raise ValueError(f"row_map must be a 1-D int32 tensor on {x.device}, got {row_map.dtype} "
+                             f"{list(row_map.shape)} on {row_map.device}")
+        if out is None:
+            raise ValueError("row_map needs out: the rows it names are written in place, the others left alone")
+        if validate and row_map.numel():
+            mapped = row_map.tolist()
+            if min(mapped) < 0 or max(mapped) >= rows or len(set(mapped)) != len(mapped):
+                raise ValueError(f"row_map must name distinct rows of x in [0, {rows}), got {mapped[:8]}...")
+        rows = row_map.numel()  # the segments' rows are logical from here on
     if out is None:
         out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (rows, n) or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out must be [{rows}, {n}] {x.dtype} on {x.device}, got {list(out.shape)} {out.dtype} "
-                         f"on {out.device}")
-    if x.stride(1) != 1 and rows > 1 and k > 1:
+    elif out.shape != (physical_rows, n) or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be [{physical_rows}, {n}] {x.dtype} on {x.device}, got {list(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    if x.stride(1) != 1 and physical_rows > 1 and k > 1:
         raise ValueError(f"x must have unit inner stride, got strides {x.stride()}: pass x.contiguous()")
     tile = tile or default_tile(max_rows if max_rows is not None else rows, num_experts, k, n)
     _check_tile(tile)
@@ -579,9 +621,12 @@ def grouped_gemm(
         # expert's edge is harmless where it happens (columns past N, masked at the store); K past an expert's
         # edge would not be, hence K % block_k == 0 for the [E*K, N] layout.
         w_2d = w_stored.reshape(-1, w_stored.shape[2])
-        x_arg = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-        x_half = TensorDescriptor.from_tensor(x, [tile.block_m // 2, tile.block_k]) if half_tail else x_arg
-        x_swap = TensorDescriptor.from_tensor(x, [swap_rows, tile.block_k]) if swap_rows else x_arg
+        if row_map is not None:  # gathered rows: plain loads
+            x_arg = x_half = x_swap = x
+        else:
+            x_arg = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+            x_half = TensorDescriptor.from_tensor(x, [tile.block_m // 2, tile.block_k]) if half_tail else x_arg
+            x_swap = TensorDescriptor.from_tensor(x, [swap_rows, tile.block_k]) if swap_rows else x_arg
         w_block = [tile.block_n, tile.block_k] if w_kmajor else [tile.block_k, tile.block_n]
         w_arg = TensorDescriptor.from_tensor(w_2d, w_block)
     else:
@@ -591,10 +636,11 @@ def grouped_gemm(
         x_arg, x_half, x_swap, w_arg, out, workspace, flags if signal else workspace,
         rows, n, k, num_segments, num_groups, tiles_n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        row_map if row_map is not None else workspace,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
         USE_TMA=bool(use_tma), W_KMAJOR=bool(w_kmajor and use_tma), SIGNAL=signal, PEER=bool(peer_visible),
         DYNAMIC=bool(tile.dynamic and tile.num_programs is not None), HALF_TAIL=half_tail, SWAP_ROWS=swap_rows,
-        MIX=mix, FLAT=flat, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        MIX=mix, FLAT=flat, ROW_MAP=row_map is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
 
