@@ -4,7 +4,9 @@ no two-GPU machine is at hand, not a performance figure (the two ranks share one
 - P2P path (``comm/expert_p2p.py``), W = 2: PyTorch's symmetric memory and NCCL refuse two ranks on one GPU, so the
   group is gloo, the workspace is shared by CUDA IPC (``p2p_one_gpu.IpcWorkspace``) and the communicator is called
   directly with ``ExpertCall``s; the layouts are the real ``expert_layout`` with its one all-gather routed through
-  the host (gloo takes CPU tensors). Exact and bounded mode, the three grouped GEMMs (Triton, cuBLAS, loop), bf16
+  the host (gloo takes CPU tensors). Exact and bounded mode, the grouped GEMMs (Triton, cuBLAS, loop; in exact mode
+  also the hybrid, with every expert light or heavy at the default threshold and with a low one that mixes them,
+  its dispatch called with and without the received rows returned), bf16
   and fp16, skewed and balanced routing, a rank that sends none, one that receives none, the backward variants
   (per-choice dispatch, unweighted combine), eager calls (a weight-gradient hook held in the graph), bounded calls
   replayed from the communicator's own CUDA graphs, and bounded calls captured in a user's CUDA graph and replayed
@@ -48,6 +50,7 @@ from p2p_one_gpu import IpcWorkspace, close_run, open_run  # noqa: E402
 
 from flashoverlap.bench.timing import host_us, host_us_interleaved  # noqa: E402
 from flashoverlap.comm import expert as expert_module  # noqa: E402
+from flashoverlap.comm import expert_nccl  # noqa: E402
 from flashoverlap.comm.collectives import all_gather_into_tensor  # noqa: E402
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout  # noqa: E402
 from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator  # noqa: E402
@@ -187,6 +190,17 @@ def activations(routing, world, ffn, dtype, seed):
     return out
 
 
+class low_heavy_threshold:
+    """The hybrid GEMM's heavy threshold lowered for a block, so that these small cases mix heavy and light
+    experts (at the default, every expert here is one or the other)."""
+
+    def __enter__(self):
+        self.saved, expert_nccl.HEAVY_ROWS = expert_nccl.HEAVY_ROWS, 150
+
+    def __exit__(self, *exc):
+        expert_nccl.HEAVY_ROWS = self.saved
+
+
 def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, report, variant=False):
     """Dispatch then combine of one configuration (a few calls each), every output checked."""
     name, tokens, hidden, ffn, experts, top_k, _ = case
@@ -208,13 +222,16 @@ def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, 
     for call in range(4 if replay else 2):
         hook_x.normal_()
         grad = torch.full((hidden, 96), float("nan"), dtype=dtype, device="cuda")
-        h, recv = comm.run(ExpertCall("moe_dispatch_gemm", plan, xs[rank], w_up, True, Matmul(hook_x, hook_y, grad),
-                                      replay=replay, layout=layout))
+        gathered = gemm != "hybrid" or call == 0  # the hybrid copies the own chunk among the received rows anyway
+        h, recv = comm.run(ExpertCall("moe_dispatch_gemm", plan, xs[rank], w_up, gathered,
+                                      Matmul(hook_x, hook_y, grad), replay=replay, layout=layout))
         torch.cuda.synchronize()
         check(h, want_h, f"{what} dispatch #{call}")
-        check(recv, want_recv, f"{what} received rows #{call}")
+        if gathered:
+            check(recv, want_recv, f"{what} received rows #{call}")
+            recv.fill_(float("nan"))
         check(grad, hook_x @ hook_y, f"{what} hook #{call}")
-        h.fill_(float("nan")), recv.fill_(float("nan"))
+        h.fill_(float("nan"))
         report["checked"] += 1
     acts = activations(routing, world, ffn, dtype, seed)
     w_downs = [e[4] for e in everyone]
@@ -474,12 +491,17 @@ def main():
     start = time.time()
     for i, case in enumerate(CASES):
         for mode in ("exact", "bounded"):
-            for gemm in ("triton", "cublas", "loop") if mode == "exact" else ("triton", "cublas"):
-                dtypes = (torch.bfloat16, torch.float16) if gemm == "triton" and i < 2 else (torch.bfloat16,)
+            for gemm in ("triton", "cublas", "loop", "hybrid") if mode == "exact" else ("triton", "cublas"):
+                both = gemm in ("triton", "hybrid") and i < 2
+                dtypes = (torch.bfloat16, torch.float16) if both else (torch.bfloat16,)
                 for dtype in dtypes:
                     one_config(p2p, group, rank, world, case, mode, gemm, dtype, 10 * i + 1, False, report)
                     if mode == "bounded":
                         one_config(p2p, group, rank, world, case, mode, gemm, dtype, 10 * i + 2, True, report)
+            if mode == "exact":
+                with low_heavy_threshold():
+                    one_config(p2p, group, rank, world, case, mode, "hybrid", torch.bfloat16, 10 * i + 4, False,
+                               report)
             one_config(p2p, group, rank, world, case, mode, "triton", torch.bfloat16, 10 * i + 3, False, report,
                        variant=True)
         print(f"rank {rank}: P2P {case[0]}: correct ({report['checked']} calls so far, {p2p.graphs.captures} "
@@ -498,8 +520,12 @@ def main():
     for i, case in enumerate(CASES[:2]):
         one_case = (case[0], lambda s, t=case[1]: t(rank), *case[2:])
         for mode in ("exact", "bounded"):
-            for gemm in ("triton", "cublas", "loop") if mode == "exact" else ("triton", "cublas"):
+            for gemm in ("triton", "cublas", "loop", "hybrid") if mode == "exact" else ("triton", "cublas"):
                 one_config(nccl, solo_group, 0, 1, one_case, mode, gemm, torch.bfloat16, 10 * i + 5, False, report)
+            if mode == "exact":
+                with low_heavy_threshold():
+                    one_config(nccl, solo_group, 0, 1, one_case, mode, "hybrid", torch.bfloat16, 10 * i + 6, False,
+                               report)
     captured(nccl, solo_group, 0, 1, (CASES[0][0], lambda s: CASES[0][1](rank), *CASES[0][2:]), "triton",
              torch.bfloat16, report)
     print(f"rank {rank}: NCCL path at W = 1 (own chunks, signalling GEMM and its flags, a user's graph): correct",

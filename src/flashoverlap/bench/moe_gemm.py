@@ -16,8 +16,11 @@ Per row, timed side by side (CUDA events, median, each call queued behind a GPU 
   once every chunk has landed (no priorities);
 - ``t_grouped_mm_ms``: one ``torch._grouped_mm`` on the rows regrouped by expert (the plain path's anchor);
   ``t_cublas_path_ms``: one ``torch._grouped_mm`` per source chunk, as the paths run cuBLAS;
-- ``t_loop_ms``: ``torch.mm`` per expert on the regrouped rows; ``t_loop_path_ms``: per non-empty segment.
-``path`` is the fastest of the three ways as the paths run them (``t_chunks_ms``, ``t_cublas_path_ms``,
+- ``t_loop_ms``: ``torch.mm`` per expert on the regrouped rows; ``t_loop_path_ms``: per non-empty segment;
+- ``t_hybrid_ms``: the exact mode's hybrid (``comm/expert_nccl.py``'s functions): the heavy experts a ``torch.mm``
+  per segment chunk by chunk, the light ones in one row-mapped launch over every chunk (``Slice.hybrid``).
+``path`` is the exact mode's way: the hybrid where the runtime runs it (``hybrid_pays``: many experts, few rows
+each), else the fastest of the three per-chunk ways as the paths run them (``t_chunks_ms``, ``t_cublas_path_ms``,
 ``t_loop_path_ms``, balanced and Zipf summed per slice: ``pick_grouped_gemm``); ``t_ms`` that way's time,
 ``tflops`` at ``t_ms``. Every timed way is first checked against ``torch._grouped_mm`` on an output poisoned with NaN
 (flags included).
@@ -43,12 +46,15 @@ from collections.abc import Callable
 import torch
 
 from flashoverlap.bench.timing import host_us, time_side_by_side
+from flashoverlap.comm.expert import ExpertPlan, Layout
+from flashoverlap.comm.expert_nccl import chunk_multiplier, light_multiplier
 from flashoverlap.kernels.grouped_gemm import (
     TILE_FLAT,
     TILE_MANY_EXPERTS,
     GroupedTile,
     default_tile,
     grouped_gemm,
+    hybrid_pays,
     pick_grouped_gemm,
     workspace_size,
 )
@@ -225,6 +231,30 @@ class Slice:
                     torch._grouped_mm(self.x_by_expert[a:b], self.w[e0:e1], offs=offs)
         return run
 
+    def hybrid(self):
+        """The hybrid GEMM as the expert paths run it in exact mode (``comm/expert_nccl.py``, the same functions):
+        each source chunk's heavy experts as it lands (a ``torch.mm`` per segment), then the light experts in one
+        row-mapped Triton launch over every chunk (``t_hybrid_ms``)."""
+        recv = self.counts.to(torch.int64).to(self.x.device)
+        ends = recv.reshape(-1).cumsum(0)
+        splits = tuple(int(v) for v in self.counts.sum(1))
+        layout = Layout(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), recv, recv,
+                        (ends - recv.reshape(-1)).to(torch.int32).to(self.x.device),
+                        ends.to(torch.int32).to(self.x.device), mode="exact", bound=None, top_k=1, tokens=0,
+                        experts=WORLD * self.experts, send_splits=splits, recv_splits=splits,
+                        max_pair_rows=max(splits))
+        plan = ExpertPlan("dispatch", WORLD, WORLD * self.experts, self.k, self.n, 1, 0, gemm="hybrid")
+        multiply = chunk_multiplier("hybrid", plan, layout, self.w, self.local_experts)
+        light = light_multiplier("hybrid", layout, self.w)
+        at = [a for a, _, _ in self.chunks]
+
+        def run():
+            for chunk, rows in enumerate(splits):
+                multiply(chunk, self.x, at[chunk], self.out, at[chunk], rows)
+            if light is not None:
+                light(self.x, self.out)
+        return run
+
     def grouped_mm(self):
         return lambda: torch._grouped_mm(self.x_by_expert, self.w, offs=self.offs)
 
@@ -293,9 +323,9 @@ def bench_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> 
     tile = s.default_tile()
     fns = {"chunks": s.triton_chunks(), "signal": s.triton_signal(), "triton": s.triton(tile),
            "grouped_mm": s.grouped_mm(), "cublas_path": s.cublas_path(), "loop": s.loop(),
-           "loop_path": s.loop_path()}
+           "loop_path": s.loop_path(), "hybrid": s.hybrid()}
     errs = {name: s.check(fns[name], name, signals=name in ("signal", "triton"))
-            for name in ("chunks", "signal", "triton", "loop_path")}
+            for name in ("chunks", "signal", "triton", "loop_path", "hybrid")}
     t = time_side_by_side(fns, warmup=warmup, iters=iters)  # flags need no reset: each call rewrites them
     a, b, _ = s.chunks[0]
     return {
@@ -303,7 +333,7 @@ def bench_row(config: str, routing: str, proj: str, iters: int, warmup: int) -> 
         "K": s.k, "N": s.n, "max_expert_rows": int(s.counts.sum(0).max()), "t_ms": None,
         "t_grouped_mm_ms": t["grouped_mm"], "t_loop_ms": t["loop"], "tflops": None, "flops": s.flops,
         "t_chunks_ms": t["chunks"], "t_signal_ms": t["signal"], "t_triton_ms": t["triton"],
-        "t_cublas_path_ms": t["cublas_path"], "t_loop_path_ms": t["loop_path"],
+        "t_cublas_path_ms": t["cublas_path"], "t_loop_path_ms": t["loop_path"], "t_hybrid_ms": t["hybrid"],
         "chunks_vs_grouped_mm": t["grouped_mm"] / t["chunks"],
         "signal_vs_grouped_mm": t["grouped_mm"] / t["signal"],
         "triton_vs_grouped_mm": t["grouped_mm"] / t["triton"],
@@ -358,18 +388,21 @@ def expert_group_row(config: str, routing: str, proj: str, iters: int, warmup: i
 
 
 def assign_paths(rows: list[dict]) -> None:
-    """``path``: what ``pick_grouped_gemm``'s rule picks from these rows' own times as the paths run them (Triton
-    per chunk, cuBLAS per chunk, the loop per segment; balanced and Zipf summed per slice, since a path cannot know
-    its routing in advance), segment sizes on the host (the exact mode; loop allowed); ``path_bounded``: the same
-    without them (the bounded mode). ``t_ms``, ``tflops``: at ``path``."""
+    """``path``: the exact mode's GEMM: the hybrid where the runtime's rule runs it (``hybrid_pays``), else what
+    ``pick_grouped_gemm``'s rule picks from these rows' own times as the paths run them (Triton per chunk, cuBLAS
+    per chunk, the loop per segment; balanced and Zipf summed per slice, since a path cannot know its routing in
+    advance), segment sizes on the host (loop allowed); ``path_bounded``: the same without them (the bounded mode:
+    no hybrid, no loop). ``t_ms``, ``tflops``: at ``path``."""
     slices: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         slices.setdefault((r["config"], r["proj"]), []).append(r)
-    key = {"triton": "t_chunks_ms", "cublas": "t_cublas_path_ms", "loop": "t_loop_path_ms"}
+    key = {"triton": "t_chunks_ms", "cublas": "t_cublas_path_ms", "loop": "t_loop_path_ms", "hybrid": "t_hybrid_ms"}
     for group in slices.values():
         total = [sum(r[key[kind]] for r in group) for kind in ("triton", "cublas", "loop")]
         k, n = group[0]["K"], group[0]["N"]
         path = pick_grouped_gemm(*total, dtype=torch.bfloat16, k=k, n=n, host_counts=True)
+        if hybrid_pays(experts=group[0]["experts"], rows=group[0]["rows"]):
+            path = "hybrid"
         bounded = pick_grouped_gemm(*total, dtype=torch.bfloat16, k=k, n=n, host_counts=False)
         for r in group:
             r["path"], r["path_bounded"] = path, bounded

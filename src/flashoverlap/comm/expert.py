@@ -78,7 +78,8 @@ from flashoverlap.comm.protocol import Call, CommGroup
 
 OPS = ("dispatch", "combine")
 MODES = ("exact", "bounded")
-GEMMS = ("triton", "cublas", "loop")
+GEMMS = ("triton", "cublas", "loop", "hybrid")
+HOST_SIZED_GEMMS = ("loop", "hybrid")  # they read the segment sizes on the host: exact mode only
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,9 @@ class ExpertPlan:
     on this rank. ``mode``: ``"exact"`` (``bound`` None) or ``"bounded"`` (``bound`` >= 1 rows per (source,
     destination) pair, the same on every rank). ``gemm``: the grouped GEMM the fast paths run (``"triton"``:
     ``kernels.grouped_gemm``, ``"cublas"``: ``torch._grouped_mm``, ``"loop"``: ``torch.mm`` per segment, exact
-    mode only: it needs the segment sizes on the host, which bounded mode never reads; None: the runtime's choice,
+    mode only: it needs the segment sizes on the host, which bounded mode never reads; ``"hybrid"``, exact mode
+    only: ``torch.mm`` per segment for the heavy experts, chunk by chunk, and one row-mapped Triton launch over every
+    source's rows of the light ones, ``comm/expert_nccl.py``'s ``light_multiplier``; None: the runtime's choice,
     ``runtime/experts.py``, which a plan built elsewhere leaves to ``expert_nccl.chunk_gemm``: the loop in exact
     mode, Triton in bounded mode; the reference path always loops and keeps None). ``per_choice`` (dispatch): the
     rows given are one per choice ``[T*k, H]`` instead of one per token. ``weighted`` (combine): sum the returned
@@ -121,10 +124,10 @@ class ExpertPlan:
         if self.gemm is not None and self.gemm not in GEMMS:
             raise ValueError(f"ExpertPlan: gemm must be one of {GEMMS} or None (the runtime chooses), got "
                              f"{self.gemm!r}")
-        if self.gemm == "loop" and self.mode == "bounded":
-            raise ValueError("ExpertPlan: gemm='loop' cannot run with mode='bounded': the per-segment loop needs the "
-                             "segment sizes on the host, which bounded mode never reads; pass gemm='triton' or "
-                             "'cublas' (or None: the runtime chooses), or mode='exact'")
+        if self.gemm in HOST_SIZED_GEMMS and self.mode == "bounded":
+            raise ValueError(f"ExpertPlan: gemm={self.gemm!r} cannot run with mode='bounded': it needs the segment "
+                             "sizes on the host, which bounded mode never reads; pass gemm='triton' or 'cublas' (or "
+                             "None: the runtime chooses), or mode='exact'")
         for name in ("world_size", "experts", "hidden", "ffn", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

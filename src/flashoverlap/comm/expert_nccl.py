@@ -157,13 +157,15 @@ def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device) -> st
 
 def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
                    seg_expert: torch.Tensor, *, host_ends: list[int] | None = None,
-                   workspace: torch.Tensor | None = None, tail: bool = True) -> None:
+                   workspace: torch.Tensor | None = None, tail: bool = True,
+                   only: frozenset[int] | None = None) -> None:
     """``out[rows of l] = x[rows of l] @ w[l]`` for the ``L`` segments of one chunk (``ends``: int32 ``[L]``
     relative to ``x``'s first row, on the device; ``seg_expert``: int32 ``arange(L)``), fp32 accumulation. Rows
     past ``ends[-1]`` are not written, except by cuBLAS, which writes them zero. ``kind``: ``"triton"``
     (``kernels.grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``), ``"loop"`` (``torch.mm`` per segment;
-    ``host_ends`` the same ends on the host, read from ``ends`` off the GPU). ``tail=False``: the segments cover
-    every row (exact mode's chunks), so cuBLAS's result needs no mask."""
+    ``host_ends`` the same ends on the host, read from ``ends`` off the GPU; ``only``: the experts it multiplies,
+    the others left alone: the hybrid's heavy part). ``tail=False``: the segments cover every row (exact mode's
+    chunks), so cuBLAS's result needs no mask."""
     rows = x.shape[0]
     if rows == 0:
         return
@@ -183,16 +185,94 @@ def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tens
             host_ends = ends.tolist()
         start = 0
         for expert, end in enumerate(host_ends):
-            if end > start:
+            if end > start and (only is None or expert in only):
                 torch.mm(x[start:end], w[expert], out=out[start:end])
             start = max(start, end)
+
+
+# The hybrid GEMM (``ExpertPlan.gemm == "hybrid"``, exact mode). An expert whose rows, summed over the sources, reach
+# HEAVY_ROWS is *heavy*: its rows are multiplied chunk by chunk as they land, a ``torch.mm`` per (source, expert)
+# segment (compute-bound: the weights are read again per source at little cost). The others are *light*: their
+# time is spent streaming their weights, so each runs once over every source's rows, in one Triton launch whose
+# tiles take an expert's rows from every chunk through a row map (``grouped_gemm(row_map=...)``): dispatch runs it
+# once every chunk has landed, combine before any chunk leaves. Measured on one H200 at the DeepSeek-like slice
+# (benchmarks/results/logs/issue20/moe-skew-streams-347ba74380.json): 1.23x / 1.21x torch._grouped_mm (up / down)
+# with Zipf(1.2) routing, 0.97x / 0.96x balanced, against 0.90 / 0.93 and 0.74 / 0.74 per source chunk.
+HEAVY_ROWS = 1024
+
+
+def hybrid_split(layout: Layout) -> tuple[frozenset[int], list[int], list[int]]:
+    """The heavy experts (rows summed over the sources >= ``HEAVY_ROWS``), the light ones with rows, and every
+    expert's rows, by the layout's host sizes (``host_relative_ends``: exact mode)."""
+    per_expert = [0] * layout.experts_per_rank
+    for ends in host_relative_ends(layout):
+        start = 0
+        for expert, end in enumerate(ends):
+            per_expert[expert] += max(end - start, 0)
+            start = max(start, end)
+    heavy = frozenset(e for e, rows in enumerate(per_expert) if rows >= HEAVY_ROWS)
+    return heavy, [e for e, rows in enumerate(per_expert) if rows and e not in heavy], per_expert
+
+
+# The light experts' row map, logical ends and experts, by the layout's segment ends (one layer's dispatch, combine
+# and backward calls share them).
+_LIGHT = WeakTensorKeyDictionary()
+
+
+def light_tables(layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """For the light experts (``hybrid_split``), on the device: the row map (int32: for each light expert in turn,
+    its rows from every source in source order, as rows of the receive layout), each expert's end among the mapped
+    rows (int32) and the experts (int32); None where no expert is light. Made on the device from the layout's
+    segment tensors, sized by its host sizes: no synchronisation."""
+    cached = _LIGHT.get(layout.recv_seg_ends)
+    if cached is not None:
+        return cached[0]
+    _, light, per_expert = hybrid_split(layout)
+    tables = None
+    if light:
+        world, local, device = layout.world_size, layout.experts_per_rank, layout.recv_seg_ends.device
+        pick = torch.tensor(light, dtype=torch.int64, device=device)
+        starts = layout.recv_seg_starts.view(world, local).index_select(1, pick).t().reshape(-1).to(torch.int64)
+        sizes = layout.recv_counts.view(world, local).index_select(1, pick).t().reshape(-1).to(torch.int64)
+        total = sum(per_expert[e] for e in light)
+        first = torch.cumsum(sizes, 0) - sizes  # each segment's first mapped row
+        row_map = (torch.repeat_interleave(starts - first, sizes, output_size=total)
+                   + torch.arange(total, dtype=torch.int64, device=device)).to(torch.int32)
+        ends = torch.cumsum(sizes.view(len(light), world).sum(1), 0).to(torch.int32)
+        tables = (row_map, ends, pick.to(torch.int32))
+    _LIGHT[layout.recv_seg_ends] = (tables,)
+    return tables
+
+
+def light_multiplier(kind: str, layout: Layout, b: torch.Tensor):
+    """``light(x, out)``: the hybrid's light experts (``HEAVY_ROWS``), every source's rows at once: ``out[rows] =
+    x[rows] @ b[expert]`` for the rows of the receive layout the row map names (``x`` and ``out`` hold every chunk in
+    the receive layout), on the current stream. None for another ``kind``, or where no expert is light."""
+    if kind != "hybrid":
+        return None
+    tables = light_tables(layout)
+    if tables is None:
+        return None
+    from flashoverlap.kernels.grouped_gemm import grouped_gemm, workspace_size  # Triton: imported where it runs
+
+    row_map, ends, experts = tables
+    workspace = torch.empty(workspace_size(experts.numel()), dtype=torch.int32, device=b.device)
+
+    def light(x: torch.Tensor, out: torch.Tensor) -> None:
+        grouped_gemm(x, b, ends, experts, out=out, row_map=row_map, max_rows=row_map.numel(), workspace=workspace)
+
+    return light
 
 
 def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, seg_expert: torch.Tensor):
     """``multiply(chunk, x, x_row, out, out_row, rows)``: chunk ``chunk``'s segments of ``x`` (from row ``x_row``)
     times their experts' ``b[l]`` into ``out`` (from row ``out_row``), on the current stream (``multiply_chunk``);
-    nothing for no rows. The chunks' relative ends and the Triton kernel's table are made once per call."""
+    nothing for no rows; the hybrid: its heavy experts' segments only (``light_multiplier`` runs the rest). The
+    chunks' relative ends and the Triton kernel's table are made once per call."""
     ends = relative_ends(layout)
+    only = None
+    if kind == "hybrid":
+        kind, only = "loop", hybrid_split(layout)[0]
     host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
     workspace = None
     if kind == "triton":
@@ -204,7 +284,8 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
     def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
         if rows:
             multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows], seg_expert,
-                           host_ends=None if host is None else host[chunk], workspace=workspace, tail=tail)
+                           host_ends=None if host is None else host[chunk], workspace=workspace, tail=tail,
+                           only=only)
 
     return multiply
 
@@ -330,9 +411,10 @@ class ExpertNcclCommunicator(GroupFields):
                 arrived[p] = comm.record_event()
                 waited.append((p, arrived[p]))
         me = self.rank
-        if call.return_gathered and chunks.recv[me]:
-            recv[recv_at[me] : recv_at[me] + chunks.recv[me]].copy_(send[send_at[me] : send_at[me] + chunks.send[me]])
         kind = chunk_gemm(plan, a.dtype, a.device)
+        light = light_multiplier(kind, layout, b)  # the hybrid's light experts: once every chunk is in recv
+        if (call.return_gathered or light is not None) and chunks.recv[me]:
+            recv[recv_at[me] : recv_at[me] + chunks.recv[me]].copy_(send[send_at[me] : send_at[me] + chunks.send[me]])
         multiply = self._multiplier(kind, plan, layout, b)
         multiply(me, send, send_at[me], h, recv_at[me], chunks.recv[me])
         if call.hook is not None:
@@ -342,6 +424,8 @@ class ExpertNcclCommunicator(GroupFields):
                 compute.wait_event(arrived[p])
                 multiply(p, recv, recv_at[p], h, recv_at[p], chunks.recv[p])
         compute.wait_stream(comm)
+        if light is not None:
+            light(recv, h)
         if call.timeout is not None:
             self._check_progress(call, waited, "the rows from and to")
         return h, recv if call.return_gathered else None
@@ -384,6 +468,9 @@ class ExpertNcclCommunicator(GroupFields):
                 back[send_at[me] : send_at[me] + chunks.send[me]].copy_(y[recv_at[me] : recv_at[me] + chunks.recv[me]])
         else:
             multiply = self._multiplier(kind, plan, layout, b)
+            light = light_multiplier(kind, layout, b)
+            if light is not None:  # the hybrid's light experts, every destination's rows, before any leaves
+                light(a, y)
             for p in self.rounds:
                 if p is None:
                     continue
@@ -394,8 +481,11 @@ class ExpertNcclCommunicator(GroupFields):
                     self._exchange(_rows(y, recv_at[p], chunks.recv[p]), _rows(back, send_at[p], chunks.send[p]), p)
                     if call.timeout is not None:
                         waited.append((p, comm.record_event()))
-            # The own rows last, straight into their place among the returned rows.
-            multiply(me, a, recv_at[me], back, send_at[me], chunks.recv[me])
+            if light is None:  # the own rows last, straight into their place among the returned rows
+                multiply(me, a, recv_at[me], back, send_at[me], chunks.recv[me])
+            elif chunks.recv[me]:  # the hybrid's light rows of the own chunk are in y: the heavy ones join them
+                multiply(me, a, recv_at[me], y, recv_at[me], chunks.recv[me])
+                back[send_at[me] : send_at[me] + chunks.send[me]].copy_(y[recv_at[me] : recv_at[me] + chunks.recv[me]])
             if call.hook is not None:
                 call.hook()
         compute.wait_stream(comm)

@@ -58,7 +58,15 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from flashoverlap import guards
 from flashoverlap.comm import expert_nccl, stream_ops
 from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
-from flashoverlap.comm.expert_nccl import Chunks, chunk_gemm, host_relative_ends, relative_ends, segment_table
+from flashoverlap.comm.expert_nccl import (
+    Chunks,
+    chunk_gemm,
+    host_relative_ends,
+    hybrid_split,
+    light_multiplier,
+    relative_ends,
+    segment_table,
+)
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
 from flashoverlap.comm.ring_schedule import Hook, Record, Signal, Wait, WaitEvent  # the ring's step types
@@ -341,6 +349,11 @@ class ExpertP2PCommunicator(GroupFields):
                 x = torch.zeros((item.rows, k), dtype=call.a.dtype, device=self.device)
                 multiply(item.chunk, x, 0, torch.empty((item.rows, n), dtype=call.a.dtype, device=self.device), 0,
                          item.rows)
+        light = light_multiplier(chunk_gemm(plan, call.a.dtype, self.device), call.layout, b)
+        if light is not None:  # the hybrid's light launch, which dispatch queues behind its flag waits
+            rows = sum(chunks.recv)
+            light(torch.zeros((rows, k), dtype=call.a.dtype, device=self.device),
+                  torch.empty((rows, n), dtype=call.a.dtype, device=self.device))
         torch.cuda.synchronize(self.device)
 
     def _multiplier(self, call: ExpertCall, kind: str):
@@ -351,6 +364,9 @@ class ExpertP2PCommunicator(GroupFields):
         seg_expert = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank,
                                    self.device)["expert"]
         ends = self._chunk_ends(layout)
+        only = None
+        if kind == "hybrid":  # the heavy experts chunk by chunk (light_multiplier runs the light ones)
+            kind, only = "loop", hybrid_split(layout)[0]
         host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
         workspace = None
         if kind == "triton":
@@ -364,7 +380,7 @@ class ExpertP2PCommunicator(GroupFields):
             if rows:
                 multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows],
                                seg_expert, host_ends=None if host is None else host[chunk], workspace=workspace,
-                               tail=tail)
+                               tail=tail, only=only)
 
         return multiply
 
@@ -388,7 +404,11 @@ class ExpertP2PCommunicator(GroupFields):
         tensor-parallel P2P executor does."""
         plan, layout = call.plan, call.layout
         bounded = plan.mode == "bounded"
-        program, ops = self._program(plan.op, chunks, call.return_gathered and plan.op == "dispatch",
+        kind = chunk_gemm(plan, a.dtype, self.device)
+        # The hybrid's light experts run over every chunk at once: dispatch's own chunk then joins the received rows.
+        light = light_multiplier(kind, layout, call.b)
+        program, ops = self._program(plan.op, chunks,
+                                     (call.return_gathered or light is not None) and plan.op == "dispatch",
                                      plan.hidden * a.dtype.itemsize)
         driver = stream_ops.fast()
         handles = (driver.current_stream(self._index), self.copy_stream.cuda_stream)
@@ -404,7 +424,9 @@ class ExpertP2PCommunicator(GroupFields):
             # Chunks leave whole (bounded mode: slots, padding included), so the rows no segment covers are zero.
             tensors = [a, self._scratch((a.shape[0], plan.hidden), a.dtype, zero=bounded), back]
         bases = [0 if t is None else t.data_ptr() for t in tensors] + [0]
-        multiply = self._multiplier(call, chunk_gemm(plan, a.dtype, self.device))
+        multiply = self._multiplier(call, kind)
+        if light is not None and plan.op == "combine":  # before any chunk leaves: every destination's light rows
+            light(a, tensors[1])
         events = self._events
         wait_reset, write, copy, record, wait_event = (driver.wait_reset, driver.write, driver.copy, driver.record,
                                                        driver.wait_event)
@@ -413,7 +435,12 @@ class ExpertP2PCommunicator(GroupFields):
             code = step[0]
             if code == _GEMM:
                 _, chunk, src, src_row, dst, dst_row, rows = step
-                multiply(chunk, tensors[src], src_row, tensors[dst], dst_row, rows)
+                if light is not None and plan.op == "combine" and dst == 2:
+                    # The own chunk into the returned rows: its light rows are in y, the heavy ones join them there.
+                    multiply(chunk, tensors[src], src_row, tensors[1], src_row, rows)
+                    tensors[2][dst_row : dst_row + rows].copy_(tensors[1][src_row : src_row + rows])
+                else:
+                    multiply(chunk, tensors[src], src_row, tensors[dst], dst_row, rows)
             elif code == _COPY:
                 _, stream, dst, dst_offset, src, src_offset, nbytes = step
                 copy(handles[stream], bases[dst] + dst_offset, bases[src] + src_offset, nbytes)
@@ -438,6 +465,8 @@ class ExpertP2PCommunicator(GroupFields):
         # X read send / y: nothing reuses them before its pushes are done.
         record(self._join, handles[1])
         wait_event(handles[0], self._join)
+        if light is not None and plan.op == "dispatch":  # every chunk is in the received rows, the own one too
+            light(tensors[1], tensors[2])
         if timeout is not None:
             self._check_progress(call, waited, timeout)
 

@@ -721,6 +721,23 @@ MEASURED_MS: dict[tuple[int, int, int, int], tuple[float, float, float]] = {
 }
 
 
+# Where the expert paths run the hybrid GEMM in exact mode (``comm/expert_nccl.py``: heavy experts a torch.mm per
+# segment as chunks land, light ones once over every source's rows through a row map): many local experts with few
+# rows each, where a grouped GEMM per source chunk streams every expert's weights once per source and is bound by
+# that (DeepSeek-like slice at W = 2, 128 experts, 256 rows each: 0.74x torch._grouped_mm per chunk, 0.97x / 0.96x
+# hybrid balanced and 1.23x / 1.21x with Zipf(1.2) routing, up / down:
+# benchmarks/results/logs/issue20/moe-skew-streams-347ba74380.json). Qwen3-like (64 experts, 1024 rows each) and
+# Mixtral-like (4 experts) slices stay per chunk, where they already run at 0.96-1.08x torch._grouped_mm.
+HYBRID_MIN_EXPERTS = 32
+HYBRID_MAX_ROWS_PER_EXPERT = 512
+
+
+def hybrid_pays(*, experts: int, rows: int) -> bool:
+    """Whether the expert paths' exact mode runs the hybrid GEMM for ``rows`` rows (``T * k``, about what a rank
+    receives) over ``experts`` local experts (``HYBRID_MIN_EXPERTS``, ``HYBRID_MAX_ROWS_PER_EXPERT``)."""
+    return experts >= HYBRID_MIN_EXPERTS and rows <= HYBRID_MAX_ROWS_PER_EXPERT * experts
+
+
 def pick_grouped_gemm(t_triton: float, t_cublas: float, t_loop: float, *, dtype: torch.dtype, k: int, n: int,
                       host_counts: bool = False, device_capability: tuple[int, int] | None = None) -> str:
     """The fastest allowed of three measured times: ``"cublas"`` only for bf16 with 16-byte aligned rows

@@ -168,7 +168,8 @@ def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layo
 
 def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.dtype,
                 capability: tuple[int, int] | None) -> str:
-    """The grouped GEMM a fast path's plan runs (``ExpertPlan.gemm``): the measured policy's choice
+    """The grouped GEMM a fast path's plan runs (``ExpertPlan.gemm``): in exact mode with many experts of few rows
+    each, the hybrid (``kernels.grouped_gemm.hybrid_pays``); otherwise the measured policy's choice
     (``kernels.grouped_gemm.choose_grouped_gemm``, never the per-segment loop, whose host sizes bounded mode never
     has) for ``local`` experts and ``rows`` rows (``T * k``), except where Triton is not installed: then exact
     mode loops, and bounded mode takes ``torch._grouped_mm`` (cuBLAS) where this torch has it (which
@@ -176,8 +177,10 @@ def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.d
     Triton is missing)."""
     # Imported here, not with this module: kernels.grouped_gemm imports Triton (a tenth of a second, and not
     # installed at all on a CPU install), which the reference path and `import flashoverlap` never need.
-    from flashoverlap.kernels.grouped_gemm import choose_grouped_gemm
+    from flashoverlap.kernels.grouped_gemm import choose_grouped_gemm, hybrid_pays
 
+    if mode == "exact" and hybrid_pays(experts=local, rows=rows) and _triton_available():
+        return "hybrid"
     gemm = choose_grouped_gemm(experts=local, rows=rows, k=k, n=n, dtype=dtype, device_capability=capability)
     if gemm == "triton" and not _triton_available():
         if mode == "exact":
