@@ -243,6 +243,7 @@ class Slice:
                         ends.to(torch.int32).to(self.x.device), mode="exact", bound=None, top_k=1, tokens=0,
                         experts=WORLD * self.experts, send_splits=splits, recv_splits=splits,
                         max_pair_rows=max(splits))
+        self._hybrid_layout = layout  # (diagnostics/light_tiles.py reads its light tables)
         plan = ExpertPlan("dispatch", WORLD, WORLD * self.experts, self.k, self.n, 1, 0, gemm="hybrid")
         multiply = chunk_multiplier("hybrid", plan, layout, self.w, self.local_experts)
         light = light_multiplier("hybrid", layout, self.w)
