@@ -209,26 +209,36 @@ def run_gap_case(case) -> dict:
 
 # Logical rows through a row map (the hybrid expert GEMM's light experts: one expert's rows from every source rank,
 # which lie apart in the dispatch layout). (name, dtype, experts, K, N, physical rows, segment sizes over the
-# logical rows, experts of the segments, w transposed, TMA, num_programs, tile options): the map is a seeded random
-# choice of distinct physical rows, so that logical neighbours lie anywhere.
+# logical rows, experts of the segments, w transposed, TMA, num_programs, tile options, runs): the map is a seeded
+# random choice of distinct physical rows, so that logical neighbours lie anywhere, or (runs) the concatenated
+# physical ranges given, as an expert's rows from each source lie: with TMA, the tiles inside one range load through
+# TMA, those across two gather.
 ROW_MAP_CASES = [
-    ("map-pointer-fp16", "float16", 3, 24, 40, 90, [13, 0, 30, 5], [2, 0, 1, 2], False, False, None, {}),
+    ("map-pointer-fp16", "float16", 3, 24, 40, 90, [13, 0, 30, 5], [2, 0, 1, 2], False, False, None, {}, None),
     ("map-wt-tma-swap-mix-fp16", "float16", 2, 32, 24, 160, [70, 5, 17, 33, 1], [0, 1, 1, 0, 1], True, True, 3,
-     {"block_m": 64, "swap_rows": 16, "half_tail": True, "mix": True, "dynamic": True}),
-    ("map-tma-flat-fp16", "float16", 2, 32, 32, 70, [20, 7, 25], [1, 0, 1], False, True, 2, {"flat": True}),
-    ("map-fp32", "float32", 2, 20, 18, 41, [9, 16], [1, 0], False, False, None, {}),
+     {"block_m": 64, "swap_rows": 16, "half_tail": True, "mix": True, "dynamic": True}, None),
+    ("map-tma-flat-fp16", "float16", 2, 32, 32, 70, [20, 7, 25], [1, 0, 1], False, True, 2, {"flat": True}, None),
+    ("map-fp32", "float32", 2, 20, 18, 41, [9, 16], [1, 0], False, False, None, {}, None),
+    ("map-runs-tma-fp16", "float16", 3, 32, 24, 200, [96, 40, 35], [2, 0, 1], False, True, None, {},
+     [(100, 164), (4, 36), (170, 190), (40, 60), (64, 95), (196, 200)]),
+    ("map-runs-wt-tma-half-fp16", "float16", 2, 48, 32, 130, [64, 37], [1, 0], True, True, 2,
+     {"half_tail": True, "swap_rows": 16, "block_m": 64}, [(0, 64), (70, 107)]),
 ]
 
 
 def run_row_map_case(case) -> dict:
-    name, dtype_name, experts, k, n, rows, sizes, seg_experts, w_t, tma, programs, options = case
+    name, dtype_name, experts, k, n, rows, sizes, seg_experts, w_t, tma, programs, options, runs = case
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = (torch.randn(experts, n, k, generator=gen).to(dtype).transpose(1, 2) if w_t
          else torch.randn(experts, k, n, generator=gen).to(dtype))
     logical = sum(sizes)
-    row_map = torch.randperm(rows, generator=gen)[:logical].to(torch.int32)
+    if runs is None:
+        row_map = torch.randperm(rows, generator=gen)[:logical].to(torch.int32)
+    else:
+        row_map = torch.cat([torch.arange(a, b) for a, b in runs]).to(torch.int32)
+        assert row_map.numel() == logical, name
     ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
     seg_expert = torch.tensor(seg_experts, dtype=torch.int32)
     options = dict(options)

@@ -196,16 +196,58 @@ def _publish(flags_ptr, group, PEER: tl.constexpr):
 
 
 @_jit
+def _tma_products(x, w, acc, row0, off_n, expert, N, K, BLOCK_K: tl.constexpr, W_KMAJOR: tl.constexpr,
+                  SWAP: tl.constexpr):
+    """``acc`` plus the products of ``x``'s rows from ``row0`` (a TMA descriptor: its block's rows) and the weight
+    strip, every K step. Rows past the segment are another segment's (or zero-filled past x): computed, never
+    stored. Columns past N read the next expert's rows of the flattened weight: also never stored."""
+    for kk in tl.range(tl.cdiv(K, BLOCK_K)):
+        a_tile = x.load([row0, kk * BLOCK_K])
+        if W_KMAJOR:
+            b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
+        else:
+            b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
+        if SWAP:
+            acc = tl.dot(b_tile.T, a_tile.T, acc)
+        else:
+            acc = tl.dot(a_tile, b_tile, acc)
+    return acc
+
+
+@_jit
+def _gathered_products(x_rows, gathered, w, acc, off_n, expert, N, K, stride_xm, stride_xk, BLOCK_K: tl.constexpr,
+                       W_KMAJOR: tl.constexpr, SWAP: tl.constexpr):
+    """``_tma_products`` with ``x``'s rows gathered (``gathered``: their rows of ``x_rows``, plain loads), the
+    weights still through TMA."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_rows + gathered[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    for kk in tl.range(tl.cdiv(K, BLOCK_K)):
+        a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - kk * BLOCK_K, other=0.0)
+        a_ptrs += BLOCK_K * stride_xk
+        if W_KMAJOR:
+            b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
+        else:
+            b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
+        if SWAP:
+            acc = tl.dot(b_tile.T, a_tile.T, acc)
+        else:
+            acc = tl.dot(a_tile, b_tile, acc)
+    return acc
+
+
+@_jit
 def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K, stride_xm,
-                    stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map, ROWS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-                    SIGNAL: tl.constexpr, PEER: tl.constexpr, SWAP: tl.constexpr = False,
+                    stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map, x_rows,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+                    W_KMAJOR: tl.constexpr, SIGNAL: tl.constexpr, PEER: tl.constexpr, SWAP: tl.constexpr = False,
                     ROW_MAP: tl.constexpr = False):
     """``out[off_m : min(off_m + ROWS, row1), off_n : off_n + BLOCK_N] = x[...] @ w[expert][:, ...]``; between
     the products and the store, the previous tile of this program is published to its group ``pending``.
 
-    ROW_MAP: the rows are logical, ``row_map[r]`` the row of ``x`` and ``out`` that logical row ``r`` is: ``x`` is a
-    pointer (its rows gathered with plain loads), ``w`` may still be a TMA descriptor.
+    ROW_MAP: the rows are logical, ``row_map[r]`` the row of ``x`` and ``out`` that logical row ``r`` is. With TMA, a
+    tile whose rows map onto consecutive rows of ``x`` (most tiles of an expert's long segments) is loaded through
+    ``x``'s descriptor from its first; any other tile gathers its rows from ``x_rows`` (the same tensor, a pointer)
+    with plain loads. Without TMA ``x`` is a pointer and every tile gathers.
 
     SWAP computes the transposed product, ``w[...]^T @ x[...]^T`` (``[BLOCK_N, ROWS]``), so that a tile of few rows
     (ROWS down to 16) is the narrow side of the tensor-core instruction, whose other side is at least 64 high: a
@@ -219,25 +261,16 @@ def _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, t
         logical = tl.minimum(off_m + tl.arange(0, ROWS), total_rows - 1)
         gathered = tl.load(row_map + logical).to(tl.int64)
     if USE_TMA:
-        # Rows past the segment are another segment's (or zero-filled past x): computed, never stored. Columns
-        # past N read the next expert's rows of the flattened weight: also never stored.
         if ROW_MAP:
-            offs_ka = tl.arange(0, BLOCK_K)
-            a_ptrs = x + gathered[:, None] * stride_xm + offs_ka[None, :] * stride_xk
-        for kk in tl.range(k_tiles):
-            if ROW_MAP:
-                a_tile = tl.load(a_ptrs, mask=offs_ka[None, :] < K - kk * BLOCK_K, other=0.0)
-                a_ptrs += BLOCK_K * stride_xk
+            first = tl.min(gathered, axis=0)
+            dense = tl.sum(((gathered - first) == tl.arange(0, ROWS)).to(tl.int32), axis=0) == ROWS
+            if dense:
+                acc = _tma_products(x, w, acc, first.to(tl.int32), off_n, expert, N, K, BLOCK_K, W_KMAJOR, SWAP)
             else:
-                a_tile = x.load([off_m, kk * BLOCK_K])
-            if W_KMAJOR:
-                b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
-            else:
-                b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
-            if SWAP:
-                acc = tl.dot(b_tile.T, a_tile.T, acc)
-            else:
-                acc = tl.dot(a_tile, b_tile, acc)
+                acc = _gathered_products(x_rows, gathered, w, acc, off_n, expert, N, K, stride_xm, stride_xk,
+                                         BLOCK_K, W_KMAJOR, SWAP)
+        else:
+            acc = _tma_products(x, w, acc, off_m, off_n, expert, N, K, BLOCK_K, W_KMAJOR, SWAP)
     else:
         offs_m = off_m + tl.arange(0, ROWS)
         offs_n = off_n + tl.arange(0, BLOCK_N)
@@ -297,6 +330,7 @@ def grouped_gemm_kernel(
     stride_om,
     stride_on,
     row_map,  # int32 [total_rows] (ROW_MAP): the row of x and out each logical row is
+    x_rows,  # (ROW_MAP) x as a pointer, for the tiles whose rows are gathered
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -326,7 +360,7 @@ def grouped_gemm_kernel(
             off_m, off_n = _tile_offsets(u, tile0, row0, row1, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
             _tile_mma_store(x, w, out, flags_ptr, -1, off_m, off_n, row1, expert, total_rows, N, K,
                             stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map,
-                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, False, PEER, False, ROW_MAP)
+                            x_rows, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, False, PEER, False, ROW_MAP)
     else:
         next_ptr = table_ptr + 6 * BLOCK_S
         t = tl.program_id(0)
@@ -348,15 +382,15 @@ def grouped_gemm_kernel(
             if SWAP_ROWS > 0 and left <= SWAP_ROWS:
                 _tile_mma_store(x_swap, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
                                 stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map,
-                                SWAP_ROWS, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, True, ROW_MAP)
+                                x_rows, SWAP_ROWS, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, True, ROW_MAP)
             elif HALF_TAIL and left <= BLOCK_M // 2:
                 _tile_mma_store(x_half, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
                                 stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map,
-                                BLOCK_M // 2, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, False, ROW_MAP)
+                                x_rows, BLOCK_M // 2, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, False, ROW_MAP)
             else:
                 _tile_mma_store(x, w, out, flags_ptr, pending, off_m, off_n, row1, expert, total_rows, N, K,
                                 stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on, row_map,
-                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, False, ROW_MAP)
+                                x_rows, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, W_KMAJOR, SIGNAL, PEER, False, ROW_MAP)
             if SIGNAL:
                 pending = tl.load(table_ptr + 5 * BLOCK_S + p)
             u = _launch_to_tile(t_next, total, heavy, MIX)
@@ -510,8 +544,8 @@ def grouped_gemm(
     is row ``row_map[r]`` of ``x`` and of ``out`` (gathered and scattered in place: a segment's rows need not be
     contiguous in ``x``, e.g. one expert's rows from every source rank in the dispatch layout). ``out`` must be
     given; rows of ``out`` that no mapped row names are not written; the mapped rows of covered logical rows must
-    be distinct and lie in ``[0, rows)`` (checked with ``validate``). ``x`` is read with plain loads (the weights
-    still through TMA where allowed).
+    be distinct and lie in ``[0, rows)`` (checked with ``validate``). With TMA, a tile whose logical rows map onto
+    consecutive rows of ``x`` loads them through TMA; any other tile gathers them with plain loads.
     """
     if _TRITON_MISSING is not None:
         raise ModuleNotFoundError(f"grouped_gemm needs triton ({_TRITON_MISSING}): pip install "
@@ -621,12 +655,9 @@ def grouped_gemm(
         # expert's edge is harmless where it happens (columns past N, masked at the store); K past an expert's
         # edge would not be, hence K % block_k == 0 for the [E*K, N] layout.
         w_2d = w_stored.reshape(-1, w_stored.shape[2])
-        if row_map is not None:  # gathered rows: plain loads
-            x_arg = x_half = x_swap = x
-        else:
-            x_arg = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-            x_half = TensorDescriptor.from_tensor(x, [tile.block_m // 2, tile.block_k]) if half_tail else x_arg
-            x_swap = TensorDescriptor.from_tensor(x, [swap_rows, tile.block_k]) if swap_rows else x_arg
+        x_arg = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+        x_half = TensorDescriptor.from_tensor(x, [tile.block_m // 2, tile.block_k]) if half_tail else x_arg
+        x_swap = TensorDescriptor.from_tensor(x, [swap_rows, tile.block_k]) if swap_rows else x_arg
         w_block = [tile.block_n, tile.block_k] if w_kmajor else [tile.block_k, tile.block_n]
         w_arg = TensorDescriptor.from_tensor(w_2d, w_block)
     else:
@@ -636,7 +667,7 @@ def grouped_gemm(
         x_arg, x_half, x_swap, w_arg, out, workspace, flags if signal else workspace,
         rows, n, k, num_segments, num_groups, tiles_n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        row_map if row_map is not None else workspace,
+        row_map if row_map is not None else workspace, x,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
         USE_TMA=bool(use_tma), W_KMAJOR=bool(w_kmajor and use_tma), SIGNAL=signal, PEER=bool(peer_visible),
         DYNAMIC=bool(tile.dynamic and tile.num_programs is not None), HALF_TAIL=half_tail, SWAP_ROWS=swap_rows,
