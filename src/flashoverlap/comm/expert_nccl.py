@@ -199,6 +199,11 @@ def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tens
 # (benchmarks/results/logs/issue20/moe-skew-streams-347ba74380.json): 1.23x / 1.21x torch._grouped_mm (up / down)
 # with Zipf(1.2) routing, 0.97x / 0.96x balanced, against 0.90 / 0.93 and 0.74 / 0.74 per source chunk.
 HEAVY_ROWS = 1024
+# The light launch's tile: the flattened persistent loop where the light experts average at least this many rows (two
+# full tile rows each: balanced DeepSeek-like, 0.996x / 0.987x torch._grouped_mm up / down against 0.954x / 0.945x
+# with the default tile), the default tile below it (Zipf(1.2): 2-10% faster than the flattened loop there):
+# benchmarks/results/logs/issue20/light-tiles-34c87d6c18.json.
+LIGHT_FLAT_ROWS = 256
 
 
 def hybrid_split(layout: Layout) -> tuple[frozenset[int], list[int], list[int]]:
@@ -253,13 +258,15 @@ def light_multiplier(kind: str, layout: Layout, b: torch.Tensor):
     tables = light_tables(layout)
     if tables is None:
         return None
-    from flashoverlap.kernels.grouped_gemm import grouped_gemm, workspace_size  # Triton: imported where it runs
+    from flashoverlap.kernels.grouped_gemm import TILE_FLAT, grouped_gemm, workspace_size  # Triton: where it runs
 
     row_map, ends, experts = tables
     workspace = torch.empty(workspace_size(experts.numel()), dtype=torch.int32, device=b.device)
+    tile = TILE_FLAT if row_map.numel() >= LIGHT_FLAT_ROWS * experts.numel() else None  # None: default_tile
 
     def light(x: torch.Tensor, out: torch.Tensor) -> None:
-        grouped_gemm(x, b, ends, experts, out=out, row_map=row_map, max_rows=row_map.numel(), workspace=workspace)
+        grouped_gemm(x, b, ends, experts, out=out, row_map=row_map, max_rows=row_map.numel(), workspace=workspace,
+                     tile=tile)
 
     return light
 
