@@ -19,9 +19,9 @@ Per row, timed side by side (CUDA events, median, each call queued behind a GPU 
 - ``t_loop_ms``: ``torch.mm`` per expert on the regrouped rows; ``t_loop_path_ms``: per non-empty segment;
 - ``t_hybrid_ms``: the exact mode's hybrid (``comm/expert_nccl.py``'s functions): the heavy experts a ``torch.mm``
   per segment chunk by chunk, the light ones in one row-mapped launch over every chunk (``Slice.hybrid``).
-``path`` is the exact mode's way: the hybrid where the runtime runs it (``hybrid_pays``: many experts, few rows
-each), else the fastest of the three per-chunk ways as the paths run them (``t_chunks_ms``, ``t_cublas_path_ms``,
-``t_loop_path_ms``, balanced and Zipf summed per slice: ``pick_grouped_gemm``); ``t_ms`` that way's time,
+``path`` is the way the runtime runs the exact mode at the slice (``runtime.experts.choose_gemm``: the hybrid where
+``hybrid_pays``, many experts of few rows each, else Triton or cuBLAS per chunk by the measured policy,
+``MEASURED_MS``), ``path_bounded`` the bounded mode's; ``t_ms`` that way's time,
 ``tflops`` at ``t_ms``. Every timed way is first checked against ``torch._grouped_mm`` on an output poisoned with NaN
 (flags included).
 
@@ -54,8 +54,6 @@ from flashoverlap.kernels.grouped_gemm import (
     GroupedTile,
     default_tile,
     grouped_gemm,
-    hybrid_pays,
-    pick_grouped_gemm,
     workspace_size,
 )
 
@@ -389,26 +387,18 @@ def expert_group_row(config: str, routing: str, proj: str, iters: int, warmup: i
 
 
 def assign_paths(rows: list[dict]) -> None:
-    """``path``: the exact mode's GEMM: the hybrid where the runtime's rule runs it (``hybrid_pays``), else what
-    ``pick_grouped_gemm``'s rule picks from these rows' own times as the paths run them (Triton per chunk, cuBLAS
-    per chunk, the loop per segment; balanced and Zipf summed per slice, since a path cannot know its routing in
-    advance), segment sizes on the host (loop allowed); ``path_bounded``: the same without them (the bounded mode:
-    no hybrid, no loop). ``t_ms``, ``tflops``: at ``path``."""
-    slices: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
-        slices.setdefault((r["config"], r["proj"]), []).append(r)
+    """``path``, ``path_bounded``: the grouped GEMM the runtime runs at each slice in exact and bounded mode
+    (``runtime.experts.choose_gemm``: the hybrid where ``hybrid_pays``, else the measured policy over Triton and
+    cuBLAS per chunk), so that the table shows what a user's call runs. ``t_ms``, ``tflops``: at ``path``, from
+    these rows' own times as the paths run it."""
+    from flashoverlap.runtime.experts import choose_gemm
+
     key = {"triton": "t_chunks_ms", "cublas": "t_cublas_path_ms", "loop": "t_loop_path_ms", "hybrid": "t_hybrid_ms"}
-    for group in slices.values():
-        total = [sum(r[key[kind]] for r in group) for kind in ("triton", "cublas", "loop")]
-        k, n = group[0]["K"], group[0]["N"]
-        path = pick_grouped_gemm(*total, dtype=torch.bfloat16, k=k, n=n, host_counts=True)
-        if hybrid_pays(experts=group[0]["experts"], rows=group[0]["rows"]):
-            path = "hybrid"
-        bounded = pick_grouped_gemm(*total, dtype=torch.bfloat16, k=k, n=n, host_counts=False)
-        for r in group:
-            r["path"], r["path_bounded"] = path, bounded
-            r["t_ms"], r["t_bounded_ms"] = r[key[path]], r[key[bounded]]
-            r["tflops"] = r["flops"] / r["t_ms"] / 1e9
+    for r in rows:
+        args = (r["experts"], r["rows"], r["K"], r["N"], torch.bfloat16, (9, 0))
+        r["path"], r["path_bounded"] = choose_gemm("exact", *args), choose_gemm("bounded", *args)
+        r["t_ms"], r["t_bounded_ms"] = r[key[r["path"]]], r[key[r["path_bounded"]]]
+        r["tflops"] = r["flops"] / r["t_ms"] / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,9 @@ One dispatch, on the caller's stream ``C`` and the communication stream ``S``:
    event ``arrived[p]``.
 2. ``C`` multiplies the own chunk at once (straight from the send buffer), runs the hook, then for each peer in
    round order waits for ``arrived[p]`` (a stream wait on an event: no SM spins) and multiplies chunk ``p``.
-3. ``C`` joins ``S``.
+3. ``C`` joins ``S``. With the hybrid GEMM (exact mode, ``light_multiplier``), the chunks' multiplications cover
+   the heavy experts only; the own chunk is also copied among the received rows (before its GEMM), and ``C``
+   multiplies every source's rows of the light experts in one launch after the join.
 
 One combine, own rank's chunk LAST: the own rows need no transfer, so computing them last hides the last peer's
 transfer behind them, and every peer's rows leave as early as possible (FlashOverlap's order).
@@ -39,8 +41,10 @@ transfer behind them, and every peer's rows leave as early as possible (FlashOve
   program per tile, so that NCCL's CTAs get SMs as the GEMM's programs retire (a persistent GEMM holding every SM
   starves NCCL until it ends: docs/design.md). Every flag, the own one included, is waited for and reset on
   ``S``, so that every flag is 0 before the next call's GEMM sets it (a stale 1 would let a send go early).
-- otherwise (bounded mode, whose gaps between slots the kernel cannot skip yet; the cuBLAS and loop GEMMs): one
-  GEMM per destination in round order on ``C``, each followed by an event that ``S`` waits for before that round.
+- otherwise (bounded mode, whose gaps between slots the kernel cannot skip yet; the cuBLAS, loop and hybrid GEMMs):
+  one GEMM per destination in round order on ``C``, each followed by an event that ``S`` waits for before that
+  round. The hybrid first multiplies every destination's rows of the light experts in one launch (before any
+  event), then the heavy ones per destination; the own chunk's rows then go from ``y`` to the returned rows.
 
 The origin's weighted sum (``combine_at_origin``) runs on ``C`` after ``C`` joins ``S``.
 

@@ -43,6 +43,13 @@ need no SM; the GEMMs wait on nothing but their own stream. A kernel first launc
 rule 3) is loaded eagerly on a plan's first call; and every producer is issued before any wait on it, so even a
 kernel that loads late cannot wait on something the host has yet to issue.
 
+The hybrid GEMM (exact mode, ``expert_nccl.light_multiplier``): the schedule's GEMMs cover the heavy experts only.
+Dispatch copies the own chunk among the received rows (the schedule's ``gathered`` copy) and, after ``X`` joins
+``C``, multiplies every source's rows of the light experts in one launch; combine multiplies every destination's
+light rows in one launch before the schedule starts, and its own chunk's GEMM writes ``y``, then its rows are copied
+to the returned rows. Neither adds a wait: the deadlock argument above is unchanged (the light launch is loaded with
+the others on a plan's first call).
+
 With ``FLASHOVERLAP_DEBUG_TIMEOUT`` (``call.timeout``), an event after every flag wait is polled with a deadline:
 a wait that does not end in time raises an error naming the rank, the op, the group and the flag's pair.
 """

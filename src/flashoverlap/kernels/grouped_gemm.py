@@ -739,16 +739,17 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, seg_ends: torch.Tenso
 
 # -- policy -------------------------------------------------------------------------------------------------
 # Measured times (ms, balanced + Zipf(1.2) routing summed) of the three ways at each per-rank slice (W = 2), keyed by
-# (experts, rows, K, N): triton = grouped_gemm as the paths run it (dispatch layout, signals on, default tile),
-# cublas = torch._grouped_mm per source chunk, loop = torch.mm per segment. From
-# benchmarks/results/h200x1-moe-gemm.json, produced at commit e410e6d on one H200 (torch 2.11, triton 3.6).
+# (experts, rows, K, N): triton = grouped_gemm per source chunk as the paths run it (t_chunks_ms), cublas =
+# torch._grouped_mm per source chunk, loop = torch.mm per segment. From benchmarks/results/h200x1-moe-gemm.json,
+# produced at commit 4823acf052 on one H200 (torch 2.11, triton 3.6). (Before, from e410e6d: cuBLAS won the
+# Qwen3-like down slice by 0.1%, and ran 9% slower than Triton there at 4823acf052.)
 MEASURED_MS: dict[tuple[int, int, int, int], tuple[float, float, float]] = {
-    (4, 16384, 4096, 28672): (10.490, 10.363, 10.008),  # Mixtral-like up
-    (4, 16384, 14336, 4096): (4.948, 5.112, 4.752),  # Mixtral-like down
-    (64, 65536, 2048, 1536): (1.285, 1.322, 2.541),  # Qwen3-30B-A3B-like up
-    (64, 65536, 768, 2048): (0.795, 0.794, 3.173),  # Qwen3-30B-A3B-like down
-    (128, 32768, 7168, 4096): (7.358, 11.311, 12.458),  # DeepSeek-V3-like up
-    (128, 32768, 2048, 7168): (3.771, 5.866, 9.474),  # DeepSeek-V3-like down
+    (4, 16384, 4096, 28672): (10.102, 10.286, 9.926),  # Mixtral-like up
+    (4, 16384, 14336, 4096): (4.827, 5.100, 4.746),  # Mixtral-like down
+    (64, 65536, 2048, 1536): (1.206, 1.316, 4.185),  # Qwen3-30B-A3B-like up
+    (64, 65536, 768, 2048): (0.713, 0.792, 4.688),  # Qwen3-30B-A3B-like down
+    (128, 32768, 7168, 4096): (8.199, 11.403, 13.310),  # DeepSeek-V3-like up
+    (128, 32768, 2048, 7168): (4.202, 5.873, 10.496),  # DeepSeek-V3-like down
 }
 
 
