@@ -43,6 +43,11 @@ PLAN_TEST = "tests/test_plan.py"
 GUARDS = "src/flashoverlap/guards.py"
 GUARDS_TEST = "tests/test_guards.py"
 
+GROUPED = "src/flashoverlap/kernels/grouped_gemm.py"
+GROUPED_TEST = "tests/kernels/test_grouped_gemm.py"
+EXPERT_NCCL = "src/flashoverlap/comm/expert_nccl.py"
+HYBRID_TEST = "tests/moe/test_hybrid.py"
+
 TESTING = "src/flashoverlap/testing.py"
 TESTING_TEST = "tests/test_testing.py"
 TIMING = "src/flashoverlap/bench/timing.py"
@@ -179,6 +184,22 @@ MUTATIONS = [
      "                src = parts[src_space][src_part]\n", "                src = parts[src_space][0]\n", P2P_TEST),
     ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,
      "        record(events[0], handles[0])\n", "", P2P_TEST),
+    ("row-map-store-unmapped", "Grouped GEMM: a row-mapped tile stores its results at its logical rows, not at the "
+     "rows the map names", GROUPED, "        c_ptrs = out + gathered[:, None] * stride_om + cols[None, :] * stride_on",
+     "        c_ptrs = out + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on", GROUPED_TEST),
+    ("row-map-dense-check-skipped", "Grouped GEMM: every row-mapped tile loads through TMA from its first row, also "
+     "one whose rows do not follow each other", GROUPED,
+     "            dense = tl.sum(((gathered - first) == tl.arange(0, ROWS)).to(tl.int32), axis=0) == ROWS",
+     "            dense = first >= 0", GROUPED_TEST),
+    ("hybrid-light-experts-skipped", "Hybrid expert GEMM: the light experts' launch is never made", EXPERT_NCCL,
+     "    if kind != \"hybrid\":\n        return None\n    tables = light_tables(layout)",
+     "    if True:\n        return None\n    tables = light_tables(layout)", HYBRID_TEST),
+    ("hybrid-heavy-part-runs-every-expert", "Hybrid expert GEMM: the per-chunk part multiplies the light experts "
+     "too", EXPERT_NCCL, "            if end > start and (only is None or expert in only):",
+     "            if end > start:", HYBRID_TEST),
+    ("hybrid-row-map-source-order", "Hybrid expert GEMM: the light row map takes each segment's rows from its "
+     "source's first segment start", EXPERT_NCCL, "        first = torch.cumsum(sizes, 0) - sizes",
+     "        first = torch.cumsum(sizes, 0)", HYBRID_TEST),
     ("expert-p2p-schedule-kept-past-workspace-growth", "P2P expert executor: a resolved schedule (slot and peer "
      "addresses) is kept when the workspace grows", "src/flashoverlap/comm/expert_p2p.py",
      "                self.graphs.clear()\n                self._programs.clear()\n",
