@@ -200,6 +200,22 @@ MUTATIONS = [
     ("hybrid-row-map-source-order", "Hybrid expert GEMM: the light row map takes each segment's rows from its "
      "source's first segment start", EXPERT_NCCL, "        first = torch.cumsum(sizes, 0) - sizes",
      "        first = torch.cumsum(sizes, 0)", HYBRID_TEST),
+    ("hybrid-split-cached-without-threshold", "Hybrid expert GEMM: a layout's split is kept when HEAVY_ROWS changes "
+     "(the chunked part and the light launch then disagree)", EXPERT_NCCL,
+     "    if cached is None or cached[0] != HEAVY_ROWS:", "    if cached is None:", HYBRID_TEST),
+    ("hybrid-nccl-own-chunk-not-received", "NCCL expert path, hybrid: dispatch leaves the own chunk out of the "
+     "received rows unless they are returned (the light launch reads NaN)", EXPERT_NCCL,
+     "        if (call.return_gathered or light is not None) and chunks.recv[me]:",
+     "        if call.return_gathered and chunks.recv[me]:",
+     "tests/comm/test_expert_nccl.py::test_the_hybrid_gemm_matches_the_reference"),
+    ("hybrid-p2p-own-chunk-not-gathered", "P2P expert path, hybrid: dispatch's schedule copies the own chunk among "
+     "the received rows only when they are returned", "src/flashoverlap/comm/expert_p2p.py",
+     "(call.return_gathered or light is not None) and plan.op == \"dispatch\"",
+     "call.return_gathered and plan.op == \"dispatch\"", "tests/comm/test_expert_p2p_executor.py"),
+    ("hybrid-p2p-light-kernels-not-loaded", "P2P expert path, hybrid: the light launch's kernels are not loaded "
+     "before a call queues them behind its flag waits", "src/flashoverlap/comm/expert_p2p.py",
+     "        if variant in self._light_warm:\n            return\n",
+     "        return\n", "tests/comm/test_expert_p2p_executor.py"),
     ("expert-p2p-schedule-kept-past-workspace-growth", "P2P expert executor: a resolved schedule (slot and peer "
      "addresses) is kept when the workspace grows", "src/flashoverlap/comm/expert_p2p.py",
      "                self.graphs.clear()\n                self._programs.clear()\n",

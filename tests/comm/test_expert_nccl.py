@@ -150,3 +150,70 @@ def test_pair_rounds_meet_every_peer_once_and_symmetrically():
             assert sorted(p for p in rounds[r] if p is not None) == [p for p in range(world) if p != r]
             for k, p in enumerate(rounds[r]):
                 assert p is None or rounds[p][k] == r
+
+
+def _hybrid_ranks(rank, world):
+    """The hybrid GEMM's branches of the NCCL communicator (TRITON_INTERPRET=1: the light launch is the real kernel,
+    interpreted): a mix of heavy and light experts, and every expert light (every expert heavy is the loop, tested
+    above); skewed routing and a rank that sends none; the backward variants; the received and returned rows asked
+    for or not. Each output against the reference
+    communicator's; every buffer the communicator allocates starts NaN."""
+    fake_cuda.install(wait_timeout_s=10.0)
+    torch.set_num_threads(1)
+    from flashoverlap.comm import expert_nccl
+    from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
+    from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator
+    from flashoverlap.comm.expert_reference import ExpertReferenceCommunicator
+    from flashoverlap.comm.protocol import CommGroup
+
+    group = CommGroup.of(dist.group.WORLD, torch.device("cpu"))
+    comm, reference = ExpertNcclCommunicator(group), ExpertReferenceCommunicator(group)
+    comm._new = lambda shape, dtype, zero=False: torch.full(shape, float("nan"), dtype=dtype)
+    experts, hidden = LOCAL * world, 32
+    light_calls = 0
+    real = expert_nccl.light_multiplier
+
+    def counted(*args):
+        nonlocal light_calls
+        light = real(*args)
+        light_calls += light is not None
+        return light
+
+    expert_nccl.light_multiplier = counted
+    for heavy in (6, 10**6):
+        expert_nccl.HEAVY_ROWS = heavy
+        for case in ("skewed", "sends_none"):
+            gen = torch.Generator().manual_seed(1000 * rank + len(case) + heavy)
+            tokens, idx = _routing(case, rank, world, gen)
+            layout = expert_layout(idx, experts, group)
+            for per_choice, weighted, gathered in ((False, True, True), (True, False, False)):
+                x = torch.randn(tokens * TOP_K if per_choice else tokens, hidden, generator=gen)
+                w_up = torch.randn(LOCAL, 2 * FFN, hidden, generator=gen).transpose(1, 2)
+                plan = ExpertPlan("dispatch", world, experts, hidden, 2 * FFN, TOP_K, tokens, gemm="hybrid",
+                                  per_choice=per_choice)
+                call = ExpertCall("moe_dispatch_gemm", plan, x, w_up, return_gathered=gathered, layout=layout)
+                h, recv = comm.run(call)
+                want_h, want_recv = reference.run(dataclasses.replace(call, return_gathered=True))
+                torch.testing.assert_close(h, want_h, atol=1e-4, rtol=1e-4)
+                assert (recv is None) != gathered
+                if gathered:
+                    torch.testing.assert_close(recv, want_recv)
+                topk_weights = torch.rand(tokens, TOP_K, generator=gen)
+                act = torch.randn(layout.recv_rows, FFN, generator=gen)
+                w_down = torch.randn(LOCAL, FFN, hidden, generator=gen)
+                plan = ExpertPlan("combine", world, experts, hidden, FFN, TOP_K, tokens, gemm="hybrid",
+                                  weighted=weighted)
+                call = ExpertCall("moe_gemm_combine", plan, act, w_down, return_gathered=gathered,
+                                  layout=layout.with_weights(topk_weights) if weighted else layout)
+                out, back = comm.run(call)
+                want_out, want_back = reference.run(dataclasses.replace(call, return_gathered=True))
+                torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+                if gathered:
+                    torch.testing.assert_close(back, want_back, atol=1e-4, rtol=1e-4)
+    return light_calls
+
+
+def test_the_hybrid_gemm_matches_the_reference():
+    # W = 3: two peers met in rounds and the own chunk. Each rank's calls include some with light experts (the real
+    # launch ran).
+    assert all(light_calls > 0 for light_calls in spawn(_hybrid_ranks, 3, "gloo", env={"TRITON_INTERPRET": "1"}))

@@ -115,14 +115,14 @@ def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
     comm.copy_stream = FakeStream(1, recorder)
     comm.workspace = FakeWorkspace(world * slot_bytes)
     comm._index, comm._events, comm._join = 0, [], None
-    comm._warm, comm._tables, comm._programs = set(), {}, {}
+    comm._warm, comm._light_warm, comm._tables, comm._programs = set(), set(), {}, {}
     comm._ends = WeakTensorKeyDictionary()
     comm.graphs = CallGraphs(None)
     compute = FakeStream(0, recorder)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(ep.stream_ops, "fast", lambda: recorder)
 
-    def gemm(kind, x, w, ends, out, seg_expert, host_ends=None, workspace=None, tail=True):
+    def gemm(kind, x, w, ends, out, seg_expert, host_ends=None, workspace=None, tail=True, only=None):
         recorder.trace.append(("gemm", x.data_ptr(), x.shape[0], out.data_ptr(), tuple(ends.tolist())))
 
     monkeypatch.setattr(expert_nccl, "multiply_chunk", gemm)
@@ -413,3 +413,68 @@ def test_release_through_the_runtime_empties_what_the_executor_keeps(monkeypatch
     assert recorder.trace[-1] == ("workspace released",)
     got, want = _run_call(comm, recorder, monkeypatch, layout)  # the next call starts afresh
     assert got == want and len(comm._programs) == 1
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, monkeypatch):
+    """The hybrid GEMM (exact mode): dispatch copies the own chunk among the received rows (the schedule's gathered
+    copy, also when the rows are not returned) and launches the light experts after X joins C, over the received
+    rows into h; combine launches them first, over a into y, and its own chunk's GEMM writes y, whose own rows then
+    reach the returned rows. The light kernels of a variant load once, before anything of the call is queued."""
+    recorder = Recorder()
+    comm = _communicator(1, 3, recorder, monkeypatch)
+    layout = _layout(3, 1, "exact", (2, 3, 4), (3, 3, 1))  # the own pair's rows: sent to and received from itself
+    loads = []
+    monkeypatch.setattr(ep, "chunk_gemm", lambda plan, dtype, device: "hybrid")
+    monkeypatch.setattr(ep, "hybrid_parts", lambda layout: (frozenset({0}), None))
+    monkeypatch.setattr(ep, "light_variant", lambda layout, b: ("variant",))
+
+    def light_multiplier(kind, layout, b):
+        assert kind == "hybrid"
+        return lambda x, out: recorder.trace.append(("light", x.data_ptr(), out.data_ptr()))
+
+    monkeypatch.setattr(ep, "light_multiplier", light_multiplier)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: loads.append(len(recorder.trace)))
+    ffn = 2 * FFN if op == "dispatch" else FFN
+    plan = ExpertPlan(op, 3, LOCAL * 3, HIDDEN, ffn, TOP_K, layout.tokens, gemm="hybrid")
+    send_tensor = torch.empty(layout.send_capacity, HIDDEN, dtype=torch.bfloat16)
+    y = torch.randn(layout.recv_rows, HIDDEN).to(torch.bfloat16)
+    monkeypatch.setattr(ep, "send_buffer", lambda a, plan, layout: recorder.trace.append(("gather",)) or send_tensor)
+    monkeypatch.setattr(ep, "combine_at_origin", lambda back, plan, layout, dtype, out=None: out)
+    monkeypatch.setattr(comm, "_scratch", lambda shape, dtype, zero: y)
+    monkeypatch.setattr(comm, "_load_kernels", lambda call, chunks: None)
+    if op == "dispatch":
+        a, b = torch.randn(layout.tokens, HIDDEN, dtype=torch.bfloat16), torch.randn(LOCAL, HIDDEN, ffn)
+    else:
+        a, b = torch.randn(layout.recv_rows, ffn, dtype=torch.bfloat16), torch.randn(LOCAL, ffn, HIDDEN)
+    chunks = ep.Chunks.of(plan, layout)
+    for call_index in range(2):
+        call = ExpertCall("op", plan, a, b, return_gathered=False, layout=layout)
+        comm.prepare(call, chunks)
+        outputs = comm._outputs(call, a)
+        recorder.trace.clear()
+        loads.clear()
+        comm.issue(call, a, chunks, outputs)
+        trace = list(recorder.trace)
+        # The variant's kernels load on the first call only, before anything of it is queued.
+        assert loads == ([1] if call_index == 0 and op == "dispatch" else [])
+        real = [step for step in trace if step[0] == "light"]
+        if op == "dispatch":
+            # The loading run (first call only) is the first thing issued, on scratch rows.
+            assert len(real) == (2 if call_index == 0 else 1)
+            assert call_index > 0 or (trace[0][0] == "light" and trace[0][2] != outputs[0].data_ptr())
+            h, recv = outputs
+            at = ep._offsets(chunks.send)[1] * HIDDEN * 2
+            own_copy = (0, "copy", recv.data_ptr() + ep._offsets(chunks.recv)[1] * HIDDEN * 2,
+                        send_tensor.data_ptr() + at, chunks.recv[1] * HIDDEN * 2)
+            assert own_copy in trace, "the own chunk is not copied among the received rows"
+            assert trace[-3:] == [(1, "record", comm._join), (0, "wait_event", comm._join),
+                                  ("light", recv.data_ptr(), h.data_ptr())]
+        else:
+            back = outputs[1]
+            assert trace[0] == ("light", a.data_ptr(), y.data_ptr()) and len(real) == 1
+            own = ep._offsets(chunks.recv)[1]
+            gemms = [step for step in trace if step[0] == "gemm"]
+            assert gemms[-1][3] == y[own:].data_ptr(), "the own chunk's GEMM does not write y"
+            start = ep._offsets(chunks.send)[1]
+            assert torch.equal(back[start : start + chunks.send[1]], y[own : own + chunks.recv[1]])

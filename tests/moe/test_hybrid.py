@@ -64,6 +64,25 @@ def test_split_and_row_map(monkeypatch):
     assert expert_nccl.light_tables(exact_layout(COUNTS)) is None  # every expert with rows is heavy
 
 
+def test_both_parts_read_one_split_also_when_the_threshold_changes(monkeypatch):
+    """The heavy set (the chunked part) and the light tables (the one launch) come from one cached entry per layout
+    and threshold: every expert with rows is in exactly one part, whatever the calls in between."""
+    layout = exact_layout(COUNTS)
+    for threshold in (1, HEAVY, 10**6, HEAVY):
+        monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", threshold)
+        heavy, tables = expert_nccl.hybrid_parts(layout)
+        light = [] if tables is None else tables[2].tolist()
+        assert sorted([*heavy, *light]) == [0, 1, 2, 3] and not set(heavy) & set(light), (threshold, heavy, light)
+        assert expert_nccl.light_tables(layout) is tables
+    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", HEAVY)
+    b = torch.zeros(5, 8, 8)
+    variant = expert_nccl.light_variant(layout, b)
+    assert variant is not None and variant == expert_nccl.light_variant(exact_layout(COUNTS), b)
+    assert variant != expert_nccl.light_variant(layout, torch.zeros(5, 8, 16))  # another N: another kernel
+    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", 1)
+    assert expert_nccl.light_variant(layout, b) is None  # no light expert: nothing to load
+
+
 def test_policy_picks_the_hybrid_in_exact_mode_where_weights_bind(monkeypatch):
     assert hybrid_pays(experts=128, rows=32768) and hybrid_pays(experts=32, rows=32 * 512)
     assert not hybrid_pays(experts=64, rows=65536) and not hybrid_pays(experts=4, rows=100)

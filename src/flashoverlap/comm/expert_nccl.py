@@ -223,20 +223,31 @@ def hybrid_split(layout: Layout) -> tuple[frozenset[int], list[int], list[int]]:
     return heavy, [e for e, rows in enumerate(per_expert) if rows and e not in heavy], per_expert
 
 
-# The light experts' row map, logical ends and experts, by the layout's segment ends (one layer's dispatch, combine
-# and backward calls share them).
-_LIGHT = WeakTensorKeyDictionary()
+# The hybrid's split of a layout, by its segment ends (one layer's dispatch, combine and backward calls share it):
+# (HEAVY_ROWS it was cut at, the heavy experts, the light experts' tables). Both parts read the same entry, so that
+# every expert runs in exactly one of them, also if HEAVY_ROWS changes while the layout lives.
+_HYBRID = WeakTensorKeyDictionary()
+
+
+def hybrid_parts(layout: Layout) -> tuple[frozenset[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """The heavy experts and the light experts' tables (``light_tables``) of ``layout`` at today's ``HEAVY_ROWS``,
+    made once per layout and threshold."""
+    cached = _HYBRID.get(layout.recv_seg_ends)
+    if cached is None or cached[0] != HEAVY_ROWS:
+        heavy, light, per_expert = hybrid_split(layout)
+        cached = _HYBRID[layout.recv_seg_ends] = (HEAVY_ROWS, heavy, _light_tables(layout, light, per_expert))
+    return cached[1], cached[2]
 
 
 def light_tables(layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """For the light experts (``hybrid_split``), on the device: the row map (int32: for each light expert in turn,
     its rows from every source in source order, as rows of the receive layout), each expert's end among the mapped
     rows (int32) and the experts (int32); None where no expert is light. Made on the device from the layout's
-    segment tensors, sized by its host sizes: no synchronisation."""
-    cached = _LIGHT.get(layout.recv_seg_ends)
-    if cached is not None:
-        return cached[0]
-    _, light, per_expert = hybrid_split(layout)
+    segment tensors, sized by its host sizes: no synchronisation. Kept with the heavy set (``hybrid_parts``)."""
+    return hybrid_parts(layout)[1]
+
+
+def _light_tables(layout: Layout, light: list[int], per_expert: list[int]):
     tables = None
     if light:
         world, local, device = layout.world_size, layout.experts_per_rank, layout.recv_seg_ends.device
@@ -249,8 +260,20 @@ def light_tables(layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
                    + torch.arange(total, dtype=torch.int64, device=device)).to(torch.int32)
         ends = torch.cumsum(sizes.view(len(light), world).sum(1), 0).to(torch.int32)
         tables = (row_map, ends, pick.to(torch.int32))
-    _LIGHT[layout.recv_seg_ends] = (tables,)
     return tables
+
+
+def light_variant(layout: Layout, b: torch.Tensor) -> tuple | None:
+    """What the light launch's compiled kernels depend on besides the tensors' addresses (its tile, its table size,
+    the integer arguments Triton specialises: 1 or a multiple of 16), or None where no expert is light: a path that
+    queues the launch behind flag waits loads each variant once before (deadlock rule 3)."""
+    tables = light_tables(layout)
+    if tables is None:
+        return None
+    row_map, _, experts = tables
+    ints = (row_map.numel(), experts.numel(), layout.recv_rows)
+    return (row_map.numel() >= LIGHT_FLAT_ROWS * experts.numel(), experts.numel().bit_length(),
+            tuple((v == 1, v % 16 == 0) for v in ints), b.dtype, tuple(b.shape), b.stride())
 
 
 def light_multiplier(kind: str, layout: Layout, b: torch.Tensor):
@@ -283,7 +306,7 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
     ends = relative_ends(layout)
     only = None
     if kind == "hybrid":
-        kind, only = "loop", hybrid_split(layout)[0]
+        kind, only = "loop", hybrid_parts(layout)[0]
     host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
     workspace = None
     if kind == "triton":

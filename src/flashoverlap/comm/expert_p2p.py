@@ -69,8 +69,9 @@ from flashoverlap.comm.expert_nccl import (
     Chunks,
     chunk_gemm,
     host_relative_ends,
-    hybrid_split,
+    hybrid_parts,
     light_multiplier,
+    light_variant,
     relative_ends,
     segment_table,
 )
@@ -241,6 +242,7 @@ class ExpertP2PCommunicator(GroupFields):
         self._events: list[int] = []  # driver events (``stream_ops.FastDriver``): the schedules' by index
         self._join: int | None = None  # the driver event that joins X into C after a call
         self._warm: set[tuple] = set()
+        self._light_warm: set[tuple] = set()  # the hybrid's light kernel variants loaded (_load_light)
         self._tables: dict = {}
         # Resolved schedules (``_program``) by (op, chunks, gathered, row bytes): emptied where the workspace grows
         # (its slots and peers' addresses move) and on release.
@@ -277,6 +279,7 @@ class ExpertP2PCommunicator(GroupFields):
         theirs in the same collective release)."""
         self.graphs.clear()
         self._warm.clear()
+        self._light_warm.clear()
         self._tables.clear()
         self._programs.clear()
         self._ends.clear()
@@ -356,12 +359,21 @@ class ExpertP2PCommunicator(GroupFields):
                 x = torch.zeros((item.rows, k), dtype=call.a.dtype, device=self.device)
                 multiply(item.chunk, x, 0, torch.empty((item.rows, n), dtype=call.a.dtype, device=self.device), 0,
                          item.rows)
-        light = light_multiplier(chunk_gemm(plan, call.a.dtype, self.device), call.layout, b)
-        if light is not None:  # the hybrid's light launch, which dispatch queues behind its flag waits
-            rows = sum(chunks.recv)
-            light(torch.zeros((rows, k), dtype=call.a.dtype, device=self.device),
-                  torch.empty((rows, n), dtype=call.a.dtype, device=self.device))
         torch.cuda.synchronize(self.device)
+
+    def _load_light(self, call: ExpertCall, light) -> None:
+        """The hybrid's light launch, which dispatch queues behind its flag waits: each of its kernel variants
+        (``light_variant``: tile, table size, specialised sizes) is run once on scratch rows before the first call
+        that needs it queues anything (deadlock rule 3). Exact layouts are never captured."""
+        variant = light_variant(call.layout, call.b)
+        if variant in self._light_warm:
+            return
+        guards.refuse_inside_capture(f"{call.name}: the first hybrid call of a layout shape loads its light kernels")
+        k, n, rows = call.b.shape[1], call.b.shape[2], call.layout.recv_rows
+        light(torch.zeros((rows, k), dtype=call.a.dtype, device=self.device),
+              torch.empty((rows, n), dtype=call.a.dtype, device=self.device))
+        torch.cuda.synchronize(self.device)
+        self._light_warm.add(variant)
 
     def _multiplier(self, call: ExpertCall, kind: str):
         """``multiply(chunk, x, x_row, out, out_row, rows)`` (``expert_nccl.chunk_multiplier``'s): chunk ``chunk``'s
@@ -373,7 +385,7 @@ class ExpertP2PCommunicator(GroupFields):
         ends = self._chunk_ends(layout)
         only = None
         if kind == "hybrid":  # the heavy experts chunk by chunk (light_multiplier runs the light ones)
-            kind, only = "loop", hybrid_split(layout)[0]
+            kind, only = "loop", hybrid_parts(layout)[0]
         host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
         workspace = None
         if kind == "triton":
@@ -414,6 +426,8 @@ class ExpertP2PCommunicator(GroupFields):
         kind = chunk_gemm(plan, a.dtype, self.device)
         # The hybrid's light experts run over every chunk at once: dispatch's own chunk then joins the received rows.
         light = light_multiplier(kind, layout, call.b)
+        if light is not None and plan.op == "dispatch":
+            self._load_light(call, light)
         program, ops = self._program(plan.op, chunks,
                                      (call.return_gathered or light is not None) and plan.op == "dispatch",
                                      plan.hidden * a.dtype.itemsize)
