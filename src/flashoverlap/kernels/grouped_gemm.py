@@ -196,21 +196,28 @@ def _publish(flags_ptr, group, PEER: tl.constexpr):
 
 
 @_jit
+def _times_weights(a_tile, w, acc, kk, off_n, expert, N, K, BLOCK_K: tl.constexpr, W_KMAJOR: tl.constexpr,
+                   SWAP: tl.constexpr):
+    """``acc`` plus ``a_tile`` times K step ``kk`` of the weight strip (``w`` a TMA descriptor)."""
+    if W_KMAJOR:
+        b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
+    else:
+        b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
+    if SWAP:
+        acc = tl.dot(b_tile.T, a_tile.T, acc)
+    else:
+        acc = tl.dot(a_tile, b_tile, acc)
+    return acc
+
+
+@_jit
 def _tma_products(x, w, acc, row0, off_n, expert, N, K, BLOCK_K: tl.constexpr, W_KMAJOR: tl.constexpr,
                   SWAP: tl.constexpr):
     """``acc`` plus the products of ``x``'s rows from ``row0`` (a TMA descriptor: its block's rows) and the weight
     strip, every K step. Rows past the segment are another segment's (or zero-filled past x): computed, never
     stored. Columns past N read the next expert's rows of the flattened weight: also never stored."""
     for kk in tl.range(tl.cdiv(K, BLOCK_K)):
-        a_tile = x.load([row0, kk * BLOCK_K])
-        if W_KMAJOR:
-            b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
-        else:
-            b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
-        if SWAP:
-            acc = tl.dot(b_tile.T, a_tile.T, acc)
-        else:
-            acc = tl.dot(a_tile, b_tile, acc)
+        acc = _times_weights(x.load([row0, kk * BLOCK_K]), w, acc, kk, off_n, expert, N, K, BLOCK_K, W_KMAJOR, SWAP)
     return acc
 
 
@@ -224,14 +231,7 @@ def _gathered_products(x_rows, gathered, w, acc, off_n, expert, N, K, stride_xm,
     for kk in tl.range(tl.cdiv(K, BLOCK_K)):
         a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - kk * BLOCK_K, other=0.0)
         a_ptrs += BLOCK_K * stride_xk
-        if W_KMAJOR:
-            b_tile = w.load([expert * N + off_n, kk * BLOCK_K]).T
-        else:
-            b_tile = w.load([expert * K + kk * BLOCK_K, off_n])
-        if SWAP:
-            acc = tl.dot(b_tile.T, a_tile.T, acc)
-        else:
-            acc = tl.dot(a_tile, b_tile, acc)
+        acc = _times_weights(a_tile, w, acc, kk, off_n, expert, N, K, BLOCK_K, W_KMAJOR, SWAP)
     return acc
 
 
