@@ -44,9 +44,7 @@ def main() -> int:
     for routing in ("balanced", "zipf"):
         for proj in ("up", "down"):
             s = Slice("deepseek-v3", routing, proj)
-            s.hybrid()  # builds the layout's light tables (cached by its tensors)
-            layout = s._hybrid_layout
-            row_map, ends, experts = expert_nccl.light_tables(layout)
+            row_map, ends, experts = expert_nccl.light_tables(s.exact_layout())
             workspace = torch.empty(workspace_size(experts.numel()), dtype=torch.int32, device="cuda")
             fns, errs = {"grouped_mm": s.grouped_mm()}, {}
             want = torch._grouped_mm(s.x_by_expert, s.w, offs=s.offs).float()

@@ -426,7 +426,7 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
     layout = _layout(3, 1, "exact", (2, 3, 4), (3, 3, 1))  # the own pair's rows: sent to and received from itself
     loads = []
     monkeypatch.setattr(ep, "chunk_gemm", lambda plan, dtype, device: "hybrid")
-    monkeypatch.setattr(ep, "hybrid_parts", lambda layout: (frozenset({0}), None))
+    monkeypatch.setattr(expert_nccl, "hybrid_parts", lambda layout: (frozenset({0}), None))
     monkeypatch.setattr(ep, "light_variant", lambda layout, b: ("variant",))
 
     def light_multiplier(kind, layout, b):

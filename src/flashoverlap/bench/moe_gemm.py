@@ -229,19 +229,23 @@ class Slice:
                     torch._grouped_mm(self.x_by_expert[a:b], self.w[e0:e1], offs=offs)
         return run
 
+    def exact_layout(self) -> Layout:
+        """This slice's receive side as an exact-mode layout (the send side unused): what the paths' GEMM helpers
+        read."""
+        recv = self.counts.to(torch.int64).to(self.x.device)
+        ends = recv.reshape(-1).cumsum(0)
+        splits = tuple(int(v) for v in self.counts.sum(1))
+        return Layout(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), recv, recv,
+                      (ends - recv.reshape(-1)).to(torch.int32), ends.to(torch.int32), mode="exact", bound=None,
+                      top_k=1, tokens=0, experts=WORLD * self.experts, send_splits=splits, recv_splits=splits,
+                      max_pair_rows=max(splits))
+
     def hybrid(self):
         """The hybrid GEMM as the expert paths run it in exact mode (``comm/expert_nccl.py``, the same functions):
         each source chunk's heavy experts as it lands (a ``torch.mm`` per segment), then the light experts in one
         row-mapped Triton launch over every chunk (``t_hybrid_ms``)."""
-        recv = self.counts.to(torch.int64).to(self.x.device)
-        ends = recv.reshape(-1).cumsum(0)
-        splits = tuple(int(v) for v in self.counts.sum(1))
-        layout = Layout(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), recv, recv,
-                        (ends - recv.reshape(-1)).to(torch.int32).to(self.x.device),
-                        ends.to(torch.int32).to(self.x.device), mode="exact", bound=None, top_k=1, tokens=0,
-                        experts=WORLD * self.experts, send_splits=splits, recv_splits=splits,
-                        max_pair_rows=max(splits))
-        self._hybrid_layout = layout  # (diagnostics/light_tiles.py reads its light tables)
+        layout = self.exact_layout()
+        splits = layout.recv_splits
         plan = ExpertPlan("dispatch", WORLD, WORLD * self.experts, self.k, self.n, 1, 0, gemm="hybrid")
         multiply = chunk_multiplier("hybrid", plan, layout, self.w, self.local_experts)
         light = light_multiplier("hybrid", layout, self.w)

@@ -298,12 +298,14 @@ def light_multiplier(kind: str, layout: Layout, b: torch.Tensor):
     return light
 
 
-def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, seg_expert: torch.Tensor):
+def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, seg_expert: torch.Tensor,
+                     ends=None):
     """``multiply(chunk, x, x_row, out, out_row, rows)``: chunk ``chunk``'s segments of ``x`` (from row ``x_row``)
     times their experts' ``b[l]`` into ``out`` (from row ``out_row``), on the current stream (``multiply_chunk``);
     nothing for no rows; the hybrid: its heavy experts' segments only (``light_multiplier`` runs the rest). The
-    chunks' relative ends and the Triton kernel's table are made once per call."""
-    ends = relative_ends(layout)
+    chunks' relative ends (``ends[chunk]``: ``relative_ends(layout)`` unless a caller keeps them) and the Triton
+    kernel's table are made once per call."""
+    ends = relative_ends(layout) if ends is None else ends
     only = None
     if kind == "hybrid":
         kind, only = "loop", hybrid_parts(layout)[0]

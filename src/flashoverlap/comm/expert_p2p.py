@@ -68,8 +68,6 @@ from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
 from flashoverlap.comm.expert_nccl import (
     Chunks,
     chunk_gemm,
-    host_relative_ends,
-    hybrid_parts,
     light_multiplier,
     light_variant,
     relative_ends,
@@ -376,32 +374,12 @@ class ExpertP2PCommunicator(GroupFields):
         self._light_warm.add(variant)
 
     def _multiplier(self, call: ExpertCall, kind: str):
-        """``multiply(chunk, x, x_row, out, out_row, rows)`` (``expert_nccl.chunk_multiplier``'s): chunk ``chunk``'s
-        segments of ``x`` from row ``x_row`` times their experts' ``b[l]`` into ``out`` from row ``out_row``, on
-        the current stream; nothing for no rows. Each chunk's ends are one view of ``_chunk_ends``."""
-        plan, layout, b = call.plan, call.layout, call.b
+        """``expert_nccl.chunk_multiplier``'s ``multiply(chunk, x, x_row, out, out_row, rows)`` for this call, each
+        chunk's ends one view of ``_chunk_ends``."""
+        layout = call.layout
         seg_expert = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank,
                                    self.device)["expert"]
-        ends = self._chunk_ends(layout)
-        only = None
-        if kind == "hybrid":  # the heavy experts chunk by chunk (light_multiplier runs the light ones)
-            kind, only = "loop", hybrid_parts(layout)[0]
-        host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
-        workspace = None
-        if kind == "triton":
-            from flashoverlap.kernels.grouped_gemm import workspace_size  # Triton: imported where a kernel runs
-
-            workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=b.device)
-        tail = plan.mode == "bounded"
-        multiply_chunk = expert_nccl.multiply_chunk
-
-        def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
-            if rows:
-                multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows],
-                               seg_expert, host_ends=None if host is None else host[chunk], workspace=workspace,
-                               tail=tail, only=only)
-
-        return multiply
+        return expert_nccl.chunk_multiplier(kind, call.plan, layout, call.b, seg_expert, self._chunk_ends(layout))
 
     def _chunk_ends(self, layout) -> tuple[torch.Tensor, ...]:
         """Each chunk's segment ends relative to its first row (``relative_ends``, one view per chunk). Exact mode:
