@@ -14,8 +14,8 @@ OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-tests spawn p2p moe sequential}
 commit=${FLASHOVERLAP_COMMIT:-unknown}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests (the rest skip or run on CPU)
-    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:randomly tests/kernels > "$OUT/gpu-tests-$commit.log" 2>&1
+if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests and the one-GPU tests (the two-GPU ones skip)
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:randomly tests/kernels tests/gpu > "$OUT/gpu-tests-$commit.log" 2>&1
     echo "tests: exit $?"; tail -3 "$OUT/gpu-tests-$commit.log"
 fi
 if has spawn; then  # testing.spawn's ranks (forkserver) reach CUDA: the demo's rank body on a one-rank NCCL group

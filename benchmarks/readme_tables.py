@@ -330,22 +330,27 @@ def moe_host_one_gpu(path: str) -> str:
     """Host time per MoE layer call on one GPU shared by two processes: ours (below the public op) beside the plain
     layer, timed interleaved in the same run, per mode."""
     data = _load(path)
-    lines = ["| mode | replayed | grouped GEMM (up, down) | ours (µs) | plain layer (µs) | ours / plain |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| mode | replayed | grouped GEMM (up, down) | host syncs, ours / plain | ours (µs) | plain layer (µs) "
+             "| ours / plain |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in data["rows"]:
         if row.get("op") != "layer":
             continue
-        lines.append(f"| {row['mode']} | {'yes' if row['replayed'] else 'no'} | {', '.join(row['gemm'])} "
+        gemm = ", ".join(row["gemm"]) + (" (the runtime's choice)" if row.get("chosen", True) else "")
+        syncs = f"{row['syncs']} / {row['plain_syncs']}" if "syncs" in row else "not counted"
+        lines.append(f"| {row['mode']} | {'yes' if row['replayed'] else 'no'} | {gemm} | {syncs} "
                      f"| {_us(row['host_us'])} | {_us(row['plain_us'])} | {row['host_us'] / row['plain_us']:.2f}x |")
     return "\n".join(lines) + "\n\n" + MOE_HOST_LEGEND + "\n\n" + _sourced(path, data["meta"])
 
 
 MOE_HOST_LEGEND = (
-    "<sub>Host time to issue one MoE layer call (µs), the GPU idle before each call (both layers synchronise with "
-    "the host), two processes sharing one GPU (W = 2, P2P path through CUDA IPC; 2048 tokens per rank, hidden 1024, "
+    "<sub>Host time to issue one MoE layer call (µs), the GPU idle before each call (the plain layer synchronises "
+    "with the host once, ours once in exact mode), two processes sharing one GPU (W = 2, P2P path through CUDA IPC; 2048 tokens per rank, hidden 1024, "
     "FFN 512, 16 experts, top-4, balanced, bf16). ours: `expert_layout`, the dispatch, SwiGLU and the combine, as "
-    "`ExpertParallelMLP` runs them below the public op, on the grouped GEMM the runtime chooses. plain layer: the "
-    "counts' `all_to_all_single` and one host synchronisation, the rows' `all_to_all_single`, `torch._grouped_mm` "
+    "`ExpertParallelMLP` runs them below the public op, on the grouped GEMM the runtime chooses, and on cuBLAS's "
+    "where that is not the choice. host syncs: synchronising CUDA calls in one eager call "
+    "(`torch.cuda.set_sync_debug_mode`). plain layer: the counts (without a host synchronisation), their "
+    "`all_to_all_single` and one host synchronisation, the rows' `all_to_all_single`, `torch._grouped_mm` "
     "up, SwiGLU, `torch._grouped_mm` down, the reverse all-to-all and the weighted sum, on a one-rank NCCL group "
     "(NCCL refuses two ranks on one GPU; the host work is the same). Timed interleaved in one run.</sub>")
 

@@ -21,7 +21,8 @@ communicator. Every output is checked, then poisoned with NaN, and the communica
 element never written shows. Host time to issue one call (GPU busy ahead) is printed for P2P eager and replayed
 beside ``torch._grouped_mm`` alone on the same rows.
 
-Host time per layer call (rows ``{op: "layer", path, mode, replayed, gemm, host_us, plain_us, ratio}``, issue 20's
+Host time per layer call (rows ``{op: "layer", path, mode, replayed, gemm, host_us, plain_us, ratio, syncs,
+plain_syncs}``: ``syncs`` the synchronising CUDA calls of one eager call, none allowed in bounded mode), issue 20's
 target: at most 1.5x the plain layer's): one layer of ours as ``ExpertParallelMLP`` runs it below the public op
 (``expert_layout``, the dispatch communicator run, SwiGLU, the router weights in send order, the combine
 communicator run; the grouped GEMM the runtime's policy chooses), exact, bounded eager and bounded replayed, beside
@@ -310,7 +311,9 @@ def plain_layer(x, topk_idx, topk_weights, w_up, w_down, group):
     tokens, k = topk_idx.shape
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=world * local)
+    # Counted without a host synchronisation (CUDA's bincount reads the indices' min and max back), so that the
+    # plain layer's one synchronisation is the split sizes', as in Megatron's dispatcher.
+    counts = torch.zeros(world * local, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
     totals = torch.cat([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
@@ -370,6 +373,26 @@ class LayoutExchange:
         return None
 
 
+def host_syncs(fn):
+    """How many synchronising CUDA calls one call of ``fn`` makes (``torch.cuda.set_sync_debug_mode``: a
+    device-to-host read, ``.item()``, ``.tolist()``, a stream or device synchronisation), after a warm-up call.
+    Each is a wait for this process's queue, and on a GPU shared by two processes possibly for the peer's time
+    slice."""
+    import warnings
+
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_down, everyone):
     """Host time per layer call, ours (the P2P path as ``ExpertParallelMLP`` runs it below the public op: the
     layout, the dispatch communicator run, SwiGLU, the router weights in send order, the combine communicator run)
@@ -396,17 +419,24 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
     rows = []
     for mode in ("exact", "bounded"):
         mode_bound = bound if mode == "bounded" else None
-        gemm = choose_gemm(mode, local, tokens(rank) * top_k, hidden, 2 * ffn, dtype, capability)
-        plan_d = ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, mode_bound, gemm)
-        gemm_c = choose_gemm(mode, local, tokens(rank) * top_k, ffn, hidden, dtype, capability)
-        plan_c = ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, mode_bound, gemm_c)
+        chosen = (choose_gemm(mode, local, tokens(rank) * top_k, hidden, 2 * ffn, dtype, capability),
+                  choose_gemm(mode, local, tokens(rank) * top_k, ffn, hidden, dtype, capability))
+        # The runtime's choice, and beside it cuBLAS's grouped GEMM for both projections where that is not the
+        # choice: what the choice costs or saves in host time (a Triton launch costs more host time than cuBLAS's).
+        variants = [chosen] + ([("cublas", "cublas")] if chosen != ("cublas", "cublas") else [])
+        plans = {pair: (ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, mode_bound,
+                                   pair[0]),
+                        ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, mode_bound,
+                                   pair[1]))
+                 for pair in variants}
         exchange.key, exchange.record = mode, True
         expert_module.all_gather_into_tensor = exchange
         try:
             expert_layout(idx, experts, group, mode=mode, bound=mode_bound)  # records the real exchange
             exchange.record = False
 
-            def ours(replay, mode=mode, mode_bound=mode_bound, plan_d=plan_d, plan_c=plan_c):
+            def ours(replay, pair=chosen, mode=mode, mode_bound=mode_bound, plans=plans):
+                plan_d, plan_c = plans[pair]
                 layout = expert_layout(idx, experts, group, mode=mode, bound=mode_bound)
                 h, _ = comm.run(ExpertCall("moe_dispatch_gemm", plan_d, x, w_up, layout=layout, replay=replay))
                 a = F.silu(h[:, :ffn]) * h[:, ffn:]
@@ -414,23 +444,35 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
                                            replay=replay))
                 return y
 
+            def plain():
+                return plain_layer(x, plain_idx, weights, w_up, w_down, solo)
+
             routing = Routing([e[0] for e in everyone], world, local, mode, mode_bound)
             acts = []
             for d in range(world):
                 h_d, _ = routing.dispatch(d, [e[2] for e in everyone], everyone[d][3])
                 acts.append(F.silu(h_d[:, :ffn]) * h_d[:, ffn:])
             want_y, _ = routing.combine(rank, acts, [e[4] for e in everyone], weights, tokens(rank))
-            check(ours(False), want_y, f"layer {mode}")
+            syncs = {"plain": host_syncs(plain)}
+            for pair in variants:
+                check(ours(False, pair), want_y, f"layer {mode} {pair}")
+                syncs[pair] = host_syncs(lambda pair=pair: ours(False, pair))
+                if mode == "bounded" and syncs[pair]:
+                    raise AssertionError(f"layer bounded {pair}: {syncs[pair]} host synchronisation(s) per eager "
+                                         "call, expected none (comm/expert.py's claim)")
             for replay in (False, True) if mode == "bounded" else (False,):
+                fns = {"+".join(pair): (lambda replay=replay, pair=pair: ours(replay, pair)) for pair in variants}
+                fns["plain"] = plain
                 for _ in range(3):  # kernels loaded, graphs captured: the timed calls are the steady ones
-                    ours(replay)
-                    plain_layer(x, plain_idx, weights, w_up, w_down, solo)
-                us = host_us_interleaved({"ours": lambda replay=replay, ours=ours: ours(replay),
-                                          "plain": lambda: plain_layer(x, plain_idx, weights, w_up, w_down, solo)},
-                                         calls=40, sleep_cycles=0)
-                rows.append({"op": "layer", "path": "p2p", "mode": mode, "replayed": replay, "gemm": [gemm, gemm_c],
-                             "host_us": round(us["ours"], 1), "plain_us": round(us["plain"], 1),
-                             "ratio": round(us["ours"] / us["plain"], 2)})
+                    for fn in fns.values():
+                        fn()
+                us = host_us_interleaved(fns, calls=40, sleep_cycles=0)
+                for pair in variants:
+                    rows.append({"op": "layer", "path": "p2p", "mode": mode, "replayed": replay, "gemm": list(pair),
+                                 "chosen": pair == chosen, "host_us": round(us["+".join(pair)], 1),
+                                 "plain_us": round(us["plain"], 1),
+                                 "ratio": round(us["+".join(pair)] / us["plain"], 2),
+                                 "syncs": 0 if replay else syncs[pair], "plain_syncs": syncs["plain"]})
             profile = cProfile.Profile()
             for _ in range(10):
                 dist.barrier()

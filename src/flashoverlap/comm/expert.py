@@ -301,7 +301,11 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     expert = flat.clamp(0, num_experts - 1)  # an out-of-range index is reported below, never used to address
     bad = flat != expert  # the indices outside [0, num_experts): the ones the clamp moved
     sorted_expert, send_order = torch.sort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=num_experts)
+    # Per-expert counts from the sorted indices: no host synchronisation (CUDA's bincount reads the indices' min
+    # and max back to the host, twice per layout).
+    experts = torch.arange(num_experts, dtype=torch.int64, device=device)
+    ends = torch.searchsorted(sorted_expert, experts, right=True)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
     message = torch.empty((world, local + 2), dtype=torch.int64, device=device)
     message[:, :local] = counts.view(world, local)
     message[:, local] = bad.sum()

@@ -1,0 +1,59 @@
+"""``expert_layout`` on a GPU: the host synchronisations it promises (``comm/expert.py``): none in bounded mode (a
+layer in bounded mode can then be issued, and captured, without the host waiting on the GPU), exactly one in exact
+mode (the split sizes). Counted by ``torch.cuda.set_sync_debug_mode``, on a one-rank NCCL group (one GPU is
+enough: the count does not depend on the group's size), skewed routing with an expert that gets no token, the
+counts checked against ``torch.bincount`` computed afterwards."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashoverlap.testing import spawn
+from tests.gpu.helpers import ENV
+
+pytestmark = pytest.mark.gpu
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _syncs(fn):
+    """(result of fn(), how many synchronising CUDA calls it made)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, sum("synchronizing" in str(w.message) for w in caught)
+
+
+def _layouts(rank, world_size):
+    from flashoverlap.comm.expert import expert_layout
+    from flashoverlap.comm.protocol import CommGroup
+
+    group = CommGroup.of(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
+    experts, tokens, top_k = 16, 777, 4
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    keys = torch.rand(tokens, experts, device="cuda", generator=gen)
+    keys = keys + torch.log(1.0 / torch.arange(1, experts + 1, device="cuda") ** 1.2)
+    keys[:, 3] = float("-inf")  # expert 3 gets no token
+    idx = keys.topk(top_k, dim=1).indices
+    want = torch.bincount(idx.reshape(-1), minlength=experts).view(1, experts).cpu()
+    expert_layout(idx, experts, group, mode="bounded", bound=tokens * top_k)  # NCCL set up, kernels loaded
+    torch.cuda.synchronize()
+    found = {}
+    for mode, bound in (("bounded", tokens * top_k), ("exact", None)):
+        layout, found[mode] = _syncs(lambda mode=mode, bound=bound: expert_layout(idx, experts, group, mode=mode,
+                                                                                   bound=bound))
+        assert torch.equal(layout.send_counts.cpu(), want), mode
+        assert torch.equal(layout.recv_counts.cpu(), want), mode
+    return found
+
+
+@needs_gpu
+def test_bounded_layout_never_waits_for_the_gpu_and_exact_waits_once():
+    found = spawn(_layouts, 1, backend="nccl", env=ENV)[0]
+    assert found == {"bounded": 0, "exact": 1}
