@@ -345,7 +345,8 @@ def moe_host_one_gpu(path: str) -> str:
 
 MOE_HOST_LEGEND = (
     "<sub>Host time to issue one MoE layer call (µs), the GPU idle before each call (the plain layer synchronises "
-    "with the host once, ours once in exact mode), two processes sharing one GPU (W = 2, P2P path through CUDA IPC; 2048 tokens per rank, hidden 1024, "
+    "with the host once, ours once in exact mode), two processes sharing one GPU (W = 2, P2P path through CUDA "
+    "IPC; 2048 tokens per rank, hidden 1024, "
     "FFN 512, 16 experts, top-4, balanced, bf16). ours: `expert_layout`, the dispatch, SwiGLU and the combine, as "
     "`ExpertParallelMLP` runs them below the public op, on the grouped GEMM the runtime chooses, and on cuBLAS's "
     "where that is not the choice. host syncs: synchronising CUDA calls in one eager call "

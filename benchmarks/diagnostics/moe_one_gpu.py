@@ -374,23 +374,33 @@ class LayoutExchange:
 
 
 def host_syncs(fn):
-    """How many synchronising CUDA calls one call of ``fn`` makes (``torch.cuda.set_sync_debug_mode``: a
-    device-to-host read, ``.item()``, ``.tolist()``, a stream or device synchronisation), after a warm-up call.
-    Each is a wait for this process's queue, and on a GPU shared by two processes possibly for the peer's time
-    slice."""
+    """The synchronising CUDA calls one call of ``fn`` makes (``torch.cuda.set_sync_debug_mode``: a device-to-host
+    read, ``.item()``, ``.tolist()``, a stream or device synchronisation), after a warm-up call: where each was
+    issued (the innermost frames of this repository's code). Each is a wait for this process's queue, and on a GPU
+    shared by two processes possibly for the peer's time slice."""
+    import traceback
     import warnings
 
     fn()
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    found = []
+
+    def record(message, *args, **kwargs):
+        if "synchronizing" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/src/flashoverlap/" in f.filename
+                      or "/benchmarks/" in f.filename]
+            found.append(" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames[-3:])))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    return sum("synchronizing" in str(w.message) for w in caught)
+    return found
 
 
 def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_down, everyone):
@@ -453,10 +463,14 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
                 h_d, _ = routing.dispatch(d, [e[2] for e in everyone], everyone[d][3])
                 acts.append(F.silu(h_d[:, :ffn]) * h_d[:, ffn:])
             want_y, _ = routing.combine(rank, acts, [e[4] for e in everyone], weights, tokens(rank))
-            syncs = {"plain": host_syncs(plain)}
+            sites = {"plain": host_syncs(plain)}
             for pair in variants:
                 check(ours(False, pair), want_y, f"layer {mode} {pair}")
-                syncs[pair] = host_syncs(lambda pair=pair: ours(False, pair))
+                sites[pair] = host_syncs(lambda pair=pair: ours(False, pair))
+            if rank == 0:
+                print(f"== host synchronisations per eager layer call, {mode}: {sites}", flush=True)
+            syncs = {key: len(found) for key, found in sites.items()}
+            for pair in variants:
                 if mode == "bounded" and syncs[pair]:
                     raise AssertionError(f"layer bounded {pair}: {syncs[pair]} host synchronisation(s) per eager "
                                          "call, expected none (comm/expert.py's claim)")
