@@ -4,7 +4,8 @@
 Per case: the host time per call of back-to-back calls issued behind a long GPU sleep (so no launch waits for the
 GPU), for ``torch._grouped_mm``, the full ``grouped_gemm`` call, and its parts, timed inside the same calls by
 wrapping the module's two kernels and ``TensorDescriptor.from_tensor``: the segment-table launch, the GEMM launch,
-the TMA descriptors, and the rest (Python checks, tile choice, allocation). Then a cProfile of the calls, by
+the TMA descriptors, and the rest (Python checks, tile choice, allocation); and per ``torch.mm`` of the
+per-segment loop (``mm_us``). Then a cProfile of the calls, by
 cumulative time. Cases: one chunk of the one-GPU MoE layer (``moe_one_gpu.py``'s host rows: 4096 rows, 8 experts,
 K = N = 1024) and a DeepSeek-like chunk (16384 rows, 128 experts, K 7168, N 4096).
 
@@ -82,10 +83,19 @@ def one_case(name, rows, experts, k, n):
         def cublas():
             torch._grouped_mm(x, w, offs=ends)
 
+        host_ends = ends.tolist()
+
+        def loop():  # the per-segment loop as comm/expert_nccl.multiply_chunk issues it
+            start = 0
+            for expert, end in enumerate(host_ends):
+                torch.mm(x[start:end], w[expert], out=out[start:end])
+                start = end
+
         ours()
         torch.testing.assert_close(out.float(), torch._grouped_mm(x, w, offs=ends).float(), atol=0.5, rtol=2e-2)
         row = {"case": name, "rows": rows, "experts": experts, "K": k, "N": n,
-               "grouped_mm_us": per_call_us(cublas), "grouped_gemm_us": per_call_us(ours)}
+               "grouped_mm_us": per_call_us(cublas), "grouped_gemm_us": per_call_us(ours),
+               "mm_us": per_call_us(loop) / experts}  # per torch.mm of the loop
         spent = {"table launch": 0.0, "gemm launch": 0.0, "descriptors": 0.0}
         saved = module._segment_table_kernel, module.grouped_gemm_kernel, module.TensorDescriptor
         module._segment_table_kernel = Timed(saved[0], "table launch", spent, True)

@@ -25,9 +25,11 @@ def _syncs(fn):
     found = []
 
     def record(message, *args, **kwargs):
-        if "synchronizing" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1]
-                      if "flashoverlap" in f.filename or "tests" in f.filename]
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "flashoverlap" in f.filename or "tests" in f.filename]
+        # Setting the mode itself warns once per process: only what the measured call issues counts.
+        if frames and frames[-1].name != "_syncs":
             found.append(" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames[-3:])))
 
     with warnings.catch_warnings():

@@ -459,6 +459,23 @@ def test_policy():
         assert choose_grouped_gemm(experts=e, rows=r, k=k, n=n, dtype=torch.bfloat16) != "loop"
 
 
+def test_policy_weighs_host_time_where_the_gpu_time_is_short(monkeypatch):
+    assert gg.call_cost_ms(2.0, 0.5, 0.3) == 1.0 and gg.call_cost_ms(2.0, 0.01, 0.3) == 0.3
+    # The one-GPU layer's slice: GPU times scaled from the nearest slice (Qwen3-like down, where Triton runs
+    # faster) are shorter than Triton's two launches take to issue: cuBLAS's one, where it may run.
+    small = {"experts": 8, "rows": 8192, "k": 1024, "n": 1024}
+    assert choose_grouped_gemm(**small, dtype=torch.bfloat16) == "cublas"
+    assert choose_grouped_gemm(**small, dtype=torch.float16) == "triton", "cuBLAS grouped: bf16 only"
+    # Half the measured Qwen3-like down slice: GPU-bound over two chunks (Triton), host-bound over four (cuBLAS).
+    half = {"experts": 64, "rows": 32768, "k": 768, "n": 2048, "dtype": torch.bfloat16}
+    assert choose_grouped_gemm(**half) == choose_grouped_gemm(**half, chunks=2) == "triton"
+    assert choose_grouped_gemm(**half, chunks=4) == "cublas"
+    # Without Triton's host time the GPU times decide, as at the measured slices.
+    monkeypatch.setitem(gg.HOST_US, "triton", gg.HOST_US["cublas"])
+    assert choose_grouped_gemm(**small, dtype=torch.bfloat16) == "triton"
+    assert choose_grouped_gemm(**half, chunks=4) == "triton"
+
+
 def test_default_tile():
     few, many = default_tile(16384, 4, 4096, 28672), default_tile(32768, 128, 7168, 4096)
     assert few.num_programs is not None and few.flat and not few.dynamic and many.num_programs is None

@@ -783,13 +783,32 @@ def pick_grouped_gemm(t_triton: float, t_cublas: float, t_loop: float, *, dtype:
     return min(times, key=times.get)
 
 
+# Host time to issue one call (µs: back-to-back calls, the GPU busy ahead, one process) on one H200 (torch 2.11,
+# triton 3.6), at one source chunk of the one-GPU MoE layer (4096 rows, 8 experts, K = N = 1024): grouped_gemm (two
+# launches, the segment table and the GEMM, and its Python checks), torch._grouped_mm, and one torch.mm (the loop
+# issues one per non-empty segment). From benchmarks/diagnostics/grouped_gemm_host.py,
+# benchmarks/results/logs/issue20/grouped-gemm-host-1816960e6b.json (triton, cublas) and -<mm commit>.json (mm).
+HOST_US = {"triton": 122.0, "cublas": 23.0, "mm": 8.0}
+
+
+def call_cost_ms(measured_ms: float, scale: float, host_ms: float) -> float:
+    """A grouped GEMM's cost in ms where its GPU time is ``measured_ms * scale`` (a measured time scaled by FLOPs)
+    and issuing it takes ``host_ms``: the larger of the two. Issued back to back, a call behind a busy GPU hides its
+    host time, and a call too small to keep the GPU busy leaves it waiting on the host."""
+    return max(measured_ms * scale, host_ms)
+
+
 def choose_grouped_gemm(*, experts: int, rows: int, k: int, n: int, dtype: torch.dtype,
-                        host_counts: bool = False, device_capability: tuple[int, int] | None = None) -> str:
+                        host_counts: bool = False, device_capability: tuple[int, int] | None = None,
+                        chunks: int = 2) -> str:
     """``"triton"`` (``grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``: bf16 only, rows grouped by expert in
     each chunk, one call per chunk, no per-tile signals) or ``"loop"`` (``torch.mm`` per segment, sizes on the
-    host) for ``rows`` rows (a bound) over ``experts`` local experts, ``[rows, k] x [k, n]`` each: the fastest
-    measured at the nearest measured slice (log distance over rows per expert, K and N), among the ways allowed
-    (``pick_grouped_gemm``). This is the kernel alone: a path that needs per-tile signals (NCCL) runs Triton.
+    host) for ``rows`` rows (a bound) over ``experts`` local experts, ``[rows, k] x [k, n]`` each, in ``chunks``
+    calls (one per source or destination rank): the cheapest allowed (``pick_grouped_gemm``) by ``call_cost_ms``,
+    from the times measured at the nearest measured slice (log distance over rows per expert, K and N) scaled by
+    FLOPs, and the host time of ``chunks`` calls (``HOST_US``). Large calls go by GPU time alone; small ones, whose
+    GPU time is shorter than Triton's two launches take to issue, to cuBLAS's one (where allowed). This is the
+    kernel alone: a path that needs per-tile signals (NCCL) runs Triton.
 
     fp32: ``"loop"`` with ``host_counts``, else ``"triton"`` (which runs fp32 as tf32).
     """
@@ -803,6 +822,12 @@ def choose_grouped_gemm(*, experts: int, rows: int, k: int, n: int, dtype: torch
         return (abs(math.log((rows / max(experts, 1) + 1) / (r / e + 1))) + abs(math.log(max(k, 1) / kk))
                 + abs(math.log(max(n, 1) / nn)))
 
-    t_triton, t_cublas, t_loop = MEASURED_MS[min(MEASURED_MS, key=distance)]
-    return pick_grouped_gemm(t_triton, t_cublas, t_loop, dtype=dtype, k=k, n=n, host_counts=host_counts,
-                             device_capability=device_capability)
+    nearest = min(MEASURED_MS, key=distance)
+    t_triton, t_cublas, t_loop = MEASURED_MS[nearest]
+    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3])
+    calls = max(chunks, 1)
+    segments = calls * min(max(experts, 1), max(rows, 1))  # the loop's torch.mm calls, at most
+    return pick_grouped_gemm(call_cost_ms(t_triton, scale, calls * HOST_US["triton"] / 1e3),
+                             call_cost_ms(t_cublas, scale, calls * HOST_US["cublas"] / 1e3),
+                             call_cost_ms(t_loop, scale, segments * HOST_US["mm"] / 1e3),
+                             dtype=dtype, k=k, n=n, host_counts=host_counts, device_capability=device_capability)

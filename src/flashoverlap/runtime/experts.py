@@ -157,7 +157,8 @@ def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layo
         gemm = None  # the reference path always loops
         if resolved != "reference":
             capability = torch.cuda.get_device_capability(a.device) if a.device.type == "cuda" else None
-            gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, a.dtype, capability)
+            gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, a.dtype, capability,
+                               chunks=context.world_size)
         plan = ExpertPlan(op, context.world_size, routing.experts, hidden, ffn, routing.top_k, routing.tokens,
                           routing.mode, routing.bound, gemm, per_choice, weighted)
         if len(context.calls) > 1024:
@@ -167,21 +168,22 @@ def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layo
 
 
 def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.dtype,
-                capability: tuple[int, int] | None) -> str:
+                capability: tuple[int, int] | None, chunks: int = 2) -> str:
     """The grouped GEMM a fast path's plan runs (``ExpertPlan.gemm``): in exact mode with many experts of few rows
     each, the hybrid (``kernels.grouped_gemm.hybrid_pays``); otherwise the measured policy's choice
     (``kernels.grouped_gemm.choose_grouped_gemm``, never the per-segment loop, whose host sizes bounded mode never
-    has) for ``local`` experts and ``rows`` rows (``T * k``), except where Triton is not installed: then exact
-    mode loops, and bounded mode takes ``torch._grouped_mm`` (cuBLAS) where this torch has it (which
-    ``expert_nccl.chunk_gemm`` still hands to Triton outside bf16 rows of 16-byte multiples: that call then says
-    Triton is missing)."""
+    has) for ``local`` experts and ``rows`` rows (``T * k``) in ``chunks`` calls (the group's size), except where
+    Triton is not installed: then exact mode loops, and bounded mode takes ``torch._grouped_mm`` (cuBLAS) where
+    this torch has it (which ``expert_nccl.chunk_gemm`` still hands to Triton outside bf16 rows of 16-byte
+    multiples: that call then says Triton is missing)."""
     # Imported here, not with this module: kernels.grouped_gemm imports Triton (a tenth of a second, and not
     # installed at all on a CPU install), which the reference path and `import flashoverlap` never need.
     from flashoverlap.kernels.grouped_gemm import choose_grouped_gemm, hybrid_pays
 
     if mode == "exact" and hybrid_pays(experts=local, rows=rows) and _triton_available():
         return "hybrid"
-    gemm = choose_grouped_gemm(experts=local, rows=rows, k=k, n=n, dtype=dtype, device_capability=capability)
+    gemm = choose_grouped_gemm(experts=local, rows=rows, k=k, n=n, dtype=dtype, device_capability=capability,
+                               chunks=chunks)
     if gemm == "triton" and not _triton_available():
         if mode == "exact":
             return "loop"
