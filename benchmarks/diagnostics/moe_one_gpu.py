@@ -434,9 +434,9 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
         mode_bound = bound if mode == "bounded" else None
         chosen = (choose_gemm(mode, local, tokens(rank) * top_k, hidden, 2 * ffn, dtype, capability, world),
                   choose_gemm(mode, local, tokens(rank) * top_k, ffn, hidden, dtype, capability, world))
-        # The runtime's choice, and beside it cuBLAS's grouped GEMM for both projections where that is not the
-        # choice: what the choice costs or saves in host time (a Triton launch costs more host time than cuBLAS's).
-        variants = [chosen] + ([("cublas", "cublas")] if chosen != ("cublas", "cublas") else [])
+        # The runtime's choice, and beside it the other of Triton and cuBLAS for both projections: what the choice
+        # costs or saves in host time (a Triton grouped GEMM costs more host time than cuBLAS's).
+        variants = [chosen, ("triton", "triton") if chosen == ("cublas", "cublas") else ("cublas", "cublas")]
         plans = {pair: (ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, mode_bound,
                                    pair[0]),
                         ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, mode_bound,
@@ -503,6 +503,14 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
                 pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
                 print(f"== eager layer, {mode}: cProfile of 10 calls\n" + "\n".join(
                     line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+            for name, fn in (("ours", lambda: ours(False)), ("plain", plain)):  # host time per torch op
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(10):
+                        fn()
+                torch.cuda.synchronize()
+                if rank == 0:
+                    print(f"== eager layer, {mode}, {name}: torch.profiler, 10 calls, by self CPU time\n"
+                          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
         finally:
             expert_module.all_gather_into_tensor = _all_gather_through_host
     if poisoning is not None:
