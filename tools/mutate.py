@@ -191,6 +191,18 @@ MUTATIONS = [
      "one whose rows do not follow each other", GROUPED,
      "            dense = tl.sum(((gathered - first) == tl.arange(0, ROWS)).to(tl.int32), axis=0) == ROWS",
      "            dense = first >= 0", GROUPED_TEST),
+    ("policy-ignores-host-time", "Grouped GEMM policy: a call costs its GPU time alone, however small (Triton's "
+     "two launches chosen for calls shorter than they take to issue)", GROUPED,
+     "    return max(measured_ms * scale, host_ms)", "    return measured_ms * scale",
+     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
+    ("policy-host-time-of-one-chunk", "Grouped GEMM policy: the host time of one call counted however many chunks "
+     "the op issues", GROUPED, "    calls = max(chunks, 1)", "    calls = 1",
+     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
+    ("layout-counts-shifted", "Expert layout: each expert's count taken from the sorted indices' left edges (every "
+     "count moved one expert down)", "src/flashoverlap/comm/expert.py",
+     "    ends = torch.searchsorted(sorted_expert, experts, right=True)",
+     "    ends = torch.searchsorted(sorted_expert, experts, right=False)",
+     "tests/moe/test_contract.py::test_layout_on_one_rank"),
     ("hybrid-light-experts-skipped", "Hybrid expert GEMM: the light experts' launch is never made", EXPERT_NCCL,
      "    if kind != \"hybrid\":\n        return None\n    tables = light_tables(layout)",
      "    if True:\n        return None\n    tables = light_tables(layout)", HYBRID_TEST),

@@ -110,6 +110,9 @@ def test_layout_on_one_rank(world_of_one):
     # Choices t * k + c sorted stably by expert: expert 0: (1, 0); 1: (0, 1), (2, 1); 2: (2, 0); 3: (0, 0), (1, 1).
     assert exact.send_order.tolist() == [2, 1, 5, 4, 0, 3] and exact.send_rows.tolist() == list(range(6))
     assert exact.send_counts.tolist() == [[1, 2, 1, 2]] == exact.recv_counts.tolist()
+    # Experts that get no token, first, between and last: counted zero.
+    sparse = expert_layout(torch.tensor([[4, 1], [4, 2], [1, 4]]), 6, world_of_one, mode="bounded", bound=6)
+    assert sparse.send_counts.tolist() == [[0, 2, 1, 0, 3, 0]] == sparse.recv_counts.tolist()
     assert exact.send_splits == (6,) == exact.recv_splits and exact.recv_rows == 6 and exact.max_pair_rows == 6
     assert torch.equal(exact.weights, weights.reshape(-1)[exact.send_order])
     starts, ends, local = recv_segments(exact)
