@@ -509,8 +509,12 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
                         fn()
                 torch.cuda.synchronize()
                 if rank == 0:
+                    averages = prof.key_averages()
+                    launches = sorted(((e.count // 10, e.key) for e in averages if not e.key.startswith("cuda")
+                                       and e.key.startswith("aten::") and e.count), reverse=True)
                     print(f"== eager layer, {mode}, {name}: torch.profiler, 10 calls, by self CPU time\n"
-                          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+                          + averages.table(sort_by="self_cpu_time_total", row_limit=14)
+                          + "\nper call: " + ", ".join(f"{key} {count}" for count, key in launches), flush=True)
         finally:
             expert_module.all_gather_into_tensor = _all_gather_through_host
     if poisoning is not None:
