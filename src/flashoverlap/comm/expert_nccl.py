@@ -180,10 +180,10 @@ def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tens
     elif kind == "cublas":
         product = torch._grouped_mm(x, w, offs=ends)
         if tail:  # rows past the last segment are undefined in its result; here they are padding, zero
-            covered = torch.arange(rows, dtype=ends.dtype, device=x.device)[:, None] < ends[-1:]
-            torch.where(covered, product, 0, out=out)  # masked and copied in one kernel
-        else:
-            out.copy_(product)
+            # (compared in the ends' int32: no conversion kernel; torch 2.11's torch.where takes no scalar in its
+            # out= form, hence the fill and the copy)
+            product.masked_fill_(torch.arange(rows, dtype=ends.dtype, device=x.device)[:, None] >= ends[-1:], 0)
+        out.copy_(product)
     else:
         if host_ends is None:
             if x.device.type == "cuda":
