@@ -5,8 +5,10 @@ caller, a rank that ends without reporting or a call that never ends turned into
 import os
 import sys
 import time
+import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from flashoverlap import testing
@@ -122,3 +124,30 @@ def _fail_while_the_other_hangs(rank, world_size):
     if rank == 1:
         raise ValueError("rank one refuses")
     time.sleep(600)
+
+
+def _reads_twice():
+    warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+    warnings.warn("something else", stacklevel=1)
+    _reads_once()
+
+
+def _reads_once():
+    warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+
+def test_host_synchronisations_names_where_each_is_issued_and_resets_the_mode(monkeypatch):
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    found = testing.host_synchronisations(_reads_twice)
+    assert [site.split(" <- ")[0].split(":")[0] for site in found] == ["_reads_twice", "_reads_once"]
+    assert found[1].startswith("_reads_once:") and " <- _reads_twice:" in found[1]
+    assert modes == ["warn", "default"]
+
+    def fails():
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        testing.host_synchronisations(fails)
+    assert modes[-1] == "default"
+    assert testing.host_synchronisations(lambda: None) == []

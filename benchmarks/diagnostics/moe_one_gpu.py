@@ -59,6 +59,7 @@ from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator  # noqa: E402
 from flashoverlap.comm.protocol import CommGroup  # noqa: E402
 from flashoverlap.comm.replay import Matmul  # noqa: E402
 from flashoverlap.runtime.experts import choose_gemm  # noqa: E402
+from flashoverlap.testing import host_synchronisations  # noqa: E402
 
 # (name, tokens of rank s, hidden, ffn, experts, top_k, routing)
 CASES = [
@@ -374,34 +375,11 @@ class LayoutExchange:
 
 
 def host_syncs(fn):
-    """The synchronising CUDA calls one call of ``fn`` makes (``torch.cuda.set_sync_debug_mode``: a device-to-host
-    read, ``.item()``, ``.tolist()``, a stream or device synchronisation), after a warm-up call: where each was
-    issued (the innermost frames of this repository's code). Each is a wait for this process's queue, and on a GPU
-    shared by two processes possibly for the peer's time slice."""
-    import traceback
-    import warnings
-
+    """``testing.host_synchronisations`` of one call of ``fn``, after a warm-up call. Each is a wait for this
+    process's queue, and on a GPU shared by two processes possibly for the peer's time slice."""
     fn()
     torch.cuda.synchronize()
-    found = []
-
-    def record(message, *args, **kwargs):
-        if "synchronizing" not in str(message):
-            return
-        frames = [f for f in traceback.extract_stack()[:-1] if "/src/flashoverlap/" in f.filename
-                  or "/benchmarks/" in f.filename]
-        # Setting the mode itself warns once per process: only what the measured call issues counts.
-        if frames and frames[-1].name != "host_syncs":
-            found.append(" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames[-3:])))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    found = host_synchronisations(fn)
     torch.cuda.synchronize()
     return found
 

@@ -197,6 +197,36 @@ def spawn(
         return [results[r] for r in range(world_size)]
 
 
+def host_synchronisations(fn: Callable[[], object]) -> list[str]:
+    """Where each synchronising CUDA call of one call of ``fn`` is issued (``torch.cuda.set_sync_debug_mode``: a
+    device-to-host read, ``.item()``, ``.tolist()``, a stream or device synchronisation), as the innermost three
+    frames outside torch and the warnings module, innermost first. Each is a wait for the host; a bounded-mode MoE
+    layer promises none."""
+    import warnings
+
+    found = []
+    torch_dir, warnings_file = os.path.dirname(torch.__file__), warnings.__file__
+
+    def record(message, *args, **kwargs):
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if not f.filename.startswith(torch_dir) and f.filename != warnings_file]
+        # Setting the mode itself warns once per process: only what fn issues counts.
+        if frames and frames[-1].name != "host_synchronisations":
+            found.append(" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames[-3:])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return found
+
+
 def plain(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """What users run today, and the oracle every op is compared with: ``torch.matmul`` and then the collective
     (``op``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``, whose ``a`` is this rank's shard), one after the

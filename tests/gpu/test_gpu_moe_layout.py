@@ -4,43 +4,16 @@ mode (the split sizes). Counted by ``torch.cuda.set_sync_debug_mode``, on a one-
 enough: the count does not depend on the group's size), skewed routing with an expert that gets no token, the
 counts checked against ``torch.bincount`` computed afterwards."""
 
-import traceback
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap.testing import spawn
+from flashoverlap.testing import host_synchronisations, spawn
 from tests.gpu.helpers import ENV
 
 pytestmark = pytest.mark.gpu
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _syncs(fn):
-    """(result of fn(), where each synchronising CUDA call it made was issued: the innermost frames of this
-    repository's code)."""
-    found = []
-
-    def record(message, *args, **kwargs):
-        if "synchronizing" not in str(message):
-            return
-        frames = [f for f in traceback.extract_stack()[:-1] if "flashoverlap" in f.filename or "tests" in f.filename]
-        # Setting the mode itself warns once per process: only what the measured call issues counts.
-        if frames and frames[-1].name != "_syncs":
-            found.append(" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames[-3:])))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return result, found
 
 
 def _layouts(rank, world_size):
@@ -59,8 +32,13 @@ def _layouts(rank, world_size):
     torch.cuda.synchronize()
     found = {}
     for mode, bound in (("bounded", tokens * top_k), ("exact", None)):
-        layout, found[mode] = _syncs(lambda mode=mode, bound=bound: expert_layout(idx, experts, group, mode=mode,
-                                                                                   bound=bound))
+        layouts = []
+
+        def build(mode=mode, bound=bound, layouts=layouts):
+            layouts.append(expert_layout(idx, experts, group, mode=mode, bound=bound))
+
+        found[mode] = host_synchronisations(build)
+        layout = layouts[0]
         assert torch.equal(layout.send_counts.cpu(), want), mode
         assert torch.equal(layout.recv_counts.cpu(), want), mode
     return found
