@@ -337,7 +337,9 @@ def moe_host_one_gpu(path: str) -> str:
         if row.get("op") != "layer":
             continue
         gemm = ", ".join(row["gemm"]) + (" (the runtime's choice)" if row.get("chosen", True) else "")
-        syncs = f"{row['syncs']} / {row['plain_syncs']}" if "syncs" in row else "not counted"
+        # A replayed call's count is written only where it was measured (before 2026-12-02 it was set to 0).
+        counted = "syncs" in row and (not row["replayed"] or row.get("replay_syncs_counted"))
+        syncs = f"{row['syncs']} / {row['plain_syncs']}" if counted else f"not counted / {row.get('plain_syncs', '-')}"
         lines.append(f"| {row['mode']} | {'yes' if row['replayed'] else 'no'} | {gemm} | {syncs} "
                      f"| {_us(row['host_us'])} | {_us(row['plain_us'])} | {row['host_us'] / row['plain_us']:.2f}x |")
     return "\n".join(lines) + "\n\n" + MOE_HOST_LEGEND + "\n\n" + _sourced(path, data["meta"])
@@ -348,8 +350,8 @@ MOE_HOST_LEGEND = (
     "with the host once, ours once in exact mode), two processes sharing one GPU (W = 2, P2P path through CUDA "
     "IPC; 2048 tokens per rank, hidden 1024, "
     "FFN 512, 16 experts, top-4, balanced, bf16). ours: `expert_layout`, the dispatch, SwiGLU and the combine, as "
-    "`ExpertParallelMLP` runs them below the public op, on the grouped GEMM the runtime chooses, and on cuBLAS's "
-    "where that is not the choice. host syncs: synchronising CUDA calls in one eager call "
+    "`ExpertParallelMLP` runs them below the public op, on the grouped GEMM the runtime chooses, and on the other "
+    "of Triton and cuBLAS beside it. host syncs: synchronising CUDA calls in one call (the plain layer's: eager) "
     "(`torch.cuda.set_sync_debug_mode`). plain layer: the counts (without a host synchronisation), their "
     "`all_to_all_single` and one host synchronisation, the rows' `all_to_all_single`, `torch._grouped_mm` "
     "up, SwiGLU, `torch._grouped_mm` down, the reverse all-to-all and the weighted sum, on a one-rank NCCL group "

@@ -198,6 +198,11 @@ MUTATIONS = [
     ("policy-host-time-of-one-chunk", "Grouped GEMM policy: the host time of one call counted however many chunks "
      "the op issues", GROUPED, "    calls = max(chunks, 1)", "    calls = 1",
      GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
+    ("policy-routing-sum-as-one-op", "Grouped GEMM policy: the measured time summed over routings taken for one op's "
+     "GPU time (twice its time: Triton kept where the call is host-bound)", GROUPED,
+     "    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3]) / MEASURED_ROUTINGS",
+     "    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3])",
+     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
     ("layout-counts-shifted", "Expert layout: each expert's count taken from the sorted indices' left edges (every "
      "count moved one expert down)", "src/flashoverlap/comm/expert.py",
      "    ends = torch.searchsorted(sorted_expert, experts, right=True)",

@@ -15,6 +15,7 @@ CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm
 import cProfile
 import io
 import json
+import os
 import pstats
 import sys
 import time
@@ -67,58 +68,57 @@ def per_call_us(fn, calls=CALLS):
 def one_case(name, rows, experts, k, n):
     """The case's row (host µs per call: torch._grouped_mm, grouped_gemm, and grouped_gemm's parts); prints it and
     a cProfile of the calls."""
-    if True:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-        w = torch.randn(experts, n, k, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2)
-        ends = torch.linspace(rows / experts, rows, experts, device="cuda").round().to(torch.int32)
-        seg_expert = torch.arange(experts, dtype=torch.int32, device="cuda")
-        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-        workspace = torch.empty(module.workspace_size(experts), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2)
+    ends = torch.linspace(rows / experts, rows, experts, device="cuda").round().to(torch.int32)
+    seg_expert = torch.arange(experts, dtype=torch.int32, device="cuda")
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    workspace = torch.empty(module.workspace_size(experts), dtype=torch.int32, device="cuda")
 
-        def ours():
-            module.grouped_gemm(x, w, ends, seg_expert, out=out, order="heavy-first", max_rows=rows,
-                                workspace=workspace)
+    def ours():
+        module.grouped_gemm(x, w, ends, seg_expert, out=out, order="heavy-first", max_rows=rows,
+                            workspace=workspace)
 
-        def cublas():
-            torch._grouped_mm(x, w, offs=ends)
+    def cublas():
+        torch._grouped_mm(x, w, offs=ends)
 
-        host_ends = ends.tolist()
+    host_ends = ends.tolist()
 
-        def loop():  # the per-segment loop as comm/expert_nccl.multiply_chunk issues it
-            start = 0
-            for expert, end in enumerate(host_ends):
-                torch.mm(x[start:end], w[expert], out=out[start:end])
-                start = end
+    def loop():  # the per-segment loop as comm/expert_nccl.multiply_chunk issues it
+        start = 0
+        for expert, end in enumerate(host_ends):
+            torch.mm(x[start:end], w[expert], out=out[start:end])
+            start = end
 
+    ours()
+    torch.testing.assert_close(out.float(), torch._grouped_mm(x, w, offs=ends).float(), atol=0.5, rtol=2e-2)
+    row = {"case": name, "rows": rows, "experts": experts, "K": k, "N": n,
+           "grouped_mm_us": per_call_us(cublas), "grouped_gemm_us": per_call_us(ours),
+           "mm_us": per_call_us(loop) / experts}  # per torch.mm of the loop
+    spent = {"table launch": 0.0, "gemm launch": 0.0, "descriptors": 0.0}
+    saved = module._segment_table_kernel, module.grouped_gemm_kernel, module.TensorDescriptor
+    module._segment_table_kernel = Timed(saved[0], "table launch", spent, True)
+    module.grouped_gemm_kernel = Timed(saved[1], "gemm launch", spent, True)
+    module.TensorDescriptor = Timed(saved[2], "descriptors", spent, False)
+    try:
+        total = per_call_us(ours)
+    finally:
+        module._segment_table_kernel, module.grouped_gemm_kernel, module.TensorDescriptor = saved
+    parts = {part: 1e6 * s / (CALLS + 1) for part, s in spent.items()}  # per_call_us makes one more call
+    parts["rest"] = total - sum(parts.values())
+    row["parts_us"] = {part: round(v, 1) for part, v in parts.items()}
+    profile = cProfile.Profile()
+    torch.cuda._sleep(200_000_000)
+    profile.enable()
+    for _ in range(20):
         ours()
-        torch.testing.assert_close(out.float(), torch._grouped_mm(x, w, offs=ends).float(), atol=0.5, rtol=2e-2)
-        row = {"case": name, "rows": rows, "experts": experts, "K": k, "N": n,
-               "grouped_mm_us": per_call_us(cublas), "grouped_gemm_us": per_call_us(ours),
-               "mm_us": per_call_us(loop) / experts}  # per torch.mm of the loop
-        spent = {"table launch": 0.0, "gemm launch": 0.0, "descriptors": 0.0}
-        saved = module._segment_table_kernel, module.grouped_gemm_kernel, module.TensorDescriptor
-        module._segment_table_kernel = Timed(saved[0], "table launch", spent, True)
-        module.grouped_gemm_kernel = Timed(saved[1], "gemm launch", spent, True)
-        module.TensorDescriptor = Timed(saved[2], "descriptors", spent, False)
-        try:
-            total = per_call_us(ours)
-        finally:
-            module._segment_table_kernel, module.grouped_gemm_kernel, module.TensorDescriptor = saved
-        parts = {part: 1e6 * s / (CALLS + 1) for part, s in spent.items()}  # per_call_us makes one more call
-        parts["rest"] = total - sum(parts.values())
-        row["parts_us"] = {part: round(v, 1) for part, v in parts.items()}
-        profile = cProfile.Profile()
-        torch.cuda._sleep(200_000_000)
-        profile.enable()
-        for _ in range(20):
-            ours()
-        profile.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
-        print(f"== {name}: {json.dumps(row)}\n== cProfile of 20 calls, by cumulative time\n" + "\n".join(
-            line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+    print(f"== {name}: {json.dumps(row)}\n== cProfile of 20 calls, by cumulative time\n" + "\n".join(
+        line for line in text.getvalue().splitlines() if line.strip()), flush=True)
     return row
 
 
@@ -126,8 +126,12 @@ def main():
     rows_out = [one_case(*case) for case in CASES]
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
-            json.dump({"meta": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}, "rows": rows_out},
-                      f, indent=1)
+            meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                    "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
+                    "command": "CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python "
+                               "benchmarks/diagnostics/grouped_gemm_host.py OUT.json",
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
 
 
 if __name__ == "__main__":

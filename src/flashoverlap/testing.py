@@ -197,25 +197,32 @@ def spawn(
         return [results[r] for r in range(world_size)]
 
 
+# The text of the warning torch raises for each synchronising call under set_sync_debug_mode("warn") (setting the
+# mode raises a notice of its own, "... does not yet detect all synchronizing operations", which is not one).
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 def host_synchronisations(fn: Callable[[], object]) -> list[str]:
     """Where each synchronising CUDA call of one call of ``fn`` is issued (``torch.cuda.set_sync_debug_mode``: a
-    device-to-host read, ``.item()``, ``.tolist()``, a stream or device synchronisation), as the innermost three
-    frames outside torch and the warnings module, innermost first. Each is a wait for the host; a bounded-mode MoE
-    layer promises none."""
+    device-to-host read, ``.item()``, ``.tolist()``, a stream or device synchronisation; not ``torch.distributed``'s
+    collectives, which it does not see), as the innermost three frames outside torch and the warnings machinery,
+    innermost first. Each is a wait for the host; a bounded-mode MoE layer promises none. The caller's sync debug
+    mode is restored afterwards, and ``fn``'s other warnings go on to the handler in place before."""
     import warnings
 
-    found = []
-    torch_dir, warnings_file = os.path.dirname(torch.__file__), warnings.__file__
+    found: list[str] = []
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    shown = warnings.showwarning
 
-    def record(message, *args, **kwargs):
-        if "synchronizing" not in str(message):
+    def record(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING not in str(message):
+            shown(message, category, filename, lineno, file, line)
             return
-        frames = [f for f in traceback.extract_stack()[:-1]
-                  if not f.filename.startswith(torch_dir) and f.filename != warnings_file]
-        # Setting the mode itself warns once per process: only what fn issues counts.
-        if frames and frames[-1].name != "host_synchronisations":
-            found.append(" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames[-3:])))
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(torch_dir)
+                  and os.path.basename(f.filename) not in ("warnings.py", "_py_warnings.py")]
+        found.append(" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames[-3:])))
 
+    before = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
@@ -223,7 +230,7 @@ def host_synchronisations(fn: Callable[[], object]) -> list[str]:
         try:
             fn()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(before)
     return found
 
 

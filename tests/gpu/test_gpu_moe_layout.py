@@ -1,8 +1,9 @@
 """``expert_layout`` on a GPU: the host synchronisations it promises (``comm/expert.py``): none in bounded mode (a
 layer in bounded mode can then be issued, and captured, without the host waiting on the GPU), exactly one in exact
-mode (the split sizes). Counted by ``torch.cuda.set_sync_debug_mode``, on a one-rank NCCL group (one GPU is
-enough: the count does not depend on the group's size), skewed routing with an expert that gets no token, the
-counts checked against ``torch.bincount`` computed afterwards."""
+mode (the split sizes). Counted by ``torch.cuda.set_sync_debug_mode`` (``testing.host_synchronisations``; it
+does not see ``torch.distributed``'s collectives: the layout's one all-gather is asynchronous by NCCL's
+contract), on a one-rank NCCL group (one GPU is enough: the count does not depend on the group's size), skewed
+routing with an expert that gets no token, the counts checked against ``torch.bincount`` computed afterwards."""
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ def _layouts(rank, world_size):
     from flashoverlap.comm.protocol import CommGroup
 
     group = CommGroup.of(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
-    experts, tokens, top_k = 16, 777, 4
+    experts, tokens, top_k = 16, 1777, 4  # 7108 choices: past torch's small-sort path (4096), as layers are
     gen = torch.Generator(device="cuda").manual_seed(5)
     keys = torch.rand(tokens, experts, device="cuda", generator=gen)
     keys = keys + torch.log(1.0 / torch.arange(1, experts + 1, device="cuda") ** 1.2)

@@ -126,6 +126,8 @@ def test_layout_on_one_rank(world_of_one):
     assert torch.equal(buffer[:6], x[bounded.send_order // 2]) and not buffer[6:].any()  # padding zero
     with pytest.raises(BoundExceeded, match=r"bound=5 .*rank 0 -> rank 0: 6.*pass bound >= 6"):
         expert_layout(idx, 4, world_of_one, mode="bounded", bound=5)
+    with pytest.raises(ValueError, match=r"num_experts must be >= 1, got 0"):
+        expert_layout(torch.zeros((0, 2), dtype=torch.int64), 0, world_of_one)
     with pytest.raises(ValueError, match=r"rank\(s\) \[0\] .* outside \[0, 4\) \(1 in all\)"):
         expert_layout(torch.tensor([[0, 4]]), 4, world_of_one)
 

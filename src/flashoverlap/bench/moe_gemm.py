@@ -400,7 +400,8 @@ def assign_paths(rows: list[dict]) -> None:
     key = {"triton": "t_chunks_ms", "cublas": "t_cublas_path_ms", "loop": "t_loop_path_ms", "hybrid": "t_hybrid_ms"}
     for r in rows:
         args = (r["experts"], r["rows"], r["K"], r["N"], torch.bfloat16, (9, 0))
-        r["path"], r["path_bounded"] = choose_gemm("exact", *args), choose_gemm("bounded", *args)
+        r["path"], r["path_bounded"] = (choose_gemm("exact", *args, chunks=WORLD),
+                                        choose_gemm("bounded", *args, chunks=WORLD))
         r["t_ms"], r["t_bounded_ms"] = r[key[r["path"]]], r[key[r["path_bounded"]]]
         r["tflops"] = r["flops"] / r["t_ms"] / 1e9
 

@@ -289,6 +289,8 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     CUDA (the check is ``torch._assert_async``); on the CPU the check is a plain ``BoundExceeded``.
     """
     world, rank, device = group.world_size, group.rank, topk_idx.device
+    if num_experts < 1:
+        raise ValueError(f"expert_layout: num_experts must be >= 1, got {num_experts}")
     if num_experts % world:
         raise ValueError(f"expert_layout: {num_experts} experts cannot be shared evenly by {world} ranks")
     if mode not in MODES:

@@ -740,9 +740,11 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, seg_ends: torch.Tenso
 # -- policy -------------------------------------------------------------------------------------------------
 # Measured times (ms, balanced + Zipf(1.2) routing summed) of the three ways at each per-rank slice (W = 2), keyed by
 # (experts, rows, K, N): triton = grouped_gemm per source chunk as the paths run it (t_chunks_ms), cublas =
-# torch._grouped_mm per source chunk, loop = torch.mm per segment. From benchmarks/results/h200x1-moe-gemm.json,
-# produced at commit 4823acf052 on one H200 (torch 2.11, triton 3.6). (Before, from e410e6d: cuBLAS won the
-# Qwen3-like down slice by 0.1%, and ran 9% slower than Triton there at 4823acf052.)
+# torch._grouped_mm per source chunk, loop = torch.mm per segment. From the h200x1-moe-gemm.json of commit
+# 4823acf052 on one H200 (torch 2.11, triton 3.6; benchmarks/results/logs/issue20/moe-gemm-bench-4823acf052.log).
+# (Before, from e410e6d: cuBLAS won the Qwen3-like down slice by 0.1%, and ran 9% slower than Triton there at
+# 4823acf052.)
+MEASURED_ROUTINGS = 2  # each time above sums one op's time under this many routings (balanced, Zipf(1.2))
 MEASURED_MS: dict[tuple[int, int, int, int], tuple[float, float, float]] = {
     (4, 16384, 4096, 28672): (10.102, 10.286, 9.926),  # Mixtral-like up
     (4, 16384, 14336, 4096): (4.827, 5.100, 4.746),  # Mixtral-like down
@@ -806,10 +808,10 @@ def choose_grouped_gemm(*, experts: int, rows: int, k: int, n: int, dtype: torch
     each chunk, one call per chunk, no per-tile signals) or ``"loop"`` (``torch.mm`` per segment, sizes on the
     host) for ``rows`` rows (a bound) over ``experts`` local experts, ``[rows, k] x [k, n]`` each, in ``chunks``
     calls (one per source or destination rank): the cheapest allowed (``pick_grouped_gemm``) by ``call_cost_ms``,
-    from the times measured at the nearest measured slice (log distance over rows per expert, K and N) scaled by
-    FLOPs, and the host time of ``chunks`` calls (``HOST_US``). Large calls go by GPU time alone; small ones, whose
-    GPU time is shorter than Triton's two launches take to issue, to cuBLAS's one (where allowed). This is the
-    kernel alone: a path that needs per-tile signals (NCCL) runs Triton.
+    from one op's time measured at the nearest measured slice (log distance over rows per expert, K and N; the mean
+    over its routings) scaled by FLOPs, and the host time of ``chunks`` calls (``HOST_US``). Large calls go by GPU
+    time alone; small ones, whose GPU time is shorter than Triton's two launches take to issue, to cuBLAS's one
+    (where allowed). This is the kernel alone: a path that needs per-tile signals (NCCL) runs Triton.
 
     fp32: ``"loop"`` with ``host_counts``, else ``"triton"`` (which runs fp32 as tf32).
     """
@@ -825,7 +827,8 @@ def choose_grouped_gemm(*, experts: int, rows: int, k: int, n: int, dtype: torch
 
     nearest = min(MEASURED_MS, key=distance)
     t_triton, t_cublas, t_loop = MEASURED_MS[nearest]
-    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3])
+    # One op's GPU time: the measured sum over routings, per routing, scaled to this call's FLOPs.
+    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3]) / MEASURED_ROUTINGS
     calls = max(chunks, 1)
     segments = calls * min(max(experts, 1), max(rows, 1))  # the loop's torch.mm calls, at most
     return pick_grouped_gemm(call_cost_ms(t_triton, scale, calls * HOST_US["triton"] / 1e3),
