@@ -15,12 +15,11 @@ CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm
 import cProfile
 import io
 import json
-import os
 import pstats
-import sys
 import time
 
 import torch
+from results_file import results_meta, write_results
 
 from flashoverlap.kernels import grouped_gemm as module
 
@@ -124,14 +123,8 @@ def one_case(name, rows, experts, k, n):
 
 def main():
     rows_out = [one_case(*case) for case in CASES]
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                    "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                    "command": "CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python "
-                               "benchmarks/diagnostics/grouped_gemm_host.py OUT.json",
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
+    write_results({"meta": results_meta("CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python "
+                                      "benchmarks/diagnostics/grouped_gemm_host.py OUT.json"), "rows": rows_out})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from results_file import results_meta, write_results
 
 REPEATS = 20
 
@@ -100,15 +101,12 @@ def main():
     put("hash(plan)", lambda: hash(plan))
     put("table[plan]", lambda: table[plan])
     put("tensor.data_ptr()", lambda: a.data_ptr())
-    report = {"meta": {"gpus": f"1x {torch.cuda.get_device_name()}, {world} process(es)", "torch": torch.__version__,
-                       "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": " ".join(sys.argv), "unit": "us per call, median of 20, GPU busy ahead"},
-              "rows": rows}
+    results = {"meta": results_meta(" ".join(sys.argv), f"1x {torch.cuda.get_device_name()}, {world} process(es)",
+                                   unit="us per call, median of 20, GPU busy ahead"),
+               "rows": rows}
     if rank == 0:
-        print(json.dumps(report, indent=1), flush=True)
-        if len(sys.argv) > 1:
-            with open(sys.argv[1], "w") as f:
-                json.dump(report, f, indent=1)
+        print(json.dumps(results, indent=1), flush=True)
+        write_results(results)
     if world > 1:
         import torch.distributed as dist
 

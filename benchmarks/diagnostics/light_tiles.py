@@ -9,10 +9,10 @@ CUDA_VISIBLE_DEVICES=0 FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src \\
 
 import dataclasses
 import json
-import os
 import sys
 
 import torch
+from results_file import results_meta, write_results
 
 from flashoverlap.bench.moe_gemm import Slice
 from flashoverlap.bench.timing import time_side_by_side
@@ -68,13 +68,8 @@ def main() -> int:
                    "t_ms": {k: round(v, 4) for k, v in t.items()}, "rel_err": errs}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    report = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": "PYTHONPATH=src python benchmarks/diagnostics/light_tiles.py OUT.json"},
-              "rows": rows}
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+    write_results({"meta": results_meta("PYTHONPATH=src python benchmarks/diagnostics/light_tiles.py OUT.json"),
+                  "rows": rows})
     return 0
 
 

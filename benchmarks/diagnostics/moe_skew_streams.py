@@ -27,10 +27,10 @@ CUDA_VISIBLE_DEVICES=0 FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src \\
 
 import dataclasses
 import json
-import os
 import sys
 
 import torch
+from results_file import results_meta, write_results
 
 from flashoverlap.bench.moe_gemm import Slice
 from flashoverlap.bench.timing import time_side_by_side
@@ -325,13 +325,8 @@ def main() -> int:
             rows.append(row)
             del s
             torch.cuda.empty_cache()
-    report = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": "PYTHONPATH=src python benchmarks/diagnostics/moe_skew_streams.py OUT.json"},
-              "rows": rows}
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+    write_results({"meta": results_meta("PYTHONPATH=src python benchmarks/diagnostics/moe_skew_streams.py OUT.json"),
+                  "rows": rows})
     return 0
 
 

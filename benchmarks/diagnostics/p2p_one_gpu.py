@@ -19,11 +19,10 @@ CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_on
 
 import json
 import os
-import sys
-import time
 
 import torch
 import torch.distributed as dist
+from results_file import results_meta, write_results
 
 import flashoverlap as fo
 from flashoverlap.bench.timing import host_us_interleaved
@@ -201,10 +200,8 @@ def open_run(script: str) -> tuple[int, int, torch.device, dict]:
     torch.cuda.set_device(0)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    meta = {"gpus": f"1x {torch.cuda.get_device_name()} shared by {world} processes", "torch": torch.__version__,
-            "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-            "command": f"CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/{script} OUT.json",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = results_meta(f"CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/{script} OUT.json",
+                       f"1x {torch.cuda.get_device_name()} shared by {world} processes")
     return rank, world, torch.device("cuda", 0), meta
 
 
@@ -215,13 +212,11 @@ def ipc_p2p(device: torch.device):
     return comm
 
 
-def close_run(report: dict, rank: int) -> None:
-    """Rank 0 prints the report and writes it to the path given (``sys.argv[1]``); then every rank leaves."""
+def close_run(results: dict, rank: int) -> None:
+    """Rank 0 prints the results and writes them to the path given (``write_results``); then every rank leaves."""
     if rank == 0:
-        print(json.dumps(report, indent=1), flush=True)
-        if len(sys.argv) > 1:
-            with open(sys.argv[1], "w") as f:
-                json.dump(report, f, indent=1)
+        print(json.dumps(results, indent=1), flush=True)
+        write_results(results)
     dist.barrier()
     dist.destroy_process_group()
 

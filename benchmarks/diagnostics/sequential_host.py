@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from p2p_one_gpu import direct_call  # noqa: E402
+from results_file import results_meta, write_results  # noqa: E402
 
 import flashoverlap as fo
 from flashoverlap import guards
@@ -89,13 +90,8 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     rows = [op_row(op, public, name, dist.group.WORLD) for op, (public, name) in PUBLIC.items()]
     torch.cuda.synchronize()
-    report = {"meta": {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                       "command": "torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py OUT.json"},
-              "rows": rows}
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+    command = "torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py OUT.json"
+    write_results({"meta": results_meta(command), "rows": rows})
     dist.destroy_process_group()
     return 0
 

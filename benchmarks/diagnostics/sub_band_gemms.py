@@ -7,12 +7,9 @@ the overlap has to win back before it gains.
 python benchmarks/diagnostics/sub_band_gemms.py [out.json]
 """
 
-import json
-import os
-import sys
-import time
 
 import torch
+from results_file import results_meta, write_results
 
 from flashoverlap.bench.timing import time_ms
 
@@ -60,13 +57,7 @@ def main():
             rows.append(row)
             excess = ", ".join(f"S={s}: {100 * (t / whole - 1):+.1f}%" for s, t in row["split_ms"].items())
             print(f"{op} {m}x{n}x{k}: whole {whole:.3f} ms; {excess}", flush=True)
-    if len(sys.argv) > 1:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "commit": os.environ.get("FLASHOVERLAP_COMMIT", "unknown"),
-                "command": "python benchmarks/diagnostics/sub_band_gemms.py",
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        with open(sys.argv[1], "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_results({"meta": results_meta("python benchmarks/diagnostics/sub_band_gemms.py"), "rows": rows})
 
 
 if __name__ == "__main__":
