@@ -314,15 +314,12 @@ def test_a_call_with_a_debug_deadline_polls_every_flag_wait(monkeypatch):
 # -- what the executor keeps between calls: resolved schedules and (exact mode) each chunk's segment ends ----------
 
 
-def _run_call(comm, recorder, monkeypatch, layout, op="dispatch", hidden=HIDDEN):
-    """One eager call of ``op`` with ``layout`` (send buffer and weighted sum recorded, not computed); returns its
-    trace and the trace the schedule says it must be."""
-    world = comm.world_size
-    ffn = 2 * FFN if op == "dispatch" else FFN
-    plan = ExpertPlan(op, world, LOCAL * world, hidden, ffn, TOP_K, layout.tokens, layout.mode, layout.bound,
-                      "triton")
+def _stub_io(monkeypatch, comm, recorder, layout, op, hidden, ffn):
+    """What a call does outside its schedule, stood in for: the send buffer (``send_tensor``, its making traced),
+    combine's products (``y``, random rows), the origin's weighted sum (traced, not computed) and the kernels'
+    loading. Returns ``(send_tensor, y, a, b)``, with ``op``'s operands ``a`` and ``b``."""
     send_tensor = torch.empty(layout.send_capacity, hidden, dtype=torch.bfloat16)
-    y = torch.empty(layout.recv_rows, hidden, dtype=torch.bfloat16)
+    y = torch.randn(layout.recv_rows, hidden).to(torch.bfloat16)
     monkeypatch.setattr(ep, "send_buffer", lambda a, plan, layout: recorder.trace.append(("gather",)) or send_tensor)
     monkeypatch.setattr(ep, "combine_at_origin", lambda back, plan, layout, dtype, out=None:
                         recorder.trace.append(("finish",)) or out)
@@ -332,6 +329,17 @@ def _run_call(comm, recorder, monkeypatch, layout, op="dispatch", hidden=HIDDEN)
         a, b = torch.randn(layout.tokens, hidden, dtype=torch.bfloat16), torch.randn(LOCAL, hidden, ffn)
     else:
         a, b = torch.randn(layout.recv_rows, ffn, dtype=torch.bfloat16), torch.randn(LOCAL, ffn, hidden)
+    return send_tensor, y, a, b
+
+
+def _run_call(comm, recorder, monkeypatch, layout, op="dispatch", hidden=HIDDEN):
+    """One eager call of ``op`` with ``layout`` (send buffer and weighted sum recorded, not computed); returns its
+    trace and the trace the schedule says it must be."""
+    world = comm.world_size
+    ffn = 2 * FFN if op == "dispatch" else FFN
+    plan = ExpertPlan(op, world, LOCAL * world, hidden, ffn, TOP_K, layout.tokens, layout.mode, layout.bound,
+                      "triton")
+    send_tensor, y, a, b = _stub_io(monkeypatch, comm, recorder, layout, op, hidden, ffn)
     call = ExpertCall("op", plan, a, b, layout=layout, hook=lambda: recorder.trace.append((0, "hook")))
     chunks = ep.Chunks.of(plan, layout)
     comm.prepare(call, chunks)
@@ -437,16 +445,7 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: loads.append(len(recorder.trace)))
     ffn = 2 * FFN if op == "dispatch" else FFN
     plan = ExpertPlan(op, 3, LOCAL * 3, HIDDEN, ffn, TOP_K, layout.tokens, gemm="hybrid")
-    send_tensor = torch.empty(layout.send_capacity, HIDDEN, dtype=torch.bfloat16)
-    y = torch.randn(layout.recv_rows, HIDDEN).to(torch.bfloat16)
-    monkeypatch.setattr(ep, "send_buffer", lambda a, plan, layout: recorder.trace.append(("gather",)) or send_tensor)
-    monkeypatch.setattr(ep, "combine_at_origin", lambda back, plan, layout, dtype, out=None: out)
-    monkeypatch.setattr(comm, "_scratch", lambda shape, dtype, zero: y)
-    monkeypatch.setattr(comm, "_load_kernels", lambda call, chunks: None)
-    if op == "dispatch":
-        a, b = torch.randn(layout.tokens, HIDDEN, dtype=torch.bfloat16), torch.randn(LOCAL, HIDDEN, ffn)
-    else:
-        a, b = torch.randn(layout.recv_rows, ffn, dtype=torch.bfloat16), torch.randn(LOCAL, ffn, HIDDEN)
+    send_tensor, y, a, b = _stub_io(monkeypatch, comm, recorder, layout, op, HIDDEN, ffn)
     chunks = ep.Chunks.of(plan, layout)
     for call_index in range(2):
         call = ExpertCall("op", plan, a, b, return_gathered=False, layout=layout)

@@ -9,22 +9,13 @@ import json
 import os
 import subprocess
 import sys
-from importlib.metadata import version
 
-import numpy as np
 import pytest
 
+from tests.interpreter import needs_interpreter
 from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES, COPY_CASES
 
-
-# Triton 3.6's interpreter fails with numpy >= 2.4; the Triton that installs on CPU machines today (3.9) does not.
-def _release(text: str) -> tuple[int, int]:
-    return tuple(int(x) for x in text.split(".")[:2])
-
-
-NUMPY_OK = _release(np.__version__) < (2, 4) or _release(version("triton")) >= (3, 9)
-pytestmark = pytest.mark.skipif(not NUMPY_OK, reason=f"Triton {version('triton')}'s interpreter needs numpy < 2.4: "
-                                f"{np.__version__}")
+pytestmark = needs_interpreter
 
 
 @pytest.fixture(scope="module")

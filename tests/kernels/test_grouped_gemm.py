@@ -10,12 +10,10 @@ import json
 import os
 import subprocess
 import sys
-from importlib.metadata import version
 
 if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
     os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -31,6 +29,7 @@ from flashoverlap.kernels.grouped_gemm import (  # noqa: E402
     pick_grouped_gemm,
     workspace_size,
 )
+from tests.interpreter import needs_interpreter  # noqa: E402
 
 SMALL = GroupedTile(16, 16, 16, 2, 1, 4, None)  # one program per tile of the bound
 # (name, dtype, experts, K, N, segment sizes, segment experts, signal groups or None, number of groups, order,
@@ -309,14 +308,6 @@ def run_edge_cases() -> list[dict]:
 
 
 # -- the pytest side ----------------------------------------------------------------------------------------
-def _release(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(".")[:2])
-
-
-# Triton 3.6's interpreter fails with numpy >= 2.4 (the GPU machines' pair); the Triton of the CPU machines does not.
-needs_interpreter = pytest.mark.skipif(
-    _release(np.__version__) >= (2, 4) and _release(version("triton")) < (3, 9),
-    reason=f"Triton {version('triton')}'s interpreter needs numpy < 2.4: {np.__version__}")
 
 
 

@@ -10,12 +10,10 @@ import json
 import os
 import subprocess
 import sys
-from importlib.metadata import version
 
 if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
     os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -23,6 +21,7 @@ from flashoverlap.comm import expert_nccl  # noqa: E402
 from flashoverlap.comm.expert import ExpertPlan, Layout  # noqa: E402
 from flashoverlap.kernels.grouped_gemm import hybrid_pays  # noqa: E402
 from flashoverlap.runtime import experts as runtime_experts  # noqa: E402
+from tests.interpreter import needs_interpreter  # noqa: E402
 
 # Rows per (source, local expert) of a rank's receive layout at W = 3, L = 5: expert 0 heavy everywhere, expert 3
 # heavy in sum only, expert 4 without rows, an empty segment inside a chunk, and a whole chunk (source 2) of light
@@ -137,13 +136,6 @@ def run_values() -> list[dict]:
     return rows
 
 
-def _release(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(".")[:2])
-
-
-needs_interpreter = pytest.mark.skipif(
-    _release(np.__version__) >= (2, 4) and _release(version("triton")) < (3, 9),
-    reason=f"Triton {version('triton')}'s interpreter needs numpy < 2.4: {np.__version__}")
 
 
 @needs_interpreter
