@@ -265,6 +265,11 @@ def _light_tables(layout: Layout, light: list[int], per_expert: list[int]):
     return tables
 
 
+def _light_flat(row_map: torch.Tensor, experts: torch.Tensor) -> bool:
+    """Whether the light launch takes the flattened persistent tile (``LIGHT_FLAT_ROWS``)."""
+    return row_map.numel() >= LIGHT_FLAT_ROWS * experts.numel()
+
+
 def light_variant(layout: Layout, b: torch.Tensor) -> tuple | None:
     """What the light launch's compiled kernels depend on besides the tensors' addresses (its tile, its table size,
     the integer arguments Triton specialises: 1 or a multiple of 16), or None where no expert is light: a path that
@@ -274,7 +279,7 @@ def light_variant(layout: Layout, b: torch.Tensor) -> tuple | None:
         return None
     row_map, _, experts = tables
     ints = (row_map.numel(), experts.numel(), layout.recv_rows)
-    return (row_map.numel() >= LIGHT_FLAT_ROWS * experts.numel(), experts.numel().bit_length(),
+    return (_light_flat(row_map, experts), experts.numel().bit_length(),
             tuple((v == 1, v % 16 == 0) for v in ints), b.dtype, tuple(b.shape), b.stride())
 
 
@@ -291,7 +296,7 @@ def light_multiplier(kind: str, layout: Layout, b: torch.Tensor):
 
     row_map, ends, experts = tables
     workspace = torch.empty(workspace_size(experts.numel()), dtype=torch.int32, device=b.device)
-    tile = TILE_FLAT if row_map.numel() >= LIGHT_FLAT_ROWS * experts.numel() else None  # None: default_tile
+    tile = TILE_FLAT if _light_flat(row_map, experts) else None  # None: default_tile
 
     def light(x: torch.Tensor, out: torch.Tensor) -> None:
         grouped_gemm(x, b, ends, experts, out=out, row_map=row_map, max_rows=row_map.numel(), workspace=workspace,
