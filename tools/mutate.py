@@ -35,6 +35,8 @@ CALLS = "src/flashoverlap/runtime/calls.py"
 CALLS_TEST = "tests/runtime/test_calls.py"
 POLICY = "src/flashoverlap/runtime/policy.py"
 POLICY_TEST = "tests/runtime/test_policy.py"
+COLLECTIVES = "src/flashoverlap/comm/collectives.py"
+COLLECTIVES_TEST = "tests/comm/test_collectives.py"
 
 REPLAY = "src/flashoverlap/comm/replay.py"
 REPLAY_TEST = "tests/comm/test_replay.py"
@@ -168,7 +170,7 @@ MUTATIONS = [
     ("replay-inside-user-capture", "Runtime: a call inside a user's capture may launch a graph of its own",
      CALLS, "                env.replay and not capturing)", "                env.replay)", CALLS_TEST),
     ("dispatch-sequential-plan-overlapped", "Runtime: a sequential plan is handed to its path's overlapped communicator",
-     CALLS, 'if plan.sequential and path != "reference":', "if False:", CALLS_TEST),
+     CALLS, 'bare = plan.sequential and path != "reference"', "bare = False", CALLS_TEST),
     ("policy-p2p-ignores-group-verdict", "Path policy: P2P is allowed on a group whose ranks lack peer access",
      POLICY, "    reason = request.p2p_reason()\n", "    reason = None\n", POLICY_TEST),
     ("policy-float32-overlapped", "Path policy: float32 may take an overlapped path", POLICY,
@@ -180,6 +182,19 @@ MUTATIONS = [
      "            wait_event(handles[0], joins[index])\n", "            pass\n", P2P_TEST),
     ("runtime-fast-path-ignores-shape", "Runtime: a repeated call's cached answer is keyed without a's shape", CALLS,
      "        signature = (op, name, a.shape, b.shape,", "        signature = (op, name, b.shape,", CALLS_TEST),
+    ("runtime-fast-path-ignores-path", "Runtime: a repeated call's cached answer is keyed without the path asked",
+     CALLS, "plan, path,\n                     env.nccl_p2p_disabled)", "plan,\n                     env.nccl_p2p_disabled)",
+     CALLS_TEST),
+    ("collectives-now-ignore-coalescing", "Sequential plan's collectives: issued straight inside a coalescing manager, "
+     "which would have deferred them", COLLECTIVES, " or (bool(_COALESCING) and group in _COALESCING)", "",
+     COLLECTIVES_TEST),
+    ("collectives-now-ignore-torch-function", "Sequential plan's collectives: issued straight under a "
+     "__torch_function__ mode or subclass, which torch's function would hand them to", COLLECTIVES,
+     " or _has_torch_function((tensor,))", "", COLLECTIVES_TEST),
+    ("collectives-now-reduce-scatter-sums-nothing", "Sequential plan's reduce-scatter: each rank keeps its rows of "
+     "its own product, unsummed", COLLECTIVES,
+     "getattr(group, _REDUCE_SCATTER_METHOD)(out, inp, _OPTIONS[1])",
+     "(out.copy_(inp[: out.shape[0]]), None)[1]", COLLECTIVES_TEST),
     ("p2p-matmul-reads-wrong-rows", "P2P executor: every matmul reads the first row block of its input", P2P,
      "                src = parts[src_space][src_part]\n", "                src = parts[src_space][0]\n", P2P_TEST),
     ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,

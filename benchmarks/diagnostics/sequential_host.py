@@ -3,10 +3,10 @@ process: the sequential plan needs no peer). Each op's public call is timed inte
 (``bench.timing.host_us_interleaved``: GPU busy ahead, medians) beside the same work issued directly (``torch.mm``
 plus the collective, the outputs allocated as the op allocates them), ``torch.mm`` alone, and the parts our call adds
 in front of that work, each alone: the runtime's whole body (``runtime.calls.execute``), the sequential
-communicator's ``run`` of a prepared call, the resolution of a repeated call (``runtime.calls.resolve``), a
-``Call``'s construction, the custom-op test (``library.needed``), the device check (``guards.on_current_device``),
-the capture guard (which the P2P and NCCL paths ask, the sequential plan not), and ``torch.matmul`` in place of
-``torch.mm``. A cProfile of 50 calls of ours follows per op.
+communicator's ``run`` of a prepared call, a ``Call``'s construction, the custom-op test (``library.needed``), the
+device check (``guards.on_current_device``), the capture guard (which the P2P and NCCL paths ask, the sequential plan
+not), ``torch.matmul`` in place of ``torch.mm``, and the op's collective alone, through ``torch.distributed`` and as
+the sequential communicator issues it (``collectives.*_now``). A cProfile of 50 calls of ours follows per op.
 
 CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \
     torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py [out.json]
@@ -29,6 +29,7 @@ from results_file import results_meta, write_results  # noqa: E402
 import flashoverlap as fo
 from flashoverlap import guards
 from flashoverlap.bench.timing import host_us_interleaved
+from flashoverlap.comm import collectives
 from flashoverlap.comm.protocol import Call
 from flashoverlap.ops import library
 from flashoverlap.runtime import calls, settings
@@ -50,6 +51,16 @@ def op_row(op, public, name, group) -> dict:
     _, context, plan = calls.resolve(name, op, a, b, group, None, "auto", settings.current().nccl_p2p_disabled)
     comm = context.communicator("gemm", "sequential")
     call = Call(name, plan, a, b, False, None, None, False)
+    c = torch.mm(a, b)
+    out = torch.empty(M // group.size(), N, dtype=a.dtype, device=a.device)
+    gathered = torch.empty(M, K, dtype=a.dtype, device=a.device)
+    collective = {  # the op's collective alone: through torch.distributed, and issued straight
+        "all_reduce": (lambda: dist.all_reduce(c, group=group), lambda: collectives.all_reduce_now(c, group)),
+        "reduce_scatter": (lambda: collectives.reduce_scatter_tensor(out, c, group),
+                           lambda: collectives.reduce_scatter_now(out, c, group)),
+        "all_gather": (lambda: collectives.all_gather_into_tensor(gathered, a, group),
+                       lambda: collectives.all_gather_now(gathered, a, group)),
+    }[op]
     parts = {
         "ours": lambda: public(a, b, group=group),
         "direct": lambda: direct_call(op, a, b, group, M),
@@ -57,8 +68,8 @@ def op_row(op, public, name, group) -> dict:
         "torch.matmul": lambda: torch.matmul(a, b),
         "execute": lambda: calls.execute(name, op, a, b, group, None, "auto"),
         "communicator.run": lambda: comm.run(call),
-        "resolve (repeated call)": lambda: calls.resolve(name, op, a, b, group, None, "auto",
-                                                         settings.current().nccl_p2p_disabled),
+        "collective (torch.distributed)": collective[0],
+        "collective (issued straight)": collective[1],
         "Call(...)": lambda: Call(name, plan, a, b, False, None, None, False),
         "library.needed": lambda: library.needed(a, b, None, name),
         "capture guard (not asked by the sequential plan)": lambda: guards.capturing(a),

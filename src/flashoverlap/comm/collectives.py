@@ -1,10 +1,13 @@
-"""Thin wrappers over ``torch.distributed`` collectives that differ between the torch versions we support, and
-the one layout helper the all-gather paths share."""
+"""Thin wrappers over ``torch.distributed`` collectives that differ between the torch versions we support, the
+blocking collectives of the sequential plan issued straight to the process group, and the one layout helper the
+all-gather paths share."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._C import _has_torch_function
+from torch.distributed import distributed_c10d as c10d
 
 from flashoverlap.plan import Plan
 
@@ -23,6 +26,76 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.Pro
                            async_op: bool = False):
     """``dist.all_gather_into_tensor`` (or its torch >= 2.13 name); its work handle where ``async_op``."""
     return _all_gather(out, inp, group=group, async_op=async_op)
+
+
+def _blocking_options(name: str) -> object | None:
+    """An options object of ``torch.distributed``'s kind ``name``, filled as its blocking collectives fill it (sum;
+    ``asyncOp`` off where this torch has it: NCCL then runs the collective on the caller's stream); None where this
+    torch lacks the kind."""
+    kind = getattr(c10d, name, None)
+    if kind is None:
+        return None
+    options = kind()
+    if hasattr(options, "reduceOp"):
+        options.reduceOp = dist.ReduceOp.SUM
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = False
+    return options
+
+
+# The process-group methods behind torch's blocking collectives, chosen once (torch >= 2.13 renamed two), and the
+# coalescing manager's state (``dist._coalescing_manager``), whose collectives are deferred: a call made inside it
+# goes through ``torch.distributed``, which defers it. Any of them missing: every call goes through it.
+_REDUCE_SCATTER_METHOD = next((name for name in ("reduce_scatter_single", "_reduce_scatter_base")
+                               if hasattr(dist.ProcessGroup, name)), None)
+_ALL_GATHER_METHOD = next((name for name in ("all_gather_single", "_allgather_base")
+                           if hasattr(dist.ProcessGroup, name)), None)
+_OPTIONS = (_blocking_options("AllreduceOptions"), _blocking_options("ReduceScatterOptions"),
+            _blocking_options("AllgatherOptions"))
+_COALESCING = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
+_DIRECT = (None not in _OPTIONS and isinstance(_COALESCING, dict) and _REDUCE_SCATTER_METHOD is not None
+           and _ALL_GATHER_METHOD is not None)
+
+
+def _through_torch(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether a blocking collective on ``tensor`` must go through ``torch.distributed``'s function: a
+    ``__torch_function__`` mode or subclass may take it over, or a coalescing manager defers it."""
+    return not _DIRECT or _has_torch_function((tensor,)) or (bool(_COALESCING) and group in _COALESCING)
+
+
+def all_reduce_now(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``dist.all_reduce(tensor, group=group)`` (sum, blocking), issued straight to ``group``'s backend with the
+    options torch's function would build: its Python checks (the tensor's type, the group's membership, complex
+    views) are the runtime's, made once per call signature, and cost host time on every call of the sequential
+    plan (the decode case). ``group``: a process group this rank belongs to; ``tensor``: real, dense."""
+    if _through_torch(tensor, group):
+        dist.all_reduce(tensor, group=group)
+        return
+    work = group.allreduce([tensor], _OPTIONS[0])
+    if work is not None:  # as torch's function: a backend may have synchronised already
+        work.wait()
+
+
+def reduce_scatter_now(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``dist.reduce_scatter_tensor(out, inp, group=group)`` (sum, blocking), issued straight to ``group``'s
+    backend (as ``all_reduce_now``)."""
+    if _through_torch(inp, group):
+        reduce_scatter_tensor(out, inp, group)
+        return
+    work = getattr(group, _REDUCE_SCATTER_METHOD)(out, inp, _OPTIONS[1])
+    if work is not None:
+        work.wait()
+
+
+def all_gather_now(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``dist.all_gather_into_tensor(out, inp, group=group)`` (blocking), issued straight to ``group``'s backend
+    (as ``all_reduce_now``)."""
+    if _through_torch(inp, group):
+        all_gather_into_tensor(out, inp, group)
+        return
+    work = getattr(group, _ALL_GATHER_METHOD)(out, inp, _OPTIONS[2])
+    if work is not None:
+        work.wait()
 
 
 def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,

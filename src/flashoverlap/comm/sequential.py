@@ -1,12 +1,12 @@
 """The sequential fallback: ``torch.mm`` and then one NCCL collective on the whole result, what a plan with
-``sequential=True`` runs where overlap cannot pay (small GEMMs, short collectives)."""
+``sequential=True`` runs where overlap cannot pay (small GEMMs, short collectives). The collective is issued
+straight to the group (``collectives.*_now``): these calls are small, and their host time is the cost."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from flashoverlap.comm.collectives import all_gather_now, all_reduce_now, reduce_scatter_now
 from flashoverlap.comm.protocol import Call, CommGroup
 
 
@@ -24,15 +24,15 @@ class SequentialCommunicator:
         plan, a, b, process_group = call.plan, call.a, call.b, self.group.process_group
         if plan.op == "all_gather":
             a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
-            all_gather_into_tensor(a_full, a.contiguous(), process_group)
+            all_gather_now(a_full, a.contiguous(), process_group)
             result = torch.mm(a_full, b), a_full if call.return_gathered else None
         elif plan.op == "all_reduce":
             c = torch.mm(a, b)
-            dist.all_reduce(c, group=process_group)
+            all_reduce_now(c, process_group)
             result = c, None
         else:
             out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
-            reduce_scatter_tensor(out, torch.mm(a, b), process_group)
+            reduce_scatter_now(out, torch.mm(a, b), process_group)
             result = out, None
         if call.hook is not None:
             call.hook()

@@ -1,8 +1,8 @@
 """One call of a tensor-parallel op, from the public op to its communicator: ``execute`` checks the operands and
 the group, resolves the path and the plan (``plans``: given, tuned, or the default for the shape), and runs the call
 through the communicator the table names (``context.COMMUNICATORS``). A repeated call of one signature skips the
-group checks and the plan lookup: host time before the first launch is GPU idle time when the GPU has nothing
-queued. In debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``) the ranks first check that they agree on the call
+checks, the plan lookup and the communicator lookup: host time before the first launch is GPU idle time when the GPU
+has nothing queued. In debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``) the ranks first check that they agree on the call
 (``agreement``).
 """
 
@@ -24,22 +24,38 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
             hook: Hook | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every tensor-parallel op's body: check, resolve, run. Returns the result, and all-gather's gathered input
     where ``return_gathered``. ``hook()``: independent work for the caller's stream that the call may overlap with
-    its communication (``comm/protocol.Hook``)."""
+    its communication (``comm/protocol.Hook``).
+
+    A call whose whole signature (plain tensors' shapes, dtypes and devices, the group object, plan, path) was run
+    before takes its communicator and plan from one lookup (``context.RESOLVED``): its operands pass the same
+    checks, its group is the same object. Written for host time: this body is what a repeated call costs."""
     env = settings.current()
     if env.timeout is not None:  # before any collective of the call (plan lookups may run some)
         agreement.check(name, op, a, b, group, plan, path, env.timeout)
-    path, context, plan = resolve(name, op, a, b, group, plan, path, env.nccl_p2p_disabled)
-    if plan.sequential and path != "reference":
-        # The sequential plan waits on nothing and is never replayed: no capture query (host time, the decode case).
+    entry = signature = None
+    if type(a) is torch.Tensor and type(b) is torch.Tensor and (plan is None or type(plan) is Plan):
+        signature = (op, name, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device,
+                     group if group is not None or not dist.is_initialized() else dist.group.WORLD, plan, path,
+                     env.nccl_p2p_disabled)
+        entry = RESOLVED.get(signature)
+    if entry is None:
+        path, context, plan = resolve(name, op, a, b, group, plan, path, env.nccl_p2p_disabled)
+        # The sequential plan waits on nothing and is never replayed (outside the reference, which runs any plan).
+        bare = plan.sequential and path != "reference"
+        entry = (context.communicator("gemm", "sequential" if bare else path), plan, bare)
+        if signature is not None:
+            if len(RESOLVED) > 1024:
+                RESOLVED.clear()
+            RESOLVED[signature] = entry
+    communicator, plan, bare = entry
+    if bare:  # no capture query, no deadline, no replay verdict (host time, the decode case)
         call = Call(name, plan, a, b, return_gathered, hook)
-        communicator = context.communicator("gemm", "sequential")
         if hook is None:  # it names a's device in all it allocates, and has no stream of its own: no device check
             return communicator.run(call)
     else:
         capturing = guards.capturing(a)
         call = Call(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
                     env.replay and not capturing)
-        communicator = context.communicator("gemm", path)
     if guards.on_current_device(a):
         return communicator.run(call)
     with torch.cuda.device(a.device):  # the communicator's streams and allocations on the tensors' device
@@ -48,17 +64,8 @@ def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
 
 def resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
             plan: Plan | None, path: str, nccl_p2p_disabled: bool = False) -> tuple[str, GroupContext, Plan]:
-    """Check a call of op ``name`` (plan kind ``op``) and return its path, group context and plan. A call whose
-    whole signature was resolved before (plain tensors, a plan given or not) gets the same answer at once
-    (``context.RESOLVED``): its operands pass the same checks, its group is the same object."""
-    signature = None
-    if type(a) is torch.Tensor and type(b) is torch.Tensor and (plan is None or type(plan) is Plan):
-        resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
-        signature = (op, name, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, resolved, plan, path,
-                     nccl_p2p_disabled)
-        answer = RESOLVED.get(signature)
-        if answer is not None:
-            return answer
+    """Check a call of op ``name`` (plan kind ``op``) and return its path, group context and plan (a first call's
+    work: ``execute`` runs a repeated call from ``context.RESOLVED`` without it)."""
     m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
@@ -88,8 +95,4 @@ def resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
             f"{name}: plan is for {plan.op} (m, n, k) = {(plan.m, plan.n, plan.k)} over {plan.world_size} ranks, "
             f"but this call is {op} {(m, n, k)} over {world_size} ranks"
         )
-    if signature is not None:
-        if len(RESOLVED) > 1024:
-            RESOLVED.clear()
-        RESOLVED[signature] = (path, context, plan)
     return path, context, plan

@@ -104,8 +104,8 @@ class GroupContext:
 
 _CONTEXTS: dict[tuple[int, str, int | None], GroupContext] = {}
 # runtime.calls' fast path: a whole call signature (operand shapes, dtypes and devices, the group object, plan, path)
-# -> (path, context, plan), so that a repeated call skips the checks and lookups its first call made. Emptied by
-# every release (its values hold contexts).
+# -> (communicator, plan, whether the plan runs bare: sequential, off the reference), so that a repeated call skips
+# the checks and lookups its first call made. Emptied by every release (its values hold contexts' communicators).
 RESOLVED: dict[tuple, tuple] = {}
 
 

@@ -1,0 +1,177 @@
+"""The sequential plan's collectives issued straight to the group (``comm/collectives.*_now``): the same result as
+``torch.distributed``'s functions, without going through them, except where those functions must decide (a
+``__torch_function__`` mode, a coalescing manager); and the sequential communicator built on them, against plain
+PyTorch, under gloo."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from flashoverlap.comm import collectives
+from flashoverlap.comm.protocol import Call, CommGroup
+from flashoverlap.comm.sequential import SequentialCommunicator
+from flashoverlap.testing import spawn
+from flashoverlap.tune.defaults import sequential_plan
+
+DTYPES = (torch.float32, torch.float16)
+
+
+# torch.distributed's functions the ``*_now`` functions fall back on, as the module that calls them names them.
+FALLBACKS = ((dist, "all_reduce"), (collectives, "reduce_scatter_tensor"), (collectives, "all_gather_into_tensor"))
+
+
+def _swap(replacement) -> dict:
+    """Put ``replacement(name, original)`` in place of each fallback; returns what ``_undo`` puts back."""
+    saved = {}
+    for module, name in FALLBACKS:
+        saved[(module, name)] = original = getattr(module, name)
+        setattr(module, name, replacement(name, original))
+    return saved
+
+
+def _undo(saved: dict) -> None:
+    for (module, name), value in saved.items():
+        setattr(module, name, value)
+
+
+def _refuse(name, original):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"went through torch.distributed's {name}")
+
+    return refuse
+
+
+def _fresh(shape, dtype, rank, seed):
+    torch.manual_seed(1000 * seed + rank)
+    return torch.randn(shape, dtype=torch.float32).to(dtype)
+
+
+def _poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def _straight(rank, world_size):
+    """Each ``*_now`` against torch's function on fresh inputs (outputs poisoned with NaN), with torch's functions
+    made to raise while ``*_now`` runs: the result must come from the straight issue."""
+    group = dist.group.WORLD
+    checked = 0
+    for seed, (rows, cols) in enumerate(((1, 1), (3, 5), (17, 33), (64, 48))):
+        for dtype in DTYPES:
+            x = _fresh((rows * world_size, cols), dtype, rank, seed)
+            want_sum = x.clone()
+            dist.all_reduce(want_sum, group=group)
+            want_rs = _poisoned((rows, cols), dtype)
+            collectives.reduce_scatter_tensor(want_rs, x.clone(), group)
+            shard = x[:rows].contiguous()
+            want_ag = _poisoned((rows * world_size, cols), dtype)
+            collectives.all_gather_into_tensor(want_ag, shard, group)
+            saved = _swap(_refuse)
+            try:
+                got_sum = x.clone()
+                collectives.all_reduce_now(got_sum, group)
+                got_rs = _poisoned((rows, cols), dtype)
+                collectives.reduce_scatter_now(got_rs, x.clone(), group)
+                got_ag = _poisoned((rows * world_size, cols), dtype)
+                collectives.all_gather_now(got_ag, shard, group)
+            finally:
+                _undo(saved)
+            for got, want in ((got_sum, want_sum), (got_rs, want_rs), (got_ag, want_ag)):
+                assert not torch.isnan(got).any()
+                torch.testing.assert_close(got, want, atol=0, rtol=0)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_issued_straight_match_torch_distributed(world_size):
+    assert collectives._DIRECT, "this torch lacks what the straight issue needs: every call goes through torch"
+    assert spawn(_straight, world_size) == [4 * len(DTYPES) * 3] * world_size
+
+
+class _Recording(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _deferred_or_overridden(rank, world_size):
+    """Under a ``__torch_function__`` mode, and for a group inside a coalescing manager, each ``*_now`` goes through
+    torch's function (which the mode may take over, or the manager defers); outside both it does not."""
+    group = dist.group.WORLD
+    went = []
+
+    def recording(name, original):
+        def record(*args, **kwargs):
+            went.append(name)
+            return original(*args, **kwargs)
+
+        return record
+
+    saved = _swap(recording)
+    try:
+        x = torch.ones(2 * world_size, 3)
+        out, gathered = torch.empty(2, 3), torch.empty(2 * world_size, 3)
+
+        def issue_all():
+            collectives.all_reduce_now(x.clone(), group)
+            collectives.reduce_scatter_now(out, x.clone(), group)
+            collectives.all_gather_now(gathered, x[:2].clone(), group)
+
+        issue_all()
+        assert went == [], went
+        with _Recording():
+            issue_all()
+        assert went == ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"], went
+        went.clear()
+        collectives._COALESCING[group] = []  # what dist._coalescing_manager holds while it defers this group's calls
+        try:
+            issue_all()
+        finally:
+            del collectives._COALESCING[group]
+        assert went == ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"], went
+        went.clear()
+        issue_all()
+        assert went == [], went
+    finally:
+        _undo(saved)
+    return True
+
+
+def test_a_torch_function_mode_or_a_coalescing_manager_gets_torch_distributed():
+    # Under a coalescing manager torch's functions append to its state instead of issuing: the stand-in list is
+    # dropped before anything is flushed, so the deferred calls never run (each rank issues the same, so none waits).
+    assert spawn(_deferred_or_overridden, 2) == [True, True]
+
+
+def _sequential(rank, world_size):
+    """The sequential communicator on every op, odd and round shapes, ``w.t()`` weights: plain PyTorch's result."""
+    comm = SequentialCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
+    checked = 0
+    for seed, (m_shard, n, k) in enumerate(((1, 1, 1), (3, 7, 5), (16, 24, 32), (33, 17, 9))):
+        m = m_shard * world_size
+        for dtype in DTYPES:
+            a = _fresh((m, k), dtype, rank, seed)
+            w = _fresh((n, k), dtype, rank, seed + 50)
+            b = w.t()
+            product = a @ b
+            summed = product.clone()
+            dist.all_reduce(summed)
+            shard = a[rank * m_shard : (rank + 1) * m_shard]
+            gathered = _poisoned((m, k), dtype)
+            collectives.all_gather_into_tensor(gathered, shard.contiguous(), dist.group.WORLD)
+            want = {"all_reduce": summed, "reduce_scatter": summed[rank * m_shard : (rank + 1) * m_shard],
+                    "all_gather": gathered @ b}
+            for op, operand in (("all_reduce", a), ("reduce_scatter", a), ("all_gather", shard)):
+                plan = sequential_plan(op, m, n, k, world_size, path="nccl")
+                got, extra = comm.run(Call(op, plan, operand, b, return_gathered=op == "all_gather"))
+                assert not torch.isnan(got).any()
+                torch.testing.assert_close(got, want[op], atol=0, rtol=0)
+                if op == "all_gather":
+                    torch.testing.assert_close(extra, gathered, atol=0, rtol=0)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_sequential_communicator_returns_what_plain_pytorch_returns(world_size):
+    assert spawn(_sequential, world_size) == [4 * len(DTYPES) * 3] * world_size
