@@ -47,8 +47,11 @@ def op_row(op, public, name, group) -> dict:
     for _ in range(3):  # plan resolved, kernels loaded, NCCL warm
         public(a, b, group=group)
         direct_call(op, a, b, group, M)
+    ours, direct = public(a, b, group=group), direct_call(op, a, b, group, M)  # the same work, the same result
+    assert not torch.isnan(ours).any() and torch.equal(ours, direct), f"{op}: ours differs from the direct call"
     torch.cuda.synchronize()
     _, context, plan = calls.resolve(name, op, a, b, group, None, "auto", settings.current().nccl_p2p_disabled)
+    assert plan.sequential, f"{op}: the call at this shape does not run the sequential plan"
     comm = context.communicator("gemm", "sequential")
     call = Call(name, plan, a, b, False, None, None, False)
     c = torch.mm(a, b)
