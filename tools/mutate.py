@@ -73,6 +73,9 @@ MUTATIONS = [
     ("paired-figures-are-medians-apart", "bench.timing: the paired difference is the difference of the medians",
      TIMING, "1e6 * statistics.median(ours - base for ours, base in rounds)",
      "1e6 * (statistics.median(times[name]) - statistics.median(times[baseline]))", "tests/bench/test_rows.py"),
+    ("interleaved-order-only-rotates", "bench.timing: the interleaved rounds only rotate, so the name after another "
+     "always runs warm behind it", TIMING, "    return order if round_ % 2 == 0 else order[::-1]\n",
+     "    return names[round_ % len(names):] + names[: round_ % len(names)]\n", "tests/bench/test_rows.py"),
     ("debug-deadline-per-wait", "Debug mode: each of a call's waits gets its own deadline, so a stuck call takes "
      "longer than the timeout to raise", GUARDS, "poll_until(event.query, deadline, lambda what=what: failure(what))",
      "poll_until(event.query, time.monotonic() + timeout, lambda what=what: failure(what))", GUARDS_TEST),

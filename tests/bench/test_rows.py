@@ -55,3 +55,19 @@ def test_paired_figures_are_medians_of_each_rounds_difference_and_ratio():
     figures = paired_figures(times, (("ours", "base"),))
     assert figures == {"ours - base": 1e6, "ours / base": 2.0}
     assert paired_figures(times, ()) == {}
+
+
+def test_interleaved_rounds_put_each_name_before_and_after_each_other_alike():
+    from collections import Counter
+
+    from flashoverlap.bench.timing import round_order
+
+    for names in (["ours", "direct"], ["ours", "direct", "torch.mm"], [f"part{i}" for i in range(13)]):
+        rounds = 2 * len(names) * 3
+        orders = [round_order(names, r) for r in range(rounds)]
+        assert all(sorted(order) == sorted(names) for order in orders), "every round times each name once"
+        follows = Counter((order[i], order[i + 1]) for order in orders for i in range(len(order) - 1))
+        for (first, second), count in follows.items():
+            assert follows[(second, first)] == count, (first, second, follows)
+        firsts = Counter(order[0] for order in orders)
+        assert set(firsts) == set(names) and len(set(firsts.values())) == 1, firsts

@@ -42,9 +42,11 @@ def host_us(fn: Callable[[], object], calls: int = 20, sleep_cycles: int = QUEUE
 def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
                         sleep_cycles: int = QUEUE_AHEAD_CYCLES,
                         pairs: tuple[tuple[str, str], ...] = ()) -> dict[str, float]:
-    """``host_us`` of several callables measured side by side: each round times one call of each, in an order
-    that rotates from round to round, so that slow and fast spells of the host fall on all of them alike (one
-    call's host time, right after the ranks align and the GPU is given work, varies by 2x from run to run).
+    """``host_us`` of several callables measured side by side: each round times one call of each, in the order
+    ``round_order`` gives, so that slow and fast spells of the host fall on all of them alike (one call's host
+    time, right after the ranks align and the GPU is given work, varies by 2x from run to run), and so does the
+    warmth one call leaves for the next (a call right after another that ran the same torch and NCCL code is
+    cheaper: each callable follows each other as often as it precedes it).
 
     For each ``(name, baseline)`` in ``pairs`` the result also holds, under ``"name - baseline"``, the median over
     rounds of the two calls' difference in the same round (microseconds), and under ``"name / baseline"`` the median
@@ -52,8 +54,7 @@ def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(calls):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in round_order(names, round_):
             if dist.is_initialized():
                 dist.barrier()
             torch.cuda.synchronize()
@@ -63,6 +64,16 @@ def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
             times[name].append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return {**{name: 1e6 * statistics.median(values) for name, values in times.items()}, **paired_figures(times, pairs)}
+
+
+def round_order(names: list[str], round_: int) -> list[str]:
+    """The order of round ``round_`` (from 0): a rotation of ``names`` that moves on every second round, walked
+    forwards in even rounds and backwards in odd ones. Over any even number of rounds each name comes right after
+    each neighbour as often as right before it; over ``2 * len(names)`` rounds each name is first equally often.
+    (A rotation alone keeps neighbours in one order: the name after ``ours`` always ran warm behind it.)"""
+    shift = (round_ // 2) % len(names)
+    order = names[shift:] + names[:shift]
+    return order if round_ % 2 == 0 else order[::-1]
 
 
 def paired_figures(times: dict[str, list[float]], pairs: tuple[tuple[str, str], ...]) -> dict[str, float]:
