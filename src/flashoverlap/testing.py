@@ -102,6 +102,10 @@ def _worker(rank: int, fn: Callable, world_size: int, backend: str, init_file: s
             )
         else:
             dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        # Every rank past the group's set-up before any runs fn: gloo's connection of a pair is not over for one
+        # rank when the other returns from it, and a rank that then ends (fn raised at once, or ran no collective)
+        # fails the other's set-up with "connection closed by peer" instead of reporting its own result.
+        dist.barrier()
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report every failure, including assertion errors, to the parent
