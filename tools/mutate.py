@@ -196,8 +196,8 @@ MUTATIONS = [
      " or _has_torch_function((tensor,))", "", COLLECTIVES_TEST),
     ("collectives-now-reduce-scatter-sums-nothing", "Sequential plan's reduce-scatter: each rank keeps its rows of "
      "its own product, unsummed", COLLECTIVES,
-     "getattr(group, _REDUCE_SCATTER_METHOD)(out, inp, _OPTIONS[1])",
-     "(out.copy_(inp[: out.shape[0]]), None)[1]", COLLECTIVES_TEST),
+     "_base_now(_REDUCE_SCATTER_METHOD, _OPTIONS[1], reduce_scatter_tensor, out, inp, group)",
+     "out.copy_(inp[: out.shape[0]])", COLLECTIVES_TEST),
     ("p2p-matmul-reads-wrong-rows", "P2P executor: every matmul reads the first row block of its input", P2P,
      "                src = parts[src_space][src_part]\n", "                src = parts[src_space][0]\n", P2P_TEST),
     ("p2p-start-event-not-recorded", "P2P executor: the call's start is not recorded on the caller's stream", P2P,

@@ -4,6 +4,8 @@ all-gather paths share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch._C import _has_torch_function
@@ -79,21 +81,23 @@ def all_reduce_now(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
 def reduce_scatter_now(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
     """``dist.reduce_scatter_tensor(out, inp, group=group)`` (sum, blocking), issued straight to ``group``'s
     backend (as ``all_reduce_now``)."""
-    if _through_torch(inp, group):
-        reduce_scatter_tensor(out, inp, group)
-        return
-    work = getattr(group, _REDUCE_SCATTER_METHOD)(out, inp, _OPTIONS[1])
-    if work is not None:
-        work.wait()
+    _base_now(_REDUCE_SCATTER_METHOD, _OPTIONS[1], reduce_scatter_tensor, out, inp, group)
 
 
 def all_gather_now(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
     """``dist.all_gather_into_tensor(out, inp, group=group)`` (blocking), issued straight to ``group``'s backend
     (as ``all_reduce_now``)."""
+    _base_now(_ALL_GATHER_METHOD, _OPTIONS[2], all_gather_into_tensor, out, inp, group)
+
+
+def _base_now(method: str | None, options: object, through_torch: Callable, out: torch.Tensor, inp: torch.Tensor,
+              group: dist.ProcessGroup) -> None:
+    """One blocking collective from ``inp`` into ``out`` by the process-group ``method``, or by ``through_torch``
+    (torch's function) where ``_through_torch`` says so."""
     if _through_torch(inp, group):
-        all_gather_into_tensor(out, inp, group)
+        through_torch(out, inp, group)
         return
-    work = getattr(group, _ALL_GATHER_METHOD)(out, inp, _OPTIONS[2])
+    work = getattr(group, method)(out, inp, options)
     if work is not None:
         work.wait()
 
