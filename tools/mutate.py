@@ -73,9 +73,13 @@ MUTATIONS = [
     ("paired-figures-are-medians-apart", "bench.timing: the paired difference is the difference of the medians",
      TIMING, "1e6 * statistics.median(ours - base for ours, base in rounds)",
      "1e6 * (statistics.median(times[name]) - statistics.median(times[baseline]))", "tests/bench/test_rows.py"),
-    ("interleaved-order-only-rotates", "bench.timing: the interleaved rounds only rotate, so the name after another "
-     "always runs warm behind it", TIMING, "    return order if round_ % 2 == 0 else order[::-1]\n",
-     "    return names[round_ % len(names):] + names[: round_ % len(names)]\n", "tests/bench/test_rows.py"),
+    ("interleaved-order-only-rotates", "bench.timing: the interleaved rounds only rotate, so a name's neighbours never "
+     "change and the name after another always runs warm behind it", TIMING,
+     "    order = [names[(index + row) % count] for index in base]\n",
+     "    order = [names[(index + row) % count] for index in range(count)]\n", "tests/bench/test_rows.py"),
+    ("interleaved-odd-count-unreversed", "bench.timing: with an odd number of callables the design's rows are never "
+     "reversed, so some pairs always run in one order", TIMING,
+     "    return order[::-1] if row >= count else order", "    return order", "tests/bench/test_rows.py"),
     ("debug-deadline-per-wait", "Debug mode: each of a call's waits gets its own deadline, so a stuck call takes "
      "longer than the timeout to raise", GUARDS, "poll_until(event.query, deadline, lambda what=what: failure(what))",
      "poll_until(event.query, time.monotonic() + timeout, lambda what=what: failure(what))", GUARDS_TEST),
@@ -188,12 +192,12 @@ MUTATIONS = [
     ("runtime-fast-path-ignores-path", "Runtime: a repeated call's cached answer is keyed without the path asked",
      CALLS, "plan, path,\n                     env.nccl_p2p_disabled)", "plan,\n                     env.nccl_p2p_disabled)",
      CALLS_TEST),
-    ("collectives-now-ignore-coalescing", "Sequential plan's collectives: issued straight inside a coalescing manager, "
-     "which would have deferred them", COLLECTIVES, " or (bool(_COALESCING) and group in _COALESCING)", "",
-     COLLECTIVES_TEST),
+    ("sequential-inside-coalescing-manager", "Sequential plan: a call inside a coalescing manager on its group runs, "
+     "its collective deferred past the GEMM that needs it", "src/flashoverlap/comm/sequential.py",
+     "        refuse_coalescing(process_group, call.name)\n", "", COLLECTIVES_TEST),
     ("collectives-now-ignore-torch-function", "Sequential plan's collectives: issued straight under a "
      "__torch_function__ mode or subclass, which torch's function would hand them to", COLLECTIVES,
-     " or _has_torch_function((tensor,))", "", COLLECTIVES_TEST),
+     " or has_torch_function((tensor,))", "", COLLECTIVES_TEST),
     ("collectives-now-reduce-scatter-sums-nothing", "Sequential plan's reduce-scatter: each rank keeps its rows of "
      "its own product, unsummed", COLLECTIVES,
      "_base_now(_REDUCE_SCATTER_METHOD, _OPTIONS[1], reduce_scatter_tensor, out, inp, group)",

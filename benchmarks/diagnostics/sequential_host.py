@@ -42,6 +42,7 @@ PUBLIC = {"all_reduce": (fo.gemm_all_reduce, "gemm_all_reduce"),
 
 def op_row(op, public, name, group) -> dict:
     """One op's row, printed, then a cProfile of 50 calls of ours."""
+    assert group.size() == 1, "one process, a one-rank group: the shard is the whole input"
     a = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(N, K, dtype=torch.bfloat16, device="cuda").t()
     for _ in range(3):  # plan resolved, kernels loaded, NCCL warm
@@ -55,7 +56,7 @@ def op_row(op, public, name, group) -> dict:
     comm = context.communicator("gemm", "sequential")
     call = Call(name, plan, a, b, False, None, None, False)
     c = torch.mm(a, b)
-    out = torch.empty(M // group.size(), N, dtype=a.dtype, device=a.device)
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     gathered = torch.empty(M, K, dtype=a.dtype, device=a.device)
     collective = {  # the op's collective alone: through torch.distributed, and issued straight
         "all_reduce": (lambda: dist.all_reduce(c, group=group), lambda: collectives.all_reduce_now(c, group)),

@@ -1,7 +1,7 @@
 """The sequential plan's collectives issued straight to the group (``comm/collectives.*_now``): the same result as
-``torch.distributed``'s functions, without going through them, except where those functions must decide (a
-``__torch_function__`` mode, a coalescing manager); and the sequential communicator built on them, against plain
-PyTorch, under gloo."""
+``torch.distributed``'s functions, without going through them, except where a ``__torch_function__`` mode must see
+them; and the sequential communicator built on them, against plain PyTorch under gloo, refusing a group inside a
+coalescing manager."""
 
 import pytest
 import torch
@@ -94,9 +94,9 @@ class _Recording(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _deferred_or_overridden(rank, world_size):
-    """Under a ``__torch_function__`` mode, and for a group inside a coalescing manager, each ``*_now`` goes through
-    torch's function (which the mode may take over, or the manager defers); outside both it does not."""
+def _overridden(rank, world_size):
+    """Under a ``__torch_function__`` mode each ``*_now`` goes through torch's function (which the mode may take
+    over); outside it does not."""
     group = dist.group.WORLD
     went = []
 
@@ -123,13 +123,6 @@ def _deferred_or_overridden(rank, world_size):
             issue_all()
         assert went == ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"], went
         went.clear()
-        collectives._COALESCING[group] = []  # what dist._coalescing_manager holds while it defers this group's calls
-        try:
-            issue_all()
-        finally:
-            del collectives._COALESCING[group]
-        assert went == ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"], went
-        went.clear()
         issue_all()
         assert went == [], went
     finally:
@@ -137,10 +130,34 @@ def _deferred_or_overridden(rank, world_size):
     return True
 
 
-def test_a_torch_function_mode_or_a_coalescing_manager_gets_torch_distributed():
-    # Under a coalescing manager torch's functions append to its state instead of issuing: the stand-in list is
-    # dropped before anything is flushed, so the deferred calls never run (each rank issues the same, so none waits).
-    assert spawn(_deferred_or_overridden, 2) == [True, True]
+def test_a_torch_function_mode_gets_torch_distributed():
+    assert spawn(_overridden, 2) == [True, True]
+
+
+def _inside_coalescing_manager(rank, world_size):
+    """Each op's sequential call inside ``dist._coalescing_manager`` on its group raises before issuing anything."""
+    comm = SequentialCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
+    assert collectives._COALESCING is dist.distributed_c10d._world.pg_coalesce_state, "not torch's own state"
+    issued = []
+    mm = torch.mm
+    torch.mm = lambda *args, **kwargs: issued.append("mm")
+    try:
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            plan = sequential_plan(op, 4, 3, 2, world_size, path="nccl")
+            a = torch.randn(2 if op == "all_gather" else 4, 2)
+            with pytest.raises(RuntimeError, match=f"{op}_op: called inside torch.distributed's coalescing manager"):
+                with dist._coalescing_manager(group=dist.group.WORLD):
+                    comm.run(Call(f"{op}_op", plan, a, torch.randn(2, 3)))
+    finally:
+        torch.mm = mm
+    assert not issued, issued
+    return True
+
+
+def test_the_sequential_communicator_refuses_a_group_inside_a_coalescing_manager():
+    # The manager defers the group's collectives to its exit: all-gather's GEMM would read a gathered input that has
+    # not arrived, and the others would return unreduced results. The refusal comes before the matmul.
+    assert spawn(_inside_coalescing_manager, 2) == [True, True]
 
 
 def _sequential(rank, world_size):

@@ -46,14 +46,16 @@ def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
     ``round_order`` gives, so that slow and fast spells of the host fall on all of them alike (one call's host
     time, right after the ranks align and the GPU is given work, varies by 2x from run to run), and so does the
     warmth one call leaves for the next (a call right after another that ran the same torch and NCCL code is
-    cheaper: each callable follows each other as often as it precedes it).
+    cheaper: over whole cycles of ``round_order`` each callable runs right after each other equally often, and
+    ``calls`` is rounded up to whole cycles).
 
     For each ``(name, baseline)`` in ``pairs`` the result also holds, under ``"name - baseline"``, the median over
     rounds of the two calls' difference in the same round (microseconds), and under ``"name / baseline"`` the median
     of their ratio: paired figures, which a slow spell that lasts a round moves less than the medians apart."""
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(calls):
+    cycle = cycle_rounds(len(names))
+    for round_ in range(-(-calls // cycle) * cycle):
         for name in round_order(names, round_):
             if dist.is_initialized():
                 dist.barrier()
@@ -67,13 +69,26 @@ def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
 
 
 def round_order(names: list[str], round_: int) -> list[str]:
-    """The order of round ``round_`` (from 0): a rotation of ``names`` that moves on every second round, walked
-    forwards in even rounds and backwards in odd ones. Over any even number of rounds each name comes right after
-    each neighbour as often as right before it; over ``2 * len(names)`` rounds each name is first equally often.
-    (A rotation alone keeps neighbours in one order: the name after ``ours`` always ran warm behind it.)"""
-    shift = (round_ // 2) % len(names)
-    order = names[shift:] + names[:shift]
-    return order if round_ % 2 == 0 else order[::-1]
+    """The order of round ``round_`` (from 0): a row of a Williams design, the Latin square balanced for carry-over.
+    Over every ``cycle_rounds(len(names))`` rounds each name is first equally often and runs right after each other
+    name equally often, so no callable is always timed warm behind another (a rotation keeps its neighbours: with
+    one, the baseline listed after ours ran right after it in every round but one)."""
+    count = len(names)
+    base, low, high = [0], 1, count - 1  # 0, 1, n-1, 2, n-2, ...: consecutive differences cover every residue once
+    while len(base) < count:
+        base.append(low)
+        low += 1
+        if len(base) < count:
+            base.append(high)
+            high -= 1
+    row = round_ % cycle_rounds(count)
+    order = [names[(index + row) % count] for index in base]
+    return order[::-1] if row >= count else order  # an odd count needs each row reversed too
+
+
+def cycle_rounds(count: int) -> int:
+    """The rounds after which ``round_order`` has balanced ``count`` names: ``count`` if even, else twice it."""
+    return count if count % 2 == 0 else 2 * count
 
 
 def paired_figures(times: dict[str, list[float]], pairs: tuple[tuple[str, str], ...]) -> dict[str, float]:

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch._C import _has_torch_function
 from torch.distributed import distributed_c10d as c10d
+from torch.overrides import has_torch_function
 
 from flashoverlap.plan import Plan
 
@@ -46,8 +46,8 @@ def _blocking_options(name: str) -> object | None:
 
 
 # The process-group methods behind torch's blocking collectives, chosen once (torch >= 2.13 renamed two), and the
-# coalescing manager's state (``dist._coalescing_manager``), whose collectives are deferred: a call made inside it
-# goes through ``torch.distributed``, which defers it. Any of them missing: every call goes through it.
+# coalescing manager's state (``dist._coalescing_manager``: the groups whose collectives it defers; torch empties
+# this dict, never replaces it). Any of them missing: every call goes through ``torch.distributed``.
 _REDUCE_SCATTER_METHOD = next((name for name in ("reduce_scatter_single", "_reduce_scatter_base")
                                if hasattr(dist.ProcessGroup, name)), None)
 _ALL_GATHER_METHOD = next((name for name in ("all_gather_single", "_allgather_base")
@@ -55,22 +55,34 @@ _ALL_GATHER_METHOD = next((name for name in ("all_gather_single", "_allgather_ba
 _OPTIONS = (_blocking_options("AllreduceOptions"), _blocking_options("ReduceScatterOptions"),
             _blocking_options("AllgatherOptions"))
 _COALESCING = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
-_DIRECT = (None not in _OPTIONS and isinstance(_COALESCING, dict) and _REDUCE_SCATTER_METHOD is not None
-           and _ALL_GATHER_METHOD is not None)
+if not isinstance(_COALESCING, dict):  # this torch keeps it elsewhere: nothing to check (issued calls are not deferred)
+    _COALESCING = {}
+_DIRECT = None not in _OPTIONS and _REDUCE_SCATTER_METHOD is not None and _ALL_GATHER_METHOD is not None
 
 
-def _through_torch(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+def refuse_coalescing(group: dist.ProcessGroup, what: str) -> None:
+    """Raise where ``group`` is inside ``dist._coalescing_manager``: it defers the group's collectives to its exit,
+    so ``what`` (a call that uses a collective's result at once, as all-gather's GEMM does) would compute on data
+    that has not arrived."""
+    if _COALESCING and group in _COALESCING:
+        raise RuntimeError(f"{what}: called inside torch.distributed's coalescing manager on its group, which defers "
+                           "the collective the call needs now; call it outside the `with` block")
+
+
+def _through_torch(tensor: torch.Tensor) -> bool:
     """Whether a blocking collective on ``tensor`` must go through ``torch.distributed``'s function: a
-    ``__torch_function__`` mode or subclass may take it over, or a coalescing manager defers it."""
-    return not _DIRECT or _has_torch_function((tensor,)) or (bool(_COALESCING) and group in _COALESCING)
+    ``__torch_function__`` mode or subclass may take it over. (``torch.set_default_device`` and ``with
+    torch.device(...)`` install such a mode: every call then goes through torch, correct, without the saving.)"""
+    return not _DIRECT or has_torch_function((tensor,))
 
 
 def all_reduce_now(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """``dist.all_reduce(tensor, group=group)`` (sum, blocking), issued straight to ``group``'s backend with the
     options torch's function would build: its Python checks (the tensor's type, the group's membership, complex
     views) are the runtime's, made once per call signature, and cost host time on every call of the sequential
-    plan (the decode case). ``group``: a process group this rank belongs to; ``tensor``: real, dense."""
-    if _through_torch(tensor, group):
+    plan (the decode case). ``group``: a process group this rank belongs to, not inside a coalescing manager
+    (``refuse_coalescing``); ``tensor``: real, dense."""
+    if _through_torch(tensor):
         dist.all_reduce(tensor, group=group)
         return
     work = group.allreduce([tensor], _OPTIONS[0])
@@ -94,7 +106,7 @@ def _base_now(method: str | None, options: object, through_torch: Callable, out:
               group: dist.ProcessGroup) -> None:
     """One blocking collective from ``inp`` into ``out`` by the process-group ``method``, or by ``through_torch``
     (torch's function) where ``_through_torch`` says so."""
-    if _through_torch(inp, group):
+    if _through_torch(inp):
         through_torch(out, inp, group)
         return
     work = getattr(group, method)(out, inp, options)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from flashoverlap.comm.collectives import all_gather_now, all_reduce_now, reduce_scatter_now
+from flashoverlap.comm.collectives import all_gather_now, all_reduce_now, reduce_scatter_now, refuse_coalescing
 from flashoverlap.comm.protocol import Call, CommGroup
 
 
@@ -22,6 +22,7 @@ class SequentialCommunicator:
         """The op's result (and all-gather's gathered input where asked), as plain PyTorch computes it; the hook is
         issued once the collective is queued, so that it runs beside it."""
         plan, a, b, process_group = call.plan, call.a, call.b, self.group.process_group
+        refuse_coalescing(process_group, call.name)
         if plan.op == "all_gather":
             a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
             all_gather_now(a_full, a.contiguous(), process_group)

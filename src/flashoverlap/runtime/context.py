@@ -105,7 +105,8 @@ class GroupContext:
 _CONTEXTS: dict[tuple[int, str, int | None], GroupContext] = {}
 # runtime.calls' fast path: a whole call signature (operand shapes, dtypes and devices, the group object, plan, path)
 # -> (communicator, plan, whether the plan runs bare: sequential, off the reference), so that a repeated call skips
-# the checks and lookups its first call made. Emptied by every release (its values hold contexts' communicators).
+# the checks and lookups its first call made. Emptied by every release (its values hold contexts' communicators:
+# a communicator put in ``GroupContext.communicators`` by hand after a call is reached only after a release).
 RESOLVED: dict[tuple, tuple] = {}
 
 
