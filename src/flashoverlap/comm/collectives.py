@@ -45,9 +45,10 @@ def _blocking_options(name: str) -> object | None:
     return options
 
 
-# The process-group methods behind torch's blocking collectives, chosen once (torch >= 2.13 renamed two), and the
-# coalescing manager's state (``dist._coalescing_manager``: the groups whose collectives it defers; torch empties
-# this dict, never replaces it). Any of them missing: every call goes through ``torch.distributed``.
+# The process-group methods behind torch's blocking collectives and their options, chosen once (torch >= 2.13
+# renamed two methods): any of them missing, every call goes through ``torch.distributed``. And the coalescing
+# manager's state (``dist._coalescing_manager``: the groups whose collectives it defers; torch empties this dict,
+# never replaces it), which ``refuse_coalescing`` reads.
 _REDUCE_SCATTER_METHOD = next((name for name in ("reduce_scatter_single", "_reduce_scatter_base")
                                if hasattr(dist.ProcessGroup, name)), None)
 _ALL_GATHER_METHOD = next((name for name in ("all_gather_single", "_allgather_base")
