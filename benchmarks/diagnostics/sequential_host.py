@@ -51,7 +51,7 @@ def op_row(op, public, name, group) -> dict:
     ours, direct = public(a, b, group=group), direct_call(op, a, b, group, M)  # the same work, the same result
     assert not torch.isnan(ours).any() and torch.equal(ours, direct), f"{op}: ours differs from the direct call"
     torch.cuda.synchronize()
-    _, context, plan = calls.resolve(name, op, a, b, group, None, "auto", settings.current().nccl_p2p_disabled)
+    _, context, plan = calls.resolve(calls.GemmSpec(name, op, a, b, group), settings.current().nccl_p2p_disabled)
     assert plan.sequential, f"{op}: the call at this shape does not run the sequential plan"
     comm = context.communicator("gemm", "sequential")
     call = Call(name, plan, a, b, False, None, None, False)
@@ -70,7 +70,7 @@ def op_row(op, public, name, group) -> dict:
         "direct": lambda: direct_call(op, a, b, group, M),
         "torch.mm": lambda: torch.mm(a, b),
         "torch.matmul": lambda: torch.matmul(a, b),
-        "execute": lambda: calls.execute(name, op, a, b, group, None, "auto"),
+        "execute": lambda: calls.execute(calls.GEMM, calls.GemmSpec(name, op, a, b, group)),
         "communicator.run": lambda: comm.run(call),
         "collective (torch.distributed)": collective[0],
         "collective (issued straight)": collective[1],

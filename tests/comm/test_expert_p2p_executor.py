@@ -413,7 +413,7 @@ def test_release_through_the_runtime_empties_what_the_executor_keeps(monkeypatch
     held = object.__new__(runtime_context.GroupContext)
     held.process_group, held.device, held.communicators = group, torch.device("cpu"), {("expert", "p2p"): comm}
     held.rates, held.agreed, held.calls, held.logged = {}, {}, {}, set()
-    monkeypatch.setitem(runtime_context._CONTEXTS, (id(group), "cpu", None), held)
+    monkeypatch.setitem(runtime_context.REGISTRY.contexts, (id(group), "cpu", None), held)
     recorder.trace.clear()
     flashoverlap.release(group)
     assert not comm._programs and not comm._events and comm._join is None and len(comm._ends) == 0

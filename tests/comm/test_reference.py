@@ -26,7 +26,7 @@ def _reduce_scatter(rank, world_size):
         for groups, profile in ((1, "even"), (3, "small-first"), (5, "small-last")):
             plan = default_plan("reduce_scatter", m, n, k, world_size, tile=TileConfig(16, 16, 16, 2, 1, 4),
                                 num_groups=groups, profile=profile, allow_sequential=False)
-            got = reference.gemm_reduce_scatter(a, b, plan, None)
+            got = reference.gemm_reduce_scatter(a, reference.Bands(b, None, a.dtype), plan, None)
             assert got.shape == (m_per_rank, n) and not torch.isnan(got).any()
             eps = torch.finfo(torch.float16).eps
             torch.testing.assert_close(got, want, atol=4 * eps * (k * world_size) ** 0.5, rtol=4 * eps)

@@ -13,7 +13,7 @@ SHAPES = [(96, 40, 24), (130, 72, 33), (256, 64, 64)]
 def _ranks(rank, world_size):
     import flashoverlap as fo
     from flashoverlap.plan import TileConfig
-    from flashoverlap.runtime import execute
+    from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
     from flashoverlap.testing import plain
 
     tile = TileConfig(16, 16, 16, 2, 1, 4)
@@ -43,14 +43,15 @@ def _ranks(rank, world_size):
     b = torch.randn(16, 24, generator=gen).to(torch.bfloat16)
     ring = fo.default_plan("reduce_scatter", 48 * world_size, 24, 16, world_size, tile=tile, num_groups=2,
                            path="ring", allow_sequential=False)
-    got, _ = execute("hook test", "reduce_scatter", a, b, None, ring, "ring", hook=lambda: calls.append(1))
+    got, _ = execute(GEMM, GemmSpec("hook test", "reduce_scatter", a, b, None, ring, "ring",
+                                    hook=lambda: calls.append(1)))
     want = plain("reduce_scatter", a, b).double()
     assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
     assert calls == [1]
     # path="auto" follows a ring plan on the CPU too (not the reference).
-    from flashoverlap.runtime.calls import resolve
+    from flashoverlap.runtime.calls import GemmSpec, resolve
 
-    assert resolve("op", "reduce_scatter", a, b, None, ring, "auto")[0] == "ring"
+    assert resolve(GemmSpec("op", "reduce_scatter", a, b, None, ring, "auto"))[0] == "ring"
     return checked
 
 

@@ -130,20 +130,22 @@ def _debug_errors(rank, world):
         q = cases.problem(world, "balanced", 2, torch.float32, seed=7)
         own = slice(rank * p["local"], (rank + 1) * p["local"])
         w_up = p["w13"][own].transpose(1, 2)
-        _raises(ValueError, r"the ranks disagree on bound \(rank 1 differs from rank 0\)", fo.moe_layout,
+        _raises(ValueError, rf"the ranks disagree on bound \({40 + rank} here, {41 - rank} on rank {1 - rank}\)",
+                fo.moe_layout,
                 p["idx"][rank], p["experts"], mode="bounded", bound=40 + rank)
         layouts = [fo.moe_layout(p["idx"][rank], p["experts"]), fo.moe_layout(q["idx"][rank], p["experts"])]
         # Rank 1 passes the other layer's layout: what each rank sends is not what the other expects.
         _raises(ValueError, "the ranks' layouts disagree .*rank 0 sends rank 1 other counts than rank 1 expects",
                 fo.moe_dispatch_gemm, p["x"][rank], w_up, layouts[rank])
         x = p["x"][rank] if rank == 0 else p["x"][rank].half()
-        _raises(ValueError, r"the ranks disagree on dtype \(rank 1 differs from rank 0\)", fo.moe_dispatch_gemm,
+        _raises(ValueError, rf"the ranks disagree on dtype \(\d+ here, \d+ on rank {1 - rank}\)", fo.moe_dispatch_gemm,
                 x, w_up.to(x.dtype), layouts[0])
-        _raises(ValueError, r"the ranks disagree on path \(rank 1 differs from rank 0\)", fo.moe_dispatch_gemm,
+        _raises(ValueError, rf"the ranks disagree on path \(\d+ here, \d+ on rank {1 - rank}\)", fo.moe_dispatch_gemm,
                 p["x"][rank], w_up, layouts[0], path=("auto", "reference")[rank])
         # Each rank's x and w_up agree, but rank 1's hidden size is not rank 0's.
         width = cases.H - rank
-        _raises(ValueError, r"the ranks disagree on hidden \(rank 1 differs from rank 0\)", fo.moe_dispatch_gemm,
+        _raises(ValueError, rf"hidden size H \({width} here, {cases.H - 1 + rank} on rank {1 - rank}\)",
+                fo.moe_dispatch_gemm,
                 p["x"][rank][:, :width], w_up[:, :width], layouts[0])
         _good_call(rank, p, fo)
     finally:

@@ -53,7 +53,7 @@ def _forward_backward(rank, world, mode):
             # counts; bounded: the bound), also in the layout the custom ops rebuild from its tensors and values.
             pairs = [int((i // p["local"] == d).sum()) for i in p["idx"] for d in range(world)]
             largest = max(pairs) if mode == "exact" else bound
-            rebuilt = moe_library._layout(layout.tensors(), *moe_library.layout_values(layout))
+            rebuilt = moe_library.layout_of(layout.tensors(), moe_library.layout_values(layout))
             assert layout.max_pair_rows == largest == rebuilt.max_pair_rows, f"{where}: max_pair_rows"
             # The transposed views nn.Linear-shaped weights give, and (every other case) contiguous [L, K, N].
             w_up, w_down = w13.transpose(1, 2), w2.transpose(1, 2)

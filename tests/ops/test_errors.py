@@ -151,7 +151,7 @@ def _disagree(rank, world_size, what):
         with pytest.raises(ValueError, match="disagree on plan"):
             fo.gemm_all_reduce(a, b, plan=plan)
         return "refused"
-    with pytest.raises(ValueError, match=f"disagree on {'dtype' if what == 'dtype' else 'M'}"):
+    with pytest.raises(ValueError, match="disagree on " + ("dtype of a and b" if what == "dtype" else "a's rows M")):
         fo.gemm_all_reduce(a, b)
     return "refused"
 

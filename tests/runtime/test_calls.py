@@ -60,9 +60,9 @@ def test_a_call_reaches_its_communicator_with_the_settings_read_once(world_of_on
     settings.refresh()  # the settings are read once, at the next call
     hook = lambda: None  # noqa: E731
     fo.gemm_all_reduce(a, b)
-    from flashoverlap.runtime import execute
+    from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
-    execute("name", "all_reduce", a, b, None, None, "auto", hook=hook)
+    execute(GEMM, GemmSpec("name", "all_reduce", a, b, None, None, "auto", hook=hook))
     first, second = reference.calls
     assert isinstance(first, Call) and first.plan.op == "all_reduce" and first.a is a and first.b is b
     assert first.name == "gemm_all_reduce" and first.replay and first.timeout is None and first.hook is None
@@ -144,9 +144,9 @@ def test_a_sequential_call_asks_the_device_question_only_where_a_hook_may_alloca
     plan = sequential_plan("all_reduce", 8, 6, 4, 1, path="ring")
     fo.gemm_all_reduce(a, b, plan=plan, path="ring")
     assert not asked and len(sequential.calls) == 1
-    from flashoverlap.runtime import execute
+    from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
-    execute("name", "all_reduce", a, b, None, plan, "ring", hook=lambda: None)
+    execute(GEMM, GemmSpec("name", "all_reduce", a, b, None, plan, "ring", hook=lambda: None))
     assert asked == [a] and len(sequential.calls) == 2
 
 
@@ -179,7 +179,7 @@ def test_every_communicator_follows_the_protocol():
 
 
 def test_a_repeated_call_is_resolved_once_and_anything_else_afresh(world_of_one, monkeypatch):
-    """The fast path (``context.RESOLVED``): a call whose whole signature was resolved before skips the operand
+    """The fast path (``context.REGISTRY``): a call whose whole signature was resolved before skips the operand
     checks; another shape, dtype, path or plan is checked again; a release forgets every answer."""
     from flashoverlap.runtime import calls
 
@@ -200,9 +200,9 @@ def test_a_repeated_call_is_resolved_once_and_anything_else_afresh(world_of_one,
         fo.gemm_all_reduce(a, torch.randn(5, 6, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="K differ"):
         fo.gemm_all_reduce(a, torch.randn(5, 6, dtype=torch.bfloat16))
-    assert context_module.RESOLVED
+    assert context_module.REGISTRY.resolved
     fo.release()
-    assert not context_module.RESOLVED
+    assert not context_module.REGISTRY.resolved
     _install(context_of(dist.group.WORLD, torch.device("cpu")), ("gemm", "reference"))
     fo.gemm_all_reduce(a, b)
     assert len(checked) == 7

@@ -28,7 +28,7 @@ def _ranks(rank, world_size):
     # while the other was still connecting (gloo: "Connection closed by peer", a flaky failure).
     dist.barrier(group=other)
     key = (id(other), cpu.type, cpu.index)
-    context_module._CONTEXTS[key] = world  # what an id-keyed cache would hand out
+    context_module.REGISTRY.contexts[key] = world  # what an id-keyed cache would hand out
     assert existing_context(other, cpu) is None
     renewed = context_of(other, cpu)
     assert renewed is not world and renewed.process_group is other and not renewed.rates

@@ -22,7 +22,7 @@ from flashoverlap.kernels.gemm import gemm
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
 from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from flashoverlap.runtime import plan_for
-from flashoverlap.runtime.calls import resolve
+from flashoverlap.runtime.calls import GemmSpec, resolve
 from flashoverlap.tune.defaults import default_plan
 
 GRID_ALL_REDUCE = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
@@ -205,7 +205,7 @@ def bench_all_gather(m, n, k, dtype, iters, world_size, device, setting, sweep=N
 
 def _auto(name, op, a, b):
     """The path and plan an untuned ``path="auto"`` call takes here (what a user gets)."""
-    path, _, plan = resolve(name, op, a, b, None, None, "auto")
+    path, _, plan = resolve(GemmSpec(name, op, a, b))
     return path, plan
 
 

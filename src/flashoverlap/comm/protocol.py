@@ -85,8 +85,10 @@ class Call:
     returns its gathered input; ``hook``: independent work (``Hook``); ``timeout``: the debug deadline in seconds
     (``FLASHOVERLAP_DEBUG_TIMEOUT``, read once by the runtime; None: waits are not bounded); ``replay``: a repeated
     call may be replayed from a CUDA graph (the runtime's verdict: not switched off, not inside a user's capture,
-    not in debug mode). A call of a sequential plan, which waits on nothing and is never replayed, always has
-    ``timeout=None`` and ``replay=False``."""
+    not in debug mode); ``scales``: an fp8 call's scales, output dtype and bias (``comm/scaled.Scales``; None
+    otherwise: a communicator that does not run fp8 is never handed one, ``runtime/policy.py``). A call of a
+    sequential plan, which waits on nothing and is never replayed, always has ``timeout=None`` and
+    ``replay=False``."""
 
     name: str
     plan: Any
@@ -96,6 +98,7 @@ class Call:
     hook: Hook | None = None
     timeout: float | None = None
     replay: bool = False
+    scales: Any = None
 
 
 class GroupFields:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from flashoverlap.comm import scaled
 from flashoverlap.comm.collectives import all_gather_now, all_reduce_now, reduce_scatter_now, refuse_coalescing
 from flashoverlap.comm.protocol import Call, CommGroup
 
@@ -23,7 +24,9 @@ class SequentialCommunicator:
         issued once the collective is queued, so that it runs beside it."""
         plan, a, b, process_group = call.plan, call.a, call.b, self.group.process_group
         refuse_coalescing(process_group, call.name)
-        if plan.op == "all_gather":
+        if call.scales is not None:
+            result = _scaled(call, process_group)
+        elif plan.op == "all_gather":
             a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
             all_gather_now(a_full, a.contiguous(), process_group)
             result = torch.mm(a_full, b), a_full if call.return_gathered else None
@@ -41,3 +44,23 @@ class SequentialCommunicator:
 
     def release(self) -> None:
         pass
+
+
+def _scaled(call: Call, process_group) -> tuple[torch.Tensor, object]:
+    """An fp8 call: ``torch._scaled_mm`` and the collective. The all-gather moves each row's fp8 bytes and its
+    scales in one buffer; the reductions move the output dtype's partials (NCCL sums them)."""
+    plan, a, b, scales = call.plan, call.a, call.b, call.scales
+    if plan.op == "all_gather":
+        packed = scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]))
+        gathered = torch.empty((plan.m, packed.shape[1]), dtype=torch.uint8, device=a.device)
+        all_gather_now(gathered, packed, process_group)
+        a_full, scale_full = scaled.unpack_rows(gathered, plan.k, a.dtype)
+        c = scaled.scaled_mm(a_full, b, scales, scale_full)
+        return c, (a_full, scale_full) if call.return_gathered else None
+    c = scaled.scaled_mm(a, b, scales)
+    if plan.op == "all_reduce":
+        all_reduce_now(c, process_group)
+        return c, None
+    out = torch.empty((plan.block_rows, plan.n), dtype=c.dtype, device=a.device)
+    reduce_scatter_now(out, c, process_group)
+    return out, None

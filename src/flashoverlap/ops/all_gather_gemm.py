@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from flashoverlap.ops import library
 from flashoverlap.plan import Plan
-from flashoverlap.runtime.calls import execute
+from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
 OP = "all_gather_gemm"
 
@@ -32,8 +32,8 @@ def all_gather_gemm(
 
     Args: as :func:`flashoverlap.gemm_all_reduce`, with ``a_shard: [M/W, K]`` this rank's rows.
     """
-    if library.needed(a_shard, b, plan, OP):
+    if library.needed(OP, (a_shard, b), plan):
         c, gathered = torch.ops.flashoverlap.all_gather_gemm(a_shard, b, library.group_name(group), path)
     else:
-        c, gathered = execute(OP, "all_gather", a_shard, b, group, plan, path, return_gathered)
+        c, gathered = execute(GEMM, GemmSpec(OP, "all_gather", a_shard, b, group, plan, path, return_gathered))
     return (c, gathered) if return_gathered else c

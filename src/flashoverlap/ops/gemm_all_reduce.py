@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from flashoverlap.ops import library
 from flashoverlap.plan import Plan
-from flashoverlap.runtime.calls import execute
+from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
 OP = "gemm_all_reduce"
 
@@ -40,6 +40,6 @@ def gemm_all_reduce(
     Returns:
         ``[M, N]`` row-major, the input dtype, identical on every rank of ``group``.
     """
-    if library.needed(a, b, plan, OP):
+    if library.needed(OP, (a, b), plan):
         return torch.ops.flashoverlap.gemm_all_reduce(a, b, library.group_name(group), path)
-    return execute(OP, "all_reduce", a, b, group, plan, path)[0]
+    return execute(GEMM, GemmSpec(OP, "all_reduce", a, b, group, plan, path))[0]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from flashoverlap.ops import library
 from flashoverlap.plan import Plan
-from flashoverlap.runtime.calls import execute
+from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
 OP = "gemm_reduce_scatter"
 
@@ -29,6 +29,6 @@ def gemm_reduce_scatter(
 
     Args: as :func:`flashoverlap.gemm_all_reduce`; ``M`` must be divisible by the group's size.
     """
-    if library.needed(a, b, plan, OP):
+    if library.needed(OP, (a, b), plan):
         return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, library.group_name(group), path)
-    return execute(OP, "reduce_scatter", a, b, group, plan, path)[0]
+    return execute(GEMM, GemmSpec(OP, "reduce_scatter", a, b, group, plan, path))[0]

@@ -29,7 +29,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from flashoverlap.comm.replay import Matmul
 from flashoverlap.plan import Plan
-from flashoverlap.runtime.calls import execute
+from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
 
 def group_name(group: dist.ProcessGroup | str | None) -> str:
@@ -43,10 +43,10 @@ def group_name(group: dist.ProcessGroup | str | None) -> str:
     return group.group_name
 
 
-def needed(a: torch.Tensor, b: torch.Tensor, plan: Plan | None, name: str) -> bool:
-    """Whether a public op call goes through its custom op: where autograd must record it, or ``torch.compile``
-    traces it. Plain eager calls skip the dispatcher (host time)."""
-    grad = (getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False)) and torch.is_grad_enabled()
+def needed(name: str, tensors: tuple, plan: Plan | None = None) -> bool:
+    """Whether a public op's call goes through its custom op: where autograd must record it (a tensor among
+    ``tensors`` requires grad), or ``torch.compile`` traces it. Plain eager calls skip the dispatcher (host time)."""
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
     if grad and plan is not None:
         raise ValueError(f"{name}: plan= cannot be combined with autograd (an input requires grad); leave plan unset "
                          "(the library's plan for the shape, tuned where the plan cache has one) or detach the inputs")
@@ -63,7 +63,7 @@ def _group(name: str) -> dist.ProcessGroup:
 
 @torch.library.custom_op("flashoverlap::gemm_all_reduce", mutates_args=())
 def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: str, path: str = "auto") -> torch.Tensor:
-    return execute("gemm_all_reduce", "all_reduce", a, b, _group(group), None, path)[0]
+    return execute(GEMM, GemmSpec("gemm_all_reduce", "all_reduce", a, b, _group(group), None, path))[0]
 
 
 @gemm_all_reduce.register_fake
@@ -73,7 +73,7 @@ def _(a, b, group, path="auto"):
 
 @torch.library.custom_op("flashoverlap::gemm_reduce_scatter", mutates_args=())
 def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: str, path: str = "auto") -> torch.Tensor:
-    return execute("gemm_reduce_scatter", "reduce_scatter", a, b, _group(group), None, path)[0]
+    return execute(GEMM, GemmSpec("gemm_reduce_scatter", "reduce_scatter", a, b, _group(group), None, path))[0]
 
 
 @gemm_reduce_scatter.register_fake
@@ -84,7 +84,7 @@ def _(a, b, group, path="auto"):
 @torch.library.custom_op("flashoverlap::all_gather_gemm", mutates_args=())
 def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: str,
                     path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    c, gathered = execute("all_gather_gemm", "all_gather", a_shard, b, _group(group), None, path, True)
+    c, gathered = execute(GEMM, GemmSpec("all_gather_gemm", "all_gather", a_shard, b, _group(group), None, path, True))
     return c, gathered
 
 
@@ -122,8 +122,8 @@ def all_gather_gemm_backward(grad_c: torch.Tensor, b: torch.Tensor, gathered: to
                              path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``grad_a_r = reduce_scatter(grad_c @ b^T)``, ``grad_b = gathered^T @ grad_c``."""
     grad_b = _empty_like_layout(b)  # [K, N/W]: gathered^T @ grad_c
-    grad_a, _ = execute("all_gather_gemm backward", "reduce_scatter", grad_c, b.t(), _group(group), None, path,
-                        hook=Matmul(gathered.t(), grad_c, grad_b))
+    grad_a, _ = execute(GEMM, GemmSpec("all_gather_gemm backward", "reduce_scatter", grad_c, b.t(), _group(group),
+                                       path=path, hook=Matmul(gathered.t(), grad_c, grad_b)))
     return grad_a, grad_b
 
 
@@ -142,8 +142,8 @@ def gemm_reduce_scatter_backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch
     rows = grad_y.shape[0]
     own = slice(rank * rows, (rank + 1) * rows)
     grad_b = _empty_like_layout(b)  # [K/W, N]: a^T @ gathered
-    grad_a, gathered = execute("gemm_reduce_scatter backward", "all_gather", grad_y, b.t(), process_group, None,
-                               path, True, hook=Matmul(a[own].t(), grad_y, grad_b))
+    grad_a, gathered = execute(GEMM, GemmSpec("gemm_reduce_scatter backward", "all_gather", grad_y, b.t(),
+                                              process_group, None, path, True, Matmul(a[own].t(), grad_y, grad_b)))
     for q in range(world):
         if q != rank:
             grad_b.addmm_(a[q * rows : (q + 1) * rows].t(), gathered[q * rows : (q + 1) * rows])
@@ -160,8 +160,8 @@ def linear_column_backward(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tenso
                            path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``grad_x = sum_q grad_y_q @ w_q`` (``gemm_all_reduce``), ``grad_w = grad_y^T @ x``."""
     grad_w = torch.empty_like(w)
-    grad_x, _ = execute("linear_column backward", "all_reduce", grad_y, w, _group(group), None, path,
-                        hook=Matmul(grad_y.t(), x, grad_w))
+    grad_x, _ = execute(GEMM, GemmSpec("linear_column backward", "all_reduce", grad_y, w, _group(group), path=path,
+                                       hook=Matmul(grad_y.t(), x, grad_w)))
     return grad_x, grad_w
 
 

@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from flashoverlap.comm.expert import Layout, check_out
 from flashoverlap.ops import moe_library
-from flashoverlap.ops.library import group_name
+from flashoverlap.ops.library import group_name, needed
 from flashoverlap.runtime import experts
+from flashoverlap.runtime.calls import execute
 
 
 def moe_layout(
@@ -78,13 +79,6 @@ def _check_layout(name: str, layout: object) -> None:
         raise TypeError(f"{name}: layout must be the Layout moe_layout returns, got {type(layout).__name__}")
 
 
-def _needed(*tensors: torch.Tensor) -> bool:
-    """Whether a call goes through its custom op: where autograd must record it, or ``torch.compile`` traces it.
-    Plain eager calls skip the dispatcher (host time)."""
-    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
-    return grad or torch.compiler.is_compiling()
-
-
 def moe_dispatch_gemm(
     x: torch.Tensor,
     w_up: torch.Tensor,
@@ -111,11 +105,11 @@ def moe_dispatch_gemm(
         no segment (bounded mode's padding) are zero.
     """
     _check_layout("moe_dispatch_gemm", layout)
-    if _needed(x, w_up):
-        h, _ = torch.ops.flashoverlap.moe_dispatch(x, w_up, *layout.tensors(), group_name(group),
-                                                   *moe_library.layout_values(layout), False, path)
+    if needed("moe_dispatch_gemm", (x, w_up)):
+        h, _ = torch.ops.flashoverlap.moe_dispatch(x, w_up, layout.tensors(), group_name(group),
+                                                   moe_library.layout_values(layout), False, path)
         return h
-    return experts.execute("moe_dispatch_gemm", "dispatch", x, w_up, layout, group, path)[0]
+    return execute(experts.EXPERT, experts.ExpertSpec("moe_dispatch_gemm", "dispatch", x, w_up, layout, group, path))[0]
 
 
 def moe_gemm_combine(
@@ -145,15 +139,15 @@ def moe_gemm_combine(
         ``y: [T, H]`` in a's dtype, in this rank's token order (``out`` where given).
     """
     _check_layout("moe_gemm_combine", layout)
-    if _needed(a, w_down, topk_weights):
+    if needed("moe_gemm_combine", (a, w_down, topk_weights)):
         if out is not None:
             if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (a, w_down, topk_weights)):
                 raise ValueError("moe_gemm_combine: out= does not take part in autograd and a, w_down or "
                                  "topk_weights requires grad: drop out=, or call under torch.no_grad()")
             if isinstance(a, torch.Tensor) and isinstance(w_down, torch.Tensor) and w_down.ndim == 3:
                 check_out("moe_gemm_combine", out, (layout.tokens, w_down.shape[2]), a.dtype, a.device)
-        y, _ = torch.ops.flashoverlap.moe_combine(a, w_down, topk_weights, *layout.tensors(), group_name(group),
-                                                  *moe_library.layout_values(layout), path)
+        y, _ = torch.ops.flashoverlap.moe_combine(a, w_down, topk_weights, layout.tensors(), group_name(group),
+                                                  moe_library.layout_values(layout), path)
         return y if out is None else out.copy_(y)  # traced (torch.compile): the copy is part of the graph
-    return experts.execute("moe_gemm_combine", "combine", a, w_down, layout, group, path,
-                           topk_weights=topk_weights, out=out)[0]
+    spec = experts.ExpertSpec("moe_gemm_combine", "combine", a, w_down, layout, group, path, topk_weights, out=out)
+    return execute(experts.EXPERT, spec)[0]

@@ -1,8 +1,8 @@
 """The expert-parallel ops as PyTorch custom ops (``torch.ops.flashoverlap.moe_*``), with fake implementations and
 autograd, so that ``torch.compile(fullgraph=True)`` traces a model that calls them (bounded mode: every shape is
-fixed by the bound) and autograd records them. The layout travels as its tensors plus plain values (``bound = 0``
-means exact mode; the split sizes are ``int[]``, empty in bounded mode; ``max_pair_rows``, exact mode's largest
-(source, destination) pair of the group, 0 in bounded mode).
+fixed by the bound) and autograd records them. The layout travels as two arguments: its tensors (``Tensor[]``) and
+its values (``int[]``, ``layout_values``: experts, top-k, the bound (0: exact mode), exact mode's largest
+(source, destination) pair of the group (0 in bounded mode), then the split sizes, empty in bounded mode).
 
 Autograd, for one layer (``comm/expert.py`` has the shape algebra; ``b^T`` is ``b.transpose(1, 2)``):
 
@@ -23,24 +23,28 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from flashoverlap.comm.expert import Layout, default_bound
 from flashoverlap.runtime import experts
+from flashoverlap.runtime.calls import execute
 
 
 def _world(group: str) -> int:
     return dist.get_world_size(_resolve_process_group(group))
 
 
-def _layout(tensors: list[torch.Tensor], num_experts: int, top_k: int, bound: int, send_splits: list[int],
-            recv_splits: list[int], max_pair_rows: int) -> Layout:
-    tokens = tensors[0].shape[0] // top_k
-    return Layout.of_tensors(tensors, "bounded" if bound else "exact", bound or None, top_k, tokens, num_experts,
-                             send_splits, recv_splits, max_pair_rows)
+def layout_values(routing: Layout) -> list[int]:
+    """What the custom ops take beside the layout's tensors: ``[experts, top_k, bound, max_pair_rows, W_splits,
+    *send_splits, *recv_splits]`` (``bound`` 0 in exact mode, ``max_pair_rows`` 0 in bounded mode, where the bound
+    is the value; ``W_splits`` the number of split sizes each way, 0 in bounded mode)."""
+    send, recv = list(routing.send_splits or ()), list(routing.recv_splits or ())
+    return [routing.experts, routing.top_k, routing.bound or 0, 0 if routing.bound else (routing.max_pair_rows or 0),
+            len(send), *send, *recv]
 
 
-def layout_values(routing: Layout) -> tuple[int, int, int, list[int], list[int], int]:
-    """``(num_experts, top_k, bound, send_splits, recv_splits, max_pair_rows)``: what the custom ops take beside the
-    tensors (``max_pair_rows`` 0 in bounded mode, where the bound is the value)."""
-    return (routing.experts, routing.top_k, routing.bound or 0, list(routing.send_splits or ()),
-            list(routing.recv_splits or ()), 0 if routing.bound else (routing.max_pair_rows or 0))
+def layout_of(tensors: list[torch.Tensor], values: list[int]) -> Layout:
+    """``layout_values``' inverse, with the tensors (``Layout.tensors()``)."""
+    num_experts, top_k, bound, max_pair_rows, splits = values[:5]
+    send_splits, recv_splits = list(values[5 : 5 + splits]), list(values[5 + splits : 5 + 2 * splits])
+    return Layout.of_tensors(list(tensors), "bounded" if bound else "exact", bound or None, top_k,
+                             tensors[0].shape[0] // top_k, num_experts, send_splits, recv_splits, max_pair_rows)
 
 
 @torch.library.custom_op("flashoverlap::moe_layout", mutates_args=())
@@ -62,48 +66,41 @@ def _(topk_idx, num_experts, group, bound):
 
 
 @torch.library.custom_op("flashoverlap::moe_dispatch", mutates_args=())
-def moe_dispatch(x: torch.Tensor, w: torch.Tensor, send_order: torch.Tensor, send_rows: torch.Tensor,
-                 send_counts: torch.Tensor, recv_counts: torch.Tensor, seg_starts: torch.Tensor,
-                 seg_ends: torch.Tensor, group: str, num_experts: int, top_k: int, bound: int,
-                 send_splits: list[int], recv_splits: list[int], max_pair_rows: int, per_choice: bool,
-                 path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h [R, N], recv [R, H])``: see ``comm/expert.py``."""
-    routing = _layout([send_order, send_rows, send_counts, recv_counts, seg_starts, seg_ends], num_experts, top_k,
-                      bound, send_splits, recv_splits, max_pair_rows)
+def moe_dispatch(x: torch.Tensor, w: torch.Tensor, layout: list[torch.Tensor], group: str, values: list[int],
+                 per_choice: bool, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h [R, N], recv [R, H])``: see ``comm/expert.py``; ``layout``, ``values``: ``layout_values``."""
     name = "moe_gemm_combine backward" if per_choice else "moe_dispatch_gemm"
-    h, recv = experts.execute(name, "dispatch", x, w, routing, _resolve_process_group(group), path,
+    spec = experts.ExpertSpec(name, "dispatch", x, w, layout_of(layout, values), _resolve_process_group(group), path,
                               per_choice=per_choice, return_gathered=True)
+    h, recv = execute(experts.EXPERT, spec)
     return h, recv
 
 
 @moe_dispatch.register_fake
-def _(x, w, send_order, send_rows, send_counts, recv_counts, seg_starts, seg_ends, group, num_experts, top_k, bound,
-      send_splits, recv_splits, max_pair_rows, per_choice, path):
-    rows = send_counts.shape[0] * bound if bound else sum(recv_splits)
+def _(x, w, layout, group, values, per_choice, path):
+    bound, splits = values[2], values[4]
+    rows = layout[2].shape[0] * bound if bound else sum(values[5 + splits : 5 + 2 * splits])
     return x.new_empty((rows, w.shape[2])), x.new_empty((rows, x.shape[1]))
 
 
 @torch.library.custom_op("flashoverlap::moe_combine", mutates_args=())
-def moe_combine(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor | None, send_order: torch.Tensor,
-                send_rows: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor,
-                seg_starts: torch.Tensor, seg_ends: torch.Tensor, group: str, num_experts: int, top_k: int,
-                bound: int, send_splits: list[int], recv_splits: list[int], max_pair_rows: int,
-                path: str) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_combine(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor | None, layout: list[torch.Tensor],
+                group: str, values: list[int], path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], y_back [S, H])``: see ``comm/expert.py``; ``topk_weights`` None: the unweighted sum."""
-    routing = _layout([send_order, send_rows, send_counts, recv_counts, seg_starts, seg_ends], num_experts, top_k,
-                      bound, send_splits, recv_splits, max_pair_rows)
     weighted = topk_weights is not None
     name = "moe_gemm_combine" if weighted else "moe_dispatch_gemm backward"
-    out, back = experts.execute(name, "combine", a, w, routing, _resolve_process_group(group), path,
-                                topk_weights=topk_weights, weighted=weighted, return_gathered=True)
+    spec = experts.ExpertSpec(name, "combine", a, w, layout_of(layout, values), _resolve_process_group(group), path,
+                              topk_weights, weighted=weighted, return_gathered=True)
+    out, back = execute(experts.EXPERT, spec)
     return out, back
 
 
 @moe_combine.register_fake
-def _(a, w, topk_weights, send_order, send_rows, send_counts, recv_counts, seg_starts, seg_ends, group, num_experts,
-      top_k, bound, send_splits, recv_splits, max_pair_rows, path):
+def _(a, w, topk_weights, layout, group, values, path):
+    top_k, bound = values[1], values[2]
+    send_order = layout[0]
     tokens = send_order.shape[0] // top_k
-    sent = send_counts.shape[0] * bound if bound else send_order.shape[0]
+    sent = layout[2].shape[0] * bound if bound else send_order.shape[0]
     return a.new_empty((tokens, w.shape[2])), a.new_empty((sent, w.shape[2]))
 
 
@@ -154,46 +151,45 @@ def _k_major(w: torch.Tensor) -> bool:
 
 # -- autograd ------------------------------------------------------------------------------------------------------
 def _keep_dispatch(ctx, inputs, output) -> None:
-    x, w, *tensors = inputs[:8]
-    ctx.save_for_backward(w, output[1], *tensors)
-    # group, num_experts, top_k, bound, send_splits, recv_splits, max_pair_rows, per_choice, path
-    ctx.values = inputs[8:]
+    x, w, layout, group, values, per_choice, path = inputs
+    ctx.save_for_backward(w, output[1], *layout)
+    ctx.values = (group, values, per_choice, path)
     ctx.x_shape = x.shape
     ctx.mark_non_differentiable(output[1])
     ctx.k_major = _k_major(w)
 
 
 def _dispatch_backward(ctx, grad_h, grad_recv):
-    w, recv, *tensors = ctx.saved_tensors
-    group, num_experts, top_k, bound, send_splits, recv_splits, max_pair_rows, per_choice, path = ctx.values
+    w, recv, *layout = ctx.saved_tensors
+    group, values, per_choice, path = ctx.values
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
-        out, back = torch.ops.flashoverlap.moe_combine(grad_h.contiguous(), w.transpose(1, 2), None, *tensors, group,
-                                                       num_experts, top_k, bound, send_splits, recv_splits,
-                                                       max_pair_rows, path)
+        out, back = torch.ops.flashoverlap.moe_combine(grad_h.contiguous(), w.transpose(1, 2), None, layout, group,
+                                                       values, path)
         if per_choice:  # one row per choice: its own returned row, unsummed
-            send_order, send_rows = tensors[0], tensors[1]
+            send_order, send_rows = layout[0], layout[1]
             grad_x = back.new_empty(ctx.x_shape).index_copy_(0, send_order, back.index_select(0, send_rows))
         else:
             grad_x = out
     if ctx.needs_input_grad[1]:
-        grad_w = torch.ops.flashoverlap.moe_weight_grad(recv, grad_h.contiguous(), tensors[4], tensors[5],
+        grad_w = torch.ops.flashoverlap.moe_weight_grad(recv, grad_h.contiguous(), layout[4], layout[5],
                                                         w.shape[0], ctx.k_major)
-    return (grad_x, grad_w) + (None,) * 15
+    return grad_x, grad_w, [None] * len(layout), None, None, None, None
 
 
 def _keep_combine(ctx, inputs, output) -> None:
-    a, w, topk_weights, *tensors = inputs[:9]
-    ctx.save_for_backward(a, w, topk_weights, output[1], *tensors)
-    ctx.values = inputs[9:]  # group, num_experts, top_k, bound, send_splits, recv_splits, max_pair_rows, path
+    a, w, topk_weights, layout, group, values, path = inputs
+    ctx.save_for_backward(a, w, topk_weights, output[1], *layout)
+    ctx.values = (group, values, path)
     ctx.mark_non_differentiable(output[1])
     ctx.k_major = _k_major(w)
 
 
 def _combine_backward(ctx, grad_out, grad_back):
-    a, w, topk_weights, back, *tensors = ctx.saved_tensors
-    group, num_experts, top_k, bound, send_splits, recv_splits, max_pair_rows, path = ctx.values
-    send_order, send_rows = tensors[0], tensors[1]
+    a, w, topk_weights, back, *layout = ctx.saved_tensors
+    group, values, path = ctx.values
+    top_k = values[1]
+    send_order, send_rows = layout[0], layout[1]
     grad_out = grad_out.contiguous()
     tokens, hidden = grad_out.shape
     grad_a = grad_w = grad_weights = None
@@ -203,17 +199,16 @@ def _combine_backward(ctx, grad_out, grad_back):
         scale = topk_weights.float()[:, :, None] if topk_weights is not None else 1.0
         per_choice = (grad_out.float()[:, None, :] * scale).to(a.dtype).expand(tokens, top_k, hidden)
         grad_a, g_recv = torch.ops.flashoverlap.moe_dispatch(
-            per_choice.reshape(tokens * top_k, hidden), w.transpose(1, 2), *tensors, group, num_experts, top_k,
-            bound, send_splits, recv_splits, max_pair_rows, True, path)
+            per_choice.reshape(tokens * top_k, hidden), w.transpose(1, 2), layout, group, values, True, path)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.ops.flashoverlap.moe_weight_grad(a, g_recv, tensors[4], tensors[5], w.shape[0],
+            grad_w = torch.ops.flashoverlap.moe_weight_grad(a, g_recv, layout[4], layout[5], w.shape[0],
                                                             ctx.k_major)
     if topk_weights is not None and ctx.needs_input_grad[2]:
         token = torch.div(send_order, top_k, rounding_mode="floor")
         dots = (grad_out.float().index_select(0, token) * back.index_select(0, send_rows).float()).sum(1)
         grad_weights = dots.new_empty(tokens * top_k).index_copy_(0, send_order, dots)
         grad_weights = grad_weights.view(tokens, top_k).to(topk_weights.dtype)
-    return (grad_a if ctx.needs_input_grad[0] else None, grad_w, grad_weights) + (None,) * 14
+    return grad_a if ctx.needs_input_grad[0] else None, grad_w, grad_weights, [None] * len(layout), None, None, None
 
 
 moe_dispatch.register_autograd(_dispatch_backward, setup_context=_keep_dispatch)

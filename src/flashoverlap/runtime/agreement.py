@@ -1,5 +1,6 @@
-"""Debug mode's agreement check (``FLASHOVERLAP_DEBUG_TIMEOUT``): before anything else of a call, every rank of the
-group must be making the same call."""
+"""The agreement check (``FLASHOVERLAP_DEBUG_TIMEOUT`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): before anything else
+of a call, every rank of the group must be making the same call; and the error a backend raises inside a call,
+re-raised with the op, the group and how to turn the check on."""
 
 from __future__ import annotations
 
@@ -13,59 +14,85 @@ import torch.distributed as dist
 
 from flashoverlap import guards
 from flashoverlap.comm.collectives import all_gather_into_tensor
-from flashoverlap.plan import OPS, Plan
-from flashoverlap.runtime import policy
-from flashoverlap.runtime.checks import check_operands
-from flashoverlap.runtime.context import GroupContext, group_context
+from flashoverlap.plan import Plan
+from flashoverlap.runtime.context import GroupContext
 
-DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # the same number on every rank
+KINDS = ("gemm", "expert")  # the kinds of call a row describes (a rank making another kind of call differs)
+_HEADER = 16  # every rank's first row has this length, whatever its call: ranks that differ still exchange it
+HINT = ("set TORCH_DISTRIBUTED_DEBUG=DETAIL (or FLASHOVERLAP_DEBUG_TIMEOUT=<seconds>) to have flashoverlap check, "
+        "before each call, that every rank makes the same call, naming the argument and the ranks that differ")
 
 
-def check(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
-          plan: Plan | None, path: str, timeout: float) -> None:
-    """Debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT`` set), before anything else of the call: every rank of the group
-    calls the same op with the same shapes, dtype, path and plan, or every rank raises before any collective or
-    launch (one small all-gather; a first call's plan lookup can itself be collective). A rank that never comes to
-    the call (it skipped it, or raised before it) makes the others raise when the timeout passes, naming the rank,
-    the op and the group, instead of hanging; the group is unusable after that (its collective is still pending):
-    destroy it."""
-    m, n, k = check_operands(name, a, b)
-    if path not in policy.CALL_PATHS:
-        return  # resolve raises the clear error
-    context = group_context(name, group, a.device)
-    if guards.capturing():
-        return
-    mine = [OPS.index(op), m, n, k, DTYPE_CODES[a.dtype], policy.CALL_PATHS.index(path),
-            0 if plan is None else _digest(plan)]
+def agree(name: str, context: GroupContext, kind: str, fields: tuple[str, ...], row: list[int], timeout: float,
+          tail: torch.Tensor | None = None) -> list[list[int]] | None:
+    """Every rank of the group makes the same call: ``row`` (ints, described by ``fields``) the same on every rank,
+    or every rank raises before any other collective or launch of the call, naming the fields that differ (the
+    arguments) and the ranks. ``tail``: int64 values the kind compares itself (a layout's counts); returns every
+    rank's tail, by rank, once the rows agree (None without one). One or two small all-gathers, each bounded by
+    ``timeout``: a rank that never comes to the call makes the others raise, naming the op and the group."""
+    length = 0 if tail is None else tail.numel()
+    header = [KINDS.index(kind) + 1, length, *row]
+    assert len(header) <= _HEADER, "an agreement row is longer than the header"
     device = context.device if context.device.type == "cuda" else torch.device("cpu")
-    rows = gather_rows(name, context, torch.tensor(mine, dtype=torch.int64, device=device), timeout)
-    for rank, row in enumerate(rows):
-        if row != rows[0]:
-            fields = ("op", "M", "N", "K", "dtype", "path", "plan")  # M: all-gather's shard rows
-            differ = [f for f, x, y in zip(fields, row, rows[0]) if x != y]
-            raise ValueError(
-                f"{name}: rank {context.rank} of {context.name}: the ranks disagree on {', '.join(differ)} (rank "
-                f"{rank} differs from rank 0): every rank must call the op with the same shapes, dtype and path"
-            )
+    local = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=device)
+    rows = gather_rows(name, context, local, timeout)
+    differ = [rank for rank, other in enumerate(rows) if other != rows[context.rank]]
+    if differ:
+        other = rows[differ[0]]
+        if other[0] != header[0] or other[1] != length and other[2:] == rows[context.rank][2:]:
+            what = ["the kind of call (another op, or the same op with other routing)"]
+        else:
+            what = [f"{field} ({mine} here, {theirs} on rank {differ[0]})"
+                    for field, mine, theirs in zip(fields, row, other[2:]) if mine != theirs] or ["the call"]
+        raise ValueError(f"{name}: rank {context.rank} of {context.name}: the ranks disagree on {', '.join(what)}; "
+                         f"ranks {differ} differ from this rank: every rank must make the same call with the same "
+                         "shapes, dtypes and path")
+    if tail is None:
+        return None
+    return gather_rows(name, context, tail.to(device=device, dtype=torch.int64).reshape(-1), timeout)
 
 
 def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: float) -> list[list[int]]:
     """Every rank's ``local`` (int64, the same length on every rank), by rank: one all-gather, waited for with
-    debug mode's deadline (``guards.poll_until``), so that a rank that never comes to the call makes the others
-    raise, naming the rank, the call and the group, instead of hanging."""
+    the deadline (``guards.poll_until``), so that a rank that never comes to the call makes the others raise,
+    naming the rank, the call and the group, instead of hanging."""
     everyone = torch.empty(context.world_size * local.numel(), dtype=torch.int64, device=local.device)
     work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
     guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: (
-        f"flashoverlap: rank {context.rank}: {name} on {context.name} waited more than {timeout:g} s "
-        "(FLASHOVERLAP_DEBUG_TIMEOUT) for the other ranks to reach the call: a rank skipped it, raised "
-        "before it, or is stuck elsewhere; the group is unusable now"))
+        f"flashoverlap: rank {context.rank}: {name} on {context.name} waited more than {timeout:g} s for the other "
+        "ranks to reach the call (the agreement check): a rank skipped it, raised before it, or is stuck "
+        "elsewhere; the group is unusable now"))
     work.wait()
     return everyone.view(context.world_size, -1).tolist()
 
 
 @functools.lru_cache(maxsize=256)
-def _digest(plan: Plan) -> int:
+def digest(plan: Plan) -> int:
     """The same number for the same plan on every rank (``hash`` of a str is salted per process)."""
-    return zlib.crc32(json.dumps(plan.to_dict(), sort_keys=True).encode())
+    return zlib.crc32(json.dumps(plan.to_dict(), sort_keys=True).encode()) & 0x7FFFFFFF
 
 
+_BACKEND_MARKS = ("gloo", "nccl", "processgroup", "connection", "collective", "enforce fail")
+
+
+def reraise(exc: BaseException, name: str, group: dist.ProcessGroup | None, env) -> None:
+    """Where ``exc`` is a backend's own error escaping a call (not one of flashoverlap's, which name the op already),
+    raise it again with the op, the group and, where the agreement check was off, how to turn it on."""
+    text = str(exc)
+    if text.startswith(name) or text.startswith("flashoverlap"):
+        return
+    if not isinstance(exc, dist.DistError) and not any(mark in text.lower() for mark in _BACKEND_MARKS):
+        return
+    try:
+        from flashoverlap.comm.protocol import describe
+
+        where = describe(group if group is not None else dist.group.WORLD)
+    except (RuntimeError, ValueError, AttributeError):
+        where = "its group"
+    hint = "" if env.agreement is not None else f"; if the ranks may be making different calls, {HINT}"
+    message = f"{name} on {where}: the communication backend failed: {text}{hint}"
+    try:
+        again = type(exc)(message)
+    except TypeError:  # an error type that takes other arguments
+        again = RuntimeError(message)
+    raise again from exc

@@ -1,75 +1,159 @@
-"""One call of a tensor-parallel op, from the public op to its communicator: ``execute`` checks the operands and
-the group, resolves the path and the plan (``plans``: given, tuned, or the default for the shape), and runs the call
-through the communicator the table names (``context.COMMUNICATORS``). A repeated call of one signature skips the
-checks, the plan lookup and the communicator lookup: host time before the first launch is GPU idle time when the GPU
-has nothing queued. In debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``) the ranks first check that they agree on the call
-(``agreement``).
+"""The one call pipeline: every public op, tensor-parallel and expert, runs through ``execute(kind, spec)``.
+
+The skeleton is the same for every op: read the settings, let the ranks agree on the call (debug mode), look the
+call's signature up (a repeated call skips its checks and lookups: host time before the first launch is GPU idle
+time when the GPU has nothing queued), resolve a first call once (checks, group context, path, plan,
+communicator), switch to the operands' device, and hand the communicator one ``Call``. What differs per kind of op
+is a small strategy object (``Kind``): its checks and agreement row, its signature, its plan builder and the call it
+builds. ``GEMM`` (this module) serves the tensor-parallel ops, fp8 ones included (``GemmSpec.scales``); ``EXPERT``
+(``runtime/experts.py``) the all-to-all ops.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
 from flashoverlap.comm.protocol import Call, Hook
-from flashoverlap.plan import Plan
-from flashoverlap.runtime import agreement, plans, settings
-from flashoverlap.runtime.checks import check_operands
-from flashoverlap.runtime.context import RESOLVED, GroupContext, group_context
+from flashoverlap.comm.scaled import Scales
+from flashoverlap.plan import OPS, Plan
+from flashoverlap.runtime import agreement, plans, policy, settings
+from flashoverlap.runtime.checks import DTYPE_CODES, check_operands, check_scaled
+from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context
+
+# What a resolved call holds: (communicator, plan, bare), where ``bare`` says the plan runs without capture query,
+# deadline or replay verdict (the sequential plan off the reference: the decode case, where host time is the cost).
+Entry = tuple[Any, Any, bool]
 
 
-def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
-            plan: Plan | None, path: str, return_gathered: bool = False,
-            hook: Hook | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every tensor-parallel op's body: check, resolve, run. Returns the result, and all-gather's gathered input
-    where ``return_gathered``. ``hook()``: independent work for the caller's stream that the call may overlap with
-    its communication (``comm/protocol.Hook``).
+class Kind(Protocol):
+    """What one kind of op tells the pipeline (a strategy: the pipeline itself is ``execute``)."""
 
-    A call whose whole signature (plain tensors' shapes, dtypes and devices, the group object, plan, path) was run
-    before takes its communicator and plan from one lookup (``context.RESOLVED``): its operands pass the same
-    checks, its group is the same object. Written for host time: this body is what a repeated call costs."""
+    def agree(self, spec: Any, timeout: float) -> None:
+        """Debug mode, before anything collective of the call: every rank makes the same call, or all raise."""
+
+    def signature(self, spec: Any, env: settings.Settings) -> tuple | None:
+        """The call's whole signature (None: not cacheable), after the checks a repeated call must still pass."""
+
+    def resolve(self, spec: Any, env: settings.Settings) -> Entry:
+        """A first call's work: every check, the group context, the path, the plan and the communicator."""
+
+    def call(self, spec: Any, entry: Entry, env: settings.Settings) -> Call:
+        """The value the communicator runs."""
+
+
+def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run one call of any op (see the module docstring); returns the communicator's ``(result, extra)``."""
     env = settings.current()
-    if env.timeout is not None:  # before any collective of the call (plan lookups may run some)
-        agreement.check(name, op, a, b, group, plan, path, env.timeout)
-    entry = signature = None
-    if type(a) is torch.Tensor and type(b) is torch.Tensor and (plan is None or type(plan) is Plan):
-        signature = (op, name, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device,
-                     group if group is not None or not dist.is_initialized() else dist.group.WORLD, plan, path,
-                     env.nccl_p2p_disabled)
-        entry = RESOLVED.get(signature)
+    if env.agreement is not None:  # before any collective of the call (plan lookups may run some)
+        kind.agree(spec, env.agreement)
+    signature = kind.signature(spec, env)
+    entry = None if signature is None else REGISTRY.lookup(signature)
     if entry is None:
-        path, context, plan = resolve(name, op, a, b, group, plan, path, env.nccl_p2p_disabled)
-        # The sequential plan waits on nothing and is never replayed (outside the reference, which runs any plan).
-        bare = plan.sequential and path != "reference"
-        entry = (context.communicator("gemm", "sequential" if bare else path), plan, bare)
+        entry = kind.resolve(spec, env)
         if signature is not None:
-            if len(RESOLVED) > 1024:
-                RESOLVED.clear()
-            RESOLVED[signature] = entry
-    communicator, plan, bare = entry
-    if bare:  # no capture query, no deadline, no replay verdict (host time, the decode case)
-        call = Call(name, plan, a, b, return_gathered, hook)
-        if hook is None:  # it names a's device in all it allocates, and has no stream of its own: no device check
+            REGISTRY.store(signature, entry)
+    call = kind.call(spec, entry, env)
+    communicator, a = entry[0], spec.a
+    try:
+        # A bare call names a's device in all it allocates and has no stream of its own; a hook is arbitrary code.
+        if entry[2] and call.hook is None or guards.on_current_device(a):
             return communicator.run(call)
-    else:
-        capturing = guards.capturing(a)
-        call = Call(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
-                    env.replay and not capturing)
-    if guards.on_current_device(a):
-        return communicator.run(call)
-    with torch.cuda.device(a.device):  # the communicator's streams and allocations on the tensors' device
-        return communicator.run(call)
+        with torch.cuda.device(a.device):  # the communicator's streams and allocations on the tensors' device
+            return communicator.run(call)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        agreement.reraise(exc, spec.name, spec.group, env)
+        raise
 
 
-def resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
-            plan: Plan | None, path: str, nccl_p2p_disabled: bool = False) -> tuple[str, GroupContext, Plan]:
-    """Check a call of op ``name`` (plan kind ``op``) and return its path, group context and plan (a first call's
-    work: ``execute`` runs a repeated call from ``context.RESOLVED`` without it)."""
-    m, n, k = check_operands(name, a, b)  # for all-gather, m is this rank's shard
+# -- the tensor-parallel ops ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)  # not frozen: a frozen dataclass's __init__ costs microseconds on every call
+class GemmSpec:
+    """One call of a tensor-parallel op: ``name`` (the public op, for messages), ``op`` (the plan kind:
+    ``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``), the operands, the group (None: the default), the plan
+    (None: the library's) and path the caller asked for; ``return_gathered``: all-gather also returns its gathered
+    input; ``hook``: independent work the call may overlap (``comm/protocol.Hook``); ``scales``: an fp8 call's
+    scales, output dtype and bias (``comm/scaled.Scales``), None in bf16/fp16/fp32."""
+
+    name: str
+    op: str
+    a: torch.Tensor
+    b: torch.Tensor
+    group: dist.ProcessGroup | None = None
+    plan: Plan | None = None
+    path: str = "auto"
+    return_gathered: bool = False
+    hook: Hook | None = None
+    scales: Scales | None = None
+
+
+_GEMM_FIELDS = ("op", "a's rows M", "b's columns N", "K (a's columns, b's rows)", "dtype of a and b", "path", "plan",
+                "scaling (the scales' shapes)", "out_dtype")
+
+
+class GemmKind:
+    """The tensor-parallel ops' strategy: plans from ``runtime/plans.py``, communicators of kind ``"gemm"``."""
+
+    def agree(self, spec: GemmSpec, timeout: float) -> None:
+        m, n, k = _checked(spec)
+        if spec.path not in policy.CALL_PATHS:
+            return  # resolve raises the clear error
+        context = group_context(spec.name, spec.group, spec.a.device)
+        if guards.capturing():
+            return
+        scales = spec.scales
+        row = [OPS.index(spec.op), m, n, k, DTYPE_CODES[spec.a.dtype], policy.CALL_PATHS.index(spec.path),
+               0 if spec.plan is None else agreement.digest(spec.plan),
+               0 if scales is None else 1 + Scales.MODES.index(scales.mode),
+               0 if scales is None else DTYPE_CODES[scales.out_dtype]]
+        agreement.agree(spec.name, context, "gemm", _GEMM_FIELDS, row, timeout)
+
+    def signature(self, spec: GemmSpec, env: settings.Settings) -> tuple | None:
+        a, b, plan, group, scales = spec.a, spec.b, spec.plan, spec.group, spec.scales
+        if type(a) is not torch.Tensor or type(b) is not torch.Tensor or (plan is not None and type(plan) is not Plan):
+            return None
+        return (spec.op, spec.name, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device,
+                group if group is not None or not dist.is_initialized() else dist.group.WORLD, plan, spec.path,
+                env.nccl_p2p_disabled, None if scales is None else scales.signature())
+
+    def resolve(self, spec: GemmSpec, env: settings.Settings) -> Entry:
+        path, context, plan = resolve(spec, env.nccl_p2p_disabled)
+        bare = plan.sequential and path != "reference"  # waits on nothing, never replayed
+        return context.communicator("gemm", "sequential" if bare else path), plan, bare
+
+    def call(self, spec: GemmSpec, entry: Entry, env: settings.Settings) -> Call:
+        _, plan, bare = entry
+        if bare:  # no capture query, no deadline, no replay verdict (host time, the decode case)
+            return Call(spec.name, plan, spec.a, spec.b, spec.return_gathered, spec.hook, scales=spec.scales)
+        capturing = guards.capturing(spec.a)
+        return Call(spec.name, plan, spec.a, spec.b, spec.return_gathered, spec.hook,
+                    None if capturing else env.timeout, env.replay and not capturing, spec.scales)
+
+
+GEMM = GemmKind()
+
+
+def _checked(spec: GemmSpec) -> tuple[int, int, int]:
+    """The operand checks of a call: ``(M, N, K)`` (all-gather: this rank's shard rows), scales included."""
+    if spec.scales is None:
+        return check_operands(spec.name, spec.a, spec.b)
+    return check_scaled(spec.name, spec.a, spec.b, spec.scales, spec.op)
+
+
+def resolve(spec: GemmSpec, nccl_p2p_disabled: bool = False) -> tuple[str, GroupContext, Plan]:
+    """Check a call and return its path, group context and plan (a first call's work: ``execute`` runs a repeated
+    call from the registry without it)."""
+    name, op, a, plan, path = spec.name, spec.op, spec.a, spec.plan, spec.path
+    m, n, k = _checked(spec)  # for all-gather, m is this rank's shard
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
-    context = group_context(name, group, a.device)
+    context = group_context(name, spec.group, a.device)
     key = (op, a.dtype, m, n, k, path, plan is None)
     seen = context.calls.get(key)
     world_size = context.world_size
@@ -86,7 +170,7 @@ def resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, group: dist.Pr
                 "reduce-scatter gives each rank M / world_size rows (pad M to a multiple of the world size)"
             )
         path, default = plans.path_and_plan(name, op, m, n, k, context, a, plan, path, nccl_p2p_disabled)
-        if len(context.calls) > 1024:
+        if len(context.calls) > REGISTRY.LIMIT:
             context.calls.clear()
         context.calls[key] = (default, path)
     plan = default if plan is None else plan

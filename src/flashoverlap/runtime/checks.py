@@ -1,26 +1,40 @@
-"""Argument checks shared by the ops: every problem is a ValueError/RuntimeError/TypeError naming the argument,
-raised before anything is launched."""
+"""Argument checks shared by the ops, and the one rule of which dtypes they take: every problem is a
+ValueError/RuntimeError/TypeError naming the argument, raised before anything is launched."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+# The dtypes of the bf16/fp16/fp32 ops' operands (float32 runs the matmul-then-collective plan on CUDA); the fp8
+# ops' operands and output dtypes; a number per dtype that is the same on every rank (debug mode's agreement).
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float32)
+DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES + FP8_DTYPES, start=1)}
 
 
 def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:
     """``a [M, K]`` and ``b [K, N]``: tensors of one supported dtype on one device. Returns ``(M, N, K)``."""
+    _check_tensors(op, a, b, DTYPES, "bfloat16, float16 or float32 (float8 operands: the scaled_* ops)")
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if a.dtype != b.dtype:
+        raise ValueError(f"{op}: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
+    return _check_shapes(op, a, b)
+
+
+def _check_tensors(op: str, a: object, b: object, dtypes: tuple, described: str) -> None:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 2:
             raise ValueError(f"{op}: {name} must be 2-D, got shape {list(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise ValueError(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    if a.dtype != b.dtype:
-        raise ValueError(f"{op}: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{op}: {name} must be {described}, got {t.dtype}")
+
+
+def _check_shapes(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
     if a.device != b.device:
         raise ValueError(f"{op}: a and b must be on the same device, got a on {a.device} and b on {b.device}")
     m, k = a.shape
@@ -32,6 +46,50 @@ def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:
         )
     if min(m, n, k) < 1:
         raise ValueError(f"{op}: every dimension must be >= 1, got M={m}, N={n}, K={k}")
+    return m, n, k
+
+
+def check_scaled(op: str, a: object, b: object, scales: object, kind: str) -> tuple[int, int, int]:
+    """An fp8 call (``comm/scaled.py``): ``a [M, K]`` and ``b [K, N]`` fp8 (not both e5m2, as in
+    ``torch._scaled_mm``), fp32 scales whose shapes fit one mode, block-wise K a multiple of 128, the output
+    dtype and the bias. ``kind``: the plan kind (all-gather's ``M`` is the shard's). Returns ``(M, N, K)``."""
+    from flashoverlap.comm.scaled import BLOCK
+
+    _check_tensors(op, a, b, FP8_DTYPES, "float8_e4m3fn or float8_e5m2 (bf16/fp16/fp32 operands: the unscaled ops)")
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise ValueError(f"{op}: a and b are both float8_e5m2, which torch._scaled_mm does not multiply: make one "
+                         "of them float8_e4m3fn (gradients: e5m2 with e4m3 weights)")
+    m, n, k = _check_shapes(op, a, b)
+    scale_a, scale_b = scales.a, scales.b
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{op}: {name} must be float32, got {t.dtype}")
+        if t.device != a.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but a is on {a.device}")
+    blocks_k, blocks_n = -(-k // BLOCK), -(-n // BLOCK)
+    wanted = {"tensor": ((1,), (1,)), "row": ((m, 1), (1, n)), "block": ((m, blocks_k), (blocks_k, blocks_n))}
+    shapes = (tuple(scale_a.shape), tuple(scale_b.shape))
+    if scales.mode not in wanted or (scales.mode != "tensor" and shapes != wanted[scales.mode]):
+        rows = "a_shard's rows" if kind == "all_gather" else "M"
+        raise ValueError(
+            f"{op}: scale_a {list(scale_a.shape)} and scale_b {list(scale_b.shape)} fit no scaling mode for a "
+            f"[{m}, {k}] and b [{k}, {n}]: tensor-wise takes one value each, row-wise scale_a [{m}, 1] ({rows}) and "
+            f"scale_b [1, {n}], block-wise scale_a [{m}, {blocks_k}] (1x128 blocks) and scale_b [{blocks_k}, "
+            f"{blocks_n}] (128x128 blocks)")
+    if scales.mode == "block" and k % BLOCK:
+        raise ValueError(f"{op}: block-wise scaling needs K (a's columns) a multiple of {BLOCK}, got K = {k}")
+    if scales.out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be torch.bfloat16 or torch.float32, got {scales.out_dtype}")
+    bias = scales.bias
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,)
+                             or bias.dtype != scales.out_dtype or bias.device != a.device):
+        described = (f"{bias.dtype} {list(bias.shape)} on {bias.device}" if isinstance(bias, torch.Tensor)
+                     else type(bias).__name__)
+        raise ValueError(f"{op}: bias must be a [{n}] tensor of out_dtype {scales.out_dtype} on {a.device}, got "
+                         f"{described}")
     return m, n, k
 
 

@@ -102,21 +102,53 @@ class GroupContext:
         self._p2p_reason = _UNSET
 
 
-_CONTEXTS: dict[tuple[int, str, int | None], GroupContext] = {}
-# runtime.calls' fast path: a whole call signature (operand shapes, dtypes and devices, the group object, plan, path)
-# -> (communicator, plan, whether the plan runs bare: sequential, off the reference), so that a repeated call skips
-# the checks and lookups its first call made. Emptied by every release (its values hold contexts' communicators:
-# a communicator put in ``GroupContext.communicators`` by hand after a call is reached only after a release).
-RESOLVED: dict[tuple, tuple] = {}
+class Registry:
+    """The runtime's registries in one object: the groups' contexts (by group identity and device) and the resolved
+    calls (a whole call signature -> what a repeated call runs: ``(communicator, plan, bare)``, so that it skips the
+    checks and lookups its first call made). ``release`` empties both; the resolved calls hold contexts'
+    communicators, so a communicator put in ``GroupContext.communicators`` by hand is reached only after a
+    release."""
+
+    LIMIT = 1024  # resolved signatures kept before the table starts afresh (shapes that never repeat)
+
+    def __init__(self) -> None:
+        self.contexts: dict[tuple[int, str, int | None], GroupContext] = {}
+        self.resolved: dict[tuple, tuple] = {}
+
+    def lookup(self, signature: tuple) -> tuple | None:
+        return self.resolved.get(signature)
+
+    def store(self, signature: tuple, entry: tuple) -> None:
+        if len(self.resolved) > self.LIMIT:
+            self.resolved.clear()
+        self.resolved[signature] = entry
+
+    def context(self, process_group: dist.ProcessGroup, device: torch.device) -> GroupContext:
+        """The context of ``process_group`` on ``device``, created on first use (identity-checked: a group that
+        was destroyed and re-created, whose id may repeat, gets a fresh one)."""
+        key = (id(process_group), device.type, device.index)
+        context = self.contexts.get(key)
+        if context is None or context.process_group is not process_group:
+            context = self.contexts[key] = GroupContext(process_group, device)
+        return context
+
+    def existing(self, process_group: dist.ProcessGroup | None, device: torch.device) -> GroupContext | None:
+        context = self.contexts.get((id(process_group), device.type, device.index))
+        return context if context is not None and context.process_group is process_group else None
+
+    def clear(self, group: dist.ProcessGroup | None = None) -> None:
+        """Forget every resolved call, and release the contexts of ``group`` (None: of every group)."""
+        self.resolved.clear()
+        for key in [key for key, ctx in self.contexts.items() if group is None or ctx.process_group is group]:
+            self.contexts.pop(key).release()
+
+
+REGISTRY = Registry()
 
 
 def context_of(process_group: dist.ProcessGroup, device: torch.device) -> GroupContext:
     """The context of ``process_group`` on ``device``, created on first use."""
-    key = (id(process_group), device.type, device.index)
-    context = _CONTEXTS.get(key)
-    if context is None or context.process_group is not process_group:
-        context = _CONTEXTS[key] = GroupContext(process_group, device)
-    return context
+    return REGISTRY.context(process_group, device)
 
 
 def group_context(name: str, group: dist.ProcessGroup | None, device: torch.device) -> GroupContext:
@@ -131,8 +163,7 @@ def group_context(name: str, group: dist.ProcessGroup | None, device: torch.devi
 
 def existing_context(process_group: dist.ProcessGroup | None, device: torch.device) -> GroupContext | None:
     """The context of ``process_group`` on ``device`` if it has one (identity-checked), else None."""
-    context = _CONTEXTS.get((id(process_group), device.type, device.index))
-    return context if context is not None and context.process_group is process_group else None
+    return REGISTRY.existing(process_group, device)
 
 
 def release(group: dist.ProcessGroup | None = None) -> None:
@@ -140,6 +171,4 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     the NCCL path's cloned process groups, replayed CUDA graphs, measured rates and cached plans. Collective where
     the group's communicators hold peer-mapped memory or cloned groups: call it on every rank of the group, after
     its last call (and before ``dist.destroy_process_group``). The next call on the group starts afresh."""
-    RESOLVED.clear()
-    for key in [key for key, context in _CONTEXTS.items() if group is None or context.process_group is group]:
-        _CONTEXTS.pop(key).release()
+    REGISTRY.clear(group)

@@ -1,15 +1,18 @@
-"""One expert-parallel (MoE) call, from the public op to its communicator: ``layout`` checks the routing and builds
-the layer's ``Layout`` (``comm/expert.py``); ``execute`` checks the operands against the layout and the weights,
-resolves the path (``policy.expert_path``) and the plan (``ExpertPlan``, cached per call signature in the group's
-context), and runs the call through ``context.communicator("expert", path)``.
+"""The expert-parallel (MoE) ops' strategy on the one call pipeline (``runtime/calls.py``): ``layout`` checks the
+routing and builds the layer's ``Layout`` (``comm/expert.py``); ``EXPERT`` checks a call's operands against the
+layout and the weights (on every call: the layout changes from call to call), resolves the path
+(``policy.expert_path``) and the plan (``ExpertPlan``) once per signature, and builds the ``ExpertCall`` that
+``context.communicator("expert", path)`` runs.
 
-Every check raises before anything is sent, naming the argument. In debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``)
-the ranks first agree on the call (one small all-gather, bounded by the deadline): the same op, experts, widths,
-top-k, mode, bound, dtype and path, and counts that match (what rank s sends to rank r is what r's layout expects
-from s); a disagreement raises on every rank, naming the ranks.
+Every check raises before anything is sent, naming the argument. With the agreement check on
+(``FLASHOVERLAP_DEBUG_TIMEOUT`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) the ranks first agree on the call: the same
+op, experts, widths, top-k, mode, bound, dtype and path, and counts that match (what rank s sends to rank r is what
+r's layout expects from s); a disagreement raises on every rank, naming the ranks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,10 +20,10 @@ import torch.distributed as dist
 from flashoverlap import guards
 from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
 from flashoverlap.comm.protocol import Hook
-from flashoverlap.runtime import agreement, policy, settings
+from flashoverlap.runtime import agreement, calls, policy, settings
+from flashoverlap.runtime.checks import DTYPE_CODES, DTYPES
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
@@ -60,9 +63,9 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
         guards.refuse_inside_capture(f"{name}: mode='exact' synchronises with the host (the split sizes); use "
                                      "mode='bounded' inside a CUDA graph, which")
     env = settings.current()
-    if env.timeout is not None and not guards.capturing():
+    if env.agreement is not None and not guards.capturing():
         header = [0, num_experts, 0, 0, top_k, MODES.index(mode), bound or 0, 0, 0, 0, 0]
-        _agree(name, context, header, None, env.timeout)
+        agreement.agree(name, context, "expert", _FIELDS, header, env.agreement)
     return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
 
 
@@ -90,53 +93,76 @@ def resolved_path(name: str, device: torch.device, dtype: torch.dtype, group: di
 # -- a call ----------------------------------------------------------------------------------------------------
 
 
-def execute(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, group: dist.ProcessGroup | None,
-            path: str = "auto", *, topk_weights: torch.Tensor | None = None, per_choice: bool = False,
-            weighted: bool = True, return_gathered: bool = False, hook: Hook | None = None,
-            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One expert call (``op``: ``"dispatch"`` or ``"combine"``, see ``comm/expert.py``): check, resolve, run.
+@dataclass(slots=True, eq=False)
+class ExpertSpec:
+    """One expert call (``op``: ``"dispatch"`` or ``"combine"``, see ``comm/expert.py``). dispatch: ``a [T, H]``
+    (``per_choice``: ``[T*k, H]``), ``b [L, H, N]``. combine: ``a [R, K]`` in the layout's receive rows, ``b [L, K,
+    H]``, ``topk_weights [T, k]`` where ``weighted``, ``out``: a preallocated ``[T, H]`` result in a's dtype (or
+    None). ``return_gathered``: also return the extra rows (dispatch: received, combine: returned to the origin)."""
 
-    dispatch: ``a [T, H]`` (``per_choice``: ``[T*k, H]``), ``b [L, H, N]``. combine: ``a [R, K]`` in the layout's
-    receive rows, ``b [L, K, H]``, ``topk_weights [T, k]`` where ``weighted``, ``out``: a preallocated ``[T, H]``
-    result in a's dtype (or None). Returns the result and, where ``return_gathered``, the extra rows (dispatch:
-    received, combine: returned to the origin)."""
-    env = settings.current()
-    capturing = guards.capturing()
-    if env.timeout is not None and not capturing and path in policy.EXPERT_PATHS:
+    name: str
+    op: str
+    a: torch.Tensor
+    b: torch.Tensor
+    layout: Layout
+    group: dist.ProcessGroup | None = None
+    path: str = "auto"
+    topk_weights: torch.Tensor | None = None
+    per_choice: bool = False
+    weighted: bool = True
+    return_gathered: bool = False
+    hook: Hook | None = None
+    out: torch.Tensor | None = None
+
+
+class ExpertKind:
+    """The expert ops' strategy (``calls.Kind``): communicators of kind ``"expert"``, ``ExpertPlan`` plans."""
+
+    def agree(self, spec: ExpertSpec, timeout: float) -> None:
+        if guards.capturing() or spec.path not in policy.EXPERT_PATHS:
+            return
         # Before anything collective of the call (a first call's path rule may ask the P2P verdict).
-        _check_operands(name, op, a, b, routing, topk_weights, per_choice, weighted, out)
+        _check_operands(spec)
+        a, b, routing = spec.a, spec.b, spec.layout
         k, n = b.shape[1], b.shape[2]
-        hidden, ffn = (k, n) if op == "dispatch" else (n, k)
-        header = [1 + ("dispatch", "combine").index(op), routing.experts, hidden, ffn, routing.top_k,
-                  MODES.index(routing.mode), routing.bound or 0, agreement.DTYPE_CODES[a.dtype],
-                  policy.EXPERT_PATHS.index(path), int(per_choice), int(weighted)]
-        _agree(name, group_context(name, group, a.device), header, routing, env.timeout)
-    context, resolved, plan = _resolve(name, op, a, b, routing, group, path, topk_weights, per_choice, weighted,
-                                       env.nccl_p2p_disabled, out)
-    if op == "combine" and weighted:
-        routing = routing.with_weights(topk_weights)
-    call = ExpertCall(name, plan, a, b, return_gathered, hook, None if capturing else env.timeout,
-                      env.replay and not capturing, layout=routing, out=out)
-    communicator = context.communicator("expert", resolved)
-    if guards.on_current_device(a):
-        return communicator.run(call)
-    with torch.cuda.device(a.device):
-        return communicator.run(call)
+        hidden, ffn = (k, n) if spec.op == "dispatch" else (n, k)
+        header = [1 + ("dispatch", "combine").index(spec.op), routing.experts, hidden, ffn, routing.top_k,
+                  MODES.index(routing.mode), routing.bound or 0, DTYPE_CODES[a.dtype],
+                  policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted)]
+        context = group_context(spec.name, spec.group, a.device)
+        counts = torch.cat([routing.send_counts.reshape(-1), routing.recv_counts.reshape(-1)])
+        tails = agreement.agree(spec.name, context, "expert", _FIELDS, header, timeout, counts)
+        _check_counts(spec.name, context, routing, tails)
+
+    def signature(self, spec: ExpertSpec, env: settings.Settings) -> tuple:
+        _check_operands(spec)  # on every call: the layout and the weights change from call to call
+        a, b, routing, group = spec.a, spec.b, spec.layout, spec.group
+        return ("expert", spec.op, spec.name, a.dtype, a.device, tuple(b.shape), routing.world_size, routing.tokens,
+                routing.top_k, routing.experts, routing.mode, routing.bound, spec.path, spec.per_choice,
+                spec.weighted, group if group is not None or not dist.is_initialized() else dist.group.WORLD,
+                env.nccl_p2p_disabled)
+
+    def resolve(self, spec: ExpertSpec, env: settings.Settings) -> calls.Entry:
+        context, path, plan = _resolve(spec, env.nccl_p2p_disabled)
+        return context.communicator("expert", path), plan, False
+
+    def call(self, spec: ExpertSpec, entry: calls.Entry, env: settings.Settings) -> ExpertCall:
+        routing = spec.layout
+        if spec.op == "combine" and spec.weighted:
+            routing = routing.with_weights(spec.topk_weights)
+        capturing = guards.capturing()
+        return ExpertCall(spec.name, entry[1], spec.a, spec.b, spec.return_gathered, spec.hook,
+                          None if capturing else env.timeout, env.replay and not capturing, layout=routing,
+                          out=spec.out)
 
 
-def _key(op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, path: str, per_choice: bool,
-         weighted: bool) -> tuple:
-    return ("expert", op, a.dtype, tuple(b.shape), routing.tokens, routing.top_k, routing.experts, routing.mode,
-            routing.bound, path, per_choice, weighted)
+EXPERT = ExpertKind()
 
 
-def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layout, group: dist.ProcessGroup | None,
-             path: str, topk_weights: torch.Tensor | None, per_choice: bool, weighted: bool,
-             nccl_p2p_disabled: bool, out: torch.Tensor | None = None) -> tuple[GroupContext, str, ExpertPlan]:
-    """Check the call's operands and return its group context, path and plan (kept in the context's cache by
-    the call's signature)."""
-    _check_operands(name, op, a, b, routing, topk_weights, per_choice, weighted, out)
-    context = group_context(name, group, a.device)
+def _resolve(spec: ExpertSpec, nccl_p2p_disabled: bool) -> tuple[GroupContext, str, ExpertPlan]:
+    """A first call's work: the group context, the path and the plan."""
+    name, a, b, routing = spec.name, spec.a, spec.b, spec.layout
+    context = group_context(name, spec.group, a.device)
     if routing.world_size != context.world_size:
         raise ValueError(f"{name}: layout was built for {routing.world_size} ranks but the group has "
                          f"{context.world_size}; build it with the same group")
@@ -145,26 +171,20 @@ def _resolve(name: str, op: str, a: torch.Tensor, b: torch.Tensor, routing: Layo
         raise ValueError(f"{name}: the weights hold {local} local experts ([L, K, N] = {list(b.shape)}) but the "
                          f"layout routes to {routing.experts} experts over {context.world_size} ranks "
                          f"({routing.experts // context.world_size} per rank)")
-    key = _key(op, a, b, routing, path, per_choice, weighted)
-    seen = context.calls.get(key)
-    if seen is None:
-        request = policy.ExpertRequest(a.device, a.dtype, context.world_size,
-                                       frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
-                                       context.p2p_reason, nccl_p2p_disabled)
-        resolved, _ = policy.expert_path(name, path, request)
-        k, n = b.shape[1], b.shape[2]
-        hidden, ffn = (k, n) if op == "dispatch" else (n, k)
-        gemm = None  # the reference path always loops
-        if resolved != "reference":
-            capability = torch.cuda.get_device_capability(a.device) if a.device.type == "cuda" else None
-            gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, a.dtype, capability,
-                               chunks=context.world_size)
-        plan = ExpertPlan(op, context.world_size, routing.experts, hidden, ffn, routing.top_k, routing.tokens,
-                          routing.mode, routing.bound, gemm, per_choice, weighted)
-        if len(context.calls) > 1024:
-            context.calls.clear()
-        seen = context.calls[key] = (resolved, plan)
-    return context, seen[0], seen[1]
+    request = policy.ExpertRequest(a.device, a.dtype, context.world_size,
+                                   frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
+                                   context.p2p_reason, nccl_p2p_disabled)
+    resolved, _ = policy.expert_path(name, spec.path, request)
+    k, n = b.shape[1], b.shape[2]
+    hidden, ffn = (k, n) if spec.op == "dispatch" else (n, k)
+    gemm = None  # the reference path always loops
+    if resolved != "reference":
+        capability = torch.cuda.get_device_capability(a.device) if a.device.type == "cuda" else None
+        gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, a.dtype, capability,
+                           chunks=context.world_size)
+    plan = ExpertPlan(spec.op, context.world_size, routing.experts, hidden, ffn, routing.top_k, routing.tokens,
+                      routing.mode, routing.bound, gemm, spec.per_choice, spec.weighted)
+    return context, resolved, plan
 
 
 def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.dtype,
@@ -200,10 +220,10 @@ def _triton_available() -> bool:
     return True
 
 
-def _check_operands(name: str, op: str, a: object, b: object, routing: object, topk_weights: object,
-                    per_choice: bool, weighted: bool, out: object = None) -> None:
+def _check_operands(spec: ExpertSpec) -> None:
     """Everything local about a call, before any collective: types, dtypes, devices, every width against the
     weights and the layout, and a combine's preallocated ``out``."""
+    name, op, a, b, routing, out = spec.name, spec.op, spec.a, spec.b, spec.layout, spec.out
     rows_name, w_name = ("x", "w_up") if op == "dispatch" else ("a", "w_down")
     for arg, t, dims in ((rows_name, a, 2), (w_name, b, 3)):
         if not isinstance(t, torch.Tensor):
@@ -225,9 +245,9 @@ def _check_operands(name: str, op: str, a: object, b: object, routing: object, t
     if local < 1 or k < 1 or n < 1:
         raise ValueError(f"{name}: {w_name} must be [L, K, N] with every dimension >= 1, got {list(b.shape)}")
     if op == "dispatch":
-        want = routing.tokens * routing.top_k if per_choice else routing.tokens
+        want = routing.tokens * routing.top_k if spec.per_choice else routing.tokens
         if a.shape[0] != want:
-            what = "T * k rows (one per choice)" if per_choice else "T rows (one per token)"
+            what = "T * k rows (one per choice)" if spec.per_choice else "T rows (one per token)"
             raise ValueError(f"{name}: x has {a.shape[0]} rows but the layout routes {routing.tokens} tokens: "
                              f"x must have {what} = {want}")
         if a.shape[1] != k:
@@ -243,39 +263,26 @@ def _check_operands(name: str, op: str, a: object, b: object, routing: object, t
     if a.shape[1] != k:
         raise ValueError(f"{name}: a has {a.shape[1]} features ([R, F] = {list(a.shape)}) but w_down is "
                          f"[L, F, H] = {list(b.shape)}: F must agree (pass w.transpose(1, 2) for [L, H, F] weights)")
-    if weighted:
-        if topk_weights is None:
+    if spec.weighted:
+        if spec.topk_weights is None:
             raise ValueError(f"{name}: topk_weights [T, k] is required")
-        _check_router_weights(name, topk_weights, torch.Size((routing.tokens, routing.top_k)), a.device)
+        _check_router_weights(name, spec.topk_weights, torch.Size((routing.tokens, routing.top_k)), a.device)
     if out is not None:
         check_out(name, out, (routing.tokens, n), a.dtype, a.device)
 
 
-# -- debug mode: the ranks agree --------------------------------------------------------------------------------
-_FIELDS = ("op", "experts", "hidden", "ffn", "top_k", "mode", "bound", "dtype", "path", "per_choice", "weighted")
+# -- the agreement check: the ranks agree ------------------------------------------------------------------------
+_FIELDS = ("op", "num_experts", "hidden size H", "expert width F", "top-k", "mode", "bound", "dtype", "path",
+           "per_choice", "weighted")
 
 
-def _agree(name: str, context: GroupContext, header: list[int], routing: Layout | None, timeout: float) -> None:
-    """Every rank makes the same call, and (given a layout) what each rank sends each other rank is what that rank's
-    layout expects to receive; else every rank raises, naming the ranks. A rank that does not come to the call makes
-    the others raise after ``timeout`` seconds, naming the op and the group."""
-    device = context.device if context.device.type == "cuda" else torch.device("cpu")
+def _check_counts(name: str, context: GroupContext, routing: Layout, rows: list[list[int]]) -> None:
+    """What each rank sends each other rank is what that rank's layout expects to receive (``rows``: every rank's
+    send counts then receive counts); else every rank raises, naming the ranks."""
     world = context.world_size
-    counts = [] if routing is None else [routing.send_counts.to(device).reshape(-1),
-                                         routing.recv_counts.to(device).reshape(-1)]
-    local = torch.cat([torch.tensor(header, dtype=torch.int64, device=device), *counts])
-    rows = agreement.gather_rows(name, context, local, timeout)
-    for rank, row in enumerate(rows):
-        if row[: len(header)] != rows[0][: len(header)]:
-            differ = [f for f, x, y in zip(_FIELDS, row, rows[0]) if x != y]
-            raise ValueError(f"{name}: rank {context.rank} of {context.name}: the ranks disagree on "
-                             f"{', '.join(differ)} (rank {rank} differs from rank 0): every rank must make the same "
-                             "call with the same experts, shapes, dtype, mode, bound and path")
-    if routing is None:
-        return
     pairs = routing.send_counts.numel()
-    sends = [row[len(header) : len(header) + pairs] for row in rows]  # [source][destination * L + l]
-    receives = [row[len(header) + pairs :] for row in rows]  # [destination][source * L + l]
+    sends = [row[:pairs] for row in rows]  # [source][destination * L + l]
+    receives = [row[pairs:] for row in rows]  # [destination][source * L + l]
     local_experts = pairs // world
     bad = [(s, d) for s in range(world) for d in range(world)
            if sends[s][d * local_experts : (d + 1) * local_experts]
