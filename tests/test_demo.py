@@ -56,11 +56,17 @@ def test_bad_values_are_rejected_with_the_option_named(argv, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
-@pytest.mark.parametrize("argv", [("bench", "ops", "--ops", "all_reduce"), ("bench", "block"),
+@pytest.mark.parametrize("argv", [("bench", "ops", "--ops", "all_reduce"),
                                   ("tune", "plan", "--op", "all_reduce", "--shape", "8,8,8")])
 def test_gpu_commands_say_they_need_gpus(argv):
     proc = _cli(*argv)
     assert proc.returncode == 1 and "needs CUDA GPUs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_harness_commands_say_where_the_harness_is():
+    proc = _cli("bench", "block", "--tokens", "64")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "`torchrun --nproc-per-node 2 -m benchmarks.block --tokens 64`" in proc.stderr, proc.stderr
 
 
 def test_version():
