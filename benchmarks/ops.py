@@ -21,9 +21,8 @@ import torch.distributed as dist
 import flashoverlap as fo
 from benchmarks.harness import op_rows
 from benchmarks.harness.gemm_forms import gemm_form
-from benchmarks.harness.rows import efficiency
 from benchmarks.harness.run import start_run
-from flashoverlap.bench import COLUMNS, OP_NAMES, ms, write_results
+from flashoverlap.bench import COLUMNS, OP_NAMES, efficiency, ms, write_results
 from flashoverlap.bench import print_table as print_columns
 from flashoverlap.cli import add_bench_ops_arguments, non_negative_ints, positive, positive_ints
 from flashoverlap.plan import nccl_free_sms
@@ -223,7 +222,7 @@ def interference(args, rank, world_size, device, dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # the same options as `flashoverlap bench ops`, defined once
+    # `flashoverlap bench ops`'s options and the harness's (add_arguments)
     args, argv, meta, out, device = start_run("python -m benchmarks.ops", __doc__.split("\n\n")[0],
                                               add_arguments, argv, "")
     rank, world_size = dist.get_rank(), dist.get_world_size()
