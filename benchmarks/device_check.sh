@@ -6,7 +6,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the package, and the harness (benchmarks)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu --format=csv \
     -lms 200 > "$OUT/smi.csv" 2>&1 &
 SMI=$!
@@ -16,9 +16,9 @@ fi
 if [[ $what == bench || $what == all ]]; then
     for setting in nvlink pcie-like; do
         p2p=""; [[ $setting == pcie-like ]] && p2p="NCCL_P2P_DISABLE=1"
-        cmd="$p2p torchrun --nproc-per-node $NGPU -m flashoverlap.bench $*"
+        cmd="$p2p torchrun --nproc-per-node $NGPU -m benchmarks.ops $*"
         echo "== $cmd"
-        env $p2p FLASHOVERLAP_COMMAND="$cmd" torchrun --nproc-per-node "$NGPU" -m flashoverlap.bench "$@" \
+        env $p2p FLASHOVERLAP_COMMAND="$cmd" torchrun --nproc-per-node "$NGPU" -m benchmarks.ops "$@" \
             2>&1 | tee "$OUT/bench-$setting.log"
     done
     cp benchmarks/results/*.json "$OUT/" 2>/dev/null

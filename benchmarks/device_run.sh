@@ -17,9 +17,9 @@ gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].l
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 bench() {  # setting, tag, extra args, timeout
     local env=""; [[ $1 == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
-    local cmd="$env torchrun --nproc-per-node $NGPU -m flashoverlap.bench ${3}"
+    local cmd="$env torchrun --nproc-per-node $NGPU -m benchmarks.ops ${3}"
     echo "== $cmd" | tee "$OUT/bench-$1$2.log"
-    env $env FLASHOVERLAP_COMMAND="$cmd" timeout $4 torchrun --nproc-per-node $NGPU -m flashoverlap.bench $3 \
+    env $env FLASHOVERLAP_COMMAND="$cmd" timeout $4 torchrun --nproc-per-node $NGPU -m benchmarks.ops $3 \
         --out "$OUT/$gpu-$1$2.json" >> "$OUT/bench-$1$2.log" 2>&1; echo "bench $1$2: exit $?"
     sed -n '/^gemm_all_reduce, path\|^gemm_reduce_scatter, path\|^all_gather_gemm, path/,/^$/p' "$OUT/bench-$1$2.log"
     grep -iE "error|Traceback" "$OUT/bench-$1$2.log" | head -5
@@ -27,12 +27,12 @@ bench() {  # setting, tag, extra args, timeout
 if has smoke; then
     for op in reduce_scatter all_reduce all_gather; do
         FLASHOVERLAP_DEBUG_TIMEOUT=20 timeout ${SMOKE_TIMEOUT:-90} torchrun --nproc-per-node $NGPU \
-            benchmarks/diagnostics/p2p_smoke.py $op > "$OUT/smoke-$op.log" 2>&1; echo "smoke $op: exit $?"
+            -m benchmarks.diagnostics.p2p_smoke $op > "$OUT/smoke-$op.log" 2>&1; echo "smoke $op: exit $?"
         grep -E "rank 0:|Error|error" "$OUT/smoke-$op.log" | tail -8
     done
 fi
 if has sweep; then
-    timeout ${SWEEP_TIMEOUT:-150} torchrun --nproc-per-node $NGPU benchmarks/diagnostics/p2p_sub_bands.py \
+    timeout ${SWEEP_TIMEOUT:-150} torchrun --nproc-per-node $NGPU -m benchmarks.diagnostics.p2p_sub_bands \
         "$OUT/$gpu-nvlink-sub-bands.json" > "$OUT/sub-bands.log" 2>&1; echo "sweep: exit $?"
     grep -vE "^W[0-9]|Warning|warn" "$OUT/sub-bands.log" | tail -16
 fi
@@ -40,27 +40,27 @@ has bench && bench nvlink "" "--ops all_reduce,reduce_scatter,all_gather" ${BENC
 has host && bench nvlink -host "--ops all_reduce,reduce_scatter,all_gather --shapes 16,8192,8192;4096,8192,8192" 120
 has pcie && bench pcie-like "" "--ops all_reduce,reduce_scatter,all_gather" ${BENCH_TIMEOUT:-300}
 if has profile; then
-    timeout 120 torchrun --nproc-per-node $NGPU benchmarks/diagnostics/host_profile.py p2p > "$OUT/host-profile.log" 2>&1
+    timeout 120 torchrun --nproc-per-node $NGPU -m benchmarks.diagnostics.host_profile p2p > "$OUT/host-profile.log" 2>&1
     echo "profile: exit $?"; grep -E "^==|tottime|^ +[0-9]" "$OUT/host-profile.log" | head -60
 fi
 for setting in nvlink pcie-like; do
     has block-$setting || continue
     env=""; [[ $setting == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
-    cmd="$env torchrun --nproc-per-node $NGPU -m flashoverlap.bench.block ${BLOCK_ARGS:-}"
+    cmd="$env torchrun --nproc-per-node $NGPU -m benchmarks.block ${BLOCK_ARGS:-}"
     echo "== $cmd" | tee "$OUT/block-$setting.log"
     env $env FLASHOVERLAP_COMMAND="$cmd" timeout ${BLOCK_TIMEOUT:-300} torchrun --nproc-per-node $NGPU \
-        -m flashoverlap.bench.block ${BLOCK_ARGS:-} --out "$OUT/$gpu-$setting-block.json" >> "$OUT/block-$setting.log" 2>&1
+        -m benchmarks.block ${BLOCK_ARGS:-} --out "$OUT/$gpu-$setting-block.json" >> "$OUT/block-$setting.log" 2>&1
     echo "block $setting: exit $?"; grep -E "tokens:|Error|error" "$OUT/block-$setting.log" | tail -8
 done
 for setting in nvlink pcie-like; do  # the ring over NCCL send/recv beside the NCCL path
     has ring-$setting || continue
     env=""; [[ $setting == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
-    env $env timeout ${RING_TIMEOUT:-200} torchrun --nproc-per-node $NGPU benchmarks/diagnostics/ring_nccl.py \
+    env $env timeout ${RING_TIMEOUT:-200} torchrun --nproc-per-node $NGPU -m benchmarks.diagnostics.ring_nccl \
         "$OUT/$gpu-$setting-ring.json" > "$OUT/ring-$setting.log" 2>&1; echo "ring $setting: exit $?"
     grep -vE "^W[0-9]|Warning|warn" "$OUT/ring-$setting.log" | tail -16
 done
 if has block-profile; then  # where the block's training step spends GPU time, per implementation
-    timeout ${PROFILE_TIMEOUT:-240} torchrun --nproc-per-node $NGPU benchmarks/diagnostics/block_profile.py \
+    timeout ${PROFILE_TIMEOUT:-240} torchrun --nproc-per-node $NGPU -m benchmarks.diagnostics.block_profile \
         ${PROFILE_TOKENS:-8192} train > "$OUT/block-profile.log" 2>&1; echo "block-profile: exit $?"
     grep -E "^==|^ +[0-9.]+ ms" "$OUT/block-profile.log" | head -60
 fi
@@ -83,10 +83,10 @@ for setting in nvlink pcie-like; do  # the MoE layer (issue 22): every config, r
     has moe-$setting || continue
     env=""; [[ $setting == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
     paths=${MOE_PATHS:-auto nccl p2p}; [[ $setting == pcie-like ]] && paths=${MOE_PATHS:-auto nccl}
-    cmd="$env torchrun --nproc-per-node $NGPU -m flashoverlap.bench.moe --paths $paths ${MOE_ARGS:-}"
+    cmd="$env torchrun --nproc-per-node $NGPU -m benchmarks.moe --paths $paths ${MOE_ARGS:-}"
     echo "== $cmd" | tee "$OUT/moe-$setting.log"
     env $env FLASHOVERLAP_COMMAND="$cmd" timeout ${MOE_TIMEOUT:-540} torchrun --nproc-per-node $NGPU \
-        -m flashoverlap.bench.moe --paths $paths ${MOE_ARGS:-} --out "$OUT/$gpu-$setting-moe.json" \
+        -m benchmarks.moe --paths $paths ${MOE_ARGS:-} --out "$OUT/$gpu-$setting-moe.json" \
         >> "$OUT/moe-$setting.log" 2>&1
     echo "moe $setting: exit $?"; grep -vE "^W[0-9]|Warning|warn" "$OUT/moe-$setting.log" | tail -20
 done

@@ -7,7 +7,7 @@
 #        [BENCH_TIMEOUT=240] [BENCH_TIMEOUT_nvlink=...] [BENCH_TIMEOUT_pcie_like=...] bash benchmarks/final_run.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the package, and the harness (benchmarks)
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 TESTS=${TESTS-tests/gpu}; DEMO=${DEMO-1}; SETTINGS=${SETTINGS-nvlink pcie-like}
 OPS=${OPS-all_reduce,reduce_scatter,all_gather}; BENCH_ARGS=${BENCH_ARGS-}; TIMELINE=${TIMELINE-1}; TAG=${TAG-}
@@ -15,8 +15,8 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv -lms 250 > "$OUT/smi.csv" 2>&1 &
 SMI=$!
-for op in ${SMOKE-}; do  # the P2P path's first contact, one op at a time (benchmarks/diagnostics/p2p_smoke.py)
-    timeout ${SMOKE_TIMEOUT:-80} torchrun --nproc-per-node "$NGPU" benchmarks/diagnostics/p2p_smoke.py $op \
+for op in ${SMOKE-}; do  # the P2P path's first contact, one op at a time (benchmarks.diagnostics.p2p_smoke)
+    timeout ${SMOKE_TIMEOUT:-80} torchrun --nproc-per-node "$NGPU" -m benchmarks.diagnostics.p2p_smoke $op \
         > "$OUT/smoke-$op.log" 2>&1; echo "smoke $op: exit $?"
     grep -E "rank 0:|Error|error" "$OUT/smoke-$op.log" | tail -14
 done
@@ -31,10 +31,10 @@ gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].l
 for setting in $SETTINGS; do
     p2p=""; [[ $setting == pcie-like ]] && p2p="NCCL_P2P_DISABLE=1"
     args="--ops $OPS $BENCH_ARGS $(eval echo \${BENCH_ARGS_${setting/-/_}:-})"; [[ -n $TIMELINE ]] && args="$args --timeline $OUT/timeline-$setting.png"
-    cmd="$p2p torchrun --nproc-per-node $NGPU -m flashoverlap.bench $args"
+    cmd="$p2p torchrun --nproc-per-node $NGPU -m benchmarks.ops $args"
     echo "== $cmd" | tee "$OUT/bench-$setting$TAG.log"
     env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout $(eval echo \${BENCH_TIMEOUT_${setting/-/_}:-${BENCH_TIMEOUT:-240}}) torchrun --nproc-per-node "$NGPU" \
-        -m flashoverlap.bench $args --out "$OUT/${gpu}x$NGPU-$setting$TAG.json" >> "$OUT/bench-$setting$TAG.log" 2>&1
+        -m benchmarks.ops $args --out "$OUT/${gpu}x$NGPU-$setting$TAG.json" >> "$OUT/bench-$setting$TAG.log" 2>&1
     sed -n '/^gemm_all_reduce, path\|^gemm_reduce_scatter, path\|^all_gather_gemm, path/,/^$/p' "$OUT/bench-$setting$TAG.log"
     grep -iE "error|Traceback" "$OUT/bench-$setting$TAG.log" | head -5
 done

@@ -26,17 +26,17 @@ print(rank_context().get_start_method(), spawn(_run, 1, "nccl", args=("all_reduc
 ' > "$OUT/spawn-$commit.log" 2>&1; echo "spawn: exit $?"; tail -3 "$OUT/spawn-$commit.log"
 fi
 if has p2p; then
-    CUDA_VISIBLE_DEVICES=0 timeout ${P2P_TIMEOUT:-300} torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py \
+    CUDA_VISIBLE_DEVICES=0 timeout ${P2P_TIMEOUT:-300} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_one_gpu \
         "$OUT/h200x1-host.json" > "$OUT/p2p-one-gpu-$commit.log" 2>&1; echo "p2p: exit $?"
     grep -E "checked|Error|error" "$OUT/p2p-one-gpu-$commit.log" | tail -5
 fi
 if has moe; then
-    CUDA_VISIBLE_DEVICES=0 timeout ${MOE_TIMEOUT:-300} torchrun --nproc-per-node 2 benchmarks/diagnostics/moe_one_gpu.py \
+    CUDA_VISIBLE_DEVICES=0 timeout ${MOE_TIMEOUT:-300} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.moe_one_gpu \
         "$OUT/h200x1-moe-host.json" > "$OUT/moe-one-gpu-$commit.log" 2>&1; echo "moe: exit $?"
     grep -E "checked|Error|error" "$OUT/moe-one-gpu-$commit.log" | tail -5
 fi
 if has sequential; then
-    timeout ${SEQ_TIMEOUT:-180} torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py \
+    timeout ${SEQ_TIMEOUT:-180} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.sequential_host \
         "$OUT/sequential-host-$commit.json" > "$OUT/sequential-host-$commit.log" 2>&1; echo "sequential: exit $?"
     grep -E "^\{" "$OUT/sequential-host-$commit.log" | cut -c1-400
 fi

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The device call behind the committed model checks, one setting per call: per path, the bandwidth curves and
-# slowdowns (`tune bandwidth`), then `tune validate` (every candidate timed at each grid shape, in the model's
-# order; it leaves each shape's best plan in the cache), then the benchmark with that cache in place (the "tuned"
-# results, with a timeline picture showing the model's predicted group times), then `tune plan --path auto` at
-# the shapes in AUTO_SHAPES, then the GPU tests named in TESTS. Results and a tarball of logs and cache in $OUT.
+# slowdowns (`tune bandwidth`), then the model check (`-m benchmarks.model_check`: every candidate timed at each
+# grid shape, in the model's order; it leaves each shape's best plan in the cache), then the benchmark with that
+# cache in place (the "tuned" results, with a timeline picture showing the model's predicted group times), then
+# `tune plan --path auto` at the shapes in AUTO_SHAPES, then the GPU tests named in TESTS. Results and a tarball of
+# logs and cache in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=<sha> SETTING=nvlink|pcie-like [PATHS="nccl p2p"] [OPS=...] [STEPS="bw validate
 #        bench auto tests"] [AUTO_SHAPES="op:M,N,K ..."] [TESTS="pytest args"] [VALIDATE_TIMEOUT=s] [DEADLINE=s]
 #        bash benchmarks/tune_run.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the package, and the harness (benchmarks)
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT/logs"
 export FLASHOVERLAP_CACHE_DIR=$OUT/logs/cache
 SETTING=${SETTING:-nvlink}; OPS=${OPS-all_reduce,reduce_scatter,all_gather}
@@ -20,6 +21,7 @@ prefix=""; [[ $SETTING == pcie-like ]] && prefix="NCCL_P2P_DISABLE=1 "
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
 t="torchrun --nproc-per-node $NGPU -m flashoverlap"
+v="torchrun --nproc-per-node $NGPU -m benchmarks.model_check"  # the model check (the harness's)
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 DEADLINE=${DEADLINE:-570}  # seconds: later steps are cut short or skipped to end within the device call's limit
 run() {  # run <timeout> <log> <command...>: the command, its exit status and the last lines that matter
@@ -37,17 +39,17 @@ for path in $PATHS; do
 done
 for path in $PATHS; do
     name=$SETTING; [[ $path == p2p ]] && name=p2p
-    has validate && FLASHOVERLAP_COMMAND="${prefix}$t tune validate --ops $OPS --path $path" \
+    has validate && FLASHOVERLAP_COMMAND="${prefix}$v --ops $OPS --path $path" \
         run "${VALIDATE_TIMEOUT:-240}" "$OUT/logs/validate-$SETTING-$path.log" \
-        $t tune validate --ops "$OPS" --path "$path" --out "$OUT/${gpu}x$NGPU-$name-model.json"
+        $v --ops "$OPS" --path "$path" --out "$OUT/${gpu}x$NGPU-$name-model.json"
 done
 if has bench; then
     shape=16384,8192,4096; [[ $SETTING == pcie-like ]] && shape=8192,8192,8192
-    FLASHOVERLAP_COMMAND="${prefix}FLASHOVERLAP_CACHE_DIR=<tuned> $t.bench --ops $OPS" \
-        run 150 "$OUT/logs/bench-tuned-$SETTING.log" torchrun --nproc-per-node "$NGPU" -m flashoverlap.bench \
+    FLASHOVERLAP_COMMAND="${prefix}FLASHOVERLAP_CACHE_DIR=<tuned> torchrun --nproc-per-node $NGPU -m benchmarks.ops --ops $OPS" \
+        run 150 "$OUT/logs/bench-tuned-$SETTING.log" torchrun --nproc-per-node "$NGPU" -m benchmarks.ops \
         --ops "$OPS" --out "$OUT/${gpu}x$NGPU-$SETTING-tuned.json"
-    FLASHOVERLAP_COMMAND="${prefix}FLASHOVERLAP_CACHE_DIR=<tuned> $t.bench --shapes $shape --iters 10 --timeline" \
-        run 60 "$OUT/logs/timeline-$SETTING.log" torchrun --nproc-per-node "$NGPU" -m flashoverlap.bench \
+    FLASHOVERLAP_COMMAND="${prefix}FLASHOVERLAP_CACHE_DIR=<tuned> torchrun --nproc-per-node $NGPU -m benchmarks.ops --shapes $shape --iters 10 --timeline" \
+        run 60 "$OUT/logs/timeline-$SETTING.log" torchrun --nproc-per-node "$NGPU" -m benchmarks.ops \
         --shapes "$shape" --iters 10 --timeline "$OUT/timeline-$SETTING.png" --out "$OUT/logs/timeline-$SETTING.json"
 fi
 if has auto; then

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import flashoverlap.compile
     import flashoverlap.nn
-    from flashoverlap.bench.timing import time_ms
+    from flashoverlap.tune.timing import time_ms
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank)

@@ -1,8 +1,8 @@
 """The command line's parsing, on a CPU machine: every command's ``--help`` lists every option of the commands under
-it (``bench --help`` those of ``bench ops``, ``bench block`` and ``bench moe``) and prints instead of refusing for
-want of GPUs; one strict parser for shapes and counts (``bench/args.py``), used by ``flashoverlap`` and by ``python
--m flashoverlap.bench[.block|.moe]`` alike (``1_6`` is not 16, ``-8,8,8`` gets the shape's message, not argparse's
-"expected one argument")."""
+it (``bench --help`` those of ``bench ops``) and prints instead of refusing for want of GPUs; one strict parser for
+shapes and counts (``cli.py``'s, which the harness's ``python -m benchmarks.ops|block|moe`` use too:
+tests/benchmarks/test_options.py) (``1_6`` is not 16, ``-8,8,8`` gets the shape's message, not argparse's "expected
+one argument"); the harness's commands (``bench block``, ``bench moe``, ``tune validate``) say how to run them."""
 
 import argparse
 import subprocess
@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from flashoverlap import cli
-from flashoverlap.bench import args
 
 
 def _sub(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -50,13 +49,14 @@ def test_help_of_gpu_commands_prints_on_a_cpu_machine(capsys, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU machine, wherever this runs
     for argv in (("bench", "ops", "--help"), ("bench", "block", "--help"), ("bench", "moe", "--help"),
-                 ("tune", "plan", "--help")):
+                 ("tune", "plan", "--help"), ("tune", "validate", "--help")):
         code, out, err = _main(capsys, *argv)
         assert code == 0 and out.startswith(f"usage: flashoverlap {argv[0]} {argv[1]}"), (argv, err)
     # And as a user types it, in a fresh process.
     proc = subprocess.run([sys.executable, "-m", "flashoverlap", "bench", "ops", "--help"], capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0 and "--sweep-ctas" in proc.stdout and "needs CUDA" not in proc.stderr
+    assert proc.returncode == 0 and "--shapes" in proc.stdout and "needs CUDA" not in proc.stderr
+    assert "benchmarks.ops" in proc.stdout  # where the full harness is
 
 
 @pytest.mark.parametrize("text", ["-8,8,8", "1_6,8,8", "+8,8,8", " 8,8,8", "8,8", "8,8,8,", "0,8,8", "8,8,8.0",
@@ -71,85 +71,76 @@ def test_a_bad_shape_is_refused_with_the_shapes_message(capsys, text):
 
 
 def test_shapes_and_counts_parse_strictly():
-    assert args.shape("8,16,32") == (8, 16, 32)
-    assert args.shapes("1,2,3;4,5,6") == [(1, 2, 3), (4, 5, 6)]
-    assert args.positive_ints("8192,16384") == [8192, 16384]
-    assert args.non_negative_ints("0,4") == [0, 4]
+    assert cli.shape("8,16,32") == (8, 16, 32)
+    assert cli.shapes("1,2,3;4,5,6") == [(1, 2, 3), (4, 5, 6)]
+    assert cli.positive_ints("8192,16384") == [8192, 16384]
+    assert cli.non_negative_ints("0,4") == [0, 4]
     for bad in ("1_6", "-1", "0", "+2", "2.0", ""):
         with pytest.raises(argparse.ArgumentTypeError):
-            args.positive(bad)
+            cli.positive(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
-        args.positive_ints("8,1_6")
+        cli.positive_ints("8,1_6")
     with pytest.raises(argparse.ArgumentTypeError, match="unknown op"):
-        args.op_names("all_reduce,all_to_all")
-    assert args.op_names("") == []
-    assert args.join_values(["demo", "--shape", "-8,8,8", "--cpu"]) == ["demo", "--shape=-8,8,8", "--cpu"]
-    assert args.join_values(["--shape", "--cpu"]) == ["--shape", "--cpu"]  # an option is left an option
+        cli.op_names("all_reduce,all_to_all")
+    assert cli.op_names("") == []
+    assert cli.join_values(["demo", "--shape", "-8,8,8", "--cpu"]) == ["demo", "--shape=-8,8,8", "--cpu"]
+    assert cli.join_values(["--shape", "--cpu"]) == ["--shape", "--cpu"]  # an option is left an option
 
 
 @pytest.mark.parametrize("argv,message", [
-    (("bench", "block", "--tokens", "8192,1_6"), "comma-separated positive integers"),
-    (("bench", "block", "--steps", "-3"), "positive integer"),
     (("bench", "ops", "--iters", "0"), "positive integer"),
-    (("bench", "ops", "--sweep-ctas", "4,-1"), "integers >= 0"),
-    (("tune", "validate", "--ops", "all_reduce,gather"), "unknown op"),
+    (("bench", "ops", "--ops", "all_reduce,gather"), "unknown op"),
+    (("tune", "bandwidth", "--ops", "all_reduce,gather"), "unknown op"),
+    (("tune", "bandwidth", "--max-mib", "-3"), "positive integer"),
     (("demo", "--world-size", "1_0"), "positive integer"),
-    (("bench", "moe", "--tokens", "4096,8192"), "positive integer"),
-    (("bench", "moe", "--warmup", "-1"), "integer >= 0"),
-    (("bench", "moe", "--iters", "0"), "positive integer"),
-    (("bench", "moe", "--paths", "ring"), "invalid choice: 'ring'"),
-    (("bench", "moe", "--configs", "mixtral-8x7b"), "invalid choice"),
 ])
 def test_bad_counts_are_refused_naming_the_option(capsys, argv, message):
     code, _, err = _main(capsys, *argv)
     assert code == 2 and message in err and f"argument {argv[-2]}" in err, err
 
 
-@pytest.mark.parametrize("module,argv", [("flashoverlap.bench.__main__", ["--shapes", "1_6,8,8"]),
-                                         ("flashoverlap.bench.block", ["--tokens", "-8"]),
-                                         ("flashoverlap.bench.moe", ["--tokens", "4096", "-8"])])
-def test_the_benchmark_modules_parse_with_the_same_functions(capsys, module, argv):
-    import importlib
-
-    with pytest.raises(SystemExit) as stop:
-        importlib.import_module(module).main(argv)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and "digits only" in err and f"usage: python -m {module.replace('.__main__', '')}" \
-        in err, err
+def test_a_harness_option_of_bench_ops_says_where_the_harness_is(capsys):
+    code, _, err = _main(capsys, "bench", "ops", "--sweep", "--sweep-ctas", "4")
+    assert code == 2 and "unrecognized arguments: --sweep --sweep-ctas 4" in err and "benchmarks.ops" in err, err
 
 
-@pytest.mark.parametrize("what,argv", [("block", ["--tokens", "64", "--steps", "5"]),
-                                       ("moe", ["--tokens", "64", "128", "--paths", "nccl", "p2p"])])
-def test_the_benchmarks_are_handed_the_options_after_their_name(monkeypatch, what, argv):
-    import importlib
-
+@pytest.mark.parametrize("argv,command", [
+    (("bench", "block", "--tokens", "64", "--steps", "5"), "-m benchmarks.block --tokens 64 --steps 5"),
+    (("bench", "moe", "--tokens", "64", "128", "--paths", "nccl"), "-m benchmarks.moe --tokens 64 128 --paths nccl"),
+    (("tune", "validate", "--path", "p2p"), "-m benchmarks.model_check --path p2p"),
+    (("bench", "block"), "-m benchmarks.block ..."),
+])
+def test_the_harness_commands_say_how_to_run_the_harness(monkeypatch, argv, command):
     import torch
 
-    module = importlib.import_module(f"flashoverlap.bench.{what}")
-    seen = {}
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("RANK", "0")  # as under torchrun, on GPUs: the answer is the same
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(list(argv))
+    message = str(stop.value.code)
+    assert "not installed" in message and f"torchrun --nproc-per-node 2 {command}`" in message, message
 
-    def bench_main(argv):
-        seen["argv"] = argv
+
+def test_bench_ops_is_handed_its_options_under_torchrun(monkeypatch):
+    import torch
+
+    from flashoverlap import bench
+
+    seen = {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cli, "_under_torchrun", lambda run: run("cuda:0"))
+
+    def bench_main(args, device, command, environment):
+        seen.update(args=args, device=device, command=command, environment=environment)
         return 0
 
-    monkeypatch.setattr(module, "main", bench_main)
-    assert cli.main(["bench", what, *argv]) == 0
-    assert seen["argv"] == argv
-
-
-def test_the_moe_options_name_what_the_benchmark_has():
-    from flashoverlap.bench import moe
-    from flashoverlap.runtime.policy import EXPERT_PATHS
-
-    assert args.MOE_CONFIGS == list(moe.CONFIGS)
-    assert (args.MOE_ROUTINGS, args.MOE_MODES, args.MOE_PASSES) == (list(moe.ROUTINGS), list(moe.MODES),
-                                                                    list(moe.PASSES))
-    assert args.MOE_PATHS == list(EXPERT_PATHS)
-    parser = argparse.ArgumentParser()
-    args.add_bench_moe_arguments(parser)
-    parsed = parser.parse_args(["--tokens", "64", "128", "--paths", "auto", "nccl", "--warmup", "0"])
-    assert (parsed.tokens, parsed.paths, parsed.warmup, parsed.configs) == ([64, 128], ["auto", "nccl"], 0,
-                                                                            args.MOE_CONFIGS)
+    monkeypatch.setattr(bench, "main", bench_main)
+    assert cli.main(["bench", "ops", "--shapes", "64,32,16", "--iters", "3", "--out", "x.json"]) == 0
+    options = seen["args"]
+    assert (options.shapes, options.iters, options.out, options.ops) == ([(64, 32, 16)], 3, "x.json", ["all_reduce"])
+    assert seen["command"] == "flashoverlap bench ops --shapes 64,32,16 --iters 3 --out x.json"
+    assert seen["environment"]["NCCL_P2P_DISABLE"] == "1"

@@ -1,5 +1,7 @@
-"""The package's import graph has no cycle (imports inside functions included), and the command line's options
-need no torch: ``bench/args.py`` loads alone, and neither it nor ``cli.py`` imports torch at module level."""
+"""The package's import graph has no cycle (imports inside functions included); the command line's options need no
+torch: ``cli.py`` loads alone and imports torch at module level nowhere; the installed ``bench`` command uses the
+public API (no ``flashoverlap.runtime`` or ``flashoverlap.comm``); and nothing in the package imports the benchmark
+harness (``benchmarks/``, not installed)."""
 
 import ast
 import subprocess
@@ -91,25 +93,48 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "flashoverlap.bench.args" in graph["flashoverlap.cli"]  # the graph sees the imports it should
-    assert "flashoverlap.bench.moe" in graph["flashoverlap.cli"]  # (this one inside a function)
+    assert "flashoverlap.tune.timing" in graph["flashoverlap.bench"]  # the graph sees the imports it should
+    assert "flashoverlap.bench" in graph["flashoverlap.cli"]  # (this one inside a function)
     assert not cycles(graph), cycles(graph)
 
 
 def test_the_options_import_no_torch():
-    for name in ("cli.py", "bench/args.py"):
-        tree = ast.parse((SRC / "flashoverlap" / name).read_text())
-        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
-        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
-        assert not [m for m in names if m.split(".")[0] == "torch"], (name, names)
-    # bench/args.py loads by itself (no flashoverlap package around it, so no torch through the package either).
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('args', sys.argv[1]); "
+    tree = ast.parse((SRC / "flashoverlap" / "cli.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m.split(".")[0] in ("torch", "flashoverlap")], names
+    # cli.py loads by itself (no flashoverlap package around it, so no torch through the package either).
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('cli', sys.argv[1]); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
             "assert 'torch' not in sys.modules; print(m.shape('8,16,32'))")
-    proc = subprocess.run([sys.executable, "-c", code, str(SRC / "flashoverlap" / "bench" / "args.py")],
+    proc = subprocess.run([sys.executable, "-c", code, str(SRC / "flashoverlap" / "cli.py")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "(8, 16, 32)", proc.stderr
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` names in an import, anywhere in its text."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_installed_bench_uses_the_public_api():
+    reached = {name for name in _imports(SRC / "flashoverlap" / "bench.py")
+               if name.startswith(("flashoverlap.runtime", "flashoverlap.comm"))}
+    assert not reached, reached
+    assert len((SRC / "flashoverlap" / "bench.py").read_text().splitlines()) < 800  # readable in one sitting
+
+
+def test_the_package_never_imports_the_benchmark_harness():
+    harness = {f"{path.relative_to(SRC)}: {name}" for path in SRC.rglob("*.py") for name in _imports(path)
+               if name.split(".")[0] == "benchmarks"}
+    assert not harness, harness
 
 
 def dynamic_imports(src: Path = SRC) -> list[str]:

@@ -56,7 +56,7 @@ def test_bad_values_are_rejected_with_the_option_named(argv, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
-@pytest.mark.parametrize("argv", [("bench", "ops", "--ops", "all_reduce"), ("bench", "block"),
+@pytest.mark.parametrize("argv", [("bench", "ops", "--ops", "all_reduce"),
                                   ("tune", "plan", "--op", "all_reduce", "--shape", "8,8,8")])
 def test_gpu_commands_say_they_need_gpus(argv):
     proc = _cli(*argv)

@@ -52,7 +52,7 @@ HYBRID_TEST = "tests/moe/test_hybrid.py"
 
 TESTING = "src/flashoverlap/testing.py"
 TESTING_TEST = "tests/test_testing.py"
-TIMING = "src/flashoverlap/bench/timing.py"
+TIMING = "benchmarks/harness/timing.py"
 
 # (name, what it breaks, file, exact text, replacement, tests)
 MUTATIONS = [
@@ -70,16 +70,16 @@ MUTATIONS = [
      "zlib.crc32(json.dumps(plan.to_dict(), sort_keys=True).encode())",
      "hash(json.dumps(plan.to_dict(), sort_keys=True))",
      "tests/ops/test_errors.py::test_debug_mode_catches_ranks_that_disagree_or_never_come"),
-    ("paired-figures-are-medians-apart", "bench.timing: the paired difference is the difference of the medians",
+    ("paired-figures-are-medians-apart", "harness.timing: the paired difference is the difference of the medians",
      TIMING, "1e6 * statistics.median(ours - base for ours, base in rounds)",
-     "1e6 * (statistics.median(times[name]) - statistics.median(times[baseline]))", "tests/bench/test_rows.py"),
-    ("interleaved-order-only-rotates", "bench.timing: the interleaved rounds only rotate, so a name's neighbours never "
+     "1e6 * (statistics.median(times[name]) - statistics.median(times[baseline]))", "tests/benchmarks/test_rows.py"),
+    ("interleaved-order-only-rotates", "harness.timing: the interleaved rounds only rotate, so a name's neighbours never "
      "change and the name after another always runs warm behind it", TIMING,
      "    order = [names[(index + row) % count] for index in base]\n",
-     "    order = [names[(index + row) % count] for index in range(count)]\n", "tests/bench/test_rows.py"),
-    ("interleaved-odd-count-unreversed", "bench.timing: with an odd number of callables the design's rows are never "
+     "    order = [names[(index + row) % count] for index in range(count)]\n", "tests/benchmarks/test_rows.py"),
+    ("interleaved-odd-count-unreversed", "harness.timing: with an odd number of callables the design's rows are never "
      "reversed, so some pairs always run in one order", TIMING,
-     "    return order[::-1] if row >= count else order", "    return order", "tests/bench/test_rows.py"),
+     "    return order[::-1] if row >= count else order", "    return order", "tests/benchmarks/test_rows.py"),
     ("debug-deadline-per-wait", "Debug mode: each of a call's waits gets its own deadline, so a stuck call takes "
      "longer than the timeout to raise", GUARDS, "poll_until(event.query, deadline, lambda what=what: failure(what))",
      "poll_until(event.query, time.monotonic() + timeout, lambda what=what: failure(what))", GUARDS_TEST),

@@ -1,6 +1,6 @@
 """One all_gather_gemm shape, each piece timed on its own with a debug spin bound, to find which one stalls.
 
-torchrun --nproc-per-node 2 benchmarks/diagnostics/all_gather_one_shape.py M N K  (M = gathered rows)
+torchrun --nproc-per-node 2 -m benchmarks.diagnostics.all_gather_one_shape M N K  (M = gathered rows)
 Run with FLASHOVERLAP_DEBUG_TIMEOUT set: the op then raises, naming the band, instead of spinning forever."""
 
 import os
@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flashoverlap.bench.baselines import DecomposedAllGather
+from benchmarks.harness.baselines import DecomposedAllGather
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
 from flashoverlap.runtime import plan_for
 

@@ -2,7 +2,7 @@
 bound: ``torch.profiler`` over a few steps of each (after warm-up) and the kernels (and copies) with the most GPU
 time per step. For the cases where ``E_block`` is low, to see which kernels grew.
 
-torchrun --nproc-per-node 2 benchmarks/diagnostics/block_profile.py [TOKENS] [train|prefill]
+torchrun --nproc-per-node 2 -m benchmarks.diagnostics.block_profile [TOKENS] [train|prefill]
 """
 
 import sys
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from flashoverlap.bench.block import Block, BlockConfig, TPBlock
+from benchmarks.block import Block, BlockConfig, TPBlock
 
 STEPS = 3
 

@@ -9,7 +9,7 @@ per-segment loop (``mm_us``). Then a cProfile of the calls, by
 cumulative time. Cases: one chunk of the one-GPU MoE layer (``moe_one_gpu.py``'s host rows: 4096 rows, 8 experts,
 K = N = 1024) and a DeepSeek-like chunk (16384 rows, 128 experts, K 7168, N 4096).
 
-CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm_host.py [out.json]
+CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python -m benchmarks.diagnostics.grouped_gemm_host [out.json]
 """
 
 import cProfile
@@ -19,8 +19,8 @@ import pstats
 import time
 
 import torch
-from results_file import results_meta, write_results
 
+from benchmarks.diagnostics.results_file import results_meta, write_results
 from flashoverlap.kernels import grouped_gemm as module
 
 CASES = [("moe-one-gpu chunk", 4096, 8, 1024, 1024), ("deepseek-like chunk", 16384, 128, 7168, 4096)]
@@ -124,7 +124,7 @@ def one_case(name, rows, experts, k, n):
 def main():
     rows_out = [one_case(*case) for case in CASES]
     write_results({"meta": results_meta("CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python "
-                                      "benchmarks/diagnostics/grouped_gemm_host.py OUT.json"), "rows": rows_out})
+                                      "-m benchmarks.diagnostics.grouped_gemm_host OUT.json"), "rows": rows_out})
 
 
 if __name__ == "__main__":

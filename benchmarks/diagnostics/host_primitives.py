@@ -5,8 +5,8 @@ Each primitive runs ``REPEATS`` times back to back after a long GPU sleep, each 
 printed in microseconds. Run alone (one process) or under torchrun with two processes sharing the GPU (the
 condition of ``p2p_one_gpu.py``'s host rows); rank 0 prints.
 
-PYTHONPATH=src python benchmarks/diagnostics/host_primitives.py [out.json]
-CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/host_primitives.py [out.json]
+PYTHONPATH=src python -m benchmarks.diagnostics.host_primitives [out.json]
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 -m benchmarks.diagnostics.host_primitives [out.json]
 """
 
 import json
@@ -16,7 +16,8 @@ import sys
 import time
 
 import torch
-from results_file import results_meta, write_results
+
+from benchmarks.diagnostics.results_file import results_meta, write_results
 
 REPEATS = 20
 

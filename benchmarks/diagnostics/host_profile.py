@@ -3,7 +3,7 @@ each call queued behind a GPU sleep so that the host never blocks on a full laun
 the host time per call beside plain PyTorch's (matmul then the collective, unprofiled) and the functions with the
 most own time.
 
-torchrun --nproc-per-node 2 benchmarks/diagnostics/host_profile.py [nccl,p2p [M,N,K]]"""
+torchrun --nproc-per-node 2 -m benchmarks.diagnostics.host_profile [nccl,p2p [M,N,K]]"""
 
 import cProfile
 import io
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.bench.timing import host_us
+from benchmarks.harness.timing import host_us
 from flashoverlap.testing import plain
 
 SHAPE = (4096, 8192, 8192)

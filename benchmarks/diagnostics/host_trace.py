@@ -3,24 +3,20 @@
 point the call uses is wrapped to stamp its start and end, and the time between stamps is the call's own Python.
 A diagnostic for issue 19 (eager host time), not a library figure.
 
-CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/host_trace.py [out.json]
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 -m benchmarks.diagnostics.host_trace [out.json]
 """
 
 import collections
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from p2p_one_gpu import HOST_SHAPE, OPS, close_run, direct_call, host_operands, ipc_p2p, open_run  # noqa: E402
-
-import flashoverlap as fo  # noqa: E402
-from flashoverlap.comm import stream_ops  # noqa: E402
-from flashoverlap.comm.protocol import Call  # noqa: E402
+import flashoverlap as fo
+from benchmarks.diagnostics.p2p_one_gpu import HOST_SHAPE, OPS, close_run, direct_call, host_operands, ipc_p2p, open_run
+from flashoverlap.comm import stream_ops
+from flashoverlap.comm.protocol import Call
 
 CALLS = 20
 stamps: list[tuple[str, int, int]] = []
@@ -113,7 +109,7 @@ def trace(fn):
 
 
 def main():
-    rank, world, device, meta = open_run("host_trace.py")
+    rank, world, device, meta = open_run("host_trace")
     comm = ipc_p2p(device)
     m, n, k = HOST_SHAPE
     report = {"meta": {**meta, "shape": [m, n, k]}, "ops": {}}

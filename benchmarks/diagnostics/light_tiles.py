@@ -4,7 +4,7 @@ default ``HEAVY_ROWS``) as the exact mode runs them, under each candidate tile, 
 same rows regrouped by expert. Each candidate is first checked against ``torch._grouped_mm`` (output poisoned).
 
 CUDA_VISIBLE_DEVICES=0 FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src \\
-    python benchmarks/diagnostics/light_tiles.py [out.json]
+    python -m benchmarks.diagnostics.light_tiles [out.json]
 """
 
 import dataclasses
@@ -12,10 +12,9 @@ import json
 import sys
 
 import torch
-from results_file import results_meta, write_results
 
-from flashoverlap.bench.moe_gemm import Slice
-from flashoverlap.bench.timing import time_side_by_side
+from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.moe_gemm import Slice
 from flashoverlap.comm import expert_nccl
 from flashoverlap.kernels.grouped_gemm import (
     TILE_FLAT,
@@ -25,6 +24,7 @@ from flashoverlap.kernels.grouped_gemm import (
     grouped_gemm,
     workspace_size,
 )
+from flashoverlap.tune.timing import time_side_by_side
 
 TILES = {
     "default": None,
@@ -68,7 +68,7 @@ def main() -> int:
                    "t_ms": {k: round(v, 4) for k, v in t.items()}, "rel_err": errs}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    write_results({"meta": results_meta("PYTHONPATH=src python benchmarks/diagnostics/light_tiles.py OUT.json"),
+    write_results({"meta": results_meta("PYTHONPATH=src python -m benchmarks.diagnostics.light_tiles OUT.json"),
                   "rows": rows})
     return 0
 

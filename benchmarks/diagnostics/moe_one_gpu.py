@@ -35,31 +35,27 @@ the one-rank group, the peer's part copied from a real exchange recorded first (
 are checked against the definition once; a cProfile of ten eager calls of ours is printed per mode.
 
 CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \
-    torchrun --nproc-per-node 2 benchmarks/diagnostics/moe_one_gpu.py [out.json]
+    torchrun --nproc-per-node 2 -m benchmarks.diagnostics.moe_one_gpu [out.json]
 """
 
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from p2p_one_gpu import IpcWorkspace, close_run, open_run  # noqa: E402
-
-from flashoverlap.bench.timing import host_us, host_us_interleaved  # noqa: E402
-from flashoverlap.comm import expert as expert_module  # noqa: E402
-from flashoverlap.comm import expert_nccl  # noqa: E402
-from flashoverlap.comm.collectives import all_gather_into_tensor  # noqa: E402
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout  # noqa: E402
-from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator  # noqa: E402
-from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator  # noqa: E402
-from flashoverlap.comm.protocol import CommGroup  # noqa: E402
-from flashoverlap.comm.replay import Matmul  # noqa: E402
-from flashoverlap.runtime.experts import choose_gemm  # noqa: E402
-from flashoverlap.testing import host_synchronisations  # noqa: E402
+from benchmarks.diagnostics.p2p_one_gpu import IpcWorkspace, close_run, open_run
+from benchmarks.harness.timing import host_us, host_us_interleaved
+from flashoverlap.comm import expert as expert_module
+from flashoverlap.comm import expert_nccl
+from flashoverlap.comm.collectives import all_gather_into_tensor
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
+from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator
+from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator
+from flashoverlap.comm.protocol import CommGroup
+from flashoverlap.comm.replay import Matmul
+from flashoverlap.runtime.experts import choose_gemm
+from flashoverlap.testing import host_synchronisations
 
 # (name, tokens of rank s, hidden, ffn, experts, top_k, routing)
 CASES = [
@@ -532,7 +528,7 @@ def host_rows(comm, group, solo, rank, world):
 
 
 def main():
-    rank, world, device, meta = open_run("moe_one_gpu.py")
+    rank, world, device, meta = open_run("moe_one_gpu")
     group = CommGroup.of(dist.group.WORLD, device)
     report = {"meta": meta, "checked": 0,
               "not_run": "the NCCL path's transfers (NCCL refuses two ranks on one GPU): only its W = 1 case ran, on a "

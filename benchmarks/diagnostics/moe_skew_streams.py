@@ -22,7 +22,7 @@ are *heavy*, the others *light*. Forms, each first checked against ``torch._grou
   source through a row map (``grouped_gemm(row_map=...)``): no copy, no new layout (what a path would run).
 
 CUDA_VISIBLE_DEVICES=0 FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src \\
-    python benchmarks/diagnostics/moe_skew_streams.py [out.json]
+    python -m benchmarks.diagnostics.moe_skew_streams [out.json]
 """
 
 import dataclasses
@@ -30,11 +30,11 @@ import json
 import sys
 
 import torch
-from results_file import results_meta, write_results
 
-from flashoverlap.bench.moe_gemm import Slice
-from flashoverlap.bench.timing import time_side_by_side
+from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.moe_gemm import Slice
 from flashoverlap.kernels.grouped_gemm import TILE_MANY_EXPERTS, grouped_gemm, workspace_size
+from flashoverlap.tune.timing import time_side_by_side
 
 CARVE = getattr(torch._C, "_set_sm_carveout_experimental", None)
 
@@ -325,7 +325,7 @@ def main() -> int:
             rows.append(row)
             del s
             torch.cuda.empty_cache()
-    write_results({"meta": results_meta("PYTHONPATH=src python benchmarks/diagnostics/moe_skew_streams.py OUT.json"),
+    write_results({"meta": results_meta("PYTHONPATH=src python -m benchmarks.diagnostics.moe_skew_streams OUT.json"),
                   "rows": rows})
     return 0
 

@@ -14,7 +14,7 @@ interleaved (``bench.timing.host_us_interleaved``: one call of each per round, `
 also the paired figures, the median over rounds of a call's ratio to ``torch.mm`` and, for the sequential plan, of
 its difference from the direct call in the same round).
 
-CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_one_gpu.py [out.json]
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_one_gpu [out.json]
 """
 
 import json
@@ -22,10 +22,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from results_file import results_meta, write_results
 
 import flashoverlap as fo
-from flashoverlap.bench.timing import host_us_interleaved
+from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap.comm import symmetric
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.comm.protocol import Call
@@ -200,8 +200,8 @@ def open_run(script: str) -> tuple[int, int, torch.device, dict]:
     torch.cuda.set_device(0)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    meta = results_meta(f"CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/{script} OUT.json",
-                       f"1x {torch.cuda.get_device_name()} shared by {world} processes")
+    command = f"CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 -m benchmarks.diagnostics.{script} OUT.json"
+    meta = results_meta(command, f"1x {torch.cuda.get_device_name()} shared by {world} processes")
     return rank, world, torch.device("cuda", 0), meta
 
 
@@ -222,7 +222,7 @@ def close_run(results: dict, rank: int) -> None:
 
 
 def main():
-    rank, world, device, meta = open_run("p2p_one_gpu.py")
+    rank, world, device, meta = open_run("p2p_one_gpu")
     comm = ipc_p2p(device)
     report = {"meta": meta, "checked": 0}
     for op in OPS:

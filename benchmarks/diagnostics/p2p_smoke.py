@@ -2,7 +2,7 @@
 matmul + NCCL), then the op timed beside matmul-then-NCCL and the NCCL path at grid shapes. One line per step,
 flushed, so that a stall shows where it happened; run each op under its own ``timeout``.
 
-torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_smoke.py {all_reduce|reduce_scatter|all_gather}"""
+torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_smoke {all_reduce|reduce_scatter|all_gather}"""
 
 import os
 import sys
@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.bench.timing import time_side_by_side
 from flashoverlap.testing import plain
+from flashoverlap.tune.timing import time_side_by_side
 
 SHAPES = [(256, 512, 128), (1000, 1000, 100), (778, 2000, 1234), (4096, 4096, 4096)]  # M divisible by W
 GRID = {"all_reduce": [(8192, 8192, 8192), (16384, 8192, 4096)],

@@ -2,7 +2,7 @@
 sub-bands per rank block side by side with sequential (matmul then NCCL) and torch async TP; E per plan, and the
 host time per call. Evidence for ``plan.py``'s default sub-band counts.
 
-torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py OUT.json"""
+torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_sub_bands OUT.json"""
 
 import json
 import os
@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.bench.baselines import async_tp_ops
-from flashoverlap.bench.op_rows import GRID_ALL_GATHER, GRID_ALL_REDUCE, inputs
-from flashoverlap.bench.rows import efficiency
-from flashoverlap.bench.timing import time_side_by_side
+from benchmarks.harness.baselines import async_tp_ops
+from benchmarks.harness.op_rows import GRID_ALL_GATHER, GRID_ALL_REDUCE
+from flashoverlap.bench import efficiency
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from flashoverlap.tune.timing import inputs, time_side_by_side
 
 SUB_BANDS = (1, 2, 3, 4, 6, 8)
 

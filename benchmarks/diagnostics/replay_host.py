@@ -6,26 +6,22 @@ nodes by type; then the launch of synthetic graphs of N nodes of one type (kerne
 on one stream or alternating between two), to tell what a node of each type costs at launch. A diagnostic for
 issue 19 (replayed host time), not a library figure.
 
-CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 benchmarks/diagnostics/replay_host.py [out.json]
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 -m benchmarks.diagnostics.replay_host [out.json]
 """
 
 import collections
 import ctypes
-import os
 import statistics
 import struct
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from p2p_one_gpu import HOST_SHAPE, OPS, close_run, host_operands, ipc_p2p, open_run  # noqa: E402
-
-from flashoverlap.bench.timing import host_us_interleaved  # noqa: E402
-from flashoverlap.comm import ring_schedule as rs  # noqa: E402
-from flashoverlap.comm import stream_ops  # noqa: E402
-from flashoverlap.comm.protocol import Call  # noqa: E402
+from benchmarks.diagnostics.p2p_one_gpu import HOST_SHAPE, OPS, close_run, host_operands, ipc_p2p, open_run
+from benchmarks.harness.timing import host_us_interleaved
+from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.comm import stream_ops
+from flashoverlap.comm.protocol import Call
 
 # CUgraphNodeType (cuda.h)
 NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
@@ -214,7 +210,7 @@ def synthetic_rows(rank: int) -> dict:
 
 
 def main():
-    rank, world, device, meta = open_run("replay_host.py")
+    rank, world, device, meta = open_run("replay_host")
     comm = ipc_p2p(device)
     meta["unit"] = "us of host time per call, median of 40 (30 for synthetic), GPU busy ahead"
     report = {"meta": meta, "replayed": replayed_rows(comm, world), "synthetic": synthetic_rows(rank)}

@@ -2,7 +2,7 @@
 of each op, in whatever setting NCCL runs (``NCCL_P2P_DISABLE=1`` for pcie-like): E per path and host time.
 Evidence for whether ``path="auto"`` should take the ring anywhere.
 
-[NCCL_P2P_DISABLE=1] torchrun --nproc-per-node 2 benchmarks/diagnostics/ring_nccl.py OUT.json"""
+[NCCL_P2P_DISABLE=1] torchrun --nproc-per-node 2 -m benchmarks.diagnostics.ring_nccl OUT.json"""
 
 import json
 import os
@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.bench.op_rows import GRID_ALL_GATHER, GRID_ALL_REDUCE, inputs
-from flashoverlap.bench.rows import efficiency
-from flashoverlap.bench.timing import time_side_by_side
+from benchmarks.harness.op_rows import GRID_ALL_GATHER, GRID_ALL_REDUCE
+from flashoverlap.bench import efficiency
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from flashoverlap.testing import plain
+from flashoverlap.tune.timing import inputs, time_side_by_side
 
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
 

@@ -9,26 +9,23 @@ not), ``torch.matmul`` in place of ``torch.mm``, and the op's collective alone, 
 the sequential communicator issues it (``collectives.*_now``). A cProfile of 50 calls of ours follows per op.
 
 CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \
-    torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py [out.json]
+    torchrun --nproc-per-node 1 -m benchmarks.diagnostics.sequential_host [out.json]
 """
 
 import cProfile
 import io
 import json
-import os
 import pstats
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from p2p_one_gpu import direct_call  # noqa: E402
-from results_file import results_meta, write_results  # noqa: E402
-
 import flashoverlap as fo
+from benchmarks.diagnostics.p2p_one_gpu import direct_call
+from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap import guards
-from flashoverlap.bench.timing import host_us_interleaved
 from flashoverlap.comm import collectives
 from flashoverlap.comm.protocol import Call
 from flashoverlap.ops import library
@@ -105,7 +102,7 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     rows = [op_row(op, public, name, dist.group.WORLD) for op, (public, name) in PUBLIC.items()]
     torch.cuda.synchronize()
-    command = "torchrun --nproc-per-node 1 benchmarks/diagnostics/sequential_host.py OUT.json"
+    command = "torchrun --nproc-per-node 1 -m benchmarks.diagnostics.sequential_host OUT.json"
     write_results({"meta": results_meta(command), "rows": rows})
     dist.destroy_process_group()
     return 0

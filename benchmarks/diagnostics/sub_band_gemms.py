@@ -4,14 +4,14 @@ the own shard whole and the peer's in S sub-bands; for the reductions the first 
 step's ``addmm_``, which adds the received partial in cuBLAS's epilogue). The excess over the whole GEMM is time
 the overlap has to win back before it gains.
 
-python benchmarks/diagnostics/sub_band_gemms.py [out.json]
+python -m benchmarks.diagnostics.sub_band_gemms [out.json]
 """
 
 
 import torch
-from results_file import results_meta, write_results
 
-from flashoverlap.bench.timing import time_ms
+from benchmarks.diagnostics.results_file import results_meta, write_results
+from flashoverlap.tune.timing import time_ms
 
 GRID = {"all_reduce": [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
                        (2048, 8192, 14336)],
@@ -57,7 +57,7 @@ def main():
             rows.append(row)
             excess = ", ".join(f"S={s}: {100 * (t / whole - 1):+.1f}%" for s, t in row["split_ms"].items())
             print(f"{op} {m}x{n}x{k}: whole {whole:.3f} ms; {excess}", flush=True)
-    write_results({"meta": results_meta("python benchmarks/diagnostics/sub_band_gemms.py"), "rows": rows})
+    write_results({"meta": results_meta("python -m benchmarks.diagnostics.sub_band_gemms"), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,48 +1,145 @@
-"""The command line: ``flashoverlap demo | bench ops|block|moe | tune ... | version`` (also ``python -m
-flashoverlap ...``).
+"""The command line: ``flashoverlap demo | bench ops|block|moe | tune bandwidth|plan|validate | version`` (also
+``python -m flashoverlap ...``), its options and the strict value parsers every command shares.
 
-The options and their strict value parsers are ``bench/args.py``'s, shared with ``python -m flashoverlap.bench``,
-``.bench.block`` and ``.bench.moe``, so that ``--help`` lists the same options everywhere and on any machine; this
-module imports the benchmarks only to run them, and they never import it. ``bench`` and ``tune`` need CUDA GPUs
-and run under ``torchrun``; they say so after parsing, so their ``--help`` works on a CPU machine. Nothing here
-imports torch until a command runs.
+Values are parsed by one function each (``shape`` for ``M,N,K``, ``shapes`` for ``M,N,K;M,N,K``,
+``positive_ints`` for comma-separated counts), strictly: ASCII digits only, so ``1_6`` is refused rather than read
+as 16. A value that starts with ``-`` (``--shape -8,8,8``) reaches its parser and gets its message instead of
+argparse's "expected one argument" (``join_values``). The benchmark harness (``benchmarks/`` of a source checkout,
+not installed) parses its options with these functions too.
+
+``bench ops`` is the installed benchmark (``flashoverlap.bench``); ``bench block``, ``bench moe`` and ``tune
+validate`` belong to the harness, and say how to run it. ``bench`` and ``tune`` need CUDA GPUs and run under
+``torchrun``; they say so after parsing, so their ``--help`` works on a CPU machine. This module is the one place
+besides the settings that reads the environment (torchrun's ``RANK`` and ``LOCAL_RANK``, and the NCCL variables a
+results file records). Nothing here imports torch until a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
-from flashoverlap.bench.args import (
-    DTYPES,
-    OPS,
-    add_bench_block_arguments,
-    add_bench_moe_arguments,
-    add_bench_ops_arguments,
-    join_values,
-    op_list,
-    positive,
-    shape,
-)
+OPS = ["all_reduce", "reduce_scatter", "all_gather"]
+DTYPES = ["bfloat16", "float16"]
+# Options whose value may start with "-" (a mistyped negative dimension): joined to their option before parsing.
+VALUE_OPTIONS = ("--shape", "--shapes", "--world-size", "--top", "--max-mib", "--iters")
+# What the harness runs instead of the commands it owns, from the root of a source checkout.
+HARNESS = {"block": "torchrun --nproc-per-node 2 -m benchmarks.block",
+           "moe": "torchrun --nproc-per-node 2 -m benchmarks.moe",
+           "validate": "torchrun --nproc-per-node 2 -m benchmarks.model_check"}
+_DIGITS = re.compile(r"[0-9]+")
 
 
-def _needs_gpus(command: str) -> None:
-    import torch
-
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-        raise SystemExit(f"flashoverlap {command}: needs CUDA GPUs (two or more, under torchrun --nproc-per-node N); "
-                         "on a CPU-only machine run `flashoverlap demo` or the tests")
-    if "RANK" not in os.environ:
-        raise SystemExit(f"flashoverlap {command}: start it under torchrun, e.g. "
-                         f"`torchrun --nproc-per-node 2 -m flashoverlap {command} ...`")
+# -- value parsers ----------------------------------------------------------------------------------------------
+def _count(text: str) -> int | None:
+    """A positive integer written in ASCII digits, else None (``int`` would accept ``1_6``, ``+8``, `` 8``)."""
+    return int(text) if _DIGITS.fullmatch(text) and int(text) > 0 else None
 
 
+def shape(text: str) -> tuple[int, int, int]:
+    """``M,N,K``: three positive integers (the one parser of a shape, for every command)."""
+    dims = tuple(_count(part) for part in text.split(","))
+    if len(dims) != 3 or None in dims:
+        raise argparse.ArgumentTypeError(f"expected three positive integers M,N,K (digits only), got {text!r}")
+    return dims  # type: ignore[return-value]
+
+
+def shapes(text: str) -> list[tuple[int, int, int]]:
+    """``M,N,K;M,N,K;...``: one or more shapes."""
+    return [shape(part) for part in text.split(";")]
+
+
+def positive(text: str) -> int:
+    """One positive integer."""
+    value = _count(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (digits only), got {text!r}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """Zero or a positive integer."""
+    if text == "0":
+        return 0
+    try:
+        return positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (digits only), got {text!r}") from None
+
+
+def _ints(text: str, parse, what: str) -> list[int]:
+    try:
+        return [parse(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what} (digits only), got {text!r}") from None
+
+
+def positive_ints(text: str) -> list[int]:
+    """``A,B,...``: positive integers."""
+    return _ints(text, positive, "positive integers")
+
+
+def non_negative_ints(text: str) -> list[int]:
+    """``A,B,...``: integers >= 0."""
+    return _ints(text, non_negative, "integers >= 0")
+
+
+def op_names(text: str) -> list[str]:
+    """``all_reduce,reduce_scatter,...``: known ops (empty: none)."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in OPS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
+    return names
+
+
+def op_list(text: str) -> str:
+    """``op_names``, checked, kept as the comma-separated text (the tuner's form)."""
+    if not op_names(text):
+        raise argparse.ArgumentTypeError("expected at least one op")
+    return text
+
+
+def join_values(argv: list[str], options: tuple[str, ...] = VALUE_OPTIONS) -> list[str]:
+    """``--shape -8,8,8`` -> ``--shape=-8,8,8`` for each of ``options``, so that the value's parser sees it
+    (argparse takes a value that starts with ``-`` for an option, and says only "expected one argument")."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in options and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] != "--" \
+                and not argv[i + 1].startswith("--"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def add_bench_ops_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``bench ops`` (the harness's ``benchmarks.ops`` adds its own to these)."""
+    parser.add_argument("--ops", default=["all_reduce"], type=op_names, metavar="OPS",
+                        help="comma-separated: all_reduce, reduce_scatter, all_gather (default: all_reduce)")
+    parser.add_argument("--shapes", default=None, type=shapes, metavar="M,N,K;...",
+                        help="shapes to run for every op (default: docs/benchmarks.md's grid of each op)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="input dtype (default: bfloat16)")
+    parser.add_argument("--iters", type=positive, default=30, help="timed calls per figure (default 30)")
+
+
+# -- the parser -------------------------------------------------------------------------------------------------
 def _usage_lines(parsers: dict[str, argparse.ArgumentParser]) -> str:
     """Each subcommand's usage (every option, in brief), for its parent's ``--help``."""
     lines = [parser.format_usage().strip().replace("usage: ", "  ", 1) for parser in parsers.values()]
     first = next(iter(parsers.values())).prog
     return "every option, in brief:\n" + "\n".join(lines) + f"\n\n`{first} --help` (and so on) describes each."
+
+
+def _harness_text(what: str, options: str = "...") -> str:
+    command = HARNESS[what]
+    return (f"part of the benchmark harness, which is not installed: from the root of a source checkout, run "
+            f"`{command} {options}` (its options: `python -m {command.split()[-1]} --help`)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,27 +160,25 @@ def parser() -> argparse.ArgumentParser:
                       help="ranks (default: every GPU, or 2 CPU processes)")
     demo.add_argument("--cpu", action="store_true", help="use CPU processes (gloo) even where GPUs are present")
 
-    bench = commands.add_parser("bench", help="benchmark the ops (or the transformer block) against baselines; "
-                                "under torchrun on GPUs", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Benchmarks, under torchrun on CUDA GPUs; results JSON under "
-                                "benchmarks/results/ (docs/benchmarks.md).")
+    bench = commands.add_parser("bench", help="benchmark the ops against matmul + collective; under torchrun on "
+                                "GPUs", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Benchmarks, under torchrun on CUDA GPUs (docs/benchmarks.md).")
     kinds = bench.add_subparsers(dest="what", required=True, metavar="{ops,block,moe}")
     bench_parsers = {
-        "ops": kinds.add_parser("ops", help="the benchmark grid of the three ops against their baselines",
-                                description="The ops against matmul + collective, decomposition and async TP "
-                                "(also `python -m flashoverlap.bench`)."),
-        "block": kinds.add_parser("block", help="the tensor-parallel transformer block, eager and compiled",
-                                  description="A Llama-style block at tensor parallelism: ours against plain "
-                                  "PyTorch TP, async TP and no communication, eager and compiled (also `python -m "
-                                  "flashoverlap.bench.block`)."),
-        "moe": kinds.add_parser("moe", help="the expert-parallel MoE layer against the plain layer",
-                                description="One expert-parallel SwiGLU MoE layer: ours against NCCL all-to-all + "
-                                "torch._grouped_mm and against no communication, per config, routing, mode and path "
-                                "(also `python -m flashoverlap.bench.moe`)."),
+        "ops": kinds.add_parser("ops", help="the three ops against matmul + collective at the grid shapes",
+                                description="The ops against the plain PyTorch code they replace (matmul then the "
+                                "collective) at docs/benchmarks.md's grid: a table, and the results rows with "
+                                "--out. The full harness (decomposition and async TP baselines, both paths, plan "
+                                "sweeps, the timeline) is `torchrun --nproc-per-node 2 -m benchmarks.ops` from the "
+                                "root of a source checkout."),
+        "block": kinds.add_parser("block", help="the tensor-parallel transformer block (the harness's)",
+                                  description=f"The transformer block: {_harness_text('block')}."),
+        "moe": kinds.add_parser("moe", help="the expert-parallel MoE layer (the harness's)",
+                                description=f"The MoE layer: {_harness_text('moe')}."),
     }
     add_bench_ops_arguments(bench_parsers["ops"])
-    add_bench_block_arguments(bench_parsers["block"])
-    add_bench_moe_arguments(bench_parsers["moe"])
+    bench_parsers["ops"].add_argument("--out", default=None, metavar="FILE",
+                                      help="also write the results JSON ({meta, rows}) to FILE")
     bench.epilog = _usage_lines(bench_parsers)
 
     tune = commands.add_parser("tune", help="the tuner, under torchrun: bandwidth curves, plan search, model check",
@@ -91,35 +186,125 @@ def parser() -> argparse.ArgumentParser:
     steps = tune.add_subparsers(dest="tune_command", required=True, metavar="{bandwidth,plan,validate}")
     tune_parsers = {}
     for name, text in (("bandwidth", "measure each collective's time against message size"),
-                       ("plan", "search one shape's plan with the model, confirm by measurement, cache the winner"),
-                       ("validate", "the model's predictions and picks against measurements over the grid")):
+                       ("plan", "search one shape's plan with the model, confirm by measurement, cache the winner")):
         step = tune_parsers[name] = steps.add_parser(name, help=text, description=text)
         paths = ["nccl", "p2p"] if name == "bandwidth" else ["nccl", "p2p", "auto"]
         step.add_argument("--path", default="nccl", choices=paths,
                           help="the communicator (default nccl; auto: both where P2P applies, and the winner's plan "
                                "names its path, which path='auto' calls then follow)")
         step.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="input dtype (default: bfloat16)")
-        if name in ("bandwidth", "validate"):
-            step.add_argument("--ops", default=",".join(OPS), type=op_list,
-                              help="comma-separated ops (default: all three)")
-        if name == "bandwidth":
-            step.add_argument("--max-mib", type=positive, default=512, help="largest message in MiB (default 512)")
-        if name == "plan":
-            step.add_argument("--op", required=True, choices=OPS, help="the op to tune")
-            step.add_argument("--shape", type=shape, required=True, metavar="M,N,K",
-                              help="the call's shape; for all_gather, M is the gathered rows")
-            step.add_argument("--top", type=positive, default=3, help="model's best candidates to time (default 3)")
-            step.add_argument("--exhaustive", action="store_true", help="time every candidate")
-        if name == "validate":
-            step.add_argument("--out", default=None, help="results JSON (default benchmarks/results/...-model.json)")
+    tune_parsers["bandwidth"].add_argument("--ops", default=",".join(OPS), type=op_list,
+                                           help="comma-separated ops (default: all three)")
+    tune_parsers["bandwidth"].add_argument("--max-mib", type=positive, default=512,
+                                           help="largest message in MiB (default 512)")
+    plan = tune_parsers["plan"]
+    plan.add_argument("--op", required=True, choices=OPS, help="the op to tune")
+    plan.add_argument("--shape", type=shape, required=True, metavar="M,N,K",
+                      help="the call's shape; for all_gather, M is the gathered rows")
+    plan.add_argument("--top", type=positive, default=3, help="model's best candidates to time (default 3)")
+    plan.add_argument("--exhaustive", action="store_true", help="time every candidate")
+    tune_parsers["validate"] = steps.add_parser(
+        "validate", help="the model's predictions and picks against measurements over the grid (the harness's)",
+        description=f"The model check: {_harness_text('validate')}.")
     tune.epilog = _usage_lines(tune_parsers)
     commands.add_parser("version", help="print the version")
     return top
 
 
+# -- the commands -----------------------------------------------------------------------------------------------
+def _needs_gpus(command: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        raise SystemExit(f"flashoverlap {command}: needs CUDA GPUs (two or more, under torchrun --nproc-per-node N); "
+                         "on a CPU-only machine run `flashoverlap demo` or the tests")
+    if "RANK" not in os.environ:
+        raise SystemExit(f"flashoverlap {command}: start it under torchrun, e.g. "
+                         f"`torchrun --nproc-per-node 2 -m flashoverlap {command} ...`")
+
+
+def _under_torchrun(run) -> int:
+    """``run(device)`` on this rank's GPU (torchrun's ``LOCAL_RANK``) with the NCCL group started, taken down after."""
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        return run(device)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def tune_target(dtype_name: str, device):
+    """The tuner's ``Target`` on the world group: this device, the dtype, the runtime's NCCL transport setting."""
+    import torch
+    import torch.distributed as dist
+
+    from flashoverlap.runtime import settings
+    from flashoverlap.tune.tuner import Target
+
+    return Target(dist.group.WORLD, device, getattr(torch, dtype_name), settings.current().nccl_p2p_disabled)
+
+
+def tune_search(op: str, shape: tuple[int, int, int], target, path: str):
+    """``tune.tuner.model_search`` over the paths ``path`` covers: the one asked for, or for ``"auto"`` NCCL and,
+    where it applies to this group, P2P (the ops' ``path="auto"`` rule), each with the plan an untuned call takes
+    there (the runtime's answers, passed to the tuner as values)."""
+    import torch.distributed as dist
+
+    from flashoverlap.comm.symmetric import p2p_unavailable_reason
+    from flashoverlap.runtime import plan_for
+    from flashoverlap.runtime.policy import p2p_excluded
+    from flashoverlap.tune.tuner import model_search
+
+    group, device = target.group, target.device
+    paths = [path]
+    if path == "auto":
+        reason = None if target.nccl_p2p_disabled else p2p_unavailable_reason(group, device)
+        excluded = p2p_excluded(reason, dist.get_world_size(group), target.nccl_p2p_disabled)
+        paths = ["nccl"] if excluded else ["nccl", "p2p"]
+    hand_set = {each: plan_for(op, *shape, group, device, target.dtype, each, tuned=False) for each in paths}
+    return model_search(op, shape, target, hand_set, path)
+
+
+def _tune(args: argparse.Namespace, device) -> int:
+    """``tune bandwidth``: measure and store each op's curve. ``tune plan``: tune one shape and cache the winner."""
+    import torch.distributed as dist
+
+    from flashoverlap.tune.tuner import tune_bandwidth, tune_plan
+
+    target = tune_target(args.dtype, device)
+    say = print if dist.get_rank() == 0 else (lambda line: None)
+    if args.tune_command == "bandwidth":
+        tune_bandwidth(args.ops.split(","), args.path, target, args.max_mib << 20, say)
+        return 0
+    search = tune_search(args.op, args.shape, target, args.path)
+    winner, _ = tune_plan(args.op, args.shape, target, search, args.top, args.exhaustive, say)
+    say(winner.describe())
+    return 0
+
+
+def environment() -> dict[str, str]:
+    """The variables that shape a run's communication, recorded in a results file's meta."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEV"))}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = join_values(list(sys.argv[1:] if argv is None else argv))
-    args = parser().parse_args(argv)
+    top = parser()
+    args, unknown = top.parse_known_args(argv)
+    what = {"bench": getattr(args, "what", None), "tune": getattr(args, "tune_command", None)}.get(args.command)
+    if what in HARNESS:  # the harness's command: its options are its own
+        rest = argv[argv.index(what, argv.index(args.command)) + 1 :]
+        raise SystemExit(f"flashoverlap {args.command} {what}: {_harness_text(what, ' '.join(rest) or '...')}")
+    if unknown:
+        hint = "; the harness's options (--sweep, --timeline, ...) are `python -m benchmarks.ops`'s, from a " \
+               "source checkout" if what == "ops" else ""
+        top.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if args.command == "version":
         from flashoverlap import __version__
 
@@ -129,24 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         from flashoverlap.demo import main as demo_main
 
         return demo_main(args.shape, args.dtype, args.world_size, args.cpu, args.op)
-    _needs_gpus(f"{args.command} {args.what if args.command == 'bench' else args.tune_command}")
+    _needs_gpus(f"{args.command} {what}")
     if args.command == "tune":
-        from flashoverlap.bench.tuner import main as tune_main
+        return _under_torchrun(lambda device: _tune(args, device))
+    from flashoverlap import bench
 
-        return tune_main(args)
-    # The benchmarks parse their own options (the same definitions, above): pass on what follows ``bench WHAT``.
-    rest = argv[argv.index(args.what, argv.index("bench")) + 1 :]
-    if args.what == "block":
-        from flashoverlap.bench.block import main as block_main
-
-        return block_main(rest)
-    if args.what == "moe":
-        from flashoverlap.bench.moe import main as moe_main
-
-        return moe_main(rest)
-    from flashoverlap.bench.__main__ import main as bench_main
-
-    return bench_main(rest)
+    command = " ".join(["flashoverlap", *argv])
+    return _under_torchrun(lambda device: bench.main(args, device, command, environment()))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ LIMIT = 2e-2
 
 
 def _gradients(rank, world_size):
-    from flashoverlap.bench.block import BlockConfig, check_against_unsharded
+    from benchmarks.block import BlockConfig, check_against_unsharded
 
     cfg = BlockConfig(hidden=1024, heads=8, kv_heads=2, ffn=4096)
     return check_against_unsharded(rank, world_size, cfg, tokens=4096)
@@ -28,7 +28,7 @@ def test_block_gradients_match_the_unsharded_block_on_gpus():
 
 
 def _compiled(rank, world_size):
-    from flashoverlap.bench.block import Block, BlockConfig, TPBlock
+    from benchmarks.block import Block, BlockConfig, TPBlock
 
     cfg = BlockConfig(hidden=1024, heads=8, kv_heads=2, ffn=4096)
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from flashoverlap.bench.copy_kernel import sm_copy  # noqa: E402
+from benchmarks.harness.copy_kernel import sm_copy  # noqa: E402
 from flashoverlap.kernels.gemm import gemm  # noqa: E402
 from flashoverlap.plan import TileConfig  # noqa: E402
 from flashoverlap.tune.defaults import default_plan  # noqa: E402

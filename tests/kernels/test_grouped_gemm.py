@@ -480,7 +480,7 @@ def test_default_tile():
 
 
 def test_bench_routing_counts():
-    from flashoverlap.bench.moe_gemm import CONFIGS, WORLD, routing_counts
+    from benchmarks.moe_gemm import CONFIGS, WORLD, routing_counts
 
     for experts, _, _, rows in CONFIGS.values():
         balanced = routing_counts(rows, experts, "balanced")

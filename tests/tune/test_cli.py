@@ -15,8 +15,7 @@ def test_tune_commands_parse_and_need_gpus_and_torchrun(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for argv in (["tune", "bandwidth", "--ops", "all_reduce"],
-                 ["tune", "plan", "--op", "all_gather", "--shape", "8,8,8", "--exhaustive"],
-                 ["tune", "validate", "--path", "p2p"]):
+                 ["tune", "plan", "--op", "all_gather", "--shape", "8,8,8", "--exhaustive"]):
         with pytest.raises(SystemExit, match="torchrun"):
             main(argv)
 

@@ -1,3 +1,3 @@
 """Tuning policy the ops consult, no GPU harness: the measured rates behind default plans (``rates``), the on-disk
 plan cache (``cache``), the performance model (``model``) and the plan search (``search``). The measuring side,
-which times plans on the GPUs, is ``flashoverlap.bench.tuner`` (``flashoverlap tune ...``)."""
+which times plans on the GPUs, is ``tuner`` with ``timing`` (``flashoverlap tune bandwidth|plan``)."""

@@ -1,6 +1,6 @@
 """The timeline picture from recorded group times (synthetic here; the GPU run records real ones)."""
 
-from flashoverlap.bench.timeline import draw
+from benchmarks.harness.timeline import draw
 
 
 def test_timeline_png(tmp_path):

@@ -3,8 +3,8 @@
 import torch
 
 import flashoverlap as fo
-from flashoverlap.bench.__main__ import print_table
-from flashoverlap.bench.rows import efficiency, result_row
+from benchmarks.harness.rows import efficiency, result_row
+from benchmarks.ops import print_table
 
 
 def _times(ours):
@@ -36,7 +36,7 @@ def test_table_has_one_block_per_op_and_path(capsys):
 
 
 def test_a_tuned_row_carries_the_hand_set_plan_timed_beside_it():
-    from flashoverlap.bench.rows import add_default
+    from benchmarks.harness.rows import add_default
 
     tuned = fo.default_plan("all_reduce", 4096, 4096, 4096, 2, num_groups=3, allow_sequential=False)
     hand = fo.default_plan("all_reduce", 4096, 4096, 4096, 2, num_groups=6, comm_ctas=8, allow_sequential=False)
@@ -47,7 +47,7 @@ def test_a_tuned_row_carries_the_hand_set_plan_timed_beside_it():
 
 
 def test_paired_figures_are_medians_of_each_rounds_difference_and_ratio():
-    from flashoverlap.bench.timing import paired_figures
+    from benchmarks.harness.timing import paired_figures
 
     # Medians apart: 3 - 1 = 2 s. Round by round the call costs 0.5, 1 and 2 s more (median 1 s) and 2x, 1.11x and
     # 3x as much (median 2x): a slow round moves both calls, and the paired figures with them.
@@ -61,7 +61,7 @@ def test_interleaved_rounds_run_each_name_right_after_each_other_equally_often()
     from collections import Counter
     from itertools import permutations
 
-    from flashoverlap.bench.timing import cycle_rounds, round_order
+    from benchmarks.harness.timing import cycle_rounds, round_order
 
     for count in (1, 2, 3, 4, 5, 12, 13):
         names = [f"part{i}" for i in range(count)]

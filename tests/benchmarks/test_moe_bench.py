@@ -9,7 +9,7 @@ from flashoverlap.testing import spawn
 
 
 def _bench(rank, world):
-    from flashoverlap.bench.moe import TOY_CONFIGS, PlainMoE, _ours, bench_rows, route
+    from benchmarks.moe import TOY_CONFIGS, PlainMoE, _ours, bench_rows, route
 
     config = TOY_CONFIGS["toy"]
     torch.manual_seed(rank)

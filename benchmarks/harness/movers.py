@@ -1,4 +1,4 @@
-"""``python -m flashoverlap.bench --movers``: how each way of moving bytes over NVLink and a cuBLAS GEMM slow each
+"""``python -m benchmarks.ops --movers``: how each way of moving bytes over NVLink and a cuBLAS GEMM slow each
 other down (issue 4: which mover the P2P path should use).
 
 Movers, each 64 MiB per call between this rank and the next one through symmetric memory: a copy engine pulling
@@ -15,7 +15,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from flashoverlap.bench.copy_kernel import sm_copy
+from benchmarks.harness.copy_kernel import sm_copy
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 

@@ -20,8 +20,8 @@ Configs (all experts over the W ranks): Mixtral-8x7B-like (8 experts, top-2, H 4
 (128, top-8, H 2048, F 768), DeepSeek-V3-like (256, top-8, H 7168, F 2048); routing balanced (every expert the same
 share) or Zipf(1.2) (expert popularity ``i^-1.2`` in a seeded order, k distinct experts per token); bf16.
 
-``torchrun --nproc-per-node W -m flashoverlap.bench.moe [--configs ...] [--tokens ...] [--out FILE]`` (or
-``torchrun --nproc-per-node W -m flashoverlap bench moe ...``; options in ``bench/args.py``) writes
+``torchrun --nproc-per-node W -m benchmarks.moe [--configs ...] [--tokens ...] [--out FILE]`` (from the root of a
+source checkout; ``python -m benchmarks.moe --help`` lists the options) writes
 ``benchmarks/results/<gpu>x<W>-<setting>-moe.json`` ({"meta", "rows"}); ``W = 1`` is a dry run of the code (no
 communication to hide). ``bench_rows`` runs on the CPU too (gloo, toy sizes, a stand-in timer) for its tests.
 """
@@ -57,6 +57,7 @@ TOY_CONFIGS = {"toy": MoEConfig(8, 2, 16, 24)}
 ROUTINGS = ("balanced", "zipf")
 MODES = ("exact", "bounded")
 PASSES = ("forward", "forward+backward")
+PATHS = ("auto", "nccl", "p2p", "reference")  # the expert ops' paths (a test checks)
 FIGURES = ("t_plain_ms", "t_nocomm_ms", "t_ms")
 
 
@@ -244,14 +245,36 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    from flashoverlap.bench.__main__ import finish_run, start_run, write_results
-    from flashoverlap.bench.args import add_bench_moe_arguments
-    from flashoverlap.bench.timing import time_side_by_side
+def add_arguments(parser) -> None:
+    """The MoE layer benchmark's options. Lists are space-separated (``--paths auto nccl``), as the two-GPU run's
+    script passes them."""
+    from flashoverlap.cli import non_negative, positive
 
-    # the same options as `flashoverlap bench moe`, defined once
-    args, _, meta, out, device = start_run("python -m flashoverlap.bench.moe", __doc__.split("\n")[0],
-                                           add_bench_moe_arguments, argv, "-moe")
+    def names(flag: str, choices: list[str], default: list[str], what: str, metavar: str) -> None:
+        parser.add_argument(flag, nargs="+", choices=choices, default=default, metavar=metavar,
+                            help=f"{what}, space-separated, from {', '.join(choices)} (default: "
+                                 f"{' '.join(default)})")
+
+    names("--configs", list(CONFIGS), list(CONFIGS), "model configs", "CONFIG")
+    parser.add_argument("--tokens", nargs="+", type=positive, default=[4096, 16384], metavar="T",
+                        help="tokens per rank, space-separated (default: 4096 16384)")
+    names("--routings", list(ROUTINGS), list(ROUTINGS), "routings", "ROUTING")
+    names("--modes", list(MODES), list(MODES), "uneven-split modes", "MODE")
+    names("--paths", list(PATHS), ["auto"], "paths", "PATH")
+    names("--passes", list(PASSES), list(PASSES), "passes", "PASS")
+    parser.add_argument("--warmup", type=non_negative, default=3, help="untimed calls first (default 3)")
+    parser.add_argument("--iters", type=positive, default=20, help="timed calls per figure (default 20)")
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default benchmarks/results/<gpu>x<W>-<setting>-moe.json)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.harness.run import finish_run, start_run
+    from flashoverlap.bench import write_results
+    from flashoverlap.tune.timing import time_side_by_side
+
+    args, _, meta, out, device = start_run("python -m benchmarks.moe", __doc__.split("\n")[0], add_arguments, argv,
+                                           "-moe")
 
     def timer(fns: dict, host: dict) -> dict:
         return time_side_by_side(fns, warmup=args.warmup, iters=args.iters, host_us=host)
@@ -264,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['config']:>14} W={row['W']} {row['tokens']:>6} {row['routing']:>8} {row['mode']:>7} "
                   f"{row['path']:>9} {row['pass']:>16}: {figures} {e} host_us={row['host_us']:.0f} "
                   f"(plain {row['host_plain_us']:.0f})", flush=True)
-            write_results(out, meta, rows, {})
+            write_results(out, meta, rows)
 
     configs = {name: CONFIGS[name] for name in args.configs}
     rows = bench_rows(configs, args.tokens, args.routings, args.modes, args.paths, args.passes, timer, log, device)

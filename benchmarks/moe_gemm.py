@@ -25,7 +25,7 @@ Per row, timed side by side (CUDA events, median, each call queued behind a GPU 
 ``tflops`` at ``t_ms``. Every timed way is first checked against ``torch._grouped_mm`` on an output poisoned with NaN
 (flags included).
 
-``python -m flashoverlap.bench.moe_gemm --out FILE`` writes ``{"meta", "rows"}``; ``--sweep FILE`` times tile
+``python -m benchmarks.moe_gemm --out FILE`` writes ``{"meta", "rows"}``; ``--sweep FILE`` times tile
 variants of ours in the three forms instead (the measurements behind ``kernels.grouped_gemm``'s tile rule);
 ``--expert-groups FILE`` times the per-source form beside launches per group of experts over every source's rows
 (``Slice.triton_expert_groups``, ``cublas_expert_groups``): what a dispatch chunked by expert groups would run.
@@ -39,13 +39,13 @@ import datetime
 import importlib.metadata
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 
 import torch
 
-from flashoverlap.bench.timing import host_us, time_side_by_side
+from benchmarks.harness.run import commit
+from benchmarks.harness.timing import host_us
 from flashoverlap.comm.expert import ExpertPlan, Layout
 from flashoverlap.comm.expert_nccl import chunk_multiplier, light_multiplier
 from flashoverlap.kernels.grouped_gemm import (
@@ -56,6 +56,7 @@ from flashoverlap.kernels.grouped_gemm import (
     grouped_gemm,
     workspace_size,
 )
+from flashoverlap.tune.timing import time_side_by_side
 
 WORLD = 2
 # name: (local experts at W = 2, hidden H, expert FFN F, rows per rank = tokens x top-k)
@@ -300,23 +301,13 @@ class Slice:
 
 
 def _meta(argv: list[str]) -> dict:
-    commit = os.environ.get("FLASHOVERLAP_COMMIT")
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    check=True).stdout.strip()
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True).stdout.strip()
-            commit += "-dirty" if dirty else ""
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name(),
         "world_size_sliced": WORLD,
         "torch": torch.__version__,
         "triton": importlib.metadata.version("triton"),
-        "commit": commit,
-        "command": os.environ.get("FLASHOVERLAP_COMMAND", " ".join(["python -m flashoverlap.bench.moe_gemm", *argv])),
+        "commit": commit(),
+        "command": os.environ.get("FLASHOVERLAP_COMMAND", " ".join(["python -m benchmarks.moe_gemm", *argv])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -408,7 +399,7 @@ def assign_paths(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m flashoverlap.bench.moe_gemm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_gemm", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="results JSON (benchmarks/results/h200x1-moe-gemm.json)")
     parser.add_argument("--sweep", help="time SWEEP_TILES instead and write them to this JSON")
     parser.add_argument("--expert-groups", help="time the per-expert-group forms (EXPERT_GROUPS) instead and write "

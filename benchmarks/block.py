@@ -13,11 +13,11 @@ How the projections communicate (``impl``):
 - ``"nocomm"``: the same with every collective replaced by a local stand-in of the same shape (``repeat``, a row
   slice): the bound on what hiding communication can win.
 
-``python -m flashoverlap.bench.block`` (under ``torchrun``) times a training step (forward and backward),
-prefill (forward, no grad) and a decode step (a few tokens, in a CUDA graph) for each, eager and compiled
-(``torch.compile(fullgraph=True)``; torch's async TP is the plain block compiled with Inductor's micro-pipeline TP
-pass), and writes ``benchmarks/results/<gpus>-<setting>-block.json``: one row per mode and token count with the
-figures named in ``FIGURES``. ``e_block`` compares eager with eager and compiled with compiled.
+``torchrun --nproc-per-node W -m benchmarks.block`` (from the root of a source checkout) times a training step
+(forward and backward), prefill (forward, no grad) and a decode step (a few tokens, in a CUDA graph) for each, eager
+and compiled (``torch.compile(fullgraph=True)``; torch's async TP is the plain block compiled with Inductor's
+micro-pipeline TP pass), and writes ``benchmarks/results/<gpus>-<setting>-block.json``: one row per mode and token
+count with the figures named in ``FIGURES``. ``e_block`` compares eager with eager and compiled with compiled.
 ``check_against_unsharded`` is the correctness check the CPU suite runs with gloo at toy sizes.
 """
 
@@ -213,7 +213,7 @@ def _time(fn, steps: int, warmup: int, host: list | None = None) -> float:
     ``host`` receives the median host time of issuing one step (ms, maximum over ranks)."""
     import time
 
-    from flashoverlap.bench.timing import start_behind_sleep
+    from flashoverlap.tune.timing import start_behind_sleep
 
     for _ in range(warmup):
         fn()
@@ -365,13 +365,27 @@ def _timed_rows(cfg, models, token_counts, steps, decode_tokens, log, world, dev
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    from flashoverlap.bench.__main__ import finish_run, start_run, write_results
-    from flashoverlap.bench.args import add_bench_block_arguments
+def add_arguments(parser) -> None:
+    """The block benchmark's options."""
+    from flashoverlap.cli import positive, positive_ints
 
-    # the same options as `flashoverlap bench block`, defined once
-    args, _, meta, out, _ = start_run("python -m flashoverlap.bench.block", __doc__.split("\n")[0],
-                                      add_bench_block_arguments, argv, "-block")
+    parser.add_argument("--tokens", type=positive_ints, default=[8192, 16384], metavar="T,T",
+                        help="token counts (batch x sequence), comma-separated (default 8192,16384)")
+    parser.add_argument("--steps", type=positive, default=20, help="timed steps per figure, median (default 20)")
+    parser.add_argument("--decode-tokens", type=positive, default=16, help="tokens of the decode step (default 16)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the compiled blocks (ours, plain PyTorch TP, no communication)")
+    parser.add_argument("--no-async-tp", action="store_true", help="skip torch's async TP (compiled)")
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default benchmarks/results/<gpus>-<setting>-block.json)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.harness.run import finish_run, start_run
+    from flashoverlap.bench import write_results
+
+    args, _, meta, out, _ = start_run("python -m benchmarks.block", __doc__.split("\n")[0], add_arguments, argv,
+                                      "-block")
 
     def log(rows: list[dict]) -> None:  # the last row, and every row so far in case a later one fails
         if dist.get_rank() == 0:
@@ -380,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             gains = " ".join(f"E_block_{kind}={e:+.2f}" for kind, e in
                              (("eager", e_block(row, False)), ("compiled", e_block(row, True))) if e is not None)
             print(f"{row['mode']:>8} {row['tokens']:>6} tokens: {cells} {gains} {row.get('notes', '')}", flush=True)
-            write_results(out, meta, rows, {})
+            write_results(out, meta, rows)
 
     rows = bench_rows(BlockConfig(), args.tokens, args.steps, args.decode_tokens, not args.no_compile,
                       not args.no_async_tp, log)

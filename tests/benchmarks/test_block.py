@@ -11,7 +11,7 @@ LIMIT = 2e-2  # bf16: the sharded and unsharded blocks round in different places
 
 
 def _check(rank, world_size, impl):
-    from flashoverlap.bench.block import check_against_unsharded
+    from benchmarks.block import check_against_unsharded
 
     return check_against_unsharded(rank, world_size, impl=impl)
 
@@ -25,7 +25,7 @@ def test_block_gradients_match_the_unsharded_block(impl):
 
 
 def _compiled(rank, world_size):
-    from flashoverlap.bench.block import TOY, Block, TPBlock
+    from benchmarks.block import TOY, Block, TPBlock
 
     torch.manual_seed(0)
     shard = TPBlock(Block(TOY, dtype=torch.bfloat16))
@@ -58,7 +58,7 @@ def test_compile_fullgraph_traces_the_custom_ops():
 def _rows_at_one_rank(rank, world_size):
     """The benchmark's own loop at toy sizes on one gloo rank, timed by stand-ins (the CPU has no CUDA events):
     every figure of every row is produced by a block that really ran, compiled ones through ``torch.compile``."""
-    from flashoverlap.bench.block import FIGURES, TOY, bench_rows
+    from benchmarks.block import FIGURES, TOY, bench_rows
 
     calls = []
 
@@ -96,7 +96,7 @@ def test_benchmark_rows_carry_eager_and_compiled_figures_at_one_rank():
 
 
 def test_e_block_compares_eager_with_eager_and_compiled_with_compiled():
-    from flashoverlap.bench.block import e_block
+    from benchmarks.block import e_block
 
     # Figures chosen so that crossing the two (compiled ours against eager baselines) would change every answer.
     row = {"t_torch_eager_ms": 10.0, "t_nocomm_eager_ms": 8.0, "t_ours_eager_ms": 9.0,

@@ -1,5 +1,5 @@
 """A copy kernel run by a few SMs: the SM-driven way of moving bytes to or from a peer's memory (symmetric
-memory maps it into this device's address space), measured against copy engines (``bench/movers.py``).
+memory maps it into this device's address space), measured against copy engines (``harness/movers.py``).
 
 Each program copies ``BLOCK``-element chunks, strided by the number of programs; the launcher takes the source
 and destination as tensors of one dtype, either of which may be a peer-mapped view.

@@ -1,4 +1,4 @@
-"""``python -m flashoverlap.bench --timeline out.png``: one call drawn on two lanes, compute and communication.
+"""``python -m benchmarks.ops --timeline out.png``: one call drawn on two lanes, compute and communication.
 
 The times are read from the GPU: a CUDA event on the communication stream right after each group's stream wait
 returns (the moment the GPU saw the group's last tile stored) and one after its collective, both against an event
@@ -12,8 +12,8 @@ import textwrap
 import torch
 import torch.distributed as dist
 
-from flashoverlap.bench.timing import start_behind_sleep
 from flashoverlap.runtime.context import context_of
+from flashoverlap.tune.timing import start_behind_sleep
 
 
 def record(call, device: torch.device, group=None) -> dict:

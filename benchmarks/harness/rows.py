@@ -1,15 +1,12 @@
-"""One results row in docs/benchmarks.md's format, from the side-by-side times of one op at one shape."""
+"""One results row in docs/benchmarks.md's format, from the side-by-side times of one op at one shape: the
+installed benchmark's row (``flashoverlap.bench.op_row``) with the harness's figures added."""
 
 from __future__ import annotations
 
 import torch
 
+from flashoverlap.bench import efficiency, op_row
 from flashoverlap.plan import Plan
-
-
-def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
-    """docs/benchmarks.md's E: the share of the hideable time ``t_seq - t_ideal`` that ``t`` hid."""
-    return (t_seq - t) / (t_seq - t_ideal) if t_seq > t_ideal else float("nan")
 
 
 def plan_summary(plan: Plan) -> dict:
@@ -23,20 +20,12 @@ def result_row(op: str, shape: tuple[int, int, int], dtype: torch.dtype, t: dict
                host_us: dict[str, float] | None = None) -> dict:
     """``t`` holds the medians named gemm, comm, seq, ours and, where measured, our_gemm; ``host_us`` the host
     time per call of sequential and ours."""
-    m, n, k = shape
-    t_ideal = max(t["gemm"], t["comm"])
     our_gemm = t.get("our_gemm")
-    return {
-        "op": op, "path": plan.path, "dtype": str(dtype).replace("torch.", ""), "M": m, "N": n, "K": k,
-        "t_gemm_ms": t["gemm"], "t_our_gemm_ms": our_gemm, "t_comm_ms": t["comm"], "t_seq_ms": t["seq"],
-        "t_ms": t["ours"], "t_ideal_ms": t_ideal, "speedup": t["seq"] / t["ours"],
-        "E": efficiency(t["seq"], t["ours"], t_ideal),
-        "our_gemm_vs_cublas": t["gemm"] / our_gemm if our_gemm else None,
-        "baselines": {"decomposition_ms": min(decomposition.values()) if decomposition else None,
-                      "decomposition_by_chunks_ms": decomposition, "async_tp_ms": async_tp},
-        "plan": plan_summary(plan),
-        "host_us": {name: host_us[name] for name in ("seq", "ours") if name in host_us} if host_us else None,
-    }
+    return {"path": plan.path, **op_row(op, shape, dtype, t, host_us), "t_our_gemm_ms": our_gemm,
+            "our_gemm_vs_cublas": t["gemm"] / our_gemm if our_gemm else None,
+            "baselines": {"decomposition_ms": min(decomposition.values()) if decomposition else None,
+                          "decomposition_by_chunks_ms": decomposition, "async_tp_ms": async_tp},
+            "plan": plan_summary(plan)}
 
 
 def add_default(row: dict, t_default: float, plan: Plan) -> None:

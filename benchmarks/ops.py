@@ -1,67 +1,60 @@
-"""``python -m flashoverlap.bench`` (under ``torchrun --nproc-per-node W``): docs/benchmarks.md's grid for the ops named
-by ``--ops`` (default all-reduce).
+"""``torchrun --nproc-per-node W -m benchmarks.ops`` (from the root of a source checkout): docs/benchmarks.md's grid
+for the ops named by ``--ops`` (default all-reduce), every baseline side by side.
 
 Prints, per op and shape: T_gemm (cuBLAS), our GEMM alone (signalling on, the overlapped op's configuration),
 T_comm, T_seq, the best decomposition, torch async TP, flashoverlap's T (and, for all-gather on NVLink, the P2P
-path's), T_ideal, speedup and E; writes ``benchmarks/results/<gpus>-<setting>.json``. ``--sweep`` also times a
-family of plans per shape (groups, programs, NCCL CTAs). ``--interference`` measures how a GEMM and NCCL slow each
-other down when they share the GPU, ``--movers`` the same for copy engines and SM copies over NVLink.
+path's), T_ideal, speedup and E, and what a plain call (``path="auto"``) gets; writes
+``benchmarks/results/<gpus>-<setting>.json``. ``--sweep`` also times a family of plans per shape (groups, programs,
+NCCL CTAs). ``--interference`` measures how a GEMM and NCCL slow each other down when they share the GPU,
+``--movers`` the same for copy engines and SM copies over NVLink. The installed ``flashoverlap bench ops`` times
+the plain columns alone (``flashoverlap.bench``); the options here are its options and more.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import json
-import os
-import subprocess
 import sys
 
 import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.bench import op_rows
-from flashoverlap.bench.args import add_bench_ops_arguments, join_values
-from flashoverlap.bench.gemm_forms import gemm_form
-from flashoverlap.bench.op_rows import inputs as _inputs
-from flashoverlap.bench.rows import efficiency
-from flashoverlap.bench.timing import time_ms
+from benchmarks.harness import op_rows
+from benchmarks.harness.gemm_forms import gemm_form
+from benchmarks.harness.run import start_run
+from flashoverlap.bench import COLUMNS, OP_NAMES, efficiency, ms, write_results
+from flashoverlap.bench import print_table as print_columns
+from flashoverlap.cli import add_bench_ops_arguments, non_negative_ints, positive, positive_ints
 from flashoverlap.plan import nccl_free_sms
 from flashoverlap.runtime import plan_for
 from flashoverlap.runtime.context import context_of
 from flashoverlap.tune.defaults import default_plan
+from flashoverlap.tune.timing import inputs as _inputs
+from flashoverlap.tune.timing import time_ms
 
 
-def _setting() -> str:
-    return "pcie-like" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink"
-
-
-def _meta(args: argparse.Namespace, world_size: int, command: str | None = None) -> dict:
-    """What a results file records about its run; ``command``: the module and the arguments its parser was given
-    (default: this module's, from ``sys.argv``), unless ``FLASHOVERLAP_COMMAND`` names the exact command."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
-        commit = commit.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("FLASHOVERLAP_COMMIT", "unknown")
-    nccl_version = ".".join(str(v) for v in torch.cuda.nccl.version())
-    return {
-        "gpus": f"{world_size}x {torch.cuda.get_device_name()}",
-        "world_size": world_size,
-        "setting": _setting(),
-        "torch": torch.__version__,
-        "triton": importlib.metadata.version("triton"),
-        "nccl": nccl_version,
-        "commit": os.environ.get("FLASHOVERLAP_COMMIT", commit),
-        "command": os.environ.get("FLASHOVERLAP_COMMAND",
-                                  command or " ".join(["python -m flashoverlap.bench", *sys.argv[1:]])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEV"))},
-    }
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``flashoverlap bench ops``'s options and the harness's."""
+    add_bench_ops_arguments(parser)
+    parser.add_argument("--sweep", action="store_true", help="also time a family of plans per shape")
+    parser.add_argument("--sweep-groups", type=positive_ints, default=[4, 8], metavar="G,G",
+                        help="--sweep: group counts (default 4,8)")
+    parser.add_argument("--sweep-profiles", type=lambda s: s.split(","), metavar="P,P",
+                        default=["even", "small-first", "small-last"],
+                        help="--sweep: group-size profiles (default even,small-first,small-last)")
+    parser.add_argument("--sweep-programs", type=lambda s: s.split(","), default=["tiles", "16"], metavar="P,P",
+                        help="--sweep: 'tiles' (one tile per program) and/or SMs left free (0 = persistent on every "
+                             "SM) (default tiles,16)")
+    parser.add_argument("--sweep-ctas", type=non_negative_ints, default=[0, 4, 8, 32], metavar="C,C",
+                        help="--sweep: NCCL CTA counts, 0 = NCCL's default (default 0,4,8,32)")
+    parser.add_argument("--sweep-iters", type=positive, default=10, help="--sweep: timed calls per plan (default 10)")
+    parser.add_argument("--gemm-sweep", action="store_true", help="time our GEMM alone over tile configurations")
+    parser.add_argument("--interference", action="store_true", help="measure GEMM/NCCL mutual slowdown")
+    parser.add_argument("--movers", action="store_true",
+                        help="measure how copy engines and SM copies over NVLink and a GEMM slow each other")
+    parser.add_argument("--timeline", default=None, metavar="PNG",
+                        help="also draw one gemm_all_reduce call of the first all-reduce shape on two lanes")
+    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpus>-<setting>.json)")
 
 
 def device_sms(device: torch.device) -> int:
@@ -228,33 +221,10 @@ def interference(args, rank, world_size, device, dtype) -> dict:
     return out
 
 
-def start_run(prog: str, description: str, add_arguments, argv: list[str] | None,
-              suffix: str) -> tuple[argparse.Namespace, list[str], dict, str, torch.device]:
-    """A benchmark's start under torchrun, written once: its options parsed (``add_arguments``: the same as its
-    ``flashoverlap bench`` subcommand's), the NCCL group on this rank's GPU, the results' meta and the default
-    results path ``benchmarks/results/<gpu>x<W>-<setting><suffix>.json``. Returns the options, the argument list
-    as parsed, the meta, the path and the device."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    add_arguments(parser)
-    argv = join_values(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(argv)
-    if "RANK" not in os.environ:
-        parser.error(f"run it under torchrun, e.g. torchrun --nproc-per-node 2 -m {prog.split()[-1]}")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
-    world_size = dist.get_world_size()
-    meta = _meta(args, world_size, " ".join([prog, *argv]))
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world_size}-{meta['setting']}{suffix}.json")
-    return args, argv, meta, out, device
-
-
 def main(argv: list[str] | None = None) -> int:
-    # the same options as `flashoverlap bench ops`, defined once
-    args, argv, meta, out, device = start_run("python -m flashoverlap.bench", __doc__.split("\n\n")[0],
-                                              add_bench_ops_arguments, argv, "")
+    # `flashoverlap bench ops`'s options and the harness's (add_arguments)
+    args, argv, meta, out, device = start_run("python -m benchmarks.ops", __doc__.split("\n\n")[0],
+                                              add_arguments, argv, "")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
     shapes = op_rows.GRID_ALL_REDUCE if args.shapes is None else args.shapes
@@ -262,27 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"# {meta['gpus']}, {meta['setting']}, torch {meta['torch']}, triton {meta['triton']}, "
               f"NCCL {meta['nccl']}, commit {meta['commit']}", flush=True)
-    benches = {"all_reduce": (op_rows.bench_all_reduce, op_rows.GRID_ALL_REDUCE),
-               "reduce_scatter": (op_rows.bench_reduce_scatter, op_rows.GRID_REDUCE_SCATTER),
-               "all_gather": (op_rows.bench_all_gather, op_rows.GRID_ALL_GATHER)}
     sweep = None
     if args.sweep:
         def sweep(op, call, shape, row):
             return sweep_plans(op, call, shape, args, world_size, device, row["t_seq_ms"], row["t_ideal_ms"])
     for op in args.ops:
-        fn, grid = benches[op]
-        op_shapes = grid if args.shapes is None else shapes
-
-        def bench(m, n, k, fn=fn):
-            return fn(m, n, k, dtype, args.iters, world_size, device, meta["setting"], sweep)
-
-        for m, n, k in op_shapes:
-            for row in bench(m, n, k):
+        for m, n, k in args.shapes or op_rows.GRIDS[op]:
+            for row in op_rows.bench_op(op, (m, n, k), dtype, args.iters, meta["setting"], sweep):
                 rows.append(row)
                 if rank == 0:
                     auto = f", auto ({row['auto']['path']}) E={row['auto']['E']:+.2f}" if "auto" in row else ""
                     print(f"  {op} {row['path']} {m}x{n}x{k}: done, E={row['E']:+.2f}{auto}", flush=True)
-                    write_results(out, meta, rows, {})  # so far, in case a later row fails
+                    write_results(out, meta, rows)  # so far, in case a later row fails
     extra = {}
     if args.timeline:
         extra["timeline"] = draw_timeline(args.timeline, rows, meta, dtype, world_size, device)
@@ -292,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interference:
         extra["interference"] = interference(args, rank, world_size, device, dtype)
     if args.movers:
-        from flashoverlap.bench.movers import movers
+        from benchmarks.harness.movers import movers
 
         extra["movers"] = movers(device, dtype)
     if rank == 0:
@@ -304,25 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_results(path: str, meta: dict, rows: list[dict], extra: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows, **extra}, f, indent=1)
-
-
-def finish_run(path: str, meta: dict, rows: list[dict]) -> int:
-    """A torchrun benchmark's end, written once: rank 0 writes the results, then the group is taken down."""
-    if dist.get_rank() == 0:
-        write_results(path, meta, rows, {})
-        print(f"wrote {path}")
-    dist.destroy_process_group()
-    return 0
-
-
 def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: int, device) -> dict:
     """One call of an all-reduce row's shape with its plan, recorded and (on rank 0) drawn: the first row the op
     overlaps (NCCL path), else the first row."""
-    from flashoverlap.bench import timeline
+    from benchmarks.harness import timeline
 
     candidates = [r for r in rows if r["op"] == "all_reduce" and r["path"] == "nccl"]
     row = next((r for r in candidates if not r["plan"]["sequential"]), candidates[0] if candidates else None)
@@ -348,46 +294,44 @@ def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: in
 
 def _predicted_group_times(plan, dtype, device) -> list[float] | None:
     """The model's group finish times for ``plan``, where every rank has a bandwidth curve (``tune bandwidth``)."""
-    from flashoverlap.bench import tuner
-    from flashoverlap.runtime import settings
-    from flashoverlap.tune import cache as plan_cache
+    from flashoverlap.cli import tune_target
+    from flashoverlap.tune import tuner
     from flashoverlap.tune.model import predict
     from flashoverlap.tune.search import machine_of
 
-    key = plan_cache.cache_key(torch.cuda.get_device_name(device), plan.world_size, plan.op, plan.path,
-                               str(dtype).replace("torch.", ""), settings.current().nccl_p2p_disabled)
+    target = tune_target(str(dtype).replace("torch.", ""), device)
+    key = target.key(plan.op, plan.path)
     curve = tuner.load_curve(key)
     everyone = torch.tensor([curve is not None], dtype=torch.int32, device=device)
     dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
     if not int(everyone):
         return None
-    machines = tuner.measure_machine(plan.op, plan.m, plan.n, plan.k, dist.group.WORLD, device, dtype, plan.path,
-                                     tuner.load_slowdowns(key))
+    machines = tuner.measure_machine(plan.op, (plan.m, plan.n, plan.k), target, plan.path, tuner.load_slowdowns(key))
     return list(predict(plan, machine_of(plan, machines), curve).group_done_ms)
 
 
+def _auto_cell(row: dict, name: str) -> str:
+    auto = row.get("auto")
+    if auto is None:
+        return "-"
+    if name == "host_us":
+        return f"{auto['host_us']:.0f}" if auto.get("host_us") is not None else "-"
+    return {"t_ms": f"{auto['t_ms']:7.3f}", "E": f"{auto['E']:+6.2f}", "path": auto["path"]}[name]
+
+
+# The installed table's columns with our GEMM alone, the baselines and what a plain call gets.
+HARNESS_COLUMNS = [*COLUMNS[:1], ("ourGEMM", 7, lambda r: ms(r["t_our_gemm_ms"])), *COLUMNS[1:3],
+                   ("decomp", 7, lambda r: ms(r["baselines"]["decomposition_ms"])),
+                   ("asyncTP", 7, lambda r: ms(r["baselines"]["async_tp_ms"])), *COLUMNS[3:],
+                   ("auto: T", 7, lambda r: _auto_cell(r, "t_ms")), ("E", 6, lambda r: _auto_cell(r, "E")),
+                   ("path", 5, lambda r: _auto_cell(r, "path")), ("host us", 7, lambda r: _auto_cell(r, "host_us"))]
+
+
 def print_table(rows: list[dict], meta: dict) -> None:
-    def ms(value):
-        return f"{value:7.3f}" if isinstance(value, float) else f"{'-':>7}"
-
+    """One table per op and path."""
     for op, path in dict.fromkeys((r["op"], r["path"]) for r in rows):
-        name = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter"}.get(op, "all_gather_gemm")
-        print(f"\n{name}, path {path}, {meta['gpus']}, {meta['setting']}, {rows[0]['dtype']} (ms)")
-        print(f"{'M x N x K':>20} {'T_gemm':>7} {'ourGEMM':>7} {'T_comm':>7} {'T_seq':>7} {'decomp':>7} "
-              f"{'asyncTP':>7} {'T':>7} {'T_ideal':>7} {'speedup':>7} {'E':>6} {'host us seq/ours':>16} "
-              f"{'auto: T':>7} {'E':>6} {'path':>5} {'host us':>7}")
-        for r in (r for r in rows if (r["op"], r["path"]) == (op, path)):
-            base = r["baselines"]
-            host = "{seq:.0f}/{ours:.0f}".format(**r["host_us"]) if r.get("host_us") else "-"
-            print(f"{r['M']:>6}x{r['N']:>6}x{r['K']:>6} {ms(r['t_gemm_ms'])} {ms(r['t_our_gemm_ms'])} "
-                  f"{ms(r['t_comm_ms'])} {ms(r['t_seq_ms'])} {ms(base['decomposition_ms'])} {ms(base['async_tp_ms'])} "
-                  f"{ms(r['t_ms'])} {ms(r['t_ideal_ms'])} {r['speedup']:7.2f} {r['E']:+6.2f} {host:>16}"
-                  + (_auto_columns(r["auto"]) if "auto" in r else ""))
-
-
-def _auto_columns(auto: dict) -> str:
-    host = f"{auto['host_us']:.0f}" if auto.get("host_us") is not None else "-"
-    return f" {auto['t_ms']:7.3f} {auto['E']:+6.2f} {auto['path']:>5} {host:>7}"
+        print_columns(f"{OP_NAMES[op]}, path {path}, {meta['gpus']}, {meta['setting']}, {rows[0]['dtype']} (ms)",
+                      [r for r in rows if (r["op"], r["path"]) == (op, path)], HARNESS_COLUMNS)
 
 
 if __name__ == "__main__":

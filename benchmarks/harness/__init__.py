@@ -1,0 +1,1 @@
+"""What the benchmarks share (see ``benchmarks/__init__.py``)."""

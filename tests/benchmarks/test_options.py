@@ -1,0 +1,64 @@
+"""The harness's command lines (``python -m benchmarks.ops|block|moe|model_check``) parse with the command line's
+strict value parsers (``flashoverlap.cli``): ``1_6`` is not 16, ``-8`` gets the count's message, each bad value's
+message names its option; and the harness imports from the root of a checkout, as CI runs the suite."""
+
+import argparse
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _exit(capsys, module: str, argv: list[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(module).main(argv)
+    return stop.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,argv", [("benchmarks.ops", ["--shapes", "1_6,8,8"]),
+                                         ("benchmarks.block", ["--tokens", "-8"]),
+                                         ("benchmarks.moe", ["--tokens", "4096", "-8"])])
+def test_the_benchmark_modules_parse_with_the_same_functions(capsys, module, argv):
+    code, err = _exit(capsys, module, argv)
+    assert code == 2 and "digits only" in err and f"usage: python -m {module}" in err, err
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    ("benchmarks.block", ["--tokens", "8192,1_6"], "comma-separated positive integers"),
+    ("benchmarks.block", ["--steps", "-3"], "positive integer"),
+    ("benchmarks.ops", ["--iters", "0"], "positive integer"),
+    ("benchmarks.ops", ["--sweep-ctas", "4,-1"], "integers >= 0"),
+    ("benchmarks.model_check", ["--ops", "all_reduce,gather"], "unknown op"),
+    ("benchmarks.moe", ["--tokens", "4096,8192"], "positive integer"),
+    ("benchmarks.moe", ["--warmup", "-1"], "integer >= 0"),
+    ("benchmarks.moe", ["--iters", "0"], "positive integer"),
+    ("benchmarks.moe", ["--paths", "ring"], "invalid choice: 'ring'"),
+    ("benchmarks.moe", ["--configs", "mixtral-8x7b"], "invalid choice"),
+])
+def test_bad_counts_are_refused_naming_the_option(capsys, module, argv, message):
+    code, err = _exit(capsys, module, argv)
+    assert code == 2 and message in err and f"argument {argv[-2]}" in err, err
+
+
+def test_the_moe_options_name_what_the_benchmark_has():
+    from benchmarks import moe
+    from flashoverlap.runtime.policy import EXPERT_PATHS
+
+    assert list(moe.PATHS) == list(EXPERT_PATHS)
+    parser = argparse.ArgumentParser()
+    moe.add_arguments(parser)
+    parsed = parser.parse_args(["--tokens", "64", "128", "--paths", "auto", "nccl", "--warmup", "0"])
+    assert (parsed.tokens, parsed.paths, parsed.warmup, parsed.configs) == ([64, 128], ["auto", "nccl"], 0,
+                                                                            list(moe.CONFIGS))
+
+
+def test_the_harness_runs_from_the_root_of_a_checkout():
+    # As a user (and CI) runs it: a fresh interpreter in the repository's root, the package installed (here: on
+    # the path the suite runs with).
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.ops", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "--sweep-ctas" in proc.stdout and "--shapes" in proc.stdout, proc.stderr
