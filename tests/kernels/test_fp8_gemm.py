@@ -286,7 +286,6 @@ def _gpu_scaled_mm(a, b, scale_a, scale_b, mode, bias, out_dtype):
     ("all_reduce", 1000, 1024, 640, (128, 256, 128, 8, 3, 8)),
     ("all_reduce", 777, 2000, 1234, (128, 128, 128, 8, 3, 8)),  # K odd: pointer loads
     ("reduce_scatter", 2048, 1536, 1024, (128, 256, 128, 8, 3, 8)),
-    ("all_reduce", 512, 384, 4096, (128, 128, 128, 8, 4, 4)),
 ])
 def test_gpu_fp8_gemm_matches_scaled_mm(mode, op, m, n, k, tile):
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
