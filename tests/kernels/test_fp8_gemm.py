@@ -269,13 +269,14 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("
 
 
 def _gpu_scaled_mm(a, b, scale_a, scale_b, mode, bias, out_dtype):
-    """``torch._scaled_mm`` in the mode; the dequantised product where this torch has no such kernel."""
-    if mode in ("tensor", "row", "block"):
-        try:
-            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype).double()
-        except (RuntimeError, ValueError):
-            if mode != "block":
-                raise
+    """``torch._scaled_mm`` in the mode, plus the bias (its CUDA kernels take a bf16 or fp16 bias only); the
+    dequantised product where it takes no such operands: K not a multiple of 16 (refused), modes it does not have,
+    and block-wise scales over a number of K blocks that is not a multiple of 4 (torch 2.11 reads B's block scales
+    padded to one, and returned zeros in the last columns at K / 128 = 5, measured on an H200)."""
+    k = a.shape[1]
+    if mode in ("tensor", "row") and k % 16 == 0 or mode == "block" and k % 16 == 0 and math.ceil(k / 128) % 4 == 0:
+        out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype).double()
+        return out if bias is None else out + bias.double()
     return dequantised(a, b, scale_a, scale_b, bias)
 
 
@@ -306,7 +307,9 @@ def test_gpu_fp8_gemm_matches_scaled_mm(mode, op, m, n, k, tile):
                 placed[out_row : out_row + rows] = want[a_row : a_row + rows]
             want = placed
         assert not torch.isnan(out).any(), "an output element was never written"
-        assert _rel_err(out, want) < (5e-3 if out_dtype == torch.bfloat16 else 1e-4)
+        # fp32: Hopper's fp8 tensor cores accumulate with fewer bits than fp32, and the two kernels sum in other
+        # orders (DeepSeek-V3's report: about 14 bits retained).
+        assert _rel_err(out, want) < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
         assert counters.tolist() == [g.tile_count for g in plan.groups]
 
 

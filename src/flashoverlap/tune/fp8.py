@@ -9,7 +9,11 @@ and 16 warps, one program per tile against one per SM, found at the grid's per-r
   3 elsewhere. 128x128 tiles with 4 warps (two programs per SM) came within 2-5%; 256x128 and 64-deep K lost 3-9%.
 - block-wise (scales inside the K loop, so ``block_k`` is 128 and every 128-deep slab is multiplied on its own and
   then scaled): two fp32 accumulators per tile, so 128x128 tiles with 8 warps and 4 stages, persistent; 128x256 tiles
-  spill (0.43x) and 16 warps did not help.
+  spill (0.43x) and 16 warps did not help. Neither did keeping one accumulator rescaled by the ratio of successive
+  scales (0.37-0.52x) nor applying slab k's scales after issuing slab k+1's product (0.54-0.63x). At 0.56-0.79x of
+  torch's block-wise kernel on all-reduce plans, and 0.44-0.55x on the row-mapped (reduce-scatter, all-gather) ones:
+  the same registers (167-169, no spills), so the loss there is in the K loop's per-slab scale loads, whose rows come
+  from the plan's row table (an hypothesis, not measured apart).
 """
 
 from __future__ import annotations
