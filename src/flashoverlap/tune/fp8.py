@@ -1,0 +1,59 @@
+"""The fp8 signalling GEMM's tile shape and launch per problem shape and scaling mode: policy, measured on one H200
+(torch 2.11, Triton 3.6; benchmarks/results/h200x1-fp8-gemm.json and the sweep behind it, issue 35).
+
+What the sweep of 128x256, 256x128, 128x128 and 64x{128,256} tiles, 64- and 128-deep K steps, 3 and 4 stages, 4, 8
+and 16 warps, one program per tile against one per SM, found at the grid's per-rank GEMMs (M >= 2048):
+
+- tensor-wise and row-wise (scales in the epilogue): 128x256x128, 8 warps, one program per SM (persistent) was the
+  best or within 1-2% of it everywhere; 4 stages paid where the output has 8192 x 8192 elements or more (up to +5%),
+  3 elsewhere. 128x128 tiles with 4 warps (two programs per SM) came within 2-5%; 256x128 and 64-deep K lost 3-9%.
+- block-wise (scales inside the K loop, so ``block_k`` is 128 and every 128-deep slab is multiplied on its own and
+  then scaled): two fp32 accumulators per tile, so 128x128 tiles with 8 warps and 4 stages, persistent; 128x256 tiles
+  spill (0.43x) and 16 warps did not help. Neither did keeping one accumulator rescaled by the ratio of successive
+  scales (0.37-0.52x) nor applying slab k's scales after issuing slab k+1's product (0.54-0.63x). At 0.56-0.79x of
+  torch's block-wise kernel on all-reduce plans, and 0.44-0.55x on the row-mapped (reduce-scatter, all-gather) ones:
+  the same registers (167-169, no spills), so the loss there is in the K loop's per-slab scale loads, whose rows come
+  from the plan's row table (an hypothesis, not measured apart).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flashoverlap.plan import TileConfig
+
+SCALINGS = ("tensor", "row", "block")
+# Outputs of at least this many elements took 4 pipeline stages (tensor-wise and row-wise).
+DEEP_PIPELINE_ELEMENTS = 8192 * 8192
+
+
+class Fp8Tiles(NamedTuple):
+    """One launch of the fp8 GEMM: the tile and pipeline, and whether it runs one program per SM (``persistent``:
+    ``num_programs`` = the SM count) rather than one per tile."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int
+    persistent: bool
+
+    def tile_config(self) -> TileConfig:
+        return TileConfig(self.block_m, self.block_n, self.block_k, self.group_m, self.num_stages, self.num_warps)
+
+    def num_programs(self, m: int, n: int, num_sms: int = 132) -> int:
+        """Programs to launch for an ``[m, n]`` output: the SM count, or one per tile."""
+        tiles = -(-m // self.block_m) * -(-n // self.block_n)
+        return min(num_sms, tiles) if self.persistent else tiles
+
+
+def fp8_tiles(m: int, n: int, k: int, scaling: str) -> Fp8Tiles:
+    """The tile shape and launch for an fp8 ``[m, k] @ [k, n]`` with ``scaling`` in ``SCALINGS`` (``"row"`` also
+    for A per row with one B scale, as gathered tensor-wise shards give). Block-wise always takes ``block_k`` 128."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if scaling == "block":
+        return Fp8Tiles(128, 128, 128, 8, 4, 8, True)
+    stages = 4 if m * n >= DEEP_PIPELINE_ELEMENTS else 3
+    return Fp8Tiles(128, 256, 128, 8, stages, 8, True)
