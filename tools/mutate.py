@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NCCL = "src/flashoverlap/comm/nccl.py"
-RING = "src/flashoverlap/comm/ring_schedule.py"
-P2P = "src/flashoverlap/comm/p2p.py"
+NCCL = "src/flashoverlap/comm/tp/nccl.py"
+RING = "src/flashoverlap/comm/tp/ring_schedule.py"
+P2P = "src/flashoverlap/comm/tp/p2p.py"
 NCCL_TEST = "tests/comm/test_nccl_executor.py"
 RING_TEST = "tests/comm/test_ring_protocol.py::test_back_to_back_calls_of_every_op_are_right_in_random_interleavings"
 P2P_TEST = "tests/comm/test_p2p_executor.py"
@@ -47,7 +47,9 @@ GUARDS_TEST = "tests/test_guards.py"
 
 GROUPED = "src/flashoverlap/kernels/grouped_gemm.py"
 GROUPED_TEST = "tests/kernels/test_grouped_gemm.py"
-EXPERT_NCCL = "src/flashoverlap/comm/expert_nccl.py"
+EXPERT_NCCL = "src/flashoverlap/comm/expert/nccl.py"
+CHUNKED = "src/flashoverlap/comm/chunked_gemm.py"
+EXPERT_P2P = "src/flashoverlap/comm/expert/p2p.py"
 HYBRID_TEST = "tests/moe/test_hybrid.py"
 
 TESTING = "src/flashoverlap/testing.py"
@@ -193,7 +195,7 @@ MUTATIONS = [
      CALLS, "plan, path,\n                     env.nccl_p2p_disabled)", "plan,\n                     env.nccl_p2p_disabled)",
      CALLS_TEST),
     ("sequential-inside-coalescing-manager", "Sequential plan: a call inside a coalescing manager on its group runs, "
-     "its collective deferred past the GEMM that needs it", "src/flashoverlap/comm/sequential.py",
+     "its collective deferred past the GEMM that needs it", "src/flashoverlap/comm/tp/sequential.py",
      "        refuse_coalescing(process_group, call.name)\n", "", COLLECTIVES_TEST),
     ("collectives-now-ignore-torch-function", "Sequential plan's collectives: issued straight under a "
      "__torch_function__ mode or subclass, which torch's function would hand them to", COLLECTIVES,
@@ -226,26 +228,26 @@ MUTATIONS = [
      "    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3])",
      GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
     ("layout-counts-shifted", "Expert layout: each expert's count taken from the sorted indices' left edges (every "
-     "count moved one expert down)", "src/flashoverlap/comm/expert.py",
+     "count moved one expert down)", "src/flashoverlap/comm/expert/layout.py",
      "    ends = torch.searchsorted(sorted_expert, experts, right=True)",
      "    ends = torch.searchsorted(sorted_expert, experts, right=False)",
      "tests/moe/test_contract.py::test_layout_on_one_rank"),
     ("cublas-chunk-tail-unmasked", "Expert paths, cuBLAS's grouped GEMM in bounded mode: the rows past a chunk's "
-     "last segment (undefined in its result) are copied as they are, not zeroed", EXPERT_NCCL,
+     "last segment (undefined in its result) are copied as they are, not zeroed", CHUNKED,
      "            product.masked_fill_(torch.arange(rows, dtype=ends.dtype, device=x.device)[:, None] >= ends[-1:], 0)",
      "            pass",
      "tests/comm/test_expert_nccl.py::test_expert_nccl_communicator_matches_the_reference"),
-    ("hybrid-light-experts-skipped", "Hybrid expert GEMM: the light experts' launch is never made", EXPERT_NCCL,
+    ("hybrid-light-experts-skipped", "Hybrid expert GEMM: the light experts' launch is never made", CHUNKED,
      "    if kind != \"hybrid\":\n        return None\n    tables = light_tables(layout)",
      "    if True:\n        return None\n    tables = light_tables(layout)", HYBRID_TEST),
     ("hybrid-heavy-part-runs-every-expert", "Hybrid expert GEMM: the per-chunk part multiplies the light experts "
-     "too", EXPERT_NCCL, "            if end > start and (only is None or expert in only):",
+     "too", CHUNKED, "            if end > start and (only is None or expert in only):",
      "            if end > start:", HYBRID_TEST),
     ("hybrid-row-map-source-order", "Hybrid expert GEMM: the light row map takes each segment's rows from its "
-     "source's first segment start", EXPERT_NCCL, "        first = torch.cumsum(sizes, 0) - sizes",
+     "source's first segment start", CHUNKED, "        first = torch.cumsum(sizes, 0) - sizes",
      "        first = torch.cumsum(sizes, 0)", HYBRID_TEST),
     ("hybrid-split-cached-without-threshold", "Hybrid expert GEMM: a layout's split is kept when HEAVY_ROWS changes "
-     "(the chunked part and the light launch then disagree)", EXPERT_NCCL,
+     "(the chunked part and the light launch then disagree)", CHUNKED,
      "    if cached is None or cached[0] != HEAVY_ROWS:", "    if cached is None:", HYBRID_TEST),
     ("hybrid-nccl-own-chunk-not-received", "NCCL expert path, hybrid: dispatch leaves the own chunk out of the "
      "received rows unless they are returned (the light launch reads NaN)", EXPERT_NCCL,
@@ -253,15 +255,15 @@ MUTATIONS = [
      "        if call.return_gathered and chunks.recv[me]:",
      "tests/comm/test_expert_nccl.py::test_the_hybrid_gemm_matches_the_reference"),
     ("hybrid-p2p-own-chunk-not-gathered", "P2P expert path, hybrid: dispatch's schedule copies the own chunk among "
-     "the received rows only when they are returned", "src/flashoverlap/comm/expert_p2p.py",
+     "the received rows only when they are returned", EXPERT_P2P,
      "(call.return_gathered or light is not None) and plan.op == \"dispatch\"",
      "call.return_gathered and plan.op == \"dispatch\"", "tests/comm/test_expert_p2p_executor.py"),
     ("hybrid-p2p-light-kernels-not-loaded", "P2P expert path, hybrid: the light launch's kernels are not loaded "
-     "before a call queues them behind its flag waits", "src/flashoverlap/comm/expert_p2p.py",
+     "before a call queues them behind its flag waits", EXPERT_P2P,
      "        if variant in self._light_warm:\n            return\n",
      "        return\n", "tests/comm/test_expert_p2p_executor.py"),
     ("expert-p2p-schedule-kept-past-workspace-growth", "P2P expert executor: a resolved schedule (slot and peer "
-     "addresses) is kept when the workspace grows", "src/flashoverlap/comm/expert_p2p.py",
+     "addresses) is kept when the workspace grows", EXPERT_P2P,
      "                self.graphs.clear()\n                self._programs.clear()\n",
      "                self.graphs.clear()\n", "tests/comm/test_expert_p2p_executor.py"),
 ]

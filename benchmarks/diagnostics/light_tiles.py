@@ -1,4 +1,4 @@
-"""Which tile the hybrid GEMM's light launch (``grouped_gemm(row_map=...)``, ``comm/expert_nccl.light_multiplier``)
+"""Which tile the hybrid GEMM's light launch (``grouped_gemm(row_map=...)``, ``comm/chunked_gemm.light_multiplier``)
 should take: the DeepSeek-like slice's light experts (every expert, balanced; the light ones, Zipf(1.2) with the
 default ``HEAVY_ROWS``) as the exact mode runs them, under each candidate tile, beside ``torch._grouped_mm`` on the
 same rows regrouped by expert. Each candidate is first checked against ``torch._grouped_mm`` (output poisoned).
@@ -16,7 +16,7 @@ from results_file import results_meta, write_results
 
 from flashoverlap.bench.moe_gemm import Slice
 from flashoverlap.bench.timing import time_side_by_side
-from flashoverlap.comm import expert_nccl
+from flashoverlap.comm import chunked_gemm
 from flashoverlap.kernels.grouped_gemm import (
     TILE_FLAT,
     TILE_MANY_EXPERTS,
@@ -44,7 +44,7 @@ def main() -> int:
     for routing in ("balanced", "zipf"):
         for proj in ("up", "down"):
             s = Slice("deepseek-v3", routing, proj)
-            row_map, ends, experts = expert_nccl.light_tables(s.exact_layout())
+            row_map, ends, experts = chunked_gemm.light_tables(s.exact_layout())
             workspace = torch.empty(workspace_size(experts.numel()), dtype=torch.int32, device="cuda")
             fns, errs = {"grouped_mm": s.grouped_mm()}, {}
             want = torch._grouped_mm(s.x_by_expert, s.w, offs=s.offs).float()

@@ -1,7 +1,7 @@
 """The expert-parallel (MoE) communicators' mechanics on ONE GPU shared by two processes: a correctness check where
 no two-GPU machine is at hand, not a performance figure (the two ranks share one GPU's SMs and copy engines).
 
-- P2P path (``comm/expert_p2p.py``), W = 2: PyTorch's symmetric memory and NCCL refuse two ranks on one GPU, so the
+- P2P path (``comm/expert/p2p.py``), W = 2: PyTorch's symmetric memory and NCCL refuse two ranks on one GPU, so the
   group is gloo, the workspace is shared by CUDA IPC (``p2p_one_gpu.IpcWorkspace``) and the communicator is called
   directly with ``ExpertCall``s; the layouts are the real ``expert_layout`` with its one all-gather routed through
   the host (gloo takes CPU tensors). Exact and bounded mode, the grouped GEMMs (Triton, cuBLAS, loop; in exact mode
@@ -11,12 +11,12 @@ no two-GPU machine is at hand, not a performance figure (the two ranks share one
   (per-choice dispatch, unweighted combine), eager calls (a weight-gradient hook held in the graph), bounded calls
   replayed from the communicator's own CUDA graphs, and bounded calls captured in a user's CUDA graph and replayed
   with NEW routing copied into the layout's tensors (nothing in bounded mode depends on the host).
-- NCCL path (``comm/expert_nccl.py``): NCCL refuses two ranks on one GPU, so its transfers cannot run here. What
+- NCCL path (``comm/expert/nccl.py``): NCCL refuses two ranks on one GPU, so its transfers cannot run here. What
   runs is its W = 1 case on a one-rank NCCL group per process: the own-chunk GEMMs, combine's signalling grouped GEMM
   with its flag waited for by ``cuStreamWaitValue32`` and reset, exact and bounded, eager and in a user's CUDA graph.
 
 Every rank makes every rank's inputs from seeds and computes the expected results locally, from the definition
-(``comm/expert.py``'s docstring: rows in stable expert order per source, fp32 accumulation), not from any
+(``comm/expert/contract.py``'s docstring: rows in stable expert order per source, fp32 accumulation), not from any
 communicator. Every output is checked, then poisoned with NaN, and the communicators' outputs start NaN, so an
 element never written shows. Host time to issue one call (GPU busy ahead) is printed for P2P eager and replayed
 beside ``torch._grouped_mm`` alone on the same rows.
@@ -50,12 +50,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from p2p_one_gpu import IpcWorkspace, close_run, open_run  # noqa: E402
 
 from flashoverlap.bench.timing import host_us, host_us_interleaved  # noqa: E402
-from flashoverlap.comm import expert as expert_module  # noqa: E402
-from flashoverlap.comm import expert_nccl  # noqa: E402
+from flashoverlap.comm import chunked_gemm  # noqa: E402
 from flashoverlap.comm.collectives import all_gather_into_tensor  # noqa: E402
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout  # noqa: E402
-from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator  # noqa: E402
-from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator  # noqa: E402
+from flashoverlap.comm.expert import layout as expert_module  # noqa: E402
+from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator  # noqa: E402
+from flashoverlap.comm.expert.p2p import ExpertP2PCommunicator  # noqa: E402
 from flashoverlap.comm.protocol import CommGroup  # noqa: E402
 from flashoverlap.comm.replay import Matmul  # noqa: E402
 from flashoverlap.runtime.experts import choose_gemm  # noqa: E402
@@ -106,8 +106,9 @@ def inputs(case, world, dtype, seed):
 
 
 class Routing:
-    """The definition of the expert calls (comm/expert.py), computed from every rank's routing: ``chosen[s][d]``
-    the choices of rank s that go to rank d, in stable expert order; the receive offsets and sizes per mode."""
+    """The definition of the expert calls (comm/expert/contract.py), computed from every rank's routing:
+    ``chosen[s][d]`` the choices of rank s that go to rank d, in stable expert order; the receive offsets and sizes
+    per mode."""
 
     def __init__(self, all_idx, world, local, mode, bound):
         self.world, self.local, self.mode, self.bound = world, local, mode, bound
@@ -197,10 +198,10 @@ class low_heavy_threshold:
     experts (at the default, every expert here is one or the other)."""
 
     def __enter__(self):
-        self.saved, expert_nccl.HEAVY_ROWS = expert_nccl.HEAVY_ROWS, 150
+        self.saved, chunked_gemm.HEAVY_ROWS = chunked_gemm.HEAVY_ROWS, 150
 
     def __exit__(self, *exc):
-        expert_nccl.HEAVY_ROWS = self.saved
+        chunked_gemm.HEAVY_ROWS = self.saved
 
 
 def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, report, variant=False):
@@ -455,7 +456,7 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
             for pair in variants:
                 if mode == "bounded" and syncs[pair]:
                     raise AssertionError(f"layer bounded {pair}: {syncs[pair]} host synchronisation(s) per eager "
-                                         "call, expected none (comm/expert.py's claim)")
+                                         "call, expected none (comm/expert/contract.py's claim)")
             # A replayed call's (its graph captured on the second call: three warm-up calls).
             replay_syncs = ({pair: len(host_syncs(lambda pair=pair: ours(True, pair), warm=3)) for pair in variants}
                             if mode == "bounded" else {})

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from p2p_one_gpu import HOST_SHAPE, OPS, close_run, host_operands, ipc_p2p, open_run  # noqa: E402
 
 from flashoverlap.bench.timing import host_us_interleaved  # noqa: E402
-from flashoverlap.comm import ring_schedule as rs  # noqa: E402
 from flashoverlap.comm import stream_ops  # noqa: E402
 from flashoverlap.comm.protocol import Call  # noqa: E402
+from flashoverlap.comm.tp import ring_schedule as rs  # noqa: E402
 
 # CUgraphNodeType (cuda.h)
 NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",

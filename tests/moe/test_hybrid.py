@@ -1,4 +1,4 @@
-"""The hybrid expert GEMM (``comm/expert_nccl.py``: heavy experts a ``torch.mm`` per (source, expert) segment as
+"""The hybrid expert GEMM (``comm/expert/nccl.py``: heavy experts a ``torch.mm`` per (source, expert) segment as
 chunks land, light ones in one row-mapped Triton launch over every source's rows) without ranks: the heavy/light
 split and the light row map from a layout's sizes, the policy that picks it, and, under the Triton interpreter in a
 child process (``python -m tests.moe.test_hybrid``, which sets TRITON_INTERPRET before triton is imported), the
@@ -17,7 +17,7 @@ if __name__ == "__main__":  # the child: interpret the kernels (before anything 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashoverlap.comm import expert_nccl  # noqa: E402
+from flashoverlap.comm import chunked_gemm  # noqa: E402
 from flashoverlap.comm.expert import ExpertPlan, Layout  # noqa: E402
 from flashoverlap.kernels.grouped_gemm import hybrid_pays  # noqa: E402
 from flashoverlap.runtime import experts as runtime_experts  # noqa: E402
@@ -44,11 +44,11 @@ def exact_layout(counts) -> Layout:
 
 
 def test_split_and_row_map(monkeypatch):
-    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", HEAVY)
+    monkeypatch.setattr(chunked_gemm, "HEAVY_ROWS", HEAVY)
     layout = exact_layout(COUNTS)
-    heavy, light, per_expert = expert_nccl.hybrid_split(layout)
+    heavy, light, per_expert = chunked_gemm.hybrid_split(layout)
     assert heavy == {0, 3} and light == [1, 2] and per_expert == [58, 13, 13, 36, 0]
-    row_map, ends, experts = expert_nccl.light_tables(layout)
+    row_map, ends, experts = chunked_gemm.light_tables(layout)
     # Expert 1's rows from sources 0, 1 (rows 30..33, 45..53), then expert 2's from sources 1, 2 (54..60, 97..102).
     starts = torch.tensor(COUNTS).reshape(-1).cumsum(0) - torch.tensor(COUNTS).reshape(-1)
     want = []
@@ -58,9 +58,9 @@ def test_split_and_row_map(monkeypatch):
             want += list(range(first, first + COUNTS[s][e]))
     assert row_map.dtype == torch.int32 and row_map.tolist() == want
     assert ends.tolist() == [13, 26] and experts.tolist() == [1, 2]
-    assert expert_nccl.light_tables(layout)[0] is row_map  # made once per layout
-    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", 1)
-    assert expert_nccl.light_tables(exact_layout(COUNTS)) is None  # every expert with rows is heavy
+    assert chunked_gemm.light_tables(layout)[0] is row_map  # made once per layout
+    monkeypatch.setattr(chunked_gemm, "HEAVY_ROWS", 1)
+    assert chunked_gemm.light_tables(exact_layout(COUNTS)) is None  # every expert with rows is heavy
 
 
 def test_both_parts_read_one_split_also_when_the_threshold_changes(monkeypatch):
@@ -68,18 +68,18 @@ def test_both_parts_read_one_split_also_when_the_threshold_changes(monkeypatch):
     and threshold: every expert with rows is in exactly one part, whatever the calls in between."""
     layout = exact_layout(COUNTS)
     for threshold in (1, HEAVY, 10**6, HEAVY):
-        monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", threshold)
-        heavy, tables = expert_nccl.hybrid_parts(layout)
+        monkeypatch.setattr(chunked_gemm, "HEAVY_ROWS", threshold)
+        heavy, tables = chunked_gemm.hybrid_parts(layout)
         light = [] if tables is None else tables[2].tolist()
         assert sorted([*heavy, *light]) == [0, 1, 2, 3] and not set(heavy) & set(light), (threshold, heavy, light)
-        assert expert_nccl.light_tables(layout) is tables
-    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", HEAVY)
+        assert chunked_gemm.light_tables(layout) is tables
+    monkeypatch.setattr(chunked_gemm, "HEAVY_ROWS", HEAVY)
     b = torch.zeros(5, 8, 8)
-    variant = expert_nccl.light_variant(layout, b)
-    assert variant is not None and variant == expert_nccl.light_variant(exact_layout(COUNTS), b)
-    assert variant != expert_nccl.light_variant(layout, torch.zeros(5, 8, 16))  # another N: another kernel
-    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", 1)
-    assert expert_nccl.light_variant(layout, b) is None  # no light expert: nothing to load
+    variant = chunked_gemm.light_variant(layout, b)
+    assert variant is not None and variant == chunked_gemm.light_variant(exact_layout(COUNTS), b)
+    assert variant != chunked_gemm.light_variant(layout, torch.zeros(5, 8, 16))  # another N: another kernel
+    monkeypatch.setattr(chunked_gemm, "HEAVY_ROWS", 1)
+    assert chunked_gemm.light_variant(layout, b) is None  # no light expert: nothing to load
 
 
 def test_policy_picks_the_hybrid_in_exact_mode_where_weights_bind(monkeypatch):
@@ -97,7 +97,7 @@ def test_policy_picks_the_hybrid_in_exact_mode_where_weights_bind(monkeypatch):
 
 def run_values() -> list[dict]:
     """The child's cases: both orders of the two parts, fp16 and fp32, as the communicators call them."""
-    expert_nccl.HEAVY_ROWS = HEAVY
+    chunked_gemm.HEAVY_ROWS = HEAVY
     rows = []
     for dtype in (torch.float16, torch.float32):
         gen = torch.Generator().manual_seed(3)
@@ -108,9 +108,9 @@ def run_values() -> list[dict]:
         x = torch.randn(total, k, generator=gen).to(dtype)
         b = torch.randn(local, k, n, generator=gen).to(dtype)
         plan = ExpertPlan("dispatch", world, world * local, k, n, 1, 0, gemm="hybrid")
-        kind = expert_nccl.chunk_gemm(plan, dtype, x.device)
-        multiply = expert_nccl.chunk_multiplier(kind, plan, layout, b, torch.arange(local, dtype=torch.int32))
-        light = expert_nccl.light_multiplier(kind, layout, b)
+        kind = chunked_gemm.chunk_gemm(plan, dtype, x.device)
+        multiply = chunked_gemm.chunk_multiplier(kind, plan, layout, b, torch.arange(local, dtype=torch.int32))
+        light = chunked_gemm.light_multiplier(kind, layout, b)
         starts, ends = layout.recv_seg_starts.tolist(), layout.recv_seg_ends.tolist()
         want = torch.zeros(total, n, dtype=torch.float64)
         for i, (a, e) in enumerate(zip(starts, ends)):
