@@ -50,9 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from p2p_one_gpu import IpcWorkspace, close_run, open_run  # noqa: E402
 
 from flashoverlap.bench.timing import host_us, host_us_interleaved  # noqa: E402
-from flashoverlap.comm import chunked_gemm  # noqa: E402
 from flashoverlap.comm.collectives import all_gather_into_tensor  # noqa: E402
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout  # noqa: E402
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, expert_layout  # noqa: E402
 from flashoverlap.comm.expert import layout as expert_module  # noqa: E402
 from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator  # noqa: E402
 from flashoverlap.comm.expert.p2p import ExpertP2PCommunicator  # noqa: E402
@@ -60,6 +59,7 @@ from flashoverlap.comm.protocol import CommGroup  # noqa: E402
 from flashoverlap.comm.replay import Matmul  # noqa: E402
 from flashoverlap.runtime.experts import choose_gemm  # noqa: E402
 from flashoverlap.testing import host_synchronisations  # noqa: E402
+from flashoverlap.tune.grouped import HYBRID_CUT  # noqa: E402
 
 # (name, tokens of rank s, hidden, ffn, experts, top_k, routing)
 CASES = [
@@ -193,19 +193,19 @@ def activations(routing, world, ffn, dtype, seed):
     return out
 
 
-class low_heavy_threshold:
-    """The hybrid GEMM's heavy threshold lowered for a block, so that these small cases mix heavy and light
-    experts (at the default, every expert here is one or the other)."""
-
-    def __enter__(self):
-        self.saved, chunked_gemm.HEAVY_ROWS = chunked_gemm.HEAVY_ROWS, 150
-
-    def __exit__(self, *exc):
-        chunked_gemm.HEAVY_ROWS = self.saved
+# The hybrid GEMM's heavy threshold lowered, so that these small cases mix heavy and light experts (at the
+# policy's, every expert here is one or the other).
+LOW_HEAVY_CUT = HybridCut(heavy_rows=150, light_flat_rows=HYBRID_CUT.light_flat_rows)
 
 
-def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, report, variant=False):
-    """Dispatch then combine of one configuration (a few calls each), every output checked."""
+def cut_of(gemm, cut=None):
+    """The plan's hybrid cut for ``gemm``: ``cut`` (default the policy's) for the hybrid, None for the others."""
+    return (cut or HYBRID_CUT) if gemm == "hybrid" else None
+
+
+def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, report, variant=False, cut=None):
+    """Dispatch then combine of one configuration (a few calls each), every output checked; ``cut``: the hybrid's
+    (default the policy's)."""
     name, tokens, hidden, ffn, experts, top_k, _ = case
     local = experts // world
     everyone = inputs(case, world, dtype, seed)
@@ -218,7 +218,7 @@ def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, 
     xs = [e[2].repeat_interleave(top_k, 0) if per_choice else e[2] for e in everyone]
     want_h, want_recv = routing.dispatch(rank, xs, w_up, per_choice)
     plan = ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, bound, gemm,
-                      per_choice=per_choice)
+                      per_choice=per_choice, hybrid=cut_of(gemm, cut))
     what = f"{type(comm).__name__} {name} {mode} {gemm} {dtype} replay={replay} variant={variant}"
     hook_x = torch.randn(hidden, 64, dtype=dtype, device="cuda")
     hook_y = torch.randn(64, 96, dtype=dtype, device="cuda")
@@ -241,7 +241,7 @@ def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, 
     weighted = not variant  # dispatch's backward: the unweighted sum
     want_out, want_back = routing.combine(rank, acts, w_downs, weights, tokens(rank), weighted)
     plan = ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, bound, gemm,
-                      weighted=weighted)
+                      weighted=weighted, hybrid=cut_of(gemm, cut))
     call_layout = layout.with_weights(weights) if weighted else layout
     for call in range(4 if replay else 2):
         out, back = comm.run(ExpertCall("moe_gemm_combine", plan, acts[rank], w_down, True, replay=replay,
@@ -418,9 +418,9 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
         # costs or saves in host time (a Triton grouped GEMM costs more host time than cuBLAS's).
         variants = [chosen, ("triton", "triton") if chosen == ("cublas", "cublas") else ("cublas", "cublas")]
         plans = {pair: (ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, mode_bound,
-                                   pair[0]),
+                                   pair[0], hybrid=cut_of(pair[0])),
                         ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, mode_bound,
-                                   pair[1]))
+                                   pair[1], hybrid=cut_of(pair[1])))
                  for pair in variants}
         exchange.key, exchange.record = mode, True
         expert_module.all_gather_into_tensor = exchange
@@ -554,9 +554,8 @@ def main():
                     if mode == "bounded":
                         one_config(p2p, group, rank, world, case, mode, gemm, dtype, 10 * i + 2, True, report)
             if mode == "exact":
-                with low_heavy_threshold():
-                    one_config(p2p, group, rank, world, case, mode, "hybrid", torch.bfloat16, 10 * i + 4, False,
-                               report)
+                one_config(p2p, group, rank, world, case, mode, "hybrid", torch.bfloat16, 10 * i + 4, False, report,
+                           cut=LOW_HEAVY_CUT)
             one_config(p2p, group, rank, world, case, mode, "triton", torch.bfloat16, 10 * i + 3, False, report,
                        variant=True)
         print(f"rank {rank}: P2P {case[0]}: correct ({report['checked']} calls so far, {p2p.graphs.captures} "
@@ -578,9 +577,8 @@ def main():
             for gemm in ("triton", "cublas", "loop", "hybrid") if mode == "exact" else ("triton", "cublas"):
                 one_config(nccl, solo_group, 0, 1, one_case, mode, gemm, torch.bfloat16, 10 * i + 5, False, report)
             if mode == "exact":
-                with low_heavy_threshold():
-                    one_config(nccl, solo_group, 0, 1, one_case, mode, "hybrid", torch.bfloat16, 10 * i + 6, False,
-                               report)
+                one_config(nccl, solo_group, 0, 1, one_case, mode, "hybrid", torch.bfloat16, 10 * i + 6, False,
+                           report, cut=LOW_HEAVY_CUT)
     captured(nccl, solo_group, 0, 1, (CASES[0][0], lambda s: CASES[0][1](rank), *CASES[0][2:]), "triton",
              torch.bfloat16, report)
     print(f"rank {rank}: NCCL path at W = 1 (own chunks, signalling GEMM and its flags, a user's graph): correct",

@@ -160,8 +160,7 @@ def _hybrid_ranks(rank, world):
     communicator's; every buffer the communicator allocates starts NaN."""
     fake_cuda.install(wait_timeout_s=10.0)
     torch.set_num_threads(1)
-    from flashoverlap.comm import chunked_gemm
-    from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
+    from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, expert_layout
     from flashoverlap.comm.expert import nccl as expert_nccl
     from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator
     from flashoverlap.comm.expert.reference import ExpertReferenceCommunicator
@@ -182,7 +181,7 @@ def _hybrid_ranks(rank, world):
 
     expert_nccl.light_multiplier = counted
     for heavy in (6, 10**6):
-        chunked_gemm.HEAVY_ROWS = heavy
+        cut = HybridCut(heavy_rows=heavy, light_flat_rows=256)
         for case in ("skewed", "sends_none"):
             gen = torch.Generator().manual_seed(1000 * rank + len(case) + heavy)
             tokens, idx = _routing(case, rank, world, gen)
@@ -191,7 +190,7 @@ def _hybrid_ranks(rank, world):
                 x = torch.randn(tokens * TOP_K if per_choice else tokens, hidden, generator=gen)
                 w_up = torch.randn(LOCAL, 2 * FFN, hidden, generator=gen).transpose(1, 2)
                 plan = ExpertPlan("dispatch", world, experts, hidden, 2 * FFN, TOP_K, tokens, gemm="hybrid",
-                                  per_choice=per_choice)
+                                  per_choice=per_choice, hybrid=cut)
                 call = ExpertCall("moe_dispatch_gemm", plan, x, w_up, return_gathered=gathered, layout=layout)
                 h, recv = comm.run(call)
                 want_h, want_recv = reference.run(dataclasses.replace(call, return_gathered=True))
@@ -203,7 +202,7 @@ def _hybrid_ranks(rank, world):
                 act = torch.randn(layout.recv_rows, FFN, generator=gen)
                 w_down = torch.randn(LOCAL, FFN, hidden, generator=gen)
                 plan = ExpertPlan("combine", world, experts, hidden, FFN, TOP_K, tokens, gemm="hybrid",
-                                  weighted=weighted)
+                                  weighted=weighted, hybrid=cut)
                 call = ExpertCall("moe_gemm_combine", plan, act, w_down, return_gathered=gathered,
                                   layout=layout.with_weights(topk_weights) if weighted else layout)
                 out, back = comm.run(call)

@@ -15,7 +15,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap.comm import chunked_gemm, steps
 from flashoverlap.comm.chunked_gemm import relative_ends
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan, Layout
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, Layout
 from flashoverlap.comm.expert import p2p as ep
 from flashoverlap.comm.replay import CallGraphs
 
@@ -434,17 +434,18 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
     layout = _layout(3, 1, "exact", (2, 3, 4), (3, 3, 1))  # the own pair's rows: sent to and received from itself
     loads = []
     monkeypatch.setattr(ep, "chunk_gemm", lambda plan, dtype, device: "hybrid")
-    monkeypatch.setattr(chunked_gemm, "hybrid_parts", lambda layout: (frozenset({0}), None))
-    monkeypatch.setattr(ep, "light_variant", lambda layout, b: ("variant",))
+    monkeypatch.setattr(chunked_gemm, "hybrid_parts", lambda layout, heavy_rows: (frozenset({0}), None))
+    monkeypatch.setattr(ep, "light_variant", lambda plan, layout, b: ("variant",))
 
-    def light_multiplier(kind, layout, b):
-        assert kind == "hybrid"
+    def light_multiplier(kind, plan, layout, b):
+        assert kind == "hybrid" and plan.hybrid is not None
         return lambda x, out: recorder.trace.append(("light", x.data_ptr(), out.data_ptr()))
 
     monkeypatch.setattr(ep, "light_multiplier", light_multiplier)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: loads.append(len(recorder.trace)))
     ffn = 2 * FFN if op == "dispatch" else FFN
-    plan = ExpertPlan(op, 3, LOCAL * 3, HIDDEN, ffn, TOP_K, layout.tokens, gemm="hybrid")
+    plan = ExpertPlan(op, 3, LOCAL * 3, HIDDEN, ffn, TOP_K, layout.tokens, gemm="hybrid",
+                      hybrid=HybridCut(heavy_rows=1024, light_flat_rows=256))
     send_tensor, y, a, b = _stub_io(monkeypatch, comm, recorder, layout, op, HIDDEN, ffn)
     chunks = chunked_gemm.Chunks.of(plan, layout)
     for call_index in range(2):

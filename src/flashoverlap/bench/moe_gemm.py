@@ -46,8 +46,8 @@ from collections.abc import Callable
 import torch
 
 from flashoverlap.bench.timing import host_us, time_side_by_side
-from flashoverlap.comm.expert import ExpertPlan, Layout
 from flashoverlap.comm.chunked_gemm import chunk_multiplier, light_multiplier
+from flashoverlap.comm.expert import ExpertPlan, Layout
 from flashoverlap.kernels.grouped_gemm import (
     TILE_FLAT,
     TILE_MANY_EXPERTS,

@@ -7,14 +7,13 @@ Triton kernel, ``torch._grouped_mm`` or a ``torch.mm`` loop, as the plan says) a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap import guards
-from flashoverlap.comm.expert.contract import ExpertPlan, Layout
+from flashoverlap.comm.expert.contract import ExpertPlan, HybridCut, Layout
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device) -> st
     if kind == "cublas" and (dtype != torch.bfloat16 or k % 8 or n % 8):
         kind = "triton"
     if device.type != "cuda":
-        return kind if kind == "cublas" or os.environ.get("TRITON_INTERPRET") == "1" else "loop"
+        return kind if kind == "cublas" or guards.triton_interpreted() else "loop"
     return kind
 
 
@@ -121,9 +120,10 @@ def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tens
     if rows == 0:
         return
     if kind == "triton":
-        from flashoverlap.kernels.grouped_gemm import grouped_gemm  # Triton: imported where a kernel runs
+        from flashoverlap.kernels.grouped_gemm import GroupedLaunch, Segments, grouped_gemm  # Triton: where it runs
 
-        grouped_gemm(x, w, ends, seg_expert, out=out, order="heavy-first", max_rows=rows, workspace=workspace)
+        grouped_gemm(x, w, Segments(ends, seg_expert), out=out, workspace=workspace,
+                     launch=GroupedLaunch(max_rows=rows))
     elif kind == "cublas":
         product = torch._grouped_mm(x, w, offs=ends)
         if tail:  # rows past the last segment are undefined in its result; here they are padding, zero
@@ -143,24 +143,18 @@ def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tens
             start = max(start, end)
 
 
-# The hybrid GEMM (``ExpertPlan.gemm == "hybrid"``, exact mode). An expert whose rows, summed over the sources, reach
-# HEAVY_ROWS is *heavy*: its rows are multiplied chunk by chunk as they land, a ``torch.mm`` per (source, expert)
-# segment (compute-bound: the weights are read again per source at little cost). The others are *light*: their
-# time is spent streaming their weights, so each runs once over every source's rows, in one Triton launch whose
-# tiles take an expert's rows from every chunk through a row map (``grouped_gemm(row_map=...)``): dispatch runs it
-# once every chunk has landed, combine before any chunk leaves. Measured on one H200 at the DeepSeek-like slice
-# (benchmarks/results/logs/issue20/moe-skew-streams-347ba74380.json): 1.23x / 1.21x torch._grouped_mm (up / down)
-# with Zipf(1.2) routing, 0.97x / 0.96x balanced, against 0.90 / 0.93 and 0.74 / 0.74 per source chunk.
-HEAVY_ROWS = 1024
-# The light launch's tile: the flattened persistent loop where the light experts average at least this many rows (two
-# full tile rows each: balanced DeepSeek-like, 0.996x / 0.987x torch._grouped_mm up / down against 0.954x / 0.945x
-# with the default tile), the default tile below it (Zipf(1.2): 2-10% faster than the flattened loop there):
-# benchmarks/results/logs/issue20/light-tiles-34c87d6c18.json.
-LIGHT_FLAT_ROWS = 256
+# The hybrid GEMM (``ExpertPlan.gemm == "hybrid"``, exact mode; ``ExpertPlan.hybrid`` its ``HybridCut``, chosen by
+# ``tune/grouped.py``). An expert whose rows, summed over the sources, reach ``heavy_rows`` is *heavy*: its rows are
+# multiplied chunk by chunk as they land, a ``torch.mm`` per (source, expert) segment (compute-bound: the weights are
+# read again per source at little cost). The others are *light*: their time is spent streaming their weights, so
+# each runs once over every source's rows, in one Triton launch whose tiles take an expert's rows from every chunk
+# through a row map (``Segments.row_map``): dispatch runs it once every chunk has landed, combine before any chunk
+# leaves. The light launch takes the flattened persistent tile where the light experts average at least
+# ``light_flat_rows`` rows, the default tile below it.
 
 
-def hybrid_split(layout: Layout) -> tuple[frozenset[int], list[int], list[int]]:
-    """The heavy experts (rows summed over the sources >= ``HEAVY_ROWS``), the light ones with rows, and every
+def hybrid_split(layout: Layout, heavy_rows: int) -> tuple[frozenset[int], list[int], list[int]]:
+    """The heavy experts (rows summed over the sources >= ``heavy_rows``), the light ones with rows, and every
     expert's rows, by the layout's host sizes (``host_relative_ends``: exact mode)."""
     per_expert = [0] * layout.experts_per_rank
     for ends in host_relative_ends(layout):
@@ -168,32 +162,33 @@ def hybrid_split(layout: Layout) -> tuple[frozenset[int], list[int], list[int]]:
         for expert, end in enumerate(ends):
             per_expert[expert] += max(end - start, 0)
             start = max(start, end)
-    heavy = frozenset(e for e, rows in enumerate(per_expert) if rows >= HEAVY_ROWS)
+    heavy = frozenset(e for e, rows in enumerate(per_expert) if rows >= heavy_rows)
     return heavy, [e for e, rows in enumerate(per_expert) if rows and e not in heavy], per_expert
 
 
 # The hybrid's split of a layout, by its segment ends (one layer's dispatch, combine and backward calls share it):
-# (HEAVY_ROWS it was cut at, the heavy experts, the light experts' tables). Both parts read the same entry, so that
-# every expert runs in exactly one of them, also if HEAVY_ROWS changes while the layout lives.
+# (the heavy_rows it was cut at, the heavy experts, the light experts' tables). Both parts read the same entry, so
+# that every expert runs in exactly one of them, also where calls on the layout cut it at another threshold.
 _HYBRID = WeakTensorKeyDictionary()
 
 
-def hybrid_parts(layout: Layout) -> tuple[frozenset[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
-    """The heavy experts and the light experts' tables (``light_tables``) of ``layout`` at today's ``HEAVY_ROWS``,
-    made once per layout and threshold."""
+def hybrid_parts(layout: Layout, heavy_rows: int
+                 ) -> tuple[frozenset[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """The heavy experts and the light experts' tables (``light_tables``) of ``layout`` cut at ``heavy_rows``, made
+    once per layout and threshold."""
     cached = _HYBRID.get(layout.recv_seg_ends)
-    if cached is None or cached[0] != HEAVY_ROWS:
-        heavy, light, per_expert = hybrid_split(layout)
-        cached = _HYBRID[layout.recv_seg_ends] = (HEAVY_ROWS, heavy, _light_tables(layout, light, per_expert))
+    if cached is None or cached[0] != heavy_rows:
+        heavy, light, per_expert = hybrid_split(layout, heavy_rows)
+        cached = _HYBRID[layout.recv_seg_ends] = (heavy_rows, heavy, _light_tables(layout, light, per_expert))
     return cached[1], cached[2]
 
 
-def light_tables(layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def light_tables(layout: Layout, heavy_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """For the light experts (``hybrid_split``), on the device: the row map (int32: for each light expert in turn,
     its rows from every source in source order, as rows of the receive layout), each expert's end among the mapped
     rows (int32) and the experts (int32); None where no expert is light. Made on the device from the layout's
     segment tensors, sized by its host sizes: no synchronisation. Kept with the heavy set (``hybrid_parts``)."""
-    return hybrid_parts(layout)[1]
+    return hybrid_parts(layout, heavy_rows)[1]
 
 
 def _light_tables(layout: Layout, light: list[int], per_expert: list[int]):
@@ -212,42 +207,52 @@ def _light_tables(layout: Layout, light: list[int], per_expert: list[int]):
     return tables
 
 
-def _light_flat(row_map: torch.Tensor, experts: torch.Tensor) -> bool:
-    """Whether the light launch takes the flattened persistent tile (``LIGHT_FLAT_ROWS``)."""
-    return row_map.numel() >= LIGHT_FLAT_ROWS * experts.numel()
+def _light_flat(row_map: torch.Tensor, experts: torch.Tensor, cut: HybridCut) -> bool:
+    """Whether the light launch takes the flattened persistent tile (``cut.light_flat_rows``)."""
+    return row_map.numel() >= cut.light_flat_rows * experts.numel()
 
 
-def light_variant(layout: Layout, b: torch.Tensor) -> tuple | None:
+def light_variant(plan: ExpertPlan, layout: Layout, b: torch.Tensor) -> tuple | None:
     """What the light launch's compiled kernels depend on besides the tensors' addresses (its tile, its table size,
-    the integer arguments Triton specialises: 1 or a multiple of 16), or None where no expert is light: a path that
-    queues the launch behind flag waits loads each variant once before (deadlock rule 3)."""
-    tables = light_tables(layout)
+    the integer arguments Triton specialises: 1 or a multiple of 16), or None where no expert is light (or the plan
+    is not the hybrid): a path that queues the launch behind flag waits loads each variant once before (deadlock
+    rule 3)."""
+    if plan.hybrid is None:
+        return None
+    tables = light_tables(layout, plan.hybrid.heavy_rows)
     if tables is None:
         return None
     row_map, _, experts = tables
     ints = (row_map.numel(), experts.numel(), layout.recv_rows)
-    return (_light_flat(row_map, experts), experts.numel().bit_length(),
+    return (_light_flat(row_map, experts, plan.hybrid), experts.numel().bit_length(),
             tuple((v == 1, v % 16 == 0) for v in ints), b.dtype, tuple(b.shape), b.stride())
 
 
-def light_multiplier(kind: str, layout: Layout, b: torch.Tensor):
-    """``light(x, out)``: the hybrid's light experts (``HEAVY_ROWS``), every source's rows at once: ``out[rows] =
+def light_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor):
+    """``light(x, out)``: the hybrid's light experts (``plan.hybrid``), every source's rows at once: ``out[rows] =
     x[rows] @ b[expert]`` for the rows of the receive layout the row map names (``x`` and ``out`` hold every chunk in
     the receive layout), on the current stream. None for another ``kind``, or where no expert is light."""
     if kind != "hybrid":
         return None
-    tables = light_tables(layout)
+    tables = light_tables(layout, plan.hybrid.heavy_rows)
     if tables is None:
         return None
-    from flashoverlap.kernels.grouped_gemm import TILE_FLAT, grouped_gemm, workspace_size  # Triton: where it runs
+    from flashoverlap.kernels.grouped_gemm import (  # Triton: imported where a kernel runs
+        TILE_FLAT,
+        GroupedLaunch,
+        Segments,
+        grouped_gemm,
+        workspace_size,
+    )
 
     row_map, ends, experts = tables
     workspace = torch.empty(workspace_size(experts.numel()), dtype=torch.int32, device=b.device)
-    tile = TILE_FLAT if _light_flat(row_map, experts) else None  # None: default_tile
+    launch = GroupedLaunch(max_rows=row_map.numel(),
+                           tile=TILE_FLAT if _light_flat(row_map, experts, plan.hybrid) else None)  # None: default
+    segments = Segments(ends, experts, row_map=row_map)
 
     def light(x: torch.Tensor, out: torch.Tensor) -> None:
-        grouped_gemm(x, b, ends, experts, out=out, row_map=row_map, max_rows=row_map.numel(), workspace=workspace,
-                     tile=tile)
+        grouped_gemm(x, b, segments, out=out, workspace=workspace, launch=launch)
 
     return light
 
@@ -262,7 +267,7 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
     ends = relative_ends(layout) if ends is None else ends
     only = None
     if kind == "hybrid":
-        kind, only = "loop", hybrid_parts(layout)[0]
+        kind, only = "loop", hybrid_parts(layout, plan.hybrid.heavy_rows)[0]
     host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
     workspace = None
     if kind == "triton":

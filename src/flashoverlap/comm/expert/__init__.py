@@ -9,9 +9,9 @@ grouped GEMMs.
   Both fast paths run their GEMMs through ``comm/chunked_gemm.py``.
 """
 
-from flashoverlap.comm.expert.contract import GEMMS, MODES, OPS, ExpertCall, ExpertPlan, Layout
+from flashoverlap.comm.expert.contract import GEMMS, MODES, OPS, ExpertCall, ExpertPlan, HybridCut, Layout
 from flashoverlap.comm.expert.layout import BoundExceeded, default_bound, expert_layout
 from flashoverlap.comm.expert.rows import check_out
 
-__all__ = ["GEMMS", "MODES", "OPS", "BoundExceeded", "ExpertCall", "ExpertPlan", "Layout", "check_out",
+__all__ = ["GEMMS", "MODES", "OPS", "BoundExceeded", "ExpertCall", "ExpertPlan", "HybridCut", "Layout", "check_out",
            "default_bound", "expert_layout"]

@@ -82,6 +82,23 @@ HOST_SIZED_GEMMS = ("loop", "hybrid")  # they read the segment sizes on the host
 
 
 @dataclass(frozen=True)
+class HybridCut:
+    """Where the hybrid grouped GEMM (``ExpertPlan.gemm == "hybrid"``) cuts a layout, as the policy
+    (``tune/grouped.py``) chose: an expert whose rows, summed over the sources, reach ``heavy_rows`` is heavy (a
+    ``torch.mm`` per segment, chunk by chunk); the others run in one row-mapped Triton launch, with the flattened
+    persistent tile where they average at least ``light_flat_rows`` rows (``comm/chunked_gemm.py``)."""
+
+    heavy_rows: int
+    light_flat_rows: int
+
+    def __post_init__(self) -> None:
+        for name in ("heavy_rows", "light_flat_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"HybridCut: {name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
 class ExpertPlan:
     """One expert call as plain values (no dtype, no device, no tensors), validated on construction.
 
@@ -95,7 +112,8 @@ class ExpertPlan:
     ``kernels.grouped_gemm``, ``"cublas"``: ``torch._grouped_mm``, ``"loop"``: ``torch.mm`` per segment, exact
     mode only: it needs the segment sizes on the host, which bounded mode never reads; ``"hybrid"``, exact mode
     only: ``torch.mm`` per segment for the heavy experts, chunk by chunk, and one row-mapped Triton launch over every
-    source's rows of the light ones, ``comm/chunked_gemm.py``'s ``light_multiplier``; None: the runtime's choice,
+    source's rows of the light ones, ``comm/chunked_gemm.py``'s ``light_multiplier``, cut where ``hybrid`` (a
+    ``HybridCut``, given with ``"hybrid"`` and only then) says; None: the runtime's choice,
     ``runtime/experts.py``, which a plan built elsewhere leaves to ``chunked_gemm.chunk_gemm``: the loop in exact
     mode, Triton in bounded mode; the reference path always loops and keeps None). ``per_choice`` (dispatch): the
     rows given are one per choice ``[T*k, H]`` instead of one per token. ``weighted`` (combine): sum the returned
@@ -114,6 +132,7 @@ class ExpertPlan:
     gemm: str | None = None
     per_choice: bool = False
     weighted: bool = True
+    hybrid: HybridCut | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -127,6 +146,9 @@ class ExpertPlan:
             raise ValueError(f"ExpertPlan: gemm={self.gemm!r} cannot run with mode='bounded': it needs the segment "
                              "sizes on the host, which bounded mode never reads; pass gemm='triton' or 'cublas' (or "
                              "None: the runtime chooses), or mode='exact'")
+        if (self.gemm == "hybrid") != isinstance(self.hybrid, HybridCut):
+            raise ValueError(f"ExpertPlan: gemm='hybrid' takes its cut (hybrid=HybridCut(heavy_rows, light_flat_rows)) "
+                             f"and no other gemm takes one; got gemm={self.gemm!r}, hybrid={self.hybrid!r}")
         for name in ("world_size", "experts", "hidden", "ffn", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -55,7 +55,6 @@ that does not finish in time raises an error naming the rank, the op, the group 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -178,7 +177,7 @@ class ExpertNcclCommunicator(GroupFields):
                 waited.append((p, arrived[p]))
         me = self.rank
         kind = chunk_gemm(plan, a.dtype, a.device)
-        light = light_multiplier(kind, layout, b)  # the hybrid's light experts: once every chunk is in recv
+        light = light_multiplier(kind, plan, layout, b)  # the hybrid's light experts: once every chunk is in recv
         if (call.return_gathered or light is not None) and chunks.recv[me]:
             recv[recv_at[me] : recv_at[me] + chunks.recv[me]].copy_(send[send_at[me] : send_at[me] + chunks.send[me]])
         multiply = self._multiplier(kind, plan, layout, b)
@@ -234,7 +233,7 @@ class ExpertNcclCommunicator(GroupFields):
                 back[send_at[me] : send_at[me] + chunks.send[me]].copy_(y[recv_at[me] : recv_at[me] + chunks.recv[me]])
         else:
             multiply = self._multiplier(kind, plan, layout, b)
-            light = light_multiplier(kind, layout, b)
+            light = light_multiplier(kind, plan, layout, b)
             if light is not None:  # the hybrid's light experts, every destination's rows, before any leaves
                 light(a, y)
             for p in self.rounds:
@@ -270,19 +269,19 @@ class ExpertNcclCommunicator(GroupFields):
         """``y`` = every segment of ``a`` times its expert, on the current stream, destinations in round order
         (own last) and ``flags[d]`` exactly 1 once destination d's rows are stored. Off the GPU (the CPU tests,
         without the interpreter) a loop, then every flag."""
-        if a.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if a.device.type != "cuda" and not guards.triton_interpreted():
             ends = relative_ends(layout)
             for d, (start, rows) in enumerate(zip(chunks.recv_offsets, chunks.recv)):
                 multiply_chunk("loop", a[start : start + rows], b, ends[d], y[start : start + rows], table["expert"])
             self.flags.fill_(1)
             return
-        from flashoverlap.kernels.grouped_gemm import default_tile, grouped_gemm
+        from flashoverlap.kernels.grouped_gemm import GroupedLaunch, Segments, default_tile, grouped_gemm
 
         tile = dataclasses.replace(default_tile(a.shape[0], layout.experts_per_rank, a.shape[1], b.shape[2]),
                                    num_programs=None, dynamic=False)
-        grouped_gemm(a, b, layout.recv_seg_ends, table["all_experts"], out=y, seg_signal=table["signal"],
-                     flags=self.flags, order="heavy-first", seg_priority=table["priority"], max_rows=a.shape[0],
-                     tile=tile)
+        segments = Segments(layout.recv_seg_ends, table["all_experts"], signal=table["signal"],
+                            priority=table["priority"])
+        grouped_gemm(a, b, segments, out=y, flags=self.flags, launch=GroupedLaunch(max_rows=a.shape[0], tile=tile))
 
     def _check_progress(self, call: ExpertCall, waited: list, what: str) -> None:
         guards.poll_events(((event, peer) for peer, event in waited), call.timeout, lambda peer: (

@@ -305,7 +305,7 @@ class ExpertP2PCommunicator(GroupFields):
         """The hybrid's light launch, which dispatch queues behind its flag waits: each of its kernel variants
         (``light_variant``: tile, table size, specialised sizes) is run once on scratch rows before the first call
         that needs it queues anything (deadlock rule 3). Exact layouts are never captured."""
-        variant = light_variant(call.layout, call.b)
+        variant = light_variant(call.plan, call.layout, call.b)
         if variant in self._light_warm:
             return
         guards.refuse_inside_capture(f"{call.name}: the first hybrid call of a layout shape loads its light kernels")
@@ -345,7 +345,7 @@ class ExpertP2PCommunicator(GroupFields):
         bounded = plan.mode == "bounded"
         kind = chunk_gemm(plan, a.dtype, self.device)
         # The hybrid's light experts run over every chunk at once: dispatch's own chunk then joins the received rows.
-        light = light_multiplier(kind, layout, call.b)
+        light = light_multiplier(kind, plan, layout, call.b)
         if light is not None and plan.op == "dispatch":
             self._load_light(call, light)
         program, ops = self._program(plan.op, chunks,
