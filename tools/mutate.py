@@ -47,6 +47,8 @@ GUARDS_TEST = "tests/test_guards.py"
 
 GROUPED = "src/flashoverlap/kernels/grouped_gemm.py"
 GROUPED_TEST = "tests/kernels/test_grouped_gemm.py"
+POLICY_GROUPED = "src/flashoverlap/tune/grouped.py"
+POLICY_GROUPED_TEST = "tests/tune/test_grouped.py"
 EXPERT_NCCL = "src/flashoverlap/comm/expert/nccl.py"
 CHUNKED = "src/flashoverlap/comm/chunked_gemm.py"
 EXPERT_P2P = "src/flashoverlap/comm/expert/p2p.py"
@@ -215,18 +217,20 @@ MUTATIONS = [
      "one whose rows do not follow each other", GROUPED,
      "            dense = tl.sum(((gathered - first) == tl.arange(0, ROWS)).to(tl.int32), axis=0) == ROWS",
      "            dense = first >= 0", GROUPED_TEST),
-    ("policy-ignores-host-time", "Grouped GEMM policy: a call costs its GPU time alone, however small (Triton's "
-     "two launches chosen for calls shorter than they take to issue)", GROUPED,
-     "    return max(measured_ms * scale, host_ms)", "    return measured_ms * scale",
-     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
+    ("policy-ignores-host-time", "Grouped GEMM policy: a way costs its GPU time alone, however small (Triton's "
+     "two launches chosen for calls shorter than they take to issue)", POLICY_GROUPED,
+     "    return max(gpu_ms(way, call, costs), host_calls(way, call) * costs.host_us / 1e3)",
+     "    return gpu_ms(way, call, costs)", POLICY_GROUPED_TEST + "::test_host_time_decides_where_the_gpu_time_is_short"),
     ("policy-host-time-of-one-chunk", "Grouped GEMM policy: the host time of one call counted however many chunks "
-     "the op issues", GROUPED, "    calls = max(chunks, 1)", "    calls = 1",
-     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
-    ("policy-routing-sum-as-one-op", "Grouped GEMM policy: the measured time summed over routings taken for one op's "
-     "GPU time (twice its time: Triton kept where the call is host-bound)", GROUPED,
-     "    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3]) / MEASURED_ROUTINGS",
-     "    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3])",
-     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
+     "the op issues", POLICY_GROUPED, "    return max(call.chunks, 1)", "    return 1",
+     POLICY_GROUPED_TEST + "::test_host_time_decides_where_the_gpu_time_is_short"),
+    ("policy-no-padding", "Grouped GEMM policy: a segment's rows are not rounded up to the way's tile (the small "
+     "segments of skewed routing cost nothing extra)", POLICY_GROUPED,
+     "        padded = sum(-(-rows // pad_rows) * pad_rows for rows in group)", "        padded = sum(group)",
+     POLICY_GROUPED_TEST + "::test_skewed_routing_changes_the_cost"),
+    ("policy-cublas-for-any-dtype", "Grouped GEMM policy: torch._grouped_mm allowed for fp16 rows (it takes bf16 "
+     "only)", POLICY_GROUPED, "    if dtype == torch.bfloat16 and k % 8 == 0", "    if k % 8 == 0",
+     POLICY_GROUPED_TEST + "::test_the_cheapest_allowed_way_is_chosen"),
     ("layout-counts-shifted", "Expert layout: each expert's count taken from the sorted indices' left edges (every "
      "count moved one expert down)", "src/flashoverlap/comm/expert/layout.py",
      "    ends = torch.searchsorted(sorted_expert, experts, right=True)",
@@ -238,17 +242,20 @@ MUTATIONS = [
      "            pass",
      "tests/comm/test_expert_nccl.py::test_expert_nccl_communicator_matches_the_reference"),
     ("hybrid-light-experts-skipped", "Hybrid expert GEMM: the light experts' launch is never made", CHUNKED,
-     "    if kind != \"hybrid\":\n        return None\n    tables = light_tables(layout)",
-     "    if True:\n        return None\n    tables = light_tables(layout)", HYBRID_TEST),
+     "    if kind != \"hybrid\":\n        return None\n    tables = light_tables(layout, plan.hybrid.heavy_rows)",
+     "    if True:\n        return None\n    tables = light_tables(layout, plan.hybrid.heavy_rows)", HYBRID_TEST),
     ("hybrid-heavy-part-runs-every-expert", "Hybrid expert GEMM: the per-chunk part multiplies the light experts "
      "too", CHUNKED, "            if end > start and (only is None or expert in only):",
      "            if end > start:", HYBRID_TEST),
     ("hybrid-row-map-source-order", "Hybrid expert GEMM: the light row map takes each segment's rows from its "
      "source's first segment start", CHUNKED, "        first = torch.cumsum(sizes, 0) - sizes",
      "        first = torch.cumsum(sizes, 0)", HYBRID_TEST),
-    ("hybrid-split-cached-without-threshold", "Hybrid expert GEMM: a layout's split is kept when HEAVY_ROWS changes "
-     "(the chunked part and the light launch then disagree)", CHUNKED,
-     "    if cached is None or cached[0] != HEAVY_ROWS:", "    if cached is None:", HYBRID_TEST),
+    ("hybrid-split-cached-without-threshold", "Hybrid expert GEMM: a layout's split is kept when a call cuts it at "
+     "another heavy_rows (the chunked part and the light launch then disagree)", CHUNKED,
+     "    if cached is None or cached[0] != heavy_rows:", "    if cached is None:", HYBRID_TEST),
+    ("hybrid-light-tile-ignores-the-cut", "Hybrid expert GEMM: the light launch's tile ignores the plan's "
+     "light_flat_rows", CHUNKED, "    return row_map.numel() >= cut.light_flat_rows * experts.numel()",
+     "    return row_map.numel() >= 256 * experts.numel()", HYBRID_TEST),
     ("hybrid-nccl-own-chunk-not-received", "NCCL expert path, hybrid: dispatch leaves the own chunk out of the "
      "received rows unless they are returned (the light launch reads NaN)", EXPERT_NCCL,
      "        if (call.return_gathered or light is not None) and chunks.recv[me]:",
