@@ -169,7 +169,7 @@ MUTATIONS = [
      "stream writes (graph nodes that cost the host at every launch)", P2P,
      "captured=not call.replay and guards.capturing(a))", "captured=False)", P2P_TEST),
     ("p2p-replay-graph-signals-by-stream-write", "P2P executor: the replay graph is captured with stream-write "
-     "signals", P2P, "gathered, hook, captured=True)):", "gathered, hook, captured=False)):", P2P_TEST),
+     "signals", P2P, "a, out, gathered, captured=True)):", "a, out, gathered, captured=False)):", P2P_TEST),
     ("replay-evicts-the-newest", "P2P replay: a capture over the capacity drops the most recently used graph",
      REPLAY, "del self._graphs[min(self._graphs,", "del self._graphs[max(self._graphs,", REPLAY_TEST),
     ("plan-hash-ignores-fields", "Plan: the cached hash leaves out the last fields (sequential, path, gemm)", PLAN,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashoverlap.comm.chunked_gemm import multiply_chunk
+from flashoverlap.comm.chunked_gemm import ChunkGemm, multiply_chunk
 from flashoverlap.kernels.grouped_gemm import workspace_size
 from flashoverlap.tune.grouped import GroupedCall
 
@@ -93,12 +93,11 @@ class Sample:
 
     def way(self, name: str):
         """One call of way ``name`` over every chunk."""
-        kind = WAYS[name]
+        gemm = ChunkGemm(WAYS[name], self.w, self.seg_expert, self.workspace, tail=False)
 
         def run() -> None:
             for first, rows, ends, host_ends in self.chunks:
-                multiply_chunk(kind, self.x[first : first + rows], self.w, ends, self.out[first : first + rows],
-                               self.seg_expert, host_ends=host_ends, workspace=self.workspace, tail=False)
+                multiply_chunk(gemm, self.x[first : first + rows], ends, self.out[first : first + rows], host_ends)
         return run
 
     def check(self, name: str) -> float:

@@ -177,7 +177,8 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, captured, mon
     b = torch.randn(plan.k, plan.n, dtype=torch.bfloat16)
     out = torch.empty(plan.block_rows if op == "reduce_scatter" else plan.m, plan.n, dtype=torch.bfloat16)
     gathered = torch.empty(plan.m, plan.k, dtype=torch.bfloat16) if op == "all_gather" else None
-    comm.issue(plan, a, b, out, op, gathered, hook=lambda: recorder.trace.append((0, "hook")), captured=captured)
+    comm.issue(Call(op, plan, a, b, hook=lambda: recorder.trace.append((0, "hook"))), a, out, gathered,
+               captured=captured)
     bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
     width = plan.k if op == "all_gather" else plan.n
     assert recorder.trace == _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None,
@@ -223,7 +224,7 @@ def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypat
     comm.run(Call("op", plan, a, b, replay=True))  # second: captured (the same schedule), then replayed
     replayed = list(recorder.trace)
     recorder.trace.clear()
-    comm.issue(plan, a, b, blocks[(plan.block_rows, plan.n)], "op", captured=True)  # the schedule as captured
+    comm.issue(Call("op", plan, a, b), a, blocks[(plan.block_rows, plan.n)], captured=True)  # as captured
     assert replayed == recorder.trace + [("replay",)]
     # ... where every signal is a copy of the word that holds 1 (the caller's stream's forked onto S), none a write
     signals = sum(isinstance(item, steps.Signal) for item in rs.schedule(plan, 0))

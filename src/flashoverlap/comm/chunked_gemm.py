@@ -105,28 +105,39 @@ def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device) -> st
     return kind
 
 
-def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
-                   seg_expert: torch.Tensor, *, host_ends: list[int] | None = None,
-                   workspace: torch.Tensor | None = None, tail: bool = True,
-                   only: frozenset[int] | None = None) -> None:
-    """``out[rows of l] = x[rows of l] @ w[l]`` for the ``L`` segments of one chunk (``ends``: int32 ``[L]``
-    relative to ``x``'s first row, on the device; ``seg_expert``: int32 ``arange(L)``), fp32 accumulation. Rows
-    past ``ends[-1]`` are not written, except by cuBLAS, which writes them zero. ``kind``: ``"triton"``
-    (``kernels.grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``), ``"loop"`` (``torch.mm`` per segment;
-    ``host_ends`` the same ends on the host, read from ``ends`` off the GPU; ``only``: the experts it multiplies,
-    the others left alone: the hybrid's heavy part). ``tail=False``: the segments cover every row (exact mode's
-    chunks), so cuBLAS's result needs no mask."""
-    rows = x.shape[0]
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity
+class ChunkGemm:
+    """How one call multiplies its chunks (``multiply_chunk``): ``kind`` ``"triton"`` (``kernels.grouped_gemm``),
+    ``"cublas"`` (``torch._grouped_mm``) or ``"loop"`` (``torch.mm`` per segment); the stacked weights ``w: [L, K,
+    N]``; ``seg_expert``, int32 ``arange(L)``; ``workspace``, the Triton kernel's table (made per call when None);
+    ``tail``: rows may lie past a chunk's last segment (bounded mode's padding), which cuBLAS's result must then
+    mask to zero; ``only``: the experts the loop multiplies, the others left alone (the hybrid's heavy part)."""
+
+    kind: str
+    w: torch.Tensor
+    seg_expert: torch.Tensor
+    workspace: torch.Tensor | None = None
+    tail: bool = True
+    only: frozenset[int] | None = None
+
+
+def multiply_chunk(gemm: ChunkGemm, x: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+                   host_ends: list[int] | None = None) -> None:
+    """``out[rows of l] = x[rows of l] @ gemm.w[l]`` for the ``L`` segments of one chunk (``ends``: int32 ``[L]``
+    relative to ``x``'s first row, on the device; ``host_ends``: the same on the host, which the loop needs on the
+    GPU), fp32 accumulation, the way ``gemm`` says. Rows past ``ends[-1]`` are not written, except by cuBLAS, which
+    writes them zero."""
+    rows, kind, w = x.shape[0], gemm.kind, gemm.w
     if rows == 0:
         return
     if kind == "triton":
         from flashoverlap.kernels.grouped_gemm import GroupedLaunch, Segments, grouped_gemm  # Triton: where it runs
 
-        grouped_gemm(x, w, Segments(ends, seg_expert), out=out, workspace=workspace,
+        grouped_gemm(x, w, Segments(ends, gemm.seg_expert), out=out, workspace=gemm.workspace,
                      launch=GroupedLaunch(max_rows=rows))
     elif kind == "cublas":
         product = torch._grouped_mm(x, w, offs=ends)
-        if tail:  # rows past the last segment are undefined in its result; here they are padding, zero
+        if gemm.tail:  # rows past the last segment are undefined in its result; here they are padding, zero
             # (compared in the ends' int32: no conversion kernel; torch 2.11's torch.where takes no scalar in its
             # out= form, hence the fill and the copy)
             product.masked_fill_(torch.arange(rows, dtype=ends.dtype, device=x.device)[:, None] >= ends[-1:], 0)
@@ -136,7 +147,7 @@ def multiply_chunk(kind: str, x: torch.Tensor, w: torch.Tensor, ends: torch.Tens
             if x.device.type == "cuda":
                 raise ValueError("multiply_chunk: the loop GEMM needs the segment ends on the host (host_ends)")
             host_ends = ends.tolist()
-        start = 0
+        start, only = 0, gemm.only
         for expert, end in enumerate(host_ends):
             if end > start and (only is None or expert in only):
                 torch.mm(x[start:end], w[expert], out=out[start:end])
@@ -274,13 +285,12 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
         from flashoverlap.kernels.grouped_gemm import workspace_size  # Triton: imported where a kernel runs
 
         workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=b.device)
-    tail = plan.mode == "bounded"
+    gemm = ChunkGemm(kind, b, seg_expert, workspace, tail=plan.mode == "bounded", only=only)
 
     def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
         if rows:
-            multiply_chunk(kind, x[x_row : x_row + rows], b, ends[chunk], out[out_row : out_row + rows], seg_expert,
-                           host_ends=None if host is None else host[chunk], workspace=workspace, tail=tail,
-                           only=only)
+            multiply_chunk(gemm, x[x_row : x_row + rows], ends[chunk], out[out_row : out_row + rows],
+                           None if host is None else host[chunk])
 
     return multiply
 

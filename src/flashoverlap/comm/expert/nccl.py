@@ -62,6 +62,7 @@ import torch.distributed as dist
 from flashoverlap import guards
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.chunked_gemm import (
+    ChunkGemm,
     Chunks,
     chunk_gemm,
     chunk_multiplier,
@@ -272,7 +273,8 @@ class ExpertNcclCommunicator(GroupFields):
         if a.device.type != "cuda" and not guards.triton_interpreted():
             ends = relative_ends(layout)
             for d, (start, rows) in enumerate(zip(chunks.recv_offsets, chunks.recv)):
-                multiply_chunk("loop", a[start : start + rows], b, ends[d], y[start : start + rows], table["expert"])
+                multiply_chunk(ChunkGemm("loop", b, table["expert"]), a[start : start + rows], ends[d],
+                               y[start : start + rows])
             self.flags.fill_(1)
             return
         from flashoverlap.kernels.grouped_gemm import GroupedLaunch, Segments, default_tile, grouped_gemm

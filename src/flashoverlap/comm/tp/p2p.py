@@ -134,11 +134,10 @@ class P2PCommunicator(GroupFields):
             if signature is not None:  # step 1 may have grown the workspace, which the signature names
                 signature = self._signature(plan, a, b, out, gathered, hook)
         if signature is not None and self.graphs.record(
-                signature, lambda: self.issue(plan, a, b, out, call.name, gathered, hook, captured=True)):
+                signature, lambda: self.issue(call, a, out, gathered, captured=True)):
             return out, gathered
         # A call the runtime let replay is not inside a capture; any other may be inside a user's.
-        self.issue(plan, a, b, out, call.name, gathered, hook, call.timeout,
-                   captured=not call.replay and guards.capturing(a))
+        self.issue(call, a, out, gathered, timeout=call.timeout, captured=not call.replay and guards.capturing(a))
         return out, gathered
 
     def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -184,12 +183,14 @@ class P2PCommunicator(GroupFields):
                 self._programs.clear()
                 self.graphs.clear()
 
-    def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
-              gathered: torch.Tensor | None = None, hook=None, timeout: float | None = None,
-              captured: bool = False) -> None:
-        """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
+    def issue(self, call: Call, a: torch.Tensor, out: torch.Tensor, gathered: torch.Tensor | None = None, *,
+              timeout: float | None = None, captured: bool = False) -> None:
+        """Steps 2 and 3 of one call (after ``prepare``) of ``call.plan`` on ``a`` (``call.a``, contiguous for
+        all-gather) and ``call.b``, its hook where the schedule says: ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
-        is returned). ``captured``: the work is being captured into a CUDA graph (its signals are copies)."""
+        is returned). ``timeout``: debug mode's deadline (None: the waits are not polled); ``captured``: the work is
+        being captured into a CUDA graph (its signals are copies)."""
+        plan, b, hook, op = call.plan, call.b, call.hook, call.name
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
             gathered = self._new((plan.m, plan.k), a.dtype)
