@@ -54,7 +54,7 @@ def runtime_us(op: str) -> float:
     try:
         from flashoverlap.runtime.context import context_of
     except ImportError:  # before the runtime layer: the reference path was a module function
-        from flashoverlap.comm import reference
+        from flashoverlap.comm.tp import reference
 
         reference.run = lambda plan, a, b, *args, **kw: (a, None)
     else:
@@ -73,7 +73,7 @@ def runtime_us(op: str) -> float:
 
 def p2p_executor_us(op: str) -> tuple[float, int]:
     """The P2P communicator's run (eager, no replay) against recorders; returns (us per call, schedule steps)."""
-    from flashoverlap.comm import p2p
+    from flashoverlap.comm.tp import p2p
 
     try:
         from flashoverlap.tune.defaults import default_plan

@@ -20,8 +20,8 @@ Per row, timed side by side (CUDA events, median, each call queued behind a GPU 
 - ``t_hybrid_ms``: the exact mode's hybrid (``comm/expert_nccl.py``'s functions): the heavy experts a ``torch.mm``
   per segment chunk by chunk, the light ones in one row-mapped launch over every chunk (``Slice.hybrid``).
 ``path`` is the way the runtime runs the exact mode at the slice (``runtime.experts.choose_gemm``: the hybrid where
-``hybrid_pays``, many experts of few rows each, else Triton or cuBLAS per chunk by the measured policy,
-``MEASURED_MS``), ``path_bounded`` the bounded mode's; ``t_ms`` that way's time,
+``tune.grouped.hybrid_pays``, many experts of few rows each, else the cost model's choice per chunk),
+``path_bounded`` the bounded mode's; ``t_ms`` that way's time,
 ``tflops`` at ``t_ms``. Every timed way is first checked against ``torch._grouped_mm`` on an output poisoned with NaN
 (flags included).
 
@@ -46,16 +46,19 @@ import torch
 
 from benchmarks.harness.run import commit
 from benchmarks.harness.timing import host_us
+from flashoverlap.comm.chunked_gemm import chunk_multiplier, light_multiplier
 from flashoverlap.comm.expert import ExpertPlan, Layout
-from flashoverlap.comm.expert_nccl import chunk_multiplier, light_multiplier
 from flashoverlap.kernels.grouped_gemm import (
     TILE_FLAT,
     TILE_MANY_EXPERTS,
+    GroupedLaunch,
     GroupedTile,
+    Segments,
     default_tile,
     grouped_gemm,
     workspace_size,
 )
+from flashoverlap.tune.grouped import HYBRID_CUT
 from flashoverlap.tune.timing import time_side_by_side
 
 WORLD = 2
@@ -171,24 +174,24 @@ class Slice:
     def triton(self, tile: GroupedTile | None = None, order: str = "heavy-first", signals: bool = True):
         """One launch over every chunk, one signal group per source (``t_triton_ms``)."""
         signal, flags = (self.seg_source, self.flags) if signals else (None, None)
-        return lambda: grouped_gemm(self.x, self.w, self.seg_ends, self.seg_expert, out=self.out,
-                                    seg_signal=signal, flags=flags, order=order, tile=tile)
+        return lambda: grouped_gemm(self.x, self.w, Segments(self.seg_ends, self.seg_expert, signal=signal),
+                                    out=self.out, flags=flags, launch=GroupedLaunch(order=order, tile=tile))
 
     def triton_signal(self, tile: GroupedTile | None = None):
         """As the NCCL combine's signalling GEMM: sources in round order, one program per tile (``t_signal_ms``)."""
         tile = dataclasses.replace(tile or self.default_tile(), num_programs=None, dynamic=False)
-        return lambda: grouped_gemm(self.x, self.w, self.seg_ends, self.seg_expert, out=self.out,
-                                    seg_signal=self.seg_source, flags=self.flags, order="heavy-first",
-                                    seg_priority=self.seg_round, max_rows=self.rows, tile=tile)
+        segments = Segments(self.seg_ends, self.seg_expert, signal=self.seg_source, priority=self.seg_round)
+        launch = GroupedLaunch(order="heavy-first", max_rows=self.rows, tile=tile)
+        return lambda: grouped_gemm(self.x, self.w, segments, out=self.out, flags=self.flags, launch=launch)
 
     def triton_chunks(self, tile: GroupedTile | None = None):
         """One launch per source chunk, as ``multiply_chunk`` runs it (``t_chunks_ms``)."""
         def run():
             for a, b, ends in self.chunks:
                 if b > a:
-                    grouped_gemm(self.x[a:b], self.w, ends, self.local_experts, out=self.out[a:b],
-                                 order="heavy-first", max_rows=b - a, workspace=self.workspace,
-                                 tile=tile or self.chunk_tile(a, b))
+                    grouped_gemm(self.x[a:b], self.w, Segments(ends, self.local_experts), out=self.out[a:b],
+                                 workspace=self.workspace,
+                                 launch=GroupedLaunch(max_rows=b - a, tile=tile or self.chunk_tile(a, b)))
         return run
 
     def triton_expert_groups(self, groups: int, tile: GroupedTile | None = None):
@@ -207,9 +210,9 @@ class Slice:
         def run():
             for starts, ends, experts, rows in launches:
                 if rows:
-                    grouped_gemm(self.x, self.w, ends, experts, seg_starts=starts, out=self.out, order="heavy-first",
-                                 max_rows=rows, workspace=self.workspace,
-                                 tile=tile or default_tile(rows, per, self.k, self.n))
+                    launch = GroupedLaunch(max_rows=rows, tile=tile or default_tile(rows, per, self.k, self.n))
+                    grouped_gemm(self.x, self.w, Segments(ends, experts, starts=starts), out=self.out,
+                                 workspace=self.workspace, launch=launch)
         return run
 
     def cublas_expert_groups(self, groups: int):
@@ -247,9 +250,10 @@ class Slice:
         row-mapped Triton launch over every chunk (``t_hybrid_ms``)."""
         layout = self.exact_layout()
         splits = layout.recv_splits
-        plan = ExpertPlan("dispatch", WORLD, WORLD * self.experts, self.k, self.n, 1, 0, gemm="hybrid")
+        plan = ExpertPlan("dispatch", WORLD, WORLD * self.experts, self.k, self.n, 1, 0, gemm="hybrid",
+                          hybrid=HYBRID_CUT)
         multiply = chunk_multiplier("hybrid", plan, layout, self.w, self.local_experts)
-        light = light_multiplier("hybrid", layout, self.w)
+        light = light_multiplier("hybrid", plan, layout, self.w)
         at = [a for a, _, _ in self.chunks]
 
         def run():

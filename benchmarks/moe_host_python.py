@@ -1,4 +1,4 @@
-"""The Python cost of one P2P expert call (``comm/expert_p2p.py``) on the CPU, with the CUDA layer faked: what the
+"""The Python cost of one P2P expert call (``comm/expert/p2p.py``) on the CPU, with the CUDA layer faked: what the
 library's own code costs per call, apart from what torch's kernels and the driver cost. Not a timed test: a
 measurement, written to a results file.
 
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside thi
 
 from cpu_runs import checkout_commit, per_call_us, write_run  # noqa: E402
 
-from flashoverlap.comm import expert_nccl  # noqa: E402
+from flashoverlap.comm import chunked_gemm  # noqa: E402
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan  # noqa: E402
 from tests.comm import test_expert_p2p_executor as fakes  # noqa: E402
 
@@ -58,7 +58,7 @@ BOUND = 32
 def rows_for(mode: str, patch) -> list[dict]:
     recorder = fakes.Recorder()
     comm = fakes._communicator(RANK, WORLD, recorder, patch)
-    patch.setattr(expert_nccl, "multiply_chunk", lambda *args, **kwargs: None)  # the grouped GEMM: a no-op
+    patch.setattr(chunked_gemm, "multiply_chunk", lambda *args, **kwargs: None)  # the grouped GEMM: a no-op
     patch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)  # a first call's kernel loading
     bounded = mode == "bounded"
     half = (BOUND // 2,) * WORLD  # bounded: half of each slot used

@@ -257,7 +257,7 @@ def test_rates_estimate_each_collective():
 
 
 def test_all_gather_plans_leave_nccl_its_sms_and_the_op_checks_it():
-    from flashoverlap.comm.nccl import check_leaves_nccl_sms
+    from flashoverlap.comm.tp.nccl import check_leaves_nccl_sms
     from flashoverlap.plan import nccl_free_sms
 
     assert nccl_free_sms(132, 16) == 32  # the CTAs plus a margin on an H200

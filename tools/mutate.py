@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NCCL = "src/flashoverlap/comm/nccl.py"
-RING = "src/flashoverlap/comm/ring_schedule.py"
-P2P = "src/flashoverlap/comm/p2p.py"
+NCCL = "src/flashoverlap/comm/tp/nccl.py"
+RING = "src/flashoverlap/comm/tp/ring_schedule.py"
+P2P = "src/flashoverlap/comm/tp/p2p.py"
 NCCL_TEST = "tests/comm/test_nccl_executor.py"
 RING_TEST = "tests/comm/test_ring_protocol.py::test_back_to_back_calls_of_every_op_are_right_in_random_interleavings"
 P2P_TEST = "tests/comm/test_p2p_executor.py"
@@ -47,7 +47,11 @@ GUARDS_TEST = "tests/test_guards.py"
 
 GROUPED = "src/flashoverlap/kernels/grouped_gemm.py"
 GROUPED_TEST = "tests/kernels/test_grouped_gemm.py"
-EXPERT_NCCL = "src/flashoverlap/comm/expert_nccl.py"
+POLICY_GROUPED = "src/flashoverlap/tune/grouped.py"
+POLICY_GROUPED_TEST = "tests/tune/test_grouped.py"
+EXPERT_NCCL = "src/flashoverlap/comm/expert/nccl.py"
+CHUNKED = "src/flashoverlap/comm/chunked_gemm.py"
+EXPERT_P2P = "src/flashoverlap/comm/expert/p2p.py"
 HYBRID_TEST = "tests/moe/test_hybrid.py"
 
 TESTING = "src/flashoverlap/testing.py"
@@ -165,7 +169,7 @@ MUTATIONS = [
      "stream writes (graph nodes that cost the host at every launch)", P2P,
      "captured=not call.replay and guards.capturing(a))", "captured=False)", P2P_TEST),
     ("p2p-replay-graph-signals-by-stream-write", "P2P executor: the replay graph is captured with stream-write "
-     "signals", P2P, "gathered, hook, captured=True)):", "gathered, hook, captured=False)):", P2P_TEST),
+     "signals", P2P, "a, out, gathered, captured=True)):", "a, out, gathered, captured=False)):", P2P_TEST),
     ("replay-evicts-the-newest", "P2P replay: a capture over the capacity drops the most recently used graph",
      REPLAY, "del self._graphs[min(self._graphs,", "del self._graphs[max(self._graphs,", REPLAY_TEST),
     ("plan-hash-ignores-fields", "Plan: the cached hash leaves out the last fields (sequential, path, gemm)", PLAN,
@@ -193,7 +197,7 @@ MUTATIONS = [
      CALLS, "plan, path,\n                     env.nccl_p2p_disabled)", "plan,\n                     env.nccl_p2p_disabled)",
      CALLS_TEST),
     ("sequential-inside-coalescing-manager", "Sequential plan: a call inside a coalescing manager on its group runs, "
-     "its collective deferred past the GEMM that needs it", "src/flashoverlap/comm/sequential.py",
+     "its collective deferred past the GEMM that needs it", "src/flashoverlap/comm/tp/sequential.py",
      "        refuse_coalescing(process_group, call.name)\n", "", COLLECTIVES_TEST),
     ("collectives-now-ignore-torch-function", "Sequential plan's collectives: issued straight under a "
      "__torch_function__ mode or subclass, which torch's function would hand them to", COLLECTIVES,
@@ -213,55 +217,60 @@ MUTATIONS = [
      "one whose rows do not follow each other", GROUPED,
      "            dense = tl.sum(((gathered - first) == tl.arange(0, ROWS)).to(tl.int32), axis=0) == ROWS",
      "            dense = first >= 0", GROUPED_TEST),
-    ("policy-ignores-host-time", "Grouped GEMM policy: a call costs its GPU time alone, however small (Triton's "
-     "two launches chosen for calls shorter than they take to issue)", GROUPED,
-     "    return max(measured_ms * scale, host_ms)", "    return measured_ms * scale",
-     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
+    ("policy-ignores-host-time", "Grouped GEMM policy: a way costs its GPU time alone, however small (Triton's "
+     "two launches chosen for calls shorter than they take to issue)", POLICY_GROUPED,
+     "    return max(gpu_ms(way, call, costs), host_calls(way, call) * costs.host_us / 1e3)",
+     "    return gpu_ms(way, call, costs)", POLICY_GROUPED_TEST + "::test_host_time_decides_where_the_gpu_time_is_short"),
     ("policy-host-time-of-one-chunk", "Grouped GEMM policy: the host time of one call counted however many chunks "
-     "the op issues", GROUPED, "    calls = max(chunks, 1)", "    calls = 1",
-     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
-    ("policy-routing-sum-as-one-op", "Grouped GEMM policy: the measured time summed over routings taken for one op's "
-     "GPU time (twice its time: Triton kept where the call is host-bound)", GROUPED,
-     "    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3]) / MEASURED_ROUTINGS",
-     "    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3])",
-     GROUPED_TEST + "::test_policy_weighs_host_time_where_the_gpu_time_is_short"),
+     "the op issues", POLICY_GROUPED, "    return max(call.chunks, 1)", "    return 1",
+     POLICY_GROUPED_TEST + "::test_host_time_decides_where_the_gpu_time_is_short"),
+    ("policy-no-padding", "Grouped GEMM policy: a segment's rows are not rounded up to the way's tile (the small "
+     "segments of skewed routing cost nothing extra)", POLICY_GROUPED,
+     "        padded = sum(-(-rows // pad_rows) * pad_rows for rows in group)", "        padded = sum(group)",
+     POLICY_GROUPED_TEST + "::test_skewed_routing_changes_the_cost"),
+    ("policy-cublas-for-any-dtype", "Grouped GEMM policy: torch._grouped_mm allowed for fp16 rows (it takes bf16 "
+     "only)", POLICY_GROUPED, "    if dtype == torch.bfloat16 and k % 8 == 0", "    if k % 8 == 0",
+     POLICY_GROUPED_TEST + "::test_the_cheapest_allowed_way_is_chosen"),
     ("layout-counts-shifted", "Expert layout: each expert's count taken from the sorted indices' left edges (every "
-     "count moved one expert down)", "src/flashoverlap/comm/expert.py",
+     "count moved one expert down)", "src/flashoverlap/comm/expert/layout.py",
      "    ends = torch.searchsorted(sorted_expert, experts, right=True)",
      "    ends = torch.searchsorted(sorted_expert, experts, right=False)",
      "tests/moe/test_contract.py::test_layout_on_one_rank"),
     ("cublas-chunk-tail-unmasked", "Expert paths, cuBLAS's grouped GEMM in bounded mode: the rows past a chunk's "
-     "last segment (undefined in its result) are copied as they are, not zeroed", EXPERT_NCCL,
+     "last segment (undefined in its result) are copied as they are, not zeroed", CHUNKED,
      "            product.masked_fill_(torch.arange(rows, dtype=ends.dtype, device=x.device)[:, None] >= ends[-1:], 0)",
      "            pass",
      "tests/comm/test_expert_nccl.py::test_expert_nccl_communicator_matches_the_reference"),
-    ("hybrid-light-experts-skipped", "Hybrid expert GEMM: the light experts' launch is never made", EXPERT_NCCL,
-     "    if kind != \"hybrid\":\n        return None\n    tables = light_tables(layout)",
-     "    if True:\n        return None\n    tables = light_tables(layout)", HYBRID_TEST),
+    ("hybrid-light-experts-skipped", "Hybrid expert GEMM: the light experts' launch is never made", CHUNKED,
+     "    if kind != \"hybrid\":\n        return None\n    tables = light_tables(layout, plan.hybrid.heavy_rows)",
+     "    if True:\n        return None\n    tables = light_tables(layout, plan.hybrid.heavy_rows)", HYBRID_TEST),
     ("hybrid-heavy-part-runs-every-expert", "Hybrid expert GEMM: the per-chunk part multiplies the light experts "
-     "too", EXPERT_NCCL, "            if end > start and (only is None or expert in only):",
+     "too", CHUNKED, "            if end > start and (only is None or expert in only):",
      "            if end > start:", HYBRID_TEST),
     ("hybrid-row-map-source-order", "Hybrid expert GEMM: the light row map takes each segment's rows from its "
-     "source's first segment start", EXPERT_NCCL, "        first = torch.cumsum(sizes, 0) - sizes",
+     "source's first segment start", CHUNKED, "        first = torch.cumsum(sizes, 0) - sizes",
      "        first = torch.cumsum(sizes, 0)", HYBRID_TEST),
-    ("hybrid-split-cached-without-threshold", "Hybrid expert GEMM: a layout's split is kept when HEAVY_ROWS changes "
-     "(the chunked part and the light launch then disagree)", EXPERT_NCCL,
-     "    if cached is None or cached[0] != HEAVY_ROWS:", "    if cached is None:", HYBRID_TEST),
+    ("hybrid-split-cached-without-threshold", "Hybrid expert GEMM: a layout's split is kept when a call cuts it at "
+     "another heavy_rows (the chunked part and the light launch then disagree)", CHUNKED,
+     "    if cached is None or cached[0] != heavy_rows:", "    if cached is None:", HYBRID_TEST),
+    ("hybrid-light-tile-ignores-the-cut", "Hybrid expert GEMM: the light launch's tile ignores the plan's "
+     "light_flat_rows", CHUNKED, "    return row_map.numel() >= cut.light_flat_rows * experts.numel()",
+     "    return row_map.numel() >= 256 * experts.numel()", HYBRID_TEST),
     ("hybrid-nccl-own-chunk-not-received", "NCCL expert path, hybrid: dispatch leaves the own chunk out of the "
      "received rows unless they are returned (the light launch reads NaN)", EXPERT_NCCL,
      "        if (call.return_gathered or light is not None) and chunks.recv[me]:",
      "        if call.return_gathered and chunks.recv[me]:",
      "tests/comm/test_expert_nccl.py::test_the_hybrid_gemm_matches_the_reference"),
     ("hybrid-p2p-own-chunk-not-gathered", "P2P expert path, hybrid: dispatch's schedule copies the own chunk among "
-     "the received rows only when they are returned", "src/flashoverlap/comm/expert_p2p.py",
+     "the received rows only when they are returned", EXPERT_P2P,
      "(call.return_gathered or light is not None) and plan.op == \"dispatch\"",
      "call.return_gathered and plan.op == \"dispatch\"", "tests/comm/test_expert_p2p_executor.py"),
     ("hybrid-p2p-light-kernels-not-loaded", "P2P expert path, hybrid: the light launch's kernels are not loaded "
-     "before a call queues them behind its flag waits", "src/flashoverlap/comm/expert_p2p.py",
+     "before a call queues them behind its flag waits", EXPERT_P2P,
      "        if variant in self._light_warm:\n            return\n",
      "        return\n", "tests/comm/test_expert_p2p_executor.py"),
     ("expert-p2p-schedule-kept-past-workspace-growth", "P2P expert executor: a resolved schedule (slot and peer "
-     "addresses) is kept when the workspace grows", "src/flashoverlap/comm/expert_p2p.py",
+     "addresses) is kept when the workspace grows", EXPERT_P2P,
      "                self.graphs.clear()\n                self._programs.clear()\n",
      "                self.graphs.clear()\n", "tests/comm/test_expert_p2p_executor.py"),
 ]

@@ -76,15 +76,15 @@ def one_case(name, rows, experts, k, n):
     workspace = torch.empty(module.workspace_size(experts), dtype=torch.int32, device="cuda")
 
     def ours():
-        module.grouped_gemm(x, w, ends, seg_expert, out=out, order="heavy-first", max_rows=rows,
-                            workspace=workspace)
+        module.grouped_gemm(x, w, module.Segments(ends, seg_expert), out=out, workspace=workspace,
+                            launch=module.GroupedLaunch(order="heavy-first", max_rows=rows))
 
     def cublas():
         torch._grouped_mm(x, w, offs=ends)
 
     host_ends = ends.tolist()
 
-    def loop():  # the per-segment loop as comm/expert_nccl.multiply_chunk issues it
+    def loop():  # the per-segment loop as comm/chunked_gemm.multiply_chunk issues it
         start = 0
         for expert, end in enumerate(host_ends):
             torch.mm(x[start:end], w[expert], out=out[start:end])

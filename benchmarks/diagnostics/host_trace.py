@@ -54,7 +54,7 @@ def patch(sequential=False):
     swap(torch.cuda.Stream, "record_event", "record_event")
     if sequential:
         from flashoverlap.comm import collectives
-        from flashoverlap.comm import sequential as seq
+        from flashoverlap.comm.tp import sequential as seq
         from flashoverlap.ops import library
         from flashoverlap.runtime import calls, settings
 

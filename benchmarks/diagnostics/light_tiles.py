@@ -1,6 +1,6 @@
-"""Which tile the hybrid GEMM's light launch (``grouped_gemm(row_map=...)``, ``comm/expert_nccl.light_multiplier``)
-should take: the DeepSeek-like slice's light experts (every expert, balanced; the light ones, Zipf(1.2) with the
-default ``HEAVY_ROWS``) as the exact mode runs them, under each candidate tile, beside ``torch._grouped_mm`` on the
+"""Which tile the hybrid GEMM's light launch (``Segments.row_map``, ``comm/chunked_gemm.light_multiplier``) should
+take: the DeepSeek-like slice's light experts (every expert, balanced; the light ones, Zipf(1.2) with the default
+``tune.grouped.HYBRID_CUT``) as the exact mode runs them, under each candidate tile, beside ``torch._grouped_mm`` on the
 same rows regrouped by expert. Each candidate is first checked against ``torch._grouped_mm`` (output poisoned).
 
 CUDA_VISIBLE_DEVICES=0 FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src \\
@@ -15,15 +15,18 @@ import torch
 
 from benchmarks.diagnostics.results_file import results_meta, write_results
 from benchmarks.moe_gemm import Slice
-from flashoverlap.comm import expert_nccl
+from flashoverlap.comm import chunked_gemm
 from flashoverlap.kernels.grouped_gemm import (
     TILE_FLAT,
     TILE_MANY_EXPERTS,
     TILE_MANY_EXPERTS_LONG_K,
+    GroupedLaunch,
     GroupedTile,
+    Segments,
     grouped_gemm,
     workspace_size,
 )
+from flashoverlap.tune.grouped import HYBRID_CUT
 from flashoverlap.tune.timing import time_side_by_side
 
 TILES = {
@@ -44,7 +47,7 @@ def main() -> int:
     for routing in ("balanced", "zipf"):
         for proj in ("up", "down"):
             s = Slice("deepseek-v3", routing, proj)
-            row_map, ends, experts = expert_nccl.light_tables(s.exact_layout())
+            row_map, ends, experts = chunked_gemm.light_tables(s.exact_layout(), HYBRID_CUT.heavy_rows)
             workspace = torch.empty(workspace_size(experts.numel()), dtype=torch.int32, device="cuda")
             fns, errs = {"grouped_mm": s.grouped_mm()}, {}
             want = torch._grouped_mm(s.x_by_expert, s.w, offs=s.offs).float()
@@ -53,8 +56,8 @@ def main() -> int:
             light_rows = row_map.long()
             for name, tile in TILES.items():
                 def run(tile=tile, s=s, ends=ends, experts=experts, row_map=row_map, workspace=workspace):
-                    grouped_gemm(s.x, s.w, ends, experts, out=s.out, row_map=row_map, max_rows=row_map.numel(),
-                                 workspace=workspace, tile=tile)
+                    grouped_gemm(s.x, s.w, Segments(ends, experts, row_map=row_map), out=s.out, workspace=workspace,
+                                 launch=GroupedLaunch(max_rows=row_map.numel(), tile=tile))
                 s.out.fill_(float("nan"))
                 run()
                 got = s.out[light_rows].float()

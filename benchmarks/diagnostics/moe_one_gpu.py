@@ -1,7 +1,7 @@
 """The expert-parallel (MoE) communicators' mechanics on ONE GPU shared by two processes: a correctness check where
 no two-GPU machine is at hand, not a performance figure (the two ranks share one GPU's SMs and copy engines).
 
-- P2P path (``comm/expert_p2p.py``), W = 2: PyTorch's symmetric memory and NCCL refuse two ranks on one GPU, so the
+- P2P path (``comm/expert/p2p.py``), W = 2: PyTorch's symmetric memory and NCCL refuse two ranks on one GPU, so the
   group is gloo, the workspace is shared by CUDA IPC (``p2p_one_gpu.IpcWorkspace``) and the communicator is called
   directly with ``ExpertCall``s; the layouts are the real ``expert_layout`` with its one all-gather routed through
   the host (gloo takes CPU tensors). Exact and bounded mode, the grouped GEMMs (Triton, cuBLAS, loop; in exact mode
@@ -11,12 +11,12 @@ no two-GPU machine is at hand, not a performance figure (the two ranks share one
   (per-choice dispatch, unweighted combine), eager calls (a weight-gradient hook held in the graph), bounded calls
   replayed from the communicator's own CUDA graphs, and bounded calls captured in a user's CUDA graph and replayed
   with NEW routing copied into the layout's tensors (nothing in bounded mode depends on the host).
-- NCCL path (``comm/expert_nccl.py``): NCCL refuses two ranks on one GPU, so its transfers cannot run here. What
+- NCCL path (``comm/expert/nccl.py``): NCCL refuses two ranks on one GPU, so its transfers cannot run here. What
   runs is its W = 1 case on a one-rank NCCL group per process: the own-chunk GEMMs, combine's signalling grouped GEMM
   with its flag waited for by ``cuStreamWaitValue32`` and reset, exact and bounded, eager and in a user's CUDA graph.
 
 Every rank makes every rank's inputs from seeds and computes the expected results locally, from the definition
-(``comm/expert.py``'s docstring: rows in stable expert order per source, fp32 accumulation), not from any
+(``comm/expert/contract.py``'s docstring: rows in stable expert order per source, fp32 accumulation), not from any
 communicator. Every output is checked, then poisoned with NaN, and the communicators' outputs start NaN, so an
 element never written shows. Host time to issue one call (GPU busy ahead) is printed for P2P eager and replayed
 beside ``torch._grouped_mm`` alone on the same rows.
@@ -46,16 +46,16 @@ import torch.nn.functional as F
 
 from benchmarks.diagnostics.p2p_one_gpu import IpcWorkspace, close_run, open_run
 from benchmarks.harness.timing import host_us, host_us_interleaved
-from flashoverlap.comm import expert as expert_module
-from flashoverlap.comm import expert_nccl
 from flashoverlap.comm.collectives import all_gather_into_tensor
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
-from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator
-from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, expert_layout
+from flashoverlap.comm.expert import layout as expert_module
+from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator
+from flashoverlap.comm.expert.p2p import ExpertP2PCommunicator
 from flashoverlap.comm.protocol import CommGroup
 from flashoverlap.comm.replay import Matmul
 from flashoverlap.runtime.experts import choose_gemm
 from flashoverlap.testing import host_synchronisations
+from flashoverlap.tune.grouped import HYBRID_CUT
 
 # (name, tokens of rank s, hidden, ffn, experts, top_k, routing)
 CASES = [
@@ -102,8 +102,9 @@ def inputs(case, world, dtype, seed):
 
 
 class Routing:
-    """The definition of the expert calls (comm/expert.py), computed from every rank's routing: ``chosen[s][d]``
-    the choices of rank s that go to rank d, in stable expert order; the receive offsets and sizes per mode."""
+    """The definition of the expert calls (comm/expert/contract.py), computed from every rank's routing:
+    ``chosen[s][d]`` the choices of rank s that go to rank d, in stable expert order; the receive offsets and sizes
+    per mode."""
 
     def __init__(self, all_idx, world, local, mode, bound):
         self.world, self.local, self.mode, self.bound = world, local, mode, bound
@@ -188,19 +189,19 @@ def activations(routing, world, ffn, dtype, seed):
     return out
 
 
-class low_heavy_threshold:
-    """The hybrid GEMM's heavy threshold lowered for a block, so that these small cases mix heavy and light
-    experts (at the default, every expert here is one or the other)."""
-
-    def __enter__(self):
-        self.saved, expert_nccl.HEAVY_ROWS = expert_nccl.HEAVY_ROWS, 150
-
-    def __exit__(self, *exc):
-        expert_nccl.HEAVY_ROWS = self.saved
+# The hybrid GEMM's heavy threshold lowered, so that these small cases mix heavy and light experts (at the
+# policy's, every expert here is one or the other).
+LOW_HEAVY_CUT = HybridCut(heavy_rows=150, light_flat_rows=HYBRID_CUT.light_flat_rows)
 
 
-def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, report, variant=False):
-    """Dispatch then combine of one configuration (a few calls each), every output checked."""
+def cut_of(gemm, cut=None):
+    """The plan's hybrid cut for ``gemm``: ``cut`` (default the policy's) for the hybrid, None for the others."""
+    return (cut or HYBRID_CUT) if gemm == "hybrid" else None
+
+
+def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, report, variant=False, cut=None):
+    """Dispatch then combine of one configuration (a few calls each), every output checked; ``cut``: the hybrid's
+    (default the policy's)."""
     name, tokens, hidden, ffn, experts, top_k, _ = case
     local = experts // world
     everyone = inputs(case, world, dtype, seed)
@@ -213,7 +214,7 @@ def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, 
     xs = [e[2].repeat_interleave(top_k, 0) if per_choice else e[2] for e in everyone]
     want_h, want_recv = routing.dispatch(rank, xs, w_up, per_choice)
     plan = ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, bound, gemm,
-                      per_choice=per_choice)
+                      per_choice=per_choice, hybrid=cut_of(gemm, cut))
     what = f"{type(comm).__name__} {name} {mode} {gemm} {dtype} replay={replay} variant={variant}"
     hook_x = torch.randn(hidden, 64, dtype=dtype, device="cuda")
     hook_y = torch.randn(64, 96, dtype=dtype, device="cuda")
@@ -236,7 +237,7 @@ def one_config(comm, group, rank, world, case, mode, gemm, dtype, seed, replay, 
     weighted = not variant  # dispatch's backward: the unweighted sum
     want_out, want_back = routing.combine(rank, acts, w_downs, weights, tokens(rank), weighted)
     plan = ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, bound, gemm,
-                      weighted=weighted)
+                      weighted=weighted, hybrid=cut_of(gemm, cut))
     call_layout = layout.with_weights(weights) if weighted else layout
     for call in range(4 if replay else 2):
         out, back = comm.run(ExpertCall("moe_gemm_combine", plan, acts[rank], w_down, True, replay=replay,
@@ -413,9 +414,9 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
         # costs or saves in host time (a Triton grouped GEMM costs more host time than cuBLAS's).
         variants = [chosen, ("triton", "triton") if chosen == ("cublas", "cublas") else ("cublas", "cublas")]
         plans = {pair: (ExpertPlan("dispatch", world, experts, hidden, 2 * ffn, top_k, tokens(rank), mode, mode_bound,
-                                   pair[0]),
+                                   pair[0], hybrid=cut_of(pair[0])),
                         ExpertPlan("combine", world, experts, hidden, ffn, top_k, tokens(rank), mode, mode_bound,
-                                   pair[1]))
+                                   pair[1], hybrid=cut_of(pair[1])))
                  for pair in variants}
         exchange.key, exchange.record = mode, True
         expert_module.all_gather_into_tensor = exchange
@@ -451,7 +452,7 @@ def layer_rows(comm, group, solo, rank, world, case, idx, weights, x, w_up, w_do
             for pair in variants:
                 if mode == "bounded" and syncs[pair]:
                     raise AssertionError(f"layer bounded {pair}: {syncs[pair]} host synchronisation(s) per eager "
-                                         "call, expected none (comm/expert.py's claim)")
+                                         "call, expected none (comm/expert/contract.py's claim)")
             # A replayed call's (its graph captured on the second call: three warm-up calls).
             replay_syncs = ({pair: len(host_syncs(lambda pair=pair: ours(True, pair), warm=3)) for pair in variants}
                             if mode == "bounded" else {})
@@ -549,9 +550,8 @@ def main():
                     if mode == "bounded":
                         one_config(p2p, group, rank, world, case, mode, gemm, dtype, 10 * i + 2, True, report)
             if mode == "exact":
-                with low_heavy_threshold():
-                    one_config(p2p, group, rank, world, case, mode, "hybrid", torch.bfloat16, 10 * i + 4, False,
-                               report)
+                one_config(p2p, group, rank, world, case, mode, "hybrid", torch.bfloat16, 10 * i + 4, False, report,
+                           cut=LOW_HEAVY_CUT)
             one_config(p2p, group, rank, world, case, mode, "triton", torch.bfloat16, 10 * i + 3, False, report,
                        variant=True)
         print(f"rank {rank}: P2P {case[0]}: correct ({report['checked']} calls so far, {p2p.graphs.captures} "
@@ -573,9 +573,8 @@ def main():
             for gemm in ("triton", "cublas", "loop", "hybrid") if mode == "exact" else ("triton", "cublas"):
                 one_config(nccl, solo_group, 0, 1, one_case, mode, gemm, torch.bfloat16, 10 * i + 5, False, report)
             if mode == "exact":
-                with low_heavy_threshold():
-                    one_config(nccl, solo_group, 0, 1, one_case, mode, "hybrid", torch.bfloat16, 10 * i + 6, False,
-                               report)
+                one_config(nccl, solo_group, 0, 1, one_case, mode, "hybrid", torch.bfloat16, 10 * i + 6, False,
+                           report, cut=LOW_HEAVY_CUT)
     captured(nccl, solo_group, 0, 1, (CASES[0][0], lambda s: CASES[0][1](rank), *CASES[0][2:]), "triton",
              torch.bfloat16, report)
     print(f"rank {rank}: NCCL path at W = 1 (own chunks, signalling GEMM and its flags, a user's graph): correct",

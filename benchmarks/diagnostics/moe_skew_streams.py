@@ -33,7 +33,13 @@ import torch
 
 from benchmarks.diagnostics.results_file import results_meta, write_results
 from benchmarks.moe_gemm import Slice
-from flashoverlap.kernels.grouped_gemm import TILE_MANY_EXPERTS, grouped_gemm, workspace_size
+from flashoverlap.kernels.grouped_gemm import (
+    TILE_MANY_EXPERTS,
+    GroupedLaunch,
+    Segments,
+    grouped_gemm,
+    workspace_size,
+)
 from flashoverlap.tune.timing import time_side_by_side
 
 CARVE = getattr(torch._C, "_set_sm_carveout_experimental", None)
@@ -95,8 +101,8 @@ class Split:
             if serial:
                 self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
-                grouped_gemm(s.x_by_expert, s.w, self.ends, self.experts, seg_starts=self.starts, out=s.out,
-                             max_rows=self.light_rows, workspace=self.workspace, tile=tile)
+                grouped_gemm(s.x_by_expert, s.w, Segments(self.ends, self.experts, starts=self.starts), out=s.out,
+                             workspace=self.workspace, launch=GroupedLaunch(max_rows=self.light_rows, tile=tile))
             main.wait_stream(self.side)
         return run
 
@@ -157,13 +163,13 @@ class PathSplit:
             if heavy_by_source:
                 for a, b, e in self.own + self.rest:
                     torch.mm(s.x[a:b], s.w[e], out=s.out[a:b])
-                grouped_gemm(s.x_by_expert, s.w, split.ends, split.experts, seg_starts=split.starts, out=self.out2,
-                             max_rows=split.light_rows, workspace=self.workspace)
+                grouped_gemm(s.x_by_expert, s.w, Segments(split.ends, split.experts, starts=split.starts),
+                             out=self.out2, workspace=self.workspace, launch=GroupedLaunch(max_rows=split.light_rows))
             else:
                 for e, a, b in split.heavy:
                     torch.mm(s.x_by_expert[a:b], s.w[e], out=self.out2[a:b])
-                grouped_gemm(s.x, s.w, self.ends, self.experts, seg_starts=self.starts, out=s.out,
-                             max_rows=self.light_rows, workspace=self.workspace)
+                grouped_gemm(s.x, s.w, Segments(self.ends, self.experts, starts=self.starts), out=s.out,
+                             workspace=self.workspace, launch=GroupedLaunch(max_rows=self.light_rows))
         return run
 
     def gathered(self, split: "Split"):
@@ -187,7 +193,8 @@ class PathSplit:
             if not order:
                 return
             xl = s.x.index_select(0, idx)
-            grouped_gemm(xl, s.w, ends, experts, out=y, max_rows=idx.numel(), workspace=self.workspace)
+            grouped_gemm(xl, s.w, Segments(ends, experts), out=y, workspace=self.workspace,
+                         launch=GroupedLaunch(max_rows=idx.numel()))
             s.out.index_copy_(0, idx, y)
         return run
 
@@ -210,8 +217,8 @@ class PathSplit:
             for a, b, e in self.own + self.rest:
                 torch.mm(s.x[a:b], s.w[e], out=s.out[a:b])
             if light:
-                grouped_gemm(s.x, s.w, ends, experts, out=s.out, row_map=row_map, max_rows=row_map.numel(),
-                             workspace=workspace)
+                grouped_gemm(s.x, s.w, Segments(ends, experts, row_map=row_map), out=s.out, workspace=workspace,
+                             launch=GroupedLaunch(max_rows=row_map.numel()))
         return run
 
     def check_mixed(self, split: "Split", fn, heavy_by_source: bool) -> float:
@@ -254,8 +261,8 @@ class PathSplit:
             finally:
                 CARVE(0)
             with torch.cuda.stream(self.side):
-                grouped_gemm(s.x, s.w, self.ends, self.experts, seg_starts=self.starts, out=s.out,
-                             max_rows=self.light_rows, workspace=self.workspace, tile=tile)
+                grouped_gemm(s.x, s.w, Segments(self.ends, self.experts, starts=self.starts), out=s.out,
+                             workspace=self.workspace, launch=GroupedLaunch(max_rows=self.light_rows, tile=tile))
             main.wait_stream(self.side)
         return run
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from benchmarks.diagnostics.p2p_one_gpu import HOST_SHAPE, OPS, close_run, host_operands, ipc_p2p, open_run
 from benchmarks.harness.timing import host_us_interleaved
-from flashoverlap.comm import ring_schedule as rs
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.protocol import Call
+from flashoverlap.comm.tp import ring_schedule as rs
 
 # CUgraphNodeType (cuda.h)
 NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",

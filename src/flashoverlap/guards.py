@@ -1,5 +1,6 @@
 """One helper per rule that every layer with GPU work obeys: the capture guard, the device check, the communication
-streams' priority, the SM count, the debug deadline and its poll. Nothing else in the package spells these out."""
+streams' priority, the SM count, whether Triton interprets its kernels, the debug deadline and its poll. Nothing
+else in the package spells these out."""
 
 from __future__ import annotations
 
@@ -54,6 +55,20 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (``TRITON_INTERPRET=1``, the CPU tests): asked of Triton
+    itself (``triton.knobs.runtime.interpret``), which reads the variable; False where Triton is not installed.
+    Code that runs a kernel off the GPU asks this, and falls back to plain PyTorch where it is False."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET") == "1"  # an older Triton, which has no knobs
 
 
 def debug_timeout(environ: os._Environ | dict = os.environ) -> float | None:

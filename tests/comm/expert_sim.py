@@ -1,4 +1,4 @@
-"""A CPU simulator of the P2P expert path's schedules (``comm/expert_p2p.py``) on every rank at once.
+"""A CPU simulator of the P2P expert path's schedules (``comm/expert/p2p.py``) on every rank at once.
 
 Each rank has the streams ``C`` and ``X``, fed in host order with what the executor issues for each call: the
 user's producer of the call's input (``Produce``), the schedule, the executor's final join of ``X`` into ``C``
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashoverlap.comm import expert_p2p as ep
+from flashoverlap.comm import steps
+from flashoverlap.comm.expert import p2p as ep
 
 JOIN = -1
 STREAMS = ("C", "X")
@@ -88,7 +89,7 @@ def host_order(call: Call, rank: int, drop: frozenset = frozenset()) -> list:
     the executor's final wait of ``C`` for ``X``)."""
     send, recv = call.sizes(rank)
     ops = [op for i, op in enumerate(ep.schedule(call.op, rank, send, recv, call.gathered)) if i not in drop]
-    joins = [ep.Record("X", JOIN)] + ([] if "join" in drop else [ep.WaitEvent("C", JOIN)])
+    joins = [steps.Record("X", JOIN)] + ([] if "join" in drop else [steps.WaitEvent("C", JOIN)])
     return [Produce(), *ops, *joins, Consume()]
 
 
@@ -127,9 +128,9 @@ def simulate(calls: list[Call], weights: list, seed: int, drop: dict[int, frozen
     for r, rank in enumerate(ranks):
         for i, call in enumerate(calls):
             for op in host_order(call, r, (drop or {}).get(r, frozenset())):
-                if isinstance(op, ep.WaitEvent):  # waits for the latest record issued before it
+                if isinstance(op, steps.WaitEvent):  # waits for the latest record issued before it
                     op = (op, rank.issued.get(op.event, 0))
-                elif isinstance(op, ep.Record):
+                elif isinstance(op, steps.Record):
                     rank.issued[op.event] = rank.issued.get(op.event, 0) + 1
                 stream = op[0].stream if isinstance(op, tuple) else op.stream
                 rank.queues[stream].append((i, op))
@@ -137,16 +138,16 @@ def simulate(calls: list[Call], weights: list, seed: int, drop: dict[int, frozen
     speed = {(r, name): 10 ** rng.uniform(-3, 0) for r in range(world) for name in STREAMS}
     joined: set[tuple[int, int]] = set()  # (rank, call) whose X waited for an event of the call
 
-    def view(r: int, i: int, loc: ep.Loc, rows: int) -> np.ndarray:
+    def view(r: int, i: int, loc: steps.Loc, rows: int) -> np.ndarray:
         if loc.space == "sym":
-            return ranks[loc.rank].slots[loc.slot][loc.row : loc.row + rows]
+            return ranks[loc.rank].slots[loc.region][loc.row : loc.row + rows]
         return local[r][i][loc.space][loc.row : loc.row + rows]
 
     def ready(r: int, item) -> bool:
         _, op = item
         if isinstance(op, tuple):
             return ranks[r].recorded.get(op[0].event, 0) >= op[1]
-        if isinstance(op, ep.Wait):
+        if isinstance(op, steps.Wait):
             return ranks[op.flag.rank].flags[op.flag.row] == 1
         return True
 
@@ -167,15 +168,15 @@ def simulate(calls: list[Call], weights: list, seed: int, drop: dict[int, frozen
                 if not np.allclose(local[r][i][name], want, rtol=1e-9, atol=1e-9):
                     raise Failure(f"rank {r}, call {i} ({call.op}): wrong {name}")
             return None
-        if isinstance(op, (tuple, ep.Hook)):
+        if isinstance(op, (tuple, steps.Hook)):
             return None
-        if isinstance(op, ep.Record):
+        if isinstance(op, steps.Record):
             ranks[r].recorded[op.event] = ranks[r].recorded.get(op.event, 0) + 1
             return None
-        if isinstance(op, ep.Wait):
+        if isinstance(op, steps.Wait):
             ranks[op.flag.rank].flags[op.flag.row] = 0
             return None
-        if isinstance(op, ep.Signal):
+        if isinstance(op, steps.Signal):
             flags = ranks[op.flag.rank].flags
             if flags[op.flag.row] != 0:
                 raise Failure(f"rank {r}, call {i}: signal to rank {op.flag.rank} slot {op.flag.row} found it set "
@@ -183,16 +184,16 @@ def simulate(calls: list[Call], weights: list, seed: int, drop: dict[int, frozen
             flags[op.flag.row] = 1
             return None
         buffers = local[r][i]
-        if isinstance(op, ep.Gather):
+        if isinstance(op, steps.Gather):
             return (buffers["send"], buffers["a"].copy())
-        if isinstance(op, ep.Finish):
+        if isinstance(op, steps.Finish):
             return (buffers["out"], buffers["back"].copy())
-        if isinstance(op, ep.Copy):
+        if isinstance(op, steps.Copy):
             return (view(r, i, op.dst, op.rows), view(r, i, op.src, op.rows).copy())
-        assert isinstance(op, ep.Gemm)
+        assert isinstance(op, steps.Gemm)
         return (view(r, i, op.dst, op.rows), view(r, i, op.src, op.rows) @ weights[r])
 
-    steps = 0
+    taken = 0
     while True:
         runnable = [(r, name) for r, rank in enumerate(ranks) for name in STREAMS
                     if rank.pending[name] is not None or (rank.queues[name] and ready(r, rank.queues[name][0]))]
@@ -200,11 +201,11 @@ def simulate(calls: list[Call], weights: list, seed: int, drop: dict[int, frozen
             stuck = {(r, s): rank.queues[s][0] for r, rank in enumerate(ranks) for s in STREAMS if rank.queues[s]}
             if stuck:
                 raise Failure(f"deadlock: {stuck}")
-            return steps
+            return taken
         r, name = rng.choices(runnable, weights=[speed[s] for s in runnable])[0]
         rank = ranks[r]
-        steps += 1
-        if steps > max_steps:
+        taken += 1
+        if taken > max_steps:
             raise Failure("too many steps")
         if rank.pending[name] is not None:  # a data op ends: its write lands
             target, value = rank.pending[name]

@@ -1,7 +1,7 @@
-"""A CPU simulator of the P2P path's schedules (``comm/ring_schedule.py``) on every rank at once.
+"""A CPU simulator of the P2P path's schedules (``comm/tp/ring_schedule.py``) on every rank at once.
 
-Each rank has the streams ``C``, ``X`` and ``L``, fed in host order with what ``comm/p2p.py`` issues for each call: the
-user's producer of ``a`` (``Produce``), event 0 recorded on ``C``, the schedule, the joins of ``X`` and ``L`` into
+Each rank has the streams ``C``, ``X`` and ``L``, fed in host order with what ``comm/tp/p2p.py`` issues for each call:
+the user's producer of ``a`` (``Produce``), event 0 recorded on ``C``, the schedule, the joins of ``X`` and ``L`` into
 ``C`` (``Record``/``WaitEvent`` of ``JOIN``) and the user's consumer of the result (``Consume``). A scheduler runs one
 runnable stream at a time, chosen at random; a data operation reads when it starts and writes when it ends, so
 another stream may run in between. Flags and symmetric regions are shared memory, kept across calls; a region is a
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.comm import steps
+from flashoverlap.comm.tp import ring_schedule as rs
 
 JOIN = -1  # the executor's final joins of X (-1) and L (-2) into C
 STREAMS = ("C", "X", "L")
@@ -73,11 +74,11 @@ def host_order(call: Call, rank: int, drop: set = frozenset()) -> list:
     schedule = rs.schedule(call.plan, rank)
     ops = [op for i, op in enumerate(schedule) if i not in drop]
     joins = []
-    for n, stream in enumerate(rs.streams_used(schedule)):
-        joins.append(rs.Record(stream, JOIN - n))
+    for n, stream in enumerate(steps.streams_used(schedule)):
+        joins.append(steps.Record(stream, JOIN - n))
         if "join" not in drop:
-            joins.append(rs.WaitEvent("C", JOIN - n))
-    return [Produce(), rs.Record("C", 0), *ops, *joins, Consume()]
+            joins.append(steps.WaitEvent("C", JOIN - n))
+    return [Produce(), steps.Record("C", 0), *ops, *joins, Consume()]
 
 
 class Rank:
@@ -112,19 +113,19 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
     for r, rank in enumerate(ranks):
         for i, call in enumerate(calls):
             for op in host_order(call, r, (drop or {}).get(r, set())):
-                if isinstance(op, rs.WaitEvent):  # waits for the latest record issued before it
+                if isinstance(op, steps.WaitEvent):  # waits for the latest record issued before it
                     op = (op, rank.issued.get(op.event, 0))
-                elif isinstance(op, rs.Record):
+                elif isinstance(op, steps.Record):
                     rank.issued[op.event] = rank.issued.get(op.event, 0) + 1
-                rank.queues[rs.stream_of(op[0] if isinstance(op, tuple) else op)].append((i, op))
+                rank.queues[(op[0] if isinstance(op, tuple) else op).stream].append((i, op))
     rng = random.Random(seed)
     # Each stream runs at its own speed, some of them a thousand times slower than others: races that need one
     # stream far ahead of another show up in few tries.
     speed = {(r, name): 10 ** rng.uniform(-3, 0) for r in range(world) for name in STREAMS}
 
-    def buffer(r: int, i: int, loc: rs.Loc, rows: int, width: int) -> tuple[np.ndarray, slice]:
+    def buffer(r: int, i: int, loc: steps.Loc, rows: int, width: int) -> tuple[np.ndarray, slice]:
         if loc.space == "sym":
-            region = ranks[loc.rank].regions[rs.region_index(loc.kind, world)]
+            region = ranks[loc.rank].regions[rs.region_index(loc.region, world)]
             view = region[: (region_size // width) * width].reshape(-1, width)
             return view, slice(loc.row, loc.row + rows)
         return local[r][i][loc.space], slice(loc.row, loc.row + rows)
@@ -134,7 +135,7 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
         if isinstance(op, tuple):
             wait, target = op
             return ranks[r].recorded.get(wait.event, 0) >= target
-        if isinstance(op, rs.Wait):
+        if isinstance(op, steps.Wait):
             return ranks[op.flag.rank].flags[op.flag.row] == 1
         return True
 
@@ -158,26 +159,26 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
             if not np.allclose(got, call.want[r], rtol=1e-9, atol=1e-9):
                 raise Failure(f"rank {r}, call {i} ({call.plan.op}): wrong result")
             return None
-        if isinstance(op, (tuple, rs.WaitEvent, rs.Hook)):
+        if isinstance(op, (tuple, steps.WaitEvent, steps.Hook)):
             return None
-        if isinstance(op, rs.Record):
+        if isinstance(op, steps.Record):
             ranks[r].recorded[op.event] = ranks[r].recorded.get(op.event, 0) + 1
             return None
-        if isinstance(op, rs.Wait):
+        if isinstance(op, steps.Wait):
             ranks[op.flag.rank].flags[op.flag.row] = 0
             return None
-        if isinstance(op, rs.Signal):
+        if isinstance(op, steps.Signal):
             flags = ranks[op.flag.rank].flags
             if flags[op.flag.row] != 0:
                 raise Failure(f"rank {r}, call {i}: signal to rank {op.flag.rank} slot {op.flag.row} found it set "
                               "(a lost signal)")
             flags[op.flag.row] = 1
             return None
-        if isinstance(op, rs.Copy):
+        if isinstance(op, steps.Copy):
             w = call.plan.k if call.plan.op == "all_gather" else call.plan.n
             src, rows = buffer(r, i, op.src, op.rows, w)
             return (op.dst, op.rows, w, src[rows].copy(), False)
-        assert isinstance(op, rs.Mm)
+        assert isinstance(op, steps.Mm)
         w_dst = call.plan.n
         src, rows = buffer(r, i, op.src, op.rows, call.plan.k)
         value = src[rows] @ call.b[r]
@@ -186,7 +187,7 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
             value = value + dst[drows]
         return (op.dst, op.rows, w_dst, value, True)
 
-    steps = 0
+    taken = 0
     while True:
         runnable = []
         for r, rank in enumerate(ranks):
@@ -198,11 +199,11 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
                 stuck = {(r, s): rank.queues[s][0] for r, rank in enumerate(ranks) for s in STREAMS
                          if rank.queues[s]}
                 raise Failure(f"deadlock: {stuck}")
-            return steps
+            return taken
         r, name = rng.choices(runnable, weights=[speed[s] for s in runnable])[0]
         rank = ranks[r]
-        steps += 1
-        if steps > max_steps:
+        taken += 1
+        if taken > max_steps:
             raise Failure("too many steps")
         if rank.pending[name] is not None:  # a data op ends: its write lands
             i, (dst, rows, w, value, _) = rank.pending[name]

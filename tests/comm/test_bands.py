@@ -4,7 +4,7 @@ row tables, the same oracle as the kernel's interpreter tests)."""
 import pytest
 import torch
 
-from flashoverlap.comm.nccl import compute_bands
+from flashoverlap.comm.tp.nccl import compute_bands
 from flashoverlap.plan import TileConfig
 from flashoverlap.tune.defaults import default_plan
 

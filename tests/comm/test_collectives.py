@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 from flashoverlap.comm import collectives
 from flashoverlap.comm.protocol import Call, CommGroup
-from flashoverlap.comm.sequential import SequentialCommunicator
+from flashoverlap.comm.tp.sequential import SequentialCommunicator
 from flashoverlap.testing import spawn
 from flashoverlap.tune.defaults import sequential_plan
 

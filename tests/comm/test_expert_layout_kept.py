@@ -1,13 +1,14 @@
-"""What the expert calls keep per layout (``comm/expert.py``): each choice's token (``choice_tokens``) made once per
-exact layout and shared by the layer's calls, made anew for another layout, and read from the layout every call in
-bounded mode (whose tensors a user's CUDA graph replay may have overwritten); and the weighted sum at the origin
-(``combine_at_origin``) equal to its definition in both modes."""
+"""What the expert calls keep per layout (``comm/expert/rows.py``): each choice's token (``choice_tokens``) made
+once per exact layout and shared by the layer's calls, made anew for another layout, and read from the layout every
+call in bounded mode (whose tensors a user's CUDA graph replay may have overwritten); and the weighted sum at the
+origin (``combine_at_origin``) equal to its definition in both modes."""
 
 import pytest
 import torch
 
-from flashoverlap.comm import expert
-from flashoverlap.comm.expert import ExpertPlan, Layout, choice_tokens, combine_at_origin
+from flashoverlap.comm.expert import ExpertPlan, Layout
+from flashoverlap.comm.expert import rows as expert_rows
+from flashoverlap.comm.expert.rows import choice_tokens, combine_at_origin
 
 WORLD, LOCAL, TOP_K = 2, 3, 2
 
@@ -46,7 +47,7 @@ def test_bounded_tokens_are_read_from_the_layout_every_call():
     layout.send_order.copy_(fresh.send_order)  # new routing copied in, as before a user's graph replays
     assert torch.equal(choice_tokens(layout, TOP_K), fresh.send_order // TOP_K)
     assert not torch.equal(before, fresh.send_order // TOP_K)
-    assert layout.send_order not in expert._TOKENS
+    assert layout.send_order not in expert_rows._TOKENS
 
 
 @pytest.mark.parametrize("mode", ["exact", "bounded"])

@@ -1,4 +1,4 @@
-"""The NCCL expert communicator's own code (``comm/expert_nccl.py``: chunks, rounds, send/recv groups, flags and
+"""The NCCL expert communicator's own code (``comm/expert/nccl.py``: chunks, rounds, send/recv groups, flags and
 their resets, per-chunk GEMMs) on the CPU: each rank a gloo process whose CUDA streams run on the host
 (``tests/comm/fake_cuda.py``); the transfers are real (gloo). Combine's signalling GEMM is a thread that stores
 the rows segment by segment, destinations in the communicator's priority order, counting each destination's flag
@@ -39,7 +39,7 @@ def _routing(case, rank, world, gen):
 def _async_signalling(comm, producers):
     """A stand-in for the signalling grouped GEMM: a thread that stores y segment by segment in the kernel's
     priority order (destinations by round, own last) and counts each destination's flag up to exactly 1."""
-    from flashoverlap.comm.expert_nccl import pair_rounds, relative_ends
+    from flashoverlap.comm.chunked_gemm import pair_rounds, relative_ends
 
     def launch(a, b, layout, y, table, chunks):
         world = layout.world_size
@@ -67,8 +67,8 @@ def _ranks(rank, world):
     fake_cuda.install(wait_timeout_s=10.0)
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend with the ranks and the producer
     from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
-    from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator
-    from flashoverlap.comm.expert_reference import ExpertReferenceCommunicator
+    from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator
+    from flashoverlap.comm.expert.reference import ExpertReferenceCommunicator
     from flashoverlap.comm.protocol import CommGroup
 
     group = CommGroup.of(dist.group.WORLD, torch.device("cpu"))
@@ -141,7 +141,7 @@ def test_expert_nccl_communicator_matches_the_reference(world):
 
 
 def test_pair_rounds_meet_every_peer_once_and_symmetrically():
-    from flashoverlap.comm.expert_nccl import pair_rounds
+    from flashoverlap.comm.chunked_gemm import pair_rounds
 
     for world in range(1, 10):
         rounds = [pair_rounds(r, world) for r in range(world)]
@@ -160,10 +160,10 @@ def _hybrid_ranks(rank, world):
     communicator's; every buffer the communicator allocates starts NaN."""
     fake_cuda.install(wait_timeout_s=10.0)
     torch.set_num_threads(1)
-    from flashoverlap.comm import expert_nccl
-    from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
-    from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator
-    from flashoverlap.comm.expert_reference import ExpertReferenceCommunicator
+    from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, expert_layout
+    from flashoverlap.comm.expert import nccl as expert_nccl
+    from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator
+    from flashoverlap.comm.expert.reference import ExpertReferenceCommunicator
     from flashoverlap.comm.protocol import CommGroup
 
     group = CommGroup.of(dist.group.WORLD, torch.device("cpu"))
@@ -181,7 +181,7 @@ def _hybrid_ranks(rank, world):
 
     expert_nccl.light_multiplier = counted
     for heavy in (6, 10**6):
-        expert_nccl.HEAVY_ROWS = heavy
+        cut = HybridCut(heavy_rows=heavy, light_flat_rows=256)
         for case in ("skewed", "sends_none"):
             gen = torch.Generator().manual_seed(1000 * rank + len(case) + heavy)
             tokens, idx = _routing(case, rank, world, gen)
@@ -190,7 +190,7 @@ def _hybrid_ranks(rank, world):
                 x = torch.randn(tokens * TOP_K if per_choice else tokens, hidden, generator=gen)
                 w_up = torch.randn(LOCAL, 2 * FFN, hidden, generator=gen).transpose(1, 2)
                 plan = ExpertPlan("dispatch", world, experts, hidden, 2 * FFN, TOP_K, tokens, gemm="hybrid",
-                                  per_choice=per_choice)
+                                  per_choice=per_choice, hybrid=cut)
                 call = ExpertCall("moe_dispatch_gemm", plan, x, w_up, return_gathered=gathered, layout=layout)
                 h, recv = comm.run(call)
                 want_h, want_recv = reference.run(dataclasses.replace(call, return_gathered=True))
@@ -202,7 +202,7 @@ def _hybrid_ranks(rank, world):
                 act = torch.randn(layout.recv_rows, FFN, generator=gen)
                 w_down = torch.randn(LOCAL, FFN, hidden, generator=gen)
                 plan = ExpertPlan("combine", world, experts, hidden, FFN, TOP_K, tokens, gemm="hybrid",
-                                  weighted=weighted)
+                                  weighted=weighted, hybrid=cut)
                 call = ExpertCall("moe_gemm_combine", plan, act, w_down, return_gathered=gathered,
                                   layout=layout.with_weights(topk_weights) if weighted else layout)
                 out, back = comm.run(call)

@@ -1,4 +1,4 @@
-"""The P2P expert communicator's executor (``comm/expert_p2p.py``) on the CPU: one call issued against a recording
+"""The P2P expert communicator's executor (``comm/expert/p2p.py``) on the CPU: one call issued against a recording
 driver and recording streams, read back as the schedule it must be (every flag wait resets its flag on its stream,
 every copy moves its rows' bytes between the right addresses: peers' slots by the workspace's slot size, every
 signal writes the right flag, the GEMMs read and write the right rows with their chunk's segments, the hook and the
@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from flashoverlap.comm import expert_nccl
-from flashoverlap.comm import expert_p2p as ep
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan, Layout
-from flashoverlap.comm.expert_nccl import relative_ends
+from flashoverlap.comm import chunked_gemm, steps
+from flashoverlap.comm.chunked_gemm import relative_ends
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, Layout
+from flashoverlap.comm.expert import p2p as ep
 from flashoverlap.comm.replay import CallGraphs
 
 PEER_BASE, FLAG_BASE, FLAG_STRIDE = 1 << 40, 1 << 36, 1 << 20
@@ -122,10 +122,10 @@ def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(ep.stream_ops, "fast", lambda: recorder)
 
-    def gemm(kind, x, w, ends, out, seg_expert, host_ends=None, workspace=None, tail=True, only=None):
+    def gemm(spec, x, ends, out, host_ends=None):
         recorder.trace.append(("gemm", x.data_ptr(), x.shape[0], out.data_ptr(), tuple(ends.tolist())))
 
-    monkeypatch.setattr(expert_nccl, "multiply_chunk", gemm)
+    monkeypatch.setattr(chunked_gemm, "multiply_chunk", gemm)
     return comm
 
 
@@ -138,29 +138,29 @@ def _expected(comm, call, chunks, tensors, row_bytes):
         if loc.space == "flag":
             return comm.workspace.flag_ptr(loc.rank, loc.row)
         if loc.space == "sym":
-            return comm.workspace.peer_ptr(loc.rank) + loc.slot * slot + loc.row * row_bytes
+            return comm.workspace.peer_ptr(loc.rank) + loc.region * slot + loc.row * row_bytes
         return tensors[loc.space].data_ptr() + loc.row * row_bytes
 
     out = []
     gathered = call.return_gathered and call.plan.op == "dispatch"
     for op in ep.schedule(call.plan.op, comm.rank, chunks.send, chunks.recv, gathered):
-        if isinstance(op, ep.Wait):
+        if isinstance(op, steps.Wait):
             out += [(stream[op.stream], "wait", address(op.flag), 1), (stream[op.stream], "write", address(op.flag), 0)]
-        elif isinstance(op, ep.Signal):
+        elif isinstance(op, steps.Signal):
             out.append((stream[op.stream], "write", address(op.flag), 1))
-        elif isinstance(op, ep.Copy):
+        elif isinstance(op, steps.Copy):
             out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
-        elif isinstance(op, ep.Record):
+        elif isinstance(op, steps.Record):
             out.append((stream[op.stream], "record", comm._events[op.event]))
-        elif isinstance(op, ep.WaitEvent):
+        elif isinstance(op, steps.WaitEvent):
             out.append((stream[op.stream], "wait_event", comm._events[op.event]))
-        elif isinstance(op, ep.Gemm):
+        elif isinstance(op, steps.Gemm):
             x = tensors[op.src.space][op.src.row : op.src.row + op.rows]
             dst = tensors[op.dst.space][op.dst.row : op.dst.row + op.rows]
             out.append(("gemm", x.data_ptr(), op.rows, dst.data_ptr(), tuple(ends[op.chunk].tolist())))
-        elif isinstance(op, ep.Gather):
+        elif isinstance(op, steps.Gather):
             out.append(("gather",))
-        elif isinstance(op, ep.Hook):
+        elif isinstance(op, steps.Hook):
             out.append((0, "hook"))
         else:
             out.append(("finish",))
@@ -210,7 +210,7 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, r
     given = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)  # combine: the caller's preallocated result
     call = ExpertCall("moe op", plan, a, b, return_gathered=op == "dispatch", layout=layout,
                       hook=lambda: recorder.trace.append((0, "hook")), out=given if op == "combine" else None)
-    chunks = ep.Chunks.of(plan, layout)
+    chunks = chunked_gemm.Chunks.of(plan, layout)
     outputs = comm._outputs(call, a)
     assert (outputs[0] is given) == (op == "combine")
     comm.issue(call, a, chunks, outputs)
@@ -238,19 +238,19 @@ def test_the_workspace_holds_the_largest_chunk_of_any_pair_with_no_collective(mo
     plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, layout.tokens)
     a, b = torch.zeros(4, HIDDEN, dtype=torch.bfloat16), torch.zeros(LOCAL, HIDDEN, 2 * FFN)
     for routing in (layout, layout, layout.with_weights(torch.rand(layout.tokens, TOP_K))):  # one layer's calls
-        comm.prepare(ExpertCall("op", plan, a, b, layout=routing), ep.Chunks.of(plan, routing))
+        comm.prepare(ExpertCall("op", plan, a, b, layout=routing), chunked_gemm.Chunks.of(plan, routing))
     assert collectives == []
     assert comm._slot_bytes() >= 40 * HIDDEN * 2 and len(comm.workspace.grown) == 1
     assert comm.workspace.grown[0][1] == (ep.FREE_BASE, ep.FREE_BASE + 2)  # the free flags start at 1
     bounded = _layout(2, 0, "bounded", (50, 50), (50, 50), bound=50)
     plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, bounded.tokens, "bounded", 50)
-    comm.prepare(ExpertCall("op", plan, a, b, layout=bounded), ep.Chunks.of(plan, bounded))
+    comm.prepare(ExpertCall("op", plan, a, b, layout=bounded), chunked_gemm.Chunks.of(plan, bounded))
     assert collectives == [] and comm._slot_bytes() >= 50 * HIDDEN * 2  # bounded: the bound
     plan = ExpertPlan("dispatch", 2, 2 * LOCAL, HIDDEN, 2 * FFN, TOP_K, layout.tokens)
     for bad, match in ((dataclasses.replace(layout, max_pair_rows=None), "the layout has no max_pair_rows"),
                        (dataclasses.replace(layout, max_pair_rows=4), "max_pair_rows=4 is below its own largest")):
         with pytest.raises(ValueError, match=match):
-            comm.prepare(ExpertCall("op", plan, a, b, layout=bad), ep.Chunks.of(plan, bad))
+            comm.prepare(ExpertCall("op", plan, a, b, layout=bad), chunked_gemm.Chunks.of(plan, bad))
 
 
 class FakeGraph:
@@ -306,8 +306,8 @@ def test_a_call_with_a_debug_deadline_polls_every_flag_wait(monkeypatch):
     monkeypatch.setattr(comm, "_check_progress", lambda call, waited, timeout: polled.append((len(waited), timeout)))
     monkeypatch.setattr(FakeStream, "record_event", lambda self: None, raising=False)
     comm.run(ExpertCall("op", call.plan, call.a, call.b, layout=call.layout, timeout=5.0))
-    chunks = ep.Chunks.of(call.plan, call.layout)
-    waits = sum(isinstance(op, ep.Wait) for op in ep.schedule("dispatch", 0, chunks.send, chunks.recv))
+    chunks = chunked_gemm.Chunks.of(call.plan, call.layout)
+    waits = sum(isinstance(op, steps.Wait) for op in ep.schedule("dispatch", 0, chunks.send, chunks.recv))
     assert polled == [(waits, 5.0)] and waits == 2
 
 
@@ -341,7 +341,7 @@ def _run_call(comm, recorder, monkeypatch, layout, op="dispatch", hidden=HIDDEN)
                       "triton")
     send_tensor, y, a, b = _stub_io(monkeypatch, comm, recorder, layout, op, hidden, ffn)
     call = ExpertCall("op", plan, a, b, layout=layout, hook=lambda: recorder.trace.append((0, "hook")))
-    chunks = ep.Chunks.of(plan, layout)
+    chunks = chunked_gemm.Chunks.of(plan, layout)
     comm.prepare(call, chunks)
     outputs = comm._outputs(call, a)
     recorder.trace.clear()
@@ -375,7 +375,7 @@ def test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_e
     recorder = Recorder()
     comm = _communicator(1, 3, recorder, monkeypatch)
     made = []
-    real = ep.relative_ends
+    real = chunked_gemm.relative_ends
     monkeypatch.setattr(ep, "relative_ends", lambda layout: made.append(layout.mode) or real(layout))
     exact = _layout(3, 1, "exact", (2, 3, 5), (5, 1, 3))
     for op in ("dispatch", "combine", "dispatch"):  # one layer's calls: the ends made once
@@ -434,19 +434,20 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
     layout = _layout(3, 1, "exact", (2, 3, 4), (3, 3, 1))  # the own pair's rows: sent to and received from itself
     loads = []
     monkeypatch.setattr(ep, "chunk_gemm", lambda plan, dtype, device: "hybrid")
-    monkeypatch.setattr(expert_nccl, "hybrid_parts", lambda layout: (frozenset({0}), None))
-    monkeypatch.setattr(ep, "light_variant", lambda layout, b: ("variant",))
+    monkeypatch.setattr(chunked_gemm, "hybrid_parts", lambda layout, heavy_rows: (frozenset({0}), None))
+    monkeypatch.setattr(ep, "light_variant", lambda plan, layout, b: ("variant",))
 
-    def light_multiplier(kind, layout, b):
-        assert kind == "hybrid"
+    def light_multiplier(kind, plan, layout, b):
+        assert kind == "hybrid" and plan.hybrid is not None
         return lambda x, out: recorder.trace.append(("light", x.data_ptr(), out.data_ptr()))
 
     monkeypatch.setattr(ep, "light_multiplier", light_multiplier)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: loads.append(len(recorder.trace)))
     ffn = 2 * FFN if op == "dispatch" else FFN
-    plan = ExpertPlan(op, 3, LOCAL * 3, HIDDEN, ffn, TOP_K, layout.tokens, gemm="hybrid")
+    plan = ExpertPlan(op, 3, LOCAL * 3, HIDDEN, ffn, TOP_K, layout.tokens, gemm="hybrid",
+                      hybrid=HybridCut(heavy_rows=1024, light_flat_rows=256))
     send_tensor, y, a, b = _stub_io(monkeypatch, comm, recorder, layout, op, HIDDEN, ffn)
-    chunks = ep.Chunks.of(plan, layout)
+    chunks = chunked_gemm.Chunks.of(plan, layout)
     for call_index in range(2):
         call = ExpertCall("op", plan, a, b, return_gathered=False, layout=layout)
         comm.prepare(call, chunks)
@@ -463,8 +464,8 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
             assert len(real) == (2 if call_index == 0 else 1)
             assert call_index > 0 or (trace[0][0] == "light" and trace[0][2] != outputs[0].data_ptr())
             h, recv = outputs
-            at = ep._offsets(chunks.send)[1] * HIDDEN * 2
-            own_copy = (0, "copy", recv.data_ptr() + ep._offsets(chunks.recv)[1] * HIDDEN * 2,
+            at = chunked_gemm.offsets(chunks.send)[1] * HIDDEN * 2
+            own_copy = (0, "copy", recv.data_ptr() + chunked_gemm.offsets(chunks.recv)[1] * HIDDEN * 2,
                         send_tensor.data_ptr() + at, chunks.recv[1] * HIDDEN * 2)
             assert own_copy in trace, "the own chunk is not copied among the received rows"
             assert trace[-3:] == [(1, "record", comm._join), (0, "wait_event", comm._join),
@@ -472,8 +473,8 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
         else:
             back = outputs[1]
             assert trace[0] == ("light", a.data_ptr(), y.data_ptr()) and len(real) == 1
-            own = ep._offsets(chunks.recv)[1]
+            own = chunked_gemm.offsets(chunks.recv)[1]
             gemms = [step for step in trace if step[0] == "gemm"]
             assert gemms[-1][3] == y[own:].data_ptr(), "the own chunk's GEMM does not write y"
-            start = ep._offsets(chunks.send)[1]
+            start = chunked_gemm.offsets(chunks.send)[1]
             assert torch.equal(back[start : start + chunks.send[1]], y[own : own + chunks.recv[1]])

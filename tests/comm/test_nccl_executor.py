@@ -16,7 +16,7 @@ from tests.comm import fake_cuda
 def _producer(a, b, plan, product, counters):
     """The signalling GEMM's effect, tile by tile in the plan's order (``Plan.tile_order``, ``tile_rows``,
     ``tile_groups``): the tile's rows and columns written, then its group's counter bumped."""
-    from flashoverlap.comm.nccl import compute_bands
+    from flashoverlap.comm.tp.nccl import compute_bands
 
     full = torch.empty_like(product)
     compute_bands(a, b, plan, full)  # the whole product in the plan's layout, copied out tile by tile
@@ -37,7 +37,7 @@ def _producer(a, b, plan, product, counters):
 
 def _band_producer(a, b, plan, product):
     """cuBLAS bands: each group's rows, then its event."""
-    from flashoverlap.comm.nccl import compute_bands
+    from flashoverlap.comm.tp.nccl import compute_bands
 
     full = torch.empty_like(product)
     compute_bands(a, b, plan, full)
@@ -54,8 +54,8 @@ def _band_producer(a, b, plan, product):
 def _ranks(rank, world_size):
     fake_cuda.install(wait_timeout_s=10.0)
     from flashoverlap.comm.collectives import gathered_in_rank_order
-    from flashoverlap.comm.nccl import NcclCommunicator
     from flashoverlap.comm.protocol import CommGroup
+    from flashoverlap.comm.tp.nccl import NcclCommunicator
     from flashoverlap.plan import TileConfig
     from flashoverlap.tune.defaults import default_plan
 

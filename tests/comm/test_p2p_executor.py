@@ -1,4 +1,4 @@
-"""The P2P communicator's executor (``comm/p2p.py``) on the CPU: its resolved program issued against a recording
+"""The P2P communicator's executor (``comm/tp/p2p.py``) on the CPU: its resolved program issued against a recording
 driver and recording streams, and the recording read back as the schedule it must be. Every flag wait resets its
 flag on the same stream, every copy moves its rows' bytes on its stream between the right addresses, every
 signal writes the right flag, events order the right streams, the hook runs where the schedule says, and the
@@ -9,10 +9,11 @@ import contextlib
 import pytest
 import torch
 
-from flashoverlap.comm import p2p
-from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.comm import steps
 from flashoverlap.comm.protocol import Call
 from flashoverlap.comm.replay import Matmul
+from flashoverlap.comm.tp import p2p
+from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import TileConfig
 from flashoverlap.tune.defaults import default_plan
 
@@ -120,7 +121,7 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
         if loc.space == "flag":
             return comm.workspace.flag_ptr(loc.rank, loc.row)
         if loc.space == "sym":
-            return comm.workspace.peer_ptr(loc.rank) + rs.region_index(loc.kind, plan.world_size) * region \
+            return comm.workspace.peer_ptr(loc.rank) + rs.region_index(loc.region, plan.world_size) * region \
                 + loc.row * row_bytes
         width = plan.n * 2 if loc.space == "out" else row_bytes
         return bases[loc.space] + loc.row * width
@@ -128,9 +129,9 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
     out = [(0, "record", 0)]
     ops = rs.schedule(plan, rank, gathered_own=gathered_own)
     for op in ops:
-        if isinstance(op, rs.Wait):
+        if isinstance(op, steps.Wait):
             out += [(stream[op.stream], "wait", address(op.flag), 1), (stream[op.stream], "write", address(op.flag), 0)]
-        elif isinstance(op, rs.Signal):
+        elif isinstance(op, steps.Signal):
             if not captured:
                 out.append((stream[op.stream], "write", address(op.flag), 1))
             else:  # a copy of the word that holds 1; C's on the signal stream S, forked from C by an event
@@ -138,27 +139,27 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
                     out += [(0, "record", comm._fork), (3, "wait_event", comm._fork)]
                 out.append((3 if op.stream == "C" else stream[op.stream], "copy", address(op.flag),
                             comm._one.data_ptr(), 4))
-        elif isinstance(op, rs.Copy):
+        elif isinstance(op, steps.Copy):
             out.append((stream[op.stream], "copy", address(op.dst), address(op.src), op.rows * row_bytes))
-        elif isinstance(op, rs.Record):
+        elif isinstance(op, steps.Record):
             out.append((stream[op.stream], "record", op.event))
-        elif isinstance(op, rs.WaitEvent):
+        elif isinstance(op, steps.WaitEvent):
             out.append((stream[op.stream], "wait_event", op.event))
-        elif isinstance(op, rs.Hook):
+        elif isinstance(op, steps.Hook):
             out.append((0, "hook"))
-        elif isinstance(op, rs.Mm):
+        elif isinstance(op, steps.Mm):
             src_width = plan.k * 2
             src = bases[op.src.space] + op.src.row * src_width
             if op.dst.space == "sym":  # this rank's own region, through its local mapping
-                dst = comm.workspace.buffer.data_ptr() + rs.region_index(op.dst.kind, plan.world_size) * region \
+                dst = comm.workspace.buffer.data_ptr() + rs.region_index(op.dst.region, plan.world_size) * region \
                     + op.dst.row * plan.n * 2
             else:
                 dst = bases[op.dst.space] + op.dst.row * plan.n * 2
             out.append((0, "mm", src, (op.rows, plan.k), dst, (op.rows, plan.n), op.accumulate))
-    forked = captured and any(isinstance(op, rs.Signal) and op.stream == "C" for op in ops)
-    for name in rs.streams_used(ops) + (("S",) if forked else ()):  # each joined into C by an event of its own
+    forked = captured and any(isinstance(op, steps.Signal) and op.stream == "C" for op in ops)
+    for name in steps.streams_used(ops) + (("S",) if forked else ()):  # each joined into C by an event of its own
         join = comm._joins[stream[name]]
-        assert join not in range(rs.events(ops))
+        assert join not in range(steps.events(ops))
         out += [(stream[name], "record", join), (0, "wait_event", join)]
     return out
 
@@ -176,7 +177,8 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, captured, mon
     b = torch.randn(plan.k, plan.n, dtype=torch.bfloat16)
     out = torch.empty(plan.block_rows if op == "reduce_scatter" else plan.m, plan.n, dtype=torch.bfloat16)
     gathered = torch.empty(plan.m, plan.k, dtype=torch.bfloat16) if op == "all_gather" else None
-    comm.issue(plan, a, b, out, op, gathered, hook=lambda: recorder.trace.append((0, "hook")), captured=captured)
+    comm.issue(Call(op, plan, a, b, hook=lambda: recorder.trace.append((0, "hook"))), a, out, gathered,
+               captured=captured)
     bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
     width = plan.k if op == "all_gather" else plan.n
     assert recorder.trace == _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None,
@@ -222,10 +224,10 @@ def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypat
     comm.run(Call("op", plan, a, b, replay=True))  # second: captured (the same schedule), then replayed
     replayed = list(recorder.trace)
     recorder.trace.clear()
-    comm.issue(plan, a, b, blocks[(plan.block_rows, plan.n)], "op", captured=True)  # the schedule as captured
+    comm.issue(Call("op", plan, a, b), a, blocks[(plan.block_rows, plan.n)], captured=True)  # as captured
     assert replayed == recorder.trace + [("replay",)]
     # ... where every signal is a copy of the word that holds 1 (the caller's stream's forked onto S), none a write
-    signals = sum(isinstance(item, rs.Signal) for item in rs.schedule(plan, 0))
+    signals = sum(isinstance(item, steps.Signal) for item in rs.schedule(plan, 0))
     one = comm._one.data_ptr()
     assert sum(step[1] == "write" and step[3] == 1 for step in eager) == signals
     assert sum(step[1] == "copy" and step[3] == one for step in replayed[:-1]) == signals
@@ -297,7 +299,7 @@ def test_a_call_with_a_debug_deadline_polls_every_flag_wait(monkeypatch):
     monkeypatch.setattr(comm, "_check_progress", lambda waited, timeout, op: polled.append((len(waited), timeout)))
     monkeypatch.setattr(FakeStream, "record_event", lambda self: None, raising=False)
     comm.run(Call("op", plan, a, b, timeout=5.0))
-    waits = sum(isinstance(item, rs.Wait) for item in rs.schedule(plan, 0, gathered_own=False))
+    waits = sum(isinstance(item, steps.Wait) for item in rs.schedule(plan, 0, gathered_own=False))
     assert polled == [(waits, 5.0)] and waits > 0
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm import reference
+from flashoverlap.comm.tp import reference
 from flashoverlap.plan import TileConfig
 from flashoverlap.testing import spawn
 from flashoverlap.tune.defaults import default_plan

@@ -1,4 +1,4 @@
-"""The ring over send/recv (``path="ring"``, ``comm/ring_nccl.py``) on gloo ranks: every op against plain PyTorch
+"""The ring over send/recv (``path="ring"``, ``comm/tp/ring_nccl.py``) on gloo ranks: every op against plain PyTorch
 at odd and round shapes, several sub-band counts and both dtypes, back-to-back calls of changing shapes, the hook
 run once, for W = 2 and 3."""
 

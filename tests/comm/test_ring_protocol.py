@@ -1,4 +1,4 @@
-"""The P2P path's schedules (``comm/ring_schedule.py``) executed for every rank at once on the CPU
+"""The P2P path's schedules (``comm/tp/ring_schedule.py``) executed for every rank at once on the CPU
 (``tests/comm/ring_sim.py``): W = 2..8, the three ops, back-to-back calls of changing shapes and ops that overlap
 each other across ranks, in random interleavings; and every wait, signal and event of a schedule removed in turn
 is caught (a deadlock, a lost signal, a wrong result, or copy-stream work outside a capture's stream order)."""
@@ -6,7 +6,8 @@ is caught (a deadlock, a lost signal, a wrong result, or copy-stream work outsid
 import numpy as np
 import pytest
 
-from flashoverlap.comm import ring_schedule as rs
+from flashoverlap.comm import steps
+from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import TileConfig
 from flashoverlap.tune.defaults import default_plan
 from tests.comm.ring_sim import Failure, make_call, simulate
@@ -37,7 +38,7 @@ def test_back_to_back_calls_of_every_op_are_right_in_random_interleavings(world)
 def test_schedule_shapes(op):
     plan = _plan(op, 4, 3, 8, 8, 2)
     ops = rs.schedule(plan, 1)
-    mms = [o for o in ops if isinstance(o, rs.Mm)]
+    mms = [o for o in ops if isinstance(o, steps.Mm)]
     if op == "all_gather":  # own shard at once, then each peer's sub-bands, in order rank+1, rank+2, ...
         assert len(mms) == 1 + 3 * plan.num_groups and not any(o.accumulate for o in mms)
         assert [o.dst.row // plan.block_rows for o in mms[1:]][:: plan.num_groups] == [2, 3, 0]
@@ -46,17 +47,17 @@ def test_schedule_shapes(op):
         assert len(mms) == 4 * per and sum(o.accumulate for o in mms) == 3 * per
     # cuBLAS on C; pulls from peers on X; copies within the GPU on L.
     for o in ops:
-        if isinstance(o, rs.Mm):
-            assert rs.stream_of(o) == "C"
-        elif isinstance(o, rs.Copy):
+        if isinstance(o, steps.Mm):
+            assert o.stream == "C"
+        elif isinstance(o, steps.Copy):
             from_peer = o.src.space == "sym" and o.src.rank != 1
-            assert rs.stream_of(o) == ("X" if from_peer else "L"), o
+            assert o.stream == ("X" if from_peer else "L"), o
 
 
 def _mutations(op, world):
     plan = _plan(op, world, 2, 8, 6, 2)
     ops = rs.schedule(plan, 0)
-    return plan, [i for i, o in enumerate(ops) if isinstance(o, (rs.Wait, rs.Signal, rs.WaitEvent))]
+    return plan, [i for i, o in enumerate(ops) if isinstance(o, (steps.Wait, steps.Signal, steps.WaitEvent))]
 
 
 def _caught(world, op, index, tries=60):
@@ -90,7 +91,7 @@ def test_the_executors_final_join_is_needed():
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 @pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
 def test_only_signals_write_into_a_peers_memory(op, world):
-    """The P2P executor's signal is a plain copy with no memory fence (``comm/p2p.py``): sound because what it
+    """The P2P executor's signal is a plain copy with no memory fence (``comm/tp/p2p.py``): sound because what it
     announces lies in this rank's own memory (or was pulled from the peer) and has ended on its stream. So no
     step may write into a peer's memory but a signal, and every signal goes to a peer."""
     for sub in (1, 2, 3):
@@ -98,7 +99,7 @@ def test_only_signals_write_into_a_peers_memory(op, world):
         for rank in range(world):
             for gathered_own in (False, True):
                 for item in rs.schedule(plan, rank, gathered_own=gathered_own):
-                    if isinstance(item, (rs.Copy, rs.Mm)):
+                    if isinstance(item, (steps.Copy, steps.Mm)):
                         assert item.dst.space != "sym" or item.dst.rank == rank, item
-                    if isinstance(item, rs.Signal):
+                    if isinstance(item, steps.Signal):
                         assert item.flag.rank != rank, item

@@ -1,5 +1,5 @@
-"""The expert-parallel layer on real GPUs through the overlapped paths (``comm/expert_nccl.py``,
-``comm/expert_p2p.py``): ``ExpertParallelMLP.from_moe_block`` against the plain unsharded ``MoEBlock`` (computed in
+"""The expert-parallel layer on real GPUs through the overlapped paths (``comm/expert/nccl.py``,
+``comm/expert/p2p.py``): ``ExpertParallelMLP.from_moe_block`` against the plain unsharded ``MoEBlock`` (computed in
 fp32 on every rank, which holds all of it), forward and backward (tokens, both expert weights, the gate), NCCL and
 P2P paths, exact and bounded mode, bf16 and fp16, odd and round shapes, skewed routing; eager, compiled with
 ``fullgraph=True`` (bounded mode), and bounded mode captured in a CUDA graph and replayed with new tokens and

@@ -1,9 +1,9 @@
-"""``expert_layout`` on a GPU: the host synchronisations it promises (``comm/expert.py``): none in bounded mode (a
-layer in bounded mode can then be issued, and captured, without the host waiting on the GPU), exactly one in exact
-mode (the split sizes). Counted by ``torch.cuda.set_sync_debug_mode`` (``testing.host_synchronisations``; it
-does not see ``torch.distributed``'s collectives: the layout's one all-gather is asynchronous by NCCL's
-contract), on a one-rank NCCL group (one GPU is enough: the count does not depend on the group's size), skewed
-routing with an expert that gets no token, the counts checked against ``torch.bincount`` computed afterwards."""
+"""``expert_layout`` on a GPU: the host synchronisations it promises (``comm/expert/layout.py``): none in bounded
+mode (a layer in bounded mode can then be issued, and captured, without the host waiting on the GPU), exactly one in
+exact mode (the split sizes). Counted by ``torch.cuda.set_sync_debug_mode`` (``testing.host_synchronisations``; it
+does not see ``torch.distributed``'s collectives: the layout's one all-gather is asynchronous by NCCL's contract),
+on a one-rank NCCL group (one GPU is enough: the count does not depend on the group's size), skewed routing with an
+expert that gets no token, the counts checked against ``torch.bincount`` computed afterwards."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """The grouped GEMM (kernels/grouped_gemm.py): values, flags, counters and tile orders under the Triton
-interpreter; argument errors; the policy; and, on a GPU, bf16 values and CUDA-graph replay with new segment ends.
+interpreter; argument errors; the default tile; and, on a GPU, bf16 values and CUDA-graph replay with new segment ends.
 
 The interpreted cases run in one child process (``python -m tests.kernels.test_grouped_gemm``), which sets
 TRITON_INTERPRET before triton is imported; this process never sets it. fp16/fp32 only there (the interpreter's bf16
@@ -20,13 +20,12 @@ import torch  # noqa: E402
 import flashoverlap.kernels.grouped_gemm as gg  # noqa: E402
 from flashoverlap.kernels.grouped_gemm import (  # noqa: E402
     MAX_SEGMENTS,
-    MEASURED_MS,
+    GroupedLaunch,
     GroupedTile,
-    choose_grouped_gemm,
+    Segments,
     default_tile,
     grouped_gemm,
     grouped_mm_reference,
-    pick_grouped_gemm,
     workspace_size,
 )
 from tests.interpreter import needs_interpreter  # noqa: E402
@@ -118,8 +117,8 @@ def run_case(case) -> dict:
         flags = torch.full((num_groups,), 5, dtype=torch.int32)
         real, gg.grouped_gemm_kernel = gg.grouped_gemm_kernel, _NoLaunch()
         try:
-            grouped_gemm(x, w, ends, seg_expert, seg_signal=seg_signal, flags=flags, order=order, tile=tile,
-                         use_tma=tma, workspace=workspace)
+            grouped_gemm(x, w, Segments(ends, seg_expert, signal=seg_signal), flags=flags, workspace=workspace,
+                         launch=GroupedLaunch(order=order, tile=tile, use_tma=tma))
         finally:
             gg.grouped_gemm_kernel = real
         start_flags = flags.tolist()
@@ -127,8 +126,9 @@ def run_case(case) -> dict:
     for this_order in (order, "given" if order == "heavy-first" else "heavy-first"):
         out = torch.full((rows, n), float("nan"), dtype=dtype)
         flags = torch.zeros(num_groups, dtype=torch.int32) if num_groups else None
-        grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=seg_signal, flags=flags, order=this_order,
-                     seg_priority=seg_priority, max_rows=max_rows, tile=tile, use_tma=tma, workspace=workspace)
+        grouped_gemm(x, w, Segments(ends, seg_expert, signal=seg_signal, priority=seg_priority), out=out, flags=flags,
+                     workspace=workspace,
+                     launch=GroupedLaunch(order=this_order, max_rows=max_rows, tile=tile, use_tma=tma))
         outs.append(out)
         flags_after.append(flags.tolist() if flags is not None else None)
     ref = grouped_mm_reference(x.double(), w.double(), ends, seg_expert)
@@ -187,9 +187,10 @@ def run_gap_case(case) -> dict:
     for order in ("heavy-first", "given"):
         out = torch.full((rows, n), float("nan"), dtype=dtype)
         flags = torch.zeros(num_groups, dtype=torch.int32) if num_groups else None
-        grouped_gemm(x, w, seg_ends, seg_expert, seg_starts=seg_starts, out=out,
-                     seg_signal=i32(groups) if groups else None, flags=flags, order=order,
-                     seg_priority=i32(prio) if prio else None, tile=tile, use_tma=tma, validate=True)
+        segments = Segments(seg_ends, seg_expert, starts=seg_starts, signal=i32(groups) if groups else None,
+                            priority=i32(prio) if prio else None)
+        grouped_gemm(x, w, segments, out=out, flags=flags,
+                     launch=GroupedLaunch(order=order, tile=tile, use_tma=tma, validate=True))
         outs.append(out)
         flag_rows.append(flags.tolist() if flags is not None else None)
     out = outs[0]
@@ -246,8 +247,8 @@ def run_row_map_case(case) -> dict:
     outs = []
     for order in ("heavy-first", "given"):
         out = torch.full((rows, n), float("nan"), dtype=dtype)
-        grouped_gemm(x, w, ends, seg_expert, out=out, order=order, tile=tile, use_tma=tma, row_map=row_map,
-                     validate=True)
+        grouped_gemm(x, w, Segments(ends, seg_expert, row_map=row_map), out=out,
+                     launch=GroupedLaunch(order=order, tile=tile, use_tma=tma, validate=True))
         outs.append(out)
     mapped = torch.zeros(rows, dtype=torch.bool)
     mapped[row_map.long()] = True
@@ -288,7 +289,7 @@ def run_edge_cases() -> list[dict]:
     flags = torch.zeros(3, dtype=torch.int32)
     none = torch.zeros(0, dtype=torch.int32)
     out = torch.full((4, 8), float("nan"), dtype=torch.float16)
-    grouped_gemm(x, w, none, none, out=out, flags=flags)
+    grouped_gemm(x, w, Segments(none, none), out=out, flags=flags)
     rows.append({"name": "no-segments", "flags": flags.tolist(), "untouched": bool(torch.isnan(out).all())})
     # peer_visible (system-scope atomics) and the default workspace, two calls on the same flags.
     ends = torch.tensor([5, 5, 23], dtype=torch.int32)
@@ -299,8 +300,8 @@ def run_edge_cases() -> list[dict]:
     flags = torch.zeros(2, dtype=torch.int32)
     for _ in range(2):  # flags not reset in between: each call rewrites them
         out = torch.full((23, 16), float("nan"), dtype=torch.float16)
-        grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=torch.tensor([0, 1, 0], dtype=torch.int32),
-                     flags=flags, peer_visible=True, tile=SMALL)
+        grouped_gemm(x, w, Segments(ends, seg_expert, signal=torch.tensor([0, 1, 0], dtype=torch.int32)), out=out,
+                     flags=flags, launch=GroupedLaunch(peer_visible=True, tile=SMALL))
         errs.append(float((out.double() - ref).norm() / ref.norm()))
         flag_rows.append(flags.tolist())
     rows.append({"name": "peer-visible-twice", "errs": errs, "flags": flag_rows})
@@ -392,32 +393,32 @@ def _args(rows=8, k=16, n=8, experts=2, segments=2, dtype=torch.float16):
     (lambda a: {**a, "w": a["w"][:, :5]}, "K differs"),
     (lambda a: {**a, "w": a["w"].float()}, "one dtype"),
     (lambda a: {**a, "x": a["x"][0]}, "x must be"),
-    (lambda a: {**a, "seg_ends": a["seg_ends"].long()}, "seg_ends must be a 1-D int32"),
-    (lambda a: {**a, "seg_expert": a["seg_expert"][:1]}, "seg_expert must be a 1-D int32"),
+    (lambda a: {**a, "ends": a["ends"].long()}, "segments.ends must be a 1-D int32"),
+    (lambda a: {**a, "expert": a["expert"][:1]}, "segments.expert must be a 1-D int32"),
     (lambda a: {**a, "order": "light-first"}, "order must be"),
-    (lambda a: {**a, "seg_signal": torch.zeros(2, dtype=torch.int32)}, "seg_signal needs flags"),
+    (lambda a: {**a, "signal": torch.zeros(2, dtype=torch.int32)}, "segments.signal needs flags"),
     (lambda a: {**a, "flags": torch.zeros(2, dtype=torch.int64)}, "flags must be"),
-    (lambda a: {**a, "flags": torch.zeros(1, dtype=torch.int32), "seg_signal": torch.zeros(3, dtype=torch.int32)},
-     "seg_signal must be a 1-D int32"),
+    (lambda a: {**a, "flags": torch.zeros(1, dtype=torch.int32), "signal": torch.zeros(3, dtype=torch.int32)},
+     "segments.signal must be a 1-D int32"),
     (lambda a: {**a, "out": torch.empty(8, 9, dtype=torch.float16)}, "out must be"),
     (lambda a: {**a, "x": a["x"].t().contiguous().t()}, "unit inner stride"),
     (lambda a: {**a, "max_rows": -1}, "max_rows"),
     (lambda a: {**a, "workspace": torch.zeros(3, dtype=torch.int32)}, "workspace must be"),
     (lambda a: {**a, "workspace": torch.zeros(400, dtype=torch.int32).cuda() if torch.cuda.is_available()
                 else torch.zeros(400, dtype=torch.int64)}, "workspace must be"),
-    (lambda a: {**a, "seg_ends": torch.tensor([5, 3], dtype=torch.int32), "validate": True}, "non-decreasing"),
-    (lambda a: {**a, "seg_expert": torch.tensor([0, 2], dtype=torch.int32), "validate": True}, r"in \[0, 2\)"),
-    (lambda a: {**a, "seg_ends": torch.zeros(MAX_SEGMENTS + 1, dtype=torch.int32)}, "at most"),
-    (lambda a: {**a, "seg_starts": torch.zeros(2, dtype=torch.int64)}, "seg_starts must be a 1-D int32"),
-    (lambda a: {**a, "seg_starts": torch.tensor([0, 3], dtype=torch.int32), "validate": True}, "must not overlap"),
-    (lambda a: {**a, "seg_starts": torch.tensor([0, 9], dtype=torch.int32), "validate": True},
+    (lambda a: {**a, "ends": torch.tensor([5, 3], dtype=torch.int32), "validate": True}, "non-decreasing"),
+    (lambda a: {**a, "expert": torch.tensor([0, 2], dtype=torch.int32), "validate": True}, r"in \[0, 2\)"),
+    (lambda a: {**a, "ends": torch.zeros(MAX_SEGMENTS + 1, dtype=torch.int32)}, "at most"),
+    (lambda a: {**a, "starts": torch.zeros(2, dtype=torch.int64)}, "segments.starts must be a 1-D int32"),
+    (lambda a: {**a, "starts": torch.tensor([0, 3], dtype=torch.int32), "validate": True}, "must not overlap"),
+    (lambda a: {**a, "starts": torch.tensor([0, 9], dtype=torch.int32), "validate": True},
      r"bounds must lie in \[0, rows = 8\]"),
     (lambda a: {**a, "tile": GroupedTile(128, 256, 64, swap_rows=24)}, "swap_rows must be 0 or a power of two"),
     (lambda a: {**a, "tile": GroupedTile(32, 256, 64, swap_rows=32)}, "swap_rows must be 0 or a power of two"),
     (lambda a: {**a, "tile": GroupedTile(96, 256, 64)}, "powers of two"),
     (lambda a: {**a, "row_map": torch.arange(8), "out": torch.empty(8, 8, dtype=torch.float16)},
-     "row_map must be a 1-D int32"),
-    (lambda a: {**a, "row_map": torch.arange(8, dtype=torch.int32)}, "row_map needs out"),
+     "segments.row_map must be a 1-D int32"),
+    (lambda a: {**a, "row_map": torch.arange(8, dtype=torch.int32)}, "a row map needs out"),
     (lambda a: {**a, "row_map": torch.tensor([0, 1, 2, 3, 3, 5, 6, 7], dtype=torch.int32),
                 "out": torch.empty(8, 8, dtype=torch.float16), "validate": True}, "row_map must name distinct"),
     (lambda a: {**a, "row_map": torch.tensor([0, 1, 2, 3, 4, 5, 6, 8], dtype=torch.int32),
@@ -425,49 +426,13 @@ def _args(rows=8, k=16, n=8, experts=2, segments=2, dtype=torch.float16):
 ])
 def test_bad_arguments_raise_before_launch(change, message):
     x, w, ends, experts = _args()
-    kwargs = change({"x": x, "w": w, "seg_ends": ends, "seg_expert": experts})
+    args = change({"x": x, "w": w, "ends": ends, "expert": experts})
+    segments = Segments(**{key: args.pop(key) for key in ("ends", "expert", "starts", "signal", "priority", "row_map")
+                           if key in args})
+    launch = GroupedLaunch(**{key: args.pop(key) for key in ("order", "max_rows", "tile", "use_tma", "validate")
+                              if key in args})
     with pytest.raises(ValueError, match=message):
-        grouped_gemm(kwargs.pop("x"), kwargs.pop("w"), kwargs.pop("seg_ends"), kwargs.pop("seg_expert"), **kwargs)
-
-
-def test_policy():
-    assert choose_grouped_gemm(experts=8, rows=4096, k=1024, n=1024, dtype=torch.float32, host_counts=True) == "loop"
-    assert choose_grouped_gemm(experts=8, rows=4096, k=1024, n=1024, dtype=torch.float32) == "triton"
-    assert pick_grouped_gemm(1.0, 2.0, 3.0, dtype=torch.bfloat16, k=64, n=64, host_counts=True) == "triton"
-    assert pick_grouped_gemm(2.0, 1.0, 3.0, dtype=torch.bfloat16, k=64, n=64) == "cublas"
-    assert pick_grouped_gemm(2.0, 1.0, 3.0, dtype=torch.float16, k=64, n=64) == "triton", "cuBLAS grouped: bf16 only"
-    assert pick_grouped_gemm(2.0, 1.0, 3.0, dtype=torch.bfloat16, k=60, n=64) == "triton", "16-byte aligned rows"
-    assert pick_grouped_gemm(2.0, 1.0, 3.0, dtype=torch.bfloat16, k=64, n=64, device_capability=(8, 0)) == "triton"
-    assert pick_grouped_gemm(3.0, 2.0, 1.0, dtype=torch.bfloat16, k=64, n=64) == "cublas", "no loop without counts"
-    assert pick_grouped_gemm(3.0, 2.0, 1.0, dtype=torch.bfloat16, k=64, n=64, host_counts=True) == "loop"
-    for (e, r, k, n), times in MEASURED_MS.items():  # the table answers its own slices as the rule says
-        for dtype in (torch.bfloat16, torch.float16):
-            for host_counts in (False, True):
-                want = pick_grouped_gemm(*times, dtype=dtype, k=k, n=n, host_counts=host_counts)
-                assert choose_grouped_gemm(experts=e, rows=r, k=k, n=n, dtype=dtype, host_counts=host_counts) == want
-    for e, r, k, n in [(4, 16384, 4096, 28672), (64, 65536, 768, 2048), (128, 32768, 7168, 4096), (3, 999, 37, 45)]:
-        assert choose_grouped_gemm(experts=e, rows=r, k=k, n=n, dtype=torch.float16) != "cublas"
-        assert choose_grouped_gemm(experts=e, rows=r, k=k, n=n, dtype=torch.bfloat16) != "loop"
-
-
-def test_policy_weighs_host_time_where_the_gpu_time_is_short(monkeypatch):
-    assert gg.call_cost_ms(2.0, 0.5, 0.3) == 1.0 and gg.call_cost_ms(2.0, 0.01, 0.3) == 0.3
-    # The one-GPU layer's slice: GPU times scaled from the nearest slice (Qwen3-like down, where Triton runs
-    # faster) are shorter than Triton's two launches take to issue: cuBLAS's one, where it may run.
-    small = {"experts": 8, "rows": 8192, "k": 1024, "n": 1024}
-    assert choose_grouped_gemm(**small, dtype=torch.bfloat16) == "cublas"
-    assert choose_grouped_gemm(**small, dtype=torch.float16) == "triton", "cuBLAS grouped: bf16 only"
-    # The measured Qwen3-like down slice (0.36 ms per op on Triton, 0.40 on cuBLAS, the mean of its two routings):
-    # GPU-bound over two chunks (Triton, 0.30 ms to issue), host-bound over four (Triton's 0.61 ms to issue).
-    half = {"experts": 64, "rows": 65536, "k": 768, "n": 2048, "dtype": torch.bfloat16}
-    assert choose_grouped_gemm(**half) == choose_grouped_gemm(**half, chunks=2) == "triton"
-    assert choose_grouped_gemm(**half, chunks=4) == "cublas"
-    # Half of it: host-bound over two chunks already.
-    assert choose_grouped_gemm(**{**half, "rows": 32768}) == "cublas"
-    # Without Triton's host time the GPU times decide, as at the measured slices.
-    monkeypatch.setitem(gg.HOST_US, "triton", gg.HOST_US["cublas"])
-    assert choose_grouped_gemm(**small, dtype=torch.bfloat16) == "triton"
-    assert choose_grouped_gemm(**half, chunks=4) == "triton"
+        grouped_gemm(args.pop("x"), args.pop("w"), segments, launch=launch, **args)
 
 
 def test_default_tile():
@@ -528,8 +493,8 @@ def test_gpu_values_and_flags(dtype, w_t, sizes, experts, k, n):
             for signals in (True, False) if tile is not None and tile.flat else (True,):
                 out = torch.full_like(want, float("nan"))
                 flags = torch.zeros(4, dtype=torch.int32, device="cuda") if signals else None
-                grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=groups if signals else None, flags=flags,
-                             order=order, tile=tile)
+                grouped_gemm(x, w, Segments(ends, seg_expert, signal=groups if signals else None), out=out, flags=flags,
+                             launch=GroupedLaunch(order=order, tile=tile))
                 assert not torch.isnan(out).any()
                 err = float((out.double() - want.double()).norm() / want.double().norm())
                 assert err < 1e-2, (order, tile, err)
@@ -557,7 +522,8 @@ def test_gpu_segment_starts_leave_gaps(tile):
         covered[a:b] = True
     want = grouped_mm_reference(x, w, ends, seg_expert, seg_starts=starts)
     out = torch.full_like(want, float("nan"))
-    grouped_gemm(x, w, ends, seg_expert, seg_starts=starts, out=out, tile=tile, validate=True)
+    grouped_gemm(x, w, Segments(ends, seg_expert, starts=starts), out=out,
+                 launch=GroupedLaunch(tile=tile, validate=True))
     assert torch.isnan(out[~covered]).all(), "a gap row was written"
     assert not torch.isnan(out[covered]).any()
     err = float((out[covered].double() - want[covered].double()).norm() / want[covered].double().norm())
@@ -589,7 +555,8 @@ def test_gpu_row_map(tile, w_t):
     w = w.transpose(1, 2) if w_t else w.transpose(1, 2).contiguous()
     want = grouped_mm_reference(x[row_map.long()], w, ends, seg_expert)
     out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    grouped_gemm(x, w, ends, seg_expert, out=out, row_map=row_map, tile=tile, validate=True)
+    grouped_gemm(x, w, Segments(ends, seg_expert, row_map=row_map), out=out,
+                 launch=GroupedLaunch(tile=tile, validate=True))
     mapped = torch.zeros(rows, dtype=torch.bool, device="cuda")
     mapped[row_map.long()] = True
     assert torch.isnan(out[~mapped]).all(), "a row outside the map was written"
@@ -608,7 +575,7 @@ def test_gpu_graph_replay_with_new_segment_ends():
     out = torch.empty(x.shape[0], 512, dtype=x.dtype, device="cuda")
 
     def call():
-        grouped_gemm(x, w, ends, seg_expert, out=out, seg_signal=groups, flags=flags)
+        grouped_gemm(x, w, Segments(ends, seg_expert, signal=groups), out=out, flags=flags)
 
     call()
     torch.cuda.synchronize()

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.comm import expert
-from flashoverlap.comm.expert import BoundExceeded, ExpertPlan, expert_layout, recv_segments, send_buffer
-from flashoverlap.comm.expert_nccl import chunk_gemm
+from flashoverlap.comm.chunked_gemm import chunk_gemm
+from flashoverlap.comm.expert import BoundExceeded, ExpertPlan, expert_layout
+from flashoverlap.comm.expert.rows import combine_at_origin, recv_segments, send_buffer
 from flashoverlap.comm.protocol import CommGroup
 from flashoverlap.runtime import experts as runtime_experts
 from flashoverlap.runtime import policy
@@ -138,9 +138,9 @@ def test_combine_at_origin_writes_into_a_given_out(world_of_one, dtype):
     layout = expert_layout(idx, 4, world_of_one, topk_weights=torch.rand(5, 2))
     plan = ExpertPlan("combine", 1, 4, 7, 3, 2, 5)
     back = torch.randn(layout.send_capacity, 7).to(dtype)
-    want = expert.combine_at_origin(back, plan, layout, dtype)
+    want = combine_at_origin(back, plan, layout, dtype)
     out = torch.full((5, 7), float("nan"), dtype=dtype)
-    got = expert.combine_at_origin(back, plan, layout, dtype, out=out)
+    got = combine_at_origin(back, plan, layout, dtype, out=out)
     assert got is out and torch.equal(out, want)  # every row written, bit for bit the allocating result
     tokens = torch.div(layout.send_order, 2, rounding_mode="floor")
     plain = torch.zeros(5, 7).index_add_(0, tokens, back.float() * layout.weights[:, None])
@@ -149,6 +149,6 @@ def test_combine_at_origin_writes_into_a_given_out(world_of_one, dtype):
                        (torch.empty(5, 7, dtype=torch.float64), "got .*torch.float64"),
                        (torch.empty(5, 7, dtype=dtype, device="meta"), "got .* on meta")):
         with pytest.raises(ValueError, match=f"combine_at_origin: out must be .*{match}"):
-            expert.combine_at_origin(back, plan, layout, dtype, out=bad)
+            combine_at_origin(back, plan, layout, dtype, out=bad)
     with pytest.raises(TypeError, match="combine_at_origin: out must be a torch.Tensor"):
-        expert.combine_at_origin(back, plan, layout, dtype, out=[0.0])
+        combine_at_origin(back, plan, layout, dtype, out=[0.0])

@@ -1,4 +1,4 @@
-"""The hybrid expert GEMM (``comm/expert_nccl.py``: heavy experts a ``torch.mm`` per (source, expert) segment as
+"""The hybrid expert GEMM (``comm/chunked_gemm.py``: heavy experts a ``torch.mm`` per (source, expert) segment as
 chunks land, light ones in one row-mapped Triton launch over every source's rows) without ranks: the heavy/light
 split and the light row map from a layout's sizes, the policy that picks it, and, under the Triton interpreter in a
 child process (``python -m tests.moe.test_hybrid``, which sets TRITON_INTERPRET before triton is imported), the
@@ -17,10 +17,10 @@ if __name__ == "__main__":  # the child: interpret the kernels (before anything 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashoverlap.comm import expert_nccl  # noqa: E402
-from flashoverlap.comm.expert import ExpertPlan, Layout  # noqa: E402
-from flashoverlap.kernels.grouped_gemm import hybrid_pays  # noqa: E402
+from flashoverlap.comm import chunked_gemm  # noqa: E402
+from flashoverlap.comm.expert import ExpertPlan, HybridCut, Layout  # noqa: E402
 from flashoverlap.runtime import experts as runtime_experts  # noqa: E402
+from flashoverlap.tune.grouped import HYBRID_CUT, hybrid_pays  # noqa: E402
 from tests.interpreter import needs_interpreter  # noqa: E402
 
 # Rows per (source, local expert) of a rank's receive layout at W = 3, L = 5: expert 0 heavy everywhere, expert 3
@@ -28,6 +28,7 @@ from tests.interpreter import needs_interpreter  # noqa: E402
 # rows around one heavy segment.
 COUNTS = [[30, 4, 0, 11, 0], [25, 9, 7, 12, 0], [3, 0, 6, 13, 0]]
 HEAVY = 36  # the threshold these counts are cut at: experts 0 (58 rows) and 3 (36)
+CUT = HybridCut(heavy_rows=HEAVY, light_flat_rows=256)
 
 
 def exact_layout(counts) -> Layout:
@@ -43,12 +44,11 @@ def exact_layout(counts) -> Layout:
                   max_pair_rows=max(splits))
 
 
-def test_split_and_row_map(monkeypatch):
-    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", HEAVY)
+def test_split_and_row_map():
     layout = exact_layout(COUNTS)
-    heavy, light, per_expert = expert_nccl.hybrid_split(layout)
+    heavy, light, per_expert = chunked_gemm.hybrid_split(layout, HEAVY)
     assert heavy == {0, 3} and light == [1, 2] and per_expert == [58, 13, 13, 36, 0]
-    row_map, ends, experts = expert_nccl.light_tables(layout)
+    row_map, ends, experts = chunked_gemm.light_tables(layout, HEAVY)
     # Expert 1's rows from sources 0, 1 (rows 30..33, 45..53), then expert 2's from sources 1, 2 (54..60, 97..102).
     starts = torch.tensor(COUNTS).reshape(-1).cumsum(0) - torch.tensor(COUNTS).reshape(-1)
     want = []
@@ -58,28 +58,31 @@ def test_split_and_row_map(monkeypatch):
             want += list(range(first, first + COUNTS[s][e]))
     assert row_map.dtype == torch.int32 and row_map.tolist() == want
     assert ends.tolist() == [13, 26] and experts.tolist() == [1, 2]
-    assert expert_nccl.light_tables(layout)[0] is row_map  # made once per layout
-    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", 1)
-    assert expert_nccl.light_tables(exact_layout(COUNTS)) is None  # every expert with rows is heavy
+    assert chunked_gemm.light_tables(layout, HEAVY)[0] is row_map  # made once per layout
+    assert chunked_gemm.light_tables(exact_layout(COUNTS), 1) is None  # every expert with rows is heavy
 
 
-def test_both_parts_read_one_split_also_when_the_threshold_changes(monkeypatch):
+def _plan(cut: HybridCut) -> ExpertPlan:
+    return ExpertPlan("dispatch", 3, 15, 8, 8, 1, 0, gemm="hybrid", hybrid=cut)
+
+
+def test_both_parts_read_one_split_also_when_the_threshold_changes():
     """The heavy set (the chunked part) and the light tables (the one launch) come from one cached entry per layout
     and threshold: every expert with rows is in exactly one part, whatever the calls in between."""
     layout = exact_layout(COUNTS)
     for threshold in (1, HEAVY, 10**6, HEAVY):
-        monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", threshold)
-        heavy, tables = expert_nccl.hybrid_parts(layout)
+        heavy, tables = chunked_gemm.hybrid_parts(layout, threshold)
         light = [] if tables is None else tables[2].tolist()
         assert sorted([*heavy, *light]) == [0, 1, 2, 3] and not set(heavy) & set(light), (threshold, heavy, light)
-        assert expert_nccl.light_tables(layout) is tables
-    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", HEAVY)
+        assert chunked_gemm.light_tables(layout, threshold) is tables
     b = torch.zeros(5, 8, 8)
-    variant = expert_nccl.light_variant(layout, b)
-    assert variant is not None and variant == expert_nccl.light_variant(exact_layout(COUNTS), b)
-    assert variant != expert_nccl.light_variant(layout, torch.zeros(5, 8, 16))  # another N: another kernel
-    monkeypatch.setattr(expert_nccl, "HEAVY_ROWS", 1)
-    assert expert_nccl.light_variant(layout, b) is None  # no light expert: nothing to load
+    variant = chunked_gemm.light_variant(_plan(CUT), layout, b)
+    assert variant is not None and variant == chunked_gemm.light_variant(_plan(CUT), exact_layout(COUNTS), b)
+    assert variant != chunked_gemm.light_variant(_plan(CUT), layout, torch.zeros(5, 8, 16))  # another N
+    # The light tile follows the plan's cut: the flattened loop once the light experts average 13 rows.
+    assert variant != chunked_gemm.light_variant(_plan(HybridCut(HEAVY, 13)), layout, b)
+    assert chunked_gemm.light_variant(_plan(HybridCut(1, 256)), layout, b) is None  # no light expert: nothing to load
+    assert chunked_gemm.light_variant(ExpertPlan("dispatch", 3, 15, 8, 8, 1, 0, gemm="loop"), layout, b) is None
 
 
 def test_policy_picks_the_hybrid_in_exact_mode_where_weights_bind(monkeypatch):
@@ -92,12 +95,17 @@ def test_policy_picks_the_hybrid_in_exact_mode_where_weights_bind(monkeypatch):
     monkeypatch.setattr(runtime_experts, "_triton_available", lambda: False)
     assert runtime_experts.choose_gemm("exact", 128, 32768, 7168, 4096, torch.bfloat16, (9, 0)) == "loop"
     with pytest.raises(ValueError, match="gemm='hybrid' cannot run with mode='bounded'"):
-        ExpertPlan("dispatch", 2, 4, 8, 8, 1, 3, "bounded", 3, "hybrid")
+        ExpertPlan("dispatch", 2, 4, 8, 8, 1, 3, "bounded", 3, "hybrid", hybrid=HYBRID_CUT)
+    with pytest.raises(ValueError, match="gemm='hybrid' takes its cut"):
+        ExpertPlan("dispatch", 2, 4, 8, 8, 1, 3, gemm="hybrid")
+    with pytest.raises(ValueError, match="gemm='hybrid' takes its cut"):
+        ExpertPlan("dispatch", 2, 4, 8, 8, 1, 3, gemm="loop", hybrid=HYBRID_CUT)
+    with pytest.raises(ValueError, match="heavy_rows must be an int >= 1"):
+        HybridCut(0, 256)
 
 
 def run_values() -> list[dict]:
     """The child's cases: both orders of the two parts, fp16 and fp32, as the communicators call them."""
-    expert_nccl.HEAVY_ROWS = HEAVY
     rows = []
     for dtype in (torch.float16, torch.float32):
         gen = torch.Generator().manual_seed(3)
@@ -107,10 +115,10 @@ def run_values() -> list[dict]:
         k, n = 24, 20
         x = torch.randn(total, k, generator=gen).to(dtype)
         b = torch.randn(local, k, n, generator=gen).to(dtype)
-        plan = ExpertPlan("dispatch", world, world * local, k, n, 1, 0, gemm="hybrid")
-        kind = expert_nccl.chunk_gemm(plan, dtype, x.device)
-        multiply = expert_nccl.chunk_multiplier(kind, plan, layout, b, torch.arange(local, dtype=torch.int32))
-        light = expert_nccl.light_multiplier(kind, layout, b)
+        plan = ExpertPlan("dispatch", world, world * local, k, n, 1, 0, gemm="hybrid", hybrid=CUT)
+        kind = chunked_gemm.chunk_gemm(plan, dtype, x.device)
+        multiply = chunked_gemm.chunk_multiplier(kind, plan, layout, b, torch.arange(local, dtype=torch.int32))
+        light = chunked_gemm.light_multiplier(kind, plan, layout, b)
         starts, ends = layout.recv_seg_starts.tolist(), layout.recv_seg_ends.tolist()
         want = torch.zeros(total, n, dtype=torch.float64)
         for i, (a, e) in enumerate(zip(starts, ends)):

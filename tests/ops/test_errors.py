@@ -113,7 +113,7 @@ def test_package_imports_and_runs_without_cuda_bindings():
     # The NCCL path imports cuda.bindings on first use only: a CPU user never needs it.
     code = (
         "import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
-        "import flashoverlap, flashoverlap.comm.nccl\n"
+        "import flashoverlap, flashoverlap.comm.tp.nccl\n"
         "from flashoverlap.tune.defaults import default_plan\n"
         "print(default_plan('all_reduce', 64, 64, 64, 2).num_groups)\n"
     )

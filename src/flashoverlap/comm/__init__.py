@@ -1,16 +1,16 @@
 """Communicators: each runs one call, behind one protocol (``protocol.py``): built once per (process group,
 device) from a ``CommGroup``, then ``run(call) -> (result, gathered input or None)``, and ``release()``.
 
-- ``reference``: the plan group by group with ``torch.matmul`` and blocking collectives, on any device (gloo on
-  the CPU included); the executable specification and the CPU test oracle.
-- ``sequential``: ``matmul`` then one collective, where a plan says overlap cannot pay.
-- ``nccl``: FlashOverlap's design, a signalling GEMM (or cuBLAS bands) and ``torch.distributed`` collectives per
-  group on a high-priority stream; works across nodes and through host memory.
-- ``p2p``: over NVLink, cuBLAS sub-bands, copy-engine pulls from symmetric memory and reductions fused into cuBLAS,
-  scheduled as a ring (``ring_schedule``).
-- ``ring_nccl``: the same ring with NCCL send/recv for the transfers (``path="ring"``), wherever NCCL runs.
-- ``expert_reference``, ``expert_nccl``, ``expert_p2p``: the expert-parallel (MoE) all-to-all calls
-  (``expert.py``: their contract).
+By kind:
+- ``tp/``: tensor-parallel (``reference``, ``sequential``, ``nccl``, ``p2p``, ``ring_nccl``);
+- ``expert/``: expert-parallel (MoE) dispatch and combine (``reference``, ``nccl``, ``p2p``; ``contract``: what
+  they are given).
 
-The runtime (``flashoverlap.runtime``) builds them from its table and keeps them in each group's context.
+Shared mechanics, used by both kinds: ``collectives`` (torch.distributed's collectives as the library issues
+them), ``symmetric`` (symmetric-memory workspaces), ``stream_ops`` (stream memory operations, the driver through
+ctypes), ``replay`` (calls replayed from CUDA graphs), ``steps`` (the step types every schedule is written in),
+``chunked_gemm`` (the grouped GEMMs of the expert paths, chunk by chunk).
+
+The runtime (``flashoverlap.runtime``) builds the communicators from its table and keeps them in each group's
+context.
 """

@@ -10,7 +10,7 @@ cloned process groups, graphs); the runtime calls it from ``flashoverlap.release
 Communicators, by path: ``reference`` (the executable specification, any backend), ``sequential`` (matmul, then
 one collective), ``nccl`` (the signalling GEMM and NCCL per group), ``p2p`` (cuBLAS sub-bands and copy engines over
 symmetric memory) and ``ring`` (the same ring over NCCL send/recv). The all-to-all (MoE) communicators take an
-``ExpertCall`` (``comm/expert.py``) through the same ``run``.
+``ExpertCall`` (``comm/expert/contract.py``) through the same ``run``.
 """
 
 from __future__ import annotations

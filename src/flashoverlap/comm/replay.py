@@ -18,7 +18,7 @@ A call's independent work (a communicator's ``hook``) is held in its graph where
 Where replay is not used either (the runtime's verdict, ``Call.replay``; ``runtime/settings.py``): inside a user's
 capture (the call is captured into the user's graph instead), in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``: each
 flag wait is polled with a deadline, which needs the eager schedule), with ``CUDA_DEVICE_MAX_CONNECTIONS=1``
-(the deadlock argument of ``comm/ring_schedule.py`` rests on the issue order of the streams' work, which a graph
+(the deadlock argument of ``comm/tp/ring_schedule.py`` rests on the issue order of the streams' work, which a graph
 launch does not keep on a single hardware queue), and with ``FLASHOVERLAP_REPLAY=0``.
 """
 

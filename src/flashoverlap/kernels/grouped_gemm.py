@@ -17,16 +17,17 @@ and no tile needs the atomic's result; and a tile is published only after its pr
 products (just before that tile's store), when its own stores have long completed and the release fence is free. A
 waiter must therefore wait for ``flags[g] == 1`` (``cuStreamWaitValue32`` EQ 1, or GEQ 1), never for non-zero.
 
-``torch._grouped_mm`` (cuBLAS/CUTLASS) is the alternative where it measures faster; ``choose_grouped_gemm`` holds
-the measured policy and ``grouped_mm_reference`` the plain-PyTorch oracle.
+``torch._grouped_mm`` (cuBLAS/CUTLASS) is the alternative where it measures faster: the choice between them is
+policy, ``tune/grouped.py``'s. ``grouped_mm_reference`` is the plain-PyTorch oracle.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from flashoverlap import guards
 
 _TRITON_MISSING: ModuleNotFoundError | None = None
 try:
@@ -35,7 +36,7 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     _jit = triton.jit
-except ModuleNotFoundError as exc:  # a CPU install without the gpu extra: the policy and the oracle still import
+except ModuleNotFoundError as exc:  # a CPU install without the gpu extra: the tiles and the oracle still import
     _TRITON_MISSING = exc
 
     def _jit(fn):
@@ -487,65 +488,90 @@ def _check_segments(name: str, t: torch.Tensor | None, num_segments: int, device
                          f"{device}, got {t.dtype} {list(t.shape)} on {t.device}")
 
 
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity
+class Segments:
+    """The row segments of one ``grouped_gemm`` call, as int32 tensors on ``x``'s device, one element per segment:
+    ``ends`` (row ends), ``expert`` (each segment's expert), and optionally ``starts`` (row starts; without them a
+    segment starts where the previous one ends), ``signal`` (each segment's signal group: needs ``flags``),
+    ``priority`` (values in ``[0, 4095]``, lower first) and ``row_map`` (int32 ``[R]``: the segments then cover
+    logical rows ``[0, R)``, logical row ``r`` being row ``row_map[r]`` of ``x`` and ``out``). See ``grouped_gemm``."""
+
+    ends: torch.Tensor
+    expert: torch.Tensor
+    starts: torch.Tensor | None = None
+    signal: torch.Tensor | None = None
+    priority: torch.Tensor | None = None
+    row_map: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class GroupedLaunch:
+    """How ``grouped_gemm`` launches (plain values: made once, shared by calls): ``order`` (``"heavy-first"`` or
+    ``"given"``), ``max_rows`` (a host-side bound on the rows the segments cover, sizing the grid; default: all
+    rows), ``tile`` (default ``default_tile``), ``use_tma`` (None: where the operands allow it), ``peer_visible``
+    (flags released at system scope, for a peer's reader), ``validate`` (check the segment tables on the host
+    first: a synchronisation, for tests and debugging)."""
+
+    order: str = "heavy-first"
+    max_rows: int | None = None
+    tile: GroupedTile | None = None
+    use_tma: bool | None = None
+    peer_visible: bool = False
+    validate: bool = False
+
+
+DEFAULT_LAUNCH = GroupedLaunch()
+
+
 def grouped_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
-    seg_ends: torch.Tensor,
-    seg_expert: torch.Tensor,
+    segments: Segments,
     *,
-    seg_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    seg_signal: torch.Tensor | None = None,
     flags: torch.Tensor | None = None,
-    order: str = "heavy-first",
-    seg_priority: torch.Tensor | None = None,
-    max_rows: int | None = None,
-    tile: GroupedTile | None = None,
-    use_tma: bool | None = None,
-    peer_visible: bool = False,
     workspace: torch.Tensor | None = None,
-    validate: bool = False,
-    row_map: torch.Tensor | None = None,
+    launch: GroupedLaunch = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
-    """``out[a:b] = x[a:b] @ w[seg_expert[s]]`` for every segment ``s`` = rows ``[a, b)``: ``b = seg_ends[s]`` and
-    ``a = seg_starts[s]``, or, without ``seg_starts``, ``a = seg_ends[s-1]`` (``a = 0`` for ``s = 0``). Rows that no
-    segment covers (past ``seg_ends[-1]``; with ``seg_starts`` also the gaps between segments) are not written. No
-    host synchronisation: capturable in a CUDA graph, replayable with new segment bounds.
+    """``out[a:b] = x[a:b] @ w[segments.expert[s]]`` for every segment ``s`` = rows ``[a, b)``: ``b =
+    segments.ends[s]`` and ``a = segments.starts[s]``, or, without starts, ``a = ends[s-1]`` (``a = 0`` for ``s =
+    0``). Rows that no segment covers (past ``ends[-1]``; with starts also the gaps between segments) are not
+    written. No host synchronisation: capturable in a CUDA graph, replayable with new segment bounds.
 
     ``x``: ``[rows, K]`` bf16/fp16 (fp32 runs as tf32), unit inner stride. ``w``: ``[E, K, N]`` of x's dtype, any
-    strides; ``w_nk.transpose(1, 2)`` of a contiguous ``[E, N, K]`` weight is read in place. ``seg_ends``,
-    ``seg_expert`` (and ``seg_starts``): int32 ``[S]`` on x's device. Without ``seg_starts``, ``seg_ends`` is
-    non-decreasing (like ``torch._grouped_mm``'s ``offs``); with it, segments may lie in any order with gaps between
-    them (the bounded MoE mode's receive slots: ``recv_seg_starts``, ``recv_seg_ends``) but must not overlap. An end
-    below its start is an empty segment; bounds are clamped into ``[0, rows]``. Segments may be empty; several
-    segments may share an expert. ``out``: ``[rows, N]`` of x's dtype (allocated when omitted).
+    strides; ``w_nk.transpose(1, 2)`` of a contiguous ``[E, N, K]`` weight is read in place. ``segments``
+    (``Segments``): int32 ``[S]`` tables on x's device. Without starts, ``ends`` is non-decreasing (like
+    ``torch._grouped_mm``'s ``offs``); with them, segments may lie in any order with gaps between them (the bounded
+    MoE mode's receive slots: ``recv_seg_starts``, ``recv_seg_ends``) but must not overlap. An end below its start
+    is an empty segment; bounds are clamped into ``[0, rows]``. Segments may be empty; several segments may share
+    an expert. ``out``: ``[rows, N]`` of x's dtype (allocated when omitted).
 
     Signals: with ``flags`` (int32 ``[G]``; zero on entry is safe, any value is overwritten), ``flags[g]`` becomes
-    exactly 1 (release; system scope with ``peer_visible``) once every row of every segment with
-    ``seg_signal[s] == g`` is stored, and is <= 0 before: wait for ``== 1`` (or signed ``>= 1``), not for
-    non-zero. Groups with no rows are 1 as soon as the prep kernel has run. ``seg_signal`` (int32 ``[S]``, values
-    in ``[0, G)``) defaults to group 0 for every segment; out-of-range values are never signalled. Flags are
-    rewritten at the start of each call (stream order), so replays need no reset.
+    exactly 1 (release; system scope with ``launch.peer_visible``) once every row of every segment with
+    ``segments.signal[s] == g`` is stored, and is <= 0 before: wait for ``== 1`` (or signed ``>= 1``), not for
+    non-zero. Groups with no rows are 1 as soon as the prep kernel has run. ``signal`` (values in ``[0, G)``)
+    defaults to group 0 for every segment; out-of-range values are never signalled. Flags are rewritten at the
+    start of each call (stream order), so replays need no reset.
 
-    Order: ``"given"`` computes segments in index order; ``"heavy-first"`` puts segments with more tile rows first
-    (ties: by expert, so one expert's segments run together and share its weights in L2; then by index).
-    ``seg_priority`` (int32 ``[S]``, values in ``[0, 4095]``, lower first) comes before either: give each signal
-    group its own priority (e.g. the own rank's segments 0, or destinations in sending order) to complete groups
-    one after another instead of all at the end. ``tile.mix`` spreads the one-tile-row segments among the others
-    (heavy-first order without priorities only).
+    Order (``launch.order``): ``"given"`` computes segments in index order; ``"heavy-first"`` puts segments with
+    more tile rows first (ties: by expert, so one expert's segments run together and share its weights in L2; then
+    by index). ``segments.priority`` (lower first) comes before either: give each signal group its own priority
+    (e.g. the own rank's segments 0, or destinations in sending order) to complete groups one after another instead
+    of all at the end. ``tile.mix`` spreads the one-tile-row segments among the others (heavy-first order without
+    priorities only).
 
-    ``max_rows``: a host-side bound on the rows the segments cover (default ``rows``) that sizes the grid when
-    ``tile.num_programs`` is ``None``; a bound too small only makes programs take several tiles. ``tile``: tile and
-    launch shape (default ``default_tile``). ``workspace``: int32 scratch of ``workspace_size(S)`` elements
-    (allocated per call when omitted; calls that may run concurrently need their own). ``validate``: check the
-    segment tables on the host first (a synchronisation; for tests and debugging).
+    ``launch.max_rows``: a host-side bound on the rows the segments cover (default ``rows``) that sizes the grid
+    when ``tile.num_programs`` is ``None``; a bound too small only makes programs take several tiles.
+    ``launch.tile``: tile and launch shape (default ``default_tile``). ``workspace``: int32 scratch of
+    ``workspace_size(S)`` elements (allocated per call when omitted; calls that may run concurrently need their
+    own). ``launch.validate``: check the segment tables on the host first (a synchronisation).
 
-    ``row_map`` (int32 ``[R]`` on x's device): the segments cover *logical* rows ``[0, R)``, and logical row ``r``
-    is row ``row_map[r]`` of ``x`` and of ``out`` (gathered and scattered in place: a segment's rows need not be
-    contiguous in ``x``, e.g. one expert's rows from every source rank in the dispatch layout). ``out`` must be
-    given; rows of ``out`` that no mapped row names are not written; the mapped rows of covered logical rows must
-    be distinct and lie in ``[0, rows)`` (checked with ``validate``). With TMA, a tile whose logical rows map onto
-    consecutive rows of ``x`` loads them through TMA; any other tile gathers them with plain loads.
+    ``segments.row_map`` (int32 ``[R]`` on x's device): the segments cover *logical* rows ``[0, R)``, and logical
+    row ``r`` is row ``row_map[r]`` of ``x`` and of ``out`` (gathered and scattered in place: a segment's rows need
+    not be contiguous in ``x``, e.g. one expert's rows from every source rank in the dispatch layout). ``out`` must
+    be given; rows of ``out`` that no mapped row names are not written; the mapped rows of covered logical rows
+    must be distinct and lie in ``[0, rows)`` (checked with ``validate``). With TMA, a tile whose logical rows map
+    onto consecutive rows of ``x`` loads them through TMA; any other tile gathers them with plain loads.
     """
     if _TRITON_MISSING is not None:
         raise ModuleNotFoundError(f"grouped_gemm needs triton ({_TRITON_MISSING}): pip install "
@@ -563,36 +589,36 @@ def grouped_gemm(
         raise ValueError(f"x and w must be on one device, got {x.device} and {w.device}")
     if num_experts < 1 or num_experts > MAX_EXPERTS:
         raise ValueError(f"w must hold 1 to {MAX_EXPERTS} experts, got {num_experts}")
-    num_segments = seg_ends.numel()
+    seg = segments
+    num_segments = seg.ends.numel()
     if num_segments > MAX_SEGMENTS:
         raise ValueError(f"at most {MAX_SEGMENTS} segments, got {num_segments}: merge segments of one expert")
-    _check_segments("seg_ends", seg_ends, num_segments, x.device)
-    _check_segments("seg_starts", seg_starts, num_segments, x.device)
-    _check_segments("seg_expert", seg_expert, num_segments, x.device)
-    _check_segments("seg_signal", seg_signal, num_segments, x.device)
-    _check_segments("seg_priority", seg_priority, num_segments, x.device)
+    for name in ("ends", "starts", "expert", "signal", "priority"):
+        _check_segments(f"segments.{name}", getattr(seg, name), num_segments, x.device)
+    order = launch.order
     if order not in ("given", "heavy-first"):
-        raise ValueError(f"order must be 'given' or 'heavy-first', got {order!r}")
-    if seg_signal is not None and flags is None:
-        raise ValueError("seg_signal needs flags: an int32 tensor with one element per signal group")
+        raise ValueError(f"launch.order must be 'given' or 'heavy-first', got {order!r}")
+    if seg.signal is not None and flags is None:
+        raise ValueError("segments.signal needs flags: an int32 tensor with one element per signal group")
     signal = flags is not None
     num_groups = flags.numel() if signal else 0
     if signal and (flags.dtype != torch.int32 or flags.ndim != 1 or num_groups < 1 or flags.device != x.device):
         raise ValueError(f"flags must be a 1-D int32 tensor with one element per signal group on {x.device}, got "
                          f"{flags.dtype} {list(flags.shape)} on {flags.device}")
-    if max_rows is not None and max_rows < 0:
-        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+    if launch.max_rows is not None and launch.max_rows < 0:
+        raise ValueError(f"launch.max_rows must be >= 0, got {launch.max_rows}")
     physical_rows = rows
+    row_map = seg.row_map
     if row_map is not None:
         if row_map.dtype != torch.int32 or row_map.ndim != 1 or row_map.device != x.device:
-            raise ValueError(f"row_map must be a 1-D int32 tensor on {x.device}, got {row_map.dtype} "
+            raise ValueError(f"segments.row_map must be a 1-D int32 tensor on {x.device}, got {row_map.dtype} "
                              f"{list(row_map.shape)} on {row_map.device}")
         if out is None:
-            raise ValueError("row_map needs out: the rows it names are written in place, the others left alone")
-        if validate and row_map.numel():
+            raise ValueError("a row map needs out: the rows it names are written in place, the others left alone")
+        if launch.validate and row_map.numel():
             mapped = row_map.tolist()
             if min(mapped) < 0 or max(mapped) >= rows or len(set(mapped)) != len(mapped):
-                raise ValueError(f"row_map must name distinct rows of x in [0, {rows}), got {mapped[:8]}...")
+                raise ValueError(f"segments.row_map must name distinct rows of x in [0, {rows}), got {mapped[:8]}...")
         rows = row_map.numel()  # the segments' rows are logical from here on
     if out is None:
         out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -601,11 +627,11 @@ def grouped_gemm(
                          f"{out.dtype} on {out.device}")
     if x.stride(1) != 1 and physical_rows > 1 and k > 1:
         raise ValueError(f"x must have unit inner stride, got strides {x.stride()}: pass x.contiguous()")
-    tile = tile or default_tile(max_rows if max_rows is not None else rows, num_experts, k, n)
+    max_rows = rows if launch.max_rows is None else launch.max_rows
+    tile = launch.tile or default_tile(max_rows, num_experts, k, n)
     _check_tile(tile)
-    max_rows = rows if max_rows is None else max_rows
-    if validate:
-        _validate(seg_ends, seg_expert, rows, num_experts, seg_starts)
+    if launch.validate:
+        _validate(seg.ends, seg.expert, rows, num_experts, seg.starts)
     if num_segments == 0:
         if signal:
             flags.fill_(1)
@@ -618,26 +644,27 @@ def grouped_gemm(
         raise ValueError(f"workspace must be int32 with >= {need} elements on {x.device} "
                          f"(workspace_size({num_segments}))")
     tiles_n = -(-n // tile.block_n)
-    sort = order == "heavy-first" or seg_priority is not None
+    sort = order == "heavy-first" or seg.priority is not None
     _segment_table_kernel[(1,)](
-        seg_ends, seg_starts if seg_starts is not None else seg_ends, seg_expert,
-        seg_signal if seg_signal is not None else seg_ends, seg_priority if seg_priority is not None else seg_ends,
+        seg.ends, seg.starts if seg.starts is not None else seg.ends, seg.expert,
+        seg.signal if seg.signal is not None else seg.ends, seg.priority if seg.priority is not None else seg.ends,
         workspace, flags if signal else workspace,
         num_segments, num_groups, num_experts, rows, tiles_n,
         BLOCK_S=block_s, BLOCK_M=tile.block_m, SORT=sort, HEAVY_FIRST=order == "heavy-first",
-        HAS_PRIORITY=seg_priority is not None, SIGNAL=signal, HAS_GROUPS=seg_signal is not None,
-        HAS_STARTS=seg_starts is not None, num_warps=4 if block_s <= 1024 else 8,
+        HAS_PRIORITY=seg.priority is not None, SIGNAL=signal, HAS_GROUPS=seg.signal is not None,
+        HAS_STARTS=seg.starts is not None, num_warps=4 if block_s <= 1024 else 8,
     )
     bound_tiles = (-(-max_rows // tile.block_m) + min(num_segments, max_rows)) * tiles_n
     if tile.num_programs is None:
         grid = bound_tiles
     else:
-        programs = tile.num_programs or _sm_count(x.device)
+        programs = tile.num_programs or guards.sm_count(x.device)
         grid = min(programs, bound_tiles) if bound_tiles else 0
     if grid == 0 or n == 0:
         return out
     w_kmajor = w.stride(1) == 1 and w.stride(2) != 1  # w is w_nk.transpose(1, 2)
     w_stored = w.transpose(1, 2) if w_kmajor else w
+    use_tma = launch.use_tma
     if use_tma is None:
         use_tma = (x.is_cuda and k > 0 and _tma_ok(x) and _tma_ok(w_stored)
                    and w_stored.stride(0) == w_stored.shape[1] * w_stored.stride(1)
@@ -649,7 +676,7 @@ def grouped_gemm(
     # operands must be K-major).
     swap_rows = tile.swap_rows if x.dtype != torch.float32 and not flat else 0
     # Launch slots map to tiles in the table's order unless mixed, which needs heavy segments first, then light.
-    mix = tile.mix and order == "heavy-first" and seg_priority is None
+    mix = tile.mix and order == "heavy-first" and seg.priority is None
     if use_tma:
         # The weights as one 2-D tensor: [E*K, N], or [E*N, K] for the transposed view. Reading across an
         # expert's edge is harmless where it happens (columns past N, masked at the store); K past an expert's
@@ -669,7 +696,7 @@ def grouped_gemm(
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         row_map if row_map is not None else workspace, x,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
-        USE_TMA=bool(use_tma), W_KMAJOR=bool(w_kmajor and use_tma), SIGNAL=signal, PEER=bool(peer_visible),
+        USE_TMA=bool(use_tma), W_KMAJOR=bool(w_kmajor and use_tma), SIGNAL=signal, PEER=bool(launch.peer_visible),
         DYNAMIC=bool(tile.dynamic and tile.num_programs is not None), HALF_TAIL=half_tail, SWAP_ROWS=swap_rows,
         MIX=mix, FLAT=flat, ROW_MAP=row_map is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
@@ -686,17 +713,6 @@ def _check_tile(tile: GroupedTile) -> None:
     if tile.swap_rows and not (pow2(tile.swap_rows) and 16 <= tile.swap_rows <= tile.block_m // 2):
         raise ValueError(f"tile.swap_rows must be 0 or a power of two in [16, block_m // 2 = {tile.block_m // 2}], "
                          f"got {tile.swap_rows}")
-
-
-_SMS: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, to exercise the persistent loop
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
 
 
 def _validate(seg_ends: torch.Tensor, seg_expert: torch.Tensor, rows: int, num_experts: int,
@@ -735,103 +751,3 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, seg_ends: torch.Tenso
         if end > start:
             out[start:end] = (x[start:end].to(acc_dtype) @ w[expert].to(acc_dtype)).to(x.dtype)
     return out
-
-
-# -- policy -------------------------------------------------------------------------------------------------
-# Measured times (ms, balanced + Zipf(1.2) routing summed) of the three ways at each per-rank slice (W = 2), keyed by
-# (experts, rows, K, N): triton = grouped_gemm per source chunk as the paths run it (t_chunks_ms), cublas =
-# torch._grouped_mm per source chunk, loop = torch.mm per segment. From the h200x1-moe-gemm.json of commit
-# 4823acf052 on one H200 (torch 2.11, triton 3.6; benchmarks/results/logs/issue20/moe-gemm-bench-4823acf052.log).
-# (Before, from e410e6d: cuBLAS won the Qwen3-like down slice by 0.1%, and ran 9% slower than Triton there at
-# 4823acf052.)
-MEASURED_ROUTINGS = 2  # each time above sums one op's time under this many routings (balanced, Zipf(1.2))
-MEASURED_MS: dict[tuple[int, int, int, int], tuple[float, float, float]] = {
-    (4, 16384, 4096, 28672): (10.102, 10.286, 9.926),  # Mixtral-like up
-    (4, 16384, 14336, 4096): (4.827, 5.100, 4.746),  # Mixtral-like down
-    (64, 65536, 2048, 1536): (1.206, 1.316, 4.185),  # Qwen3-30B-A3B-like up
-    (64, 65536, 768, 2048): (0.713, 0.792, 4.688),  # Qwen3-30B-A3B-like down
-    (128, 32768, 7168, 4096): (8.199, 11.403, 13.310),  # DeepSeek-V3-like up
-    (128, 32768, 2048, 7168): (4.202, 5.873, 10.496),  # DeepSeek-V3-like down
-}
-
-
-# Where the expert paths run the hybrid GEMM in exact mode (``comm/expert_nccl.py``: heavy experts a torch.mm per
-# segment as chunks land, light ones once over every source's rows through a row map): many local experts with few
-# rows each, where a grouped GEMM per source chunk streams every expert's weights once per source and is bound by
-# that (DeepSeek-like slice at W = 2, 128 experts, 256 rows each: 0.74x torch._grouped_mm per chunk, 0.97x / 0.96x
-# hybrid balanced and 1.23x / 1.21x with Zipf(1.2) routing, up / down:
-# benchmarks/results/logs/issue20/moe-skew-streams-347ba74380.json). Qwen3-like (64 experts, 1024 rows each) and
-# Mixtral-like (4 experts) slices stay per chunk, where they already run at 0.96-1.08x torch._grouped_mm.
-HYBRID_MIN_EXPERTS = 32
-HYBRID_MAX_ROWS_PER_EXPERT = 512
-
-
-def hybrid_pays(*, experts: int, rows: int) -> bool:
-    """Whether the expert paths' exact mode runs the hybrid GEMM for ``rows`` rows (``T * k``, about what a rank
-    receives) over ``experts`` local experts (``HYBRID_MIN_EXPERTS``, ``HYBRID_MAX_ROWS_PER_EXPERT``)."""
-    return experts >= HYBRID_MIN_EXPERTS and rows <= HYBRID_MAX_ROWS_PER_EXPERT * experts
-
-
-def pick_grouped_gemm(t_triton: float, t_cublas: float, t_loop: float, *, dtype: torch.dtype, k: int, n: int,
-                      host_counts: bool = False, device_capability: tuple[int, int] | None = None) -> str:
-    """The fastest allowed of three measured times: ``"cublas"`` only for bf16 with 16-byte aligned rows
-    (``k % 8 == n % 8 == 0``) on sm90 (when ``device_capability`` is given), ``"loop"`` only when the segment sizes
-    are on the host (``host_counts``: the exact mode; the bounded mode never synchronises)."""
-    times = {"triton": t_triton}
-    if dtype == torch.bfloat16 and k % 8 == 0 and n % 8 == 0 and (device_capability in (None, (9, 0))):
-        times["cublas"] = t_cublas
-    if host_counts:
-        times["loop"] = t_loop
-    return min(times, key=times.get)
-
-
-# Host time to issue one call (µs: back-to-back calls, the GPU busy ahead, one process) on one H200 (torch 2.11,
-# triton 3.6), at one source chunk of the one-GPU MoE layer (4096 rows, 8 experts, K = N = 1024): grouped_gemm (two
-# launches, the segment table and the GEMM, and its Python checks), torch._grouped_mm, and one torch.mm (the loop
-# issues one per non-empty segment). From benchmarks/diagnostics/grouped_gemm_host.py,
-# benchmarks/results/logs/issue20/grouped-gemm-host-9a86c27d65.json (an earlier run, -1816960e6b.json: Triton 122,
-# cuBLAS 23).
-HOST_US = {"triton": 152.0, "cublas": 23.0, "mm": 25.0}
-
-
-def call_cost_ms(measured_ms: float, scale: float, host_ms: float) -> float:
-    """A grouped GEMM's cost in ms where its GPU time is ``measured_ms * scale`` (a measured time scaled by FLOPs)
-    and issuing it takes ``host_ms``: the larger of the two. Issued back to back, a call behind a busy GPU hides its
-    host time, and a call too small to keep the GPU busy leaves it waiting on the host."""
-    return max(measured_ms * scale, host_ms)
-
-
-def choose_grouped_gemm(*, experts: int, rows: int, k: int, n: int, dtype: torch.dtype,
-                        host_counts: bool = False, device_capability: tuple[int, int] | None = None,
-                        chunks: int = 2) -> str:
-    """``"triton"`` (``grouped_gemm``), ``"cublas"`` (``torch._grouped_mm``: bf16 only, rows grouped by expert in
-    each chunk, one call per chunk, no per-tile signals) or ``"loop"`` (``torch.mm`` per segment, sizes on the
-    host) for ``rows`` rows (a bound) over ``experts`` local experts, ``[rows, k] x [k, n]`` each, in ``chunks``
-    calls (one per source or destination rank): the cheapest allowed (``pick_grouped_gemm``) by ``call_cost_ms``,
-    from one op's time measured at the nearest measured slice (log distance over rows per expert, K and N; the mean
-    over its routings) scaled by FLOPs, and the host time of ``chunks`` calls (``HOST_US``). Large calls go by GPU
-    time alone; small ones, whose GPU time is shorter than Triton's two launches take to issue, to cuBLAS's one
-    (where allowed). This is the kernel alone: a path that needs per-tile signals (NCCL) runs Triton.
-
-    fp32: ``"loop"`` with ``host_counts``, else ``"triton"`` (which runs fp32 as tf32).
-    """
-    if dtype == torch.float32:
-        return "loop" if host_counts else "triton"
-    if not MEASURED_MS:
-        return "triton"
-
-    def distance(key: tuple[int, int, int, int]) -> float:
-        e, r, kk, nn = key
-        return (abs(math.log((rows / max(experts, 1) + 1) / (r / e + 1))) + abs(math.log(max(k, 1) / kk))
-                + abs(math.log(max(n, 1) / nn)))
-
-    nearest = min(MEASURED_MS, key=distance)
-    t_triton, t_cublas, t_loop = MEASURED_MS[nearest]
-    # One op's GPU time: the measured sum over routings, per routing, scaled to this call's FLOPs.
-    scale = rows * k * n / (nearest[1] * nearest[2] * nearest[3]) / MEASURED_ROUTINGS
-    calls = max(chunks, 1)
-    segments = calls * min(max(experts, 1), max(rows, 1))  # the loop's torch.mm calls, at most
-    return pick_grouped_gemm(call_cost_ms(t_triton, scale, calls * HOST_US["triton"] / 1e3),
-                             call_cost_ms(t_cublas, scale, calls * HOST_US["cublas"] / 1e3),
-                             call_cost_ms(t_loop, scale, segments * HOST_US["mm"] / 1e3),
-                             dtype=dtype, k=k, n=n, host_counts=host_counts, device_capability=device_capability)

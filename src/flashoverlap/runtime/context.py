@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
-from flashoverlap.comm.expert_nccl import ExpertNcclCommunicator
-from flashoverlap.comm.expert_p2p import ExpertP2PCommunicator
-from flashoverlap.comm.expert_reference import ExpertReferenceCommunicator
-from flashoverlap.comm.nccl import NcclCommunicator
-from flashoverlap.comm.p2p import P2PCommunicator
+from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator
+from flashoverlap.comm.expert.p2p import ExpertP2PCommunicator
+from flashoverlap.comm.expert.reference import ExpertReferenceCommunicator
 from flashoverlap.comm.protocol import CommGroup, Communicator
-from flashoverlap.comm.reference import ReferenceCommunicator
-from flashoverlap.comm.ring_nccl import RingNcclCommunicator
-from flashoverlap.comm.sequential import SequentialCommunicator
+from flashoverlap.comm.tp.nccl import NcclCommunicator
+from flashoverlap.comm.tp.p2p import P2PCommunicator
+from flashoverlap.comm.tp.reference import ReferenceCommunicator
+from flashoverlap.comm.tp.ring_nccl import RingNcclCommunicator
+from flashoverlap.comm.tp.sequential import SequentialCommunicator
 from flashoverlap.runtime.checks import check_group
 
 # The dispatch table: (kind of call, path) -> how to build its communicator. "gemm": the tensor-parallel ops

@@ -23,6 +23,7 @@ from flashoverlap.comm.protocol import Hook
 from flashoverlap.runtime import agreement, calls, policy, settings
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPES
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
+from flashoverlap.tune import grouped
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -183,33 +184,18 @@ def _resolve(spec: ExpertSpec, nccl_p2p_disabled: bool) -> tuple[GroupContext, s
         gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, a.dtype, capability,
                            chunks=context.world_size)
     plan = ExpertPlan(spec.op, context.world_size, routing.experts, hidden, ffn, routing.top_k, routing.tokens,
-                      routing.mode, routing.bound, gemm, spec.per_choice, spec.weighted)
+                      routing.mode, routing.bound, gemm, spec.per_choice, spec.weighted,
+                      grouped.HYBRID_CUT if gemm == "hybrid" else None)
     return context, resolved, plan
 
 
 def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.dtype,
                 capability: tuple[int, int] | None, chunks: int = 2) -> str:
-    """The grouped GEMM a fast path's plan runs (``ExpertPlan.gemm``): in exact mode with many experts of few rows
-    each, the hybrid (``kernels.grouped_gemm.hybrid_pays``); otherwise the measured policy's choice
-    (``kernels.grouped_gemm.choose_grouped_gemm``, never the per-segment loop, whose host sizes bounded mode never
-    has) for ``local`` experts and ``rows`` rows (``T * k``) in ``chunks`` calls (the group's size), except where
-    Triton is not installed: then exact mode loops, and bounded mode takes ``torch._grouped_mm`` (cuBLAS) where
-    this torch has it (which ``expert_nccl.chunk_gemm`` still hands to Triton outside bf16 rows of 16-byte
-    multiples: that call then says Triton is missing)."""
-    # Imported here, not with this module: kernels.grouped_gemm imports Triton (a tenth of a second, and not
-    # installed at all on a CPU install), which the reference path and `import flashoverlap` never need.
-    from flashoverlap.kernels.grouped_gemm import choose_grouped_gemm, hybrid_pays
-
-    if mode == "exact" and hybrid_pays(experts=local, rows=rows) and _triton_available():
-        return "hybrid"
-    gemm = choose_grouped_gemm(experts=local, rows=rows, k=k, n=n, dtype=dtype, device_capability=capability,
-                               chunks=chunks)
-    if gemm == "triton" and not _triton_available():
-        if mode == "exact":
-            return "loop"
-        if hasattr(torch, "_grouped_mm"):
-            return "cublas"
-    return gemm
+    """The grouped GEMM a fast path's plan runs (``ExpertPlan.gemm``) for ``local`` experts and ``rows`` rows
+    (``T * k``, taken as balanced: no routing is known yet) in ``chunks`` calls (the group's size): the policy's
+    (``tune.grouped.expert_gemm``); ``"hybrid"`` plans take ``tune.grouped.HYBRID_CUT``."""
+    call = grouped.GroupedCall.balanced(local, rows, k, n, dtype.itemsize, chunks)
+    return grouped.expert_gemm(call, dtype, mode=mode, device_capability=capability, triton=_triton_available())[0]
 
 
 def _triton_available() -> bool:

@@ -112,7 +112,7 @@ def default_plan(
     - otherwise: 8 even groups, one program per tile (programs retire as they finish, which lets NCCL's blocks
       in on the high-priority stream), NCCL's own CTA count.
 
-    ``path="p2p"`` (copy engines and cuBLAS, ``comm/ring_schedule.py``): every multiplication by cuBLAS, ``S``
+    ``path="p2p"`` (copy engines and cuBLAS, ``comm/tp/ring_schedule.py``): every multiplication by cuBLAS, ``S``
     sub-bands per rank block (``P2P_SUB_BANDS``: 2 for reduce-scatter, 4 for all-reduce and all-gather, fewer where a
     sub-band would have fewer than ``P2P_MIN_SUB_BAND_ROWS`` rows).
 

@@ -120,7 +120,7 @@ def _compute(plan: Plan, machine: Machine) -> tuple[float, list[float]]:
     """The GEMM side alone: the time of the tiles needing no communication (all-gather's own shard) and of each
     group's tiles. Triton plans: tiles are fluid (``wave_ms / slots`` each, or a persistent grid's measured time
     over its tiles), and the last group takes the rest of the GEMM's whole waves. cuBLAS-band plans: one matmul
-    per group and row block (``comm/nccl.py``'s ``compute_bands``)."""
+    per group and row block (``comm/tp/nccl.py``'s ``compute_bands``)."""
     if plan.gemm == "cublas":
         calls = plan.blocks - 1 if plan.op == "all_gather" else plan.blocks
         bands = [machine.band_time(grp.rows, plan.m) for grp in plan.groups]
@@ -182,7 +182,7 @@ def _simulate(local_ms: float, work_ms: list[float], comm_ms: list[float], consu
 
 
 def _ring(plan: Plan, machine: Machine, curve: Curve, element_size: int) -> Prediction:
-    """The P2P path's ring (``comm/ring_schedule.py``), on one rank; every rank runs the same timeline shifted by
+    """The P2P path's ring (``comm/tp/ring_schedule.py``), on one rank; every rank runs the same timeline shifted by
     nothing (the ring is symmetric), so a partial from rank ``r - 1`` is ready when this rank's own of the same
     (step, sub-band) is. ``C`` runs cuBLAS matmuls one after the other (``band_time``, times ``gemm_slowdown``: a
     copy engine runs beside them); ``X`` runs the pulls one after the other (the curve at the pulled bytes, times

@@ -1,5 +1,5 @@
 """The P2P path's ring over NCCL send/recv instead of copy engines (``path="ring"``): the same blocks, steps and
-sub-bands as ``comm/ring_schedule.py``, every multiplication by cuBLAS on the caller's stream ``C``, every transfer
+sub-bands as ``comm/tp/ring_schedule.py``, every multiplication by cuBLAS on the caller's stream ``C``, every transfer
 an NCCL send to rank r + 1 grouped with a receive from rank r - 1 on a high-priority stream ``S``. It needs no
 symmetric memory and no peer access, so it runs wherever NCCL does (across nodes, through host memory) and on
 gloo (the CPU tests).
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
-from flashoverlap.comm import ring_schedule as rs
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields
+from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import Plan
 
 

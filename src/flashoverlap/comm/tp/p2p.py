@@ -2,7 +2,7 @@
 stream, every byte moved by a copy engine on a copy stream, every reduction fused into cuBLAS (``addmm_`` on the
 pulled partial, beta = 1), and every cross-rank wait a stream memory operation. No SM moves or sums bytes.
 
-The schedule (which rows, in which order, which flags) is ``comm/ring_schedule.py``, whose module docstring argues
+The schedule (which rows, in which order, which flags) is ``comm/tp/ring_schedule.py``, whose module docstring argues
 why it cannot deadlock; this module only issues it. One call:
 
 1. Before anything is queued: the symmetric workspace is large enough (growing it is collective and refused
@@ -43,11 +43,11 @@ from __future__ import annotations
 import torch
 
 from flashoverlap import guards
-from flashoverlap.comm import ring_schedule as rs
-from flashoverlap.comm import stream_ops
+from flashoverlap.comm import steps, stream_ops
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
 from flashoverlap.comm.replay import CallGraphs, cublas_switches
 from flashoverlap.comm.symmetric import SymmetricWorkspace
+from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import Plan
 
 REGION_ALIGN = 1 << 16
@@ -63,7 +63,7 @@ def _cuts(ops: list, totals: tuple[int, int, int]) -> tuple[list, list[dict]]:
     the index of each ``(row, rows)`` block among the views."""
     used: list[set] = [set(), set(), set()]
     for item in ops:
-        if isinstance(item, rs.Mm):
+        if isinstance(item, steps.Mm):
             used[_SPACES[item.src.space]].add((item.src.row, item.rows))
             if item.dst.space != "sym":
                 used[_SPACES[item.dst.space]].add((item.dst.row, item.rows))
@@ -113,7 +113,7 @@ class P2PCommunicator(GroupFields):
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One overlapped call of ``call.plan`` (not sequential): the op's result, and for all-gather the gathered
         input (rank order) where asked. The hook, if any, issues independent work on the caller's stream where the
-        schedule would wait for its first pull (``ring_schedule.Hook``).
+        schedule would wait for its first pull (``steps.Hook``).
 
         Written for host time (a replayed call is this method and one graph launch): a repeated call's graph is
         looked up first, by a signature built from the call alone; only a call without one asks whether step 1 was
@@ -134,11 +134,10 @@ class P2PCommunicator(GroupFields):
             if signature is not None:  # step 1 may have grown the workspace, which the signature names
                 signature = self._signature(plan, a, b, out, gathered, hook)
         if signature is not None and self.graphs.record(
-                signature, lambda: self.issue(plan, a, b, out, call.name, gathered, hook, captured=True)):
+                signature, lambda: self.issue(call, a, out, gathered, captured=True)):
             return out, gathered
         # A call the runtime let replay is not inside a capture; any other may be inside a user's.
-        self.issue(plan, a, b, out, call.name, gathered, hook, call.timeout,
-                   captured=not call.replay and guards.capturing(a))
+        self.issue(call, a, out, gathered, timeout=call.timeout, captured=not call.replay and guards.capturing(a))
         return out, gathered
 
     def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -184,12 +183,14 @@ class P2PCommunicator(GroupFields):
                 self._programs.clear()
                 self.graphs.clear()
 
-    def issue(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str,
-              gathered: torch.Tensor | None = None, hook=None, timeout: float | None = None,
-              captured: bool = False) -> None:
-        """Steps 2 and 3 of one call of ``plan`` (after ``prepare``): ``out`` receives the op's result on the
+    def issue(self, call: Call, a: torch.Tensor, out: torch.Tensor, gathered: torch.Tensor | None = None, *,
+              timeout: float | None = None, captured: bool = False) -> None:
+        """Steps 2 and 3 of one call (after ``prepare``) of ``call.plan`` on ``a`` (``call.a``, contiguous for
+        all-gather) and ``call.b``, its hook where the schedule says: ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
-        is returned). ``captured``: the work is being captured into a CUDA graph (its signals are copies)."""
+        is returned). ``timeout``: debug mode's deadline (None: the waits are not polled); ``captured``: the work is
+        being captured into a CUDA graph (its signals are copies)."""
+        plan, b, hook, op = call.plan, call.b, call.hook, call.name
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
             gathered = self._new((plan.m, plan.k), a.dtype)
@@ -204,7 +205,7 @@ class P2PCommunicator(GroupFields):
         bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
         wait_reset, write, copy, record, wait_event = (driver.wait_reset, driver.write, driver.copy, driver.record,
                                                        driver.wait_event)
-        waited: list[tuple[torch.cuda.Event, rs.Wait]] = []
+        waited: list[tuple[torch.cuda.Event, steps.Wait]] = []
         record(events[0], handles[0])
         for step, item in zip(program, ops):
             code = step[0]
@@ -255,7 +256,7 @@ class P2PCommunicator(GroupFields):
             return cached
         ops = rs.schedule(plan, self.rank, gathered_own=gathered_own)
         driver = stream_ops.fast()
-        while len(self._events) < rs.events(ops):
+        while len(self._events) < steps.events(ops):
             self._events.append(driver.new_event())
         if self._joins is None:
             self._joins = (0, driver.new_event(), driver.new_event(), driver.new_event())
@@ -268,10 +269,10 @@ class P2PCommunicator(GroupFields):
         own_sym = self.workspace.local((self.workspace.nbytes,), torch.uint8)
         stream_index = {"C": 0, "X": 1, "L": 2, "S": 3}
 
-        def sym_offset(loc: rs.Loc) -> int:
-            return rs.region_index(loc.kind, self.world_size) * region + loc.row * row_bytes
+        def sym_offset(loc: steps.Loc) -> int:
+            return rs.region_index(loc.region, self.world_size) * region + loc.row * row_bytes
 
-        def place(loc: rs.Loc) -> tuple[int, int]:  # (base index: a, out, gathered, absolute), byte offset
+        def place(loc: steps.Loc) -> tuple[int, int]:  # (base index: a, out, gathered, absolute), byte offset
             if loc.space == "sym":
                 return 3, self.workspace.peer_ptr(loc.rank) + sym_offset(loc)
             row = plan.n * element if loc.space == "out" else row_bytes
@@ -282,7 +283,7 @@ class P2PCommunicator(GroupFields):
         cuts, index = _cuts(ops, totals)
         program = []
         for item in ops:
-            if isinstance(item, rs.Mm):
+            if isinstance(item, steps.Mm):
                 src = _SPACES[item.src.space]
                 if item.dst.space == "sym":
                     start = sym_offset(item.dst)
@@ -292,13 +293,13 @@ class P2PCommunicator(GroupFields):
                     dst = _SPACES[item.dst.space]
                     dst_part = index[dst][item.dst.row, item.rows]
                 program.append((_MM, src, index[src][item.src.row, item.rows], dst, dst_part, item.accumulate))
-            elif isinstance(item, rs.Copy):
+            elif isinstance(item, steps.Copy):
                 program.append((_COPY, stream_index[item.stream], *place(item.dst), *place(item.src),
                                 item.rows * row_bytes))
-            elif isinstance(item, rs.Wait):
+            elif isinstance(item, steps.Wait):
                 program.append((_WAIT, stream_index[item.stream], self.workspace.flag_ptr(item.flag.rank,
                                                                                          item.flag.row)))
-            elif isinstance(item, rs.Signal):  # in a graph, a copy of the word that holds 1 (module docstring)
+            elif isinstance(item, steps.Signal):  # in a graph, a copy of the word that holds 1 (module docstring)
                 flag = self.workspace.flag_ptr(item.flag.rank, item.flag.row)
                 if not captured:
                     program.append((_SIGNAL, stream_index[item.stream], flag))
@@ -306,16 +307,16 @@ class P2PCommunicator(GroupFields):
                     program.append((_FORKED_SIGNAL, flag))
                 else:
                     program.append((_COPY, stream_index[item.stream], 3, flag, 3, self._one.data_ptr(), 4))
-            elif isinstance(item, rs.Record):
+            elif isinstance(item, steps.Record):
                 program.append((_RECORD, stream_index[item.stream], item.event))
-            elif isinstance(item, rs.Hook):
+            elif isinstance(item, steps.Hook):
                 program.append((_HOOK,))
             else:
                 program.append((_WAIT_EVENT, stream_index[item.stream], item.event))
         if len(self._programs) > 256:
             self._programs.clear()
-        joined = tuple(stream_index[name] for name in rs.streams_used(ops))
-        if captured and any(isinstance(item, rs.Signal) and item.stream == "C" for item in ops):
+        joined = tuple(stream_index[name] for name in steps.streams_used(ops))
+        if captured and any(isinstance(item, steps.Signal) and item.stream == "C" for item in ops):
             joined += (stream_index["S"],)
         self._programs[key] = (program, ops, joined, cuts)
         return program, ops, joined, cuts
@@ -326,7 +327,7 @@ class P2PCommunicator(GroupFields):
         guards.refuse_inside_capture(f"{op}: the first P2P call of a shape loads its cuBLAS kernels")
         source = a if plan.op != "all_gather" else a.new_zeros((plan.m, plan.k))
         for rows, accumulate in {(item.rows, item.accumulate) for item in rs.schedule(plan, self.rank)
-                                 if isinstance(item, rs.Mm)}:
+                                 if isinstance(item, steps.Mm)}:
             scratch = torch.zeros((rows, plan.n), dtype=a.dtype, device=a.device)
             if accumulate:
                 scratch.addmm_(source[:rows], b)

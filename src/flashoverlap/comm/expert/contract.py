@@ -3,10 +3,11 @@
 This module owns the description of one dispatch or combine call (``ExpertPlan``: shapes, mode, bound, the
 grouped-GEMM choice; dtype-free, hashable), the per-call routing (``Layout``: device tensors built once per layer
 by ``expert_layout``, shared by the layer's dispatch and combine and by their backward calls), the call a
-communicator's ``run(call)`` receives (``ExpertCall``), and the small layout mechanics every path shares
-(``send_buffer``, ``source_rows``, ``recv_segments``). Communicators (``comm/expert_reference.py``,
-``comm/expert_nccl.py``, ``comm/expert_p2p.py``) implement ``run(ExpertCall)``; the runtime
-(``runtime/experts.py``) checks operands, resolves the path and builds the plan before any of them runs.
+communicator's ``run(call)`` receives (``ExpertCall``). Beside it: ``layout.py`` builds the layout,
+``rows.py`` holds the row mechanics every path shares (``send_buffer``, ``source_rows``, ``recv_segments``,
+``combine_at_origin``). Communicators (``reference.py``, ``nccl.py``, ``p2p.py`` here) implement
+``run(ExpertCall)``; the runtime (``runtime/experts.py``) checks operands, resolves the path and builds the plan
+before any of them runs.
 
 Shape algebra, for a group of ``W`` ranks, this rank ``r``, ``E`` experts of which ``L = E / W`` are local (expert
 ``e`` lives on rank ``e // L`` as local expert ``e % L``), ``T`` tokens on this rank, top-``k`` routing:
@@ -71,15 +72,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
-from flashoverlap.comm.collectives import all_gather_into_tensor
-from flashoverlap.comm.protocol import Call, CommGroup
+from flashoverlap.comm.protocol import Call
 
 OPS = ("dispatch", "combine")
 MODES = ("exact", "bounded")
 GEMMS = ("triton", "cublas", "loop", "hybrid")
 HOST_SIZED_GEMMS = ("loop", "hybrid")  # they read the segment sizes on the host: exact mode only
+
+
+@dataclass(frozen=True)
+class HybridCut:
+    """Where the hybrid grouped GEMM (``ExpertPlan.gemm == "hybrid"``) cuts a layout, as the policy
+    (``tune/grouped.py``) chose: an expert whose rows, summed over the sources, reach ``heavy_rows`` is heavy (a
+    ``torch.mm`` per segment, chunk by chunk); the others run in one row-mapped Triton launch, with the flattened
+    persistent tile where they average at least ``light_flat_rows`` rows (``comm/chunked_gemm.py``)."""
+
+    heavy_rows: int
+    light_flat_rows: int
+
+    def __post_init__(self) -> None:
+        for name in ("heavy_rows", "light_flat_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"HybridCut: {name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -96,8 +112,9 @@ class ExpertPlan:
     ``kernels.grouped_gemm``, ``"cublas"``: ``torch._grouped_mm``, ``"loop"``: ``torch.mm`` per segment, exact
     mode only: it needs the segment sizes on the host, which bounded mode never reads; ``"hybrid"``, exact mode
     only: ``torch.mm`` per segment for the heavy experts, chunk by chunk, and one row-mapped Triton launch over every
-    source's rows of the light ones, ``comm/expert_nccl.py``'s ``light_multiplier``; None: the runtime's choice,
-    ``runtime/experts.py``, which a plan built elsewhere leaves to ``expert_nccl.chunk_gemm``: the loop in exact
+    source's rows of the light ones, ``comm/chunked_gemm.py``'s ``light_multiplier``, cut where ``hybrid`` (a
+    ``HybridCut``, given with ``"hybrid"`` and only then) says; None: the runtime's choice,
+    ``runtime/experts.py``, which a plan built elsewhere leaves to ``chunked_gemm.chunk_gemm``: the loop in exact
     mode, Triton in bounded mode; the reference path always loops and keeps None). ``per_choice`` (dispatch): the
     rows given are one per choice ``[T*k, H]`` instead of one per token. ``weighted`` (combine): sum the returned
     rows with the router weights (else with 1).
@@ -115,6 +132,7 @@ class ExpertPlan:
     gemm: str | None = None
     per_choice: bool = False
     weighted: bool = True
+    hybrid: HybridCut | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -128,6 +146,9 @@ class ExpertPlan:
             raise ValueError(f"ExpertPlan: gemm={self.gemm!r} cannot run with mode='bounded': it needs the segment "
                              "sizes on the host, which bounded mode never reads; pass gemm='triton' or 'cublas' (or "
                              "None: the runtime chooses), or mode='exact'")
+        if (self.gemm == "hybrid") != isinstance(self.hybrid, HybridCut):
+            raise ValueError(f"ExpertPlan: gemm='hybrid' takes its cut (hybrid=HybridCut(heavy_rows, light_flat_rows)) "
+                             f"and no other gemm takes one; got gemm={self.gemm!r}, hybrid={self.hybrid!r}")
         for name in ("world_size", "experts", "hidden", "ffn", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -260,200 +281,3 @@ class ExpertCall(Call):
 
     layout: Layout | None = None
     out: torch.Tensor | None = None
-
-
-# -- building the layout -----------------------------------------------------------------------------------------
-
-
-def default_bound(tokens: int, top_k: int) -> int:
-    """The worst case for one (source, destination) pair: every choice of every token to one rank. Ranks must
-    agree on the bound: this default assumes they all have ``tokens`` tokens."""
-    return max(1, tokens * top_k)
-
-
-class BoundExceeded(RuntimeError):
-    """A bounded-mode layout whose rows for one destination exceed the bound (or an expert index out of range):
-    raised on every rank, before any token row moves."""
-
-
-def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *, mode: str = "exact",
-                  bound: int | None = None, topk_weights: torch.Tensor | None = None) -> Layout:
-    """This rank's routing layout (see the module docstring) for ``topk_idx: [T, k]`` over ``num_experts`` experts
-    shared evenly by ``group``'s ranks; ``topk_weights: [T, k]`` (optional) are taken in send order. Collective:
-    one all-gather of every rank's ``[W, L + 2]`` counts (each destination's per-expert counts, the rank's number
-    of out-of-range indices, its bound): every rank then knows every (source, destination) total, so that a bad
-    index, an exceeded bound or ranks that disagree on the mode or the bound make every rank raise together,
-    instead of one rank raising (or sizing its buffers differently) while its peers wait in the next collective.
-
-    exact: one host synchronisation (the split sizes, the largest pair's rows, and the check). bounded: none on
-    CUDA (the check is ``torch._assert_async``); on the CPU the check is a plain ``BoundExceeded``.
-    """
-    world, rank, device = group.world_size, group.rank, topk_idx.device
-    if num_experts < 1:
-        raise ValueError(f"expert_layout: num_experts must be >= 1, got {num_experts}")
-    if num_experts % world:
-        raise ValueError(f"expert_layout: {num_experts} experts cannot be shared evenly by {world} ranks")
-    if mode not in MODES:
-        raise ValueError(f"expert_layout: mode must be one of {MODES}, got {mode!r}")
-    if mode == "bounded" and (not isinstance(bound, int) or bound < 1):
-        raise ValueError(f"expert_layout: mode='bounded' needs bound >= 1, got {bound!r}")
-    local = num_experts // world
-    tokens, top_k = topk_idx.shape
-    flat = topk_idx.reshape(-1).to(torch.int64)
-    expert = flat.clamp(0, num_experts - 1)  # an out-of-range index is reported below, never used to address
-    bad = flat != expert  # the indices outside [0, num_experts): the ones the clamp moved
-    sorted_expert, send_order = torch.sort(expert, stable=True)
-    # Per-expert counts from the sorted indices: no host synchronisation (CUDA's bincount reads the indices' min
-    # and max back to the host, twice per layout).
-    experts = torch.arange(num_experts, dtype=torch.int64, device=device)
-    ends = torch.searchsorted(sorted_expert, experts, right=True)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    message = torch.empty((world, local + 2), dtype=torch.int64, device=device)
-    message[:, :local] = counts.view(world, local)
-    message[:, local] = bad.sum()
-    message[:, local + 1] = bound if mode == "bounded" else 0  # the ranks must agree on it: checked below
-    everyone = torch.empty((world * world, local + 2), dtype=torch.int64, device=device)
-    all_gather_into_tensor(everyone, message, group.process_group)
-    everyone = everyone.view(world, world, local + 2)  # [source, destination, counts, bad indices, bound]
-    send_counts, recv_counts = counts.view(world, local), everyone[:, rank, :local].contiguous()
-    pair_totals = everyone[:, :, :local].sum(2)  # [source, destination]
-    bad_at, bounds = everyone[:, 0, local], everyone[:, 0, local + 1]
-    if mode == "exact":
-        # The one sync; the largest pair of the group comes with it (every rank reads the same all-gathered totals).
-        summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at, bounds,
-                             pair_totals.max().reshape(1)]).tolist()
-        send_splits, recv_splits = summary[:world], summary[world : 2 * world]
-        _raise_on_disagreement(summary[3 * world : 4 * world], 0, group)
-        _raise_on_bad_indices(summary[2 * world : 3 * world], num_experts, group)
-        send_rows = torch.arange(tokens * top_k, dtype=torch.int64, device=device)
-        seg_ends = torch.cumsum(recv_counts.reshape(-1), 0)
-        splits = {"send_splits": tuple(send_splits), "recv_splits": tuple(recv_splits),
-                  "max_pair_rows": summary[4 * world]}
-    else:
-        _check_bound(pair_totals, bad_at, bounds, bound, num_experts, group)
-        send_totals = send_counts.sum(1)
-        dest = sorted_expert // local
-        dest_starts = torch.cumsum(send_totals, 0) - send_totals
-        position = torch.arange(tokens * top_k, dtype=torch.int64, device=device) - dest_starts[dest]
-        # Clamped: a row past the bound (an error raised above) never writes outside its slot.
-        send_rows = dest * bound + position.clamp(max=bound - 1)
-        base = torch.arange(world, dtype=torch.int64, device=device)[:, None] * bound
-        seg_ends = (base + torch.cumsum(recv_counts, 1)).reshape(-1)
-        splits = {"max_pair_rows": bound}
-    seg_starts = seg_ends - recv_counts.reshape(-1)
-    layout = Layout(send_order, send_rows, send_counts, recv_counts, seg_starts.to(torch.int32),
-                    seg_ends.to(torch.int32), mode=mode, bound=bound if mode == "bounded" else None, top_k=top_k,
-                    tokens=tokens, experts=num_experts, **splits)
-    return layout.with_weights(topk_weights) if topk_weights is not None else layout
-
-
-def _raise_on_bad_indices(bad_at: list[int], num_experts: int, group: CommGroup) -> None:
-    ranks = [s for s, n in enumerate(bad_at) if n]
-    if ranks:
-        raise ValueError(f"topk_idx: rank(s) {ranks} of {group.name} hold expert indices outside [0, {num_experts}) "
-                         f"({sum(bad_at)} in all); nothing was sent")
-
-
-def _raise_on_disagreement(bounds: list[int], mine: int, group: CommGroup) -> None:
-    """Every rank got every rank's mode and bound (0: exact): all raise, or none."""
-    if any(b != mine for b in bounds):
-        said = ", ".join(f"rank {s}: " + (f"bounded, bound={b}" if b else "exact") for s, b in enumerate(bounds))
-        raise ValueError(f"expert_layout: the ranks of {group.name} disagree on the mode or the bound ({said}); "
-                         "every rank must pass the same mode and bound (the default bound, tokens * top_k, differs "
-                         "where the ranks' token counts differ: pass bound explicitly); nothing was sent")
-
-
-def _check_bound(pair_totals: torch.Tensor, bad_at: torch.Tensor, bounds: torch.Tensor, bound: int,
-                 num_experts: int, group: CommGroup) -> None:
-    """Every rank sees every (source, destination) total, and every rank's bound: all raise, or none."""
-    if pair_totals.device.type != "cuda":
-        _raise_on_disagreement(bounds.tolist(), bound, group)
-        _raise_on_bad_indices(bad_at.tolist(), num_experts, group)
-        totals = pair_totals.tolist()
-        over = [(s, d, n) for s, row in enumerate(totals) for d, n in enumerate(row) if n > bound]
-        if over:
-            worst = max(n for _, _, n in over)
-            pairs = ", ".join(f"rank {s} -> rank {d}: {n}" for s, d, n in over[:8])
-            raise BoundExceeded(
-                f"bound={bound} rows per (source, destination) exceeded on {group.name} ({pairs}); pass "
-                f"bound >= {worst} (the worst case is tokens * top_k), or mode='exact'; nothing was sent")
-        return
-    ok = (pair_totals.max() <= bound) & (bad_at.sum() == 0) & (bounds == bound).all()
-    torch._assert_async(ok, f"flashoverlap: bound={bound} rows per (source, destination) exceeded, an expert "
-                            f"index outside [0, {num_experts}), or ranks that disagree on the bound, on {group.name}: "
-                            "pass the same, larger bound on every rank (worst case tokens * top_k) or mode='exact'")
-
-
-# -- layout mechanics every path shares ----------------------------------------------------------------------------
-
-
-def source_rows(plan: ExpertPlan, layout: Layout) -> torch.Tensor:
-    """int64 ``[T*k]``: the row of a dispatch's ``a`` that each choice in send order carries (``a[t]`` for choice
-    ``t * k + c``, or ``a[j]`` itself with ``per_choice``)."""
-    return layout.send_order if plan.per_choice else choice_tokens(layout, plan.top_k)
-
-
-# Exact mode: each layout's ``choice_tokens``, by its send order (the tensor a layer's dispatch, combine and backward
-# calls share: ``Layout.with_weights`` makes a new Layout around the same tensors), kept while the layout lives.
-_TOKENS = WeakTensorKeyDictionary()
-
-
-def choice_tokens(layout: Layout, top_k: int) -> torch.Tensor:
-    """int64 ``[T*k]``: the token of each choice in send order (``send_order // top_k``). Exact mode: made once per
-    layout (an exact layout is never captured: its sizes are host values); bounded mode: per call, on the device, so
-    that a CUDA graph holding the call reads the layout's tensors as they are when it replays."""
-    if layout.mode != "exact" or top_k != layout.top_k:
-        return torch.div(layout.send_order, top_k, rounding_mode="floor")
-    tokens = _TOKENS.get(layout.send_order)
-    if tokens is None:
-        tokens = _TOKENS[layout.send_order] = torch.div(layout.send_order, top_k, rounding_mode="floor")
-    return tokens
-
-
-def send_buffer(a: torch.Tensor, plan: ExpertPlan, layout: Layout) -> torch.Tensor:
-    """Dispatch's send buffer ``[S_r, H]``: each choice's row at its ``send_rows`` position, padding zero."""
-    rows = a.index_select(0, source_rows(plan, layout))
-    if plan.mode == "exact":
-        return rows
-    buffer = a.new_zeros((plan.send_capacity, a.shape[1]))
-    return buffer.index_copy_(0, layout.send_rows, rows)
-
-
-def recv_segments(layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(starts, ends, local_expert)``, int32 ``[W*L]`` each: the received rows' segments in (source, local
-    expert) order and the local expert of each (``grouped_gemm``'s ``seg_expert``)."""
-    local = layout.experts_per_rank
-    expert = torch.arange(local, dtype=torch.int32, device=layout.recv_seg_ends.device).repeat(layout.world_size)
-    return layout.recv_seg_starts, layout.recv_seg_ends, expert
-
-
-def combine_at_origin(y_back: torch.Tensor, plan: ExpertPlan, layout: Layout, out_dtype: torch.dtype,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[t] = sum_c w[t, c] * y[t, c]`` from the rows back at the origin ``y_back: [S_r, H]`` (send layout), in
-    fp32, rounded to ``out_dtype``; ``w = 1`` where the plan is unweighted or the layout has no weights. ``out``: a
-    preallocated ``[T, H]`` tensor of ``out_dtype`` on ``y_back``'s device to write the result into (and return);
-    None: a new one."""
-    shape = (plan.tokens, y_back.shape[1])
-    if out is not None:
-        check_out("combine_at_origin", out, shape, out_dtype, y_back.device)
-    # Exact mode's send rows are packed (``send_rows`` is ``arange``): the rows are read in place.
-    rows = y_back if layout.mode == "exact" else y_back.index_select(0, layout.send_rows)
-    if plan.weighted and layout.weights is not None:
-        rows = rows * layout.weights.float()[:, None]  # in fp32 (type promotion): the rows' exact fp32 values
-    else:
-        rows = rows.float()
-    tokens = choice_tokens(layout, plan.top_k)
-    if out is not None and out_dtype == torch.float32:  # the sum straight into it: no fp32 temporary
-        return out.zero_().index_add_(0, tokens, rows)
-    total = torch.zeros(shape, dtype=torch.float32, device=y_back.device).index_add_(0, tokens, rows)
-    return total.to(out_dtype) if out is None else out.copy_(total)
-
-
-def check_out(name: str, out: object, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
-    """A preallocated combine output: a tensor of ``shape``, ``dtype`` and ``device`` (an error naming ``out`` and
-    what it must be, otherwise)."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name}: out must be a torch.Tensor {list(shape)} or None, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        raise ValueError(f"{name}: out must be {list(shape)} {dtype} on {device} (the combine's [T, H] result), got "
-                         f"{list(out.shape)} {out.dtype} on {out.device}")

@@ -1,4 +1,4 @@
-"""The P2P expert communicator (path ``"p2p"``, one NVLink node): dispatch and combine (``comm/expert.py``) with
+"""The P2P expert communicator (path ``"p2p"``, one NVLink node): dispatch and combine (``contract.py``) with
 copy-engine pushes into the peers' symmetric memory, a flag per (source, destination) pair set by a stream write
 after each push, and the receiver's grouped GEMM per arrived chunk. No SM moves a byte; no kernel waits on a flag.
 
@@ -8,7 +8,7 @@ stream, high priority: the pushes into the peers'). ``ExpertP2PCommunicator`` is
 ``tests/comm/expert_sim.py`` executes it for every rank at once on the CPU in random interleavings.
 
 Memory. Each rank's symmetric data region holds ``W`` slots, slot ``s`` for the rows rank ``s`` pushes here (one
-chunk: ``comm/expert_nccl.py``'s ``Chunks``; bounded mode whole ``bound``-row slots, exact mode the layout's
+chunk: ``comm/chunked_gemm.py``'s ``Chunks``; bounded mode whole ``bound``-row slots, exact mode the layout's
 splits). Slot offsets depend only on the workspace size, the same on every rank: the workspace grows only to sizes
 all ranks agree on (bounded: the bound; exact: the largest chunk of any pair, ``Layout.max_pair_rows``, which
 ``expert_layout`` reads from the all-gathered counts in its one host synchronisation: no collective here). The rows
@@ -43,7 +43,7 @@ need no SM; the GEMMs wait on nothing but their own stream. A kernel first launc
 rule 3) is loaded eagerly on a plan's first call; and every producer is issued before any wait on it, so even a
 kernel that loads late cannot wait on something the host has yet to issue.
 
-The hybrid GEMM (exact mode, ``expert_nccl.light_multiplier``): the schedule's GEMMs cover the heavy experts only.
+The hybrid GEMM (exact mode, ``chunked_gemm.light_multiplier``): the schedule's GEMMs cover the heavy experts only.
 Dispatch copies the own chunk among the received rows (the schedule's ``gathered`` copy) and, after ``X`` joins
 ``C``, multiplies every source's rows of the light experts in one launch; combine multiplies every destination's
 light rows in one launch before the schedule starts, and its own chunk's GEMM writes ``y``, then its rows are copied
@@ -57,25 +57,27 @@ a wait that does not end in time raises an error naming the rank, the op, the gr
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap import guards
-from flashoverlap.comm import expert_nccl, stream_ops
-from flashoverlap.comm.expert import ExpertCall, combine_at_origin, send_buffer
-from flashoverlap.comm.expert_nccl import (
+from flashoverlap.comm import steps, stream_ops
+from flashoverlap.comm.chunked_gemm import (
     Chunks,
     chunk_gemm,
+    chunk_multiplier,
     light_multiplier,
     light_variant,
+    offsets,
     relative_ends,
     segment_table,
 )
+from flashoverlap.comm.expert.contract import ExpertCall
+from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
-from flashoverlap.comm.ring_schedule import Hook, Record, Signal, Wait, WaitEvent  # the ring's step types
+from flashoverlap.comm.steps import Copy, Finish, Gather, Gemm, Hook, Loc, Record, Signal, Wait, WaitEvent
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import P2P_MAX_RANKS
 
@@ -92,67 +94,12 @@ _STREAMS = {"C": 0, "X": 1}
 # -- the schedule, as data ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Loc:
-    """Rows of a buffer: ``space`` one of the call's buffers (dispatch: ``send``, ``recv``, ``h``; combine: ``a``,
-    ``y``, ``back``) or ``sym`` (rank ``rank``'s symmetric slot ``slot``); or a flag (``space`` ``flag``, ``row``
-    the flag slot of rank ``rank``)."""
-
-    space: str
-    rank: int
-    row: int
-    slot: int = 0
-
-
-@dataclass(frozen=True)
-class Gather:
-    """On ``C``: dispatch's send buffer, from the tokens (``send_buffer``)."""
-
-    stream: str = "C"
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """On ``C``: ``dst[rows] = src[rows]`` times their experts, by the segments of chunk ``chunk``."""
-
-    src: Loc
-    dst: Loc
-    rows: int
-    chunk: int
-    stream: str = "C"
-
-
-@dataclass(frozen=True)
-class Copy:
-    """On ``stream``: ``rows`` rows from ``src`` to ``dst`` by a copy engine."""
-
-    dst: Loc
-    src: Loc
-    rows: int
-    stream: str
-
-
-@dataclass(frozen=True)
-class Finish:
-    """On ``C``: combine's weighted sum of the returned rows at the origin."""
-
-    stream: str = "C"
-
-
 def full_flag(owner: int, source: int) -> Loc:
     return Loc("flag", owner, source)
 
 
 def free_flag(owner: int, consumer: int) -> Loc:
     return Loc("flag", owner, FREE_BASE + consumer)
-
-
-def _offsets(sizes: tuple[int, ...]) -> list[int]:
-    out, total = [], 0
-    for size in sizes:
-        out.append(total)
-        total += size
-    return out
 
 
 @functools.lru_cache(maxsize=1024)
@@ -166,7 +113,7 @@ def schedule(op: str, rank: int, send: tuple[int, ...], recv: tuple[int, ...], g
     if world > MAX_RANKS or len(recv) != world:
         raise ValueError(f"the P2P expert path serves up to {MAX_RANKS} ranks, with one size per rank; got "
                          f"send {send}, recv {recv}")
-    at_send, at_recv = _offsets(send), _offsets(recv)
+    at_send, at_recv = offsets(send), offsets(recv)
     ops: list = []
     if op == "dispatch":
         ops += [Gather(), Record("C", 0), WaitEvent("X", 0)]  # X starts after the send buffer is written
@@ -219,11 +166,6 @@ def _consume(rank: int, source: int, dst: Loc, rows: int) -> list:
             Copy(dst, Loc("sym", rank, 0, source), rows, "C"), Signal("C", free_flag(source, rank))]
 
 
-def events(ops: tuple) -> int:
-    """How many events a schedule uses (0 .. n-1)."""
-    return 1 + max((op.event for op in ops if isinstance(op, Record)), default=0)
-
-
 # -- the executor -----------------------------------------------------------------------------------------------
 
 
@@ -254,7 +196,7 @@ class ExpertP2PCommunicator(GroupFields):
         return (self.workspace.nbytes // max(self.world_size, 1)) // SLOT_ALIGN * SLOT_ALIGN
 
     def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The call's result and, where ``return_gathered``, its extra rows (``comm/expert.py``). A repeated
+        """The call's result and, where ``return_gathered``, its extra rows (``comm/expert/contract.py``). A repeated
         bounded-mode call (``call.replay``) replays a CUDA graph of its schedule."""
         plan, layout, a = call.plan, call.layout, call.a
         if layout is None:
@@ -363,7 +305,7 @@ class ExpertP2PCommunicator(GroupFields):
         """The hybrid's light launch, which dispatch queues behind its flag waits: each of its kernel variants
         (``light_variant``: tile, table size, specialised sizes) is run once on scratch rows before the first call
         that needs it queues anything (deadlock rule 3). Exact layouts are never captured."""
-        variant = light_variant(call.layout, call.b)
+        variant = light_variant(call.plan, call.layout, call.b)
         if variant in self._light_warm:
             return
         guards.refuse_inside_capture(f"{call.name}: the first hybrid call of a layout shape loads its light kernels")
@@ -374,12 +316,12 @@ class ExpertP2PCommunicator(GroupFields):
         self._light_warm.add(variant)
 
     def _multiplier(self, call: ExpertCall, kind: str):
-        """``expert_nccl.chunk_multiplier``'s ``multiply(chunk, x, x_row, out, out_row, rows)`` for this call, each
+        """``chunked_gemm.chunk_multiplier``'s ``multiply(chunk, x, x_row, out, out_row, rows)`` for this call, each
         chunk's ends one view of ``_chunk_ends``."""
         layout = call.layout
         seg_expert = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank,
                                    self.device)["expert"]
-        return expert_nccl.chunk_multiplier(kind, call.plan, layout, call.b, seg_expert, self._chunk_ends(layout))
+        return chunk_multiplier(kind, call.plan, layout, call.b, seg_expert, self._chunk_ends(layout))
 
     def _chunk_ends(self, layout) -> tuple[torch.Tensor, ...]:
         """Each chunk's segment ends relative to its first row (``relative_ends``, one view per chunk). Exact mode:
@@ -403,7 +345,7 @@ class ExpertP2PCommunicator(GroupFields):
         bounded = plan.mode == "bounded"
         kind = chunk_gemm(plan, a.dtype, self.device)
         # The hybrid's light experts run over every chunk at once: dispatch's own chunk then joins the received rows.
-        light = light_multiplier(kind, layout, call.b)
+        light = light_multiplier(kind, plan, layout, call.b)
         if light is not None and plan.op == "dispatch":
             self._load_light(call, light)
         program, ops = self._program(plan.op, chunks,
@@ -479,7 +421,7 @@ class ExpertP2PCommunicator(GroupFields):
             return cached
         ops = schedule(op, self.rank, chunks.send, chunks.recv, gathered)
         driver = stream_ops.fast()
-        while len(self._events) < events(ops):
+        while len(self._events) < steps.events(ops):
             self._events.append(driver.new_event())
         if self._join is None:
             self._join = driver.new_event()
@@ -487,7 +429,7 @@ class ExpertP2PCommunicator(GroupFields):
 
         def place(loc: Loc) -> tuple[int, int]:  # (buffer index, byte offset)
             if loc.space == "sym":
-                return 3, workspace.peer_ptr(loc.rank) + loc.slot * slot_bytes + loc.row * row_bytes
+                return 3, workspace.peer_ptr(loc.rank) + loc.region * slot_bytes + loc.row * row_bytes
             return spaces[loc.space], loc.row * row_bytes
 
         program = []

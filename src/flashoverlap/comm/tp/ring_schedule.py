@@ -1,6 +1,7 @@
-"""The P2P path's per-call work as data: for one rank, the ordered operations of its two streams.
+"""The P2P path's per-call work as data: for one rank, the ordered operations of its streams, in the step types
+of ``comm/steps.py``.
 
-Pure Python (no CUDA). ``comm/p2p.py`` issues the list on the GPU (cuBLAS, copy engines, stream memory
+Pure Python (no CUDA). ``comm/tp/p2p.py`` issues the list on the GPU (cuBLAS, copy engines, stream memory
 operations, CUDA events); ``tests/comm/test_ring_protocol.py`` executes it for every rank at once on the CPU,
 in random interleavings, over several back-to-back calls.
 
@@ -46,8 +47,8 @@ Copies and stream memory operations need no SM, and cuBLAS waits on nothing but 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
+from flashoverlap.comm.steps import Copy, Hook, Loc, Mm, Record, Signal, Wait, WaitEvent
 from flashoverlap.plan import P2P_MAX_RANKS, P2P_MAX_SUB_BANDS, Plan
 
 MAX_RANKS = P2P_MAX_RANKS  # the flag layout is sized for the plan's limits
@@ -73,86 +74,6 @@ def region_index(kind: int, world: int) -> int:
 
 def regions(world: int) -> int:
     return world + 1
-
-
-@dataclass(frozen=True)
-class Loc:
-    """Rows of a buffer (``space``: ``a``, ``out``, ``gathered``, ``sym``), or a flag (``space`` ``flag``, ``row``
-    the slot). ``rank``: whose memory (``sym`` and ``flag`` may be a peer's); ``kind``: the ``sym`` region."""
-
-    space: str
-    rank: int
-    row: int
-    kind: int = 0
-
-
-@dataclass(frozen=True)
-class Mm:
-    """On ``C``: ``dst[rows] (+)= src[rows] @ b`` (``accumulate``: add to what ``dst`` holds)."""
-
-    dst: Loc
-    src: Loc
-    rows: int
-    accumulate: bool
-
-
-@dataclass(frozen=True)
-class Copy:
-    """On ``stream`` (``X``, or ``L`` for copies within this GPU): copy ``rows`` rows from ``src`` to ``dst`` (a copy
-    engine)."""
-
-    dst: Loc
-    src: Loc
-    rows: int
-    stream: str = "X"
-
-
-@dataclass(frozen=True)
-class Wait:
-    """On ``stream``: block until the flag is 1, then reset it to 0."""
-
-    stream: str
-    flag: Loc
-    what: str
-
-
-@dataclass(frozen=True)
-class Signal:
-    """On ``stream``: set the flag (possibly a peer's) to 1."""
-
-    stream: str
-    flag: Loc
-
-
-@dataclass(frozen=True)
-class Hook:
-    """On ``C``: the caller's own independent work, if it gave some (``P2PCommunicator.run``'s ``hook``): placed
-    where ``C`` would otherwise wait for the first pull (after the ring's first step; after all-gather's own shard),
-    so that the pulls hide behind it. A backward pass puts its weight gradient there."""
-
-    stream: str = "C"
-
-
-@dataclass(frozen=True)
-class Record:
-    stream: str
-    event: int
-
-
-@dataclass(frozen=True)
-class WaitEvent:
-    stream: str
-    event: int
-
-
-def stream_of(op) -> str:
-    """The stream (``"C"``, ``"X"`` or ``"L"``) that runs ``op``."""
-    return "C" if isinstance(op, Mm) else op.stream
-
-
-def streams_used(ops: tuple) -> tuple[str, ...]:
-    """The streams a schedule uses beside ``C``: ``("X",)`` or ``("X", "L")``."""
-    return ("X", "L") if any(stream_of(op) == "L" for op in ops) else ("X",)
 
 
 def blocks(plan: Plan) -> list[list[tuple[int, int]]]:
@@ -273,7 +194,3 @@ def region_rows(plan: Plan) -> int:
     """Rows of the largest region this plan's calls write (its largest block)."""
     return max(sum(rows for _, rows in block) for block in blocks(plan))
 
-
-def events(ops: tuple) -> int:
-    """How many events a schedule uses (0 .. n-1)."""
-    return 1 + max((op.event for op in ops if isinstance(op, Record)), default=0)

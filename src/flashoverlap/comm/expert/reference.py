@@ -1,4 +1,4 @@
-"""The reference expert communicator: dispatch and combine (``comm/expert.py``) in plain PyTorch, one step after
+"""The reference expert communicator: dispatch and combine (``contract.py``) in plain PyTorch, one step after
 the other: ``all_to_all_single`` with the layout's split sizes, a ``torch.mm`` per received segment (fp32
 accumulation, rounded to the input dtype), the reverse ``all_to_all_single`` and the weighted sum at the origin.
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan, Layout, combine_at_origin, send_buffer
+from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout
+from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.protocol import CommGroup
 
 
