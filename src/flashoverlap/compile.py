@@ -47,6 +47,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from flashoverlap.ops import library  # noqa: F401  (torch.ops.flashoverlap.*)
+from flashoverlap.runtime.checks import DTYPES
 
 __all__ = ["disable", "enable", "enabled", "is_enabled", "reset_counts", "rewrite", "rewrite_counts"]
 
@@ -55,7 +56,7 @@ _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 _VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
 _SPLITS = (_aten.split.Tensor, _aten.split_with_sizes.default)
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = DTYPES  # the ops' one dtype rule (runtime/checks.py)
 _COUNTS: Counter = Counter()
 
 

@@ -52,9 +52,10 @@ from torch.distributed.tensor.parallel import style as torch_styles
 from torch.distributed.tensor.placement_types import Placement
 
 from flashoverlap.ops import library  # noqa: F401  (torch.ops.flashoverlap.*)
+from flashoverlap.runtime.checks import DTYPES
 
 _LOG = logging.getLogger("flashoverlap.nn.styles")
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = DTYPES  # the ops' one dtype rule (runtime/checks.py)
 _BOUND = "_flashoverlap_binding"  # the attribute holding a linear's style, mesh and group
 
 

@@ -4,5 +4,7 @@ from flashoverlap.ops import library  # noqa: F401  (registers torch.ops.flashov
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
 from flashoverlap.ops.gemm_all_reduce import gemm_all_reduce
 from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
+from flashoverlap.ops.scaled import all_gather_scaled_gemm, scaled_gemm_all_reduce, scaled_gemm_reduce_scatter
 
-__all__ = ["all_gather_gemm", "gemm_all_reduce", "gemm_reduce_scatter"]
+__all__ = ["all_gather_gemm", "all_gather_scaled_gemm", "gemm_all_reduce", "gemm_reduce_scatter",
+           "scaled_gemm_all_reduce", "scaled_gemm_reduce_scatter"]
