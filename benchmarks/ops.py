@@ -276,7 +276,7 @@ def draw_timeline(path: str, rows: list[dict], meta: dict, dtype, world_size: in
         raise SystemExit("--timeline needs an all_reduce row (--ops all_reduce)")
     m, n, k = row["M"], row["N"], row["K"]
     a, b = _inputs(m, n, k, dtype, dist.get_rank())
-    plan = plan_for("all_reduce", m, n, k, dist.group.WORLD, device, dtype)
+    plan = plan_for("all_reduce", (m, n, k), dist.group.WORLD, device, dtype)
     note = ""
     if plan.sequential:  # draw the overlapped plan the op would use, and say so
         plan = default_plan("all_reduce", m, n, k, world_size, num_sms=device_sms(device), allow_sequential=False)

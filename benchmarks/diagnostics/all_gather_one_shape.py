@@ -37,7 +37,7 @@ def main():
     world = dist.get_world_size()
     a_shard = torch.randn(m // world, k, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, k, dtype=torch.bfloat16, device=device).t() / k**0.5
-    plan = plan_for("all_gather", m, n, k, dist.group.WORLD, device, torch.bfloat16)
+    plan = plan_for("all_gather", (m, n, k), dist.group.WORLD, device, torch.bfloat16)
     if rank == 0:
         print(plan.describe(), flush=True)
     full = torch.empty(m, k, dtype=torch.bfloat16, device=device)

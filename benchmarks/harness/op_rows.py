@@ -80,7 +80,7 @@ def _hand_set_plans(op, shape, dtype, fns, call, chosen: dict) -> dict:
     for name, plan in chosen.items():
         if plan is None or name not in fns or call is None:
             continue
-        hand = plan_for(op, m, n, k, dist.group.WORLD, device, dtype, plan.path, tuned=False)
+        hand = plan_for(op, (m, n, k), dist.group.WORLD, device, dtype, plan.path, tuned=False)
         if hand != plan:
             fns[f"{name}_default"] = lambda hand=hand: call(hand)
             defaults[name] = hand
@@ -99,7 +99,7 @@ def bench_op(op: str, shape: tuple[int, int, int], dtype: torch.dtype, iters: in
     def call(**kw):
         return fn(a, b, **kw)
 
-    plan = plan_for(op, m, n, k, dist.group.WORLD, device, dtype)
+    plan = plan_for(op, (m, n, k), dist.group.WORLD, device, dtype)
     # Our GEMM alone with signalling on, in the plan the op uses (an overlapping plan even where the op would
     # choose sequential, so the figure always describes the kernel).
     kernel_plan = plan if not plan.sequential else default_plan(op, m, n, k, world_size, allow_sequential=False)
@@ -153,4 +153,4 @@ def _try_p2p(op, call, shape, dtype, setting):
         return None
     m, n, k = shape
     device = torch.device("cuda", torch.cuda.current_device())
-    return plan_for(op, m, n, k, dist.group.WORLD, device, dtype, "p2p")
+    return plan_for(op, (m, n, k), dist.group.WORLD, device, dtype, "p2p")

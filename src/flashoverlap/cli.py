@@ -267,7 +267,7 @@ def tune_search(op: str, shape: tuple[int, int, int], target, path: str):
         reason = None if target.nccl_p2p_disabled else p2p_unavailable_reason(group, device)
         excluded = p2p_excluded(reason, dist.get_world_size(group), target.nccl_p2p_disabled)
         paths = ["nccl"] if excluded else ["nccl", "p2p"]
-    hand_set = {each: plan_for(op, *shape, group, device, target.dtype, each, tuned=False) for each in paths}
+    hand_set = {each: plan_for(op, tuple(shape), group, device, target.dtype, each, tuned=False) for each in paths}
     return model_search(op, shape, target, hand_set, path)
 
 

@@ -86,8 +86,9 @@ def apply_environ(environ: dict, target: MutableMapping[str, str] = os.environ) 
     target.update(environ)
 
 
-def _worker(rank: int, fn: Callable, world_size: int, backend: str, init_file: str, env: dict, args: tuple, queue,
-            output: str):
+def _worker(rank: int, fn: Callable, job: tuple, queue, output: str):
+    """Rank ``rank`` of ``job`` = ``(world_size, backend, init_file, env, args)``: set up, run ``fn``, report."""
+    world_size, backend, init_file, env, args = job
     try:
         apply_environ(env)
         for fd, suffix in ((1, "out"), (2, "err")):  # the server's stdout and stderr are not the caller's: to files
@@ -156,7 +157,7 @@ def spawn(
     with tempfile.TemporaryDirectory(prefix="flashoverlap-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         output = os.path.join(tmp, "rank")  # rank r prints into output.r.out and output.r.err
-        procs = [ctx.Process(target=_worker, args=(rank, fn, world_size, backend, init_file, environ, args, queue,
+        procs = [ctx.Process(target=_worker, args=(rank, fn, (world_size, backend, init_file, environ, args), queue,
                                                   output)) for rank in range(world_size)]
         for p in procs:
             p.start()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap.comm.scaled import BLOCK, Scales, row_bytes
+from flashoverlap.ops.scaled import all_gather_scaled_gemm_gathered
 from flashoverlap.testing import spawn
 from tests.ops.test_errors import world_of_one  # noqa: F401  (a fixture: one gloo rank)
 
@@ -75,8 +76,10 @@ def _ops(rank, world, mode, out_dtype, b_dtype, seed):
     # All-gather: rank r's shard is rows [r*m_shard, ...) of one input, each shard quantised on its own (tensor-wise:
     # each shard its own scale).
     shards = [quantise(x[0][q * m_shard : (q + 1) * m_shard], mode, E4M3, "a") for q in range(world)]
-    c, a_full, s_full = fo.all_gather_scaled_gemm(shards[rank][0], b, shards[rank][1], sb, out_dtype=out_dtype,
-                                                  bias=bias, return_gathered=True)
+    c, a_full, s_full = all_gather_scaled_gemm_gathered(shards[rank][0], b,
+                                                        Scales.of(shards[rank][1], sb, out_dtype, bias))
+    torch.testing.assert_close(fo.all_gather_scaled_gemm(shards[rank][0], b, shards[rank][1], sb,
+                                                         out_dtype=out_dtype, bias=bias), c, atol=0, rtol=0)
     want = torch.cat([expected(aq, b, sa, sb, mode, out_dtype, bias) for aq, sa in shards])
     assert torch.equal(a_full.view(torch.uint8), torch.cat([s[0] for s in shards]).view(torch.uint8))
     scales = [s[1].reshape(1, 1).expand(m_shard, 1) if mode == "tensor" else s[1] for s in shards]

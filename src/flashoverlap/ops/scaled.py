@@ -53,16 +53,25 @@ def scaled_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scale_a: torch.
 def all_gather_scaled_gemm(a_shard: torch.Tensor, b: torch.Tensor, scale_a_shard: torch.Tensor,
                            scale_b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                            out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-                           path: str = "auto", return_gathered: bool = False):
+                           path: str = "auto") -> torch.Tensor:
     """``torch._scaled_mm(all_gather(a_shard), b, all_gather(scale_a_shard), scale_b, ...)``: ``[M, N]`` with
     ``M = W * a_shard.shape[0]``. Each shard's fp8 rows travel with their scales; tensor-wise shards may carry
     different scales (each row is multiplied by its own shard's).
 
-    Returns ``c``, or with ``return_gathered`` ``(c, a_full, scale_a_full)``: the gathered fp8 ``[M, K]`` in rank
-    order and its scales ``[M, S]`` fp32 (``S`` 1, per row, tensor- and row-wise; ``K/128`` block-wise)."""
-    c, gathered = _run("all_gather_scaled_gemm", "all_gather", (a_shard, b, scale_a_shard, scale_b, group),
-                       out_dtype, bias, path, return_gathered)
-    return (c, *gathered) if return_gathered else c
+    The gathered input too (a backward's weight gradient needs it): ``all_gather_scaled_gemm_gathered``."""
+    return _run("all_gather_scaled_gemm", "all_gather", (a_shard, b, scale_a_shard, scale_b, group), out_dtype,
+                bias, path)[0]
+
+
+def all_gather_scaled_gemm_gathered(a_shard: torch.Tensor, b: torch.Tensor, scales: Scales,
+                                    group: dist.ProcessGroup | None = None,
+                                    path: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``all_gather_scaled_gemm`` with the gathered input: ``(c, a_full, scale_a_full)``, the gathered fp8
+    ``[M, K]`` in rank order and its scales ``[M, S]`` fp32 (``S`` 1, per row, tensor- and row-wise; ``K/128``
+    block-wise). ``scales``: ``comm.scaled.Scales.of(scale_a_shard, scale_b, out_dtype, bias)``."""
+    c, gathered = _run("all_gather_scaled_gemm", "all_gather", (a_shard, b, scales.a, scales.b, group),
+                       scales.out_dtype, scales.bias, path, True)
+    return c, *gathered
 
 
 def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torch.Tensor | None, path: str,

@@ -169,7 +169,7 @@ def resolve(spec: GemmSpec, nccl_p2p_disabled: bool = False) -> tuple[str, Group
                 f"{name}: a has M = {m} rows, which the {world_size} ranks of group cannot share evenly: "
                 "reduce-scatter gives each rank M / world_size rows (pad M to a multiple of the world size)"
             )
-        path, default = plans.path_and_plan(name, op, m, n, k, context, a, plan, path, nccl_p2p_disabled)
+        path, default = plans.path_and_plan(spec, (m, n, k), context, nccl_p2p_disabled)
         if len(context.calls) > REGISTRY.LIMIT:
             context.calls.clear()
         context.calls[key] = (default, path)

@@ -21,11 +21,13 @@ from flashoverlap.tune.defaults import default_plan, sequential_plan
 _LOG = logging.getLogger("flashoverlap")
 
 
-def path_and_plan(name: str, op: str, m: int, n: int, k: int, context: GroupContext, a: torch.Tensor,
-                  plan: Plan | None, path: str, nccl_p2p_disabled: bool) -> tuple[str, Plan | None]:
-    """The path a call takes, and its plan where none is given (None where one is): ``path`` as asked (checked
-    by its rule), the given plan's, or for ``"auto"`` the tuned plan's or the rule's; the plan tuned for the shape,
-    else the default."""
+def path_and_plan(spec, shape: tuple[int, int, int], context: GroupContext,
+                  nccl_p2p_disabled: bool) -> tuple[str, Plan | None]:
+    """The path a call (``calls.GemmSpec``, of ``shape``: all-gather's gathered ``(M, N, K)``) takes, and its plan
+    where none is given (None where one is): ``path`` as asked (checked by its rule), the given plan's, or for
+    ``"auto"`` the tuned plan's or the rule's; the plan tuned for the shape, else the default."""
+    name, op, a, plan, path = spec.name, spec.op, spec.a, spec.plan, spec.path
+    m, n, k = shape
     path = policy.explicit_path(name, path, _request(context, a, plan, nccl_p2p_disabled))
     tuned = None
     if path == "auto":
@@ -61,9 +63,9 @@ def _automatic_path(op: str, m: int, n: int, k: int, context: GroupContext, dtyp
 
 
 @functools.lru_cache(maxsize=512)
-def _default_plan(op: str, m: int, n: int, k: int, world_size: int, num_sms: int, element_size: int,
+def _default_plan(op: str, shape: tuple[int, int, int], world_size: int, num_sms: int, element_size: int,
                   comm_ratio: float | None, path: str = "nccl") -> Plan:
-    return default_plan(op, m, n, k, world_size, num_sms=num_sms, element_size=element_size, comm_ratio=comm_ratio,
+    return default_plan(op, *shape, world_size, num_sms=num_sms, element_size=element_size, comm_ratio=comm_ratio,
                         path=path)
 
 
@@ -88,29 +90,29 @@ def _plan_for(op: str, m: int, n: int, k: int, context: GroupContext, dtype: tor
               tuned: bool = True) -> Plan:
     world_size = context.world_size
     if context.device.type != "cuda":  # the reference path, or the ring over gloo
-        return _default_plan(op, m, n, k, world_size, guards.DEFAULT_SMS, dtype.itemsize, None,
+        return _default_plan(op, (m, n, k), world_size, guards.DEFAULT_SMS, dtype.itemsize, None,
                              "ring" if path == "ring" else "nccl")
     num_sms = guards.sm_count(context.device)
     cached = _cached_plan(op, m, n, k, context, dtype, path) if tuned else None
     if cached is not None:
         return cached
     if path in ("p2p", "ring"):  # no rates needed: the ring's transfers take no SM
-        return _default_plan(op, m, n, k, world_size, num_sms, dtype.itemsize, None, path)
+        return _default_plan(op, (m, n, k), world_size, num_sms, dtype.itemsize, None, path)
     measured = context.rates.get(dtype)
     if measured is None:
         measured = context.rates[dtype] = rates.measure(context.process_group, context.device, dtype)
     moved = m * (k if op == "all_gather" else n) * dtype.itemsize  # all-gather moves A, the others C
     comm_ms = measured.collective_ms(op, moved, world_size)
     # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
-    return _default_plan(op, m, n, k, world_size, num_sms, dtype.itemsize,
+    return _default_plan(op, (m, n, k), world_size, num_sms, dtype.itemsize,
                          round(comm_ms / measured.gemm_ms(m, n, k), 2))
 
 
-def plan_for(op: str, m: int, n: int, k: int, group: dist.ProcessGroup, device: torch.device,
+def plan_for(op: str, shape: tuple[int, int, int], group: dist.ProcessGroup, device: torch.device,
              dtype: torch.dtype, path: str = "nccl", tuned: bool = True) -> Plan:
-    """The plan a call of ``op`` at this shape uses when none is given: on CUDA, the tuned plan from the plan cache
-    (``tune/cache.py``: this shape's, or the nearest tuned M's) where there is one (and ``tuned``); otherwise the
+    """The plan a call of ``op`` at ``shape`` ``(M, N, K)`` (all-gather: the gathered M) uses when none is given:
+    on CUDA, the tuned plan from the plan cache (``tune/cache.py``: this shape's, or the nearest tuned M's) where there is one (and ``tuned``); otherwise the
     default plan. For that, the first NCCL-path call for a group measures the machine's GEMM and all-reduce rates
     (collectively) to choose between overlap and sequential (the P2P path needs no rates: its transfers take no
     SM). ``tuned=False``: the default plan regardless of the cache (the benchmark's hand-set comparison)."""
-    return _plan_for(op, m, n, k, context_of(group, device), dtype, path, tuned)
+    return _plan_for(op, *shape, context_of(group, device), dtype, path, tuned)

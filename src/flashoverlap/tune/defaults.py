@@ -7,6 +7,7 @@ the tuner (``tune/search.py``, ``tune/model.py``) starts from these defaults and
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from flashoverlap.plan import (
     BLOCKED_OPS,
@@ -81,26 +82,26 @@ def sequential_plan(op: str, m: int, n: int, k: int, world_size: int, path: str 
                 path=path)
 
 
-def default_plan(
-    op: str,
-    m: int,
-    n: int,
-    k: int,
-    world_size: int,
-    *,
-    num_sms: int = 132,
-    element_size: int = 2,
-    comm_ratio: float | None = None,
-    num_groups: int | None = None,
-    profile: str | None = None,
-    num_programs: int | None = None,
-    comm_ctas: int | None = None,
-    tile: TileConfig | None = None,
-    allow_sequential: bool = True,
-    path: str = "nccl",
-    gemm: str = "triton",
-) -> Plan:
-    """A reasonable plan for any shape, before tuning; any keyword given overrides the choice.
+@dataclass(frozen=True)
+class PlanChoices:
+    """What ``default_plan``'s keywords override (each None or default: the rule's choice)."""
+
+    num_sms: int = 132
+    element_size: int = 2
+    comm_ratio: float | None = None
+    num_groups: int | None = None
+    profile: str | None = None
+    num_programs: int | None = None
+    comm_ctas: int | None = None
+    tile: TileConfig | None = None
+    allow_sequential: bool = True
+    path: str = "nccl"
+    gemm: str = "triton"
+
+
+def default_plan(op: str, m: int, n: int, k: int, world_size: int, **choices) -> Plan:
+    """A reasonable plan for any shape, before tuning; any keyword given (a ``PlanChoices`` field) overrides the
+    choice.
 
     ``comm_ratio`` is the collective's estimated time over the GEMM's (``tune.rates``). The choices, from
     measurements on 2x H200 (benchmarks/results/logs/why-overlap-is-hard.md):
@@ -119,6 +120,14 @@ def default_plan(
     ``gemm="cublas"`` (NCCL path): the decomposition as a plan, 4 even bands each computed by cuBLAS; the tuner
     weighs it against the signalling GEMM's plans. Never the default.
     """
+    try:
+        chosen = PlanChoices(**choices)
+    except TypeError as exc:
+        raise TypeError(f"default_plan: {exc} (the keywords are PlanChoices' fields)") from None
+    num_sms, element_size, comm_ratio = chosen.num_sms, chosen.element_size, chosen.comm_ratio
+    num_groups = chosen.num_groups
+    profile, num_programs, comm_ctas = chosen.profile, chosen.num_programs, chosen.comm_ctas
+    tile, allow_sequential, path, gemm = chosen.tile, chosen.allow_sequential, chosen.path, chosen.gemm
     for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size), ("num_sms", num_sms)):
         check_int(name, value, 1)
     tile = tile or default_tile_config(m, n, k)
