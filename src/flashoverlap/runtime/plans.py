@@ -111,8 +111,9 @@ def _plan_for(op: str, m: int, n: int, k: int, context: GroupContext, dtype: tor
 def plan_for(op: str, shape: tuple[int, int, int], group: dist.ProcessGroup, device: torch.device,
              dtype: torch.dtype, path: str = "nccl", tuned: bool = True) -> Plan:
     """The plan a call of ``op`` at ``shape`` ``(M, N, K)`` (all-gather: the gathered M) uses when none is given:
-    on CUDA, the tuned plan from the plan cache (``tune/cache.py``: this shape's, or the nearest tuned M's) where there is one (and ``tuned``); otherwise the
-    default plan. For that, the first NCCL-path call for a group measures the machine's GEMM and all-reduce rates
-    (collectively) to choose between overlap and sequential (the P2P path needs no rates: its transfers take no
-    SM). ``tuned=False``: the default plan regardless of the cache (the benchmark's hand-set comparison)."""
+    on CUDA, the tuned plan from the plan cache (``tune/cache.py``: this shape's, or the nearest tuned M's) where
+    there is one (and ``tuned``); otherwise the default plan. For that, the first NCCL-path call for a group
+    measures the machine's GEMM and all-reduce rates (collectively) to choose between overlap and sequential (the
+    P2P path needs no rates: its transfers take no SM). ``tuned=False``: the default plan regardless of the cache
+    (the benchmark's hand-set comparison)."""
     return _plan_for(op, *shape, context_of(group, device), dtype, path, tuned)
