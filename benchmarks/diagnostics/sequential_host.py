@@ -72,7 +72,7 @@ def op_row(op, public, name, group) -> dict:
         "collective (torch.distributed)": collective[0],
         "collective (issued straight)": collective[1],
         "Call(...)": lambda: Call(name, plan, a, b, False, None, None, False),
-        "library.needed": lambda: library.needed(a, b, None, name),
+        "library.needed": lambda: library.needed(name, (a, b)),
         "capture guard (not asked by the sequential plan)": lambda: guards.capturing(a),
         "device check": lambda: guards.on_current_device(a),
     }
