@@ -79,6 +79,7 @@ def main() -> None:
     want = eager(x_r)
     want.float().square().sum().backward()
 
+    # (was, for PyTorch's async TP: torch._inductor.config._micro_pipeline_tp = True and symmetric memory)
     flashoverlap.compile.enable()  # before the first call of the compiled model
     model = torch.compile(model)
     y_r = model(x_r)

@@ -71,10 +71,10 @@ def main() -> None:
         w_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]).t() for e in experts])
         w_down = torch.stack([e.w2.weight.t() for e in experts])
 
-    routing = fo.moe_layout(topk_idx, num_experts, ep)                # topk_idx [T, k]; collective
-    h = fo.moe_dispatch_gemm(x_r, w_up, routing, ep)                  # x_r [T, H] -> h [received rows, 2F]
-    a = F.silu(h[:, :ffn]) * h[:, ffn:]                               # any row-wise activation; SwiGLU here
-    y_r = fo.moe_gemm_combine(a, w_down, topk_weights, routing, ep)   # -> y_r [T, H], this rank's tokens
+    routing = fo.moe_layout(topk_idx, num_experts, ep)  # topk_idx [T, k]: each token's experts; collective
+    h = fo.moe_dispatch_gemm(x_r, w_up, routing, ep)  # x_r [T, H], w_up [L, H, 2F] -> h [received rows, 2F]
+    a = F.silu(h[:, :ffn]) * h[:, ffn:]  # any row-wise activation; SwiGLU here
+    y_r = fo.moe_gemm_combine(a, w_down, topk_weights, routing, ep)  # w_down [L, F, H] -> y_r [T, H]
     check("moe_layout, moe_dispatch_gemm, moe_gemm_combine", y_r, want)
 
 

@@ -73,24 +73,21 @@ def main() -> None:
     if on_gpu:
         torch.cuda.set_device(device)
     S, H, FFN = (8192, 4096, 14336) if on_gpu else (64, 64, 128)  # tokens (batch 1), hidden, FFN: GPU or CPU-sized
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)  # the same layer and tokens on every rank
     plain = Layer(H, FFN, dtype=torch.bfloat16, device=device)
     x = torch.randn(1, S, H, dtype=torch.bfloat16, device=device)
+    model, sp_model = copy.deepcopy(plain), copy.deepcopy(plain)
     want = plain(x)
     want.float().square().sum().backward()
 
-    model = copy.deepcopy(plain)
-    model.zero_grad()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
     parallelize_module(model.feed_forward, mesh["tp"], {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
                                                         "w2": RowwiseParallel()})
     y = model(x)  # every token on every rank: w1 and w3 shard the output features, w2 runs gemm_all_reduce
     y.float().square().sum().backward()
     check("default layouts", model, y, plain, want)
 
-    model = copy.deepcopy(plain)
-    model.zero_grad()
-    parallelize_module(model, mesh["tp"], {
+    parallelize_module(sp_model, mesh["tp"], {
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
@@ -98,10 +95,9 @@ def main() -> None:
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),  # gemm_reduce_scatter; backward all_gather_gemm
     })
     x_r = x.chunk(world, dim=1)[rank]  # this rank's tokens [1, S/W, H]
-    y_r = model(x_r)
+    y_r = sp_model(x_r)
     y_r.float().square().sum().backward()
-    check("torchtitan's sequence-parallel plan", model, y_r, plain, want.chunk(world, dim=1)[rank])
-
+    check("torchtitan's sequence-parallel plan", sp_model, y_r, plain, want.chunk(world, dim=1)[rank])
 
 if __name__ == "__main__":
     main()
