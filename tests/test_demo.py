@@ -107,3 +107,21 @@ def test_version(capsys):
     assert code == 0 and out.strip() == f"flashoverlap {__version__}"
     code, out, _ = _main(capsys, "--help")
     assert code == 0 and "{demo,bench,tune,version}" in out
+
+
+def test_the_demo_reads_the_path_from_the_librarys_debug_log():
+    """On GPUs the demo says which path ``path="auto"`` took as the library logs it: the message the runtime writes
+    (checked to be the one in its source) is parsed, and nothing is claimed where none comes."""
+    import inspect
+    import logging
+
+    from flashoverlap.runtime import plans
+
+    message = "flashoverlap: path='auto' uses %s for %s on %s: %s"
+    assert f'_LOG.debug("{message}"' in inspect.getsource(plans)
+    log = logging.getLogger("flashoverlap")
+    level = log.level
+    result, path = demo._chosen_path(lambda: log.debug(message, "p2p", "all_reduce", "group 0", "one node") or 7)
+    assert (result, path) == (7, "p2p (path='auto': one node)")
+    assert log.level == level and not any(isinstance(h, demo._PathLog) for h in log.handlers)
+    assert demo._chosen_path(lambda: 8) == (8, "auto (the library did not report its choice)")
