@@ -28,7 +28,6 @@ import torch.nn.functional as F
 import flashoverlap as fo
 from flashoverlap.testing import spawn
 
-DESCRIPTION = "Run one op on 2 ranks and check it against plain PyTorch; print the path that ran."
 OPS = {"all_reduce": ("gemm_all_reduce", "matmul + all_reduce"),
        "reduce_scatter": ("gemm_reduce_scatter", "matmul + reduce_scatter"),
        "all_gather": ("all_gather_gemm", "all_gather + matmul"),
