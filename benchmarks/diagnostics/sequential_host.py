@@ -25,11 +25,11 @@ import flashoverlap as fo
 from benchmarks.diagnostics.p2p_one_gpu import direct_call
 from benchmarks.diagnostics.results_file import results_meta, write_results
 from benchmarks.harness.timing import host_us_interleaved
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.comm import collectives
 from flashoverlap.comm.protocol import Call
 from flashoverlap.ops import library
-from flashoverlap.runtime import calls, settings
+from flashoverlap.runtime import calls
 
 M, N, K = 4096, 8192, 8192
 PUBLIC = {"all_reduce": (fo.gemm_all_reduce, "gemm_all_reduce"),

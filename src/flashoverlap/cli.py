@@ -247,7 +247,7 @@ def tune_target(dtype_name: str, device):
     import torch
     import torch.distributed as dist
 
-    from flashoverlap.runtime import settings
+    from flashoverlap import settings
     from flashoverlap.tune.tuner import Target
 
     return Target(dist.group.WORLD, device, getattr(torch, dtype_name), settings.current().nccl_p2p_disabled)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
 from flashoverlap.comm.protocol import Hook
-from flashoverlap.runtime import agreement, calls, policy, settings
+from flashoverlap.runtime import agreement, calls, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPES
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
 from flashoverlap.tune import grouped
