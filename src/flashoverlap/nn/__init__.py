@@ -1,5 +1,6 @@
 """Tensor-parallel layers on flashoverlap's ops (autograd, ``torch.compile``, CUDA graphs)."""
 
+from flashoverlap.nn.float8 import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from flashoverlap.nn.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -14,3 +15,4 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "mark_sequence_parallel"
            "sync_sequence_parallel_grads"]
 __all__ += ["ExpertParallelMLP", "MoEBlock", "MoEExpert", "route"]
 __all__ += ["ColwiseParallel", "RowwiseParallel", "styles_from_hf_plan"]
+__all__ += ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
