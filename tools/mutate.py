@@ -237,6 +237,11 @@ MUTATIONS = [
      "    ends = torch.searchsorted(sorted_expert, experts, right=True)",
      "    ends = torch.searchsorted(sorted_expert, experts, right=False)",
      "tests/moe/test_contract.py::test_layout_on_one_rank"),
+    ("layout-host-counts-transposed", "Expert layout: the received counts read to the host taken by expert, not by "
+     "source (the loop's segments on the host disagree with the device's)", "src/flashoverlap/comm/expert/layout.py",
+     "tuple(tuple(received[s * local : (s + 1) * local]) for s in range(world))",
+     "tuple(tuple(received[s :: world][:local]) for s in range(world))",
+     "tests/comm/test_expert_nccl.py::test_expert_nccl_communicator_matches_the_reference"),
     ("cublas-chunk-tail-unmasked", "Expert paths, cuBLAS's grouped GEMM in bounded mode: the rows past a chunk's "
      "last segment (undefined in its result) are copied as they are, not zeroed", CHUNKED,
      "            product.masked_fill_(torch.arange(rows, dtype=ends.dtype, device=x.device)[:, None] >= ends[-1:], 0)",

@@ -114,6 +114,10 @@ def test_layout_on_one_rank(world_of_one):
     sparse = expert_layout(torch.tensor([[4, 1], [4, 2], [1, 4]]), 6, world_of_one, mode="bounded", bound=6)
     assert sparse.send_counts.tolist() == [[0, 2, 1, 0, 3, 0]] == sparse.recv_counts.tolist()
     assert exact.send_splits == (6,) == exact.recv_splits and exact.recv_rows == 6 and exact.max_pair_rows == 6
+    # The received counts come to the host with the splits (the one synchronisation); bounded mode reads none.
+    assert exact.recv_counts_host == ((1, 2, 1, 2),) and exact.rows_per_expert == (1, 2, 1, 2)
+    assert exact.with_weights(None).recv_counts_host == exact.recv_counts_host
+    assert sparse.recv_counts_host is None and sparse.rows_per_expert is None
     assert torch.equal(exact.weights, weights.reshape(-1)[exact.send_order])
     starts, ends, local = recv_segments(exact)
     assert starts.tolist() == [0, 1, 3, 4] and ends.tolist() == [1, 3, 4, 6] and local.tolist() == [0, 1, 2, 3]

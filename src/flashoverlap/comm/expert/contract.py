@@ -207,8 +207,10 @@ class Layout:
     rows per peer (exact mode; None in bounded mode, where every split is ``bound``). ``max_pair_rows``: the most
     rows any (source, destination) pair of the group moves, the same on every rank (exact mode: read from the
     all-gathered counts in ``expert_layout``'s one host synchronisation, so that a path sizing per-pair buffers
-    alike on every rank needs no collective of its own; bounded mode: ``bound``). ``mode``, ``bound``, ``top_k``,
-    ``tokens``, ``experts``: the values it was built for."""
+    alike on every rank needs no collective of its own; bounded mode: ``bound``). ``recv_counts_host``: exact mode,
+    ``recv_counts`` on the host (``[W][L]``), read in the same synchronisation (None where unknown: bounded mode, or
+    a layout rebuilt from its tensors). ``mode``, ``bound``, ``top_k``, ``tokens``, ``experts``: the values it was
+    built for."""
 
     send_order: torch.Tensor
     send_rows: torch.Tensor
@@ -225,6 +227,15 @@ class Layout:
     send_splits: tuple[int, ...] | None = None
     recv_splits: tuple[int, ...] | None = None
     max_pair_rows: int | None = None
+    recv_counts_host: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def rows_per_expert(self) -> tuple[int, ...] | None:
+        """Each local expert's received rows, summed over the sources, where the host knows them
+        (``recv_counts_host``), else None: what the grouped-GEMM policy reads of a layout's routing."""
+        if self.recv_counts_host is None:
+            return None
+        return tuple(sum(column) for column in zip(*self.recv_counts_host))
 
     @property
     def world_size(self) -> int:
