@@ -12,6 +12,8 @@ r's layout expects from s); a disagreement raises on every rank, naming the rank
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -148,11 +150,17 @@ class ExpertKind:
         return context.communicator("expert", path), plan, False
 
     def call(self, spec: ExpertSpec, entry: calls.Entry, env: settings.Settings) -> ExpertCall:
-        routing = spec.layout
+        routing, plan = spec.layout, entry[1]
+        rows = routing.rows_per_expert  # exact mode: this layout's counts, on the host at no cost
+        if plan.gemm is not None and rows is not None:
+            gemm, hybrid = _gemm_for_rows(rows, spec.b.shape[1], spec.b.shape[2], spec.a.dtype, spec.a.device,
+                                          plan.world_size)
+            if gemm != plan.gemm:
+                plan = dataclasses.replace(plan, gemm=gemm, hybrid=hybrid)
         if spec.op == "combine" and spec.weighted:
             routing = routing.with_weights(spec.topk_weights)
         capturing = guards.capturing()
-        return ExpertCall(spec.name, entry[1], spec.a, spec.b, spec.return_gathered, spec.hook,
+        return ExpertCall(spec.name, plan, spec.a, spec.b, spec.return_gathered, spec.hook,
                           None if capturing else env.timeout, env.replay and not capturing, layout=routing,
                           out=spec.out)
 
@@ -196,6 +204,17 @@ def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.d
     (``tune.grouped.expert_gemm``); ``"hybrid"`` plans take ``tune.grouped.HYBRID_CUT``."""
     call = grouped.GroupedCall.balanced(local, rows, k, n, dtype.itemsize, chunks)
     return grouped.expert_gemm(call, dtype, mode=mode, device_capability=capability, triton=_triton_available())[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_for_rows(rows: tuple[int, ...], k: int, n: int, dtype: torch.dtype, device: torch.device,
+                   chunks: int) -> tuple[str, object]:
+    """The grouped GEMM for an exact-mode layout's received rows per local expert (``Layout.rows_per_expert``):
+    the cost model given the routing's counts (``tune.grouped.expert_gemm``), which the balanced guess of the
+    plan's first call cannot see (skewed routing, where a per-expert loop can win)."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    call = grouped.GroupedCall(rows, k, n, dtype.itemsize, chunks)
+    return grouped.expert_gemm(call, dtype, mode="exact", device_capability=capability, triton=_triton_available())
 
 
 def _triton_available() -> bool:
