@@ -50,7 +50,7 @@ GROUPED_TEST = "tests/kernels/test_grouped_gemm.py"
 POLICY_GROUPED = "src/flashoverlap/tune/grouped.py"
 POLICY_GROUPED_TEST = "tests/tune/test_grouped.py"
 EXPERT_NCCL = "src/flashoverlap/comm/expert/nccl.py"
-CHUNKED = "src/flashoverlap/comm/chunked_gemm.py"
+CHUNKED = "src/flashoverlap/comm/expert/chunked_gemm.py"
 EXPERT_P2P = "src/flashoverlap/comm/expert/p2p.py"
 HYBRID_TEST = "tests/moe/test_hybrid.py"
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.comm.chunked_gemm import chunk_gemm
 from flashoverlap.comm.expert import BoundExceeded, ExpertPlan, expert_layout
+from flashoverlap.comm.expert.chunked_gemm import chunk_gemm
 from flashoverlap.comm.expert.rows import combine_at_origin, recv_segments, send_buffer
 from flashoverlap.comm.protocol import CommGroup
 from flashoverlap.runtime import experts as runtime_experts

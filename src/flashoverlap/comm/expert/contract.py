@@ -86,7 +86,7 @@ class HybridCut:
     """Where the hybrid grouped GEMM (``ExpertPlan.gemm == "hybrid"``) cuts a layout, as the policy
     (``tune/grouped.py``) chose: an expert whose rows, summed over the sources, reach ``heavy_rows`` is heavy (a
     ``torch.mm`` per segment, chunk by chunk); the others run in one row-mapped Triton launch, with the flattened
-    persistent tile where they average at least ``light_flat_rows`` rows (``comm/chunked_gemm.py``)."""
+    persistent tile where they average at least ``light_flat_rows`` rows (``comm/expert/chunked_gemm.py``)."""
 
     heavy_rows: int
     light_flat_rows: int
@@ -112,7 +112,7 @@ class ExpertPlan:
     ``kernels.grouped_gemm``, ``"cublas"``: ``torch._grouped_mm``, ``"loop"``: ``torch.mm`` per segment, exact
     mode only: it needs the segment sizes on the host, which bounded mode never reads; ``"hybrid"``, exact mode
     only: ``torch.mm`` per segment for the heavy experts, chunk by chunk, and one row-mapped Triton launch over every
-    source's rows of the light ones, ``comm/chunked_gemm.py``'s ``light_multiplier``, cut where ``hybrid`` (a
+    source's rows of the light ones, ``comm/expert/chunked_gemm.py``'s ``light_multiplier``, cut where ``hybrid`` (a
     ``HybridCut``, given with ``"hybrid"`` and only then) says; None: the runtime's choice,
     ``runtime/experts.py``, which a plan built elsewhere leaves to ``chunked_gemm.chunk_gemm``: the loop in exact
     mode, Triton in bounded mode; the reference path always loops and keeps None). ``per_choice`` (dispatch): the
