@@ -98,7 +98,7 @@ def resolved_path(name: str, device: torch.device, dtype: torch.dtype, group: di
 
 @dataclass(slots=True, eq=False)
 class ExpertSpec:
-    """One expert call (``op``: ``"dispatch"`` or ``"combine"``, see ``comm/expert/contract.py``). dispatch: ``a [T, H]``
+    """One expert call (``op``: ``"dispatch"`` or ``"combine"``, ``comm/expert/contract.py``). dispatch: ``a [T, H]``
     (``per_choice``: ``[T*k, H]``), ``b [L, H, N]``. combine: ``a [R, K]`` in the layout's receive rows, ``b [L, K,
     H]``, ``topk_weights [T, k]`` where ``weighted``, ``out``: a preallocated ``[T, H]`` result in a's dtype (or
     None). ``return_gathered``: also return the extra rows (dispatch: received, combine: returned to the origin)."""
