@@ -59,7 +59,7 @@ from flashoverlap.comm.scaled import Scales
 from flashoverlap.nn import styles
 from flashoverlap.nn.styles import _Binding, _from_rows, _input_layout, _normalize, _rows_major
 from flashoverlap.ops import scaled as scaled_ops
-from flashoverlap.runtime.checks import DTYPES
+from flashoverlap.runtime.checks import DTYPES, FP8_DTYPES
 
 _INSTALL = "pip install flashoverlap[fp8]"
 _TORCHAO_STYLES = "torchao.float8.float8_tensor_parallel"
@@ -103,15 +103,16 @@ class _Recipe:
 
     @classmethod
     def of(cls, config: Any) -> _Recipe | None:
-        """The recipe of a ``Float8LinearConfig``; None where the styles leave it to torchao (a cast disabled,
-        emulation, inner-dimension padding, FSDP's float8 weight all-gather)."""
+        """The recipe of a ``Float8LinearConfig``; None where the styles leave it to torchao (a cast disabled or to
+        a dtype the ops do not take, such as ROCm's fnuz, emulation, inner-dimension padding, FSDP's float8 weight
+        all-gather)."""
         from torchao.float8.config import ScalingGranularity, ScalingType
 
         casts = (config.cast_config_input, config.cast_config_input_for_grad_weight, config.cast_config_weight,
                  config.cast_config_weight_for_grad_input, config.cast_config_grad_output,
                  config.cast_config_grad_output_for_grad_weight)
-        if (any(c.scaling_type is not ScalingType.DYNAMIC for c in casts) or config.emulate or config.pad_inner_dim
-                or config.enable_fsdp_float8_all_gather):
+        if (any(c.scaling_type is not ScalingType.DYNAMIC or c.target_dtype not in FP8_DTYPES for c in casts)
+                or config.emulate or config.pad_inner_dim or config.enable_fsdp_float8_all_gather):
             return None
         pow2 = bool(config.round_scales_to_power_of_2)
         made = [_Cast(c.target_dtype, c.scaling_granularity is ScalingGranularity.AXISWISE, pow2) for c in casts]
@@ -355,7 +356,7 @@ def _checked_float8_linear(style: Any, module: nn.Module) -> _Recipe | None:
     return _Recipe.of(module.config)
 
 
-def _runs_fp8(x: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> bool:
+def _runs_fp8(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the overlapped forms take this call (else torchao's path): a high-precision input of the weight's
     dtype not already cast to fp8, at least one row, no autocast (``Float8Linear`` would cast the input)."""
     from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
@@ -417,7 +418,7 @@ class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
     def _linear_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N/W, K]
-        if layout is None or not _runs_fp8(local, weight, module):
+        if layout is None or not _runs_fp8(local, weight):
             return self._torch_forward(module, x, binding)
         if isinstance(layout, Replicate) and not isinstance(x, DTensor):
             rows = local.reshape(-1, local.shape[-1])
@@ -473,7 +474,7 @@ class Float8RowwiseParallel(_Float8Linear, styles.RowwiseParallel):
     def _linear_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N, K/W]
-        if layout is None or not _runs_fp8(local, weight, module) or layout != Shard(local.ndim - 1):
+        if layout is None or not _runs_fp8(local, weight) or layout != Shard(local.ndim - 1):
             return self._torch_forward(module, x, binding)
         if isinstance(x, DTensor):
             local = x.to_local()
