@@ -46,8 +46,8 @@ import torch
 
 from benchmarks.harness.run import commit
 from benchmarks.harness.timing import host_us
-from flashoverlap.comm.chunked_gemm import chunk_multiplier, light_multiplier
 from flashoverlap.comm.expert import ExpertPlan, Layout
+from flashoverlap.comm.expert.chunked_gemm import chunk_multiplier, light_multiplier
 from flashoverlap.kernels.grouped_gemm import (
     TILE_FLAT,
     TILE_MANY_EXPERTS,

@@ -46,8 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside thi
 
 from cpu_runs import checkout_commit, per_call_us, write_run  # noqa: E402
 
-from flashoverlap.comm import chunked_gemm  # noqa: E402
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan  # noqa: E402
+from flashoverlap.comm.expert import (  # noqa: E402
+    ExpertCall,
+    ExpertPlan,
+    chunked_gemm,  # noqa: E402
+)
 from tests.comm import test_expert_p2p_executor as fakes  # noqa: E402
 
 WORLD, RANK = 2, 0

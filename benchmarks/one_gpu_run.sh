@@ -11,7 +11,7 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
-STEPS=${STEPS-tests spawn p2p moe sequential}
+STEPS=${STEPS-tests spawn p2p moe sequential fp8}
 commit=${FLASHOVERLAP_COMMIT:-unknown}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests and the one-GPU tests (the two-GPU ones skip)
@@ -20,9 +20,10 @@ if has tests; then  # what a single GPU runs of the suite: the compiled kernels'
 fi
 if has spawn; then  # testing.spawn's ranks (forkserver) reach CUDA: the demo's rank body on a one-rank NCCL group
     timeout 120 python3 -c '
-from flashoverlap.demo import _run
+import torch
+from flashoverlap.demo import _run_gemm
 from flashoverlap.testing import rank_context, spawn
-print(rank_context().get_start_method(), spawn(_run, 1, "nccl", args=("all_reduce", 512, 256, 384, "bfloat16", True)))
+print(rank_context().get_start_method(), spawn(_run_gemm, 1, "nccl", args=("all_reduce", 512, 256, 384, torch.bfloat16, True)))
 ' > "$OUT/spawn-$commit.log" 2>&1; echo "spawn: exit $?"; tail -3 "$OUT/spawn-$commit.log"
 fi
 if has p2p; then
@@ -34,6 +35,10 @@ if has moe; then
     CUDA_VISIBLE_DEVICES=0 timeout ${MOE_TIMEOUT:-300} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.moe_one_gpu \
         "$OUT/h200x1-moe-host.json" > "$OUT/moe-one-gpu-$commit.log" 2>&1; echo "moe: exit $?"
     grep -E "checked|Error|error" "$OUT/moe-one-gpu-$commit.log" | tail -5
+fi
+if has fp8; then  # fp8 calls' host time beside bf16's, same op and path (one process, a one-rank NCCL group)
+    CUDA_VISIBLE_DEVICES=0 timeout ${FP8_TIMEOUT:-120} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.fp8_host \
+        "$OUT/h200x1-fp8-host.json" > "$OUT/fp8-host-$commit.log" 2>&1; echo "fp8: exit $?"
 fi
 if has sequential; then
     timeout ${SEQ_TIMEOUT:-180} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.sequential_host \

@@ -10,7 +10,15 @@ A document holds, for each rendered piece, a pair of markers:
 of all); ``--check`` (what the CPU suite runs, ``tests/test_readme.py``) exits 1 and names the pieces whose text
 differs from a fresh rendering. Every table ends with its source: the file, the commit that produced it and the
 command. A sentence that states a range computes it here (``range-*`` renderers). A spec's file may be a glob
-(``moe-layer``): every matching file is rendered, and none renders nothing.
+(``moe-layer``): every matching file is rendered, and none renders a line that says so.
+
+Where the code a table measures has changed since the commit it was measured at (``git diff --quiet COMMIT HEAD --
+PATHS`` says so), its source line says "the code it measures has changed since". The paths per table are
+``MEASURES``'s: the library (``src/flashoverlap``) for every performance figure, the install's dependencies
+(``pyproject.toml``) for the CPU install, and for the mutation run the library, the tests and the mutation list. A
+change to a benchmark script alone is not flagged. So a commit that changes the library can make ``--check`` fail
+until the pieces are re-rendered with the note: the figures cannot go stale unnoticed. Where git cannot say (no
+repository, or a commit absent from a shallow clone), ``--check`` accepts the piece with or without the note.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +36,37 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"(<!-- render: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- end render -->)", re.S)
 OPS = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter", "all_gather": "all_gather_gemm"}
+LIBRARY = ("src/flashoverlap",)
+# The paths whose code each table measures (see the module docstring), by renderer.
+MEASURES = {"cpu-install": ("pyproject.toml",), "mutations": ("src/flashoverlap", "tests", "tools/mutate.py"),
+            "reliability": ("src/flashoverlap", "benchmarks/reliability.py")}
+# Marks a note that git could not confirm or deny (inside a fresh rendering only, never written to a document).
+UNSURE = "\x00"
+
+
+def changed_since(commit: str, paths: tuple[str, ...], repo: Path = ROOT) -> bool | None:
+    """Whether ``paths`` differ between ``commit`` and HEAD in ``repo`` (``git diff --quiet``); None where git cannot
+    say (no git, no repository, or the commit is not in it)."""
+    sha = str(commit).split("-")[0]  # a "-dirty" suffix: the commit the working tree was based on
+    try:
+        known = subprocess.run(["git", "-C", str(repo), "cat-file", "-e", f"{sha}^{{commit}}"], capture_output=True)
+        if known.returncode:
+            return None
+        diff = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", sha, "HEAD", "--", *paths],
+                              capture_output=True)
+    except OSError:
+        return None
+    return {0: False, 1: True}.get(diff.returncode)
+
+
+def stale_note(commit: str, measures: tuple[str, ...] = LIBRARY, short: bool = False) -> str:
+    """``"; the code it measures has changed since (git diff ...)"`` where it has (``short``: without the command),
+    ``""`` where not, and the note between ``UNSURE`` marks where git cannot say."""
+    sha = str(commit).split("-")[0][:10]
+    note = ", code changed since" if short else \
+        f"; **the code it measures has changed since** (`git diff {sha} HEAD -- {' '.join(measures)}`)"
+    changed = changed_since(commit, measures)
+    return note if changed else "" if changed is False else UNSURE + note + UNSURE
 
 
 def _load(path: str) -> dict:
@@ -45,7 +85,7 @@ def _e(value) -> str:
 def _source(path: str, data: dict) -> str:
     meta = data["meta"]
     return (f"<sub>Source: `{path}` ({meta['gpus']}, {meta['setting']}, torch {meta['torch']}, commit "
-            f"`{str(meta['commit'])[:10]}`): `{meta['command'].strip()}`.</sub>")
+            f"`{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}): `{meta['command'].strip()}`.</sub>")
 
 
 def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
@@ -82,6 +122,41 @@ def ops_table(path: str) -> str:
             f"| {_e(efficiency(row['t_seq_ms'], tp, row['t_ideal_ms']) if tp else None)} "
             f"| {host.get('seq', float('nan')):.0f} / {auto['host_us'] or float('nan'):.0f} |")
     return "\n".join(lines) + "\n\n" + OPS_LEGEND + "\n\n" + _source(path, data)
+
+
+def headline(*paths: str) -> str:
+    """The front page's table: per op and results file (GPUs and setting), how many shapes were measured, the worst
+    and the best speedup of a plain call (``path="auto"``) over the plain code at those shapes, and the commit."""
+    per_op: dict[str, list[str]] = {op: [] for op in OPS}
+    sources = []
+    for path in paths:
+        data = _load(path)
+        meta, speeds, seen = data["meta"], {}, set()
+        for row in data["rows"]:
+            key = (row["op"], row["M"], row["N"], row["K"])
+            if key not in seen:  # a shape's P2P row repeats the baselines of its NCCL row
+                seen.add(key)
+                speeds.setdefault(row["op"], []).append((row["t_seq_ms"] / _auto(row)["t_ms"], key[1:]))
+        commit = f"`{str(meta['commit'])[:10]}`{stale_note(meta['commit'], short=True)}"
+        for op, found in speeds.items():
+            (lo, lo_at), (hi, hi_at) = min(found), max(found)
+            per_op[op].append(f"| {OPS[op]} | {meta['gpus']}, {meta['setting']} | {len(found)} "
+                              f"| {lo:.2f}x ({', '.join(map(str, lo_at))}) | {hi:.2f}x ({', '.join(map(str, hi_at))}) "
+                              f"| {commit} |")
+        sources.append(f"`{path}` (commit `{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}): "
+                       f"`{meta['command'].strip()}`")
+    lines = ["| op | GPUs, setting | shapes | speedup, worst (M, N, K) | speedup, best (M, N, K) | measured at |",
+             "| --- | --- | --- | --- | --- | --- |", *(line for rows in per_op.values() for line in rows)]
+    return "\n".join(lines) + "\n\n" + HEADLINE_LEGEND + "\n\n<sub>Sources: " + "; ".join(sources) + ".</sub>"
+
+
+HEADLINE_LEGEND = (
+    "<sub>speedup: `T_seq / T`, the time of the plain code (`torch.matmul`, then the NCCL collective) over that of "
+    "a plain call (`path=\"auto\"`, no tuning), bf16, two ranks, at the benchmark grid's shapes, each figure timed "
+    "in one run beside its baselines with calls queued behind GPU work as in a model "
+    "([docs/benchmarks.md](docs/benchmarks.md)). `nvlink`: NCCL's defaults; `pcie-like`: `NCCL_P2P_DISABLE=1`, NCCL "
+    "through host memory as between PCIe GPUs (the NCCL path only). \"Code changed since\": the code it measures "
+    "(the library, `src/flashoverlap`) has changed since the commit measured, so the figure may no longer hold.</sub>")
 
 
 OPS_LEGEND = (
@@ -170,8 +245,8 @@ def sub_band_table(path: str) -> str:
     for row in data["rows"]:
         cells = " | ".join(_e(row["E"].get(str(s))) for s in counts)
         lines.append(f"| {OPS[row['op']]} | {row['M']}, {row['N']}, {row['K']} | {cells} | {_e(row['E_async_tp'])} |")
-    return "\n".join(lines) + f"\n\n<sub>Source: `{path}` (commit `{str(data['commit'])[:10]}`): " \
-        "`torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py`.</sub>"
+    return "\n".join(lines) + f"\n\n<sub>Source: `{path}` (commit `{str(data['commit'])[:10]}`" \
+        f"{stale_note(data['commit'])}): `torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py`.</sub>"
 
 
 def paths_table(path: str) -> str:
@@ -208,7 +283,7 @@ def model_summary(*paths: str) -> str:
         paths_in = sorted({row["path"] for row in data["rows"]})
         lines.append(f"| {meta['setting']} | {', '.join(paths_in)} | {100 * meta['mean_error']:.1f}% "
                      f"| {100 * meta['max_error']:.1f}% | {meta['picks_within_3pct']} of {len(data['rows'])} |")
-        sources.append(f"`{path}` (commit `{str(meta['commit'])[:10]}`)")
+        sources.append(f"`{path}` (commit `{str(meta['commit'])[:10]}`{stale_note(meta['commit'])})")
     return "\n".join(lines) + "\n\n<sub>Sources: " + ", ".join(sources) + ": `tune validate`.</sub>"
 
 
@@ -220,8 +295,9 @@ def mutations_table(path: str) -> str:
         verdict = {True: "yes", False: "**no**", None: "broken mutation"}[row["caught"]]
         lines.append(f"| `{row['name']}` | {row['what']} | `{row['tests'].split('::')[0]}` | {verdict} |")
     caught = sum(1 for row in data["rows"] if row["caught"])
+    commit = data["meta"]["commit"]
     return "\n".join(lines) + f"\n\n{caught} of {len(data['rows'])} caught. <sub>Source: `{path}` (commit " \
-        f"`{str(data['meta']['commit'])[:10]}`): `{data['meta']['command']}`.</sub>"
+        f"`{str(commit)[:10]}`{stale_note(commit, MEASURES['mutations'])}): `{data['meta']['command']}`.</sub>"
 
 
 def reliability(path: str, commit: str) -> str:
@@ -245,7 +321,8 @@ def reliability(path: str, commit: str) -> str:
              f"{'yes' if summary['memory_flat'] else 'no'} | {summary['seconds']:.0f} |"]
     fault_lines = "\n".join(f"- `{line[:160]}`" for line in faults) or "- none completed"
     return "\n".join(lines) + f"\n\nFault scenarios completed ({len(faults)}):\n\n{fault_lines}\n\n<sub>Source: " \
-        f"`{path}` (commit `{commit[:10]}`): `torchrun --nproc-per-node 2 benchmarks/reliability.py --calls " \
+        f"`{path}` (commit `{commit[:10]}`{stale_note(commit, MEASURES['reliability'])}): `torchrun " \
+        "--nproc-per-node 2 benchmarks/reliability.py --calls " \
         f"{summary['calls']}`.</sub>"
 
 
@@ -260,24 +337,8 @@ def cpu_install(path: str) -> str:
         lines.append(f"| `{command}` | {row['site_packages_mib']} | {'yes' if row['has_triton'] else 'no'} "
                      f"| {'yes' if row['has_cuda_bindings'] else 'no'} |")
     return "\n".join(lines) + f"\n\n<sub>Source: `{path}` ({meta['machine']}, Python {meta['python']}, commit " \
-        f"`{str(meta['commit'])[:10]}`, {meta['date'][:10]}): `{meta['command']}`.</sub>"
-
-
-def _min_s(seconds: float) -> str:
-    minutes, seconds = divmod(round(seconds), 60)
-    return f"{minutes} min {seconds:02d} s"
-
-
-def suite_time(path: str) -> str:
-    """How long the README's ``pytest`` took on the CPU machine (wall clock, and CPU time, which other work on the
-    machine does not lengthen), and what it counted (inline)."""
-    data = _load(path)
-    suite, meta = data["suite"], data["meta"]
-    counts = ", ".join(f"{n} {word}" for word, n in suite["counts"].items())
-    load = suite["load_average_before_after"][0]
-    return f"{_min_s(suite['seconds'])} on a {suite['cores']}-core CPU machine (load average {load:.1f} at the " \
-        f"start, from other work), {_min_s(suite['cpu_seconds'])} of CPU time ({counts}; `{path}`, commit " \
-        f"`{str(meta['commit'])[:10]}`)"
+        f"`{str(meta['commit'])[:10]}`, {meta['date'][:10]}{stale_note(meta['commit'], MEASURES['cpu-install'])}): " \
+        f"`{meta['command']}`.</sub>"
 
 
 def _sourced(path: str, meta: dict) -> str:
@@ -286,7 +347,8 @@ def _sourced(path: str, meta: dict) -> str:
     what += f", torch {meta['torch']}" if meta.get("torch") else ""
     date = f", {meta['date'][:10]}" if meta.get("date") else ""
     commit = str(meta["commit"])[:10]
-    return f"<sub>Source: `{path}` ({what}, commit `{commit}`{date}): `{meta['command'].strip()}`.</sub>"
+    return f"<sub>Source: `{path}` ({what}, commit `{commit}`{date}{stale_note(meta['commit'])}): " \
+        f"`{meta['command'].strip()}`.</sub>"
 
 
 def _us(value) -> str:
@@ -416,12 +478,14 @@ def cpu_host_python(path: str) -> str:
               "calls`: the calls it issued per call, per label. Not the GPU's host time: the driver's own cost is "
               "left out.</sub>")
     runs = meta.get("runs", {})
-    sources = "; ".join(f"{label}: commit `{run['commit']}`, `{run['command']}`" for label, run in runs.items())
+    last = list(runs)[-1] if runs else None  # the latest run measures the code as it is now
+    sources = "; ".join(f"{label}: commit `{run['commit']}`{stale_note(run['commit']) if label == last else ''}, "
+                        f"`{run['command']}`" for label, run in runs.items())
     return "\n".join(lines) + "\n\n" + legend + f"\n\n<sub>Source: `{path}`: {sources}.</sub>"
 
 
 def moe_layer(pattern: str) -> str:
-    """Every MoE layer results file matching ``pattern``, under a heading (no file: nothing): per config, tokens,
+    """Every MoE layer results file matching ``pattern`` (no file: a line saying so): per config, tokens,
     routing and pass, the plain layer, the bound without communication, and the fastest of ours over modes and
     paths."""
     pieces = []
@@ -442,7 +506,9 @@ def moe_layer(pattern: str) -> str:
                          f"| {_ms(row['t_nocomm_ms'])} | **{_ms(row['t_ms'])}** ({row['mode']}, {row['path']}) "
                          f"| {_e(row.get('E'))} | {_us(row.get('host_plain_us'))} / {_us(row.get('host_us'))} |")
         pieces.append("\n".join(lines) + "\n\n" + _sourced(path, data["meta"]))
-    return "### The MoE layer\n\n" + "\n\n".join(pieces) + "\n\n" + MOE_LEGEND if pieces else ""
+    if not pieces:
+        return f"Not measured yet (no file matches `{pattern}`)."
+    return "\n\n".join(pieces) + "\n\n" + MOE_LEGEND
 
 
 MOE_LEGEND = (
@@ -453,10 +519,11 @@ MOE_LEGEND = (
     "no communication)`. `host µs`: the host time to issue one call while the GPU is busy.</sub>")
 
 
-RENDERERS = {"ops": ops_table, "block": block_table, "e-range": e_range, "host-ratio-range": host_ratio_range,
+RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-range": e_range,
+             "host-ratio-range": host_ratio_range,
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
              "mutations": mutations_table, "reliability": reliability, "cpu-install": cpu_install,
-             "suite-time": suite_time, "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
+             "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu}
 
 
@@ -466,18 +533,30 @@ def render(spec: str) -> str:
     return text if "\n" not in text else text + "\n"
 
 
+def agrees(written: str, fresh: str) -> bool:
+    """Whether a document's piece equals a fresh rendering, where each note git could not confirm or deny (between
+    ``UNSURE`` marks) may be there or not."""
+    if UNSURE not in fresh:
+        return written == fresh
+    parts = fresh.split(UNSURE)  # text, note, text, note, ..., text
+    pattern = "".join(re.escape(part) if i % 2 == 0 else f"(?:{re.escape(part)})?" for i, part in enumerate(parts))
+    return re.fullmatch(pattern, written, re.S) is not None
+
+
 def process(write: bool, only: list[str] | None = None) -> list[str]:
     """Re-render every marked piece (of the documents named in ``only``, paths from the repository's root, where
-    given); returns ``doc: spec`` for each that differed (rewritten with ``write``)."""
+    given); returns ``doc: spec`` for each that differed (rewritten with ``write``: a note git could not confirm is
+    left as the document has it where the rest agrees, else dropped)."""
     stale = []
     for doc in DOCS if not only else [ROOT / name for name in only]:
         text = doc.read_text()
 
         def fresh(match: re.Match, doc=doc) -> str:
             body = render(match["spec"])
-            if match["body"] != body:
-                stale.append(f"{doc.relative_to(ROOT)}: {match['spec']}")
-            return match.group(1) + body + match.group(4)
+            if agrees(match["body"], body):
+                return match.group(0)
+            stale.append(f"{doc.relative_to(ROOT)}: {match['spec']}")
+            return match.group(1) + re.sub(f"{UNSURE}.*?{UNSURE}", "", body, flags=re.S) + match.group(4)
 
         new = MARKER.sub(fresh, text)
         if write and new != text:

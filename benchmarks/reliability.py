@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.runtime import settings
+from flashoverlap import settings
 from flashoverlap.runtime.context import existing_context
 from flashoverlap.testing import plain
 

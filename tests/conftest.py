@@ -55,9 +55,20 @@ def _no_leaked_stand_ins():
 
 @pytest.fixture(autouse=True)
 def _settings_read_afresh():
-    """The runtime reads its environment variables once and keeps them (``runtime/settings.py``): every test starts
+    """The runtime reads its environment variables once and keeps them (``settings.py``): every test starts
     from the environment as it is, not as an earlier test left the cached settings."""
-    from flashoverlap.runtime import settings
+    from flashoverlap import settings
+
+    settings.refresh()
+    yield
+    settings.refresh()
+
+
+@pytest.fixture(autouse=True)
+def _settings_read_afresh():
+    """``flashoverlap.settings`` reads the environment once and keeps it: every test starts and ends with it unread,
+    so that a variable a test sets (and monkeypatch restores) neither reaches the next test nor is missed."""
+    from flashoverlap import settings
 
     settings.refresh()
     yield

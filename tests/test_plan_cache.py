@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+from flashoverlap import settings
 from flashoverlap.plan import Plan, TileConfig
 from flashoverlap.testing import apply_environ, rank_context
 from flashoverlap.tune import cache
@@ -88,6 +89,7 @@ def test_an_invalid_entry_is_skipped():
 def _write_many(args):
     directory, first = args
     os.environ["FLASHOVERLAP_CACHE_DIR"] = directory
+    settings.refresh()  # read once: read again
     for m in range(first, first + 10):
         cache.store(KEY, default_plan("all_reduce", 128 * m, 1024, 1024, 2, allow_sequential=False))
 
@@ -100,6 +102,7 @@ def test_concurrent_writers_lose_nothing(cache_in):
 
 def test_the_cache_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("FLASHOVERLAP_NO_CACHE", "1")
+    settings.refresh()
     assert cache.cache_dir() is None and cache.store(KEY, _tuned()) is None and cache.load(KEY) == {}
 
 
@@ -109,6 +112,8 @@ def _agree(rank, world_size, base):
     import torch.distributed as dist
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = f"{base}/{rank}"  # every rank its own cache: rank 0's wins
+
+    settings.refresh()  # read once: read again
     if rank == 0:
         cache.store(KEY, _tuned())
     else:
@@ -131,6 +136,7 @@ def test_nccl_through_host_memory_has_its_own_cache(monkeypatch):
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
     nvlink = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    settings.refresh()  # the environment is read once: read it again
     host = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")
     assert host != nvlink and cache.cache_file(host).name.endswith("-nccl-p2p-disabled.json")
     cache.store(host, _tuned())
@@ -141,6 +147,7 @@ def test_the_transport_is_the_callers_value_where_given(monkeypatch):
     # The runtime passes its read-once setting: the environment of the moment does not override it.
     for env in ("1", "0"):
         monkeypatch.setenv("NCCL_P2P_DISABLE", env)
+        settings.refresh()
         host = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16", nccl_p2p_disabled=True)
         nvlink = cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16", nccl_p2p_disabled=False)
         assert host["nccl_p2p"] == "disabled" and "nccl_p2p" not in nvlink
@@ -150,9 +157,11 @@ def test_the_transport_is_the_callers_value_where_given(monkeypatch):
     monkeypatch.setattr(cache.dist, "broadcast_object_list", lambda box, src, group: None)
     cache.store(host, _tuned())
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    settings.refresh()
     every = cache.exchange_entries(None, "NVIDIA H200", 2, nccl_p2p_disabled=True)
     assert cache.entries_for(every, host) == cache.load(host) != {}
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    settings.refresh()
     assert cache.exchange_entries(None, "NVIDIA H200", 2, nccl_p2p_disabled=False) == {}
     assert cache.exchange_entries(None, "NVIDIA H200", 2) != {}  # no value given: the environment's
 
@@ -169,6 +178,8 @@ def _agree_auto(rank, world_size, root):
     import torch.distributed as dist
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = root
+
+    settings.refresh()  # read once: read again
     auto = {**KEY, "path": "auto"}
     if rank == 0:
         cache.store(auto, default_plan("all_reduce", 8192, 8192, 8192, 2, num_groups=3, path="p2p",

@@ -50,7 +50,7 @@ GROUPED_TEST = "tests/kernels/test_grouped_gemm.py"
 POLICY_GROUPED = "src/flashoverlap/tune/grouped.py"
 POLICY_GROUPED_TEST = "tests/tune/test_grouped.py"
 EXPERT_NCCL = "src/flashoverlap/comm/expert/nccl.py"
-CHUNKED = "src/flashoverlap/comm/chunked_gemm.py"
+CHUNKED = "src/flashoverlap/comm/expert/chunked_gemm.py"
 EXPERT_P2P = "src/flashoverlap/comm/expert/p2p.py"
 HYBRID_TEST = "tests/moe/test_hybrid.py"
 
@@ -177,9 +177,10 @@ MUTATIONS = [
     ("plan-hash-pickled", "Plan: the cached hash travels in a pickle (another process salts strings otherwise)",
      PLAN, 'if key != "_hash"}', "if True}", PLAN_TEST),
     ("sequential-hook-skips-device-check", "Runtime: a sequential call with a hook skips the current-device check",
-     CALLS, "        if hook is None:  # it names", "        if True:  # it names", CALLS_TEST),
+     CALLS, "        if entry[2] and call.hook is None or guards", "        if entry[2] or guards", CALLS_TEST),
     ("replay-inside-user-capture", "Runtime: a call inside a user's capture may launch a graph of its own",
-     CALLS, "                env.replay and not capturing)", "                env.replay)", CALLS_TEST),
+     CALLS, "env.timeout, env.replay and not capturing, spec.scales)", "env.timeout, env.replay, spec.scales)",
+     CALLS_TEST),
     ("dispatch-sequential-plan-overlapped", "Runtime: a sequential plan is handed to its path's overlapped communicator",
      CALLS, 'bare = plan.sequential and path != "reference"', "bare = False", CALLS_TEST),
     ("policy-p2p-ignores-group-verdict", "Path policy: P2P is allowed on a group whose ranks lack peer access",
@@ -192,9 +193,9 @@ MUTATIONS = [
     ("p2p-join-removed", "P2P executor: the copy streams are not joined back into the caller's stream", P2P,
      "            wait_event(handles[0], joins[index])\n", "            pass\n", P2P_TEST),
     ("runtime-fast-path-ignores-shape", "Runtime: a repeated call's cached answer is keyed without a's shape", CALLS,
-     "        signature = (op, name, a.shape, b.shape,", "        signature = (op, name, b.shape,", CALLS_TEST),
+     "        return (spec.op, spec.name, a.shape, b.shape,", "        return (spec.op, spec.name, b.shape,", CALLS_TEST),
     ("runtime-fast-path-ignores-path", "Runtime: a repeated call's cached answer is keyed without the path asked",
-     CALLS, "plan, path,\n                     env.nccl_p2p_disabled)", "plan,\n                     env.nccl_p2p_disabled)",
+     CALLS, "plan, spec.path,\n                env.nccl_p2p_disabled", "plan,\n                env.nccl_p2p_disabled",
      CALLS_TEST),
     ("sequential-inside-coalescing-manager", "Sequential plan: a call inside a coalescing manager on its group runs, "
      "its collective deferred past the GEMM that needs it", "src/flashoverlap/comm/tp/sequential.py",
@@ -236,6 +237,11 @@ MUTATIONS = [
      "    ends = torch.searchsorted(sorted_expert, experts, right=True)",
      "    ends = torch.searchsorted(sorted_expert, experts, right=False)",
      "tests/moe/test_contract.py::test_layout_on_one_rank"),
+    ("layout-host-counts-transposed", "Expert layout: the received counts read to the host taken by expert, not by "
+     "source (the loop's segments on the host disagree with the device's)", "src/flashoverlap/comm/expert/layout.py",
+     "tuple(tuple(received[s * local : (s + 1) * local]) for s in range(world))",
+     "tuple(tuple(received[s :: world][:local]) for s in range(world))",
+     "tests/comm/test_expert_nccl.py::test_expert_nccl_communicator_matches_the_reference"),
     ("cublas-chunk-tail-unmasked", "Expert paths, cuBLAS's grouped GEMM in bounded mode: the rows past a chunk's "
      "last segment (undefined in its result) are copied as they are, not zeroed", CHUNKED,
      "            product.masked_fill_(torch.arange(rows, dtype=ends.dtype, device=x.device)[:, None] >= ends[-1:], 0)",
@@ -273,6 +279,27 @@ MUTATIONS = [
      "addresses) is kept when the workspace grows", EXPERT_P2P,
      "                self.graphs.clear()\n                self._programs.clear()\n",
      "                self.graphs.clear()\n", "tests/comm/test_expert_p2p_executor.py"),
+    # This session's (issues 33-35): the agreement check's switch and message, the backend error's op, the fp8 ops.
+    ("agreement-ignores-torch-distributed-debug", "Agreement check: TORCH_DISTRIBUTED_DEBUG=DETAIL does not turn it on",
+     "src/flashoverlap/settings.py", "AGREEMENT_TIMEOUT if detail else None", "None",
+     "tests/runtime/test_mismatch.py"),
+    ("agreement-names-no-field", "Agreement check: the error names no argument that differs",
+     "src/flashoverlap/runtime/agreement.py", "for field, mine, theirs in zip(fields, row, other[2:]) if mine != theirs]",
+     "for field, mine, theirs in zip(fields, row, other[2:]) if False]", "tests/runtime/test_mismatch.py"),
+    ("backend-error-not-named", "A backend's error escapes a call without the op, the group or the hint",
+     CALLS, "        agreement.reraise(exc, spec.name, spec.group, env)\n", "", "tests/runtime/test_mismatch.py"),
+    ("fp8-partials-unrounded", "fp8 reference: the partial products are summed before rounding to the output dtype",
+     "src/flashoverlap/comm/tp/reference.py", "collective(summed, partial.to(self.dtype).float())",
+     "collective(summed, partial.float())", "tests/ops/test_scaled.py"),
+    ("fp8-gather-own-scales", "fp8 all-gather: every row takes this rank's scales, not its own shard's",
+     "src/flashoverlap/comm/tp/reference.py", "                c[rows].copy_(bands(a_rows, slice(0, grp.rows), scale_rows))",
+     "                c[rows].copy_(bands(a_rows, slice(0, grp.rows)))", "tests/ops/test_scaled.py"),
+    ("fp8-block-scales-ignored", "fp8: block-wise B scales taken as one per column",
+     "src/flashoverlap/comm/scaled.py", "        scale = scale.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)[: b.shape[0], : b.shape[1]]",
+     "        scale = scale[:1, :1]", "tests/ops/test_scaled.py"),
+    ("fp8-block-k-unchecked", "fp8: block-wise K not a multiple of 128 accepted",
+     "src/flashoverlap/runtime/checks.py", '    if scales.mode == "block" and k % BLOCK:', "    if False:",
+     "tests/ops/test_scaled.py"),
 ]
 
 

@@ -90,12 +90,19 @@ def fit_way(way: str, rows: list[dict]) -> tuple[WayCosts, list[float]]:
 
 def costs_module(costs: dict[str, WayCosts], source: str) -> str:
     """``tune/grouped_costs.py``'s text for ``costs``, fitted from ``source``."""
+    name, _, rest = source.partition(" (")
     lines = ['"""The grouped-GEMM cost model\'s coefficients (``tune/grouped.py``), one ``WayCosts`` per way.',
              "Written by ``benchmarks/diagnostics/grouped_gemm_fit.py`` from the measurements named in",
-             '``FITTED_FROM``: refit, do not edit."""', "", f"FITTED_FROM = {source!r}", "COSTS = {"]
+             '``FITTED_FROM``: refit, do not edit."""', "",
+             f'FITTED_FROM = ("{name} "' if rest else f'FITTED_FROM = "{name}"']
+    if rest:
+        lines.append(f'               "({rest}")')
+    lines.append("COSTS = {")
     for way, c in costs.items():
-        lines.append(f'    "{way}": {{"tflops": {c.tflops:.1f}, "tbps": {c.tbps:.3f}, "pad_rows": {c.pad_rows}, '
-                     f'"kernel_us": {c.kernel_us:.2f}, "tile_us": {c.tile_us:.4f}, "host_us": {c.host_us:.1f}}},')
+        indent = " " * (len(way) + 9)  # under the opening brace
+        lines.append(f'    "{way}": {{"tflops": {c.tflops:.1f}, "tbps": {c.tbps:.3f}, "pad_rows": {c.pad_rows},')
+        lines.append(f'{indent}"kernel_us": {c.kernel_us:.2f}, "tile_us": {c.tile_us:.4f}, '
+                     f'"host_us": {c.host_us:.1f}}},')
     lines.append("}")
     return "\n".join(lines) + "\n"
 

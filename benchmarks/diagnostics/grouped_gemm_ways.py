@@ -7,7 +7,7 @@ tokens per rank: ``rows = tokens * top_k``), one routing and one projection (``u
 ``i^-1.2`` in a seeded random order, rows drawn from it). The rows arrive in ``CHUNKS`` chunks (one per source
 rank), each expert's rows split evenly over them (``tune.grouped.GroupedCall.segments``, the cost model's reading).
 
-The ways, chunk by chunk through ``comm/chunked_gemm.py``'s ``multiply_chunk`` (the library's own code): ``ours``
+The ways, chunk by chunk through ``comm/expert/chunked_gemm.py``'s ``multiply_chunk`` (the library's own code): ``ours``
 (the Triton grouped GEMM), ``cublas`` (``torch._grouped_mm``) and ``loop`` (``torch.mm`` per non-empty segment).
 Per way: ``gpu_ms``, the median of CUDA-event times of whole calls, interleaved with the other ways in a shuffled
 order, each queued behind a GPU sleep longer than its host time (the GPU never waits for the host), after a warm-up;
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashoverlap.comm.chunked_gemm import ChunkGemm, multiply_chunk
+from flashoverlap.comm.expert.chunked_gemm import ChunkGemm, multiply_chunk
 from flashoverlap.kernels.grouped_gemm import workspace_size
 from flashoverlap.tune.grouped import GroupedCall
 

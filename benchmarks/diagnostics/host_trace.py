@@ -53,10 +53,11 @@ def patch(sequential=False):
     swap(torch.cuda.Stream, "wait_stream", "wait_stream")
     swap(torch.cuda.Stream, "record_event", "record_event")
     if sequential:
+        from flashoverlap import settings
         from flashoverlap.comm import collectives
         from flashoverlap.comm.tp import sequential as seq
         from flashoverlap.ops import library
-        from flashoverlap.runtime import calls, settings
+        from flashoverlap.runtime import calls
 
         swap(torch, "matmul", "torch.matmul")
         swap(dist, "all_reduce", "dist.all_reduce")

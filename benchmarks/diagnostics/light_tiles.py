@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.diagnostics.results_file import results_meta, write_results
 from benchmarks.moe_gemm import Slice
-from flashoverlap.comm import chunked_gemm
+from flashoverlap.comm.expert import chunked_gemm
 from flashoverlap.kernels.grouped_gemm import (
     TILE_FLAT,
     TILE_MANY_EXPERTS,

@@ -25,11 +25,11 @@ import flashoverlap as fo
 from benchmarks.diagnostics.p2p_one_gpu import direct_call
 from benchmarks.diagnostics.results_file import results_meta, write_results
 from benchmarks.harness.timing import host_us_interleaved
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.comm import collectives
 from flashoverlap.comm.protocol import Call
 from flashoverlap.ops import library
-from flashoverlap.runtime import calls, settings
+from flashoverlap.runtime import calls
 
 M, N, K = 4096, 8192, 8192
 PUBLIC = {"all_reduce": (fo.gemm_all_reduce, "gemm_all_reduce"),
@@ -72,7 +72,7 @@ def op_row(op, public, name, group) -> dict:
         "collective (torch.distributed)": collective[0],
         "collective (issued straight)": collective[1],
         "Call(...)": lambda: Call(name, plan, a, b, False, None, None, False),
-        "library.needed": lambda: library.needed(a, b, None, name),
+        "library.needed": lambda: library.needed(name, (a, b)),
         "capture guard (not asked by the sequential plan)": lambda: guards.capturing(a),
         "device check": lambda: guards.on_current_device(a),
     }

@@ -22,6 +22,7 @@ import re
 import sys
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
+DEMO_DESCRIPTION = "Run one op on 2 ranks and check it against plain PyTorch; print the path that ran."
 DTYPES = ["bfloat16", "float16"]
 # Options whose value may start with "-" (a mistyped negative dimension): joined to their option before parsing.
 VALUE_OPTIONS = ("--shape", "--shapes", "--world-size", "--top", "--max-mib", "--iters")
@@ -150,8 +151,10 @@ def parser() -> argparse.ArgumentParser:
                                   epilog="`flashoverlap COMMAND --help` lists every option of COMMAND.")
     top.add_argument("--version", action="version", version=f"flashoverlap {__version__}")
     commands = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,version}")
-    demo = commands.add_parser("demo", help="run one op on 2 ranks and check it against plain PyTorch")
-    demo.add_argument("--op", default="all_reduce", choices=OPS, help="the op (default: all_reduce)")
+    demo = commands.add_parser("demo", help="run one op on 2 ranks and check it against plain PyTorch",
+                               description=DEMO_DESCRIPTION)
+    demo.add_argument("--op", default="all_reduce", choices=[*OPS, "moe"],
+                      help="the op (default: all_reduce); moe: the MoE dispatch and combine")
     demo.add_argument("--shape", type=shape, default=None, metavar="M,N,K",
                       help="M rows (all_gather: gathered), N columns, this rank's K (default 16384,8192,4096 on "
                            "GPUs, 4096,4096,1024 on the CPU)")
@@ -244,7 +247,7 @@ def tune_target(dtype_name: str, device):
     import torch
     import torch.distributed as dist
 
-    from flashoverlap.runtime import settings
+    from flashoverlap import settings
     from flashoverlap.tune.tuner import Target
 
     return Target(dist.group.WORLD, device, getattr(torch, dtype_name), settings.current().nccl_p2p_disabled)

@@ -5,7 +5,6 @@ else in the package spells these out."""
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable
 
@@ -16,7 +15,6 @@ import torch
 COMM_PRIORITY = -(1 << 10)
 # Plans made where no GPU can be asked (the reference path, the CPU tests) assume an H200's SMs.
 DEFAULT_SMS = 132
-DEBUG_TIMEOUT_VARIABLE = "FLASHOVERLAP_DEBUG_TIMEOUT"
 
 
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
@@ -68,20 +66,11 @@ def triton_interpreted() -> bool:
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET") == "1"  # an older Triton, which has no knobs
+    from flashoverlap import settings  # an older Triton, which has no knobs: the variable, read once
+
+    return settings.current().triton_interpret
 
 
-def debug_timeout(environ: os._Environ | dict = os.environ) -> float | None:
-    """Seconds any wait may take before it raises, from ``FLASHOVERLAP_DEBUG_TIMEOUT`` (unset or <= 0: no bound).
-    Read once per call, by the runtime, which hands the value down with the call."""
-    value = environ.get(DEBUG_TIMEOUT_VARIABLE)
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{DEBUG_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}") from None
-    return seconds if seconds > 0 else None
 
 
 def poll_until(ready: Callable[[], bool], deadline: float, failure: Callable[[], str]) -> None:

@@ -39,7 +39,7 @@ def _routing(case, rank, world, gen):
 def _async_signalling(comm, producers):
     """A stand-in for the signalling grouped GEMM: a thread that stores y segment by segment in the kernel's
     priority order (destinations by round, own last) and counts each destination's flag up to exactly 1."""
-    from flashoverlap.comm.chunked_gemm import pair_rounds, relative_ends
+    from flashoverlap.comm.expert.chunked_gemm import pair_rounds, relative_ends
 
     def launch(a, b, layout, y, table, chunks):
         world = layout.world_size
@@ -141,7 +141,7 @@ def test_expert_nccl_communicator_matches_the_reference(world):
 
 
 def test_pair_rounds_meet_every_peer_once_and_symmetrically():
-    from flashoverlap.comm.chunked_gemm import pair_rounds
+    from flashoverlap.comm.expert.chunked_gemm import pair_rounds
 
     for world in range(1, 10):
         rounds = [pair_rounds(r, world) for r in range(world)]

@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from flashoverlap.comm import chunked_gemm, steps
-from flashoverlap.comm.chunked_gemm import relative_ends
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, Layout
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, Layout, chunked_gemm, steps
 from flashoverlap.comm.expert import p2p as ep
+from flashoverlap.comm.expert.chunked_gemm import relative_ends
 from flashoverlap.comm.replay import CallGraphs
 
 PEER_BASE, FLAG_BASE, FLAG_STRIDE = 1 << 40, 1 << 36, 1 << 20

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashoverlap as fo
+from flashoverlap import settings
 from flashoverlap.comm.collectives import reduce_scatter_tensor
 from flashoverlap.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from flashoverlap.testing import spawn
@@ -143,6 +144,8 @@ def _auto_follows_the_tuned_path(rank, world_size, cache_dir, tuned_path):
     from flashoverlap.tune import cache
 
     os.environ["FLASHOVERLAP_CACHE_DIR"] = cache_dir
+
+    settings.refresh()  # read once: read again
     m, n, k = 1024 * world_size, 4096, 2048
     name = torch.cuda.get_device_name(torch.cuda.current_device())
     if rank == 0:

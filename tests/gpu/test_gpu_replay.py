@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.runtime import settings
+from flashoverlap import settings
 from flashoverlap.runtime.context import context_of
 from flashoverlap.testing import plain, spawn
 from tests.gpu.helpers import ENV, WORLD, assert_close, inputs, needs_gpus

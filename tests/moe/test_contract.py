@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.comm.chunked_gemm import chunk_gemm
 from flashoverlap.comm.expert import BoundExceeded, ExpertPlan, expert_layout
+from flashoverlap.comm.expert.chunked_gemm import chunk_gemm
 from flashoverlap.comm.expert.rows import combine_at_origin, recv_segments, send_buffer
 from flashoverlap.comm.protocol import CommGroup
 from flashoverlap.runtime import experts as runtime_experts
@@ -114,6 +114,10 @@ def test_layout_on_one_rank(world_of_one):
     sparse = expert_layout(torch.tensor([[4, 1], [4, 2], [1, 4]]), 6, world_of_one, mode="bounded", bound=6)
     assert sparse.send_counts.tolist() == [[0, 2, 1, 0, 3, 0]] == sparse.recv_counts.tolist()
     assert exact.send_splits == (6,) == exact.recv_splits and exact.recv_rows == 6 and exact.max_pair_rows == 6
+    # The received counts come to the host with the splits (the one synchronisation); bounded mode reads none.
+    assert exact.recv_counts_host == ((1, 2, 1, 2),) and exact.rows_per_expert == (1, 2, 1, 2)
+    assert exact.with_weights(None).recv_counts_host == exact.recv_counts_host
+    assert sparse.recv_counts_host is None and sparse.rows_per_expert is None
     assert torch.equal(exact.weights, weights.reshape(-1)[exact.send_order])
     starts, ends, local = recv_segments(exact)
     assert starts.tolist() == [0, 1, 3, 4] and ends.tolist() == [1, 3, 4, 6] and local.tolist() == [0, 1, 2, 3]
@@ -152,3 +156,35 @@ def test_combine_at_origin_writes_into_a_given_out(world_of_one, dtype):
             combine_at_origin(back, plan, layout, dtype, out=bad)
     with pytest.raises(TypeError, match="combine_at_origin: out must be a torch.Tensor"):
         combine_at_origin(back, plan, layout, dtype, out=[0.0])
+
+
+def test_an_exact_layout_s_counts_choose_its_grouped_gemm():
+    """The plan's first call guesses balanced rows; a call whose exact-mode layout carries its counts on the host takes
+    the cost model's choice for those counts (``tune.grouped.expert_gemm`` on ``Layout.rows_per_expert``)."""
+    from types import SimpleNamespace
+
+    from flashoverlap import settings
+    from flashoverlap.comm.expert import ExpertPlan
+    from flashoverlap.runtime import experts as runtime_experts
+    from flashoverlap.tune import grouped
+
+    local, k, n = 16, 4096, 2816
+    plan = ExpertPlan("dispatch", 2, 32, k, n // 2, 8, 4096, "exact", None, "cublas")
+    skewed = (30000, *([16] * (local - 1)))  # one hot expert: Zipf-like routing
+    want = grouped.expert_gemm(grouped.GroupedCall(skewed, k, n, 2, 2), torch.bfloat16, mode="exact",
+                               device_capability=(9, 0), triton=runtime_experts._triton_available())
+    spec = SimpleNamespace(name="t", op="dispatch", a=torch.empty(0, k, dtype=torch.bfloat16, device="meta"),
+                           b=torch.empty(local, k, n, device="meta"), hook=None, return_gathered=False, out=None,
+                           layout=SimpleNamespace(rows_per_expert=skewed, mode="exact"))
+    runtime_experts._gemm_for_rows.cache_clear()
+    original = torch.cuda.get_device_capability
+    try:
+        torch.cuda.get_device_capability = lambda device=None: (9, 0)
+        spec.a, spec.b = spec.a, spec.b
+        call = runtime_experts.EXPERT.call(spec, (None, plan, False), settings.read({}))
+    finally:
+        torch.cuda.get_device_capability = original
+        runtime_experts._gemm_for_rows.cache_clear()
+    assert call.plan.gemm == want[0] and call.plan.hybrid == want[1]
+    spec.layout = SimpleNamespace(rows_per_expert=None, mode="bounded")  # no counts on the host: the plan's own
+    assert runtime_experts.EXPERT.call(spec, (None, plan, False), settings.read({})).plan is plan

@@ -1,4 +1,4 @@
-"""The hybrid expert GEMM (``comm/chunked_gemm.py``: heavy experts a ``torch.mm`` per (source, expert) segment as
+"""The hybrid expert GEMM (``comm/expert/chunked_gemm.py``: heavy experts a ``torch.mm`` per (source, expert) segment as
 chunks land, light ones in one row-mapped Triton launch over every source's rows) without ranks: the heavy/light
 split and the light row map from a layout's sizes, the policy that picks it, and, under the Triton interpreter in a
 child process (``python -m tests.moe.test_hybrid``, which sets TRITON_INTERPRET before triton is imported), the
@@ -17,8 +17,12 @@ if __name__ == "__main__":  # the child: interpret the kernels (before anything 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashoverlap.comm import chunked_gemm  # noqa: E402
-from flashoverlap.comm.expert import ExpertPlan, HybridCut, Layout  # noqa: E402
+from flashoverlap.comm.expert import (  # noqa: E402
+    ExpertPlan,
+    HybridCut,
+    Layout,
+    chunked_gemm,  # noqa: E402
+)
 from flashoverlap.runtime import experts as runtime_experts  # noqa: E402
 from flashoverlap.tune.grouped import HYBRID_CUT, hybrid_pays  # noqa: E402
 from tests.interpreter import needs_interpreter  # noqa: E402

@@ -121,7 +121,7 @@ def _collective_errors(rank, world):
 
 def _debug_errors(rank, world):
     import flashoverlap as fo
-    from flashoverlap.runtime import settings
+    from flashoverlap import settings
 
     os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "60"
     settings.refresh()

@@ -125,7 +125,7 @@ def test_bad_input_is_named_before_anything_is_sent():
 def _disagree(rank, world):
     import os
 
-    from flashoverlap.runtime import settings
+    from flashoverlap import settings
 
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     settings.refresh()

@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.comm.protocol import Call, Communicator
 from flashoverlap.runtime import context as context_module
-from flashoverlap.runtime import settings
 from flashoverlap.runtime.context import COMMUNICATORS, context_of
 from flashoverlap.tune.defaults import sequential_plan
 

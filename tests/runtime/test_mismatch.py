@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from flashoverlap.runtime import agreement, settings
+from flashoverlap import settings
+from flashoverlap.runtime import agreement
 from flashoverlap.testing import spawn
 from tests.ops.test_errors import world_of_one  # noqa: F401  (a fixture: one gloo rank)
 from tests.ops.test_scaled import quantise
@@ -46,6 +47,12 @@ def _received(idx: torch.Tensor) -> int:
 
 
 def _mismatched(rank, world):
+    import os
+
+    # Set in the rank (a variable handed to spawn would start fresh interpreters, seconds each): what a user's
+    # `TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ...` gives flashoverlap's settings.
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    settings.refresh()
     assert settings.current().agreement is not None, "TORCH_DISTRIBUTED_DEBUG=DETAIL did not turn the check on"
     named = []
     for op, argument, call in _calls(rank):
@@ -60,7 +67,7 @@ def _mismatched(rank, world):
 
 
 def test_every_public_op_names_ranks_that_disagree_under_torch_distributed_debug_detail():
-    results = spawn(_mismatched, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    results = spawn(_mismatched, 2)
     assert results[0] == results[1] and len(results[0]) == 9
 
 

@@ -1,9 +1,9 @@
-"""What the environment says about a call (``runtime/settings.py``), read once per call: the debug deadline and
+"""What the environment says about a call (``settings.py``), read once per call: the debug deadline and
 the replay verdict."""
 
 import pytest
 
-from flashoverlap.runtime import settings
+from flashoverlap import settings
 
 
 def test_debug_timeout_parsing():
@@ -25,3 +25,20 @@ def test_replay_is_off_where_it_must_be(env, allowed):
 def test_nccl_p2p_disabled():
     assert settings.read({"NCCL_P2P_DISABLE": "1"}).nccl_p2p_disabled
     assert not settings.read({"NCCL_P2P_DISABLE": "0"}).nccl_p2p_disabled
+
+
+def test_the_agreement_check_follows_torch_distributed_debug_detail_too():
+    assert settings.read({}).agreement is None
+    assert settings.read({"TORCH_DISTRIBUTED_DEBUG": "INFO"}).agreement is None
+    assert settings.read({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).agreement == settings.AGREEMENT_TIMEOUT
+    assert settings.read({"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "FLASHOVERLAP_DEBUG_TIMEOUT": "7"}).agreement == 7
+    assert settings.read({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).timeout is None  # waits stay unbounded, replay on
+    assert settings.read({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).replay
+
+
+def test_the_plan_cache_directory(tmp_path):
+    from pathlib import Path
+
+    assert settings.read({}).cache_dir == Path.home() / ".cache" / "flashoverlap"
+    assert settings.read({"FLASHOVERLAP_CACHE_DIR": str(tmp_path)}).cache_dir == tmp_path
+    assert settings.read({"FLASHOVERLAP_CACHE_DIR": str(tmp_path), "FLASHOVERLAP_NO_CACHE": "1"}).cache_dir is None

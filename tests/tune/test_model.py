@@ -195,6 +195,7 @@ def test_machine_figures_round_trip_through_dicts():
 
 
 def test_slowdowns_come_from_the_curve_file_else_the_defaults(tmp_path, monkeypatch):
+    from flashoverlap import settings
     from flashoverlap.tune import cache, tuner
 
     monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
@@ -209,6 +210,7 @@ def test_slowdowns_come_from_the_curve_file_else_the_defaults(tmp_path, monkeypa
     assert tuner.load_curve(key) is None and tuner.load_slowdowns(key) == tuner.SLOWDOWNS["nvlink"]
     assert tuner.load_slowdowns({**key, "path": "p2p"}) == tuner.SLOWDOWNS["p2p"]
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    settings.refresh()  # the environment is read once: read it again
     assert tuner.load_slowdowns(cache.cache_key("NVIDIA H200", 2, "all_reduce", "nccl", "bfloat16")) == \
         tuner.SLOWDOWNS["pcie-like"]
 

@@ -15,7 +15,7 @@ inside its own capture may be reused by the next capture.
 
 A call's independent work (a communicator's ``hook``) is held in its graph where it has a signature of its own
 (``Matmul``: a backward's weight gradient); other hooks are arbitrary code, and their calls are issued eagerly.
-Where replay is not used either (the runtime's verdict, ``Call.replay``; ``runtime/settings.py``): inside a user's
+Where replay is not used either (the runtime's verdict, ``Call.replay``; ``settings.py``): inside a user's
 capture (the call is captured into the user's graph instead), in debug mode (``FLASHOVERLAP_DEBUG_TIMEOUT``: each
 flag wait is polled with a deadline, which needs the eager schedule), with ``CUDA_DEVICE_MAX_CONNECTIONS=1``
 (the deadlock argument of ``comm/tp/ring_schedule.py`` rests on the issue order of the streams' work, which a graph

@@ -20,7 +20,6 @@ time. Then the optional bias, then the output dtype (bf16 by default, or fp32).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +34,8 @@ except ImportError as exc:  # a CPU install has no Triton; only the GPU paths ne
         f"flashoverlap's GPU kernels need Triton (>= 3.3, with tensor descriptors): pip install 'flashoverlap[gpu]' "
         f"({exc})") from exc
 
+from flashoverlap import guards
 from flashoverlap.plan import Plan
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # How an operand is scaled (the kernel's A_SCALE / B_SCALE): not at all, by one scale, per row of A (per column of
 # B), or per block (A 1x128, B 128x128; both or neither).
@@ -491,7 +489,7 @@ def launch_arguments(a, b, plan, *, out=None, counters=None, scaling=None, wait=
         B_KMAJOR=bool(b_kmajor and use_tma),
         TMA_STORE=tma_store,
         SIGNAL=signal,
-        BULK_WAIT=not _INTERPRETED,
+        BULK_WAIT=not guards.triton_interpreted(),
         ROW_MAP=row_map,
         WAIT=is_wait,
         MAX_SPINS=int(max_spins) if is_wait else 0,

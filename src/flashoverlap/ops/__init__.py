@@ -1,4 +1,5 @@
-"""Public ops, one file each: argument checks, plan lookup, choosing the path, launching."""
+"""Public ops, one file each (the fp8 ones together in ``scaled``): each builds its call's spec and hands it to the
+one call pipeline (``runtime/calls.py``); ``library`` and ``moe_library`` register the custom ops."""
 
 from flashoverlap.ops import library  # noqa: F401  (registers torch.ops.flashoverlap.*)
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm

@@ -11,7 +11,7 @@ One layer, on each rank of a group of ``W`` (``E`` experts, ``L = E / W`` on eac
 
 which equals the plain (unsharded) MoE: ``y[t] = sum_c topk_weights[t, c] * expert_{topk_idx[t, c]}(x[t])``. The
 rows ``h`` are this rank's received (token, choice) rows grouped by (source rank, local expert): ``R`` is
-data-dependent in exact mode, ``W * bound`` in bounded mode (padding rows are zero). ``comm/expert.py`` has the
+data-dependent in exact mode, ``W * bound`` in bounded mode (padding rows are zero). ``comm/expert/contract.py`` has the
 whole shape algebra.
 
 Modes: ``"exact"`` (the counts exchanged once per layer, one host synchronisation) and ``"bounded"`` (at most
@@ -58,7 +58,7 @@ def moe_layout(
             the worst case, assuming every rank has ``T`` tokens).
 
     Returns:
-        A ``Layout`` (``comm/expert.py``).
+        A ``Layout`` (``comm/expert/``).
     """
     if torch.compiler.is_compiling():
         if mode == "bounded":

@@ -4,7 +4,7 @@ fixed by the bound) and autograd records them. The layout travels as two argumen
 its values (``int[]``, ``layout_values``: experts, top-k, the bound (0: exact mode), exact mode's largest
 (source, destination) pair of the group (0 in bounded mode), then the split sizes, empty in bounded mode).
 
-Autograd, for one layer (``comm/expert.py`` has the shape algebra; ``b^T`` is ``b.transpose(1, 2)``):
+Autograd, for one layer (``comm/expert/contract.py`` has the shape algebra; ``b^T`` is ``b.transpose(1, 2)``):
 
 - ``moe_dispatch(x [T, H], w_up [L, H, N]) -> h [R, N]`` (and the received rows ``recv [R, H]``):
   ``grad_x`` = combine of ``grad_h`` with ``w_up^T``, unweighted (each token's k copies summed back at the
@@ -68,7 +68,7 @@ def _(topk_idx, num_experts, group, bound):
 @torch.library.custom_op("flashoverlap::moe_dispatch", mutates_args=())
 def moe_dispatch(x: torch.Tensor, w: torch.Tensor, layout: list[torch.Tensor], group: str, values: list[int],
                  per_choice: bool, path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h [R, N], recv [R, H])``: see ``comm/expert.py``; ``layout``, ``values``: ``layout_values``."""
+    """``(h [R, N], recv [R, H])``: see ``comm/expert/contract.py``; ``layout``, ``values``: ``layout_values``."""
     name = "moe_gemm_combine backward" if per_choice else "moe_dispatch_gemm"
     spec = experts.ExpertSpec(name, "dispatch", x, w, layout_of(layout, values), _resolve_process_group(group), path,
                               per_choice=per_choice, return_gathered=True)
@@ -86,7 +86,7 @@ def _(x, w, layout, group, values, per_choice, path):
 @torch.library.custom_op("flashoverlap::moe_combine", mutates_args=())
 def moe_combine(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor | None, layout: list[torch.Tensor],
                 group: str, values: list[int], path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, H], y_back [S, H])``: see ``comm/expert.py``; ``topk_weights`` None: the unweighted sum."""
+    """``(out [T, H], y_back [S, H])``: see ``comm/expert/contract.py``; ``topk_weights`` None: the unweighted sum."""
     weighted = topk_weights is not None
     name = "moe_gemm_combine" if weighted else "moe_dispatch_gemm backward"
     spec = experts.ExpertSpec(name, "combine", a, w, layout_of(layout, values), _resolve_process_group(group), path,

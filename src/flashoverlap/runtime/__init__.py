@@ -1,8 +1,8 @@
 """The runtime: everything a call resolves between the public op and its communicator (``comm/``), and the one
 state object per group (``context``). Modules: ``checks`` (operands, group), ``policy`` (path rules),
-``settings`` (the environment, read once), ``context`` (per-group state, the communicator table, ``release``),
+``context`` (per-group state, the communicator table, ``release``),
 ``calls`` (check, resolve, run), ``plans`` (path and plan of a call; ``plan_for``), ``agreement`` (debug mode: the
-ranks agree on a call)."""
+ranks agree on a call). The environment is read once, in ``flashoverlap.settings``."""
 
 from flashoverlap.runtime.calls import execute
 from flashoverlap.runtime.context import release

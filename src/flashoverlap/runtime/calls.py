@@ -17,11 +17,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.comm.protocol import Call, Hook
 from flashoverlap.comm.scaled import Scales
 from flashoverlap.plan import OPS, Plan
-from flashoverlap.runtime import agreement, plans, policy, settings
+from flashoverlap.runtime import agreement, plans, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, check_operands, check_scaled
 from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context
 

@@ -1,5 +1,5 @@
 """The expert-parallel (MoE) ops' strategy on the one call pipeline (``runtime/calls.py``): ``layout`` checks the
-routing and builds the layer's ``Layout`` (``comm/expert.py``); ``EXPERT`` checks a call's operands against the
+routing and builds the layer's ``Layout`` (``comm/expert/``); ``EXPERT`` checks a call's operands against the
 layout and the weights (on every call: the layout changes from call to call), resolves the path
 (``policy.expert_path``) and the plan (``ExpertPlan``) once per signature, and builds the ``ExpertCall`` that
 ``context.communicator("expert", path)`` runs.
@@ -12,15 +12,17 @@ r's layout expects from s); a disagreement raises on every rank, naming the rank
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
 from flashoverlap.comm.protocol import Hook
-from flashoverlap.runtime import agreement, calls, policy, settings
+from flashoverlap.runtime import agreement, calls, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPES
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
 from flashoverlap.tune import grouped
@@ -96,7 +98,7 @@ def resolved_path(name: str, device: torch.device, dtype: torch.dtype, group: di
 
 @dataclass(slots=True, eq=False)
 class ExpertSpec:
-    """One expert call (``op``: ``"dispatch"`` or ``"combine"``, see ``comm/expert.py``). dispatch: ``a [T, H]``
+    """One expert call (``op``: ``"dispatch"`` or ``"combine"``, ``comm/expert/contract.py``). dispatch: ``a [T, H]``
     (``per_choice``: ``[T*k, H]``), ``b [L, H, N]``. combine: ``a [R, K]`` in the layout's receive rows, ``b [L, K,
     H]``, ``topk_weights [T, k]`` where ``weighted``, ``out``: a preallocated ``[T, H]`` result in a's dtype (or
     None). ``return_gathered``: also return the extra rows (dispatch: received, combine: returned to the origin)."""
@@ -148,11 +150,17 @@ class ExpertKind:
         return context.communicator("expert", path), plan, False
 
     def call(self, spec: ExpertSpec, entry: calls.Entry, env: settings.Settings) -> ExpertCall:
-        routing = spec.layout
+        routing, plan = spec.layout, entry[1]
+        rows = routing.rows_per_expert  # exact mode: this layout's counts, on the host at no cost
+        if plan.gemm is not None and rows is not None:
+            gemm, hybrid = _gemm_for_rows(rows, spec.b.shape[1], spec.b.shape[2], spec.a.dtype, spec.a.device,
+                                          plan.world_size)
+            if gemm != plan.gemm:
+                plan = dataclasses.replace(plan, gemm=gemm, hybrid=hybrid)
         if spec.op == "combine" and spec.weighted:
             routing = routing.with_weights(spec.topk_weights)
         capturing = guards.capturing()
-        return ExpertCall(spec.name, entry[1], spec.a, spec.b, spec.return_gathered, spec.hook,
+        return ExpertCall(spec.name, plan, spec.a, spec.b, spec.return_gathered, spec.hook,
                           None if capturing else env.timeout, env.replay and not capturing, layout=routing,
                           out=spec.out)
 
@@ -196,6 +204,17 @@ def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.d
     (``tune.grouped.expert_gemm``); ``"hybrid"`` plans take ``tune.grouped.HYBRID_CUT``."""
     call = grouped.GroupedCall.balanced(local, rows, k, n, dtype.itemsize, chunks)
     return grouped.expert_gemm(call, dtype, mode=mode, device_capability=capability, triton=_triton_available())[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_for_rows(rows: tuple[int, ...], k: int, n: int, dtype: torch.dtype, device: torch.device,
+                   chunks: int) -> tuple[str, object]:
+    """The grouped GEMM for an exact-mode layout's received rows per local expert (``Layout.rows_per_expert``):
+    the cost model given the routing's counts (``tune.grouped.expert_gemm``), which the balanced guess of the
+    plan's first call cannot see (skewed routing, where a per-expert loop can win)."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    call = grouped.GroupedCall(rows, k, n, dtype.itemsize, chunks)
+    return grouped.expert_gemm(call, dtype, mode="exact", device_capability=capability, triton=_triton_available())
 
 
 def _triton_available() -> bool:

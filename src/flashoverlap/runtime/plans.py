@@ -11,9 +11,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.plan import Plan
-from flashoverlap.runtime import policy, settings
+from flashoverlap.runtime import policy
 from flashoverlap.runtime.context import GroupContext, context_of
 from flashoverlap.tune import cache, rates
 from flashoverlap.tune.defaults import default_plan, sequential_plan

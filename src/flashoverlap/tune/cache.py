@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.plan import OPS, PLAN_PATHS, Plan
 from flashoverlap.tune.defaults import default_plan
 
@@ -35,10 +35,8 @@ _generation = 0  # bumped by forget_agreed: older exchanges are stale
 
 
 def cache_dir() -> Path | None:
-    """The cache directory, or None when ``FLASHOVERLAP_NO_CACHE=1``."""
-    if os.environ.get("FLASHOVERLAP_NO_CACHE") == "1":
-        return None
-    return Path(os.environ.get("FLASHOVERLAP_CACHE_DIR") or Path.home() / ".cache" / "flashoverlap")
+    """The cache directory, or None when ``FLASHOVERLAP_NO_CACHE=1`` (``flashoverlap.settings``)."""
+    return settings.current().cache_dir
 
 
 def cache_key(gpu: str, world_size: int, op: str, path: str, dtype: str,
@@ -57,8 +55,8 @@ def cache_key(gpu: str, world_size: int, op: str, path: str, dtype: str,
 
 
 def _p2p_disabled_in_environment() -> bool:
-    # The default for callers that pass no value (tune/ sits below runtime/ and cannot ask its read-once settings).
-    return os.environ.get("NCCL_P2P_DISABLE") == "1"
+    # The default for callers that pass no value: the settings' (read once).
+    return settings.current().nccl_p2p_disabled
 
 
 def cache_file(key: dict) -> Path | None:

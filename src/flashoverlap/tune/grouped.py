@@ -144,7 +144,7 @@ def choose_grouped_gemm(call: GroupedCall, dtype: torch.dtype, *, host_counts: b
 
 
 # -- the hybrid GEMM ---------------------------------------------------------------------------------------------
-# Where the expert paths run the hybrid GEMM in exact mode (``comm/chunked_gemm.py``: heavy experts a torch.mm per
+# Where the expert paths run the hybrid GEMM in exact mode (``comm/expert/chunked_gemm.py``: heavy experts a mm per
 # segment as chunks land, light ones once over every source's rows through a row map): many local experts with few
 # rows each, where a grouped GEMM per source chunk streams every expert's weights once per source and is bound by
 # that (DeepSeek-like slice at W = 2, 128 experts, 256 rows each: 0.74x torch._grouped_mm per chunk, 0.97x / 0.96x

@@ -6,7 +6,7 @@ grouped GEMMs.
   every path shares (send buffer, weighted sum at the origin).
 - ``reference``: the executable specification (``all_to_all_single``, any backend); ``nccl``: NCCL send/recv per
   peer beside the grouped GEMMs; ``p2p``: copy-engine pushes into the peers' symmetric memory (one NVLink node).
-  Both fast paths run their GEMMs through ``comm/chunked_gemm.py``.
+  Both fast paths run their GEMMs through ``comm/expert/chunked_gemm.py``.
 """
 
 from flashoverlap.comm.expert.contract import GEMMS, MODES, OPS, ExpertCall, ExpertPlan, HybridCut, Layout

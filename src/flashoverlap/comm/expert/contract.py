@@ -86,7 +86,7 @@ class HybridCut:
     """Where the hybrid grouped GEMM (``ExpertPlan.gemm == "hybrid"``) cuts a layout, as the policy
     (``tune/grouped.py``) chose: an expert whose rows, summed over the sources, reach ``heavy_rows`` is heavy (a
     ``torch.mm`` per segment, chunk by chunk); the others run in one row-mapped Triton launch, with the flattened
-    persistent tile where they average at least ``light_flat_rows`` rows (``comm/chunked_gemm.py``)."""
+    persistent tile where they average at least ``light_flat_rows`` rows (``comm/expert/chunked_gemm.py``)."""
 
     heavy_rows: int
     light_flat_rows: int
@@ -112,7 +112,7 @@ class ExpertPlan:
     ``kernels.grouped_gemm``, ``"cublas"``: ``torch._grouped_mm``, ``"loop"``: ``torch.mm`` per segment, exact
     mode only: it needs the segment sizes on the host, which bounded mode never reads; ``"hybrid"``, exact mode
     only: ``torch.mm`` per segment for the heavy experts, chunk by chunk, and one row-mapped Triton launch over every
-    source's rows of the light ones, ``comm/chunked_gemm.py``'s ``light_multiplier``, cut where ``hybrid`` (a
+    source's rows of the light ones, ``comm/expert/chunked_gemm.py``'s ``light_multiplier``, cut where ``hybrid`` (a
     ``HybridCut``, given with ``"hybrid"`` and only then) says; None: the runtime's choice,
     ``runtime/experts.py``, which a plan built elsewhere leaves to ``chunked_gemm.chunk_gemm``: the loop in exact
     mode, Triton in bounded mode; the reference path always loops and keeps None). ``per_choice`` (dispatch): the
@@ -207,8 +207,10 @@ class Layout:
     rows per peer (exact mode; None in bounded mode, where every split is ``bound``). ``max_pair_rows``: the most
     rows any (source, destination) pair of the group moves, the same on every rank (exact mode: read from the
     all-gathered counts in ``expert_layout``'s one host synchronisation, so that a path sizing per-pair buffers
-    alike on every rank needs no collective of its own; bounded mode: ``bound``). ``mode``, ``bound``, ``top_k``,
-    ``tokens``, ``experts``: the values it was built for."""
+    alike on every rank needs no collective of its own; bounded mode: ``bound``). ``recv_counts_host``: exact mode,
+    ``recv_counts`` on the host (``[W][L]``), read in the same synchronisation (None where unknown: bounded mode, or
+    a layout rebuilt from its tensors). ``mode``, ``bound``, ``top_k``, ``tokens``, ``experts``: the values it was
+    built for."""
 
     send_order: torch.Tensor
     send_rows: torch.Tensor
@@ -225,6 +227,15 @@ class Layout:
     send_splits: tuple[int, ...] | None = None
     recv_splits: tuple[int, ...] | None = None
     max_pair_rows: int | None = None
+    recv_counts_host: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def rows_per_expert(self) -> tuple[int, ...] | None:
+        """Each local expert's received rows, summed over the sources, where the host knows them
+        (``recv_counts_host``), else None: what the grouped-GEMM policy reads of a layout's routing."""
+        if self.recv_counts_host is None:
+            return None
+        return tuple(sum(column) for column in zip(*self.recv_counts_host))
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,7 @@
 """Building an expert call's routing layout (``Layout``, ``comm/expert/contract.py``): ``expert_layout`` exchanges
 every rank's per-expert counts in one all-gather, checks them on every rank at once (bad indices, an exceeded
-bound, ranks that disagree on the mode or the bound), and in exact mode reads the split sizes back to the host (the
-layer's one host synchronisation).
+bound, ranks that disagree on the mode or the bound), and in exact mode reads the split sizes and the received
+counts back to the host (the layer's one host synchronisation).
 """
 
 from __future__ import annotations
@@ -67,16 +67,19 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     pair_totals = everyone[:, :, :local].sum(2)  # [source, destination]
     bad_at, bounds = everyone[:, 0, local], everyone[:, 0, local + 1]
     if mode == "exact":
-        # The one sync; the largest pair of the group comes with it (every rank reads the same all-gathered totals).
+        # The one sync; the largest pair of the group comes with it (every rank reads the same all-gathered totals),
+        # and this rank's received counts (each chunk's segments on the host, for the paths that need them).
         summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at, bounds,
-                             pair_totals.max().reshape(1)]).tolist()
+                             pair_totals.max().reshape(1), recv_counts.reshape(-1)]).tolist()
         send_splits, recv_splits = summary[:world], summary[world : 2 * world]
         _raise_on_disagreement(summary[3 * world : 4 * world], 0, group)
         _raise_on_bad_indices(summary[2 * world : 3 * world], num_experts, group)
         send_rows = torch.arange(tokens * top_k, dtype=torch.int64, device=device)
         seg_ends = torch.cumsum(recv_counts.reshape(-1), 0)
+        received = summary[4 * world + 1 :]
         splits = {"send_splits": tuple(send_splits), "recv_splits": tuple(recv_splits),
-                  "max_pair_rows": summary[4 * world]}
+                  "max_pair_rows": summary[4 * world],
+                  "recv_counts_host": tuple(tuple(received[s * local : (s + 1) * local]) for s in range(world))}
     else:
         _check_bound(pair_totals, bad_at, bounds, bound, num_experts, group)
         send_totals = send_counts.sum(1)

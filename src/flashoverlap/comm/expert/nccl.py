@@ -1,7 +1,7 @@
 """The NCCL expert communicator (path ``"nccl"``): dispatch and combine (``contract.py``) with plain NCCL
 send/recv per peer on a high-priority stream, overlapped with the experts' grouped GEMMs. It works wherever NCCL
 does: across nodes, and through host memory (PCIe machines, ``NCCL_P2P_DISABLE=1``). Its chunks, rounds and
-grouped GEMMs are ``comm/chunked_gemm.py``'s, shared with the P2P path.
+grouped GEMMs are ``comm/expert/chunked_gemm.py``'s, shared with the P2P path.
 
 Chunks. A call moves one *chunk* of rows per (source, destination) pair: in exact mode the layout's host split sizes
 (``send_splits``/``recv_splits``, rows packed), in bounded mode whole ``bound``-row slots (padding included: NCCL
@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from flashoverlap import guards
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.chunked_gemm import (
+from flashoverlap.comm.expert.chunked_gemm import (
     ChunkGemm,
     Chunks,
     chunk_gemm,

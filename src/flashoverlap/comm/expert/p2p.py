@@ -8,7 +8,7 @@ stream, high priority: the pushes into the peers'). ``ExpertP2PCommunicator`` is
 ``tests/comm/expert_sim.py`` executes it for every rank at once on the CPU in random interleavings.
 
 Memory. Each rank's symmetric data region holds ``W`` slots, slot ``s`` for the rows rank ``s`` pushes here (one
-chunk: ``comm/chunked_gemm.py``'s ``Chunks``; bounded mode whole ``bound``-row slots, exact mode the layout's
+chunk: ``comm/expert/chunked_gemm.py``'s ``Chunks``; bounded mode whole ``bound``-row slots, exact mode the layout's
 splits). Slot offsets depend only on the workspace size, the same on every rank: the workspace grows only to sizes
 all ranks agree on (bounded: the bound; exact: the largest chunk of any pair, ``Layout.max_pair_rows``, which
 ``expert_layout`` reads from the all-gathered counts in its one host synchronisation: no collective here). The rows
@@ -63,7 +63,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap import guards
 from flashoverlap.comm import steps, stream_ops
-from flashoverlap.comm.chunked_gemm import (
+from flashoverlap.comm.expert.chunked_gemm import (
     Chunks,
     chunk_gemm,
     chunk_multiplier,

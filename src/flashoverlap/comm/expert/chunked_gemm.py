@@ -7,6 +7,7 @@ Triton kernel, ``torch._grouped_mm`` or a ``torch.mm`` loop, as the plan says) a
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -82,11 +83,16 @@ _HOST_ENDS = WeakTensorKeyDictionary()
 
 
 def host_relative_ends(layout: Layout) -> list[list[int]]:
-    """``relative_ends`` on the host, per chunk: one host synchronisation per layer's layout (exact mode only,
-    which the per-segment ``torch.mm`` loop needs), kept while its tensors live."""
+    """``relative_ends`` on the host, per chunk (exact mode only, which the per-segment ``torch.mm`` loop needs),
+    kept while its tensors live: from the counts ``expert_layout`` read in its one synchronisation, or, for a layout
+    without them (rebuilt from its tensors), one host synchronisation per layout."""
     ends = _HOST_ENDS.get(layout.recv_seg_ends)
     if ends is None:
-        ends = _HOST_ENDS[layout.recv_seg_ends] = relative_ends(layout).tolist()
+        if layout.recv_counts_host is not None:  # exact mode: packed, each chunk's ends its counts' running sums
+            ends = [list(itertools.accumulate(counts)) for counts in layout.recv_counts_host]
+        else:
+            ends = relative_ends(layout).tolist()
+        _HOST_ENDS[layout.recv_seg_ends] = ends
     return ends
 
 

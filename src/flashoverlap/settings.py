@@ -1,6 +1,7 @@
-"""What the environment says about calls, read once (``current``; ``refresh`` to read it again) and handed down as
-values: the debug deadline, whether the ranks check that they agree on each call, whether repeated calls may be
-replayed from CUDA graphs, whether NCCL's peer-to-peer transport is off.
+"""Every environment variable the library reads, read here once (``current``; ``refresh`` to read them again) and
+handed down as values: the debug deadline, whether the ranks check that they agree on each call, whether repeated
+calls may be replayed from CUDA graphs, whether NCCL's peer-to-peer transport is off, where the plan cache lives,
+and whether Triton interprets its kernels (on a Triton too old to say so itself).
 
 | variable | effect |
 | --- | --- |
@@ -8,17 +9,20 @@ replayed from CUDA graphs, whether NCCL's peer-to-peer transport is off.
 | ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's switch for mismatches: the agreement check on (``AGREEMENT_TIMEOUT``) |
 | ``FLASHOVERLAP_REPLAY=0`` | repeated P2P calls are issued eagerly, never replayed from a graph |
 | ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay either (a graph launch does not keep the issue order on one queue) |
+| ``FLASHOVERLAP_CACHE_DIR=D`` | the plan cache's directory (default ``~/.cache/flashoverlap``) |
+| ``FLASHOVERLAP_NO_CACHE=1`` | no plan cache: no lookups, no writes |
 | ``NCCL_P2P_DISABLE=1`` | ``path="auto"`` never takes the P2P path (NCCL moves bytes through host memory) |
+| ``TRITON_INTERPRET=1`` | Triton's interpreter (the CPU tests): asked of Triton itself where it has ``triton.knobs`` |
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-from flashoverlap import guards
+from pathlib import Path
 
 AGREEMENT_TIMEOUT = 300.0
+DEBUG_TIMEOUT_VARIABLE = "FLASHOVERLAP_DEBUG_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,8 @@ class Settings:
     replay: bool  # repeated calls may be replayed from CUDA graphs (before the capture check of the call itself)
     nccl_p2p_disabled: bool
     agreement: float | None = None  # the agreement check's deadline in seconds; None: no check
+    cache_dir: Path | None = None  # the plan cache's directory; None: no plan cache
+    triton_interpret: bool = False  # TRITON_INTERPRET=1 (guards.triton_interpreted asks Triton first)
 
 
 _current: Settings | None = None
@@ -49,9 +55,24 @@ def refresh() -> None:
 
 def read(environ: os._Environ | dict = os.environ) -> Settings:
     """The settings the environment ``environ`` gives."""
-    timeout = guards.debug_timeout(environ)
+    timeout = debug_timeout(environ)
     replay = (timeout is None and environ.get("FLASHOVERLAP_REPLAY", "1") != "0"
               and environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1")
     detail = environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
     agreement = timeout if timeout is not None else AGREEMENT_TIMEOUT if detail else None
-    return Settings(timeout, replay, environ.get("NCCL_P2P_DISABLE") == "1", agreement)
+    cache = None if environ.get("FLASHOVERLAP_NO_CACHE") == "1" else Path(
+        environ.get("FLASHOVERLAP_CACHE_DIR") or Path.home() / ".cache" / "flashoverlap")
+    return Settings(timeout, replay, environ.get("NCCL_P2P_DISABLE") == "1", agreement, cache,
+                    environ.get("TRITON_INTERPRET") == "1")
+
+
+def debug_timeout(environ: os._Environ | dict = os.environ) -> float | None:
+    """Seconds any wait may take before it raises, from ``FLASHOVERLAP_DEBUG_TIMEOUT`` (unset or <= 0: no bound)."""
+    value = environ.get(DEBUG_TIMEOUT_VARIABLE)
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{DEBUG_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}") from None
+    return seconds if seconds > 0 else None

@@ -1,0 +1,133 @@
+"""The snippets cannot rot: every Python code block of README.md, docs/usage.md and docs/migration.md is an excerpt
+(verbatim, up to its leading indentation) of a script under ``examples/``, and every such script runs here on two
+gloo ranks and checks itself against plain PyTorch (it raises on a mismatch and prints what it checked).
+
+The ranks run each script's ``main()`` through ``flashoverlap.testing.spawn`` (forked from a server that imported
+torch once: a fresh ``torchrun`` per script would cost seconds of interpreter start each); the README's example also
+runs end to end as the README says, under ``torchrun`` (``python -m torch.distributed.run``)."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flashoverlap.testing import spawn
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+DOCS = [ROOT / "README.md", ROOT / "docs" / "usage.md", ROOT / "docs" / "migration.md"]
+# Scripts the CPU suite does not run, and why.
+NOT_RUN = {"hf_llama_tp.py": "a benchmark on GPUs (NCCL, CUDA timing, an 8B-shaped model)"}
+RUN = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in NOT_RUN)
+# Scripts that need a package outside the test extra (CI installs it: the hf extra).
+NEEDS = {"hf_tp_plan.py": "transformers"}
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """Each ```python block of a Markdown text: (its first line's number, its code)."""
+    return [(text.count("\n", 0, m.start()) + 2, m.group(1))
+            for m in re.finditer(r"^[ \t]*```python[ \t]*\n(.*?)^[ \t]*```", text, re.S | re.M)]
+
+
+def _normalised(lines: list[str]) -> list[str]:
+    """The lines without their common leading indentation, trailing blanks removed from each."""
+    return textwrap.dedent("\n".join(line.rstrip() for line in lines)).split("\n")
+
+
+def excerpts_of(block: str, scripts: dict[str, str]) -> list[str]:
+    """The names of the scripts of which ``block`` is a contiguous run of lines (each side's common indentation
+    removed)."""
+    want = _normalised(block.strip("\n").split("\n"))
+    found = []
+    for name, text in scripts.items():
+        lines = text.split("\n")
+        if any(_normalised(lines[start : start + len(want)]) == want for start in range(len(lines) - len(want) + 1)):
+            found.append(name)
+    return found
+
+
+def _scripts() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(EXAMPLES.glob("*.py"))}
+
+
+def test_every_python_block_of_the_docs_is_an_excerpt_of_an_example():
+    scripts, strays, shown = _scripts(), [], set()
+    for doc in DOCS:
+        for line, block in python_blocks(doc.read_text()):
+            found = excerpts_of(block, scripts)
+            shown.update(found)
+            if not found:
+                strays.append(f"{doc.relative_to(ROOT)}:{line}: {block.strip().splitlines()[0]!r}")
+    assert not strays, "Python blocks that are no excerpt of a script under examples/ (copy them from one, or " \
+                       "write the script): " + "; ".join(strays)
+    assert not set(RUN) - shown, f"examples no doc shows an excerpt of: {sorted(set(RUN) - shown)}"
+
+
+def test_an_edited_or_stitched_block_is_not_an_excerpt():
+    scripts = {"x.py": "def main():\n    a = 1\n    b = 2\n\n    c = 3\n", "y.py": "b = 2\n"}
+    assert excerpts_of("a = 1\nb = 2\n", scripts) == ["x.py"]  # indentation aside
+    assert excerpts_of("b = 2\n\nc = 3", scripts) == ["x.py"]
+    assert excerpts_of("b = 2", scripts) == ["x.py", "y.py"]
+    assert excerpts_of("a = 1\nb = 3\n", scripts) == []  # a value changed
+    assert excerpts_of("a = 1\nc = 3\n", scripts) == []  # lines that are not contiguous
+    assert excerpts_of("a = 1\n  b = 2\n", scripts) == []  # the indentation within the block changed
+    blocks = python_blocks("text\n```python\nx = 1\n```\n\n```bash\nls\n```\n  ```python\n  y = 2\n  ```\n")
+    assert blocks == [(3, "x = 1\n"), (10, "  y = 2\n")]
+
+
+def test_every_example_is_run_or_says_why_not():
+    assert set(NOT_RUN) <= {p.name for p in EXAMPLES.glob("*.py")}
+    assert RUN, "no example to run"
+
+
+def _run_examples(rank: int, world_size: int, names: list[str]) -> None:
+    """Each example's ``main()`` in turn, on ranks that already form a group (the examples join it as they find
+    it); an example's failure names it."""
+    for name in names:
+        if rank == 0:
+            print(f"== examples/{name}", flush=True)
+        spec = importlib.util.spec_from_file_location(f"example_{Path(name).stem}", EXAMPLES / name)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+            module.main()
+        except Exception as exc:
+            raise RuntimeError(f"examples/{name} failed on rank {rank}: {exc}") from exc
+
+
+def test_every_example_runs_on_two_gloo_ranks_and_checks_itself(capsys):
+    # One pair of ranks runs them all: each fresh pair would import torch._dynamo (every autograd call of a custom
+    # op does) and transformers again, seconds each on a CPU machine.
+    missing = [name for name in RUN if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None]
+    names = [name for name in RUN if name not in missing]
+    spawn(_run_examples, 2, "gloo", args=(names,))
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out, out
+    parts = re.split(r"^== examples/(\S+)\n", out, flags=re.M)
+    printed = dict(zip(parts[1::2], parts[2::2]))  # rank 0 prints each marker, then that example's checks
+    quiet = [name for name in names if not re.search(r", OK$", printed.get(name, ""), re.M)]
+    assert not quiet, f"examples that printed no check: {quiet}\n{out}"
+    if missing:
+        pytest.skip(f"ran {names}; not {missing}, which need {sorted({NEEDS[name] for name in missing})}")
+
+
+def test_the_readme_example_runs_under_torchrun():
+    # --standalone: a free port for the rendezvous. Several runs may share the machine, so a port taken between
+    # torchrun's choice and its use is tried once more (that failure names itself; any other fails the test).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(EXAMPLES / "ops.py")], capture_output=True, text=True, timeout=300, env=env)
+        if proc.returncode == 0 or not re.search(r"EADDRINUSE|[Aa]ddress already in use", proc.stderr):
+            break
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    for op in ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm"):
+        assert re.search(rf"^{op}: max abs diff vs plain PyTorch \S+, OK$", proc.stdout, re.M), proc.stdout
+    readme = (ROOT / "README.md").read_text()
+    assert excerpts_of(python_blocks(readme)[0][1], {"ops.py": (EXAMPLES / "ops.py").read_text()}) == ["ops.py"]
+    assert "torchrun --nproc-per-node 2 examples/ops.py" in readme
