@@ -36,7 +36,7 @@ dtype, through bf16 for row-wise scaling and through fp32 for fp16.
 torchao's own styles are not the unsharded ``Float8Linear``: they cast the input and the output gradient tensor-wise
 whatever the recipe (in their hooks, before ``Float8Linear`` sees them), and take the bias gradient from the fp8
 output gradient. These styles keep the unsharded model's casts, so they are closer to it (the tests' figures: row-wise
-recipe, output 2.4e-3 against torchao's styles' 5.2e-2; weight gradients equal).
+recipe, output 2.4e-3 against torchao's styles' 5.2e-2; weight gradients bit-equal to the unsharded model's).
 
 Everything else is torchao's styles' own behaviour (their hooks, ``Float8Linear.forward`` on DTensors): an input
 already cast to fp8 (``PrepareFloat8ModuleInput``'s, a ``Replicate`` DTensor shared by several projections), other
