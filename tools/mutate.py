@@ -300,6 +300,10 @@ MUTATIONS = [
     ("fp8-block-k-unchecked", "fp8: block-wise K not a multiple of 128 accepted",
      "src/flashoverlap/runtime/checks.py", '    if scales.mode == "block" and k % BLOCK:', "    if False:",
      "tests/ops/test_scaled.py"),
+    ("float8-input-amax-local", "Float8 styles: the row-wise style's input scale from this rank's amax, not the group's",
+     "src/flashoverlap/nn/float8.py", "x8, x_scale = _cast(x, recipe.input, -1, True, mesh)",
+     "x8, x_scale = _cast(x, recipe.input, -1, False, mesh)",
+     "tests/nn/test_float8_styles.py::test_float8_styles_at_two_ranks_match_the_unsharded_model_as_torchaos_do"),
 ]
 
 
