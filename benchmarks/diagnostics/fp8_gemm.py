@@ -14,15 +14,15 @@ Block-wise scales are laid out as torch 2.11's block-wise ``_scaled_mm`` takes t
 A ``[M, K/128]`` outer-dim-major (``s.t().contiguous().t()``), B ``[K/128, N/128]`` as the transpose of a contiguous
 ``[N/128, K/128]`` weight scale.
 
-FLASHOVERLAP_COMMIT=<sha> python benchmarks/diagnostics/fp8_gemm.py [out.json]
+FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python benchmarks/diagnostics/fp8_gemm.py [out.json]
 """
 
 import math
 import statistics
 
 import torch
-from results_file import results_meta, write_results
 
+from benchmarks.diagnostics.results_file import results_meta, write_results
 from flashoverlap.kernels.gemm import GatherWait, Scaling, gemm
 from flashoverlap.tune.defaults import default_plan
 from flashoverlap.tune.fp8 import fp8_tiles
@@ -132,7 +132,7 @@ def main():
               for s in SCALINGS}
     for s, rs in ratios.items():
         print(f"nccl {s}: {min(rs):.3f}-{max(rs):.3f}x _scaled_mm", flush=True)
-    write_results({"meta": results_meta("FLASHOVERLAP_COMMIT=<sha> python benchmarks/diagnostics/fp8_gemm.py "
+    write_results({"meta": results_meta("FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python benchmarks/diagnostics/fp8_gemm.py "
                                         "benchmarks/results/h200x1-fp8-gemm.json",
                                         triton=__import__("triton").__version__), "rows": rows})
 

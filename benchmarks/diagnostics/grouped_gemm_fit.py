@@ -10,9 +10,9 @@ The fit, per way: the roofline's ``tflops`` and ``tbps`` and the padding ``pad_r
 grid point ``kernel_us`` and ``tile_us`` (>= 0) by least squares on the relative error of the GPU time; the grid
 point of the least squared relative error wins. ``host_us``: the median over the samples of the host time per call.
 
-    PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm_fit.py OUT.json [--costs PATH]
-    PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm_fit.py OUT.json --refit RESULTS.json  # no GPU
-    PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm_fit.py OUT.json --dry-run  # CPU, tiny, interpreted
+    PYTHONPATH=src:. python -m benchmarks.diagnostics.grouped_gemm_fit OUT.json [--costs PATH]
+    PYTHONPATH=src:. python -m benchmarks.diagnostics.grouped_gemm_fit OUT.json --refit RESULTS.json  # no GPU
+    PYTHONPATH=src:. python -m benchmarks.diagnostics.grouped_gemm_fit OUT.json --dry-run  # CPU, tiny, interpreted
 
 ``--costs``: where the coefficients module goes (default: the imported package's ``tune/grouped_costs.py``; the
 dry run writes none unless given). ``--refit``: fit the rows of an earlier results file instead of measuring.
@@ -31,10 +31,10 @@ if "--dry-run" in sys.argv:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from grouped_gemm_ways import WAYS, Config, call_of, run_all  # noqa: E402
-from results_file import results_meta  # noqa: E402
 
 import flashoverlap.tune  # noqa: E402
+from benchmarks.diagnostics.grouped_gemm_ways import WAYS, Config, call_of, run_all  # noqa: E402
+from benchmarks.diagnostics.results_file import results_meta  # noqa: E402
 from flashoverlap.tune.grouped import WayCosts, cost_ms, gpu_ms, host_calls, kernels  # noqa: E402
 
 FIT_CONFIGS = [Config(f"{name}-{tokens}", local, hidden, ffn, top_k, tokens)
@@ -123,7 +123,7 @@ def main() -> None:
         rows, meta = measured["rows"], {**measured["meta"], "refit_from": args.refit}
     else:
         configs = DRY_CONFIGS if args.dry_run else FIT_CONFIGS
-        meta = results_meta(" ".join(["PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm_fit.py",
+        meta = results_meta(" ".join(["PYTHONPATH=src:. python -m benchmarks.diagnostics.grouped_gemm_fit",
                                       *sys.argv[1:]]), gpus=None if torch.cuda.is_available() else "cpu (dry run)",
                             triton=_triton_version(), configs=[c.__dict__ for c in configs])
 

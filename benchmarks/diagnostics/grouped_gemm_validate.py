@@ -15,7 +15,7 @@ given the balanced rows of the same total, which is what the runtime passes toda
 signature, before any routing is known). ``summary``: ``within_5pct`` (every row's ratio <= 1.05), the worst ratio,
 the same for the balanced choice, and the coefficients' source.
 
-    PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm_validate.py OUT.json [--dry-run]
+    PYTHONPATH=src:. python -m benchmarks.diagnostics.grouped_gemm_validate OUT.json [--dry-run]
 
 Set ``FLASHOVERLAP_COMMIT`` to the commit of the tree measured (the results file records it).
 """
@@ -30,9 +30,9 @@ if "--dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 
 import torch  # noqa: E402
-from grouped_gemm_ways import WAYS, Config, call_of, run_all  # noqa: E402
-from results_file import results_meta  # noqa: E402
 
+from benchmarks.diagnostics.grouped_gemm_ways import WAYS, Config, call_of, run_all  # noqa: E402
+from benchmarks.diagnostics.results_file import results_meta  # noqa: E402
 from flashoverlap.tune import grouped, grouped_costs  # noqa: E402
 
 VALIDATION_CONFIGS = [
@@ -91,7 +91,7 @@ def main() -> None:
     t0 = time.perf_counter()
     configs = DRY_CONFIGS if args.dry_run else VALIDATION_CONFIGS
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    meta = results_meta(" ".join(["PYTHONPATH=src python benchmarks/diagnostics/grouped_gemm_validate.py",
+    meta = results_meta(" ".join(["PYTHONPATH=src:. python -m benchmarks.diagnostics.grouped_gemm_validate",
                                   *sys.argv[1:]]), gpus=None if torch.cuda.is_available() else "cpu (dry run)",
                         configs=[c.__dict__ for c in configs], costs=grouped_costs.COSTS,
                         costs_fitted_from=grouped_costs.FITTED_FROM)

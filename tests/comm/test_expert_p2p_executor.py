@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, Layout, chunked_gemm, steps
+from flashoverlap.comm import steps
+from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, Layout, chunked_gemm
 from flashoverlap.comm.expert import p2p as ep
 from flashoverlap.comm.expert.chunked_gemm import relative_ends
 from flashoverlap.comm.replay import CallGraphs
