@@ -132,7 +132,8 @@ def main():
               for s in SCALINGS}
     for s, rs in ratios.items():
         print(f"nccl {s}: {min(rs):.3f}-{max(rs):.3f}x _scaled_mm", flush=True)
-    write_results({"meta": results_meta("FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python benchmarks/diagnostics/fp8_gemm.py "
+    write_results({"meta": results_meta("FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python "
+                                        "benchmarks/diagnostics/fp8_gemm.py "
                                         "benchmarks/results/h200x1-fp8-gemm.json",
                                         triton=__import__("triton").__version__), "rows": rows})
 
