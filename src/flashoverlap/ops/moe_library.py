@@ -43,8 +43,12 @@ def layout_of(tensors: list[torch.Tensor], values: list[int]) -> Layout:
     """``layout_values``' inverse, with the tensors (``Layout.tensors()``)."""
     num_experts, top_k, bound, max_pair_rows, splits = values[:5]
     send_splits, recv_splits = list(values[5 : 5 + splits]), list(values[5 + splits : 5 + 2 * splits])
-    return Layout.of_tensors(list(tensors), "bounded" if bound else "exact", bound or None, top_k,
-                             tensors[0].shape[0] // top_k, num_experts, send_splits, recv_splits, max_pair_rows)
+    if bound:
+        return Layout(*tensors, mode="bounded", bound=bound, top_k=top_k, tokens=tensors[0].shape[0] // top_k,
+                      experts=num_experts, max_pair_rows=bound)
+    return Layout(*tensors, mode="exact", bound=None, top_k=top_k, tokens=tensors[0].shape[0] // top_k,
+                  experts=num_experts, send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
+                  max_pair_rows=max_pair_rows)
 
 
 @torch.library.custom_op("flashoverlap::moe_layout", mutates_args=())
@@ -220,4 +224,5 @@ def bounded_layout(topk_idx: torch.Tensor, num_experts: int, group: str, bound: 
     tokens, top_k = topk_idx.shape
     bound = default_bound(tokens, top_k) if bound is None else bound
     tensors = torch.ops.flashoverlap.moe_layout(topk_idx, num_experts, group, bound)
-    return Layout.of_tensors(list(tensors), "bounded", bound, top_k, tokens, num_experts)
+    return Layout(*tensors, mode="bounded", bound=bound, top_k=top_k, tokens=tokens, experts=num_experts,
+                  max_pair_rows=bound)

@@ -264,21 +264,10 @@ class Layout:
         return layout
 
     def tensors(self) -> list[torch.Tensor]:
-        """The device tensors, in the order ``Layout.of_tensors`` takes them (custom ops pass them one by one)."""
+        """The device tensors, in the order the constructor takes them first (the custom ops pass them as one list)."""
         return [self.send_order, self.send_rows, self.send_counts, self.recv_counts, self.recv_seg_starts,
                 self.recv_seg_ends]
 
-    @classmethod
-    def of_tensors(cls, tensors: list[torch.Tensor], mode: str, bound: int | None, top_k: int, tokens: int,
-                   experts: int, send_splits: list[int] | None = None, recv_splits: list[int] | None = None,
-                   max_pair_rows: int | None = None) -> Layout:
-        """The layout from ``tensors()`` and its values (custom ops rebuild it so); ``max_pair_rows``: exact mode's
-        (bounded mode: the bound)."""
-        exact = mode == "exact"
-        return cls(*tensors, mode=mode, bound=None if exact else bound, top_k=top_k, tokens=tokens,
-                   experts=experts, send_splits=tuple(send_splits) if exact else None,
-                   recv_splits=tuple(recv_splits) if exact else None,
-                   max_pair_rows=max_pair_rows if exact else bound)
 
 
 @dataclass(slots=True, eq=False)  # as Call: a value communicators never write, built without frozen's __init__
