@@ -109,11 +109,10 @@ def test_a_call_that_never_ends_is_an_error_after_its_timeout_with_what_the_rank
     assert "rank 0 started" in out and "rank 1 started" in out
 
 
-def test_the_others_get_a_grace_period_once_a_rank_has_failed(monkeypatch):
-    monkeypatch.setattr(testing, "FAILURE_GRACE", 2.0)
+def test_the_others_get_a_grace_period_once_a_rank_has_failed():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 failed"):
-        spawn(_fail_while_the_other_hangs, 2, timeout=300)
+        spawn(_fail_while_the_other_hangs, 2, timeout=300, grace=2.0)
     assert time.monotonic() - start < 60
 
 

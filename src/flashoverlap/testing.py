@@ -144,12 +144,14 @@ def spawn(
     env: dict[str, str] | None = None,
     timeout: float = 600.0,
     fresh: bool = False,
+    grace: float = FAILURE_GRACE,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result, in rank order.
 
     ``fn`` must be importable (a module-level function). ``env`` is applied in each child before the process group
     and any CUDA context exist (so e.g. ``CUDA_DEVICE_MAX_CONNECTIONS`` takes effect there). ``fresh``: every rank a
     new interpreter (its own string-hash salt, as on separate machines), not a fork of the preloaded server.
+    ``grace``: seconds the other ranks get to report once one has failed.
     """
     environ = {**os.environ, **(env or {})}
     ctx = rank_context(environ, fresh)
@@ -183,7 +185,7 @@ def spawn(
                     continue
                 (results if status == "ok" else errors)[rank] = payload
                 if errors:
-                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+                    deadline = min(deadline, time.monotonic() + grace)
         except RuntimeError:
             if not errors:
                 for p in procs:
