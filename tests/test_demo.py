@@ -41,7 +41,10 @@ def test_demo_as_typed_says_it_ran_the_reference_path_and_checks():
 
 
 @pytest.mark.parametrize("op,name,dtype", [("reduce_scatter", "gemm_reduce_scatter", "float16"),
-                                           ("all_gather", "all_gather_gemm", "bfloat16")])
+                                           ("all_gather", "all_gather_gemm", "bfloat16"),
+                                           ("scaled_all_reduce", "scaled_gemm_all_reduce", "bfloat16"),
+                                           ("scaled_reduce_scatter", "scaled_gemm_reduce_scatter", "float16"),
+                                           ("scaled_all_gather", "all_gather_scaled_gemm", "bfloat16")])
 def test_demo_runs_every_op_on_cpu(capsys, op, name, dtype):
     assert demo.main((640, 300, 96), dtype, None, True, op) == 0
     out = capsys.readouterr().out

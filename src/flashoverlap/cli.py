@@ -153,8 +153,10 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,version}")
     demo = commands.add_parser("demo", help="run one op on 2 ranks and check it against plain PyTorch",
                                description=DEMO_DESCRIPTION)
-    demo.add_argument("--op", default="all_reduce", choices=[*OPS, "moe"],
-                      help="the op (default: all_reduce); moe: the MoE dispatch and combine")
+    demo.add_argument("--op", default="all_reduce",
+                      choices=[*OPS, "moe", "scaled_all_reduce", "scaled_reduce_scatter", "scaled_all_gather"],
+                      help="the op (default: all_reduce); moe: the MoE dispatch and combine; scaled_*: the fp8 "
+                           "ops (row-wise scales, bf16 output)")
     demo.add_argument("--shape", type=shape, default=None, metavar="M,N,K",
                       help="M rows (all_gather: gathered), N columns, this rank's K (default 16384,8192,4096 on "
                            "GPUs, 4096,4096,1024 on the CPU)")

@@ -31,7 +31,11 @@ from flashoverlap.testing import spawn
 OPS = {"all_reduce": ("gemm_all_reduce", "matmul + all_reduce"),
        "reduce_scatter": ("gemm_reduce_scatter", "matmul + reduce_scatter"),
        "all_gather": ("all_gather_gemm", "all_gather + matmul"),
-       "moe": ("moe_dispatch_gemm + moe_gemm_combine", "plain PyTorch, every expert on the token's own rank")}
+       "moe": ("moe_dispatch_gemm + moe_gemm_combine", "plain PyTorch, every expert on the token's own rank"),
+       "scaled_all_reduce": ("scaled_gemm_all_reduce", "torch._scaled_mm + all_reduce"),
+       "scaled_reduce_scatter": ("scaled_gemm_reduce_scatter", "torch._scaled_mm + reduce_scatter"),
+       "scaled_all_gather": ("all_gather_scaled_gemm", "all_gather + torch._scaled_mm")}
+FP8 = torch.float8_e4m3fn
 
 # (on GPUs, on the CPU): M, N, K; for moe tokens per rank, hidden, expert FFN (Mixtral-like on GPUs).
 SHAPES = {"gemm": ((16384, 8192, 4096), (4096, 4096, 1024)), "moe": ((4096, 4096, 14336), (256, 128, 256))}
@@ -92,14 +96,31 @@ def _time_ms(fns: dict, iters: int = 20, warmup: int = 3) -> dict[str, float]:
     return dict(zip(fns, medians.tolist()))
 
 
-def _plain(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The plain PyTorch code: ``torch.matmul`` and the collective, one after the other."""
+def _to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as float8_e4m3fn with one fp32 scale per row (``[rows, 1]``)."""
+    scale = x.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / torch.finfo(FP8).max
+    return (x.float() / scale).to(FP8), scale
+
+
+def _plain(op: str, a: torch.Tensor, b: torch.Tensor, scales: tuple | None = None) -> torch.Tensor:
+    """The plain PyTorch code: ``torch.matmul`` (fp8: ``torch._scaled_mm``) and the collective, one after the
+    other."""
     rank, world = dist.get_rank(), dist.get_world_size()
+
+    def mm(a, scale_a):
+        if scales is None:
+            return a @ b
+        return torch._scaled_mm(a, b, scale_a, scales[1], out_dtype=torch.bfloat16)
+
     if op == "all_gather":
-        shards = [torch.empty_like(a) for _ in range(world)]
-        dist.all_gather(shards, a.contiguous())
-        return torch.cat(shards) @ b
-    c = a @ b
+        shards = [torch.empty_like(a.view(torch.uint8) if scales else a) for _ in range(world)]
+        dist.all_gather(shards, (a.view(torch.uint8) if scales else a).contiguous())
+        if scales is None:
+            return torch.cat(shards) @ b
+        row_scales = [torch.empty_like(scales[0]) for _ in range(world)]
+        dist.all_gather(row_scales, scales[0])
+        return mm(torch.cat(shards).view(a.dtype), torch.cat(row_scales))
+    c = mm(a, None if scales is None else scales[0])
     dist.all_reduce(c)
     return c if op == "all_reduce" else c.chunk(world)[rank].contiguous()
 
@@ -108,17 +129,24 @@ def _run_gemm(rank: int, world_size: int, op: str, m: int, n: int, k: int, dtype
               on_gpu: bool) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(100 + rank)
-    rows = m // world_size if op == "all_gather" else m  # all-gather: each rank holds its shard of the rows
+    rows = m // world_size if op.endswith("all_gather") else m  # all-gather: each rank holds its shard of the rows
     a = torch.randn(rows, k, dtype=dtype, device=device, generator=gen)
     w = torch.randn(n, k, dtype=dtype, device=device, generator=gen) / k**0.5
+    fn, collective, scales = getattr(fo, OPS[op][0]), op.removeprefix("scaled_"), None
+    if op.startswith("scaled_"):  # fp8 row-wise: each row of a and each row of w (column of b) its own scale
+        (a, scale_a), (w, scale_w) = _to_fp8(a), _to_fp8(w)
+        scales = (scale_a, scale_w.t())
     b = w.t()  # an nn.Linear weight's transposed view, as a parallel linear layer holds it
-    fn = getattr(fo, OPS[op][0])
-    got, path = _chosen_path(lambda: fn(a, b)) if on_gpu else (fn(a, b), REFERENCE)
-    want = _plain(op, a, b)
+
+    def ours():
+        return fn(a, b) if scales is None else fn(a, b, *scales)
+
+    got, path = _chosen_path(ours) if on_gpu else (ours(), REFERENCE)
+    want = _plain(collective, a, b, scales)
     out = {"path": path, "rel_err": float((got.double() - want.double()).norm() / want.double().norm()),
            "nan": bool(torch.isnan(got).any())}
     if on_gpu:
-        out["times"] = _time_ms({"plain": lambda: _plain(op, a, b), "flashoverlap": lambda: fn(a, b)})
+        out["times"] = _time_ms({"plain": lambda: _plain(collective, a, b, scales), "flashoverlap": ours})
     return out
 
 
@@ -163,7 +191,7 @@ def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | 
     if on_gpu and world_size > gpus:
         raise SystemExit(f"--world-size {world_size} needs that many GPUs, found {gpus}")
     where = f"{world_size} GPUs (NCCL)" if on_gpu else f"{world_size} CPU processes (gloo)"
-    if op in ("reduce_scatter", "all_gather") and m % world_size:
+    if op.removeprefix("scaled_") in ("reduce_scatter", "all_gather") and m % world_size:
         raise SystemExit(f"--shape {m},{n},{k}: {OPS[op][0]} needs M divisible by the {world_size} ranks")
     dtype = getattr(torch, dtype_name)
     if op == "moe":
@@ -171,7 +199,8 @@ def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | 
               f"{EXPERTS_PER_RANK * world_size} experts, top-{TOP_K}, {dtype_name}, on {where}")
         fn, args = _run_moe, (m, n, k, dtype, on_gpu)
     else:
-        print(f"flashoverlap demo: {OPS[op][0]} of [{m}, {k}] @ [{k}, {n}] {dtype_name} on {where}")
+        cast = ", cast to float8_e4m3fn with row-wise scales," if op.startswith("scaled_") else ""
+        print(f"flashoverlap demo: {OPS[op][0]} of [{m}, {k}] @ [{k}, {n}] {dtype_name}{cast} on {where}")
         fn, args = _run_gemm, (op, m, n, k, dtype, on_gpu)
     # No multicast on GPUs (docs/benchmarks.md); on the CPU the same environment as the caller's (the ranks then
     # fork from a server that imported torch, not fresh interpreters).
@@ -185,7 +214,8 @@ def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | 
               f"({t['plain'] / t['flashoverlap']:.2f}x; CUDA events, medians of 20 interleaved calls queued behind "
               "GPU work, the slowest rank)")
     worst = max(r["rel_err"] for r in results)
-    ok = worst < TOLERANCE[dtype] and not any(r["nan"] for r in results)
+    tolerance = TOLERANCE[torch.bfloat16 if op.startswith("scaled_") else dtype]  # fp8 ops: bf16 output
+    ok = worst < tolerance and not any(r["nan"] for r in results)
     print(f"verdict: {'OK' if ok else 'MISMATCH'}: result vs {OPS[op][1]}, worst relative error over ranks "
           f"{worst:.2e}")
     return 0 if ok else 1
