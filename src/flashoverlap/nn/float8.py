@@ -381,6 +381,28 @@ class _Float8Linear:
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output, path=path)
 
+    def _prepare_input_fn(self, input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
+                          device_mesh: DeviceMesh) -> Any:
+        """torchao's input hook (its cast to fp8), of its style of this name."""
+        return self._theirs()._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+    def _prepare_output_fn(self, output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: DeviceMesh) -> Any:
+        return self._theirs()._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    def _theirs(self) -> type:
+        from torchao.float8 import float8_tensor_parallel
+
+        return getattr(float8_tensor_parallel, type(self).__name__)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        recipe = _checked_float8_linear(self, module)
+        ours = next(base for base in type(self).__mro__ if base in (styles.ColwiseParallel, styles.RowwiseParallel))
+        if recipe is None:  # torchao's style outright: PyTorch's style of the same name with torchao's hooks
+            return getattr(torch_styles, ours.__name__)._apply(self, module, device_mesh)
+        module._flashoverlap_float8_recipe = recipe
+        return ours._apply(self, module, device_mesh)
+
     def _torch_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
         """Exactly what torchao's style runs: its input hook, ``Float8Linear.forward``, its output hook."""
         x = self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, (x,), binding.mesh)
@@ -398,27 +420,6 @@ class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
     ``scaled_gemm_reduce_scatter``) and a local scaled matmul when it is a plain tensor annotated ``Replicate``
     (backward ``scaled_gemm_all_reduce``). Other cases run as torchao's style runs them (module docstring).
     ``path``: the ops' path."""
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
-                          device_mesh: DeviceMesh) -> Any:
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel as Theirs
-
-        return Theirs._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
-                           device_mesh: DeviceMesh) -> Any:
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel as Theirs
-
-        return Theirs._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        recipe = _checked_float8_linear(self, module)
-        if recipe is None:
-            return torch_styles.ColwiseParallel._apply(self, module, device_mesh)  # torchao's style outright
-        module._flashoverlap_float8_recipe = recipe
-        return styles.ColwiseParallel._apply(self, module, device_mesh)
 
     def _linear_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
@@ -454,27 +455,6 @@ class Float8RowwiseParallel(_Float8Linear, styles.RowwiseParallel):
     on a dimension other than the last (``output_layouts=Shard(1)``; backward ``all_gather_scaled_gemm`` of the fp8
     gradient) and ``scaled_gemm_all_reduce`` when it is ``Replicate``. Its input must be sharded on the last
     dimension; other cases run as torchao's style runs them (module docstring). ``path``: the ops' path."""
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
-                          device_mesh: DeviceMesh) -> Any:
-        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel as Theirs
-
-        return Theirs._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
-                           device_mesh: DeviceMesh) -> Any:
-        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel as Theirs
-
-        return Theirs._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        recipe = _checked_float8_linear(self, module)
-        if recipe is None:
-            return torch_styles.RowwiseParallel._apply(self, module, device_mesh)  # torchao's style outright
-        module._flashoverlap_float8_recipe = recipe
-        return styles.RowwiseParallel._apply(self, module, device_mesh)
 
     def _linear_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
