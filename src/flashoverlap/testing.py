@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_PRELOAD = ["torch", "torch.distributed", "flashoverlap"]
+# torch._dynamo: the first autograd call of a custom op imports it (seconds a rank, for most tests of the layers).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "flashoverlap"]
 # Environment variables read only once a rank runs its work, never while torch or flashoverlap is imported
 # (torch.compile's inductor sets two of its own in the process that compiles).
 READ_AT_WORK = ("FLASHOVERLAP_", "NCCL_", "TORCH_NCCL_", "CUDA_", "PYTEST_", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")
