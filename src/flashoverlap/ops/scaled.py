@@ -76,6 +76,7 @@ def all_gather_scaled_gemm_gathered(a_shard: torch.Tensor, b: torch.Tensor, scal
 
 def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torch.Tensor | None, path: str,
          return_gathered: bool = False) -> tuple:
+    """Every fp8 call's body, public op and custom op alike: traced, the custom op; else the one call pipeline."""
     a, b, scale_a, scale_b, group = operands
     if torch.compiler.is_compiling():  # traced: the custom op (its fake gives the shapes)
         ops = torch.ops.flashoverlap
@@ -96,9 +97,8 @@ def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torc
 @torch.library.custom_op("flashoverlap::scaled_gemm_all_reduce", mutates_args=())
 def _scaled_all_reduce(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group: str,
                        out_dtype: torch.dtype, bias: torch.Tensor | None, path: str) -> torch.Tensor:
-    spec = GemmSpec("scaled_gemm_all_reduce", "all_reduce", a, b, _group(group), None, path,
-                    scales=Scales.of(scale_a, scale_b, out_dtype, bias))
-    return execute(GEMM, spec)[0]
+    return _run("scaled_gemm_all_reduce", "all_reduce", (a, b, scale_a, scale_b, _group(group)), out_dtype, bias,
+                path)[0]
 
 
 @_scaled_all_reduce.register_fake
@@ -109,9 +109,8 @@ def _(a, b, scale_a, scale_b, group, out_dtype, bias, path):
 @torch.library.custom_op("flashoverlap::scaled_gemm_reduce_scatter", mutates_args=())
 def _scaled_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                            group: str, out_dtype: torch.dtype, bias: torch.Tensor | None, path: str) -> torch.Tensor:
-    spec = GemmSpec("scaled_gemm_reduce_scatter", "reduce_scatter", a, b, _group(group), None, path,
-                    scales=Scales.of(scale_a, scale_b, out_dtype, bias))
-    return execute(GEMM, spec)[0]
+    return _run("scaled_gemm_reduce_scatter", "reduce_scatter", (a, b, scale_a, scale_b, _group(group)), out_dtype,
+                bias, path)[0]
 
 
 @_scaled_reduce_scatter.register_fake
@@ -123,9 +122,8 @@ def _(a, b, scale_a, scale_b, group, out_dtype, bias, path):
 def _all_gather_scaled(a_shard: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                        group: str, out_dtype: torch.dtype, bias: torch.Tensor | None,
                        path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = GemmSpec("all_gather_scaled_gemm", "all_gather", a_shard, b, _group(group), None, path, True,
-                    scales=Scales.of(scale_a, scale_b, out_dtype, bias))
-    c, (a_full, scale_full) = execute(GEMM, spec)
+    operands = (a_shard, b, scale_a, scale_b, _group(group))
+    c, (a_full, scale_full) = _run("all_gather_scaled_gemm", "all_gather", operands, out_dtype, bias, path, True)
     return c, a_full, scale_full
 
 

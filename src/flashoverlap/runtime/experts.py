@@ -87,9 +87,15 @@ def resolved_path(name: str, device: torch.device, dtype: torch.dtype, group: di
     """The path an expert call on ``device`` in ``dtype`` takes for ``path`` (the error where it cannot apply);
     collective where the P2P verdict must be asked (its first ask on the group)."""
     context = group_context(name, group, device)
-    request = policy.ExpertRequest(device, dtype, context.world_size,
+    return _expert_path(name, path, context, dtype, settings.current().nccl_p2p_disabled)
+
+
+def _expert_path(name: str, path: str, context: GroupContext, dtype: torch.dtype, nccl_p2p_disabled: bool) -> str:
+    """The path rule's answer for an expert call on ``context``'s group and device (the error where ``path`` cannot
+    apply); the expert communicators the runtime's table holds are the ones a rule may pick."""
+    request = policy.ExpertRequest(context.device, dtype, context.world_size,
                                    frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
-                                   context.p2p_reason, settings.current().nccl_p2p_disabled)
+                                   context.p2p_reason, nccl_p2p_disabled)
     return policy.expert_path(name, path, request)[0]
 
 
@@ -180,10 +186,7 @@ def _resolve(spec: ExpertSpec, nccl_p2p_disabled: bool) -> tuple[GroupContext, s
         raise ValueError(f"{name}: the weights hold {local} local experts ([L, K, N] = {list(b.shape)}) but the "
                          f"layout routes to {routing.experts} experts over {context.world_size} ranks "
                          f"({routing.experts // context.world_size} per rank)")
-    request = policy.ExpertRequest(a.device, a.dtype, context.world_size,
-                                   frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
-                                   context.p2p_reason, nccl_p2p_disabled)
-    resolved, _ = policy.expert_path(name, spec.path, request)
+    resolved = _expert_path(name, spec.path, context, a.dtype, nccl_p2p_disabled)
     k, n = b.shape[1], b.shape[2]
     hidden, ffn = (k, n) if spec.op == "dispatch" else (n, k)
     gemm = None  # the reference path always loops
