@@ -11,7 +11,9 @@ the shard's rows):
 | ``"block"`` (DeepSeek-V3) | ``[M, K/128]``, per 1x128 block of A | ``[K/128, ceil(N/128)]``, per 128x128 block of B |
 
 The all-gather moves each shard's fp8 rows and their scales in one buffer (``pack_rows``): a row's K bytes, then its
-scales' bytes (4 per row for tensor- and row-wise, ``4 * K/128`` block-wise). Tensor-wise shards may carry
+scales' bytes (4 per row for tensor- and row-wise, ``4 * K/128`` block-wise), each part padded to 16 bytes so that a
+kernel reads the fp8 rows through TMA and the scales as fp32 straight from the gathered buffer (``unpack_rows``: views,
+no copy). Tensor-wise shards may carry
 different scales: the gathered A is then row-wise in effect (each row its shard's scale), and so is its product.
 The all-reduce and reduce-scatter move the partial products in the output dtype and sum them in fp32.
 """
@@ -24,6 +26,7 @@ from typing import ClassVar
 import torch
 
 BLOCK = 128  # the block-wise recipe's block: 1x128 for A, 128x128 for B
+ALIGN = 16  # bytes: a packed row's parts start at multiples of this (TMA and cuBLAS want 16-byte aligned rows)
 
 
 @dataclass(slots=True, eq=False)
@@ -101,32 +104,64 @@ def product(a: torch.Tensor, scale_a: torch.Tensor, b_deq: torch.Tensor, scales:
     return c if scales.bias is None else c + scales.bias.float()
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def row_bytes(k: int, dtype: torch.dtype, scales: Scales | None) -> int:
-    """The bytes one row of A puts on the wire in an all-gather: its elements, and its scales where fp8."""
-    return k * dtype.itemsize + (0 if scales is None else 4 * scales.scale_columns(k))
+    """The bytes one row of A puts on the wire in an all-gather: its elements; fp8, its packed row (``pack_rows``)."""
+    return k * dtype.itemsize if scales is None else _aligned(k) + _aligned(4 * scales.scale_columns(k))
 
 
-def pack_rows(a: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
-    """``a [rows, K]`` fp8 and its scales ``[rows, S]`` fp32 as one ``[rows, K + 4 S]`` byte buffer."""
-    return torch.cat([a.view(torch.uint8), scale_rows.float().contiguous().view(torch.uint8)], dim=1)
+def pack_rows(a: torch.Tensor, scale_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a [rows, K]`` fp8 and its scales ``[rows, S]`` fp32 written into one ``[rows, width]`` byte buffer (``out``,
+    any row-sliced view of one, or a new one): A's bytes from column 0, the scales' from ``_aligned(K)``; the padding
+    is never read."""
+    rows, k = a.shape
+    columns = scale_rows.shape[1]
+    width = _aligned(k) + _aligned(4 * columns)
+    if out is None:
+        out = torch.empty((rows, width), dtype=torch.uint8, device=a.device)
+    elif out.shape != (rows, width) or out.dtype != torch.uint8:
+        raise ValueError(f"pack_rows: out must be [{rows}, {width}] uint8, got {list(out.shape)} {out.dtype}")
+    a_view, scale_view = unpack_rows(out, k, a.dtype, columns)
+    a_view.copy_(a)
+    scale_view.copy_(scale_rows)
+    return out
 
 
-def unpack_rows(packed: torch.Tensor, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pack_rows``' inverse: ``(a [rows, K] in dtype, scales [rows, S] fp32)``."""
-    return packed[:, :k].contiguous().view(dtype), packed[:, k:].contiguous().view(torch.float32)
+def unpack_rows(packed: torch.Tensor, k: int, dtype: torch.dtype,
+                columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_rows``' inverse, as views of ``packed`` (no copy): ``(a [rows, K] in dtype, scales [rows, columns]
+    fp32)``, both with ``packed``'s row stride (``.contiguous()`` where a consumer wants dense tensors)."""
+    offset = _aligned(k)
+    return packed[:, :k].view(dtype), packed[:, offset : offset + 4 * columns].view(torch.float32)
+
+
+def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies this CUDA product in ``mode``: rows of A 16-byte multiples, B
+    column-major (``w.t()``) with N a multiple of 16; block-wise, K a multiple of 512 on a Hopper GPU (torch 2.11's
+    block-wise kernel returned zeros on an H200 where ``K/128`` was not a multiple of 4)."""
+    if not a.is_cuda or a.shape[1] % 16 or b.shape[1] % 16 or b.stride(0) != 1 or a.stride(1) != 1:
+        return False
+    return mode != "block" or (a.shape[1] % (4 * BLOCK) == 0 and torch.cuda.get_device_capability(a.device) == (9, 0))
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` scaled, in the output dtype, as one ``torch._scaled_mm`` (``scale_a``: A's scales where they are
-    not ``scales.a``, as ``[rows, S]``). cuBLAS's scaled matmul on CUDA for the tensor- and row-wise modes (a
-    row-wise A with a tensor-wise B, the gathered tensor-wise case, takes B's scale as a row); the dequantised fp32
-    product elsewhere (block-wise, the CPU)."""
+    not ``scales.a``, as ``[rows, S]``, any strides) where cuBLAS takes it (``cublas_takes``; a row-wise A with a
+    tensor-wise B, the gathered tensor-wise case, takes B's scale as a row; block-wise scales laid out outer-dim-major,
+    the only layout torch 2.11 took); the dequantised fp32 product elsewhere (the CPU, odd shapes)."""
     scale_a = scales.a if scale_a is None else scale_a
-    if a.is_cuda and scales.mode != "block":
+    if cublas_takes(a, b, scales.mode):
         scale_b = scales.b
-        if scale_a.numel() > 1 and scale_b.numel() == 1:
-            scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, 1).expand(1, b.shape[1]).contiguous()
-        return torch._scaled_mm(a, b, scale_a.float(), scale_b.float(), bias=scales.bias, out_dtype=scales.out_dtype)
+        if scales.mode == "block":
+            scale_a, scale_b = scale_a.t().contiguous().t(), scale_b.t().contiguous().t()
+        else:
+            if scale_a.numel() > 1 and scale_b.numel() == 1:
+                scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, 1).expand(1, b.shape[1])
+            scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+        return torch._scaled_mm(a, b, scale_a, scale_b, bias=scales.bias, out_dtype=scales.out_dtype)
     if scale_a.ndim < 2:
         scale_a = scale_a.reshape(1, 1)
     return product(a, scale_a, dequantised_b(b, scales), scales).to(scales.out_dtype)

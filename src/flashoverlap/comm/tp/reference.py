@@ -86,7 +86,8 @@ def all_gather_gemm(a_shard: torch.Tensor, bands: Bands, plan: Plan, group: dist
     world_size, shard_rows, k, scales = plan.world_size, plan.block_rows, plan.k, bands.scales
     c = torch.empty((plan.m, plan.n), dtype=bands.dtype, device=a_shard.device)
     c[rank * shard_rows : (rank + 1) * shard_rows].copy_(bands(a_shard, slice(0, shard_rows)))
-    width = k if scales is None else scaled.row_bytes(k, torch.uint8, scales)
+    width = k if scales is None else scaled.row_bytes(k, a_shard.dtype, scales)
+    columns = 0 if scales is None else scales.scale_columns(k)
     gathered = torch.empty((plan.m, width), dtype=a_shard.dtype if scales is None else torch.uint8,
                            device=a_shard.device)
     for grp in plan.groups:
@@ -104,13 +105,13 @@ def all_gather_gemm(a_shard: torch.Tensor, bands: Bands, plan: Plan, group: dist
             if scales is None:
                 c[rows].copy_(bands(theirs, slice(0, grp.rows)))
             else:
-                a_rows, scale_rows = scaled.unpack_rows(theirs, k, a_shard.dtype)
+                a_rows, scale_rows = scaled.unpack_rows(theirs, k, a_shard.dtype, columns)
                 c[rows].copy_(bands(a_rows, slice(0, grp.rows), scale_rows))
     gathered = gathered_in_rank_order(gathered, plan)
     if scales is None:
         return c, gathered, None
-    a_full, scale_full = scaled.unpack_rows(gathered, k, a_shard.dtype)
-    return c, a_full, scale_full
+    a_full, scale_full = scaled.unpack_rows(gathered, k, a_shard.dtype, columns)
+    return c, a_full.contiguous(), scale_full.contiguous()
 
 
 class ReferenceCommunicator:
