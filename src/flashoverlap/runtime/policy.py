@@ -16,9 +16,11 @@ from flashoverlap.plan import P2P_MAX_RANKS, Plan
 from flashoverlap.runtime import checks
 
 CALL_PATHS = ("auto", "nccl", "p2p", "ring", "reference")
-# The overlapped paths are built and measured for half precision; float32 and float8 calls run the plain (scaled)
-# matmul and one collective (a sequential plan) on CUDA, and the reference path elsewhere.
+# The overlapped paths are built and measured for half precision, and those in FP8_PATHS for fp8 too; float32 calls
+# (and fp8 ones elsewhere) run the plain (scaled) matmul and one collective (a sequential plan) on CUDA, and the
+# reference path elsewhere.
 HALF_DTYPES = checks.HALF_DTYPES
+FP8_PATHS = ("nccl",)
 
 
 @dataclass(frozen=True)
@@ -34,14 +36,16 @@ class Request:
     nccl_p2p_disabled: bool = False
 
 
-def _full_precision(request: Request) -> str | None:
-    if request.dtype not in HALF_DTYPES and (request.plan is None or not request.plan.sequential):
-        if request.dtype in checks.FP8_DTYPES:
-            return (f"{request.dtype} runs the scaled-matmul-then-collective plan on CUDA or the reference path (the "
-                    "overlapped fp8 paths are not wired to their communicators yet): use path='auto' with no plan")
-        return (f"{request.dtype} runs only the matmul-then-collective plan or the reference path (the overlapped "
-                "paths are built for bfloat16/float16): use path='auto' with no plan, or cast a and b to bfloat16")
-    return None
+def _full_precision(path: str, request: Request) -> str | None:
+    if request.dtype in HALF_DTYPES or request.plan is not None and request.plan.sequential:
+        return None
+    if request.dtype in checks.FP8_DTYPES:
+        if path in FP8_PATHS:
+            return None
+        return (f"path={path!r} does not run fp8 (the overlapped fp8 paths: {', '.join(FP8_PATHS)}): use one of "
+                "those, or path='auto'")
+    return (f"{request.dtype} runs only the matmul-then-collective plan or the reference path (the overlapped "
+            "paths are built for bfloat16/float16): use path='auto' with no plan, or cast a and b to bfloat16")
 
 
 def _needs_cuda(path: str, request: Request) -> str | None:
@@ -59,7 +63,7 @@ def reason_not_nccl(request: Request) -> str | None:
     """NCCL: CUDA tensors; float32 only with a sequential plan (or none: the runtime then makes one)."""
     if request.plan is None and request.dtype not in HALF_DTYPES:
         return _needs_cuda("nccl", request)
-    return _needs_cuda("nccl", request) or _full_precision(request)
+    return _needs_cuda("nccl", request) or _full_precision("nccl", request)
 
 
 def _p2p_group(request: Request | ExpertRequest) -> str | None:
@@ -73,14 +77,14 @@ def _p2p_group(request: Request | ExpertRequest) -> str | None:
 
 def reason_not_p2p(request: Request) -> str | None:
     """P2P: CUDA tensors in half precision, every rank on one node with peer access, at most ``P2P_MAX_RANKS``."""
-    why = _needs_cuda("p2p", request) or _full_precision(request)
+    why = _needs_cuda("p2p", request) or _full_precision("p2p", request)
     return why or _p2p_group(request)
 
 
 def reason_not_ring(request: Request) -> str | None:
     """The ring over send/recv runs wherever the group's backend does (gloo on the CPU included); half precision
     on CUDA."""
-    return _full_precision(request) if request.device.type == "cuda" else None
+    return _full_precision("ring", request) if request.device.type == "cuda" else None
 
 
 REASON_NOT = {"reference": reason_not_reference, "nccl": reason_not_nccl, "p2p": reason_not_p2p,
@@ -103,7 +107,7 @@ def explicit_path(name: str, path: str, request: Request) -> str:
             return "ring" if plan_path == "ring" else "reference"
         if plan_path is not None:
             path = plan_path
-        elif request.dtype not in HALF_DTYPES:
+        elif request.dtype not in HALF_DTYPES and request.dtype not in checks.FP8_DTYPES:
             return "nccl"  # a sequential plan: matmul, then the collective
         else:
             return "auto"
@@ -131,12 +135,14 @@ def p2p_excluded(reason: str | None, world_size: int, nccl_p2p_disabled: bool) -
 
 
 def automatic_path(p2p_reason: str | None, world_size: int, nccl_p2p_disabled: bool = False,
-                   tuned: Plan | None = None) -> tuple[str, str]:
-    """What ``path="auto"`` picks on CUDA for a half-precision call with no plan, and why (pure: the same inputs on
-    every rank give the same answer): the path of ``tuned`` (the plan `tune plan --path auto` cached for this
+                   tuned: Plan | None = None, fp8: bool = False) -> tuple[str, str]:
+    """What ``path="auto"`` picks on CUDA for a half-precision or fp8 (``fp8``) call with no plan, and why (pure: the
+    same inputs on every rank give the same answer): the path of ``tuned`` (the plan `tune plan --path auto` cached for this
     shape) where it applies, else P2P where it applies (measured faster than the NCCL path and than sequential at
     every op of the nvlink grid, benchmarks/results/h200x2-nvlink.json), else NCCL."""
     excluded = p2p_excluded(p2p_reason, world_size, nccl_p2p_disabled)
+    if fp8 and "p2p" not in FP8_PATHS:
+        excluded = "the P2P path does not run fp8"
     if tuned is not None and (tuned.path == "nccl" or excluded is None):
         return tuned.path, f"the tuned plan for this shape (`tune plan --path auto`) is on {tuned.path}"
     if excluded is not None:
