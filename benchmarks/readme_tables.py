@@ -525,13 +525,19 @@ def _span(values, digits: int = 2) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
+def _grouped(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    """``rows`` by the values of ``keys``, in the order first met."""
+    groups: dict[tuple, list] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[key] for key in keys), []).append(row)
+    return groups
+
+
 def fp8_gemm(path: str) -> str:
     """The fp8 GEMM as each path runs it against ``torch._scaled_mm`` in the same mode: per op, path and scaling, the
     range over the grid's shapes."""
     data = _load(path)
-    groups: dict[tuple, list] = {}
-    for row in data["rows"]:
-        groups.setdefault((row["op"], row["path"], row["scaling"]), []).append(row)
+    groups = _grouped(data["rows"], "op", "path", "scaling")
     lines = ["| op | path | scaling | GEMM | shapes | speed vs `torch._scaled_mm` | TFLOP/s | speed vs bf16 `torch.mm` |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (op, path_name, scaling), rows in groups.items():
@@ -567,9 +573,7 @@ def fp8_host(path: str) -> str:
 def fp8_bytes(path: str) -> str:
     """What an fp8 call puts on the wire against the bf16 call of the same op, counted from the plan."""
     data = _load(path)
-    groups: dict[tuple, list] = {}
-    for row in data["rows"]:
-        groups.setdefault((row["op"], row["scaling"]), []).append(row)
+    groups = _grouped(data["rows"], "op", "scaling")
     lines = ["| op | scaling | bytes per row moved | fp8 bytes / bf16 bytes |", "| --- | --- | --- | --- |"]
     for (op, scaling), rows in groups.items():
         moved = ("fp8 row + its scales (" + str(rows[0]["scale_bytes_per_row"]) + " B), 16-byte aligned"

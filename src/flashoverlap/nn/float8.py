@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 from torch.distributed.tensor.parallel import style as torch_styles
 
@@ -221,6 +221,18 @@ def _rowwise(*casts: _Cast) -> bool:
 # -- the sharded linears' forward and backward -----------------------------------------------------------------------
 
 
+def _keep(ctx: Any, call: _Call, x: torch.Tensor, x8: torch.Tensor | None, x_scale: torch.Tensor,
+          weight: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Save what a backward needs (the fp8 input ``x8`` and its scale where the recipe reuses them, else ``x``) and
+    return ``y`` in ``x``'s dtype."""
+    if call.recipe.reuse_input:
+        ctx.save_for_backward(x8, x_scale, weight)
+    else:
+        ctx.save_for_backward(x, None, weight)
+    ctx.call = call
+    return y.to(x.dtype)
+
+
 class _ColwiseLinear(torch.autograd.Function):
     """``y_r = x @ w_r.t()`` for a colwise shard ``w_r [N/W, K]``; ``x``: the input rows, ``[M/W, K]`` sharded
     (``call.sequence``: gathered by the product) or ``[M, K]`` whole."""
@@ -243,18 +255,11 @@ class _ColwiseLinear(torch.autograd.Function):
                                                       path=call.path)
         else:
             y = _mm(x8, x_scale, w8.t(), w_scale, out, recipe.fast_out)
-        if recipe.reuse_input:
-            ctx.save_for_backward(x_full8, x_scale, weight)
-        else:
-            ctx.save_for_backward(x, None, weight)
-        ctx.call = call
-        return y.to(x.dtype)
+        return _keep(ctx, call, x, x_full8, x_scale, weight, y)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        call = ctx.call
-        recipe, mesh = call.recipe, call.mesh
-        saved_x, x_scale, weight = ctx.saved_tensors
+        call, recipe, mesh, (saved_x, x_scale, weight) = ctx.call, ctx.call.recipe, ctx.call.mesh, ctx.saved_tensors
         dtype = dy.dtype
         # dy [M, N/W]: every row, this rank's columns; a row's amax spans the group's columns.
         dy8, dy_scale = _cast(dy, recipe.grad, -1, True, mesh)
@@ -297,18 +302,11 @@ class _RowwiseLinear(torch.autograd.Function):
         scales = _inverse(x_scale, w_scale, x8.shape[0], w8.shape[0], out)
         op = scaled_ops.scaled_gemm_reduce_scatter if call.sequence else scaled_ops.scaled_gemm_all_reduce
         y = op(x8, w8.t(), scales.a, scales.b, call.group, out_dtype=out, path=call.path)
-        if recipe.reuse_input:
-            ctx.save_for_backward(x8, x_scale, weight)
-        else:
-            ctx.save_for_backward(x, None, weight)
-        ctx.call = call
-        return y.to(x.dtype)
+        return _keep(ctx, call, x, x8, x_scale, weight, y)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        call = ctx.call
-        recipe, mesh = call.recipe, call.mesh
-        saved_x, x_scale, weight = ctx.saved_tensors
+        call, recipe, mesh, (saved_x, x_scale, weight) = ctx.call, ctx.call.recipe, ctx.call.mesh, ctx.saved_tensors
         dtype = dy.dtype
         # dy: [M/W, N] (sequence) or [M, N]; whole rows either way.
         dy8, dy_scale = _cast(dy, recipe.grad, -1, call.sequence and not recipe.grad.axiswise, mesh)
@@ -456,32 +454,11 @@ class Float8RowwiseParallel(_Float8Linear, styles.RowwiseParallel):
     gradient) and ``scaled_gemm_all_reduce`` when it is ``Replicate``. Its input must be sharded on the last
     dimension; other cases run as torchao's style runs them (module docstring). ``path``: the ops' path."""
 
-    def _linear_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
-        layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
-        weight = module.weight.to_local()  # [N, K/W]
-        if layout is None or not _runs_fp8(local, weight) or layout != Shard(local.ndim - 1):
-            return self._torch_forward(module, x, binding)
-        if isinstance(x, DTensor):
-            local = x.to_local()
-        out = _normalize(self.output_layouts[0], local.ndim)
-        bias = module.bias
-        if isinstance(out, Replicate):
-            rows = local.reshape(-1, local.shape[-1])
-            y_rows = _RowwiseLinear.apply(rows, weight, self._call(module, binding, False))
-            y = y_rows.view(*local.shape[:-1], y_rows.shape[-1])
-            bias = bias.to_local() if bias is not None else None  # every rank holds the whole gradient of y
-        elif isinstance(out, Shard) and out.dim < local.ndim - 1 and local.shape[out.dim] % binding.world == 0:
-            y_rows = _RowwiseLinear.apply(_rows_major(local, out.dim), weight, self._call(module, binding, True))
-            y = _from_rows(y_rows, local, out.dim, local.shape[out.dim] // binding.world)
-            if bias is not None:  # each rank's bias gradient covers its own tokens: summed over the group
-                bias = bias.redistribute(binding.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        else:
-            return self._torch_forward(module, x, binding)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        if self.use_local_output:
-            return y
-        return DTensor.from_local(y, binding.mesh, [out], run_check=False)
+    _runs = staticmethod(_runs_fp8)
+
+    def _product(self, rows: torch.Tensor, weight: torch.Tensor, module: nn.Module, binding: _Binding,
+                 sequence: bool) -> torch.Tensor:
+        return _RowwiseLinear.apply(rows, weight, self._call(module, binding, sequence))
 
 
 class PrepareFloat8ModuleInput(PrepareModuleInput):

@@ -218,24 +218,32 @@ class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
         self.desired_input_layouts = (Shard(-1),)  # what PyTorch's _apply sets for a linear
         return self._route(module, device_mesh)
 
+    # Whether our ops take this input and weight (else PyTorch's style runs the module).
+    _runs = staticmethod(_runs_our_ops)
+
+    def _product(self, rows: torch.Tensor, weight: torch.Tensor, module: nn.Module, binding: _Binding,
+                 sequence: bool) -> torch.Tensor:
+        """``rows [M, K/W] @ weight.t()`` summed over the group: reduce-scattered by rows (``sequence``) or
+        all-reduced."""
+        op = torch.ops.flashoverlap.gemm_reduce_scatter if sequence else torch.ops.flashoverlap.gemm_all_reduce
+        return op(rows, weight.t(), binding.group, self.path)
+
     def _linear_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N, K/W]
-        if layout is None or not _runs_our_ops(local, weight) or layout != Shard(local.ndim - 1):
+        if layout is None or not self._runs(local, weight) or layout != Shard(local.ndim - 1):
             return self._torch_forward(module, x, binding)
         if isinstance(x, DTensor):
             local = x.to_local()
         out = _normalize(self.output_layouts[0], local.ndim)
         bias = module.bias
         if isinstance(out, Replicate):
-            y_rows = torch.ops.flashoverlap.gemm_all_reduce(local.reshape(-1, local.shape[-1]), weight.t(),
-                                                            binding.group, self.path)
+            y_rows = self._product(local.reshape(-1, local.shape[-1]), weight, module, binding, False)
             y = y_rows.view(*local.shape[:-1], y_rows.shape[-1])
             # Every rank holds the whole gradient of y, so each computes the bias's whole gradient.
             bias = bias.to_local() if bias is not None else None
         elif isinstance(out, Shard) and out.dim < local.ndim - 1 and local.shape[out.dim] % binding.world == 0:
-            y_rows = torch.ops.flashoverlap.gemm_reduce_scatter(_rows_major(local, out.dim), weight.t(),
-                                                                binding.group, self.path)
+            y_rows = self._product(_rows_major(local, out.dim), weight, module, binding, True)
             y = _from_rows(y_rows, local, out.dim, local.shape[out.dim] // binding.world)
             if bias is not None:
                 # Each rank's bias gradient covers its own tokens: summed over the group (the no-op redistribute's
@@ -244,7 +252,7 @@ class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
         else:
             return self._torch_forward(module, x, binding)
         if bias is not None:
-            y = y + bias
+            y = y + bias.to(y.dtype)
         if self.use_local_output:
             return y
         return DTensor.from_local(y, binding.mesh, [out], run_check=False)
