@@ -83,3 +83,18 @@ def test_explicit_paths():
     with pytest.raises(ValueError, match="op: path='p2p' cannot apply to this group: no peer access"):
         explicit_path("op", "p2p", _request(verdict="no peer access"))
     assert policy.CALL_PATHS == ("auto", "nccl", "p2p", "ring", "reference")
+
+
+def test_fp8_takes_the_overlapped_paths_that_run_it_and_names_the_others():
+    e4m3 = torch.float8_e4m3fn
+    overlapped = default_plan("all_reduce", 8192, 8192, 8192, 2, allow_sequential=False)
+    for path in ("nccl", "p2p", "ring"):
+        why = reason_not(path, _request(dtype=e4m3, plan=overlapped if path == "nccl" else None))
+        if path in policy.FP8_PATHS:
+            assert why is None, (path, why)
+        else:
+            assert f"path={path!r} does not run fp8" in why and "nccl" in why
+    assert explicit_path("op", "auto", _request(dtype=e4m3)) == "auto"  # not the float32 rule: automatic_path decides
+    assert automatic_path(None, 2, fp8=True)[0] == ("p2p" if "p2p" in policy.FP8_PATHS else "nccl")
+    assert automatic_path("no peer access", 2, fp8=True)[0] == "nccl"
+    assert policy.FP8_PATHS[0] == "nccl"
