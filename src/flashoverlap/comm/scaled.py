@@ -165,3 +165,22 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.T
     if scale_a.ndim < 2:
         scale_a = scale_a.reshape(1, 1)
     return product(a, scale_a, dequantised_b(b, scales), scales).to(scales.out_dtype)
+
+
+def scaled_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: Scales,
+                   scale_a: torch.Tensor | None = None) -> torch.Tensor:
+    """``scaled_mm`` written into ``out`` (``[rows, N]`` in ``scales.out_dtype``, e.g. a row block of a call's output
+    or of a symmetric region): where cuBLAS takes the product, ``torch._scaled_mm``'s ``out=`` variant, so that no
+    copy follows the multiplication; elsewhere ``scaled_mm``'s result copied in. The scales laid out as
+    ``scaled_mm`` lays them out."""
+    scale_a = scales.a if scale_a is None else scale_a
+    if not cublas_takes(a, b, scales.mode):
+        return out.copy_(scaled_mm(a, b, scales, scale_a))
+    scale_b = scales.b
+    if scales.mode == "block":
+        scale_a, scale_b = scale_a.t().contiguous().t(), scale_b.t().contiguous().t()
+    else:
+        if scale_a.numel() > 1 and scale_b.numel() == 1:
+            scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, 1).expand(1, b.shape[1])
+        scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+    return torch._scaled_mm(a, b, scale_a, scale_b, bias=scales.bias, out_dtype=scales.out_dtype, out=out)
