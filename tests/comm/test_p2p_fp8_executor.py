@@ -266,3 +266,61 @@ def test_the_workspace_is_asked_for_packed_rows_and_output_dtype_rows(monkeypatc
         program = comm._program(plan, E4M3, op == "all_gather", False, scales)[0]
         sizes = {step[-1] for step in program if step[0] == p2p._COPY}
         assert sizes and all(size % width == 0 for size in sizes), (op, mode, sizes, width)
+
+
+def _recording(monkeypatch, op):
+    """A rank-0 communicator whose driver calls and scaled bands are recorded and whose captures are
+    ``test_p2p_executor.FakeGraph``s; an fp8 call's operands and the allocator's blocks."""
+    from tests.comm.test_p2p_executor import FakeGraph, Recorder, _communicator
+
+    recorder = Recorder()
+    comm = _communicator(0, 2, recorder, monkeypatch)
+    comm.graphs = p2p.CallGraphs(None, capture=lambda issue: FakeGraph(recorder, issue))
+    monkeypatch.setattr(comm, "prepare", lambda *args: None)
+    monkeypatch.setattr(comm, "_load_kernels", lambda *args: None)
+    monkeypatch.setattr(p2p, "_scaled_band", lambda target, src, scale_a, b, scales, accumulate: recorder.trace.append(
+        (0, "scaled", src.data_ptr(), None if scale_a is None else scale_a.data_ptr(), target.data_ptr(),
+         accumulate)))
+    m, n, k = 128, 32, 256
+    plan = default_plan(op, m, n, k, 2, tile=TILE, num_groups=2, path="p2p", allow_sequential=False)
+    a = torch.zeros(plan.block_rows if op == "all_gather" else m, k).to(E4M3)
+    b = torch.zeros(n, k).to(E4M3).t()
+    scales = scaled.Scales.of(torch.ones(a.shape[0], 1), torch.ones(1, n))
+    blocks = {}
+    monkeypatch.setattr(comm, "_new", lambda shape, dtype: blocks.setdefault((tuple(shape), dtype),
+                                                                             torch.empty(shape, dtype=dtype)))
+    return recorder, comm, plan, a, b, scales
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+def test_a_repeated_fp8_call_replays_and_other_scales_do_not(op, monkeypatch):
+    recorder, comm, plan, a, b, scales = _recording(monkeypatch, op)
+    comm.run(Call(op, plan, a, b, replay=True, scales=scales))  # eager
+    eager = [step for step in recorder.trace if step[1] == "scaled"]
+    bands = sum(isinstance(item, p2p.steps.Mm) for item in rs.schedule(plan, 0))
+    assert len(eager) == bands and all(step[3] is not None for step in eager)  # row-wise: every band its scales
+    comm.run(Call(op, plan, a, b, replay=True, scales=scales))  # captured, then replayed
+    recorder.trace.clear()
+    comm.run(Call(op, plan, a, b, replay=True, scales=scales))
+    assert recorder.trace == [("replay",)]
+    n = plan.n
+    others = [scaled.Scales.of(scales.a.clone(), scales.b),  # the scales elsewhere
+              scaled.Scales.of(scales.a, scales.b.clone()),
+              scaled.Scales.of(scales.a, scales.b, torch.float32),  # another output dtype
+              scaled.Scales.of(scales.a, scales.b, bias=torch.zeros(n, dtype=torch.bfloat16)),  # a bias
+              scaled.Scales.of(torch.tensor(1.0), torch.tensor(1.0))]  # another mode
+    for other in others:
+        recorder.trace.clear()
+        comm.run(Call(op, plan, a, b, replay=True, scales=other))
+        assert ("replay",) not in recorder.trace and recorder.trace, other
+    recorder.trace.clear()
+    comm.run(Call(op, plan, a, b, replay=True))  # the same tensors as a call without scales: not the fp8 graph
+    assert ("replay",) not in recorder.trace
+
+
+def test_an_fp8_all_gather_multiplies_each_band_with_its_own_rows_scales(monkeypatch):
+    """The bands of the gathered buffer are multiplied with the scales that arrived in the same packed rows."""
+    recorder, comm, plan, a, b, scales = _recording(monkeypatch, "all_gather")
+    comm.run(Call("all_gather", plan, a, b, scales=scales))
+    for _, _, src, scale, _, _ in (step for step in recorder.trace if step[1] == "scaled"):
+        assert scale - src == scaled._aligned(plan.k)  # the scales of the rows read, in the same packed row
