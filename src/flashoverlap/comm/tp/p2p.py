@@ -31,8 +31,25 @@ why it cannot deadlock; this module only issues it. One call:
    always stream memory operations: only they block a stream.
 3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on
    the caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams
-   touch (``a``, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
+   touch (``a``, fp8's packed own shard, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
    of their memory, on ``C`` or on a stream the user synchronised with ``C``, is ordered after every use.
+
+fp8 calls (``call.scales``, ``comm/scaled.py``) run the same schedule; only what a step computes and how wide a
+row is change. Every ``Mm`` is a scaled product of its band (``torch._scaled_mm`` where cuBLAS takes it, written
+straight into the band's destination through ``out=``; the dequantised product elsewhere), with the band's rows'
+A scales and the bias (each rank's product carries it once, as ``_scaled_mm(bias=)`` and the sequential path
+have it: an all-reduce sums W copies), in ``scales.out_dtype``. ``_scaled_mm`` has no beta, so an accumulating
+step is two kernels on ``C``: the band's product, then its add to the partial pulled in place (the sum of two values
+of the output dtype computed in fp32 and rounded once). A ring's result is summed hop by hop, each hop rounding
+the running partial once to the output dtype (W - 1 roundings, as NCCL's ring sums bf16). The reductions' regions
+and copies hold rows of the output dtype. The all-gather moves packed rows (``scaled.pack_rows``: a row's fp8
+bytes and its scales, one unit): the own shard is packed once on ``C`` before event 0 (so the copy streams,
+which wait for event 0, see it packed) into a scratch buffer that is the schedule's ``a``; the gathered buffer is
+``[M, packed row bytes]`` uint8; each band multiplies the fp8 view of its rows with the scales view of the same
+rows (tensor-wise shards of different scales: row-wise in effect). A returned gathered input is
+``(a_full, scale_full)``, dense, in rank order. A replayed fp8 call's signature adds the mode, the output dtype and
+where the scales and the bias lie; step 1 loads each band's scaled kernels (with their scale-layout copies and
+the add).
 
 With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set (outside a capture), an event after every flag wait is polled with a
 deadline; a wait that does not end in time raises an error naming the rank, the op, the group and the flag.
