@@ -29,10 +29,11 @@ why it cannot deadlock; this module only issues it. One call:
    reads it, or is a pull from the peer that is complete; no fence is needed because no step of the schedule
    writes into a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Waits are
    always stream memory operations: only they block a stream.
-3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on
-   the caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams
-   touch (``a``, fp8's packed own shard, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
-   of their memory, on ``C`` or on a stream the user synchronised with ``C``, is ordered after every use.
+3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on the
+   caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams touch
+   (``a``, fp8's packed own shard, ``out``, ``gathered``) are used on them only before that join, so the caching
+   allocator's reuse of their memory, on ``C`` or on a stream the user synchronised with ``C``, is ordered after
+   every use.
 
 fp8 calls (``call.scales``, ``comm/scaled.py``) run the same schedule; only what a step computes and how wide a
 row is change. Every ``Mm`` is a scaled product of its band (``torch._scaled_mm`` where cuBLAS takes it, written
@@ -419,6 +420,7 @@ class P2PCommunicator(GroupFields):
                 packed = torch.zeros((plan.m, _widths(plan, a.dtype, scales)[1]), dtype=torch.uint8, device=a.device)
                 scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]), packed[: a.shape[0]])
                 source, scale_a = scaled.unpack_rows(packed, plan.k, a.dtype, scales.scale_columns(plan.k))
+                _unpacked(packed, plan, a.dtype, scales)  # a returned gathered input's copies, after waits on C
             for rows, accumulate in shapes:
                 scratch = torch.zeros((rows, plan.n), dtype=scales.out_dtype, device=a.device)
                 _scaled_band(scratch, source[:rows], None if scale_a is None else scale_a[:rows], b, scales,
