@@ -519,12 +519,73 @@ MOE_LEGEND = (
     "no communication)`. `host µs`: the host time to issue one call while the GPU is busy.</sub>")
 
 
+
+def _span(values, digits: int = 2) -> str:
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def fp8_gemm(path: str) -> str:
+    """The fp8 GEMM as each path runs it against ``torch._scaled_mm`` in the same mode: per op, path and scaling, the
+    range over the grid's shapes."""
+    data = _load(path)
+    groups: dict[tuple, list] = {}
+    for row in data["rows"]:
+        groups.setdefault((row["op"], row["path"], row["scaling"]), []).append(row)
+    lines = ["| op | path | scaling | GEMM | shapes | speed vs `torch._scaled_mm` | TFLOP/s | speed vs bf16 `torch.mm` |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (op, path_name, scaling), rows in groups.items():
+        gemms = {(row.get("plan") or {}).get("gemm", "triton" if row.get("tiles") else "cuBLAS sub-bands")
+                 for row in rows}
+        gemm = "/".join(sorted("cuBLAS bands" if g == "cublas" else g for g in gemms))
+        lines.append(f"| {OPS.get(op, op)} | {path_name} | {scaling} | {gemm} | {len(rows)} "
+                     f"| {_span([r['speed_vs_scaled_mm'] for r in rows])}x | {_span([r['tflops'] for r in rows], 0)} "
+                     f"| {_span([r['t_bf16_mm_ms'] / r['t_ms'] for r in rows])}x |")
+    legend = ("<sub>One H200, each op's per-rank GEMM at the bf16 grid's shapes (W = 2), median CUDA-event times "
+              "queued behind GPU work, fresh random fp8 operands. `nccl`: the GEMM of the NCCL path's default fp8 plan "
+              "(signals, groups and tile order included); `nccl-triton`: our block-wise Triton kernel on the same "
+              "plan, for the record; `p2p`: `torch._scaled_mm` on the P2P ring's sub-bands. Speeds are ratios of "
+              "times in the same run (above 1: faster than the baseline); ranges over the shapes.</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
+
+
+def fp8_host(path: str) -> str:
+    """Host time per fp8 call beside the bf16 call of the same op, path and shape."""
+    data = _load(path)
+    lines = ["| op | path | scaling | bf16 call (µs) | fp8 call (µs) | fp8 / bf16 (paired) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        lines.append(f"| {OPS.get(row['op'], row['op'])} | {row['path']} | {row['scaling']} | "
+                     f"{_us(row['host_us_bf16'])} | {_us(row['host_us_fp8'])} | {row['fp8_over_bf16']:.2f}x |")
+    legend = ("<sub>Host time to issue one call while the GPU is busy (µs, eager), one process on one H200 and a "
+              "one-rank NCCL group, M, N, K = 4096, 8192, 8192, timed interleaved with the bf16 call; the ratio is "
+              "the median over rounds of the paired ratio. `sequential`: the default plan on one rank (the matmul "
+              "then the collective); `nccl`: overlapped plans given to both calls.</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
+
+
+def fp8_bytes(path: str) -> str:
+    """What an fp8 call puts on the wire against the bf16 call of the same op, counted from the plan."""
+    data = _load(path)
+    groups: dict[tuple, list] = {}
+    for row in data["rows"]:
+        groups.setdefault((row["op"], row["scaling"]), []).append(row)
+    lines = ["| op | scaling | bytes per row moved | fp8 bytes / bf16 bytes |", "| --- | --- | --- | --- |"]
+    for (op, scaling), rows in groups.items():
+        moved = ("fp8 row + its scales (" + str(rows[0]["scale_bytes_per_row"]) + " B), 16-byte aligned"
+                 if op == "all_gather" else "bf16 partial products")
+        lines.append(f"| {OPS.get(op, op)} | {scaling} | {moved} | {_span([r['ratio'] for r in rows], 3)} |")
+    legend = ("<sub>Counted from the NCCL path's plans at the grid's shapes (W = 2, K = 8192 for the all-gather): "
+              "the sum over groups of what each group's collective moves.</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
+
 RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-range": e_range,
              "host-ratio-range": host_ratio_range,
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
              "mutations": mutations_table, "reliability": reliability, "cpu-install": cpu_install,
              "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
-             "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu}
+             "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
+             "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes}
 
 
 def render(spec: str) -> str:

@@ -1,8 +1,12 @@
 """The fp8 GEMM as each path runs it, on one GPU, at the grid's per-rank GEMMs (W = 2), in every scaling mode:
 
-- ``nccl``: the signalling Triton GEMM (``kernels/gemm.py`` with ``Scaling``), signals included, on the NCCL path's
-  plan (its groups and tile order; the all-gather's in-kernel waits, every band already arrived), on all SMs, with
-  the tiles ``tune/fp8.py`` picks;
+- ``nccl``: the GEMM of the NCCL path's default fp8 plan (``tune/fp8.fp8_plan``, no rates: the overlapped plan of
+  a GEMM-bound call): tensor- and row-wise the signalling Triton GEMM (``kernels/gemm.py`` with ``Scaling``), signals
+  included, in the plan's groups, tile order and program count (the all-gather's in-kernel waits, every band already
+  arrived); block-wise the plan's cuBLAS bands of torch's block-wise scaled matmul (each band's A scales laid out as
+  torch wants them, timed), or the Triton GEMM where torch's kernel does not serve the shape;
+- ``nccl-triton`` (block-wise only): the signalling Triton GEMM on the same plan but ``gemm="triton"``, for the
+  record of what our block-wise kernel reaches;
 - ``p2p``: ``torch._scaled_mm`` on the P2P ring's sub-bands, two per half of the rows (four multiplications, each
   with its own scales laid out as ``_scaled_mm`` wants them);
 
@@ -23,9 +27,12 @@ import statistics
 import torch
 
 from benchmarks.diagnostics.results_file import results_meta, write_results
-from flashoverlap.kernels.gemm import GatherWait, Scaling, gemm
+from flashoverlap.comm.scaled import Scales, cublas_takes, scaled_mm
+from flashoverlap.comm.tp.nccl import compute_bands
+from flashoverlap.kernels.gemm import GatherWait, Scaling
+from flashoverlap.kernels.gemm import gemm as gemm_kernel
 from flashoverlap.tune.defaults import default_plan
-from flashoverlap.tune.fp8 import fp8_tiles
+from flashoverlap.tune.fp8 import fp8_plan
 
 GRID = {"all_reduce": [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
                        (2048, 8192, 14336)],
@@ -86,18 +93,39 @@ def sub_band_calls(a, b, scale_a, scale_b, scaling):
     return lambda: [torch._scaled_mm(x, b, scale_a=sa, scale_b=scale_b, out_dtype=torch.bfloat16) for x, sa in calls]
 
 
-def our_call(op, a, b, scaling, scale_a, scale_b):
+def our_call(op, a, b, scaling, scale_a, scale_b, gemm=None):
+    """The NCCL path's GEMM for this call: its plan (``gemm`` overrides the plan's choice) and a callable."""
     m, k = a.shape
     n = b.shape[1]
-    tiles = fp8_tiles(m, n, k, scaling)
-    plan = default_plan(op, m, n, k, WORLD, tile=tiles.tile_config(), num_programs=tiles.num_programs(m, n),
-                        allow_sequential=False)
+    plan = fp8_plan(op, m, n, k, WORLD, scaling, cublas_block=cublas_takes(a, b, "block"))
+    if gemm is not None and gemm != plan.gemm:
+        plan = default_plan(op, m, n, k, WORLD, tile=plan.tile, gemm=gemm)
+    scales = Scales.of(scale_a, scale_b)
+    if plan.gemm == "cublas":
+        out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        if op != "all_gather":
+            return plan, lambda: (compute_bands(a, b, plan, out, scales), out)[1]
+
+        def gathered_bands():  # as the NCCL path's _bands_by_cublas multiplies them: each rank's slot of each band
+            for grp in plan.groups:
+                for r in range(WORLD):
+                    rows = slice(grp.out_row_start + r * grp.rows, grp.out_row_start + (r + 1) * grp.rows)
+                    scaled_mm(a[rows], b, scales, scale_a[rows], out=out[rows])
+            return out
+
+        return plan, gathered_bands
     spec = Scaling(scale_a, scale_b)
     if op == "all_gather":  # every band has arrived: the waits cost their polls, never a stall
         wait = GatherWait(torch.ones(plan.num_groups, dtype=torch.int32, device="cuda"))
-        return tiles, lambda: gemm(a, b, plan, scaling=spec, wait=wait)
+        return plan, lambda: gemm_kernel(a, b, plan, scaling=spec, wait=wait)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")  # only counted up: nothing waits
-    return tiles, lambda: gemm(a, b, plan, counters=counters, scaling=spec)
+    return plan, lambda: gemm_kernel(a, b, plan, counters=counters, scaling=spec)
+
+
+def _described(plan) -> dict:
+    t = plan.tile
+    return {"gemm": plan.gemm, "tile": [t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, t.group_m],
+            "programs": plan.grid_size, "groups": plan.num_groups}
 
 
 def main():
@@ -114,18 +142,21 @@ def main():
                 sa, sb = scales(scaling, m, n, k)
                 t_ref = time_ms(lambda a=a, b=b, sa=sa, sb=sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb,
                                                                                out_dtype=torch.bfloat16))
-                tiles, ours = our_call(op, a, b, scaling, sa, sb)
+                plan, ours = our_call(op, a, b, scaling, sa, sb)
                 want = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).float()
                 got = ours().float()
                 if op == "all_reduce":  # row-major C (the others' outputs are laid out by their plans)
                     err = float((got - want).norm() / want.norm())
                     assert err < 1e-2, f"{op} {m}x{n}x{k} {scaling}: relative error {err:.2e}"
-                for path, fn in (("nccl", ours), ("p2p", sub_band_calls(a, b, sa, sb, scaling))):
+                runs = [("nccl", plan, ours), ("p2p", None, sub_band_calls(a, b, sa, sb, scaling))]
+                if scaling == "block" and plan.gemm == "cublas":
+                    runs.append(("nccl-triton", *our_call(op, a, b, scaling, sa, sb, gemm="triton")))
+                for path, run_plan, fn in runs:
                     t = time_ms(fn)
                     rows.append({"op": op, "path": path, "scaling": scaling, "M": m, "N": n, "K": k, "t_ms": t,
                                  "t_scaled_mm_ms": t_ref, "t_bf16_mm_ms": t_bf16, "tflops": flop / t / 1e9,
                                  "speed_vs_scaled_mm": t_ref / t,
-                                 "tiles": list(tiles) if path == "nccl" else None})
+                                 "plan": None if run_plan is None else _described(run_plan)})
                     print(f"{op} {path} {scaling} {m}x{n}x{k}: {t:.3f} ms ({flop / t / 1e9:.0f} TFLOP/s), "
                           f"_scaled_mm {t_ref:.3f} ({t_ref / t:.3f}x), bf16 mm {t_bf16:.3f}", flush=True)
     ratios = {s: [r["speed_vs_scaled_mm"] for r in rows if r["path"] == "nccl" and r["scaling"] == s]

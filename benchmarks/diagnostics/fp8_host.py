@@ -1,8 +1,9 @@
 """Host time of an fp8 call beside the bf16 call of the same op and path, on one GPU and a one-rank NCCL group (one
-process). On CUDA both run the sequential plan today (the scaled matmul, or the matmul, then the collective): the
-fp8 ops' overlapped paths are not wired to their communicators yet, and a sequential plan is never replayed, so the
-eager figure is the only one. Each fp8 call is first checked against ``torch._scaled_mm`` (the dequantised product
-block-wise) and the collective issued directly. Timed interleaved (``host_us_interleaved``: GPU busy ahead,
+process), on two paths: ``sequential`` (the default plan on one rank: the scaled matmul, or the matmul, then the
+collective) and ``nccl`` (overlapped plans given to both: the signalling GEMM, fp8 or bf16, and a collective per
+group; block-wise fp8 as its default plan runs it, cuBLAS bands of torch's block-wise scaled matmul). Neither path
+replays calls from a CUDA graph, so the eager figure is the only one. Each fp8 call is first checked against
+``torch._scaled_mm`` (the dequantised product block-wise). Timed interleaved (``host_us_interleaved``: GPU busy ahead,
 medians), with the paired ratio ``fp8 / bf16`` per round.
 
 CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \
@@ -16,6 +17,7 @@ import flashoverlap as fo
 from benchmarks.diagnostics.results_file import results_meta, write_results
 from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap.comm.scaled import BLOCK
+from flashoverlap.tune.fp8 import fp8_tiles
 
 M, N, K = 4096, 8192, 8192
 E4M3 = torch.float8_e4m3fn
@@ -39,9 +41,21 @@ def main() -> None:
     w = torch.randn(N, K, dtype=torch.bfloat16, device="cuda")
     a8, w8 = (a * 16).to(E4M3), (w * 16).to(E4M3)
     rows = []
-    for op, (bf16, fp8) in OPS.items():
+    for (op, (bf16_op, fp8_op)), path in ((item, path) for path in ("sequential", "nccl") for item in OPS.items()):
         for mode in ("tensor", "row", "block"):
             sa, sb = scales(mode)
+            if path == "sequential":
+                bf16, fp8 = bf16_op, fp8_op
+            else:
+                plan16 = fo.default_plan(op, M, N, K, 1, allow_sequential=False)
+                plan8 = fo.default_plan(op, M, N, K, 1, tile=fp8_tiles(M, N, K, mode).tile_config(),
+                                        allow_sequential=False, gemm="cublas" if mode == "block" else "triton")
+
+                def bf16(*args, f=bf16_op, plan=plan16, **kw):
+                    return f(*args, plan=plan, path="nccl", **kw)
+
+                def fp8(*args, f=fp8_op, plan=plan8, **kw):
+                    return f(*args, plan=plan, path="nccl", **kw)
             for _ in range(3):  # plans resolved, kernels loaded, NCCL warm
                 bf16(a, w.t(), group=group)
                 fp8(a8, w8.t(), sa, sb, group=group)
@@ -57,7 +71,7 @@ def main() -> None:
             us = host_us_interleaved({"bf16": lambda bf16=bf16: bf16(a, w.t(), group=group),
                                       "fp8": lambda fp8=fp8, sa=sa, sb=sb: fp8(a8, w8.t(), sa, sb, group=group)},
                                      calls=60, pairs=(("fp8", "bf16"),))
-            row = {"op": op, "path": "sequential", "scaling": mode, "M": M, "N": N, "K": K, "mode": "eager",
+            row = {"op": op, "path": path, "scaling": mode, "M": M, "N": N, "K": K, "mode": "eager",
                    "host_us_bf16": round(us["bf16"], 1), "host_us_fp8": round(us["fp8"], 1),
                    "fp8_over_bf16": round(us["fp8 / bf16"], 3), "relative_error": error}
             print(row, flush=True)

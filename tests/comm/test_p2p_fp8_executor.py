@@ -328,9 +328,10 @@ def test_an_fp8_all_gather_multiplies_each_band_with_its_own_rows_scales(monkeyp
 
 @pytest.mark.parametrize("mode", ["tensor", "row"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_scaled_mm_into_writes_what_scaled_mm_returns_through_scaled_mms_out(mode, bias, monkeypatch):
-    """``scaled.scaled_mm_into``'s cuBLAS branch (``_scaled_mm(out=)``), forced on the CPU, where torch runs
-    tensor- and row-wise ``_scaled_mm``: the band lands in a row block of a larger output, bias and all."""
+def test_a_band_written_through_scaled_mms_out_is_what_scaled_mm_returns(mode, bias, monkeypatch):
+    """``scaled.scaled_mm(out=)``'s cuBLAS branch (``_scaled_mm(out=)``, what the executor's bands use), forced
+    on the CPU, where torch runs tensor- and row-wise ``_scaled_mm``: the band lands in a row block of a larger
+    output, bias and all."""
     gen = torch.Generator().manual_seed(3)
     a, sa = quantise(torch.randn(48, 64, generator=gen), mode)
     b, sb = quantise(torch.randn(32, 64, generator=gen).t().contiguous(), mode, operand="b")
@@ -340,10 +341,10 @@ def test_scaled_mm_into_writes_what_scaled_mm_returns_through_scaled_mms_out(mod
     want = torch._scaled_mm(a, b, sa, sb, bias=scales.bias, out_dtype=torch.bfloat16)
     out = torch.full((64, 32), float("nan"), dtype=torch.bfloat16)
     monkeypatch.setattr(scaled, "cublas_takes", lambda *args: True)
-    got = scaled.scaled_mm_into(out[8:56], a, b, scales)
+    got = scaled.scaled_mm(a, b, scales, out=out[8:56])
     assert got.data_ptr() == out[8:56].data_ptr() and torch.equal(out[8:56], want)
     assert out[:8].isnan().all() and out[56:].isnan().all()
     if mode == "row":  # a band's own rows of scales
         out.fill_(float("nan"))
-        scaled.scaled_mm_into(out[:16], a[16:32], b, scales, sa[16:32])
+        scaled.scaled_mm(a[16:32], b, scales, sa[16:32], out=out[:16])
         assert torch.equal(out[:16], want[16:32])

@@ -36,3 +36,65 @@ def _ranks(rank, world):
 def test_the_fp8_ops_on_one_gpu():
     errors = spawn(_ranks, 1, "nccl", env=ENV)[0]
     assert all(e < 1e-2 for e in errors.values()), errors
+
+
+def _dequantised(a, b, sa, sb, mode):
+    """The oracle on the GPU for any shape: the fp8 operands times their scales, multiplied in fp32 (written out here,
+    not the library's)."""
+    k, n = b.shape
+    if mode == "block":
+        a32 = a.float() * sa.repeat_interleave(128, 1)[:, :k]
+        b32 = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[:k, :n]
+    else:
+        a32, b32 = a.float() * sa.reshape(-1, 1), b.float() * sb.reshape(1, -1)
+    return a32 @ b32
+
+
+# (mode, M, N, K, B as w.t()): odd shapes (the kernel's pointer loads; cuBLAS cannot take them, so the cuBLAS-band
+# plans fall back to the dequantised product), round ones (TMA, torch's scaled matmul), block-wise K/128 odd (torch's
+# block-wise kernel not used) and a multiple of 4.
+NCCL_CASES = [("tensor", 777, 2000, 1234, True), ("row", 1000, 1000, 96, False), ("row", 2048, 4096, 1024, True),
+              ("tensor", 2048, 4096, 1024, False), ("block", 1000, 1040, 640, True), ("block", 2048, 4096, 1024, True)]
+
+
+def _nccl_path(rank, world):
+    """The NCCL path's fp8 calls at W = 1 under overlapped plans (the signalling fp8 GEMM, and cuBLAS bands), each op
+    twice (the counters and flags must be back to zero for the second call), and under the default plan."""
+    import flashoverlap as fo
+    from flashoverlap.tune.fp8 import fp8_tiles
+    from tests.ops.test_scaled import quantise
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
+           "all_gather": fo.all_gather_scaled_gemm}
+    errors = {}
+    for mode, m, n, k, transposed in NCCL_CASES:
+        a, sa = quantise(torch.randn(m, k, device=device), mode)
+        b, sb = quantise(torch.randn(k, n, device=device), mode, operand="b")
+        if mode == "row":
+            sb = sb.reshape(1, n)
+        if transposed:
+            b = b.t().contiguous().t()
+        want = _dequantised(a, b, sa, sb, mode)
+        for kind, op in ops.items():
+            tile = fp8_tiles(m, n, k, mode).tile_config()
+            plans = {"default": None}
+            for gemm in ("triton", "cublas"):
+                plans[gemm] = fo.default_plan(kind, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False,
+                                              gemm=gemm, num_groups=3)
+            for name, plan in plans.items():
+                for repeat in range(2):
+                    poison_allocator(device)
+                    got = op(a, b, sa, sb, path="nccl", plan=plan)
+                    assert got.dtype == torch.bfloat16 and not got.isnan().any(), (kind, mode, name)
+                    err = ((got.float() - want).norm() / want.norm()).item()
+                    errors[(kind, mode, m, n, k, name, repeat)] = err
+    return errors
+
+
+def test_the_nccl_path_runs_fp8_under_overlapped_plans():
+    errors = spawn(_nccl_path, 1, "nccl", env=ENV)[0]
+    assert len(errors) == len(NCCL_CASES) * 3 * 3 * 2
+    bad = {key: e for key, e in errors.items() if not e < 1e-2}
+    assert not bad, bad

@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 BLOCK = 128  # the block-wise recipe's block: 1x128 for A, 128x128 for B
 ALIGN = 16  # bytes: a packed row's parts start at multiples of this (TMA and cuBLAS want 16-byte aligned rows)
 
@@ -147,11 +148,13 @@ def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:
     return mode != "block" or (a.shape[1] % (4 * BLOCK) == 0 and torch.cuda.get_device_capability(a.device) == (9, 0))
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` scaled, in the output dtype, as one ``torch._scaled_mm`` (``scale_a``: A's scales where they are
-    not ``scales.a``, as ``[rows, S]``, any strides) where cuBLAS takes it (``cublas_takes``; a row-wise A with a
-    tensor-wise B, the gathered tensor-wise case, takes B's scale as a row; block-wise scales laid out outer-dim-major,
-    the only layout torch 2.11 took); the dequantised fp32 product elsewhere (the CPU, odd shapes)."""
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` scaled, in the output dtype (into ``out`` where given), as one ``torch._scaled_mm`` where cuBLAS takes
+    it (``cublas_takes``); the dequantised fp32 product elsewhere (the CPU, odd shapes). ``scale_a``: A's scales where
+    they are not ``scales.a``, as ``[rows, S]``, any strides. A row-wise A with a tensor-wise B (the gathered
+    tensor-wise case) takes B's scale as a row; block-wise scales are laid out outer-dim-major, the only layout
+    torch 2.11 took."""
     scale_a = scales.a if scale_a is None else scale_a
     if cublas_takes(a, b, scales.mode):
         scale_b = scales.b
@@ -161,26 +164,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.T
             if scale_a.numel() > 1 and scale_b.numel() == 1:
                 scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, 1).expand(1, b.shape[1])
             scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
-        return torch._scaled_mm(a, b, scale_a, scale_b, bias=scales.bias, out_dtype=scales.out_dtype)
+        if out is None:
+            return torch._scaled_mm(a, b, scale_a, scale_b, bias=scales.bias, out_dtype=scales.out_dtype)
+        return torch._scaled_mm(a, b, scale_a, scale_b, bias=scales.bias, out_dtype=scales.out_dtype, out=out)
     if scale_a.ndim < 2:
         scale_a = scale_a.reshape(1, 1)
-    return product(a, scale_a, dequantised_b(b, scales), scales).to(scales.out_dtype)
-
-
-def scaled_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: Scales,
-                   scale_a: torch.Tensor | None = None) -> torch.Tensor:
-    """``scaled_mm`` written into ``out`` (``[rows, N]`` in ``scales.out_dtype``, e.g. a row block of a call's output
-    or of a symmetric region): where cuBLAS takes the product, ``torch._scaled_mm``'s ``out=`` variant, so that no
-    copy follows the multiplication; elsewhere ``scaled_mm``'s result copied in. The scales laid out as
-    ``scaled_mm`` lays them out."""
-    scale_a = scales.a if scale_a is None else scale_a
-    if not cublas_takes(a, b, scales.mode):
-        return out.copy_(scaled_mm(a, b, scales, scale_a))
-    scale_b = scales.b
-    if scales.mode == "block":
-        scale_a, scale_b = scale_a.t().contiguous().t(), scale_b.t().contiguous().t()
-    else:
-        if scale_a.numel() > 1 and scale_b.numel() == 1:
-            scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, 1).expand(1, b.shape[1])
-        scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
-    return torch._scaled_mm(a, b, scale_a, scale_b, bias=scales.bias, out_dtype=scales.out_dtype, out=out)
+    c = product(a, scale_a, dequantised_b(b, scales), scales)
+    return c.to(scales.out_dtype) if out is None else out.copy_(c)

@@ -17,12 +17,14 @@ import torch.distributed as dist
 
 from flashoverlap.comm.scaled import BLOCK, Scales
 from flashoverlap.ops.library import _group, _world, group_name
+from flashoverlap.plan import Plan
 from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
 
 def scaled_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                            group: dist.ProcessGroup | None = None, *, out_dtype: torch.dtype = torch.bfloat16,
-                           bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+                           bias: torch.Tensor | None = None, path: str = "auto",
+                           plan: Plan | None = None) -> torch.Tensor:
     """``c = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype); dist.all_reduce(c)``: the
     partial products summed in fp32.
 
@@ -31,36 +33,40 @@ def scaled_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tens
             weight, as ``_scaled_mm`` wants it).
         scale_a, scale_b: fp32; tensor-wise one value each, row-wise ``[M, 1]`` and ``[1, N]``, block-wise
             ``[M, K/128]`` and ``[K/128, ceil(N/128)]`` (K a multiple of 128).
-        group, path: as for :func:`flashoverlap.gemm_all_reduce` (fp8 runs the reference path on the CPU, and on
-            CUDA the scaled matmul then the collective).
+        group, path, plan: as for :func:`flashoverlap.gemm_all_reduce` (fp8 runs the reference path on the CPU; on
+            CUDA the NCCL path, or the scaled matmul then the collective where overlap cannot pay). A plan's GEMM
+            is the signalling fp8 kernel (block-wise: ``tile.block_k`` 128) or, with ``gemm="cublas"``, bands of
+            ``torch._scaled_mm``.
         out_dtype: ``torch.bfloat16`` or ``torch.float32``; bias: ``[N]`` in ``out_dtype``, or None.
 
     Returns:
         ``[M, N]`` in ``out_dtype``, identical on every rank.
     """
-    return _run("scaled_gemm_all_reduce", "all_reduce", (a, b, scale_a, scale_b, group), out_dtype, bias, path)[0]
+    return _run("scaled_gemm_all_reduce", "all_reduce", (a, b, scale_a, scale_b, group), out_dtype, bias, path,
+                plan=plan)[0]
 
 
 def scaled_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                                group: dist.ProcessGroup | None = None, *, out_dtype: torch.dtype = torch.bfloat16,
-                               bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+                               bias: torch.Tensor | None = None, path: str = "auto",
+                               plan: Plan | None = None) -> torch.Tensor:
     """``torch._scaled_mm(a, b, ...)`` reduce-scattered by rows: rank r gets rows ``[r*M/W, (r+1)*M/W)`` of the
     sum, ``[M/W, N]`` in ``out_dtype`` (``M % W == 0``). Arguments as :func:`scaled_gemm_all_reduce`."""
     return _run("scaled_gemm_reduce_scatter", "reduce_scatter", (a, b, scale_a, scale_b, group), out_dtype, bias,
-                path)[0]
+                path, plan=plan)[0]
 
 
 def all_gather_scaled_gemm(a_shard: torch.Tensor, b: torch.Tensor, scale_a_shard: torch.Tensor,
                            scale_b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                            out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-                           path: str = "auto") -> torch.Tensor:
+                           path: str = "auto", plan: Plan | None = None) -> torch.Tensor:
     """``torch._scaled_mm(all_gather(a_shard), b, all_gather(scale_a_shard), scale_b, ...)``: ``[M, N]`` with
     ``M = W * a_shard.shape[0]``. Each shard's fp8 rows travel with their scales; tensor-wise shards may carry
     different scales (each row is multiplied by its own shard's).
 
     The gathered input too (a backward's weight gradient needs it): ``all_gather_scaled_gemm_gathered``."""
     return _run("all_gather_scaled_gemm", "all_gather", (a_shard, b, scale_a_shard, scale_b, group), out_dtype,
-                bias, path)[0]
+                bias, path, plan=plan)[0]
 
 
 def all_gather_scaled_gemm_gathered(a_shard: torch.Tensor, b: torch.Tensor, scales: Scales,
@@ -75,10 +81,13 @@ def all_gather_scaled_gemm_gathered(a_shard: torch.Tensor, b: torch.Tensor, scal
 
 
 def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torch.Tensor | None, path: str,
-         return_gathered: bool = False) -> tuple:
+         return_gathered: bool = False, plan: Plan | None = None) -> tuple:
     """Every fp8 call's body, public op and custom op alike: traced, the custom op; else the one call pipeline."""
     a, b, scale_a, scale_b, group = operands
     if torch.compiler.is_compiling():  # traced: the custom op (its fake gives the shapes)
+        if plan is not None:
+            raise ValueError(f"{name}: plan= is not traced by torch.compile (the custom op takes none): leave it "
+                             "unset in compiled code, or tune the shape (`flashoverlap tune plan`)")
         ops = torch.ops.flashoverlap
         if op == "all_gather":
             c, a_full, scale_full = ops.all_gather_scaled_gemm(a, b, scale_a, scale_b, group_name(group), out_dtype,
@@ -86,8 +95,8 @@ def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torc
             return c, (a_full, scale_full)
         custom = ops.scaled_gemm_all_reduce if op == "all_reduce" else ops.scaled_gemm_reduce_scatter
         return custom(a, b, scale_a, scale_b, group_name(group), out_dtype, bias, path), None
-    spec = GemmSpec(name, op, a, b, group, None, path, return_gathered, scales=Scales.of(scale_a, scale_b, out_dtype,
-                                                                                         bias))
+    spec = GemmSpec(name, op, a, b, group, plan, path, return_gathered,
+                    scales=Scales.of(scale_a, scale_b, out_dtype, bias))
     return execute(GEMM, spec)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards, settings
+from flashoverlap.comm import scaled
 from flashoverlap.comm.protocol import Call, Hook
 from flashoverlap.comm.scaled import Scales
 from flashoverlap.plan import OPS, Plan
@@ -154,7 +155,7 @@ def resolve(spec: GemmSpec, nccl_p2p_disabled: bool = False) -> tuple[str, Group
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
     context = group_context(name, spec.group, a.device)
-    key = (op, a.dtype, m, n, k, path, plan is None)
+    key = (op, a.dtype, m, n, k, path, plan is None, None if spec.scales is None else spec.scales.mode)
     seen = context.calls.get(key)
     world_size = context.world_size
     if op == "all_gather":
@@ -179,4 +180,9 @@ def resolve(spec: GemmSpec, nccl_p2p_disabled: bool = False) -> tuple[str, Group
             f"{name}: plan is for {plan.op} (m, n, k) = {(plan.m, plan.n, plan.k)} over {plan.world_size} ranks, "
             f"but this call is {op} {(m, n, k)} over {world_size} ranks"
         )
+    if (spec.scales is not None and spec.scales.mode == "block" and path == "nccl" and not plan.sequential
+            and plan.gemm == "triton" and plan.tile.block_k != scaled.BLOCK):
+        raise ValueError(f"{name}: block-wise scales need the plan's tile.block_k = {scaled.BLOCK} (one K slab per "
+                         f"scale), got {plan.tile.block_k}: build the plan with tile=TileConfig(..., block_k="
+                         f"{scaled.BLOCK}, ...) or pass none")
     return path, context, plan

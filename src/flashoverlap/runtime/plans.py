@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards, settings
+from flashoverlap.comm import scaled
 from flashoverlap.plan import Plan
-from flashoverlap.runtime import policy
+from flashoverlap.runtime import checks, policy
 from flashoverlap.runtime.context import GroupContext, context_of
-from flashoverlap.tune import cache, rates
+from flashoverlap.tune import cache, fp8, rates
 from flashoverlap.tune.defaults import default_plan, sequential_plan
 
 _LOG = logging.getLogger("flashoverlap")
@@ -34,6 +35,8 @@ def path_and_plan(spec, shape: tuple[int, int, int], context: GroupContext,
         path, tuned = _automatic_path(op, m, n, k, context, a.dtype, nccl_p2p_disabled)
     if plan is not None:
         return path, None
+    if spec.scales is not None and a.device.type == "cuda" and path in policy.FP8_PATHS:
+        return path, tuned or _fp8_plan_for(spec, shape, context, path)
     if a.dtype not in policy.HALF_DTYPES or path == "reference" and a.device.type == "cuda":
         return path, sequential_plan(op, m, n, k, context.world_size)
     return path, tuned or _plan_for(op, m, n, k, context, a.dtype, path if path in ("p2p", "ring") else "nccl")
@@ -55,7 +58,8 @@ def _automatic_path(op: str, m: int, n: int, k: int, context: GroupContext, dtyp
     tuned = _cached_plan(op, m, n, k, context, dtype, "auto")
     # Collective (once per group), and only where the answer can matter; every rank takes the same branch.
     reason = None if nccl_p2p_disabled else context.p2p_reason()
-    path, why = policy.automatic_path(reason, context.world_size, nccl_p2p_disabled, tuned)
+    path, why = policy.automatic_path(reason, context.world_size, nccl_p2p_disabled, tuned,
+                                      fp8=dtype in checks.FP8_DTYPES)
     if ("auto", op) not in context.logged:
         context.logged.add(("auto", op))
         _LOG.debug("flashoverlap: path='auto' uses %s for %s on %s: %s", path, op, context.name, why)
@@ -106,6 +110,28 @@ def _plan_for(op: str, m: int, n: int, k: int, context: GroupContext, dtype: tor
     # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
     return _default_plan(op, (m, n, k), world_size, num_sms, dtype.itemsize,
                          round(comm_ms / measured.gemm_ms(m, n, k), 2))
+
+
+def _fp8_plan_for(spec, shape: tuple[int, int, int], context: GroupContext, path: str) -> Plan:
+    """An fp8 call's plan (``tune/fp8.py``): on NCCL, overlap or not by the collective's time over the fp8 GEMM's
+    (the bf16 rates: the GEMM ``FP8_GEMM_SPEEDUP`` times faster, the bytes those the call moves)."""
+    m, n, k = shape
+    scales = spec.scales
+    comm_ratio = None
+    if path == "nccl":
+        measured = context.rates.get(torch.bfloat16)
+        if measured is None:
+            measured = context.rates[torch.bfloat16] = rates.measure(context.process_group, context.device,
+                                                                     torch.bfloat16)
+        if spec.op == "all_gather":
+            moved = m * scaled.row_bytes(k, spec.a.dtype, scales)
+        else:
+            moved = m * n * scales.out_dtype.itemsize
+        gemm_ms = measured.gemm_ms(m, n, k) / fp8.FP8_GEMM_SPEEDUP
+        comm_ratio = round(measured.collective_ms(spec.op, moved, context.world_size) / gemm_ms, 2)
+    return fp8.fp8_plan(spec.op, m, n, k, context.world_size, scales.mode, path=path,
+                        num_sms=guards.sm_count(context.device), comm_ratio=comm_ratio,
+                        out_size=scales.out_dtype.itemsize, cublas_block=scaled.cublas_takes(spec.a, spec.b, "block"))
 
 
 def plan_for(op: str, shape: tuple[int, int, int], group: dist.ProcessGroup, device: torch.device,

@@ -137,9 +137,10 @@ def p2p_excluded(reason: str | None, world_size: int, nccl_p2p_disabled: bool) -
 def automatic_path(p2p_reason: str | None, world_size: int, nccl_p2p_disabled: bool = False,
                    tuned: Plan | None = None, fp8: bool = False) -> tuple[str, str]:
     """What ``path="auto"`` picks on CUDA for a half-precision or fp8 (``fp8``) call with no plan, and why (pure: the
-    same inputs on every rank give the same answer): the path of ``tuned`` (the plan `tune plan --path auto` cached for this
-    shape) where it applies, else P2P where it applies (measured faster than the NCCL path and than sequential at
-    every op of the nvlink grid, benchmarks/results/h200x2-nvlink.json), else NCCL."""
+    same inputs on every rank give the same answer): the path of ``tuned`` (the plan `tune plan --path auto` cached
+    for this shape) where it applies, else P2P where it applies (fp8: where ``FP8_PATHS`` has it; measured faster
+    than the NCCL path and than sequential at every op of the nvlink grid, benchmarks/results/h200x2-nvlink.json),
+    else NCCL."""
     excluded = p2p_excluded(p2p_reason, world_size, nccl_p2p_disabled)
     if fp8 and "p2p" not in FP8_PATHS:
         excluded = "the P2P path does not run fp8"

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from flashoverlap.plan import TileConfig
+from flashoverlap.plan import Plan, TileConfig
+from flashoverlap.tune.defaults import default_plan
 
 SCALINGS = ("tensor", "row", "block")
+# fp8 GEMMs ran 1.7-2.0x bf16 torch.mm's throughput at the grid (h200x1-fp8-gemm.json): the overlap rule's estimate of
+# an fp8 GEMM's time is the bf16 one's over this.
+FP8_GEMM_SPEEDUP = 1.8
 # Outputs of at least this many elements took 4 pipeline stages (tensor-wise and row-wise).
 DEEP_PIPELINE_ELEMENTS = 8192 * 8192
 
@@ -57,3 +61,16 @@ def fp8_tiles(m: int, n: int, k: int, scaling: str) -> Fp8Tiles:
         return Fp8Tiles(128, 128, 128, 8, 4, 8, True)
     stages = 4 if m * n >= DEEP_PIPELINE_ELEMENTS else 3
     return Fp8Tiles(128, 256, 128, 8, stages, 8, True)
+
+
+def fp8_plan(op: str, m: int, n: int, k: int, world_size: int, scaling: str, *, path: str = "nccl",
+             num_sms: int = 132, comm_ratio: float | None = None, out_size: int = 2,
+             cublas_block: bool = False) -> Plan:
+    """The plan of an fp8 call before tuning: ``default_plan``'s overlap rules (``out_size``: the output dtype's bytes,
+    ``comm_ratio``: the collective's time over the fp8 GEMM's) with ``fp8_tiles``' tiles. Block-wise on the NCCL path,
+    where torch's block-wise kernel serves the shape (``cublas_block``), the GEMM is cuBLAS bands (``gemm="cublas"``):
+    ours reached 0.44-0.79x of torch's there, cuBLAS bands 0.95-1.10x (h200x1-fp8-gemm.json)."""
+    tiles = fp8_tiles(m, n, k, scaling)
+    gemm = "cublas" if path == "nccl" and scaling == "block" and cublas_block else "triton"
+    return default_plan(op, m, n, k, world_size, num_sms=num_sms, element_size=out_size, comm_ratio=comm_ratio,
+                        tile=tiles.tile_config(), path=path, gemm=gemm)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
-from flashoverlap.comm import stream_ops
+from flashoverlap.comm import scaled, stream_ops
 from flashoverlap.comm.collectives import (
     all_gather_into_tensor,
     gathered_in_rank_order,
@@ -64,15 +64,16 @@ class NcclCommunicator(GroupFields):
         the op's last collectives)."""
         plan, a, b = call.plan, call.a, call.b
         if plan.op == "all_gather":
-            result = self._all_gather_gemm(plan, a, b, call.name, call.return_gathered, call.timeout)
+            result = self._all_gather_gemm(call)
         else:
-            self.prepare(plan, a.dtype)
-            product, ready = produce(a, b, plan, self.counters)
+            product_dtype = a.dtype if call.scales is None else call.scales.out_dtype
+            self.prepare(plan, product_dtype)
+            product, ready = produce(a, b, plan, self.counters, call.scales)
             if plan.op == "all_reduce":
                 self.all_reduce(product, plan, ready, call.timeout)
                 result = (product, None)
             else:
-                out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
+                out = torch.empty((plan.block_rows, plan.n), dtype=product_dtype, device=a.device)
                 self.reduce_scatter(out, product, plan, ready, call.timeout)
                 result = (out, None)
         if call.hook is not None:
@@ -86,30 +87,39 @@ class NcclCommunicator(GroupFields):
         self._capped_groups.clear()
         self._warm.clear()
 
-    def _all_gather_gemm(self, plan: Plan, a_shard: torch.Tensor, b: torch.Tensor, op: str,
-                         return_gathered: bool, timeout: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _all_gather_gemm(self, call: Call) -> tuple[torch.Tensor, object]:
         """The communication stream gathers band after band (launched before the GEMM: here it is the producer)
         and raises a flag per band; the GEMM, persistent on all SMs but those left to NCCL, computes its own shard
         and then waits in-kernel for each band's flag. NCCL runs a fixed ``comm_ctas`` CTAs on SMs the GEMM never
         takes, so every wait is satisfiable (deadlock rule 2): plans that leave fewer SMs than ``nccl_free_sms``
-        are refused. Inside a CUDA-graph capture the in-kernel waits become graph edges (``_bands_by_cublas``)."""
+        are refused. Inside a CUDA-graph capture the in-kernel waits become graph edges (``_bands_by_cublas``).
+
+        fp8 (``call.scales``): the bands are packed rows (``comm/scaled.pack_rows``: a row's fp8 bytes and its scales,
+        one buffer, moved as bytes), and the GEMM reads the fp8 rows and their scales in place from ``gathered``."""
+        plan, a_shard, b, op, timeout, scales = call.plan, call.a, call.b, call.name, call.timeout, call.scales
         device = a_shard.device
         if plan.gemm == "triton":  # only a GEMM that spins on the bands can starve NCCL
             check_leaves_nccl_sms(plan, guards.sm_count(device), op)
-        self.prepare(plan, a_shard.dtype)
-        gathered = torch.empty((plan.m, plan.k), dtype=a_shard.dtype, device=device)
+        if scales is None:
+            shard, width = a_shard, plan.k
+        else:  # the rows as the wire carries them: packed once, placed into every band's slot below
+            rows = plan.block_rows
+            shard = scaled.pack_rows(a_shard, scales.rows_of_a(slice(0, rows), rows))
+            width = shard.shape[1]
+        self.prepare(plan, shard.dtype)
+        gathered = torch.empty((plan.m, width), dtype=shard.dtype, device=device)
+        operand = _Gathered(gathered, plan.k, a_shard.dtype, scales)
         if plan.gemm == "cublas" or guards.capturing():
-            c = _bands_by_cublas(self, gathered, a_shard, b, plan)
+            c = _bands_by_cublas(self, operand, shard, b, plan)
         else:
-            from flashoverlap.kernels.gemm import gemm  # Triton: imported where a kernel runs
+            from flashoverlap.kernels.gemm import GatherWait, gemm  # Triton: imported where a kernel runs
 
             _cublas_ready(device, a_shard.dtype)
-            self.all_gather(gathered, a_shard, plan)
+            self.all_gather(gathered, shard, plan)
             wait_error = torch.zeros(1, dtype=torch.int32, device=device) if timeout else None
             # About a microsecond a poll: the debug bound in polls.
-            max_spins = int(timeout * 1e6) if timeout else 0
-            c = gemm(gathered, b, plan, flags=self.flags, rank=self.rank, wait_error=wait_error,
-                     max_spins=max_spins)
+            wait = GatherWait(self.flags, self.rank, wait_error, int(timeout * 1e6) if timeout else 0)
+            c = gemm(operand.a, b, plan, scaling=operand.scaling(), wait=wait)
             self.finish_all_gather(plan)
             if wait_error is not None and int(wait_error.item()):
                 g = int(wait_error.item()) - 1
@@ -117,7 +127,7 @@ class NcclCommunicator(GroupFields):
                     f"flashoverlap: rank {self.rank}: {op} on {self.name} waited more than about {timeout:g} s for "
                     f"group {g} of {plan.num_groups} (FLASHOVERLAP_DEBUG_TIMEOUT); its band never arrived"
                 )
-        return c, gathered_in_rank_order(gathered, plan) if return_gathered else None
+        return c, operand.in_rank_order(plan) if call.return_gathered else None
 
     # -- 1. before the GEMM -----------------------------------------------------------------------------
     def prepare(self, plan: Plan, dtype: torch.dtype) -> None:
@@ -258,28 +268,71 @@ def check_leaves_nccl_sms(plan: Plan, num_sms: int, op: str = "all_gather_gemm")
 
 def _cublas_ready(device: torch.device, dtype: torch.dtype) -> None:
     """Create this thread's cuBLAS handle on an eager call: the captured schedule multiplies with cuBLAS, and
-    creating a handle inside a capture fails (CUBLAS_STATUS_NOT_INITIALIZED, seen on the H200s)."""
+    creating a handle inside a capture fails (CUBLAS_STATUS_NOT_INITIALIZED, seen on the H200s). fp8: the scaled
+    matmul's (cuBLASLt) handle, by one 16x16 ``torch._scaled_mm``."""
     if (device, dtype) not in _CUBLAS_READY:
-        torch.matmul(torch.zeros(1, 1, dtype=dtype, device=device), torch.zeros(1, 1, dtype=dtype, device=device))
+        if dtype in scaled.FP8:
+            x = torch.zeros(16, 16, device=device).to(dtype if dtype == torch.float8_e4m3fn else torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+            torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16)
+        else:
+            torch.matmul(torch.zeros(1, 1, dtype=dtype, device=device), torch.zeros(1, 1, dtype=dtype, device=device))
         _CUBLAS_READY.add((device, dtype))
 
 
-def _bands_by_cublas(comm: NcclCommunicator, gathered: torch.Tensor,
-                     a_shard: torch.Tensor, b: torch.Tensor, plan: Plan) -> torch.Tensor:
+class _Gathered:
+    """An all-gather's gathered buffer as the GEMM reads it: ``a`` ``[M, K]`` (fp8: the fp8 view of the packed rows)
+    and, for fp8, the rows' scales (a view) with the call's ``Scales``."""
+
+    def __init__(self, gathered: torch.Tensor, k: int, dtype: torch.dtype, scales: scaled.Scales | None) -> None:
+        self.gathered, self.k, self.dtype, self.scales = gathered, k, dtype, scales
+        if scales is None:
+            self.a, self.scale_rows = gathered, None
+        else:
+            self.a, self.scale_rows = scaled.unpack_rows(gathered, k, dtype, scales.scale_columns(k))
+
+    def scaling(self):
+        """The kernel's ``Scaling`` (None unscaled): A's scales per gathered row (tensor-wise shards may differ)."""
+        if self.scales is None:
+            return None
+        from flashoverlap.kernels.gemm import Scaling
+
+        return Scaling(self.scale_rows, self.scales.b, self.scales.out_dtype, self.scales.bias)
+
+    def multiply(self, rows: slice, b: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = a[rows] @ b`` by cuBLAS (fp8: scaled by the rows' own scales)."""
+        if self.scales is None:
+            torch.matmul(self.a[rows], b, out=out)
+        else:
+            scaled.scaled_mm(self.a[rows], b, self.scales, self.scale_rows[rows], out=out)
+
+    def in_rank_order(self, plan: Plan):
+        """The gathered input as ``all_gather_into_tensor`` of whole shards returns it; fp8: ``(a, scales)``."""
+        full = gathered_in_rank_order(self.gathered, plan)
+        if self.scales is None:
+            return full
+        a_full, scale_full = scaled.unpack_rows(full, self.k, self.dtype, self.scales.scale_columns(self.k))
+        return a_full.contiguous(), scale_full.contiguous()
+
+
+def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Tensor, b: torch.Tensor,
+                     plan: Plan) -> torch.Tensor:
     """Plans with ``gemm="cublas"``, and every call inside a CUDA-graph capture: the same bands gathered in the
     same order, but each band's slots multiplied by cuBLAS once the band's event has fired, the dependency a stream
     (graph) edge instead of an in-kernel spin. In a graph this is required: a graph may serialize its branches
     onto one hardware queue, where a spinning GEMM ahead of the NCCL kernels it waits for would never finish (the
     in-kernel schedule hung under graph replay on the H200s; that serialization is the likely cause, not a proven
     one). Overlap in a graph is therefore decomposition-like."""
-    arrived = comm.all_gather(gathered, a_shard, plan, events=True)
-    producer = torch.cuda.current_stream(gathered.device)
-    c = torch.empty((plan.m, plan.n), dtype=gathered.dtype, device=gathered.device)
+    arrived = comm.all_gather(operand.gathered, shard, plan, events=True)
+    device = shard.device
+    producer = torch.cuda.current_stream(device)
+    out_dtype = operand.dtype if operand.scales is None else operand.scales.out_dtype
+    c = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
     c_blocks = c.view(plan.world_size, plan.block_rows, plan.n)  # rank r's rows of the result: c_blocks[r]
 
     def multiply(grp, r):
-        band = gathered[grp.out_row_start : grp.out_row_end].view(plan.world_size, grp.rows, plan.k)
-        torch.matmul(band[r], b, out=c_blocks[r, grp.row_start : grp.row_end])
+        first = grp.out_row_start + r * grp.rows  # the plan's [group][W][rows] layout
+        operand.multiply(slice(first, first + grp.rows), b, c_blocks[r, grp.row_start : grp.row_end])
 
     for grp in plan.groups:  # the own shard is in place before the first collective: no wait
         multiply(grp, comm.rank)
@@ -291,21 +344,25 @@ def _bands_by_cublas(comm: NcclCommunicator, gathered: torch.Tensor,
     return c
 
 
-def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan,
-            counters: torch.Tensor) -> tuple[torch.Tensor, list[torch.cuda.Event] | None]:
+def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan, counters: torch.Tensor,
+            scales: scaled.Scales | None = None) -> tuple[torch.Tensor, list[torch.cuda.Event] | None]:
     """A reduction plan's product (``C``, or the reduce-scatter workspace) and what the communicator waits on for
-    each group: the events of cuBLAS bands, or None for the signalling GEMM, which bumps ``counters``."""
+    each group: the events of cuBLAS bands, or None for the signalling GEMM, which bumps ``counters``. fp8
+    (``scales``): the scaled product in the output dtype."""
     if plan.gemm == "cublas":
-        out = torch.empty((plan.m, plan.n), dtype=a.dtype, device=a.device)
-        return out, compute_bands(a, b, plan, out)
-    from flashoverlap.kernels.gemm import gemm  # Triton: imported where a kernel runs
+        out = torch.empty((plan.m, plan.n), dtype=a.dtype if scales is None else scales.out_dtype, device=a.device)
+        return out, compute_bands(a, b, plan, out, scales)
+    from flashoverlap.kernels.gemm import Scaling, gemm  # Triton: imported where a kernel runs
 
-    return gemm(a, b, plan, counters=counters), None
+    scaling = None if scales is None else Scaling(scales.a, scales.b, scales.out_dtype, scales.bias)
+    return gemm(a, b, plan, counters=counters, scaling=scaling), None
 
 
-def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tensor) -> list[torch.cuda.Event]:
-    """``out`` (``C``, or the reduce-scatter workspace ``[group][W][rows][N]``) band by band; returns one event
-    per group, recorded on the current stream once the group's rows are written."""
+def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tensor,
+                  scales: scaled.Scales | None = None) -> list[torch.cuda.Event]:
+    """``out`` (``C``, or the reduce-scatter workspace ``[group][W][rows][N]``) band by band (fp8: each band scaled
+    by its rows' scales); returns one event per group, recorded on the current stream once the group's rows are
+    written."""
     stream = torch.cuda.current_stream(a.device) if a.device.type == "cuda" else None  # CPU: the layout alone
     done = []
     for grp in plan.groups:
@@ -313,7 +370,11 @@ def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tenso
             first = block * plan.block_rows + grp.row_start
             rows = grp.row_end - grp.row_start
             dst = grp.out_row_start + block * rows if plan.blocks > 1 else grp.row_start
-            torch.matmul(a[first : first + rows], b, out=out[dst : dst + rows])
+            if scales is None:
+                torch.matmul(a[first : first + rows], b, out=out[dst : dst + rows])
+            else:
+                scale_rows = None if scales.mode == "tensor" else scales.a[first : first + rows]
+                scaled.scaled_mm(a[first : first + rows], b, scales, scale_rows, out=out[dst : dst + rows])
         if stream is not None:
             done.append(stream.record_event())
     return done

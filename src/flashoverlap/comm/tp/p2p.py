@@ -120,7 +120,7 @@ def _scaled_band(target: torch.Tensor, src: torch.Tensor, scale_a: torch.Tensor 
     if accumulate:
         target.add_(scaled.scaled_mm(src, b, scales, scale_a))
     else:
-        scaled.scaled_mm_into(target, src, b, scales, scale_a)
+        scaled.scaled_mm(src, b, scales, scale_a, out=target)
 
 
 def _unpacked(gathered: torch.Tensor, plan: Plan, dtype: torch.dtype,
