@@ -31,6 +31,11 @@ if has p2p; then
         "$OUT/h200x1-host.json" > "$OUT/p2p-one-gpu-$commit.log" 2>&1; echo "p2p: exit $?"
     grep -E "checked|Error|error" "$OUT/p2p-one-gpu-$commit.log" | tail -5
 fi
+if has p2p8; then  # the P2P path's fp8 calls: mechanics (every op x mode, eager and replayed) and host time beside bf16
+    CUDA_VISIBLE_DEVICES=0 timeout ${P2P8_TIMEOUT:-240} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_fp8_one_gpu \
+        "$OUT/h200x1-p2p-fp8.json" > "$OUT/p2p-fp8-one-gpu-$commit.log" 2>&1; echo "p2p8: exit $?"
+    grep -E "checked|Error|error|FAILED|host " "$OUT/p2p-fp8-one-gpu-$commit.log" | tail -8
+fi
 if has moe; then
     CUDA_VISIBLE_DEVICES=0 timeout ${MOE_TIMEOUT:-300} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.moe_one_gpu \
         "$OUT/h200x1-moe-host.json" > "$OUT/moe-one-gpu-$commit.log" 2>&1; echo "moe: exit $?"

@@ -10,6 +10,12 @@ the same memory as on the GPU. It reports a deadlock (no stream can run), a sign
 (a lost signal), every call's result that differs from the plain sum, and work on a copy stream before it joined
 the call's start on ``C`` (inside a CUDA-graph capture that work would not belong to the graph). Streams run at
 random speeds, some far slower than others, so that one rank or stream runs calls ahead of another.
+
+fp8 calls (``make_call(..., columns=S)``): a row of ``a`` is a packed row, its K values and then its S scales
+(``comm/scaled.pack_rows``: one unit, which the all-gather's copies move whole), and every ``Mm`` multiplies the
+rows' values times their scales (S > 1: one scale per block of ``ceil(K / S)`` columns, as block-wise scaling) and
+adds the rank's bias, the result of the fp8 executor's scaled band (``comm/tp/p2p._scaled_band``; accumulating: its
+explicit add of the pulled partial). The own shard's packing, on ``C`` before event 0, is ``Produce``'s write.
 """
 
 from __future__ import annotations
@@ -51,21 +57,45 @@ class Call:
     b: list  # per rank
     want: list  # per rank: the expected result
     want_gathered: np.ndarray | None
+    columns: int = 0  # fp8: the scales at the end of each packed row of ``a``; 0: not fp8
+    bias: list | None = None  # fp8: per rank, added to each rank's product
 
 
-def make_call(plan, rng: np.random.Generator) -> Call:
+def dequantised(rows: np.ndarray, k: int, columns: int) -> np.ndarray:
+    """Packed rows' values times their scales (``columns`` 0: plain rows)."""
+    if not columns:
+        return rows
+    per = -(-k // columns)
+    return rows[:, :k] * np.repeat(rows[:, k:], per, axis=1)[:, :k]
+
+
+def make_call(plan, rng: np.random.Generator, columns: int = 0) -> Call:
+    """One call's inputs and expected results on every rank; ``columns`` > 0: an fp8 call whose rows of ``a``
+    carry that many scales (and whose ranks add a bias each)."""
     world = plan.world_size
     rows = plan.block_rows if plan.op == "all_gather" else plan.m
     a = [rng.standard_normal((rows, plan.k)) for _ in range(world)]
+    if columns:  # packed rows: values and their (positive) scales
+        a = [np.concatenate([x, rng.uniform(0.5, 2.0, (rows, columns))], axis=1) for x in a]
     b = [rng.standard_normal((plan.k, plan.n)) for _ in range(world)]
+    bias = [rng.standard_normal(plan.n) for _ in range(world)] if columns else None
+
+    def product(x, r):
+        return dequantised(x, plan.k, columns) @ b[r] + (bias[r] if columns else 0)
+
     if plan.op == "all_gather":
         full = np.concatenate(a)
-        return Call(plan, a, b, [full @ b[r] for r in range(world)], full)
-    total = sum(a[r] @ b[r] for r in range(world))
+        return Call(plan, a, b, [product(full, r) for r in range(world)], full, columns, bias)
+    total = sum(product(a[r], r) for r in range(world))
     if plan.op == "all_reduce":
-        return Call(plan, a, b, [total] * world, None)
+        return Call(plan, a, b, [total] * world, None, columns, bias)
     per = plan.block_rows
-    return Call(plan, a, b, [total[r * per : (r + 1) * per] for r in range(world)], None)
+    return Call(plan, a, b, [total[r * per : (r + 1) * per] for r in range(world)], None, columns, bias)
+
+
+def a_width(call: Call) -> int:
+    """A row of ``a`` (and of the gathered buffer and the all-gather's regions): its values and its scales."""
+    return call.plan.k + call.columns
 
 
 def host_order(call: Call, rank: int, drop: set = frozenset()) -> list:
@@ -96,7 +126,7 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
     """Run ``calls`` back to back on every rank; ``drop``: per rank, schedule indices removed (mutations).
     Raises ``Failure`` on a deadlock, a lost signal or a wrong result."""
     world = calls[0].plan.world_size
-    widths = [c.plan.k if c.plan.op == "all_gather" else c.plan.n for c in calls]
+    widths = [a_width(c) if c.plan.op == "all_gather" else c.plan.n for c in calls]
     region_size = max(rs.region_rows(c.plan) * w for c, w in zip(calls, widths))
     ranks = [Rank(world, region_size) for _ in range(world)]
     # The host allocates every buffer of a call when it issues the call; ``a`` holds garbage until Produce. As
@@ -105,10 +135,10 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
     local = []
     for r in range(world):
         outs = np.full(max(call.want[r].size for call in calls), np.nan)
-        gathered = np.full(max(call.plan.m * call.plan.k for call in calls), np.nan)
+        gathered = np.full(max(call.plan.m * a_width(call) for call in calls), np.nan)
         local.append([{"a": np.full(call.a[r].shape, np.nan),
                        "out": outs[: call.want[r].size].reshape(call.want[r].shape),
-                       "gathered": gathered[: call.plan.m * call.plan.k].reshape(call.plan.m, call.plan.k)}
+                       "gathered": gathered[: call.plan.m * a_width(call)].reshape(call.plan.m, a_width(call))}
                       for call in calls])
     for r, rank in enumerate(ranks):
         for i, call in enumerate(calls):
@@ -175,13 +205,15 @@ def simulate(calls: list[Call], seed: int, drop: dict[int, set[int]] | None = No
             flags[op.flag.row] = 1
             return None
         if isinstance(op, steps.Copy):
-            w = call.plan.k if call.plan.op == "all_gather" else call.plan.n
+            w = a_width(call) if call.plan.op == "all_gather" else call.plan.n
             src, rows = buffer(r, i, op.src, op.rows, w)
             return (op.dst, op.rows, w, src[rows].copy(), False)
         assert isinstance(op, steps.Mm)
         w_dst = call.plan.n
-        src, rows = buffer(r, i, op.src, op.rows, call.plan.k)
-        value = src[rows] @ call.b[r]
+        src, rows = buffer(r, i, op.src, op.rows, a_width(call))
+        value = dequantised(src[rows], call.plan.k, call.columns) @ call.b[r]
+        if call.columns:
+            value = value + call.bias[r]
         if op.accumulate:
             dst, drows = buffer(r, i, op.dst, op.rows, w_dst)
             value = value + dst[drows]

@@ -1,7 +1,9 @@
 """The P2P path's schedules (``comm/tp/ring_schedule.py``) executed for every rank at once on the CPU
 (``tests/comm/ring_sim.py``): W = 2..8, the three ops, back-to-back calls of changing shapes and ops that overlap
 each other across ranks, in random interleavings; and every wait, signal and event of a schedule removed in turn
-is caught (a deadlock, a lost signal, a wrong result, or copy-stream work outside a capture's stream order)."""
+is caught (a deadlock, a lost signal, a wrong result, or copy-stream work outside a capture's stream order).
+fp8 calls run the same schedules on packed rows (``ring_sim``: a row's values and its scales one unit, a bias per
+rank): the same properties are asserted for them, fp8 calls mixed with plain ones in the same regions."""
 
 import numpy as np
 import pytest
@@ -20,18 +22,21 @@ def _plan(op, world, m_blocks, n, k, sub):
     return default_plan(op, m, n, k, world, tile=TILE, num_groups=sub, path="p2p", allow_sequential=False)
 
 
-def _calls(world, seed, ops=("reduce_scatter", "all_reduce", "all_gather")):
+def _calls(world, seed, ops=("reduce_scatter", "all_reduce", "all_gather"), fp8=False):
+    """Six back-to-back calls, every op twice; ``fp8``: calls 1, 3, 4 and 5 carry packed rows of 1, 2 or 3 scales
+    (tensor- or row-wise, and block-wise), mixed with plain calls in the same regions."""
     rng = np.random.default_rng(seed)
     plans = [_plan(op, world, m_blocks, n, k, sub)
              for op, m_blocks, n, k, sub in [(ops[i % len(ops)], 2 + i % 3, 8 + 4 * i, 6 + i, 1 + i % 3)
                                              for i in range(6)]]  # every op twice
-    return [make_call(plan, rng) for plan in plans]
+    return [make_call(plan, rng, columns=(0, 1, 0, 3, 2, 1)[i] if fp8 else 0) for i, plan in enumerate(plans)]
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
-def test_back_to_back_calls_of_every_op_are_right_in_random_interleavings(world):
+def test_back_to_back_calls_of_every_op_are_right_in_random_interleavings(world, fp8):
     for seed in range(6 if world < 8 else 3):
-        simulate(_calls(world, seed), seed=seed)
+        simulate(_calls(world, seed, fp8=fp8), seed=seed)
 
 
 @pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
@@ -60,11 +65,11 @@ def _mutations(op, world):
     return plan, [i for i, o in enumerate(ops) if isinstance(o, (steps.Wait, steps.Signal, steps.WaitEvent))]
 
 
-def _caught(world, op, index, tries=60):
+def _caught(world, op, index, tries=60, columns=0):
     for seed in range(tries):
         rng = np.random.default_rng(seed)
         plan = _plan(op, world, 2, 8, 6, 2)
-        calls = [make_call(plan, rng) for _ in range(3)]
+        calls = [make_call(plan, rng, columns) for _ in range(3)]
         try:
             simulate(calls, seed=seed, drop={0: {index}})
         except Failure:
@@ -73,12 +78,15 @@ def _caught(world, op, index, tries=60):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
-def test_every_wait_signal_and_event_of_the_schedule_is_needed(op, world):
+@pytest.mark.parametrize("op,columns", [("reduce_scatter", 0), ("all_reduce", 0), ("all_gather", 0),
+                                        ("all_gather", 1), ("all_gather", 2), ("all_reduce", 1)])
+def test_every_wait_signal_and_event_of_the_schedule_is_needed(op, columns, world):
+    """``columns`` > 0: fp8 calls (the all-gather's packed rows of 1 scale, tensor- or row-wise, and of 2,
+    block-wise, moved as one unit; the all-reduce's scaled bands with a bias and the explicit add)."""
     _, indices = _mutations(op, world)
     assert indices
     missed = [(i, rs.schedule(_plan(op, world, 2, 8, 6, 2), 0)[i]) for i in indices
-              if not _caught(world, op, i)]
+              if not _caught(world, op, i, columns=columns)]
     assert not missed, f"removing these went unnoticed: {missed}"
 
 

@@ -29,10 +29,28 @@ why it cannot deadlock; this module only issues it. One call:
    reads it, or is a pull from the peer that is complete; no fence is needed because no step of the schedule
    writes into a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Waits are
    always stream memory operations: only they block a stream.
-3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on
-   the caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams
-   touch (``a``, ``out``, ``gathered``) are used on them only before that join, so the caching allocator's reuse
-   of their memory, on ``C`` or on a stream the user synchronised with ``C``, is ordered after every use.
+3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on the
+   caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams touch
+   (``a``, fp8's packed own shard, ``out``, ``gathered``) are used on them only before that join, so the caching
+   allocator's reuse of their memory, on ``C`` or on a stream the user synchronised with ``C``, is ordered after
+   every use.
+
+fp8 calls (``call.scales``, ``comm/scaled.py``) run the same schedule; only what a step computes and how wide a
+row is change. Every ``Mm`` is a scaled product of its band (``torch._scaled_mm`` where cuBLAS takes it, written
+straight into the band's destination through ``out=``; the dequantised product elsewhere), with the band's rows'
+A scales and the bias (each rank's product carries it once, as ``_scaled_mm(bias=)`` and the sequential path
+have it: an all-reduce sums W copies), in ``scales.out_dtype``. ``_scaled_mm`` has no beta, so an accumulating
+step is two kernels on ``C``: the band's product, then its add to the partial pulled in place (the sum of two values
+of the output dtype computed in fp32 and rounded once). A ring's result is summed hop by hop, each hop rounding
+the running partial once to the output dtype (W - 1 roundings, as NCCL's ring sums bf16). The reductions' regions
+and copies hold rows of the output dtype. The all-gather moves packed rows (``scaled.pack_rows``: a row's fp8
+bytes and its scales, one unit): the own shard is packed once on ``C`` before event 0 (so the copy streams,
+which wait for event 0, see it packed) into a scratch buffer that is the schedule's ``a``; the gathered buffer is
+``[M, packed row bytes]`` uint8; each band multiplies the fp8 view of its rows with the scales view of the same
+rows (tensor-wise shards of different scales: row-wise in effect). A returned gathered input is
+``(a_full, scale_full)``, dense, in rank order. A replayed fp8 call's signature adds the mode, the output dtype and
+where the scales and the bias lie; step 1 loads each band's scaled kernels (with their scale-layout copies and
+the add).
 
 With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set (outside a capture), an event after every flag wait is polled with a
 deadline; a wait that does not end in time raises an error naming the rank, the op, the group and the flag.
@@ -43,9 +61,9 @@ from __future__ import annotations
 import torch
 
 from flashoverlap import guards
-from flashoverlap.comm import steps, stream_ops
+from flashoverlap.comm import scaled, steps, stream_ops
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
-from flashoverlap.comm.replay import CallGraphs, cublas_switches
+from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import Plan
@@ -85,6 +103,34 @@ def _cuts(ops: list, totals: tuple[int, int, int]) -> tuple[list, list[dict]]:
     return cuts, index
 
 
+def _widths(plan: Plan, dtype: torch.dtype, scales: scaled.Scales | None) -> tuple[torch.dtype, int]:
+    """A call's output dtype and the bytes of one row of ``a`` as the all-gather moves it (fp8: a packed row, its
+    fp8 bytes and its scales, ``scaled.row_bytes``)."""
+    if scales is None:
+        return dtype, plan.k * dtype.itemsize
+    return scales.out_dtype, scaled.row_bytes(plan.k, dtype, scales)
+
+
+def _scaled_band(target: torch.Tensor, src: torch.Tensor, scale_a: torch.Tensor | None, b: torch.Tensor,
+                 scales: scaled.Scales, accumulate: bool) -> None:
+    """An fp8 call's ``Mm`` step on ``C``: ``target (+)= src @ b`` scaled (``scale_a``: the band's rows' scales,
+    None for the call's one tensor-wise scale), the bias in the band's product. ``_scaled_mm`` has no beta: an
+    accumulating step adds its product to the pulled partial in a second kernel, the sum of the two computed in
+    fp32 and rounded once to the output dtype."""
+    if accumulate:
+        target.add_(scaled.scaled_mm(src, b, scales, scale_a))
+    else:
+        scaled.scaled_mm(src, b, scales, scale_a, out=target)
+
+
+def _unpacked(gathered: torch.Tensor, plan: Plan, dtype: torch.dtype,
+              scales: scaled.Scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 all-gather's gathered packed rows as ``(a_full, scale_full)`` in rank order, dense (as the sequential
+    path returns them)."""
+    a_full, scale_full = scaled.unpack_rows(gathered, plan.k, dtype, scales.scale_columns(plan.k))
+    return a_full.contiguous(), scale_full.contiguous()
+
+
 class P2PCommunicator(GroupFields):
     """Copy stream, events and symmetric workspace for one (process group, device)."""
 
@@ -119,41 +165,63 @@ class P2PCommunicator(GroupFields):
         looked up first, by a signature built from the call alone; only a call without one asks whether step 1 was
         done. (A graph exists only for a plan past step 1 on the workspace in its signature: ``prepare`` and
         ``release`` drop every graph.)"""
-        plan, a, b, hook = call.plan, call.a, call.b, call.hook
+        plan, a, b, hook, scales = call.plan, call.a, call.b, call.hook, call.scales
         if plan.op == "all_gather":
             a = a.contiguous()  # the copy engine moves the shard's rows as one block
-        out = self._new((plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n), a.dtype)
-        gathered = self._new((plan.m, plan.k), a.dtype) if call.return_gathered else None
+        out = self._new((plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n),
+                        a.dtype if scales is None else scales.out_dtype)
+        gathered = self._gathered(plan, a.dtype, scales) if call.return_gathered else None
         signature = None
         if call.replay and (hook is None or isinstance(hook, HeldHook)):
-            signature = self._signature(plan, a, b, out, gathered, hook)
+            signature = self._signature(plan, a, b, out, gathered, hook, scales)
             if self.graphs.replay(signature):
-                return out, gathered
-        if (plan, a.dtype, b.stride()) not in self._ready:  # step 1, once per plan, dtype and layout of b
-            self._make_ready(plan, a, b, call.name)
+                return self._result(out, gathered, plan, a.dtype, scales)
+        kind = None if scales is None else (scales.mode, scales.out_dtype, scales.bias is not None)
+        if (plan, a.dtype, b.stride(), kind) not in self._ready:  # step 1, once per plan, dtype and layout of b
+            self._make_ready(plan, a, b, call.name, scales)
             if signature is not None:  # step 1 may have grown the workspace, which the signature names
-                signature = self._signature(plan, a, b, out, gathered, hook)
+                signature = self._signature(plan, a, b, out, gathered, hook, scales)
         if signature is not None and self.graphs.record(
                 signature, lambda: self.issue(call, a, out, gathered, captured=True)):
-            return out, gathered
+            return self._result(out, gathered, plan, a.dtype, scales)
         # A call the runtime let replay is not inside a capture; any other may be inside a user's.
         self.issue(call, a, out, gathered, timeout=call.timeout, captured=not call.replay and guards.capturing(a))
-        return out, gathered
+        return self._result(out, gathered, plan, a.dtype, scales)
+
+    def _gathered(self, plan: Plan, dtype: torch.dtype, scales: scaled.Scales | None) -> torch.Tensor:
+        """All-gather's gathered buffer: ``[M, K]`` of ``a``'s dtype; fp8, ``[M, packed row bytes]`` uint8."""
+        if scales is None:
+            return self._new((plan.m, plan.k), dtype)
+        return self._new((plan.m, _widths(plan, dtype, scales)[1]), torch.uint8)
+
+    @staticmethod
+    def _result(out: torch.Tensor, gathered: torch.Tensor | None, plan: Plan, dtype: torch.dtype,
+                scales: scaled.Scales | None) -> tuple:
+        if gathered is None or scales is None:
+            return out, gathered
+        return out, _unpacked(gathered, plan, dtype, scales)
 
     def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                   gathered: torch.Tensor | None, hook) -> tuple:
+                   gathered: torch.Tensor | None, hook, scales: scaled.Scales | None = None) -> tuple:
         """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
         where each tensor lies and how it is laid out (``out`` and ``gathered``: fresh and contiguous, of the plan's
-        shapes), the workspace, the cuBLAS switches that pick kernels, the held hook's tensors."""
+        shapes, ``out``'s dtype the output dtype), the workspace, the cuBLAS switches that pick kernels, the held
+        hook's tensors; an fp8 call's scales: their mode, the output dtype, and where the scales and the bias lie
+        and how they are laid out."""
         return (plan, a.dtype, a.data_ptr(), a.shape, a.stride(), b.data_ptr(), b.shape, b.stride(), out.data_ptr(),
                 None if gathered is None else gathered.data_ptr(), self.workspace.buffer.data_ptr(), cublas_switches(),
-                None if hook is None else hook.signature)
+                None if hook is None else hook.signature,
+                None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
+                                             address(scales.bias)))
 
-    def _make_ready(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
-        """Step 1 for a plan, dtype and layout of b: the workspace (it only grows) and the cuBLAS kernels."""
-        self.prepare(plan, a.dtype, op)
-        self._load_kernels(plan, a, b, op)
-        self._ready.add((plan, a.dtype, b.stride()))
+    def _make_ready(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str,
+                    scales: scaled.Scales | None = None) -> None:
+        """Step 1 for a plan, dtype and layout of b (fp8: and kind of scales): the workspace (it only grows) and the
+        cuBLAS kernels."""
+        self.prepare(plan, a.dtype, op, scales)
+        self._load_kernels(plan, a, b, op, scales)
+        kind = None if scales is None else (scales.mode, scales.out_dtype, scales.bias is not None)
+        self._ready.add((plan, a.dtype, b.stride(), kind))
 
     def release(self) -> None:
         """Free the graphs, the resolved programs and the symmetric workspace (the peers free theirs in the same
@@ -172,11 +240,11 @@ class P2PCommunicator(GroupFields):
         repeated call replay its graph)."""
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def prepare(self, plan: Plan, dtype: torch.dtype, op: str) -> None:
-        """Step 1: the workspace holds this plan's largest region, in each of the ``W + 1`` region slots."""
-        width = plan.k if plan.op == "all_gather" else plan.n
-        element = dtype.itemsize
-        need = rs.region_rows(plan) * width * element
+    def prepare(self, plan: Plan, dtype: torch.dtype, op: str, scales: scaled.Scales | None = None) -> None:
+        """Step 1: the workspace holds this plan's largest region, in each of the ``W + 1`` region slots (rows of
+        ``a`` for all-gather, fp8: packed rows; of the output dtype for the reductions)."""
+        out_dtype, a_row = _widths(plan, dtype, scales)
+        need = rs.region_rows(plan) * (a_row if plan.op == "all_gather" else plan.n * out_dtype.itemsize)
         if need > self._region_bytes():
             size = rs.regions(self.world_size) * (need + REGION_ALIGN)
             if self.workspace.ensure(size, op, ones=(rs.FREE_BASE, rs.FLAG_SLOTS_USED)):
@@ -190,18 +258,31 @@ class P2PCommunicator(GroupFields):
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
         is returned). ``timeout``: debug mode's deadline (None: the waits are not polled); ``captured``: the work is
         being captured into a CUDA graph (its signals are copies)."""
-        plan, b, hook, op = call.plan, call.b, call.hook, call.name
+        plan, b, hook, op, scales = call.plan, call.b, call.hook, call.name, call.scales
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
-            gathered = self._new((plan.m, plan.k), a.dtype)
-        program, ops, joined, cuts = self._program(plan, a.dtype, gathered_own, captured)
+            gathered = self._gathered(plan, a.dtype, scales)
+        program, ops, joined, cuts = self._program(plan, a.dtype, gathered_own, captured, scales)
         driver = stream_ops.fast()
         handles = (driver.current_stream(self._index), *self._handles)
         events, fork, one = self._events, self._fork, self._one.data_ptr()
-        # The matmuls' row blocks of a, out and gathered: one split per tensor (one C call for all its views).
-        parts = [None if cut is None else tensor.split_with_sizes(cut[0]) if cut[0] is not None
-                 else [tensor[row : row + rows] for row, rows in cut[1]]
-                 for tensor, cut in zip((a, out, gathered), cuts)]
+        sources, scale_sources = (a, out, gathered), (None, None, None)
+        if scales is not None:  # fp8 (module docstring): the matmuls read fp8 rows and their rows' scales
+            if plan.op == "all_gather":  # the own shard packed once, on C before event 0: the schedule's ``a``
+                a = scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]),
+                                     torch.empty((a.shape[0], _widths(plan, a.dtype, scales)[1]), dtype=torch.uint8,
+                                                 device=a.device))
+                columns = scales.scale_columns(plan.k)
+                (a_rows, a_scales), (g_rows, g_scales) = (scaled.unpack_rows(packed, plan.k, call.a.dtype, columns)
+                                                          for packed in (a, gathered))
+                sources, scale_sources = (a_rows, out, g_rows), (a_scales, None, g_scales)
+            elif scales.mode != "tensor":
+                scale_sources = (scales.a, None, None)
+        # The matmuls' row blocks of a, out and gathered (fp8: and of the scales of a's and gathered's rows): one
+        # split per tensor (one C call for all its views).
+        parts, scale_parts = ([None if cut is None or tensor is None else tensor.split_with_sizes(cut[0])
+                               if cut[0] is not None else [tensor[row : row + rows] for row, rows in cut[1]]
+                               for tensor, cut in zip(tensors, cuts)] for tensors in (sources, scale_sources))
         bases = (a.data_ptr(), out.data_ptr(), 0 if gathered is None else gathered.data_ptr(), 0)
         wait_reset, write, copy, record, wait_event = (driver.wait_reset, driver.write, driver.copy, driver.record,
                                                        driver.wait_event)
@@ -213,7 +294,10 @@ class P2PCommunicator(GroupFields):
                 _, src_space, src_part, dst, dst_part, accumulate = step
                 src = parts[src_space][src_part]
                 target = dst if dst_part is None else parts[dst][dst_part]
-                if accumulate:
+                if scales is not None:
+                    scale_a = scale_parts[src_space]
+                    _scaled_band(target, src, None if scale_a is None else scale_a[src_part], b, scales, accumulate)
+                elif accumulate:
                     target.addmm_(src, b)
                 else:
                     torch.mm(src, b, out=target)
@@ -245,12 +329,14 @@ class P2PCommunicator(GroupFields):
         if timeout is not None:
             self._check_progress(waited, timeout, op)
 
-    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool,
-                 captured: bool = False) -> tuple[list, tuple, tuple, list]:
+    def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool, captured: bool = False,
+                 scales: scaled.Scales | None = None) -> tuple[list, tuple, tuple, list]:
         """The schedule with everything that does not change between calls resolved: flag addresses, copy
         offsets and sizes, views of this rank's symmetric regions (built once per plan and workspace), and how
-        the call's tensors are cut into the matmuls' row blocks (``_cuts``)."""
-        key = (plan, dtype, gathered_own, captured)  # a new workspace empties the cache (prepare, release)
+        the call's tensors are cut into the matmuls' row blocks (``_cuts``). fp8: rows of the output dtype, and the
+        all-gather's rows are packed rows (``_widths``)."""
+        out_dtype, a_row = _widths(plan, dtype, scales)
+        key = (plan, dtype, out_dtype, a_row, gathered_own, captured)  # a new workspace empties the cache
         cached = self._programs.get(key)
         if cached is not None:
             return cached
@@ -262,9 +348,8 @@ class P2PCommunicator(GroupFields):
             self._joins = (0, driver.new_event(), driver.new_event(), driver.new_event())
         if captured and self._fork is None:
             self._fork = driver.new_event()
-        element = dtype.itemsize
-        width = plan.k if plan.op == "all_gather" else plan.n
-        row_bytes = width * element
+        element = out_dtype.itemsize
+        row_bytes = a_row if plan.op == "all_gather" else plan.n * element
         region = self._region_bytes()
         own_sym = self.workspace.local((self.workspace.nbytes,), torch.uint8)
         stream_index = {"C": 0, "X": 1, "L": 2, "S": 3}
@@ -287,7 +372,7 @@ class P2PCommunicator(GroupFields):
                 src = _SPACES[item.src.space]
                 if item.dst.space == "sym":
                     start = sym_offset(item.dst)
-                    view = own_sym[start : start + item.rows * plan.n * element].view(dtype).view(item.rows, plan.n)
+                    view = own_sym[start : start + item.rows * plan.n * element].view(out_dtype).view(item.rows, plan.n)
                     dst, dst_part = view, None
                 else:
                     dst = _SPACES[item.dst.space]
@@ -321,13 +406,29 @@ class P2PCommunicator(GroupFields):
         self._programs[key] = (program, ops, joined, cuts)
         return program, ops, joined, cuts
 
-    def _load_kernels(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    def _load_kernels(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str,
+                      scales: scaled.Scales | None = None) -> None:
         """Run each matmul shape of the schedule once, eagerly, on scratch outputs: the call queues them behind
-        stream waits, and a kernel that is not loaded yet must not be launched there (deadlock rule 3)."""
+        stream waits, and a kernel that is not loaded yet must not be launched there (deadlock rule 3). fp8: each
+        band's scaled product as the call runs it (its scales' layout copies, the add of an accumulating step),
+        all-gather's from packed rows."""
         guards.refuse_inside_capture(f"{op}: the first P2P call of a shape loads its cuBLAS kernels")
+        shapes = {(item.rows, item.accumulate) for item in rs.schedule(plan, self.rank) if isinstance(item, steps.Mm)}
+        if scales is not None:
+            source, scale_a = a, None if scales.mode == "tensor" else scales.a
+            if plan.op == "all_gather":
+                packed = torch.zeros((plan.m, _widths(plan, a.dtype, scales)[1]), dtype=torch.uint8, device=a.device)
+                scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]), packed[: a.shape[0]])
+                source, scale_a = scaled.unpack_rows(packed, plan.k, a.dtype, scales.scale_columns(plan.k))
+                _unpacked(packed, plan, a.dtype, scales)  # a returned gathered input's copies, after waits on C
+            for rows, accumulate in shapes:
+                scratch = torch.zeros((rows, plan.n), dtype=scales.out_dtype, device=a.device)
+                _scaled_band(scratch, source[:rows], None if scale_a is None else scale_a[:rows], b, scales,
+                             accumulate)
+            torch.cuda.synchronize(self.device)
+            return
         source = a if plan.op != "all_gather" else a.new_zeros((plan.m, plan.k))
-        for rows, accumulate in {(item.rows, item.accumulate) for item in rs.schedule(plan, self.rank)
-                                 if isinstance(item, steps.Mm)}:
+        for rows, accumulate in shapes:
             scratch = torch.zeros((rows, plan.n), dtype=a.dtype, device=a.device)
             if accumulate:
                 scratch.addmm_(source[:rows], b)

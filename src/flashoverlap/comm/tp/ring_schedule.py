@@ -42,6 +42,13 @@ all-reduce's final pulls are on the peers' last step. On every rank the list is 
 stream runs its part in list order, so the earliest unfinished position can always proceed, also when one
 hardware queue serves all streams (``CUDA_DEVICE_MAX_CONNECTIONS=1``: the list order is the queue order).
 Copies and stream memory operations need no SM, and cuBLAS waits on nothing but its own stream.
+
+fp8 calls add no step: the same list runs with rows of another width (the all-gather's packed rows, fp8 bytes and
+their scales moved together, a shard's scales in the same ``Copy`` as its rows; the reductions' rows of the output
+dtype). An ``Mm`` of an fp8 call is a scaled product on ``C``, and an accumulating one is that product then its add
+to the pulled partial, both on ``C``: two kernels in the step's place in ``C``'s order, waiting on nothing but
+``C``, so the argument above holds unchanged. The all-gather's packing of the own shard runs on ``C`` before
+event 0, like the caller's earlier work that writes ``a``.
 """
 
 from __future__ import annotations
