@@ -14,6 +14,7 @@ CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p
 """
 
 import sys
+import traceback
 
 import torch
 
@@ -176,5 +177,6 @@ if __name__ == "__main__":
     try:
         main()
     except BaseException as error:
+        traceback.print_exc()
         print(f"FAILED: {type(error).__name__}: {error}", flush=True)
         sys.exit(1)
