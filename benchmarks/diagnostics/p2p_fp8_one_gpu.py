@@ -145,32 +145,38 @@ def main():
                             print(f"rank {rank}: {what}: reference raised: {str(error)[:200]}", flush=True)
                             continue
                         plan = fo.default_plan(op, m, n, k, world, path="p2p", allow_sequential=False)
-                        for replay in (False, True):
-                            replays = comm.graphs.replays
-                            for call in range(3):
-                                label = f"{what} replay={replay} #{call}"
-                                got, gathered = comm.run(Call(op, plan, a, b, op == "all_gather", replay=replay,
-                                                              scales=scales))
-                                torch.cuda.synchronize()
-                                err = check(got, want, label)
-                                report["worst"][what] = max(report["worst"].get(what, 0.0), err)
-                                if op == "all_gather":
-                                    a_full, scale_full = gathered
-                                    if not (a_full.is_contiguous() and scale_full.is_contiguous()
-                                            and torch.equal(a_full.view(torch.uint8),
-                                                            gathered_want[0].view(torch.uint8))
-                                            and torch.equal(scale_full, gathered_want[1].contiguous())):
-                                        raise AssertionError(f"{label}: the gathered rows or scales differ")
-                                got.fill_(float("nan"))
-                                del got, gathered  # the next call gets the same memory back
-                                report["checked"] += 1
-                            if replay and comm.graphs.replays - replays < 2:
-                                raise AssertionError(f"{what}: {comm.graphs.replays - replays} replays of 3 calls")
+                        try:
+                            for replay in (False, True):
+                                replays = comm.graphs.replays
+                                for call in range(3):
+                                    label = f"{what} replay={replay} #{call}"
+                                    got, gathered = comm.run(Call(op, plan, a, b, op == "all_gather", replay=replay,
+                                                                  scales=scales))
+                                    torch.cuda.synchronize()
+                                    err = check(got, want, label)
+                                    report["worst"][what] = max(report["worst"].get(what, 0.0), err)
+                                    if op == "all_gather":
+                                        a_full, scale_full = gathered
+                                        if not (a_full.is_contiguous() and scale_full.is_contiguous()
+                                                and torch.equal(a_full.view(torch.uint8),
+                                                                gathered_want[0].view(torch.uint8))
+                                                and torch.equal(scale_full, gathered_want[1].contiguous())):
+                                            raise AssertionError(f"{label}: the gathered rows or scales differ")
+                                    got.fill_(float("nan"))
+                                    del got, gathered  # the next call gets the same memory back
+                                    report["checked"] += 1
+                                if replay and comm.graphs.replays - replays < 2:
+                                    raise AssertionError(f"{what}: {comm.graphs.replays - replays} replays of 3 calls")
+                        except RuntimeError as error:  # recorded, and the run goes on to the other cases
+                            report["failures"].append(f"{what}: {error}")
+                            print(f"rank {rank}: FAILED {what}: {str(error)[:300]}", flush=True)
         print(f"rank {rank}: {op}: correct, eager and replayed ({report['checked']} calls so far, "
               f"{comm.graphs.captures} captures, {comm.graphs.replays} replays)", flush=True)
-    print(f"rank {rank}: checked {report['checked']}", flush=True)
+    print(f"rank {rank}: checked {report['checked']}, {len(report['failures'])} cases failed", flush=True)
     report["rows"] = host_rows(comm, rank, world)
     close_run(report, rank)
+    if report["failures"]:
+        raise RuntimeError(f"{len(report['failures'])} cases failed: {report['failures'][:3]}")
 
 
 if __name__ == "__main__":
