@@ -44,6 +44,8 @@ fi
 if has fp8; then  # fp8 calls' host time beside bf16's, same op and path (one process, a one-rank NCCL group)
     CUDA_VISIBLE_DEVICES=0 timeout ${FP8_TIMEOUT:-120} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.fp8_host \
         "$OUT/h200x1-fp8-host.json" > "$OUT/fp8-host-$commit.log" 2>&1; echo "fp8: exit $?"
+    timeout ${FP8_GEMM_TIMEOUT:-200} python3 benchmarks/diagnostics/fp8_gemm.py "$OUT/h200x1-fp8-gemm.json" \
+        > "$OUT/fp8-gemm-$commit.log" 2>&1; echo "fp8 gemm: exit $?"; grep "^nccl" "$OUT/fp8-gemm-$commit.log"
 fi
 if has sequential; then
     timeout ${SEQ_TIMEOUT:-180} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.sequential_host \

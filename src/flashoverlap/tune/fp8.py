@@ -24,6 +24,10 @@ from flashoverlap.plan import Plan, TileConfig
 from flashoverlap.tune.defaults import default_plan
 
 SCALINGS = ("tensor", "row", "block")
+# Groups of the NCCL path's cuBLAS-band fp8 plans (block-wise): torch's block-wise scaled matmul on 4 bands per call
+# (2 per rank block) ran 0.94-1.16x of it whole; on the 8 bands of 4 groups of a reduce-scatter, 0.23-0.92x
+# (h200x1-fp8-gemm.json; logs/issue35, at 479fd20e1a).
+CUBLAS_BANDS = 2
 # fp8 GEMMs ran 1.7-2.0x bf16 torch.mm's throughput at the grid (h200x1-fp8-gemm.json): the overlap rule's estimate of
 # an fp8 GEMM's time is the bf16 one's over this.
 FP8_GEMM_SPEEDUP = 1.8
@@ -68,9 +72,10 @@ def fp8_plan(op: str, m: int, n: int, k: int, world_size: int, scaling: str, *, 
              cublas_block: bool = False) -> Plan:
     """The plan of an fp8 call before tuning: ``default_plan``'s overlap rules (``out_size``: the output dtype's bytes,
     ``comm_ratio``: the collective's time over the fp8 GEMM's) with ``fp8_tiles``' tiles. Block-wise on the NCCL path,
-    where torch's block-wise kernel serves the shape (``cublas_block``), the GEMM is cuBLAS bands (``gemm="cublas"``):
-    ours reached 0.44-0.79x of torch's there, cuBLAS bands 0.95-1.10x (h200x1-fp8-gemm.json)."""
+    where torch's block-wise kernel serves the shape (``cublas_block``), the GEMM is ``CUBLAS_BANDS`` groups of cuBLAS
+    bands (``gemm="cublas"``): ours reached 0.36-0.77x of torch's there (h200x1-fp8-gemm.json)."""
     tiles = fp8_tiles(m, n, k, scaling)
     gemm = "cublas" if path == "nccl" and scaling == "block" and cublas_block else "triton"
     return default_plan(op, m, n, k, world_size, num_sms=num_sms, element_size=out_size, comm_ratio=comm_ratio,
-                        tile=tiles.tile_config(), path=path, gemm=gemm)
+                        tile=tiles.tile_config(), path=path, gemm=gemm,
+                        num_groups=CUBLAS_BANDS if gemm == "cublas" else None)
