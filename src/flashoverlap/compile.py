@@ -223,6 +223,20 @@ def _one_value(node, depth: int = 32) -> bool:
     return False
 
 
+def _added_vector(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``add(x, v)`` (either order, ``alpha`` 1) with ``v`` a vector ``[N]`` of ``x``'s last dimension and dtype (a
+    bias added after the product, as DTensor adds a row-parallel bias: ``bias / W`` on each rank): ``(x, v)``."""
+    if node.target is not _aten.add.Tensor or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    out = _val(node)
+    for x, v in (node.args, reversed(node.args)):
+        x_val, v_val = _val(x), _val(v)
+        if (x_val is not None and v_val is not None and out is not None and v_val.ndim == 1
+                and x_val.shape == out.shape and v_val.shape[0] == out.shape[-1] and v_val.dtype == out.dtype == x_val.dtype):
+            return x, v
+    return None
+
+
 def _scaled_args(mm: torch.fx.Node) -> tuple:
     """``_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)``'s arguments."""
     names = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
@@ -237,24 +251,25 @@ def _meta(val: torch.Tensor | None, shape=None) -> torch.Tensor | None:
 
 
 def _scaled_refusal(op: str, mm: torch.fx.Node, kind: str, a: torch.Tensor | None = None,
-                    scale_a: torch.Tensor | None = None) -> str | None:
+                    scale_a: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> str | None:
     """Why ``mm`` (a ``_scaled_mm``) cannot be the fp8 op ``op`` (``kind``: its plan kind), with ``a`` and
-    ``scale_a`` (meta tensors: the shard's, for an all-gather) in place of its own where given; None where it can: no
+    ``scale_a`` (meta tensors: the shard's, for an all-gather) and ``bias`` in place of its own where given; None where it can: no
     result scale, and the op's own checks (``runtime.checks.check_scaled``: fp8 operands, a scaling mode, bf16 or fp32
     out, a ``[N]`` bias of that dtype) pass on the shapes. ``use_fast_accum`` is taken: the ops accumulate in full
     precision (a rounding difference, as the fp8 styles in ``nn/float8.py`` make it)."""
-    own_a, b, own_scale_a, scale_b, bias, scale_result, out_dtype, _ = _scaled_args(mm)
+    own_a, b, own_scale_a, scale_b, own_bias, scale_result, out_dtype, _ = _scaled_args(mm)
     if scale_result is not None:
         return "a result scale (scale_result), which the ops do not take"
     vals = [_meta(_val(n)) for n in (own_a, b, own_scale_a, scale_b)]
-    if any(v is None for v in vals) or (bias is not None and _val(bias) is None):
+    if any(v is None for v in vals) or (own_bias is not None and _val(own_bias) is None):
         return "no shape information"
+    bias = bias if bias is not None else _meta(_val(own_bias))
     a_val, b_val, scale_a_val, scale_b_val = vals
     a_val = a if a is not None else a_val
     scale_a_val = scale_a if scale_a is not None else scale_a_val
     out = out_dtype if out_dtype is not None else a_val.dtype  # _scaled_mm's default: the input's dtype
     try:
-        check_scaled(op, a_val, b_val, Scales.of(scale_a_val, scale_b_val, out, _meta(_val(bias))), kind)
+        check_scaled(op, a_val, b_val, Scales.of(scale_a_val, scale_b_val, out, bias), kind)
     except (TypeError, ValueError) as error:
         return str(error)
     return None
@@ -472,10 +487,20 @@ class _Rewriter:
             split = source.args[0][0].args[0]
             nodes = [source, *source.args[0], split]
             source = src
-        node = source
+        node, bias = source, None
         while node.target in _VIEWS:
             nodes.append(node)
             node = node.args[0]
+        added = _added_vector(node)
+        if added is not None:  # an fp8 product plus a vector of its last dimension: _scaled_mm's bias
+            nodes.append(node)
+            node, bias = added
+            while node.target in _VIEWS:
+                nodes.append(node)
+                node = node.args[0]
+            if node.target is not _aten._scaled_mm.default or _scaled_args(node)[4] is not None:
+                return self._left(what, collective, f"its input is a sum of {node.target} and a vector, not of an fp8 "
+                                  "matmul without a bias")
         if node.target not in _MATMULS:
             return self._left(what, collective, f"its input comes from {node.target}, not a matmul")
         nodes.append(node)
@@ -486,19 +511,21 @@ class _Rewriter:
         val = _val(node)
         if node.target is _aten._scaled_mm.default:
             op = "scaled_gemm_reduce_scatter" if what == "reduce_scatter_tensor" else "scaled_gemm_all_reduce"
-            refusal = _scaled_refusal(op, node, "reduce_scatter" if what == "reduce_scatter_tensor" else "all_reduce")
+            refusal = _scaled_refusal(op, node, "reduce_scatter" if what == "reduce_scatter_tensor" else "all_reduce",
+                                      bias=_meta(_val(bias)))
             if refusal is not None:
                 return self._left(what, collective, refusal)
         elif val is None or val.dtype not in _DTYPES:
             return self._left(what, collective, "no shape information, or a dtype the ops do not take")
-        return node, nodes
+        return node, nodes, bias
 
-    def _fused(self, kind: str, mm: torch.fx.Node, group: str) -> tuple[torch.fx.Node, str]:
+    def _fused(self, kind: str, mm: torch.fx.Node, group: str, added=None) -> tuple[torch.fx.Node, str]:
         """The op (``kind``: ``reduce_scatter`` or ``all_reduce``) in place of ``mm`` and its collective, inserted
-        before ``mm``; and its name."""
+        before ``mm`` (fp8: with ``added`` as its bias where the graph adds it to the product); and its name."""
         if mm.target is _aten._scaled_mm.default:
             name = f"scaled_gemm_{kind}"
             a, b, scale_a, scale_b, bias, _, out_dtype, _ = _scaled_args(mm)
+            bias = bias if added is None else added
             args = (a, b, scale_a, scale_b, group, out_dtype, bias, "auto")
         else:
             name, args = f"gemm_{kind}", (mm.args[0], mm.args[1], group)
@@ -513,10 +540,10 @@ class _Rewriter:
         found = self._producer("reduce_scatter_tensor", rs, source)
         if found is None:
             return None
-        mm, nodes = found
+        mm, nodes, bias = found
         if _val(mm).shape[0] % world:
             return self._left("reduce_scatter_tensor", rs, f"{_val(mm).shape[0]} rows do not split over {world}")
-        fused, name = self._fused("reduce_scatter", mm, group)
+        fused, name = self._fused("reduce_scatter", mm, group, bias)
         out = self._call(_aten.reshape.default, (fused, list(_val(wait).shape)), mm)
         wait.replace_all_uses_with(out)
         self._erase_unused([wait, rs, *nodes])
@@ -530,8 +557,8 @@ class _Rewriter:
         found = self._producer("all_reduce", ar, source)
         if found is None:
             return None
-        mm, nodes = found
-        fused, name = self._fused("all_reduce", mm, group)
+        mm, nodes, bias = found
+        fused, name = self._fused("all_reduce", mm, group, bias)
         out = self._call(_aten.reshape.default, (fused, list(_val(wait).shape)), mm)
         wait.replace_all_uses_with(out)
         self._erase_unused([wait, ar, *nodes])
