@@ -395,13 +395,14 @@ class _Rewriter:
             product = self._call(_aten.add.Tensor, (product, mm.args[0]), mm)
         gathered = self._call(operator.getitem, (fused, 1), mm)
         gathered_as_result = self._call(_aten.reshape.default, (gathered, list(result_val.shape)), mm)
-        mm.replace_all_uses_with(product)
-        self._erase_unused([mm])
-        result.replace_all_uses_with(gathered_as_result)
         if scale_wait is not None:
             scales = self._call(operator.getitem, (fused, 2), mm)
             scale_wait.replace_all_uses_with(self._call(_aten.reshape.default, (scales, list(
                 _val(scale_wait).shape)), mm))
+        mm.replace_all_uses_with(product)
+        self._erase_unused([mm])
+        result.replace_all_uses_with(gathered_as_result)
+        if scale_wait is not None:
             self._erase_unused([scale_wait, scale_wait.args[0]])
         while a.target in _VIEWS and not a.users:  # reshapes that only led to the matmul
             parent = a.args[0]
