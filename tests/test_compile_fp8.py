@@ -155,5 +155,111 @@ def test_hand_written_fp8_graphs_become_the_ops_and_compute_the_same():
 
 
 def test_an_fp8_gather_at_three_ranks():
-    results = spawn(_hand_ranks, 3, args=(["gather_rowwise", "reduce_scatter_rowwise"],))
+    results = spawn(_hand_ranks, 3, args=(["gather_rowwise"],))
     assert results == [{}, {}, {}], results
+
+
+# -- torchao float8 models under torchao's own styles ----------------------------------------------------------------
+TORCHAO = {  # (recipe, plan): the counts the pass must report, forward and backward
+    # sequence parallel: the gathers before up (forward) and down (backward, the output gradient), the
+    # reduce-scatters after down (forward, with DTensor's bias / W) and up (backward, the input gradient).
+    ("tensorwise", "sequence"): {"all_gather_scaled_gemm": 2, "scaled_gemm_reduce_scatter": 2},
+    # torchao's input cast is tensor-wise whatever the recipe (one scale repeated over the rows): gathers taken; the
+    # backward input gradient is scaled after its _scaled_mm (rounded, then scaled): that reduce-scatter is left.
+    ("rowwise", "titan"): {"all_gather_scaled_gemm": 2, "scaled_gemm_reduce_scatter": 1},
+}
+
+
+def _torchao_ranks(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import float8_tensor_parallel as styles
+
+    from tests.nn.test_float8_styles import _SEQUENCE_IN, _SEQUENCE_OUT, Model, _plan, _torchao_gathers_bytes
+    from tests.nn.test_float8_styles import _rel as rel
+
+    torch._inductor.config.fx_graph_cache = False
+    mesh = init_device_mesh("cpu", (world,))
+    _torchao_gathers_bytes()
+    failures = {}
+    for (recipe, plan), expected in TORCHAO.items():
+        torch.manual_seed(1)
+        full = convert_to_float8_training(Model(torch.bfloat16), config=Float8LinearConfig.from_recipe_name(recipe))
+        x, dy = torch.randn(2, 1, 16, 32, dtype=torch.bfloat16).unbind(0)
+        x_full = x.clone().requires_grad_(True)
+        y_full = full(x_full)
+        y_full.backward(dy)
+
+        def mine(t, sharded):
+            return t.tensor_split(world, dim=1)[rank] if sharded else t
+
+        errors = {}
+        for with_pass in (False, True):
+            model = parallelize_module(copy.deepcopy(full), mesh, _plan(styles, plan))
+            x_local = mine(x, plan in _SEQUENCE_IN).clone().requires_grad_(True)
+            torch._dynamo.reset()
+            fc.reset_counts()
+            if with_pass:
+                fc.enable()
+            try:  # the backward graph is compiled at the first backward: the pass on until then
+                y = torch.compile(model, fullgraph=True, options={"fallback_by_default": True})(x_local)
+                y.backward(mine(dy, plan in _SEQUENCE_OUT))
+            finally:
+                fc.disable()
+            errors[with_pass] = {"y": rel(y, mine(y_full, plan in _SEQUENCE_OUT)),
+                                 "x.grad": rel(x_local.grad, mine(x_full.grad, plan in _SEQUENCE_IN))}
+            errors[with_pass].update({n + ".grad": rel(p.grad, q.grad) for (n, p), q in zip(
+                model.named_parameters(), full.parameters())})
+            errors[with_pass]["counts"] = fc.rewrite_counts()
+        counts = errors[True].pop("counts")
+        assert not errors[False].pop("counts")
+        worse = {k: (v, errors[False][k]) for k, v in errors[True].items() if not v <= 1.5 * errors[False][k] + 2e-3}
+        if counts != expected or worse:
+            failures[(recipe, plan)] = f"counts {counts} (expected {expected}); worse than without the pass: {worse}"
+    return failures
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("torchao") is None, reason="torchao not installed")
+def test_torchao_float8_models_compiled_with_the_pass_match_as_without_it():
+    assert spawn(_torchao_ranks, 2) == [{}, {}]
+
+
+# -- in one process: what the ops would not compute exactly is left, and the log says why ----------------------------
+def _fp8(*shape):
+    return torch.randn(shape).to(F8)
+
+
+def test_fp8_patterns_the_ops_do_not_compute_are_left(caplog):
+    def avg(a, b, sa, sb):  # a mean, not a sum
+        return c10d.wait_tensor(c10d.all_reduce(torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16), "avg",
+                                                "0"))
+
+    def fp16_out(a, b, sa, sb):  # an output dtype the ops do not give
+        return c10d.wait_tensor(c10d.all_reduce(torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float16), "sum",
+                                                "0"))
+
+    def result_scale(a, b, sa, sb):
+        y = torch._scaled_mm(a, b.t(), sa, sb, scale_result=sa, out_dtype=torch.bfloat16)
+        return c10d.wait_tensor(c10d.all_reduce(y, "sum", "0"))
+
+    def mixed_modes(a, b, sa, sb):  # row-wise A, one scale for B: no mode of the ops
+        y = torch._scaled_mm(a, b.t(), sa.expand(a.shape[0], 1).contiguous(), sb.view(1, 1), out_dtype=torch.bfloat16)
+        return c10d.wait_tensor(c10d.all_reduce(y, "sum", "0"))
+
+    def local_scale_gathered(a, b, sa, sb):  # each rank's own scale for every gathered row: not the shards' own
+        full = c10d.wait_tensor(c10d.all_gather_into_tensor(a, 2, "0"))
+        return torch._scaled_mm(full, b.t(), sa, sb, out_dtype=torch.bfloat16)
+
+    reasons = {avg: "reduce op 'avg'", fp16_out: "out_dtype must be torch.bfloat16 or torch.float32",
+               result_scale: "scale_result", mixed_modes: "fit no scaling mode",
+               local_scale_gathered: "neither all-gathered with it nor shown to be the same"}
+    for fn, reason in reasons.items():
+        graph = make_fx(fn, tracing_mode="fake")(_fp8(8, 32), _fp8(16, 32), torch.ones(()), torch.ones(())).graph
+        before = str(graph)
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="flashoverlap.compile"):
+            assert fc.rewrite(graph) == {}, fn.__name__
+        assert str(graph) == before, fn.__name__
+        assert any(reason in r.getMessage() for r in caplog.records), (fn.__name__, [r.getMessage() for r in
+                                                                                    caplog.records])
