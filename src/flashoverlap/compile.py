@@ -10,7 +10,17 @@ patterns that DTensor (PyTorch's ``ColwiseParallel`` / ``RowwiseParallel`` / ``S
   other reader, such as the copy saved for backward; where several matmuls read one all-gather (q, k and v), the
   widest is fused and the others read the gathered input;
 - ``mm(a, b) -> [reshape] -> reduce_scatter_tensor(sum) -> wait_tensor`` into ``flashoverlap::gemm_reduce_scatter``;
-- ``mm(a, b) -> [reshape] -> all_reduce(sum) -> wait_tensor`` into ``flashoverlap::gemm_all_reduce``.
+- ``mm(a, b) -> [reshape] -> all_reduce(sum) -> wait_tensor`` into ``flashoverlap::gemm_all_reduce``;
+- fp8, the same with ``aten._scaled_mm`` for the matmul (torchao's float8 models, under torchao's TP styles or written
+  by hand): into ``flashoverlap::all_gather_scaled_gemm`` / ``scaled_gemm_reduce_scatter`` /
+  ``scaled_gemm_all_reduce`` with the call's scales, ``out_dtype`` and bias, where the op's own checks
+  (``runtime.checks.check_scaled``) pass and there is no ``scale_result``; a vector added to the product before the
+  reduction (DTensor's row-parallel ``bias / W``) becomes the op's bias. For an all-gather, A's scales must be each
+  shard's own: all-gathered beside it in the same group (then the op's gathered scales replace that gather), or shown
+  to be the same on every rank (computed only from the group's all-reduces and all-gathers and constants, as
+  torchao's amax all-reduce makes them) and one value (tensor-wise, or repeated over the rows). fp8 gathered as its
+  bytes (``view.dtype`` to uint8 and back, on backends without fp8) counts as the gather it is. ``use_fast_accum`` is
+  taken: the ops accumulate in full precision (a rounding difference, as the fp8 styles of ``nn/float8.py``).
 
 A pattern is rewritten only where the result is exactly the same: a sum; rows gathered or scattered along the
 first dimension, or along a later one when every dimension before it has size 1 (``Shard(1)`` of ``[1, S, H]``, as
@@ -119,7 +129,7 @@ def enabled() -> Iterator[None]:
 
 def rewrite_counts() -> dict[str, int]:
     """How many patterns this process has rewritten, by op (``all_gather_gemm``, ``gemm_reduce_scatter``,
-    ``gemm_all_reduce``)."""
+    ``gemm_all_reduce``, ``all_gather_scaled_gemm``, ``scaled_gemm_reduce_scatter``, ``scaled_gemm_all_reduce``)."""
     return dict(_COUNTS)
 
 
@@ -232,7 +242,8 @@ def _added_vector(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | 
     for x, v in (node.args, reversed(node.args)):
         x_val, v_val = _val(x), _val(v)
         if (x_val is not None and v_val is not None and out is not None and v_val.ndim == 1
-                and x_val.shape == out.shape and v_val.shape[0] == out.shape[-1] and v_val.dtype == out.dtype == x_val.dtype):
+                and x_val.shape == out.shape and v_val.shape[0] == out.shape[-1]
+                and v_val.dtype == out.dtype == x_val.dtype):
             return x, v
     return None
 
@@ -252,8 +263,8 @@ def _meta(val: torch.Tensor | None, shape=None) -> torch.Tensor | None:
 
 def _scaled_refusal(op: str, mm: torch.fx.Node, kind: str, a: torch.Tensor | None = None,
                     scale_a: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> str | None:
-    """Why ``mm`` (a ``_scaled_mm``) cannot be the fp8 op ``op`` (``kind``: its plan kind), with ``a`` and
-    ``scale_a`` (meta tensors: the shard's, for an all-gather) and ``bias`` in place of its own where given; None where it can: no
+    """Why ``mm`` (a ``_scaled_mm``) cannot be the fp8 op ``op`` (``kind``: its plan kind), with ``a``, ``scale_a``
+    (meta tensors: the shard's, for an all-gather) and ``bias`` in place of its own where given; None where it can: no
     result scale, and the op's own checks (``runtime.checks.check_scaled``: fp8 operands, a scaling mode, bf16 or fp32
     out, a ``[N]`` bias of that dtype) pass on the shapes. ``use_fast_accum`` is taken: the ops accumulate in full
     precision (a rounding difference, as the fp8 styles in ``nn/float8.py`` make it)."""
