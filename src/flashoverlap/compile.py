@@ -10,7 +10,17 @@ patterns that DTensor (PyTorch's ``ColwiseParallel`` / ``RowwiseParallel`` / ``S
   other reader, such as the copy saved for backward; where several matmuls read one all-gather (q, k and v), the
   widest is fused and the others read the gathered input;
 - ``mm(a, b) -> [reshape] -> reduce_scatter_tensor(sum) -> wait_tensor`` into ``flashoverlap::gemm_reduce_scatter``;
-- ``mm(a, b) -> [reshape] -> all_reduce(sum) -> wait_tensor`` into ``flashoverlap::gemm_all_reduce``.
+- ``mm(a, b) -> [reshape] -> all_reduce(sum) -> wait_tensor`` into ``flashoverlap::gemm_all_reduce``;
+- fp8, the same with ``aten._scaled_mm`` for the matmul (torchao's float8 models, under torchao's TP styles or written
+  by hand): into ``flashoverlap::all_gather_scaled_gemm`` / ``scaled_gemm_reduce_scatter`` /
+  ``scaled_gemm_all_reduce`` with the call's scales, ``out_dtype`` and bias, where the op's own checks
+  (``runtime.checks.check_scaled``) pass and there is no ``scale_result``; a vector added to the product before the
+  reduction (DTensor's row-parallel ``bias / W``) becomes the op's bias. For an all-gather, A's scales must be each
+  shard's own: all-gathered beside it in the same group (then the op's gathered scales replace that gather), or shown
+  to be the same on every rank (computed only from the group's all-reduces and all-gathers and constants, as
+  torchao's amax all-reduce makes them) and one value (tensor-wise, or repeated over the rows). fp8 gathered as its
+  bytes (``view.dtype`` to uint8 and back, on backends without fp8) counts as the gather it is. ``use_fast_accum`` is
+  taken: the ops accumulate in full precision (a rounding difference, as the fp8 styles of ``nn/float8.py``).
 
 A pattern is rewritten only where the result is exactly the same: a sum; rows gathered or scattered along the
 first dimension, or along a later one when every dimension before it has size 1 (``Shard(1)`` of ``[1, S, H]``, as
@@ -46,8 +56,10 @@ import torch.fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from flashoverlap.comm.scaled import Scales
 from flashoverlap.ops import library  # noqa: F401  (torch.ops.flashoverlap.*)
-from flashoverlap.runtime.checks import DTYPES
+from flashoverlap.ops import scaled as _scaled_ops  # noqa: F401  (torch.ops.flashoverlap.scaled_*)
+from flashoverlap.runtime.checks import DTYPES, FP8_DTYPES, check_scaled
 
 __all__ = ["disable", "enable", "enabled", "is_enabled", "reset_counts", "rewrite", "rewrite_counts"]
 
@@ -56,6 +68,8 @@ _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 _VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
 _SPLITS = (_aten.split.Tensor, _aten.split_with_sizes.default)
+_MATMULS = (_aten.mm.default, _aten._scaled_mm.default)
+_REPEATS = (*_VIEWS, _aten.expand.default, _aten.repeat.default, _aten.clone.default, _aten.slice.Tensor)
 _DTYPES = DTYPES  # the ops' one dtype rule (runtime/checks.py)
 _COUNTS: Counter = Counter()
 
@@ -115,7 +129,7 @@ def enabled() -> Iterator[None]:
 
 def rewrite_counts() -> dict[str, int]:
     """How many patterns this process has rewritten, by op (``all_gather_gemm``, ``gemm_reduce_scatter``,
-    ``gemm_all_reduce``)."""
+    ``gemm_all_reduce``, ``all_gather_scaled_gemm``, ``scaled_gemm_reduce_scatter``, ``scaled_gemm_all_reduce``)."""
     return dict(_COUNTS)
 
 
@@ -194,11 +208,90 @@ def _operands(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
     return (mm.args[1], mm.args[2]) if mm.target is _aten.addmm.default else (mm.args[0], mm.args[1])
 
 
+def _bitcast_source(node):
+    """``node``'s input where ``node`` reinterprets it as another dtype of the same size (``view.dtype``: fp8 moved
+    as uint8 bytes, on backends without fp8); ``node`` otherwise."""
+    if isinstance(node, torch.fx.Node) and node.target is _aten.view.dtype:
+        src, val = node.args[0], _val(node)
+        if _val(src) is not None and val is not None and _val(src).dtype.itemsize == val.dtype.itemsize:
+            return src
+    return node
+
+
+def _one_value(node, depth: int = 32) -> bool:
+    """Whether every element of ``node`` is the same value: one element, or repeats, expansions and reshapes of one,
+    through pointwise ops of such (torchao's tensor-wise scale repeated over the rows of a row-wise call)."""
+    val = _val(node)
+    if val is None or depth == 0:
+        return False
+    if val.numel() == 1:
+        return True
+    if node.target in _REPEATS:
+        return _one_value(node.args[0], depth - 1)
+    if node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        return all(_one_value(inp, depth - 1) for inp in node.all_input_nodes)
+    return False
+
+
+def _added_vector(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``add(x, v)`` (either order, ``alpha`` 1) with ``v`` a vector ``[N]`` of ``x``'s last dimension and dtype (a
+    bias added after the product, as DTensor adds a row-parallel bias: ``bias / W`` on each rank): ``(x, v)``."""
+    if node.target is not _aten.add.Tensor or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    out = _val(node)
+    for x, v in (node.args, reversed(node.args)):
+        x_val, v_val = _val(x), _val(v)
+        if (x_val is not None and v_val is not None and out is not None and v_val.ndim == 1
+                and x_val.shape == out.shape and v_val.shape[0] == out.shape[-1]
+                and v_val.dtype == out.dtype == x_val.dtype):
+            return x, v
+    return None
+
+
+def _scaled_args(mm: torch.fx.Node) -> tuple:
+    """``_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)``'s arguments."""
+    names = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
+    return tuple(_arg(mm, index, name) for index, name in enumerate(names))
+
+
+def _meta(val: torch.Tensor | None, shape=None) -> torch.Tensor | None:
+    """A meta tensor of ``val``'s dtype and shape (or ``shape``): for the ops' checks, which look at no values."""
+    if val is None:
+        return None
+    return torch.empty(val.shape if shape is None else shape, dtype=val.dtype, device="meta")
+
+
+def _scaled_refusal(op: str, mm: torch.fx.Node, kind: str, a: torch.Tensor | None = None,
+                    scale_a: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> str | None:
+    """Why ``mm`` (a ``_scaled_mm``) cannot be the fp8 op ``op`` (``kind``: its plan kind), with ``a``, ``scale_a``
+    (meta tensors: the shard's, for an all-gather) and ``bias`` in place of its own where given; None where it can: no
+    result scale, and the op's own checks (``runtime.checks.check_scaled``: fp8 operands, a scaling mode, bf16 or fp32
+    out, a ``[N]`` bias of that dtype) pass on the shapes. ``use_fast_accum`` is taken: the ops accumulate in full
+    precision (a rounding difference, as the fp8 styles in ``nn/float8.py`` make it)."""
+    own_a, b, own_scale_a, scale_b, own_bias, scale_result, out_dtype, _ = _scaled_args(mm)
+    if scale_result is not None:
+        return "a result scale (scale_result), which the ops do not take"
+    vals = [_meta(_val(n)) for n in (own_a, b, own_scale_a, scale_b)]
+    if any(v is None for v in vals) or (own_bias is not None and _val(own_bias) is None):
+        return "no shape information"
+    bias = bias if bias is not None else _meta(_val(own_bias))
+    a_val, b_val, scale_a_val, scale_b_val = vals
+    a_val = a if a is not None else a_val
+    scale_a_val = scale_a if scale_a is not None else scale_a_val
+    out = out_dtype if out_dtype is not None else a_val.dtype  # _scaled_mm's default: the input's dtype
+    try:
+        check_scaled(op, a_val, b_val, Scales.of(scale_a_val, scale_b_val, out, bias), kind)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
 class _Rewriter:
     def __init__(self, graph: torch.fx.Graph) -> None:
         self.graph = graph
         self.erased: set[torch.fx.Node] = set()
         self.changed = False
+        self.uniform: dict[tuple[torch.fx.Node, str], bool] = {}
 
     # -- graph surgery ----------------------------------------------------------------------------------------------
     def _call(self, target, args: tuple, before: torch.fx.Node) -> torch.fx.Node:
@@ -223,23 +316,34 @@ class _Rewriter:
 
     # -- all-gather -> mm ---------------------------------------------------------------------------------------------
     def all_gather(self, wait: torch.fx.Node) -> None:
-        gather = wait.args[0]
+        # fp8 may be gathered as its bytes (``view.dtype`` to uint8 and back, before or after the wait): the same.
+        outer = wait.args[0]
+        gather = _bitcast_source(outer)
+        head = wait
+        if len(wait.users) == 1 and _bitcast_source(next(iter(wait.users))) is wait:
+            head = next(iter(wait.users))
         shard, world, group = gather.args[0], _arg(gather, 1, "group_size"), _arg(gather, 2, "group_name")
-        shard_val, wait_val = _val(shard), _val(wait)
-        if shard_val is None or wait_val is None or len(gather.users) != 1:
+        shard_val, head_val = _val(shard), _val(head)
+        if (shard_val is None or head_val is None or len(gather.users) != 1 or len(outer.users) != 1):
             return self._left("all_gather_into_tensor", gather, "no shape information, or another reader")
-        if shard_val.dtype not in _DTYPES:
-            return self._left("all_gather_into_tensor", gather, f"dtype {shard_val.dtype}")
+        if shard_val.dtype != head_val.dtype and _val(_bitcast_source(shard)) is not None and _val(
+                _bitcast_source(shard)).dtype == head_val.dtype:
+            shard, shard_val = _bitcast_source(shard), _val(_bitcast_source(shard))
+        fp8 = head_val.dtype in FP8_DTYPES
+        if shard_val.dtype != head_val.dtype or not (fp8 or shard_val.dtype in _DTYPES):
+            return self._left("all_gather_into_tensor", gather, f"dtype {shard_val.dtype} gathered as "
+                              f"{head_val.dtype}")
+        casts = [node for node in (head, outer) if node is not wait and node is not gather]
         # The gathered tensor as its readers see it: the wait's result (dimension 0), or DTensor's split + cat along
         # a later dimension, the same bytes when the dimensions before it have size 1.
-        result, extra = wait, []
-        for user in wait.users:
-            if user.target in _SPLITS and len(wait.users) == 1:
+        result, extra = head, []
+        for user in head.users:
+            if user.target in _SPLITS and len(head.users) == 1:
                 cats = {u for item in user.users for u in item.users}
                 if len(cats) == 1:
                     (cat,) = cats
                     found = _split_cat(cat)
-                    if found and found[0] is wait and found[1] == 0 and found[3] == world:
+                    if found and found[0] is head and found[1] == 0 and found[3] == world:
                         if not _leading_ones(_val(cat).shape, found[2]):
                             return self._left("all_gather_into_tensor", gather,
                                               f"gathered along dimension {found[2]} with leading dimensions "
@@ -247,40 +351,137 @@ class _Rewriter:
                         result, extra = cat, [user, *user.users]
         result_val = _val(result)
         # Matmuls reading the gathered tensor as rows [M, K] (K its last dimension) through reshapes of it, which
-        # keep its bytes in order: it is contiguous.
-        candidates, stack = [], [result]
+        # keep its bytes in order: it is contiguous. fp8: ``_scaled_mm`` whose scales of A are the shard's own.
+        candidates, refused, stack = [], [], [result]
         while stack:
             node = stack.pop()
             for user in node.users:
                 if user.target in _VIEWS and user.args[0] is node:
                     stack.append(user)
-                elif (user.target is _aten.mm.default and user.args[0] is node) or _bias_addmm(user, node):
-                    a_val, b = _val(node), _operands(user)[1]
-                    if (a_val is None or _val(b) is None or a_val.shape[-1] != result_val.shape[-1]
-                            or shard_val.numel() % a_val.shape[-1] or result in _ancestors(b)):
+                    continue
+                if fp8:
+                    if user.target is not _aten._scaled_mm.default or user.args[0] is not node:
                         continue
-                    candidates.append(user)
+                    inputs = [n for n in _scaled_args(user)[1:5] if isinstance(n, torch.fx.Node)]
+                elif (user.target is _aten.mm.default and user.args[0] is node) or _bias_addmm(user, node):
+                    inputs = [_operands(user)[1]]
+                else:
+                    continue
+                a_val = _val(node)
+                if (a_val is None or any(_val(n) is None for n in inputs) or a_val.shape[-1] != result_val.shape[-1]
+                        or shard_val.numel() % a_val.shape[-1] or any(result in _ancestors(n) for n in inputs)):
+                    continue
+                if fp8:
+                    found = self._shard_scale(user, shard_val.numel() // a_val.shape[-1], world, group)
+                    if isinstance(found, str):
+                        refused.append(f"{user.name}: {found}")
+                        continue
+                    user.meta["flashoverlap_scale"] = found
+                candidates.append(user)
         if not candidates:
-            return self._left("all_gather_into_tensor", gather, "no matmul reads it as rows")
+            return self._left("all_gather_into_tensor", gather, "; ".join(refused) or "no matmul reads it as rows")
         mm = max(candidates, key=lambda n: _val(n).shape[-1])  # the widest product hides the most
         a, b = _operands(mm)
         k = _val(a).shape[-1]
         rows = self._call(_aten.reshape.default, (shard, [shard_val.numel() // k, k]), mm)
-        fused = self._call(torch.ops.flashoverlap.all_gather_gemm.default, (rows, b, group), mm)
+        scale_wait = None
+        if fp8:
+            _, _, _, scale_b, bias, _, out_dtype, _ = _scaled_args(mm)
+            how, scale = mm.meta.pop("flashoverlap_scale")
+            if how == "gathered":  # its own all-gather of the scales, which the op's gathered scales replace
+                scale_wait, scale = scale, scale.args[0].args[0]
+                scale = self._call(_aten.reshape.default, (scale, [rows.meta["val"].shape[0], -1]), mm)
+            elif how == "rows":  # the same rows on every rank and every row the same: any shard's rows are its own
+                scale = self._call(_aten.slice.Tensor, (scale, 0, 0, rows.meta["val"].shape[0]), mm)
+            op, name = torch.ops.flashoverlap.all_gather_scaled_gemm.default, "all_gather_scaled_gemm"
+            args = (rows, b, scale, scale_b, group, out_dtype, bias, "auto")
+        else:
+            op, name = torch.ops.flashoverlap.all_gather_gemm.default, "all_gather_gemm"
+            args = (rows, b, group)
+        for other in candidates:
+            other.meta.pop("flashoverlap_scale", None)
+        fused = self._call(op, args, mm)
         product = self._call(operator.getitem, (fused, 0), mm)
         if mm.target is _aten.addmm.default:  # addmm(bias, a, b) = a @ b + bias
             product = self._call(_aten.add.Tensor, (product, mm.args[0]), mm)
         gathered = self._call(operator.getitem, (fused, 1), mm)
         gathered_as_result = self._call(_aten.reshape.default, (gathered, list(result_val.shape)), mm)
+        if scale_wait is not None:
+            scales = self._call(operator.getitem, (fused, 2), mm)
+            scale_wait.replace_all_uses_with(self._call(_aten.reshape.default, (scales, list(
+                _val(scale_wait).shape)), mm))
         mm.replace_all_uses_with(product)
         self._erase_unused([mm])
         result.replace_all_uses_with(gathered_as_result)
+        if scale_wait is not None:
+            self._erase_unused([scale_wait, scale_wait.args[0]])
         while a.target in _VIEWS and not a.users:  # reshapes that only led to the matmul
             parent = a.args[0]
             self._erase_unused([a])
             a = parent
-        self._erase_unused([gathered_as_result, gathered, result, *reversed(extra), wait, gather])
-        self._record("all_gather_gemm", f"{gather.name} + {mm.name}", group)
+        self._erase_unused([gathered_as_result, gathered, result, *reversed(extra), *casts, wait, gather])
+        self._record(name, f"{gather.name} + {mm.name}", group)
+
+    def _shard_scale(self, mm: torch.fx.Node, rows: int, world: int, group: str) -> tuple | str:
+        """How the op gets each shard's own scales of A for ``mm`` (a ``_scaled_mm`` of the gathered rows, ``rows``
+        of them a shard), or why it cannot: ``("gathered", wait)``: they are all-gathered too, in the same group
+        (``wait`` its result, ``[M, S]`` or ``[M]``); ``("same", scale)``: one value, the same on every rank;
+        ``("rows", scale)``: ``[M, 1]``, the same on every rank and in every row. Then the op's checks must pass."""
+        _, b, scale_a, scale_b, bias = _scaled_args(mm)[:5]
+        node = scale_a
+        while node.target in _VIEWS:
+            node = node.args[0]
+        scale_val, how, shard_scale = _val(scale_a), None, None
+        if scale_val is None:
+            return "no shape information"
+        source = node.args[0] if node.target is _c10d.wait_tensor.default else None
+        if source is not None and source.target is _c10d.all_gather_into_tensor.default:
+            node_val, shard_val = _val(node), _val(source.args[0])
+            readers = [n for n in (b, scale_b, bias) if isinstance(n, torch.fx.Node)]
+            if (_arg(source, 2, "group_name") == group and _arg(source, 1, "group_size") == world
+                    and len(source.users) == 1 and node_val is not None and shard_val is not None
+                    and node_val.ndim in (1, 2) and node_val.shape[0] == rows * world and scale_val.ndim == 2
+                    and scale_val.shape[0] == rows * world and not any(node in _ancestors(n) for n in readers)):
+                how, shard_scale = ("gathered", node), _meta(shard_val, (rows, shard_val.numel() // rows))
+        if how is None and self._uniform(scale_a, group):
+            if scale_val.numel() == 1:
+                how, shard_scale = ("same", scale_a), _meta(scale_val)
+            elif tuple(scale_val.shape) == (rows * world, 1) and _one_value(scale_a):
+                how, shard_scale = ("rows", scale_a), _meta(scale_val, (rows, 1))
+        if how is None:
+            return ("A's scales are neither all-gathered with it nor shown to be the same for every shard (one "
+                    "value on every rank of the group)")
+        a_val = _val(mm.args[0])
+        refusal = _scaled_refusal("all_gather_scaled_gemm", mm, "all_gather", _meta(a_val, (rows, a_val.shape[-1])),
+                                  shard_scale)
+        return how if refusal is None else refusal
+
+    def _uniform(self, node: torch.fx.Node, group: str) -> bool:
+        """Whether ``node`` holds the same value on every rank of ``group``: everything it is computed from is the
+        result of an all-reduce or all-gather over the group, or a constant the graph makes (no input, no random
+        numbers), through ops that depend on nothing else (a placeholder may differ from rank to rank)."""
+        found = self.uniform.get((node, group))
+        if found is not None:
+            return found
+        seen, stack, found = {node}, [node], True
+        while stack and found:
+            current = stack.pop()
+            if current.target is _c10d.wait_tensor.default:
+                source = _bitcast_source(current.args[0])
+                found = (source.target in (_c10d.all_reduce.default, _c10d.all_gather_into_tensor.default)
+                         and _arg(source, 2, "group_name") == group)  # the group's name: argument 2 of both
+                continue
+            target = current.target
+            if (current.op != "call_function" or getattr(target, "namespace", None) in ("_c10d_functional", "c10d")
+                    or torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())):
+                found = False
+                continue
+            for inp in current.all_input_nodes:
+                if inp not in seen:
+                    seen.add(inp)
+                    stack.append(inp)
+        self.uniform[(node, group)] = found
+        return found
 
     # -- mm -> reduce-scatter / all-reduce ---------------------------------------------------------------------------
     def _producer(self, what: str, collective: torch.fx.Node, source: torch.fx.Node) -> tuple | None:
@@ -298,11 +499,21 @@ class _Rewriter:
             split = source.args[0][0].args[0]
             nodes = [source, *source.args[0], split]
             source = src
-        node = source
+        node, bias = source, None
         while node.target in _VIEWS:
             nodes.append(node)
             node = node.args[0]
-        if node.target is not _aten.mm.default:
+        added = _added_vector(node)
+        if added is not None:  # an fp8 product plus a vector of its last dimension: _scaled_mm's bias
+            nodes.append(node)
+            node, bias = added
+            while node.target in _VIEWS:
+                nodes.append(node)
+                node = node.args[0]
+            if node.target is not _aten._scaled_mm.default or _scaled_args(node)[4] is not None:
+                return self._left(what, collective, f"its input is a sum of {node.target} and a vector, not of an fp8 "
+                                  "matmul without a bias")
+        if node.target not in _MATMULS:
             return self._left(what, collective, f"its input comes from {node.target}, not a matmul")
         nodes.append(node)
         chain = set(nodes) | {collective}
@@ -310,9 +521,27 @@ class _Rewriter:
             if any(user not in chain for user in member.users):
                 return self._left(what, collective, f"the product is also read by {list(member.users)}")
         val = _val(node)
-        if val is None or val.dtype not in _DTYPES:
+        if node.target is _aten._scaled_mm.default:
+            op = "scaled_gemm_reduce_scatter" if what == "reduce_scatter_tensor" else "scaled_gemm_all_reduce"
+            refusal = _scaled_refusal(op, node, "reduce_scatter" if what == "reduce_scatter_tensor" else "all_reduce",
+                                      bias=_meta(_val(bias)))
+            if refusal is not None:
+                return self._left(what, collective, refusal)
+        elif val is None or val.dtype not in _DTYPES:
             return self._left(what, collective, "no shape information, or a dtype the ops do not take")
-        return node, nodes
+        return node, nodes, bias
+
+    def _fused(self, kind: str, mm: torch.fx.Node, group: str, added=None) -> tuple[torch.fx.Node, str]:
+        """The op (``kind``: ``reduce_scatter`` or ``all_reduce``) in place of ``mm`` and its collective, inserted
+        before ``mm`` (fp8: with ``added`` as its bias where the graph adds it to the product); and its name."""
+        if mm.target is _aten._scaled_mm.default:
+            name = f"scaled_gemm_{kind}"
+            a, b, scale_a, scale_b, bias, _, out_dtype, _ = _scaled_args(mm)
+            bias = bias if added is None else added
+            args = (a, b, scale_a, scale_b, group, out_dtype, bias, "auto")
+        else:
+            name, args = f"gemm_{kind}", (mm.args[0], mm.args[1], group)
+        return self._call(getattr(torch.ops.flashoverlap, name).default, args, mm), name
 
     def reduce_scatter(self, wait: torch.fx.Node) -> None:
         rs = wait.args[0]
@@ -323,14 +552,14 @@ class _Rewriter:
         found = self._producer("reduce_scatter_tensor", rs, source)
         if found is None:
             return None
-        mm, nodes = found
+        mm, nodes, bias = found
         if _val(mm).shape[0] % world:
             return self._left("reduce_scatter_tensor", rs, f"{_val(mm).shape[0]} rows do not split over {world}")
-        fused = self._call(torch.ops.flashoverlap.gemm_reduce_scatter.default, (mm.args[0], mm.args[1], group), mm)
+        fused, name = self._fused("reduce_scatter", mm, group, bias)
         out = self._call(_aten.reshape.default, (fused, list(_val(wait).shape)), mm)
         wait.replace_all_uses_with(out)
         self._erase_unused([wait, rs, *nodes])
-        self._record("gemm_reduce_scatter", f"{mm.name} + {rs.name}", group)
+        self._record(name, f"{mm.name} + {rs.name}", group)
 
     def all_reduce(self, wait: torch.fx.Node) -> None:
         ar = wait.args[0]
@@ -340,12 +569,12 @@ class _Rewriter:
         found = self._producer("all_reduce", ar, source)
         if found is None:
             return None
-        mm, nodes = found
-        fused = self._call(torch.ops.flashoverlap.gemm_all_reduce.default, (mm.args[0], mm.args[1], group), mm)
+        mm, nodes, bias = found
+        fused, name = self._fused("all_reduce", mm, group, bias)
         out = self._call(_aten.reshape.default, (fused, list(_val(wait).shape)), mm)
         wait.replace_all_uses_with(out)
         self._erase_unused([wait, ar, *nodes])
-        self._record("gemm_all_reduce", f"{mm.name} + {ar.name}", group)
+        self._record(name, f"{mm.name} + {ar.name}", group)
 
     def _record(self, op: str, what: str, group: str) -> None:
         self.changed = True
@@ -364,7 +593,7 @@ def rewrite(graph: torch.fx.Graph) -> dict[str, int]:
     for node in list(graph.nodes):
         if node in rewriter.erased or node.target is not _c10d.wait_tensor.default:
             continue
-        collective = node.args[0]
+        collective = _bitcast_source(node.args[0])  # fp8 gathered as bytes: the wait may read a view of it
         handler = handlers.get(getattr(collective, "target", None))
         if handler is not None and collective not in rewriter.erased:
             handler(node)
