@@ -98,3 +98,47 @@ def test_the_nccl_path_runs_fp8_under_overlapped_plans():
     assert len(errors) == len(NCCL_CASES) * 3 * 3 * 2
     bad = {key: e for key, e in errors.items() if not e < 1e-2}
     assert not bad, bad
+
+
+def _bias_and_odd_rows(rank, world):
+    """fp32 output with a bias (which torch 2.11's ``_scaled_mm`` refuses: the library adds the bias after it), and
+    block-wise rows that cuBLAS's block-wise kernel refuses (not a multiple of 4), under the default plan and the
+    NCCL path's overlapped plans."""
+    import flashoverlap as fo
+    from flashoverlap.tune.fp8 import fp8_tiles
+    from tests.ops.test_scaled import quantise
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
+           "all_gather": fo.all_gather_scaled_gemm}
+    errors = {}
+    for mode, m, n, k, out_dtype, with_bias in (("row", 1024, 2048, 1024, torch.float32, True),
+                                                ("tensor", 1000, 1024, 512, torch.float32, True),
+                                                ("block", 1002, 1024, 1024, torch.bfloat16, True),
+                                                ("block", 1024, 1024, 1024, torch.float32, True)):
+        a, sa = quantise(torch.randn(m, k, device=device), mode)
+        b, sb = quantise(torch.randn(k, n, device=device), mode, operand="b")
+        sb = sb.reshape(1, n) if mode == "row" else sb
+        b = b.t().contiguous().t()
+        bias = torch.randn(n, device=device).to(out_dtype) if with_bias else None
+        want = _dequantised(a, b, sa, sb, mode) + (0 if bias is None else bias.float())
+        for kind, op in ops.items():
+            tile = fp8_tiles(m, n, k, mode).tile_config()
+            plans = {"default": None}
+            for gemm in ("triton", "cublas"):
+                plans[gemm] = fo.default_plan(kind, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False,
+                                              gemm=gemm, num_groups=3)
+            for name, plan in plans.items():
+                poison_allocator(device)
+                got = op(a, b, sa, sb, out_dtype=out_dtype, bias=bias, plan=plan)
+                assert got.dtype == out_dtype and not got.isnan().any(), (kind, mode, name)
+                errors[(kind, mode, m, str(out_dtype), name)] = ((got.float() - want).norm() / want.norm()).item()
+    return errors
+
+
+def test_fp32_output_with_a_bias_and_block_rows_cublas_refuses():
+    errors = spawn(_bias_and_odd_rows, 1, "nccl", env=ENV)[0]
+    assert len(errors) == 4 * 3 * 3
+    bad = {key: e for key, e in errors.items() if not e < 1e-2}
+    assert not bad, bad

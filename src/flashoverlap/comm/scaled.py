@@ -141,11 +141,14 @@ def unpack_rows(packed: torch.Tensor, k: int, dtype: torch.dtype,
 
 def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:
     """Whether ``torch._scaled_mm`` multiplies this CUDA product in ``mode``: rows of A 16-byte multiples, B
-    column-major (``w.t()``) with N a multiple of 16; block-wise, K a multiple of 512 on a Hopper GPU (torch 2.11's
-    block-wise kernel returned zeros on an H200 where ``K/128`` was not a multiple of 4)."""
+    column-major (``w.t()``) with N a multiple of 16; block-wise, on a Hopper GPU, K a multiple of 512 (torch 2.11's
+    block-wise kernel returned zeros on an H200 where ``K/128`` was not a multiple of 4) and A's rows a multiple of 4
+    (cuBLAS refused 501, 502, 1001 and 1002 rows and took 504 and 512: benchmarks/diagnostics/scaled_mm_probe.py,
+    logs/issue35)."""
     if not a.is_cuda or a.shape[1] % 16 or b.shape[1] % 16 or b.stride(0) != 1 or a.stride(1) != 1:
         return False
-    return mode != "block" or (a.shape[1] % (4 * BLOCK) == 0 and torch.cuda.get_device_capability(a.device) == (9, 0))
+    return mode != "block" or (a.shape[1] % (4 * BLOCK) == 0 and a.shape[0] % 4 == 0
+                               and torch.cuda.get_device_capability(a.device) == (9, 0))
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.Tensor | None = None,
@@ -154,7 +157,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.T
     it (``cublas_takes``); the dequantised fp32 product elsewhere (the CPU, odd shapes). ``scale_a``: A's scales where
     they are not ``scales.a``, as ``[rows, S]``, any strides. A row-wise A with a tensor-wise B (the gathered
     tensor-wise case) takes B's scale as a row; block-wise scales are laid out outer-dim-major, the only layout
-    torch 2.11 took."""
+    torch 2.11 took. A bias with fp32 output, which torch 2.11 refuses, is added after the product (in fp32, as
+    ``_scaled_mm`` adds it)."""
     scale_a = scales.a if scale_a is None else scale_a
     if cublas_takes(a, b, scales.mode):
         scale_b = scales.b
@@ -164,9 +168,13 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.T
             if scale_a.numel() > 1 and scale_b.numel() == 1:
                 scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, 1).expand(1, b.shape[1])
             scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+        bias = scales.bias
+        late = bias is not None and scales.out_dtype == torch.float32
         if out is None:
-            return torch._scaled_mm(a, b, scale_a, scale_b, bias=scales.bias, out_dtype=scales.out_dtype)
-        return torch._scaled_mm(a, b, scale_a, scale_b, bias=scales.bias, out_dtype=scales.out_dtype, out=out)
+            out = torch._scaled_mm(a, b, scale_a, scale_b, bias=None if late else bias, out_dtype=scales.out_dtype)
+        else:
+            torch._scaled_mm(a, b, scale_a, scale_b, bias=None if late else bias, out_dtype=scales.out_dtype, out=out)
+        return out.add_(bias) if late else out
     if scale_a.ndim < 2:
         scale_a = scale_a.reshape(1, 1)
     c = product(a, scale_a, dequantised_b(b, scales), scales)

@@ -129,9 +129,12 @@ def _fp8_plan_for(spec, shape: tuple[int, int, int], context: GroupContext, path
             moved = m * n * scales.out_dtype.itemsize
         gemm_ms = measured.gemm_ms(m, n, k) / fp8.FP8_GEMM_SPEEDUP
         comm_ratio = round(measured.collective_ms(spec.op, moved, context.world_size) / gemm_ms, 2)
+    # Bands of cuBLAS's block-wise kernel only where it takes every band: they end at tile rows inside each rank block.
+    block_rows = m if spec.op == "all_reduce" else m // context.world_size
+    cublas_block = block_rows % 4 == 0 and scaled.cublas_takes(spec.a, spec.b, "block")
     return fp8.fp8_plan(spec.op, m, n, k, context.world_size, scales.mode, path=path,
                         num_sms=guards.sm_count(context.device), comm_ratio=comm_ratio,
-                        out_size=scales.out_dtype.itemsize, cublas_block=scaled.cublas_takes(spec.a, spec.b, "block"))
+                        out_size=scales.out_dtype.itemsize, cublas_block=cublas_block)
 
 
 def plan_for(op: str, shape: tuple[int, int, int], group: dist.ProcessGroup, device: torch.device,
