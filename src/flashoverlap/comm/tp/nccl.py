@@ -68,12 +68,16 @@ class NcclCommunicator(GroupFields):
         else:
             product_dtype = a.dtype if call.scales is None else call.scales.out_dtype
             self.prepare(plan, product_dtype)
+            # Allocated before the product: the communication stream writes it after the first group's wait only,
+            # while the producer stream may still be running later groups, whose temporaries (the dequantised fp8
+            # product's) the caching allocator would otherwise hand to it once freed.
+            out = torch.empty((plan.block_rows, plan.n), dtype=product_dtype, device=a.device) \
+                if plan.op == "reduce_scatter" else None
             product, ready = produce(a, b, plan, self.counters, call.scales)
             if plan.op == "all_reduce":
                 self.all_reduce(product, plan, ready, call.timeout)
                 result = (product, None)
             else:
-                out = torch.empty((plan.block_rows, plan.n), dtype=product_dtype, device=a.device)
                 self.reduce_scatter(out, product, plan, ready, call.timeout)
                 result = (out, None)
         if call.hook is not None:
