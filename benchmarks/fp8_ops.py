@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from benchmarks.harness.run import commit, results_meta, setting
+from flashoverlap import settings
 from flashoverlap.bench import COLUMNS, GRIDS, OP_FUNCTIONS, efficiency, ms, op_row, print_table, write_results
 from flashoverlap.cli import op_names, positive, shapes
 from flashoverlap.comm.scaled import BLOCK, Scales, cublas_takes
@@ -242,7 +243,8 @@ def auto_path(op: str, x: dict[str, torch.Tensor]) -> str:
     """The path an untuned ``path="auto"`` call takes here ("sequential" where its plan is scaled matmul then the
     collective)."""
     name = SCALED_OPS[op].__name__
-    path, _, plan = resolve(GemmSpec(name, op, x["a"], x["b"], scales=Scales.of(x["scale_a"], x["scale_b"])))
+    spec = GemmSpec(name, op, x["a"], x["b"], scales=Scales.of(x["scale_a"], x["scale_b"]))
+    path, _, plan = resolve(spec, settings.current().nccl_p2p_disabled)
     return "sequential" if plan.sequential and path != "reference" else path
 
 
