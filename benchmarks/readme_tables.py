@@ -538,8 +538,8 @@ def fp8_gemm(path: str) -> str:
     range over the grid's shapes."""
     data = _load(path)
     groups = _grouped(data["rows"], "op", "path", "scaling")
-    lines = ["| op | path | scaling | GEMM | shapes | speed vs `torch._scaled_mm` | TFLOP/s | speed vs bf16 `torch.mm` |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| op | path | scaling | GEMM | shapes | speed vs `torch._scaled_mm` | TFLOP/s "
+             "| speed vs bf16 `torch.mm` |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (op, path_name, scaling), rows in groups.items():
         gemms = {(row.get("plan") or {}).get("gemm", "triton" if row.get("tiles") else "cuBLAS sub-bands")
                  for row in rows}
