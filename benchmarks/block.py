@@ -322,30 +322,7 @@ def _timed_rows(cfg, models, token_counts, steps, decode_tokens, log, world, dev
     for tokens in token_counts:
         x = torch.randn(tokens // world, cfg.hidden, device=device, dtype=dtype)
         for mode in ("prefill", "train"):
-            row: dict = {"mode": mode, "tokens": tokens, "host_ms": {}}
-            for name, model in models.items():
-                if model is None:
-                    row[name] = None
-                    continue
-                if mode == "prefill":
-                    def step(model=model, x=x):
-                        with torch.no_grad():
-                            model(x)
-                else:
-                    x_grad = x.clone().requires_grad_(True)
-
-                    def step(model=model, x_grad=x_grad):
-                        model(x_grad).float().pow(2).mean().backward()
-                try:
-                    host: list[float] = []
-                    row[name] = time_step(step, steps, 3, host)
-                    row["host_ms"][name] = host[0]
-                except Exception as exc:  # noqa: BLE001  (a baseline that cannot run here: say why, keep going)
-                    row[name] = None
-                    row.setdefault("notes", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                for p in model.parameters():
-                    p.grad = None
-            rows.append(row)
+            rows.append(time_row(models, mode, tokens, x, steps, time_step))
             log(rows)
     x = torch.randn(decode_tokens // world, cfg.hidden, device=device, dtype=dtype)
     row = dict.fromkeys(FIGURES)
@@ -363,6 +340,42 @@ def _timed_rows(cfg, models, token_counts, steps, decode_tokens, log, world, dev
     rows.append(row)
     log(rows)
     return rows
+
+
+def time_row(models: dict, mode: str, tokens: int, x: torch.Tensor, steps: int, time_step=_time,
+             contexts: dict | None = None) -> dict:
+    """One row: each of ``models`` (figure name -> block, or None: skipped) timed on rank r's input ``x`` in
+    ``mode`` (``"prefill"``: forward without grad; ``"train"``: forward and backward of a mean-square loss), with
+    ``time_step``; a figure whose block fails is None and why in ``notes``. ``contexts``: figure name -> a
+    context-manager factory each of its steps runs inside (a compiler setting that must hold while it compiles)."""
+    import contextlib
+
+    row: dict = {"mode": mode, "tokens": tokens, "host_ms": {}}
+    for name, model in models.items():
+        if model is None:
+            row[name] = None
+            continue
+        within = (contexts or {}).get(name, contextlib.nullcontext)
+        if mode == "prefill":
+            def step(model=model, x=x, within=within):
+                with within(), torch.no_grad():
+                    model(x)
+        else:
+            x_grad = x.clone().requires_grad_(True)
+
+            def step(model=model, x_grad=x_grad, within=within):
+                with within():
+                    model(x_grad).float().pow(2).mean().backward()
+        try:
+            host: list[float] = []
+            row[name] = time_step(step, steps, 3, host)
+            row["host_ms"][name] = host[0]
+        except Exception as exc:  # noqa: BLE001  (a baseline that cannot run here: say why, keep going)
+            row[name] = None
+            row.setdefault("notes", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        for p in model.parameters():
+            p.grad = None
+    return row
 
 
 def add_arguments(parser) -> None:
