@@ -583,13 +583,60 @@ def fp8_bytes(path: str) -> str:
               "the sum over groups of what each group's collective moves.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
+
+FP8_OPS = {"all_reduce": "scaled_gemm_all_reduce", "reduce_scatter": "scaled_gemm_reduce_scatter",
+           "all_gather": "all_gather_scaled_gemm"}
+
+
+def _files(pattern: str) -> list[str]:
+    """The results files matching ``pattern``, as paths from the repository's root."""
+    return [os.path.relpath(f, ROOT) for f in sorted(glob.glob(str(ROOT / pattern)))]
+
+
+def fp8_ops(pattern: str) -> str:
+    """The two-GPU fp8 grid (``benchmarks/fp8_ops.py``), per file: each op, scaling and shape, ours beside sequential
+    (``torch._scaled_mm`` then NCCL), PyTorch's fused scaled op and the bf16 op."""
+    pieces = []
+    for path in _files(pattern):
+        data = _load(path)
+        lines = ["| op | scaling | M, N, K | path | `T_seq` (ms) | PyTorch fused (ms) | bf16 op (ms) | **ours** (ms) "
+                 "| speedup | E |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in data["rows"]:
+            shape = f"{row['M']}, {row['N']}, {row['K']}"
+            lines.append(f"| {FP8_OPS.get(row['op'], row['op'])} | {row['scaling']} | {shape} | {row['path']} "
+                         f"| {_ms(row['t_seq_ms'])} | {_ms(row.get('t_fused_scaled_ms'))} "
+                         f"| {_ms(row.get('t_bf16_op_ms'))} | **{_ms(row['t_ms'])}** | {row['speedup']:.2f} "
+                         f"| {_e(row.get('E'))} |")
+        pieces.append("\n".join(lines) + "\n\n" + _sourced(path, data["meta"]))
+    return "\n\n".join(pieces) if pieces else f"Not measured yet (no file matches `{pattern}`)."
+
+
+def fp8_block(pattern: str) -> str:
+    """The two-GPU float8 block (``benchmarks/fp8_block.py``), per file: each recipe, mode and token count, torchao's
+    TP, torchtitan's async TP, ours and the pass, with ``E_block``."""
+    pieces = []
+    for path in _files(pattern):
+        data = _load(path)
+        lines = ["| recipe | mode | tokens | torchao TP compiled (ms) | async TP (ms) | ours eager (ms) "
+                 "| ours compiled (ms) | torchao + pass (ms) | E_block ours compiled / pass |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in data["rows"]:
+            gains = row.get("E_block") or {}
+            lines.append(f"| {row['recipe']} | {row['mode']} | {row['tokens']} | {_ms(row.get('t_torch_compiled_ms'))} "
+                         f"| {_ms(row.get('t_async_tp_ms'))} | {_ms(row.get('t_ours_eager_ms'))} "
+                         f"| {_ms(row.get('t_ours_compiled_ms'))} | {_ms(row.get('t_pass_ms'))} "
+                         f"| {_e(gains.get('ours_compiled'))} / {_e(gains.get('pass'))} |")
+        pieces.append("\n".join(lines) + "\n\n" + _sourced(path, data["meta"]))
+    return "\n\n".join(pieces) if pieces else f"Not measured yet (no file matches `{pattern}`)."
+
 RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-range": e_range,
              "host-ratio-range": host_ratio_range,
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
              "mutations": mutations_table, "reliability": reliability, "cpu-install": cpu_install,
              "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
-             "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes}
+             "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes,
+             "fp8-ops": fp8_ops, "fp8-block": fp8_block}
 
 
 def render(spec: str) -> str:

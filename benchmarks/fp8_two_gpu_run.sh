@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 36 in one device call on TWO GPUs (nvidia-h200-x2): the fp8 grid (benchmarks/fp8_ops.py) and the float8
+# block (benchmarks/fp8_block.py) in each setting, nvlink (NCCL's defaults) and pcie-like (NCCL_P2P_DISABLE=1).
+# Results land in $OUT as h200x2-<setting>-fp8.json and h200x2-<setting>-fp8-block.json, with their logs; commit
+# them under benchmarks/results/ and run `python benchmarks/readme_tables.py --write`.
+# Usage: FLASHOVERLAP_COMMIT=$(git rev-parse --short=10 HEAD) [SETTINGS="nvlink pcie-like"] bash benchmarks/fp8_two_gpu_run.sh
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
+commit=${FLASHOVERLAP_COMMIT:-unknown}
+for setting in ${SETTINGS-nvlink pcie-like}; do
+    extra=(); [[ $setting == pcie-like ]] && extra=(env NCCL_P2P_DISABLE=1)
+    "${extra[@]}" timeout ${OPS_TIMEOUT:-540} torchrun --nproc-per-node 2 -m benchmarks.fp8_ops \
+        --out "$OUT/h200x2-$setting-fp8.json" > "$OUT/fp8-ops-$setting-$commit.log" 2>&1
+    echo "fp8 ops $setting: exit $?"; tail -4 "$OUT/fp8-ops-$setting-$commit.log"
+    "${extra[@]}" timeout ${BLOCK_TIMEOUT:-540} torchrun --nproc-per-node 2 -m benchmarks.fp8_block \
+        --out "$OUT/h200x2-$setting-fp8-block.json" > "$OUT/fp8-block-$setting-$commit.log" 2>&1
+    echo "fp8 block $setting: exit $?"; tail -4 "$OUT/fp8-block-$setting-$commit.log"
+done
