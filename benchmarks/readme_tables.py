@@ -525,6 +525,10 @@ def _span(values, digits: int = 2) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
+FP8_OPS = {"all_reduce": "scaled_gemm_all_reduce", "reduce_scatter": "scaled_gemm_reduce_scatter",
+           "all_gather": "all_gather_scaled_gemm"}
+
+
 def _grouped(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     """``rows`` by the values of ``keys``, in the order first met."""
     groups: dict[tuple, list] = {}
@@ -544,7 +548,7 @@ def fp8_gemm(path: str) -> str:
         gemms = {(row.get("plan") or {}).get("gemm", "triton" if row.get("tiles") else "cuBLAS sub-bands")
                  for row in rows}
         gemm = "/".join(sorted("cuBLAS bands" if g == "cublas" else g for g in gemms))
-        lines.append(f"| {OPS.get(op, op)} | {path_name} | {scaling} | {gemm} | {len(rows)} "
+        lines.append(f"| {FP8_OPS.get(op, op)} | {path_name} | {scaling} | {gemm} | {len(rows)} "
                      f"| {_span([r['speed_vs_scaled_mm'] for r in rows])}x | {_span([r['tflops'] for r in rows], 0)} "
                      f"| {_span([r['t_bf16_mm_ms'] / r['t_ms'] for r in rows])}x |")
     legend = ("<sub>One H200, each op's per-rank GEMM at the bf16 grid's shapes (W = 2), median CUDA-event times "
@@ -561,7 +565,7 @@ def fp8_host(path: str) -> str:
     lines = ["| op | path | scaling | bf16 call (µs) | fp8 call (µs) | fp8 / bf16 (paired) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in data["rows"]:
-        lines.append(f"| {OPS.get(row['op'], row['op'])} | {row['path']} | {row['scaling']} | "
+        lines.append(f"| {FP8_OPS.get(row['op'], row['op'])} | {row['path']} | {row['scaling']} | "
                      f"{_us(row['host_us_bf16'])} | {_us(row['host_us_fp8'])} | {row['fp8_over_bf16']:.2f}x |")
     legend = ("<sub>Host time to issue one call while the GPU is busy (µs, eager), one process on one H200 and a "
               "one-rank NCCL group, M, N, K = 4096, 8192, 8192, timed interleaved with the bf16 call; the ratio is "
@@ -578,14 +582,10 @@ def fp8_bytes(path: str) -> str:
     for (op, scaling), rows in groups.items():
         moved = ("fp8 row + its scales (" + str(rows[0]["scale_bytes_per_row"]) + " B), 16-byte aligned"
                  if op == "all_gather" else "bf16 partial products")
-        lines.append(f"| {OPS.get(op, op)} | {scaling} | {moved} | {_span([r['ratio'] for r in rows], 3)} |")
+        lines.append(f"| {FP8_OPS.get(op, op)} | {scaling} | {moved} | {_span([r['ratio'] for r in rows], 3)} |")
     legend = ("<sub>Counted from the NCCL path's plans at the grid's shapes (W = 2, K = 8192 for the all-gather): "
               "the sum over groups of what each group's collective moves.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
-
-
-FP8_OPS = {"all_reduce": "scaled_gemm_all_reduce", "reduce_scatter": "scaled_gemm_reduce_scatter",
-           "all_gather": "all_gather_scaled_gemm"}
 
 
 def _files(pattern: str) -> list[str]:
