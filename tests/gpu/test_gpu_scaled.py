@@ -57,11 +57,24 @@ NCCL_CASES = [("tensor", 777, 2000, 1234, True), ("row", 1000, 1000, 96, False),
               ("tensor", 2048, 4096, 1024, False), ("block", 1000, 1040, 640, True), ("block", 2048, 4096, 1024, True)]
 
 
+def _plans(kind, m, n, k, mode, world, sms):
+    """The plans each case runs under: the default (None), and the NCCL path's overlapped plans with the fp8 tiles,
+    the signalling GEMM's and cuBLAS bands'."""
+    import flashoverlap as fo
+    from flashoverlap.tune.fp8 import fp8_tiles
+
+    tile = fp8_tiles(m, n, k, mode).tile_config()
+    plans = {"default": None}
+    for gemm in ("triton", "cublas"):
+        plans[gemm] = fo.default_plan(kind, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False, gemm=gemm,
+                                      num_groups=3)
+    return plans
+
+
 def _nccl_path(rank, world):
     """The NCCL path's fp8 calls at W = 1 under overlapped plans (the signalling fp8 GEMM, and cuBLAS bands), each op
     twice (the counters and flags must be back to zero for the second call), and under the default plan."""
     import flashoverlap as fo
-    from flashoverlap.tune.fp8 import fp8_tiles
     from tests.ops.test_scaled import quantise
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -78,12 +91,7 @@ def _nccl_path(rank, world):
             b = b.t().contiguous().t()
         want = _dequantised(a, b, sa, sb, mode)
         for kind, op in ops.items():
-            tile = fp8_tiles(m, n, k, mode).tile_config()
-            plans = {"default": None}
-            for gemm in ("triton", "cublas"):
-                plans[gemm] = fo.default_plan(kind, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False,
-                                              gemm=gemm, num_groups=3)
-            for name, plan in plans.items():
+            for name, plan in _plans(kind, m, n, k, mode, world, sms).items():
                 for repeat in range(2):
                     poison_allocator(device)
                     got = op(a, b, sa, sb, path="nccl", plan=plan)
@@ -105,7 +113,6 @@ def _bias_and_odd_rows(rank, world):
     block-wise rows that cuBLAS's block-wise kernel refuses (not a multiple of 4), under the default plan and the
     NCCL path's overlapped plans."""
     import flashoverlap as fo
-    from flashoverlap.tune.fp8 import fp8_tiles
     from tests.ops.test_scaled import quantise
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -124,12 +131,7 @@ def _bias_and_odd_rows(rank, world):
         bias = torch.randn(n, device=device).to(out_dtype) if with_bias else None
         want = _dequantised(a, b, sa, sb, mode) + (0 if bias is None else bias.float())
         for kind, op in ops.items():
-            tile = fp8_tiles(m, n, k, mode).tile_config()
-            plans = {"default": None}
-            for gemm in ("triton", "cublas"):
-                plans[gemm] = fo.default_plan(kind, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False,
-                                              gemm=gemm, num_groups=3)
-            for name, plan in plans.items():
+            for name, plan in _plans(kind, m, n, k, mode, world, sms).items():
                 poison_allocator(device)
                 got = op(a, b, sa, sb, out_dtype=out_dtype, bias=bias, plan=plan)
                 assert got.dtype == out_dtype and not got.isnan().any(), (kind, mode, name)

@@ -139,6 +139,14 @@ def unpack_rows(packed: torch.Tensor, k: int, dtype: torch.dtype,
     return packed[:, :k].view(dtype), packed[:, offset : offset + 4 * columns].view(torch.float32)
 
 
+def gathered_input(packed: torch.Tensor, k: int, dtype: torch.dtype,
+                   scales: Scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """An all-gather's packed rows as a call returns its gathered input: ``(a [rows, K], scales [rows, S])``, dense
+    copies of ``unpack_rows``' views."""
+    a, scale_rows = unpack_rows(packed, k, dtype, scales.scale_columns(k))
+    return a.contiguous(), scale_rows.contiguous()
+
+
 def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:
     """Whether ``torch._scaled_mm`` multiplies this CUDA product in ``mode``: rows of A 16-byte multiples, B
     column-major (``w.t()``) with N a multiple of 16; block-wise, on a Hopper GPU, K a multiple of 512 (torch 2.11's

@@ -102,14 +102,20 @@ def _plan_for(op: str, m: int, n: int, k: int, context: GroupContext, dtype: tor
         return cached
     if path in ("p2p", "ring"):  # no rates needed: the ring's transfers take no SM
         return _default_plan(op, (m, n, k), world_size, num_sms, dtype.itemsize, None, path)
-    measured = context.rates.get(dtype)
-    if measured is None:
-        measured = context.rates[dtype] = rates.measure(context.process_group, context.device, dtype)
+    measured = _rates(context, dtype)
     moved = m * (k if op == "all_gather" else n) * dtype.itemsize  # all-gather moves A, the others C
     comm_ms = measured.collective_ms(op, moved, world_size)
     # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
     return _default_plan(op, (m, n, k), world_size, num_sms, dtype.itemsize,
                          round(comm_ms / measured.gemm_ms(m, n, k), 2))
+
+
+def _rates(context: GroupContext, dtype: torch.dtype) -> rates.Rates:
+    """The group's measured GEMM and collective rates in ``dtype`` (measured, collectively, on first use)."""
+    measured = context.rates.get(dtype)
+    if measured is None:
+        measured = context.rates[dtype] = rates.measure(context.process_group, context.device, dtype)
+    return measured
 
 
 def _fp8_plan_for(spec, shape: tuple[int, int, int], context: GroupContext, path: str) -> Plan:
@@ -119,10 +125,7 @@ def _fp8_plan_for(spec, shape: tuple[int, int, int], context: GroupContext, path
     scales = spec.scales
     comm_ratio = None
     if path == "nccl":
-        measured = context.rates.get(torch.bfloat16)
-        if measured is None:
-            measured = context.rates[torch.bfloat16] = rates.measure(context.process_group, context.device,
-                                                                     torch.bfloat16)
+        measured = _rates(context, torch.bfloat16)
         if spec.op == "all_gather":
             moved = m * scaled.row_bytes(k, spec.a.dtype, scales)
         else:

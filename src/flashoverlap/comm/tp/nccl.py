@@ -276,7 +276,7 @@ def _cublas_ready(device: torch.device, dtype: torch.dtype) -> None:
     matmul's (cuBLASLt) handle, by one 16x16 ``torch._scaled_mm``."""
     if (device, dtype) not in _CUBLAS_READY:
         if dtype in scaled.FP8:
-            x = torch.zeros(16, 16, device=device).to(dtype if dtype == torch.float8_e4m3fn else torch.float8_e4m3fn)
+            x = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)  # e5m2 x e5m2 is no scaled product
             one = torch.ones((), device=device)
             torch._scaled_mm(x, x.t(), one, one, out_dtype=torch.bfloat16)
         else:
@@ -313,10 +313,7 @@ class _Gathered:
     def in_rank_order(self, plan: Plan):
         """The gathered input as ``all_gather_into_tensor`` of whole shards returns it; fp8: ``(a, scales)``."""
         full = gathered_in_rank_order(self.gathered, plan)
-        if self.scales is None:
-            return full
-        a_full, scale_full = scaled.unpack_rows(full, self.k, self.dtype, self.scales.scale_columns(self.k))
-        return a_full.contiguous(), scale_full.contiguous()
+        return full if self.scales is None else scaled.gathered_input(full, self.k, self.dtype, self.scales)
 
 
 def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Tensor, b: torch.Tensor,

@@ -123,14 +123,6 @@ def _scaled_band(target: torch.Tensor, src: torch.Tensor, scale_a: torch.Tensor 
         scaled.scaled_mm(src, b, scales, scale_a, out=target)
 
 
-def _unpacked(gathered: torch.Tensor, plan: Plan, dtype: torch.dtype,
-              scales: scaled.Scales) -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp8 all-gather's gathered packed rows as ``(a_full, scale_full)`` in rank order, dense (as the sequential
-    path returns them)."""
-    a_full, scale_full = scaled.unpack_rows(gathered, plan.k, dtype, scales.scale_columns(plan.k))
-    return a_full.contiguous(), scale_full.contiguous()
-
-
 class P2PCommunicator(GroupFields):
     """Copy stream, events and symmetric workspace for one (process group, device)."""
 
@@ -199,7 +191,7 @@ class P2PCommunicator(GroupFields):
                 scales: scaled.Scales | None) -> tuple:
         if gathered is None or scales is None:
             return out, gathered
-        return out, _unpacked(gathered, plan, dtype, scales)
+        return out, scaled.gathered_input(gathered, plan.k, dtype, scales)
 
     def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                    gathered: torch.Tensor | None, hook, scales: scaled.Scales | None = None) -> tuple:
@@ -420,7 +412,8 @@ class P2PCommunicator(GroupFields):
                 packed = torch.zeros((plan.m, _widths(plan, a.dtype, scales)[1]), dtype=torch.uint8, device=a.device)
                 scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]), packed[: a.shape[0]])
                 source, scale_a = scaled.unpack_rows(packed, plan.k, a.dtype, scales.scale_columns(plan.k))
-                _unpacked(packed, plan, a.dtype, scales)  # a returned gathered input's copies, after waits on C
+                # A returned gathered input's copies, queued after waits on C.
+                scaled.gathered_input(packed, plan.k, a.dtype, scales)
             for rows, accumulate in shapes:
                 scratch = torch.zeros((rows, plan.n), dtype=scales.out_dtype, device=a.device)
                 _scaled_band(scratch, source[:rows], None if scale_a is None else scale_a[:rows], b, scales,

@@ -110,8 +110,7 @@ def all_gather_gemm(a_shard: torch.Tensor, bands: Bands, plan: Plan, group: dist
     gathered = gathered_in_rank_order(gathered, plan)
     if scales is None:
         return c, gathered, None
-    a_full, scale_full = scaled.unpack_rows(gathered, k, a_shard.dtype, columns)
-    return c, a_full.contiguous(), scale_full.contiguous()
+    return c, *scaled.gathered_input(gathered, k, a_shard.dtype, scales)
 
 
 class ReferenceCommunicator:

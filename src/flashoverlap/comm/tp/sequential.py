@@ -56,7 +56,7 @@ def _scaled(call: Call, process_group) -> tuple[torch.Tensor, object]:
         all_gather_now(gathered, packed, process_group)
         a_full, scale_full = scaled.unpack_rows(gathered, plan.k, a.dtype, scales.scale_columns(plan.k))
         c = scaled.scaled_mm(a_full, b, scales, scale_full)
-        return c, (a_full.contiguous(), scale_full.contiguous()) if call.return_gathered else None
+        return c, scaled.gathered_input(gathered, plan.k, a.dtype, scales) if call.return_gathered else None
     c = scaled.scaled_mm(a, b, scales)
     if plan.op == "all_reduce":
         all_reduce_now(c, process_group)
