@@ -326,9 +326,9 @@ class _Rewriter:
         shard_val, head_val = _val(shard), _val(head)
         if (shard_val is None or head_val is None or len(gather.users) != 1 or len(outer.users) != 1):
             return self._left("all_gather_into_tensor", gather, "no shape information, or another reader")
-        if shard_val.dtype != head_val.dtype and _val(_bitcast_source(shard)) is not None and _val(
-                _bitcast_source(shard)).dtype == head_val.dtype:
-            shard, shard_val = _bitcast_source(shard), _val(_bitcast_source(shard))
+        source = _bitcast_source(shard)  # a shard sent as its bytes: the tensor before the view
+        if shard_val.dtype != head_val.dtype and _val(source) is not None and _val(source).dtype == head_val.dtype:
+            shard, shard_val = source, _val(source)
         fp8 = head_val.dtype in FP8_DTYPES
         if shard_val.dtype != head_val.dtype or not (fp8 or shard_val.dtype in _DTYPES):
             return self._left("all_gather_into_tensor", gather, f"dtype {shard_val.dtype} gathered as "
