@@ -139,7 +139,7 @@ class P2PCommunicator(GroupFields):
         self._events: list[int] = []  # driver events (``stream_ops.FastDriver``), the schedule's by index
         self._joins: tuple[int, int, int, int] | None = None  # step 3: one driver event per stream of ours
         self._fork: int | None = None  # the event that hands a signal of C's to S
-        self._ready: set[tuple] = set()  # (plan, dtype, b's strides) past step 1
+        self._ready: set[tuple] = set()  # (plan, dtype, b's strides, fp8 scales' kind) past step 1
         self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # what a signal copies into a flag
         torch.cuda.synchronize(self.device)  # written before any stream of ours copies it (they wait on no event)
         self._programs: dict[tuple, tuple[list, tuple]] = {}
@@ -168,9 +168,12 @@ class P2PCommunicator(GroupFields):
             signature = self._signature(plan, a, b, out, gathered, hook, scales)
             if self.graphs.replay(signature):
                 return self._result(out, gathered, plan, a.dtype, scales)
-        kind = None if scales is None else (scales.mode, scales.out_dtype, scales.bias is not None)
-        if (plan, a.dtype, b.stride(), kind) not in self._ready:  # step 1, once per plan, dtype and layout of b
+        # Step 1, once per plan, dtype and layout of b (fp8: and kind of scales).
+        ready = (plan, a.dtype, b.stride(), None if scales is None else (scales.mode, scales.out_dtype,
+                                                                         scales.bias is not None))
+        if ready not in self._ready:
             self._make_ready(plan, a, b, call.name, scales)
+            self._ready.add(ready)
             if signature is not None:  # step 1 may have grown the workspace, which the signature names
                 signature = self._signature(plan, a, b, out, gathered, hook, scales)
         if signature is not None and self.graphs.record(
@@ -212,8 +215,6 @@ class P2PCommunicator(GroupFields):
         cuBLAS kernels."""
         self.prepare(plan, a.dtype, op, scales)
         self._load_kernels(plan, a, b, op, scales)
-        kind = None if scales is None else (scales.mode, scales.out_dtype, scales.bias is not None)
-        self._ready.add((plan, a.dtype, b.stride(), kind))
 
     def release(self) -> None:
         """Free the graphs, the resolved programs and the symmetric workspace (the peers free theirs in the same
