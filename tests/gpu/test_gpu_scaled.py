@@ -144,3 +144,24 @@ def test_fp32_output_with_a_bias_and_block_rows_cublas_refuses():
     assert len(errors) == 4 * 3 * 3
     bad = {key: e for key, e in errors.items() if not e < 1e-2}
     assert not bad, bad
+
+
+def test_scaled_mm_takes_a_band_whose_row_scales_start_mid_tensor():
+    """A band of rows 501.. of a 1002-row row-wise call: its A scales are a slice 2004 bytes into their tensor, a
+    pointer cuBLASLt refuses unaligned (the P2P path's sub-bands; logs/issue35). (Block-wise scales are always
+    copied into torch's layout first.)"""
+    from flashoverlap.comm.scaled import Scales, scaled_mm
+    from tests.ops.test_scaled import expected, quantise
+
+    m, n, k = 1002, 256, 512
+    rows = slice(501, m)
+    a, sa = quantise(torch.randn(m, k, device="cuda"), "row")
+    b, sb = quantise(torch.randn(k, n, device="cuda"), "row", operand="b")
+    b, sb = b.t().contiguous().t(), sb.reshape(1, n)
+    band_scales = sa[rows]
+    assert band_scales.data_ptr() % 16, "the slice must start off a 16-byte boundary for this test to mean anything"
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    scaled_mm(a[rows], b, Scales.of(sa, sb), band_scales, out=out[rows])
+    want = expected(a[rows], b, sa[rows].contiguous(), sb, "row", torch.bfloat16)
+    got = out[rows].float()
+    assert not got.isnan().any() and ((got - want).norm() / want.norm()).item() < 1e-2

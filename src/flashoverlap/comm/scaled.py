@@ -159,6 +159,13 @@ def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:
                                and torch.cuda.get_device_capability(a.device) == (9, 0))
 
 
+def _aligned_start(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where its first element is not ``ALIGN``-byte aligned: a band's row slice of a scale
+    vector starts mid-tensor (rows 501.. of a ``[1002, 1]`` scale: 2004 bytes in), and cuBLASLt refuses such a scale
+    pointer (``CUBLAS_STATUS_NOT_SUPPORTED`` on an H200, logs/issue35)."""
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` scaled, in the output dtype (into ``out`` where given), as one ``torch._scaled_mm`` where cuBLAS takes
@@ -176,6 +183,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scales: Scales, scale_a: torch.T
             if scale_a.numel() > 1 and scale_b.numel() == 1:
                 scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, 1).expand(1, b.shape[1])
             scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+        scale_a, scale_b = _aligned_start(scale_a), _aligned_start(scale_b)
         bias = scales.bias
         late = bias is not None and scales.out_dtype == torch.float32
         if out is None:
