@@ -542,21 +542,31 @@ def fp8_gemm(path: str) -> str:
     range over the grid's shapes."""
     data = _load(path)
     groups = _grouped(data["rows"], "op", "path", "scaling")
-    lines = ["| op | path | scaling | GEMM | shapes | speed vs `torch._scaled_mm` | TFLOP/s "
-             "| speed vs bf16 `torch.mm` |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| op | path | scaling | GEMM | shapes | speed vs `torch._scaled_mm` | at the same SMs | TFLOP/s "
+             "| speed vs bf16 `torch.mm` |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (op, path_name, scaling), rows in groups.items():
         gemms = {(row.get("plan") or {}).get("gemm", "triton" if row.get("tiles") else "cuBLAS sub-bands")
                  for row in rows}
         gemm = "/".join(sorted("cuBLAS bands" if g == "cublas" else g for g in gemms))
         lines.append(f"| {FP8_OPS.get(op, op)} | {path_name} | {scaling} | {gemm} | {len(rows)} "
-                     f"| {_span([r['speed_vs_scaled_mm'] for r in rows])}x | {_span([r['tflops'] for r in rows], 0)} "
+                     f"| {_span([r['speed_vs_scaled_mm'] for r in rows])}x | {_budget_span(rows)} "
+                     f"| {_span([r['tflops'] for r in rows], 0)} "
                      f"| {_span([r['t_bf16_mm_ms'] / r['t_ms'] for r in rows])}x |")
     legend = ("<sub>One H200, each op's per-rank GEMM at the bf16 grid's shapes (W = 2), median CUDA-event times "
               "queued behind GPU work, fresh random fp8 operands. `nccl`: the GEMM of the NCCL path's default fp8 plan "
               "(signals, groups and tile order included); `nccl-triton`: our block-wise Triton kernel on the same "
-              "plan, for the record; `p2p`: `torch._scaled_mm` on the P2P ring's sub-bands. Speeds are ratios of "
+              "plan, for the record; `p2p`: `torch._scaled_mm` on the P2P ring's sub-bands. *At the same SMs*: where "
+              "the plan's GEMM runs on fewer programs than the GPU has SMs (the all-gather's, which leaves NCCL its "
+              "SMs), against `torch._scaled_mm` given those SMs (SM carve-out); – where the GEMM has every SM. "
+              "Speeds are ratios of "
               "times in the same run (above 1: faster than the baseline); ranges over the shapes.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
+
+
+def _budget_span(rows: list[dict]) -> str:
+    """The range of ``speed_vs_budget`` over ``rows`` that have it, or a dash."""
+    values = [row["speed_vs_budget"] for row in rows if "speed_vs_budget" in row]
+    return f"{_span(values)}x" if values else "–"
 
 
 def fp8_host(path: str) -> str:

@@ -10,7 +10,10 @@
 - ``p2p``: ``torch._scaled_mm`` on the P2P ring's sub-bands, two per half of the rows (four multiplications, each
   with its own scales laid out as ``_scaled_mm`` wants them);
 
-each beside ``torch._scaled_mm`` in the same mode on the whole GEMM and bf16 ``torch.mm`` of the same shape.
+each beside ``torch._scaled_mm`` in the same mode on the whole GEMM and bf16 ``torch.mm`` of the same shape; where the
+plan's GEMM runs on fewer programs than the GPU has SMs (the all-gather's, persistent on the SMs NCCL leaves it:
+deadlock rule 2), also beside ``torch._scaled_mm`` given the same SMs (``torch._C._set_sm_carveout_experimental``,
+BENCHMARK.md's GEMM at an SM budget): ``t_scaled_mm_budget_ms``, ``speed_vs_budget``.
 Per-rank GEMMs: all-reduce and reduce-scatter ``(M, N, K/2)``, all-gather ``(M, N/2, K)`` with M gathered.
 Times are medians of CUDA-event times of 25 calls after 5 warm-up calls, each queued behind a GPU sleep (the GPU's
 time, not the host's); fresh random operands (randn times 3 cast to fp8, never zeros) and scales in [0.5, 1.5).
@@ -42,6 +45,8 @@ WORLD = 2
 SUB_BANDS = 2  # per half of the rows, on the P2P path
 SCALINGS = ("tensor", "row", "block")
 WARMUP, ITERS = 5, 25
+CARVE = getattr(torch._C, "_set_sm_carveout_experimental", None)
+NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
 QUEUE_AHEAD_CYCLES = 400_000  # about 0.2 ms of GPU sleep: the host has queued the call before the GPU reaches it
 
 
@@ -148,6 +153,14 @@ def main():
                 if op == "all_reduce":  # row-major C (the others' outputs are laid out by their plans)
                     err = float((got - want).norm() / want.norm())
                     assert err < 1e-2, f"{op} {m}x{n}x{k} {scaling}: relative error {err:.2e}"
+                budget = None
+                if plan.gemm == "triton" and plan.grid_size < NUM_SMS and CARVE is not None:
+                    CARVE(NUM_SMS - plan.grid_size)
+                    try:
+                        budget = time_ms(lambda a=a, b=b, sa=sa, sb=sb: torch._scaled_mm(
+                            a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+                    finally:
+                        CARVE(0)
                 runs = [("nccl", plan, ours), ("p2p", None, sub_band_calls(a, b, sa, sb, scaling))]
                 if scaling == "block" and plan.gemm == "cublas":
                     runs.append(("nccl-triton", *our_call(op, a, b, scaling, sa, sb, gemm="triton")))
@@ -156,13 +169,18 @@ def main():
                     rows.append({"op": op, "path": path, "scaling": scaling, "M": m, "N": n, "K": k, "t_ms": t,
                                  "t_scaled_mm_ms": t_ref, "t_bf16_mm_ms": t_bf16, "tflops": flop / t / 1e9,
                                  "speed_vs_scaled_mm": t_ref / t,
-                                 "plan": None if run_plan is None else _described(run_plan)})
+                                 "plan": None if run_plan is None else _described(run_plan),
+                                 **({"t_scaled_mm_budget_ms": budget, "speed_vs_budget": budget / t}
+                                    if budget is not None and path == "nccl" else {})})
                     print(f"{op} {path} {scaling} {m}x{n}x{k}: {t:.3f} ms ({flop / t / 1e9:.0f} TFLOP/s), "
                           f"_scaled_mm {t_ref:.3f} ({t_ref / t:.3f}x), bf16 mm {t_bf16:.3f}", flush=True)
     ratios = {s: [r["speed_vs_scaled_mm"] for r in rows if r["path"] == "nccl" and r["scaling"] == s]
               for s in SCALINGS}
     for s, rs in ratios.items():
         print(f"nccl {s}: {min(rs):.3f}-{max(rs):.3f}x _scaled_mm", flush=True)
+    budgets = [r["speed_vs_budget"] for r in rows if "speed_vs_budget" in r]
+    if budgets:
+        print(f"nccl at an SM budget: {min(budgets):.3f}-{max(budgets):.3f}x _scaled_mm given the same SMs", flush=True)
     write_results({"meta": results_meta("FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python "
                                         "benchmarks/diagnostics/fp8_gemm.py "
                                         "benchmarks/results/h200x1-fp8-gemm.json",

@@ -27,9 +27,13 @@ OPS = {"all_reduce": (fo.gemm_all_reduce, fo.scaled_gemm_all_reduce),
 
 
 def scales(mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random positive scales of ``mode``'s shapes (fresh values: never all ones)."""
-    shapes = {"tensor": ((), ()), "row": ((M, 1), (1, N)), "block": ((M, K // BLOCK), (K // BLOCK, N // BLOCK))}
-    sa, sb = shapes[mode]
+    """Random positive scales of ``mode``'s shapes (fresh values: never all ones). Block-wise, B's are the transpose
+    of an ``[N/128, K/128]`` weight scale, as a weight ``w [N, K]`` carries them (DeepSeek-V3's checkpoints, torchao)
+    and as ``b = w.t()`` then has them; A's are row-major ``[M, K/128]``, as an activation's quantisation gives."""
+    if mode == "block":
+        return (torch.rand(M, K // BLOCK, device="cuda") / 64 + 1e-3,
+                (torch.rand(N // BLOCK, K // BLOCK, device="cuda") / 64 + 1e-3).t())
+    sa, sb = {"tensor": ((), ()), "row": ((M, 1), (1, N))}[mode]
     return torch.rand(sa, device="cuda") / 64 + 1e-3, torch.rand(sb, device="cuda") / 64 + 1e-3
 
 
@@ -48,7 +52,7 @@ def main() -> None:
                 bf16, fp8 = bf16_op, fp8_op
             else:
                 plan16 = fo.default_plan(op, M, N, K, 1, allow_sequential=False)
-                plan8 = fo.default_plan(op, M, N, K, 1, tile=fp8_tiles(M, N, K, mode).tile_config(),
+                plan8 = fo.default_plan(op, M, N, K, 1, tile=fp8_tiles(M, N, K, mode, op).tile_config(),
                                         allow_sequential=False, gemm="cublas" if mode == "block" else "triton")
 
                 def bf16(*args, f=bf16_op, plan=plan16, **kw):

@@ -192,3 +192,80 @@ def _sequential(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_sequential_communicator_returns_what_plain_pytorch_returns(world_size):
     assert spawn(_sequential, world_size) == [4 * len(DTYPES) * 3] * world_size
+
+
+def _sequential_fp8(rank, world_size):
+    """The sequential communicator's fp8 calls (``torch._scaled_mm``, the dequantised product block-wise, then the
+    collective; the all-gather's rows and scales in one coalesced call) against each rank's ``_scaled_mm`` of the
+    gathered or unsharded operands, tensor-wise shards of different scales included, outputs poisoned."""
+    from flashoverlap.comm.scaled import Scales
+    from tests.ops.test_scaled import expected, quantise
+
+    comm = SequentialCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
+    checked = 0
+    for mode, (m_shard, n, k) in (("tensor", (3, 16, 32)), ("row", (5, 32, 48)), ("block", (2, 256, 384))):
+        m = m_shard * world_size
+        torch.manual_seed(7 + rank)  # each rank its own A, and so its own tensor-wise scale
+        a, sa = quantise(torch.randn(m, k), mode)
+        torch.manual_seed(99)
+        b, sb = quantise(torch.randn(k, n), mode, operand="b")
+        sb = sb.reshape(1, n) if mode == "row" else sb
+        b = b.t().contiguous().t()
+        shard = slice(rank * m_shard, (rank + 1) * m_shard)
+        gathered_a = [torch.empty_like(a[shard].view(torch.uint8)) for _ in range(world_size)]
+        dist.all_gather(gathered_a, a[shard].contiguous().view(torch.uint8))
+        scale_rows = sa[shard] if mode != "tensor" else sa.reshape(1, 1).expand(m_shard, 1)
+        gathered_s = [torch.empty_like(scale_rows.contiguous()) for _ in range(world_size)]
+        dist.all_gather(gathered_s, scale_rows.contiguous())
+        a_full = torch.cat(gathered_a).view(a.dtype)
+        s_full = torch.cat(gathered_s)
+        summed = expected(a, b, sa, sb, mode, torch.bfloat16)
+        dist.all_reduce(summed)
+        want = {"all_reduce": summed.to(torch.bfloat16), "reduce_scatter": summed[shard].to(torch.bfloat16),
+                "all_gather": _gathered_product(a_full, b, s_full, sb, mode)}
+        for op, operand, scale in (("all_reduce", a, sa), ("reduce_scatter", a, sa),
+                                   ("all_gather", a[shard], sa if mode == "tensor" else sa[shard])):
+            plan = sequential_plan(op, m, n, k, world_size, path="nccl")
+            got, extra = comm.run(Call(op, plan, operand, b, return_gathered=op == "all_gather",
+                                       scales=Scales.of(scale, sb)))
+            assert not torch.isnan(got.float()).any(), (op, mode)
+            error = ((got.float() - want[op].float()).norm() / want[op].float().norm()).item()
+            assert error < 1e-2, (op, mode, error)  # partials rounded to bf16 and summed: not bit-equal
+            if op == "all_gather":
+                assert torch.equal(extra[0].view(torch.uint8), a_full.view(torch.uint8)), mode
+                assert torch.equal(extra[1], s_full), mode
+            checked += 1
+    return checked
+
+
+def _gathered_product(a_full, b, s_full, sb, mode):
+    """``_scaled_mm`` of the gathered A, each row with its own shard's scales (tensor-wise: row-wise in effect)."""
+    from tests.ops.test_scaled import expected
+
+    if mode == "tensor":
+        return expected(a_full, b, s_full, sb.reshape(1, 1).expand(1, b.shape[1]).contiguous(), "row",
+                        torch.bfloat16).to(torch.bfloat16)
+    return expected(a_full, b, s_full, sb, mode, torch.bfloat16).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_sequential_communicator_runs_fp8_calls(world_size):
+    assert spawn(_sequential_fp8, world_size) == [9] * world_size
+
+
+def _pair(rank, world_size):
+    """``all_gather_pair_now`` of an fp8 and an fp32 tensor: what two ``all_gather_into_tensor`` calls give."""
+    group = dist.group.WORLD
+    x = (torch.randn(3, 32) + rank).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 2) + rank
+    outs = (torch.empty(3 * world_size, 32, dtype=x.dtype), torch.full((3 * world_size, 2), float("nan")))
+    collectives.all_gather_pair_now(outs, (x, s), group)
+    want_x, want_s = torch.empty_like(outs[0].view(torch.uint8)), torch.empty_like(outs[1])
+    collectives.all_gather_into_tensor(want_x, x.view(torch.uint8), group)
+    collectives.all_gather_into_tensor(want_s, s, group)
+    return torch.equal(outs[0].view(torch.uint8), want_x) and torch.equal(outs[1], want_s)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_pair_of_all_gathers_in_one_call_matches_two(world_size):
+    assert spawn(_pair, world_size) == [True] * world_size

@@ -63,7 +63,7 @@ def _plans(kind, m, n, k, mode, world, sms):
     import flashoverlap as fo
     from flashoverlap.tune.fp8 import fp8_tiles
 
-    tile = fp8_tiles(m, n, k, mode).tile_config()
+    tile = fp8_tiles(m, n, k, mode, kind).tile_config()
     plans = {"default": None}
     for gemm in ("triton", "cublas"):
         plans[gemm] = fo.default_plan(kind, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False, gemm=gemm,

@@ -10,7 +10,7 @@ from flashoverlap.tune.fp8 import fp8_plan, fp8_tiles
 def test_fp8_plans_take_fp8_tiles_and_block_wise_cublas_bands_only_where_torch_serves(scaling):
     plan = fp8_plan("all_reduce", 8192, 8192, 4096, 2, scaling, cublas_block=True)
     assert not plan.sequential and plan.tile.block_k == 128
-    assert plan.tile == fp8_tiles(8192, 8192, 4096, scaling).tile_config()
+    assert plan.tile == fp8_tiles(8192, 8192, 4096, scaling, "all_reduce").tile_config()
     assert plan.gemm == ("cublas" if scaling == "block" else "triton")
     assert fp8_plan("all_reduce", 8192, 8192, 4096, 2, scaling).gemm == "triton"  # torch's block kernel absent
     assert fp8_plan("all_reduce", 8192, 8192, 4096, 2, scaling, path="p2p", cublas_block=True).path == "p2p"
@@ -26,3 +26,13 @@ def test_fp8_plans_follow_the_overlap_rules():
     assert not fp8_plan("all_reduce", m, 1024, 4096, 2, "row", out_size=4, num_sms=8).sequential
     with pytest.raises(ValueError, match="scaling must be one of"):
         fp8_plan("all_reduce", 64, 64, 64, 2, "blocks")
+
+
+def test_fp8_tiles_take_a_deeper_pipeline_where_the_sweep_found_it_paid():
+    """logs/issue35's sweep: 4 stages for K loops 7168 deep under one program per tile and for the persistent
+    all-gather, 3 for shorter K loops; block-wise one 128-deep slab per step."""
+    assert fp8_tiles(2048, 8192, 7168, "row").num_stages == 4
+    assert fp8_tiles(8192, 8192, 4096, "tensor").num_stages == 3
+    assert fp8_tiles(4096, 4096, 4096, "row", "all_gather").num_stages == 4
+    assert fp8_plan("all_gather", 8192, 8192, 4096, 2, "row").tile.num_stages == 4
+    assert fp8_tiles(8192, 8192, 4096, "block").block_k == 128

@@ -58,6 +58,7 @@ _OPTIONS = (_blocking_options("AllreduceOptions"), _blocking_options("ReduceScat
 _COALESCING = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
 if not isinstance(_COALESCING, dict):  # this torch keeps it elsewhere: nothing to check (issued calls are not deferred)
     _COALESCING = {}
+_COALESCED_ALL_GATHER = getattr(dist.ProcessGroup, "allgather_into_tensor_coalesced", None)
 _DIRECT = None not in _OPTIONS and _REDUCE_SCATTER_METHOD is not None and _ALL_GATHER_METHOD is not None
 
 
@@ -101,6 +102,23 @@ def all_gather_now(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
     """``dist.all_gather_into_tensor(out, inp, group=group)`` (blocking), issued straight to ``group``'s backend
     (as ``all_reduce_now``)."""
     _base_now(_ALL_GATHER_METHOD, _OPTIONS[2], all_gather_into_tensor, out, inp, group)
+
+
+def all_gather_pair_now(outs: tuple[torch.Tensor, torch.Tensor], ins: tuple[torch.Tensor, torch.Tensor],
+                        group: dist.ProcessGroup) -> None:
+    """Two blocking all-gathers (``ins[i]`` into ``outs[i]``, contiguous tensors) in one collective call, the group's
+    ``allgather_into_tensor_coalesced`` (NCCL: one group launch), on byte views (gloo's coalesced all-gather mixed
+    up tensors of different dtypes); one ``all_gather_now`` each where this torch lacks the method or a
+    ``__torch_function__`` mode must see the calls. The fp8 sequential all-gather's rows and their scales: a shard's
+    scales travel in the same call as its rows."""
+    if _COALESCED_ALL_GATHER is None or _through_torch(ins[0]) or _through_torch(ins[1]):
+        for out, inp in zip(outs, ins):
+            all_gather_now(out, inp, group)
+        return
+    work = group.allgather_into_tensor_coalesced([t.view(torch.uint8) for t in outs],
+                                                 [t.view(torch.uint8) for t in ins], _OPTIONS[2])
+    if work is not None:
+        work.wait()
 
 
 def _base_now(method: str | None, options: object, through_torch: Callable, out: torch.Tensor, inp: torch.Tensor,

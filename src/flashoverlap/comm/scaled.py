@@ -20,6 +20,7 @@ The all-reduce and reduce-scatter move the partial products in the output dtype 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -155,8 +156,15 @@ def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:
     logs/issue35)."""
     if not a.is_cuda or a.shape[1] % 16 or b.shape[1] % 16 or b.stride(0) != 1 or a.stride(1) != 1:
         return False
-    return mode != "block" or (a.shape[1] % (4 * BLOCK) == 0 and a.shape[0] % 4 == 0
-                               and torch.cuda.get_device_capability(a.device) == (9, 0))
+    return mode != "block" or (a.shape[1] % (4 * BLOCK) == 0 and a.shape[0] % 4 == 0 and _hopper(a.device.index))
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    """Whether CUDA device ``index`` (a tensor's: never None) is an sm90 GPU, asked once per device:
+    ``torch.cuda.get_device_capability`` cost a block-wise call a quarter of a ``torch.mm``'s host time
+    (logs/issue35, fp8 host time in parts)."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def _aligned_start(t: torch.Tensor) -> torch.Tensor:

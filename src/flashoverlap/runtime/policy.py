@@ -20,7 +20,10 @@ CALL_PATHS = ("auto", "nccl", "p2p", "ring", "reference")
 # (and fp8 ones elsewhere) run the plain (scaled) matmul and one collective (a sequential plan) on CUDA, and the
 # reference path elsewhere.
 HALF_DTYPES = checks.HALF_DTYPES
-FP8_PATHS = ("nccl",)
+# P2P in fp8: the bf16 schedule with scaled cuBLAS sub-bands (0.94-1.02x one whole ``torch._scaled_mm`` on one H200,
+# h200x1-fp8-gemm.json); its mechanics checked on one GPU with two processes, eager and replayed
+# (benchmarks/diagnostics/p2p_fp8_one_gpu.py, logs/issue35); its two-GPU speed is issue 36's run.
+FP8_PATHS = ("nccl", "p2p")
 
 
 @dataclass(frozen=True)
@@ -138,9 +141,9 @@ def automatic_path(p2p_reason: str | None, world_size: int, nccl_p2p_disabled: b
                    tuned: Plan | None = None, fp8: bool = False) -> tuple[str, str]:
     """What ``path="auto"`` picks on CUDA for a half-precision or fp8 (``fp8``) call with no plan, and why (pure: the
     same inputs on every rank give the same answer): the path of ``tuned`` (the plan `tune plan --path auto` cached
-    for this shape) where it applies, else P2P where it applies (fp8: where ``FP8_PATHS`` has it; measured faster
-    than the NCCL path and than sequential at every op of the nvlink grid, benchmarks/results/h200x2-nvlink.json),
-    else NCCL."""
+    for this shape) where it applies, else P2P where it applies (bf16: measured faster than the NCCL path and than
+    sequential at every op of the nvlink grid, benchmarks/results/h200x2-nvlink.json; fp8: where ``FP8_PATHS`` has
+    it, the same schedule), else NCCL."""
     excluded = p2p_excluded(p2p_reason, world_size, nccl_p2p_disabled)
     if fp8 and "p2p" not in FP8_PATHS:
         excluded = "the P2P path does not run fp8"

@@ -5,8 +5,13 @@ What the sweep of 128x256, 256x128, 128x128 and 64x{128,256} tiles, 64- and 128-
 and 16 warps, one program per tile against one per SM, found at the grid's per-rank GEMMs (M >= 2048):
 
 - tensor-wise and row-wise (scales in the epilogue): 128x256x128, 8 warps, one program per SM (persistent) was the
-  best or within 1-2% of it everywhere; 4 stages paid where the output has 8192 x 8192 elements or more (up to +5%),
-  3 elsewhere. 128x128 tiles with 4 warps (two programs per SM) came within 2-5%; 256x128 and 64-deep K lost 3-9%.
+  best or within 1-2% of it everywhere; 128x128 tiles with 4 warps (two programs per SM) came within 2-5%; 256x128
+  and 64-deep K lost 3-9%. Under the launch the overlapped plans give it (``fp8_tile_sweep.py``, logs/issue35 at
+  3e7c7ffcb8): all-reduce and reduce-scatter (one program per tile, which lets NCCL's blocks in) best with 128x256x128
+  at 3 stages, 4 where K is 7168 deep (+3-10% there; 0.87-1.03x ``_scaled_mm`` at the best tile, so the rest of the
+  gap is the launch, not the tile); 128x128x128 with 4 warps, 3 stages was best only at K = 2048, by 0-4%, and
+  4-stage 128x128 tiles lost 10-20%. The all-gather (persistent on the SMs NCCL leaves) best at 4 stages everywhere
+  (0.90-1.01x ``_scaled_mm`` given the same SMs).
 - block-wise (scales inside the K loop, so ``block_k`` is 128 and every 128-deep slab is multiplied on its own and
   then scaled): two fp32 accumulators per tile, so 128x128 tiles with 8 warps and 4 stages, persistent; 128x256 tiles
   spill (0.43x) and 16 warps did not help. Neither did keeping one accumulator rescaled by the ratio of successive
@@ -31,8 +36,8 @@ CUBLAS_BANDS = 2
 # fp8 GEMMs ran 1.7-2.0x bf16 torch.mm's throughput at the grid (h200x1-fp8-gemm.json): the overlap rule's estimate of
 # an fp8 GEMM's time is the bf16 one's over this.
 FP8_GEMM_SPEEDUP = 1.8
-# Outputs of at least this many elements took 4 pipeline stages (tensor-wise and row-wise).
-DEEP_PIPELINE_ELEMENTS = 8192 * 8192
+# K loops at least this deep took 4 pipeline stages under one program per tile (tensor-wise and row-wise).
+DEEP_PIPELINE_K = 6144
 
 
 class Fp8Tiles(NamedTuple):
@@ -56,14 +61,15 @@ class Fp8Tiles(NamedTuple):
         return min(num_sms, tiles) if self.persistent else tiles
 
 
-def fp8_tiles(m: int, n: int, k: int, scaling: str) -> Fp8Tiles:
-    """The tile shape and launch for an fp8 ``[m, k] @ [k, n]`` with ``scaling`` in ``SCALINGS`` (``"row"`` also
-    for A per row with one B scale, as gathered tensor-wise shards give). Block-wise always takes ``block_k`` 128."""
+def fp8_tiles(m: int, n: int, k: int, scaling: str, op: str = "all_reduce") -> Fp8Tiles:
+    """The tile shape and launch for an fp8 ``[m, k] @ [k, n]`` of ``op`` with ``scaling`` in ``SCALINGS``
+    (``"row"`` also for A per row with one B scale, as gathered tensor-wise shards give). Block-wise always takes
+    ``block_k`` 128."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     if scaling == "block":
         return Fp8Tiles(128, 128, 128, 8, 4, 8, True)
-    stages = 4 if m * n >= DEEP_PIPELINE_ELEMENTS else 3
+    stages = 4 if op == "all_gather" or k >= DEEP_PIPELINE_K else 3
     return Fp8Tiles(128, 256, 128, 8, stages, 8, True)
 
 
@@ -74,7 +80,7 @@ def fp8_plan(op: str, m: int, n: int, k: int, world_size: int, scaling: str, *, 
     ``comm_ratio``: the collective's time over the fp8 GEMM's) with ``fp8_tiles``' tiles. Block-wise on the NCCL path,
     where torch's block-wise kernel serves the shape (``cublas_block``), the GEMM is ``CUBLAS_BANDS`` groups of cuBLAS
     bands (``gemm="cublas"``): ours reached 0.36-0.77x of torch's there (h200x1-fp8-gemm.json)."""
-    tiles = fp8_tiles(m, n, k, scaling)
+    tiles = fp8_tiles(m, n, k, scaling, op)
     gemm = "cublas" if path == "nccl" and scaling == "block" and cublas_block else "triton"
     return default_plan(op, m, n, k, world_size, num_sms=num_sms, element_size=out_size, comm_ratio=comm_ratio,
                         tile=tiles.tile_config(), path=path, gemm=gemm,

@@ -163,9 +163,14 @@ class P2PCommunicator(GroupFields):
         out = self._new((plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n),
                         a.dtype if scales is None else scales.out_dtype)
         gathered = self._gathered(plan, a.dtype, scales) if call.return_gathered else None
+        # fp8 all-gather: the own shard's packed rows, allocated here with the call's other tensors, so that every
+        # call (eager, captured or replayed) takes the same allocations in the same order and a repeated call finds
+        # its buffers at the addresses its graph holds.
+        own = self._new((a.shape[0], _widths(plan, a.dtype, scales)[1]), torch.uint8) if (
+            scales is not None and plan.op == "all_gather") else None
         signature = None
         if call.replay and (hook is None or isinstance(hook, HeldHook)):
-            signature = self._signature(plan, a, b, out, gathered, hook, scales)
+            signature = self._signature(plan, a, b, out, gathered, hook, scales, own)
             if self.graphs.replay(signature):
                 return self._result(out, gathered, plan, a.dtype, scales)
         # Step 1, once per plan, dtype and layout of b (fp8: and kind of scales).
@@ -175,12 +180,13 @@ class P2PCommunicator(GroupFields):
             self._make_ready(plan, a, b, call.name, scales)
             self._ready.add(ready)
             if signature is not None:  # step 1 may have grown the workspace, which the signature names
-                signature = self._signature(plan, a, b, out, gathered, hook, scales)
+                signature = self._signature(plan, a, b, out, gathered, hook, scales, own)
         if signature is not None and self.graphs.record(
-                signature, lambda: self.issue(call, a, out, gathered, captured=True)):
+                signature, lambda: self.issue(call, a, out, gathered, captured=True, packed_own=own)):
             return self._result(out, gathered, plan, a.dtype, scales)
         # A call the runtime let replay is not inside a capture; any other may be inside a user's.
-        self.issue(call, a, out, gathered, timeout=call.timeout, captured=not call.replay and guards.capturing(a))
+        self.issue(call, a, out, gathered, timeout=call.timeout, captured=not call.replay and guards.capturing(a),
+                   packed_own=own)
         return self._result(out, gathered, plan, a.dtype, scales)
 
     def _gathered(self, plan: Plan, dtype: torch.dtype, scales: scaled.Scales | None) -> torch.Tensor:
@@ -197,7 +203,8 @@ class P2PCommunicator(GroupFields):
         return out, scaled.gathered_input(gathered, plan.k, dtype, scales)
 
     def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                   gathered: torch.Tensor | None, hook, scales: scaled.Scales | None = None) -> tuple:
+                   gathered: torch.Tensor | None, hook, scales: scaled.Scales | None = None,
+                   own: torch.Tensor | None = None) -> tuple:
         """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
         where each tensor lies and how it is laid out (``out`` and ``gathered``: fresh and contiguous, of the plan's
         shapes, ``out``'s dtype the output dtype), the workspace, the cuBLAS switches that pick kernels, the held
@@ -207,7 +214,7 @@ class P2PCommunicator(GroupFields):
                 None if gathered is None else gathered.data_ptr(), self.workspace.buffer.data_ptr(), cublas_switches(),
                 None if hook is None else hook.signature,
                 None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
-                                             address(scales.bias)))
+                                             address(scales.bias), address(own)))
 
     def _make_ready(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str,
                     scales: scaled.Scales | None = None) -> None:
@@ -245,12 +252,13 @@ class P2PCommunicator(GroupFields):
                 self.graphs.clear()
 
     def issue(self, call: Call, a: torch.Tensor, out: torch.Tensor, gathered: torch.Tensor | None = None, *,
-              timeout: float | None = None, captured: bool = False) -> None:
+              timeout: float | None = None, captured: bool = False, packed_own: torch.Tensor | None = None) -> None:
         """Steps 2 and 3 of one call (after ``prepare``) of ``call.plan`` on ``a`` (``call.a``, contiguous for
         all-gather) and ``call.b``, its hook where the schedule says: ``out`` receives the op's result on the
         caller's stream; for all-gather ``gathered`` [M, K] receives the gathered input (its own rows only where it
         is returned). ``timeout``: debug mode's deadline (None: the waits are not polled); ``captured``: the work is
-        being captured into a CUDA graph (its signals are copies)."""
+        being captured into a CUDA graph (its signals are copies); ``packed_own``: fp8 all-gather, the
+        ``[rows, packed row bytes]`` uint8 buffer the own shard is packed into (allocated here where not given)."""
         plan, b, hook, op, scales = call.plan, call.b, call.hook, call.name, call.scales
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
@@ -262,9 +270,9 @@ class P2PCommunicator(GroupFields):
         sources, scale_sources = (a, out, gathered), (None, None, None)
         if scales is not None:  # fp8 (module docstring): the matmuls read fp8 rows and their rows' scales
             if plan.op == "all_gather":  # the own shard packed once, on C before event 0: the schedule's ``a``
-                a = scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]),
-                                     torch.empty((a.shape[0], _widths(plan, a.dtype, scales)[1]), dtype=torch.uint8,
-                                                 device=a.device))
+                if packed_own is None:
+                    packed_own = self._new((a.shape[0], _widths(plan, a.dtype, scales)[1]), torch.uint8)
+                a = scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]), packed_own)
                 columns = scales.scale_columns(plan.k)
                 (a_rows, a_scales), (g_rows, g_scales) = (scaled.unpack_rows(packed, plan.k, call.a.dtype, columns)
                                                           for packed in (a, gathered))

@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 
 from flashoverlap.comm import scaled
-from flashoverlap.comm.collectives import all_gather_now, all_reduce_now, reduce_scatter_now, refuse_coalescing
+from flashoverlap.comm.collectives import (
+    all_gather_now,
+    all_gather_pair_now,
+    all_reduce_now,
+    reduce_scatter_now,
+    refuse_coalescing,
+)
 from flashoverlap.comm.protocol import Call, CommGroup
 
 
@@ -47,16 +53,19 @@ class SequentialCommunicator:
 
 
 def _scaled(call: Call, process_group) -> tuple[torch.Tensor, object]:
-    """An fp8 call: ``torch._scaled_mm`` and the collective. The all-gather moves each row's fp8 bytes and its
-    scales in one buffer; the reductions move the output dtype's partials (NCCL sums them)."""
+    """An fp8 call: ``torch._scaled_mm`` and the collective. The all-gather moves the shard's fp8 rows and their
+    scales (tensor-wise: its one scale per row) in one collective call, into the dense gathered input it returns
+    (no packing: these calls are small, and each copy costs host time); the reductions move the output dtype's
+    partials (NCCL sums them)."""
     plan, a, b, scales = call.plan, call.a, call.b, call.scales
     if plan.op == "all_gather":
-        packed = scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]))
-        gathered = torch.empty((plan.m, packed.shape[1]), dtype=torch.uint8, device=a.device)
-        all_gather_now(gathered, packed, process_group)
-        a_full, scale_full = scaled.unpack_rows(gathered, plan.k, a.dtype, scales.scale_columns(plan.k))
+        rows = a.shape[0]
+        a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
+        scale_full = torch.empty((plan.m, scales.scale_columns(plan.k)), dtype=torch.float32, device=a.device)
+        scale_rows = scales.a if scales.mode != "tensor" else scales.rows_of_a(slice(0, rows), rows)
+        all_gather_pair_now((a_full, scale_full), (a.contiguous(), scale_rows.contiguous()), process_group)
         c = scaled.scaled_mm(a_full, b, scales, scale_full)
-        return c, scaled.gathered_input(gathered, plan.k, a.dtype, scales) if call.return_gathered else None
+        return c, (a_full, scale_full) if call.return_gathered else None
     c = scaled.scaled_mm(a, b, scales)
     if plan.op == "all_reduce":
         all_reduce_now(c, process_group)
