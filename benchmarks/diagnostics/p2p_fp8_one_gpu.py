@@ -125,9 +125,35 @@ def host_rows(comm, rank, world):
     return rows
 
 
+class ReplayShortfall(AssertionError):
+    """A case's repeated calls replayed fewer graphs than the runtime's rule gives (correct results, more host time)."""
+
+
+SIGNATURE_FIELDS = ("plan", "a dtype", "a address", "a shape", "a strides", "b address", "b shape", "b strides",
+                    "out address", "gathered address", "workspace address", "cuBLAS switches", "hook", "fp8 scales")
+
+
+def moved(signatures: list[tuple]) -> str:
+    """Which parts of consecutive replay signatures differed (what kept a repeated call from its graph)."""
+    changes = []
+    for before, after in zip(signatures, signatures[1:]):
+        changes.append([name for name, x, y in zip(SIGNATURE_FIELDS, before, after) if x != y]
+                       + ([f"scales part {i}" for i, (x, y) in enumerate(zip(before[-1], after[-1])) if x != y]
+                          if before[-1] is not None and after[-1] is not None else []))
+    return f"signature changes between the replayed calls: {changes}"
+
+
 def main():
     rank, world, device, meta = open_run("p2p_fp8_one_gpu")
     comm = ipc_p2p(device)
+    signatures = []
+    signature_of = comm._signature
+
+    def recording(*args, **kwargs):  # every replay signature the communicator computes, in order
+        signatures.append(signature_of(*args, **kwargs))
+        return signatures[-1]
+
+    comm._signature = recording
     report = {"meta": meta, "checked": 0, "worst": {}, "failures": []}
     for op in OPS:
         for i, (m, n, k) in enumerate(SHAPES):
@@ -166,8 +192,9 @@ def main():
                                     del got, gathered  # the next call gets the same memory back
                                     report["checked"] += 1
                                 if replay and comm.graphs.replays - replays < 2:
-                                    raise AssertionError(f"{what}: {comm.graphs.replays - replays} replays of 3 calls")
-                        except RuntimeError as error:  # recorded, and the run goes on to the other cases
+                                    raise ReplayShortfall(f"{what}: {comm.graphs.replays - replays} replays of 3 "
+                                                          f"calls; {moved(signatures[-3:])}")
+                        except (RuntimeError, ReplayShortfall) as error:  # recorded; the run goes on
                             report["failures"].append(f"{what}: {error}")
                             print(f"rank {rank}: FAILED {what}: {str(error)[:300]}", flush=True)
         print(f"rank {rank}: {op}: correct, eager and replayed ({report['checked']} calls so far, "
