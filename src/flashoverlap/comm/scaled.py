@@ -140,12 +140,16 @@ def unpack_rows(packed: torch.Tensor, k: int, dtype: torch.dtype,
     return packed[:, :k].view(dtype), packed[:, offset : offset + 4 * columns].view(torch.float32)
 
 
-def gathered_input(packed: torch.Tensor, k: int, dtype: torch.dtype,
-                   scales: Scales) -> tuple[torch.Tensor, torch.Tensor]:
+def gathered_input(packed: torch.Tensor, k: int, dtype: torch.dtype, scales: Scales,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """An all-gather's packed rows as a call returns its gathered input: ``(a [rows, K], scales [rows, S])``, dense
-    copies of ``unpack_rows``' views."""
+    copies of ``unpack_rows``' views (into ``out``'s two dense tensors where given)."""
     a, scale_rows = unpack_rows(packed, k, dtype, scales.scale_columns(k))
-    return a.contiguous(), scale_rows.contiguous()
+    if out is None:
+        return a.contiguous(), scale_rows.contiguous()
+    out[0].copy_(a)
+    out[1].copy_(scale_rows)
+    return out
 
 
 def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:

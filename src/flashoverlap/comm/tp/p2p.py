@@ -163,16 +163,21 @@ class P2PCommunicator(GroupFields):
         out = self._new((plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n),
                         a.dtype if scales is None else scales.out_dtype)
         gathered = self._gathered(plan, a.dtype, scales) if call.return_gathered else None
-        # fp8 all-gather: the own shard's packed rows, allocated here with the call's other tensors, so that every
-        # call (eager, captured or replayed) takes the same allocations in the same order and a repeated call finds
-        # its buffers at the addresses its graph holds.
-        own = self._new((a.shape[0], _widths(plan, a.dtype, scales)[1]), torch.uint8) if (
-            scales is not None and plan.op == "all_gather") else None
+        # fp8 all-gather: the own shard's packed rows and the returned gathered input's dense tensors, allocated here
+        # with the call's other tensors, so that every call (eager, captured or replayed) takes the same allocations
+        # in the same order and a repeated call finds its buffers at the addresses its graph holds (allocated later,
+        # they moved the next call's buffers: logs/issue35).
+        own = dense = None
+        if scales is not None and plan.op == "all_gather":
+            own = self._new((a.shape[0], _widths(plan, a.dtype, scales)[1]), torch.uint8)
+            if gathered is not None:  # the returned gathered input, copied out of the packed rows after the call
+                dense = (self._new((plan.m, plan.k), a.dtype),
+                         self._new((plan.m, scales.scale_columns(plan.k)), torch.float32))
         signature = None
         if call.replay and (hook is None or isinstance(hook, HeldHook)):
             signature = self._signature(plan, a, b, out, gathered, hook, scales, own)
             if self.graphs.replay(signature):
-                return self._result(out, gathered, plan, a.dtype, scales)
+                return self._result(out, gathered, plan, a.dtype, scales, dense)
         # Step 1, once per plan, dtype and layout of b (fp8: and kind of scales).
         ready = (plan, a.dtype, b.stride(), None if scales is None else (scales.mode, scales.out_dtype,
                                                                          scales.bias is not None))
@@ -183,11 +188,11 @@ class P2PCommunicator(GroupFields):
                 signature = self._signature(plan, a, b, out, gathered, hook, scales, own)
         if signature is not None and self.graphs.record(
                 signature, lambda: self.issue(call, a, out, gathered, captured=True, packed_own=own)):
-            return self._result(out, gathered, plan, a.dtype, scales)
+            return self._result(out, gathered, plan, a.dtype, scales, dense)
         # A call the runtime let replay is not inside a capture; any other may be inside a user's.
         self.issue(call, a, out, gathered, timeout=call.timeout, captured=not call.replay and guards.capturing(a),
                    packed_own=own)
-        return self._result(out, gathered, plan, a.dtype, scales)
+        return self._result(out, gathered, plan, a.dtype, scales, dense)
 
     def _gathered(self, plan: Plan, dtype: torch.dtype, scales: scaled.Scales | None) -> torch.Tensor:
         """All-gather's gathered buffer: ``[M, K]`` of ``a``'s dtype; fp8, ``[M, packed row bytes]`` uint8."""
@@ -197,10 +202,10 @@ class P2PCommunicator(GroupFields):
 
     @staticmethod
     def _result(out: torch.Tensor, gathered: torch.Tensor | None, plan: Plan, dtype: torch.dtype,
-                scales: scaled.Scales | None) -> tuple:
+                scales: scaled.Scales | None, dense: tuple | None = None) -> tuple:
         if gathered is None or scales is None:
             return out, gathered
-        return out, scaled.gathered_input(gathered, plan.k, dtype, scales)
+        return out, scaled.gathered_input(gathered, plan.k, dtype, scales, dense)
 
     def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                    gathered: torch.Tensor | None, hook, scales: scaled.Scales | None = None,
