@@ -580,7 +580,32 @@ def fp8_host(path: str) -> str:
     legend = ("<sub>Host time to issue one call while the GPU is busy (µs, eager), one process on one H200 and a "
               "one-rank NCCL group, M, N, K = 4096, 8192, 8192, timed interleaved with the bf16 call; the ratio is "
               "the median over rounds of the paired ratio. `sequential`: the default plan on one rank (the matmul "
-              "then the collective); `nccl`: overlapped plans given to both calls.</sub>")
+              "then the collective); `nccl`: overlapped plans given to both calls. Block-wise scales as models carry "
+              "them: A's row-major `[M, K/128]`, B's the transpose of the weight's `[N/128, K/128]`.</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
+
+
+def fp8_p2p(path: str) -> str:
+    """The P2P path's fp8 calls on one GPU shared by two processes: the mechanics checked, and host time per call
+    (row-wise fp8 beside bf16, eager and replayed)."""
+    data = _load(path)
+    lines = ["| op | bf16 eager (µs) | fp8 eager (µs) | bf16 replayed (µs) | fp8 replayed (µs) | fp8 - bf16 eager, "
+             "replayed (µs, paired) |", "| --- | --- | --- | --- | --- | --- |"]
+    for (op,), rows in _grouped(data["rows"], "op").items():
+        us = {row["call"]: row["host_us"] for row in rows if "call" in row}
+        paired = next(row for row in rows if "call" not in row)
+        lines.append(f"| {FP8_OPS.get(op, op)} | {_us(us['bf16 eager'])} | {_us(us['fp8 eager'])} | "
+                     f"{_us(us['bf16 replayed'])} | {_us(us['fp8 replayed'])} | "
+                     f"{paired['fp8 - bf16 eager us']:+.0f}, {paired['fp8 - bf16 replayed us']:+.0f} |")
+    failures = data["failures"]
+    legend = (f"<sub>Mechanics: {data['checked']} calls (every op x tensor/row/block scales x bf16 output with a bias "
+              "/ fp32 output, two shapes, `w.t()` and row-major B, eager and replayed) each equal to the sequential "
+              "result computed locally, gathered rows and scales byte for byte; "
+              + (f"{len(failures)} cases replayed fewer calls than the rule gives (values right): "
+                 + "; ".join(f.split(": ", 1)[1].replace("'scales part 5'", "'the packed own shard'")
+                             for f in failures) if failures else "every case replayed as the rule "
+                 "gives") + ". Host time: M, N, K = 4096, 8192, 8192, row-wise fp8 and bf16 calls timed interleaved "
+              "while the GPU is busy, two processes on one H200.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
@@ -645,7 +670,7 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "mutations": mutations_table, "reliability": reliability, "cpu-install": cpu_install,
              "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
-             "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes,
+             "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,
              "fp8-ops": fp8_ops, "fp8-block": fp8_block}
 
 
