@@ -314,6 +314,13 @@ MUTATIONS = [
      'gemm = "cublas" if False else', "tests/tune/test_fp8.py"),
     ("fp8-paths-unchecked", "Path policy: an fp8 call may take an overlapped path that does not run fp8",
      POLICY, "        if path in FP8_PATHS:\n", "        if True:\n", POLICY_TEST),
+    ("fp8-sequential-gather-local-scales", "Sequential fp8 all-gather: the gathered rows multiplied with this rank's "
+     "scales, not the gathered ones", "src/flashoverlap/comm/tp/sequential.py",
+     "c = scaled.scaled_mm(a_full, b, scales, scale_full)", "c = scaled.scaled_mm(a_full, b, scales)",
+     "tests/comm/test_collectives.py::test_the_sequential_communicator_runs_fp8_calls"),
+    ("fp8-stages-flat", "fp8 tiles: one pipeline depth everywhere, not the sweep's (4 for deep K and the all-gather)",
+     "src/flashoverlap/tune/fp8.py", 'stages = 4 if op == "all_gather" or k >= DEEP_PIPELINE_K else 3',
+     "stages = 3", "tests/tune/test_fp8.py"),
     ("float8-input-amax-local", "Float8 styles: the row-wise style's input scale from this rank's amax, not the group's",
      "src/flashoverlap/nn/float8.py", "x8, x_scale = _cast(x, recipe.input, -1, True, mesh)",
      "x8, x_scale = _cast(x, recipe.input, -1, False, mesh)",
