@@ -30,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -488,10 +489,7 @@ def moe_layer(pattern: str) -> str:
     """Every MoE layer results file matching ``pattern`` (no file: a line saying so): per config, tokens,
     routing and pass, the plain layer, the bound without communication, and the fastest of ours over modes and
     paths."""
-    pieces = []
-    for file in sorted(glob.glob(str(ROOT / pattern))):
-        path = os.path.relpath(file, ROOT) if Path(file).is_relative_to(ROOT) else file
-        data = _load(path)
+    def table(data: dict) -> list[str]:
         lines = ["| config | tokens | routing | pass | plain (ms) | no communication (ms) | **ours** (ms, mode, path) "
                  "| E | host µs plain / ours |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         best: dict[tuple, dict] = {}
@@ -505,10 +503,9 @@ def moe_layer(pattern: str) -> str:
             lines.append(f"| {config} | {tokens} | {routing} | {pass_} | {_ms(row['t_plain_ms'])} "
                          f"| {_ms(row['t_nocomm_ms'])} | **{_ms(row['t_ms'])}** ({row['mode']}, {row['path']}) "
                          f"| {_e(row.get('E'))} | {_us(row.get('host_plain_us'))} / {_us(row.get('host_us'))} |")
-        pieces.append("\n".join(lines) + "\n\n" + _sourced(path, data["meta"]))
-    if not pieces:
-        return f"Not measured yet (no file matches `{pattern}`)."
-    return "\n\n".join(pieces) + "\n\n" + MOE_LEGEND
+        return lines
+
+    return _per_file(pattern, table, MOE_LEGEND)
 
 
 MOE_LEGEND = (
@@ -624,16 +621,27 @@ def fp8_bytes(path: str) -> str:
 
 
 def _files(pattern: str) -> list[str]:
-    """The results files matching ``pattern``, as paths from the repository's root."""
-    return [os.path.relpath(f, ROOT) for f in sorted(glob.glob(str(ROOT / pattern)))]
+    """The results files matching ``pattern``, as paths from the repository's root (absolute outside it)."""
+    return [os.path.relpath(f, ROOT) if Path(f).is_relative_to(ROOT) else f
+            for f in sorted(glob.glob(str(ROOT / pattern)))]
+
+
+def _per_file(pattern: str, table: Callable[[dict], list[str]], legend: str = "") -> str:
+    """A table per results file matching ``pattern`` (``table``: its lines from the file's data), each with its
+    source line, then ``legend``; a line saying so where no file matches."""
+    pieces = []
+    for path in _files(pattern):
+        data = _load(path)
+        pieces.append("\n".join(table(data)) + "\n\n" + _sourced(path, data["meta"]))
+    if not pieces:
+        return f"Not measured yet (no file matches `{pattern}`)."
+    return "\n\n".join(pieces) + (f"\n\n{legend}" if legend else "")
 
 
 def fp8_ops(pattern: str) -> str:
     """The two-GPU fp8 grid (``benchmarks/fp8_ops.py``), per file: each op, scaling and shape, ours beside sequential
     (``torch._scaled_mm`` then NCCL), PyTorch's fused scaled op and the bf16 op."""
-    pieces = []
-    for path in _files(pattern):
-        data = _load(path)
+    def table(data: dict) -> list[str]:
         lines = ["| op | scaling | M, N, K | path | `T_seq` (ms) | PyTorch fused (ms) | bf16 op (ms) | **ours** (ms) "
                  "| speedup | E |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for row in data["rows"]:
@@ -642,16 +650,15 @@ def fp8_ops(pattern: str) -> str:
                          f"| {_ms(row['t_seq_ms'])} | {_ms(row.get('t_fused_scaled_ms'))} "
                          f"| {_ms(row.get('t_bf16_op_ms'))} | **{_ms(row['t_ms'])}** | {row['speedup']:.2f} "
                          f"| {_e(row.get('E'))} |")
-        pieces.append("\n".join(lines) + "\n\n" + _sourced(path, data["meta"]))
-    return "\n\n".join(pieces) if pieces else f"Not measured yet (no file matches `{pattern}`)."
+        return lines
+
+    return _per_file(pattern, table)
 
 
 def fp8_block(pattern: str) -> str:
     """The two-GPU float8 block (``benchmarks/fp8_block.py``), per file: each recipe, mode and token count, torchao's
     TP, torchtitan's async TP, ours and the pass, with ``E_block``."""
-    pieces = []
-    for path in _files(pattern):
-        data = _load(path)
+    def table(data: dict) -> list[str]:
         lines = ["| recipe | mode | tokens | torchao TP compiled (ms) | async TP (ms) | ours eager (ms) "
                  "| ours compiled (ms) | torchao + pass (ms) | E_block ours compiled / pass |",
                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -661,8 +668,9 @@ def fp8_block(pattern: str) -> str:
                          f"| {_ms(row.get('t_async_tp_ms'))} | {_ms(row.get('t_ours_eager_ms'))} "
                          f"| {_ms(row.get('t_ours_compiled_ms'))} | {_ms(row.get('t_pass_ms'))} "
                          f"| {_e(gains.get('ours_compiled'))} / {_e(gains.get('pass'))} |")
-        pieces.append("\n".join(lines) + "\n\n" + _sourced(path, data["meta"]))
-    return "\n\n".join(pieces) if pieces else f"Not measured yet (no file matches `{pattern}`)."
+        return lines
+
+    return _per_file(pattern, table)
 
 RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-range": e_range,
              "host-ratio-range": host_ratio_range,

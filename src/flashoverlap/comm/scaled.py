@@ -66,6 +66,10 @@ class Scales:
             return self.a.reshape(1, 1).float().expand(count, 1)
         return self.a[rows]
 
+    def shard_rows(self, count: int) -> torch.Tensor:
+        """``rows_of_a`` for a whole shard of ``count`` rows: A's own scales as they are, not a slice of them."""
+        return self.rows_of_a(slice(0, count), count) if self.mode == "tensor" else self.a
+
 
 def mode_of(scale_a: object, scale_b: object) -> str:
     """The mode the scales' shapes say (``"?"`` where they fit none: the runtime's check names the problem)."""

@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flashoverlap.comm import scaled
+
 # The dtypes of the bf16/fp16/fp32 ops' operands (float32 runs the matmul-then-collective plan on CUDA); the fp8
 # ops' operands and output dtypes; a number per dtype that is the same on every rank (debug mode's agreement).
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = scaled.FP8  # the fp8 operand dtypes, as the scaled products define them
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float32)
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES + FP8_DTYPES, start=1)}
 

@@ -108,7 +108,7 @@ class NcclCommunicator(GroupFields):
             shard, width = a_shard, plan.k
         else:  # the rows as the wire carries them: packed once, placed into every band's slot below
             rows = plan.block_rows
-            shard = scaled.pack_rows(a_shard, scales.rows_of_a(slice(0, rows), rows))
+            shard = scaled.pack_rows(a_shard, scales.shard_rows(rows))
             width = shard.shape[1]
         self.prepare(plan, shard.dtype)
         gathered = torch.empty((plan.m, width), dtype=shard.dtype, device=device)

@@ -169,7 +169,7 @@ class P2PCommunicator(GroupFields):
         # they moved the next call's buffers: logs/issue35).
         own = dense = None
         if scales is not None and plan.op == "all_gather":
-            own = self._new((a.shape[0], _widths(plan, a.dtype, scales)[1]), torch.uint8)
+            own = self._packed_shard(plan, a, scales)
             if gathered is not None:  # the returned gathered input, copied out of the packed rows after the call
                 dense = (self._new((plan.m, plan.k), a.dtype),
                          self._new((plan.m, scales.scale_columns(plan.k)), torch.float32))
@@ -199,6 +199,10 @@ class P2PCommunicator(GroupFields):
         if scales is None:
             return self._new((plan.m, plan.k), dtype)
         return self._new((plan.m, _widths(plan, dtype, scales)[1]), torch.uint8)
+
+    def _packed_shard(self, plan: Plan, a: torch.Tensor, scales: scaled.Scales) -> torch.Tensor:
+        """fp8 all-gather: the buffer the own shard ``a`` is packed into, ``[rows, packed row bytes]`` uint8."""
+        return self._new((a.shape[0], _widths(plan, a.dtype, scales)[1]), torch.uint8)
 
     @staticmethod
     def _result(out: torch.Tensor, gathered: torch.Tensor | None, plan: Plan, dtype: torch.dtype,
@@ -276,8 +280,8 @@ class P2PCommunicator(GroupFields):
         if scales is not None:  # fp8 (module docstring): the matmuls read fp8 rows and their rows' scales
             if plan.op == "all_gather":  # the own shard packed once, on C before event 0: the schedule's ``a``
                 if packed_own is None:
-                    packed_own = self._new((a.shape[0], _widths(plan, a.dtype, scales)[1]), torch.uint8)
-                a = scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]), packed_own)
+                    packed_own = self._packed_shard(plan, a, scales)
+                a = scaled.pack_rows(a, scales.shard_rows(a.shape[0]), packed_own)
                 columns = scales.scale_columns(plan.k)
                 (a_rows, a_scales), (g_rows, g_scales) = (scaled.unpack_rows(packed, plan.k, call.a.dtype, columns)
                                                           for packed in (a, gathered))
@@ -424,7 +428,7 @@ class P2PCommunicator(GroupFields):
             source, scale_a = a, None if scales.mode == "tensor" else scales.a
             if plan.op == "all_gather":
                 packed = torch.zeros((plan.m, _widths(plan, a.dtype, scales)[1]), dtype=torch.uint8, device=a.device)
-                scaled.pack_rows(a, scales.rows_of_a(slice(0, a.shape[0]), a.shape[0]), packed[: a.shape[0]])
+                scaled.pack_rows(a, scales.shard_rows(a.shape[0]), packed[: a.shape[0]])
                 source, scale_a = scaled.unpack_rows(packed, plan.k, a.dtype, scales.scale_columns(plan.k))
                 # A returned gathered input's copies, queued after waits on C.
                 scaled.gathered_input(packed, plan.k, a.dtype, scales)

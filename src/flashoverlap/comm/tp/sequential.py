@@ -59,11 +59,10 @@ def _scaled(call: Call, process_group) -> tuple[torch.Tensor, object]:
     partials (NCCL sums them)."""
     plan, a, b, scales = call.plan, call.a, call.b, call.scales
     if plan.op == "all_gather":
-        rows = a.shape[0]
         a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
         scale_full = torch.empty((plan.m, scales.scale_columns(plan.k)), dtype=torch.float32, device=a.device)
-        scale_rows = scales.a if scales.mode != "tensor" else scales.rows_of_a(slice(0, rows), rows)
-        all_gather_pair_now((a_full, scale_full), (a.contiguous(), scale_rows.contiguous()), process_group)
+        all_gather_pair_now((a_full, scale_full), (a.contiguous(), scales.shard_rows(a.shape[0]).contiguous()),
+                            process_group)
         c = scaled.scaled_mm(a_full, b, scales, scale_full)
         return c, (a_full, scale_full) if call.return_gathered else None
     c = scaled.scaled_mm(a, b, scales)
