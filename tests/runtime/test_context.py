@@ -2,6 +2,8 @@
 gets a fresh context, never the old one's rates, verdict, plan cache or communicators; ``release`` frees what a
 context holds, through every communicator's own ``release``."""
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -79,3 +81,28 @@ def _release(rank, world_size):
 
 def test_release_frees_every_communicator_and_forgets_the_group():
     assert spawn(_release, 2) == [True, True]
+
+
+_EXIT_SCRIPT = """
+import atexit, gc, sys, weakref
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+group = weakref.ref(dist.group.WORLD)
+atexit.register(lambda: print("freed" if (gc.collect(), group())[1] is None else "held", flush=True))
+import flashoverlap as fo  # its exit handler, registered after the one above, runs before it
+fo.gemm_all_reduce(torch.randn(8, 16), torch.randn(16, 4))
+dist.destroy_process_group()
+"""
+
+
+def test_a_destroyed_group_is_not_held_into_the_interpreters_teardown(tmp_path):
+    # The registry holds each group a call used; held past the exit handlers, a destroyed gloo group was freed in
+    # the interpreter's final teardown, where its worker threads ended the process with std::terminate (a
+    # flaky failure of the README's example under torchrun).
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path / "init")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "freed", proc.stdout
