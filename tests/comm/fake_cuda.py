@@ -85,4 +85,9 @@ def install(wait_timeout_s: float) -> None:
     def copy(stream, dst, src, nbytes):
         ctypes.memmove(dst, src, nbytes)
 
+    def wait_reset(stream, address, value):
+        wait_geq(stream, address, value)
+        write(stream, address, 0)
+
     stream_ops.wait_geq, stream_ops.write, stream_ops.copy = wait_geq, write, copy
+    stream_ops.wait_reset = wait_reset

@@ -147,11 +147,11 @@ def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
     return placed
 
 
-def gathered_in_rank_order(gathered: torch.Tensor, plan: Plan) -> torch.Tensor:
+def gathered_in_rank_order(gathered: torch.Tensor, plan: Plan, out: torch.Tensor | None = None) -> torch.Tensor:
     """The gathered A as ``all_gather_into_tensor`` of whole shards returns it (rank order), from the plan's
-    ``[group][W][rows][K]`` layout."""
+    ``[group][W][rows][K]`` layout (into ``out``, of ``gathered``'s shape and dtype, where given)."""
     world_size, shard_rows = plan.world_size, plan.block_rows
-    full = torch.empty_like(gathered)
+    full = torch.empty_like(gathered) if out is None else out
     for grp in plan.groups:
         band = gathered[grp.out_row_start : grp.out_row_end]
         full.view(world_size, shard_rows, -1)[:, grp.row_start : grp.row_end].copy_(

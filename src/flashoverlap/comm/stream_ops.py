@@ -43,10 +43,15 @@ def wait_geq(stream: torch.cuda.Stream, address: int, value: int) -> None:
 
 
 def write(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """Write the int32 ``value`` to device ``address`` when ``stream`` reaches this point."""
-    d = _driver()
-    flags = int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-    _check(d.cuStreamWriteValue32(stream.cuda_stream, address, value, flags), "cuStreamWriteValue32")
+    """Write the int32 ``value`` to device ``address`` when ``stream`` reaches this point (``FastDriver.write``:
+    a ``cuda.bindings`` call costs microseconds of argument conversion)."""
+    fast().write(stream.cuda_stream, address, value)
+
+
+def wait_reset(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Block ``stream`` until the int32 at device ``address`` is >= ``value``, then write 0 there (``wait_geq`` and
+    ``write`` in one driver call: ``FastDriver.wait_reset``)."""
+    fast().wait_reset(stream.cuda_stream, address, value)
 
 
 def copy(stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
@@ -104,10 +109,12 @@ class FastDriver:
         if self._write(stream, address, value, 0):  # CU_STREAM_WRITE_VALUE_DEFAULT: after a memory fence
             raise RuntimeError(f"cuStreamWriteValue32 failed (address {address:#x})")
 
-    def wait_reset(self, stream: int, address: int) -> None:
-        """Block ``stream`` until the int32 at ``address`` is >= 1, then write 0 there: one batch of two stream
-        memory operations, run in order (one driver call, and one graph node when captured)."""
-        _WAIT_RESET.pack_into(self._pair, 0, _WAIT_VALUE_32, address, 1, 0, 0, _WRITE_VALUE_32, address, 0, 0, 0)
+    def wait_reset(self, stream: int, address: int, value: int = 1) -> None:
+        """Block ``stream`` until the int32 at ``address`` is >= ``value`` (cyclic comparison), then write 0 there:
+        one batch of two stream memory operations, run in order (one driver call, and one graph node when
+        captured)."""
+        _WAIT_RESET.pack_into(self._pair, 0, _WAIT_VALUE_32, address, value, 0, 0, _WRITE_VALUE_32, address, 0, 0,
+                              0)
         if self._batch(stream, 2, self._pair, 0):
             raise RuntimeError(f"cuStreamBatchMemOp failed (wait and reset of {address:#x})")
 

@@ -35,12 +35,34 @@ from flashoverlap import guards
 from flashoverlap.comm import scaled, stream_ops
 from flashoverlap.comm.collectives import (
     all_gather_into_tensor,
+    all_gather_now,
+    all_reduce_now,
     gathered_in_rank_order,
     place_own_shard,
+    reduce_scatter_now,
     reduce_scatter_tensor,
 )
-from flashoverlap.comm.protocol import Call, CommGroup, GroupFields
+from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
+from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
+
+
+class _Buffers:
+    """One call's tensors (``NcclCommunicator._buffers``): ``result`` (returned), ``product`` (the reductions' GEMM
+    output: ``result`` itself for all-reduce, the ``[group][W][rows][N]`` workspace for reduce-scatter), and for
+    all-gather ``gathered`` (the plan's band layout), fp8's ``packed`` own shard, and where the gathered input is
+    returned ``in_rank_order`` (and fp8's ``dense`` rows and scales)."""
+
+    __slots__ = ("result", "product", "gathered", "packed", "in_rank_order", "dense")
+
+    def __init__(self) -> None:
+        self.result = self.product = self.gathered = self.packed = self.in_rank_order = None
+        self.dense = None
+
+    def addresses(self) -> tuple:
+        dense = self.dense or (None, None)
+        return tuple(None if t is None else t.data_ptr() for t in (
+            self.result, self.product, self.gathered, self.packed, self.in_rank_order, *dense))
 
 
 class NcclCommunicator(GroupFields):
@@ -56,65 +78,124 @@ class NcclCommunicator(GroupFields):
         self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
         self._warm: set[tuple[str, int, torch.dtype]] = set()
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
+        self._comm_handle = self.comm_stream.cuda_stream
+        self._bands: dict[Plan, tuple] = {}  # per plan: each group's row ranges, for one split per call
+        self.graphs = CallGraphs(self.device)  # repeated calls replayed (comm/replay.py)
 
     # -- one call ----------------------------------------------------------------------------------------
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One overlapped call of ``call.plan`` (not sequential): the op's result, and for all-gather the gathered
         input in rank order where asked. The hook is issued once the op's own work is queued (it then runs beside
-        the op's last collectives)."""
-        plan, a, b = call.plan, call.a, call.b
+        the op's last collectives).
+
+        Every tensor the call returns or hands between its streams is allocated first, in one order, whatever
+        happens next (``_buffers``): so a repeated call finds them at the addresses of the previous one, and a call
+        that repeats with the same tensors (``call.replay``, a hook that is ``HeldHook`` or none) replays a CUDA graph
+        of its whole schedule, counter waits and resets and NCCL collectives included (``comm/replay.py``; captured
+        on the signature's second call, once the first, eager, has made the NCCL state and loaded the kernels)."""
+        plan, hook = call.plan, call.hook
+        buffers = self._buffers(call)
+        if call.replay and (hook is None or isinstance(hook, HeldHook)):
+            signature = self._signature(call, buffers)
+            if self.graphs.run(signature, lambda: self._issue_call(call, buffers, captured=True)):
+                return self._result(plan, buffers)
+        self._issue_call(call, buffers)
+        return self._result(plan, buffers)
+
+    def _buffers(self, call: Call) -> _Buffers:
+        """The call's tensors, allocated in one order on every call (eager, captured, replayed)."""
+        plan, a, scales = call.plan, call.a, call.scales
+        device, dtype = a.device, a.dtype
+        out_dtype = dtype if scales is None else scales.out_dtype
+        buffers = _Buffers()
         if plan.op == "all_gather":
-            result = self._all_gather_gemm(call)
-        else:
-            product_dtype = a.dtype if call.scales is None else call.scales.out_dtype
-            self.prepare(plan, product_dtype)
-            # Allocated before the product: the communication stream writes it after the first group's wait only,
+            if scales is None:
+                width, wire = plan.k, dtype
+            else:  # the rows as the wire carries them: packed once, placed into every band's slot
+                buffers.packed = torch.empty((plan.block_rows, scaled.row_bytes(plan.k, dtype, scales)),
+                                             dtype=torch.uint8, device=device)
+                width, wire = buffers.packed.shape[1], torch.uint8
+            buffers.gathered = torch.empty((plan.m, width), dtype=wire, device=device)
+            buffers.result = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
+            if call.return_gathered:
+                buffers.in_rank_order = torch.empty_like(buffers.gathered)
+                if scales is not None:
+                    buffers.dense = (torch.empty((plan.m, plan.k), dtype=dtype, device=device),
+                                     torch.empty((plan.m, scales.scale_columns(plan.k)), dtype=torch.float32,
+                                                 device=device))
+        elif plan.op == "reduce_scatter":
+            # The output before the product: the communication stream writes it after the first group's wait only,
             # while the producer stream may still be running later groups, whose temporaries (the dequantised fp8
             # product's) the caching allocator would otherwise hand to it once freed.
-            out = torch.empty((plan.block_rows, plan.n), dtype=product_dtype, device=a.device) \
-                if plan.op == "reduce_scatter" else None
-            product, ready = produce(a, b, plan, self.counters, call.scales)
+            buffers.result = torch.empty((plan.block_rows, plan.n), dtype=out_dtype, device=device)
+            buffers.product = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
+        else:
+            buffers.result = buffers.product = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
+        return buffers
+
+    def _signature(self, call: Call, buffers: _Buffers) -> tuple:
+        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtypes,
+        where each tensor lies and how it is laid out, the cuBLAS switches that pick kernels, the held hook's
+        tensors; an fp8 call's scales: their mode, the output dtype, and where the scales and the bias lie."""
+        scales, hook = call.scales, call.hook
+        return (call.plan, call.a.dtype, call.b.dtype, address(call.a), address(call.b), buffers.addresses(),
+                cublas_switches(), None if hook is None else hook.signature,
+                None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
+                                             address(scales.bias)))
+
+    @staticmethod
+    def _result(plan: Plan, buffers: _Buffers) -> tuple[torch.Tensor, object]:
+        if plan.op != "all_gather" or buffers.in_rank_order is None:
+            return buffers.result, None
+        return buffers.result, buffers.in_rank_order if buffers.dense is None else buffers.dense
+
+    def _issue_call(self, call: Call, buffers: _Buffers, captured: bool = False) -> None:
+        """Queue the call's whole schedule on the current stream and the communication stream, joined back into
+        the current stream at the end (``captured``: into this communicator's own graph, no debug deadline)."""
+        plan, a, b = call.plan, call.a, call.b
+        timeout = None if captured else call.timeout
+        if plan.op == "all_gather":
+            self._all_gather_gemm(call, buffers, timeout)
+        else:
+            self.prepare(plan, buffers.product.dtype)
+            ready = produce(a, b, plan, self.counters, call.scales, out=buffers.product)
             if plan.op == "all_reduce":
-                self.all_reduce(product, plan, ready, call.timeout)
-                result = (product, None)
+                self.all_reduce(buffers.product, plan, ready, timeout)
             else:
-                self.reduce_scatter(out, product, plan, ready, call.timeout)
-                result = (out, None)
+                self.reduce_scatter(buffers.result, buffers.product, plan, ready, timeout)
         if call.hook is not None:
             call.hook()
-        return result
 
     def release(self) -> None:
-        """Destroy the capped-CTA clones of the group (collective over the group's ranks, like their creation)."""
+        """Drop the graphs and destroy the capped-CTA clones of the group (collective over the group's ranks, like
+        their creation)."""
+        self.graphs.clear()
         for clone in self._capped_groups.values():
             dist.destroy_process_group(clone)
         self._capped_groups.clear()
         self._warm.clear()
 
-    def _all_gather_gemm(self, call: Call) -> tuple[torch.Tensor, object]:
+    def _all_gather_gemm(self, call: Call, buffers: _Buffers, timeout: float | None) -> None:
         """The communication stream gathers band after band (launched before the GEMM: here it is the producer)
         and raises a flag per band; the GEMM, persistent on all SMs but those left to NCCL, computes its own shard
         and then waits in-kernel for each band's flag. NCCL runs a fixed ``comm_ctas`` CTAs on SMs the GEMM never
         takes, so every wait is satisfiable (deadlock rule 2): plans that leave fewer SMs than ``nccl_free_sms``
-        are refused. Inside a CUDA-graph capture the in-kernel waits become graph edges (``_bands_by_cublas``).
+        are refused. Inside a CUDA-graph capture (a user's, or this communicator's own for replay) the in-kernel
+        waits become graph edges (``_bands_by_cublas``).
 
         fp8 (``call.scales``): the bands are packed rows (``comm/scaled.pack_rows``: a row's fp8 bytes and its scales,
         one buffer, moved as bytes), and the GEMM reads the fp8 rows and their scales in place from ``gathered``."""
-        plan, a_shard, b, op, timeout, scales = call.plan, call.a, call.b, call.name, call.timeout, call.scales
+        plan, a_shard, b, op, scales = call.plan, call.a, call.b, call.name, call.scales
         device = a_shard.device
         if plan.gemm == "triton":  # only a GEMM that spins on the bands can starve NCCL
             check_leaves_nccl_sms(plan, guards.sm_count(device), op)
-        if scales is None:
-            shard, width = a_shard, plan.k
-        else:  # the rows as the wire carries them: packed once, placed into every band's slot below
-            rows = plan.block_rows
-            shard = scaled.pack_rows(a_shard, scales.shard_rows(rows))
-            width = shard.shape[1]
+        shard = a_shard if scales is None else scaled.pack_rows(a_shard, scales.shard_rows(plan.block_rows),
+                                                                 out=buffers.packed)
+        gathered = buffers.gathered
         self.prepare(plan, shard.dtype)
-        gathered = torch.empty((plan.m, width), dtype=shard.dtype, device=device)
         operand = _Gathered(gathered, plan.k, a_shard.dtype, scales)
         if plan.gemm == "cublas" or guards.capturing():
-            c = _bands_by_cublas(self, operand, shard, b, plan)
+            _bands_by_cublas(self, operand, shard, b, plan, buffers.result)
         else:
             from flashoverlap.kernels.gemm import GatherWait, gemm  # Triton: imported where a kernel runs
 
@@ -123,7 +204,7 @@ class NcclCommunicator(GroupFields):
             wait_error = torch.zeros(1, dtype=torch.int32, device=device) if timeout else None
             # About a microsecond a poll: the debug bound in polls.
             wait = GatherWait(self.flags, self.rank, wait_error, int(timeout * 1e6) if timeout else 0)
-            c = gemm(operand.a, b, plan, scaling=operand.scaling(), wait=wait)
+            gemm(operand.a, b, plan, out=buffers.result, scaling=operand.scaling(), wait=wait)
             self.finish_all_gather(plan)
             if wait_error is not None and int(wait_error.item()):
                 g = int(wait_error.item()) - 1
@@ -131,7 +212,8 @@ class NcclCommunicator(GroupFields):
                     f"flashoverlap: rank {self.rank}: {op} on {self.name} waited more than about {timeout:g} s for "
                     f"group {g} of {plan.num_groups} (FLASHOVERLAP_DEBUG_TIMEOUT); its band never arrived"
                 )
-        return c, operand.in_rank_order(plan) if call.return_gathered else None
+        if buffers.in_rank_order is not None:
+            operand.in_rank_order(plan, buffers.in_rank_order, buffers.dense)
 
     # -- 1. before the GEMM -----------------------------------------------------------------------------
     def prepare(self, plan: Plan, dtype: torch.dtype) -> None:
@@ -174,17 +256,18 @@ class NcclCommunicator(GroupFields):
                    timeout: float | None = None) -> None:
         """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each
         (its counters tell; or, for bands computed by cuBLAS, the events in ``ready``)."""
-        self._issue(plan, lambda grp, group: dist.all_reduce(c[grp.row_start : grp.row_end], group=group), ready,
-                    timeout)
+        bands = self._split(c, plan, False)
+        self._issue(plan, lambda grp, group: all_reduce_now(bands[grp.index], group), ready, timeout)
 
     def reduce_scatter(self, out: torch.Tensor, workspace: torch.Tensor, plan: Plan,
                        ready: list[torch.cuda.Event] | None = None, timeout: float | None = None) -> None:
         """Reduce-scatter each group's ``[W][rows][N]`` slice of ``workspace`` into its band of this rank's
         ``out [M/W, N]``, as the GEMM (already launched on the current stream) finishes each group."""
 
+        bands, outs = self._split(workspace, plan, True), self._split(out, plan, False)
+
         def launch(grp, group):
-            band = workspace[grp.out_row_start : grp.out_row_end]
-            reduce_scatter_tensor(out[grp.row_start : grp.row_end], band, group)
+            reduce_scatter_now(outs[grp.index], bands[grp.index], group)
 
         self._issue(plan, launch, ready, timeout)
 
@@ -208,7 +291,7 @@ class NcclCommunicator(GroupFields):
         arrived = []
         with torch.cuda.stream(self.comm_stream):
             for grp, (band, slot) in zip(plan.groups, placed):
-                all_gather_into_tensor(band, slot, comm_group)
+                all_gather_now(band, slot, comm_group)
                 if events:
                     arrived.append(self.comm_stream.record_event())
                 else:
@@ -236,16 +319,29 @@ class NcclCommunicator(GroupFields):
             for grp in plan.groups:
                 if ready is not None:  # bands computed by cuBLAS: an event per group, no counter
                     self.comm_stream.wait_event(ready[grp.index])
-                else:
-                    address = base + 4 * grp.index
-                    stream_ops.wait_geq(self.comm_stream, address, grp.tile_count)
-                    stream_ops.write(self.comm_stream, address, 0)
+                else:  # the wait and the counter's reset in one driver call (one graph node when captured)
+                    stream_ops.wait_reset(self.comm_stream, base + 4 * grp.index, grp.tile_count)
                 if timeout is not None:
                     waited.append(self.comm_stream.record_event())
                 self.launch_group(launch, grp, comm_group)
         producer.wait_stream(self.comm_stream)
         if timeout is not None:
             self._check_progress(plan, waited, timeout)
+
+    def _split(self, tensor: torch.Tensor, plan: Plan, workspace: bool) -> list[torch.Tensor]:
+        """Each group's rows of ``tensor`` (``workspace``: the ``[group][W][rows][N]`` slices, else the group's
+        band of rows), by group index: one ``split_with_sizes`` where the bands tile the tensor, as they do."""
+        key = (plan, workspace)
+        cut = self._bands.get(key)
+        if cut is None:
+            ranges = [(g.out_row_start, g.out_row_end) if workspace else (g.row_start, g.row_end)
+                      for g in plan.groups]
+            ordered = [r for _, r in sorted(zip((g.index for g in plan.groups), ranges))]
+            tiles = (ordered[0][0] == 0 and ordered[-1][1] == tensor.shape[0]
+                     and all(x[1] == y[0] for x, y in zip(ordered, ordered[1:])))
+            cut = self._bands[key] = (tiles, [end - start for start, end in ordered] if tiles else ordered)
+        tiles, sizes = cut
+        return list(tensor.split_with_sizes(sizes)) if tiles else [tensor[start:end] for start, end in sizes]
 
     def _check_progress(self, plan: Plan, waited: list[torch.cuda.Event], timeout: float) -> None:
         guards.poll_events(zip(waited, plan.groups), timeout, lambda grp: (
@@ -310,14 +406,16 @@ class _Gathered:
         else:
             scaled.scaled_mm(self.a[rows], b, self.scales, self.scale_rows[rows], out=out)
 
-    def in_rank_order(self, plan: Plan):
-        """The gathered input as ``all_gather_into_tensor`` of whole shards returns it; fp8: ``(a, scales)``."""
-        full = gathered_in_rank_order(self.gathered, plan)
-        return full if self.scales is None else scaled.gathered_input(full, self.k, self.dtype, self.scales)
+    def in_rank_order(self, plan: Plan, full: torch.Tensor, dense: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The gathered input as ``all_gather_into_tensor`` of whole shards returns it, into ``full`` (the gathered
+        buffer's shape); fp8: then its rows and scales into ``dense``'s two tensors."""
+        gathered_in_rank_order(self.gathered, plan, out=full)
+        if self.scales is not None:
+            scaled.gathered_input(full, self.k, self.dtype, self.scales, dense)
 
 
 def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Tensor, b: torch.Tensor,
-                     plan: Plan) -> torch.Tensor:
+                     plan: Plan, c: torch.Tensor) -> None:
     """Plans with ``gemm="cublas"``, and every call inside a CUDA-graph capture: the same bands gathered in the
     same order, but each band's slots multiplied by cuBLAS once the band's event has fired, the dependency a stream
     (graph) edge instead of an in-kernel spin. In a graph this is required: a graph may serialize its branches
@@ -325,10 +423,7 @@ def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Te
     in-kernel schedule hung under graph replay on the H200s; that serialization is the likely cause, not a proven
     one). Overlap in a graph is therefore decomposition-like."""
     arrived = comm.all_gather(operand.gathered, shard, plan, events=True)
-    device = shard.device
-    producer = torch.cuda.current_stream(device)
-    out_dtype = operand.dtype if operand.scales is None else operand.scales.out_dtype
-    c = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
+    producer = torch.cuda.current_stream(shard.device)
     c_blocks = c.view(plan.world_size, plan.block_rows, plan.n)  # rank r's rows of the result: c_blocks[r]
 
     def multiply(grp, r):
@@ -342,21 +437,20 @@ def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Te
         for step in range(1, plan.world_size):
             multiply(grp, (comm.rank + step) % plan.world_size)
     comm.finish_all_gather(plan)
-    return c
 
 
 def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan, counters: torch.Tensor,
-            scales: scaled.Scales | None = None) -> tuple[torch.Tensor, list[torch.cuda.Event] | None]:
-    """A reduction plan's product (``C``, or the reduce-scatter workspace) and what the communicator waits on for
-    each group: the events of cuBLAS bands, or None for the signalling GEMM, which bumps ``counters``. fp8
-    (``scales``): the scaled product in the output dtype."""
+            scales: scaled.Scales | None = None, out: torch.Tensor | None = None) -> list[torch.cuda.Event] | None:
+    """A reduction plan's product into ``out`` (``C``, or the reduce-scatter workspace, ``[M, N]`` of the output
+    dtype), and what the communicator waits on for each group: the events of cuBLAS bands, or None for the
+    signalling GEMM, which bumps ``counters``. fp8 (``scales``): the scaled product in the output dtype."""
     if plan.gemm == "cublas":
-        out = torch.empty((plan.m, plan.n), dtype=a.dtype if scales is None else scales.out_dtype, device=a.device)
-        return out, compute_bands(a, b, plan, out, scales)
+        return compute_bands(a, b, plan, out, scales)
     from flashoverlap.kernels.gemm import Scaling, gemm  # Triton: imported where a kernel runs
 
     scaling = None if scales is None else Scaling(scales.a, scales.b, scales.out_dtype, scales.bias)
-    return gemm(a, b, plan, counters=counters, scaling=scaling), None
+    gemm(a, b, plan, out=out, counters=counters, scaling=scaling)
+    return None
 
 
 def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tensor,

@@ -1,0 +1,188 @@
+"""Host-bound or not: the loop a model runs (BENCHMARK.md, "Host-bound or not"). For each shape, op and path,
+``LOOP`` calls back to back on the same tensors:
+
+- ``host_us``: the time to issue one call (no synchronisation inside the loop), per call;
+- ``wall_us``: issue plus the final synchronisation, per call: what a model's loop of such calls takes;
+- ``gpu_us``: the same loop queued behind a long ``torch.cuda._sleep``, timed by CUDA events from the sleep's end,
+  per call: the GPU's own time, with the host never what the GPU waits on (the sleep outlasts the issue).
+
+A path is host-bound where ``host_us`` > ``gpu_us``; there ``wall_us`` follows the host. Paths (one H200, a
+one-rank NCCL group): ``torch.mm`` (bf16) or ``torch._scaled_mm`` (fp8 row-wise) alone; the sequential plan (the
+library's matmul-then-collective communicator); the NCCL path under its overlapped plan (``allow_sequential=False``)
+eager (``FLASHOVERLAP_REPLAY=0``) and replayed (the default: a repeated call is one graph launch). The P2P path's
+host figures with ranks sharing the GPU are ``benchmarks/shared_ranks.py``'s.
+
+Run (one GPU; rows {shape, op, path, mode, dtype, M, N, K, host_us, gpu_us, wall_us}):
+
+    PYTHONPATH=src python -m benchmarks.host_bound benchmarks/results/h200x1-host-bound.json [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+LOOP = 50
+ROUNDS = 5  # each figure: the median over rounds
+SLEEP_CYCLES = 400_000_000  # about 0.2 s of GPU sleep ahead of the GPU-time loop: longer than any loop's issue
+# Per-rank shapes of Llama-3-70B at TP = 8 (M, N, K; all-gather: M gathered), then the benchmark grid.
+LLAMA = [("q,k,v", "all_gather", 8192, 1280, 8192), ("o", "reduce_scatter", 8192, 8192, 1024),
+         ("up", "all_gather", 8192, 7168, 8192), ("down", "reduce_scatter", 8192, 8192, 3584),
+         ("grid", "all_reduce", 4096, 8192, 8192)]
+GRID = [(op, m, n, k) for op in ("all_reduce", "reduce_scatter")
+        for m, n, k in ((4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
+                        (2048, 8192, 14336))] + \
+       [("all_gather", m, n, k) for m, n, k in ((4096, 8192, 8192), (8192, 14336, 8192), (16384, 8192, 8192),
+                                                (8192, 28672, 8192))]
+
+
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def loop_figures(fn) -> tuple[float, float, float]:
+    """``(host_us, gpu_us, wall_us)`` per call of ``LOOP`` calls of ``fn`` (see the module docstring)."""
+    host, gpu, wall = [], [], []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(LOOP):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / LOOP)
+        wall.append((t2 - t0) / LOOP)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(LOOP):
+            fn()
+        issued = time.perf_counter() - t0
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / 1e3 / LOOP)
+        if issued > 0.15:  # the sleep may have ended before the loop was issued: GPU time then includes host time
+            print(f"  warning: the loop took {issued * 1e3:.0f} ms to issue, near the sleep's length", flush=True)
+    return 1e6 * _median(host), 1e6 * _median(gpu), 1e6 * _median(wall)
+
+
+def _row_scaled(m, k, device, gen):
+    """Row-wise fp8 operands: ``(a [M, K] e4m3, scale_a [M, 1])`` from fresh random values."""
+    x = torch.randn(m, k, device=device, generator=gen)
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448.0
+    return (x / scale).to(torch.float8_e4m3fn), scale.float()
+
+
+def cases(quick: bool):
+    rows = [(name, op, m, n, k) for name, op, m, n, k in LLAMA]
+    if not quick:
+        rows += [("grid", op, m, n, k) for op, m, n, k in GRID if (op, m, n, k) != ("all_reduce", 4096, 8192, 8192)]
+    return rows
+
+
+def measure(quick: bool) -> list[dict]:
+    import flashoverlap as fo
+    from flashoverlap import settings
+    from flashoverlap.tune.fp8 import fp8_tiles
+
+    device = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf16_ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+                "all_gather": fo.all_gather_gemm}
+    fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
+               "all_gather": fo.all_gather_scaled_gemm}
+    results = []
+    for name, op, m, n, k in cases(quick):
+        for dtype in ("bfloat16", "fp8-row"):
+            fp8 = dtype != "bfloat16"
+            if fp8:
+                a, sa = _row_scaled(m, k, device, gen)
+                w, sw = _row_scaled(n, k, device, gen)
+                b, sb = w.t(), sw.reshape(1, n)
+                tile = fp8_tiles(m, n, k, "row", op).tile_config()
+                overlapped = fo.default_plan(op, m, n, k, 1, num_sms=sms, tile=tile, allow_sequential=False)
+
+                def call(plan, fn=fp8_ops[op], a=a, b=b, sa=sa, sb=sb):
+                    return lambda: fn(a, b, sa, sb, path="nccl", plan=plan)
+
+                def alone(a=a, b=b, sa=sa, sb=sb):
+                    return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+                alone_name = "scaled_mm"
+            else:
+                a = torch.randn(m, k, dtype=torch.bfloat16, device=device, generator=gen)
+                b = (torch.randn(n, k, dtype=torch.bfloat16, device=device, generator=gen) / k**0.5).t()
+                overlapped = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False)
+
+                def call(plan, fn=bf16_ops[op], a=a, b=b):
+                    return lambda: fn(a, b, path="nccl", plan=plan)
+
+                def alone(a=a, b=b):
+                    return torch.mm(a, b)
+                alone_name = "mm"
+            sequential = fo.default_plan(op, m, n, k, 1, num_sms=sms, comm_ratio=0.0)
+            assert sequential.sequential and not overlapped.sequential, (sequential, overlapped)
+            entries = [(alone_name, "eager", alone), ("sequential", "eager", call(sequential)),
+                       ("nccl", "eager", call(overlapped)), ("nccl", "replayed", call(overlapped))]
+            for path, mode, fn in entries:
+                os.environ["FLASHOVERLAP_REPLAY"] = "1" if mode == "replayed" else "0"
+                settings.refresh()
+                try:
+                    for _ in range(3):  # warm: compile, NCCL state, plan tables; replay: capture
+                        fn()
+                    torch.cuda.synchronize()
+                    host, gpu, wall = loop_figures(fn)
+                    row = {"shape": name, "op": op, "path": path, "mode": mode, "dtype": dtype, "M": m, "N": n,
+                           "K": k, "host_us": round(host, 1), "gpu_us": round(gpu, 1), "wall_us": round(wall, 1)}
+                except Exception as exc:  # one case's failure must not lose the others' rows
+                    row = {"shape": name, "op": op, "path": path, "mode": mode, "dtype": dtype, "M": m, "N": n,
+                           "K": k, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(row, flush=True)
+                results.append(row)
+    os.environ.pop("FLASHOVERLAP_REPLAY", None)
+    settings.refresh()
+    return results
+
+
+def replay_counts() -> dict:
+    from flashoverlap.runtime.context import existing_context
+
+    context = existing_context(dist.group.WORLD, torch.device("cuda", 0))
+    comm = None if context is None else context.communicators.get(("gemm", "nccl"))
+    graphs = getattr(comm, "graphs", None)
+    return {} if graphs is None else {"captures": graphs.captures, "replays": graphs.replays}
+
+
+def main() -> None:
+    from benchmarks.diagnostics.results_file import results_meta
+
+    args = [x for x in sys.argv[1:] if not x.startswith("--")]
+    quick = "--quick" in sys.argv
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        try:
+            rows = measure(quick)
+            counts = replay_counts()
+        finally:
+            dist.destroy_process_group()
+    command = "PYTHONPATH=src python -m benchmarks.host_bound " + " ".join(sys.argv[1:])
+    results = {"meta": results_meta(command, loop=LOOP, rounds=ROUNDS, nccl_graphs=counts), "rows": rows}
+    if args:
+        import json
+
+        with open(args[0], "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

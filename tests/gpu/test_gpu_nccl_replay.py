@@ -1,0 +1,152 @@
+"""The NCCL path's repeated calls replayed from CUDA graphs (``comm/tp/nccl.py``, ``comm/replay.py``), and its calls
+inside a user's graph and under ``torch.compile(mode="reduce-overhead")``, on one GPU (a one-rank NCCL group: the
+counters' waits and resets, the signalling GEMM and the NCCL collectives are all in the graph, whatever the world
+size). Every op, bf16, fp16 and fp8 in every scaling mode, the signalling GEMM's plans and cuBLAS bands', ``w.t()``
+and row-major ``b``, an odd M; each call on new values in the same tensors with the previous output NaN-poisoned,
+against plain PyTorch (the dequantised product in fp32 for fp8); replays counted."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashoverlap.testing import spawn
+from tests.gpu.helpers import ENV, assert_close, check_graph_replays
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or
+                                                  os.environ.get("TRITON_INTERPRET") == "1",
+                                                  reason="needs a CUDA GPU, and TRITON_INTERPRET unset")]
+
+CALLS = 4  # per case: the first eager, the second captured and replayed, then replays
+BF16_SHAPES = [(1002, 1000, 520), (2048, 4096, 1024)]
+FP8_CASES = [("tensor", 1000, 1040, 640), ("row", 2048, 4096, 1024), ("block", 1024, 1024, 1024)]
+
+
+def _oracle(op, a_full, b):
+    """Plain PyTorch at W = 1: the product itself (all-gather's a is the whole input)."""
+    return a_full.float() @ b.float()
+
+
+def _dequantised(a, b, sa, sb, mode):
+    k, n = b.shape
+    if mode == "block":
+        a32 = a.float() * sa.repeat_interleave(128, 1)[:, :k]
+        b32 = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[:k, :n]
+    else:
+        a32, b32 = a.float() * sa.reshape(-1, 1), b.float() * sb.reshape(1, -1)
+    return a32 @ b32
+
+
+def _replayed(rank, world):
+    import flashoverlap as fo
+    from flashoverlap import settings
+    from flashoverlap.runtime.context import context_of
+    from flashoverlap.tune.fp8 import fp8_tiles
+    from tests.ops.test_scaled import quantise
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    comm = None
+    bf16_ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+                "all_gather": fo.all_gather_gemm}
+    fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
+               "all_gather": fo.all_gather_scaled_gemm}
+    cases = 0
+    eager_ones = 0
+    for replay in ("1", "0"):
+        os.environ["FLASHOVERLAP_REPLAY"] = replay
+        settings.refresh()
+        for op in bf16_ops:
+            for gemm in ("triton", "cublas"):
+                for m, n, k in BF16_SHAPES:
+                    for dtype in (torch.bfloat16, torch.float16):
+                        for transposed in (True, False):
+                            gen = torch.Generator(device=device).manual_seed(cases)
+                            a = torch.randn(m, k, dtype=dtype, device=device, generator=gen)
+                            w = torch.randn(n, k, dtype=dtype, device=device, generator=gen) / k**0.5
+                            b = w.t() if transposed else w.t().contiguous()
+                            plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False, gemm=gemm,
+                                                   num_groups=3)
+                            for call in range(CALLS):
+                                a.copy_(torch.randn(a.shape, dtype=dtype, device=device, generator=gen))
+                                got = bf16_ops[op](a, b, path="nccl", plan=plan)
+                                assert_close(got, _oracle(op, a, b).to(dtype),
+                                             f"{op} {gemm} {m}x{n}x{k} {dtype} t={transposed} replay={replay} #{call}")
+                                got.fill_(float("nan"))
+                                del got
+                            cases += 1
+            for mode, m, n, k in FP8_CASES:
+                for gemm in ("triton", "cublas"):
+                    a, sa = quantise(torch.randn(m, k, device=device), mode)
+                    b, sb = quantise(torch.randn(k, n, device=device), mode, operand="b")
+                    if mode == "row":
+                        sb = sb.reshape(1, n)
+                    b = b.t().contiguous().t()
+                    tile = fp8_tiles(m, n, k, mode, op).tile_config()
+                    plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, tile=tile, allow_sequential=False, gemm=gemm,
+                                           num_groups=3)
+                    for call in range(CALLS):
+                        fresh, fresh_scale = quantise(torch.randn(m, k, device=device), mode)
+                        a.copy_(fresh)
+                        sa.copy_(fresh_scale)
+                        got = fp8_ops[op](a, b, sa, sb, path="nccl", plan=plan)
+                        want = _dequantised(a, b, sa, sb, mode).to(torch.bfloat16)
+                        assert_close(got, want, f"{op} fp8 {mode} {gemm} {m}x{n}x{k} replay={replay} #{call}")
+                        got.fill_(float("nan"))
+                        del got
+                    cases += 1
+        if comm is None:
+            comm = context_of(dist.group.WORLD, device).communicator("gemm", "nccl")
+            replays_on = comm.graphs.replays
+        else:
+            eager_ones = comm.graphs.replays - replays_on
+    os.environ.pop("FLASHOVERLAP_REPLAY")
+    settings.refresh()
+    return {"cases": cases, "replays": replays_on, "captures": comm.graphs.captures, "replays_when_off": eager_ones}
+
+
+def test_repeated_nccl_calls_replay_graphs_that_read_the_current_values():
+    counts = spawn(_replayed, 1, "nccl", env=ENV)[0]
+    per_setting = counts["cases"] // 2
+    # Every case's calls after the first replay (the second is captured and then replayed).
+    assert counts["replays"] >= per_setting * (CALLS - 1), counts
+    assert counts["replays_when_off"] == 0, counts
+
+
+def _user_graphs(rank, world):
+    """Each op on the NCCL path's overlapped plans (signalling GEMM and cuBLAS bands) captured into a user's
+    ``torch.cuda.graph`` and replayed on new values; then the three ops under ``torch.compile(mode=
+    "reduce-overhead")`` (cudagraph trees), replayed on new values."""
+    import flashoverlap as fo
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+           "all_gather": fo.all_gather_gemm}
+    m, n, k = 2048, 2048, 1024
+    checked = 0
+    for op, fn in ops.items():
+        for gemm in ("triton", "cublas"):
+            gen = torch.Generator(device=device).manual_seed(checked)
+            a = torch.randn(m, k, dtype=torch.bfloat16, device=device, generator=gen)
+            b = (torch.randn(n, k, dtype=torch.bfloat16, device=device, generator=gen) / k**0.5).t()
+            plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False, gemm=gemm, num_groups=4)
+            check_graph_replays(lambda a, b, fn=fn, plan=plan: fn(a, b, path="nccl", plan=plan),
+                                lambda a, b: (a.float() @ b.float()).to(a.dtype), a, b, rank, replays=3)
+            checked += 1
+    for op, fn in ops.items():
+        compiled = torch.compile(lambda a, b, fn=fn: fn(a, b) * 1.0, mode="reduce-overhead", fullgraph=True)
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        b = (torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5).t()
+        for step in range(4):
+            a.copy_(torch.randn(a.shape, dtype=a.dtype, device=device))
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(a, b)
+            assert_close(got, (a.float() @ b.float()).to(a.dtype), f"{op} reduce-overhead step {step}")
+            checked += 1
+    return checked
+
+
+def test_nccl_path_calls_inside_user_graphs_and_reduce_overhead():
+    assert spawn(_user_graphs, 1, "nccl", env=ENV)[0] == 6 + 12
