@@ -1,0 +1,108 @@
+"""Where an eager NCCL-path call's host time goes (issue 41): on a one-rank NCCL group, each op at a Llama-3-70B TP = 8
+shape under its overlapped plan, issued eagerly (``FLASHOVERLAP_REPLAY=0``) with the GPU kept busy ahead: cProfile's
+top functions by own time, and the parts timed alone (the runtime's pipeline with the communicator stubbed, one
+process-group collective on a band, the signalling GEMM's launch, one wait-and-reset).
+
+PYTHONPATH=src python -m benchmarks.diagnostics.nccl_host_parts [out.json]
+"""
+
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+SHAPES = {"all_gather": (8192, 1280, 8192), "reduce_scatter": (8192, 8192, 1024), "all_reduce": (4096, 8192, 8192)}
+CALLS = 30
+
+
+def _timed(fn, calls=CALLS):
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    per_call = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return per_call
+
+
+def main():
+    import flashoverlap as fo
+    from flashoverlap import settings
+    from flashoverlap.comm.collectives import all_reduce_now
+
+    os.environ["FLASHOVERLAP_REPLAY"] = "0"
+    settings.refresh()
+    device = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+    out = {}
+    for op, (m, n, k) in SHAPES.items():
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        b = (torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5).t()
+        plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False)
+
+        def call(fn=ops[op], a=a, b=b, plan=plan):
+            return fn(a, b, path="nccl", plan=plan)
+
+        for _ in range(3):
+            call()
+        whole = _timed(call)
+        profile = cProfile.Profile()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)
+        profile.enable()
+        for _ in range(CALLS):
+            call()
+        profile.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"== {op} {m}x{n}x{k}: {plan.num_groups} groups, {whole:.0f} us a call\n{text.getvalue()}", flush=True)
+        out[op] = {"shape": [m, n, k], "groups": plan.num_groups, "host_us": round(whole, 1),
+                   "profile": text.getvalue()[:6000]}
+    # Parts alone.
+    band = torch.randn(512, 8192, dtype=torch.bfloat16, device=device)
+    group = dist.group.WORLD
+    out["parts_us"] = {
+        "pg.allreduce (all_reduce_now) of a 512x8192 band": _timed(lambda: all_reduce_now(band, group)),
+        "dist.all_reduce of the band": _timed(lambda: dist.all_reduce(band, group=group)),
+        "torch.empty 8192x8192 bf16": _timed(lambda: torch.empty(8192, 8192, dtype=torch.bfloat16, device=device)),
+        "band slice": _timed(lambda: band[0:256]),
+        "stream context": _timed(lambda: torch.cuda.stream(torch.cuda.current_stream()).__enter__()),
+    }
+    from flashoverlap.kernels.gemm import gemm
+
+    m, n, k = SHAPES["all_reduce"]
+    a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    b = (torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5).t()
+    plan = fo.default_plan("all_reduce", m, n, k, 1, num_sms=sms, allow_sequential=False)
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+    outp = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+
+    def launch():
+        gemm(a, b, plan, out=outp, counters=counters)
+        counters.zero_()
+    out["parts_us"]["signalling gemm launch + counters.zero_"] = _timed(launch)
+    print(json.dumps(out["parts_us"], indent=1), flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/rv", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        try:
+            main()
+        finally:
+            dist.destroy_process_group()
