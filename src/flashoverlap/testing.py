@@ -1,7 +1,8 @@
 """What the tests, the demo and the GPU checks share: running a function on several ranks at once (``spawn``), and
 the plain PyTorch code every op must equal (``plain``).
 
-``spawn(fn, world_size, backend)`` starts ``world_size`` processes with ``torch.multiprocessing``, initialises a
+``spawn(fn, world_size, backend)`` (``spawn_on_one_gpu``: every rank on one GPU) starts ``world_size`` processes
+with ``torch.multiprocessing``, initialises a
 process group through a ``file://`` store in a fresh temporary directory (never a fixed port), runs
 ``fn(rank, world_size, *args)`` in each, and raises in the parent if any rank failed, with that rank's traceback.
 
@@ -88,8 +89,9 @@ def apply_environ(environ: dict, target: MutableMapping[str, str] = os.environ) 
 
 
 def _worker(rank: int, fn: Callable, job: tuple, queue, output: str):
-    """Rank ``rank`` of ``job`` = ``(world_size, backend, init_file, env, args)``: set up, run ``fn``, report."""
-    world_size, backend, init_file, env, args = job
+    """Rank ``rank`` of ``job`` = ``(world_size, backend, init_file, env, args, one_gpu)``: set up, run ``fn``,
+    report."""
+    world_size, backend, init_file, env, args, one_gpu = job
     try:
         apply_environ(env)
         for fd, suffix in ((1, "out"), (2, "err")):  # the server's stdout and stderr are not the caller's: to files
@@ -103,6 +105,8 @@ def _worker(rank: int, fn: Callable, job: tuple, queue, output: str):
                 backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, device_id=device_id
             )
         else:
+            if one_gpu:
+                torch.cuda.set_device(0)  # every rank on the GPU the caller sees first
             dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         # Every rank past the group's set-up before any runs fn: gloo's connection of a pair is not over for one
         # rank when the other returns from it, and a rank that then ends (fn raised at once, or ran no collective)
@@ -146,22 +150,27 @@ def spawn(
     timeout: float = 600.0,
     fresh: bool = False,
     grace: float = FAILURE_GRACE,
+    one_gpu: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result, in rank order.
 
     ``fn`` must be importable (a module-level function). ``env`` is applied in each child before the process group
     and any CUDA context exist (so e.g. ``CUDA_DEVICE_MAX_CONNECTIONS`` takes effect there). ``fresh``: every rank a
     new interpreter (its own string-hash salt, as on separate machines), not a fork of the preloaded server.
-    ``grace``: seconds the other ranks get to report once one has failed.
+    ``grace``: seconds the other ranks get to report once one has failed. ``one_gpu``: every rank on the current
+    GPU (``spawn_on_one_gpu``), over a gloo group.
     """
+    if one_gpu and backend != "gloo":
+        raise ValueError(f"spawn: one_gpu=True runs the ranks over a gloo group (NCCL refuses two ranks on one GPU), "
+                         f"got backend={backend!r}")
     environ = {**os.environ, **(env or {})}
     ctx = rank_context(environ, fresh)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="flashoverlap-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         output = os.path.join(tmp, "rank")  # rank r prints into output.r.out and output.r.err
-        procs = [ctx.Process(target=_worker, args=(rank, fn, (world_size, backend, init_file, environ, args), queue,
-                                                  output)) for rank in range(world_size)]
+        job = (world_size, backend, init_file, environ, args, one_gpu)
+        procs = [ctx.Process(target=_worker, args=(rank, fn, job, queue, output)) for rank in range(world_size)]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
@@ -240,6 +249,18 @@ def host_synchronisations(fn: Callable[[], object]) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode(before)
     return found
+
+
+def spawn_on_one_gpu(fn: Callable, world_size: int, args: tuple = (), env: dict[str, str] | None = None,
+                     timeout: float = 600.0) -> list[Any]:
+    """``spawn`` with every rank on one GPU (the first the caller sees), over a gloo group: up to 8 processes run
+    the P2P paths (tensor-parallel and expert) through the public ops, their peers' buffers mapped by CUDA IPC, so
+    that tensor-parallel code can be tested at W = 8 on one GPU. Mechanics only: the ranks share the GPU's SMs and
+    copy engines, so nothing timed here says anything about speed. ``path="auto"`` takes the P2P path on such a
+    group; the NCCL path and the sequential plan need NCCL, which refuses two ranks on one GPU (a clear error)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("spawn_on_one_gpu: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    return spawn(fn, world_size, "gloo", args=args, env=env, timeout=timeout, one_gpu=True)
 
 
 def plain(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashoverlap.comm.symmetric import MIN_BYTES, group_reason, size_class
+from flashoverlap.comm.symmetric import MIN_BYTES, group_reason, mapping_of, size_class
 
 
 def test_size_classes_are_powers_of_two_from_a_floor():
@@ -29,3 +29,12 @@ def test_reasons_name_what_is_missing():
     why = group_reason([_rank(0), _rank(1), _rank(2, no_access=[0])])
     assert "rank 2's GPU 2 cannot access the memory of rank 0's GPU 0" in why
     assert group_reason([_rank(0), _rank(1, why="no symmetric memory")]) == "rank 1: no symmetric memory"
+
+
+def test_ranks_sharing_a_gpu_or_a_group_of_another_backend_map_their_peers_by_ipc():
+    own_gpus = [("node", f"GPU-{r}", "nccl") for r in range(4)]
+    assert mapping_of(own_gpus) == "symmetric"
+    assert mapping_of([("node", "GPU-0", "gloo") for _ in range(8)]) == "ipc"  # eight ranks on one GPU
+    assert mapping_of([*own_gpus[:3], ("node", "GPU-0", "nccl")]) == "ipc"  # two of them share GPU 0
+    assert mapping_of([("node", f"GPU-{r}", "gloo") for r in range(2)]) == "ipc"  # gloo: no symmetric memory
+    assert mapping_of([("a", "GPU-0", "nccl"), ("b", "GPU-0", "nccl")]) == "symmetric"  # same index, two hosts

@@ -26,7 +26,14 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.Proc
 
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
                            async_op: bool = False):
-    """``dist.all_gather_into_tensor`` (or its torch >= 2.13 name); its work handle where ``async_op``."""
+    """``dist.all_gather_into_tensor`` (or its torch >= 2.13 name); its work handle where ``async_op``. CUDA tensors
+    over a group of another backend than NCCL (ranks sharing one GPU over gloo: the expert layout's counts) go
+    through host memory, blocking."""
+    if inp.is_cuda and not async_op and dist.get_backend(group) != "nccl":
+        staged = out.new_empty(out.shape, device="cpu")
+        _all_gather(staged, inp.cpu(), group=group)
+        out.copy_(staged)
+        return None
     return _all_gather(out, inp, group=group, async_op=async_op)
 
 

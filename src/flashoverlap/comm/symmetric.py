@@ -8,6 +8,13 @@ device address of rank r's data region as seen from this device, so a copy engin
 starts with ``FLAG_SLOTS`` int32 flags (zeroed at allocation, before a barrier) that peers may set with stream
 memory operations (``flag_ptr``), then the data region. ``barrier`` is a cross-rank barrier on the workspace's
 signal pad, ordered on the current stream.
+
+Ranks that share one GPU (W processes on one device: how W = 4 and 8 run before eight GPUs), or a group whose backend
+is not NCCL: PyTorch's symmetric memory refuses them, and CUDA IPC does not. There the buffers come from the caching
+allocator and are exchanged as IPC handles over the group (``torch.multiprocessing``'s CUDA tensor reduction, through
+``all_gather_object``: any backend, gloo included), and the barrier is the host's (a device synchronisation, then the
+group's barrier), used only when a buffer is made or freed. The choice (``peer_mapping``) is made once per workspace,
+collectively, at its first allocation: every rank reports its host, its GPU's UUID and the group's backend.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class SymmetricWorkspace:
         self.buffer: torch.Tensor | None = None
         self.handle = None
         self._peers: list[torch.Tensor] = []
+        self.mapping: str | None = None  # "symmetric" or "ipc" (``peer_mapping``), chosen at the first allocation
 
     def ensure(self, nbytes: int, op: str, ones: tuple[int, int] = (0, 0)) -> bool:
         """Make the data region at least ``nbytes`` (collective when it grows); a new buffer's flags start at zero,
@@ -62,19 +70,38 @@ class SymmetricWorkspace:
             # The old buffer may still be in use by queued work of the previous call (and, until this rank has
             # passed that call's done barrier, by peers pulling from it): let it all finish before freeing it.
             torch.cuda.synchronize(self.device)
-        symm_mem = _symm_mem()
-        _use_cuda_backend(symm_mem, self.device)
+        if self.mapping is None:
+            self.mapping = peer_mapping(self.group, self.device)
         size = size_class(FLAG_BYTES + nbytes)
-        buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buffer, self.group)  # torch >= 2.8 takes the group itself
-        ranks = dist.get_world_size(self.group)
-        self._peers = [handle.get_buffer(r, (size,), torch.uint8) for r in range(ranks)]
-        self.buffer, self.handle, self.nbytes = buffer, handle, size - FLAG_BYTES
+        if self.mapping == "ipc":
+            self._ipc_buffers(size)
+        else:
+            symm_mem = _symm_mem()
+            _use_cuda_backend(symm_mem, self.device)
+            buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+            handle = symm_mem.rendezvous(buffer, self.group)  # torch >= 2.8 takes the group itself
+            ranks = dist.get_world_size(self.group)
+            self._peers = [handle.get_buffer(r, (size,), torch.uint8) for r in range(ranks)]
+            self.buffer, self.handle = buffer, handle
+        self.nbytes = size - FLAG_BYTES
         # Flags start at zero on every rank before any peer may set one of ours.
         self.flags.zero_()
         self.flags[ones[0] : ones[1]] = 1
         self.barrier(0)
         return True
+
+    def _ipc_buffers(self, size: int) -> None:
+        """This rank's buffer from the caching allocator, zeroed, and every peer's mapped by its CUDA IPC handle."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.buffer, self._peers = None, []  # the old mappings dropped before the new exchange
+        buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        torch.cuda.synchronize(self.device)  # zeroed before any peer can map it
+        handles: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(handles, reduce_tensor(buffer), group=self.group)
+        rank = dist.get_rank(self.group)
+        self._peers = [buffer if r == rank else rebuild(*args) for r, (rebuild, args) in enumerate(handles)]
+        self.buffer, self.handle = buffer, None
 
     def release(self) -> None:
         """Free the buffer (collective: every rank releases, after a barrier, so no peer still pulls from it)."""
@@ -83,6 +110,8 @@ class SymmetricWorkspace:
         self.barrier(0)
         torch.cuda.synchronize(self.device)
         self.buffer, self.handle, self._peers, self.nbytes = None, None, [], 0
+        if self.mapping == "ipc":
+            self.barrier(0)  # every peer has dropped its mapping of this rank's buffer before the memory is reused
 
     @property
     def flags(self) -> torch.Tensor:
@@ -112,8 +141,30 @@ class SymmetricWorkspace:
         return self._peers[rank].data_ptr() + FLAG_BYTES
 
     def barrier(self, channel: int) -> None:
-        """All ranks reach this point of their current streams before any goes on (a small kernel)."""
+        """All ranks reach this point of their current streams before any goes on (a small kernel; with IPC
+        mappings, the host waits for its device and then for the group)."""
+        if self.mapping == "ipc":
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+            return
         self.handle.barrier(channel=channel)
+
+
+def peer_mapping(group: dist.ProcessGroup, device: torch.device) -> str:
+    """How a workspace over ``group`` maps its peers' buffers (collective, the same answer on every rank):
+    ``"symmetric"`` (PyTorch's symmetric memory) where the group's backend is NCCL and every rank has a GPU of its
+    own, else ``"ipc"`` (CUDA IPC handles: ranks that share a GPU, or a group of another backend)."""
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index))
+    mine = (socket.gethostname(), uuid, dist.get_backend(group))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return mapping_of(everyone)
+
+
+def mapping_of(everyone: list[tuple[str, str, str]]) -> str:
+    """``peer_mapping``'s decision from every rank's ``(host, GPU UUID, backend)`` (pure: testable without GPUs)."""
+    shared = len({(host, uuid) for host, uuid, _ in everyone}) < len(everyone)
+    return "ipc" if shared or any(backend != "nccl" for _, _, backend in everyone) else "symmetric"
 
 
 def _use_cuda_backend(symm_mem, device: torch.device) -> None:
