@@ -3,7 +3,9 @@ inside a user's graph and under ``torch.compile(mode="reduce-overhead")``, on on
 counters' waits and resets, the signalling GEMM and the NCCL collectives are all in the graph, whatever the world
 size). Every op, bf16, fp16 and fp8 in every scaling mode, the signalling GEMM's plans and cuBLAS bands', ``w.t()``
 and row-major ``b``, an odd M; each call on new values in the same tensors with the previous output NaN-poisoned,
-against plain PyTorch (the dequantised product in fp32 for fp8); replays counted."""
+against plain PyTorch (the dequantised product in fp32 for fp8); replays counted: every call after a case's first
+replays, where nothing is allocated between the calls but the oracle's temporaries (freed before the next call), as
+in a model's steady state."""
 
 import os
 
@@ -75,9 +77,11 @@ def _replayed(rank, world):
                             b = w.t() if transposed else w.t().contiguous()
                             plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False, gemm=gemm,
                                                    num_groups=3)
+                            fresh = [torch.randn(a.shape, dtype=dtype, device=device, generator=gen)
+                                     for _ in range(CALLS)]  # made first: no allocation between the calls
                             before = graphs().replays
                             for call in range(CALLS):
-                                a.copy_(torch.randn(a.shape, dtype=dtype, device=device, generator=gen))
+                                a.copy_(fresh[call])
                                 got = bf16_ops[op](a, b, path="nccl", plan=plan)
                                 assert_close(got, _oracle(op, a, b).to(dtype),
                                              f"{op} {gemm} {m}x{n}x{k} {dtype} t={transposed} replay={replay} #{call}")
@@ -95,11 +99,11 @@ def _replayed(rank, world):
                     tile = fp8_tiles(m, n, k, mode, op).tile_config()
                     plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, tile=tile, allow_sequential=False, gemm=gemm,
                                            num_groups=3)
+                    fresh = [quantise(torch.randn(m, k, device=device), mode) for _ in range(CALLS)]
                     before = graphs().replays
                     for call in range(CALLS):
-                        fresh, fresh_scale = quantise(torch.randn(m, k, device=device), mode)
-                        a.copy_(fresh)
-                        sa.copy_(fresh_scale)
+                        a.copy_(fresh[call][0])
+                        sa.copy_(fresh[call][1])
                         got = fp8_ops[op](a, b, sa, sb, path="nccl", plan=plan)
                         want = _dequantised(a, b, sa, sb, mode).to(torch.bfloat16)
                         assert_close(got, want, f"{op} fp8 {mode} {gemm} {m}x{n}x{k} replay={replay} #{call}")
@@ -109,13 +113,17 @@ def _replayed(rank, world):
                     cases += 1
     os.environ.pop("FLASHOVERLAP_REPLAY")
     settings.refresh()
-    return {"cases": cases, "replays": graphs().replays, "captures": graphs().captures, "short": short}
+    comm = context_of(dist.group.WORLD, device).communicator("gemm", "nccl")
+    direct = sorted(ctas for ctas, nccl in comm._direct.items() if nccl is not None)
+    return {"cases": cases, "replays": graphs().replays, "captures": graphs().captures, "short": short,
+            "direct": direct}
 
 
 def test_repeated_nccl_calls_replay_graphs_that_read_the_current_values():
     counts = spawn(_replayed, 1, "nccl", env=ENV)[0]
     # Every case's calls after the first replay (the second is captured and then replayed); none with replay off.
     assert not counts["short"], counts
+    assert counts["direct"], counts  # the collectives went to NCCL directly (comm/nccl_calls.py), as on CUDA they do
 
 
 def _user_graphs(rank, world):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
-from flashoverlap.comm import scaled, stream_ops
+from flashoverlap.comm import nccl_calls, scaled, stream_ops
 from flashoverlap.comm.collectives import (
     all_gather_into_tensor,
     all_gather_now,
@@ -80,6 +80,9 @@ class NcclCommunicator(GroupFields):
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
         self._comm_handle = self.comm_stream.cuda_stream
         self._bands: dict[Plan, tuple] = {}  # per plan: each group's row ranges, for one split per call
+        # By comm_ctas: the NCCL communicator that carries those plans' collectives, called directly
+        # (comm/nccl_calls.py; None: through torch.distributed), found once the group has run a collective.
+        self._direct: dict[int, nccl_calls.NcclComm | None] = {}
         self.graphs = CallGraphs(self.device)  # repeated calls replayed (comm/replay.py)
 
     # -- one call ----------------------------------------------------------------------------------------
@@ -174,6 +177,7 @@ class NcclCommunicator(GroupFields):
             dist.destroy_process_group(clone)
         self._capped_groups.clear()
         self._warm.clear()
+        self._direct.clear()
 
     def _all_gather_gemm(self, call: Call, buffers: _Buffers, timeout: float | None) -> None:
         """The communication stream gathers band after band (launched before the GEMM: here it is the producer)
@@ -232,6 +236,8 @@ class NcclCommunicator(GroupFields):
                     dist.all_reduce(probe, group=comm_group)
             self.comm_stream.synchronize()
             self._warm.add((plan.op, plan.comm_ctas, dtype))
+            if plan.comm_ctas not in self._direct:
+                self._direct[plan.comm_ctas] = nccl_calls.for_group(comm_group, self.device)
         self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def comm_group(self, comm_ctas: int) -> dist.ProcessGroup:
@@ -256,8 +262,11 @@ class NcclCommunicator(GroupFields):
                    timeout: float | None = None) -> None:
         """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each
         (its counters tell; or, for bands computed by cuBLAS, the events in ``ready``)."""
-        bands = self._split(c, plan, False)
-        self._issue(plan, lambda grp, group: all_reduce_now(bands[grp.index], group), ready, timeout)
+        bands, direct, stream = self._split(c, plan, False), self._direct_for(plan, c.dtype), self._comm_handle
+        if direct is not None:
+            self._issue(plan, lambda grp, group: direct.all_reduce(bands[grp.index], stream), ready, timeout)
+        else:
+            self._issue(plan, lambda grp, group: all_reduce_now(bands[grp.index], group), ready, timeout)
 
     def reduce_scatter(self, out: torch.Tensor, workspace: torch.Tensor, plan: Plan,
                        ready: list[torch.cuda.Event] | None = None, timeout: float | None = None) -> None:
@@ -265,9 +274,13 @@ class NcclCommunicator(GroupFields):
         ``out [M/W, N]``, as the GEMM (already launched on the current stream) finishes each group."""
 
         bands, outs = self._split(workspace, plan, True), self._split(out, plan, False)
+        direct, stream = self._direct_for(plan, out.dtype), self._comm_handle
 
         def launch(grp, group):
-            reduce_scatter_now(outs[grp.index], bands[grp.index], group)
+            if direct is not None:
+                direct.reduce_scatter(outs[grp.index], bands[grp.index], stream)
+            else:
+                reduce_scatter_now(outs[grp.index], bands[grp.index], group)
 
         self._issue(plan, launch, ready, timeout)
 
@@ -287,11 +300,15 @@ class NcclCommunicator(GroupFields):
         placed = place_own_shard(gathered, a_shard, plan, self.rank)
         self.comm_stream.wait_stream(producer)
         comm_group = self.comm_group(plan.comm_ctas)
+        direct, stream = self._direct_for(plan, gathered.dtype), self._comm_handle
         base = self.flags.data_ptr()
         arrived = []
         with torch.cuda.stream(self.comm_stream):
             for grp, (band, slot) in zip(plan.groups, placed):
-                all_gather_now(band, slot, comm_group)
+                if direct is not None:  # in place: the slot is this rank's part of the band
+                    direct.all_gather(band, slot, stream)
+                else:
+                    all_gather_now(band, slot, comm_group)
                 if events:
                     arrived.append(self.comm_stream.record_event())
                 else:
@@ -327,6 +344,11 @@ class NcclCommunicator(GroupFields):
         producer.wait_stream(self.comm_stream)
         if timeout is not None:
             self._check_progress(plan, waited, timeout)
+
+    def _direct_for(self, plan: Plan, dtype: torch.dtype) -> nccl_calls.NcclComm | None:
+        """The directly called NCCL communicator of ``plan``'s collectives, where it carries ``dtype``."""
+        direct = self._direct.get(plan.comm_ctas)
+        return direct if direct is not None and direct.takes(dtype) else None
 
     def _split(self, tensor: torch.Tensor, plan: Plan, workspace: bool) -> list[torch.Tensor]:
         """Each group's rows of ``tensor`` (``workspace``: the ``[group][W][rows][N]`` slices, else the group's
