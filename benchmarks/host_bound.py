@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 LOOP = 50
-ROUNDS = 5  # each figure: the median over rounds
+ROUNDS = 7  # each figure: the median over rounds, the entries of a case interleaved in each
 SLEEP_CYCLES = 400_000_000  # about 0.2 s of GPU sleep ahead of the GPU-time loop: longer than any loop's issue
 # Per-rank shapes of Llama-3-70B at TP = 8 (M, N, K; all-gather: M gathered), then the benchmark grid.
 LLAMA = [("q,k,v", "all_gather", 8192, 1280, 8192), ("o", "reduce_scatter", 8192, 8192, 1024),
@@ -46,32 +46,39 @@ def _median(values):
     return values[len(values) // 2]
 
 
-def loop_figures(fn) -> tuple[float, float, float]:
-    """``(host_us, gpu_us, wall_us)`` per call of ``LOOP`` calls of ``fn`` (see the module docstring)."""
-    host, gpu, wall = [], [], []
+def loop_figures(fns: list) -> list[tuple[float, float, float]]:
+    """``(host_us, gpu_us, wall_us)`` per call of ``LOOP`` calls of each of ``fns`` (see the module docstring),
+    measured in interleaved rounds (one loop of each per round), so that a slow spell of the host falls on all."""
+    samples = [([], [], []) for _ in fns]
     for _ in range(ROUNDS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(LOOP):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / LOOP)
-        wall.append((t2 - t0) / LOOP)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(LOOP):
-            fn()
-        issued = time.perf_counter() - t0
-        end.record()
-        torch.cuda.synchronize()
-        gpu.append(start.elapsed_time(end) / 1e3 / LOOP)
-        if issued > 0.15:  # the sleep may have ended before the loop was issued: GPU time then includes host time
-            print(f"  warning: the loop took {issued * 1e3:.0f} ms to issue, near the sleep's length", flush=True)
-    return 1e6 * _median(host), 1e6 * _median(gpu), 1e6 * _median(wall)
+        for fn, (host, gpu, wall) in zip(fns, samples):
+            _one_round(fn, host, gpu, wall)
+    return [(1e6 * _median(h), 1e6 * _median(g), 1e6 * _median(w)) for h, g, w in samples]
+
+
+def _one_round(fn, host, gpu, wall) -> None:
+    getattr(fn, "begin", lambda: None)()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(LOOP):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    host.append((t1 - t0) / LOOP)
+    wall.append((t2 - t0) / LOOP)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(LOOP):
+        fn()
+    issued = time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize()
+    gpu.append(start.elapsed_time(end) / 1e3 / LOOP)
+    if issued > 0.15:  # the sleep may have ended before the loop was issued: GPU time then includes host time
+        print(f"  warning: the loop took {issued * 1e3:.0f} ms to issue, near the sleep's length", flush=True)
 
 
 def _row_scaled(m, k, device, gen):
@@ -79,6 +86,20 @@ def _row_scaled(m, k, device, gen):
     x = torch.randn(m, k, device=device, generator=gen)
     scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448.0
     return (x / scale).to(torch.float8_e4m3fn), scale.float()
+
+
+def _with_replay(fn, replay: bool, settings):
+    """``fn`` run under ``FLASHOVERLAP_REPLAY`` on or off (``fn.begin()``, called before each timed loop, outside the
+    timing: the switch is read when the settings are refreshed), so that the entries can be interleaved."""
+    value = "1" if replay else "0"
+
+    def begin():
+        if os.environ.get("FLASHOVERLAP_REPLAY") != value:
+            os.environ["FLASHOVERLAP_REPLAY"] = value
+            settings.refresh()
+
+    fn.begin = begin
+    return fn
 
 
 def cases(quick: bool):
@@ -132,21 +153,23 @@ def measure(quick: bool) -> list[dict]:
             assert sequential.sequential and not overlapped.sequential, (sequential, overlapped)
             entries = [(alone_name, "eager", alone), ("sequential", "eager", call(sequential)),
                        ("nccl", "eager", call(overlapped)), ("nccl", "replayed", call(overlapped))]
-            for path, mode, fn in entries:
-                os.environ["FLASHOVERLAP_REPLAY"] = "1" if mode == "replayed" else "0"
-                settings.refresh()
-                try:
+            # Each entry sets the replay switch itself (it is read per call), so the entries can be interleaved.
+            timed = [(path, mode, _with_replay(fn, mode == "replayed", settings)) for path, mode, fn in entries]
+            base = {"shape": name, "op": op, "dtype": dtype, "M": m, "N": n, "K": k}
+            try:
+                for _, _, fn in timed:
+                    fn.begin()
                     for _ in range(3):  # warm: compile, NCCL state, plan tables; replay: capture
                         fn()
-                    torch.cuda.synchronize()
-                    host, gpu, wall = loop_figures(fn)
-                    row = {"shape": name, "op": op, "path": path, "mode": mode, "dtype": dtype, "M": m, "N": n,
-                           "K": k, "host_us": round(host, 1), "gpu_us": round(gpu, 1), "wall_us": round(wall, 1)}
-                except Exception as exc:  # one case's failure must not lose the others' rows
-                    row = {"shape": name, "op": op, "path": path, "mode": mode, "dtype": dtype, "M": m, "N": n,
-                           "K": k, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                torch.cuda.synchronize()
+                figures = loop_figures([fn for _, _, fn in timed])
+                rows = [{**base, "path": path, "mode": mode, "host_us": round(host, 1), "gpu_us": round(gpu, 1),
+                         "wall_us": round(wall, 1)} for (path, mode, _), (host, gpu, wall) in zip(timed, figures)]
+            except Exception as exc:  # one case's failure must not lose the others' rows
+                rows = [{**base, "error": f"{type(exc).__name__}: {exc}"[:500]}]
+            for row in rows:
                 print(row, flush=True)
-                results.append(row)
+            results.extend(rows)
     os.environ.pop("FLASHOVERLAP_REPLAY", None)
     settings.refresh()
     return results

@@ -20,7 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() 
                                                   os.environ.get("TRITON_INTERPRET") == "1",
                                                   reason="needs a CUDA GPU, and TRITON_INTERPRET unset")]
 
-CALLS = 4  # per case: the first eager, the second captured and replayed, then replays
+CALLS = 5  # per case: the first eager, the second captured and replayed, then replays
+# Calls of a case that may run eagerly: its first, and one more while the caching allocator settles (a call's
+# output may land in a block the previous call's oracle freed: a new signature, seen once more before it replays).
+EAGER_ALLOWED = 2
 BF16_SHAPES = [(1002, 1000, 520), (2048, 4096, 1024)]
 FP8_CASES = [("tensor", 1000, 1040, 640), ("row", 2048, 4096, 1024), ("block", 1024, 1024, 1024)]
 
@@ -61,7 +64,7 @@ def _replayed(rank, world):
 
     def counted(case, replay, before):
         replays = graphs().replays - before
-        if replay == "1" and replays < CALLS - 1 or replay == "0" and replays:
+        if replay == "1" and replays < CALLS - EAGER_ALLOWED or replay == "0" and replays:
             short[case] = replays
     for replay in ("1", "0"):
         os.environ["FLASHOVERLAP_REPLAY"] = replay
@@ -83,7 +86,7 @@ def _replayed(rank, world):
                             for call in range(CALLS):
                                 a.copy_(fresh[call])
                                 got = bf16_ops[op](a, b, path="nccl", plan=plan)
-                                assert_close(got, _oracle(op, a, b).to(dtype),
+                                assert_close(got, _oracle(op, a, b),
                                              f"{op} {gemm} {m}x{n}x{k} {dtype} t={transposed} replay={replay} #{call}")
                                 got.fill_(float("nan"))
                                 del got
@@ -105,7 +108,7 @@ def _replayed(rank, world):
                         a.copy_(fresh[call][0])
                         sa.copy_(fresh[call][1])
                         got = fp8_ops[op](a, b, sa, sb, path="nccl", plan=plan)
-                        want = _dequantised(a, b, sa, sb, mode).to(torch.bfloat16)
+                        want = _dequantised(a, b, sa, sb, mode)
                         assert_close(got, want, f"{op} fp8 {mode} {gemm} {m}x{n}x{k} replay={replay} #{call}")
                         got.fill_(float("nan"))
                         del got
@@ -121,8 +124,9 @@ def _replayed(rank, world):
 
 def test_repeated_nccl_calls_replay_graphs_that_read_the_current_values():
     counts = spawn(_replayed, 1, "nccl", env=ENV)[0]
-    # Every case's calls after the first replay (the second is captured and then replayed); none with replay off.
-    assert not counts["short"], counts
+    # Every case's calls after its first EAGER_ALLOWED replay; none with replay off.
+    short = counts["short"]
+    assert not short, "\n".join(f"{case}: {n} replays of {CALLS} calls" for case, n in short.items())
     assert counts["direct"], counts  # the collectives went to NCCL directly (comm/nccl_calls.py), as on CUDA they do
 
 
