@@ -389,6 +389,41 @@ HOST_LEGEND = (
     "round, which a slow spell of the host that lasts a round moves less than the medians apart.</sub>")
 
 
+def host_bound(path: str) -> str:
+    """The loop a model runs (``benchmarks/host_bound.py``): per shape and dtype, host, GPU and wall time per call of
+    each path, with wall over GPU (above 1: the GPU waited) and host over the plain matmul's host time."""
+    data = _load(path)
+    lines = ["| shape | op | M, N, K | dtype | path | mode | host (µs) | GPU (µs) | wall (µs) | wall / GPU "
+             "| host / matmul's |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    alone = {(row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"]): row["host_us"]
+             for row in data["rows"] if row.get("path") in ("mm", "scaled_mm") and "host_us" in row}
+    for row in data["rows"]:
+        key = (row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"])
+        head = (f"| {row['shape']} | {OPS.get(row['op'], row['op'])} | {row['M']}, {row['N']}, {row['K']} "
+                f"| {row['dtype']}")
+        if "error" in row:
+            lines.append(f"{head} | {row.get('path', '-')} | {row.get('mode', '-')} | error: "
+                         f"{row['error'][:80]} | | | | |")
+            continue
+        base = alone.get(key)
+        ratio = "-" if row["path"] in ("mm", "scaled_mm") or not base else f"{row['host_us'] / base:.1f}x"
+        path_name = {"mm": "`torch.mm`", "scaled_mm": "`torch._scaled_mm`"}.get(row["path"], row["path"])
+        lines.append(f"{head} | {path_name} | {row['mode']} | {_us(row['host_us'])} | {_us(row['gpu_us'])} "
+                     f"| {_us(row['wall_us'])} | {row['wall_us'] / row['gpu_us']:.2f} | {ratio} |")
+    return "\n".join(lines) + "\n\n" + HOST_BOUND_LEGEND + "\n\n" + _sourced(path, data["meta"])
+
+
+HOST_BOUND_LEGEND = (
+    "<sub>One H200, a one-rank NCCL group; per call of 50 back to back on the same tensors: host = the time to issue "
+    "it, GPU = the same loop queued behind a long GPU sleep (the host never what the GPU waits on), wall = issue plus "
+    "the final synchronisation. Each figure the median of 7 rounds, the paths of a row group interleaved in each. "
+    "`sequential`: the library's matmul-then-collective plan; `nccl`: the NCCL path under its overlapped plan "
+    "(`default_plan(..., allow_sequential=False)`), `eager` with `FLASHOVERLAP_REPLAY=0`, `replayed` a repeated "
+    "call replayed from a CUDA graph (the default). host / matmul's: over `torch.mm`'s (bf16) or "
+    "`torch._scaled_mm`'s (fp8 row-wise) host time in the same row group.</sub>")
+
+
 def moe_host_one_gpu(path: str) -> str:
     """Host time per MoE layer call on one GPU shared by two processes: ours (below the public op) beside the plain
     layer, timed interleaved in the same run, per mode."""
@@ -679,7 +714,7 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
              "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,
-             "fp8-ops": fp8_ops, "fp8-block": fp8_block}
+             "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound}
 
 
 def render(spec: str) -> str:

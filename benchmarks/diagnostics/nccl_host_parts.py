@@ -91,6 +91,17 @@ def main():
         gemm(a, b, plan, out=outp, counters=counters)
         counters.zero_()
     out["parts_us"]["signalling gemm launch + counters.zero_"] = _timed(launch)
+    from flashoverlap.kernels.gemm import launch_arguments, signalling_gemm_kernel
+
+    out["parts_us"]["gemm's launch_arguments alone"] = _timed(
+        lambda: launch_arguments(a, b, plan, out=outp, counters=counters))
+    _, args, meta = launch_arguments(a, b, plan, out=outp, counters=counters)
+
+    def kernel_only():
+        signalling_gemm_kernel[(plan.grid_size,)](*args, **meta)
+        counters.zero_()
+    out["parts_us"]["the Triton kernel launch alone (arguments built) + counters.zero_"] = _timed(kernel_only)
+    out["parts_us"]["counters.zero_ alone"] = _timed(lambda: counters.zero_())
     print(json.dumps(out["parts_us"], indent=1), flush=True)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
