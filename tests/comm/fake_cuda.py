@@ -91,3 +91,7 @@ def install(wait_timeout_s: float) -> None:
 
     stream_ops.wait_geq, stream_ops.write, stream_ops.copy = wait_geq, write, copy
     stream_ops.wait_reset = wait_reset
+    # The host-side streams run their work as it is issued: joining them orders nothing more.
+    stream_ops.join = lambda waiter, source, event: None
+    stream_ops.new_event = lambda: 0
+    stream_ops.current = lambda index: 0

@@ -54,6 +54,25 @@ def wait_reset(stream: torch.cuda.Stream, address: int, value: int) -> None:
     fast().wait_reset(stream.cuda_stream, address, value)
 
 
+def join(waiter: int, source: int, event: int) -> None:
+    """Work queued on stream ``waiter`` from now on waits for the work queued so far on stream ``source`` (raw
+    handles), through the driver event ``event`` (``new_event``): ``Stream.wait_stream`` makes a torch event and goes
+    through Python objects each time, this is two driver calls (inside a capture: the edge between the branches)."""
+    driver = fast()
+    driver.record(event, source)
+    driver.wait_event(waiter, event)
+
+
+def new_event() -> int:
+    """A driver event for ``join`` (``FastDriver.new_event``), kept for the life of its owner."""
+    return fast().new_event()
+
+
+def current(index: int) -> int:
+    """The raw handle of the current stream on device ``index`` (one C call)."""
+    return fast().current_stream(index)
+
+
 def copy(stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
     """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` with ``cuMemcpyDtoDAsync``: a copy
     engine moves the bytes, no SM (unlike a copy kernel). Either address may be a peer's, mapped into this

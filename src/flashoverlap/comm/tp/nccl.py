@@ -28,6 +28,8 @@ through a clone of the caller's process group created with that NCCL config
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -79,6 +81,8 @@ class NcclCommunicator(GroupFields):
         self._warm: set[tuple[str, int, torch.dtype]] = set()
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
         self._comm_handle = self.comm_stream.cuda_stream
+        self._index = self.device.index if self.device.index is not None else 0
+        self._joins: tuple[int, int] | None = None  # driver events: producer -> comm stream, and back
         self._bands: dict[Plan, tuple] = {}  # per plan: each group's row ranges, for one split per call
         # By comm_ctas: the NCCL communicator that carries those plans' collectives, called directly
         # (comm/nccl_calls.py; None: through torch.distributed), found once the group has run a collective.
@@ -238,7 +242,20 @@ class NcclCommunicator(GroupFields):
             self._warm.add((plan.op, plan.comm_ctas, dtype))
             if plan.comm_ctas not in self._direct:
                 self._direct[plan.comm_ctas] = nccl_calls.for_group(comm_group, self.device)
-        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._fork()
+
+    def _fork(self) -> int:
+        """The communication stream waits for the producer's (the current stream's) work queued so far; returns
+        the producer's raw handle."""
+        if self._joins is None:
+            self._joins = (stream_ops.new_event(), stream_ops.new_event())
+        producer = stream_ops.current(self._index)
+        stream_ops.join(self._comm_handle, producer, self._joins[0])
+        return producer
+
+    def _join(self) -> None:
+        """The producer (the current stream) waits for the communication stream's work queued so far."""
+        stream_ops.join(stream_ops.current(self._index), self._comm_handle, self._joins[1])
 
     def comm_group(self, comm_ctas: int) -> dist.ProcessGroup:
         """The process group that carries the collectives of plans with this ``comm_ctas``: the caller's group
@@ -264,7 +281,7 @@ class NcclCommunicator(GroupFields):
         (its counters tell; or, for bands computed by cuBLAS, the events in ``ready``)."""
         bands, direct, stream = self._split(c, plan, False), self._direct_for(plan, c.dtype), self._comm_handle
         if direct is not None:
-            self._issue(plan, lambda grp, group: direct.all_reduce(bands[grp.index], stream), ready, timeout)
+            self._issue(plan, lambda grp, group: direct.all_reduce(bands[grp.index], stream), ready, timeout, True)
         else:
             self._issue(plan, lambda grp, group: all_reduce_now(bands[grp.index], group), ready, timeout)
 
@@ -282,7 +299,7 @@ class NcclCommunicator(GroupFields):
             else:
                 reduce_scatter_now(outs[grp.index], bands[grp.index], group)
 
-        self._issue(plan, launch, ready, timeout)
+        self._issue(plan, launch, ready, timeout, direct is not None)
 
     def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
                    events: bool = False) -> list[torch.cuda.Event]:
@@ -294,16 +311,16 @@ class NcclCommunicator(GroupFields):
         With ``events``, each band's arrival is published as a CUDA event (returned, one per group) instead of a
         flag: inside a CUDA graph the consumer must depend on the bands through graph edges, because a graph may
         queue the NCCL kernels behind a kernel that spins on their flags."""
-        producer = torch.cuda.current_stream(self.device)
         # This rank's bands into their slots first, on the producer stream; each band's all-gather reads its slot
         # in place.
         placed = place_own_shard(gathered, a_shard, plan, self.rank)
-        self.comm_stream.wait_stream(producer)
+        self._fork()
         comm_group = self.comm_group(plan.comm_ctas)
         direct, stream = self._direct_for(plan, gathered.dtype), self._comm_handle
         base = self.flags.data_ptr()
         arrived = []
-        with torch.cuda.stream(self.comm_stream):
+        # torch.distributed issues on the current stream; the direct calls take the stream's handle.
+        with contextlib.nullcontext() if direct is not None else torch.cuda.stream(self.comm_stream):
             for grp, (band, slot) in zip(plan.groups, placed):
                 if direct is not None:  # in place: the slot is this rank's part of the band
                     direct.all_gather(band, slot, stream)
@@ -318,7 +335,7 @@ class NcclCommunicator(GroupFields):
     def finish_all_gather(self, plan: Plan) -> None:
         """After the GEMM: join the communication stream, then clear the flags (every one has been written by
         then, so no late write can leave a stale flag for the next call)."""
-        torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+        self._join()
         self.flags[: plan.num_groups].zero_()
 
     def launch_group(self, launch, grp, comm_group: dist.ProcessGroup) -> None:
@@ -327,12 +344,12 @@ class NcclCommunicator(GroupFields):
         launch(grp, comm_group)
 
     def _issue(self, plan: Plan, launch, ready: list[torch.cuda.Event] | None = None,
-               timeout: float | None = None) -> None:
-        producer = torch.cuda.current_stream(self.device)
+               timeout: float | None = None, direct: bool = False) -> None:
         comm_group = self.comm_group(plan.comm_ctas)
         waited = []
         base = self.counters.data_ptr()
-        with torch.cuda.stream(self.comm_stream):
+        # torch.distributed issues on the current stream; the direct calls (``direct``) take the stream's handle.
+        with contextlib.nullcontext() if direct else torch.cuda.stream(self.comm_stream):
             for grp in plan.groups:
                 if ready is not None:  # bands computed by cuBLAS: an event per group, no counter
                     self.comm_stream.wait_event(ready[grp.index])
@@ -341,7 +358,7 @@ class NcclCommunicator(GroupFields):
                 if timeout is not None:
                     waited.append(self.comm_stream.record_event())
                 self.launch_group(launch, grp, comm_group)
-        producer.wait_stream(self.comm_stream)
+        self._join()
         if timeout is not None:
             self._check_progress(plan, waited, timeout)
 
