@@ -12,9 +12,13 @@ library's matmul-then-collective communicator); the NCCL path under its overlapp
 eager (``FLASHOVERLAP_REPLAY=0``) and replayed (the default: a repeated call is one graph launch). The P2P path's
 host figures with ranks sharing the GPU are ``benchmarks/shared_ranks.py``'s.
 
-Run (one GPU; rows {shape, op, path, mode, dtype, M, N, K, host_us, gpu_us, wall_us}):
+``auto``: ``path="auto"`` with no plan, replayed (what a user's call gets). Under ``torchrun`` with W ranks (one GPU
+each) the same rows at W, and the P2P path's, eager and replayed; the shapes are per-rank (all-gather: M gathered).
+
+Run (one GPU; rows {shape, op, path, mode, dtype, W, M, N, K, host_us, gpu_us, wall_us}):
 
     PYTHONPATH=src python -m benchmarks.host_bound benchmarks/results/h200x1-host-bound.json [--quick]
+    PYTHONPATH=src torchrun --nproc-per-node 2 -m benchmarks.host_bound benchmarks/results/h200x2-nvlink-host-bound.json
 """
 
 from __future__ import annotations
@@ -109,53 +113,57 @@ def cases(quick: bool):
     return rows
 
 
-def measure(quick: bool) -> list[dict]:
+def measure(quick: bool, device: torch.device, world: int) -> list[dict]:
     import flashoverlap as fo
     from flashoverlap import settings
     from flashoverlap.tune.fp8 import fp8_tiles
 
-    device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
     bf16_ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
                 "all_gather": fo.all_gather_gemm}
     fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
                "all_gather": fo.all_gather_scaled_gemm}
     results = []
     for name, op, m, n, k in cases(quick):
+        rows_a = m // world if op == "all_gather" else m  # all-gather: M is the gathered size
         for dtype in ("bfloat16", "fp8-row"):
             fp8 = dtype != "bfloat16"
             if fp8:
-                a, sa = _row_scaled(m, k, device, gen)
+                a, sa = _row_scaled(rows_a, k, device, gen)
                 w, sw = _row_scaled(n, k, device, gen)
                 b, sb = w.t(), sw.reshape(1, n)
                 tile = fp8_tiles(m, n, k, "row", op).tile_config()
-                overlapped = fo.default_plan(op, m, n, k, 1, num_sms=sms, tile=tile, allow_sequential=False)
+                overlapped = fo.default_plan(op, m, n, k, world, num_sms=sms, tile=tile, allow_sequential=False)
 
-                def call(plan, fn=fp8_ops[op], a=a, b=b, sa=sa, sb=sb):
-                    return lambda: fn(a, b, sa, sb, path="nccl", plan=plan)
+                def call(plan, path="nccl", fn=fp8_ops[op], a=a, b=b, sa=sa, sb=sb):
+                    return lambda: fn(a, b, sa, sb, path=path, plan=plan)
 
                 def alone(a=a, b=b, sa=sa, sb=sb):
                     return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
                 alone_name = "scaled_mm"
             else:
-                a = torch.randn(m, k, dtype=torch.bfloat16, device=device, generator=gen)
+                a = torch.randn(rows_a, k, dtype=torch.bfloat16, device=device, generator=gen)
                 b = (torch.randn(n, k, dtype=torch.bfloat16, device=device, generator=gen) / k**0.5).t()
-                overlapped = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False)
+                overlapped = fo.default_plan(op, m, n, k, world, num_sms=sms, allow_sequential=False)
 
-                def call(plan, fn=bf16_ops[op], a=a, b=b):
-                    return lambda: fn(a, b, path="nccl", plan=plan)
+                def call(plan, path="nccl", fn=bf16_ops[op], a=a, b=b):
+                    return lambda: fn(a, b, path=path, plan=plan)
 
                 def alone(a=a, b=b):
                     return torch.mm(a, b)
                 alone_name = "mm"
-            sequential = fo.default_plan(op, m, n, k, 1, num_sms=sms, comm_ratio=0.0)
+            sequential = fo.default_plan(op, m, n, k, world, num_sms=sms, comm_ratio=0.0)
             assert sequential.sequential and not overlapped.sequential, (sequential, overlapped)
             entries = [(alone_name, "eager", alone), ("sequential", "eager", call(sequential)),
-                       ("nccl", "eager", call(overlapped)), ("nccl", "replayed", call(overlapped))]
+                       ("nccl", "eager", call(overlapped)), ("nccl", "replayed", call(overlapped)),
+                       ("auto", "replayed", call(None, "auto"))]
+            if world > 1:  # the P2P path needs peers (on one GPU: benchmarks/shared_ranks.py)
+                p2p = fo.default_plan(op, m, n, k, world, num_sms=sms, path="p2p", allow_sequential=False)
+                entries += [("p2p", "eager", call(p2p, "p2p")), ("p2p", "replayed", call(p2p, "p2p"))]
             # Each entry sets the replay switch itself (it is read per call), so the entries can be interleaved.
             timed = [(path, mode, _with_replay(fn, mode == "replayed", settings)) for path, mode, fn in entries]
-            base = {"shape": name, "op": op, "dtype": dtype, "M": m, "N": n, "K": k}
+            base = {"shape": name, "op": op, "dtype": dtype, "W": world, "M": m, "N": n, "K": k}
             try:
                 for _, _, fn in timed:
                     fn.begin()
@@ -167,7 +175,7 @@ def measure(quick: bool) -> list[dict]:
                          "wall_us": round(wall, 1)} for (path, mode, _), (host, gpu, wall) in zip(timed, figures)]
             except Exception as exc:  # one case's failure must not lose the others' rows
                 rows = [{**base, "error": f"{type(exc).__name__}: {exc}"[:500]}]
-            for row in rows:
+            for row in rows if dist.get_rank() == 0 else ():
                 print(row, flush=True)
             results.extend(rows)
     os.environ.pop("FLASHOVERLAP_REPLAY", None)
@@ -175,13 +183,17 @@ def measure(quick: bool) -> list[dict]:
     return results
 
 
-def replay_counts() -> dict:
+def replay_counts(device: torch.device) -> dict:
     from flashoverlap.runtime.context import existing_context
 
-    context = existing_context(dist.group.WORLD, torch.device("cuda", 0))
-    comm = None if context is None else context.communicators.get(("gemm", "nccl"))
-    graphs = getattr(comm, "graphs", None)
-    return {} if graphs is None else {"captures": graphs.captures, "replays": graphs.replays}
+    context = existing_context(dist.group.WORLD, device)
+    counts = {}
+    for path in ("nccl", "p2p"):
+        comm = None if context is None else context.communicators.get(("gemm", path))
+        graphs = getattr(comm, "graphs", None)
+        if graphs is not None:
+            counts[path] = {"captures": graphs.captures, "replays": graphs.replays}
+    return counts
 
 
 def main() -> None:
@@ -189,18 +201,28 @@ def main() -> None:
 
     args = [x for x in sys.argv[1:] if not x.startswith("--")]
     quick = "--quick" in sys.argv
-    torch.cuda.set_device(0)
+    launched = "LOCAL_RANK" in os.environ  # under torchrun: W ranks, one GPU each
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
+        if launched:
+            dist.init_process_group("nccl", device_id=device)
+        else:  # one process: a one-rank NCCL group
+            dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
+                                    device_id=device)
+        world = dist.get_world_size()
         try:
-            rows = measure(quick)
-            counts = replay_counts()
+            rows = measure(quick, device, world)
+            counts = replay_counts(device)
         finally:
             dist.destroy_process_group()
-    command = "PYTHONPATH=src python -m benchmarks.host_bound " + " ".join(sys.argv[1:])
-    results = {"meta": results_meta(command, loop=LOOP, rounds=ROUNDS, nccl_graphs=counts), "rows": rows}
-    if args:
+    launcher = f"torchrun --nproc-per-node {world} -m benchmarks.host_bound" if launched else \
+        "python -m benchmarks.host_bound"
+    command = f"PYTHONPATH=src {launcher} " + " ".join(sys.argv[1:])
+    results = {"meta": results_meta(command, gpus=f"{world}x {torch.cuda.get_device_name(device)}", loop=LOOP,
+                                    rounds=ROUNDS, graphs=counts), "rows": rows}
+    if args and local == 0:
         import json
 
         with open(args[0], "w") as f:
