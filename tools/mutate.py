@@ -100,6 +100,18 @@ MUTATIONS = [
      "                    pass\n", NCCL_TEST),
     ("nccl-flags-not-cleared", "NCCL all-gather: the band flags are not cleared after the GEMM", NCCL,
      "        self.flags[: plan.num_groups].zero_()\n", "", NCCL_TEST),
+    ("nccl-replay-signature-without-b", "NCCL path: a replayed call's signature leaves out where b lies (a graph "
+     "captured for one weight would multiply by it when called with another)", NCCL,
+     "address(call.a), address(call.b), buffers.addresses()", "address(call.a), buffers.addresses()",
+     NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches"),
+    ("nccl-replay-signature-without-buffers", "NCCL path: a replayed call's signature leaves out its output and "
+     "product buffers (a graph would write into the previous call's memory)", NCCL,
+     "address(call.a), address(call.b), buffers.addresses()", "address(call.a), address(call.b)",
+     NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches"),
+    ("ipc-shared-gpu-not-seen", "P2P workspace: ranks sharing one GPU are mapped by symmetric memory (which refuses "
+     "them) instead of CUDA IPC", "src/flashoverlap/comm/symmetric.py",
+     "    shared = len({(host, uuid) for host, uuid, _ in everyone}) < len(everyone)\n",
+     "    shared = False\n", "tests/comm/test_symmetric.py"),
     ("ring-start-join-removed", "P2P ring: the copy stream does not wait for the call's start on C", RING,
      '    ops: list = [WaitEvent("X", 0)]\n', "    ops: list = []\n", RING_TEST),
     ("ring-local-start-join-removed", "P2P ring: the local copy stream does not wait for the call's start", RING,

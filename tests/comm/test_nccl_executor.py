@@ -107,3 +107,52 @@ def _ranks(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_nccl_communicator_code_with_an_asynchronous_producer(world_size):
     assert spawn(_ranks, world_size, "gloo") == [8] * world_size
+
+
+def _signatures(rank, world_size):
+    """The NCCL communicator's replay signature (``_buffers``, ``_signature``) on the CPU: what a captured call
+    depends on besides values. Every tensor the call reads or writes moves the signature when it moves, and a call
+    repeated on the same tensors and buffers has the same one (on a GPU the caching allocator hands a repeated call
+    the buffers its previous call freed: tests/gpu/test_gpu_nccl_replay.py)."""
+    fake_cuda.install(wait_timeout_s=5.0)
+    from flashoverlap.comm.protocol import Call, CommGroup
+    from flashoverlap.comm.scaled import Scales
+    from flashoverlap.comm.tp.nccl import NcclCommunicator
+    from flashoverlap.tune.defaults import default_plan
+
+    comm = NcclCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
+    m, n, k = 32 * world_size, 24, 16
+    checked = 0
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        rows = m // world_size if op == "all_gather" else m
+        plan = default_plan(op, m, n, k, world_size, num_groups=2, gemm="cublas", allow_sequential=False)
+        a, b = torch.randn(rows, k), torch.randn(n, k).t()
+        for gathered in ((False, True) if op == "all_gather" else (False,)):
+            call = Call(op, plan, a, b, gathered)
+            first = comm._buffers(call)
+            kept = comm._signature(call, first)
+            assert comm._signature(Call(op, plan, a, b, gathered), first) == kept, (op, gathered)  # same tensors
+            moved = [Call(op, plan, a.clone(), b, gathered), Call(op, plan, a, b.contiguous(), gathered),
+                     Call(op, plan, a, b.clone(), gathered)]
+            for other in moved:  # another a, b laid out otherwise, another b
+                assert comm._signature(other, first) != kept, (op, gathered)
+            held = comm._buffers(call)  # the first call's buffers still alive: the new ones lie elsewhere
+            assert comm._signature(call, held) != kept, (op, gathered)
+            expected = {"all_reduce": 2, "reduce_scatter": 2, "all_gather": 3 if gathered else 2}[op]
+            # all-reduce: the product is the result; all-gather: its gathered input too where it is returned
+            assert sum(x is not None for x in first.addresses()) == expected, (op, gathered, first.addresses())
+            checked += 1
+    # fp8: where the scales lie is part of it.
+    plan = default_plan("all_reduce", m, n, k, world_size, num_groups=2, gemm="cublas", allow_sequential=False)
+    a8, b8 = torch.zeros(m, k, dtype=torch.float8_e4m3fn), torch.zeros(k, n, dtype=torch.float8_e4m3fn)
+    sa, sb = torch.ones(m, 1), torch.ones(1, n)
+    call = Call("all_reduce", plan, a8, b8, scales=Scales.of(sa, sb))
+    buffers = comm._buffers(call)
+    kept = comm._signature(call, buffers)
+    assert comm._signature(Call("all_reduce", plan, a8, b8, scales=Scales.of(sa.clone(), sb)), buffers) != kept
+    assert comm._signature(Call("all_reduce", plan, a8, b8, scales=Scales.of(sa, sb, torch.float32)), buffers) != kept
+    return checked + 1
+
+
+def test_the_replay_signature_names_every_tensor_a_call_touches():
+    assert spawn(_signatures, 2, "gloo") == [5, 5]
