@@ -143,7 +143,8 @@ def test_repeated_nccl_calls_replay_graphs_that_read_the_current_values():
 
 
 def _user_graphs(rank, world):
-    """Each op on the NCCL path's overlapped plans (signalling GEMM and cuBLAS bands) captured into a user's
+    """Each op on the NCCL path's overlapped plans (signalling GEMM and cuBLAS bands) and the sequential plan
+    (matmul, then the collective) captured into a user's
     ``torch.cuda.graph`` and replayed on new values; then the three ops under ``torch.compile(mode=
     "reduce-overhead")`` (cudagraph trees), replayed on new values."""
     import flashoverlap as fo
@@ -155,11 +156,12 @@ def _user_graphs(rank, world):
     m, n, k = 2048, 2048, 1024
     checked = 0
     for op, fn in ops.items():
-        for gemm in ("triton", "cublas"):
+        for gemm in ("triton", "cublas", "sequential"):
             gen = torch.Generator(device=device).manual_seed(checked)
             a = torch.randn(m, k, dtype=torch.bfloat16, device=device, generator=gen)
             b = (torch.randn(n, k, dtype=torch.bfloat16, device=device, generator=gen) / k**0.5).t()
-            plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False, gemm=gemm, num_groups=4)
+            plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, comm_ratio=0.0) if gemm == "sequential" else \
+                fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False, gemm=gemm, num_groups=4)
             check_graph_replays(lambda a, b, fn=fn, plan=plan: fn(a, b, path="nccl", plan=plan),
                                 lambda a, b: (a.float() @ b.float()).to(a.dtype), a, b, rank, replays=3)
             checked += 1
@@ -177,4 +179,4 @@ def _user_graphs(rank, world):
 
 
 def test_nccl_path_calls_inside_user_graphs_and_reduce_overhead():
-    assert spawn(_user_graphs, 1, "nccl", env=ENV)[0] == 6 + 12
+    assert spawn(_user_graphs, 1, "nccl", env=ENV)[0] == 9 + 12
