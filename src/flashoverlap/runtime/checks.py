@@ -75,12 +75,15 @@ def check_scaled(op: str, a: object, b: object, scales: object, kind: str) -> tu
     wanted = {"tensor": ((1,), (1,)), "row": ((m, 1), (1, n)), "block": ((m, blocks_k), (blocks_k, blocks_n))}
     shapes = (tuple(scale_a.shape), tuple(scale_b.shape))
     if scales.mode not in wanted or (scales.mode != "tensor" and shapes != wanted[scales.mode]):
+        if shapes == wanted["block"] and k % BLOCK:  # block-wise shapes (read as row-wise where K < 128)
+            raise ValueError(f"{op}: block-wise scaling needs K (a's columns) a multiple of {BLOCK}, got K = {k} "
+                             "(scale_a [M, K/128], scale_b [K/128, ceil(N/128)]); or use row-wise scales")
         rows = "a_shard's rows" if kind == "all_gather" else "M"
         raise ValueError(
             f"{op}: scale_a {list(scale_a.shape)} and scale_b {list(scale_b.shape)} fit no scaling mode for a "
             f"[{m}, {k}] and b [{k}, {n}]: tensor-wise takes one value each, row-wise scale_a [{m}, 1] ({rows}) and "
             f"scale_b [1, {n}], block-wise scale_a [{m}, {blocks_k}] (1x128 blocks) and scale_b [{blocks_k}, "
-            f"{blocks_n}] (128x128 blocks)")
+            f"{blocks_n}] (128x128 blocks; K a multiple of {BLOCK})")
     if scales.mode == "block" and k % BLOCK:
         raise ValueError(f"{op}: block-wise scaling needs K (a's columns) a multiple of {BLOCK}, got K = {k}")
     if scales.out_dtype not in FP8_OUT_DTYPES:
