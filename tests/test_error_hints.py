@@ -24,3 +24,9 @@ def test_scales_that_fit_no_mode_still_list_every_mode():
     a, b = torch.zeros(4, 256, dtype=E4M3), torch.zeros(256, 16, dtype=E4M3)
     with pytest.raises(ValueError, match=r"fit no scaling mode.*K a multiple of 128"):
         check_scaled("scaled_gemm_all_reduce", a, b, Scales.of(torch.ones(3, 1), torch.ones(1, 16)), "all_reduce")
+
+
+def test_the_fp8_styles_install_hint_is_one_the_package_index_serves():
+    from flashoverlap.nn import float8
+
+    assert 'pip install "torchao>=0.10"' in float8._INSTALL and "pip install flashoverlap[" not in float8._INSTALL

@@ -44,7 +44,8 @@ layouts (as ``styles.py`` lists them), autocast, an input dtype other than the w
 run (a cast ``DISABLED``, ``emulate``, ``pad_inner_dim``, FSDP float8 all-gather), a shard that does not divide.
 ``PrepareFloat8ModuleInput`` is torchao's: it casts once and all-gathers fp8 for the projections that share it.
 
-torchao is an optional dependency (``pip install flashoverlap[fp8]``), imported when a style is constructed.
+torchao is an optional dependency (``pip install "torchao>=0.10"``, or the ``fp8`` extra of a source checkout:
+``pip install -e ".[fp8]"``), imported when a style is constructed.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ from flashoverlap.nn.styles import _Binding, _from_rows, _input_layout, _normali
 from flashoverlap.ops import scaled as scaled_ops
 from flashoverlap.runtime.checks import DTYPES, FP8_DTYPES
 
-_INSTALL = "pip install flashoverlap[fp8]"
+# flashoverlap is installed from a source checkout (the package index does not serve it): torchao alone, or the extra.
+_INSTALL = 'pip install "torchao>=0.10" (or, in a source checkout, pip install -e ".[fp8]")'
 _TORCHAO_STYLES = "torchao.float8.float8_tensor_parallel"
 
 
