@@ -119,6 +119,11 @@ def row_bytes(k: int, dtype: torch.dtype, scales: Scales | None) -> int:
     return k * dtype.itemsize if scales is None else _aligned(k) + _aligned(4 * scales.scale_columns(k))
 
 
+def packed_width(k: int, columns: int) -> int:
+    """Bytes of one ``pack_rows`` row: ``k`` fp8 bytes and ``columns`` fp32 scales, each part padded to ``ALIGN``."""
+    return _aligned(k) + _aligned(4 * columns)
+
+
 def pack_rows(a: torch.Tensor, scale_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a [rows, K]`` fp8 and its scales ``[rows, S]`` fp32 written into one ``[rows, width]`` byte buffer (``out``,
     any row-sliced view of one, or a new one): A's bytes from column 0, the scales' from ``_aligned(K)``; the padding

@@ -19,6 +19,18 @@ Modes: ``"exact"`` (the counts exchanged once per layer, one host synchronisatio
 graph, traceable with ``torch.compile(fullgraph=True)``). Dropless in both: a routing beyond the bound raises,
 naming the bound, on every rank, before any token moves.
 
+fp8 (``comm/expert/scaled.py``): fp8 expert weights with their scales (``scale_w``: row-wise ``[L, N]``, or
+block-wise ``[L, K/128, ceil(N/128)]``, one per 128x128 block of ``w[l]`` as given ``[K, N]``) make the call fp8.
+``moe_dispatch_gemm`` takes fp8 ``x`` with ``scale_x`` (``[T, 1]`` row-wise, ``[T, H/128]`` block-wise, DeepEP's and
+DeepSeek-V3's layout) or a bf16/fp16/fp32 ``x``, which it quantises itself in the weights' mode; the rows cross the
+wire as fp8 packed with their scales (at H = 7168 block-wise 0.516x the bf16 bytes); ``h`` is bf16 (``out_dtype``).
+``moe_gemm_combine`` takes the fp8 ``a`` with ``scale_a`` or a bf16 ``a`` (quantised here) and returns bf16. Mixed
+dtypes and scales of the wrong shape raise, naming the argument, before anything is sent. The fp8 calls record no
+autograd themselves (``flashoverlap.nn``'s fp8 experts define the backward)::
+
+    h = moe_dispatch_gemm(x_fp8, w_up_fp8, routing, scale_x=sx, scale_w=sw_up)        # h [R, 2F] bf16
+    y = moe_gemm_combine(a, w_down_fp8, topk_weights, routing, scale_w=sw_down)       # a bf16: quantised here
+
 ``torch.compile``: bounded mode traces whole (every shape follows from the bound). Exact mode's ``moe_layout``
 is a graph break (run under ``torch.compiler.disable``): its split sizes are host integers read from the device, which a
 graph cannot hold without data-dependent shapes; the graph after it takes them as inputs (Dynamo may recompile
@@ -31,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm.expert import Layout, check_out
+from flashoverlap.comm.expert.scaled import FP8, ExpertScales, mode_of_weight_scales, quantise
 from flashoverlap.ops import moe_library
 from flashoverlap.ops.library import group_name, needed
 from flashoverlap.runtime import experts
@@ -86,6 +99,9 @@ def moe_dispatch_gemm(
     group: dist.ProcessGroup | None = None,
     *,
     path: str = "auto",
+    scale_x: torch.Tensor | None = None,
+    scale_w: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Send each token's row to the ranks of its k experts and multiply the rows received by their expert's
     weight: ``h[seg (s, l)] = rows from rank s for local expert l @ w_up[l]``.
@@ -99,12 +115,26 @@ def moe_dispatch_gemm(
         group: the group the layout was built on.
         path: ``"auto"`` (P2P on one NVLink node, else NCCL, on CUDA; the reference elsewhere), ``"nccl"``,
             ``"p2p"`` or ``"reference"`` (plain PyTorch, any backend).
+        scale_x: fp8 ``x``'s fp32 scales, ``[T, 1]`` (row-wise) or ``[T, H/128]`` (block-wise); None for a
+            bf16/fp16/fp32 ``x`` (quantised here where the weights are fp8).
+        scale_w: fp8 ``w_up``'s fp32 scales: ``[L, N]`` (row-wise) or ``[L, H/128, ceil(N/128)]`` (block-wise).
+        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32``.
 
     Returns:
-        ``h: [R, N]`` in x's dtype: the received rows' products, grouped by (source rank, local expert); rows of
-        no segment (bounded mode's padding) are zero.
+        ``h: [R, N]`` in x's dtype (fp8: ``out_dtype``): the received rows' products, grouped by (source rank, local
+        expert); rows of no segment (bounded mode's padding) are zero.
     """
     _check_layout("moe_dispatch_gemm", layout)
+    fp8 = _fp8_operands("moe_dispatch_gemm", x, w_up, scale_x, scale_w, ("x", "w_up", "scale_x"))
+    if fp8 is not None:
+        x, scale_x, mode = fp8
+        if needed("moe_dispatch_gemm", (x, w_up)):
+            return torch.ops.flashoverlap.moe_dispatch_scaled(x, scale_x, w_up, scale_w, layout.tensors(),
+                                                              group_name(group), moe_library.layout_values(layout),
+                                                              False, path, out_dtype)[0]
+        scales = ExpertScales(mode, scale_w, scale_x, out_dtype, x.dtype)
+        return execute(experts.EXPERT, experts.ExpertSpec("moe_dispatch_gemm", "dispatch", x, w_up, layout, group,
+                                                          path, scales=scales))[0]
     if needed("moe_dispatch_gemm", (x, w_up)):
         h, _ = torch.ops.flashoverlap.moe_dispatch(x, w_up, layout.tensors(), group_name(group),
                                                    moe_library.layout_values(layout), False, path)
@@ -121,6 +151,9 @@ def moe_gemm_combine(
     *,
     path: str = "auto",
     out: torch.Tensor | None = None,
+    scale_a: torch.Tensor | None = None,
+    scale_w: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Multiply each received row by its expert's last projection, send it back to its token's rank, and sum
     each token's k rows there with its router weights: ``y[t] = sum_c topk_weights[t, c] * (a_{t,c} @
@@ -132,13 +165,31 @@ def moe_gemm_combine(
         topk_weights: ``[T, k]`` floating (any float dtype; summed in fp32): each token's router weights, in
             ``topk_idx``'s order.
         layout, group, path: as for ``moe_dispatch_gemm``.
-        out: a preallocated ``[T, H]`` result in a's dtype and device (checked before anything is sent), written
-            and returned; not where autograd records the call (as for PyTorch's ``out=``).
+        out: a preallocated ``[T, H]`` result in a's dtype (fp8: ``out_dtype``) and device (checked before anything
+            is sent), written and returned; not where autograd records the call (as for PyTorch's ``out=``).
+        scale_a: fp8 ``a``'s fp32 scales, ``[R, 1]`` or ``[R, F/128]``; None for a bf16/fp16/fp32 ``a`` (quantised
+            here where the weights are fp8).
+        scale_w: fp8 ``w_down``'s fp32 scales: ``[L, H]`` (row-wise) or ``[L, F/128, ceil(H/128)]`` (block-wise).
+        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32``.
 
     Returns:
-        ``y: [T, H]`` in a's dtype, in this rank's token order (``out`` where given).
+        ``y: [T, H]`` in a's dtype (fp8: ``out_dtype``), in this rank's token order (``out`` where given).
     """
     _check_layout("moe_gemm_combine", layout)
+    fp8 = _fp8_operands("moe_gemm_combine", a, w_down, scale_a, scale_w, ("a", "w_down", "scale_a"))
+    if fp8 is not None:
+        a, scale_a, mode = fp8
+        if needed("moe_gemm_combine", (a, w_down, topk_weights)):
+            if out is not None:
+                raise ValueError("moe_gemm_combine: out= does not take part in autograd or torch.compile's fp8 "
+                                 "custom op; drop out=")
+            return torch.ops.flashoverlap.moe_combine_scaled(a, scale_a, w_down, scale_w, topk_weights,
+                                                             layout.tensors(), group_name(group),
+                                                             moe_library.layout_values(layout), path, out_dtype)[0]
+        scales = ExpertScales(mode, scale_w, scale_a, out_dtype, a.dtype)
+        spec = experts.ExpertSpec("moe_gemm_combine", "combine", a, w_down, layout, group, path, topk_weights,
+                                  out=out, scales=scales)
+        return execute(experts.EXPERT, spec)[0]
     if needed("moe_gemm_combine", (a, w_down, topk_weights)):
         if out is not None:
             if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (a, w_down, topk_weights)):
@@ -151,3 +202,45 @@ def moe_gemm_combine(
         return y if out is None else out.copy_(y)  # traced (torch.compile): the copy is part of the graph
     spec = experts.ExpertSpec("moe_gemm_combine", "combine", a, w_down, layout, group, path, topk_weights, out=out)
     return execute(experts.EXPERT, spec)[0]
+
+
+def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_w: object,
+                  names: tuple[str, str, str]) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """None for a bf16/fp16/fp32 call (no fp8 operand, no scales); otherwise the fp8 rows, their scales and the mode
+    (``"row"``/``"block"``, from ``scale_w``'s shape), quantising bf16/fp16/fp32 rows in that mode. Mixed dtypes and
+    missing or misshapen scales raise here, naming the argument, before anything is sent (the runtime checks the
+    scales' full shapes against the operands)."""
+    rows_name, w_name, scale_name = names
+    fp8_rows = isinstance(rows, torch.Tensor) and rows.dtype in FP8
+    fp8_w = isinstance(w, torch.Tensor) and w.dtype in FP8
+    if not (fp8_rows or fp8_w or scale_rows is not None or scale_w is not None):
+        return None
+    if not fp8_w:
+        what = getattr(w, "dtype", type(w).__name__)
+        raise ValueError(f"{name}: {w_name} is {what} but the call is fp8 ({rows_name} fp8 or scales given): pass "
+                         f"fp8 {w_name} with scale_w, or bf16 operands without scales (mixed dtypes)")
+    if scale_w is None:
+        raise ValueError(f"{name}: fp8 {w_name} needs scale_w (float32 [L, N] row-wise, or [L, K/128, ceil(N/128)] "
+                         "block-wise)")
+    mode = mode_of_weight_scales(scale_w)
+    if mode is None:
+        raise ValueError(f"{name}: scale_w must be a float32 tensor [L, N] (row-wise) or [L, K/128, ceil(N/128)] "
+                         f"(block-wise), got {getattr(scale_w, 'dtype', type(scale_w).__name__)} of shape "
+                         f"{list(getattr(scale_w, 'shape', []))}")
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{name}: {rows_name} must be a torch.Tensor, got {type(rows).__name__}")
+    if fp8_rows:
+        if scale_rows is None:
+            raise ValueError(f"{name}: fp8 {rows_name} needs {scale_name} (float32 [rows, 1] row-wise, or "
+                             "[rows, K/128] block-wise)")
+        return rows, scale_rows, mode
+    if scale_rows is not None:
+        raise ValueError(f"{name}: {scale_name} is given but {rows_name} is {rows.dtype}, not fp8: pass fp8 "
+                         f"{rows_name} with it, or leave {scale_name} unset ({rows_name} is then quantised here)")
+    if rows.ndim != 2 or not rows.is_floating_point():
+        raise ValueError(f"{name}: {rows_name} must be a 2-D floating tensor, got {rows.dtype} of shape "
+                         f"{list(rows.shape)}")
+    if mode == "block" and rows.shape[1] % 128:
+        raise ValueError(f"{name}: block-wise scales need {rows_name}'s width {rows.shape[1]} to be a multiple of 128")
+    data, scale = quantise(rows.detach(), mode, w.dtype if w.dtype == torch.float8_e4m3fn else torch.float8_e4m3fn)
+    return data, scale, mode

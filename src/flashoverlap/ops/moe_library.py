@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from flashoverlap.comm.expert import Layout, default_bound
+from flashoverlap.comm.expert.scaled import ExpertScales, mode_of_weight_scales, wire_width
 from flashoverlap.runtime import experts
 from flashoverlap.runtime.calls import execute
 
@@ -217,6 +218,55 @@ def _combine_backward(ctx, grad_out, grad_back):
 
 moe_dispatch.register_autograd(_dispatch_backward, setup_context=_keep_dispatch)
 moe_combine.register_autograd(_combine_backward, setup_context=_keep_combine)
+
+
+# -- fp8 (comm/expert/scaled.py): no autograd of their own (flashoverlap.nn's fp8 experts define the backward) -----
+
+
+@torch.library.custom_op("flashoverlap::moe_dispatch_scaled", mutates_args=())
+def moe_dispatch_scaled(x: torch.Tensor, scale_x: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
+                        layout: list[torch.Tensor], group: str, values: list[int], per_choice: bool, path: str,
+                        out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``(h [R, N] out_dtype, recv [R, wire width] uint8)``: ``moe_dispatch`` with fp8 rows and weights and their
+    scales (``comm/expert/scaled.py``), the received rows packed with their scales."""
+    name = "moe_gemm_combine backward" if per_choice else "moe_dispatch_gemm"
+    scales = ExpertScales(mode_of_weight_scales(scale_w) or "?", scale_w, scale_x, out_dtype, x.dtype)
+    spec = experts.ExpertSpec(name, "dispatch", x, w, layout_of(layout, values), _resolve_process_group(group), path,
+                              per_choice=per_choice, return_gathered=True, scales=scales)
+    h, recv = execute(experts.EXPERT, spec)
+    return h, recv
+
+
+@moe_dispatch_scaled.register_fake
+def _(x, scale_x, w, scale_w, layout, group, values, per_choice, path, out_dtype):
+    bound, splits = values[2], values[4]
+    rows = layout[2].shape[0] * bound if bound else sum(values[5 + splits : 5 + 2 * splits])
+    width = wire_width(x.shape[1], mode_of_weight_scales(scale_w) or "row")
+    return x.new_empty((rows, w.shape[2]), dtype=out_dtype), x.new_empty((rows, width), dtype=torch.uint8)
+
+
+@torch.library.custom_op("flashoverlap::moe_combine_scaled", mutates_args=())
+def moe_combine_scaled(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
+                       topk_weights: torch.Tensor | None, layout: list[torch.Tensor], group: str, values: list[int],
+                       path: str, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``(out [T, H], y_back [S, H])`` in ``out_dtype``: ``moe_combine`` with fp8 rows and weights and their
+    scales; ``topk_weights`` None: the unweighted sum."""
+    weighted = topk_weights is not None
+    name = "moe_gemm_combine" if weighted else "moe_dispatch_gemm backward"
+    scales = ExpertScales(mode_of_weight_scales(scale_w) or "?", scale_w, scale_a, out_dtype, a.dtype)
+    spec = experts.ExpertSpec(name, "combine", a, w, layout_of(layout, values), _resolve_process_group(group), path,
+                              topk_weights, weighted=weighted, return_gathered=True, scales=scales)
+    out, back = execute(experts.EXPERT, spec)
+    return out, back
+
+
+@moe_combine_scaled.register_fake
+def _(a, scale_a, w, scale_w, topk_weights, layout, group, values, path, out_dtype):
+    top_k, bound = values[1], values[2]
+    send_order = layout[0]
+    tokens = send_order.shape[0] // top_k
+    sent = layout[2].shape[0] * bound if bound else send_order.shape[0]
+    return (a.new_empty((tokens, w.shape[2]), dtype=out_dtype), a.new_empty((sent, w.shape[2]), dtype=out_dtype))
 
 
 def bounded_layout(topk_idx: torch.Tensor, num_experts: int, group: str, bound: int | None) -> Layout:

@@ -21,11 +21,12 @@ import torch.distributed as dist
 
 from flashoverlap import guards, settings
 from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
+from flashoverlap.comm.expert.scaled import FP8, ExpertScales
 from flashoverlap.comm.protocol import Hook
 from flashoverlap.runtime import agreement, calls, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPES
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
-from flashoverlap.tune import grouped
+from flashoverlap.tune import grouped, grouped_fp8
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -67,7 +68,7 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
                                      "mode='bounded' inside a CUDA graph, which")
     env = settings.current()
     if env.agreement is not None and not guards.capturing():
-        header = [0, num_experts, 0, 0, top_k, MODES.index(mode), bound or 0, 0, 0, 0, 0]
+        header = [0, num_experts, 0, 0, top_k, MODES.index(mode), bound or 0, 0, 0, 0, 0, 0]
         agreement.agree(name, context, "expert", _FIELDS, header, env.agreement)
     return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
 
@@ -122,6 +123,7 @@ class ExpertSpec:
     return_gathered: bool = False
     hook: Hook | None = None
     out: torch.Tensor | None = None
+    scales: ExpertScales | None = None  # fp8: ``a`` and ``b`` fp8, their scales (comm/expert/scaled.py)
 
 
 class ExpertKind:
@@ -137,7 +139,8 @@ class ExpertKind:
         hidden, ffn = (k, n) if spec.op == "dispatch" else (n, k)
         header = [1 + ("dispatch", "combine").index(spec.op), routing.experts, hidden, ffn, routing.top_k,
                   MODES.index(routing.mode), routing.bound or 0, DTYPE_CODES[a.dtype],
-                  policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted)]
+                  policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted),
+                  0 if spec.scales is None else 1 + ("row", "block").index(spec.scales.mode)]
         context = group_context(spec.name, spec.group, a.device)
         counts = torch.cat([routing.send_counts.reshape(-1), routing.recv_counts.reshape(-1)])
         tails = agreement.agree(spec.name, context, "expert", _FIELDS, header, timeout, counts)
@@ -149,7 +152,7 @@ class ExpertKind:
         return ("expert", spec.op, spec.name, a.dtype, a.device, tuple(b.shape), routing.world_size, routing.tokens,
                 routing.top_k, routing.experts, routing.mode, routing.bound, spec.path, spec.per_choice,
                 spec.weighted, group if group is not None or not dist.is_initialized() else dist.group.WORLD,
-                env.nccl_p2p_disabled)
+                env.nccl_p2p_disabled, None if spec.scales is None else spec.scales.signature())
 
     def resolve(self, spec: ExpertSpec, env: settings.Settings) -> calls.Entry:
         context, path, plan = _resolve(spec, env.nccl_p2p_disabled)
@@ -160,15 +163,15 @@ class ExpertKind:
         rows = routing.rows_per_expert  # exact mode: this layout's counts, on the host at no cost
         if plan.gemm is not None and rows is not None:
             gemm, hybrid = _gemm_for_rows(rows, spec.b.shape[1], spec.b.shape[2], spec.a.dtype, spec.a.device,
-                                          plan.world_size)
+                                          plan.world_size, _scaling(spec))
             if gemm != plan.gemm:
                 plan = dataclasses.replace(plan, gemm=gemm, hybrid=hybrid)
         if spec.op == "combine" and spec.weighted:
             routing = routing.with_weights(spec.topk_weights)
         capturing = guards.capturing()
         return ExpertCall(spec.name, plan, spec.a, spec.b, spec.return_gathered, spec.hook,
-                          None if capturing else env.timeout, env.replay and not capturing, layout=routing,
-                          out=spec.out)
+                          None if capturing else env.timeout, env.replay and not capturing, spec.scales,
+                          layout=routing, out=spec.out)
 
 
 EXPERT = ExpertKind()
@@ -186,14 +189,16 @@ def _resolve(spec: ExpertSpec, nccl_p2p_disabled: bool) -> tuple[GroupContext, s
         raise ValueError(f"{name}: the weights hold {local} local experts ([L, K, N] = {list(b.shape)}) but the "
                          f"layout routes to {routing.experts} experts over {context.world_size} ranks "
                          f"({routing.experts // context.world_size} per rank)")
-    resolved = _expert_path(name, spec.path, context, a.dtype, nccl_p2p_disabled)
+    # fp8: the path rules see the output dtype (the rows move as bytes; the GEMMs are the fp8 ones).
+    resolved = _expert_path(name, spec.path, context, a.dtype if spec.scales is None else spec.scales.out_dtype,
+                            nccl_p2p_disabled)
     k, n = b.shape[1], b.shape[2]
     hidden, ffn = (k, n) if spec.op == "dispatch" else (n, k)
     gemm = None  # the reference path always loops
     if resolved != "reference":
         capability = torch.cuda.get_device_capability(a.device) if a.device.type == "cuda" else None
         gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, a.dtype, capability,
-                           chunks=context.world_size)
+                           chunks=context.world_size, scaling=_scaling(spec))
     plan = ExpertPlan(spec.op, context.world_size, routing.experts, hidden, ffn, routing.top_k, routing.tokens,
                       routing.mode, routing.bound, gemm, spec.per_choice, spec.weighted,
                       grouped.HYBRID_CUT if gemm == "hybrid" else None)
@@ -201,23 +206,34 @@ def _resolve(spec: ExpertSpec, nccl_p2p_disabled: bool) -> tuple[GroupContext, s
 
 
 def choose_gemm(mode: str, local: int, rows: int, k: int, n: int, dtype: torch.dtype,
-                capability: tuple[int, int] | None, chunks: int = 2) -> str:
+                capability: tuple[int, int] | None, chunks: int = 2, scaling: str | None = None) -> str:
     """The grouped GEMM a fast path's plan runs (``ExpertPlan.gemm``) for ``local`` experts and ``rows`` rows
     (``T * k``, taken as balanced: no routing is known yet) in ``chunks`` calls (the group's size): the policy's
-    (``tune.grouped.expert_gemm``); ``"hybrid"`` plans take ``tune.grouped.HYBRID_CUT``."""
+    (``tune.grouped.expert_gemm``; fp8, ``scaling`` ``"row"`` or ``"block"``: ``tune.grouped_fp8.expert_gemm_fp8``);
+    ``"hybrid"`` plans take ``tune.grouped.HYBRID_CUT``."""
     call = grouped.GroupedCall.balanced(local, rows, k, n, dtype.itemsize, chunks)
+    if scaling is not None:
+        return grouped_fp8.expert_gemm_fp8(call, scaling, mode=mode, device_capability=capability,
+                                           triton=_triton_available())[0]
     return grouped.expert_gemm(call, dtype, mode=mode, device_capability=capability, triton=_triton_available())[0]
 
 
 @functools.lru_cache(maxsize=1024)
 def _gemm_for_rows(rows: tuple[int, ...], k: int, n: int, dtype: torch.dtype, device: torch.device,
-                   chunks: int) -> tuple[str, object]:
+                   chunks: int, scaling: str | None = None) -> tuple[str, object]:
     """The grouped GEMM for an exact-mode layout's received rows per local expert (``Layout.rows_per_expert``):
     the cost model given the routing's counts (``tune.grouped.expert_gemm``), which the balanced guess of the
     plan's first call cannot see (skewed routing, where a per-expert loop can win)."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     call = grouped.GroupedCall(rows, k, n, dtype.itemsize, chunks)
+    if scaling is not None:
+        return grouped_fp8.expert_gemm_fp8(call, scaling, mode="exact", device_capability=capability,
+                                           triton=_triton_available())
     return grouped.expert_gemm(call, dtype, mode="exact", device_capability=capability, triton=_triton_available())
+
+
+def _scaling(spec: ExpertSpec) -> str | None:
+    return None if spec.scales is None else spec.scales.mode
 
 
 def _triton_available() -> bool:
@@ -233,18 +249,25 @@ def _check_operands(spec: ExpertSpec) -> None:
     weights and the layout, and a combine's preallocated ``out``."""
     name, op, a, b, routing, out = spec.name, spec.op, spec.a, spec.b, spec.layout, spec.out
     rows_name, w_name = ("x", "w_up") if op == "dispatch" else ("a", "w_down")
+    scales = spec.scales
     for arg, t, dims in ((rows_name, a, 2), (w_name, b, 3)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != dims:
             raise ValueError(f"{name}: {arg} must be {dims}-D, got shape {list(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise ValueError(f"{name}: {arg} must be bfloat16, float16 or float32, got {t.dtype}")
+        if scales is not None and t.dtype not in FP8:
+            raise ValueError(f"{name}: {arg} must be float8_e4m3fn or float8_e5m2 in an fp8 call (scales given), "
+                             f"got {t.dtype}")
+        if scales is None and t.dtype not in DTYPES:
+            hint = f" (fp8: pass its scales, scale_{'w' if t is b else rows_name})" if t.dtype in FP8 else ""
+            raise ValueError(f"{name}: {arg} must be bfloat16, float16 or float32, got {t.dtype}{hint}")
     if not isinstance(routing, Layout):
         raise TypeError(f"{name}: layout must be a flashoverlap Layout (from flashoverlap.moe_layout), got "
                         f"{type(routing).__name__}")
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    if a.dtype != b.dtype:
+    if scales is not None:
+        _check_scales(spec)
+    elif a.dtype != b.dtype:
         raise ValueError(f"{name}: {rows_name} is {a.dtype} but {w_name} is {b.dtype}; cast one to the other")
     if a.device != b.device or routing.send_order.device != a.device:
         raise ValueError(f"{name}: {rows_name} ({a.device}), {w_name} ({b.device}) and the layout "
@@ -276,12 +299,39 @@ def _check_operands(spec: ExpertSpec) -> None:
             raise ValueError(f"{name}: topk_weights [T, k] is required")
         _check_router_weights(name, spec.topk_weights, torch.Size((routing.tokens, routing.top_k)), a.device)
     if out is not None:
-        check_out(name, out, (routing.tokens, n), a.dtype, a.device)
+        check_out(name, out, (routing.tokens, n), a.dtype if scales is None else scales.out_dtype, a.device)
+
+
+def _check_scales(spec: ExpertSpec) -> None:
+    """An fp8 call's scales against its operands (``comm/expert/scaled.py``'s table), naming the argument."""
+    name, scales, a, b = spec.name, spec.scales, spec.a, spec.b
+    rows_scale = "scale_x" if spec.op == "dispatch" else "scale_a"
+    if scales.mode not in ("row", "block"):
+        raise ValueError(f"{name}: fp8 scaling must be 'row' or 'block', got {scales.mode!r}")
+    if scales.out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{name}: out_dtype must be torch.bfloat16 or torch.float32, got {scales.out_dtype}")
+    local, k, n = b.shape
+    if scales.mode == "block":
+        if k % 128:
+            raise ValueError(f"{name}: block-wise scales need K = {k} (the rows' width) to be a multiple of 128")
+        want_b, want_a = (local, k // 128, -(-n // 128)), (a.shape[0], k // 128)
+        what_b = "[L, K/128, ceil(N/128)] (one per 128x128 block of w[l] [K, N])"
+    else:
+        want_b, want_a = (local, n), (a.shape[0], 1)
+        what_b = "[L, N] (one per expert and output column)"
+    for arg, t, want, what in (("scale_w", scales.b, want_b, what_b),
+                               (rows_scale, scales.a, want_a, "[rows, K/128]" if scales.mode == "block" else
+                                "[rows, 1]")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32 or tuple(t.shape) != want or t.device != a.device:
+            raise ValueError(f"{name}: {arg} must be float32 {list(want)} on {a.device} ({scales.mode}-wise: "
+                             f"{what}), got {t.dtype} {list(t.shape)} on {t.device}")
 
 
 # -- the agreement check: the ranks agree ------------------------------------------------------------------------
 _FIELDS = ("op", "num_experts", "hidden size H", "expert width F", "top-k", "mode", "bound", "dtype", "path",
-           "per_choice", "weighted")
+           "per_choice", "weighted", "fp8 scaling")
 
 
 def _check_counts(name: str, context: GroupContext, routing: Layout, rows: list[list[int]]) -> None:

@@ -96,7 +96,7 @@ def host_relative_ends(layout: Layout) -> list[list[int]]:
     return ends
 
 
-def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device) -> str:
+def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device, scales=None) -> str:
     """The grouped GEMM a chunk runs: the plan's, except where it cannot: cuBLAS's grouped GEMM takes bf16 rows of
     16-byte multiples only (else Triton). A plan without a choice (``gemm=None``, built outside the runtime): the
     per-segment loop in exact mode, Triton in bounded mode (the loop needs host sizes, which bounded mode never
@@ -104,6 +104,14 @@ def chunk_gemm(plan: ExpertPlan, dtype: torch.dtype, device: torch.device) -> st
     interpreter: a loop instead."""
     kind = plan.gemm if plan.gemm is not None else ("triton" if plan.mode == "bounded" else "loop")
     k, n = plan.gemm_shape
+    if scales is not None:  # fp8 (comm/expert/scaled.py): the loop, torch._scaled_grouped_mm (row-wise) or Triton
+        if kind == "hybrid":
+            kind = "loop"
+        if kind == "cublas" and (scales.mode != "row" or k % 16 or n % 16):
+            kind = "triton" if device.type == "cuda" else "loop"
+        if device.type != "cuda":  # torch._scaled_grouped_mm runs on CUDA only
+            return "triton" if kind == "triton" and guards.triton_interpreted() else "loop"
+        return kind
     if kind == "cublas" and (dtype != torch.bfloat16 or k % 8 or n % 8):
         kind = "triton"
     if device.type != "cuda":
@@ -275,13 +283,16 @@ def light_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
 
 
 def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, seg_expert: torch.Tensor,
-                     ends=None):
+                     ends=None, scales=None):
     """``multiply(chunk, x, x_row, out, out_row, rows)``: chunk ``chunk``'s segments of ``x`` (from row ``x_row``)
     times their experts' ``b[l]`` into ``out`` (from row ``out_row``), on the current stream (``multiply_chunk``);
     nothing for no rows; the hybrid: its heavy experts' segments only (``light_multiplier`` runs the rest). The
     chunks' relative ends (``ends[chunk]``: ``relative_ends(layout)`` unless a caller keeps them) and the Triton
-    kernel's table are made once per call."""
+    kernel's table are made once per call. fp8 (``scales``, ``comm/expert/scaled.py``): ``x`` is packed rows (uint8)
+    or fp8 rows whose scales are ``scales.a`` by the same row numbers; ``out`` in the output dtype."""
     ends = relative_ends(layout) if ends is None else ends
+    if scales is not None:
+        return _scaled_multiplier(kind, plan, layout, b, ends, scales)
     only = None
     if kind == "hybrid":
         kind, only = "loop", hybrid_parts(layout, plan.hybrid.heavy_rows)[0]
@@ -297,6 +308,22 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
         if rows:
             multiply_chunk(gemm, x[x_row : x_row + rows], ends[chunk], out[out_row : out_row + rows],
                            None if host is None else host[chunk])
+
+    return multiply
+
+
+def _scaled_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, ends, scales):
+    """``chunk_multiplier`` for fp8 rows (``scaled.scaled_multiply``)."""
+    from flashoverlap.comm.expert.scaled import scaled_multiply, segment_rows
+
+    host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
+    k = b.shape[1]
+
+    def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
+        if rows:
+            data, scale = segment_rows(x, scales, k, x_row, rows)
+            scaled_multiply(kind, data, scale, b, scales, ends[chunk], out[out_row : out_row + rows],
+                            None if host is None else host[chunk])
 
     return multiply
 

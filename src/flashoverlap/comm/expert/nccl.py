@@ -48,6 +48,11 @@ transfer behind them, and every peer's rows leave as early as possible (FlashOve
 
 The origin's weighted sum (``combine_at_origin``) runs on ``C`` after ``C`` joins ``S``.
 
+fp8 (``call.scales``, ``comm/expert/scaled.py``): dispatch's rows travel packed with their scales (uint8 rows: the
+received rows it returns are packed too), its products and combine's in the output dtype (bf16), which is what combine
+returns; combine runs the per-destination form (the signalling launch is bf16/fp16 only), with the fp8 chunk GEMM
+``chunk_gemm`` picks (the loop, ``torch._scaled_grouped_mm`` or the fp8 Triton kernel).
+
 With ``FLASHOVERLAP_DEBUG_TIMEOUT`` (``call.timeout``), an event after each round is polled with a deadline; a round
 that does not finish in time raises an error naming the rank, the op, the group and the peer.
 """
@@ -74,6 +79,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
 )
 from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
+from flashoverlap.comm.expert.scaled import pack
 from flashoverlap.comm.protocol import CommGroup, GroupFields
 
 # -- the communicator -------------------------------------------------------------------------------------------
@@ -162,10 +168,12 @@ class ExpertNcclCommunicator(GroupFields):
         bounded = plan.mode == "bounded"
         send_at, recv_at = chunks.send_offsets, chunks.recv_offsets
         compute = torch.cuda.current_stream(self.device)
-        send = send_buffer(a, plan, layout)
+        scales = call.scales  # fp8: the rows travel packed with their scales (comm/expert/scaled.py)
+        wire = a if scales is None else pack(a, scales.a)
+        send = send_buffer(wire, plan, layout)
         rows = layout.recv_rows
-        recv = self._new((rows, a.shape[1]), a.dtype)
-        h = self._new((rows, b.shape[2]), a.dtype, zero=bounded)
+        recv = self._new((rows, wire.shape[1]), wire.dtype)
+        h = self._new((rows, b.shape[2]), a.dtype if scales is None else scales.out_dtype, zero=bounded)
         comm = self.comm_stream
         comm.wait_stream(compute)  # the send buffer is written
         arrived, waited = {}, []
@@ -177,11 +185,11 @@ class ExpertNcclCommunicator(GroupFields):
                 arrived[p] = comm.record_event()
                 waited.append((p, arrived[p]))
         me = self.rank
-        kind = chunk_gemm(plan, a.dtype, a.device)
+        kind = chunk_gemm(plan, a.dtype, a.device, scales)
         light = light_multiplier(kind, plan, layout, b)  # the hybrid's light experts: once every chunk is in recv
         if (call.return_gathered or light is not None) and chunks.recv[me]:
             recv[recv_at[me] : recv_at[me] + chunks.recv[me]].copy_(send[send_at[me] : send_at[me] + chunks.send[me]])
-        multiply = self._multiplier(kind, plan, layout, b)
+        multiply = self._multiplier(kind, plan, layout, b, scales)
         multiply(me, send, send_at[me], h, recv_at[me], chunks.recv[me])
         if call.hook is not None:
             call.hook()
@@ -206,12 +214,14 @@ class ExpertNcclCommunicator(GroupFields):
         me, hidden = self.rank, b.shape[2]
         compute = torch.cuda.current_stream(self.device)
         comm = self.comm_stream
-        back = self._new((layout.send_capacity, hidden), a.dtype, zero=bounded)
-        y = self._new((a.shape[0], hidden), a.dtype, zero=bounded)
+        scales = call.scales  # fp8: a's scales by row; the products and the returned rows in the output dtype
+        out_dtype = a.dtype if scales is None else scales.out_dtype
+        back = self._new((layout.send_capacity, hidden), out_dtype, zero=bounded)
+        y = self._new((a.shape[0], hidden), out_dtype, zero=bounded)
         comm.wait_stream(compute)  # earlier work on the buffers; the GEMM itself is waited for per destination
         waited = []
-        kind = chunk_gemm(plan, a.dtype, a.device)
-        if not bounded and plan.gemm == "triton" and a.shape[0] > 0:
+        kind = chunk_gemm(plan, a.dtype, a.device, scales)
+        if not bounded and plan.gemm == "triton" and a.shape[0] > 0 and scales is None:
             # FlashOverlap: one signalling GEMM, launched before any wait on it (deadlock rule 1).
             table = segment_table(self._tables, self.world_size, layout.experts_per_rank, me, self.device)
             self._signalling_gemm(a, b, layout, y, table, chunks)
@@ -233,7 +243,7 @@ class ExpertNcclCommunicator(GroupFields):
             if chunks.recv[me]:  # the own rows, stored once S has seen the own flag (the last one)
                 back[send_at[me] : send_at[me] + chunks.send[me]].copy_(y[recv_at[me] : recv_at[me] + chunks.recv[me]])
         else:
-            multiply = self._multiplier(kind, plan, layout, b)
+            multiply = self._multiplier(kind, plan, layout, b, scales)
             light = light_multiplier(kind, plan, layout, b)
             if light is not None:  # the hybrid's light experts, every destination's rows, before any leaves
                 light(a, y)
@@ -257,13 +267,13 @@ class ExpertNcclCommunicator(GroupFields):
         compute.wait_stream(comm)
         if call.timeout is not None:
             self._check_progress(call, waited, "the rows for and from")
-        out = combine_at_origin(back, plan, layout, a.dtype, out=call.out)
+        out = combine_at_origin(back, plan, layout, out_dtype, out=call.out)
         return out, back if call.return_gathered else None
 
     # -- the GEMMs -----------------------------------------------------------------------------------------
-    def _multiplier(self, kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor):
+    def _multiplier(self, kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, scales=None):
         table = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank, self.device)
-        return chunk_multiplier(kind, plan, layout, b, table["expert"])
+        return chunk_multiplier(kind, plan, layout, b, table["expert"], scales=scales)
 
     def _signalling_gemm(self, a: torch.Tensor, b: torch.Tensor, layout: Layout, y: torch.Tensor,
                          table: dict[str, torch.Tensor], chunks: Chunks) -> None:

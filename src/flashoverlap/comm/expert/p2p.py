@@ -50,6 +50,10 @@ light rows in one launch before the schedule starts, and its own chunk's GEMM wr
 to the returned rows. Neither adds a wait: the deadlock argument above is unchanged (the light launch is loaded with
 the others on a plan's first call).
 
+fp8 (``call.scales``, ``comm/expert/scaled.py``): dispatch's rows are packed with their scales by the ``Gather``
+step, so the slots and copies move the packed rows' bytes (``_row_bytes``) and the received rows are packed; the
+products and combine's returned rows are in the output dtype (bf16). The schedule is the same.
+
 With ``FLASHOVERLAP_DEBUG_TIMEOUT`` (``call.timeout``), an event after every flag wait is polled with a deadline:
 a wait that does not end in time raises an error naming the rank, the op, the group and the flag's pair.
 """
@@ -75,6 +79,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
 )
 from flashoverlap.comm.expert.contract import ExpertCall
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
+from flashoverlap.comm.expert.scaled import pack, wire_width
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
 from flashoverlap.comm.steps import Copy, Finish, Gather, Gemm, Hook, Loc, Record, Signal, Wait, WaitEvent
@@ -160,6 +165,16 @@ def schedule(op: str, rank: int, send: tuple[int, ...], recv: tuple[int, ...], g
     return tuple(ops)
 
 
+def _row_bytes(call: ExpertCall) -> int:
+    """The bytes of one row the call moves: dispatch's rows (fp8: packed with their scales), combine's products."""
+    plan, scales = call.plan, call.scales
+    if scales is None:
+        return plan.hidden * call.a.dtype.itemsize
+    if plan.op == "dispatch":
+        return wire_width(plan.hidden, scales.mode)
+    return plan.hidden * scales.out_dtype.itemsize
+
+
 def _consume(rank: int, source: int, dst: Loc, rows: int) -> list:
     """Phase B for one source: wait for its rows, copy them out of the slot, free the slot."""
     return [Wait("C", full_flag(rank, source), f"the rows from rank {source}"),
@@ -239,11 +254,15 @@ class ExpertP2PCommunicator(GroupFields):
         """dispatch: ``(h [R, N], received rows [R, H])``; combine: ``(out [T, H], returned rows [S, H])``, ``out``
         the call's own where given. The row buffers are where the pushed rows are copied out to, returned or not."""
         plan, layout, hidden = call.plan, call.layout, call.plan.hidden
+        out_dtype = a.dtype if call.scales is None else call.scales.out_dtype
         if plan.op == "dispatch":
             rows = layout.recv_rows
+            if call.scales is not None:  # the received rows packed with their scales
+                return (self._new((rows, call.b.shape[2]), out_dtype),
+                        self._new((rows, wire_width(hidden, call.scales.mode)), torch.uint8))
             return self._new((rows, call.b.shape[2]), a.dtype), self._new((rows, hidden), a.dtype)
-        out = call.out if call.out is not None else self._new((plan.tokens, hidden), a.dtype)
-        return out, self._new((layout.send_capacity, hidden), a.dtype)
+        out = call.out if call.out is not None else self._new((plan.tokens, hidden), out_dtype)
+        return out, self._new((layout.send_capacity, hidden), out_dtype)
 
     def _scratch(self, shape: tuple[int, int], dtype: torch.dtype, zero: bool) -> torch.Tensor:
         """A temporary of one call (combine's products), allocated on the caller's stream (in a replayed call, from
@@ -262,7 +281,7 @@ class ExpertP2PCommunicator(GroupFields):
         GEMM kernels."""
         plan, layout, dtype = call.plan, call.layout, call.a.dtype
         rows = plan.bound if plan.mode == "bounded" else self._largest_pair(call.name, layout, chunks)
-        need = rows * plan.hidden * dtype.itemsize
+        need = rows * _row_bytes(call)
         if need > self._slot_bytes():
             size = self.world_size * (need + SLOT_ALIGN)
             if self.workspace.ensure(size, call.name, ones=(FREE_BASE, FREE_BASE + self.world_size)):
@@ -291,13 +310,17 @@ class ExpertP2PCommunicator(GroupFields):
         """Run each GEMM of the schedule once, eagerly, on scratch rows: the call queues them behind flag waits, where
         a kernel that is not loaded yet must not be launched first (deadlock rule 3)."""
         guards.refuse_inside_capture(f"{call.name}: the first P2P call of a shape loads its GEMM kernels")
-        plan, b = call.plan, call.b
-        multiply = self._multiplier(call, chunk_gemm(plan, call.a.dtype, self.device))
+        plan, b, scales = call.plan, call.b, call.scales
+        multiply = self._multiplier(call, chunk_gemm(plan, call.a.dtype, self.device, scales))
         k, n = b.shape[1], b.shape[2]
+        out_dtype = call.a.dtype if scales is None else scales.out_dtype
         for item in schedule(plan.op, self.rank, chunks.send, chunks.recv):
             if isinstance(item, Gemm):
-                x = torch.zeros((item.rows, k), dtype=call.a.dtype, device=self.device)
-                multiply(item.chunk, x, 0, torch.empty((item.rows, n), dtype=call.a.dtype, device=self.device), 0,
+                if scales is not None and plan.op == "dispatch":  # packed rows
+                    x = torch.zeros((item.rows, wire_width(k, scales.mode)), dtype=torch.uint8, device=self.device)
+                else:  # combine's fp8 rows take their scales by row number: the first rows' are there
+                    x = torch.zeros((item.rows, k), dtype=call.a.dtype, device=self.device)
+                multiply(item.chunk, x, 0, torch.empty((item.rows, n), dtype=out_dtype, device=self.device), 0,
                          item.rows)
         torch.cuda.synchronize(self.device)
 
@@ -321,7 +344,8 @@ class ExpertP2PCommunicator(GroupFields):
         layout = call.layout
         seg_expert = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank,
                                    self.device)["expert"]
-        return chunk_multiplier(kind, call.plan, layout, call.b, seg_expert, self._chunk_ends(layout))
+        return chunk_multiplier(kind, call.plan, layout, call.b, seg_expert, self._chunk_ends(layout),
+                                scales=call.scales)
 
     def _chunk_ends(self, layout) -> tuple[torch.Tensor, ...]:
         """Each chunk's segment ends relative to its first row (``relative_ends``, one view per chunk). Exact mode:
@@ -341,16 +365,17 @@ class ExpertP2PCommunicator(GroupFields):
         ``_outputs``) hold the result on the caller's stream afterwards. The schedule comes resolved (``_program``),
         and the driver is called through ``ctypes`` with raw stream and event handles (``stream_ops.fast``), as the
         tensor-parallel P2P executor does."""
-        plan, layout = call.plan, call.layout
+        plan, layout, scales = call.plan, call.layout, call.scales
         bounded = plan.mode == "bounded"
-        kind = chunk_gemm(plan, a.dtype, self.device)
+        kind = chunk_gemm(plan, a.dtype, self.device, scales)
+        out_dtype = a.dtype if scales is None else scales.out_dtype
         # The hybrid's light experts run over every chunk at once: dispatch's own chunk then joins the received rows.
         light = light_multiplier(kind, plan, layout, call.b)
         if light is not None and plan.op == "dispatch":
             self._load_light(call, light)
         program, ops = self._program(plan.op, chunks,
                                      (call.return_gathered or light is not None) and plan.op == "dispatch",
-                                     plan.hidden * a.dtype.itemsize)
+                                     _row_bytes(call))
         driver = stream_ops.fast()
         handles = (driver.current_stream(self._index), self.copy_stream.cuda_stream)
         if plan.op == "dispatch":
@@ -363,7 +388,7 @@ class ExpertP2PCommunicator(GroupFields):
             if bounded:
                 back.zero_()  # the own slot's padding rows, which no GEMM writes
             # Chunks leave whole (bounded mode: slots, padding included), so the rows no segment covers are zero.
-            tensors = [a, self._scratch((a.shape[0], plan.hidden), a.dtype, zero=bounded), back]
+            tensors = [a, self._scratch((a.shape[0], plan.hidden), out_dtype, zero=bounded), back]
         bases = [0 if t is None else t.data_ptr() for t in tensors] + [0]
         multiply = self._multiplier(call, kind)
         if light is not None and plan.op == "combine":  # before any chunk leaves: every destination's light rows
@@ -396,13 +421,13 @@ class ExpertP2PCommunicator(GroupFields):
             elif code == _WAIT_EVENT:
                 wait_event(handles[step[1]], events[step[2]])
             elif code == _GATHER:
-                tensors[0] = send_buffer(a, plan, layout)
+                tensors[0] = send_buffer(a if scales is None else pack(a, scales.a), plan, layout)
                 bases[0] = tensors[0].data_ptr()
             elif code == _HOOK:
                 if call.hook is not None:
                     call.hook()
             else:  # _FINISH
-                combine_at_origin(back, plan, layout, a.dtype, out=out)
+                combine_at_origin(back, plan, layout, out_dtype, out=out)
         # X read send / y: nothing reuses them before its pushes are done.
         record(self._join, handles[1])
         wait_event(handles[0], self._join)
@@ -465,10 +490,11 @@ class ExpertP2PCommunicator(GroupFields):
     def _signature(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
         """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
         where each tensor lies (operands, the layout's, the outputs), the workspace and cuBLAS's switches."""
-        layout = call.layout
+        layout, scales = call.layout, call.scales
+        fp8 = None if scales is None else (scales.signature(), address(scales.a), address(scales.b))
         return (call.plan, a.dtype, call.return_gathered, address(a), address(call.b),
                 tuple(address(t) for t in layout.tensors()), address(layout.weights),
-                tuple(address(t) for t in outputs), self.workspace.buffer.data_ptr(), cublas_switches())
+                tuple(address(t) for t in outputs), self.workspace.buffer.data_ptr(), cublas_switches(), fp8)
 
     def _check_progress(self, call: ExpertCall, waited: list, timeout: float) -> None:
         guards.poll_events(waited, timeout, lambda item: (

@@ -1,0 +1,170 @@
+"""fp8 expert calls' mechanics, shared by every expert path (reference, NCCL, P2P): the scales a call carries
+(``ExpertScales``), quantising bf16 rows (``quantise``), the packed wire rows (fp8 row and its scales in one byte row,
+``comm/scaled.pack_rows``, as the tensor-parallel fp8 all-gather moves them), and the scaled product of one expert's
+rows (``expert_product``) and of a chunk's segments (``scaled_multiply``: the loop, ``torch._scaled_grouped_mm`` or
+the Triton kernel).
+
+Scaling modes (the mode follows from the weights' scales' shape):
+
+| mode | rows' scales (``x`` / ``a``) | weights' scales (``w [L, K, N]``) |
+| --- | --- | --- |
+| ``"row"`` | ``[rows, 1]``: one per row | ``[L, N]``: one per expert and output column |
+| ``"block"`` (DeepSeek-V3, DeepEP) | ``[rows, K/128]``: one per 1x128 block | ``[L, ceil(K/128), ceil(N/128)]``: per 128x128 |
+
+The weights' scales follow the ``[L, K, N]`` orientation the op is given (for ``nn.Linear``-shaped ``[L, N, K]``
+weights passed as ``w.transpose(1, 2)``, pass their ``[L, N/128, K/128]`` block scales as ``s.transpose(1, 2)``;
+row-wise ``[L, N]`` is the same either way). ``y = (x * sx) @ (w[l] * sw[l])`` in fp32, rounded to the output dtype
+(bf16). What crosses the wire: dispatch moves each routed row packed (its K fp8 bytes padded to 16, then its scales'
+fp32 bytes padded to 16: at K = 7168 block-wise, 7168 + 224 bytes, 0.516x the bf16 row); combine returns bf16 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashoverlap.comm.scaled import BLOCK, FP8, Scales, pack_rows, packed_width, scaled_mm, unpack_rows
+
+MODES = ("row", "block")
+E4M3_MAX = 448.0
+
+
+@dataclass(slots=True, eq=False)
+class ExpertScales:
+    """An fp8 expert call's scales (``comm/expert/scaled.py``): ``mode`` (``"row"`` or ``"block"``), ``b`` the
+    weights' scales, ``a`` the rows' scales (dispatch: the given rows', ``[T, S]`` or ``[T*k, S]`` per choice; combine:
+    ``a``'s ``[R, S]``), the output dtype and the rows' fp8 dtype."""
+
+    mode: str
+    b: torch.Tensor
+    a: torch.Tensor
+    out_dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.float8_e4m3fn  # the rows' fp8 dtype
+
+    def columns(self, k: int) -> int:
+        """Scales per row of ``k`` channels: 1 row-wise, ``k / 128`` block-wise."""
+        return k // BLOCK if self.mode == "block" else 1
+
+    def signature(self) -> tuple:
+        return (self.mode, self.a.shape[1:], self.b.shape, self.out_dtype, self.dtype)
+
+
+def mode_of_weight_scales(scale_w: object) -> str | None:
+    """``"row"`` for a 2-D ``[L, N]``, ``"block"`` for a 3-D ``[L, K/128, N/128]``, None otherwise."""
+    if not isinstance(scale_w, torch.Tensor):
+        return None
+    return {2: "row", 3: "block"}.get(scale_w.ndim)
+
+
+def wire_width(k: int, mode: str) -> int:
+    """Bytes of one packed dispatch row of ``k`` fp8 channels in ``mode``."""
+    return packed_width(k, k // BLOCK if mode == "block" else 1)
+
+
+def quantise(x: torch.Tensor, mode: str, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, K]`` (any float) as fp8 and its fp32 scales (``[rows, 1]`` row-wise, ``[rows, K/128]`` block-wise):
+    each row (or 1x128 block) scaled so that its largest magnitude is the fp8 dtype's largest, ``x ~ q * scale``."""
+    top = torch.finfo(dtype).max
+    rows, k = x.shape
+    xf = x.float()
+    if mode == "block":
+        blocks = xf.reshape(rows, k // BLOCK, BLOCK)
+        scale = (blocks.abs().amax(2) / top).clamp_min(1e-12)
+        q = (blocks / scale[:, :, None]).clamp(-top, top).to(dtype).reshape(rows, k)
+        return q, scale
+    scale = (xf.abs().amax(1, keepdim=True) / top).clamp_min(1e-12)
+    return (xf / scale).clamp(-top, top).to(dtype), scale
+
+
+def pack(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The wire rows: ``x [rows, K]`` fp8 and its scales ``[rows, S]`` in one ``[rows, wire_width]`` uint8 tensor."""
+    return pack_rows(x, scale.float())
+
+
+def unpack(packed: torch.Tensor, k: int, dtype: torch.dtype, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack``'s inverse as views (``comm/scaled.unpack_rows``)."""
+    return unpack_rows(packed, k, dtype, columns)
+
+
+def dequantised_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [rows, K]`` fp8 times its scales ``[rows, S]`` (``S`` 1, or ``K/128``), fp32."""
+    scale = scale.float()
+    if scale.shape[1] > 1:
+        scale = scale.repeat_interleave(BLOCK, dim=1)[:, : x.shape[1]]
+    return x.float() * scale
+
+
+def dequantised_weight(w: torch.Tensor, scale: torch.Tensor, mode: str) -> torch.Tensor:
+    """One expert's ``w [K, N]`` fp8 times its scales (``[N]`` row-wise, ``[ceil(K/128), ceil(N/128)]``), fp32."""
+    if mode == "block":
+        scale = scale.float().repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)
+        return w.float() * scale[: w.shape[0], : w.shape[1]]
+    return w.float() * scale.float().reshape(1, -1)
+
+
+def expert_product(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, mode: str,
+                   out: torch.Tensor) -> None:
+    """``out = (x * x_scale) @ (w * w_scale)`` for one expert's rows (``x [rows, K]`` fp8, ``w [K, N]`` fp8), fp32
+    accumulation, rounded to ``out``'s dtype: one ``torch._scaled_mm`` where it runs (row-wise: the CPU, and CUDA
+    where cuBLAS takes the operands), the dequantised product elsewhere."""
+    if x.device.type == "cuda":  # comm/scaled.scaled_mm: one _scaled_mm where cuBLAS takes it, else dequantised
+        row = mode == "row"
+        scale_a = x_scale.float().reshape(-1, 1) if row else x_scale.float()
+        scale_b = w_scale.float().reshape(1, -1) if row else w_scale.float()
+        scaled_mm(x, w, Scales(scale_a, scale_b, mode, out.dtype), out=out)
+        return
+    if mode == "row":  # the CPU's _scaled_mm runs row-wise
+        scale_a = x_scale.float().reshape(-1, 1).contiguous()
+        scale_b = w_scale.float().reshape(1, -1).contiguous()
+        out.copy_(torch._scaled_mm(x.contiguous(), w, scale_a, scale_b, out_dtype=out.dtype))
+        return
+    out.copy_(dequantised_rows(x, x_scale) @ dequantised_weight(w, w_scale, mode))
+
+
+def segment_rows(x: torch.Tensor, scales: ExpertScales, k: int, start: int, rows: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[start, start + rows)`` of a call's fp8 rows with their scales: ``x`` packed (uint8, dispatch's send or
+    received rows) or fp8 (combine's ``a``, its scales ``scales.a``)."""
+    if x.dtype == torch.uint8:
+        return unpack(x[start : start + rows], k, scales.dtype, scales.columns(k))
+    return x[start : start + rows], scales.a[start : start + rows]
+
+
+def scaled_multiply(kind: str, x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, scales: ExpertScales,
+                    ends: torch.Tensor, out: torch.Tensor, host_ends: list[int] | None = None) -> None:
+    """``out[rows of l] = x[rows of l] @ w[l]`` scaled, for the ``L`` segments of one chunk (``ends``: int32 ``[L]``
+    relative to ``x``'s first row, on the device; ``host_ends`` the same on the host), the way ``kind`` says:
+    ``"loop"`` (``expert_product`` per segment), ``"cublas"`` (``torch._scaled_grouped_mm``, row-wise; rows past the
+    last segment written zero) or ``"triton"`` (``kernels.grouped_gemm.scaled_grouped_gemm``). Rows past
+    ``ends[-1]`` are not written (but by cuBLAS, which writes them zero)."""
+    rows = x.shape[0]
+    if rows == 0:
+        return
+    if kind == "cublas":
+        product = torch._scaled_grouped_mm(x.contiguous(), w, x_scale.float().reshape(-1).contiguous(),
+                                           scales.b.float(), offs=ends, out_dtype=out.dtype)
+        product.masked_fill_(torch.arange(rows, dtype=ends.dtype, device=x.device)[:, None] >= ends[-1:], 0)
+        out.copy_(product)
+        return
+    if kind == "triton":
+        from flashoverlap.kernels.grouped_gemm import Segments, scaled_grouped_gemm  # Triton: where it runs
+
+        expert = torch.arange(w.shape[0], dtype=torch.int32, device=x.device)
+        scaled_grouped_gemm(x, x_scale, w, scales.b, Segments(ends.to(torch.int32), expert), out=out,
+                            mode=scales.mode)
+        return
+    if host_ends is None:
+        if x.device.type == "cuda":
+            raise ValueError("scaled_multiply: the loop GEMM needs the segment ends on the host (host_ends)")
+        host_ends = ends.tolist()
+    start = 0
+    for expert, end in enumerate(host_ends):
+        if end > start:
+            expert_product(x[start:end], x_scale[start:end], w[expert], scales.b[expert], scales.mode,
+                           out[start:end])
+        start = max(start, end)
+
+
+__all__ = ["FP8", "MODES", "ExpertScales", "dequantised_rows", "dequantised_weight", "expert_product",
+           "mode_of_weight_scales", "pack", "quantise", "scaled_multiply", "segment_rows", "unpack", "wire_width"]
