@@ -1,6 +1,12 @@
-"""The agreement check (``FLASHOVERLAP_DEBUG_TIMEOUT`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): before anything else
-of a call, every rank of the group must be making the same call; and the error a backend raises inside a call,
-re-raised with the op, the group and how to turn the check on."""
+"""The agreement check: before anything collective of a call, every rank of the group must be making the same call.
+Always on the first call of each new call (its row: op, shapes, dtype, path, plan, mode), with no switch set, so that
+ranks that disagree get an error instead of a wrong result; before every call in debug mode
+(``FLASHOVERLAP_DEBUG_TIMEOUT`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``). And the error a backend raises inside a call,
+re-raised with the op, the group and how to turn the per-call check on.
+
+A call whose row the group agreed on before is not exchanged again (``once``): a repeated call pays nothing. What
+that cannot see: a rank that repeats an agreed call while another makes a new one (the first one skips the exchange
+the other makes); the per-call check sees that too."""
 
 from __future__ import annotations
 
@@ -19,21 +25,30 @@ from flashoverlap.runtime.context import GroupContext
 
 KINDS = ("gemm", "expert")  # the kinds of call a row describes (a rank making another kind of call differs)
 _HEADER = 16  # every rank's first row has this length, whatever its call: ranks that differ still exchange it
+AGREED_LIMIT = 4096  # rows a group's context keeps as agreed before it starts afresh
 HINT = ("set TORCH_DISTRIBUTED_DEBUG=DETAIL (or FLASHOVERLAP_DEBUG_TIMEOUT=<seconds>) to have flashoverlap check, "
-        "before each call, that every rank makes the same call, naming the argument and the ranks that differ")
+        "before each call (not only a new call's first), that every rank makes the same call, naming the argument "
+        "and the ranks that differ")
 
 
 def agree(name: str, context: GroupContext, kind: str, fields: tuple[str, ...], row: list[int], timeout: float,
-          tail: torch.Tensor | None = None) -> list[list[int]] | None:
+          tail: torch.Tensor | None = None, once: bool = False) -> list[list[int]] | None:
     """Every rank of the group makes the same call: ``row`` (ints, described by ``fields``) the same on every rank,
     or every rank raises before any other collective or launch of the call, naming the fields that differ (the
     arguments) and the ranks. ``tail``: int64 values the kind compares itself (a layout's counts); returns every
-    rank's tail, by rank, once the rows agree (None without one). One or two small all-gathers, each bounded by
-    ``timeout``: a rank that never comes to the call makes the others raise, naming the op and the group."""
+    rank's tail, by rank, once the rows agree (None without one, or where nothing was exchanged). One or two small
+    all-gathers, each bounded by ``timeout``: a rank that never comes to the call makes the others raise, naming
+    the op and the group. ``once``: nothing is exchanged where the group agreed on ``row`` before (the check
+    without a switch: every rank of a group that makes the same calls has agreed on the same rows, so every rank
+    skips, or exchanges, alike)."""
+    key = (kind, *row)
+    if once and key in context.agreed_rows:
+        return None
     length = 0 if tail is None else tail.numel()
     header = [KINDS.index(kind) + 1, length, *row]
     assert len(header) <= _HEADER, "an agreement row is longer than the header"
-    device = context.device if context.device.type == "cuda" else torch.device("cpu")
+    # The group's backend moves the rows: CUDA tensors on NCCL, host tensors otherwise (gloo, ranks sharing a GPU).
+    device = context.device if context.device.type == "cuda" and context.nccl else torch.device("cpu")
     local = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=device)
     rows = gather_rows(name, context, local, timeout)
     differ = [rank for rank, other in enumerate(rows) if other != rows[context.rank]]
@@ -47,15 +62,20 @@ def agree(name: str, context: GroupContext, kind: str, fields: tuple[str, ...], 
         raise ValueError(f"{name}: rank {context.rank} of {context.name}: the ranks disagree on {', '.join(what)}; "
                          f"ranks {differ} differ from this rank: every rank must make the same call with the same "
                          "shapes, dtypes and path")
-    if tail is None:
-        return None
-    return gather_rows(name, context, tail.to(device=device, dtype=torch.int64).reshape(-1), timeout)
+    tails = None if tail is None else gather_rows(name, context, tail.to(device=device, dtype=torch.int64).reshape(-1),
+                                                  timeout)
+    if len(context.agreed_rows) >= AGREED_LIMIT:  # rows that never repeat: the same count on every rank, so
+        context.agreed_rows.clear()  # every rank forgets at the same call
+    context.agreed_rows.add(key)
+    return tails
 
 
 def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: float) -> list[list[int]]:
     """Every rank's ``local`` (int64, the same length on every rank), by rank: one all-gather, waited for with
     the deadline (``guards.poll_until``), so that a rank that never comes to the call makes the others raise,
     naming the rank, the call and the group, instead of hanging."""
+    if context.world_size == 1:  # nothing to exchange
+        return [local.tolist()]
     everyone = torch.empty(context.world_size * local.numel(), dtype=torch.int64, device=local.device)
     work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
     guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: (

@@ -1,9 +1,10 @@
 """The one call pipeline: every public op, tensor-parallel and expert, runs through ``execute(kind, spec)``.
 
-The skeleton is the same for every op: read the settings, let the ranks agree on the call (debug mode), look the
-call's signature up (a repeated call skips its checks and lookups: host time before the first launch is GPU idle
-time when the GPU has nothing queued), resolve a first call once (checks, group context, path, plan,
-communicator), switch to the operands' device, and hand the communicator one ``Call``. What differs per kind of op
+The skeleton is the same for every op: read the settings, let the ranks agree on the call (debug mode: every
+call), look the call's signature up (a repeated call skips its checks and lookups: host time before the first
+launch is GPU idle time when the GPU has nothing queued), and for a first call let the ranks agree on it (whatever
+the settings: ranks that disagree raise, none returns a tensor), then resolve it once (checks, group context,
+path, plan, communicator); switch to the operands' device, and hand the communicator one ``Call``. What differs per kind of op
 is a small strategy object (``Kind``): its checks and agreement row, its signature, its plan builder and the call it
 builds. ``GEMM`` (this module) serves the tensor-parallel ops, fp8 ones included (``GemmSpec.scales``); ``EXPERT``
 (``runtime/experts.py``) the all-to-all ops.
@@ -34,8 +35,9 @@ Entry = tuple[Any, Any, bool]
 class Kind(Protocol):
     """What one kind of op tells the pipeline (a strategy: the pipeline itself is ``execute``)."""
 
-    def agree(self, spec: Any, timeout: float) -> None:
-        """Debug mode, before anything collective of the call: every rank makes the same call, or all raise."""
+    def agree(self, spec: Any, timeout: float, once: bool = False) -> None:
+        """Before anything collective of the call: every rank makes the same call, or all raise (``once``: where the
+        group has not agreed on this call before; else on every call, debug mode)."""
 
     def signature(self, spec: Any, env: settings.Settings) -> tuple | None:
         """The call's whole signature (None: not cacheable), after the checks a repeated call must still pass."""
@@ -55,6 +57,8 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     signature = kind.signature(spec, env)
     entry = None if signature is None else REGISTRY.lookup(signature)
     if entry is None:
+        if env.agreement is None:  # no switch set: a call the group has not agreed on yet, before its collectives
+            kind.agree(spec, settings.AGREEMENT_TIMEOUT, once=True)
         entry = kind.resolve(spec, env)
         if signature is not None:
             REGISTRY.store(signature, entry)
@@ -101,7 +105,7 @@ _GEMM_FIELDS = ("op", "a's rows M", "b's columns N", "K (a's columns, b's rows)"
 class GemmKind:
     """The tensor-parallel ops' strategy: plans from ``runtime/plans.py``, communicators of kind ``"gemm"``."""
 
-    def agree(self, spec: GemmSpec, timeout: float) -> None:
+    def agree(self, spec: GemmSpec, timeout: float, once: bool = False) -> None:
         m, n, k = _checked(spec)
         if spec.path not in policy.CALL_PATHS:
             return  # resolve raises the clear error
@@ -113,7 +117,7 @@ class GemmKind:
                0 if spec.plan is None else agreement.digest(spec.plan),
                0 if scales is None else 1 + Scales.MODES.index(scales.mode),
                0 if scales is None else DTYPE_CODES[scales.out_dtype]]
-        agreement.agree(spec.name, context, "gemm", _GEMM_FIELDS, row, timeout)
+        agreement.agree(spec.name, context, "gemm", _GEMM_FIELDS, row, timeout, once=once)
 
     def signature(self, spec: GemmSpec, env: settings.Settings) -> tuple | None:
         a, b, plan, group, scales = spec.a, spec.b, spec.plan, spec.group, spec.scales
@@ -141,7 +145,9 @@ GEMM = GemmKind()
 
 
 def _checked(spec: GemmSpec) -> tuple[int, int, int]:
-    """The operand checks of a call: ``(M, N, K)`` (all-gather: this rank's shard rows), scales included."""
+    """The operand checks of a call: ``(M, N, K)`` (all-gather: this rank's shard rows), scales and plan included."""
+    if spec.plan is not None and not isinstance(spec.plan, Plan):
+        raise TypeError(f"{spec.name}: plan must be a flashoverlap.Plan, got {type(spec.plan).__name__}")
     if spec.scales is None:
         return check_operands(spec.name, spec.a, spec.b)
     return check_scaled(spec.name, spec.a, spec.b, spec.scales, spec.op)
@@ -152,8 +158,6 @@ def resolve(spec: GemmSpec, nccl_p2p_disabled: bool = False) -> tuple[str, Group
     call from the registry without it)."""
     name, op, a, plan, path = spec.name, spec.op, spec.a, spec.plan, spec.path
     m, n, k = _checked(spec)  # for all-gather, m is this rank's shard
-    if plan is not None and not isinstance(plan, Plan):
-        raise TypeError(f"{name}: plan must be a flashoverlap.Plan, got {type(plan).__name__}")
     context = group_context(name, spec.group, a.device)
     key = (op, a.dtype, m, n, k, path, plan is None, None if spec.scales is None else spec.scales.mode)
     seen = context.calls.get(key)

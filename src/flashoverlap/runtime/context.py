@@ -56,6 +56,8 @@ class GroupContext:
         self.rates: dict[torch.dtype, Any] = {}  # tune.rates.Rates by dtype
         self.agreed: dict[tuple, dict] = {}  # tune.cache.exchange_entries' answers, by (gpu, world, generation)
         self.calls: dict[tuple, tuple] = {}  # runtime.calls: a call signature's path and plan
+        self.agreed_rows: set[tuple] = set()  # runtime.agreement: the calls the ranks agreed on (``once``)
+        self.nccl = "nccl" in str(dist.get_backend(process_group)).lower()  # the backend moves CUDA tensors
         self.logged: set = set()
         self._p2p_reason: Any = _UNSET
 
@@ -99,6 +101,7 @@ class GroupContext:
         self.rates.clear()
         self.agreed.clear()
         self.calls.clear()
+        self.agreed_rows.clear()
         self.logged.clear()
         self._p2p_reason = _UNSET
 

@@ -67,9 +67,12 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
         guards.refuse_inside_capture(f"{name}: mode='exact' synchronises with the host (the split sizes); use "
                                      "mode='bounded' inside a CUDA graph, which")
     env = settings.current()
-    if env.agreement is not None and not guards.capturing():
-        header = [0, num_experts, 0, 0, top_k, MODES.index(mode), bound or 0, 0, 0, 0, 0, 0]
-        agreement.agree(name, context, "expert", _FIELDS, header, env.agreement)
+    every = env.agreement is not None  # debug mode: the ranks agree on every call, mode and bound included
+    if not guards.capturing():  # else on the group's first layout of these experts and top-k (the mode and the
+        # bound: expert_layout's own exchange checks them on every call)
+        header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * every, (bound or 0) * every, 0, 0, 0, 0, 0]
+        agreement.agree(name, context, "expert", _FIELDS, header, env.agreement or settings.AGREEMENT_TIMEOUT,
+                        once=not every)
     return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
 
 
@@ -129,7 +132,7 @@ class ExpertSpec:
 class ExpertKind:
     """The expert ops' strategy (``calls.Kind``): communicators of kind ``"expert"``, ``ExpertPlan`` plans."""
 
-    def agree(self, spec: ExpertSpec, timeout: float) -> None:
+    def agree(self, spec: ExpertSpec, timeout: float, once: bool = False) -> None:
         if guards.capturing() or spec.path not in policy.EXPERT_PATHS:
             return
         # Before anything collective of the call (a first call's path rule may ask the P2P verdict).
@@ -142,9 +145,12 @@ class ExpertKind:
                   policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted),
                   0 if spec.scales is None else 1 + ("row", "block").index(spec.scales.mode)]
         context = group_context(spec.name, spec.group, a.device)
+        if routing.world_size != context.world_size:
+            return  # a layout of another group: resolve raises the clear error
         counts = torch.cat([routing.send_counts.reshape(-1), routing.recv_counts.reshape(-1)])
-        tails = agreement.agree(spec.name, context, "expert", _FIELDS, header, timeout, counts)
-        _check_counts(spec.name, context, routing, tails)
+        tails = agreement.agree(spec.name, context, "expert", _FIELDS, header, timeout, counts, once=once)
+        if tails is not None:  # None: the group agreed on this call before (``once``)
+            _check_counts(spec.name, context, routing, tails)
 
     def signature(self, spec: ExpertSpec, env: settings.Settings) -> tuple:
         _check_operands(spec)  # on every call: the layout and the weights change from call to call
