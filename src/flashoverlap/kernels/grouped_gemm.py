@@ -703,6 +703,110 @@ def grouped_gemm(
     return out
 
 
+# -- fp8 ------------------------------------------------------------------------------------------------------------
+# The fp8 grouped GEMM of the expert paths' fp8 calls (comm/expert/scaled.py): the same segment table (the prep
+# kernel above) and tile walk, fp8 operands, fp32 accumulation, and the scales applied the way the scaling mode says:
+# row-wise (``x_scale [rows, 1]``, ``w_scale [E, N]``) once to the finished accumulator; block-wise (``x_scale
+# [rows, K/128]``, ``w_scale [E, K/128, ceil(N/128)]``) to each 128-deep K step's partial product (BLOCK_K is 128).
+# Pointer loads (no TMA yet), persistent programs taking tiles by stride, no signals.
+
+
+@_jit
+def scaled_grouped_gemm_kernel(
+    x, x_scale, w, w_scale, out, table_ptr,
+    total_rows, N, K, num_segments, tiles_n,
+    stride_xm, stride_xk, stride_sxm, stride_sxk,
+    stride_we, stride_wk, stride_wn, stride_swe, stride_swk, stride_swn,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCKWISE: tl.constexpr,
+):
+    cum = tl.load(table_ptr + tl.arange(0, BLOCK_S))
+    total = tl.load(table_ptr + num_segments - 1)
+    for t in tl.range(tl.program_id(0), total, tl.num_programs(0)):
+        p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t, num_segments, BLOCK_S)
+        off_m, off_n = _tile_offsets(t, tile0, row0, row1, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        rows_in = tl.where(offs_m < total_rows, offs_m, 0).to(tl.int64)  # clamped: computed, masked at the store
+        cols_in = tl.where(offs_n < N, offs_n, 0)
+        offs_k = tl.arange(0, BLOCK_K)
+        e64 = expert.to(tl.int64)
+        a_ptrs = x + rows_in[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        b_ptrs = w + e64 * stride_we + offs_k[:, None] * stride_wk + cols_in[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(tl.cdiv(K, BLOCK_K)):
+            k_left = K - kk * BLOCK_K
+            a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if BLOCKWISE:
+                sa = tl.load(x_scale + rows_in * stride_sxm + kk * stride_sxk)
+                sb = tl.load(w_scale + e64 * stride_swe + kk * stride_swk + (cols_in // 128) * stride_swn)
+                acc += tl.dot(a_tile, b_tile) * sa[:, None] * sb[None, :]
+            else:
+                acc = tl.dot(a_tile, b_tile, acc)
+            a_ptrs += BLOCK_K * stride_xk
+            b_ptrs += BLOCK_K * stride_wk
+        if not BLOCKWISE:
+            sa = tl.load(x_scale + rows_in * stride_sxm)
+            sb = tl.load(w_scale + e64 * stride_swe + cols_in * stride_swn)
+            acc = acc * sa[:, None] * sb[None, :]
+        c_ptrs = out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(offs_m[:, None] < row1) & (offs_n[None, :] < N))
+
+
+SCALED_TILE = GroupedTile(128, 128, 128, 8, 3, 8, 0)  # persistent, one program per SM: not yet swept on a GPU
+
+
+def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                        segments: Segments, *, out: torch.Tensor, mode: str, tile: GroupedTile | None = None,
+                        workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8 ``out[a:b] = (x[a:b] * x_scale[a:b]) @ (w[e] * w_scale[e])`` for every segment (``grouped_gemm``'s
+    segments: ends, experts, optional starts; no signals, no row map), fp32 accumulation, rounded to ``out``'s
+    dtype. ``x [rows, K]`` fp8 (any row stride, unit inner stride: packed wire rows are read in place), ``w [E, K,
+    N]`` fp8, any strides. ``mode`` ``"row"``: ``x_scale [rows, 1]``, ``w_scale [E, N]``; ``"block"``: ``x_scale
+    [rows, K/128]``, ``w_scale [E, K/128, ceil(N/128)]`` (K a multiple of 128). Rows no segment covers are not
+    written. No host synchronisation."""
+    if _TRITON_MISSING is not None:
+        raise ModuleNotFoundError(f"scaled_grouped_gemm needs triton ({_TRITON_MISSING})")
+    rows, k = x.shape
+    num_experts, k_w, n = w.shape
+    if k != k_w or mode not in ("row", "block") or (mode == "block" and k % 128):
+        raise ValueError(f"scaled_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, mode {mode!r}: K must agree, "
+                         "mode be 'row' or 'block' (block: K a multiple of 128)")
+    tile = tile or SCALED_TILE
+    if mode == "block" and tile.block_k != 128:
+        raise ValueError("scaled_grouped_gemm: block-wise scales need tile.block_k = 128")
+    seg = segments
+    num_segments = seg.ends.numel()
+    if num_segments == 0 or rows == 0 or n == 0:
+        return out
+    block_s = _block_s(num_segments)
+    if workspace is None:
+        workspace = torch.empty(workspace_size(num_segments), dtype=torch.int32, device=x.device)
+    tiles_n = -(-n // tile.block_n)
+    _segment_table_kernel[(1,)](
+        seg.ends, seg.starts if seg.starts is not None else seg.ends, seg.expert, seg.ends, seg.ends,
+        workspace, workspace, num_segments, 0, num_experts, rows, tiles_n,
+        BLOCK_S=block_s, BLOCK_M=tile.block_m, SORT=True, HEAVY_FIRST=True, HAS_PRIORITY=False, SIGNAL=False,
+        HAS_GROUPS=False, HAS_STARTS=seg.starts is not None, num_warps=4 if block_s <= 1024 else 8,
+    )
+    bound_tiles = (-(-rows // tile.block_m) + min(num_segments, rows)) * tiles_n
+    programs = bound_tiles if tile.num_programs is None else (tile.num_programs or guards.sm_count(x.device))
+    grid = min(programs, bound_tiles)
+    x_scale = x_scale if x_scale.ndim == 2 else x_scale.reshape(-1, 1)
+    w_scale3 = w_scale if w_scale.ndim == 3 else w_scale.unsqueeze(1)  # row-wise [E, N] as [E, 1, N]
+    scaled_grouped_gemm_kernel[(grid,)](
+        x, x_scale, w, w_scale3, out, workspace, rows, n, k, num_segments, tiles_n,
+        x.stride(0), x.stride(1), x_scale.stride(0), x_scale.stride(1),
+        w.stride(0), w.stride(1), w.stride(2), w_scale3.stride(0), w_scale3.stride(1), w_scale3.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
+        BLOCKWISE=mode == "block", num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
 def _check_tile(tile: GroupedTile) -> None:
     def pow2(v: int) -> bool:
         return v > 0 and v & (v - 1) == 0

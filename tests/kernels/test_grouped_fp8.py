@@ -1,0 +1,106 @@
+"""The fp8 grouped GEMM (``kernels.grouped_gemm.scaled_grouped_gemm``) under the Triton interpreter (a child process,
+``python -m tests.kernels.test_grouped_fp8``, sets TRITON_INTERPRET before triton is imported; Triton 3.9's
+interpreter runs fp8 ``tl.dot``) and, on a GPU, at MoE-sized shapes: against the dequantised fp64 product per
+segment, row-wise and 128-block scales, contiguous and ``transpose(1, 2)`` weights, packed wire rows read in place
+(row stride past K), segments with starts and gaps, empty segments, bf16 and fp32 outputs; rows no segment covers
+stay NaN."""
+
+import json
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.interpreter import needs_interpreter  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+# (name, mode, experts, K, N, segment (start, end) or ends only, segment experts, w transposed, packed rows, out dtype)
+CASES = [
+    ("row-ends", "row", 3, 96, 40, [(None, 7), (None, 7), (None, 20), (None, 33)], [2, 0, 1, 2], True, False,
+     "float32"),
+    ("row-packed-gaps", "row", 2, 64, 48, [(0, 5), (8, 8), (8, 19), (24, 30)], [1, 0, 0, 1], False, True,
+     "bfloat16"),
+    ("block-ends", "block", 3, 256, 160, [(None, 10), (None, 10), (None, 25), (None, 37)], [2, 0, 1, 0], True,
+     False, "float32"),
+    ("block-packed-gaps", "block", 2, 128, 200, [(3, 9), (12, 30), (30, 31)], [1, 0, 1], True, True, "bfloat16"),
+]
+
+
+def _run(case, device="cpu", tile=None):
+    from flashoverlap.comm.expert.scaled import pack, quantise, unpack
+    from flashoverlap.kernels.grouped_gemm import GroupedTile, Segments, scaled_grouped_gemm
+
+    name, mode, experts, k, n, segs, seg_expert, w_t, packed, out_dtype = case
+    gen = torch.Generator().manual_seed(len(name))
+    rows = max(end for _, end in segs) + 3  # rows past the last segment
+    x = torch.randn(rows, k, generator=gen)
+    xq, xs = quantise(x, mode)
+    if packed:  # the wire rows: the kernel reads fp8 and scales out of the uint8 rows in place
+        xq, xs = unpack(pack(xq, xs), k, FP8, xs.shape[1])
+    w = torch.randn(experts, n, k, generator=gen).to(FP8)
+    wq = w.transpose(1, 2) if w_t else w.transpose(1, 2).contiguous()
+    ws = torch.rand(experts, n, generator=gen) + 0.5 if mode == "row" else \
+        torch.rand(experts, k // 128, -(-n // 128), generator=gen) + 0.5
+    ends = torch.tensor([e for _, e in segs], dtype=torch.int32)
+    starts = None if segs[0][0] is None else torch.tensor([s for s, _ in segs], dtype=torch.int32)
+    dtype = getattr(torch, out_dtype)
+    out = torch.full((rows, n), float("nan"), dtype=dtype, device=device)
+    to = (lambda t: t.to(device))
+    tile = tile or GroupedTile(16, 32, 128 if mode == "block" else 32, 2, 1, 4, None)
+    scaled_grouped_gemm(to(xq), to(xs), to(wq), to(ws), Segments(to(ends), to(torch.tensor(seg_expert,
+                        dtype=torch.int32)), starts=None if starts is None else to(starts)), out=out, mode=mode,
+                        tile=tile)
+    want = torch.full((rows, n), float("nan"), dtype=torch.float64)
+    previous = 0
+    for (start, end), e in zip(segs, seg_expert):
+        start = previous if start is None else start
+        previous = max(previous, end)
+        if end > start:
+            sa = xs[start:end].double()
+            sa = sa.repeat_interleave(128, 1) if mode == "block" else sa
+            sb = ws[e].double().reshape(1, -1) if mode == "row" else \
+                ws[e].double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:k, :n]
+            want[start:end] = (xq[start:end].double() * sa) @ (wq[e].double() * sb)
+    got = out.double().cpu()
+    untouched = bool(torch.isnan(got[torch.isnan(want)]).all())
+    covered = ~torch.isnan(want)
+    err = float((got[covered] - want[covered]).abs().max()) / (1 + float(want[covered].abs().max()))
+    return {"name": name, "err": err, "untouched": untouched, "dtype": out_dtype}
+
+
+if __name__ == "__main__":
+    print(json.dumps({case[0]: _run(case) for case in CASES}))
+    sys.exit(0)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_grouped_fp8"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_interpreted_fp8_grouped_gemm(interpreted, case):
+    row = interpreted[case[0]]
+    tol = 1e-2 if row["dtype"] == "bfloat16" else 1e-5
+    assert row["err"] <= tol, row
+    assert row["untouched"], f"{case[0]}: rows no segment covers were written"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["row", "block"])
+def test_gpu_fp8_grouped_gemm(mode):
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE
+
+    case = ("gpu-" + mode, mode, 8, 1024, 768, [(None, e) for e in (300, 300, 1100, 1500, 2047, 3000, 3001, 4000)],
+            [3, 1, 0, 7, 2, 5, 4, 6], True, True, "bfloat16")
+    row = _run(case, "cuda", SCALED_TILE)
+    assert row["err"] <= 1e-2 and row["untouched"], row
