@@ -33,6 +33,7 @@ OPS_DRIVER = "src/flashoverlap/comm/stream_ops.py"
 DRIVER_TEST = "tests/comm/test_stream_ops.py"
 CALLS = "src/flashoverlap/runtime/calls.py"
 CALLS_TEST = "tests/runtime/test_calls.py"
+DISAGREE_TEST = "tests/runtime/test_disagreement.py"
 POLICY = "src/flashoverlap/runtime/policy.py"
 POLICY_TEST = "tests/runtime/test_policy.py"
 COLLECTIVES = "src/flashoverlap/comm/collectives.py"
@@ -301,6 +302,21 @@ MUTATIONS = [
      "for field, mine, theirs in zip(fields, row, other[2:]) if False]", "tests/runtime/test_mismatch.py"),
     ("backend-error-not-named", "A backend's error escapes a call without the op, the group or the hint",
      CALLS, "        agreement.reraise(exc, spec.name, spec.group, env)\n", "", "tests/runtime/test_mismatch.py"),
+    # Issue 42: no silent wrong result by default (the first call of each new call is agreed, with no switch set).
+    ("agreement-first-call-skipped", "Agreement without a switch: a call the group has not agreed on runs without "
+     "the exchange (ranks that disagree return a wrong result or fail inside the backend)", CALLS,
+     "            kind.agree(spec, settings.AGREEMENT_TIMEOUT, once=True)\n", "            pass\n", DISAGREE_TEST),
+    ("agreement-once-skips-new-rows", "Agreement without a switch: every row taken as agreed before (nothing is "
+     "ever exchanged)", "src/flashoverlap/runtime/agreement.py", "    if once and key in context.agreed_rows:\n",
+     "    if once:\n", DISAGREE_TEST),
+    ("agreement-layout-debug-only", "Agreement without a switch: the expert layout agrees only in debug mode (ranks "
+     "with other expert counts exchange counts of other sizes)", "src/flashoverlap/runtime/experts.py",
+     "    if not guards.capturing():  # else on the group's first layout", "    if every:  # else on the group's first "
+     "layout", DISAGREE_TEST),
+    ("agreement-expert-first-call-skipped", "Agreement without a switch: an expert call agrees only in debug mode",
+     "src/flashoverlap/runtime/experts.py", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = False) "
+     "-> None:\n        if guards.capturing()", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = "
+     "False) -> None:\n        if once or guards.capturing()", DISAGREE_TEST),
     ("fp8-partials-unrounded", "fp8 reference: the partial products are summed before rounding to the output dtype",
      "src/flashoverlap/comm/tp/reference.py", "collective(summed, partial.to(self.dtype).float())",
      "collective(summed, partial.float())", "tests/ops/test_scaled.py"),

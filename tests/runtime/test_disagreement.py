@@ -1,0 +1,149 @@
+"""Ranks that disagree on a call, with no switch set (no ``TORCH_DISTRIBUTED_DEBUG``, no debug timeout): every public
+op (bf16, fp8, the expert layout, dispatch and combine, fp8 dispatch) raises on every rank, naming the op, the
+argument and the ranks that differ, and no rank returns a tensor; at W = 2 and 3 (rank 0 differs from the others).
+Then the group is still usable, and a repeated call exchanges nothing (the agreement ran once)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashoverlap.testing import spawn
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8(x: torch.Tensor, mode: str, operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in fp8 with tensor-wise or row-wise fp32 scales (``operand`` "b": one per column of ``[K, N]``)."""
+    top = torch.finfo(FP8).max
+    if mode == "tensor":
+        scale = x.abs().amax().clamp(min=1e-6) / top
+        return (x / scale).to(FP8), scale.reshape(()).float()
+    scale = x.abs().amax(1 if operand == "a" else 0, keepdim=True).clamp(min=1e-6) / top
+    return (x / scale).to(FP8), scale.float()
+
+
+def _expert_fp8(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 expert weights ``[L, H, N]`` and their scales: row-wise ``[L, N]``, block-wise ``[L, H/128, N/128]``."""
+    top = torch.finfo(FP8).max
+    local, k, n = w.shape
+    if mode == "row":
+        scale = (w.abs().amax(1) / top).clamp(min=1e-6)  # [L, N]
+        return (w / scale[:, None, :]).to(FP8), scale.float()
+    scale = (w.reshape(local, k // 128, 128, -1, 128).abs().amax((2, 4)) / top).clamp(min=1e-6)
+    expanded = scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    return (w / expanded).to(FP8), scale.float()
+
+
+def _cases(rank: int, world: int):
+    """(op, the argument the error must name, the call): rank 0's call differs from the other ranks' in that
+    argument alone."""
+    import flashoverlap as fo
+
+    odd = rank == 0
+    g = torch.Generator().manual_seed(rank)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    bf = torch.bfloat16
+    experts = 2 * world
+    idx = torch.arange(4).reshape(4, 1) % experts
+    hidden = 128 + 128 * odd  # fp8 block-wise needs multiples of 128
+    cases = [
+        # The issue's case: rank 1 returned a [20, 32] tensor, rank 0 aborted inside gloo.
+        ("all_gather_gemm", "a's rows M", lambda: fo.all_gather_gemm(randn(8 + 2 * odd, 16, dtype=bf),
+                                                                     randn(16, 32, dtype=bf))),
+        ("gemm_all_reduce", "b's columns N", lambda: fo.gemm_all_reduce(randn(6, 16, dtype=bf),
+                                                                        randn(16, 8 + odd, dtype=bf))),
+        ("gemm_all_reduce", "K (a's columns, b's rows)", lambda: fo.gemm_all_reduce(randn(6, 16 + odd, dtype=bf),
+                                                                                    randn(16 + odd, 8, dtype=bf))),
+        ("gemm_reduce_scatter", "dtype of a and b",
+         lambda: fo.gemm_reduce_scatter(randn(6, 16, dtype=(bf, torch.float16)[odd]),
+                                        randn(16, 8, dtype=(bf, torch.float16)[odd]))),
+        ("gemm_reduce_scatter", "path", lambda: fo.gemm_reduce_scatter(randn(6, 16, dtype=bf), randn(16, 8, dtype=bf),
+                                                                       path=("auto", "reference")[odd])),
+        ("scaled_gemm_all_reduce", "scaling (the scales' shapes)",
+         lambda: fo.scaled_gemm_all_reduce(*_scaled(randn(6, 32), randn(32, 16), ("tensor", "row")[odd]))),
+        ("scaled_gemm_reduce_scatter", "out_dtype",
+         lambda: fo.scaled_gemm_reduce_scatter(*_scaled(randn(6, 32), randn(32, 16), "row"),
+                                               out_dtype=(bf, torch.float32)[odd])),
+        ("all_gather_scaled_gemm", "a's rows M",
+         lambda: fo.all_gather_scaled_gemm(*_scaled(randn(8 + 2 * odd, 32), randn(32, 16), "row"))),
+        ("moe_layout", "num_experts", lambda: fo.moe_layout(idx, experts * (1 + odd))),
+        ("moe_dispatch_gemm", "hidden size H",
+         lambda: fo.moe_dispatch_gemm(randn(4, hidden), randn(2, hidden, 6), fo.moe_layout(idx, experts))),
+        ("moe_gemm_combine", "hidden size H",
+         lambda: fo.moe_gemm_combine(randn(_received(fo, idx, experts), 6), randn(2, 6, hidden), torch.ones(4, 1),
+                                     fo.moe_layout(idx, experts))),
+        ("moe_dispatch_gemm", "fp8 scaling",
+         lambda: _fp8_dispatch(fo, randn(4, 128, dtype=bf), randn(2, 128, 128), ("row", "block")[odd],
+                               fo.moe_layout(idx, experts))),
+    ]
+    return cases
+
+
+def _scaled(a: torch.Tensor, b: torch.Tensor, mode: str):
+    aq, sa = _fp8(a, mode)
+    bq, sb = _fp8(b, mode, "b")
+    return aq, bq, sa, sb
+
+
+def _fp8_dispatch(fo, x: torch.Tensor, w: torch.Tensor, mode: str, layout):
+    wq, scale = _expert_fp8(w, mode)
+    return fo.moe_dispatch_gemm(x, wq, layout, scale_w=scale)
+
+
+def _received(fo, idx: torch.Tensor, experts: int) -> int:
+    return fo.moe_layout(idx, experts).recv_rows
+
+
+def _disagreeing(rank: int, world: int):
+    import flashoverlap as fo
+    from flashoverlap import settings
+    from flashoverlap.runtime import agreement, context
+
+    for variable in ("TORCH_DISTRIBUTED_DEBUG", "FLASHOVERLAP_DEBUG_TIMEOUT"):
+        os.environ.pop(variable, None)
+    settings.refresh()
+    assert settings.current().agreement is None, "a switch is set: this test is about the default"
+    others = list(range(1, world))
+    returned, named = [], []
+    for op, argument, call in _cases(rank, world):
+        try:
+            out = call()
+        except ValueError as exc:
+            text = str(exc)
+            assert text.startswith(f"{op}: rank {rank} of group"), text
+            assert f"disagree on {argument} (" in text, text
+            assert f"ranks {others if rank == 0 else [0]} differ" in text, text
+            named.append((op, argument))
+        else:
+            returned.append((op, argument, tuple(getattr(out, "shape", ()))))
+    assert not returned, f"rank {rank} returned tensors: {returned}"
+    # The group is usable after the errors, and a call agreed once exchanges nothing when repeated.
+    a, b = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)), torch.ones(16, 8)
+    fo.all_gather_gemm(a, b)
+    exchanged = []
+    real = agreement.gather_rows
+    agreement.gather_rows = lambda *args: exchanged.append(args[0]) or real(*args)
+    try:
+        for _ in range(3):
+            c = fo.all_gather_gemm(a, b)
+    finally:
+        agreement.gather_rows = real
+    gathered = torch.empty(world * 4, 16)
+    dist.all_gather_into_tensor(gathered, a)
+    torch.testing.assert_close(c, gathered @ b)
+    assert not exchanged, exchanged
+    assert context.REGISTRY.resolved
+    return named
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_raise_on_every_rank_and_none_returns_a_tensor_with_no_switch_set(world):
+    named = spawn(_disagreeing, world, timeout=240)
+    assert all(n == named[0] for n in named) and len(named[0]) == len(_cases(0, 2)), named
