@@ -50,7 +50,10 @@ def _run(case, device="cpu", tile=None):
     starts = None if segs[0][0] is None else torch.tensor([s for s, _ in segs], dtype=torch.int32)
     dtype = getattr(torch, out_dtype)
     out = torch.full((rows, n), float("nan"), dtype=dtype, device=device)
-    to = (lambda t: t.to(device))
+
+    def to(t):
+        return t.to(device)
+
     tile = tile or GroupedTile(16, 32, 128 if mode == "block" else 32, 2, 1, 4, None)
     scaled_grouped_gemm(to(xq), to(xs), to(wq), to(ws), Segments(to(ends), to(torch.tensor(seg_expert,
                         dtype=torch.int32)), starts=None if starts is None else to(starts)), out=out, mode=mode,
