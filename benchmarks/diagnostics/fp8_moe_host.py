@@ -1,0 +1,137 @@
+"""Host time per call of the fp8 expert layer beside the bf16 one, on one GPU (issue 44's target: <= 1.15x bf16,
+exact and bounded).
+
+    PYTHONPATH=src python -m benchmarks.diagnostics.fp8_moe_host --out benchmarks/results
+
+writes ``<out>/h200x1-fp8-moe-host.json``: rows {config, mode, dtype ("bf16", "fp8-row", "fp8-block"), path,
+host_us, ratio_to_bf16, t_gpu_ms} and ``meta``. A one-rank NCCL group (the NCCL expert path; one GPU cannot hold two
+NCCL ranks), per-rank slices of two MoE configs; one layer call = ``moe_dispatch_gemm`` (bf16 ``x``; fp8: quantised
+by the op), SwiGLU, ``moe_gemm_combine`` (fp8: the bf16 intermediate quantised by the op), on a layout built once
+(exact mode's layout synchronises with the host, so it stays out of the timing, as a model's layers share it).
+``host_us``: the median host time to issue one call while the GPU is busy (queued behind a long GPU sleep);
+``t_gpu_ms``: its GPU time (CUDA events, the median). A failing case is recorded and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks.diagnostics.fp8_grouped import commit
+
+FP8 = torch.float8_e4m3fn
+CONFIGS = [  # (name, local experts, H, F, top-k, tokens)
+    ("qwen3-30b-a3b", 64, 2048, 768, 8, 2048),
+    ("mixtral-8x7b", 4, 4096, 14336, 2, 2048),
+]
+
+
+def fp8_weights(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [L, N, K]`` as the op's fp8 ``[L, K, N]`` view and its scales."""
+    local, n, k = w.shape
+    if scaling == "row":
+        scale = (w.abs().amax(2) / 448).clamp_min(1e-12).float()
+        return (w / scale[:, :, None]).to(FP8).transpose(1, 2), scale
+    blocks = w.float().view(local, n // 128, 128, k // 128, 128)
+    scale = (blocks.abs().amax((2, 4)) / 448).clamp_min(1e-12)
+    q = (blocks / scale[:, :, None, :, None]).view(local, n, k).to(FP8)
+    return q.transpose(1, 2), scale.transpose(1, 2).contiguous()
+
+
+def measure(layer, iters: int) -> tuple[float, float]:
+    for _ in range(3):
+        layer()
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    for _ in range(iters):
+        torch.cuda._sleep(100_000_000)  # about 50 ms: the GPU is busy while the call is issued
+        start = time.perf_counter()
+        layer()
+        host.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        layer()
+        end.record()
+        end.synchronize()
+        gpu.append(begin.elapsed_time(end))
+    return statistics.median(host), statistics.median(gpu)
+
+
+def main() -> None:
+    import flashoverlap as fo
+    from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--path", default="nccl")
+    args = parser.parse_args()
+    path = Path(args.out) / "h200x1-fp8-moe-host.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    meta = {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
+            "command": " ".join(["python -m benchmarks.diagnostics.fp8_moe_host", *sys.argv[1:]]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": 1}
+    rows = []
+    dev = torch.device("cuda")
+    for name, local, hidden, ffn, top_k, tokens in CONFIGS:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(tokens, hidden, device=dev, generator=gen).bfloat16()
+        idx = torch.stack([torch.randperm(local, device=dev)[:top_k] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, top_k, device=dev, generator=gen), -1)
+        w13 = torch.randn(local, 2 * ffn, hidden, device=dev, generator=gen).div_(hidden ** 0.5).bfloat16()
+        w2 = torch.randn(local, hidden, ffn, device=dev, generator=gen).div_(ffn ** 0.5).bfloat16()
+        for mode in ("exact", "bounded"):
+            bound = tokens * top_k if mode == "bounded" else None
+            layout = fo.moe_layout(idx, local, mode=mode, bound=bound)
+            base = None
+            for dtype in ("bf16", "fp8-row", "fp8-block"):
+                row = {"config": name, "mode": mode, "dtype": dtype, "path": args.path, "experts": local,
+                       "hidden": hidden, "ffn": ffn, "top_k": top_k, "tokens": tokens}
+                try:
+                    if dtype == "bf16":
+                        w_up, w_down, s_up, s_down = w13.transpose(1, 2), w2.transpose(1, 2), None, None
+                    else:
+                        scaling = dtype.split("-")[1]
+                        w_up, s_up = fp8_weights(w13, scaling)
+                        w_down, s_down = fp8_weights(w2, scaling)
+
+                    def layer(w_up=w_up, w_down=w_down, s_up=s_up, s_down=s_down, layout=layout, x=x, ffn=ffn,
+                              weights=weights):
+                        h = moe_dispatch_gemm(x, w_up, layout, path=args.path, scale_w=s_up)
+                        a = F.silu(h[:, :ffn]) * h[:, ffn:]
+                        return moe_gemm_combine(a, w_down, weights, layout, path=args.path, scale_w=s_down)
+
+                    with torch.no_grad():
+                        host_us, gpu_ms = measure(layer, args.iters)
+                    row.update(host_us=host_us, t_gpu_ms=gpu_ms)
+                    if dtype == "bf16":
+                        base = host_us
+                    row["ratio_to_bf16"] = None if base is None else host_us / base
+                except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+                    traceback.print_exc()
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                rows.append(row)
+                print(f"{name} {mode} {dtype}: host {row.get('host_us')} us, gpu {row.get('t_gpu_ms')} ms, "
+                      f"ratio {row.get('ratio_to_bf16')}", flush=True)
+                path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    dist.destroy_process_group()
+    print(f"wrote {path} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()
