@@ -132,6 +132,19 @@ class ExpertParallelMLP(nn.Module):
                 *, logits: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``, this rank's tokens. Routing: ``topk_idx`` and ``topk_weights``
         (``[..., k]`` each), or ``logits [..., E]`` (softmax top-k), or neither (the layer's gate)."""
+        rows, topk_idx, topk_weights = self.routing(x, topk_idx, topk_weights, logits)
+        if x.dtype != self.w13.dtype:
+            raise ValueError(f"ExpertParallelMLP: the input x is {x.dtype} but the experts' weights are "
+                             f"{self.w13.dtype}; cast one to the other")
+        routing = moe_layout(topk_idx, self.num_experts, self.group, mode=self.mode, bound=self.bound)
+        h = moe_dispatch_gemm(rows, self.w13.transpose(1, 2), routing, self.group, path=self.path)
+        a = F.silu(h[:, : self.ffn]) * h[:, self.ffn :]
+        y = moe_gemm_combine(a, self.w2.transpose(1, 2), topk_weights, routing, self.group, path=self.path)
+        return y.view(x.shape)
+
+    def routing(self, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
+                logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rows [T, H], topk_idx [T, k], topk_weights [T, k])`` of a forward's arguments (see ``forward``)."""
         rows = x.reshape(-1, self.hidden)
         if topk_idx is not None:
             if topk_weights is None or logits is not None:
@@ -145,16 +158,7 @@ class ExpertParallelMLP(nn.Module):
                                      "topk_idx and topk_weights, or logits, or build it with gate=True")
                 logits = self.gate(rows)
             topk_idx, topk_weights = route(logits.reshape(rows.shape[0], -1), self.top_k, self.normalize)
-        if x.dtype != self.w13.dtype:
-            raise ValueError(f"ExpertParallelMLP: the input x is {x.dtype} but the experts' weights are "
-                             f"{self.w13.dtype}; cast one to the other")
-        topk_idx = topk_idx.reshape(rows.shape[0], -1)
-        topk_weights = topk_weights.reshape(rows.shape[0], -1)
-        routing = moe_layout(topk_idx, self.num_experts, self.group, mode=self.mode, bound=self.bound)
-        h = moe_dispatch_gemm(rows, self.w13.transpose(1, 2), routing, self.group, path=self.path)
-        a = F.silu(h[:, : self.ffn]) * h[:, self.ffn :]
-        y = moe_gemm_combine(a, self.w2.transpose(1, 2), topk_weights, routing, self.group, path=self.path)
-        return y.view(x.shape)
+        return rows, topk_idx.reshape(rows.shape[0], -1), topk_weights.reshape(rows.shape[0], -1)
 
     @classmethod
     def from_moe_block(cls, block: MoEBlock, group: dist.ProcessGroup | None = None, *, mode: str = "exact",
