@@ -175,7 +175,7 @@ def test_an_exact_layout_s_counts_choose_its_grouped_gemm():
                                device_capability=(9, 0), triton=runtime_experts._triton_available())
     spec = SimpleNamespace(name="t", op="dispatch", a=torch.empty(0, k, dtype=torch.bfloat16, device="meta"),
                            b=torch.empty(local, k, n, device="meta"), hook=None, return_gathered=False, out=None,
-                           layout=SimpleNamespace(rows_per_expert=skewed, mode="exact"))
+                           layout=SimpleNamespace(rows_per_expert=skewed, mode="exact"), scales=None)
     runtime_experts._gemm_for_rows.cache_clear()
     original = torch.cuda.get_device_capability
     try:
