@@ -1,0 +1,304 @@
+"""Ranks sharing one GPU (issue 42): W = 2, 4, 8 processes on one GPU over a gloo group, running the public ops,
+layers and styles on the P2P path (peers mapped by CUDA IPC), through the runtime's own set-up.
+
+    PYTHONPATH=src python -m benchmarks.shared_ranks --step mechanics --worlds 2,4,8 --out benchmarks/results
+    PYTHONPATH=src python -m benchmarks.shared_ranks --step soak --worlds 2,4,8 --calls 10000
+    PYTHONPATH=src python -m benchmarks.shared_ranks --step faults --worlds 4 [--ops ...] [--scenarios ...]
+    PYTHONPATH=src python -m benchmarks.shared_ranks --step host --worlds 2,4,8
+
+Steps, each writing (merging into) its results file in ``--out``:
+
+- ``mechanics`` -> ``h200x1-shared-ranks.json``: rows {W, family, case, op, dtype, mode, calls, wrong, replays,
+  replays_wanted, error, ...} (``benchmarks/shared/mechanics.py``); merged by (W, family).
+- ``soak`` -> ``h200x1-soak.json``: rows {W, calls, wrong, errors, hangs, memory_mib, flat, ...}
+  (``benchmarks/shared/soak.py``); merged by W.
+- ``faults`` -> ``h200x1-faults.json``: rows {scenario, op, W, ok, seconds, message, ...}
+  (``benchmarks/shared/faults.py``), ``FLASHOVERLAP_DEBUG_TIMEOUT=--timeout``; merged by (scenario, op, W).
+- ``host`` -> ``h200x1-host-shared.json`` (``h200x1-host.json`` is an older diagnostic's): rows {W, op, dtype,
+  mode, host_us, torch_mm_us, paired_ratio, ...} (``benchmarks/shared/host.py``); merged by (W, op, mode).
+
+Every step has a hard time budget (``--budget`` seconds, default ``DEFAULT_BUDGET``): the W values share it (a W
+that ends early leaves its time to the next), the ranks stop before the next case once their share is spent
+(checked collectively), and a spawn that hangs is ended at its share plus a margin; what the ranks finished is kept
+(progress files) and the hang recorded. One case's failure is recorded in its row and the run goes on. The results
+file is written after each W (faults: after each scenario). ``FLASHOVERLAP_COMMIT`` names the commit in ``meta``.
+
+``--device cpu`` runs the same ranks on gloo CPU ranks (the reference path): a check of the harness itself, not of
+the GPU paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STEPS = {"mechanics": "h200x1-shared-ranks.json", "soak": "h200x1-soak.json", "faults": "h200x1-faults.json",
+         "host": "h200x1-host-shared.json"}
+DEFAULT_BUDGET = {"mechanics": 450.0, "soak": 450.0, "faults": 450.0, "host": 300.0}
+SPAWN_MARGIN = 30.0  # seconds a W's spawn may run past its share (start-up, wrap-up) before it counts as hung
+MIN_SHARE = 45.0  # seconds: a W's share below this is not started (soak, host)
+MIN_FAMILY_SHARE = 20.0  # mechanics: a family's share below this is not started
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 2 or v > 8 for v in values):
+        raise argparse.ArgumentTypeError(f"world sizes must lie in 2..8, got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.shared_ranks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--step", required=True, choices=sorted(STEPS))
+    p.add_argument("--worlds", type=_ints, default=None, help="comma-separated W values (default: 2,4,8; faults 4)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory of the results files")
+    p.add_argument("--calls", type=int, default=10000, help="soak: calls per W (at least)")
+    p.add_argument("--budget", type=float, default=None, help="hard time budget of the step, seconds")
+    p.add_argument("--timeout", type=float, default=5.0, help="faults: FLASHOVERLAP_DEBUG_TIMEOUT, seconds")
+    p.add_argument("--ops", type=_names, default=None, help="faults, host: only these ops (comma-separated)")
+    p.add_argument("--scenarios", type=_names, default=None, help="faults: only these scenarios")
+    p.add_argument("--families", type=_names, default=None, help="mechanics: tp, moe, models (default: all)")
+    p.add_argument("--quick", action="store_true", help="mechanics: a small subset (the GPU test's smoke)")
+    p.add_argument("--rounds", type=int, default=40, help="host: timed rounds per op")
+    p.add_argument("--seed", type=int, default=0, help="soak: the random sequence's seed")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: gloo CPU ranks and the reference path (checks the harness, not the GPU paths)")
+    args = p.parse_args(argv)
+    if args.worlds is None:
+        args.worlds = [4] if args.step == "faults" else [2, 4, 8]
+    if args.budget is None:
+        args.budget = DEFAULT_BUDGET[args.step]
+    if args.calls < 1 or args.budget <= 0 or args.timeout <= 0 or args.rounds < 1:
+        p.error("--calls, --budget, --timeout and --rounds must be positive")
+    from benchmarks.shared import faults, mechanics
+    from benchmarks.shared.calls import TP_OPS
+
+    known = {"faults": faults.FAULT_OPS, "host": tuple(TP_OPS)}.get(args.step)
+    if args.ops is not None:
+        unknown = [op for op in args.ops if known is None or op not in known]
+        if unknown:
+            p.error(f"--ops: unknown for --step {args.step}: {unknown} (known: {list(known or [])})")
+    if args.scenarios is not None and set(args.scenarios) - set(faults.SCENARIOS):
+        p.error(f"--scenarios: unknown {sorted(set(args.scenarios) - set(faults.SCENARIOS))} "
+                f"(known: {list(faults.SCENARIOS)})")
+    if args.step == "host" and args.device == "cpu":
+        p.error("--step host times CUDA calls: it has no --device cpu")
+    families = ("tp", "moe", "models")
+    if args.families is not None and set(args.families) - set(families):
+        p.error(f"--families: unknown {sorted(set(args.families) - set(families))} (known: {list(families)})")
+    del mechanics
+    return args
+
+
+def command_line(argv: list[str]) -> str:
+    return "PYTHONPATH=src python -m benchmarks.shared_ranks " + " ".join(shlex.quote(a) for a in argv)
+
+
+class Budget:
+    """The step's hard budget, shared by its W values."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.time() + seconds
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+    def share(self, remaining_items: int) -> float:
+        return max(0.0, self.left()) / max(1, remaining_items)
+
+
+def _say(text: str) -> None:
+    print(f"[shared_ranks {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def _write(args, rows: list[dict], key, **extra) -> None:
+    from benchmarks.shared.runs import meta, write_results
+
+    path = args.out / STEPS[args.step]
+    write_results(path, meta(args.step, args.worlds, args.command, device=args.device, **extra), rows, key)
+
+
+# -- steps -----------------------------------------------------------------------------------------------------------
+
+
+FAMILY_WEIGHTS = {"tp": 0.6, "moe": 0.2, "models": 0.2}  # shares of a W's time (what one leaves, the next gets)
+
+
+def run_mechanics(args) -> list[dict]:
+    from benchmarks.shared import mechanics
+    from benchmarks.shared.runs import progress_path, spawn_ranks
+
+    budget = Budget(args.budget)
+    families = tuple(args.families or ("tp", "moe", "models"))
+    progress_dir = tempfile.mkdtemp(prefix="shared-ranks-progress-")
+    all_rows = []
+    for i, world in enumerate(args.worlds):
+        world_end = time.time() + budget.share(len(args.worlds) - i)
+        rows = []
+        for j, family in enumerate(families):  # one spawn per family: a hang in one leaves the others' rows
+            weights = [FAMILY_WEIGHTS[f] for f in families[j:]]
+            share = max(0.0, world_end - time.time()) * weights[0] / sum(weights)
+            if share < MIN_FAMILY_SHARE:
+                got = [{"case": "(budget)", "error": f"budget spent: W = {world} {family} not run"}]
+                failure = None
+            else:
+                options = {"deadline": time.time() + share * 0.85, "device": args.device, "quick": args.quick,
+                           "families": (family,)}
+                paths = [progress_path(progress_dir, f"mechanics-{family}", world, r) for r in range(world)]
+                _say(f"mechanics W={world} {family}: share {share:.0f} s")
+                results, failure = spawn_ranks(mechanics.spawned, world, (options, [str(p) for p in paths]),
+                                               share + SPAWN_MARGIN, args.device)
+                got = (mechanics.aggregate(results, world) if results is not None
+                       else mechanics.rows_from_progress(paths, world, failure))
+            for row in got:
+                row["W"], row["family"] = world, family
+            rows += got
+            _report_mechanics(world, family, got, failure)
+        all_rows += rows
+        _write(args, rows, key=lambda row: (row.get("W"), row.get("family")))
+    return all_rows
+
+
+def _report_mechanics(world: int, family: str, rows: list[dict], failure: str | None) -> None:
+    bad = [r for r in rows if r.get("wrong") or r.get("error")]
+    short_replay = [r for r in rows if r.get("replays_wanted") is not None and r.get("replays") is not None
+                    and r["replays"] < r["replays_wanted"]]
+    over_replay = [r for r in rows if r.get("replays_wanted") == 0 and (r.get("replays") or 0) > 0]
+    _say(f"mechanics W={world} {family}: {len(rows)} rows, {sum(r.get('wrong') or 0 for r in rows)} wrong values, "
+         f"{sum(1 for r in rows if r.get('error'))} errors, {len(short_replay)} cases short of replays, "
+         f"{len(over_replay)} replayed where none should" + (f"; spawn: {failure[:300]}" if failure else ""))
+    for r in bad[:12]:
+        _say(f"  {r.get('case')} {r.get('mode')}: wrong={r.get('wrong')} error={str(r.get('error'))[:400]}")
+
+
+def run_soak(args) -> list[dict]:
+    from benchmarks.shared import soak
+    from benchmarks.shared.runs import Progress, progress_path, spawn_ranks
+
+    budget = Budget(args.budget)
+    progress_dir = tempfile.mkdtemp(prefix="shared-ranks-progress-")
+    all_rows = []
+    for i, world in enumerate(args.worlds):
+        share = budget.share(len(args.worlds) - i)
+        if share < MIN_SHARE:
+            row = {"W": world, "calls": 0, "wrong": 0, "hangs": 0, "memory_mib": [], "flat": None,
+                   "error": f"budget spent: W = {world} not run"}
+        else:
+            options = {"deadline": time.time() + share * 0.85, "device": args.device, "calls": args.calls,
+                       "seed": args.seed}
+            paths = [progress_path(progress_dir, "soak", world, r) for r in range(world)]
+            _say(f"soak W={world}: {args.calls} calls, share {share:.0f} s")
+            results, failure = spawn_ranks(soak.spawned, world, (options, [str(p) for p in paths]),
+                                           share + SPAWN_MARGIN, args.device)
+            if results is not None:
+                row = soak.summarise(world, results)
+            else:
+                last = []
+                for path in paths:
+                    reports = [r["report"] for r in Progress.read(path) if r.get("report")]
+                    last.append(reports[-1] if reports else None)
+                row = soak.summarise(world, last, hung=failure)
+            row["target_calls"] = args.calls
+        all_rows.append(row)
+        _say(f"soak W={world}: {row['calls']} calls, wrong {row['wrong']}, errors {row.get('errors')}, hangs "
+             f"{row['hangs']}, memory {row['memory_mib']} MiB, flat {row['flat']}, {row.get('ms_per_call')} ms/call"
+             + (f", stopped: {row['stopped']}" if row.get("stopped") else "")
+             + (f", hang: {str(row.get('hang'))[:300]}" if row.get("hang") else ""))
+        for note in (row.get("notes") or [])[:8]:
+            _say(f"  {note[:400]}")
+        _write(args, [row], key=lambda r: r.get("W"), seed=args.seed)
+    return all_rows
+
+
+def run_faults(args) -> list[dict]:
+    from benchmarks.shared import faults
+
+    budget = Budget(args.budget)
+    ops = args.ops or list(faults.FAULT_OPS)
+    scenarios = args.scenarios or list(faults.SCENARIOS)
+    rows = []
+    for world in args.worlds:
+        for op in ops:
+            for scenario in scenarios:
+                need = args.timeout + 45.0
+                if budget.left() < need:
+                    row = {"scenario": scenario, "op": op, "W": world, "ok": None, "seconds": None,
+                           "message": None, "error": "budget spent: not run"}
+                else:
+                    row = faults.run_scenario(op, scenario, world, args.timeout, args.device)
+                rows.append(row)
+                verdict = "OK" if row.get("ok") else ("not run" if row.get("ok") is None else "NOT OK")
+                _say(f"faults W={world} {op} {scenario}: {verdict} seconds={row.get('seconds')} "
+                     f"wall={row.get('wall_s')} statuses={row.get('statuses')}")
+                if row.get("ok") is False:
+                    for why in (row.get("why_not") or [])[:4]:
+                        _say(f"  {why[:400]}")
+                    for rank, message in (row.get("message") or {}).items():
+                        _say(f"  rank {rank} said: {message[:400]}")
+                _write(args, [row], key=lambda r: (r.get("scenario"), r.get("op"), r.get("W")),
+                       debug_timeout_s=args.timeout)
+    return rows
+
+
+def run_host(args) -> list[dict]:
+    from benchmarks.shared import host
+    from benchmarks.shared.runs import spawn_ranks
+
+    budget = Budget(args.budget)
+    all_rows = []
+    for i, world in enumerate(args.worlds):
+        share = budget.share(len(args.worlds) - i)
+        if share < MIN_SHARE:
+            rows = [{"W": world, "op": None, "mode": None, "error": f"budget spent: W = {world} not run"}]
+        else:
+            options = {"deadline": time.time() + share * 0.8, "device": args.device, "ops": args.ops,
+                       "rounds": args.rounds}
+            _say(f"host W={world}: share {share:.0f} s")
+            results, failure = spawn_ranks(host.rank_main, world, (options,), share + SPAWN_MARGIN, args.device)
+            rows = (host.aggregate(results, world) if results is not None
+                    else [{"W": world, "op": None, "mode": None, "error": f"spawn failed or hung: {failure}"}])
+        for row in rows:
+            error = f" ERROR {row['error'][:300]}" if row.get("error") else ""
+            _say(f"host W={world} {row.get('op')} {row.get('mode')}: {row.get('host_us')} us vs torch.mm "
+                 f"{row.get('torch_mm_us')} us (paired ratio {row.get('paired_ratio')}, target "
+                 f"{row.get('target_ratio')}, replay share {row.get('replay_share')}){error}")
+        all_rows += rows
+        _write(args, rows, key=lambda r: (r.get("W"), r.get("op"), r.get("mode")), shape=list(host.HOST_SHAPE))
+    return all_rows
+
+
+RUNNERS = {"mechanics": run_mechanics, "soak": run_soak, "faults": run_faults, "host": run_host}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.command = command_line(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("benchmarks.shared_ranks: needs a CUDA GPU (torch.cuda.is_available() is False); --device cpu "
+                  "checks the harness on gloo CPU ranks", file=sys.stderr)
+            return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    _say(f"step {args.step} at W = {args.worlds}, budget {args.budget:.0f} s -> {args.out / STEPS[args.step]}")
+    rows = RUNNERS[args.step](args)
+    _say(f"step {args.step} done in {time.time() - start:.0f} s: {len(rows)} rows in {args.out / STEPS[args.step]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""The pure parts of ``benchmarks/shared_ranks.py`` (issue 42's shared-GPU runs), on the CPU: the oracles each rank
+computes locally, the soak's random call generator (the same on every rank; every op, dtype and mode drawn; every
+call valid on the P2P path), the fault verdict, the results files and the command line."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import shared_ranks
+from benchmarks.shared import calls as tc
+from benchmarks.shared import experts as ex
+from benchmarks.shared import faults, mechanics, soak
+from benchmarks.shared.runs import Progress, merge_rows, write_results
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- oracles ---------------------------------------------------------------------------------------------------------
+
+
+def _everyone(call, world, index=0):
+    return [tc.operands(call, world, s, index, "cpu") for s in range(world)]
+
+
+def test_operands_are_the_same_for_the_same_seed_and_differ_by_rank_and_call():
+    call = tc.TpCall("gemm_all_reduce", "bf16", 35, 24, 40, seed=3)
+    one, two = tc.operands(call, 2, 1, 0, "cpu"), tc.operands(call, 2, 1, 0, "cpu")
+    assert torch.equal(one.a, two.a) and torch.equal(one.b, two.b)
+    assert not torch.equal(one.a, tc.operands(call, 2, 0, 0, "cpu").a)
+    later = tc.operands(call, 2, 1, 1, "cpu")
+    assert not torch.equal(one.a, later.a) and torch.equal(one.b, later.b)  # new values, the same weights
+    assert one.b.shape == (40, 24) and one.b.stride() == (1, 40)  # w.t()
+    row_major = tc.operands(tc.TpCall("gemm_all_reduce", "bf16", 35, 24, 40, transposed=False), 2, 1, 0, "cpu")
+    assert row_major.b.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_oracles_are_the_plain_products_summed_scattered_and_gathered(dtype):
+    world = 3
+    ar = tc.TpCall("gemm_all_reduce", dtype, 18, 24, 40, seed=5)
+    everyone = _everyone(ar, world)
+    total = sum(o.a.double() @ o.b.double() for o in everyone)
+    for rank in range(world):
+        want, full = tc.oracle(ar, everyone, rank)
+        assert full is None and torch.allclose(want.double(), total, rtol=1e-5, atol=1e-5)
+    rs = tc.TpCall("gemm_reduce_scatter", dtype, 18, 24, 40, seed=5)
+    for rank in range(world):
+        assert torch.equal(tc.oracle(rs, everyone, rank)[0], tc.oracle(ar, everyone, 0)[0][6 * rank : 6 * rank + 6])
+    ag = tc.TpCall("all_gather_gemm", dtype, 18, 24, 40, gathered=True, seed=9)
+    everyone = _everyone(ag, world)
+    assert everyone[0].a.shape == (6, 40)  # this rank's shard of the gathered M
+    for rank in range(world):
+        want, full = tc.oracle(ag, everyone, rank)
+        assert torch.equal(full, torch.cat([o.a for o in everyone]))
+        assert torch.allclose(want.double(), full.double() @ everyone[rank].b.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_fp8_oracle_product_is_what_torch_scaled_mm_computes(mode, transposed):
+    call = tc.TpCall("scaled_gemm_all_reduce", mode, 16, 32, 128, transposed, out="bf16", bias=True, seed=2)
+    ops = tc.operands(call, 2, 1, 0, "cpu")
+    b = ops.b if not transposed else ops.b
+    want = torch._scaled_mm(ops.a, b.t().contiguous().t(), ops.scale_a, ops.scale_b, bias=ops.bias.float(),
+                            out_dtype=torch.float32)
+    assert torch.allclose(tc.product(call, ops), want, rtol=1e-4, atol=1e-3)
+
+
+def test_fp8_block_oracle_matches_the_blockwise_definition():
+    from flashoverlap.comm import scaled
+
+    call = tc.TpCall("scaled_gemm_reduce_scatter", "block", 4, 200, 256, True, seed=4)
+    ops = tc.operands(call, 2, 0, 0, "cpu")
+    assert ops.scale_a.shape == (4, 2) and ops.scale_b.shape == (2, 2)
+    scales = scaled.Scales.of(ops.scale_a, ops.scale_b, torch.float32)
+    want = scaled.dequantised_a(ops.a, ops.scale_a) @ scaled.dequantised_b(ops.b, scales)
+    assert torch.allclose(tc.product(call, ops), want, rtol=1e-5, atol=1e-5)
+    x = torch.randn(8, 256)
+    q, s = tc.quantise(x, "block", "a")
+    assert torch.allclose(tc.dequantised(q, s, "block", "a"), x, rtol=0.07, atol=1e-2)
+
+
+def test_fp8_all_gather_oracle_takes_every_shard_with_its_own_scale():
+    call = tc.TpCall("all_gather_scaled_gemm", "tensor", 8, 16, 128, seed=8)
+    everyone = _everyone(call, 2)
+    assert not torch.equal(everyone[0].scale_a, everyone[1].scale_a)  # shards of different scales
+    want, _ = tc.oracle(call, everyone, 1)
+    a32 = torch.cat([o.a.float() * o.scale_a for o in everyone])
+    assert torch.allclose(want, a32 @ (everyone[1].b.float() * everyone[1].scale_b), rtol=1e-5, atol=1e-4)
+
+
+def test_relative_error_flags_nan_and_shape_and_needs_no_allocation_with_a_scratch():
+    want = torch.randn(5, 7)
+    assert tc.relative_error(want.to(torch.bfloat16), want) < 1e-2
+    scratch = torch.empty(5, 7)
+    assert tc.relative_error(want.clone(), want, scratch) == 0.0
+    poisoned = want.clone()
+    poisoned[2, 3] = float("nan")
+    assert tc.relative_error(poisoned, want) == math.inf
+    assert tc.relative_error(poisoned, want, scratch) == math.inf
+    assert tc.relative_error(want[:4], want) == math.inf
+    assert tc.relative_error(want * 1.1, want) > tc.tolerance(tc.TpCall("gemm_all_reduce", "bf16", 1, 1, 1))
+    assert tc.relative_error(torch.zeros(0, 3), torch.zeros(0, 3)) == 0.0
+
+
+def test_moe_oracle_rows_follow_the_contract():
+    world = 3
+    mc = ex.MoeCall("bf16", "bounded", tokens=9, local=2, top_k=2, hidden=16, ffn=8, empty_rank=0, seed=1)
+    routes = [ex.routing_of(mc, world, s, "cpu") for s in range(world)]
+    assert routes[0][0].shape == (0, 2) and routes[1][0].shape == (16, 2)
+    routing = ex.Routing([r[0] for r in routes], world, mc.local, mc.mode, mc.bound(world))
+    assert mc.bound(world) == (9 + 14) * 2
+    assert routing.recv_rows(1) == world * mc.bound(world)
+    assert sum(routing.n[0]) == 0  # rank 0 sends nothing
+    case = ex.moe_case(mc, world, 1, 2, "cpu")
+    assert case.want_h[0].shape == (world * mc.bound(world), 2 * mc.ffn)
+    assert case.want_y[0].shape == (16, mc.hidden)
+    # every received row of rank 1 is a token of its source times its expert's weight
+    w_up = ex.expert_weights(mc, world, 1, "cpu")[0]
+    x2 = ex.tokens_of(mc, world, 2, 0, "cpu")
+    first, last, e = routing.segments(2, 1)[0]
+    j = routing.chosen[2][1][first]
+    at = routing.recv_at(1, 2) + first
+    expected = (x2[torch.div(j, 2, rounding_mode="floor")].float() @ w_up[e].float()).to(torch.bfloat16)
+    assert torch.equal(case.want_h[0][at], expected)
+    avoid = ex.MoeCall("bf16", "exact", tokens=9, local=2, top_k=2, hidden=16, ffn=8, avoid_rank=2, seed=1)
+    routing = ex.Routing([ex.routing_of(avoid, world, s, "cpu")[0] for s in range(world)], world, 2, "exact", None)
+    assert routing.recv_rows(2) == 0
+
+
+# -- the cases and the plans -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_mechanics_case_has_an_overlapped_p2p_plan_or_an_overlapped_default(world):
+    cases = mechanics.tp_cases(world)
+    assert {c.call.op for c in cases} == set(tc.TP_OPS)
+    assert {c.call.dtype for c in cases} == {*tc.HALF, *tc.FP8_MODES}
+    assert {c.call.transposed for c in cases} == {True, False}
+    for case in cases:
+        call = case.call
+        assert call.problem(world) is None, (call, call.problem(world))
+        if call.plan == "given":
+            plan = tc.given_plan(call, world)
+            assert not plan.sequential and plan.path == "p2p" and (plan.m, plan.world_size) == (call.m, world)
+        else:
+            assert tc.default_is_overlapped(call, world), call
+        if case.shape == "odd":
+            rows = call.m if call.kind == "all_reduce" else call.m // world
+            assert rows % 2 == 1, call
+    bands = [c for c in cases if c.shape == "bands"]
+    for c in bands:  # two sub-bands per rank block (all-reduce: W blocks of them)
+        groups = len(tc.given_plan(c.call, world).group_row_tiles)
+        assert groups == (2 * world if c.call.kind == "all_reduce" else 2), (c.call, groups)
+    assert {m.mode for m in mechanics.moe_cases(world)} == set(ex.EXPERT_MODES)
+    assert all(m.problem(world) is None for m in mechanics.moe_cases(world))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_model_and_example_shapes_overlap_under_the_default_p2p_plan(world):
+    """The styles, layers and the example run without a plan: a sequential default would need NCCL."""
+    from flashoverlap.tune.defaults import default_plan
+
+    s, h, f = mechanics.model_shape(world, torch.device("cuda"))
+    for op, m, n, k in (("all_reduce", s, h, f // world), ("reduce_scatter", s, h, f // world),
+                        ("all_gather", s, f // world, h), ("all_gather", 8192, 14336 // world, 4096),
+                        ("reduce_scatter", 8192, 4096, 14336 // world)):
+        assert not default_plan(op, m, n, k, world, path="p2p").sequential, (op, m, n, k)
+
+
+def test_the_smallest_given_all_reduce_and_the_refused_one():
+    for world in (2, 4, 8):
+        low = tc.min_all_reduce_m(world)
+        assert tc.TpCall("gemm_all_reduce", "bf16", low, 16, 16).problem(world) is None
+        assert tc.TpCall("gemm_all_reduce", "bf16", low - 1, 16, 16).problem(world) is not None
+        assert tc.TpCall("gemm_reduce_scatter", "bf16", world, 16, 16).problem(world) is None
+        assert tc.TpCall("gemm_reduce_scatter", "bf16", world + 1, 16, 16).problem(world) is not None
+
+
+# -- the soak's random calls ----------------------------------------------------------------------------------------
+
+
+def _labels(seed, world, calls):
+    out = []
+    for burst in soak.bursts(seed, world, calls):
+        out.append((burst.call.label(), burst.group, burst.replay, burst.repeats))
+    return out
+
+
+def test_the_soak_draws_the_same_sequence_for_the_same_seed_and_another_for_another():
+    assert _labels(0, 4, 500) == _labels(0, 4, 500)
+    assert _labels(0, 4, 500) != _labels(1, 4, 500)
+    assert _labels(0, 4, 500) != _labels(0, 8, 500)
+
+
+def test_the_soak_draws_the_same_sequence_in_another_process_with_another_hash_seed():
+    code = ("import hashlib, sys; from benchmarks.shared import soak; "
+            "print(hashlib.sha256(repr([(b.call.label(), b.group, b.replay, b.repeats) "
+            "for b in soak.bursts(0, 8, 300)]).encode()).hexdigest())")
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import hashlib
+
+    assert out.stdout.strip() == hashlib.sha256(repr(_labels(0, 8, 300)).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_soak_covers_every_op_dtype_mode_and_group_and_every_call_is_valid(world):
+    bursts = list(soak.bursts(0, world, 10000))
+    assert sum(b.calls for b in bursts) >= 10000
+    tp = [b for b in bursts if isinstance(b.call, tc.TpCall)]
+    moe = [b for b in bursts if isinstance(b.call, ex.MoeCall)]
+    assert {b.call.op for b in tp} == set(tc.TP_OPS)
+    assert {(b.call.op, b.call.dtype) for b in tp} == {(op, d) for op in tc.HALF_OPS for d in tc.HALF} | {
+        (op, mode) for op in tc.FP8_OPS for mode in tc.FP8_MODES}
+    assert {b.call.transposed for b in tp} == {True, False}
+    assert {(b.call.out, b.call.bias) for b in tp if b.call.fp8} == {("bf16", False), ("bf16", True),
+                                                                      ("fp32", False), ("fp32", True)}
+    assert {b.replay for b in bursts} == {True, False} and {b.group for b in bursts} == {0, 1}
+    assert max(b.repeats for b in bursts) > 1
+    assert {m.call.mode for m in moe} == set(ex.EXPERT_MODES)
+    assert any(m.call.empty_rank is not None for m in moe)
+    for b in tp:
+        assert b.call.problem(world) is None
+    ms = {(b.call.kind, b.call.m) for b in tp}
+    assert ("reduce_scatter", world) in ms and ("all_gather", world) in ms  # one row per rank
+    assert ("all_reduce", tc.min_all_reduce_m(world)) in ms
+    assert any(b.call.m % 2 for b in tp if b.call.kind == "all_reduce")
+    assert any((b.call.m // world) % 2 for b in tp if b.call.kind != "all_reduce")
+    assert {b.call.sub_bands for b in tp} == {1, 2, 3}
+
+
+def test_soak_summary_memory_is_flat_within_64_mib_of_warm_up():
+    def report(rank, samples, warm_calls=100):
+        points = [{"at": f"{c} calls", "calls": c, "allocated_mib": a, "reserved_mib": a + 10} for c, a in samples]
+        warm = next(p for p in points if p["calls"] == warm_calls)
+        return {"rank": rank, "calls": samples[-1][0], "wrong": 0, "errors": 0, "notes": [], "samples": points,
+                "warmup": warm, "stopped": None, "seconds": 1.0, "ms_per_call": 2.0, "replays": 7}
+
+    flat = soak.summarise(2, [report(0, [(100, 500.0), (1000, 530.0), (1100, 520.0)]),
+                              report(1, [(100, 500.0), (1000, 560.0), (1100, 510.0)])])
+    assert flat["flat"] is True and flat["calls"] == 1100 and flat["memory_mib"] == [500.0, 530.0, 520.0]
+    grown = soak.summarise(2, [report(0, [(100, 500.0), (1000, 530.0), (1100, 520.0)]),
+                               report(1, [(100, 500.0), (1000, 600.0), (1100, 510.0)])])
+    assert grown["flat"] is False and grown["worst_rank_growth_mib"] == 100.0
+    hung = soak.summarise(2, [report(0, [(100, 500.0), (1000, 500.0)]), None], hung="spawn: ranks did not report")
+    assert hung["hangs"] == 1 and hung["calls"] == 1000
+
+
+# -- the fault verdict -----------------------------------------------------------------------------------------------
+
+GROUP = "group '0' (ranks [0, 1, 2, 3])"
+
+
+def _raised(message, seconds=5.2):
+    return {"status": "raised", "message": message, "seconds": seconds, "group": "0", "group_description": GROUP}
+
+
+def test_ranks_named_leaves_the_group_description_out():
+    assert faults.ranks_named(f"rank 1: x on {GROUP} waited", GROUP) == {1}
+    assert faults.ranks_named("ranks [2, 3] differ from this rank", None) == {2, 3}
+    assert faults.ranks_named("rank(s) [2] of x hold", None) == {2}
+    assert faults.ranks_named("ranks 0, 2 and 3", None) == {0, 2, 3}
+    assert faults.ranks_named("waited for partial 0.1 from 2", None) == set()
+    assert faults.ranks_named("waited for partial 0.1 from 2", None, loose=True) == {2}
+
+
+def test_verdict_ok_when_every_survivor_names_op_group_and_absent_rank_in_time():
+    good = f"RuntimeError: gemm_all_reduce on {GROUP}: rank 2 never reached the call"
+    outcomes = {0: _raised(good), 1: _raised(good), 3: _raised(good, 14.9), 2: {"status": "died", "exit_code": 3}}
+    row = faults.verdict("dies", "gemm_all_reduce", 4, 2, outcomes, 5.0)
+    assert row["ok"] is True and row["seconds"] == 14.9 and row["why_not"] is None
+    assert row["statuses"] == {0: "raised", 1: "raised", 2: "died", 3: "raised"}
+
+
+def test_verdict_names_what_is_missing():
+    today = (f"RuntimeError: flashoverlap: rank 1: gemm_all_reduce on {GROUP} waited more than 5 s for the other "
+             "ranks to reach the call (the agreement check)")
+    outcomes = {r: _raised(today) for r in (0, 1, 3)}
+    row = faults.verdict("skip", "gemm_all_reduce", 4, 2, outcomes, 5.0)
+    assert row["ok"] is False and all("absent rank" in why for why in row["why_not"])
+    assert row["message"][1] == today  # verbatim
+    gloo = {r: _raised("RuntimeError: [gloo/pair.cc:553] Connection closed by peer") for r in (0, 1, 3)}
+    row = faults.verdict("dies", "moe_dispatch_gemm", 4, 2, gloo, 5.0)
+    assert "op, group, absent rank" in row["why_not"][0]
+    slow = {r: _raised(f"gemm_all_reduce on {GROUP}: rank 2 is absent", 15.5) for r in (0, 1, 3)}
+    assert faults.verdict("stall", "gemm_all_reduce", 4, 2, slow, 5.0)["ok"] is False
+    hung = {0: _raised(f"gemm_all_reduce on {GROUP}: rank 2 is absent"), 1: {"status": "hung"}}
+    row = faults.verdict("skip", "gemm_all_reduce", 4, 2, hung, 5.0)
+    assert row["ok"] is False and "rank 1: hung" in row["why_not"] and "rank 3: hung" in row["why_not"]
+
+
+def test_verdict_on_returned_tensors():
+    wrong = {r: {"status": "returned", "seconds": 0.1, "wrong": True} for r in (0, 1, 3)}
+    row = faults.verdict("dies_in_call", "gemm_all_reduce", 4, 2, wrong, 5.0)
+    assert row["ok"] is False and any("returned a tensor" in why for why in row["why_not"])
+    right = {r: {"status": "returned", "seconds": 0.1, "wrong": False} for r in (0, 1, 3)}
+    row = faults.verdict("dies_in_call", "gemm_all_reduce", 4, 2, right, 5.0)
+    assert row["ok"] is True and row["completed_before_the_death"] == [0, 1, 3]
+    assert faults.verdict("skip", "gemm_all_reduce", 4, 2, right, 5.0)["ok"] is False
+
+
+def test_outcome_of_what_the_launcher_saw():
+    assert faults.outcome_of("died", 3, 2, 2, "dies") == {"status": "died", "exit_code": 3}
+    assert faults.outcome_of("hung", None, 2, 1, "skip") == {"status": "hung"}
+    assert faults.outcome_of("error", "Traceback... injected", 2, 2, "raise")["status"] == "raised-injected"
+    assert faults.outcome_of("error", "Traceback... boom", 2, 1, "raise")["status"] == "reported_error"
+    assert faults.outcome_of("ok", {"status": "raised"}, 2, 1, "skip") == {"status": "raised"}
+
+
+# -- rows, files, command line ----------------------------------------------------------------------------------------
+
+
+def test_mechanics_rows_aggregate_over_ranks_and_survive_a_hang(tmp_path):
+    a = [{"case": "x", "mode": "eager", "wrong": 0, "checked": 4, "replays": 3, "error": None, "notes": None,
+          "worst_rel_err": 0.001, "seconds": 1.0, "number": 0}]
+    b = [{"case": "x", "mode": "eager", "wrong": 2, "checked": 4, "replays": 1, "error": "AssertionError: no",
+          "notes": ["call 1: relative error inf"], "worst_rel_err": "inf", "seconds": 2.0, "number": 0}]
+    row = mechanics.aggregate([a, b], 2)[0]
+    assert row["wrong"] == 2 and row["replays"] == 1 and row["replays_by_rank"] == [3, 1]
+    assert row["error"] == "AssertionError: no (ranks [1])" and row["worst_rel_err"] == "inf"
+    paths = []
+    for rank, rows in enumerate((a, b)):
+        progress = Progress(tmp_path / f"r{rank}.jsonl")
+        progress.write(event="start", number=0, case="x", mode="eager")
+        progress.write(event="row", row=rows[0])
+        progress.write(event="start", number=1, case="y", mode="graph")
+        paths.append(progress.path)
+    rows = mechanics.rows_from_progress(paths, 2, "spawn: ranks did not all report within 60 s")
+    assert [r["case"] for r in rows] == ["x", "y"] and rows[1]["hang_or_crash"] is True
+
+
+def test_results_files_merge_rows_by_key(tmp_path):
+    path = tmp_path / "f.json"
+    write_results(path, {"command": "one"}, [{"W": 2, "v": 1}, {"W": 4, "v": 1}], key=lambda r: r["W"])
+    write_results(path, {"command": "two"}, [{"W": 4, "v": 2}], key=lambda r: r["W"])
+    data = json.loads(path.read_text())
+    assert data["rows"] == [{"W": 2, "v": 1}, {"W": 4, "v": 2}]
+    assert data["meta"]["command"] == "two" and data["meta"]["commands"] == ["one", "two"]
+    assert merge_rows([{"k": 1}, {"k": 2}], [{"k": 2, "x": 0}], key=lambda r: r["k"]) == [{"k": 1}, {"k": 2, "x": 0}]
+
+
+def test_command_line():
+    args = shared_ranks.parse_args(["--step", "faults", "--out", "x"])
+    assert args.worlds == [4] and args.budget == shared_ranks.DEFAULT_BUDGET["faults"] and args.timeout == 5.0
+    args = shared_ranks.parse_args(["--step", "soak", "--worlds", "2,4,8", "--calls", "300", "--budget", "100"])
+    assert args.worlds == [2, 4, 8] and args.calls == 300 and args.budget == 100.0
+    args = shared_ranks.parse_args(["--step", "faults", "--ops", "gemm_all_reduce,moe_layout", "--scenarios",
+                                    "skip,dies"])
+    assert args.ops == ["gemm_all_reduce", "moe_layout"] and args.scenarios == ["skip", "dies"]
+    for bad in (["--step", "soak", "--worlds", "1,2"], ["--step", "soak", "--worlds", "x"],
+                ["--step", "faults", "--ops", "nope"], ["--step", "faults", "--scenarios", "nope"],
+                ["--step", "host", "--device", "cpu"], ["--step", "mechanics", "--families", "tp,nope"],
+                ["--step", "nope"]):
+        with pytest.raises(SystemExit):
+            shared_ranks.parse_args(bad)
+    assert set(shared_ranks.STEPS.values()) >= {"h200x1-shared-ranks.json", "h200x1-soak.json",
+                                                "h200x1-faults.json", "h200x1-host-shared.json"}
+
+
+# -- the harness end to end on gloo CPU ranks (the reference path) -------------------------------------------------
+
+
+def test_the_mechanics_ranks_check_the_reference_path_on_cpu_ranks():
+    import time
+
+    from benchmarks.shared.runs import spawn_ranks
+
+    options = {"deadline": time.time() + 120, "device": "cpu", "quick": True, "families": ("moe",)}
+    results, failure = spawn_ranks(mechanics.spawned, 2, (options, [None, None]), 180, "cpu")
+    assert failure is None, failure
+    rows = mechanics.aggregate(results, 2)
+    assert len(rows) == 2 and all(r["checked"] > 0 for r in rows)
+    assert not [r for r in rows if r["wrong"] or r["error"]], rows
+
+
+def test_the_fault_launcher_sees_a_rank_die_and_its_peer_raise():
+    row = faults.run_scenario("gemm_all_reduce", "dies", 2, 1.0, "cpu")
+    assert row["statuses"] == {0: "died", 1: "raised"}, row
+    assert row["message"][1] and row["wall_s"] < 60
