@@ -424,6 +424,47 @@ HOST_BOUND_LEGEND = (
     "`torch._scaled_mm`'s (fp8 row-wise) host time in the same row group.</sub>")
 
 
+def _fp8_choice(row: dict) -> str:
+    """The way ``tune/grouped_fp8.py`` (this checkout's rule, a pure function of the shape) picks for a measured row,
+    exact mode, on an H200."""
+    from flashoverlap.tune.grouped import GroupedCall
+    from flashoverlap.tune.grouped_fp8 import expert_gemm_fp8
+
+    call = GroupedCall.balanced(row["experts"], row["rows"], row["K"], row["N"])
+    return expert_gemm_fp8(call, row["scaling"], mode="exact", device_capability=(9, 0))[0]
+
+
+def fp8_grouped(path: str) -> str:
+    """The fp8 grouped GEMM three ways beside bf16 ``torch._grouped_mm`` (``benchmarks/diagnostics/fp8_grouped.py``):
+    per config, routing and scaling, each way's time, the way ``tune/grouped_fp8.py`` picks, and its ratios."""
+    data = _load(path)
+    lines = ["| config | set | routing | scaling | experts, rows, K, N | ours (ms) | `_scaled_grouped_mm` (ms) "
+             "| `_scaled_mm` loop (ms) | bf16 `_grouped_mm` (ms) | chosen | chosen / best | bf16 / chosen |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        head = (f"| {row['config']} | {row.get('set', '-')} | {row['routing']} | {row.get('scaling', '-')} "
+                f"| {row.get('experts', '-')}, {row.get('rows', '-')}, {row.get('K', '-')}, {row.get('N', '-')}")
+        if row.get("t_ours_ms") is None and row.get("t_loop_ms") is None:
+            lines.append(f"{head} | error: {str(row.get('error', '-'))[:70]} | | | | | | |")
+            continue
+        times = {"ours": row.get("t_ours_ms"), "cublas": row.get("t_scaled_grouped_mm_ms"),
+                 "loop": row.get("t_loop_ms")}
+        way = _fp8_choice(row)
+        chosen = times["ours" if way == "triton" else way]
+        best = min(t for t in times.values() if t is not None)
+        bf16 = row.get("t_bf16_grouped_mm_ms")
+        lines.append(f"{head} | {_ms(times['ours'])} | {_ms(times['cublas'])} | {_ms(times['loop'])} | {_ms(bf16)} "
+                     f"| {'ours' if way == 'triton' else way} | {chosen / best:.2f} | "
+                     f"{'-' if bf16 is None else f'{bf16 / chosen:.2f}x'} |")
+    legend = ("<sub>One H200, per-rank slices at W = 2, fp8 e4m3 rows and weights, bf16 out; `ours`: "
+              "`kernels.grouped_gemm.scaled_grouped_gemm` (Triton); `_scaled_grouped_mm`: torch's (row-wise only); "
+              "loop: one `torch._scaled_mm` per expert. `chosen`: the way `tune/grouped_fp8.py`'s rule picks "
+              "for the shape (the rule of this checkout, fitted on these figures; exact mode); "
+              "`set`: the configs the rule was fitted on, and those it was "
+              "validated on. bf16 / chosen above 1: the fp8 way is faster than bf16 `torch._grouped_mm`.</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
+
+
 def moe_host_one_gpu(path: str) -> str:
     """Host time per MoE layer call on one GPU shared by two processes: ours (below the public op) beside the plain
     layer, timed interleaved in the same run, per mode."""
@@ -714,7 +755,8 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
              "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,
-             "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound}
+             "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound,
+             "fp8-grouped": fp8_grouped}
 
 
 def render(spec: str) -> str:
