@@ -80,9 +80,11 @@ def main() -> None:
     args = parser.parse_args()
     path = Path(args.out) / "h200x1-fp8-moe-host.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
     torch.cuda.set_device(0)
+    # The store's file must outlive the group: NCCL makes its communicator on the first collective, through it.
+    store_dir = tempfile.TemporaryDirectory()
+    dist.init_process_group("nccl", init_method=f"file://{os.path.join(store_dir.name, 'init')}", rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
     meta = {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
             "command": " ".join(["python -m benchmarks.diagnostics.fp8_moe_host", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": 1}
@@ -130,6 +132,7 @@ def main() -> None:
                       f"ratio {row.get('ratio_to_bf16')}", flush=True)
                 path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     dist.destroy_process_group()
+    store_dir.cleanup()
     print(f"wrote {path} ({len(rows)} rows)")
 
 
