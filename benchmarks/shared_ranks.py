@@ -231,12 +231,13 @@ def run_faults(args) -> list[dict]:
     for world in args.worlds:
         for op in ops:
             for scenario in scenarios:
-                need = args.timeout + 45.0
-                if budget.left() < need:
+                # set-up allowance: normally seconds; never more than the budget leaves after the fault's own time
+                setup = min(faults.SETUP_ALLOWANCE, budget.left() - args.timeout - faults.AFTER_FAULT)
+                if setup < 15.0:
                     row = {"scenario": scenario, "op": op, "W": world, "ok": None, "seconds": None,
                            "message": None, "error": "budget spent: not run"}
                 else:
-                    row = faults.run_scenario(op, scenario, world, args.timeout, args.device)
+                    row = faults.run_scenario(op, scenario, world, args.timeout, args.device, setup=setup)
                 rows.append(row)
                 verdict = "OK" if row.get("ok") else ("not run" if row.get("ok") is None else "NOT OK")
                 _say(f"faults W={world} {op} {scenario}: {verdict} seconds={row.get('seconds')} "

@@ -11,9 +11,10 @@ Scenarios (``SCENARIOS``), each in its own set of processes (a fault leaves the 
 - ``stall``: it sleeps past the debug timeout (timeout + 5 s) before making the call (it is a surviving rank too,
   reported apart: ``faulty``);
 - ``dies``: its process ends (``os._exit``) before the call;
-- ``dies_in_call``: its process ends right after the call has been issued on the host (its GPU work queued: the
-  peers are past the agreement check, waiting on its flags). A peer whose call had everything it needed before the
-  death may return: with the right values that is no fault (``completed_before_the_death``); with wrong ones it is.
+- ``dies_in_call``: its process ends ``DIE_AFTER`` seconds into the call (a timer thread), or as soon as the call
+  returns if that is sooner: the peers are past the agreement check, their GPU work waiting on its flags. A peer
+  whose call had everything it needed before the death may return: with the right values that is no fault
+  (``completed_before_the_death``); with wrong ones it is.
 
 Ops (``FAULT_OPS``): every tensor-parallel op and the expert ops (``moe_layout``, ``moe_dispatch_gemm``,
 ``moe_gemm_combine``: a layer's sequence is layout, dispatch, combine; the fault is at the named one).
@@ -30,6 +31,7 @@ import queue as queue_module
 import re
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -47,6 +49,7 @@ MARGIN = 10.0  # seconds past the debug timeout a surviving rank may take to rai
 AFTER_FAULT = 30.0  # seconds past the debug timeout before the launcher stops waiting
 SETUP_ALLOWANCE = 120.0  # seconds from the start until some rank reaches the faulty call
 WARMUP_CALLS = 2
+DIE_AFTER = 0.02  # seconds into the faulty call at which a dies_in_call rank's process ends
 
 
 # -- the verdict (pure) --------------------------------------------------------------------------------------------
@@ -242,10 +245,12 @@ def rank_main(rank: int, world: int, op: str, scenario: str, absent: int, timeou
             if scenario == "stall":
                 time.sleep(timeout + 5)
         start = time.monotonic()
+        if faulty and scenario == "dies_in_call":  # the process ends while the call is in flight
+            threading.Timer(DIE_AFTER, os._exit, args=(3,)).start()
         try:
             out = call(name)
             if faulty and scenario == "dies_in_call":
-                os._exit(3)  # the call issued on the host, its GPU work queued
+                os._exit(3)  # the call returned before the timer: end now, its GPU work queued
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 -- the outcome under test
@@ -366,8 +371,8 @@ def outcome_of(status: str, payload, absent: int, rank: int, scenario: str) -> d
 
 
 def run_scenario(op: str, scenario: str, world: int, timeout: float, device_kind: str = "cuda",
-                 absent: int | None = None) -> dict:
-    """One scenario in its own processes; its results row."""
+                 absent: int | None = None, setup: float = SETUP_ALLOWANCE) -> dict:
+    """One scenario in its own processes (``setup``: seconds they get to reach the faulty call); its results row."""
     absent = world - 2 if absent is None else absent
     env = {"FLASHOVERLAP_DEBUG_TIMEOUT": f"{timeout:g}", "FLASHOVERLAP_NO_CACHE": "1"}
     start = time.time()
@@ -375,7 +380,8 @@ def run_scenario(op: str, scenario: str, world: int, timeout: float, device_kind
         try:
             survivors = set(range(world)) - {absent}
             launched, logs = launch(rank_main, world, (op, scenario, absent, timeout, ready_dir, device_kind), env,
-                                    ready_dir, after_ready=timeout + AFTER_FAULT, one_gpu=device_kind == "cuda",
+                                    ready_dir, after_ready=timeout + AFTER_FAULT, setup=setup,
+                                    one_gpu=device_kind == "cuda",
                                     wait_for=survivors if scenario == "skip" else None)
             error = None
         except Exception as exc:  # noqa: BLE001
