@@ -2,9 +2,12 @@
 it (``bench --help`` those of ``bench ops``) and prints instead of refusing for want of GPUs; one strict parser for
 shapes and counts (``cli.py``'s, which the harness's ``python -m benchmarks.ops|block|moe`` use too:
 tests/benchmarks/test_options.py) (``1_6`` is not 16, ``-8,8,8`` gets the shape's message, not argparse's "expected
-one argument"); the harness's commands (``bench block``, ``bench moe``, ``tune validate``) say how to run them."""
+one argument"); the harness's commands (``bench block``, ``bench moe``, ``tune validate``, and ``bench ops`` given the
+harness's options) run the harness of the source checkout they are installed from, and elsewhere say in one line
+how to get it; ``python -m flashoverlap.bench`` is ``bench ops``, never a silent exit."""
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -20,6 +23,34 @@ def _sub(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:
     return {opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")} - {"--help"}
+
+
+class _Exec:
+    """A stand-in for ``os.execve``: records what this process would have become (``python -m MODULE ARGS``) and,
+    with ``run``, runs that module here (as the exec would) instead of replacing the test's process."""
+
+    def __init__(self, monkeypatch, run: bool = False) -> None:
+        self.argv: list[str] | None = None
+        self.env: dict | None = None
+        self.monkeypatch, self.run = monkeypatch, run
+        monkeypatch.setattr(cli.os, "execve", self)
+
+    def __call__(self, path, argv, env):
+        self.argv, self.env = list(argv[1:]), env
+        if not self.run:
+            raise SystemExit(0)
+        import runpy
+
+        assert argv[1] == "-m"
+        self.monkeypatch.setattr(sys, "argv", [argv[2], *argv[3:]])
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        raise SystemExit(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_exec(monkeypatch):
+    """No test here may replace the test process: a harness command's exec runs its module here instead."""
+    _Exec(monkeypatch, run=True)
 
 
 def _main(capsys, *argv) -> tuple[int, str, str]:
@@ -48,10 +79,13 @@ def test_help_of_gpu_commands_prints_on_a_cpu_machine(capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU machine, wherever this runs
-    for argv in (("bench", "ops", "--help"), ("bench", "block", "--help"), ("bench", "moe", "--help"),
-                 ("tune", "plan", "--help"), ("tune", "validate", "--help")):
+    for argv in (("bench", "ops", "--help"), ("tune", "plan", "--help")):
         code, out, err = _main(capsys, *argv)
         assert code == 0 and out.startswith(f"usage: flashoverlap {argv[0]} {argv[1]}"), (argv, err)
+    for argv, module in ((("bench", "block", "--help"), "block"), (("bench", "moe", "--help"), "moe"),
+                         (("tune", "validate", "--help"), "model_check")):  # the harness's own help
+        code, out, err = _main(capsys, *argv)
+        assert code == 0 and out.startswith(f"usage: python -m benchmarks.{module}") and "--out" in out, (argv, err)
     # And as a user types it, in a fresh process.
     proc = subprocess.run([sys.executable, "-m", "flashoverlap", "bench", "ops", "--help"], capture_output=True,
                           text=True, timeout=300)
@@ -99,27 +133,87 @@ def test_bad_counts_are_refused_naming_the_option(capsys, argv, message):
     assert code == 2 and message in err and f"argument {argv[-2]}" in err, err
 
 
-def test_a_harness_option_of_bench_ops_says_where_the_harness_is(capsys):
+def test_a_harness_option_of_bench_ops_runs_the_harness_or_says_where_it_is(capsys, monkeypatch):
+    become = _Exec(monkeypatch)
+    code, _, err = _main(capsys, "bench", "ops", "--ops", "all_reduce", "--timeline", "t.png")
+    assert code == 0 and become.argv == ["-m", "benchmarks.ops", "--ops", "all_reduce", "--timeline", "t.png"]
+    assert str(cli.harness_root()) in become.env["PYTHONPATH"].split(":")
+    assert "--timeline t.png: handed with the rest to benchmarks.ops" in err
+    monkeypatch.setattr(cli, "harness_root", lambda: None)  # an installed wheel: no harness
     code, _, err = _main(capsys, "bench", "ops", "--sweep", "--sweep-ctas", "4")
-    assert code == 2 and "unrecognized arguments: --sweep --sweep-ctas 4" in err and "benchmarks.ops" in err, err
+    assert isinstance(code, str) and "\n" not in code, code
+    assert "unrecognized arguments: --sweep --sweep-ctas 4" in code and "-m benchmarks.ops" in code, code
 
 
-@pytest.mark.parametrize("argv,command", [
-    (("bench", "block", "--tokens", "64", "--steps", "5"), "-m benchmarks.block --tokens 64 --steps 5"),
-    (("bench", "moe", "--tokens", "64", "128", "--paths", "nccl"), "-m benchmarks.moe --tokens 64 128 --paths nccl"),
-    (("tune", "validate", "--path", "p2p"), "-m benchmarks.model_check --path p2p"),
-    (("bench", "block"), "-m benchmarks.block ..."),
-])
-def test_the_harness_commands_say_how_to_run_the_harness(monkeypatch, argv, command):
+def test_python_m_flashoverlap_bench_is_bench_ops(monkeypatch, capsys):
+    """What the results files record (``python -m flashoverlap.bench --ops ...``) runs ``bench ops``: on a CPU it
+    says in one line that it needs GPUs, never exits 0 having done nothing."""
+    import runpy
+    import warnings
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["flashoverlap.bench", "--ops", "all_reduce"])
+    execs = []
+
+    def become(path, argv):  # os.execv: run `python -m flashoverlap ARGS` here instead
+        execs.append(argv[1:])
+        monkeypatch.setattr(sys, "argv", argv[2:])
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+
+    monkeypatch.setattr(os, "execv", become)
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as stop:
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already
+        runpy.run_module("flashoverlap.bench", run_name="__main__", alter_sys=True)
+    assert execs == [["-m", "flashoverlap", "bench", "ops", "--ops", "all_reduce"]]
+    assert "flashoverlap bench ops: needs CUDA GPUs" in str(stop.value.code)
+
+
+HARNESS_CASES = [
+    (("bench", "block", "--tokens", "64", "--steps", "5"), "block", "-m benchmarks.block --tokens 64 --steps 5"),
+    (("bench", "moe", "--tokens", "64", "128", "--paths", "nccl"), "moe",
+     "-m benchmarks.moe --tokens 64 128 --paths nccl"),
+    (("tune", "validate", "--path", "p2p"), "model_check", "-m benchmarks.model_check --path p2p"),
+    (("bench", "block"), "block", "-m benchmarks.block ..."),
+]
+
+
+@pytest.mark.parametrize("argv,module,command", HARNESS_CASES)
+def test_the_harness_commands_run_the_harness_of_a_source_checkout(monkeypatch, argv, module, command):
+    become = _Exec(monkeypatch)
+    with pytest.raises(SystemExit):
+        cli.main(list(argv))
+    assert become.argv == ["-m", f"benchmarks.{module}", *argv[2:]]
+
+
+@pytest.mark.parametrize("argv,module,command", HARNESS_CASES)
+def test_without_a_source_checkout_the_harness_commands_say_how_to_get_one(monkeypatch, argv, module, command):
     import torch
 
     monkeypatch.setenv("RANK", "0")  # as under torchrun, on GPUs: the answer is the same
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cli, "harness_root", lambda: None)
     with pytest.raises(SystemExit) as stop:
         cli.main(list(argv))
     message = str(stop.value.code)
-    assert "not installed" in message and f"torchrun --nproc-per-node 2 {command}`" in message, message
+    assert "\n" not in message and "this installation does not have" in message, message
+    assert f"torchrun --nproc-per-node 2 {command}`" in message, message
+
+
+def test_the_harness_is_found_beside_the_package_in_a_source_checkout():
+    root = cli.harness_root()
+    assert root is not None and (root / "src" / "flashoverlap" / "cli.py").is_file()
+    for module in cli.HARNESS.values():
+        assert (root / (module.split()[-1].replace(".", "/") + ".py")).is_file(), module
+
+
+def test_tune_bandwidth_offers_only_the_paths_it_takes(capsys):
+    code, out, _ = _main(capsys, "tune", "bandwidth", "--help")
+    assert code == 0 and "auto" not in out, out
+    code, _, err = _main(capsys, "tune", "bandwidth", "--path", "auto")
+    assert code == 2 and "invalid choice: 'auto'" in err
 
 
 def test_bench_ops_is_handed_its_options_under_torchrun(monkeypatch):

@@ -40,11 +40,11 @@ def test_demo_as_typed_says_it_ran_the_reference_path_and_checks():
     assert "verdict: OK: result vs matmul + all_reduce" in out
 
 
-@pytest.mark.parametrize("op,name,dtype", [("reduce_scatter", "gemm_reduce_scatter", "float16"),
-                                           ("all_gather", "all_gather_gemm", "bfloat16"),
-                                           ("scaled_all_reduce", "scaled_gemm_all_reduce", "bfloat16"),
+@pytest.mark.parametrize("op,name,dtype", [("gemm_reduce_scatter", "gemm_reduce_scatter", "float16"),
+                                           ("all_gather_gemm", "all_gather_gemm", "bfloat16"),
+                                           ("scaled_gemm_all_reduce", "scaled_gemm_all_reduce", "bfloat16"),
                                            ("scaled_reduce_scatter", "scaled_gemm_reduce_scatter", "float16"),
-                                           ("scaled_all_gather", "all_gather_scaled_gemm", "bfloat16")])
+                                           ("all_gather_scaled_gemm", "all_gather_scaled_gemm", "bfloat16")])
 def test_demo_runs_every_op_on_cpu(capsys, op, name, dtype):
     assert demo.main((640, 300, 96), dtype, None, True, op) == 0
     out = capsys.readouterr().out
@@ -56,21 +56,43 @@ def test_demo_runs_every_op_on_cpu(capsys, op, name, dtype):
 def test_demo_moe_runs_dispatch_and_combine_on_two_ranks_against_plain_pytorch(capsys):
     assert demo.main(None, "bfloat16", None, True, "moe") == 0
     out = capsys.readouterr().out
-    assert "moe_dispatch_gemm + moe_gemm_combine, 256 tokens per rank, hidden 128, expert FFN 256, 8 experts, " \
-           "top-2, bfloat16, on 2 CPU processes (gloo)" in out
+    assert "moe_layout + moe_dispatch_gemm + moe_gemm_combine, 256 tokens per rank, hidden 128, expert FFN 256, " \
+           "8 experts, top-2, bfloat16, on 2 CPU processes (gloo)" in out
     assert "path: reference (CPU, gloo)" in out and "verdict: OK: result vs plain PyTorch" in out
     _no_gpu_plan(out)
 
 
 def test_demo_refuses_a_shape_the_op_cannot_split():
-    with pytest.raises(SystemExit, match="divisible"):
+    with pytest.raises(SystemExit, match="gemm_reduce_scatter needs M divisible"):
         demo.main((641, 8, 8), "bfloat16", None, True, "reduce_scatter")
 
 
-def test_demo_help_describes_the_command_and_offers_moe(capsys):
+def test_demo_help_describes_the_command_and_offers_every_op_by_its_api_name(capsys):
     code, out, _ = _main(capsys, "demo", "--help")
-    assert code == 0 and cli.DEMO_DESCRIPTION in " ".join(out.split())
-    assert "moe" in out.split("--op", 1)[1].split("\n", 1)[0] or "moe}" in out
+    help_text = " ".join(out.split())
+    assert code == 0 and cli.DEMO_DESCRIPTION in help_text
+    for name in cli.DEMO_OPS:
+        assert f"{name}," in help_text or f"{name} " in help_text, name
+
+
+def test_the_demo_offers_every_public_op_under_its_api_name_and_keeps_the_old_names():
+    import flashoverlap as fo
+
+    ops = [name for name in fo.__all__ if callable(getattr(fo, name)) and not isinstance(getattr(fo, name), type)
+           and name not in ("default_plan", "release")]
+    assert len(ops) >= 9, ops
+    for name in ops:  # the MoE ops run together, as one layer
+        assert cli.demo_op(name) == (name if name in demo.OPS else "moe"), name
+    assert set(cli.DEMO_OPS) == set(demo.OPS)
+    for old, name in {"all_reduce": "gemm_all_reduce", "scaled_all_gather": "all_gather_scaled_gemm",
+                      "moe": "moe"}.items():
+        assert cli.demo_op(old) == name
+    code = None
+    try:
+        cli.main(["demo", "--op", "scaled_all_to_all"])
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2
 
 
 def test_cli_rejects_unknown_commands(capsys):

@@ -53,6 +53,9 @@ def start_run(prog: str, description: str, add_arguments, argv: list[str] | None
     add_arguments(parser)
     argv = join_values(list(sys.argv[1:] if argv is None else argv), HARNESS_VALUE_OPTIONS)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():  # before any CUDA call: one line, not a traceback from set_device
+        raise SystemExit(f"{prog}: needs CUDA GPUs (under torchrun --nproc-per-node N); on a CPU-only machine run "
+                         "`flashoverlap demo` or the tests")
     if "RANK" not in os.environ:
         parser.error(f"run it under torchrun, e.g. torchrun --nproc-per-node 2 -m {prog.split()[-1]}")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

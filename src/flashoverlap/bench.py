@@ -12,7 +12,10 @@ The full harness is the top-level ``benchmarks/`` of a source checkout, not inst
 ``torchrun --nproc-per-node 2 -m benchmarks.ops`` (these rows, plus our GEMM alone, the decomposition and async TP
 baselines, both paths side by side, the hand-set plan beside a tuned one, plan sweeps, interference and movers, the
 timeline picture), ``-m benchmarks.block`` (the transformer block) and ``-m benchmarks.moe`` (the MoE layer);
-``flashoverlap bench block`` and ``bench moe`` say so. The harness builds on the pieces here.
+``flashoverlap bench block`` and ``bench moe`` run them there. The harness builds on the pieces here.
+
+``python -m flashoverlap.bench OPTIONS`` (how earlier versions ran it, as the results files record) is ``flashoverlap
+bench ops OPTIONS``; the harness's own options (``--timeline``, ...) hand the run to ``benchmarks.ops``.
 """
 
 from __future__ import annotations
@@ -183,3 +186,10 @@ def main(args, device: torch.device, command: str, environment: dict[str, str]) 
             write_results(args.out, meta, rows)
             print(f"wrote {args.out}")
     return 0
+
+
+if __name__ == "__main__":  # `python -m flashoverlap.bench ...`, as the results files record it: `bench ops ...`
+    import sys
+
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "flashoverlap", "bench", "ops", *sys.argv[1:]])

@@ -8,8 +8,11 @@ argparse's "expected one argument" (``join_values``). The benchmark harness (``b
 not installed) parses its options with these functions too.
 
 ``bench ops`` is the installed benchmark (``flashoverlap.bench``); ``bench block``, ``bench moe`` and ``tune
-validate`` belong to the harness, and say how to run it. ``bench`` and ``tune`` need CUDA GPUs and run under
-``torchrun``; they say so after parsing, so their ``--help`` works on a CPU machine. This module is the one place
+validate`` (and ``bench ops`` given the harness's own options, ``--timeline``, ``--sweep``, ...) belong to the harness,
+``benchmarks/`` of a source checkout: run from one (``pip install -e .`` of a clone) they run it, its options and
+``--help`` its own; elsewhere they say in one line how to get it. ``bench`` and ``tune`` need CUDA GPUs and run under
+``torchrun``; they say so after parsing, so their ``--help`` works on a CPU machine, and a mistyped option is
+refused there too. This module is the one place
 besides the settings that reads the environment (torchrun's ``RANK`` and ``LOCAL_RANK``, and the NCCL variables a
 results file records). Nothing here imports torch until a command runs.
 """
@@ -22,6 +25,14 @@ import re
 import sys
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
+# The demo's ops by their API names (``moe``: one MoE layer's calls, moe_layout, moe_dispatch_gemm, the activation
+# and moe_gemm_combine) and the names earlier versions took, kept as aliases.
+DEMO_OPS = ["gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm", "scaled_gemm_all_reduce",
+            "scaled_gemm_reduce_scatter", "all_gather_scaled_gemm", "moe"]
+DEMO_ALIASES = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter",
+                "all_gather": "all_gather_gemm", "scaled_all_reduce": "scaled_gemm_all_reduce",
+                "scaled_reduce_scatter": "scaled_gemm_reduce_scatter", "scaled_all_gather": "all_gather_scaled_gemm",
+                "moe_layout": "moe", "moe_dispatch_gemm": "moe", "moe_gemm_combine": "moe"}
 DEMO_DESCRIPTION = "Run one op on 2 ranks and check it against plain PyTorch; print the path that ran."
 DTYPES = ["bfloat16", "float16"]
 # Options whose value may start with "-" (a mistyped negative dimension): joined to their option before parsing.
@@ -96,6 +107,14 @@ def op_names(text: str) -> list[str]:
     return names
 
 
+def demo_op(text: str) -> str:
+    """A demo op: its API name (``DEMO_OPS``) or an alias of one (``DEMO_ALIASES``), returned as the API name."""
+    name = DEMO_ALIASES.get(text, text)
+    if name not in DEMO_OPS:
+        raise argparse.ArgumentTypeError(f"unknown op {text!r}; choose from {', '.join(DEMO_OPS)}")
+    return name
+
+
 def op_list(text: str) -> str:
     """``op_names``, checked, kept as the comma-separated text (the tuner's form)."""
     if not op_names(text):
@@ -139,8 +158,18 @@ def _usage_lines(parsers: dict[str, argparse.ArgumentParser]) -> str:
 
 def _harness_text(what: str, options: str = "...") -> str:
     command = HARNESS[what]
-    return (f"part of the benchmark harness, which is not installed: from the root of a source checkout, run "
-            f"`{command} {options}` (its options: `python -m {command.split()[-1]} --help`)")
+    return (f"part of the benchmark harness (benchmarks/ of a source checkout), which this installation does not "
+            f"have: in a clone of the repository (`pip install -e .` there) this command runs it, or run "
+            f"`{command} {options}` from its root (its options: `python -m {command.split()[-1]} --help`)")
+
+
+def harness_root():
+    """The source checkout this package runs from (``pip install -e .`` of a clone: ``src/flashoverlap`` beside
+    ``benchmarks/``), or None (an installed wheel has no harness)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "benchmarks" / "harness" / "run.py").is_file() else None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -153,13 +182,15 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,version}")
     demo = commands.add_parser("demo", help="run one op on 2 ranks and check it against plain PyTorch",
                                description=DEMO_DESCRIPTION)
-    demo.add_argument("--op", default="all_reduce",
-                      choices=[*OPS, "moe", "scaled_all_reduce", "scaled_reduce_scatter", "scaled_all_gather"],
-                      help="the op (default: all_reduce); moe: the MoE dispatch and combine; scaled_*: the fp8 "
-                           "ops (row-wise scales, bf16 output)")
+    demo.add_argument("--op", default="gemm_all_reduce", type=demo_op, metavar="OP",
+                      help=f"the op, by its API name: {', '.join(DEMO_OPS)} (default gemm_all_reduce); the fp8 ops "
+                           "with row-wise scales and bf16 output; moe: one MoE layer's moe_layout, moe_dispatch_gemm "
+                           "and moe_gemm_combine (--op moe_dispatch_gemm and moe_gemm_combine run it too). The "
+                           "short names of earlier versions (all_reduce, scaled_all_gather, ...) still work")
     demo.add_argument("--shape", type=shape, default=None, metavar="M,N,K",
-                      help="M rows (all_gather: gathered), N columns, this rank's K (default 16384,8192,4096 on "
-                           "GPUs, 4096,4096,1024 on the CPU)")
+                      help="M rows (all-gather: gathered), N columns, this rank's K; moe: tokens per rank, hidden, "
+                           "expert FFN (default 16384,8192,4096 on GPUs, 1024,1024,256 on the CPU; moe "
+                           "4096,4096,14336 and 256,128,256)")
     demo.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="input dtype (default: bfloat16)")
     demo.add_argument("--world-size", type=positive, default=None,
                       help="ranks (default: every GPU, or 2 CPU processes)")
@@ -176,9 +207,11 @@ def parser() -> argparse.ArgumentParser:
                                 "--out. The full harness (decomposition and async TP baselines, both paths, plan "
                                 "sweeps, the timeline) is `torchrun --nproc-per-node 2 -m benchmarks.ops` from the "
                                 "root of a source checkout."),
-        "block": kinds.add_parser("block", help="the tensor-parallel transformer block (the harness's)",
+        "block": kinds.add_parser("block", help="the tensor-parallel transformer block (the harness's: "
+                                  "`flashoverlap bench block --help` lists its options)", add_help=False,
                                   description=f"The transformer block: {_harness_text('block')}."),
-        "moe": kinds.add_parser("moe", help="the expert-parallel MoE layer (the harness's)",
+        "moe": kinds.add_parser("moe", help="the expert-parallel MoE layer (the harness's: `flashoverlap bench moe "
+                                "--help` lists its options)", add_help=False,
                                 description=f"The MoE layer: {_harness_text('moe')}."),
     }
     add_bench_ops_arguments(bench_parsers["ops"])
@@ -193,10 +226,13 @@ def parser() -> argparse.ArgumentParser:
     for name, text in (("bandwidth", "measure each collective's time against message size"),
                        ("plan", "search one shape's plan with the model, confirm by measurement, cache the winner")):
         step = tune_parsers[name] = steps.add_parser(name, help=text, description=text)
-        paths = ["nccl", "p2p"] if name == "bandwidth" else ["nccl", "p2p", "auto"]
-        step.add_argument("--path", default="nccl", choices=paths,
-                          help="the communicator (default nccl; auto: both where P2P applies, and the winner's plan "
-                               "names its path, which path='auto' calls then follow)")
+        if name == "bandwidth":
+            step.add_argument("--path", default="nccl", choices=["nccl", "p2p"],
+                              help="the communicator whose curves to measure (default nccl)")
+        else:
+            step.add_argument("--path", default="nccl", choices=["nccl", "p2p", "auto"],
+                              help="the communicator (default nccl; auto: both where P2P applies, and the winner's "
+                                   "plan names its path, which path='auto' calls then follow)")
         step.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="input dtype (default: bfloat16)")
     tune_parsers["bandwidth"].add_argument("--ops", default=",".join(OPS), type=op_list,
                                            help="comma-separated ops (default: all three)")
@@ -209,7 +245,8 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=positive, default=3, help="model's best candidates to time (default 3)")
     plan.add_argument("--exhaustive", action="store_true", help="time every candidate")
     tune_parsers["validate"] = steps.add_parser(
-        "validate", help="the model's predictions and picks against measurements over the grid (the harness's)",
+        "validate", help="the model's predictions and picks against measurements over the grid (the harness's: "
+        "`flashoverlap tune validate --help` lists its options)", add_help=False,
         description=f"The model check: {_harness_text('validate')}.")
     tune.epilog = _usage_lines(tune_parsers)
     commands.add_parser("version", help="print the version")
@@ -293,6 +330,31 @@ def _tune(args: argparse.Namespace, device) -> int:
     return 0
 
 
+def _run_harness(command: str, what: str, rest: list[str], unknown: list[str] | None = None) -> int:
+    """``flashoverlap COMMAND WHAT REST``: a harness command, or ``bench ops`` with options it lacks (``unknown``:
+    ``benchmarks.ops`` has more). This process becomes ``python -m benchmarks.<module> REST`` of this source
+    checkout (an exec, not an import: the package never imports the harness; under torchrun each rank does the
+    same), which parses first (a mistyped option, ``--help``), then needs GPUs. Without a checkout, one line says
+    how to get one."""
+    module = HARNESS[what].split()[-1] if what in HARNESS else "benchmarks.ops"
+    root = harness_root()
+    if root is None and unknown:
+        raise SystemExit(f"flashoverlap {command} {what}: unrecognized arguments: {' '.join(unknown)} (the "
+                         "harness's options, --timeline, --sweep, ..., are `torchrun --nproc-per-node 2 -m "
+                         "benchmarks.ops`'s, in a source checkout; this installation has none)")
+    if root is None and ("-h" in rest or "--help" in rest):
+        print(f"usage: flashoverlap {command} {what} ...\n\n{_harness_text(what)}")
+        return 0
+    if root is None:
+        raise SystemExit(f"flashoverlap {command} {what}: {_harness_text(what, ' '.join(rest) or '...')}")
+    if unknown and os.environ.get("RANK", "0") == "0":
+        print(f"flashoverlap {command} {what}: {' '.join(unknown)}: handed with the rest to {module}, the harness "
+              "of this source checkout, which has more options", file=sys.stderr, flush=True)
+    path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *rest], {**os.environ, "PYTHONPATH": path})
+
+
 def environment() -> dict[str, str]:
     """The variables that shape a run's communication, recorded in a results file's meta."""
     return {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEV"))}
@@ -303,13 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     top = parser()
     args, unknown = top.parse_known_args(argv)
     what = {"bench": getattr(args, "what", None), "tune": getattr(args, "tune_command", None)}.get(args.command)
-    if what in HARNESS:  # the harness's command: its options are its own
-        rest = argv[argv.index(what, argv.index(args.command)) + 1 :]
-        raise SystemExit(f"flashoverlap {args.command} {what}: {_harness_text(what, ' '.join(rest) or '...')}")
+    if what in HARNESS:  # the harness's command: its options (and --help) are its own
+        return _run_harness(args.command, what, argv[argv.index(what, argv.index(args.command)) + 1 :])
+    if unknown and what == "ops":  # the harness's options: benchmarks.ops runs, with the options given
+        return _run_harness(args.command, what, argv[argv.index(what, argv.index(args.command)) + 1 :], unknown)
     if unknown:
-        hint = "; the harness's options (--sweep, --timeline, ...) are `python -m benchmarks.ops`'s, from a " \
-               "source checkout" if what == "ops" else ""
-        top.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        top.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "version":
         from flashoverlap import __version__
 

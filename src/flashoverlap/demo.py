@@ -1,11 +1,15 @@
 """``flashoverlap demo [--op OP] [--shape ...]``: one op on 2 ranks (or ``--world-size``), checked against plain
 PyTorch; it prints the path that ran and exits non-zero on a mismatch.
 
-Ops: ``all_reduce`` (``gemm_all_reduce``, the default), ``reduce_scatter`` (``gemm_reduce_scatter``), ``all_gather``
-(``all_gather_gemm``), each ``[M, K] @ [K, N]`` with ``B`` the transposed view of an ``nn.Linear`` weight; ``moe``:
-one expert-parallel SwiGLU layer's calls (``moe_layout``, ``moe_dispatch_gemm``, the activation,
-``moe_gemm_combine``) on each rank's own tokens, against the same MoE computed by the rank alone from every
-expert's weights (``--shape T,H,F``: tokens per rank, hidden, expert FFN; 4 experts per rank, top-2).
+Ops, by their API names: ``gemm_all_reduce`` (the default), ``gemm_reduce_scatter``, ``all_gather_gemm``, each
+``[M, K] @ [K, N]`` with ``B`` the transposed view of an ``nn.Linear`` weight; their fp8 forms
+``scaled_gemm_all_reduce``, ``scaled_gemm_reduce_scatter``, ``all_gather_scaled_gemm`` (the same inputs cast to
+float8_e4m3fn with row-wise scales, bf16 output, against ``torch._scaled_mm`` and the collective); ``moe`` (or
+``moe_dispatch_gemm``, ``moe_gemm_combine``): one expert-parallel SwiGLU layer's calls (``moe_layout``,
+``moe_dispatch_gemm``, the activation, ``moe_gemm_combine``) on each rank's own tokens, against the same MoE
+computed by the rank alone from every expert's weights (``--shape T,H,F``: tokens per rank, hidden, expert FFN; 4
+experts per rank, top-2). The short names of earlier versions (``all_reduce``, ``scaled_all_gather``, ...:
+``cli.DEMO_ALIASES``) still work, here too.
 
 With two or more GPUs (and no ``--cpu``): NCCL ranks and ``path="auto"``, as a user's call takes it; the path the
 library chose is read from its debug log (the ``flashoverlap`` logger names it once per group and op), and each
@@ -28,17 +32,20 @@ import torch.nn.functional as F
 import flashoverlap as fo
 from flashoverlap.testing import spawn
 
-OPS = {"all_reduce": ("gemm_all_reduce", "matmul + all_reduce"),
-       "reduce_scatter": ("gemm_reduce_scatter", "matmul + reduce_scatter"),
-       "all_gather": ("all_gather_gemm", "all_gather + matmul"),
-       "moe": ("moe_dispatch_gemm + moe_gemm_combine", "plain PyTorch, every expert on the token's own rank"),
-       "scaled_all_reduce": ("scaled_gemm_all_reduce", "torch._scaled_mm + all_reduce"),
-       "scaled_reduce_scatter": ("scaled_gemm_reduce_scatter", "torch._scaled_mm + reduce_scatter"),
-       "scaled_all_gather": ("all_gather_scaled_gemm", "all_gather + torch._scaled_mm")}
+# op (its API name; moe: the MoE layer's calls) -> (its collective, what it is checked against)
+OPS = {"gemm_all_reduce": ("all_reduce", "matmul + all_reduce"),
+       "gemm_reduce_scatter": ("reduce_scatter", "matmul + reduce_scatter"),
+       "all_gather_gemm": ("all_gather", "all_gather + matmul"),
+       "scaled_gemm_all_reduce": ("all_reduce", "torch._scaled_mm + all_reduce"),
+       "scaled_gemm_reduce_scatter": ("reduce_scatter", "torch._scaled_mm + reduce_scatter"),
+       "all_gather_scaled_gemm": ("all_gather", "all_gather + torch._scaled_mm"),
+       "moe": ("all_to_all", "plain PyTorch, every expert on the token's own rank")}
+MOE_CALLS = "moe_layout + moe_dispatch_gemm + moe_gemm_combine"
 FP8 = torch.float8_e4m3fn
 
-# (on GPUs, on the CPU): M, N, K; for moe tokens per rank, hidden, expert FFN (Mixtral-like on GPUs).
-SHAPES = {"gemm": ((16384, 8192, 4096), (4096, 4096, 1024)), "moe": ((4096, 4096, 14336), (256, 128, 256))}
+# (on GPUs, on the CPU): M, N, K; for moe tokens per rank, hidden, expert FFN (Mixtral-like on GPUs). The CPU's are
+# small: there the demo shows the check and the path, not speed.
+SHAPES = {"gemm": ((16384, 8192, 4096), (1024, 1024, 256)), "moe": ((4096, 4096, 14336), (256, 128, 256))}
 EXPERTS_PER_RANK, TOP_K = 4, 2
 # Sums of world_size products in the input dtype: a few units in the last place.
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -125,15 +132,27 @@ def _plain(op: str, a: torch.Tensor, b: torch.Tensor, scales: tuple | None = Non
     return c if op == "all_reduce" else c.chunk(world)[rank].contiguous()
 
 
+def _api_name(op: str) -> str:
+    """``op`` by its API name: the short names of earlier versions (``all_reduce``, ``scaled_all_gather``, ...)
+    resolved as ``cli.DEMO_ALIASES`` resolves them (the command line resolves them before calling here)."""
+    base = op.removeprefix("scaled_")
+    if base not in ("all_reduce", "reduce_scatter", "all_gather"):
+        return "moe" if op.startswith("moe") else op
+    scaled = "scaled_" if base != op else ""
+    return f"all_gather_{scaled}gemm" if base == "all_gather" else f"{scaled}gemm_{base}"
+
+
 def _run_gemm(rank: int, world_size: int, op: str, m: int, n: int, k: int, dtype: torch.dtype,
               on_gpu: bool) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(100 + rank)
-    rows = m // world_size if op.endswith("all_gather") else m  # all-gather: each rank holds its shard of the rows
+    op = _api_name(op)
+    collective = OPS[op][0]
+    rows = m // world_size if collective == "all_gather" else m  # all-gather: each rank holds its shard of the rows
     a = torch.randn(rows, k, dtype=dtype, device=device, generator=gen)
     w = torch.randn(n, k, dtype=dtype, device=device, generator=gen) / k**0.5
-    fn, collective, scales = getattr(fo, OPS[op][0]), op.removeprefix("scaled_"), None
-    if op.startswith("scaled_"):  # fp8 row-wise: each row of a and each row of w (column of b) its own scale
+    fn, scales = getattr(fo, op), None
+    if "scaled" in op:  # fp8 row-wise: each row of a and each row of w (column of b) its own scale
         (a, scale_a), (w, scale_w) = _to_fp8(a), _to_fp8(w)
         scales = (scale_a, scale_w.t())
     b = w.t()  # an nn.Linear weight's transposed view, as a parallel linear layer holds it
@@ -182,7 +201,9 @@ def _run_moe(rank: int, world_size: int, tokens: int, hidden: int, ffn: int, dty
 
 
 def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | None, cpu: bool,
-         op: str = "all_reduce") -> int:
+         op: str = "gemm_all_reduce") -> int:
+    op = _api_name(op)
+    fp8 = "scaled" in op
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     on_gpu = gpus >= 2 and not cpu
     m, n, k = shape or SHAPES["moe" if op == "moe" else "gemm"][0 if on_gpu else 1]
@@ -191,16 +212,16 @@ def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | 
     if on_gpu and world_size > gpus:
         raise SystemExit(f"--world-size {world_size} needs that many GPUs, found {gpus}")
     where = f"{world_size} GPUs (NCCL)" if on_gpu else f"{world_size} CPU processes (gloo)"
-    if op.removeprefix("scaled_") in ("reduce_scatter", "all_gather") and m % world_size:
-        raise SystemExit(f"--shape {m},{n},{k}: {OPS[op][0]} needs M divisible by the {world_size} ranks")
+    if OPS[op][0] in ("reduce_scatter", "all_gather") and m % world_size:
+        raise SystemExit(f"--shape {m},{n},{k}: {op} needs M divisible by the {world_size} ranks")
     dtype = getattr(torch, dtype_name)
     if op == "moe":
-        print(f"flashoverlap demo: {OPS[op][0]}, {m} tokens per rank, hidden {n}, expert FFN {k}, "
+        print(f"flashoverlap demo: {MOE_CALLS}, {m} tokens per rank, hidden {n}, expert FFN {k}, "
               f"{EXPERTS_PER_RANK * world_size} experts, top-{TOP_K}, {dtype_name}, on {where}")
         fn, args = _run_moe, (m, n, k, dtype, on_gpu)
     else:
-        cast = ", cast to float8_e4m3fn with row-wise scales," if op.startswith("scaled_") else ""
-        print(f"flashoverlap demo: {OPS[op][0]} of [{m}, {k}] @ [{k}, {n}] {dtype_name}{cast} on {where}")
+        cast = ", cast to float8_e4m3fn with row-wise scales," if fp8 else ""
+        print(f"flashoverlap demo: {op} of [{m}, {k}] @ [{k}, {n}] {dtype_name}{cast} on {where}")
         fn, args = _run_gemm, (op, m, n, k, dtype, on_gpu)
     # No multicast on GPUs (docs/benchmarks.md); on the CPU the same environment as the caller's (the ranks then
     # fork from a server that imported torch, not fresh interpreters).
@@ -214,8 +235,16 @@ def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | 
               f"({t['plain'] / t['flashoverlap']:.2f}x; CUDA events, medians of 20 interleaved calls queued behind "
               "GPU work, the slowest rank)")
     worst = max(r["rel_err"] for r in results)
-    tolerance = TOLERANCE[torch.bfloat16 if op.startswith("scaled_") else dtype]  # fp8 ops: bf16 output
+    tolerance = TOLERANCE[torch.bfloat16 if fp8 else dtype]  # fp8 ops: bf16 output
     ok = worst < tolerance and not any(r["nan"] for r in results)
     print(f"verdict: {'OK' if ok else 'MISMATCH'}: result vs {OPS[op][1]}, worst relative error over ranks "
           f"{worst:.2e}")
     return 0 if ok else 1
+
+
+if __name__ == "__main__":  # `python -m flashoverlap.demo ...` is `flashoverlap demo ...`
+    import os
+    import sys
+
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "flashoverlap", "demo", *sys.argv[1:]])

@@ -1,0 +1,237 @@
+"""Every command README.md and docs/ name (``flashoverlap ...``, ``python -m ...``, ``torchrun ... -m ...``, and the
+scripts they run with ``python``/``torchrun``) does what the docs say or says in one line why it cannot here.
+
+The commands are collected from the documents themselves (code spans and shell blocks, the rendered sources
+included), so a renamed command or option fails here. Each runs in this process (``runpy``, as ``python -m`` or
+``python FILE`` would, and a command that execs another, ``python -m benchmarks.block`` say, runs that here too; a
+fresh interpreter per command would cost seconds each), in a scratch directory, as rank 0 of ``torchrun`` where the
+docs launch it so, and with CUDA reported absent, so that a GPU machine checks the same:
+
+- a command that needs GPUs must parse every documented option (a renamed one is a usage error, and fails), then
+  exit non-zero with one line saying why it cannot run here (no GPU; the harness not installed: then how to run it);
+- a command the CPU can run runs and prints what it did (none may exit 0 having done nothing);
+- a syntax summary (``[--op OP]``, ``ops|block|moe``) and a command too long to run here (``HELP_ONLY``) must list
+  every option it names in its ``--help``;
+- ``examples/`` scripts are run end to end by ``tests/test_examples.py``, which must know each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import runpy
+import shlex
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Commands whose real run is long on the CPU (installs, the mutation run, a CPU measurement that rewrites a results
+# file): their documented options are checked against --help instead.
+HELP_ONLY = {"benchmarks/cpu_install.py": "creates virtual environments and installs torch (minutes)",
+             "benchmarks/host_python.py": "a CPU measurement, minutes, writing a results file",
+             "tools/mutate.py": "runs the test suite once per mutation (hours)"}
+# Commands the docs name that still fail on a CPU machine with a traceback (or, for a record of a module since
+# moved, with Python's own "no module" line), each in files outside this test's owners' reach: the reason, and
+# whose change fixes it. A command fixed since is refused here (remove it from this table).
+PENDING = {
+    "flashoverlap.bench.moe_gemm": "a results file's record (h200x1-moe-gemm.json) of a module since moved to "
+                                   "benchmarks/moe_gemm.py: the renderer (benchmarks/readme_tables.py) or the file's "
+                                   "meta should say the command that runs it now",
+    "benchmarks.diagnostics.p2p_one_gpu": "diagnostic without a GPU check (KeyError: 'LOCAL_RANK' on a CPU)",
+    "benchmarks.diagnostics.moe_one_gpu": "diagnostic without a GPU check (KeyError: 'LOCAL_RANK' on a CPU)",
+    "benchmarks.diagnostics.p2p_fp8_one_gpu": "diagnostic without a GPU check (KeyError: 'LOCAL_RANK' on a CPU)",
+    "benchmarks.diagnostics.fp8_host": "diagnostic without a GPU check (init_process_group on cuda:0 raises)",
+    "benchmarks/diagnostics/fp8_gemm.py": "diagnostic without a GPU check (a traceback on a CPU)",
+    "benchmarks/diagnostics/p2p_sub_bands.py": "diagnostic without a GPU check (a traceback on a CPU)",
+    "benchmarks.host_bound": "no GPU check before torch.cuda.set_device (AttributeError on a CPU)",
+    "benchmarks/reliability.py": "no GPU check before torch.cuda.set_device (AttributeError on a CPU)",
+    "benchmarks.diagnostics.fp8_grouped": "diagnostic without a GPU check ('Torch not compiled with CUDA enabled')",
+}
+LAUNCHERS = ("flashoverlap", "python", "python3", "torchrun")
+_ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
+_PLACEHOLDER = re.compile(r"^(?:[A-Z][A-Z_]*|M,N,K|<\w+>)$")  # OP, M,N,K, FILE, <sha>: a syntax summary's
+
+
+@dataclass(frozen=True)
+class Command:
+    """A documented command: where it is written, as written, and what it runs."""
+
+    where: str
+    text: str
+    torchrun: bool  # launched as torchrun's ranks
+    module: str | None  # python -m MODULE (flashoverlap's console script is ``-m flashoverlap``)
+    script: str | None  # python SCRIPT (a path from the repository's root)
+    args: tuple[str, ...]
+    summary: bool  # a syntax summary ([--op OP], a|b), not a command to run as it stands
+
+    @property
+    def target(self) -> str:
+        return self.module or self.script or ""
+
+
+def _candidates(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every code span and every line of every fenced shell block."""
+    found = []
+    for block in re.finditer(r"^```(?:bash|sh|shell|console)?\n(.*?)^```", text, re.S | re.M):
+        body = block.group(1).replace("\\\n", " ")
+        first = text.count("\n", 0, block.start()) + 2
+        found += [(first + i, line.split(" #", 1)[0]) for i, line in enumerate(body.split("\n"))]
+    outside = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
+    found += [(outside.count("\n", 0, m.start()) + 1, m.group(1)) for m in re.finditer(r"`([^`\n]+)`", outside)]
+    return found
+
+
+def _parse(where: str, text: str) -> list[Command]:
+    """The commands ``text`` spells (alternatives ``a|b`` each), or none where it is no command of ours."""
+    text = text.replace("\\|", "|").strip()
+    summary = any(mark in text for mark in ("[", "|", "..."))
+    try:
+        words = shlex.split(text.replace("[", " ").replace("]", " ").replace("...", " "))
+    except ValueError:
+        return []
+    while words and _ENV.match(words[0]):
+        words = words[1:]
+    if not words or words[0] not in LAUNCHERS:
+        return []
+    launcher, rest = words[0], words[1:]
+    torchrun = launcher == "torchrun"
+    if torchrun:
+        while rest and rest[0].startswith("--") and rest[0] != "-m":  # torchrun's own options
+            rest = rest[2:] if "=" not in rest[0] and len(rest) > 1 and not rest[1].startswith("-") else rest[1:]
+    if launcher == "flashoverlap":
+        if not rest or rest[0].split("|")[0] not in ("demo", "bench", "tune", "version"):
+            return []
+        module, script, args = "flashoverlap", None, rest
+    elif rest[:1] == ["-m"] and len(rest) > 1:
+        module, script, args = rest[1], None, rest[2:]
+    elif rest and rest[0].endswith(".py"):
+        module, script, args = None, rest[0], rest[1:]
+    else:
+        return []
+    if module is not None and not module.startswith(("flashoverlap", "benchmarks")):
+        return []
+    summary = summary or any(_PLACEHOLDER.match(arg) for arg in args)
+    alternatives = [[]]
+    for arg in args:
+        alternatives = [done + [choice] for done in alternatives for choice in arg.split("|")]
+    return [Command(where, text, torchrun, module, script, tuple(a), summary) for a in alternatives]
+
+
+def documented_commands() -> list[Command]:
+    commands = []
+    for doc in DOCS:
+        for line, text in _candidates(doc.read_text()):
+            commands += _parse(f"{doc.relative_to(ROOT)}:{line}", text)
+    return commands
+
+
+COMMANDS = documented_commands()
+_UNIQUE = list({(c.target, c.args, c.torchrun, c.summary): c for c in COMMANDS}.values())
+
+
+def _options(args: tuple[str, ...]) -> list[str]:
+    return [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
+
+
+@contextlib.contextmanager
+def _as_launched(monkeypatch, tmp_path, command: Command, args: tuple[str, ...]):
+    """This process as the command's: its argv, a scratch directory (relative output paths land there), torchrun's
+    variables for rank 0 where the docs launch it so, and no CUDA."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    if command.torchrun:
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29599")):
+            monkeypatch.setenv(name, value)
+    else:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+    for arg in args:  # an output file's folder, as in a checkout
+        if "/" in arg and not arg.startswith(("-", "/")):
+            (tmp_path / arg).parent.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(sys, "argv", [command.module or str(ROOT / command.script), *args])
+
+    def become(path, argv, env=None):  # os.execv(e) of `python -m MODULE ARGS`: run it here instead
+        assert argv[1] == "-m", argv
+        monkeypatch.setattr(sys, "argv", [argv[2], *argv[3:]])
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execv", become)
+    monkeypatch.setattr(os, "execve", become)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: "found in sys.modules" for an imported module
+        yield
+
+
+def _run(command: Command, args: tuple[str, ...]) -> object:
+    """The command's exit status (SystemExit's code, or 0 where it returns); any other exception propagates."""
+    try:
+        if command.module is not None:
+            runpy.run_module(command.module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(ROOT / command.script), run_name="__main__")
+    except SystemExit as stop:
+        return 0 if stop.code is None else stop.code
+    return 0
+
+
+def test_the_docs_name_the_commands_this_test_knows():
+    targets = {c.target for c in COMMANDS}
+    for needed in ("flashoverlap", "flashoverlap.bench"):
+        assert needed in targets, f"no documented command runs {needed}: is the collector broken?"
+    assert any(c.args[:1] == ("demo",) and not c.summary for c in COMMANDS)
+    assert any(c.args[:2] == ("bench", "block") for c in COMMANDS) and any(c.args[:2] == ("tune", "validate")
+                                                                           for c in COMMANDS)
+    stale = sorted(set(PENDING) - targets)
+    assert not stale, f"PENDING names commands no document names any more (remove them): {stale}"
+    assert set(HELP_ONLY) <= targets, sorted(set(HELP_ONLY) - targets)
+
+
+def test_every_documented_example_is_run_by_the_examples_test():
+    from tests.test_examples import NOT_RUN, RUN
+
+    for command in COMMANDS:
+        if command.script and command.script.startswith("examples/"):
+            name = command.script.removeprefix("examples/")
+            assert name in RUN or name in NOT_RUN, f"{command.where}: {command.text}: {name} is not run anywhere"
+
+
+@pytest.mark.parametrize("command", _UNIQUE, ids=lambda c: f"{c.where}:{c.target}:{' '.join(c.args)[:40]}")
+def test_every_documented_command_runs_or_says_why_not(command, monkeypatch, tmp_path, capsys):
+    if command.script and command.script.startswith("examples/"):
+        return  # tests/test_examples.py runs them (the test above checks that it knows each)
+    if command.target in PENDING:
+        pytest.skip(f"pending: {command.text}: {PENDING[command.target]}")
+    if command.script is not None:
+        assert (ROOT / command.script).is_file(), f"{command.where}: {command.script} does not exist"
+    if command.summary or command.target in HELP_ONLY:
+        args = tuple(arg for arg in command.args if not arg.startswith("-") and not _PLACEHOLDER.match(arg))
+        args = args[:2] if command.module == "flashoverlap" else ()  # the subcommand's own --help
+        with _as_launched(monkeypatch, tmp_path, command, (*args, "--help")):
+            code = _run(command, (*args, "--help"))
+        out = capsys.readouterr().out
+        assert code == 0, f"{command.where}: `{command.text}`: --help exited {code}"
+        missing = [opt for opt in _options(command.args) if opt not in out]
+        assert not missing, f"{command.where}: `{command.text}` names {missing}, which its --help does not list"
+        return
+    with _as_launched(monkeypatch, tmp_path, command, command.args):
+        code = _run(command, command.args)
+    out, err = capsys.readouterr()
+    shown = f"{command.where}: `{command.text}` exited {code!r}\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in err, shown
+    if code == 0:
+        assert out.strip(), f"{command.where}: `{command.text}` exited 0 having printed nothing"
+        return
+    assert code != 2 and "unrecognized arguments" not in err and "invalid choice" not in err, shown
+    message = code if isinstance(code, str) else err.strip()
+    assert message and "\n" not in message.strip(), f"not one line: {shown}"
+    assert re.search(r"CUDA|GPU|torchrun|harness|source checkout", message), shown
