@@ -12,7 +12,9 @@ rank has a GPU; else gloo, CPU-sized tensors and the reference path (Inductor's 
 """
 
 import copy
+import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,23 @@ from torch.distributed.tensor.parallel import (
 )
 
 import flashoverlap.compile
+
+
+class _ProcessGroupNotCached(logging.Filter):
+    """Drops one known-harmless warning, with its traceback: Inductor's and AOTAutograd's on-disk caches cannot
+    pickle a compiled graph that holds a ``ProcessGroup`` ("cannot pickle 'torch._C._distributed_c10d.ProcessGroup'
+    object"). Since torch 2.12 DTensor hands the mesh's process group to the compiled graph as an opaque object,
+    which has no pickle form (pytorch/pytorch#189541); the graph is compiled and runs all the same, it is only not
+    cached on disk, with or without flashoverlap's pass. Every other message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+        return not ("unable to serialize compiled graph" in text and "ProcessGroup" in text)
+
+
+def _quiet_process_group_cache_warnings() -> None:
+    for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
+        logging.getLogger(name).addFilter(_ProcessGroupNotCached())
 
 
 class FeedForward(nn.Module):
@@ -79,6 +98,7 @@ def main() -> None:
     want = eager(x_r)
     want.float().square().sum().backward()
 
+    _quiet_process_group_cache_warnings()  # torch's on-disk caches, not the pass: see the filter
     # (was, for PyTorch's async TP: torch._inductor.config._micro_pipeline_tp = True and symmetric memory)
     flashoverlap.compile.enable()  # before the first call of the compiled model
     model = torch.compile(model)
@@ -101,5 +121,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "RANK" not in os.environ:  # not under torchrun: one line, not torch's traceback
+        sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
     main()
     dist.destroy_process_group()

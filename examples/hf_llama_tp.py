@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -128,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    # What it needs, each missing piece named in one line (not a traceback from deep inside torch).
+    if not torch.cuda.is_available():
+        sys.exit("examples/hf_llama_tp.py needs CUDA GPUs (one per rank, under torchrun): it times an 8B-shaped "
+                 "model; on a CPU, examples/hf_tp_plan.py checks the same kind of sharding")
+    if "RANK" not in os.environ:
+        sys.exit("start it under torchrun: torchrun --nproc-per-node 2 examples/hf_llama_tp.py")
+    if importlib.util.find_spec("transformers") is None:
+        sys.exit("examples/hf_llama_tp.py needs transformers: pip install 'transformers>=4.51' (the hf extra)")
 
     import torch.distributed.tensor.parallel as torch_styles
     from torch.distributed.device_mesh import init_device_mesh

@@ -10,12 +10,17 @@ unsharded model over every rank, and raises beyond bf16 rounding. Needs ``transf
 
 import copy
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from transformers import LlamaConfig, LlamaForCausalLM
+
+try:
+    from transformers import LlamaConfig, LlamaForCausalLM
+except ImportError:  # what is missing, in one line
+    sys.exit("examples/hf_tp_plan.py needs transformers: pip install 'transformers>=4.51' (the hf extra)")
 
 from flashoverlap.nn import styles_from_hf_plan
 
@@ -52,5 +57,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "RANK" not in os.environ:  # not under torchrun: one line, not torch's traceback
+        sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
     main()
     dist.destroy_process_group()

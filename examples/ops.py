@@ -6,7 +6,9 @@ NCCL and GPU-sized tensors where every rank has a GPU; else gloo, CPU-sized tens
 per op, the largest difference from plain PyTorch over every rank, and raises if one exceeds bf16 rounding.
 """
 
+import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,11 @@ def main() -> None:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
+    if rank == 0 and on_gpu:  # path="auto" logs the path it takes for each op, and why (once per op)
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("flashoverlap").setLevel(logging.DEBUG)
+    elif rank == 0:
+        print("path: reference (CPU tensors: torch.matmul, then blocking gloo collectives, nothing overlapped)")
     T, H = (4096, 8192) if on_gpu else (256, 512)  # tokens, hidden size: GPU-sized, or CPU-sized
     torch.manual_seed(rank)
     x_r = torch.randn(T, H // world, dtype=torch.bfloat16, device=device)  # this rank's K-shard of x
@@ -49,5 +56,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "RANK" not in os.environ:  # not under torchrun: one line, not torch's traceback
+        sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
     main()
     dist.destroy_process_group()

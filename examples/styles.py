@@ -12,6 +12,7 @@ unsharded layer over every rank, and raises beyond bf16 rounding.
 
 import copy
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -100,5 +101,7 @@ def main() -> None:
     check("torchtitan's sequence-parallel plan", sp_model, y_r, plain, want.chunk(world, dim=1)[rank])
 
 if __name__ == "__main__":
+    if "RANK" not in os.environ:  # not under torchrun: one line, not torch's traceback
+        sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
     main()
     dist.destroy_process_group()

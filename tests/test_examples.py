@@ -1,6 +1,8 @@
 """The snippets cannot rot: every Python code block of README.md, docs/usage.md and docs/migration.md is an excerpt
-(verbatim, up to its leading indentation) of a script under ``examples/``, and every such script runs here on two
-gloo ranks and checks itself against plain PyTorch (it raises on a mismatch and prints what it checked).
+(verbatim, up to its leading indentation) of a script under ``examples/``, named in the paragraph that leads into it
+(a block alone fails with NameError: the reader must know where the rest is), and every such script runs here on
+two gloo ranks and checks itself against plain PyTorch (it raises on a mismatch and prints what it checked), with
+no traceback on its output; started without torchrun, each says so in one line.
 
 The ranks run each script's ``main()`` through ``flashoverlap.testing.spawn`` (forked from a server that imported
 torch once: a fresh ``torchrun`` per script would cost seconds of interpreter start each); the README's example also
@@ -68,6 +70,24 @@ def test_every_python_block_of_the_docs_is_an_excerpt_of_an_example():
     assert not set(RUN) - shown, f"examples no doc shows an excerpt of: {sorted(set(RUN) - shown)}"
 
 
+def _lead_in(text: str, start: int) -> str:
+    """The paragraph just before offset ``start`` of a Markdown text (a block's lead-in)."""
+    return text[:start].rstrip("\n").split("\n\n")[-1]
+
+
+def test_every_python_block_says_which_example_it_comes_from():
+    scripts, unmarked = _scripts(), []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in re.finditer(r"^[ \t]*```python[ \t]*\n(.*?)^[ \t]*```", text, re.S | re.M):
+            found = excerpts_of(m.group(1), scripts)
+            if not any(f"examples/{name}" in _lead_in(text, m.start()) for name in found):
+                line = text.count("\n", 0, m.start()) + 1
+                unmarked.append(f"{doc.relative_to(ROOT)}:{line} (from {found})")
+    assert not unmarked, "Python blocks whose lead-in paragraph does not name the examples/ script they come " \
+                         "from: " + "; ".join(unmarked)
+
+
 def test_an_edited_or_stitched_block_is_not_an_excerpt():
     scripts = {"x.py": "def main():\n    a = 1\n    b = 2\n\n    c = 3\n", "y.py": "b = 2\n"}
     assert excerpts_of("a = 1\nb = 2\n", scripts) == ["x.py"]  # indentation aside
@@ -106,8 +126,9 @@ def test_every_example_runs_on_two_gloo_ranks_and_checks_itself(capsys):
     missing = [name for name in RUN if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None]
     names = [name for name in RUN if name not in missing]
     spawn(_run_examples, 2, "gloo", args=(names,))
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "MISMATCH" not in out, out
+    assert "Traceback" not in err, f"an example that succeeded printed a traceback:\n{err[-4000:]}"
     parts = re.split(r"^== examples/(\S+)\n", out, flags=re.M)
     printed = dict(zip(parts[1::2], parts[2::2]))  # rank 0 prints each marker, then that example's checks
     quiet = [name for name in names if not re.search(r", OK$", printed.get(name, ""), re.M)]
@@ -126,8 +147,37 @@ def test_the_readme_example_runs_under_torchrun():
         if proc.returncode == 0 or not re.search(r"EADDRINUSE|[Aa]ddress already in use", proc.stderr):
             break
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"^path: reference \(CPU tensors", proc.stdout, re.M), proc.stdout  # the path it ran
     for op in ("gemm_all_reduce", "gemm_reduce_scatter", "all_gather_gemm"):
         assert re.search(rf"^{op}: max abs diff vs plain PyTorch \S+, OK$", proc.stdout, re.M), proc.stdout
     readme = (ROOT / "README.md").read_text()
-    assert excerpts_of(python_blocks(readme)[0][1], {"ops.py": (EXAMPLES / "ops.py").read_text()}) == ["ops.py"]
+    whole = [block for _, block in python_blocks(readme) if "def main()" in block]
+    assert whole and excerpts_of(whole[0], {"ops.py": (EXAMPLES / "ops.py").read_text()}) == ["ops.py"]
     assert "torchrun --nproc-per-node 2 examples/ops.py" in readme
+
+
+# Scripts written beside this test that do not yet stop in one line where torchrun or a GPU is missing: their
+# authors add the two-line `__main__` guard the others have, and remove them here.
+UNGUARDED = {"fp8_moe.py", "shared_gpu.py"}
+
+
+def test_every_example_started_without_torchrun_says_so_in_one_line(monkeypatch):
+    # In this process (runpy, as `python examples/x.py` runs it): each stops at its `__main__` guard (hf_llama_tp.py
+    # at its check for GPUs, which comes first) before it touches torch.distributed.
+    import runpy
+
+    import torch
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in sorted(p.name for p in EXAMPLES.glob("*.py")):
+        if name in UNGUARDED:
+            continue
+        monkeypatch.setattr(sys, "argv", [f"examples/{name}"])
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+        message = stop.value.code
+        assert isinstance(message, str) and "\n" not in message, (name, message)  # printed, exit status 1
+        assert re.search(r"torchrun|CUDA GPUs|needs transformers", message), (name, message)

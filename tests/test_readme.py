@@ -1,8 +1,9 @@
 """README.md and docs/: every figure is rendered from a committed results file (a fresh rendering must equal the
 text), every rendered table names the commit it was measured at and says where the code it measures has changed
 since, no number is typed by hand outside rendered pieces and code, every link resolves, nothing refers to files
-outside the repository, every command is invoked one way, and the README is a front page: what it is, the measured
-headline, install and the demo in its first 40 lines, the known limits near the top, at most 14,000 bytes."""
+outside the repository, every command is invoked one way, and the README is a front page: what it is, a short code
+example and a timeline picture on its first screen, the measured headline, install and the demo in its first 55
+lines, the known limits near the top, at most 14,000 bytes."""
 
 import importlib.util
 import json
@@ -59,8 +60,15 @@ def test_links_resolve_and_nothing_points_outside_the_repository():
 def test_readme_is_a_front_page():
     text = (ROOT / "README.md").read_text()
     assert len(text.encode()) <= 14_000
-    first = "\n".join(text.splitlines()[:40])
-    assert first.startswith("# flashoverlap\n")
+    lines = text.splitlines()
+    # The first screen: what it is, a short code example and a timeline picture, before anything else.
+    screen = "\n".join(lines[:20])
+    assert screen.startswith("# flashoverlap\n")
+    code = re.search(r"```python\n(.*?)```", screen, re.S)
+    assert code and len(code.group(1).splitlines()) <= 6, "no short code example on the first screen"
+    picture = re.search(r"!\[[^\]]+\]\((docs/images/timeline-[^)]+\.png)\)", screen)
+    assert picture and (ROOT / picture.group(1)).is_file(), "no timeline picture on the first screen"
+    first = "\n".join(lines[:55])
     assert "<!-- render: headline " in first and "<!-- end render -->" in first  # the measured headline, whole
     for what in ("## Install", "pip install", "## Try it", "flashoverlap demo"):
         assert what in first, what

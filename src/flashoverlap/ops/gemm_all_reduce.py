@@ -29,13 +29,15 @@ def gemm_all_reduce(
     """``a @ b`` summed over ``group``, as ``c = a @ b; dist.all_reduce(c, group=group)`` would return it.
 
     Args:
-        a: ``[M, K]`` bf16 or fp16, this rank's K-shard of the input.
+        a: ``[M, K]`` bf16 or fp16 (overlapped), or fp32 (matmul then the collective), this rank's K-shard of the
+            input.
         b: ``[K, N]``, same dtype and device; may be the transposed view ``w.t()`` of an ``[N, K]`` weight.
         group: the process group (default: the world). CUDA tensors need an NCCL group.
         plan: a :class:`flashoverlap.Plan` for this shape and world size (default: the library's plan for it).
-        path: ``"auto"`` (the given plan's path; else on one NVLink node the P2P path, elsewhere NCCL; the
-            reference for CPU tensors), ``"nccl"``, ``"p2p"`` (cuBLAS and copy engines over symmetric memory, one
-            node) or ``"reference"`` (group by group, nothing overlapped; any backend).
+        path: ``"auto"`` (the given plan's path; else the path of a plan tuned for the shape; else on one node with
+            peer access the P2P path, elsewhere NCCL; the reference for CPU tensors), ``"nccl"``, ``"p2p"`` (cuBLAS
+            and copy engines over symmetric memory, one node), ``"ring"`` (the P2P schedule over NCCL send/recv) or
+            ``"reference"`` (group by group, nothing overlapped; any backend).
 
     Returns:
         ``[M, N]`` row-major, the input dtype, identical on every rank of ``group``.

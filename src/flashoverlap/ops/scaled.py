@@ -1,6 +1,7 @@
-"""The fp8 ops: ``scaled_gemm_all_reduce``, ``scaled_gemm_reduce_scatter``, ``all_gather_scaled_gemm``, each what
-``torch._scaled_mm`` and the collective return one after the other (``comm/scaled.py`` has the scaling modes and
-what crosses the wire), on the one call pipeline (``runtime/calls.py``) as the bf16 ops are.
+"""The fp8 ops: ``scaled_gemm_all_reduce``, ``scaled_gemm_reduce_scatter``, ``all_gather_scaled_gemm``, each
+returning what ``torch._scaled_mm`` followed by the collective returns (``comm/scaled.py`` has the scaling modes and
+what crosses the wire), on the one call pipeline (``runtime/calls.py``) as the bf16 ops are, and overlapped on the
+paths ``runtime.policy.FP8_PATHS`` lists (P2P and NCCL).
 
 Operands ``float8_e4m3fn`` (``float8_e5m2`` beside an e4m3 operand, as ``torch._scaled_mm`` allows), fp32 scales
 whose shapes say the mode (tensor-wise, row-wise, block-wise 1x128 / 128x128), output bf16 (default) or fp32, an
@@ -33,10 +34,11 @@ def scaled_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tens
             weight, as ``_scaled_mm`` wants it).
         scale_a, scale_b: fp32; tensor-wise one value each, row-wise ``[M, 1]`` and ``[1, N]``, block-wise
             ``[M, K/128]`` and ``[K/128, ceil(N/128)]`` (K a multiple of 128).
-        group, path, plan: as for :func:`flashoverlap.gemm_all_reduce` (fp8 runs the reference path on the CPU; on
-            CUDA the NCCL path, or the scaled matmul then the collective where overlap cannot pay). A plan's GEMM
-            is the signalling fp8 kernel (block-wise: ``tile.block_k`` 128) or, with ``gemm="cublas"``, bands of
-            ``torch._scaled_mm``.
+        group, path, plan: as for :func:`flashoverlap.gemm_all_reduce`. CPU tensors run the reference path; on
+            CUDA fp8 is overlapped on the P2P path (scaled cuBLAS sub-bands, copy engines; ``path="auto"`` takes it
+            on one node with peer access, as for bf16) and the NCCL path (elsewhere: the signalling fp8 GEMM, whose
+            plan's GEMM is the fp8 kernel, block-wise with ``tile.block_k`` 128, or with ``gemm="cublas"`` bands of
+            ``torch._scaled_mm``); a call too small to overlap runs the scaled matmul then the collective.
         out_dtype: ``torch.bfloat16`` or ``torch.float32``; bias: ``[N]`` in ``out_dtype``, or None.
 
     Returns:
