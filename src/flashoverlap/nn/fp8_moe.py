@@ -1,9 +1,37 @@
-"""fp8 expert-parallel MoE inference: ``Float8ExpertParallelMLP``, an ``ExpertParallelMLP`` whose experts' weights are
+"""fp8 expert-parallel MoE: training (row-wise, torchao's MoE recipe) and inference (row- or block-wise).
+
+Training, ``ExpertParallelMLP(..., fp8="row")`` (or expert weights converted by torchao's MoE training conversion,
+``torchao.quantization.quantize_(layer, Float8TrainingOpConfig())``, used as they are): the bf16 parameters stay the
+master weights; every call casts, as ``torchao.prototype.moe_training``'s ``_Float8GroupedMM`` does (e4m3, one scale
+per row of the contracted dimension, scales rounded down to powers of 2, saturated casts), for each of the three GEMMs
+of each projection (``L`` local experts, ``R`` received rows):
+
+- forward ``h = x @ w13^T``: ``x`` row-wise over ``H`` (before the dispatch: the rows cross the wire as fp8 with one
+  scale each), ``w13 [L, 2F, H]`` per (expert, output column) over ``H``; ``y = a @ w2^T`` likewise (``a`` row-wise
+  over ``F``, ``w2`` per (expert, output column) over ``F``); the ops' fp8 grouped GEMM, bf16 out;
+- input gradients ``dy @ w``: the output gradient row-wise, the weight per (expert, input column) over the output
+  dimension; they run through the same fp8 ops as the bf16 layer's backward runs through its ops (``dx``: the
+  unweighted combine of ``dh``, the reverse all-to-all of bf16 rows; ``da``: the per-choice dispatch of the router-
+  weighted ``dy``, fp8 rows with their scales on the wire);
+- weight gradients ``dy^T @ x`` per expert: both operands cast per (expert, column) over that expert's rows (torchao's
+  per-group column-wise scales), the product in fp32 (``torch._scaled_grouped_mm`` on CUDA, expert groups padded to
+  16 rows; a dequantised fp32 product elsewhere), bf16 out.
+
+What crosses the wire changes nothing: the weight gradients' row operand is the received fp8 rows (``x`` for
+``w13``'s, the per-choice gradient rows for ``w2``'s) dequantised (exactly: powers of 2) and cast again per expert
+column, where torchao casts the bf16 rows once; rounding to fp8's 3 mantissa bits twice, at power-of-2 scales, is
+rounding once (but where the row cast left a value subnormal or rounded a column's largest past 448), so the
+weight gradients equal torchao's. One
+difference: ``w13`` is one GEMM for the gate and up projections, its input gradient's ``dh`` cast over ``2F`` where
+torchao casts the two ``F`` halves apart. The tests measure the layer against torchao's unsharded model on the CPU
+(``tests/moe/test_fp8_training.py``: its error against fp64 0.999..1.005x torchao's own, weight gradients bit-equal).
+
+Inference, ``Float8ExpertParallelMLP.from_float(layer, scaling)``: an ``ExpertParallelMLP`` whose experts' weights are
 held in fp8 with row-wise (``[L, N]``) or 128x128 block scales (DeepSeek-V3's layout), running the fp8 expert ops
 (``ops/moe.py``): each token's row is quantised (one scale per row, or per 128 channels), dispatched as fp8 with its
 scales, multiplied in fp8; the SwiGLU intermediate is quantised again for the second projection; combine returns the
-input dtype (bf16). Forward only: the fp8 ops record no autograd (fp8 training, torchao's row-wise MoE recipe, is not
-here yet); a call that needs gradients raises.
+input dtype (bf16). Forward only; a call that needs gradients raises. ``ExpertParallelMLP(..., fp8="block")`` is the
+same numerics with the weights cast at every call (inference only too).
 """
 
 from __future__ import annotations
@@ -54,6 +82,7 @@ class Float8ExpertParallelMLP(ExpertParallelMLP):
         w2, s2 = quantise_weight(layer.w2, scaling)
         layer.__class__ = cls
         layer.scaling = scaling
+        layer.fp8 = None  # the weights are fp8 themselves (extra_repr says which)
         layer.register_buffer("w13_fp8", w13)
         layer.register_buffer("w13_scale", s13)
         layer.register_buffer("w2_fp8", w2)
@@ -78,3 +107,248 @@ class Float8ExpertParallelMLP(ExpertParallelMLP):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8={self.scaling!r}"
+
+
+# -- training: torchao's row-wise MoE recipe through the expert ops ------------------------------------------------
+E4M3 = torch.float8_e4m3fn
+EPS = 1e-12  # torchao.float8.float8_utils.EPS
+
+
+def cast_rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's axis-wise cast (its Triton kernels' arithmetic): ``t`` as e4m3, one scale per slice along ``dim``
+    (``448 / max(amax, 1e-12)`` in fp64, to fp32, rounded down to a power of 2), saturated; returns the fp8 tensor
+    and the dequantisation scales (the reciprocals, exact: powers of 2), fp32, ``dim`` kept with size 1."""
+    top = torch.finfo(E4M3).max
+    t = t.detach()
+    amax = t.abs().amax(dim, keepdim=True).double()
+    scale = torch.exp2(torch.floor(torch.log2((top / amax.clamp_min(EPS)).float())))
+    q = (t.float() * scale).clamp(-top, top).to(E4M3)
+    return q, scale.reciprocal()
+
+
+def _weight_for(w: torch.Tensor, over: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``nn.Linear``-shaped ``w [L, N, K]`` cast for a GEMM that contracts its dimension ``over`` (2: ``x @
+    w^T``, the forward; 1: ``dy @ w``, the input gradient), as the ops take it: ``[L, contracted, other]`` column-major
+    (a ``transpose(1, 2)`` view of dense fp8) and its row-wise scales ``[L, other]``."""
+    dense = w if over == 2 else w.transpose(1, 2)
+    q, s = cast_rowwise(dense.contiguous(), 2)
+    return q.transpose(1, 2), s.squeeze(2)
+
+
+def _row_experts(count: int, seg_starts: torch.Tensor, seg_ends: torch.Tensor, local: int,
+                 device: torch.device) -> torch.Tensor:
+    """Each of ``count`` received rows' local expert (segments ordered by (source, local expert)); ``local`` for
+    rows of no segment (bounded mode's padding)."""
+    segments = seg_ends.numel()
+    index = torch.arange(count, device=device)
+    seg = torch.searchsorted(seg_ends.to(torch.int64), index, right=True)
+    clamped = seg.clamp(max=max(segments - 1, 0))
+    inside = (seg < segments) & (index >= seg_starts.to(torch.int64)[clamped])
+    return torch.where(inside, clamped % local, local)
+
+
+def _cast_groups(t: torch.Tensor, expert: torch.Tensor, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's per-group column-wise cast: ``t [R, C]`` as e4m3 with one scale per (expert, column) over that
+    expert's rows (``expert [R]``; rows of expert ``local``, padding, are zeroed); the dequantisation scales
+    ``[local + 1, C]``."""
+    top = torch.finfo(E4M3).max
+    t = torch.where((expert < local)[:, None], t.detach().float(), 0.0)
+    amax = t.new_zeros((local + 1, t.shape[1])).scatter_reduce_(0, expert[:, None].expand_as(t), t.abs(), "amax")
+    scale = torch.exp2(torch.floor(torch.log2((top / amax.double().clamp_min(EPS)).float())))
+    q = (t * scale.index_select(0, expert)).clamp(-top, top).to(E4M3)
+    return q, scale.reciprocal()
+
+
+def weight_grad(grads: torch.Tensor, rows: torch.Tensor, seg_starts: torch.Tensor, seg_ends: torch.Tensor,
+                local: int, dtype: torch.dtype) -> torch.Tensor:
+    """``grad_w [L, N, K]`` (``nn.Linear``-shaped), ``grad_w[l] = grads[rows of l]^T @ rows[rows of l]`` in fp8 as
+    torchao's ``_Float8GroupedMM`` computes its weight gradient: both operands cast per (expert, column)
+    (``_cast_groups``), the product accumulated in fp32, rounded to ``dtype``. CUDA: ``torch._scaled_grouped_mm``
+    on the rows in expert order, each expert's group padded to 16 rows (no host synchronisation); elsewhere the
+    dequantised product per expert in fp32."""
+    count, device = grads.shape[0], grads.device
+    expert = _row_experts(count, seg_starts, seg_ends, local, device)
+    gq, gs = _cast_groups(grads, expert, local)
+    xq, xs = _cast_groups(rows, expert, local)
+    n, k = grads.shape[1], rows.shape[1]
+    if device.type == "cuda":
+        per_expert = torch.zeros(local + 1, dtype=torch.int64, device=device).index_add_(
+            0, expert, torch.ones_like(expert))[:local]
+        padded = (per_expert + 15) // 16 * 16
+        ends = torch.cumsum(padded, 0)
+        order = torch.sort(expert, stable=True).indices
+        first = torch.cumsum(per_expert, 0) - per_expert  # each expert's first row in expert order
+        sorted_expert = expert.index_select(0, order)
+        inside = sorted_expert < local
+        e = sorted_expert.clamp(max=local - 1)
+        rank_in = torch.arange(count, device=device) - first.index_select(0, e)
+        total = -(-(count + 16 * local + 1) // 16) * 16
+        dest = torch.where(inside, (ends - padded).index_select(0, e) + rank_in, total - 1)  # padding: a dead row
+        a_t = torch.zeros((n, total), dtype=torch.uint8, device=device)
+        b_t = torch.zeros((k, total), dtype=torch.uint8, device=device)
+        a_t.index_copy_(1, dest, gq.view(torch.uint8).index_select(0, order).t())
+        b_t.index_copy_(1, dest, xq.view(torch.uint8).index_select(0, order).t())
+        out = torch._scaled_grouped_mm(a_t.view(E4M3), b_t.view(E4M3).t(), gs[:local].reshape(-1).contiguous(),
+                                       xs[:local].reshape(-1).contiguous(), offs=ends.to(torch.int32),
+                                       out_dtype=torch.bfloat16 if dtype != torch.float32 else torch.float32)
+        return out.to(dtype)
+    out = torch.zeros((local, n, k), dtype=torch.float32, device=device)
+    order = torch.sort(expert, stable=True).indices
+    bounds = torch.bincount(expert, minlength=local + 1)
+    start = 0
+    for index, rows_l in enumerate(bounds[:local].tolist()):
+        if rows_l:
+            pick = order[start : start + rows_l]
+            out[index] = gq.index_select(0, pick).float().t() @ xq.index_select(0, pick).float()
+        start += rows_l
+    return (out * gs[:local, :, None] * xs[:local, None, :]).to(dtype)
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+class _Fp8Dispatch(torch.autograd.Function):
+    """``h = moe_dispatch_gemm(x, w13^T)`` in torchao's row-wise fp8 (module docstring); ``w13 [L, 2F, H]``."""
+
+    @staticmethod
+    def forward(ctx, x, w13, layout, group, path):
+        from flashoverlap.ops import moe_library
+        from flashoverlap.ops.library import group_name
+
+        xq, sx = cast_rowwise(x, 1)
+        wq, sw = _weight_for(w13, 2)
+        values, name = moe_library.layout_values(layout), group_name(group)
+        tensors = list(layout.tensors())
+        h, recv = torch.ops.flashoverlap.moe_dispatch_scaled(xq, sx, wq, sw, tensors, name, values, False, path,
+                                                             _out_dtype(x.dtype))
+        ctx.save_for_backward(w13, recv, *tensors)
+        ctx.call = (name, values, path, x.dtype, x.shape[1])
+        return h.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        from flashoverlap.comm.expert.scaled import unpack
+
+        w13, recv, *layout = ctx.saved_tensors
+        name, values, path, dtype, hidden = ctx.call
+        grad_h = grad_h.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gq, gs = cast_rowwise(grad_h, 1)
+            wq, sw = _weight_for(w13, 1)
+            out, _ = torch.ops.flashoverlap.moe_combine_scaled(gq, gs, wq, sw, None, layout, name, values, path,
+                                                               _out_dtype(dtype))
+            grad_x = out.to(dtype)
+        if ctx.needs_input_grad[1]:
+            q, s = unpack(recv, hidden, E4M3, 1)
+            rows = q.float() * s  # exact: fp8 times a power of 2
+            grad_w = weight_grad(grad_h, rows, layout[4], layout[5], w13.shape[0], w13.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+class _Fp8Combine(torch.autograd.Function):
+    """``y = moe_gemm_combine(a, w2^T, topk_weights)`` in torchao's row-wise fp8 (module docstring); ``w2 [L, H,
+    F]``."""
+
+    @staticmethod
+    def forward(ctx, a, w2, topk_weights, layout, group, path):
+        from flashoverlap.ops import moe_library
+        from flashoverlap.ops.library import group_name
+
+        aq, sa = cast_rowwise(a, 1)
+        wq, sw = _weight_for(w2, 2)
+        values, name = moe_library.layout_values(layout), group_name(group)
+        tensors = list(layout.tensors())
+        y, back = torch.ops.flashoverlap.moe_combine_scaled(aq, sa, wq, sw, topk_weights, tensors, name, values,
+                                                            path, _out_dtype(a.dtype))
+        ctx.save_for_backward(a, w2, topk_weights, back, *tensors)
+        ctx.call = (name, values, path)
+        return y.to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from flashoverlap.comm.expert.scaled import unpack
+
+        a, w2, topk_weights, back, *layout = ctx.saved_tensors
+        name, values, path = ctx.call
+        top_k = values[1]
+        send_order, send_rows = layout[0], layout[1]
+        grad_y = grad_y.contiguous()
+        tokens, hidden = grad_y.shape
+        grad_a = grad_w = grad_weights = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            # Each choice's gradient row, rounded to the rows' dtype as the unsharded model's autograd gives it.
+            per_choice = (grad_y.float()[:, None, :] * topk_weights.float()[:, :, None]).to(a.dtype)
+            pq, ps = cast_rowwise(per_choice.reshape(tokens * top_k, hidden), 1)
+            wq, sw = _weight_for(w2, 1)
+            grad_a, g_recv = torch.ops.flashoverlap.moe_dispatch_scaled(pq, ps, wq, sw, layout, name, values, True,
+                                                                        path, _out_dtype(a.dtype))
+            grad_a = grad_a.to(a.dtype)
+            if ctx.needs_input_grad[1]:
+                q, s = unpack(g_recv, hidden, E4M3, 1)
+                grad_w = weight_grad(q.float() * s, a, layout[4], layout[5], w2.shape[0], w2.dtype)
+        if ctx.needs_input_grad[2]:
+            token = torch.div(send_order, top_k, rounding_mode="floor")
+            dots = (grad_y.float().index_select(0, token) * back.index_select(0, send_rows).float()).sum(1)
+            grad_weights = dots.new_empty(tokens * top_k).index_copy_(0, send_order, dots)
+            grad_weights = grad_weights.view(tokens, top_k).to(topk_weights.dtype)
+        return grad_a if ctx.needs_input_grad[0] else None, grad_w, grad_weights, None, None, None
+
+
+def experts_forward(layer: ExpertParallelMLP, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, routing, scaling: str) -> torch.Tensor:
+    """``ExpertParallelMLP``'s experts in fp8 (``scaling`` ``"row"``: torchao's training recipe, with autograd;
+    ``"block"``: inference, the weights cast to 128x128 blocks at each call), ``rows [T, H]`` -> ``[T, H]``."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, w13, w2, topk_weights))
+    if scaling == "block":
+        if grad:
+            raise ValueError("ExpertParallelMLP: fp8='block' runs forward only (inference); call it under "
+                             "torch.no_grad(), or train with fp8='row'")
+        w13q, s13 = quantise_weight(w13, "block")
+        w2q, s2 = quantise_weight(w2, "block")
+        h = moe_dispatch_gemm(rows, w13q.transpose(1, 2), routing, layer.group, path=layer.path, scale_w=s13,
+                              out_dtype=_out_dtype(rows.dtype)).to(rows.dtype)
+        a = F.silu(h[:, : layer.ffn]) * h[:, layer.ffn :]
+        return moe_gemm_combine(a, w2q.transpose(1, 2), topk_weights, routing, layer.group, path=layer.path,
+                                scale_w=s2, out_dtype=_out_dtype(rows.dtype)).to(rows.dtype)
+    if grad:
+        h = _Fp8Dispatch.apply(rows, w13, routing, layer.group, layer.path)
+        a = F.silu(h[:, : layer.ffn]) * h[:, layer.ffn :]
+        return _Fp8Combine.apply(a, w2, topk_weights, routing, layer.group, layer.path)
+    # No autograd: the public ops, the same casts (host time as the inference layer's).
+    xq, sx = cast_rowwise(rows, 1)
+    w13q, s13 = _weight_for(w13, 2)
+    h = moe_dispatch_gemm(xq, w13q, routing, layer.group, path=layer.path, scale_x=sx, scale_w=s13,
+                          out_dtype=_out_dtype(rows.dtype)).to(rows.dtype)
+    a = F.silu(h[:, : layer.ffn]) * h[:, layer.ffn :]
+    aq, sa = cast_rowwise(a, 1)
+    w2q, s2 = _weight_for(w2, 2)
+    return moe_gemm_combine(aq, w2q, topk_weights, routing, layer.group, path=layer.path, scale_a=sa, scale_w=s2,
+                            out_dtype=_out_dtype(rows.dtype)).to(rows.dtype)
+
+
+def torchao_weight(w: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """``(the plain weight, differentiably unwrapped, "row")`` for an expert weight converted by torchao's MoE
+    training conversion (``Float8TrainingOpConfig``: row-wise fp8, what ``experts_forward`` runs); None for a plain
+    tensor. Other torchao training configs (MXFP8) raise."""
+    if type(w) in (torch.Tensor, torch.nn.Parameter) or not hasattr(w, "config") or not hasattr(w, "_data"):
+        return None
+    try:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
+        from torchao.prototype.moe_training.utils import unwrap_weight
+    except ImportError:
+        return None
+    if not isinstance(w, TrainingWeightWrapperBaseTensor):
+        return None
+    config = w.config
+    if not isinstance(config, Float8TrainingOpConfig):
+        raise NotImplementedError(f"ExpertParallelMLP: expert weights converted by torchao with "
+                                  f"{type(config).__name__}; flashoverlap's fp8 experts run torchao's row-wise "
+                                  "recipe (Float8TrainingOpConfig) only")
+    if config.float8_dtype != E4M3 or config.out_dtype not in (torch.bfloat16, None):
+        raise NotImplementedError(f"ExpertParallelMLP: torchao's Float8TrainingOpConfig with float8_dtype="
+                                  f"{config.float8_dtype}, out_dtype={config.out_dtype}; flashoverlap's fp8 experts "
+                                  "run float8_e4m3fn with bf16 outputs")
+    return unwrap_weight(w), "row"

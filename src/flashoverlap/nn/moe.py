@@ -14,8 +14,17 @@ Shapes, for a group of ``W`` ranks, rank r, ``E`` experts (``L = E / W`` here: e
   indices and weights, or as logits, or computed by the layer's own gate.
 
 Backward: the ops' autograd (``ops/moe_library.py``) gives ``x``, ``w13``, ``w2`` and the router weights their
-gradients (the gate's through the router weights). The gate is replicated: with data parallelism over the expert
-group, its gradient is summed by the data-parallel reduction like any replicated parameter.
+gradients (the gate's through the router weights).
+
+fp8 (``fp8="row"``, ``nn/fp8_moe.py``): the bf16 parameters stay the master weights; each call runs torchao's row-wise
+fp8 MoE training recipe through the fp8 expert ops (the forward GEMMs and both backward GEMMs of each projection in
+fp8 with power-of-2 row-wise scales, the rows dispatched as fp8 with their scales, gradients bf16). ``fp8="block"``:
+inference with one scale per 128x128 block of the weights and per 1x128 block of the rows, cast at each call (a call
+that needs gradients raises). Expert weights converted by torchao's MoE training conversion
+(``torchao.quantization.quantize_(layer, Float8TrainingOpConfig())``) run ``fp8="row"`` whatever ``fp8`` says.
+
+The gate is replicated: with data parallelism over the expert group, its gradient is summed by the data-parallel
+reduction like any replicated parameter.
 """
 
 from __future__ import annotations
@@ -93,13 +102,18 @@ class ExpertParallelMLP(nn.Module):
         normalize: renormalise the top-k router weights (Mixtral, Qwen3-MoE ``norm_topk_prob``).
         mode, bound: as ``flashoverlap.moe_layout`` (``"bounded"`` for CUDA graphs and ``fullgraph=True``).
         path: as ``flashoverlap.moe_dispatch_gemm``.
+        fp8: None (the parameters' dtype), ``"row"`` (fp8 training, torchao's row-wise MoE recipe; inference too) or
+            ``"block"`` (fp8 inference, 128x128 weight blocks); see the module docstring.
         device, dtype: of the parameters (bf16/fp16 for the overlapped paths; fp32 runs too).
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, group: dist.ProcessGroup | None = None,
                  gate: bool = False, normalize: bool = True, mode: str = "exact", bound: int | None = None,
-                 path: str = "auto", device=None, dtype=None) -> None:
+                 path: str = "auto", fp8: str | None = None, device=None, dtype=None) -> None:
         super().__init__()
+        if fp8 not in (None, "row", "block"):
+            raise ValueError(f"ExpertParallelMLP: fp8 must be None, 'row' (training) or 'block' (inference), "
+                             f"got {fp8!r}")
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallelMLP: torch.distributed is not initialised; call "
                                "dist.init_process_group()")
@@ -112,7 +126,7 @@ class ExpertParallelMLP(nn.Module):
             raise ValueError(f"ExpertParallelMLP: top_k = {top_k} must lie in [1, num_experts = {num_experts}]")
         self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
         self.local_experts = num_experts // self.world_size
-        self.normalize, self.mode, self.bound, self.path = normalize, mode, bound, path
+        self.normalize, self.mode, self.bound, self.path, self.fp8 = normalize, mode, bound, path, fp8
         self.w13 = nn.Parameter(torch.empty((self.local_experts, 2 * ffn, hidden), device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty((self.local_experts, hidden, ffn), device=device, dtype=dtype))
         self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype) if gate else None
@@ -137,10 +151,31 @@ class ExpertParallelMLP(nn.Module):
             raise ValueError(f"ExpertParallelMLP: the input x is {x.dtype} but the experts' weights are "
                              f"{self.w13.dtype}; cast one to the other")
         routing = moe_layout(topk_idx, self.num_experts, self.group, mode=self.mode, bound=self.bound)
+        w13, w2, fp8 = self.w13, self.w2, self.fp8
+        if type(w13) not in (nn.Parameter, torch.Tensor) or type(w2) not in (nn.Parameter, torch.Tensor):
+            w13, w2, fp8 = self._converted(w13, w2, fp8)
+        if fp8 is not None:
+            from flashoverlap.nn.fp8_moe import experts_forward
+
+            return experts_forward(self, rows, w13, w2, topk_weights, routing, fp8).view(x.shape)
         h = moe_dispatch_gemm(rows, self.w13.transpose(1, 2), routing, self.group, path=self.path)
         a = F.silu(h[:, : self.ffn]) * h[:, self.ffn :]
         y = moe_gemm_combine(a, self.w2.transpose(1, 2), topk_weights, routing, self.group, path=self.path)
         return y.view(x.shape)
+
+    @staticmethod
+    def _converted(w13: torch.Tensor, w2: torch.Tensor, fp8: str | None) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """Expert weights converted by torchao's MoE training conversion: the plain weights and ``"row"``."""
+        from flashoverlap.nn.fp8_moe import torchao_weight
+
+        got13, got2 = torchao_weight(w13), torchao_weight(w2)
+        if got13 is None or got2 is None:
+            raise TypeError(f"ExpertParallelMLP: w13 is {type(w13).__name__} and w2 {type(w2).__name__}: convert "
+                            "both experts' weights with torchao's MoE training conversion, or neither")
+        if fp8 == "block":
+            raise ValueError("ExpertParallelMLP: fp8='block' with weights converted by torchao's MoE training "
+                             "conversion (row-wise): build the layer with fp8=None or 'row'")
+        return got13[0], got2[0], "row"
 
     def routing(self, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
                 logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,15 +193,17 @@ class ExpertParallelMLP(nn.Module):
                                      "topk_idx and topk_weights, or logits, or build it with gate=True")
                 logits = self.gate(rows)
             topk_idx, topk_weights = route(logits.reshape(rows.shape[0], -1), self.top_k, self.normalize)
-        return rows, topk_idx.reshape(rows.shape[0], -1), topk_weights.reshape(rows.shape[0], -1)
+        # [..., k] -> [T, k] (k from the last dimension: a rank with no tokens has no -1 to infer)
+        return (rows, topk_idx.reshape(rows.shape[0], topk_idx.shape[-1]),
+                topk_weights.reshape(rows.shape[0], topk_weights.shape[-1]))
 
     @classmethod
     def from_moe_block(cls, block: MoEBlock, group: dist.ProcessGroup | None = None, *, mode: str = "exact",
-                       bound: int | None = None, path: str = "auto") -> ExpertParallelMLP:
+                       bound: int | None = None, path: str = "auto", fp8: str | None = None) -> ExpertParallelMLP:
         """This rank's shard of ``block`` (its experts, and the whole gate), on the block's device and dtype."""
         weight = block.gate.weight
         layer = cls(block.hidden, block.ffn, block.num_experts, block.top_k, group=group, gate=True,
-                    normalize=block.normalize, mode=mode, bound=bound, path=path, device=weight.device,
+                    normalize=block.normalize, mode=mode, bound=bound, path=path, fp8=fp8, device=weight.device,
                     dtype=weight.dtype)
         with torch.no_grad():
             layer.gate.weight.copy_(weight)
@@ -180,4 +217,5 @@ class ExpertParallelMLP(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.num_experts} ({self.local_experts} here: "
                 f"{self.first_expert}..{self.first_expert + self.local_experts - 1}), top_k={self.top_k}, "
-                f"mode={self.mode!r}, shard {self.rank}/{self.world_size}")
+                f"mode={self.mode!r}, shard {self.rank}/{self.world_size}"
+                + (f", fp8={self.fp8!r}" if self.fp8 else ""))
