@@ -374,13 +374,15 @@ def run_feed_forward(name: str, rank: int, world: int, device: torch.device, gro
         want = plain(x_plain)
         want.float().square().sum().backward()
         if name.startswith("styles"):
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.tensor import Shard
             from torch.distributed.tensor.parallel import parallelize_module
 
             from flashoverlap.nn import ColwiseParallel, RowwiseParallel
 
-            mesh = init_device_mesh(device.type, (world,))
+            # The mesh over the ranks' own gloo group: init_device_mesh("cuda") on a gloo world makes a new group
+            # whose CUDA backend is NCCL (torch's DeviceMesh), which refuses ranks that share a GPU.
+            mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
             styles = ({"w1": ColwiseParallel(input_layouts=Shard(1)), "w3": ColwiseParallel(input_layouts=Shard(1)),
                        "w2": RowwiseParallel(output_layouts=Shard(1))} if sequence else
                       {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
