@@ -17,6 +17,8 @@ Steps, each writing (merging into) its results file in ``--out``:
 - ``host`` -> ``h200x1-host-shared.json`` (``h200x1-host.json`` is an older diagnostic's): rows {W, op, dtype,
   mode, host_us, torch_mm_us, paired_ratio, ...} (``benchmarks/shared/host.py``); merged by (W, op, mode).
 
+``--merge FILE...`` merges results files of one step written by separate device calls into ``--out``'s.
+
 Every step has a hard time budget (``--budget`` seconds, default ``DEFAULT_BUDGET``): the W values share it (a W
 that ends early leaves its time to the next), the ranks stop before the next case once their share is spent
 (checked collectively), and a spawn that hangs is ended at its share plus a margin; what the ranks finished is kept
@@ -38,6 +40,13 @@ from pathlib import Path
 
 STEPS = {"mechanics": "h200x1-shared-ranks.json", "soak": "h200x1-soak.json", "faults": "h200x1-faults.json",
          "host": "h200x1-host-shared.json"}
+# What identifies a row within its file: a later run's row replaces an earlier one with the same key.
+KEYS = {
+    "mechanics": lambda r: (r.get("W"), r.get("family")),
+    "soak": lambda r: r.get("W"),
+    "faults": lambda r: (r.get("scenario"), r.get("op"), r.get("W")),
+    "host": lambda r: (r.get("W"), r.get("op"), r.get("mode")),
+}
 DEFAULT_BUDGET = {"mechanics": 450.0, "soak": 450.0, "faults": 450.0, "host": 300.0}
 SPAWN_MARGIN = 30.0  # seconds a W's spawn may run past its share (start-up, wrap-up) before it counts as hung
 MIN_SHARE = 45.0  # seconds: a W's share below this is not started (soak, host)
@@ -72,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="mechanics: a small subset (the GPU test's smoke)")
     p.add_argument("--rounds", type=int, default=40, help="host: timed rounds per op")
     p.add_argument("--seed", type=int, default=0, help="soak: the random sequence's seed")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="FILE",
+                   help="merge these results files of --step (from separate device calls) into the one in --out, "
+                        "later files' rows replacing earlier ones by key; runs nothing")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: gloo CPU ranks and the reference path (checks the harness, not the GPU paths)")
     args = p.parse_args(argv)
@@ -166,7 +178,7 @@ def run_mechanics(args) -> list[dict]:
             rows += got
             _report_mechanics(world, family, got, failure)
         all_rows += rows
-        _write(args, rows, key=lambda row: (row.get("W"), row.get("family")))
+        _write(args, rows, key=KEYS["mechanics"])
     return all_rows
 
 
@@ -217,7 +229,7 @@ def run_soak(args) -> list[dict]:
              + (f", hang: {str(row.get('hang'))[:300]}" if row.get("hang") else ""))
         for note in (row.get("notes") or [])[:8]:
             _say(f"  {note[:400]}")
-        _write(args, [row], key=lambda r: r.get("W"), seed=args.seed)
+        _write(args, [row], key=KEYS["soak"], seed=args.seed)
     return all_rows
 
 
@@ -247,7 +259,7 @@ def run_faults(args) -> list[dict]:
                         _say(f"  {why[:400]}")
                     for rank, message in (row.get("message") or {}).items():
                         _say(f"  rank {rank} said: {message[:400]}")
-                _write(args, [row], key=lambda r: (r.get("scenario"), r.get("op"), r.get("W")),
+                _write(args, [row], key=KEYS["faults"],
                        debug_timeout_s=args.timeout)
     return rows
 
@@ -275,17 +287,33 @@ def run_host(args) -> list[dict]:
                  f"{row.get('torch_mm_us')} us (paired ratio {row.get('paired_ratio')}, target "
                  f"{row.get('target_ratio')}, replay share {row.get('replay_share')}){error}")
         all_rows += rows
-        _write(args, rows, key=lambda r: (r.get("W"), r.get("op"), r.get("mode")), shape=list(host.HOST_SHAPE))
+        _write(args, rows, key=KEYS["host"], shape=list(host.HOST_SHAPE))
     return all_rows
 
 
 RUNNERS = {"mechanics": run_mechanics, "soak": run_soak, "faults": run_faults, "host": run_host}
 
 
+def merge(args) -> int:
+    """``--merge``: the rows of each file, in order, into ``--out``'s file of the step (by ``KEYS``)."""
+    import json
+
+    from benchmarks.shared.runs import write_results
+
+    path = args.out / STEPS[args.step]
+    for source in args.merge:
+        data = json.loads(Path(source).read_text())
+        write_results(path, data.get("meta", {}), data.get("rows", []), KEYS[args.step])
+        _say(f"merged {len(data.get('rows', []))} rows of {source} into {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.command = command_line(argv)
+    if args.merge:
+        return merge(args)
     if args.device == "cuda":
         import torch
 

@@ -385,3 +385,15 @@ def test_the_fault_launcher_sees_a_rank_die_and_its_peer_raise():
     row = faults.run_scenario("gemm_all_reduce", "dies", 2, 1.0, "cpu")
     assert row["statuses"] == {0: "died", 1: "raised"}, row
     assert row["message"][1] and row["wall_s"] < 60
+
+
+def test_merge_joins_the_files_of_separate_runs(tmp_path):
+    for name, rows in (("a", [{"W": 2, "family": "tp", "v": 1}, {"W": 4, "family": "tp", "v": 1}]),
+                       ("b", [{"W": 4, "family": "tp", "v": 2}, {"W": 8, "family": "tp", "v": 2}])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"command": name}, "rows": rows}))
+    out = tmp_path / "out"
+    assert shared_ranks.main(["--step", "mechanics", "--out", str(out), "--merge", str(tmp_path / "a.json"),
+                              str(tmp_path / "b.json")]) == 0
+    data = json.loads((out / "h200x1-shared-ranks.json").read_text())
+    assert [(r["W"], r["v"]) for r in data["rows"]] == [(2, 1), (4, 2), (8, 2)]
+    assert data["meta"]["commands"] == ["a", "b"]
