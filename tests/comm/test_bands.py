@@ -64,3 +64,36 @@ def test_packed_rows_keep_each_rows_bytes_and_scales(mode, k):
     assert a_view.data_ptr() == packed.data_ptr() and scale_view.data_ptr() % 16 == 0
     assert torch.equal(a_view.view(torch.uint8), a.view(torch.uint8))
     assert torch.equal(scale_view, rows.float())
+
+
+def test_block_wise_scales_at_k_128_are_told_from_row_wise_ones_by_b():
+    """At K = 128 block-wise A scales ``[M, 1]`` have row-wise's shape; B's ``[1, ceil(N/128)]`` against row-wise
+    ``[1, N]`` tell them apart where N is known (the ops pass it)."""
+    from flashoverlap.comm.scaled import mode_of
+
+    sa = torch.ones(64, 1)
+    assert mode_of(sa, torch.ones(1, 300), n=300) == "row"
+    assert mode_of(sa, torch.ones(1, 3), n=300) == "block"
+    assert mode_of(sa, torch.ones(1, 128), n=128) == "row"
+    assert mode_of(sa, torch.ones(1, 1), n=128) == "block"
+    assert mode_of(sa, torch.ones(1, 3)) == "row"  # N unknown: the row-wise reading, which the check then refuses
+    assert mode_of(torch.ones(64, 2), torch.ones(2, 3), n=300) == "block"
+
+
+def _block_at_k_128(rank, world):
+    import flashoverlap as fo
+    from tests.ops.test_scaled import quantise
+
+    m, n, k = 64, 300, 128
+    gen = torch.Generator().manual_seed(0)  # the same operands on every rank: the sum is world x one product
+    a, sa = quantise(torch.randn(m, k, generator=gen), "block")
+    b, sb = quantise(torch.randn(k, n, generator=gen), "block", operand="b")
+    got = fo.scaled_gemm_all_reduce(a, b, sa, sb, out_dtype=torch.float32)
+    want = world * ((a.double() * sa.double()) @ (b.double() * sb.double().repeat_interleave(128, 1)[:, :n]))
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def test_a_block_wise_call_at_k_128_runs_block_wise():
+    from flashoverlap.testing import spawn
+
+    assert all(err < 1e-5 for err in spawn(_block_at_k_128, 2, "gloo"))

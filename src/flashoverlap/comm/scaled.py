@@ -45,9 +45,10 @@ class Scales:
 
     @classmethod
     def of(cls, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-           bias: torch.Tensor | None = None) -> Scales:
-        """The scales of a call, their mode told apart by shape (the runtime checks them against the operands)."""
-        return cls(scale_a, scale_b, mode_of(scale_a, scale_b), out_dtype, bias)
+           bias: torch.Tensor | None = None, n: int | None = None) -> Scales:
+        """The scales of a call, their mode told apart by shape (the runtime checks them against the operands;
+        ``n``, B's columns where known, tells block-wise scales at K = 128 from row-wise ones: ``mode_of``)."""
+        return cls(scale_a, scale_b, mode_of(scale_a, scale_b, n), out_dtype, bias)
 
     def signature(self) -> tuple:
         """What a repeated call must share with its first for the first's checks to hold."""
@@ -71,14 +72,17 @@ class Scales:
         return self.rows_of_a(slice(0, count), count) if self.mode == "tensor" else self.a
 
 
-def mode_of(scale_a: object, scale_b: object) -> str:
-    """The mode the scales' shapes say (``"?"`` where they fit none: the runtime's check names the problem)."""
+def mode_of(scale_a: object, scale_b: object, n: int | None = None) -> str:
+    """The mode the scales' shapes say (``"?"`` where they fit none: the runtime's check names the problem). At
+    K = 128 block-wise A scales ``[M, 1]`` look row-wise; B's tell them apart where ``n`` (B's columns) is given:
+    row-wise ``[1, N]``, block-wise ``[1, ceil(N / 128)]``."""
     if not isinstance(scale_a, torch.Tensor) or not isinstance(scale_b, torch.Tensor):
         return "?"
     if scale_a.numel() == 1 and scale_b.numel() == 1 and scale_a.ndim <= 2 and scale_b.ndim <= 2:
         return "tensor"
     if scale_a.ndim == 2 and scale_b.ndim == 2:
-        if scale_a.shape[1] == 1 and scale_b.shape[0] == 1:
+        if scale_a.shape[1] == 1 and scale_b.shape[0] == 1 and (n is None or scale_b.shape[1] == n
+                                                                 or scale_b.shape[1] != -(-n // BLOCK)):
             return "row"
         return "block"
     return "?"

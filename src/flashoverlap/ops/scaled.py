@@ -98,7 +98,8 @@ def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torc
         custom = ops.scaled_gemm_all_reduce if op == "all_reduce" else ops.scaled_gemm_reduce_scatter
         return custom(a, b, scale_a, scale_b, group_name(group), out_dtype, bias, path), None
     spec = GemmSpec(name, op, a, b, group, plan, path, return_gathered,
-                    scales=Scales.of(scale_a, scale_b, out_dtype, bias))
+                    scales=Scales.of(scale_a, scale_b, out_dtype, bias, b.shape[-1] if isinstance(b, torch.Tensor)
+                                     and b.ndim == 2 else None))
     return execute(GEMM, spec)
 
 
