@@ -317,6 +317,23 @@ MUTATIONS = [
      "src/flashoverlap/runtime/experts.py", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = False) "
      "-> None:\n        if guards.capturing()", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = "
      "False) -> None:\n        if once or guards.capturing()", DISAGREE_TEST),
+    # Issue 42: a gloo group may bootstrap the P2P path (it moves no bytes through the backend); nothing else on CUDA.
+    ("policy-gloo-moves-cuda-bytes", "Path policy: a gloo group with CUDA tensors is taken for one that moves them "
+     "(the NCCL, ring and reference paths and sequential plans allowed)", POLICY,
+     '    if request.device.type != "cuda" or "nccl" in request.backend.lower():\n        return None\n',
+     "    return None\n", POLICY_TEST),
+    ("policy-gloo-refuses-p2p", "Path policy: a gloo group with CUDA tensors refuses the P2P path too (the old rule)",
+     POLICY, '    why = _needs_cuda("p2p", request) or _full_precision("p2p", request)\n',
+     '    why = _needs_cuda("p2p", request) or _full_precision("p2p", request) or _needs_nccl("p2p", request)\n',
+     POLICY_TEST),
+    ("policy-gloo-sequential-plan-runs", "Path policy: a P2P call too small to overlap runs its sequential plan on a "
+     "gloo group (its collective needs NCCL)", POLICY, "    if plan.sequential and refused is not None:",
+     "    if False:", POLICY_TEST),
+    ("policy-decide-ignores-tuned-plan", "Path and plan in one pass: the plan tuned for the shape is passed over",
+     POLICY, "    plan = tuned or plan_of(path, facts)\n", "    plan = plan_of(path, facts)\n", POLICY_TEST),
+    ("policy-plan-rates-for-every-path", "Path and plan in one pass: the default plan of every CUDA path is sized "
+     "by the measured rates (P2P measures the NCCL collective it never runs)", POLICY,
+     '    if cuda and path == "nccl":  # the ring', "    if cuda:  # the ring", POLICY_TEST),
     ("fp8-partials-unrounded", "fp8 reference: the partial products are summed before rounding to the output dtype",
      "src/flashoverlap/comm/tp/reference.py", "collective(summed, partial.to(self.dtype).float())",
      "collective(summed, partial.float())", "tests/ops/test_scaled.py"),

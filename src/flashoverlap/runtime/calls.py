@@ -4,10 +4,10 @@ The skeleton is the same for every op: read the settings, let the ranks agree on
 call), look the call's signature up (a repeated call skips its checks and lookups: host time before the first
 launch is GPU idle time when the GPU has nothing queued), and for a first call let the ranks agree on it (whatever
 the settings: ranks that disagree raise, none returns a tensor), then resolve it once (checks, group context,
-path, plan, communicator); switch to the operands' device, and hand the communicator one ``Call``. What differs per kind of op
-is a small strategy object (``Kind``): its checks and agreement row, its signature, its plan builder and the call it
-builds. ``GEMM`` (this module) serves the tensor-parallel ops, fp8 ones included (``GemmSpec.scales``); ``EXPERT``
-(``runtime/experts.py``) the all-to-all ops.
+path, plan, communicator); switch to the operands' device, and hand the communicator one ``Call``. What differs
+per kind of op is a small strategy object (``Kind``): its checks and agreement row, its signature, its plan builder
+and the call it builds. ``GEMM`` (this module) serves the tensor-parallel ops, fp8 ones included
+(``GemmSpec.scales``); ``EXPERT`` (``runtime/experts.py``) the all-to-all ops.
 """
 
 from __future__ import annotations

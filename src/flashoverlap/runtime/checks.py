@@ -98,8 +98,9 @@ def check_scaled(op: str, a: object, b: object, scales: object, kind: str) -> tu
     return m, n, k
 
 
-def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) -> dist.ProcessGroup:
-    """The process group to use: initialised, and with a backend that can move tensors on ``device``."""
+def check_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The process group to use: initialised, and this rank a member. Whether its backend can move the call's
+    tensors depends on the path (``runtime/policy.py``: P2P moves none through it)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{op}: torch.distributed is not initialised; call dist.init_process_group() first")
     group = group if group is not None else dist.group.WORLD
@@ -107,11 +108,4 @@ def check_group(op: str, group: dist.ProcessGroup | None, device: torch.device) 
         raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{op}: this rank (global {dist.get_rank()}) is not a member of group")
-    if device.type == "cuda":
-        backend = str(dist.get_backend(group)).lower()
-        if "nccl" not in backend:
-            raise ValueError(
-                f"{op}: group has backend {backend!r} but the tensors are on {device}; CUDA tensors need an "
-                "NCCL group (init_process_group('nccl') or new_group(backend='nccl'))"
-            )
     return group

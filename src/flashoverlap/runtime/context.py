@@ -1,11 +1,13 @@
 """The one state object per (process group, device), and its registry: ``context_of``, ``release``.
 
 A ``GroupContext`` owns everything kept between calls on one group: its communicators (built on first use from
-the table ``COMMUNICATORS``), the measured rates by dtype, the plan-cache entries the ranks agreed on, the resolved
-calls by signature, the P2P verdict and what was logged once. Lower layers never see it: communicators get a
-``CommGroup`` (values), the tuner gets the group, device and dtype and returns values, which the context keeps.
-The registry holds a reference to the group itself and checks identity: a group that was destroyed and re-created
-gets a fresh context, never another group's rates, verdict or buffers.
+the table ``COMMUNICATORS``), the group's facts (size, rank, backend, the device's SMs and name), its answers that
+cost a collective, each asked once and kept (the P2P verdict, the plan-cache entries the ranks agreed on, the
+measured rates by dtype), the resolved calls by signature, the calls the ranks agreed on and what was logged once.
+Lower layers never see it: communicators get a ``CommGroup`` (values), the tuner gets the group, device and dtype
+and returns values, which the context keeps. The registry holds a reference to the group itself and checks
+identity: a group that was destroyed and re-created gets a fresh context, never another group's rates, verdict or
+buffers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from flashoverlap.comm.tp.p2p import P2PCommunicator
 from flashoverlap.comm.tp.reference import ReferenceCommunicator
 from flashoverlap.comm.tp.ring_nccl import RingNcclCommunicator
 from flashoverlap.comm.tp.sequential import SequentialCommunicator
+from flashoverlap.plan import Plan
 from flashoverlap.runtime.checks import check_group
+from flashoverlap.tune import cache, rates
 
 # The dispatch table: (kind of call, path) -> how to build its communicator. "gemm": the tensor-parallel ops
 # (``flashoverlap.plan.Plan`` calls); "expert": the all-to-all ops of expert parallelism.
@@ -53,11 +57,14 @@ class GroupContext:
         self.device = device
         self.group = CommGroup.of(process_group, device)
         self.communicators: dict[tuple[str, str], Communicator] = {}
+        self.backend = str(dist.get_backend(process_group))
+        self.nccl = "nccl" in self.backend.lower()  # the backend moves CUDA tensors
+        self.num_sms = guards.sm_count(device)
+        self.gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.rates: dict[torch.dtype, Any] = {}  # tune.rates.Rates by dtype
         self.agreed: dict[tuple, dict] = {}  # tune.cache.exchange_entries' answers, by (gpu, world, generation)
         self.calls: dict[tuple, tuple] = {}  # runtime.calls: a call signature's path and plan
         self.agreed_rows: set[tuple] = set()  # runtime.agreement: the calls the ranks agreed on (``once``)
-        self.nccl = "nccl" in str(dist.get_backend(process_group)).lower()  # the backend moves CUDA tensors
         self.logged: set = set()
         self._p2p_reason: Any = _UNSET
 
@@ -93,6 +100,30 @@ class GroupContext:
             self._p2p_reason = p2p_unavailable_reason(self.process_group, self.device)
         return self._p2p_reason
 
+    def tuned_plan(self, op: str, shape: tuple[int, int, int], dtype: torch.dtype, nccl_p2p_disabled: bool,
+                   path: str) -> Plan | None:
+        """The plan cache's plan for a call of ``op`` at ``shape`` (all-gather: the gathered M) in ``dtype`` under
+        ``path`` (``"auto"``: `tune plan --path auto`'s): the shape's own, the nearest tuned M's, or None (always
+        off CUDA). The entries are rank 0's, exchanged on the group's first ask (per cache generation and NCCL
+        transport: collective), then kept."""
+        if self.device.type != "cuda":
+            return None
+        token = (self.gpu, self.world_size, cache.generation(), nccl_p2p_disabled)
+        every = self.agreed.get(token)
+        if every is None:
+            with torch.cuda.device(self.device):  # the exchange's tensors go to this device
+                every = self.agreed[token] = cache.exchange_entries(self.process_group, self.gpu, self.world_size,
+                                                                    nccl_p2p_disabled)
+        key = cache.cache_key(self.gpu, self.world_size, op, path, str(dtype).replace("torch.", ""), nccl_p2p_disabled)
+        return cache.select(cache.entries_for(every, key), op, *shape, self.world_size, self.num_sms)
+
+    def rates_of(self, dtype: torch.dtype) -> rates.Rates:
+        """The group's measured GEMM and collective rates in ``dtype`` (measured, collectively, on first use)."""
+        measured = self.rates.get(dtype)
+        if measured is None:
+            measured = self.rates[dtype] = rates.measure(self.process_group, self.device, dtype)
+        return measured
+
     def release(self) -> None:
         """Release every communicator's buffers, clones and graphs, and forget what was measured and resolved."""
         for comm in self.communicators.values():
@@ -101,7 +132,7 @@ class GroupContext:
         self.rates.clear()
         self.agreed.clear()
         self.calls.clear()
-        self.agreed_rows.clear()
+        self.agreed_rows = set()
         self.logged.clear()
         self._p2p_reason = _UNSET
 
@@ -174,7 +205,7 @@ def group_context(name: str, group: dist.ProcessGroup | None, device: torch.devi
     resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
     context = existing_context(resolved, device)
     if context is None:  # the group's first call on this device: check it once
-        context = context_of(check_group(name, group, device), device)
+        context = context_of(check_group(name, group), device)
     return context
 
 

@@ -99,7 +99,7 @@ def _expert_path(name: str, path: str, context: GroupContext, dtype: torch.dtype
     apply); the expert communicators the runtime's table holds are the ones a rule may pick."""
     request = policy.ExpertRequest(context.device, dtype, context.world_size,
                                    frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
-                                   context.p2p_reason, nccl_p2p_disabled)
+                                   context.p2p_reason, nccl_p2p_disabled, context.backend)
     return policy.expert_path(name, path, request)[0]
 
 

@@ -1,8 +1,15 @@
-"""Path policy, every rule in one place: which paths a call may take (one predicate per path that returns why it
-cannot, in the spirit of PyTorch's ``_should_use_*``), and which one ``path="auto"`` takes.
+"""Path and plan policy, every rule in one place: which paths a call may take (one predicate per path that returns
+why it cannot, in the spirit of PyTorch's ``_should_use_*``), which one ``path="auto"`` takes, and the plan of a call
+that gives none (``decide``: path and plan in one pass, from the call's facts gathered once by ``runtime/plans.py``;
+the plans themselves come from ``tune/``, which takes values).
 
 Paths a caller names: ``"auto"``, ``"nccl"``, ``"p2p"``, ``"ring"``, ``"reference"`` (``CALL_PATHS``). A plan names
 the communicator it is for (``Plan.path``); a plan marked sequential runs the matmul-then-collective communicator.
+
+The group's backend: the P2P path moves no bytes through it (its peers' memory is mapped, the group only bootstraps
+the mapping), so any group may serve it, gloo included (ranks sharing one GPU); every other path moves its bytes
+through the backend (NCCL's collectives and send/recv, the reference's collectives, a sequential plan's collective),
+and with CUDA tensors needs an NCCL group.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import torch
 
 from flashoverlap.plan import P2P_MAX_RANKS, Plan
 from flashoverlap.runtime import checks
+from flashoverlap.tune import fp8 as fp8_rules
+from flashoverlap.tune.defaults import default_plan, sequential_plan
+from flashoverlap.tune.rates import Rates
 
 CALL_PATHS = ("auto", "nccl", "p2p", "ring", "reference")
 # The overlapped paths are built and measured for half precision, and those in FP8_PATHS for fp8 too; float32 calls
@@ -28,8 +38,9 @@ FP8_PATHS = ("nccl", "p2p")
 
 @dataclass(frozen=True)
 class Request:
-    """What the path rules look at: the call's device, dtype and group size, the plan it was given (if any), and
-    the group's P2P verdict (asked only where a rule needs it: the first ask is collective)."""
+    """What the path rules look at: the call's device, dtype and group size, the plan it was given (if any), the
+    group's P2P verdict (asked only where a rule needs it: the first ask is collective), whether NCCL_P2P_DISABLE=1
+    is set, and the group's backend."""
 
     device: torch.device
     dtype: torch.dtype
@@ -37,6 +48,7 @@ class Request:
     plan: Plan | None
     p2p_reason: Callable[[], str | None]
     nccl_p2p_disabled: bool = False
+    backend: str = "nccl"
 
 
 def _full_precision(path: str, request: Request) -> str | None:
@@ -51,22 +63,33 @@ def _full_precision(path: str, request: Request) -> str | None:
             "paths are built for bfloat16/float16): use path='auto' with no plan, or cast a and b to bfloat16")
 
 
-def _needs_cuda(path: str, request: Request) -> str | None:
+def _needs_cuda(path: str, request: Request | ExpertRequest) -> str | None:
     if request.device.type != "cuda":
         return f"path={path!r} needs CUDA tensors, got tensors on {request.device}; use path='reference'"
     return None
 
 
+def _needs_nccl(what: str, request: Request | ExpertRequest) -> str | None:
+    """``what`` moves its bytes through the group's backend: with CUDA tensors, an NCCL group (see the module
+    docstring)."""
+    if request.device.type != "cuda" or "nccl" in request.backend.lower():
+        return None
+    return (f"group has backend {request.backend!r} but the tensors are on {request.device}; CUDA tensors need an "
+            f"NCCL group (init_process_group('nccl') or new_group(backend='nccl')) for {what}, which moves its bytes "
+            "through the group's backend (path='p2p' moves none through it: any group may bootstrap it)")
+
+
 def reason_not_reference(request: Request) -> str | None:
-    """The reference path runs anywhere."""
-    return None
+    """The reference path runs anywhere the group's backend moves the tensors (gloo on the CPU, NCCL on CUDA)."""
+    return _needs_nccl("path='reference'", request)
 
 
 def reason_not_nccl(request: Request) -> str | None:
-    """NCCL: CUDA tensors; float32 only with a sequential plan (or none: the runtime then makes one)."""
-    if request.plan is None and request.dtype not in HALF_DTYPES:
-        return _needs_cuda("nccl", request)
-    return _needs_cuda("nccl", request) or _full_precision("nccl", request)
+    """NCCL: CUDA tensors, an NCCL group; float32 only with a sequential plan (or none: the runtime then makes one)."""
+    why = _needs_cuda("nccl", request) or _needs_nccl("path='nccl'", request)
+    if why is not None or request.plan is None and request.dtype not in HALF_DTYPES:
+        return why
+    return _full_precision("nccl", request)
 
 
 def _p2p_group(request: Request | ExpertRequest) -> str | None:
@@ -79,15 +102,20 @@ def _p2p_group(request: Request | ExpertRequest) -> str | None:
 
 
 def reason_not_p2p(request: Request) -> str | None:
-    """P2P: CUDA tensors in half precision, every rank on one node with peer access, at most ``P2P_MAX_RANKS``."""
+    """P2P: CUDA tensors in half precision (or fp8), every rank on one node with peer access, at most
+    ``P2P_MAX_RANKS``; any backend, but a sequential plan's collective needs NCCL."""
     why = _needs_cuda("p2p", request) or _full_precision("p2p", request)
+    if why is None and request.plan is not None and request.plan.sequential:
+        why = _needs_nccl("a sequential plan (the matmul, then one collective)", request)
     return why or _p2p_group(request)
 
 
 def reason_not_ring(request: Request) -> str | None:
     """The ring over send/recv runs wherever the group's backend does (gloo on the CPU included); half precision
-    on CUDA."""
-    return _full_precision("ring", request) if request.device.type == "cuda" else None
+    on CUDA, over NCCL."""
+    if request.device.type != "cuda":
+        return None
+    return _needs_nccl("path='ring'", request) or _full_precision("ring", request)
 
 
 REASON_NOT = {"reference": reason_not_reference, "nccl": reason_not_nccl, "p2p": reason_not_p2p,
@@ -111,7 +139,7 @@ def explicit_path(name: str, path: str, request: Request) -> str:
         if plan_path is not None:
             path = plan_path
         elif request.dtype not in HALF_DTYPES and request.dtype not in checks.FP8_DTYPES:
-            return "nccl"  # a sequential plan: matmul, then the collective
+            path = "nccl"  # a sequential plan: matmul, then the collective
         else:
             return "auto"
     elif plan_path is not None and path != "reference" and path != plan_path:
@@ -140,10 +168,10 @@ def p2p_excluded(reason: str | None, world_size: int, nccl_p2p_disabled: bool) -
 def automatic_path(p2p_reason: str | None, world_size: int, nccl_p2p_disabled: bool = False,
                    tuned: Plan | None = None, fp8: bool = False) -> tuple[str, str]:
     """What ``path="auto"`` picks on CUDA for a half-precision or fp8 (``fp8``) call with no plan, and why (pure: the
-    same inputs on every rank give the same answer): the path of ``tuned`` (the plan `tune plan --path auto` cached
-    for this shape) where it applies, else P2P where it applies (bf16: measured faster than the NCCL path and than
-    sequential at every op of the nvlink grid, benchmarks/results/h200x2-nvlink.json; fp8: where ``FP8_PATHS`` has
-    it, the same schedule), else NCCL."""
+    same inputs on every rank give the same answer): the path of ``tuned`` (the plan `tune plan --path auto`
+    cached for this shape) where it applies, else P2P where it applies (bf16: measured faster than the NCCL path
+    and than sequential at every op of the nvlink grid, benchmarks/results/h200x2-nvlink.json; fp8: where
+    ``FP8_PATHS`` has it, the same schedule), else NCCL."""
     excluded = p2p_excluded(p2p_reason, world_size, nccl_p2p_disabled)
     if fp8 and "p2p" not in FP8_PATHS:
         excluded = "the P2P path does not run fp8"
@@ -152,6 +180,108 @@ def automatic_path(p2p_reason: str | None, world_size: int, nccl_p2p_disabled: b
     if excluded is not None:
         return "nccl", excluded
     return "p2p", "every rank on one node with peer access between all GPUs"
+
+
+# -- the plan of a call that gives none -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8Call:
+    """What an fp8 call's plan rule looks at: the scaling mode, the output dtype's bytes, the bytes one gathered row
+    moves (all-gather), and whether ``torch._scaled_mm``'s block-wise kernel takes the operands (cuBLAS bands)."""
+
+    mode: str
+    out_size: int
+    row_bytes: int
+    cublas_block: bool
+
+
+@dataclass(frozen=True)
+class Facts:
+    """A first call's facts, gathered once (``runtime/plans.call_facts``): the path rules' ``request``, the op and
+    its shape (all-gather: the gathered M), the device's SMs, an fp8 call's ``fp8``, and the group's two answers
+    that cost a collective, asked only where a rule needs them and kept by the group's context: ``tuned(path)``,
+    the plan cache's plan for this call under a path (None off CUDA or where none is cached), and
+    ``rates(dtype)``, the measured GEMM and all-reduce rates."""
+
+    op: str
+    shape: tuple[int, int, int]
+    request: Request
+    num_sms: int
+    tuned: Callable[[str], Plan | None]
+    rates: Callable[[torch.dtype], Rates]
+    fp8: Fp8Call | None = None
+
+
+def decide(name: str, path: str, facts: Facts) -> tuple[str, Plan | None, str | None]:
+    """The path a call takes (``path`` as asked), its plan where none is given (None where one is), and for
+    ``path="auto"`` why that path (else None), in one pass: the path rules (the clear error where the path cannot
+    apply); for ``"auto"``, the tuned plan's path or ``automatic_path``'s; the tuned plan for the shape, else
+    ``plan_of``'s. With CUDA tensors on a group that is not NCCL only the P2P path applies, and only with a plan
+    that overlaps: anything else raises the clear error."""
+    request = facts.request
+    path = explicit_path(name, path, request)
+    tuned = why = None
+    if path == "auto":
+        tuned = facts.tuned("auto")
+        reason = None if request.nccl_p2p_disabled else request.p2p_reason()
+        if tuned is not None and tuned.path != "p2p" and "nccl" not in request.backend.lower():
+            tuned = None  # a plan tuned for NCCL cannot serve this group
+        path, why = automatic_path(reason, request.world_size, request.nccl_p2p_disabled, tuned,
+                                   fp8=request.dtype in checks.FP8_DTYPES)
+        refused = None if path == "p2p" else _needs_nccl(f"path={path!r}", request)
+        if refused is not None:
+            raise ValueError(f"{name}: {refused}; path='auto' cannot take the P2P path here: {why}")
+        tuned = tuned if tuned is not None and tuned.path == path else None
+    if request.plan is not None:
+        return path, None, why
+    refused = _needs_nccl("a sequential plan (the matmul, then one collective)", request)
+    plan = tuned or plan_of(path, facts)
+    if plan.sequential and refused is not None:
+        raise ValueError(f"{name}: {facts.op} of (M, N, K) = {facts.shape} over {request.world_size} ranks is too "
+                         f"small to overlap on path {path!r}, so its plan is sequential; {refused}")
+    return path, plan, why
+
+
+def plan_of(path: str, facts: Facts, tuned: bool = True) -> Plan:
+    """The plan of a call on ``path`` (a path, not ``"auto"``) that gives none: fp8 on CUDA, ``tune/fp8.py``'s
+    (on NCCL, overlap or not by the collective's time over the fp8 GEMM's: the bf16 rates, the GEMM
+    ``FP8_GEMM_SPEEDUP`` times faster, the bytes the call moves); float32 (and the reference path on CUDA), the
+    sequential plan; else the plan tuned for the shape (``tuned``), or the default plan for the path, sized on NCCL
+    by the group's measured rates (the collective's time over the GEMM's)."""
+    request, op, (m, n, k) = facts.request, facts.op, facts.shape
+    world, dtype, cuda = request.world_size, request.dtype, request.device.type == "cuda"
+    if facts.fp8 is not None and cuda and path in FP8_PATHS:
+        return _fp8_plan(path, facts)
+    if dtype not in HALF_DTYPES or path == "reference" and cuda:
+        return sequential_plan(op, m, n, k, world)
+    path = path if path in ("p2p", "ring") else "nccl"
+    found = facts.tuned(path) if tuned else None
+    if found is not None:
+        return found
+    comm_ratio = None
+    if cuda and path == "nccl":  # the ring's and P2P's transfers take no SM: no rates needed
+        measured = facts.rates(dtype)
+        moved = m * (k if op == "all_gather" else n) * dtype.itemsize  # all-gather moves A, the others C
+        # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
+        comm_ratio = round(measured.collective_ms(op, moved, world) / measured.gemm_ms(m, n, k), 2)
+    return default_plan(op, m, n, k, world, num_sms=facts.num_sms, element_size=dtype.itemsize, comm_ratio=comm_ratio,
+                        path=path if cuda or path == "ring" else "nccl")  # off CUDA: the reference, or the ring
+
+
+def _fp8_plan(path: str, facts: Facts) -> Plan:
+    request, op, (m, n, k), fp8 = facts.request, facts.op, facts.shape, facts.fp8
+    world = request.world_size
+    comm_ratio = None
+    if path == "nccl":
+        measured = facts.rates(torch.bfloat16)
+        moved = m * fp8.row_bytes if op == "all_gather" else m * n * fp8.out_size
+        gemm_ms = measured.gemm_ms(m, n, k) / fp8_rules.FP8_GEMM_SPEEDUP
+        comm_ratio = round(measured.collective_ms(op, moved, world) / gemm_ms, 2)
+    # Bands of cuBLAS's block-wise kernel only where it takes every band: they end at tile rows inside each rank block.
+    block_rows = m if op == "all_reduce" else m // world
+    return fp8_rules.fp8_plan(op, m, n, k, world, fp8.mode, path=path, num_sms=facts.num_sms, comm_ratio=comm_ratio,
+                              out_size=fp8.out_size, cublas_block=block_rows % 4 == 0 and fp8.cublas_block)
 
 
 # -- expert-parallel (MoE) calls: dispatch and combine (``runtime/experts.py``) -----------------------------------
@@ -165,7 +295,7 @@ EXPERT_PATHS = ("auto", "nccl", "p2p", "reference")
 class ExpertRequest:
     """What the expert path rules look at: the call's device, dtype and group size, the expert paths the table
     can build (``available``), the group's P2P verdict (asked only where a rule needs it: the first ask is
-    collective) and whether NCCL_P2P_DISABLE=1 is set."""
+    collective), whether NCCL_P2P_DISABLE=1 is set, and the group's backend."""
 
     device: torch.device
     dtype: torch.dtype
@@ -173,6 +303,7 @@ class ExpertRequest:
     available: frozenset
     p2p_reason: Callable[[], str | None]
     nccl_p2p_disabled: bool = False
+    backend: str = "nccl"
 
 
 def _expert_built(path: str, request: ExpertRequest) -> str | None:
@@ -182,23 +313,20 @@ def _expert_built(path: str, request: ExpertRequest) -> str | None:
 
 
 def reason_not_expert_reference(request: ExpertRequest) -> str | None:
-    """The reference expert path runs anywhere ``all_to_all_single`` does (gloo included)."""
-    return None
+    """The reference expert path runs anywhere the group's backend moves the rows (gloo on the CPU, NCCL on
+    CUDA)."""
+    return _needs_nccl("path='reference'", request)
 
 
 def reason_not_expert_nccl(request: ExpertRequest) -> str | None:
-    """NCCL expert path: CUDA tensors, its communicator installed."""
-    if request.device.type != "cuda":
-        return f"path='nccl' needs CUDA tensors, got tensors on {request.device}; use path='reference'"
-    return _expert_built("nccl", request)
+    """NCCL expert path: CUDA tensors, an NCCL group, its communicator installed."""
+    return _needs_cuda("nccl", request) or _needs_nccl("path='nccl'", request) or _expert_built("nccl", request)
 
 
 def reason_not_expert_p2p(request: ExpertRequest) -> str | None:
     """P2P expert path: CUDA tensors in half precision, its communicator installed, every rank on one node with
-    peer access, at most ``P2P_MAX_RANKS``."""
-    if request.device.type != "cuda":
-        return f"path='p2p' needs CUDA tensors, got tensors on {request.device}; use path='reference'"
-    why = _expert_built("p2p", request)
+    peer access, at most ``P2P_MAX_RANKS``; any backend (the group only bootstraps the peers' mapping)."""
+    why = _needs_cuda("p2p", request) or _expert_built("p2p", request)
     if why is None and request.dtype not in HALF_DTYPES:
         why = f"path='p2p' runs bfloat16/float16, got {request.dtype}; use path='nccl'"
     return why or _p2p_group(request)
@@ -211,7 +339,8 @@ EXPERT_REASON_NOT = {"reference": reason_not_expert_reference, "nccl": reason_no
 def expert_path(name: str, path: str, request: ExpertRequest) -> tuple[str, str]:
     """The path of an expert call and why: a named path where its rule allows it (else the clear error); for
     ``"auto"``: the reference off CUDA; on CUDA P2P where its rule allows it and NCCL_P2P_DISABLE is unset, else
-    NCCL where installed, else the reference. Pure but for the P2P verdict (the same on every rank)."""
+    NCCL where installed, else the reference (on a group that is not NCCL: P2P, or the clear error). Pure but for
+    the P2P verdict (the same on every rank)."""
     if path not in EXPERT_PATHS:
         raise ValueError(f"{name}: path must be one of {EXPERT_PATHS}, got {path!r}")
     if path != "auto":
@@ -226,4 +355,7 @@ def expert_path(name: str, path: str, request: ExpertRequest) -> tuple[str, str]
         return "p2p", "every rank on one node with peer access between all GPUs"
     if reason_not_expert_nccl(request) is None:
         return "nccl", p2p_why
+    refused = _needs_nccl("path='nccl' or 'reference'", request)
+    if refused is not None:
+        raise ValueError(f"{name}: {refused}; path='auto' cannot take the P2P path here: {p2p_why}")
     return "reference", f"{p2p_why}; {_expert_built('nccl', request)}"
