@@ -77,7 +77,7 @@ def _caught(op, world, index, tries=80, rows=None):
     return False
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 8])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_every_wait_signal_and_event_of_the_schedule_is_needed(op, world):
     _, ops, indices = _mutations(op, world)
@@ -86,11 +86,12 @@ def test_every_wait_signal_and_event_of_the_schedule_is_needed(op, world):
     assert not missed, f"removing these went unnoticed: {missed}"
 
 
+@pytest.mark.parametrize("world", [2, 8])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
-def test_the_executors_final_join_is_needed(op):
+def test_the_executors_final_join_is_needed(op, world):
     # X reads the send buffer (dispatch) or the products (combine); without the join the next call's C overwrites
     # them while X still pushes.
-    assert _caught(op, 2, "join")
+    assert _caught(op, world, "join")
 
 
 def test_a_combine_that_returns_nothing_still_joins_its_copy_stream_to_the_call():

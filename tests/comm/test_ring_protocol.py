@@ -77,7 +77,7 @@ def _caught(world, op, index, tries=60, columns=0):
     return False
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 8])
 @pytest.mark.parametrize("op,columns", [("reduce_scatter", 0), ("all_reduce", 0), ("all_gather", 0),
                                         ("all_gather", 1), ("all_gather", 2), ("all_reduce", 1)])
 def test_every_wait_signal_and_event_of_the_schedule_is_needed(op, columns, world):
@@ -90,10 +90,11 @@ def test_every_wait_signal_and_event_of_the_schedule_is_needed(op, columns, worl
     assert not missed, f"removing these went unnoticed: {missed}"
 
 
-def test_the_executors_final_join_is_needed():
+@pytest.mark.parametrize("world", [2, 8])
+def test_the_executors_final_join_is_needed(world):
     # All-reduce's last writes of the result are X's pulls. (Reduce-scatter's and all-gather's are C's, after
     # events from X; there the join is what a CUDA-graph capture needs, every forked stream joined back.)
-    assert _caught(2, "all_reduce", "join")
+    assert _caught(world, "all_reduce", "join")
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
