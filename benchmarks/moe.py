@@ -16,6 +16,21 @@ events, each call queued behind a GPU sleep, median per rank, maximum over ranks
 - ``E = (t_plain - t) / (t_plain - t_nocomm)``; ``host_us`` and ``host_plain_us``: the host time to issue one call
   while the GPU is busy.
 
+Precisions (``--precisions``, default bf16; every row carries its ``precision``):
+
+- ``bf16``: as above;
+- ``fp8-row`` (one scale per row and per expert output column) and ``fp8-block`` (one per 1x128 block of the rows
+  and 128x128 block of the weights, DeepSeek-V3's layout): ``t_ms`` the fp8 expert ops (the weights fp8, the rows
+  quantised by the ops and dispatched as fp8 with their scales, combine in bf16); ``t_plain_ms`` the plain fp8
+  layer: the rows quantised, ``all_to_all_single`` of the fp8 rows and of their scales, ``torch._scaled_grouped_mm``
+  (row-wise; block-wise, which torch's grouped GEMM does not take, the received rows dequantised to bf16 into
+  ``torch._grouped_mm`` with the dequantised weights), SwiGLU (quantised again), the second GEMM, the
+  reverse all-to-all of bf16 rows, the weighted sum; ``t_nocomm_ms`` that layer with local copies;
+  ``t_plain_bf16_ms`` the plain bf16 layer beside them. Forward+backward (``fp8-row`` only: block-wise is inference):
+  ours is ``ExpertParallelMLP(fp8="row")``'s autograd (torchao's row-wise recipe, bf16 master weights), the plain
+  layer the bf16 all-to-alls around torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` (torchtitan with
+  ``--float8.moe_fqns``; a note row where torchao is missing).
+
 Configs (all experts over the W ranks): Mixtral-8x7B-like (8 experts, top-2, H 4096, F 14336), Qwen3-30B-A3B-like
 (128, top-8, H 2048, F 768), DeepSeek-V3-like (256, top-8, H 7168, F 2048); routing balanced (every expert the same
 share) or Zipf(1.2) (expert popularity ``i^-1.2`` in a seeded order, k distinct experts per token); bf16.
@@ -59,6 +74,8 @@ MODES = ("exact", "bounded")
 PASSES = ("forward", "forward+backward")
 PATHS = ("auto", "nccl", "p2p", "reference")  # the expert ops' paths (a test checks)
 FIGURES = ("t_plain_ms", "t_nocomm_ms", "t_ms")
+PRECISIONS = ("bf16", "fp8-row", "fp8-block")
+FP8_FIGURES = (*FIGURES, "t_plain_bf16_ms")
 
 
 def route(tokens: int, config: MoEConfig, routing: str, seed: int, device: torch.device,
@@ -99,8 +116,10 @@ class PlainMoE:
     ``w_down [L, F, H]``. ``comm=False``: every all-to-all replaced by a copy of what it delivered last time
     (``record`` first)."""
 
-    def __init__(self, w_up: torch.Tensor, w_down: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, w_up: torch.Tensor, w_down: torch.Tensor, group: dist.ProcessGroup | None,
+                 gmm: Callable | None = None) -> None:
         self.w_up, self.w_down, self.group = w_up, w_down, group
+        self.gmm = gmm or (lambda a, b, offs: torch._grouped_mm(a, b, offs=offs))  # fp8 training: torchao's
         self.world = dist.get_world_size(group)
         self.recorded: dict[str, torch.Tensor] = {}
 
@@ -142,12 +161,144 @@ class PlainMoE:
                                              output_size=received)
         perm = torch.argsort(row_expert, stable=True)
         offs = torch.cumsum(recv_counts.view(world, local).sum(0), 0).to(torch.int32)
-        h = torch._grouped_mm(x_recv.index_select(0, perm), self.w_up, offs=offs)
+        h = self.gmm(x_recv.index_select(0, perm), self.w_up, offs)
         a = F.silu(h[:, :ffn]) * h[:, ffn:]
-        y = torch._grouped_mm(a, self.w_down, offs=offs).index_select(0, torch.argsort(perm))
+        y = self.gmm(a, self.w_down, offs).index_select(0, torch.argsort(perm))
         y_back = self._exchange("y", y, tokens * k, send_splits, recv_splits, comm, record)
         weighted = y_back * topk_weights.reshape(-1).index_select(0, order)[:, None].to(y_back.dtype)
         return torch.zeros_like(x).index_add(0, token, weighted)
+
+
+class PlainFp8MoE:
+    """The plain fp8 layer, forward (see the module docstring): the fp8 weights ``w_up [L, H, 2F]``, ``w_down [L, F,
+    H]`` (column-major views) with their scales (``scaling`` ``"row"``: ``[L, N]``; ``"block"``: ``[L, K/128,
+    N/128]``). ``comm=False``: every all-to-all replaced by a copy of what it delivered last time (``record``
+    first)."""
+
+    def __init__(self, w_up: tuple[torch.Tensor, torch.Tensor], w_down: tuple[torch.Tensor, torch.Tensor],
+                 scaling: str, group: dist.ProcessGroup | None) -> None:
+        from flashoverlap.comm.expert.scaled import dequantised_weight
+
+        self.scaling, self.group = scaling, group
+        self.world = dist.get_world_size(group)
+        self.w_up, self.w_down = w_up, w_down
+        if scaling == "block":  # torch's grouped GEMM takes no block scales: the weights dequantised once
+            self.dense = [torch.stack([dequantised_weight(q[i], s[i], "block") for i in range(q.shape[0])]).to(
+                torch.bfloat16) for q, s in (w_up, w_down)]
+        self.recorded: dict[str, torch.Tensor] = {}
+
+    def without_comm(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self(x, topk_idx, topk_weights, comm=False)
+
+    def _exchange(self, name: str, inp: torch.Tensor, rows: int, out_splits: list[int], in_splits: list[int],
+                  comm: bool, record: bool) -> torch.Tensor:
+        if not comm:
+            return self.recorded[name].clone()
+        out = inp.new_empty((rows, *inp.shape[1:]))
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+        if record:
+            self.recorded[name] = out.clone()
+        return out
+
+    def _gemm(self, rows: torch.Tensor, scale: torch.Tensor | None, which: int, offs: torch.Tensor) -> torch.Tensor:
+        from flashoverlap.comm.expert.scaled import dequantised_rows, quantise
+
+        if self.scaling == "block":  # the rows as fp8 with 1x128 scales (quantised here where bf16), dequantised
+            q, s = (rows, scale) if scale is not None else quantise(rows, "block")
+            return torch._grouped_mm(dequantised_rows(q, s).to(torch.bfloat16), self.dense[which], offs=offs)
+        q, s = (rows, scale) if scale is not None else quantise(rows, "row")
+        w, sw = (self.w_up, self.w_down)[which]
+        if rows.device.type == "cuda":
+            return torch._scaled_grouped_mm(q, w, s.reshape(-1), sw, offs=offs, out_dtype=torch.bfloat16)
+        # The CPU (the benchmark's tests): the same product dequantised.
+        from flashoverlap.comm.expert.scaled import dequantised_weight
+
+        dense_w = torch.stack([dequantised_weight(w[i], sw[i], "row") for i in range(w.shape[0])])
+        return torch._grouped_mm(dequantised_rows(q, s), dense_w, offs=offs).to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, comm: bool = True,
+                 record: bool = False) -> torch.Tensor:
+        from flashoverlap.comm.expert.scaled import quantise
+
+        world, local = self.world, self.w_up[0].shape[0]
+        ffn = self.w_down[0].shape[1]
+        tokens, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=world * local)
+        if comm:
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=self.group)
+            if record:
+                self.recorded["counts"] = recv_counts.clone()
+        else:
+            recv_counts = self.recorded["counts"].clone()
+        totals = torch.cat([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
+        send_splits, recv_splits = totals[:world], totals[world:]
+        received = sum(recv_splits)
+        token = torch.div(order, k, rounding_mode="floor")
+        xq, sx = quantise(x, self.scaling)
+        sent = xq.index_select(0, token)
+        q_recv = self._exchange("x", sent.view(torch.uint8), received, recv_splits, send_splits, comm, record)
+        s_recv = self._exchange("sx", sx.index_select(0, token), received, recv_splits, send_splits, comm, record)
+        per_segment = recv_counts.view(world, local).reshape(-1)
+        row_expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(world), per_segment,
+                                             output_size=received)
+        perm = torch.argsort(row_expert, stable=True)
+        offs = torch.cumsum(recv_counts.view(world, local).sum(0), 0).to(torch.int32)
+        h = self._gemm(q_recv.view(xq.dtype).index_select(0, perm), s_recv.index_select(0, perm), 0, offs)
+        a = F.silu(h[:, :ffn].float()) * h[:, ffn:].float()
+        y = self._gemm(a.to(torch.bfloat16), None, 1, offs).index_select(0, torch.argsort(perm))
+        y_back = self._exchange("y", y, tokens * k, send_splits, recv_splits, comm, record)
+        weighted = y_back.float() * topk_weights.reshape(-1).index_select(0, order)[:, None].float()
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, token, weighted).to(x.dtype)
+
+
+def fp8_weights(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [L, K, N]`` bf16 as the fp8 ops and ``_scaled_grouped_mm`` take it: a column-major fp8 ``[L, K, N]``
+    view and its scales (``nn/fp8_moe.quantise_weight`` of the ``nn.Linear``-shaped ``[L, N, K]``)."""
+    from flashoverlap.nn.fp8_moe import quantise_weight
+
+    q, s = quantise_weight(w.transpose(1, 2), scaling)
+    return q.transpose(1, 2), s
+
+
+def _ours_fp8(w_up: tuple, w_down: tuple, group, mode: str, path: str) -> Callable:
+    """The fp8 expert ops, forward (inference): bf16 rows quantised by the ops, fp8 weights with their scales."""
+    ffn = w_down[0].shape[1]
+    experts_total = w_up[0].shape[0] * dist.get_world_size(group)
+
+    def layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        routing = moe_layout(topk_idx, experts_total, group, mode=mode)
+        h = moe_dispatch_gemm(x, w_up[0], routing, group, path=path, scale_w=w_up[1])
+        a = F.silu(h[:, :ffn]) * h[:, ffn:]
+        return moe_gemm_combine(a, w_down[0], topk_weights, routing, group, path=path, scale_w=w_down[1])
+
+    return layer
+
+
+def _ours_fp8_training(w_up: torch.Tensor, w_down: torch.Tensor, group, mode: str, path: str) -> Callable:
+    """``ExpertParallelMLP(fp8="row")``'s experts with autograd (torchao's row-wise recipe) on bf16 master weights
+    ``w_up [L, H, 2F]``, ``w_down [L, F, H]`` (their ``nn.Linear``-shaped transposes are the layer's)."""
+    from flashoverlap.nn.fp8_moe import _Fp8Combine, _Fp8Dispatch
+
+    ffn = w_down.shape[1]
+    experts_total = w_up.shape[0] * dist.get_world_size(group)
+
+    def layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        routing = moe_layout(topk_idx, experts_total, group, mode=mode)
+        h = _Fp8Dispatch.apply(x, w_up.transpose(1, 2), routing, group, path)
+        a = F.silu(h[:, :ffn]) * h[:, ffn:]
+        return _Fp8Combine.apply(a, w_down.transpose(1, 2), topk_weights, routing, group, path)
+
+    return layer
+
+
+def _torchao_gmm() -> Callable:
+    """torchao's differentiable row-wise fp8 grouped GEMM (what its MoE training conversion runs)."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    return lambda a, b, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b, offs, pad_token_groups_for_grouped_mm=False)
 
 
 def _ours(w_up: torch.Tensor, w_down: torch.Tensor, group, mode: str, path: str) -> Callable:
@@ -183,12 +334,74 @@ def e_overlap(row: dict) -> float | None:
     return None if hideable <= 1e-9 else (row["t_plain_ms"] - row["t_ms"]) / hideable
 
 
+class _Fp8Layers:
+    """The fp8 rows' layers for one config (module docstring): fp8 weights (``"row"``/``"block"``) made once from the
+    bf16 ``w_up``, ``w_down``; for training, column-major bf16 master copies (torchao's grouped GEMM asks for them)."""
+
+    def __init__(self, w_up: torch.Tensor, w_down: torch.Tensor, group, precisions, config: MoEConfig) -> None:
+        self.group, self.config = group, config
+        self.weights = {}
+        self.plain = {}
+        for precision in precisions:
+            scaling = precision.removeprefix("fp8-")
+            if precision == "bf16" or (scaling == "block" and (config.hidden % 128 or config.ffn % 128)):
+                continue
+            self.weights[scaling] = (fp8_weights(w_up, scaling), fp8_weights(w_down, scaling))
+            self.plain[scaling] = PlainFp8MoE(*self.weights[scaling], scaling, group)
+        self.master = self.plain_train = None
+        if "fp8-row" in precisions:  # column-major copies: leaves of their own
+            self.master = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_up, w_down)]
+            try:
+                self.plain_train = PlainMoE(*self.master, group, gmm=_torchao_gmm())
+            except ImportError:
+                self.plain_train = None
+
+    def record(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
+        for layer in self.plain.values():
+            layer(x, idx, weights, record=True)
+        if self.plain_train is not None:
+            with torch.no_grad():
+                self.plain_train(x, idx, weights, record=True)
+
+    def skip(self, precision: str, train: bool) -> str | None:
+        scaling = precision.removeprefix("fp8-")
+        if scaling not in self.weights:
+            return f"{precision} needs H and F multiples of 128 (H {self.config.hidden}, F {self.config.ffn})"
+        if train and scaling == "block":
+            return "fp8-block is inference only (forward)"
+        if train and self.plain_train is None:
+            return "the plain fp8 training layer needs torchao (pip install torchao)"
+        return None
+
+    def fns(self, precision: str, mode: str, path: str, args: tuple, grad: torch.Tensor | None, plain_bf16,
+            params: list[torch.Tensor]) -> dict:
+        scaling = precision.removeprefix("fp8-")
+        bf16 = _step(plain_bf16, args, grad, params)
+        if grad is None:
+            layer = self.plain[scaling]
+            w_up, w_down = self.weights[scaling]
+            return {"t_plain_ms": _step(layer, args, None, params),
+                    "t_nocomm_ms": _step(layer.without_comm, args, None, params),
+                    "t_ms": _step(_ours_fp8(w_up, w_down, self.group, mode, path), args, None, params),
+                    "t_plain_bf16_ms": bf16}
+        leaves = [args[0], *self.master, args[2]]
+        for t in self.master:
+            t.requires_grad_(True)
+        train = self.plain_train
+        return {"t_plain_ms": _step(train, args, grad, leaves),
+                "t_nocomm_ms": _step(train.without_comm, args, grad, leaves),
+                "t_ms": _step(_ours_fp8_training(*self.master, self.group, mode, path), args, grad, leaves),
+                "t_plain_bf16_ms": bf16}
+
+
 def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings: list[str], modes: list[str],
                paths: list[str], passes: list[str], timer: Callable, log: Callable[[list[dict]], None] | None = None,
                device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
-               group: dist.ProcessGroup | None = None, seed: int = 0) -> list[dict]:
+               group: dist.ProcessGroup | None = None, seed: int = 0,
+               precisions: list[str] | tuple[str, ...] = ("bf16",)) -> list[dict]:
     """Every row (see the module docstring). ``timer(fns, host_us) -> {name: ms}``: ``timing.time_side_by_side``
-    on the GPU, a stand-in on the CPU. A path that cannot serve the call is skipped with a note row."""
+    on the GPU, a stand-in on the CPU. A path that cannot serve the call is skipped with a note row, and so is an
+    fp8 row that cannot run (block-wise training, a width not a multiple of 128 block-wise, torchao missing)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rows: list[dict] = []
@@ -202,12 +415,14 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
         w_down = (torch.randn(local, config.ffn, config.hidden, generator=gen, device=device, dtype=dtype)
                   / config.ffn**0.5)
         plain = PlainMoE(w_up, w_down, group)
+        fp8 = _Fp8Layers(w_up, w_down, group, precisions, config)
         for tokens in token_counts:
             x = torch.randn(tokens, config.hidden, generator=gen, device=device, dtype=dtype)
             grad = torch.randn(tokens, config.hidden, generator=gen, device=device, dtype=dtype)
             for routing in routings:
                 idx, weights = route(tokens, config, routing, seed + rank, device, dtype)
                 plain(x, idx, weights, record=True)  # what the stand-ins copy
+                fp8.record(x, idx, weights)
                 for pass_ in passes:
                     train = pass_ == "forward+backward"
                     for tensor in (x, w_up, w_down, weights):
@@ -220,22 +435,33 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
                             rows.append({"config": name, "W": world, "tokens": tokens, "routing": routing,
                                          "path": path, "pass": pass_, "notes": f"skipped: {exc}"})
                             continue
-                        for mode in modes:
-                            fns = {
-                                "t_plain_ms": _step(plain, (x, idx, weights), grad if train else None, params),
-                                "t_nocomm_ms": _step(plain.without_comm, (x, idx, weights), grad if train else None,
-                                                     params),
-                                "t_ms": _step(_ours(w_up, w_down, group, mode, path), (x, idx, weights),
-                                              grad if train else None, params),
-                            }
+                        for mode, precision in ((m, p) for m in modes for p in precisions):
+                            base = {"config": name, "W": world, "tokens": tokens, "routing": routing, "mode": mode,
+                                    "path": resolved, "pass": pass_}
+                            step_grad = grad if train else None
+                            if precision == "bf16":
+                                figures = FIGURES
+                                fns = {
+                                    "t_plain_ms": _step(plain, (x, idx, weights), step_grad, params),
+                                    "t_nocomm_ms": _step(plain.without_comm, (x, idx, weights), step_grad, params),
+                                    "t_ms": _step(_ours(w_up, w_down, group, mode, path), (x, idx, weights),
+                                                  step_grad, params),
+                                }
+                            else:
+                                note = fp8.skip(precision, train)
+                                if note:
+                                    rows.append({**base, "precision": precision, "notes": f"skipped: {note}"})
+                                    continue
+                                figures = FP8_FIGURES
+                                fns = fp8.fns(precision, mode, path, (x, idx, weights), step_grad, plain, params)
                             host: dict[str, float] = {}
                             times = timer(fns, host)
-                            row = {"config": name, "W": world, "tokens": tokens, "routing": routing, "mode": mode,
-                                   "path": resolved, "pass": pass_, "experts": config.experts,
-                                   "top_k": config.top_k, **{f: round(times[f], 4) for f in FIGURES}}
+                            row = {**base, "experts": config.experts, "top_k": config.top_k,
+                                   **{f: round(times[f], 4) for f in figures}}
                             row["E"] = e_overlap(row)
                             row["host_us"] = round(host["t_ms"], 1)
                             row["host_plain_us"] = round(host["t_plain_ms"], 1)
+                            row["precision"] = precision
                             rows.append(row)
                             if log is not None:
                                 log(rows)
@@ -262,6 +488,7 @@ def add_arguments(parser) -> None:
     names("--modes", list(MODES), list(MODES), "uneven-split modes", "MODE")
     names("--paths", list(PATHS), ["auto"], "paths", "PATH")
     names("--passes", list(PASSES), list(PASSES), "passes", "PASS")
+    names("--precisions", list(PRECISIONS), ["bf16"], "precisions", "PRECISION")
     parser.add_argument("--warmup", type=non_negative, default=3, help="untimed calls first (default 3)")
     parser.add_argument("--iters", type=positive, default=20, help="timed calls per figure (default 20)")
     parser.add_argument("--out", default=None,
@@ -282,15 +509,21 @@ def main(argv: list[str] | None = None) -> int:
     def log(rows: list[dict]) -> None:
         if dist.get_rank() == 0:
             row = rows[-1]
-            figures = " ".join(f"{f}={row[f]:.3f}" for f in FIGURES)
+            if "notes" in row:
+                print(f"{row['config']:>14} {row.get('precision', '')}: {row['notes']}", flush=True)
+                write_results(out, meta, rows)
+                return
+            figures = " ".join(f"{f}={row[f]:.3f}" for f in FP8_FIGURES if f in row)
             e = "E=  n/a" if row["E"] is None else f"E={row['E']:+.2f}"
-            print(f"{row['config']:>14} W={row['W']} {row['tokens']:>6} {row['routing']:>8} {row['mode']:>7} "
+            print(f"{row['config']:>14} {row['precision']:>9} W={row['W']} {row['tokens']:>6} {row['routing']:>8} "
+                  f"{row['mode']:>7} "
                   f"{row['path']:>9} {row['pass']:>16}: {figures} {e} host_us={row['host_us']:.0f} "
                   f"(plain {row['host_plain_us']:.0f})", flush=True)
             write_results(out, meta, rows)
 
     configs = {name: CONFIGS[name] for name in args.configs}
-    rows = bench_rows(configs, args.tokens, args.routings, args.modes, args.paths, args.passes, timer, log, device)
+    rows = bench_rows(configs, args.tokens, args.routings, args.modes, args.paths, args.passes, timer, log, device,
+                      precisions=args.precisions)
     return finish_run(out, meta, rows)
 
 
