@@ -1,12 +1,14 @@
-"""fp8 experts: the expert-parallel MoE layer with fp8 weights, and the fp8 expert ops on DeepEP-format rows.
+"""fp8 experts: fp8 training of the expert-parallel MoE layer, the layer with fp8 weights for inference, and the fp8
+expert ops on DeepEP-format rows.
 
     torchrun --nproc-per-node 2 examples/fp8_moe.py
 
-A plain bf16 ``MoEBlock``, the same on every rank, sharded with ``ExpertParallelMLP.from_moe_block`` and converted to
-fp8 experts (row-wise and 128x128 block scales); then the ops themselves, given fp8 token rows with one scale per 128
-channels (DeepSeek-V3's and DeepEP's layout). NCCL and GPU-sized tensors where every rank has a GPU; else gloo,
-CPU-sized tensors and the reference path. Prints the largest relative difference from the bf16 block over every rank
-and raises beyond fp8 rounding.
+A plain bf16 ``MoEBlock``, the same on every rank, sharded with ``ExpertParallelMLP.from_moe_block``: trained one step
+in fp8 (``fp8="row"``, torchao's row-wise MoE recipe: output and gradients against the bf16 block's), then converted
+to fp8 experts for inference (row-wise and 128x128 block scales); then the ops themselves, given fp8 token rows with
+one scale per 128 channels (DeepSeek-V3's and DeepEP's layout). NCCL and GPU-sized tensors where every rank has a
+GPU; else gloo, CPU-sized tensors and the reference path. Prints the largest relative difference from the bf16 block
+over every rank and raises beyond fp8 rounding.
 """
 
 import os
@@ -16,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flashoverlap as fo
-from flashoverlap.nn import ExpertParallelMLP, MoEBlock, route
-from flashoverlap.nn.fp8_moe import Float8ExpertParallelMLP, quantise_weight
+from flashoverlap.nn import ExpertParallelMLP, Float8ExpertParallelMLP, MoEBlock, route
+from flashoverlap.nn.fp8_moe import quantise_weight
 
 
 def check(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -52,6 +54,24 @@ def main() -> None:
     block = MoEBlock(hidden, ffn, num_experts, top_k, dtype=torch.bfloat16, device=device)
     torch.manual_seed(1 + rank)  # this rank's own tokens
     x_r = torch.randn(T, hidden, dtype=torch.bfloat16, device=device)
+    grad_r = torch.randn(T, hidden, dtype=torch.bfloat16, device=device)
+
+    # Training: the bf16 parameters are the master weights; the forward GEMMs and both backward GEMMs run in fp8
+    # (power-of-2 row-wise scales, as torchao's MoE training casts), the tokens cross the wire as fp8, grads are bf16.
+    x = x_r.clone().requires_grad_()
+    layer = ExpertParallelMLP.from_moe_block(block, fp8="row")
+    y = layer(x)
+    y.backward(grad_r)
+    x_bf16 = x_r.clone().requires_grad_()
+    y_bf16 = block(x_bf16)  # the bf16 block, for the check: its expert grads from every rank's tokens
+    y_bf16.backward(grad_r)
+    w13_grad = torch.stack([torch.cat([e.w1.weight.grad, e.w3.weight.grad]) for e in block.experts]).float()
+    dist.all_reduce(w13_grad)  # every expert's, from every rank's tokens
+    own = slice(layer.first_expert, layer.first_expert + layer.local_experts)
+    check("ExpertParallelMLP(fp8='row') training: output", y.detach(), y_bf16.detach())
+    check("ExpertParallelMLP(fp8='row') training: grad x", x.grad, x_bf16.grad)
+    check("ExpertParallelMLP(fp8='row') training: grad w13", layer.w13.grad, w13_grad[own])
+
     with torch.no_grad():
         want = block(x_r)
 
