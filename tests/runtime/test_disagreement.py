@@ -82,6 +82,9 @@ def _cases(rank: int, world: int):
         ("moe_dispatch_gemm", "fp8 scaling",
          lambda: _fp8_dispatch(fo, randn(4, 128, dtype=bf), randn(2, 128, 128), ("row", "block")[odd],
                                fo.moe_layout(idx, experts))),
+        ("moe_gemm_combine", "fp8 scaling",
+         lambda: _fp8_combine(fo, randn(_received(fo, idx, experts), 128, dtype=bf), randn(2, 128, 128),
+                              ("row", "block")[odd], fo.moe_layout(idx, experts))),
     ]
     return cases
 
@@ -95,6 +98,11 @@ def _scaled(a: torch.Tensor, b: torch.Tensor, mode: str):
 def _fp8_dispatch(fo, x: torch.Tensor, w: torch.Tensor, mode: str, layout):
     wq, scale = _expert_fp8(w, mode)
     return fo.moe_dispatch_gemm(x, wq, layout, scale_w=scale)
+
+
+def _fp8_combine(fo, a: torch.Tensor, w: torch.Tensor, mode: str, layout):
+    wq, scale = _expert_fp8(w, mode)
+    return fo.moe_gemm_combine(a, wq, torch.ones(layout.tokens, layout.top_k), layout, scale_w=scale)
 
 
 def _received(fo, idx: torch.Tensor, experts: int) -> int:
