@@ -5,7 +5,7 @@ fp64 unsharded model, within torchao's own fp8 error on the same problem. That b
 CPU casts (its reference implementations of the casts its Triton kernels make) and fp64 dequantised products
 (torchao's fp8 grouped GEMM does not run on the CPU). Routings skewed (Zipf), balanced and a rank with no tokens;
 exact and bounded modes. The casts are torchao's bit for bit; the layer without autograd gives the autograd
-forward's output exactly; ``fp8="block"`` is inference only."""
+forward's output exactly; ``torch.compile`` gives eager's values; ``fp8="block"`` is inference only."""
 
 import torch
 import torch.distributed as dist
@@ -118,3 +118,37 @@ def test_casts_are_torchaos():
     assert torch.equal(gq.float(), tq.float())
     for group, e in enumerate((0, 2, 3)):
         assert torch.equal(gs[e], ts[group * 48 : (group + 1) * 48].reciprocal()), e
+
+
+def _compiled(rank, world):
+    from flashoverlap.nn import ExpertParallelMLP
+
+    p = fc.problem(world, "skewed", 5)
+    own = slice(rank * p["local"], (rank + 1) * p["local"])
+    for mode, fullgraph in (("bounded", True), ("exact", False)):
+        bound = max(x.shape[0] for x in p["x"]) * p["top_k"] if mode == "bounded" else None
+        layer = ExpertParallelMLP(fc.H, fc.FFN, p["experts"], p["top_k"], mode=mode, bound=bound, fp8="row",
+                                  dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer.w13.copy_(p["w13"][own])
+            layer.w2.copy_(p["w2"][own])
+        outs = []
+        for compiled in (False, True):
+            layer.zero_grad()
+            run = torch.compile(layer, fullgraph=fullgraph, backend="aot_eager") if compiled else layer
+            x = p["x"][rank].clone().requires_grad_()
+            router = p["router"][rank].clone().requires_grad_()
+            y = run(x, p["idx"][rank], router)
+            (y.float() * p["grad"][rank].float()).sum().backward()
+            outs.append((y.detach(), x.grad, router.grad, layer.w13.grad.clone(), layer.w2.grad.clone()))
+        for name, eager, compiled in zip(("y", "dx", "drouter", "dw13", "dw2"), *outs):
+            assert torch.equal(eager, compiled), f"{mode}: compiled {name} differs from eager"
+    torch._dynamo.reset()
+    return True
+
+
+def test_fp8_training_compiles(ranks):
+    """``torch.compile`` (aot_eager) of the fp8 layer, forward and backward bit-equal to eager: bounded mode with
+    ``fullgraph=True`` (the weight gradients' grouped product needs no host synchronisation), exact mode with its
+    layout as a graph break."""
+    ranks(2).run(_compiled)

@@ -164,8 +164,8 @@ def weight_grad(grads: torch.Tensor, rows: torch.Tensor, seg_starts: torch.Tenso
     """``grad_w [L, N, K]`` (``nn.Linear``-shaped), ``grad_w[l] = grads[rows of l]^T @ rows[rows of l]`` in fp8 as
     torchao's ``_Float8GroupedMM`` computes its weight gradient: both operands cast per (expert, column)
     (``_cast_groups``), the product accumulated in fp32, rounded to ``dtype``. CUDA: ``torch._scaled_grouped_mm``
-    on the rows in expert order, each expert's group padded to 16 rows (no host synchronisation); elsewhere the
-    dequantised product per expert in fp32."""
+    on the rows in expert order, each expert's group padded to 16 rows; elsewhere the fp8 values' product in fp32
+    (no host synchronisation either way)."""
     count, device = grads.shape[0], grads.device
     expert = _row_experts(count, seg_starts, seg_ends, local, device)
     gq, gs = _cast_groups(grads, expert, local)
@@ -192,15 +192,11 @@ def weight_grad(grads: torch.Tensor, rows: torch.Tensor, seg_starts: torch.Tenso
                                        xs[:local].reshape(-1).contiguous(), offs=ends.to(torch.int32),
                                        out_dtype=torch.bfloat16 if dtype != torch.float32 else torch.float32)
         return out.to(dtype)
-    out = torch.zeros((local, n, k), dtype=torch.float32, device=device)
-    order = torch.sort(expert, stable=True).indices
-    bounds = torch.bincount(expert, minlength=local + 1)
-    start = 0
-    for index, rows_l in enumerate(bounds[:local].tolist()):
-        if rows_l:
-            pick = order[start : start + rows_l]
-            out[index] = gq.index_select(0, pick).float().t() @ xq.index_select(0, pick).float()
-        start += rows_l
+    # Elsewhere (the CPU): every expert's product at once through a one-hot of the rows' experts, fp32 (products of
+    # fp8 values are exact in fp32), no host synchronisation (torch.compile traces it whole).
+    onehot = (expert[:, None] == torch.arange(local, device=device)).float()  # padding rows: no expert
+    spread = (onehot[:, :, None] * gq.float()[:, None, :]).reshape(count, local * n)
+    out = (spread.t() @ xq.float()).reshape(local, n, k)
     return (out * gs[:local, :, None] * xs[:local, None, :]).to(dtype)
 
 
