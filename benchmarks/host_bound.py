@@ -197,8 +197,9 @@ def replay_counts(device: torch.device) -> dict:
 
 
 def main() -> None:
-    from benchmarks.diagnostics.results_file import results_meta
+    from benchmarks.diagnostics.results_file import require_cuda, results_meta
 
+    require_cuda("benchmarks.host_bound", per_rank="LOCAL_RANK" in os.environ)
     args = [x for x in sys.argv[1:] if not x.startswith("--")]
     quick = "--quick" in sys.argv
     launched = "LOCAL_RANK" in os.environ  # under torchrun: W ranks, one GPU each

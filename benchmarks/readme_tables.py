@@ -41,6 +41,9 @@ LIBRARY = ("src/flashoverlap",)
 # The paths whose code each table measures (see the module docstring), by renderer.
 MEASURES = {"cpu-install": ("pyproject.toml",), "mutations": ("src/flashoverlap", "tests", "tools/mutate.py"),
             "reliability": ("src/flashoverlap", "benchmarks/reliability.py")}
+# Commands a results file records that have moved since (recorded prefix: the one that runs it now). The record is a
+# measurement's and stays as it is; its source line names the current command beside it (``_command``).
+MOVED = {"python -m flashoverlap.bench.moe_gemm": "python -m benchmarks.moe_gemm"}
 # Marks a note that git could not confirm or deny (inside a fresh rendering only, never written to a document).
 UNSURE = "\x00"
 
@@ -83,10 +86,20 @@ def _e(value) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:+.2f}"
 
 
+def _command(recorded: str) -> str:
+    """A recorded command as a source line shows it: in a code span, and where it has moved since (``MOVED``), the
+    command that runs it now beside it."""
+    recorded = recorded.strip()
+    for old, now in MOVED.items():
+        if recorded == old or recorded.startswith(old + " "):
+            return f"`{recorded}` (as recorded; the module has moved: `{now}{recorded[len(old):]}` runs it now)"
+    return f"`{recorded}`"
+
+
 def _source(path: str, data: dict) -> str:
     meta = data["meta"]
     return (f"<sub>Source: `{path}` ({meta['gpus']}, {meta['setting']}, torch {meta['torch']}, commit "
-            f"`{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}): `{meta['command'].strip()}`.</sub>")
+            f"`{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}): {_command(meta['command'])}.</sub>")
 
 
 def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
@@ -349,7 +362,7 @@ def _sourced(path: str, meta: dict) -> str:
     date = f", {meta['date'][:10]}" if meta.get("date") else ""
     commit = str(meta["commit"])[:10]
     return f"<sub>Source: `{path}` ({what}, commit `{commit}`{date}{stale_note(meta['commit'])}): " \
-        f"`{meta['command'].strip()}`.</sub>"
+        f"{_command(meta['command'])}.</sub>"
 
 
 def _us(value) -> str:

@@ -193,6 +193,13 @@ def main() -> int:
                         help="only this fault scenario (KIND: skip, raise, dtype, shape), and no random calls")
     parser.add_argument("--out", default="reliability.json")
     args = parser.parse_args()
+    # results_file.require_cuda's line, inline: torchrun runs this file as a script, without the checkout on its path
+    gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 2))  # one per rank
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < gpus:
+        raise SystemExit(f"benchmarks/reliability.py: needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}, one per rank "
+                         f"(torchrun --nproc-per-node N), found {found or 'none'}: run it on a GPU machine, as its "
+                         "docstring shows")
     rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)

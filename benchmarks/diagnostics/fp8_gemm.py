@@ -29,7 +29,7 @@ import statistics
 
 import torch
 
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from flashoverlap.comm.scaled import Scales, cublas_takes, scaled_mm
 from flashoverlap.comm.tp.nccl import compute_bands
 from flashoverlap.kernels.gemm import GatherWait, Scaling
@@ -134,6 +134,7 @@ def _described(plan) -> dict:
 
 
 def main():
+    require_cuda("benchmarks/diagnostics/fp8_gemm.py")
     rows = []
     for op, shapes in GRID.items():
         for shape in shapes:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.diagnostics.grouped_gemm_ways import rows_per_expert
+from benchmarks.diagnostics.results_file import require_cuda
 from flashoverlap.comm.expert.scaled import ExpertScales, scaled_multiply
 from flashoverlap.tune.grouped import GroupedCall
 from flashoverlap.tune.grouped_fp8 import expert_gemm_fp8
@@ -172,6 +173,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--only", default=None, help="comma-separated config names")
     args = parser.parse_args()
+    require_cuda("benchmarks.diagnostics.fp8_grouped")
     path = Path(args.out) / "h200x1-fp8-grouped.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),

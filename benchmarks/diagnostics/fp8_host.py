@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap.comm.scaled import BLOCK
 from flashoverlap.tune.fp8 import fp8_tiles
@@ -38,6 +38,7 @@ def scales(mode: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
+    require_cuda("benchmarks.diagnostics.fp8_host")
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     group = dist.group.WORLD
     assert group.size() == 1, "one process, a one-rank group"

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.diagnostics.p2p_one_gpu import IpcWorkspace, close_run, open_run
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.timing import host_us, host_us_interleaved
 from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, expert_layout
@@ -529,6 +530,7 @@ def host_rows(comm, group, solo, rank, world):
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.moe_one_gpu")
     rank, world, device, meta = open_run("moe_one_gpu")
     group = CommGroup.of(dist.group.WORLD, device)
     report = {"meta": meta, "checked": 0,

@@ -20,6 +20,7 @@ import torch
 
 import flashoverlap as fo
 from benchmarks.diagnostics.p2p_one_gpu import close_run, ipc_p2p, open_run
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap.comm import scaled
 from flashoverlap.comm.protocol import Call
@@ -207,6 +208,7 @@ def main():
 
 
 if __name__ == "__main__":
+    require_cuda("benchmarks.diagnostics.p2p_fp8_one_gpu")  # before the try: its one line, not a traceback
     try:
         main()
     except BaseException as error:

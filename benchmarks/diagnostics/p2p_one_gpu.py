@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap.comm import symmetric
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
@@ -222,6 +222,7 @@ def close_run(results: dict, rank: int) -> None:
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.p2p_one_gpu")
     rank, world, device, meta = open_run("p2p_one_gpu")
     comm = ipc_p2p(device)
     report = {"meta": meta, "checked": 0}

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.baselines import async_tp_ops
 from benchmarks.harness.op_rows import GRID_ALL_GATHER, GRID_ALL_REDUCE
 from flashoverlap.bench import efficiency
@@ -22,6 +23,7 @@ SUB_BANDS = (1, 2, 3, 4, 6, 8)
 
 
 def main():
+    require_cuda("benchmarks/diagnostics/p2p_sub_bands.py", per_rank=True)
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))

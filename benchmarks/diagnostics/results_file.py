@@ -1,4 +1,5 @@
-"""What every device diagnostic writes: its results file's ``meta`` and the file itself (at ``sys.argv[1]``)."""
+"""What every device diagnostic writes: its results file's ``meta`` and the file itself (at ``sys.argv[1]``); and the
+one line it exits with where this machine has not the GPUs it needs (``require_cuda``)."""
 
 import json
 import os
@@ -6,6 +7,20 @@ import sys
 import time
 
 import torch
+
+
+def require_cuda(name: str, gpus: int = 1, per_rank: bool = False) -> None:
+    """Exit with one line (status 1, no traceback) where this machine has fewer than ``gpus`` CUDA GPUs: a
+    diagnostic's first step, before anything touches CUDA or starts a process group, so that under torchrun every
+    rank exits on its own (none waits for a peer). ``per_rank``: one GPU per rank torchrun started on this node
+    (``LOCAL_WORLD_SIZE``), at least ``gpus``."""
+    if per_rank:
+        gpus = max(gpus, int(os.environ.get("LOCAL_WORLD_SIZE", gpus)))
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < gpus:
+        each = ", one per rank" if per_rank else ""
+        raise SystemExit(f"{name}: needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}{each}, found {found or 'none'}: "
+                         "run it on a GPU machine, as its docstring shows")
 
 
 def results_meta(command: str, gpus: str | None = None, **extra) -> dict:
