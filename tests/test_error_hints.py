@@ -1,6 +1,6 @@
 """Errors a newcomer meets first point the right way: block-wise fp8 scales at a K that is no multiple of 128 are
 told so (not "fit no scaling mode", offering the very shapes passed), and the fp8 styles' install hint is one the
-package index serves."""
+package index serves, as are the GPU kernels' and the stream operations' (triton, cuda-bindings)."""
 
 import pytest
 import torch
@@ -30,3 +30,50 @@ def test_the_fp8_styles_install_hint_is_one_the_package_index_serves():
     from flashoverlap.nn import float8
 
     assert 'pip install "torchao>=0.10"' in float8._INSTALL and "pip install flashoverlap[" not in float8._INSTALL
+
+
+# What the package index does not serve (flashoverlap is installed from a source checkout), and what installs instead.
+_NOT_SERVED = ("pip install 'flashoverlap[", 'pip install "flashoverlap[', "pip install flashoverlap[")
+
+
+def _says_what_installs(message: str, package: str) -> None:
+    assert not any(wrong in message for wrong in _NOT_SERVED), message
+    assert f"pip install {package}" in message and 'pip install -e ".[gpu]"' in message, message
+
+
+def test_the_gemm_kernels_install_hint_is_one_the_package_index_serves(monkeypatch):
+    import importlib
+    import sys
+
+    import flashoverlap.kernels  # noqa: F401  (the package: only the kernel module is imported afresh)
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.delitem(sys.modules, "flashoverlap.kernels.gemm", raising=False)  # restored after the test
+    with pytest.raises(ImportError) as raised:
+        importlib.import_module("flashoverlap.kernels.gemm")
+    _says_what_installs(str(raised.value), '"triton>=3.4"')
+
+
+def test_the_grouped_gemm_install_hint_is_one_the_package_index_serves(monkeypatch):
+    from flashoverlap.kernels import grouped_gemm as module
+
+    monkeypatch.setattr(module, "_TRITON_MISSING", ModuleNotFoundError("No module named 'triton'"))
+    with pytest.raises(ModuleNotFoundError) as raised:
+        module.grouped_gemm(torch.zeros(2, 4), torch.zeros(1, 4, 4), None)
+    _says_what_installs(str(raised.value), '"triton>=3.4"')
+
+
+def test_the_stream_operations_install_hint_is_one_the_package_index_serves(monkeypatch):
+    import sys
+
+    from flashoverlap.comm import stream_ops
+
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.driver"):
+        monkeypatch.setitem(sys.modules, name, None)  # neither spelling of cuda-python imports
+    stream_ops._driver.cache_clear()
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            stream_ops._driver()
+    finally:
+        stream_ops._driver.cache_clear()  # the next caller imports it for real
+    _says_what_installs(str(raised.value), "cuda-bindings")

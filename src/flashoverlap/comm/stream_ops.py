@@ -24,7 +24,7 @@ def _driver():
         except ImportError as exc:
             raise RuntimeError(
                 "flashoverlap's NCCL path needs the cuda-bindings package for CUDA stream memory operations: "
-                "pip install 'flashoverlap[gpu]' (or pip install cuda-bindings)"
+                "pip install cuda-bindings (or, in a source checkout, pip install -e \".[gpu]\")"
             ) from exc
     return driver
 

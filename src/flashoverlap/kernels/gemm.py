@@ -31,8 +31,8 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError as exc:  # a CPU install has no Triton; only the GPU paths need it
     raise ImportError(
-        f"flashoverlap's GPU kernels need Triton (>= 3.3, with tensor descriptors): pip install 'flashoverlap[gpu]' "
-        f"({exc})") from exc
+        f"flashoverlap's GPU kernels need Triton (>= 3.3, with tensor descriptors): pip install \"triton>=3.4\" (or, "
+        f"in a source checkout, the flashoverlap[gpu] extra: pip install -e \".[gpu]\") ({exc})") from exc
 
 from flashoverlap import guards
 from flashoverlap.plan import Plan

@@ -574,8 +574,9 @@ def grouped_gemm(
     onto consecutive rows of ``x`` loads them through TMA; any other tile gathers them with plain loads.
     """
     if _TRITON_MISSING is not None:
-        raise ModuleNotFoundError(f"grouped_gemm needs triton ({_TRITON_MISSING}): pip install "
-                                  "'flashoverlap[gpu]', or use grouped_mm_reference / torch._grouped_mm")
+        raise ModuleNotFoundError(f"grouped_gemm needs triton ({_TRITON_MISSING}): pip install \"triton>=3.4\" (or, "
+                                  "in a source checkout, pip install -e \".[gpu]\"), or use grouped_mm_reference / "
+                                  "torch._grouped_mm")
     if x.ndim != 2 or w.ndim != 3:
         raise ValueError(f"x must be [rows, K] and w [E, K, N], got x {list(x.shape)} and w {list(w.shape)}")
     rows, k = x.shape
