@@ -317,6 +317,14 @@ MUTATIONS = [
      "src/flashoverlap/runtime/experts.py", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = False) "
      "-> None:\n        if guards.capturing()", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = "
      "False) -> None:\n        if once or guards.capturing()", DISAGREE_TEST),
+    ("agreement-inside-capture", "Agreement without a switch: a first call inside a CUDA-graph capture exchanges "
+     "its row (a collective and a host sync inside the capture)", CALLS,
+     "        if guards.capturing():\n            return\n        scales = spec.scales\n",
+     "        scales = spec.scales\n", CALLS_TEST + "::test_a_first_call_is_agreed_once_and_never_inside_a_capture"),
+    ("agreement-registry-miss-exchanges", "Agreement without a switch: a registry miss exchanges the row again "
+     "though the group agreed on it (a rank whose registry forgot would exchange alone)",
+     "src/flashoverlap/runtime/agreement.py", "    if once and key in context.agreed_rows:\n", "    if False:\n",
+     CALLS_TEST + "::test_a_first_call_is_agreed_once_and_never_inside_a_capture"),
     # Issue 42: a gloo group may bootstrap the P2P path (it moves no bytes through the backend); nothing else on CUDA.
     ("policy-gloo-moves-cuda-bytes", "Path policy: a gloo group with CUDA tensors is taken for one that moves them "
      "(the NCCL, ring and reference paths and sequential plans allowed)", POLICY,

@@ -211,3 +211,30 @@ def test_a_repeated_call_is_resolved_once_and_anything_else_afresh(world_of_one,
     before = len(checked)
     fo.gemm_all_reduce(a, b)
     assert len(checked) > before
+
+
+def test_a_first_call_is_agreed_once_and_never_inside_a_capture(world_of_one, monkeypatch):
+    """Without a switch the ranks agree on a call the group has not agreed on, before its collectives: once per
+    call (a registry miss on a row agreed before exchanges nothing: the registry may forget on one rank and not on
+    another), and never inside a CUDA-graph capture."""
+    from flashoverlap.runtime import agreement
+
+    _install(world_of_one, ("gemm", "reference"))
+    for variable in ("TORCH_DISTRIBUTED_DEBUG", "FLASHOVERLAP_DEBUG_TIMEOUT"):
+        monkeypatch.delenv(variable, raising=False)
+    settings.refresh()
+    exchanged = []
+    real = agreement.gather_rows
+    monkeypatch.setattr(agreement, "gather_rows", lambda *args: exchanged.append(args[0]) or real(*args))
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    monkeypatch.setattr(guards, "capturing", lambda operand=None: True)
+    fo.gemm_all_reduce(a, b)
+    assert not exchanged and not world_of_one.agreed_rows  # captured: nothing exchanged, nothing taken as agreed
+    monkeypatch.undo()
+    monkeypatch.setattr(agreement, "gather_rows", lambda *args: exchanged.append(args[0]) or real(*args))
+    fo.gemm_all_reduce(a, b[:, :5])  # another N: a new call
+    assert exchanged == ["gemm_all_reduce"] and len(world_of_one.agreed_rows) == 1
+    fo.gemm_all_reduce(a, b[:, :5])
+    context_module.REGISTRY.resolved.clear()  # this rank forgets its resolved calls; the group's agreement stays
+    fo.gemm_all_reduce(a, b[:, :5].contiguous())
+    assert exchanged == ["gemm_all_reduce"]
