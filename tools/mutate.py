@@ -337,6 +337,10 @@ MUTATIONS = [
     ("policy-gloo-sequential-plan-runs", "Path policy: a P2P call too small to overlap runs its sequential plan on a "
      "gloo group (its collective needs NCCL)", POLICY, "    if plan.sequential and refused is not None:",
      "    if False:", POLICY_TEST),
+    ("policy-gloo-small-shapes-sequential", "Path policy: a small P2P call on a gloo group gets the sequential plan "
+     "(whose collective needs NCCL) where the schedule could overlap it", POLICY,
+     "                        allow_sequential=not overlap_only)", "                        allow_sequential=True)",
+     POLICY_TEST),
     ("policy-decide-ignores-tuned-plan", "Path and plan in one pass: the plan tuned for the shape is passed over",
      POLICY, "    plan = tuned or plan_of(path, facts)\n", "    plan = plan_of(path, facts)\n", POLICY_TEST),
     ("policy-plan-rates-for-every-path", "Path and plan in one pass: the default plan of every CUDA path is sized "

@@ -162,7 +162,11 @@ def test_auto_on_a_gloo_group_takes_p2p_where_the_verdict_allows_and_raises_othe
     assert policy.decide("op", "auto", _facts(_gloo(), tuned={"auto": nccl}))[:2] == ("p2p", default_plan(
         "all_reduce", 8192, 8192, 8192, 2, path="p2p"))
     assert policy.decide("op", "auto", _facts(_gloo(), tuned={"auto": p2p}))[1] is p2p
-    # Too small to overlap: P2P's plan would be sequential, whose collective needs NCCL.
+    # Small shapes overlap all the same (on NCCL they would run sequentially): no collective to fall back on.
+    for op in ("reduce_scatter", "all_gather"):
+        assert not policy.decide("op", "auto", _facts(_gloo(), op=op, shape=(16, 64, 64)))[1].sequential
+        assert policy.decide("op", "auto", _facts(_request(), op=op, shape=(16, 64, 64)))[1].sequential
+    # Where the ring all-reduce cannot split the shape, its plan is sequential, whose collective needs NCCL.
     with pytest.raises(ValueError, match=r"too small to overlap on path 'p2p', so its plan is sequential; group has "
                                          r"backend 'gloo'"):
         policy.decide("op", "auto", _facts(_gloo(), shape=(16, 64, 64)))

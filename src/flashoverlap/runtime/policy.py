@@ -265,8 +265,12 @@ def plan_of(path: str, facts: Facts, tuned: bool = True) -> Plan:
         moved = m * (k if op == "all_gather" else n) * dtype.itemsize  # all-gather moves A, the others C
         # Rounded so that nearby ratios share a cached plan; identical on every rank (the rates are agreed).
         comm_ratio = round(measured.collective_ms(op, moved, world) / measured.gemm_ms(m, n, k), 2)
+    # A group that is not NCCL has no collective to fall back on (P2P bootstrapped by gloo): overlap even where a
+    # sequential plan would be as fast (``decide`` raises where the schedule cannot split the shape).
+    overlap_only = cuda and "nccl" not in request.backend.lower()
     return default_plan(op, m, n, k, world, num_sms=facts.num_sms, element_size=dtype.itemsize, comm_ratio=comm_ratio,
-                        path=path if cuda or path == "ring" else "nccl")  # off CUDA: the reference, or the ring
+                        path=path if cuda or path == "ring" else "nccl",  # off CUDA: the reference, or the ring
+                        allow_sequential=not overlap_only)
 
 
 def _fp8_plan(path: str, facts: Facts) -> Plan:
