@@ -130,6 +130,9 @@ def _check_bound(pair_totals: torch.Tensor, bad_at: torch.Tensor, bounds: torch.
                 f"bound >= {worst} (the worst case is tokens * top_k), or mode='exact'; nothing was sent")
         return
     ok = (pair_totals.max() <= bound) & (bad_at.sum() == 0) & (bounds == bound).all()
-    torch._assert_async(ok, f"flashoverlap: bound={bound} rows per (source, destination) exceeded, an expert "
-                            f"index outside [0, {num_experts}), or ranks that disagree on the bound, on {group.name}: "
-                            "pass the same, larger bound on every rank (worst case tokens * top_k) or mode='exact'")
+    # torch._assert_async takes messages under 255 characters (a longer one raises at once, on every call): the
+    # group's name, which lists its ranks, goes last and is cut where it must be.
+    message = (f"flashoverlap: bound={bound} rows per (source, destination) exceeded, an expert index outside [0, "
+               f"{num_experts}), or ranks that disagree on the bound: pass one larger bound on every rank (worst case "
+               f"tokens * top_k) or mode='exact'; group {group.name}")
+    torch._assert_async(ok, message if len(message) < 255 else message[:251] + "...")

@@ -220,10 +220,16 @@ class P2PCommunicator(GroupFields):
         hook's tensors; an fp8 call's scales: their mode, the output dtype, and where the scales and the bias lie
         and how they are laid out."""
         return (plan, a.dtype, a.data_ptr(), a.shape, a.stride(), b.data_ptr(), b.shape, b.stride(), out.data_ptr(),
-                None if gathered is None else gathered.data_ptr(), self.workspace.buffer.data_ptr(), cublas_switches(),
+                None if gathered is None else gathered.data_ptr(), self._workspace_address(), cublas_switches(),
                 None if hook is None else hook.signature,
                 None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
                                              address(scales.bias), address(own)))
+
+    def _workspace_address(self) -> int:
+        """Where the workspace lies (0 before the first call has allocated it: that call's signature is made again
+        after step 1, and no graph is captured before it)."""
+        buffer = self.workspace.buffer
+        return 0 if buffer is None else buffer.data_ptr()
 
     def _make_ready(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, op: str,
                     scales: scaled.Scales | None = None) -> None:
