@@ -478,6 +478,92 @@ def fp8_grouped(path: str) -> str:
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
+def shared_ranks(path: str) -> str:
+    """The shared-GPU mechanics (``benchmarks/shared_ranks.py --step mechanics``) summed per W, family and mode:
+    cases run, calls checked, wrong values, replays against the repeated calls that should replay, cases that
+    raised or were not run."""
+    data = _load(path)
+    groups: dict[tuple, dict] = {}
+    for row in data["rows"]:
+        key = (row["W"], row.get("family") or "-", row.get("mode") or "-")
+        g = groups.setdefault(key, {"cases": 0, "checked": 0, "wrong": 0, "replays": 0, "wanted": 0, "raised": 0,
+                                    "skipped": 0})
+        if str(row.get("error") or "").startswith("budget spent"):
+            g["skipped"] += 1
+            continue
+        g["cases"] += 1
+        g["checked"] += row.get("checked") or 0
+        g["wrong"] += row.get("wrong") or 0
+        g["replays"] += row.get("replays") or 0
+        g["wanted"] += row.get("replays_wanted") or 0
+        g["raised"] += 1 if row.get("error") else 0
+    lines = ["| W | family | mode | cases | values checked | wrong | replays / repeated calls | cases that raised "
+             "| not run (budget) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (w, family, mode), g in sorted(groups.items(), key=lambda item: tuple(map(str, item[0]))):
+        wanted = f"{g['replays']} / {g['wanted']}" if g["wanted"] else "-"
+        lines.append(f"| {w} | {family} | {mode} | {g['cases']} | {g['checked']} | {g['wrong']} | {wanted} "
+                     f"| {g['raised']} | {g['skipped']} |")
+    return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
+
+
+def soak(path: str) -> str:
+    """The shared-GPU soak: per W, random calls checked, wrong values, errors, hangs, device memory."""
+    data = _load(path)
+    lines = ["| W | calls | wrong | errors | hangs | memory samples (MiB) | flat | ms / call | replays | stopped |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        memory = ", ".join(f"{m:.0f}" for m in row.get("memory_mib") or [])
+        lines.append(f"| {row['W']} | {row.get('calls')} | {row.get('wrong')} | {row.get('errors')} | "
+                     f"{row.get('hangs')} | {memory} | {row.get('flat')} | {row.get('ms_per_call')} | "
+                     f"{row.get('replays')} | {row.get('stopped') or '-'} |")
+    return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
+
+
+def faults(path: str) -> str:
+    """The shared-GPU fault scenarios: per scenario and op, whether every surviving rank raised an error naming
+    the op, the group and the absent rank in time, and what rank 0 said."""
+    data = _load(path)
+    lines = ["| scenario | op | W | ok | seconds | what was missing | rank 0's message (cut) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        message = row.get("message") or {}
+        first = next(iter(message.values()), "") if isinstance(message, dict) else str(message)
+        why = "; ".join(sorted({w.split(": ", 1)[-1] for w in row.get("why_not") or []})) or "-"
+        ok = "not run" if row.get("ok") is None else row["ok"]
+        lines.append(f"| {row['scenario']} | {row['op']} | {row['W']} | {ok} | {row.get('seconds') or '-'} | {why} "
+                     f"| {str(first)[:110].replace('|', '/')} |")
+    return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
+
+
+def host_shared(path: str) -> str:
+    """Host time per call with W ranks sharing one GPU, eager and replayed, beside ``torch.mm`` alone."""
+    data = _load(path)
+    lines = ["| W | op | dtype | mode | host (µs) | `torch.mm` (µs) | paired ratio | target |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        if row.get("op") is None:
+            lines.append(f"| {row['W']} | {row.get('error', '-')} | | | | | | |")
+            continue
+        lines.append(f"| {row['W']} | {OPS.get(row['op'], row['op'])} | {row['dtype']} | {row['mode']} | "
+                     f"{_us(row['host_us'])} | {_us(row['torch_mm_us'])} | {row['paired_ratio']:.1f}x | "
+                     f"<= {row['target_ratio']}x |")
+    return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
+
+
+def fp8_moe_host(path: str) -> str:
+    """The fp8 expert layer's host time per call beside the bf16 layer's (one GPU, a one-rank NCCL group)."""
+    data = _load(path)
+    lines = ["| config | mode | dtype | host (µs) | GPU (ms) | host / bf16's |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        if row.get("error"):
+            lines.append(f"| {row['config']} | {row['mode']} | {row['dtype']} | error: {row['error'][:80]} | | |")
+            continue
+        lines.append(f"| {row['config']} | {row['mode']} | {row['dtype']} | {_us(row['host_us'])} | "
+                     f"{row['t_gpu_ms']:.2f} | {row['ratio_to_bf16']:.2f}x |")
+    return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
+
+
 def moe_host_one_gpu(path: str) -> str:
     """Host time per MoE layer call on one GPU shared by two processes: ours (below the public op) beside the plain
     layer, timed interleaved in the same run, per mode."""
@@ -769,7 +855,8 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
              "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,
              "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound,
-             "fp8-grouped": fp8_grouped}
+             "fp8-grouped": fp8_grouped, "shared-ranks": shared_ranks, "soak": soak, "faults": faults,
+             "host-shared": host_shared, "fp8-moe-host": fp8_moe_host}
 
 
 def render(spec: str) -> str:
