@@ -109,6 +109,13 @@ MUTATIONS = [
      "product buffers (a graph would write into the previous call's memory)", NCCL,
      "address(call.a), address(call.b), buffers.addresses()", "address(call.a), address(call.b)",
      NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches"),
+    ("agreement-absent-rank-not-named", "Agreement check: a rank that never reached the call is not told apart "
+     "(every rank counted as arrived)", "src/flashoverlap/runtime/agreement.py",
+     "            if not store.check([key]) or store.get(key).decode() != str(exchange):\n",
+     "            if False:\n", "tests/ops/test_errors.py::test_debug_mode_catches_ranks_that_disagree_or_never_come"),
+    ("fp8-grouped-loop-threshold-off", "fp8 grouped GEMM choice: the per-expert loop taken from 512 rows per expert "
+     "(DeepSeek-V3's down projection: 4.7x slower than ours)", "src/flashoverlap/tune/grouped_fp8.py",
+     "LOOP_MIN_ROWS = 2048", "LOOP_MIN_ROWS = 512", "tests/tune/test_grouped_fp8.py"),
     ("ipc-shared-gpu-not-seen", "P2P workspace: ranks sharing one GPU are mapped by symmetric memory (which refuses "
      "them) instead of CUDA IPC", "src/flashoverlap/comm/symmetric.py",
      "    shared = len({(host, uuid) for host, uuid, _ in everyone}) < len(everyone)\n",

@@ -139,9 +139,18 @@ def _disagree(rank, world_size, what):
 
             time.sleep(8)
             return "skipped"
-        with pytest.raises(RuntimeError, match=r"rank 0: gemm_all_reduce on group .* waited more than 5 s"):
+        with pytest.raises(RuntimeError, match=r"rank 0: gemm_all_reduce on group .*: rank 1 did not reach the call "
+                                               r"within 5 s"):
             fo.gemm_all_reduce(a, b)
         return "timed out"
+    if what == "leaves":
+        if rank == world_size - 1:  # leaves before the call, its connections closed (as a rank that raised or died)
+            dist.destroy_process_group()
+            return "left"
+        with pytest.raises(RuntimeError, match=rf"rank {rank}: gemm_all_reduce on group .*: the agreement exchange "
+                                               rf"failed: rank {world_size - 1} never reached it"):
+            fo.gemm_all_reduce(a, b)
+        return "named"
     if what in ("same plan", "plan"):  # a plan given: the same on both ranks, or another tiling on rank 1
         tile = fo.TileConfig(32 if what == "plan" and rank == 1 else 64, 64, 32, 8, 3, 4)
         plan = fo.default_plan("all_reduce", m, 6, 4, world_size, tile=tile, allow_sequential=False)
@@ -156,15 +165,17 @@ def _disagree(rank, world_size, what):
     return "refused"
 
 
-@pytest.mark.parametrize("what", ["dtype", "shape", "skip", "plan", "same plan"])
+@pytest.mark.parametrize("what", ["dtype", "shape", "skip", "leaves", "plan", "same plan"])
 def test_debug_mode_catches_ranks_that_disagree_or_never_come(what):
     from flashoverlap.testing import spawn
 
     # A plan is compared by a digest: in fresh interpreters each rank has its own string-hash salt, as on separate
     # machines, so that a digest that depends on it cannot agree by a salt forked ranks would share.
-    results = spawn(_disagree, 2, args=(what,), fresh=what in ("plan", "same plan"))
-    expected = {"skip": ["timed out", "skipped"], "same plan": ["agreed", "agreed"]}
-    assert results == expected.get(what, ["refused", "refused"])
+    world = 3 if what == "leaves" else 2
+    results = spawn(_disagree, world, args=(what,), fresh=what in ("plan", "same plan"))
+    expected = {"skip": ["timed out", "skipped"], "same plan": ["agreed", "agreed"],
+                "leaves": ["named", "named", "left"]}
+    assert results == expected.get(what, ["refused", "refused"])  # the survivors name the rank that left
 
 
 def test_float32_runs_any_plan_on_the_reference_path_but_no_overlapped_one_on_cuda(world_of_one):

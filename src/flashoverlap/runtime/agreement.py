@@ -73,17 +73,81 @@ def agree(name: str, context: GroupContext, kind: str, fields: tuple[str, ...], 
 def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: float) -> list[list[int]]:
     """Every rank's ``local`` (int64, the same length on every rank), by rank: one all-gather, waited for with
     the deadline (``guards.poll_until``), so that a rank that never comes to the call makes the others raise,
-    naming the rank, the call and the group, instead of hanging."""
+    naming the call, the group and the ranks that did not come, instead of hanging. Each rank marks its arrival in
+    the group's store first (``_arrive``), so that the ranks still there can tell which did not come: one that
+    skipped the call, raised before it, stalls elsewhere or died. A backend error (gloo's "connection closed by
+    peer" once a peer has died or raised) is raised again the same way."""
     if context.world_size == 1:  # nothing to exchange
         return [local.tolist()]
+    arrival = _arrive(context)
     everyone = torch.empty(context.world_size * local.numel(), dtype=torch.int64, device=local.device)
-    work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
-    guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: (
-        f"flashoverlap: rank {context.rank}: {name} on {context.name} waited more than {timeout:g} s for the other "
-        "ranks to reach the call (the agreement check): a rank skipped it, raised before it, or is stuck "
-        "elsewhere; the group is unusable now"))
-    work.wait()
+    try:
+        work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
+        guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: _late(name, context, arrival, timeout))
+        work.wait()
+    except (RuntimeError, dist.DistError) as exc:
+        if str(exc).startswith("flashoverlap"):
+            raise
+        absent = _absent(context, arrival)
+        what = ("every rank had reached it, and one left during it" if absent == [] else
+                f"{_who(absent)} never reached it (raised before it, or died)")
+        raise RuntimeError(f"flashoverlap: rank {context.rank}: {name} on {context.name}: the agreement exchange "
+                           f"failed: {what} ({exc})") from exc
     return everyone.view(context.world_size, -1).tolist()
+
+
+ARRIVAL_SLOTS = 64  # store keys per rank, reused in turn (the exchanges are in step on every rank)
+
+
+def _arrive(context: GroupContext) -> tuple | None:
+    """Mark this rank's arrival at the group's next agreement exchange in the group's store; returns what
+    ``_absent`` needs (None where the group has no store to ask)."""
+    try:
+        store = dist.distributed_c10d._world.pg_map[context.process_group][1]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    context.exchanges += 1
+    exchange = context.exchanges
+    try:
+        store.set(_arrival_key(exchange, context.rank), str(exchange))
+    except (RuntimeError, dist.DistError):
+        return None
+    return store, exchange
+
+
+def _arrival_key(exchange: int, rank: int) -> str:
+    return f"flashoverlap/arrived/{exchange % ARRIVAL_SLOTS}/{rank}"
+
+
+def _absent(context: GroupContext, arrival: tuple | None) -> list[int] | None:
+    """The ranks of the group that had not marked their arrival at this exchange (None: the store cannot say)."""
+    if arrival is None:
+        return None
+    store, exchange = arrival
+    absent = []
+    try:
+        for rank in range(context.world_size):
+            key = _arrival_key(exchange, rank)
+            if not store.check([key]) or store.get(key).decode() != str(exchange):
+                absent.append(rank)
+    except (RuntimeError, dist.DistError):  # the store lived on a rank that died
+        return None
+    return absent
+
+
+def _who(absent: list[int] | None) -> str:
+    if not absent:
+        return "a rank (which one, the group's store cannot say)"
+    return f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}"
+
+
+def _late(name: str, context: GroupContext, arrival: tuple | None, timeout: float) -> str:
+    absent = _absent(context, arrival)
+    head = f"flashoverlap: rank {context.rank}: {name} on {context.name}: "
+    if absent == []:
+        return head + f"every rank reached the call, but its agreement exchange did not end within {timeout:g} s"
+    return head + (f"{_who(absent)} did not reach the call within {timeout:g} s (the agreement check): skipped it, "
+                   "raised before it, is stuck elsewhere or died; the group is unusable now")
 
 
 @functools.lru_cache(maxsize=256)

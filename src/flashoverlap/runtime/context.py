@@ -65,6 +65,7 @@ class GroupContext:
         self.agreed: dict[tuple, dict] = {}  # tune.cache.exchange_entries' answers, by (gpu, world, generation)
         self.calls: dict[tuple, tuple] = {}  # runtime.calls: a call signature's path and plan
         self.agreed_rows: set[tuple] = set()  # runtime.agreement: the calls the ranks agreed on (``once``)
+        self.exchanges = 0  # runtime.agreement: the agreement exchanges so far (in step on every rank; never reset)
         self.logged: set = set()
         self._p2p_reason: Any = _UNSET
 
