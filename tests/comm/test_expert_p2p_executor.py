@@ -433,7 +433,7 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
     comm = _communicator(1, 3, recorder, monkeypatch)
     layout = _layout(3, 1, "exact", (2, 3, 4), (3, 3, 1))  # the own pair's rows: sent to and received from itself
     loads = []
-    monkeypatch.setattr(ep, "chunk_gemm", lambda plan, dtype, device: "hybrid")
+    monkeypatch.setattr(ep, "chunk_gemm", lambda plan, dtype, device, scales=None: "hybrid")
     monkeypatch.setattr(chunked_gemm, "hybrid_parts", lambda layout, heavy_rows: (frozenset({0}), None))
     monkeypatch.setattr(ep, "light_variant", lambda plan, layout, b: ("variant",))
 

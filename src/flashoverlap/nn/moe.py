@@ -155,7 +155,7 @@ class ExpertParallelMLP(nn.Module):
         if type(w13) not in (nn.Parameter, torch.Tensor) or type(w2) not in (nn.Parameter, torch.Tensor):
             w13, w2, fp8 = self._converted(w13, w2, fp8)
         if fp8 is not None:
-            from flashoverlap.nn.fp8_moe import experts_forward
+            from flashoverlap.nn.fp8_experts import experts_forward
 
             return experts_forward(self, rows, w13, w2, topk_weights, routing, fp8).view(x.shape)
         h = moe_dispatch_gemm(rows, self.w13.transpose(1, 2), routing, self.group, path=self.path)
@@ -166,7 +166,7 @@ class ExpertParallelMLP(nn.Module):
     @staticmethod
     def _converted(w13: torch.Tensor, w2: torch.Tensor, fp8: str | None) -> tuple[torch.Tensor, torch.Tensor, str]:
         """Expert weights converted by torchao's MoE training conversion: the plain weights and ``"row"``."""
-        from flashoverlap.nn.fp8_moe import torchao_weight
+        from flashoverlap.nn.fp8_experts import torchao_weight
 
         got13, got2 = torchao_weight(w13), torchao_weight(w2)
         if got13 is None or got2 is None:
