@@ -1,13 +1,14 @@
 """Every environment variable the library reads, read here once (``current``; ``refresh`` to read them again) and
-handed down as values: the debug deadline, whether the ranks check that they agree on each call, whether repeated
+handed down as values: the debug deadline, whether the ranks check that they agree on every call (without a
+switch, on the first call of each new call only: ``runtime/agreement.py``), whether repeated
 calls may be replayed from CUDA graphs, whether NCCL's peer-to-peer transport is off, where the plan cache lives,
 and whether Triton interprets its kernels (on a Triton too old to say so itself).
 
 | variable | effect |
 | --- | --- |
-| ``FLASHOVERLAP_DEBUG_TIMEOUT=S`` | every wait bounded by about ``S`` s (no replay); the agreement check on |
-| ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's switch for mismatches: the agreement check on (``AGREEMENT_TIMEOUT``) |
-| ``FLASHOVERLAP_REPLAY=0`` | repeated P2P calls are issued eagerly, never replayed from a graph |
+| ``FLASHOVERLAP_DEBUG_TIMEOUT=S`` | every wait bounded by about ``S`` s (no replay); agreement on every call |
+| ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's mismatch switch: agreement on every call (``AGREEMENT_TIMEOUT``) |
+| ``FLASHOVERLAP_REPLAY=0`` | repeated P2P and NCCL-path calls issued eagerly, never replayed from a graph |
 | ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay either (a graph launch does not keep the issue order on one queue) |
 | ``FLASHOVERLAP_CACHE_DIR=D`` | the plan cache's directory (default ``~/.cache/flashoverlap``) |
 | ``FLASHOVERLAP_NO_CACHE=1`` | no plan cache: no lookups, no writes |

@@ -32,7 +32,8 @@ def gemm_all_reduce(
         a: ``[M, K]`` bf16 or fp16 (overlapped), or fp32 (matmul then the collective), this rank's K-shard of the
             input.
         b: ``[K, N]``, same dtype and device; may be the transposed view ``w.t()`` of an ``[N, K]`` weight.
-        group: the process group (default: the world). CUDA tensors need an NCCL group.
+        group: the process group (default: the world). CUDA tensors: an NCCL group, or for the P2P path any group
+            (ranks sharing one GPU over gloo: ``flashoverlap.testing.spawn_on_one_gpu``).
         plan: a :class:`flashoverlap.Plan` for this shape and world size (default: the library's plan for it).
         path: ``"auto"`` (the given plan's path; else the path of a plan tuned for the shape; else on one node with
             peer access the P2P path, elsewhere NCCL; the reference for CPU tensors), ``"nccl"``, ``"p2p"`` (cuBLAS

@@ -65,7 +65,8 @@ def moe_layout(
         topk_idx: ``[T, k]`` integer (int64 or int32), the experts each token chose (global indices in
             ``[0, num_experts)``; distinct per token, as ``torch.topk`` gives them).
         num_experts: ``E``, a multiple of the group's size; rank r holds experts ``[r * E/W, (r+1) * E/W)``.
-        group: the process group (default: the world). CUDA tensors need an NCCL group.
+        group: the process group (default: the world). CUDA tensors: an NCCL group, or for the P2P path any group
+            (ranks sharing one GPU over gloo: ``flashoverlap.testing.spawn_on_one_gpu``).
         mode: ``"exact"`` or ``"bounded"``.
         bound: bounded mode: the most rows one rank sends to another, the same on every rank (default ``T * k``,
             the worst case, assuming every rank has ``T`` tokens).
