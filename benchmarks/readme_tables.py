@@ -530,7 +530,8 @@ def faults(path: str) -> str:
         first = next(iter(message.values()), "") if isinstance(message, dict) else str(message)
         why = "; ".join(sorted({w.split(": ", 1)[-1] for w in row.get("why_not") or []})) or "-"
         ok = "not run" if row.get("ok") is None else row["ok"]
-        lines.append(f"| {row['scenario']} | {row['op']} | {row['W']} | {ok} | {row.get('seconds') or '-'} | {why} "
+        seconds = "-" if row.get("seconds") is None else row["seconds"]
+        lines.append(f"| {row['scenario']} | {row['op']} | {row['W']} | {ok} | {seconds} | {why} "
                      f"| {str(first)[:110].replace('|', '/')} |")
     return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
 
