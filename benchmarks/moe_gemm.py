@@ -415,8 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("moe_gemm: needs a CUDA GPU", file=sys.stderr)
-        return 2
+        print("benchmarks.moe_gemm: needs a CUDA GPU, found none: run it on a GPU machine, as its docstring shows",
+              file=sys.stderr)
+        return 1
     rows = []
     for config in args.configs.split(","):
         for routing in args.routings.split(","):

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("benchmarks.shared_ranks: needs a CUDA GPU (torch.cuda.is_available() is False); --device cpu "
                   "checks the harness on gloo CPU ranks", file=sys.stderr)
-            return 2
+            return 1
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     _say(f"step {args.step} at W = {args.worlds}, budget {args.budget:.0f} s -> {args.out / STEPS[args.step]}")

@@ -41,11 +41,7 @@ HELP_ONLY = {"benchmarks/cpu_install.py": "creates virtual environments and inst
 # Commands the docs name that still fail on a CPU machine (with a traceback, or with a status that means something
 # else), each in files outside this test's owners' reach: the reason, and whose change fixes it. Each still runs, as
 # a strict expected failure: once fixed, it fails here until removed from this table.
-PENDING = {
-    "benchmarks.moe_gemm": "exits 2, argparse's status for a usage error, where CUDA is absent (benchmarks/moe_gemm.py"
-                           ": 'moe_gemm: needs a CUDA GPU'; its guard should exit 1, e.g. through "
-                           "benchmarks/diagnostics/results_file.require_cuda)",
-}
+PENDING: dict[str, str] = {}
 
 
 def _readme_tables():

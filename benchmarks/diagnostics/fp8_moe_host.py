@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--path", default="nccl")
     args = parser.parse_args()
+    from benchmarks.diagnostics.results_file import require_cuda
+
+    require_cuda("benchmarks.diagnostics.fp8_moe_host")
     path = Path(args.out) / "h200x1-fp8-moe-host.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.cuda.set_device(0)
