@@ -188,9 +188,10 @@ MUTATIONS = [
      "_fp16_reduced_precision_reduction(),", P2P_TEST),
     ("p2p-user-capture-signals-by-stream-write", "P2P executor: a call captured into a user's graph signals with "
      "stream writes (graph nodes that cost the host at every launch)", P2P,
-     "captured=not call.replay and guards.capturing(a))", "captured=False)", P2P_TEST),
+     "captured=not call.replay and guards.capturing(a),", "captured=False,", P2P_TEST),
     ("p2p-replay-graph-signals-by-stream-write", "P2P executor: the replay graph is captured with stream-write "
-     "signals", P2P, "a, out, gathered, captured=True)):", "a, out, gathered, captured=False)):", P2P_TEST),
+     "signals", P2P, "a, out, gathered, captured=True, packed_own=own)):",
+     "a, out, gathered, captured=False, packed_own=own)):", P2P_TEST),
     ("replay-evicts-the-newest", "P2P replay: a capture over the capacity drops the most recently used graph",
      REPLAY, "del self._graphs[min(self._graphs,", "del self._graphs[max(self._graphs,", REPLAY_TEST),
     ("plan-hash-ignores-fields", "Plan: the cached hash leaves out the last fields (sequential, path, gemm)", PLAN,
