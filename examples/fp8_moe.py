@@ -12,6 +12,7 @@ over every rank and raises beyond fp8 rounding.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -100,5 +101,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "RANK" not in os.environ:  # not under torchrun: one line, not torch's traceback
+        sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
     main()
     dist.destroy_process_group()
