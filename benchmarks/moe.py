@@ -111,6 +111,34 @@ class _StandIn(torch.autograd.Function):
         return ctx.in_rows.clone(), None, None
 
 
+def _routing(layer, topk_idx: torch.Tensor, local: int, comm: bool, record: bool) -> tuple:
+    """A plain layer's routing (``PlainMoE``, ``PlainFp8MoE``): the (token, choice) rows sorted by expert
+    (``order``, their tokens ``token``), the counts exchanged (all-to-all; ``comm=False``: the recorded ones), the
+    split sizes each way, and the received rows' permutation from (source, expert) order to expert order for the
+    grouped GEMMs (``perm``, and back by ``argsort``) with the experts' cumulative rows ``offs``."""
+    world = layer.world
+    k = topk_idx.shape[1]
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=world * local)
+    if comm:
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=layer.group)
+        if record:
+            layer.recorded["counts"] = recv_counts.clone()
+    else:
+        recv_counts = layer.recorded["counts"].clone()
+    totals = torch.cat([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
+    send_splits, recv_splits = totals[:world], totals[world:]
+    token = torch.div(order, k, rounding_mode="floor")
+    per_segment = recv_counts.view(world, local).reshape(-1)
+    row_expert = torch.repeat_interleave(torch.arange(local, device=topk_idx.device).repeat(world), per_segment,
+                                         output_size=sum(recv_splits))
+    perm = torch.argsort(row_expert, stable=True)
+    offs = torch.cumsum(recv_counts.view(world, local).sum(0), 0).to(torch.int32)
+    return order, token, send_splits, recv_splits, perm, offs
+
+
 class PlainMoE:
     """The plain expert-parallel layer (see the module docstring), on this rank's experts ``w_up [L, H, 2F]``,
     ``w_down [L, F, H]``. ``comm=False``: every all-to-all replaced by a copy of what it delivered last time
@@ -138,29 +166,11 @@ class PlainMoE:
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, comm: bool = True,
                  record: bool = False) -> torch.Tensor:
-        world, local, ffn = self.world, self.w_up.shape[0], self.w_down.shape[1]
+        local, ffn = self.w_up.shape[0], self.w_down.shape[1]
         tokens, k = topk_idx.shape
-        flat = topk_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=world * local)
-        if comm:
-            recv_counts = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts, counts, group=self.group)
-            if record:
-                self.recorded["counts"] = recv_counts.clone()
-        else:
-            recv_counts = self.recorded["counts"].clone()
-        totals = torch.cat([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
-        send_splits, recv_splits = totals[:world], totals[world:]
+        order, token, send_splits, recv_splits, perm, offs = _routing(self, topk_idx, local, comm, record)
         received = sum(recv_splits)
-        token = torch.div(order, k, rounding_mode="floor")
         x_recv = self._exchange("x", x.index_select(0, token), received, recv_splits, send_splits, comm, record)
-        # (source, expert) order -> expert order for the grouped GEMMs, and back.
-        per_segment = recv_counts.view(world, local).reshape(-1)
-        row_expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(world), per_segment,
-                                             output_size=received)
-        perm = torch.argsort(row_expert, stable=True)
-        offs = torch.cumsum(recv_counts.view(world, local).sum(0), 0).to(torch.int32)
         h = self.gmm(x_recv.index_select(0, perm), self.w_up, offs)
         a = F.silu(h[:, :ffn]) * h[:, ffn:]
         y = self.gmm(a, self.w_down, offs).index_select(0, torch.argsort(perm))
@@ -220,32 +230,15 @@ class PlainFp8MoE:
                  record: bool = False) -> torch.Tensor:
         from flashoverlap.comm.expert.scaled import quantise
 
-        world, local = self.world, self.w_up[0].shape[0]
+        local = self.w_up[0].shape[0]
         ffn = self.w_down[0].shape[1]
         tokens, k = topk_idx.shape
-        flat = topk_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=world * local)
-        if comm:
-            recv_counts = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts, counts, group=self.group)
-            if record:
-                self.recorded["counts"] = recv_counts.clone()
-        else:
-            recv_counts = self.recorded["counts"].clone()
-        totals = torch.cat([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
-        send_splits, recv_splits = totals[:world], totals[world:]
+        order, token, send_splits, recv_splits, perm, offs = _routing(self, topk_idx, local, comm, record)
         received = sum(recv_splits)
-        token = torch.div(order, k, rounding_mode="floor")
         xq, sx = quantise(x, self.scaling)
         sent = xq.index_select(0, token)
         q_recv = self._exchange("x", sent.view(torch.uint8), received, recv_splits, send_splits, comm, record)
         s_recv = self._exchange("sx", sx.index_select(0, token), received, recv_splits, send_splits, comm, record)
-        per_segment = recv_counts.view(world, local).reshape(-1)
-        row_expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(world), per_segment,
-                                             output_size=received)
-        perm = torch.argsort(row_expert, stable=True)
-        offs = torch.cumsum(recv_counts.view(world, local).sum(0), 0).to(torch.int32)
         h = self._gemm(q_recv.view(xq.dtype).index_select(0, perm), s_recv.index_select(0, perm), 0, offs)
         a = F.silu(h[:, :ffn].float()) * h[:, ffn:].float()
         y = self._gemm(a.to(torch.bfloat16), None, 1, offs).index_select(0, torch.argsort(perm))
