@@ -22,35 +22,15 @@ import flashoverlap as fo
 from benchmarks.diagnostics.p2p_one_gpu import close_run, ipc_p2p, open_run
 from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.timing import host_us_interleaved
+from benchmarks.shared.calls import quantise
 from flashoverlap.comm import scaled
 from flashoverlap.comm.protocol import Call
 
-E4M3 = torch.float8_e4m3fn
 SHAPES = [(1002, 1008, 1024), (4096, 4096, 4096)]  # (M, N, K): M even (W = 2), N and K multiples of 16
 HOST_SHAPE = (4096, 8192, 8192)
 HOST_ROUNDS = 60
 OPS = ("reduce_scatter", "all_reduce", "all_gather")
 MODES = ("tensor", "row", "block")
-
-
-def quantise(x, mode, operand):
-    """``x`` (fp32) as e4m3 and its scales (``operand`` "a": ``[M, K]``, per row or 1x128 block; "b": ``[K, N]``,
-    per column or 128x128 block)."""
-    top = torch.finfo(E4M3).max
-    if mode == "tensor":
-        s = x.abs().amax().clamp(min=1e-6) / top
-        return (x / s).to(E4M3), s.float()
-    if mode == "row":
-        s = x.abs().amax(1 if operand == "a" else 0, keepdim=True).clamp(min=1e-6) / top
-        return (x / s).to(E4M3), s.float()
-    if operand == "a":
-        blocks = x.reshape(x.shape[0], -1, 128)
-        s = blocks.abs().amax(2).clamp(min=1e-6) / top
-        return (blocks / s[:, :, None]).reshape(x.shape).to(E4M3), s.float()
-    k, n = x.shape
-    pad = -n % 128
-    s = torch.nn.functional.pad(x, (0, pad)).reshape(k // 128, 128, -1, 128).abs().amax((1, 3)).clamp(min=1e-6) / top
-    return (x / s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :n]).to(E4M3), s.float()
 
 
 def operands(op, m, n, k, world, mode, out_dtype, with_bias, transposed, seed):
