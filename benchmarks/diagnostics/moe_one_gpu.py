@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from benchmarks.diagnostics.p2p_one_gpu import IpcWorkspace, close_run, open_run
 from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.timing import host_us, host_us_interleaved
+from benchmarks.shared.experts import Routing as SharedRouting
 from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, expert_layout
 from flashoverlap.comm.expert import layout as expert_module
@@ -102,35 +103,10 @@ def inputs(case, world, dtype, seed):
     return out
 
 
-class Routing:
-    """The definition of the expert calls (comm/expert/contract.py), computed from every rank's routing:
-    ``chosen[s][d]`` the choices of rank s that go to rank d, in stable expert order; the receive offsets and sizes
-    per mode."""
-
-    def __init__(self, all_idx, world, local, mode, bound):
-        self.world, self.local, self.mode, self.bound = world, local, mode, bound
-        self.idx = [i.reshape(-1) for i in all_idx]
-        self.top_k = all_idx[0].shape[1]
-        self.chosen = []
-        for flat in self.idx:
-            order = torch.sort(flat, stable=True).indices
-            dest = flat[order] // local
-            self.chosen.append([order[dest == d] for d in range(world)])
-        self.n = [[len(self.chosen[s][d]) for d in range(world)] for s in range(world)]
-
-    def recv_at(self, d, s):
-        return s * self.bound if self.mode == "bounded" else sum(self.n[q][d] for q in range(s))
-
-    def send_at(self, s, d):
-        return d * self.bound if self.mode == "bounded" else sum(self.n[s][q] for q in range(d))
-
-    def recv_rows(self, d):
-        return self.world * self.bound if self.mode == "bounded" else sum(self.n[s][d] for s in range(self.world))
-
-    def segments(self, s, d):
-        """(first, last, local expert) within chunk (s -> d)."""
-        experts = (self.idx[s][self.chosen[s][d]] % self.local).tolist()
-        return [(experts.index(e), len(experts) - experts[::-1].index(e), e) for e in sorted(set(experts))]
+class Routing(SharedRouting):
+    """The definition of the expert calls (comm/expert/contract.py), computed from every rank's routing (the chunks,
+    offsets and segments: ``benchmarks/shared/experts.Routing``), with what this diagnostic also checks: the received
+    rows of dispatch and the returned rows of combine, per-choice rows, and combine unweighted."""
 
     def dispatch(self, r, xs, w_up, per_choice=False):
         """(h [R, N], received rows [R, H]) of rank r."""

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from flashoverlap.testing import spawn
 from tests.gpu.helpers import ENV, assert_close, check_graph_replays
+from tests.gpu.test_gpu_scaled import _dequantised
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or
                                                   os.environ.get("TRITON_INTERPRET") == "1",
@@ -31,16 +32,6 @@ FP8_CASES = [("tensor", 1000, 1040, 640), ("row", 2048, 4096, 1024), ("block", 1
 def _oracle(op, a_full, b):
     """Plain PyTorch at W = 1: the product itself (all-gather's a is the whole input)."""
     return a_full.float() @ b.float()
-
-
-def _dequantised(a, b, sa, sb, mode):
-    k, n = b.shape
-    if mode == "block":
-        a32 = a.float() * sa.repeat_interleave(128, 1)[:, :k]
-        b32 = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[:k, :n]
-    else:
-        a32, b32 = a.float() * sa.reshape(-1, 1), b.float() * sb.reshape(1, -1)
-    return a32 @ b32
 
 
 def _check(got, want, scratch, what):
