@@ -231,9 +231,7 @@ class ExpertNcclCommunicator(GroupFields):
                 for p in [*self.rounds, me]:  # every flag waited for and reset, the own one last
                     if p is None:
                         continue
-                    address = self.flags.data_ptr() + 4 * p
-                    stream_ops.wait_geq(comm, address, 1)
-                    stream_ops.write(comm, address, 0)
+                    stream_ops.wait_reset(comm, self.flags.data_ptr() + 4 * p, 1)  # the wait and the reset
                     if p != me:
                         self._exchange(_rows(y, recv_at[p], chunks.recv[p]), _rows(back, send_at[p], chunks.send[p]),
                                        p)
