@@ -58,8 +58,7 @@ class _Buffers:
     __slots__ = ("result", "product", "gathered", "packed", "in_rank_order", "dense")
 
     def __init__(self) -> None:
-        self.result = self.product = self.gathered = self.packed = self.in_rank_order = None
-        self.dense = None
+        self.result = self.product = self.gathered = self.packed = self.in_rank_order = self.dense = None
 
     def addresses(self) -> tuple:
         dense = self.dense or (None, None)
@@ -369,16 +368,16 @@ class NcclCommunicator(GroupFields):
 
     def _split(self, tensor: torch.Tensor, plan: Plan, workspace: bool) -> list[torch.Tensor]:
         """Each group's rows of ``tensor`` (``workspace``: the ``[group][W][rows][N]`` slices, else the group's
-        band of rows), by group index: one ``split_with_sizes`` where the bands tile the tensor, as they do."""
+        band of rows), by group index (``plan.groups`` is in index order): one ``split_with_sizes`` where the bands
+        tile the tensor, as they do."""
         key = (plan, workspace)
         cut = self._bands.get(key)
         if cut is None:
             ranges = [(g.out_row_start, g.out_row_end) if workspace else (g.row_start, g.row_end)
                       for g in plan.groups]
-            ordered = [r for _, r in sorted(zip((g.index for g in plan.groups), ranges))]
-            tiles = (ordered[0][0] == 0 and ordered[-1][1] == tensor.shape[0]
-                     and all(x[1] == y[0] for x, y in zip(ordered, ordered[1:])))
-            cut = self._bands[key] = (tiles, [end - start for start, end in ordered] if tiles else ordered)
+            tiles = (ranges[0][0] == 0 and ranges[-1][1] == tensor.shape[0]
+                     and all(x[1] == y[0] for x, y in zip(ranges, ranges[1:])))
+            cut = self._bands[key] = (tiles, [end - start for start, end in ranges] if tiles else ranges)
         tiles, sizes = cut
         return list(tensor.split_with_sizes(sizes)) if tiles else [tensor[start:end] for start, end in sizes]
 
