@@ -1,0 +1,103 @@
+"""Launching a Triton kernel again without the JIT's per-launch work (host time: issue 41).
+
+``kernel[grid](*args, **meta)`` binds every argument, computes its specialisation (each pointer's 16-byte
+alignment, each integer's value class), builds a string cache key from it and looks the compiled kernel up: 60-80 µs
+of host time per launch of the signalling GEMM's 27 arguments on an H200 host (benchmarks/diagnostics/
+nccl_host_parts.py), more than the rest of a call's issue. ``Launcher`` does that once per *fingerprint* and then
+calls the compiled kernel's launcher directly, with the same argument list the JIT hands it.
+
+The fingerprint is stricter than Triton's specialisation, so it can never reuse a kernel compiled for another one:
+the device, every constexpr and launch option, each tensor's dtype and 16-byte alignment, each tensor descriptor's
+dtype, block shape, shape, strides and alignment, and every integer argument by value (in these kernels the
+integers are the problem's sizes and strides, fixed per plan and layout, so keying them by value costs no hits).
+Where Triton runs in its interpreter (the CPU tests), or where a profiler hook asks for launch metadata, every
+launch goes through the JIT.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from flashoverlap import guards
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # Triton < 3.4: the hooks live on CompiledKernel; the fast path is not taken there
+    _knobs = None
+
+LIMIT = 256  # fingerprints kept per kernel (a model has a few per layer shape; beyond that, start again)
+
+
+def fingerprint(value) -> object:
+    """What of one argument the compiled kernel depends on, beyond the values it reads at run time."""
+    if isinstance(value, torch.Tensor):  # the device is the key's (the current one, where the kernel runs)
+        return value.dtype, value.data_ptr() % 16 == 0
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    base = getattr(value, "base", None)  # a host tensor descriptor
+    if isinstance(base, torch.Tensor):
+        return (type(value), base.dtype, base.device, base.data_ptr() % 16 == 0, tuple(value.block_shape),
+                tuple(value.shape), tuple(value.strides), getattr(value, "padding", None))
+    raise TypeError(f"Launcher: no fingerprint for an argument of type {type(value).__name__}")
+
+
+class Launcher:
+    """``kernel[(grid,)](*args, **meta)``, issued through the compiled kernel's launcher once the JIT has compiled
+    and launched it for the same fingerprint. ``args``: the kernel's leading positional arguments; ``meta``: its
+    constexprs by name and the launch options (``num_warps``, ``num_stages``)."""
+
+    def __init__(self, kernel, limit: int = LIMIT) -> None:
+        self.kernel = kernel
+        self.limit = limit
+        self._compiled: dict[tuple, tuple] = {}  # fingerprint -> (compiled kernel, the constexprs' values in order)
+        names = list(getattr(kernel, "arg_names", ()))
+        params = getattr(kernel, "params", ())
+        self._tail_names = names
+        self._defaults = {p.name: p.default for p in params
+                          if getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty}
+        self.fast_launches = 0
+
+    def __call__(self, grid: int, args: tuple, meta: dict) -> None:
+        if guards.triton_interpreted() or _hooked():
+            self.kernel[(grid,)](*args, **meta)
+            return
+        device = torch.cuda.current_device()
+        key = (device, tuple(meta.items()), tuple(map(fingerprint, args)))
+        hit = self._compiled.get(key)
+        if hit is None:
+            compiled = self.kernel[(grid,)](*args, **meta)
+            if _knobs is not None and hasattr(compiled, "packed_metadata"):
+                if len(self._compiled) >= self.limit:
+                    self._compiled.clear()
+                self._compiled[key] = (compiled, self._constexprs(len(args), meta))
+            return
+        compiled, tail = hit
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        runtime = _knobs.runtime
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
+                     runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *tail)
+        self.fast_launches += 1
+
+    def _constexprs(self, positional: int, meta: dict) -> tuple:
+        """The values the JIT binds to the parameters after the positional ones (constexprs, from ``meta`` or the
+        kernel's defaults), in declaration order: the JIT passes every bound parameter to the launcher."""
+        tail = []
+        for name in self._tail_names[positional:]:
+            if name in meta:
+                tail.append(meta[name])
+            elif name in self._defaults:
+                tail.append(self._defaults[name])
+            else:
+                raise TypeError(f"Launcher: no value for the kernel's parameter {name}")
+        return tuple(tail)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler's) wants each launch's metadata: Triton < 3.7 holds one hook or None, later
+    ones a chain of hooks, empty by default."""
+    if _knobs is None:
+        return True
+    hook = _knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -1,0 +1,130 @@
+"""The direct launcher (``kernels/launch.py``): a launch reuses a compiled kernel only for the same fingerprint, and
+hands its launcher the arguments the JIT would (the positional ones, then every constexpr in declaration order)."""
+
+import inspect
+
+import pytest
+import torch
+
+from flashoverlap import guards
+from flashoverlap.kernels import launch
+from flashoverlap.kernels.launch import Launcher, fingerprint
+
+
+class _Compiled:
+    """A compiled kernel's surface as the JIT returns it: ``run`` takes the grid, stream, function, metadata, hooks,
+    then every bound argument."""
+
+    function = "cufunction"
+    packed_metadata = ("packed",)
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args):
+        self.launches.append(((g0, g1, g2), stream, function, packed, args))
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+
+
+class _Kernel:
+    """A ``triton.jit`` function's surface: ``kernel[grid](*args, **meta)`` compiles (once per call here: the test
+    counts them) and returns the compiled kernel."""
+
+    arg_names = ["x", "y", "n", "BLOCK", "FLAG", "EVEN"]
+    params = [_Param("x"), _Param("y"), _Param("n"), _Param("BLOCK"), _Param("FLAG"), _Param("EVEN", True)]
+
+    def __init__(self):
+        self.jit_calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.jit_calls.append((grid, args, meta))
+            compiled = _Compiled()
+            self.last = compiled
+            return compiled
+        return run
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(guards, "triton_interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    if launch._knobs is None:
+        pytest.skip("Triton < 3.4: no direct launches")
+    return _Kernel()
+
+
+def test_a_repeated_launch_skips_the_jit_and_passes_what_the_jit_would(kernel):
+    launcher = Launcher(kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    meta = {"BLOCK": 32, "FLAG": False, "num_warps": 4}
+    launcher(5, (x, y, 64), meta)
+    assert len(kernel.jit_calls) == 1 and launcher.fast_launches == 0
+    compiled = kernel.last
+    x2, y2 = torch.ones(64), torch.ones(64)  # other tensors, same dtype and alignment
+    launcher(5, (x2, y2, 64), meta)
+    assert len(kernel.jit_calls) == 1 and launcher.fast_launches == 1
+    grid, stream, function, packed, args = compiled.launches[0]
+    assert grid == (5, 1, 1) and stream == 1234 and function == "cufunction" and packed == ("packed",)
+    assert args[:3] == (x2, y2, 64) and args[3:] == (32, False, True)  # the constexprs, the default last
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "integer", "constexpr", "option"])
+def test_a_launch_with_another_fingerprint_goes_through_the_jit(kernel, change):
+    launcher = Launcher(kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    meta = {"BLOCK": 32, "FLAG": False, "num_warps": 4}
+    launcher(5, (x, y, 64), meta)
+    args, meta2 = (x, y, 64), dict(meta)
+    if change == "alignment":
+        args = (x[1:], y, 64)  # 4 bytes off: no longer 16-byte aligned
+    elif change == "dtype":
+        args = (x.half(), y, 64)
+    elif change == "integer":
+        args = (x, y, 48)
+    elif change == "constexpr":
+        meta2["FLAG"] = True
+    else:
+        meta2["num_warps"] = 8
+    launcher(5, args, meta2)
+    assert len(kernel.jit_calls) == 2 and launcher.fast_launches == 0
+
+
+def test_interpreted_kernels_always_go_through_the_jit(kernel, monkeypatch):
+    monkeypatch.setattr(guards, "triton_interpreted", lambda: True)
+    launcher = Launcher(kernel)
+    x = torch.zeros(64)
+    for _ in range(3):
+        launcher(1, (x, x, 64), {"BLOCK": 32, "FLAG": False})
+    assert len(kernel.jit_calls) == 3 and launcher.fast_launches == 0
+
+
+@pytest.mark.parametrize("hook", ["plain", "chain"])
+def test_a_profiler_hook_sends_launches_through_the_jit(kernel, monkeypatch, hook):
+    def enter(metadata):
+        return None
+
+    if hook == "chain":  # Triton >= 3.7: a chain of hooks, empty by default
+        chain = type("HookChain", (), {"calls": [enter]})()
+        monkeypatch.setattr(launch._knobs.runtime, "launch_enter_hook", chain)
+    else:
+        monkeypatch.setattr(launch._knobs.runtime, "launch_enter_hook", enter)
+    launcher = Launcher(kernel)
+    x = torch.zeros(64)
+    for _ in range(2):
+        launcher(1, (x, x, 64), {"BLOCK": 32, "FLAG": False})
+    assert len(kernel.jit_calls) == 2
+
+
+def test_fingerprints_name_what_specialises_a_kernel():
+    x = torch.zeros(8)
+    assert fingerprint(x) == (torch.float32, True)
+    assert fingerprint(x[1:]) == (torch.float32, False)
+    assert fingerprint(7) == 7 and fingerprint(None) is None
+    with pytest.raises(TypeError, match="no fingerprint"):
+        fingerprint(object())
