@@ -101,6 +101,14 @@ def main():
         signalling_gemm_kernel[(plan.grid_size,)](*args, **meta)
         counters.zero_()
     out["parts_us"]["the Triton kernel launch alone (arguments built) + counters.zero_"] = _timed(kernel_only)
+    from flashoverlap.kernels.launch import Launcher
+
+    direct = Launcher(signalling_gemm_kernel)
+
+    def direct_only():
+        direct(plan.grid_size, args, meta)
+        counters.zero_()
+    out["parts_us"]["the direct launch (kernels/launch.py, arguments built) + counters.zero_"] = _timed(direct_only)
     out["parts_us"]["counters.zero_ alone"] = _timed(lambda: counters.zero_())
     print(json.dumps(out["parts_us"], indent=1), flush=True)
     if len(sys.argv) > 1:
