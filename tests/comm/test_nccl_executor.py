@@ -89,24 +89,33 @@ def _ranks(rank, world_size):
                 producer.join()
                 assert not comm.counters.any(), "counters not reset for the next call"
                 checked.append((op, gemm_kind))
-    plan = default_plan("all_gather", m, n, k, world_size, tile=tile, num_groups=3, comm_ctas=0,
-                        allow_sequential=False)  # NCCL's own CTA count: no capped NCCL group on gloo
-    comm.prepare(plan, torch.float64)
-    shard = a[: plan.block_rows].contiguous()
-    gathered = torch.full((m, k), float("nan"), dtype=torch.float64)
-    comm.all_gather(gathered, shard, plan)
-    assert comm.flags[: plan.num_groups].tolist() == [1] * plan.num_groups  # every band's flag raised
-    full = torch.empty((m, k), dtype=torch.float64)
-    dist.all_gather_into_tensor(full, shard)
-    torch.testing.assert_close(gathered_in_rank_order(gathered, plan), full)
-    comm.finish_all_gather(plan)
-    assert not comm.flags.any()
+    for groups in (3, 2):  # 3: bands of equal rows (one strided copy of the own shard); 2: 32 and 16 rows
+        plan = default_plan("all_gather", m, n, k, world_size, tile=tile, num_groups=groups, comm_ctas=0,
+                            allow_sequential=False)  # NCCL's own CTA count: no capped NCCL group on gloo
+        comm.prepare(plan, torch.float64)
+        shard = a[: plan.block_rows].contiguous()
+        gathered = torch.full((m, k), float("nan"), dtype=torch.float64)
+        comm.all_gather(gathered, shard, plan)
+        assert comm.flags[: plan.num_groups].tolist() == [1] * plan.num_groups  # every band's flag raised
+        full = torch.empty((m, k), dtype=torch.float64)
+        dist.all_gather_into_tensor(full, shard)
+        torch.testing.assert_close(gathered_in_rank_order(gathered, plan), full)
+        comm.finish_all_gather(plan)
+        assert not comm.flags.any()
+        # The direct NCCL calls' addresses (a GPU's): each group's band, this rank's slot in it, its flag.
+        start, size = gathered.data_ptr(), gathered.element_size()
+        for grp, (flag, band, slot, count) in zip(plan.groups, comm._gather_offsets(plan, gathered)):
+            view = gathered[grp.out_row_start : grp.out_row_end]
+            own = view[rank * grp.rows : (rank + 1) * grp.rows]
+            assert (flag, band, slot, count) == (4 * grp.index, view.data_ptr() - start, own.data_ptr() - start,
+                                                 own.numel()), grp
+        checked.append(("all_gather", groups))
     return len(checked)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_nccl_communicator_code_with_an_asynchronous_producer(world_size):
-    assert spawn(_ranks, world_size, "gloo") == [8] * world_size
+    assert spawn(_ranks, world_size, "gloo") == [10] * world_size
 
 
 def _signatures(rank, world_size):

@@ -78,6 +78,16 @@ class NcclComm:
         self._check(self._lib.ncclAllGather(inp.data_ptr(), out.data_ptr(), inp.numel(), _DTYPES[inp.dtype],
                                             self._comm, stream), "ncclAllGather")
 
+    def all_gather_at(self, out: int, inp: int, count: int, code: int, stream: int) -> None:
+        """``all_gather`` by address: ``count`` elements of NCCL type ``code`` (``code(dtype)``) from ``inp``, every
+        rank's in rank order at ``out``."""
+        self._check(self._lib.ncclAllGather(inp, out, count, code, self._comm, stream), "ncclAllGather")
+
+    @staticmethod
+    def code(dtype: torch.dtype) -> int:
+        """NCCL's type for ``dtype`` (one ``takes``)."""
+        return _DTYPES[dtype]
+
     def takes(self, dtype: torch.dtype) -> bool:
         return dtype in _DTYPES
 

@@ -82,7 +82,7 @@ class NcclCommunicator(GroupFields):
         self._comm_handle = self.comm_stream.cuda_stream
         self._index = self.device.index if self.device.index is not None else 0
         self._joins: tuple[int, int] | None = None  # driver events: producer -> comm stream, and back
-        self._bands: dict[Plan, tuple] = {}  # per plan: each group's row ranges, for one split per call
+        self._bands: dict[tuple, tuple] = {}  # per plan: each group's row ranges or offsets, computed once
         # By comm_ctas: the NCCL communicator that carries those plans' collectives, called directly
         # (comm/nccl_calls.py; None: through torch.distributed), found once the group has run a collective.
         self._direct: dict[int, nccl_calls.NcclComm | None] = {}
@@ -318,6 +318,15 @@ class NcclCommunicator(GroupFields):
         direct, stream = self._direct_for(plan, gathered.dtype), self._comm_handle
         base = self.flags.data_ptr()
         arrived = []
+        if direct is not None and not events:  # by address: no band or slot views (host time, eager)
+            start, code, driver = gathered.data_ptr(), direct.code(gathered.dtype), stream_ops.fast()
+            for flag, band, slot, count in self._gather_offsets(plan, gathered):
+                direct.all_gather_at(start + band, start + slot, count, code, stream)
+                driver.write(stream, base + flag, 1)
+            return arrived
+        if placed is None:
+            placed = [(band, band[self.rank * grp.rows : (self.rank + 1) * grp.rows])
+                      for grp, band in zip(plan.groups, self._split(gathered, plan, True))]
         # torch.distributed issues on the current stream; the direct calls take the stream's handle.
         with contextlib.nullcontext() if direct is not None else torch.cuda.stream(self.comm_stream):
             for grp, (band, slot) in zip(plan.groups, placed):
@@ -330,6 +339,19 @@ class NcclCommunicator(GroupFields):
                 else:
                     stream_ops.write(self.comm_stream, base + 4 * grp.index, 1)
         return arrived
+
+    def _gather_offsets(self, plan: Plan, gathered: torch.Tensor) -> tuple:
+        """Per group of an all-gather plan, in order: its flag's byte offset, and its band's and this rank's slot's
+        byte offsets in ``gathered`` (rows of ``gathered.shape[1]`` elements) with the slot's element count; once
+        per plan and row width."""
+        width, size = gathered.shape[1], gathered.element_size()
+        key = (plan, width, size)
+        offsets = self._bands.get(key)
+        if offsets is None:
+            offsets = self._bands[key] = tuple(
+                (4 * g.index, g.out_row_start * width * size, (g.out_row_start + self.rank * g.rows) * width * size,
+                 g.rows * width) for g in plan.groups)
+        return offsets
 
     def finish_all_gather(self, plan: Plan) -> None:
         """After the GEMM: join the communication stream, then clear the flags (every one has been written by
