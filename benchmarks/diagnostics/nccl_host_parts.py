@@ -110,10 +110,75 @@ def main():
         counters.zero_()
     out["parts_us"]["the direct launch (kernels/launch.py, arguments built) + counters.zero_"] = _timed(direct_only)
     out["parts_us"]["counters.zero_ alone"] = _timed(lambda: counters.zero_())
-    print(json.dumps(out["parts_us"], indent=1), flush=True)
+    out["replay_parts_us"] = _replay_parts(device, sms)
+    print(json.dumps(out["parts_us"], indent=1), json.dumps(out["replay_parts_us"], indent=1), flush=True)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(out, f, indent=1)
+
+
+def _replay_parts(device, sms):
+    """A replayed call's host time in parts, per op at its shape: the whole call, ``torch.mm`` beside it, and alone
+    the pipeline's lookups before the communicator, the call's allocations, its signature, and the graph launch."""
+    import flashoverlap as fo
+    from flashoverlap import settings
+    from flashoverlap.runtime.calls import GemmSpec
+
+    os.environ["FLASHOVERLAP_REPLAY"] = "1"
+    settings.refresh()
+    ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+    names = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter", "all_gather": "all_gather_gemm"}
+    parts = {}
+    for op, (m, n, k) in SHAPES.items():
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=device)  # one rank: all-gather's shard is all of A
+        b = (torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5).t()
+        plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False)
+        for _ in range(4):
+            ops[op](a, b, path="nccl", plan=plan)
+        torch.cuda.synchronize()
+        parts[f"{op} {m}x{n}x{k}"] = _replay_row(ops[op], GemmSpec(names[op], op, a, b, None, plan, "nccl"))
+    return parts
+
+
+def _replay_row(fn, spec):
+    """One op's replayed call in parts (its graph captured already)."""
+    from flashoverlap import settings
+    from flashoverlap.runtime.calls import GEMM
+    from flashoverlap.runtime.context import REGISTRY
+
+    a, b, plan = spec.a, spec.b, spec.plan
+    env = settings.current()
+    signature = GEMM.signature(spec, env)
+    communicator, _, _ = entry = REGISTRY.lookup(signature)
+    call = GEMM.call(spec, entry, env)
+    buffers = communicator._buffers(call)
+    graph_key = communicator._signature(call, buffers)
+    found = communicator.graphs.replay(graph_key)  # the call's graph, captured by the calls before
+    row = {
+        "graph found": found,
+        "whole replayed call": _timed(lambda: fn(a, b, path="nccl", plan=plan)),
+        "torch.mm": _timed(lambda: torch.mm(a, b)),
+        "pipeline: signature + registry lookup + Call": _timed(
+            lambda: GEMM.call(spec, REGISTRY.lookup(GEMM.signature(spec, env)), env)),
+        "the call's allocations (_buffers)": _timed(lambda: communicator._buffers(call)),
+        "the replay signature (_signature)": _timed(lambda: communicator._signature(call, buffers)),
+        "the graph launch (CallGraphs.replay)": _timed(lambda: communicator.graphs.replay(graph_key)),
+        "graph nodes": _graph_nodes(communicator.graphs, graph_key),
+    }
+    return {key: round(v, 1) if isinstance(v, float) else v for key, v in row.items()}
+
+
+def _graph_nodes(graphs, key):
+    """The captured graph's node count (None where this torch does not say)."""
+    entry = graphs._graphs.get(key)
+    try:
+        from cuda.bindings import runtime
+
+        graph = entry[0].raw_cuda_graph()
+        err, _, count = runtime.cudaGraphGetNodes(graph, 0)
+        return int(count)
+    except Exception:  # a diagnostic's extra: absent where the binding or the accessor is
+        return None
 
 
 if __name__ == "__main__":
