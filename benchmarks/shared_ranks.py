@@ -10,8 +10,9 @@ Steps, each writing (merging into) its results file in ``--out``:
 
 - ``mechanics`` -> ``h200x1-shared-ranks.json``: rows {W, family, case, op, dtype, mode, calls, wrong, replays,
   replays_wanted, error, ...} (``benchmarks/shared/mechanics.py``); merged by (W, family).
-- ``soak`` -> ``h200x1-soak.json``: rows {W, calls, wrong, errors, hangs, memory_mib, flat, ...}
-  (``benchmarks/shared/soak.py``); merged by W.
+- ``soak`` -> ``h200x1-soak.json``: rows {W, calls, checked, wrong, errors, hangs, memory_mib, flat, ms_per_call,
+  pool, ...} (``benchmarks/shared/soak.py``: calls from a bounded pool, the warm-up a sweep of it); merged by W. One
+  W per invocation: ``--worlds 8``.
 - ``faults`` -> ``h200x1-faults.json``: rows {scenario, op, W, ok, seconds, message, ...}
   (``benchmarks/shared/faults.py``), ``FLASHOVERLAP_DEBUG_TIMEOUT=--timeout``; merged by (scenario, op, W).
 - ``host`` -> ``h200x1-host-shared.json`` (``h200x1-host.json`` is an older diagnostic's): rows {W, op, dtype,

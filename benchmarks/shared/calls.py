@@ -262,13 +262,21 @@ def oracle(call: TpCall, everyone: list[Operands], rank: int) -> tuple[torch.Ten
         want = product(call, everyone[rank], a32)
         full = torch.cat([o.a for o in everyone]) if call.gathered and not call.fp8 else None
         return want, full
+    if call.kind == "reduce_scatter":  # only this rank's rows of every product (rows commute with the product)
+        rows = slice(rank * (call.m // world), (rank + 1) * (call.m // world))
+        everyone = [_rows_of(o, rows, call.m) for o in everyone]
     total = product(call, everyone[0])
     for ops in everyone[1:]:
         total = total + product(call, ops)
-    if call.kind == "reduce_scatter":
-        rows = call.m // world
-        total = total[rank * rows : (rank + 1) * rows]
     return total, None
+
+
+def _rows_of(ops: Operands, rows: slice, m: int) -> Operands:
+    """``ops`` with only ``rows`` of ``a`` (and of its per-row or per-block scales; a tensor-wise scale as it is)."""
+    scale = ops.scale_a
+    if scale is not None and scale.ndim == 2 and scale.shape[0] == m:
+        scale = scale[rows]
+    return Operands(ops.a[rows], ops.b, scale, ops.scale_b, ops.bias)
 
 
 def tolerance(call: TpCall) -> float:

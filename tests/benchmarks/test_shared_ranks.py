@@ -51,7 +51,8 @@ def test_half_oracles_are_the_plain_products_summed_scattered_and_gathered(dtype
         assert full is None and torch.allclose(want.double(), total, rtol=1e-5, atol=1e-5)
     rs = tc.TpCall("gemm_reduce_scatter", dtype, 18, 24, 40, seed=5)
     for rank in range(world):
-        assert torch.equal(tc.oracle(rs, everyone, rank)[0], tc.oracle(ar, everyone, 0)[0][6 * rank : 6 * rank + 6])
+        assert torch.allclose(tc.oracle(rs, everyone, rank)[0], tc.oracle(ar, everyone, 0)[0][6 * rank : 6 * rank + 6],
+                              rtol=1e-6, atol=1e-6)
     ag = tc.TpCall("all_gather_gemm", dtype, 18, 24, 40, gathered=True, seed=9)
     everyone = _everyone(ag, world)
     assert everyone[0].a.shape == (6, 40)  # this rank's shard of the gathered M
@@ -237,6 +238,84 @@ def test_the_soak_covers_every_op_dtype_mode_and_group_and_every_call_is_valid(w
     assert {b.call.sub_bands for b in tp} == {1, 2, 3}
 
 
+def test_the_soak_draws_from_a_bounded_pool_so_that_signatures_repeat_and_sweeps_it_first():
+    """Every call of the soak is an entry of the pool (38 of them: 30 tensor-parallel, 8 expert layers), each entry
+    is called on both groups with replay on in the sweep before any drawn burst, and the sweep is the warm-up."""
+    world = 4
+    tp, moe = soak.tp_pool(0, world), soak.moe_pool(0, world)
+    assert len(tp) == 2 * (len(tc.HALF_OPS) * len(tc.HALF) + len(tc.FP8_OPS) * len(tc.FP8_MODES)) and len(moe) == 8
+    assert len(set(tp)) == len(tp) and len(set(moe)) == len(moe)
+    assert len(tp) <= 32  # per group, within the P2P communicator's graph capacity (comm/replay.py CAPACITY)
+    bursts = list(soak.bursts(0, world, 10000))
+    sweep = soak.sweep(0, world)
+    assert bursts[: len(sweep)] == sweep
+    assert {(b.call, b.group) for b in sweep} == {(c, g) for c in [*tp, *moe] for g in (0, 1)}
+    assert all(b.replay and b.repeats == soak.SWEEP_REPEATS for b in sweep)
+    assert {b.call for b in bursts} == {*tp, *moe}
+    assert soak.sweep_calls(0, world) == sum(b.calls for b in sweep) < 500
+    assert {b.first for b in bursts} == set(range(soak.SETS)) and soak.SETS >= 2  # consecutive calls: new values
+    assert list(soak.bursts(0, world, 10))[0] == sweep[0]  # fewer calls than the sweep: its start
+
+
+def test_fp8_reduce_scatter_oracle_is_the_rows_of_the_sum():
+    for mode in tc.FP8_MODES:
+        k = 256
+        ar = tc.TpCall("scaled_gemm_all_reduce", mode, 12, 48, k, seed=6)
+        rs = tc.TpCall("scaled_gemm_reduce_scatter", mode, 12, 48, k, seed=6)
+        everyone = _everyone(ar, 3)
+        total = tc.oracle(ar, everyone, 0)[0]
+        for rank in range(3):
+            assert torch.allclose(tc.oracle(rs, everyone, rank)[0], total[4 * rank : 4 * rank + 4], rtol=1e-5,
+                                  atol=1e-5), (mode, rank)
+
+
+def test_the_soak_entries_hold_the_oracle_of_every_value_set_and_load_them_into_the_same_tensors():
+    world, rank = 3, 1
+    call = next(c for c in soak.tp_pool(0, world) if c.op == "all_gather_gemm" and c.gathered)
+    entry = soak.TpEntry(call, world, rank, torch.device("cpu"))
+    a, b = entry.ops.a, entry.ops.b
+    for index in range(soak.SETS):
+        everyone = [tc.operands(call, world, s, index, "cpu") for s in range(world)]
+        want, full = tc.oracle(call, everyone, rank)
+        entry.load(index)
+        assert entry.ops.a is a and entry.ops.b is b and torch.equal(a, everyone[rank].a)
+        assert torch.equal(entry.wants[index], want) and torch.equal(entry.fulls[index], full)
+        assert entry.norms[index] == pytest.approx(float(torch.linalg.vector_norm(want)))
+    assert not torch.equal(entry.wants[0], entry.wants[1])
+    fp8 = next(c for c in soak.tp_pool(0, world) if c.op == "scaled_gemm_reduce_scatter" and c.dtype == "row")
+    entry = soak.TpEntry(fp8, world, rank, torch.device("cpu"))
+    scale = entry.ops.scale_a
+    entry.load(2)
+    assert entry.ops.scale_a is scale and torch.equal(scale, tc.activations(fp8, world, rank, 2, "cpu")[1])
+    assert entry.wants[2].shape == (fp8.m // world, fp8.n)
+
+
+def test_the_soak_checks_flag_wrong_values_nan_missing_rows_and_a_gathered_input_that_differs():
+    checks = soak.Checks(torch.device("cpu"))
+    want = torch.randn(6, 5)
+    norm = float(torch.linalg.vector_norm(want))
+    scratch = torch.empty(6, 5)
+    checks.close(want.to(torch.bfloat16), want, norm, 1.5e-2, scratch, "right")
+    checks.close(want * 1.1, want, norm, 1.5e-2, scratch, "10% off")
+    poisoned = want.clone()
+    poisoned[4, 1] = float("nan")
+    checks.close(poisoned, want, norm, 1.5e-2, scratch, "one element never written")
+    checks.close(want[:5], want, norm, 1.5e-2, scratch, "a row short")
+    full = torch.randn(4, 3).to(torch.bfloat16)
+    checks.equal(full.clone(), full, "gathered right")
+    other = full.clone()
+    other[2, 2] += 1
+    checks.equal(other, full, "gathered off by one element")
+    checks.equal(None, full, "gathered missing")
+    checks.close(torch.zeros(0, 5), torch.zeros(0, 5), 0.0, 1e-3, torch.empty(0, 5), "empty")
+    done, notes = checks.read()
+    assert done == 8
+    assert [n.split(":")[0] for n in notes] == ["10% off", "one element never written", "a row short",
+                                               "gathered off by one element", "gathered missing"]
+    assert "rel err inf" in notes[1] or "rel err nan" in notes[1]
+    assert checks.read() == (0, [])
+
+
 def test_soak_summary_memory_is_flat_within_64_mib_of_warm_up():
     def report(rank, samples, warm_calls=100):
         points = [{"at": f"{c} calls", "calls": c, "allocated_mib": a, "reserved_mib": a + 10} for c, a in samples]
@@ -379,6 +458,27 @@ def test_the_mechanics_ranks_check_the_reference_path_on_cpu_ranks():
     rows = mechanics.aggregate(results, 2)
     assert len(rows) == 2 and all(r["checked"] > 0 for r in rows)
     assert not [r for r in rows if r["wrong"] or r["error"]], rows
+
+
+def test_the_soak_ranks_check_every_call_on_cpu_ranks():
+    """The soak's ranks end to end on gloo CPU ranks (the reference path): the sweep and some drawn bursts, every
+    call checked, none wrong, none raising, both ranks agreeing on the count."""
+    import time
+
+    from benchmarks.shared.runs import spawn_ranks
+
+    world = 2
+    calls = soak.sweep_calls(0, world) + 60
+    options = {"deadline": time.time() + 240, "device": "cpu", "calls": calls, "seed": 0}
+    results, failure = spawn_ranks(soak.spawned, world, (options, [None, None]), 300, "cpu")
+    assert failure is None, failure
+    row = soak.summarise(world, results)
+    assert row["calls"] >= calls and row["wrong"] == 0 and row["errors"] == 0 and row["hangs"] == 0, row
+    assert row["stopped"] is None and row["flat"] is True
+    checks_per_rank = sum(b.repeats * (2 if isinstance(b.call, ex.MoeCall) or b.call.gathered else 1)
+                          for b in soak.bursts(0, world, calls))
+    assert row["checked"] == world * checks_per_rank
+    assert row["pool"] == {"tp": 30, "moe": 8, "sets": soak.SETS, "oracle_seconds": row["pool"]["oracle_seconds"]}
 
 
 def test_the_fault_launcher_sees_a_rank_die_and_its_peer_raise():
