@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=5.0, help="faults: FLASHOVERLAP_DEBUG_TIMEOUT, seconds")
     p.add_argument("--ops", type=_names, default=None, help="faults, host: only these ops (comma-separated)")
     p.add_argument("--scenarios", type=_names, default=None, help="faults: only these scenarios")
-    p.add_argument("--families", type=_names, default=None, help="mechanics: tp, moe, models (default: all)")
+    p.add_argument("--families", type=_names, default=None,
+                   help="mechanics: tp, moe, moe-fp8 (the P2P expert path in fp8), models (default: all)")
     p.add_argument("--quick", action="store_true", help="mechanics: a small subset (the GPU test's smoke)")
     p.add_argument("--rounds", type=int, default=40, help="host: timed rounds per op")
     p.add_argument("--seed", type=int, default=0, help="soak: the random sequence's seed")
@@ -107,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"(known: {list(faults.SCENARIOS)})")
     if args.step == "host" and args.device == "cpu":
         p.error("--step host times CUDA calls: it has no --device cpu")
-    families = ("tp", "moe", "models")
+    families = tuple(FAMILY_WEIGHTS)
     if args.families is not None and set(args.families) - set(families):
         p.error(f"--families: unknown {sorted(set(args.families) - set(families))} (known: {list(families)})")
     del mechanics
@@ -145,7 +146,8 @@ def _write(args, rows: list[dict], key, **extra) -> None:
 # -- steps -----------------------------------------------------------------------------------------------------------
 
 
-FAMILY_WEIGHTS = {"tp": 0.6, "moe": 0.2, "models": 0.2}  # shares of a W's time (what one leaves, the next gets)
+# shares of a W's time (what one leaves, the next gets); the keys are the families, in the order they run
+FAMILY_WEIGHTS = {"tp": 0.55, "moe": 0.15, "moe-fp8": 0.1, "models": 0.2}
 
 
 def run_mechanics(args) -> list[dict]:
@@ -153,7 +155,7 @@ def run_mechanics(args) -> list[dict]:
     from benchmarks.shared.runs import progress_path, spawn_ranks
 
     budget = Budget(args.budget)
-    families = tuple(args.families or ("tp", "moe", "models"))
+    families = tuple(args.families or FAMILY_WEIGHTS)
     progress_dir = tempfile.mkdtemp(prefix="shared-ranks-progress-")
     all_rows = []
     for i, world in enumerate(args.worlds):

@@ -168,7 +168,7 @@ def quantise(x: torch.Tensor, mode: str, operand: str) -> tuple[torch.Tensor, to
         s = x.abs().amax(1 if operand == "a" else 0, keepdim=True).clamp(min=1e-6) / top
         return (x / s).to(E4M3), s.float()
     if operand == "a":
-        blocks = x.reshape(x.shape[0], -1, BLOCK)
+        blocks = x.reshape(x.shape[0], x.shape[1] // BLOCK, BLOCK)  # (not -1: a rank may have no rows)
         s = blocks.abs().amax(2).clamp(min=1e-6) / top
         return (blocks / s[:, :, None]).reshape(x.shape).to(E4M3), s.float()
     k, n = x.shape

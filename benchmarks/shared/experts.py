@@ -5,6 +5,12 @@ in stable expert order per source, fp32 products rounded to the dtype, fp32 weig
 Routing: Gumbel top-k without replacement, with Zipf(1.2) expert popularity where ``skew`` (expert 0 the most
 popular), one rank with no tokens (``empty_rank``: it sends none) or one whose experts no token chooses
 (``avoid_rank``: it receives none).
+
+fp8 (``MoeCall.scaling``, ``"row"`` or ``"block"``): every rank's tokens and activations are made in fp32 and
+quantised (``calls.quantise``: per row ``[rows, 1]``, or per 1x128 block ``[rows, K/128]``), each expert's weight per
+output column (``[L, N]``) or per 128x128 block (``[L, K/128, ceil(N/128)]``), stored as ``nn.Linear``-shaped
+``[L, N, K]`` and passed as its ``[L, K, N]`` transpose; the oracle is the same definition on the dequantised values
+(``calls.dequantised``) in fp32 (the oracle fp32, the outputs bf16).
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.shared.calls import HALF, generator
+from benchmarks.shared.calls import BLOCK, HALF, dequantised, generator, quantise
 
 EXPERT_MODES = ("exact", "bounded")
+SCALINGS = ("row", "block")
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class MoeCall:
     empty_rank: int | None = None
     avoid_rank: int | None = None
     seed: int = 0
+    scaling: str | None = None  # fp8: "row" or "block" (tokens, activations and weights fp8; outputs bf16)
 
     def tokens_of(self, rank: int) -> int:
         return 0 if rank == self.empty_rank else self.tokens + 7 * rank
@@ -52,7 +60,8 @@ class MoeCall:
         routing = "zipf" if self.skew else "uniform"
         special = (f" rank {self.empty_rank} no tokens" if self.empty_rank is not None else "") + (
             f" rank {self.avoid_rank} receives none" if self.avoid_rank is not None else "")
-        return (f"moe {self.dtype} {self.mode} T={self.tokens}+7s L={self.local} k={self.top_k} H={self.hidden} "
+        dtype = f"fp8-{self.scaling}" if self.scaling else self.dtype
+        return (f"moe {dtype} {self.mode} T={self.tokens}+7s L={self.local} k={self.top_k} H={self.hidden} "
                 f"F={self.ffn} {routing}{special}")
 
     def problem(self, world: int) -> str | None:
@@ -62,6 +71,10 @@ class MoeCall:
             return f"top_k {self.top_k} > the {usable} experts a token may choose"
         if self.mode not in EXPERT_MODES or self.dtype not in HALF:
             return "bad mode or dtype"
+        if self.scaling is not None and self.scaling not in SCALINGS:
+            return f"scaling {self.scaling!r} is not one of {SCALINGS}"
+        if self.scaling == "block" and (self.hidden % BLOCK or self.ffn % BLOCK):
+            return f"block-wise scales need H and F multiples of {BLOCK}"
         return None
 
 
@@ -164,6 +177,24 @@ def acts_of(call: MoeCall, routing: Routing, rank: int, index: int, device) -> t
     return torch.randn(routing.recv_rows(rank), call.ffn, device=device, generator=gen).to(HALF[call.dtype])
 
 
+def fp8_rows(call: MoeCall, x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x32 [rows, K]`` quantised in ``call.scaling``: ``(fp8 rows, their scales, the rows dequantised in fp32)``."""
+    q, scale = quantise(x32, call.scaling, "a")
+    return q, scale, dequantised(q, scale, call.scaling, "a")
+
+
+def fp8_weight(call: MoeCall, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An ``nn.Linear``-shaped ``[L, N, K]`` fp32 weight quantised per expert: ``(the [L, K, N] transpose of the fp8
+    [L, N, K] weight, its scales [L, N] or [L, K/128, ceil(N/128)], the [L, K, N] weight dequantised in fp32)``."""
+    qs, scales, deqs = [], [], []
+    for w_l in w:
+        q, scale = quantise(w_l.t().contiguous(), call.scaling, "b")  # [K, N]: per column, or per 128x128 block
+        qs.append(q.t().contiguous())
+        scales.append(scale.reshape(-1) if call.scaling == "row" else scale)
+        deqs.append(dequantised(q, scale, call.scaling, "b"))
+    return torch.stack(qs).transpose(1, 2), torch.stack(scales), torch.stack(deqs)
+
+
 @dataclass
 class MoeCase:
     """Everything one rank needs for a layer's calls: its routing, weights, and per call index its tokens,
@@ -178,10 +209,17 @@ class MoeCase:
     acts: list[torch.Tensor]  # this rank's activations, per call index
     want_h: list[torch.Tensor]
     want_y: list[torch.Tensor]
+    # fp8 (``call.scaling``): the scales of the tokens and activations per call index, and of the weights
+    scale_xs: list[torch.Tensor] | None = None
+    scale_acts: list[torch.Tensor] | None = None
+    scale_up: torch.Tensor | None = None
+    scale_down: torch.Tensor | None = None
 
 
 def moe_case(call: MoeCall, world: int, rank: int, calls: int, device) -> MoeCase:
     """This rank's inputs and expected outputs for ``calls`` calls of ``call`` (every rank's inputs made here)."""
+    if call.scaling is not None:
+        return _fp8_case(call, world, rank, calls, device)
     routes = [routing_of(call, world, s, device) for s in range(world)]
     routing = Routing([r[0] for r in routes], world, call.local, call.mode, call.bound(world))
     w_ups, w_downs = zip(*(expert_weights(call, world, s, device) for s in range(world)))
@@ -195,6 +233,37 @@ def moe_case(call: MoeCall, world: int, rank: int, calls: int, device) -> MoeCas
         want_y.append(routing.combine(rank, every_act, list(w_downs), routes[rank][1], call.tokens_of(rank)))
     idx, weights = routes[rank]
     return MoeCase(idx, weights, w_ups[rank], w_downs[rank], routing, xs, acts, want_h, want_y)
+
+
+def _fp8_case(call: MoeCall, world: int, rank: int, calls: int, device) -> MoeCase:
+    """``moe_case`` in fp8: every rank's fp32 values quantised, the definition computed on their dequantised
+    values in fp32 (the outputs' dtype bf16)."""
+    routes = [routing_of(call, world, s, device) for s in range(world)]
+    routing = Routing([r[0] for r in routes], world, call.local, call.mode, call.bound(world))
+    h, f = call.hidden, call.ffn
+    ups, downs = [], []
+    for s in range(world):
+        gen = generator(device, call.seed, s, 13)
+        ups.append(fp8_weight(call, torch.randn(call.local, 2 * f, h, device=device, generator=gen) / h**0.5))
+        downs.append(fp8_weight(call, torch.randn(call.local, h, f, device=device, generator=gen) / f**0.5))
+    xs, acts, want_h, want_y, scale_xs, scale_acts = [], [], [], [], [], []
+    for i in range(calls):
+        every_x = [fp8_rows(call, torch.randn(call.tokens_of(s), h, device=device,
+                                              generator=generator(device, call.seed, s, 12, i)))
+                   for s in range(world)]
+        every_act = [fp8_rows(call, torch.randn(routing.recv_rows(s), f, device=device,
+                                                generator=generator(device, call.seed, s, 14, i)))
+                     for s in range(world)]
+        xs.append(every_x[rank][0])
+        scale_xs.append(every_x[rank][1])
+        acts.append(every_act[rank][0])
+        scale_acts.append(every_act[rank][1])
+        want_h.append(routing.dispatch(rank, [x[2] for x in every_x], ups[rank][2]))  # fp32
+        want_y.append(routing.combine(rank, [a[2] for a in every_act], [d[2] for d in downs], routes[rank][1],
+                                      call.tokens_of(rank)))
+    idx, weights = routes[rank]
+    return MoeCase(idx, weights, ups[rank][0], downs[rank][0], routing, xs, acts, want_h, want_y, scale_xs,
+                   scale_acts, ups[rank][1], downs[rank][1])
 
 
 def tolerance(dtype: str) -> float:

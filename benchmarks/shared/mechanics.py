@@ -11,7 +11,9 @@ Cases (``tp_cases``, ``moe_cases``, ``MODEL_CASES``):
   as ``w.t()`` has bf16 output and a bias, row-major fp32 output; all_gather_gemm with ``w.t()`` returns the gathered
   input too (checked byte for byte);
 - the expert ops (``moe_layout``, ``moe_dispatch_gemm``, ``moe_gemm_combine``, ``path="p2p"``): Zipf-skewed
-  routing, exact and bounded, a rank with no tokens, a rank that receives none, bf16 and fp16;
+  routing, exact and bounded, a rank with no tokens, a rank that receives none, bf16 and fp16; and in fp8 (family
+  ``moe-fp8``, ``moe_fp8_cases``: the P2P expert path with fp8 tokens, activations and weights, row-wise ``[T, 1]``
+  and block ``[T, H/128]`` scales, exact and bounded, against the definition on the dequantised values);
 - ``ExpertParallelMLP`` (exact, bounded) forward and backward against ``MoEBlock`` on every rank's tokens; the TP
   styles (``ColwiseParallel``/``RowwiseParallel`` with ``parallelize_module``, default and sequence-parallel layouts)
   and layers (``flashoverlap.nn.parallelize``, with and without sequence parallelism) on a SwiGLU feed-forward,
@@ -101,6 +103,25 @@ def moe_cases(world: int, quick: bool = False) -> list[ex.MoeCall]:
                    seed=106),
     ]
     return cases[:2] if quick else cases
+
+
+def moe_fp8_cases(world: int, quick: bool = False) -> list[ex.MoeCall]:
+    """The fp8 expert cases (issue 44: the P2P expert path in fp8): row-wise and block-wise scales (block: H and F
+    multiples of 128), exact and bounded, a rank with no tokens, one that receives none (``quick``: one of each
+    scaling, bounded)."""
+    cases = [
+        ex.MoeCall("bf16", "exact", tokens=37, local=2, top_k=2, hidden=128, ffn=64, seed=201, scaling="row"),
+        ex.MoeCall("bf16", "bounded", tokens=37, local=2, top_k=2, hidden=128, ffn=64, empty_rank=0, seed=202,
+                   scaling="row"),
+        ex.MoeCall("bf16", "exact", tokens=29, local=2, top_k=2, hidden=256, ffn=128, empty_rank=world - 1,
+                   seed=203, scaling="block"),
+        ex.MoeCall("bf16", "bounded", tokens=29, local=2, top_k=2, hidden=256, ffn=128, seed=204, scaling="block"),
+        ex.MoeCall("bf16", "exact", tokens=21, local=3, top_k=3, hidden=96, ffn=48, avoid_rank=world - 1, seed=205,
+                   scaling="row"),
+        ex.MoeCall("bf16", "bounded", tokens=21, local=2, top_k=2, hidden=128, ffn=128, avoid_rank=world - 1,
+                   seed=206, scaling="block"),
+    ]
+    return [cases[1], cases[3]] if quick else cases
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -271,14 +292,26 @@ def run_moe(mc: ex.MoeCall, mode: str, rank: int, world: int, device: torch.devi
         want_y = [w.float() for w in case.want_y]
         layout = fo.moe_layout(case.idx, mc.experts(world), group, mode=mc.mode, bound=mc.bound(world))
         x, act = case.xs[0].clone(), case.acts[0].clone()
+        fp8 = mc.scaling is not None  # the scales too live in one tensor each, new values copied in
+        scale_x = case.scale_xs[0].clone() if fp8 else None
+        scale_act = case.scale_acts[0].clone() if fp8 else None
         scratch_h = torch.empty(want_h[0].shape, dtype=torch.float32, device=device)
         scratch_y = torch.empty(want_y[0].shape, dtype=torch.float32, device=device)
 
         def load(i: int) -> None:
             x.copy_(case.xs[i])
             act.copy_(case.acts[i])
+            if fp8:
+                scale_x.copy_(case.scale_xs[i])
+                scale_act.copy_(case.scale_acts[i])
 
         def calls():
+            if fp8:
+                h = fo.moe_dispatch_gemm(x, case.w_up, layout, group, path=path, scale_x=scale_x,
+                                         scale_w=case.scale_up)
+                y = fo.moe_gemm_combine(act, case.w_down, case.weights, layout, group, path=path,
+                                        scale_a=scale_act, scale_w=case.scale_down)
+                return h, y
             h = fo.moe_dispatch_gemm(x, case.w_up, layout, group, path=path)
             y = fo.moe_gemm_combine(act, case.w_down, case.weights, layout, group, path=path)
             return h, y
@@ -326,8 +359,8 @@ def run_moe(mc: ex.MoeCall, mode: str, rank: int, world: int, device: torch.devi
         wanted = 0
     elif mode == "replayed":
         wanted = 2 * (n - 1) if mc.mode == "bounded" else 0
-    return _row(mc.label(), "moe_dispatch_gemm+moe_gemm_combine", mc.dtype, mode, mc.mode, tally, 2 * n,
-                state["replays"], wanted, error, time.perf_counter() - start, path=path)
+    return _row(mc.label(), "moe_dispatch_gemm+moe_gemm_combine", f"fp8-{mc.scaling}" if mc.scaling else mc.dtype,
+                mode, mc.mode, tally, 2 * n, state["replays"], wanted, error, time.perf_counter() - start, path=path)
 
 
 # -- models: styles, layers, ExpertParallelMLP --------------------------------------------------------------------
@@ -484,6 +517,9 @@ def plan_of_cases(world: int, device_kind: str, quick: bool, families: tuple[str
     if "moe" in families:
         for mc in moe_cases(world, quick):
             out += [("moe", mc, mode) for mode in modes if mode != "graph" or mc.mode == "bounded"]
+    if "moe-fp8" in families:
+        for mc in moe_fp8_cases(world, quick):
+            out += [("moe", mc, mode) for mode in modes if mode != "graph" or mc.mode == "bounded"]
     if "models" in families and not quick:
         out += [("models", name, "eager") for name in MODEL_CASES]
     return out
@@ -501,7 +537,7 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
     device = device_of(options.get("device", "cuda"))
     group = dist.group.WORLD
     progress = Progress(options.get("progress"))
-    families = tuple(options.get("families") or ("tp", "moe", "models"))
+    families = tuple(options.get("families") or ("tp", "moe", "moe-fp8", "models"))
     cases = plan_of_cases(world, device.type, options.get("quick", False), families)
     rows = []
     started = time.time()

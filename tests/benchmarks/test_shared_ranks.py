@@ -135,6 +135,39 @@ def test_moe_oracle_rows_follow_the_contract():
     assert routing.recv_rows(2) == 0
 
 
+@pytest.mark.parametrize("scaling", ex.SCALINGS)
+def test_fp8_expert_oracle_is_the_definition_on_the_dequantised_values(scaling):
+    world, rank = 2, 1
+    mc = ex.MoeCall("bf16", "bounded", tokens=9, local=2, top_k=2, hidden=256, ffn=128, empty_rank=0, seed=7,
+                    scaling=scaling)
+    assert mc.problem(world) is None and "fp8-" + scaling in mc.label()
+    case = ex.moe_case(mc, world, rank, 2, "cpu")
+    blocks = 256 // 128
+    assert case.w_up.dtype == torch.float8_e4m3fn and case.w_up.shape == (2, 256, 256)
+    assert case.w_up.transpose(1, 2).is_contiguous()  # the [L, K, N] transpose of an nn.Linear-shaped weight
+    assert case.scale_up.shape == ((2, 256) if scaling == "row" else (2, blocks, 2))
+    assert case.scale_down.shape == ((2, 256) if scaling == "row" else (2, 1, 2))
+    assert case.xs[0].dtype == torch.float8_e4m3fn and case.scale_xs[0].shape == (16, 1 if scaling == "row" else 2)
+    assert case.scale_acts[0].shape == (case.acts[0].shape[0], 1 if scaling == "row" else 1)
+    assert not torch.equal(case.xs[0].float(), case.xs[1].float())
+    # one received row by hand: rank 1's own token times its expert's dequantised weight (rank 0 sends none)
+    routing = case.routing
+    first, last, e = routing.segments(1, 1)[0]
+    j = routing.chosen[1][1][first]
+    t = torch.div(j, 2, rounding_mode="floor")
+    x32 = case.xs[0][t].float() * (case.scale_xs[0][t].float() if scaling == "row"
+                                   else case.scale_xs[0][t].float().repeat_interleave(128))
+    s = case.scale_up[e]
+    w32 = case.w_up[e].float() * (s.reshape(1, -1) if scaling == "row"
+                                  else s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:256, :256])
+    at = routing.recv_at(1, 1) + first
+    assert torch.allclose(case.want_h[0][at], x32 @ w32, rtol=1e-5, atol=1e-5)
+    assert case.want_h[0].dtype == torch.float32 and case.want_y[0].shape == (16, 256)
+    assert case.want_y[0].abs().sum() > 0
+    wrong_scale = ex.moe_case(ex.MoeCall(**{**mc.__dict__, "seed": 8}), world, rank, 1, "cpu")
+    assert not torch.allclose(wrong_scale.want_h[0], case.want_h[0])
+
+
 # -- the cases and the plans -----------------------------------------------------------------------------------------
 
 
@@ -161,6 +194,13 @@ def test_every_mechanics_case_has_an_overlapped_p2p_plan_or_an_overlapped_defaul
         assert groups == (2 * world if c.call.kind == "all_reduce" else 2), (c.call, groups)
     assert {m.mode for m in mechanics.moe_cases(world)} == set(ex.EXPERT_MODES)
     assert all(m.problem(world) is None for m in mechanics.moe_cases(world))
+    fp8 = mechanics.moe_fp8_cases(world)
+    assert {(m.mode, m.scaling) for m in fp8} == {(mode, s) for mode in ex.EXPERT_MODES for s in ex.SCALINGS}
+    assert all(m.problem(world) is None for m in fp8)
+    assert any(m.empty_rank is not None for m in fp8) and any(m.avoid_rank is not None for m in fp8)
+    cases = mechanics.plan_of_cases(world, "cuda", False, ("moe-fp8",))
+    assert {(c.mode, m) for _, c, m in cases} == {("exact", "eager"), ("exact", "replayed"), ("bounded", "eager"),
+                                                  ("bounded", "replayed"), ("bounded", "graph")}
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -437,6 +477,7 @@ def test_command_line():
     for bad in (["--step", "soak", "--worlds", "1,2"], ["--step", "soak", "--worlds", "x"],
                 ["--step", "faults", "--ops", "nope"], ["--step", "faults", "--scenarios", "nope"],
                 ["--step", "host", "--device", "cpu"], ["--step", "mechanics", "--families", "tp,nope"],
+                ["--step", "mechanics", "--families", "experts"],
                 ["--step", "nope"]):
         with pytest.raises(SystemExit):
             shared_ranks.parse_args(bad)
@@ -479,6 +520,19 @@ def test_the_soak_ranks_check_every_call_on_cpu_ranks():
                           for b in soak.bursts(0, world, calls))
     assert row["checked"] == world * checks_per_rank
     assert row["pool"] == {"tp": 30, "moe": 8, "sets": soak.SETS, "oracle_seconds": row["pool"]["oracle_seconds"]}
+
+
+def test_the_fp8_expert_mechanics_check_the_reference_path_on_cpu_ranks():
+    import time
+
+    from benchmarks.shared.runs import spawn_ranks
+
+    options = {"deadline": time.time() + 120, "device": "cpu", "quick": True, "families": ("moe-fp8",)}
+    results, failure = spawn_ranks(mechanics.spawned, 2, (options, [None, None]), 180, "cpu")
+    assert failure is None, failure
+    rows = mechanics.aggregate(results, 2)
+    assert [r["dtype"] for r in rows] == ["fp8-row", "fp8-block"] and all(r["checked"] == 8 for r in rows)
+    assert not [r for r in rows if r["wrong"] or r["error"]], rows
 
 
 def test_the_fault_launcher_sees_a_rank_die_and_its_peer_raise():
