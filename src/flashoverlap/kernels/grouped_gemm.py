@@ -795,12 +795,16 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     bound_tiles = (-(-rows // tile.block_m) + min(num_segments, rows)) * tiles_n
     programs = bound_tiles if tile.num_programs is None else (tile.num_programs or guards.sm_count(x.device))
     grid = min(programs, bound_tiles)
-    x_scale = x_scale if x_scale.ndim == 2 else x_scale.reshape(-1, 1)
-    w_scale3 = w_scale if w_scale.ndim == 3 else w_scale.unsqueeze(1)  # row-wise [E, N] as [E, 1, N]
+    # The scales' strides as the kernel reads them, without views: x_scale [rows] as [rows, 1]; row-wise w_scale
+    # [E, N] as [E, 1, N] (its K stride never read).
+    sx = x_scale.stride()
+    sx_m, sx_k = (sx[0], sx[1]) if len(sx) == 2 else (sx[0], 0)
+    sw = w_scale.stride()
+    sw_e, sw_k, sw_n = sw if len(sw) == 3 else (sw[0], 0, sw[1])
     scaled_grouped_gemm_kernel[(grid,)](
-        x, x_scale, w, w_scale3, out, workspace, rows, n, k, num_segments, tiles_n,
-        x.stride(0), x.stride(1), x_scale.stride(0), x_scale.stride(1),
-        w.stride(0), w.stride(1), w.stride(2), w_scale3.stride(0), w_scale3.stride(1), w_scale3.stride(2),
+        x, x_scale, w, w_scale, out, workspace, rows, n, k, num_segments, tiles_n,
+        x.stride(0), x.stride(1), sx_m, sx_k,
+        w.stride(0), w.stride(1), w.stride(2), sw_e, sw_k, sw_n,
         out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
         BLOCKWISE=mode == "block", num_warps=tile.num_warps, num_stages=tile.num_stages,

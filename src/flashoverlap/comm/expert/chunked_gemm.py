@@ -292,7 +292,7 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
     or fp8 rows whose scales are ``scales.a`` by the same row numbers; ``out`` in the output dtype."""
     ends = relative_ends(layout) if ends is None else ends
     if scales is not None:
-        return _scaled_multiplier(kind, plan, layout, b, ends, scales)
+        return _scaled_multiplier(kind, plan, layout, b, ends, scales, seg_expert)
     only = None
     if kind == "hybrid":
         kind, only = "loop", hybrid_parts(layout, plan.hybrid.heavy_rows)[0]
@@ -312,8 +312,10 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
     return multiply
 
 
-def _scaled_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, ends, scales):
-    """``chunk_multiplier`` for fp8 rows (``scaled.scaled_multiply``)."""
+def _scaled_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, ends, scales,
+                       seg_expert: torch.Tensor | None = None):
+    """``chunk_multiplier`` for fp8 rows (``scaled.scaled_multiply``); ``seg_expert`` the Triton kernel's experts
+    (``arange(L)``, the communicator's table: made once, not per call)."""
     from flashoverlap.comm.expert.scaled import scaled_multiply, segment_rows
 
     host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
@@ -323,7 +325,7 @@ def _scaled_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Ten
         if rows:
             data, scale = segment_rows(x, scales, k, x_row, rows)
             scaled_multiply(kind, data, scale, b, scales, ends[chunk], out[out_row : out_row + rows],
-                            None if host is None else host[chunk])
+                            None if host is None else host[chunk], seg_expert=seg_expert)
 
     return multiply
 

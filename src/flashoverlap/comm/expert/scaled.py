@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashoverlap.comm.scaled import BLOCK, FP8, Scales, pack_rows, packed_width, scaled_mm, unpack_rows
+from flashoverlap.comm.scaled import BLOCK, FP8, Scales, _aligned, pack_rows, packed_width, scaled_mm, unpack_rows
 
 MODES = ("row", "block")
 E4M3_MAX = 448.0
@@ -64,21 +64,49 @@ def wire_width(k: int, mode: str) -> int:
 
 def quantise(x: torch.Tensor, mode: str, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [rows, K]`` (any float) as fp8 and its fp32 scales (``[rows, 1]`` row-wise, ``[rows, K/128]`` block-wise):
-    each row (or 1x128 block) scaled so that its largest magnitude is the fp8 dtype's largest, ``x ~ q * scale``."""
+    each row (or 1x128 block) scaled so that its largest magnitude is the fp8 dtype's largest, ``x ~ q * scale``
+    (``scale = max(amax / fp8_max, 1e-12)``, ``q = x / scale`` in fp32, rounded to fp8).
+
+    Both are views of one wire buffer (``pack``'s layout: the fp8 row then its scales, a row stride of
+    ``wire_width(K, mode)`` bytes), so that ``pack`` of the pair is that buffer, no copy; ``.contiguous()`` where a
+    consumer wants dense tensors (traced by ``torch.compile``: dense tensors, the same values). Five kernels on the
+    device (the largest magnitudes, the scale's two steps, the quotient, the cast into place): ``x / scale`` never
+    exceeds the fp8 maximum by more than a rounding of the scale (far under half a step of fp8 at its top), which the
+    round to nearest takes to the maximum: no clamp is needed (a NaN row stays NaN, its sign aside)."""
     top = torch.finfo(dtype).max
     rows, k = x.shape
-    xf = x.float()
-    if mode == "block":
-        blocks = xf.reshape(rows, k // BLOCK, BLOCK)
-        scale = (blocks.abs().amax(2) / top).clamp_min(1e-12)
-        q = (blocks / scale[:, :, None]).clamp(-top, top).to(dtype).reshape(rows, k)
-        return q, scale
-    scale = (xf.abs().amax(1, keepdim=True) / top).clamp_min(1e-12)
-    return (xf / scale).clamp(-top, top).to(dtype), scale
+    columns = k // BLOCK if mode == "block" else 1
+    if torch.compiler.is_compiling():  # traced: the same values, functionally (the compiler fuses them anyway)
+        xf = x.float()
+        if mode == "block":
+            blocks = xf.reshape(rows, columns, BLOCK)
+            scale = (blocks.abs().amax(2) / top).clamp_min(1e-12)
+            return (blocks / scale[:, :, None]).to(dtype).reshape(rows, k), scale
+        scale = (xf.abs().amax(1, keepdim=True) / top).clamp_min(1e-12)
+        return (xf / scale).to(dtype), scale
+    packed = torch.empty((rows, packed_width(k, columns)), dtype=torch.uint8, device=x.device)
+    q, scale = unpack_rows(packed, k, dtype, columns)
+    rows_in = x.reshape(rows, columns, BLOCK) if mode == "block" else x.unsqueeze(1)  # [rows, S, K/S]
+    if x.is_cuda:  # one kernel: the low-precision rows read as fp32 in the reduction itself
+        torch.linalg.vector_norm(rows_in, float("inf"), dim=2, dtype=torch.float32, out=scale)
+    else:  # the CPU's infinity norm is a slow loop (and it casts first): the plain largest magnitude
+        torch.amax(rows_in.float().abs(), 2, out=scale)
+    scale.div_(top).clamp_min_(1e-12)
+    q.view(rows, columns, k // columns).copy_(torch.div(rows_in, scale[:, :, None]))
+    return q, scale
 
 
 def pack(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The wire rows: ``x [rows, K]`` fp8 and its scales ``[rows, S]`` in one ``[rows, wire_width]`` uint8 tensor."""
+    """The wire rows: ``x [rows, K]`` fp8 and its scales ``[rows, S]`` in one ``[rows, wire_width]`` uint8 tensor; where
+    the pair lie in one such buffer already (``quantise``'s views), a view of it: no copy."""
+    rows, k = x.shape
+    width = packed_width(k, scale.shape[1])
+    if (x.stride() == (width, 1) and scale.stride() == (width // 4, 1) and scale.dtype == torch.float32
+            and scale.data_ptr() == x.data_ptr() + _aligned(k) and x.element_size() == 1):
+        storage = x.untyped_storage()
+        if (storage.data_ptr() == scale.untyped_storage().data_ptr()
+                and storage.nbytes() >= x.storage_offset() + rows * width):
+            return x.view(torch.uint8).as_strided((rows, width), (width, 1))
     return pack_rows(x, scale.float())
 
 
@@ -131,13 +159,18 @@ def segment_rows(x: torch.Tensor, scales: ExpertScales, k: int, start: int, rows
     return x[start : start + rows], scales.a[start : start + rows]
 
 
+_TRITON_GEMM = None  # kernels.grouped_gemm, imported on the first Triton call (Triton: where a kernel runs)
+
+
 def scaled_multiply(kind: str, x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, scales: ExpertScales,
-                    ends: torch.Tensor, out: torch.Tensor, host_ends: list[int] | None = None) -> None:
+                    ends: torch.Tensor, out: torch.Tensor, host_ends: list[int] | None = None, *,
+                    seg_expert: torch.Tensor | None = None) -> None:
     """``out[rows of l] = x[rows of l] @ w[l]`` scaled, for the ``L`` segments of one chunk (``ends``: int32 ``[L]``
     relative to ``x``'s first row, on the device; ``host_ends`` the same on the host), the way ``kind`` says:
     ``"loop"`` (``expert_product`` per segment), ``"cublas"`` (``torch._scaled_grouped_mm``, row-wise; rows past the
-    last segment written zero) or ``"triton"`` (``kernels.grouped_gemm.scaled_grouped_gemm``). Rows past
-    ``ends[-1]`` are not written (but by cuBLAS, which writes them zero)."""
+    last segment written zero) or ``"triton"`` (``kernels.grouped_gemm.scaled_grouped_gemm``; ``seg_expert``: int32
+    ``arange(L)`` on the device, made here where not given). Rows past ``ends[-1]`` are not written (but by cuBLAS,
+    which writes them zero)."""
     rows = x.shape[0]
     if rows == 0:
         return
@@ -148,11 +181,13 @@ def scaled_multiply(kind: str, x: torch.Tensor, x_scale: torch.Tensor, w: torch.
         out.copy_(product)
         return
     if kind == "triton":
-        from flashoverlap.kernels.grouped_gemm import Segments, scaled_grouped_gemm  # Triton: where it runs
-
-        expert = torch.arange(w.shape[0], dtype=torch.int32, device=x.device)
-        scaled_grouped_gemm(x, x_scale, w, scales.b, Segments(ends.to(torch.int32), expert), out=out,
-                            mode=scales.mode)
+        global _TRITON_GEMM
+        if _TRITON_GEMM is None:
+            from flashoverlap.kernels import grouped_gemm as _TRITON_GEMM  # Triton: imported where a kernel runs
+        if seg_expert is None:
+            seg_expert = torch.arange(w.shape[0], dtype=torch.int32, device=x.device)
+        _TRITON_GEMM.scaled_grouped_gemm(x, x_scale, w, scales.b, _TRITON_GEMM.Segments(
+            ends if ends.dtype == torch.int32 else ends.to(torch.int32), seg_expert), out=out, mode=scales.mode)
         return
     if host_ends is None:
         if x.device.type == "cuda":
