@@ -217,3 +217,84 @@ def test_the_hybrid_gemm_matches_the_reference():
     # W = 3: two peers met in rounds and the own chunk. Each rank's calls include some with light experts (the real
     # launch ran).
     assert all(light_calls > 0 for light_calls in spawn(_hybrid_ranks, 3, "gloo", env={"TRITON_INTERPRET": "1"}))
+
+
+class _Graphs:
+    """``CallGraphs``' surface: the second call of a signature "captures" (issues) and "replays"; counts both."""
+
+    def __init__(self):
+        self.seen, self.replays, self.signatures = {}, 0, []
+
+    def run(self, signature, issue):
+        self.signatures.append(signature)
+        self.seen[signature] = self.seen.get(signature, 0) + 1
+        if self.seen[signature] < 2:
+            return False
+        issue()
+        self.replays += 1
+        return True
+
+    def clear(self):
+        self.seen.clear()
+
+
+def _replay_ranks(rank, world):
+    """Bounded-mode calls with ``replay`` go through the communicator's graphs, issued into the outputs the
+    signature names (zeroed inside the issued work, so a replayed graph zeroes them too), right on every call;
+    exact-mode calls never do."""
+    fake_cuda.install(wait_timeout_s=10.0)
+    torch.set_num_threads(1)
+    from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
+    from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator
+    from flashoverlap.comm.expert.reference import ExpertReferenceCommunicator
+    from flashoverlap.comm.protocol import CommGroup
+
+    group = CommGroup.of(dist.group.WORLD, torch.device("cpu"))
+    comm, reference = ExpertNcclCommunicator(group), ExpertReferenceCommunicator(group)
+    comm.graphs = graphs = _Graphs()
+    # The caching allocator's reuse, as a repeated call sees it: the n-th buffer of a call at the previous call's
+    # n-th buffer's address, NaN-poisoned again (zeroed where the communicator asks).
+    buffers, allocated = {}, [0]
+
+    def new(shape, dtype, zero=False):
+        allocated[0] += 1
+        buffer = buffers.setdefault((tuple(shape), dtype, allocated[0]), torch.empty(shape, dtype=dtype))
+        return buffer.fill_(0.0 if zero else float("nan"))
+
+    def run(call):
+        allocated[0] = 0
+        return comm.run(call)
+
+    comm._new = new
+    experts, hidden = LOCAL * world, 24
+    gen = torch.Generator().manual_seed(rank)
+    tokens, idx = _routing("skewed", rank, world, gen)
+    bound = (7 + 3 * (world - 1)) * TOP_K
+    results = []
+    for mode in ("bounded", "exact"):
+        layout = expert_layout(idx, experts, group, mode=mode, bound=bound if mode == "bounded" else None)
+        x = torch.randn(tokens, hidden, generator=gen)
+        w_up = torch.randn(LOCAL, 2 * FFN, hidden, generator=gen).transpose(1, 2)
+        w_down = torch.randn(LOCAL, FFN, hidden, generator=gen)
+        act = torch.randn(layout.recv_rows, FFN, generator=gen)
+        before = graphs.replays
+        for _ in range(3):
+            plan = ExpertPlan("dispatch", world, experts, hidden, 2 * FFN, TOP_K, tokens, mode,
+                              bound if mode == "bounded" else None, "cublas")
+            call = ExpertCall("moe_dispatch_gemm", plan, x, w_up, return_gathered=True, layout=layout, replay=True)
+            got, want = run(call), reference.run(call)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+            plan = ExpertPlan("combine", world, experts, hidden, FFN, TOP_K, tokens, mode,
+                              bound if mode == "bounded" else None, "cublas")
+            call = ExpertCall("moe_gemm_combine", plan, act, w_down, return_gathered=True, layout=layout, replay=True)
+            got, want = run(call), reference.run(call)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        results.append(graphs.replays - before)
+    return results
+
+
+def test_bounded_calls_replay_and_exact_ones_do_not():
+    # dispatch and combine, three calls each: the second and third replay in bounded mode; exact mode never.
+    assert spawn(_replay_ranks, 2, "gloo") == [[4, 0], [4, 0]]

@@ -73,7 +73,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashoverlap.comm.protocol import Call
+from flashoverlap.comm.protocol import Call, held_signature
+from flashoverlap.comm.replay import address, cublas_switches
 
 OPS = ("dispatch", "combine")
 MODES = ("exact", "bounded")
@@ -281,3 +282,14 @@ class ExpertCall(Call):
 
     layout: Layout | None = None
     out: torch.Tensor | None = None
+
+
+def call_signature(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """What an expert call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the
+    dtype, where each tensor lies and how (the operands, the layout's, the outputs ``a`` and the call's outputs),
+    cuBLAS's switches, an fp8 call's scales and a held hook's tensors. A communicator adds its own buffers'."""
+    layout, scales = call.layout, call.scales
+    fp8 = None if scales is None else (scales.signature(), address(scales.a), address(scales.b))
+    return (call.plan, a.dtype, call.return_gathered, address(a), address(call.b),
+            tuple(address(t) for t in layout.tensors()), address(layout.weights),
+            tuple(address(t) for t in outputs), cublas_switches(), fp8, held_signature(call.hook))

@@ -77,10 +77,11 @@ from flashoverlap.comm.expert.chunked_gemm import (
     relative_ends,
     segment_table,
 )
-from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout
+from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout, call_signature
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
-from flashoverlap.comm.expert.scaled import pack
-from flashoverlap.comm.protocol import CommGroup, GroupFields
+from flashoverlap.comm.expert.scaled import pack, wire_width
+from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
+from flashoverlap.comm.replay import CallGraphs
 
 # -- the communicator -------------------------------------------------------------------------------------------
 
@@ -100,16 +101,44 @@ class ExpertNcclCommunicator(GroupFields):
         self._tables: dict = {}
         self._comm_group: dist.ProcessGroup | None = None
         self._global: list[int] = []
+        self.graphs = CallGraphs(self.device)  # repeated bounded-mode calls replayed (comm/replay.py)
 
     # -- one call ------------------------------------------------------------------------------------------
     def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The call's result and, where ``return_gathered``, its extra rows (``comm/expert/contract.py``)."""
+        """The call's result and, where ``return_gathered``, its extra rows (``comm/expert/contract.py``).
+
+        The call's outputs are allocated first, in one order, so that a repeated call finds them where the previous
+        one did; a repeated bounded-mode call (``call.replay``, a hook that a graph may hold or none) then replays a
+        CUDA graph of its whole schedule, the NCCL rounds included (``comm/replay.py``: captured on the signature's
+        second call, once the first, eager, has set up the peers and loaded the kernels). Exact mode's sizes come
+        from the host and change with every layer's routing: its calls are issued eagerly."""
         if call.layout is None:
             raise ValueError(f"{call.name}: an expert call needs its layout")
         self.prepare(call.name)
-        if call.plan.op == "dispatch":
-            return self._dispatch(call)
-        return self._combine(call)
+        plan = call.plan
+        a = call.a if plan.op == "dispatch" or call.a.stride(-1) == 1 else call.a.contiguous()
+        outputs = self._outputs(call, a)
+        issue = self._dispatch if plan.op == "dispatch" else self._combine
+        if call.replay and plan.mode == "bounded" and (call.hook is None or held_signature(call.hook) is not None):
+            if self.graphs.run(call_signature(call, a, outputs), lambda: issue(call, a, outputs, captured=True)):
+                return outputs[0], outputs[1] if call.return_gathered else None
+        issue(call, a, outputs)
+        return outputs[0], outputs[1] if call.return_gathered else None
+
+    def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dispatch: ``(h [R, N], received rows [R, H])`` (fp8: the rows packed with their scales); combine: ``(out
+        [T, H], returned rows [S, H])``, ``out`` the call's own where given. Zeroed, where bounded mode's padding
+        must read zero, inside the call's schedule (so that a replayed graph zeroes them too)."""
+        plan, layout, scales = call.plan, call.layout, call.scales
+        out_dtype = a.dtype if scales is None else scales.out_dtype
+        if plan.op == "dispatch":
+            rows = layout.recv_rows
+            if scales is None:
+                return self._new((rows, call.b.shape[2]), a.dtype), self._new((rows, plan.hidden), a.dtype)
+            return (self._new((rows, call.b.shape[2]), out_dtype),
+                    self._new((rows, wire_width(plan.hidden, scales.mode)), torch.uint8))
+        out = call.out if call.out is not None else self._new((plan.tokens, plan.hidden), out_dtype)
+        return out, self._new((layout.send_capacity, plan.hidden), out_dtype)
 
     def release(self) -> None:
         """Destroy the high-priority clone of the group (collective over the group's ranks, like its creation)."""
@@ -117,6 +146,7 @@ class ExpertNcclCommunicator(GroupFields):
             dist.destroy_process_group(self._comm_group)
         self._comm_group = None
         self._tables.clear()
+        self.graphs.clear()
 
     def _new(self, shape: tuple[int, int], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
         """A call's buffer (zeroed where padding rows must read zero), from the caching allocator."""
@@ -162,8 +192,11 @@ class ExpertNcclCommunicator(GroupFields):
                 work.wait()
 
     # -- dispatch ------------------------------------------------------------------------------------------
-    def _dispatch(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        plan, layout, a, b = call.plan, call.layout, call.a, call.b
+    def _dispatch(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor],
+                  captured: bool = False) -> None:
+        """Queue one dispatch (``captured``: into this communicator's own graph, no debug deadline)."""
+        plan, layout, b = call.plan, call.layout, call.b
+        h, recv = outputs
         chunks = Chunks.of(plan, layout)
         bounded = plan.mode == "bounded"
         send_at, recv_at = chunks.send_offsets, chunks.recv_offsets
@@ -171,9 +204,8 @@ class ExpertNcclCommunicator(GroupFields):
         scales = call.scales  # fp8: the rows travel packed with their scales (comm/expert/scaled.py)
         wire = a if scales is None else pack(a, scales.a)
         send = send_buffer(wire, plan, layout)
-        rows = layout.recv_rows
-        recv = self._new((rows, wire.shape[1]), wire.dtype)
-        h = self._new((rows, b.shape[2]), a.dtype if scales is None else scales.out_dtype, zero=bounded)
+        if bounded:
+            h.zero_()
         comm = self.comm_stream
         comm.wait_stream(compute)  # the send buffer is written
         arrived, waited = {}, []
@@ -200,14 +232,15 @@ class ExpertNcclCommunicator(GroupFields):
         compute.wait_stream(comm)
         if light is not None:
             light(recv, h)
-        if call.timeout is not None:
+        if call.timeout is not None and not captured:
             self._check_progress(call, waited, "the rows from and to")
-        return h, recv if call.return_gathered else None
 
     # -- combine -------------------------------------------------------------------------------------------
-    def _combine(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _combine(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor],
+                 captured: bool = False) -> None:
+        """Queue one combine (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b
-        a = call.a if call.a.stride(-1) == 1 else call.a.contiguous()
+        out, back = outputs
         chunks = Chunks.of(plan, layout)
         bounded = plan.mode == "bounded"
         send_at, recv_at = chunks.send_offsets, chunks.recv_offsets
@@ -216,7 +249,8 @@ class ExpertNcclCommunicator(GroupFields):
         comm = self.comm_stream
         scales = call.scales  # fp8: a's scales by row; the products and the returned rows in the output dtype
         out_dtype = a.dtype if scales is None else scales.out_dtype
-        back = self._new((layout.send_capacity, hidden), out_dtype, zero=bounded)
+        if bounded:
+            back.zero_()
         y = self._new((a.shape[0], hidden), out_dtype, zero=bounded)
         comm.wait_stream(compute)  # earlier work on the buffers; the GEMM itself is waited for per destination
         waited = []
@@ -263,10 +297,9 @@ class ExpertNcclCommunicator(GroupFields):
             if call.hook is not None:
                 call.hook()
         compute.wait_stream(comm)
-        if call.timeout is not None:
+        if call.timeout is not None and not captured:
             self._check_progress(call, waited, "the rows for and from")
-        out = combine_at_origin(back, plan, layout, out_dtype, out=call.out)
-        return out, back if call.return_gathered else None
+        combine_at_origin(back, plan, layout, out_dtype, out=out)
 
     # -- the GEMMs -----------------------------------------------------------------------------------------
     def _multiplier(self, kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, scales=None):

@@ -77,11 +77,11 @@ from flashoverlap.comm.expert.chunked_gemm import (
     relative_ends,
     segment_table,
 )
-from flashoverlap.comm.expert.contract import ExpertCall
+from flashoverlap.comm.expert.contract import ExpertCall, call_signature
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.expert.scaled import pack, wire_width
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
-from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
+from flashoverlap.comm.replay import CallGraphs
 from flashoverlap.comm.steps import Copy, Finish, Gather, Gemm, Hook, Loc, Record, Signal, Wait, WaitEvent
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.plan import P2P_MAX_RANKS
@@ -221,9 +221,8 @@ class ExpertP2PCommunicator(GroupFields):
         chunks = Chunks.of(plan, layout)
         self.prepare(call, chunks)
         outputs = self._outputs(call, a)
-        held = held_signature(call.hook)
-        if call.replay and plan.mode == "bounded" and (call.hook is None or held is not None):
-            signature = (*self._signature(call, a, outputs), held)
+        if call.replay and plan.mode == "bounded" and (call.hook is None or held_signature(call.hook) is not None):
+            signature = self._signature(call, a, outputs)
             if self.graphs.run(signature, lambda: self.issue(call, a, chunks, outputs)):
                 return self._result(call, outputs)
         self.issue(call, a, chunks, outputs, call.timeout)
@@ -488,13 +487,8 @@ class ExpertP2PCommunicator(GroupFields):
         return (torch.cuda.current_stream(self.device), self.copy_stream)[index]
 
     def _signature(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
-        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
-        where each tensor lies (operands, the layout's, the outputs), the workspace and cuBLAS's switches."""
-        layout, scales = call.layout, call.scales
-        fp8 = None if scales is None else (scales.signature(), address(scales.a), address(scales.b))
-        return (call.plan, a.dtype, call.return_gathered, address(a), address(call.b),
-                tuple(address(t) for t in layout.tensors()), address(layout.weights),
-                tuple(address(t) for t in outputs), self.workspace.buffer.data_ptr(), cublas_switches(), fp8)
+        """``contract.call_signature`` and the workspace's address (``comm/replay.py``)."""
+        return call_signature(call, a, outputs), self.workspace.buffer.data_ptr()
 
     def _check_progress(self, call: ExpertCall, waited: list, timeout: float) -> None:
         guards.poll_events(waited, timeout, lambda item: (
