@@ -86,6 +86,73 @@ def copy(stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
 _MEM_OP = struct.Struct("<I4xQQI4xQ8x")
 _WAIT_RESET = struct.Struct("<" + 2 * _MEM_OP.format[1:])
 _WAIT_VALUE_32, _WRITE_VALUE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STREAM_MEM_OP_WRITE_VALUE_32
+MEMOPS_MAX = 128  # operations in one ``memops`` batch (the driver takes up to 256)
+
+
+def pack_memops(ops) -> object:
+    """``ops``, a sequence of ``("wait", address)`` (block the stream until the int32 there is >= 1, then write 0
+    there: two operations, in that order, as ``FastDriver.wait_reset``) and ``("write", address, value)`` (write the
+    int32 ``value``, after a memory fence, as ``FastDriver.write``), packed once into the CUstreamBatchMemOpParams
+    array that ``FastDriver.memops`` hands to ``cuStreamBatchMemOp``: the stream runs them in this order. Returns
+    a ctypes buffer whose ``count`` attribute is the number of driver operations in it (at most ``MEMOPS_MAX``)."""
+    import ctypes
+
+    fields: list[tuple[int, int, int]] = []
+    for op in ops:
+        if op[0] == "wait":
+            fields += [(_WAIT_VALUE_32, op[1], 1), (_WRITE_VALUE_32, op[1], 0)]
+        elif op[0] == "write":
+            fields.append((_WRITE_VALUE_32, op[1], op[2]))
+        else:
+            raise ValueError(f"unknown stream memory operation {op[0]!r}")
+    if not 0 < len(fields) <= MEMOPS_MAX:
+        raise ValueError(f"a batch holds 1 to {MEMOPS_MAX} stream memory operations, got {len(fields)}")
+    buffer = ctypes.create_string_buffer(len(fields) * _MEM_OP.size)
+    for i, (operation, address, value) in enumerate(fields):
+        _MEM_OP.pack_into(buffer, i * _MEM_OP.size, operation, address, value, 0, 0)
+    buffer.count = len(fields)
+    return buffer
+
+
+def unpack_memops(buffer, count: int) -> list[tuple[str, int, int]]:
+    """``pack_memops``'s driver operations read back, in order: ``("wait", address, value)`` (>= value) and
+    ``("write", address, value)`` (for tests and recording drivers)."""
+    names = {_WAIT_VALUE_32: "wait", _WRITE_VALUE_32: "write"}
+    out = []
+    for i in range(count):
+        operation, address, value, flags, _ = _MEM_OP.unpack_from(bytes(buffer), i * _MEM_OP.size)
+        if operation not in names or flags:
+            raise ValueError(f"operation {i}: not a wait for >= value or a fenced write ({operation}, {flags:#x})")
+        out.append((names[operation], address, value))
+    return out
+
+
+# One CUmemcpyAttributes (CUDA >= 12.8): the source access order (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1), the source
+# and destination location hints (a CUmemLocation each: type, id; 0, 0 is no hint, for device memory) and flags.
+_COPY_ATTRIBUTES = struct.Struct("<IiiiiI")
+_SRC_ACCESS_ORDER_STREAM = 1
+
+
+class CopyBatch:
+    """The arrays of one batch of ``count`` device-to-device copies for ``FastDriver.copies``
+    (``cuMemcpyBatchAsync``): ``dsts``, ``srcs`` (addresses) and ``sizes`` (bytes), filled by the caller, which may
+    rewrite an address before each use (the arrays are read during the driver call, not later); one set of
+    attributes for all (stream-ordered sources, no location hints). The copies of a batch may run in any order or
+    at once: they must not overlap, and none may read what another writes."""
+
+    def __init__(self, count: int) -> None:
+        import ctypes
+
+        if count < 1:
+            raise ValueError(f"a copy batch holds at least one copy, got {count}")
+        self.count = count
+        self.dsts = (ctypes.c_uint64 * count)()
+        self.srcs = (ctypes.c_uint64 * count)()
+        self.sizes = (ctypes.c_size_t * count)()
+        self.attributes = ctypes.create_string_buffer(_COPY_ATTRIBUTES.pack(_SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0),
+                                                      _COPY_ATTRIBUTES.size)
+        self.first = (ctypes.c_size_t * 1)(0)  # the attributes apply from copy 0 on
+        self.failed = ctypes.c_size_t(0)
 
 
 class FastDriver:
@@ -117,6 +184,11 @@ class FastDriver:
         self._event_record = bind(("cuEventRecord",), ptr, ptr)
         self._stream_wait_event = bind(("cuStreamWaitEvent",), ptr, ptr, ctypes.c_uint)
         self._graph_launch = bind(("cuGraphLaunch",), ptr, ptr)
+        # cuMemcpyBatchAsync (a driver of CUDA >= 12.8), by version through cuGetProcAddress: CUDA 13.0's takes no
+        # failure index, 12.8's does. None where the driver has neither: ``copies`` is then None, and the caller
+        # issues its copies one by one.
+        self._copy_batch, self._copy_batch_fails = self._batch_copy_entry(lib)
+        self.copies = self._copies if self._copy_batch is not None else None
         self._pair = ctypes.create_string_buffer(2 * _MEM_OP.size)  # reused: the driver reads it during the call
         self._handle = ctypes.c_void_p()
         self._ref = ctypes.byref(self._handle)
@@ -140,6 +212,52 @@ class FastDriver:
     def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
         if self._copy(dst, src, nbytes, stream):
             raise RuntimeError(f"cuMemcpyDtoDAsync failed ({nbytes} bytes, {src:#x} -> {dst:#x})")
+
+    def memops(self, stream: int, batch) -> None:
+        """The stream memory operations of ``batch`` (``pack_memops``) on ``stream``, in order, in one
+        ``cuStreamBatchMemOp`` (one driver call, for waits and writes that would each be one)."""
+        if self._batch(stream, batch.count, batch, 0):
+            raise RuntimeError(f"cuStreamBatchMemOp failed ({batch.count} operations: "
+                               f"{unpack_memops(batch, batch.count)})")
+
+    @staticmethod
+    def _batch_copy_entry(lib):
+        """(cuMemcpyBatchAsync, whether it takes a failure index), or (None, False) where the driver lacks it."""
+        import ctypes
+
+        get, driver_version = getattr(lib, "cuGetProcAddress_v2", None), getattr(lib, "cuDriverGetVersion", None)
+        if get is None or driver_version is None:
+            return None, False
+        version = ctypes.c_int(0)
+        driver_version.argtypes, driver_version.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+        if driver_version(ctypes.byref(version)) or version.value < 12080:
+            return None, False
+        # The ABI asked for is the driver's own: a 12.x driver answers a request for 13.0 with its 12.8 entry point.
+        asked, fails = (13000, False) if version.value >= 13000 else (12080, True)
+        u64, ptr, size = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
+        get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ptr), ctypes.c_int, u64, ctypes.POINTER(ctypes.c_int)]
+        get.restype = ctypes.c_int
+        fn, found = ptr(), ctypes.c_int(-1)
+        # flags CU_GET_PROC_ADDRESS_DEFAULT; found: CU_GET_PROC_ADDRESS_SUCCESS (0)
+        if get(b"cuMemcpyBatchAsync", ctypes.byref(fn), asked, 0, ctypes.byref(found)) or found.value or not fn.value:
+            return None, False
+        arrays = [ptr, ptr, ptr, size, ptr, ptr, size]  # dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, *arrays, *([ptr] if fails else []), ptr)  # [failIdx,] hStream
+        return proto(fn.value), fails
+
+    def _copies(self, stream: int, batch: CopyBatch) -> None:
+        """The copies of ``batch`` on ``stream`` in one ``cuMemcpyBatchAsync`` (``copies``: None where the driver
+        has none)."""
+        import ctypes
+
+        args = (batch.dsts, batch.srcs, batch.sizes, batch.count, batch.attributes, batch.first, 1)
+        if self._copy_batch_fails:
+            err = self._copy_batch(*args, ctypes.byref(batch.failed), stream)
+        else:
+            err = self._copy_batch(*args, stream)
+        if err:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA driver error {err} ({batch.count} copies: "
+                               f"{[(hex(s), hex(d), n) for s, d, n in zip(batch.srcs, batch.dsts, batch.sizes)]})")
 
     def new_event(self) -> int:
         """A driver event without timing (``CU_EVENT_DISABLE_TIMING``), for ordering streams; the caller frees it

@@ -15,7 +15,13 @@ why it cannot deadlock; this module only issues it. One call:
    collective): the schedule is resolved once per plan (``_program``: addresses, offsets, views) and the driver is
    called through ``ctypes`` (``stream_ops.fast``), events and stream handles included (driver events, not
    ``torch.cuda.Event``); a call that repeats with the same tensors replays a CUDA graph of steps 2 and 3 instead
-   (``comm/replay.py``).
+   (``comm/replay.py``). The resolved program is batched where the driver allows (``_batched``, outside debug
+   mode): flag waits and signals that follow one another on a stream are one ``cuStreamBatchMemOp``, a copy
+   stream's signal joins that stream's next ones, the all-reduce's final pulls of a sub-band from the W - 1 peers
+   are one batch of waits and one ``cuMemcpyBatchAsync`` (CUDA >= 12.8; copy by copy where the driver lacks it,
+   and inside a capture), and a copy stream whose last work ``C`` already waits for is not joined again. At
+   W = 8 an eager call takes 52 / 40 / 37 driver calls (AR / RS / AG) instead of 94 / 53 / 57
+   (``benchmarks/results/cpu-host-python-w8.json``): host time grows with W by a driver call per peer, not several.
    A signal issued eagerly is a ``cuStreamWriteValue32``. Captured into a graph (ours or a user's), it is a 4-byte
    ``cuMemcpyDtoDAsync`` of a word that holds 1: on a copy stream (``X``, ``L``) in place, behind that stream's own
    copy; on ``C``, on a branch of its own (stream ``S``, forked from ``C`` by an event, joined back in step 3),
@@ -58,6 +64,8 @@ deadline; a wait that does not end in time raises an error naming the rank, the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flashoverlap import guards
@@ -69,9 +77,154 @@ from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import Plan
 
 REGION_ALIGN = 1 << 16
-# A resolved schedule step's first field (``P2PCommunicator._program``), and the call's buffers by index.
-_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK, _FORKED_SIGNAL = range(8)
+# A resolved schedule step's first field (``P2PCommunicator._program``), and the call's buffers by index. The last
+# three appear only in a batched program (``_batched``).
+_MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK, _FORKED_SIGNAL, _MEMOPS, _COPIES, _FORKED_SIGNALS = range(11)
 _SPACES = {"a": 0, "out": 1, "gathered": 2}
+
+
+def _batched(program: list, world: int, copies: bool, one: int) -> list:
+    """A resolved program with fewer driver calls and the same stream semantics (a batched program; the debug mode's
+    polled waits and a driver without ``memops`` take the program as it is):
+
+    - Flag waits and signals that follow one another in the program on one stream are one ``cuStreamBatchMemOp``
+      (``_MEMOPS``), which runs them in the same order: every other stream's work is issued in the same order
+      relative to them, and the stream itself runs the same operations in the same order.
+    - Where the program pulls from the peers one after another on one stream, each pull behind its own flag wait
+      (the all-reduce's final gather of the reduced sub-bands: a wait and a copy per peer and sub-band), the waits
+      of one sub-band's ``W - 1`` pulls are issued first, as one batch, and then its copies (``copies``: as one
+      ``cuMemcpyBatchAsync``, ``_COPIES``, where they are disjoint; else one by one). Only that stream's order
+      changes, and no wait can depend on a pull moved after it: a rank writes data only into its own memory, a
+      peer learns of a pull only through a signal or an event of this rank, and none is issued between the waits
+      and the copies of the run (they follow one another in the program), so what the waits wait for never
+      depends on the pulls, and every producer is still issued before its waiter (deadlock rules 1 and 3 of the
+      design; ``tests/comm/test_p2p_batched.py`` runs every rank's batched program on real memory).
+    - A copy stream's signal (a pull's ``free`` flag, set once the pull is done) is issued with that stream's next
+      flag operations where only steps that never block lie between (a record, another stream's event wait, a
+      matmul, another stream's signal): the copy stream runs it at the same point of its own work (behind the same
+      pull, before its next wait), and it is issued before anything that could wait for it. (A ``free`` flag is
+      waited for only by its producer's next call.)
+    - In a capture, signals of the caller's stream that follow one another are one fork onto ``S`` and their
+      copies (``_FORKED_SIGNALS``). (A signal in a capture is a copy of the word at ``one``: never moved.)"""
+    # 1. The waits and copies of a run of (wait, copy) pairs on one stream, one sub-band's (W - 1 pairs) at a time.
+    steps_: list = []
+    i, n = 0, len(program)
+    while i < n:
+        j = i
+        while (j + 1 < n and program[j][0] == _WAIT and program[j + 1][0] == _COPY and program[j + 1][5] != one
+               and program[j][1] == program[j + 1][1] == program[i][1]):
+            j += 2
+        pairs = (j - i) // 2
+        if pairs < 2:
+            steps_.append(program[i])
+            i += 1
+            continue
+        for start in range(0, pairs, max(1, world - 1)):
+            chunk = program[i + 2 * start : i + 2 * min(pairs, start + world - 1)]
+            steps_ += chunk[0::2]
+            group = chunk[1::2]
+            if copies and len(group) > 1 and _disjoint(group):
+                steps_.append(("copies", group))
+            else:
+                steps_ += group
+        i = j
+    # 2. A copy stream's signal joins that stream's next flag operations over steps that never block.
+    i = 0
+    while i < len(steps_):
+        step = steps_[i]
+        if step[0] == _SIGNAL and step[1] in (1, 2):
+            t = i + 1
+            while t < len(steps_) and _passable(steps_[t], step[1]):
+                t += 1
+            if t > i + 1 and t < len(steps_) and steps_[t][0] in (_WAIT, _SIGNAL) and steps_[t][1] == step[1]:
+                steps_.insert(t, step)
+                del steps_[i]
+                continue
+        i += 1
+    # 3. Consecutive waits and signals of one stream as one batch; consecutive forked signals as one fork.
+    out: list = []
+    i, n = 0, len(steps_)
+    while i < n:
+        step = steps_[i]
+        code = step[0]
+        if code in (_WAIT, _SIGNAL):
+            j = i
+            while j < n and steps_[j][0] in (_WAIT, _SIGNAL) and steps_[j][1] == step[1]:
+                j += 1
+            if j - i == 1:
+                out.append(step)
+            else:
+                ops = [("wait", item[2]) if item[0] == _WAIT else ("write", item[2], 1) for item in steps_[i:j]]
+                for start in range(0, len(ops), stream_ops.MEMOPS_MAX // 2):
+                    out.append((_MEMOPS, step[1], stream_ops.pack_memops(ops[start : start + stream_ops.MEMOPS_MAX
+                                                                            // 2])))
+            i = j
+        elif code == _FORKED_SIGNAL:
+            j = i
+            while j < n and steps_[j][0] == _FORKED_SIGNAL:
+                j += 1
+            out.append((_FORKED_SIGNALS, tuple(item[1] for item in steps_[i:j])) if j - i > 1 else step)
+            i = j
+        elif code == "copies":
+            group = step[1]
+            batch = stream_ops.CopyBatch(len(group))
+            fills = []  # (array, index, buffer, offset) where the address depends on the call's tensors
+            for k, (_, _, dst_space, dst_offset, src_space, src_offset, nbytes) in enumerate(group):
+                batch.sizes[k] = nbytes
+                for array, space, offset in ((batch.dsts, dst_space, dst_offset), (batch.srcs, src_space, src_offset)):
+                    if space == 3:
+                        array[k] = offset
+                    else:
+                        fills.append((array, k, space, offset))
+            out.append((_COPIES, group[0][1], batch, tuple(fills), tuple(group)))
+            i += 1
+        else:
+            out.append(step)
+            i += 1
+    return out
+
+
+def _passable(step: tuple, stream: int) -> bool:
+    """Whether a copy stream's signal may be issued after ``step`` instead of before it (``_batched``): ``step``
+    never blocks, and it is not work of ``stream`` that the signal would then follow."""
+    code = step[0]
+    return (code in (_MM, _RECORD) or code == _WAIT_EVENT and step[1] != stream
+            or code == _SIGNAL and step[1] != stream)
+
+
+_ON_A_STREAM = (_COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _MEMOPS, _COPIES)  # steps whose second field is a stream
+
+
+def _joined_already(program: list, stream: int) -> bool:
+    """Whether the caller's stream ``C`` already waits, within the resolved ``program``, for all of ``stream``'s
+    work: its last step is an event that ``C`` waits for after it (step 3's join of that stream would order
+    nothing more)."""
+    last = max((i for i, step in enumerate(program) if step[0] in _ON_A_STREAM and step[1] == stream), default=None)
+    if last is None or program[last][0] != _RECORD:
+        return False
+    event = program[last][2]
+    return any(step[0] == _WAIT_EVENT and step[1] == 0 and step[2] == event for step in program[last:])
+
+
+@functools.cache
+def _copy_batches_allowed(device: torch.device) -> bool:
+    """Whether this device's copies may be batched (``cuMemcpyBatchAsync``): not tried on Blackwell (compute
+    capability 10 and later), where another project reports it failing; a CPU test device may."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 10
+
+
+def _disjoint(copies: list) -> bool:
+    """Whether no two of the resolved copies ``copies`` write overlapping bytes and none reads what another writes
+    (the copies of one ``cuMemcpyBatchAsync`` may run in any order)."""
+    writes = sorted((space, offset, offset + nbytes) for _, _, space, offset, _, _, nbytes in copies)
+    for (space, _, end), (next_space, start, _) in zip(writes, writes[1:]):
+        if space == next_space and start < end:
+            return False
+    for _, _, _, _, space, offset, nbytes in copies:
+        for w_space, w_start, w_end in writes:
+            if space == w_space and offset < w_end and w_start < offset + nbytes:
+                return False
+    return True
 
 
 def _cuts(ops: list, totals: tuple[int, int, int]) -> tuple[list, list[dict]]:
@@ -278,8 +431,15 @@ class P2PCommunicator(GroupFields):
         gathered_own = gathered is not None and plan.op == "all_gather"
         if gathered is None and plan.op == "all_gather":
             gathered = self._gathered(plan, a.dtype, scales)
-        program, ops, joined, cuts = self._program(plan, a.dtype, gathered_own, captured, scales)
         driver = stream_ops.fast()
+        # A batched program (``_batched``) where the driver batches stream memory operations, outside debug mode
+        # (which polls each wait); copies batched where it has cuMemcpyBatchAsync, outside a capture.
+        memops = getattr(driver, "memops", None) if timeout is None else None
+        copies = getattr(driver, "copies", None) if memops is not None and not captured else None
+        if copies is not None and not _copy_batches_allowed(self.device):
+            copies = None
+        program, ops, joined, cuts = self._program(plan, a.dtype, gathered_own, captured, scales,
+                                                   batch=(memops is not None, copies is not None))
         handles = (driver.current_stream(self._index), *self._handles)
         events, fork, one = self._events, self._fork, self._one.data_ptr()
         sources, scale_sources = (a, out, gathered), (None, None, None)
@@ -304,7 +464,7 @@ class P2PCommunicator(GroupFields):
                                                        driver.wait_event)
         waited: list[tuple[torch.cuda.Event, steps.Wait]] = []
         record(events[0], handles[0])
-        for step, item in zip(program, ops):
+        for step in program:
             code = step[0]
             if code == _MM:
                 _, src_space, src_part, dst, dst_part, accumulate = step
@@ -321,16 +481,33 @@ class P2PCommunicator(GroupFields):
                 _, stream, dst_space, dst_offset, src_space, src_offset, nbytes = step
                 copy(handles[stream], bases[dst_space] + dst_offset, bases[src_space] + src_offset, nbytes)
             elif code == _WAIT:
-                _, stream, flag = step
+                _, stream, flag, item = step
                 wait_reset(handles[stream], flag)
                 if timeout is not None:  # debug mode: an event to poll, through torch
                     waited.append((self._stream(stream).record_event(), item))
             elif code == _SIGNAL:
                 write(handles[step[1]], step[2], 1)
+            elif code == _MEMOPS:
+                memops(handles[step[1]], step[2])
+            elif code == _COPIES:
+                _, stream, batch, fills, group = step
+                for array, index, space, offset in fills:
+                    array[index] = bases[space] + offset
+                try:
+                    copies(handles[stream], batch)
+                except RuntimeError:  # the driver refused the batch (none of it queued): the copies one by one,
+                    for _, _, dst_space, dst_offset, src_space, src_offset, nbytes in group:  # and no batch again
+                        copy(handles[stream], bases[dst_space] + dst_offset, bases[src_space] + src_offset, nbytes)
+                    driver.copies = None
             elif code == _FORKED_SIGNAL:  # C's signal in a graph: a branch on S, which C never waits for
                 record(fork, handles[0])
                 wait_event(handles[3], fork)
                 copy(handles[3], step[1], one, 4)
+            elif code == _FORKED_SIGNALS:  # several in a row: one fork
+                record(fork, handles[0])
+                wait_event(handles[3], fork)
+                for flag in step[1]:
+                    copy(handles[3], flag, one, 4)
             elif code == _RECORD:
                 record(events[step[2]], handles[step[1]])
             elif code == _HOOK:
@@ -346,13 +523,16 @@ class P2PCommunicator(GroupFields):
             self._check_progress(waited, timeout, op)
 
     def _program(self, plan: Plan, dtype: torch.dtype, gathered_own: bool, captured: bool = False,
-                 scales: scaled.Scales | None = None) -> tuple[list, tuple, tuple, list]:
+                 scales: scaled.Scales | None = None, batch: tuple[bool, bool] = (False, False)
+                 ) -> tuple[list, tuple, tuple, list]:
         """The schedule with everything that does not change between calls resolved: flag addresses, copy
         offsets and sizes, views of this rank's symmetric regions (built once per plan and workspace), and how
         the call's tensors are cut into the matmuls' row blocks (``_cuts``). fp8: rows of the output dtype, and the
-        all-gather's rows are packed rows (``_widths``)."""
+        all-gather's rows are packed rows (``_widths``). ``batch``: (stream memory operations, copies) batched
+        (``_batched``), and then a copy stream whose last work the caller's stream already waits for is not joined
+        again."""
         out_dtype, a_row = _widths(plan, dtype, scales)
-        key = (plan, dtype, out_dtype, a_row, gathered_own, captured)  # a new workspace empties the cache
+        key = (plan, dtype, out_dtype, a_row, gathered_own, captured, batch)  # a new workspace empties the cache
         cached = self._programs.get(key)
         if cached is not None:
             return cached
@@ -399,7 +579,7 @@ class P2PCommunicator(GroupFields):
                                 item.rows * row_bytes))
             elif isinstance(item, steps.Wait):
                 program.append((_WAIT, stream_index[item.stream], self.workspace.flag_ptr(item.flag.rank,
-                                                                                         item.flag.row)))
+                                                                                         item.flag.row), item))
             elif isinstance(item, steps.Signal):  # in a graph, a copy of the word that holds 1 (module docstring)
                 flag = self.workspace.flag_ptr(item.flag.rank, item.flag.row)
                 if not captured:
@@ -416,7 +596,10 @@ class P2PCommunicator(GroupFields):
                 program.append((_WAIT_EVENT, stream_index[item.stream], item.event))
         if len(self._programs) > 256:
             self._programs.clear()
-        joined = tuple(stream_index[name] for name in steps.streams_used(ops))
+        if batch[0]:
+            program = _batched(program, plan.world_size, batch[1], self._one.data_ptr())
+        joined = tuple(stream_index[name] for name in steps.streams_used(ops)
+                       if not (batch[0] and _joined_already(program, stream_index[name])))
         if captured and any(isinstance(item, steps.Signal) and item.stream == "C" for item in ops):
             joined += (stream_index["S"],)
         self._programs[key] = (program, ops, joined, cuts)
