@@ -54,16 +54,21 @@ def _replays(rank, world):
                 q_down, s_down = quantise_weight(w_down, precision)
                 up, down = q_up.transpose(1, 2), q_down.transpose(1, 2)
                 extra_up, extra_down = {"scale_w": s_up}, {"scale_w": s_down}
+            if precision == "bf16":
+                xin, ain, sx, sa = x, a, {}, {}
+            else:  # the fp8 operands in tensors of their own, refilled by each call (the addresses repeat)
+                (xin, xs), (ain, as_) = ([t.contiguous() for t in quantise(v.normal_(generator=gen), precision)]
+                                         for v in (x, a))
+                sx, sa = {"scale_x": xs}, {"scale_a": as_}
             before = graphs.replays
             for call in range(CALLS):
                 x.copy_(torch.randn(x.shape, device=device, generator=gen))
                 a.copy_(torch.randn(a.shape, device=device, generator=gen))
-                if precision == "bf16":
-                    xin, ain, sx, sa = x, a, {}, {}
-                else:
-                    xq, xs = (t.contiguous() for t in quantise(x, precision))
-                    aq, as_ = (t.contiguous() for t in quantise(a, precision))
-                    xin, ain, sx, sa = xq, aq, {"scale_x": xs}, {"scale_a": as_}
+                if precision != "bf16":
+                    for source, (q, scale) in ((x, (xin, xs)), (a, (ain, as_))):
+                        new_q, new_scale = quantise(source, precision)
+                        q.copy_(new_q)
+                        scale.copy_(new_scale)
                 what = f"{mode} {precision} #{call}"
                 h = fo.moe_dispatch_gemm(xin, up, layout, path="nccl", **sx, **extra_up)
                 _close(h, fo.moe_dispatch_gemm(xin, up, layout, path="reference", **sx, **extra_up), "dispatch " + what)
