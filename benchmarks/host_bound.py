@@ -17,7 +17,7 @@ each) the same rows at W, and the P2P path's, eager and replayed; the shapes are
 
 Run (one GPU; rows {shape, op, path, mode, dtype, W, M, N, K, host_us, gpu_us, wall_us}):
 
-    PYTHONPATH=src python -m benchmarks.host_bound benchmarks/results/h200x1-host-bound.json [--quick]
+    PYTHONPATH=src python -m benchmarks.host_bound benchmarks/results/h200x1-host-bound.json [--quick] [--shapes=llama|grid] [--dtypes=bfloat16,fp8-row]
     PYTHONPATH=src torchrun --nproc-per-node 2 -m benchmarks.host_bound benchmarks/results/h200x2-nvlink-host-bound.json
 """
 
@@ -106,14 +106,20 @@ def _with_replay(fn, replay: bool, settings):
     return fn
 
 
-def cases(quick: bool):
-    rows = [(name, op, m, n, k) for name, op, m, n, k in LLAMA]
-    if not quick:
-        rows += [("grid", op, m, n, k) for op, m, n, k in GRID if (op, m, n, k) != ("all_reduce", 4096, 8192, 8192)]
+def cases(quick: bool, shapes: str = "all"):
+    """The Llama shapes (with one grid shape), then the rest of the grid unless ``quick``; ``shapes``: ``"llama"``
+    or ``"grid"`` for one set alone."""
+    rows = [(name, op, m, n, k) for name, op, m, n, k in LLAMA] if shapes != "grid" else []
+    if not quick and shapes != "llama":
+        rows += [("grid", op, m, n, k) for op, m, n, k in GRID
+                 if shapes == "grid" or (op, m, n, k) != ("all_reduce", 4096, 8192, 8192)]
     return rows
 
 
-def measure(quick: bool, device: torch.device, world: int) -> list[dict]:
+def measure(quick: bool, device: torch.device, world: int, shapes: str = "all",
+            dtypes: tuple[str, ...] = ("bfloat16", "fp8-row"), done=None) -> list[dict]:
+    """Every case's rows; ``done(rows)`` after each case with the rows so far (the caller writes them: a run
+    cut short keeps what it measured)."""
     import flashoverlap as fo
     from flashoverlap import settings
     from flashoverlap.tune.fp8 import fp8_tiles
@@ -125,9 +131,9 @@ def measure(quick: bool, device: torch.device, world: int) -> list[dict]:
     fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
                "all_gather": fo.all_gather_scaled_gemm}
     results = []
-    for name, op, m, n, k in cases(quick):
+    for name, op, m, n, k in cases(quick, shapes):
         rows_a = m // world if op == "all_gather" else m  # all-gather: M is the gathered size
-        for dtype in ("bfloat16", "fp8-row"):
+        for dtype in dtypes:
             fp8 = dtype != "bfloat16"
             if fp8:
                 a, sa = _row_scaled(rows_a, k, device, gen)
@@ -178,6 +184,8 @@ def measure(quick: bool, device: torch.device, world: int) -> list[dict]:
             for row in rows if dist.get_rank() == 0 else ():
                 print(row, flush=True)
             results.extend(rows)
+            if done is not None:
+                done(results)
     os.environ.pop("FLASHOVERLAP_REPLAY", None)
     settings.refresh()
     return results
@@ -202,6 +210,11 @@ def main() -> None:
     require_cuda("benchmarks.host_bound", per_rank="LOCAL_RANK" in os.environ)
     args = [x for x in sys.argv[1:] if not x.startswith("--")]
     quick = "--quick" in sys.argv
+    options = dict(x[2:].split("=", 1) for x in sys.argv[1:] if x.startswith("--") and "=" in x)
+    shapes = options.get("shapes", "all")
+    dtypes = tuple(options.get("dtypes", "bfloat16,fp8-row").split(","))
+    if shapes not in ("all", "llama", "grid") or not set(dtypes) <= {"bfloat16", "fp8-row"}:
+        raise SystemExit("benchmarks.host_bound: --shapes= all, llama or grid; --dtypes= bfloat16 and/or fp8-row")
     launched = "LOCAL_RANK" in os.environ  # under torchrun: W ranks, one GPU each
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local)
@@ -213,22 +226,25 @@ def main() -> None:
             dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
                                     device_id=device)
         world = dist.get_world_size()
+        launcher = f"torchrun --nproc-per-node {world} -m benchmarks.host_bound" if launched else \
+            "python -m benchmarks.host_bound"
+        command = f"PYTHONPATH=src {launcher} " + " ".join(sys.argv[1:])
+
+        def write(rows, counts=None):
+            if not args or local != 0:
+                return
+            import json
+
+            results = {"meta": results_meta(command, gpus=f"{world}x {torch.cuda.get_device_name(device)}",
+                                            loop=LOOP, rounds=ROUNDS, graphs=counts), "rows": rows}
+            with open(args[0], "w") as f:
+                json.dump(results, f, indent=1)
+
         try:
-            rows = measure(quick, device, world)
-            counts = replay_counts(device)
+            rows = measure(quick, device, world, shapes, dtypes, done=write)
+            write(rows, replay_counts(device))
         finally:
             dist.destroy_process_group()
-    launcher = f"torchrun --nproc-per-node {world} -m benchmarks.host_bound" if launched else \
-        "python -m benchmarks.host_bound"
-    command = f"PYTHONPATH=src {launcher} " + " ".join(sys.argv[1:])
-    results = {"meta": results_meta(command, gpus=f"{world}x {torch.cuda.get_device_name(device)}", loop=LOOP,
-                                    rounds=ROUNDS, graphs=counts), "rows": rows}
-    if args and local == 0:
-        import json
-
-        with open(args[0], "w") as f:
-            json.dump(results, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
