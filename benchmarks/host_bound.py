@@ -17,7 +17,8 @@ each) the same rows at W, and the P2P path's, eager and replayed; the shapes are
 
 Run (one GPU; rows {shape, op, path, mode, dtype, W, M, N, K, host_us, gpu_us, wall_us}):
 
-    PYTHONPATH=src python -m benchmarks.host_bound benchmarks/results/h200x1-host-bound.json [--quick] [--shapes=llama|grid] [--dtypes=bfloat16,fp8-row]
+    PYTHONPATH=src python -m benchmarks.host_bound benchmarks/results/h200x1-host-bound.json [--quick]
+        [--shapes=llama|grid] [--dtypes=bfloat16,fp8-row]
     PYTHONPATH=src torchrun --nproc-per-node 2 -m benchmarks.host_bound benchmarks/results/h200x2-nvlink-host-bound.json
 """
 
