@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside thi
 
 from cpu_runs import checkout_commit, per_call_us, write_run  # noqa: E402
 
+from benchmarks.diagnostics.fp8_moe_host import layer_weights  # noqa: E402  (the GPU diagnostic's weights)
+
 CONFIGS = [  # (name, local experts, H, F, top-k, tokens): the GPU diagnostic's
     ("qwen3-30b-a3b", 64, 2048, 768, 8, 2048),
     ("mixtral-8x7b", 4, 4096, 14336, 2, 2048),
@@ -76,18 +78,6 @@ class Launches:
                 args[6].fill_(1)
 
         return launch
-
-
-def fp8_weights(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [L, N, K]`` as the op's fp8 ``[L, K, N]`` view and its scales (the GPU diagnostic's)."""
-    local, n, k = w.shape
-    if scaling == "row":
-        scale = (w.abs().amax(2) / 448).clamp_min(1e-12).float()
-        return (w / scale[:, :, None]).to(torch.float8_e4m3fn).transpose(1, 2), scale
-    blocks = w.float().view(local, n // 128, 128, k // 128, 128)
-    scale = (blocks.abs().amax((2, 4)) / 448).clamp_min(1e-12)
-    q = (blocks / scale[:, :, None, :, None]).view(local, n, k).to(torch.float8_e4m3fn)
-    return q.transpose(1, 2), scale.transpose(1, 2).contiguous()
 
 
 def _install(patch, real: dict[int, int], rows_scale: int) -> None:
@@ -163,12 +153,7 @@ def rows_for(config, mode: str, windows: int, calls: int, verbose: bool) -> list
         layout = fo.moe_layout(idx, local, mode=mode, bound=bound)
         base = None
         for dtype in ("bf16", "fp8-row", "fp8-block"):
-            if dtype == "bf16":
-                w_up, w_down, s_up, s_down = w13.transpose(1, 2), w2.transpose(1, 2), None, None
-            else:
-                scaling = dtype.split("-")[1]
-                w_up, s_up = fp8_weights(w13, scaling)
-                w_down, s_down = fp8_weights(w2, scaling)
+            w_up, w_down, s_up, s_down = layer_weights(dtype, w13, w2)
             kinds = []
             original_call = experts.ExpertKind.call
 

@@ -49,6 +49,16 @@ def fp8_weights(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tens
     return q.transpose(1, 2), scale.transpose(1, 2).contiguous()
 
 
+def layer_weights(dtype: str, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
+    """``(w_up, w_down, scale_up, scale_down)`` as the ops take them for ``dtype`` (``"bf16"``, ``"fp8-row"``,
+    ``"fp8-block"``), from nn.Linear-shaped ``w13 [L, 2F, H]`` and ``w2 [L, H, F]``."""
+    if dtype == "bf16":
+        return w13.transpose(1, 2), w2.transpose(1, 2), None, None
+    scaling = dtype.split("-")[1]
+    (w_up, s_up), (w_down, s_down) = fp8_weights(w13, scaling), fp8_weights(w2, scaling)
+    return w_up, w_down, s_up, s_down
+
+
 def measure(layer, iters: int) -> tuple[float, float]:
     for _ in range(3):
         layer()
@@ -108,12 +118,7 @@ def main() -> None:
                 row = {"config": name, "mode": mode, "dtype": dtype, "path": args.path, "experts": local,
                        "hidden": hidden, "ffn": ffn, "top_k": top_k, "tokens": tokens}
                 try:
-                    if dtype == "bf16":
-                        w_up, w_down, s_up, s_down = w13.transpose(1, 2), w2.transpose(1, 2), None, None
-                    else:
-                        scaling = dtype.split("-")[1]
-                        w_up, s_up = fp8_weights(w13, scaling)
-                        w_down, s_down = fp8_weights(w2, scaling)
+                    w_up, w_down, s_up, s_down = layer_weights(dtype, w13, w2)
 
                     def layer(w_up=w_up, w_down=w_down, s_up=s_up, s_down=s_down, layout=layout, x=x, ffn=ffn,
                               weights=weights):

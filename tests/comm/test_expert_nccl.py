@@ -251,7 +251,7 @@ def _replay_ranks(rank, world):
 
     group = CommGroup.of(dist.group.WORLD, torch.device("cpu"))
     comm, reference = ExpertNcclCommunicator(group), ExpertReferenceCommunicator(group)
-    comm.graphs = graphs = _Graphs()
+    comm.graphs, comm._graphed = (graphs := _Graphs()), True  # a GPU's graphs, stood in for on the CPU
     # The caching allocator's reuse, as a repeated call sees it: the n-th buffer of a call at the previous call's
     # n-th buffer's address, NaN-poisoned again (zeroed where the communicator asks).
     buffers, allocated = {}, [0]

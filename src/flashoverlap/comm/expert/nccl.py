@@ -102,6 +102,7 @@ class ExpertNcclCommunicator(GroupFields):
         self._comm_group: dist.ProcessGroup | None = None
         self._global: list[int] = []
         self.graphs = CallGraphs(self.device)  # repeated bounded-mode calls replayed (comm/replay.py)
+        self._graphed = self.device.type == "cuda"  # CUDA graphs: on a GPU only
 
     # -- one call ------------------------------------------------------------------------------------------
     def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -119,7 +120,8 @@ class ExpertNcclCommunicator(GroupFields):
         a = call.a if plan.op == "dispatch" or call.a.stride(-1) == 1 else call.a.contiguous()
         outputs = self._outputs(call, a)
         issue = self._dispatch if plan.op == "dispatch" else self._combine
-        if call.replay and plan.mode == "bounded" and (call.hook is None or held_signature(call.hook) is not None):
+        if (call.replay and plan.mode == "bounded" and self._graphed
+                and (call.hook is None or held_signature(call.hook) is not None)):
             if self.graphs.run(call_signature(call, a, outputs), lambda: issue(call, a, outputs, captured=True)):
                 return outputs[0], outputs[1] if call.return_gathered else None
         issue(call, a, outputs)
