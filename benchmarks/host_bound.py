@@ -208,6 +208,9 @@ def replay_counts(device: torch.device) -> dict:
 def main() -> None:
     from benchmarks.diagnostics.results_file import require_cuda, results_meta
 
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return
     require_cuda("benchmarks.host_bound", per_rank="LOCAL_RANK" in os.environ)
     args = [x for x in sys.argv[1:] if not x.startswith("--")]
     quick = "--quick" in sys.argv

@@ -391,6 +391,20 @@ MUTATIONS = [
      "src/flashoverlap/nn/float8.py", "x8, x_scale = _cast(x, recipe.input, -1, True, mesh)",
      "x8, x_scale = _cast(x, recipe.input, -1, False, mesh)",
      "tests/nn/test_float8_styles.py::test_float8_styles_at_two_ranks_match_the_unsharded_model_as_torchaos_do"),
+    ("launch-fingerprint-ignores-alignment", "Direct launches: a tensor's fingerprint leaves out its 16-byte alignment, "
+     "so a kernel compiled for aligned operands is launched on misaligned ones", "src/flashoverlap/kernels/launch.py",
+     "        return value.dtype, value.data_ptr() % 16 == 0", "        return value.dtype",
+     "tests/kernels/test_launch.py"),
+    ("nccl-all-gather-own-shard-in-slot-0", "NCCL all-gather: the one strided copy puts this rank's shard in slot 0 of "
+     "every band", COLLECTIVES, "plan.world_size, rows, -1)[:, rank]", "plan.world_size, rows, -1)[:, 0]",
+     NCCL_TEST + "::test_nccl_communicator_code_with_an_asynchronous_producer"),
+    ("nccl-all-gather-direct-slot-at-band-start", "NCCL all-gather, direct calls: this rank's slot is taken at its "
+     "band's start", NCCL, "(g.out_row_start + self.rank * g.rows) * width * size", "g.out_row_start * width * size",
+     NCCL_TEST + "::test_nccl_communicator_code_with_an_asynchronous_producer"),
+    ("expert-nccl-bounded-h-not-zeroed", "Expert NCCL path, bounded mode: dispatch's output is not zeroed inside the "
+     "issued (and captured) work, so its padding rows keep what the allocator left", EXPERT_NCCL,
+     "        if bounded:\n            h.zero_()\n", "",
+     "tests/comm/test_expert_nccl.py::test_bounded_calls_replay_and_exact_ones_do_not"),
 ]
 
 
