@@ -203,7 +203,7 @@ class BatchMemoryDriver(memory.MemoryDriver):
 
 def _batching_communicators(world, monkeypatch):
     comms, flags = memory.communicators(world, rs.regions(world) * (1 << 17), monkeypatch)
-    driver = BatchMemoryDriver()
+    driver = BatchMemoryDriver(timeout_s=60.0)  # W = 8 threads on 2 loaded cores: a wide bound (a hang still fails)
     driver.batched = [0, 0]
     monkeypatch.setattr(p2p.stream_ops, "fast", lambda: driver)
     return comms, flags, driver

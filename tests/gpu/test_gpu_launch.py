@@ -27,25 +27,31 @@ def test_repeated_launches_are_direct_and_right(dtype):
     out = torch.empty(m, n, dtype=dtype, device=device)
     backing = torch.empty(m * k + 1, dtype=dtype, device=device)
 
-    def launch(a, b):
+    def launch(a, b, options):
         out.fill_(float("nan"))
         counters.zero_()
-        gemm_module.gemm(a, b, plan, out=out, counters=counters)
+        gemm_module.gemm(a, b, plan, out=out, counters=counters, **options)
         want = a.float() @ b.float()
         torch.testing.assert_close(out.float(), want, atol=2e-2 * k**0.5, rtol=2e-2)
 
-    cases = [
-        ("aligned", lambda: torch.randn(m, k, dtype=dtype, device=device),
-         lambda: (torch.randn(n, k, dtype=dtype, device=device) / k**0.5).t()),
-        ("a one element in (not 16-byte aligned)",
-         lambda: backing[1:].view(m, k).copy_(torch.randn(m, k, dtype=dtype, device=device)),
-         lambda: (torch.randn(n, k, dtype=dtype, device=device) / k**0.5).t()),
-        ("row-major b", lambda: torch.randn(m, k, dtype=dtype, device=device),
-         lambda: torch.randn(k, n, dtype=dtype, device=device) / k**0.5),
-    ]
-    for what, make_a, make_b in cases:
+    def weight():
+        return (torch.randn(n, k, dtype=dtype, device=device) / k**0.5).t()
+
+    def aligned():
+        return torch.randn(m, k, dtype=dtype, device=device)
+
+    def one_in():  # 2 bytes past a 16-byte boundary
+        return backing[1:].view(m, k).copy_(torch.randn(m, k, dtype=dtype, device=device))
+
+    # (what, a, b, launch options): without TMA the aligned and the misaligned operands differ in alignment alone.
+    cases = [("aligned", aligned, weight, {}), ("aligned, no TMA", aligned, weight, {"use_tma": False}),
+             ("a one element in, no TMA", one_in, weight, {"use_tma": False}),
+             ("row-major b", aligned, lambda: torch.randn(k, n, dtype=dtype, device=device) / k**0.5, {})]
+    for what, make_a, make_b, options in cases:
         before = launcher.fast_launches
-        for _ in range(3):
-            launch(make_a(), make_b())
-        assert launcher.fast_launches - before >= 2, f"{what}: the repeated launches did not go direct"
+        launch(make_a(), make_b(), options)
+        assert launcher.fast_launches == before, f"{what}: a new fingerprint's first launch went direct"
+        for _ in range(2):
+            launch(make_a(), make_b(), options)
+        assert launcher.fast_launches - before == 2, f"{what}: the repeated launches did not go direct"
     torch.cuda.synchronize()

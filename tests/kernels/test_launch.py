@@ -125,6 +125,33 @@ def test_fingerprints_name_what_specialises_a_kernel():
     x = torch.zeros(8)
     assert fingerprint(x) == (torch.float32, True)
     assert fingerprint(x[1:]) == (torch.float32, False)
-    assert fingerprint(7) == 7 and fingerprint(None) is None
+    assert fingerprint(7) == (int, 7)
+    # Equal in a key, specialised apart by Triton (u1, constexpr 1, fp32).
+    assert len({fingerprint(1), fingerprint(True), fingerprint(1.0)}) == 3
     with pytest.raises(TypeError, match="no fingerprint"):
         fingerprint(object())
+
+
+def test_a_tensor_descriptors_fingerprint_holds_its_block_and_layout():
+    descriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    a = torch.zeros(64, 64, dtype=torch.float16)
+    base = fingerprint(descriptor.from_tensor(a, [16, 32]))
+    assert fingerprint(descriptor.from_tensor(a, [16, 32])) == base
+    assert fingerprint(descriptor.from_tensor(a, [32, 32])) != base  # another block shape
+    assert fingerprint(descriptor.from_tensor(a[:32], [16, 32])) != base  # another shape
+    assert fingerprint(descriptor.from_tensor(a.float(), [16, 32])) != base  # another dtype
+
+
+@pytest.mark.parametrize("switch", ["debug", "pre-run hook", "exit hook"])
+def test_the_jits_own_switches_are_honoured(kernel, monkeypatch, switch):
+    launcher = Launcher(kernel)
+    x = torch.zeros(64)
+    launcher(1, (x, x, 64), {"BLOCK": 32, "FLAG": False})
+    if switch == "debug":  # a debug build is another kernel: compiled through the JIT, then launched directly
+        monkeypatch.setattr(launch._knobs.runtime, "debug", True)
+    elif switch == "pre-run hook":
+        kernel.pre_run_hooks = [lambda *args, **kwargs: None]
+    else:
+        monkeypatch.setattr(launch._knobs.runtime, "launch_exit_hook", lambda metadata: None)
+    launcher(1, (x, x, 64), {"BLOCK": 32, "FLAG": False})
+    assert len(kernel.jit_calls) == 2 and launcher.fast_launches == 0

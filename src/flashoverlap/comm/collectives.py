@@ -148,7 +148,8 @@ def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
     each group's band and this rank's slot in it are returned."""
     groups = plan.groups
     rows = groups[0].rows
-    if all(g.rows == rows for g in groups) and rows * len(groups) == a_shard.shape[0]:
+    if (all(g.rows == rows for g in groups) and rows * len(groups) == a_shard.shape[0]
+            and groups[-1].out_row_end == gathered.shape[0]):
         # Bands follow each other in group order, each W slots of ``rows`` rows (``Plan.groups``).
         gathered.view(len(groups), plan.world_size, rows, -1)[:, rank].copy_(a_shard.view(len(groups), rows, -1))
         return None

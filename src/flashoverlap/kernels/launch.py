@@ -10,8 +10,9 @@ The fingerprint is stricter than Triton's specialisation, so it can never reuse 
 the device, every constexpr and launch option, each tensor's dtype and 16-byte alignment, each tensor descriptor's
 dtype, block shape, shape, strides and alignment, and every integer argument by value (in these kernels the
 integers are the problem's sizes and strides, fixed per plan and layout, so keying them by value costs no hits).
-Where Triton runs in its interpreter (the CPU tests), or where a profiler hook asks for launch metadata, every
-launch goes through the JIT.
+The key also holds the switches the JIT reads on every launch (``knobs.runtime.debug``, the instrumentation mode).
+Where Triton runs in its interpreter (the CPU tests), where a profiler hook asks for launch metadata, or where the
+kernel has pre-run hooks, every launch goes through the JIT.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def fingerprint(value) -> object:
     if isinstance(value, torch.Tensor):  # the device is the key's (the current one, where the kernel runs)
         return value.dtype, value.data_ptr() % 16 == 0
     if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+        return type(value), value  # in a key True == 1 == 1.0; Triton specialises them apart
     base = getattr(value, "base", None)  # a host tensor descriptor
     if isinstance(base, torch.Tensor):
         return (type(value), base.dtype, base.device, base.data_ptr() % 16 == 0, tuple(value.block_shape),
@@ -60,11 +61,13 @@ class Launcher:
         self.fast_launches = 0
 
     def __call__(self, grid: int, args: tuple, meta: dict) -> None:
-        if guards.triton_interpreted() or _hooked():
+        if guards.triton_interpreted() or _hooked() or getattr(self.kernel, "pre_run_hooks", None):
             self.kernel[(grid,)](*args, **meta)
             return
         device = torch.cuda.current_device()
-        key = (device, tuple(meta.items()), tuple(map(fingerprint, args)))
+        # The switches the JIT folds into its own key on every launch (a debug build, instrumentation).
+        switches = (_knobs.runtime.debug, getattr(_knobs.compilation, "instrumentation_mode", None))
+        key = (device, switches, tuple(meta.items()), tuple(map(fingerprint, args)))
         hit = self._compiled.get(key)
         if hit is None:
             compiled = self.kernel[(grid,)](*args, **meta)
@@ -99,5 +102,5 @@ def _hooked() -> bool:
     ones a chain of hooks, empty by default."""
     if _knobs is None:
         return True
-    hook = _knobs.runtime.launch_enter_hook
-    return hook is not None and bool(getattr(hook, "calls", True))
+    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
+    return any(hook is not None and bool(getattr(hook, "calls", True)) for hook in hooks)

@@ -43,7 +43,9 @@ def quantise_weight(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.
 # ``copy_`` and ``nn.init`` under ``torch.no_grad()``), its data pointer (a replaced storage), shape, strides and
 # dtype. A write that bypasses the version counter (through ``w.data``, or DLPack / raw pointers) is not seen: call
 # ``clear_weight_casts()`` after one. Not kept while tracing (``torch.compile``) or for inference tensors (no version
-# counter): cast at every call there, as before.
+# counter): cast at every call there, as before. A kept cast holds an fp8 copy of its weight (half a bf16 weight's
+# bytes) while the weight lives, evaluation passes under ``torch.no_grad()`` during training included:
+# ``clear_weight_casts()`` frees them.
 _CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
