@@ -1,5 +1,6 @@
-"""What the CPU host-cost scripts (``host_python.py``, ``moe_host_python.py``) share: the least time per call, the
-measured checkout's commit, and one labelled run ("before", "after") merged into a results file beside the others."""
+"""What the CPU host-cost scripts (``host_python.py``, ``moe_host_python.py``, ``fp8_moe_host_python.py``) share: the
+least time per call, the least row per case over repeats, the measured checkout's commit, and one labelled run
+("before", "after") merged into a results file beside the others."""
 
 from __future__ import annotations
 
@@ -28,6 +29,25 @@ def per_call_us(fn: Callable[[], object], windows: int, calls: int) -> float:
             fn()
         best = min(best, (time.perf_counter() - start) / calls)
     return best * 1e6
+
+
+def least_rows(rows: list[dict], fields: tuple[str, ...]) -> dict[tuple, dict]:
+    """Per case (the values of ``fields``), the row of least ``us_per_call``: on a shared machine, other work only
+    ever adds time."""
+    least: dict[tuple, dict] = {}
+    for row in rows:
+        key = tuple(row[field] for field in fields)
+        if key not in least or row["us_per_call"] < least[key]["us_per_call"]:
+            least[key] = row
+    return least
+
+
+def labelled(rows: list[dict], label: str, commit: str) -> list[dict]:
+    """``rows``, each given the run's label and the measured checkout's commit, and printed one JSON line each."""
+    for row in rows:
+        row["label"], row["commit"] = label, commit
+        print(json.dumps(row))
+    return rows
 
 
 def _git(cwd: Path, *args: str) -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -47,7 +46,7 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(ROOT))  # tests.comm.fake_cuda: this checkout's (it fakes torch.cuda, not flashoverlap)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import checkout_commit, per_call_us, write_run  # noqa: E402
+from cpu_runs import checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
 
 from benchmarks.diagnostics.fp8_moe_host import layer_weights  # noqa: E402  (the GPU diagnostic's weights)
 
@@ -201,22 +200,15 @@ def main() -> int:
     fake_cuda.install(wait_timeout_s=10.0)
     store = tempfile.TemporaryDirectory()
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(store.name, 'init')}", rank=0, world_size=1)
-    least: dict[tuple, dict] = {}
-    for _ in range(args.repeat):  # the least of each figure over the repeats (a shared machine only adds time)
-        for config in CONFIGS:
-            for mode in ("exact", "bounded"):
-                for row in rows_for(config, mode, args.windows, args.calls, args.verbose):
-                    key = (row["config"], row["mode"], row["dtype"])
-                    if key not in least or row["us_per_call"] < least[key]["us_per_call"]:
-                        least[key] = row
+    measured = [row for _ in range(args.repeat) for config in CONFIGS for mode in ("exact", "bounded")
+                for row in rows_for(config, mode, args.windows, args.calls, args.verbose)]
+    least = least_rows(measured, ("config", "mode", "dtype"))  # the least of each figure over the repeats
     rows = list(least.values())
     for row in rows:  # the ratio of the least figures
         bf16 = least[(row["config"], row["mode"], "bf16")]["us_per_call"]
         row["ratio_to_bf16"] = round(row["us_per_call"] / bf16, 3)
     commit = checkout_commit(SOURCE)
-    for row in rows:
-        row["label"], row["commit"] = args.label, commit
-        print(json.dumps(row))
+    labelled(rows, args.label, commit)
     if args.out:
         write_run(args.out, args.label, "label", rows, commit, ROOT, SOURCE, "fp8_moe_host_python.py",
                   {"world_size": 1, "path": "nccl", "small_shapes": {"hidden": HIDDEN, "ffn": FFN, "tokens": TOKENS},

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -44,7 +43,7 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(SOURCE))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import checkout_commit, per_call_us, write_run  # noqa: E402
+from cpu_runs import checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
 
 from flashoverlap.comm.expert import (  # noqa: E402
     ExpertCall,
@@ -141,16 +140,8 @@ def main() -> int:
         for mode in ("exact", "bounded"):
             with pytest.MonkeyPatch.context() as patch:
                 rows += rows_for(mode, patch)
-    least = {}
-    for row in rows:
-        key = (row["op"], row["mode"])
-        if key not in least or row["us_per_call"] < least[key]["us_per_call"]:
-            least[key] = row
-    rows = list(least.values())
     commit = checkout_commit(SOURCE)
-    for row in rows:
-        row["label"], row["commit"] = args.label, commit
-        print(json.dumps(row))
+    rows = labelled(list(least_rows(rows, ("op", "mode")).values()), args.label, commit)
     if args.out:
         write_run(args.out, args.label, "label", rows, commit, ROOT, SOURCE, "moe_host_python.py",
                   {"world_size": WORLD, "rank": RANK, "exact_splits": {"send": list(SEND), "recv": list(RECV)},
