@@ -3,9 +3,9 @@
 ``kernel[grid](*args, **meta)`` binds every argument, computes its specialisation (each pointer's 16-byte
 alignment, each integer's value class), builds a string cache key from it and looks the compiled kernel up, on every
 launch. ``Launcher`` does that once per *fingerprint* and then calls the compiled kernel's launcher directly, with the
-same argument list the JIT hands it. Measured on H200 hosts (benchmarks/diagnostics/nccl_host_parts.py, the
-signalling GEMM's 27 arguments, arguments built): 31 µs a launch against the JIT's 40 on one machine, no difference
-on a host twice as slow, where the launcher's own work (the TMA descriptors it encodes) dominates both.
+same argument list the JIT hands it. What that saves is measured beside the JIT's launch by
+benchmarks/diagnostics/nccl_host_parts.py (benchmarks/results/h200x1-nccl-host-parts.json: a fraction of a launch,
+whose larger part is the launcher's own work, the TMA descriptors it encodes among it).
 
 The fingerprint is stricter than Triton's specialisation, so it can never reuse a kernel compiled for another one:
 the device, every constexpr and launch option, each tensor's dtype and 16-byte alignment, each tensor descriptor's
