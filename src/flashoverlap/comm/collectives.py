@@ -140,26 +140,20 @@ def _base_now(method: str | None, options: object, through_torch: Callable, out:
         work.wait()
 
 
-def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
-                    rank: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan, rank: int) -> None:
     """Copy ``rank``'s shard into its slot of every band of ``gathered`` (the plan's ``[group][W][rows][K]``
-    layout) on the current stream, so that the GEMM's local tiles read it without waiting. Where every group has
-    the same rows (the usual plan) this is one strided copy and returns None; otherwise one copy per group, and
-    each group's band and this rank's slot in it are returned."""
+    layout) on the current stream, so that the GEMM's local tiles read it without waiting: one strided copy where
+    every group has the same rows (the usual plan), else one copy per group."""
     groups = plan.groups
     rows = groups[0].rows
     if (all(g.rows == rows for g in groups) and rows * len(groups) == a_shard.shape[0]
             and groups[-1].out_row_end == gathered.shape[0]):
         # Bands follow each other in group order, each W slots of ``rows`` rows (``Plan.groups``).
         gathered.view(len(groups), plan.world_size, rows, -1)[:, rank].copy_(a_shard.view(len(groups), rows, -1))
-        return None
-    placed = []
+        return
     for grp in groups:
-        band = gathered[grp.out_row_start : grp.out_row_end]
-        slot = band[rank * grp.rows : (rank + 1) * grp.rows]
-        slot.copy_(a_shard[grp.row_start : grp.row_end])
-        placed.append((band, slot))
-    return placed
+        start = grp.out_row_start + rank * grp.rows
+        gathered[start : start + grp.rows].copy_(a_shard[grp.row_start : grp.row_end])
 
 
 def gathered_in_rank_order(gathered: torch.Tensor, plan: Plan, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,8 +75,7 @@ class NcclComm:
                                                 _SUM, self._comm, stream), "ncclReduceScatter")
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, stream: int) -> None:
-        self._check(self._lib.ncclAllGather(inp.data_ptr(), out.data_ptr(), inp.numel(), _DTYPES[inp.dtype],
-                                            self._comm, stream), "ncclAllGather")
+        self.all_gather_at(out.data_ptr(), inp.data_ptr(), inp.numel(), _DTYPES[inp.dtype], stream)
 
     def all_gather_at(self, out: int, inp: int, count: int, code: int, stream: int) -> None:
         """``all_gather`` by address: ``count`` elements of NCCL type ``code`` (``code(dtype)``) from ``inp``, every

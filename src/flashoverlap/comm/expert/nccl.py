@@ -120,11 +120,11 @@ class ExpertNcclCommunicator(GroupFields):
         a = call.a if plan.op == "dispatch" or call.a.stride(-1) == 1 else call.a.contiguous()
         outputs = self._outputs(call, a)
         issue = self._dispatch if plan.op == "dispatch" else self._combine
-        if (call.replay and plan.mode == "bounded" and self._graphed
-                and (call.hook is None or held_signature(call.hook) is not None)):
-            if self.graphs.run(call_signature(call, a, outputs), lambda: issue(call, a, outputs, captured=True)):
-                return outputs[0], outputs[1] if call.return_gathered else None
-        issue(call, a, outputs)
+        replayable = (call.replay and plan.mode == "bounded" and self._graphed
+                      and (call.hook is None or held_signature(call.hook) is not None))
+        if not (replayable and self.graphs.run(call_signature(call, a, outputs),
+                                               lambda: issue(call, a, outputs, captured=True))):
+            issue(call, a, outputs)
         return outputs[0], outputs[1] if call.return_gathered else None
 
     def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -312,7 +312,7 @@ class NcclCommunicator(GroupFields):
         queue the NCCL kernels behind a kernel that spins on their flags."""
         # This rank's bands into their slots first, on the producer stream; each band's all-gather reads its slot
         # in place.
-        placed = place_own_shard(gathered, a_shard, plan, self.rank)
+        place_own_shard(gathered, a_shard, plan, self.rank)
         self._fork()
         comm_group = self.comm_group(plan.comm_ctas)
         direct, stream = self._direct_for(plan, gathered.dtype), self._comm_handle
@@ -324,9 +324,8 @@ class NcclCommunicator(GroupFields):
                 direct.all_gather_at(start + band, start + slot, count, code, stream)
                 driver.write(stream, base + flag, 1)
             return arrived
-        if placed is None:
-            placed = [(band, band[self.rank * grp.rows : (self.rank + 1) * grp.rows])
-                      for grp, band in zip(plan.groups, self._split(gathered, plan, True))]
+        placed = [(band, band[self.rank * grp.rows : (self.rank + 1) * grp.rows])
+                  for grp, band in zip(plan.groups, self._split(gathered, plan, True))]
         # torch.distributed issues on the current stream; the direct calls take the stream's handle.
         with contextlib.nullcontext() if direct is not None else torch.cuda.stream(self.comm_stream):
             for grp, (band, slot) in zip(plan.groups, placed):
