@@ -18,7 +18,7 @@ each) the same rows at W, and the P2P path's, eager and replayed; the shapes are
 Run (one GPU; rows {shape, op, path, mode, dtype, W, M, N, K, host_us, gpu_us, wall_us}):
 
     PYTHONPATH=src python -m benchmarks.host_bound benchmarks/results/h200x1-host-bound.json [--quick]
-        [--shapes=llama|grid] [--dtypes=bfloat16,fp8-row]
+        [--shapes=llama|grid] [--dtypes=bfloat16,fp8-row] [--ops=all_reduce,reduce_scatter,all_gather]
     PYTHONPATH=src torchrun --nproc-per-node 2 -m benchmarks.host_bound benchmarks/results/h200x2-nvlink-host-bound.json
 """
 
@@ -107,18 +107,21 @@ def _with_replay(fn, replay: bool, settings):
     return fn
 
 
-def cases(quick: bool, shapes: str = "all"):
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def cases(quick: bool, shapes: str = "all", ops: tuple[str, ...] = OPS):
     """The Llama shapes (with one grid shape), then the rest of the grid unless ``quick``; ``shapes``: ``"llama"``
-    or ``"grid"`` for one set alone."""
+    or ``"grid"`` for one set alone; ``ops``: the ops kept."""
     rows = [(name, op, m, n, k) for name, op, m, n, k in LLAMA] if shapes != "grid" else []
     if not quick and shapes != "llama":
         rows += [("grid", op, m, n, k) for op, m, n, k in GRID
                  if shapes == "grid" or (op, m, n, k) != ("all_reduce", 4096, 8192, 8192)]
-    return rows
+    return [row for row in rows if row[1] in ops]
 
 
 def measure(quick: bool, device: torch.device, world: int, shapes: str = "all",
-            dtypes: tuple[str, ...] = ("bfloat16", "fp8-row"), done=None) -> list[dict]:
+            dtypes: tuple[str, ...] = ("bfloat16", "fp8-row"), done=None, ops: tuple[str, ...] = OPS) -> list[dict]:
     """Every case's rows; ``done(rows)`` after each case with the rows so far (the caller writes them: a run
     cut short keeps what it measured)."""
     import flashoverlap as fo
@@ -132,7 +135,7 @@ def measure(quick: bool, device: torch.device, world: int, shapes: str = "all",
     fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
                "all_gather": fo.all_gather_scaled_gemm}
     results = []
-    for name, op, m, n, k in cases(quick, shapes):
+    for name, op, m, n, k in cases(quick, shapes, ops):
         rows_a = m // world if op == "all_gather" else m  # all-gather: M is the gathered size
         for dtype in dtypes:
             fp8 = dtype != "bfloat16"
@@ -217,8 +220,10 @@ def main() -> None:
     options = dict(x[2:].split("=", 1) for x in sys.argv[1:] if x.startswith("--") and "=" in x)
     shapes = options.get("shapes", "all")
     dtypes = tuple(options.get("dtypes", "bfloat16,fp8-row").split(","))
-    if shapes not in ("all", "llama", "grid") or not set(dtypes) <= {"bfloat16", "fp8-row"}:
-        raise SystemExit("benchmarks.host_bound: --shapes= all, llama or grid; --dtypes= bfloat16 and/or fp8-row")
+    ops = tuple(options.get("ops", ",".join(OPS)).split(","))
+    if shapes not in ("all", "llama", "grid") or not set(dtypes) <= {"bfloat16", "fp8-row"} or not set(ops) <= set(OPS):
+        raise SystemExit("benchmarks.host_bound: --shapes= all, llama or grid; --dtypes= bfloat16 and/or fp8-row; "
+                         "--ops= some of " + ",".join(OPS))
     launched = "LOCAL_RANK" in os.environ  # under torchrun: W ranks, one GPU each
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local)
@@ -245,7 +250,7 @@ def main() -> None:
                 json.dump(results, f, indent=1)
 
         try:
-            rows = measure(quick, device, world, shapes, dtypes, done=write)
+            rows = measure(quick, device, world, shapes, dtypes, done=write, ops=ops)
             write(rows, replay_counts(device))
         finally:
             dist.destroy_process_group()

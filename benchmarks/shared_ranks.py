@@ -50,6 +50,7 @@ KEYS = {
 }
 DEFAULT_BUDGET = {"mechanics": 450.0, "soak": 450.0, "faults": 450.0, "host": 300.0}
 SPAWN_MARGIN = 30.0  # seconds a W's spawn may run past its share (start-up, wrap-up) before it counts as hung
+WRAP_UP = 40.0  # seconds of a long soak's share kept for the ranks' wrap-up after their deadline
 MIN_SHARE = 45.0  # seconds: a W's share below this is not started (soak, host)
 MIN_FAMILY_SHARE = 20.0  # mechanics: a family's share below this is not started
 
@@ -210,7 +211,10 @@ def run_soak(args) -> list[dict]:
             row = {"W": world, "calls": 0, "wrong": 0, "hangs": 0, "memory_mib": [], "flat": None,
                    "error": f"budget spent: W = {world} not run"}
         else:
-            options = {"deadline": time.time() + share * 0.85, "device": args.device, "calls": args.calls,
+            # the ranks stop issuing bursts at the deadline; the rest of the share is their wrap-up (at most a
+            # check's worth of bursts, the last samples, the exit): 15 %, never more than WRAP_UP seconds
+            deadline = time.time() + max(share * 0.85, share - WRAP_UP)
+            options = {"deadline": deadline, "device": args.device, "calls": args.calls,
                        "seed": args.seed}
             paths = [progress_path(progress_dir, "soak", world, r) for r in range(world)]
             _say(f"soak W={world}: {args.calls} calls, share {share:.0f} s")

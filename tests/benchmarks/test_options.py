@@ -62,3 +62,12 @@ def test_the_harness_runs_from_the_root_of_a_checkout():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.ops", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "--sweep-ctas" in proc.stdout and "--shapes" in proc.stdout, proc.stderr
+
+
+def test_host_bound_cases_keep_the_ops_asked_for():
+    from benchmarks import host_bound
+
+    everything = host_bound.cases(False, "grid")
+    kept = host_bound.cases(False, "grid", ("reduce_scatter", "all_gather"))
+    assert {op for _, op, *_ in everything} == set(host_bound.OPS)
+    assert kept == [case for case in everything if case[1] != "all_reduce"] and kept

@@ -103,7 +103,7 @@ def _ranks(rank, world_size):
         comm.finish_all_gather(plan)
         assert not comm.flags.any()
         # The direct NCCL calls' addresses (a GPU's): each group's band, this rank's slot in it, its flag.
-        start, size = gathered.data_ptr(), gathered.element_size()
+        start = gathered.data_ptr()
         for grp, (flag, band, slot, count) in zip(plan.groups, comm._gather_offsets(plan, gathered)):
             view = gathered[grp.out_row_start : grp.out_row_end]
             own = view[rank * grp.rows : (rank + 1) * grp.rows]
