@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--families", type=_names, default=None,
                    help="mechanics: tp, moe, moe-fp8 (the P2P expert path in fp8), models (default: all)")
     p.add_argument("--quick", action="store_true", help="mechanics: a small subset (the GPU test's smoke)")
+    p.add_argument("--resume", action="store_true",
+                   help="mechanics: keep the results file's right rows (each with its commit) and run only the "
+                        "cases it lacks or got wrong (a step an earlier budget cut short)")
     p.add_argument("--rounds", type=int, default=40, help="host: timed rounds per op")
     p.add_argument("--seed", type=int, default=0, help="soak: the random sequence's seed")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="FILE",
@@ -159,18 +162,26 @@ def run_mechanics(args) -> list[dict]:
     families = tuple(args.families or FAMILY_WEIGHTS)
     progress_dir = tempfile.mkdtemp(prefix="shared-ranks-progress-")
     all_rows = []
+    earlier = mechanics.right_rows(args.out / STEPS[args.step]) if args.resume else {}
     for i, world in enumerate(args.worlds):
         world_end = time.time() + budget.share(len(args.worlds) - i)
         rows = []
-        for j, family in enumerate(families):  # one spawn per family: a hang in one leaves the others' rows
-            weights = [FAMILY_WEIGHTS[f] for f in families[j:]]
+        # the families with cases left to run (all of them, unless --resume kept every case of some)
+        left = [f for f in families
+                if len(earlier.get((world, f), [])) < mechanics.case_count(world, args.device, args.quick, f)]
+        for family in families:  # one spawn per family: a hang in one leaves the others' rows
+            kept = earlier.get((world, family), [])
+            if family not in left:
+                rows += kept
+                continue
+            weights = [FAMILY_WEIGHTS[f] for f in left[left.index(family):]]
             share = max(0.0, world_end - time.time()) * weights[0] / sum(weights)
             if share < MIN_FAMILY_SHARE:
                 got = [{"case": "(budget)", "error": f"budget spent: W = {world} {family} not run"}]
                 failure = None
             else:
                 options = {"deadline": time.time() + share * 0.85, "device": args.device, "quick": args.quick,
-                           "families": (family,)}
+                           "families": (family,), "skip": [[row["case"], row["mode"]] for row in kept]}
                 paths = [progress_path(progress_dir, f"mechanics-{family}", world, r) for r in range(world)]
                 _say(f"mechanics W={world} {family}: share {share:.0f} s")
                 results, failure = spawn_ranks(mechanics.spawned, world, (options, [str(p) for p in paths]),
@@ -179,7 +190,7 @@ def run_mechanics(args) -> list[dict]:
                        else mechanics.rows_from_progress(paths, world, failure))
             for row in got:
                 row["W"], row["family"] = world, family
-            rows += got
+            rows += kept + got
             _report_mechanics(world, family, got, failure)
         all_rows += rows
         _write(args, rows, key=KEYS["mechanics"])

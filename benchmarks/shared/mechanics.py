@@ -525,6 +525,31 @@ def plan_of_cases(world: int, device_kind: str, quick: bool, families: tuple[str
     return out
 
 
+def case_count(world: int, device_kind: str, quick: bool, family: str) -> int:
+    return len(plan_of_cases(world, device_kind, quick, (family,)))
+
+
+def _label(family: str, case) -> str:
+    return case.call.label() if family == "tp" else case.label() if family == "moe" else case
+
+
+def right_rows(path) -> dict[tuple[int, str], list[dict]]:
+    """A mechanics results file's right rows (no error, no wrong value), by ``(W, family)``, each naming its commit:
+    what ``--resume`` keeps and does not run again."""
+    import json
+    from pathlib import Path
+
+    if not Path(path).exists():
+        return {}
+    data = json.loads(Path(path).read_text())
+    commit = data.get("meta", {}).get("commit")
+    kept: dict[tuple[int, str], list[dict]] = {}
+    for row in data.get("rows", []):
+        if not row.get("error") and not row.get("wrong") and row.get("mode") is not None:
+            kept.setdefault((row["W"], row["family"]), []).append({"commit": commit, **row})
+    return kept
+
+
 def spawned(rank: int, world: int, options: dict, paths: list[str]):
     """``rank_main`` with rank ``rank``'s progress file (``paths[rank]``): what the step spawns."""
     return rank_main(rank, world, {**options, "progress": paths[rank]})
@@ -538,18 +563,22 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
     group = dist.group.WORLD
     progress = Progress(options.get("progress"))
     families = tuple(options.get("families") or ("tp", "moe", "moe-fp8", "models"))
-    cases = plan_of_cases(world, device.type, options.get("quick", False), families)
+    skip = {tuple(pair) for pair in options.get("skip") or ()}
+    # numbered as in the whole plan (a resumed run's rows keep their cases' numbers)
+    cases = [(number, family, case, mode) for number, (family, case, mode)
+             in enumerate(plan_of_cases(world, device.type, options.get("quick", False), families))
+             if (_label(family, case), mode) not in skip]
     rows = []
     started = time.time()
-    for number, (family, case, mode) in enumerate(cases):
+    for done, (number, family, case, mode) in enumerate(cases):
         if not go_on(options["deadline"]):
             if rank == 0:
-                print(f"mechanics W={world}: budget spent after {number} of {len(cases)} cases", flush=True)
+                print(f"mechanics W={world}: budget spent after {done} of {len(cases)} cases", flush=True)
             rows.append({"case": "(budget)", "op": None, "dtype": None, "mode": None, "calls": 0, "wrong": 0,
-                         "replays": None, "error": f"budget spent: {len(cases) - number} of {len(cases)} cases "
-                                                   "not run", "skipped": len(cases) - number})
+                         "replays": None, "error": f"budget spent: {len(cases) - done} of {len(cases)} cases "
+                                                   "not run", "skipped": len(cases) - done})
             break
-        label = case.call.label() if family == "tp" else case.label() if family == "moe" else case
+        label = _label(family, case)
         progress.write(event="start", number=number, case=label, mode=mode)
         if family == "tp":
             row = run_tp(case, mode, rank, world, device, group)
@@ -562,10 +591,10 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
         row["number"] = number
         rows.append(row)
         progress.write(event="row", row=row)
-        if rank == 0 and (row["wrong"] or row["error"] or number % 20 == 0 or number == len(cases) - 1):
+        if rank == 0 and (row["wrong"] or row["error"] or done % 20 == 0 or done == len(cases) - 1):
             status = "ok" if not row["wrong"] and not row["error"] else (
                 f"WRONG {row['wrong']}" if row["wrong"] else "ERROR")
-            print(f"mechanics W={world} [{number + 1}/{len(cases)}, {time.time() - started:.0f} s] {label} {mode}: "
+            print(f"mechanics W={world} [{done + 1}/{len(cases)}, {time.time() - started:.0f} s] {label} {mode}: "
                   f"{status} replays={row['replays']}/{row.get('replays_wanted')}"
                   + (f" -- {row['error'][:300]}" if row["error"] else ""), flush=True)
         gc.collect()

@@ -89,24 +89,33 @@ def merge_rows(old: Iterable[dict], new: list[dict], key: Callable[[dict], objec
 
 def write_results(path: str | os.PathLike, meta: dict, rows: list[dict], key: Callable[[dict], object]) -> dict:
     """Write ``{"meta", "rows"}`` to ``path``, keeping an existing file's rows that ``rows`` do not replace (by
-    ``key``); the file's ``meta`` is this run's, with the commands of the runs whose rows it keeps."""
+    ``key``). Every row names the commit that measured it; the file's ``meta`` is this run's, and its ``sources``
+    list each run (commit, command, date) whose rows the file keeps."""
     path = Path(path)
-    old_rows, commands = [], []
+    old_rows, sources = [], []
     if path.exists():
         try:
             old = json.loads(path.read_text())
-            old_rows = old.get("rows", [])
             previous = old.get("meta", {})
-            commands = previous.get("commands", [previous.get("command")] if previous.get("command") else [])
+            old_rows = [{"commit": previous.get("commit"), **row} for row in old.get("rows", [])]
+            sources = previous.get("sources") or [_source(previous)]
         except (json.JSONDecodeError, AttributeError):
             old_rows = []
+    rows = [{"commit": meta.get("commit"), **row} for row in rows]
     merged = merge_rows(old_rows, rows, key)
-    if len(merged) > len(rows):  # rows of earlier runs kept: say which commands made them
-        meta = {**meta, "commands": [c for c in commands if c] + [meta.get("command")]}
+    commits = {row.get("commit") for row in merged}
+    sources = [s for s in sources if isinstance(s, dict) and s.get("commit") in commits and s != _source(meta)]
+    meta = {**meta, "sources": sources + [_source(meta)]}
+    if "worlds" in meta:  # the W values of the rows the file holds, not only this run's
+        meta["worlds"] = sorted({row["W"] for row in merged if isinstance(row.get("W"), int)} | set(meta["worlds"]))
     results = {"meta": meta, "rows": merged}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return results
+
+
+def _source(meta: dict) -> dict:
+    return {key: meta.get(key) for key in ("commit", "command", "date")}
 
 
 def meta(step: str, worlds: list[int], command: str, **extra) -> dict:
@@ -115,7 +124,7 @@ def meta(step: str, worlds: list[int], command: str, **extra) -> dict:
     from benchmarks.diagnostics.results_file import results_meta
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return results_meta(command, gpus=f"1x {name} shared by W processes (W = {', '.join(map(str, worlds))})",
+    return results_meta(command, gpus=f"1x {name} shared by W processes (W: the rows' own)",
                         step=step, worlds=worlds, setting="shared-gpu, gloo group, CUDA IPC", **extra)
 
 

@@ -458,11 +458,16 @@ def test_mechanics_rows_aggregate_over_ranks_and_survive_a_hang(tmp_path):
 
 def test_results_files_merge_rows_by_key(tmp_path):
     path = tmp_path / "f.json"
-    write_results(path, {"command": "one"}, [{"W": 2, "v": 1}, {"W": 4, "v": 1}], key=lambda r: r["W"])
-    write_results(path, {"command": "two"}, [{"W": 4, "v": 2}], key=lambda r: r["W"])
+    write_results(path, {"command": "one", "commit": "c1"}, [{"W": 2, "v": 1}, {"W": 4, "v": 1}], key=lambda r: r["W"])
+    write_results(path, {"command": "two", "commit": "c2"}, [{"W": 4, "v": 2}], key=lambda r: r["W"])
     data = json.loads(path.read_text())
-    assert data["rows"] == [{"W": 2, "v": 1}, {"W": 4, "v": 2}]
-    assert data["meta"]["command"] == "two" and data["meta"]["commands"] == ["one", "two"]
+    assert data["rows"] == [{"commit": "c1", "W": 2, "v": 1}, {"commit": "c2", "W": 4, "v": 2}]
+    assert data["meta"]["command"] == "two"
+    assert [(s["commit"], s["command"]) for s in data["meta"]["sources"]] == [("c1", "one"), ("c2", "two")]
+    # a run whose rows are all replaced leaves the sources
+    write_results(path, {"command": "three", "commit": "c3"}, [{"W": 2, "v": 3}], key=lambda r: r["W"])
+    data = json.loads(path.read_text())
+    assert [s["commit"] for s in data["meta"]["sources"]] == ["c2", "c3"]
     assert merge_rows([{"k": 1}, {"k": 2}], [{"k": 2, "x": 0}], key=lambda r: r["k"]) == [{"k": 1}, {"k": 2, "x": 0}]
 
 
@@ -544,10 +549,30 @@ def test_the_fault_launcher_sees_a_rank_die_and_its_peer_raise():
 def test_merge_joins_the_files_of_separate_runs(tmp_path):
     for name, rows in (("a", [{"W": 2, "family": "tp", "v": 1}, {"W": 4, "family": "tp", "v": 1}]),
                        ("b", [{"W": 4, "family": "tp", "v": 2}, {"W": 8, "family": "tp", "v": 2}])):
-        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"command": name}, "rows": rows}))
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"command": name, "commit": name}, "rows": rows}))
     out = tmp_path / "out"
     assert shared_ranks.main(["--step", "mechanics", "--out", str(out), "--merge", str(tmp_path / "a.json"),
                               str(tmp_path / "b.json")]) == 0
     data = json.loads((out / "h200x1-shared-ranks.json").read_text())
     assert [(r["W"], r["v"]) for r in data["rows"]] == [(2, 1), (4, 2), (8, 2)]
-    assert data["meta"]["commands"] == ["a", "b"]
+    assert [(r["W"], r["commit"]) for r in data["rows"]] == [(2, "a"), (4, "b"), (8, "b")]
+    assert [s["command"] for s in data["meta"]["sources"]] == ["a", "b"]
+
+
+def test_resume_keeps_the_right_rows_and_runs_only_the_cases_left(tmp_path):
+    """``--resume``: a file's right rows are kept with their commit and not run again; a wrong row is run again;
+    the families with nothing left are not spawned."""
+    first, second = mechanics.plan_of_cases(2, "cpu", True, ("moe",))
+    labels = [(mechanics._label(f, c), mode) for f, c, mode in (first, second)]
+    rows = [{"W": 2, "family": "moe", "case": labels[0][0], "mode": labels[0][1], "wrong": 0, "error": None,
+             "number": 0},
+            {"W": 2, "family": "moe", "case": labels[1][0], "mode": labels[1][1], "wrong": 3, "error": None,
+             "number": 1}]
+    (tmp_path / "h200x1-shared-ranks.json").write_text(json.dumps({"meta": {"commit": "old"}, "rows": rows}))
+    assert shared_ranks.main(["--step", "mechanics", "--device", "cpu", "--quick", "--families", "moe,models",
+                              "--worlds", "2", "--resume", "--budget", "150", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "h200x1-shared-ranks.json").read_text())
+    got = [(r["case"], r["mode"], r["commit"], r["number"], r["wrong"]) for r in data["rows"]]
+    assert got[0] == (*labels[0], "old", 0, 0)
+    assert got[1][:2] == labels[1] and got[1][2] != "old" and got[1][3:] == (1, 0)
+    assert len(got) == 2  # quick mode has no model cases: nothing spawned for them
