@@ -361,6 +361,12 @@ def _sourced(path: str, meta: dict) -> str:
     what += f", torch {meta['torch']}" if meta.get("torch") else ""
     date = f", {meta['date'][:10]}" if meta.get("date") else ""
     commit = str(meta["commit"])[:10]
+    runs = [s for s in meta.get("sources") or () if isinstance(s, dict) and s.get("commit") and s.get("command")]
+    if len(runs) > 1:  # rows of several runs (each row names its commit): every run's commit and command
+        listed = "; ".join(f"commit `{str(s['commit'])[:10]}`{stale_note(s['commit'])}: {_command(s['command'])}"
+                           for s in runs)
+        return f"<sub>Source: `{path}` ({what}{date}; rows of {len(runs)} runs, each row naming its commit): " \
+            f"{listed}.</sub>"
     return f"<sub>Source: `{path}` ({what}, commit `{commit}`{date}{stale_note(meta['commit'])}): " \
         f"{_command(meta['command'])}.</sub>"
 
