@@ -405,6 +405,14 @@ MUTATIONS = [
      "issued (and captured) work, so its padding rows keep what the allocator left", EXPERT_NCCL,
      "        if bounded:\n            h.zero_()\n", "",
      "tests/comm/test_expert_nccl.py::test_bounded_calls_replay_and_exact_ones_do_not"),
+    ("expert-nccl-combine-rows-not-quantised", "Expert NCCL path, fp8 from bf16 rows: combine does not quantise its "
+     "rows as its first issued step (it multiplies the unwritten wire buffer)", EXPERT_NCCL,
+     "        fill_rows(a, call.scales)\n        out, back = outputs\n", "        out, back = outputs\n",
+     "tests/moe/test_fp8_paths.py::test_fp8_nccl_path_matches_the_oracle"),
+    ("expert-p2p-rows-not-quantised", "Expert P2P path, fp8 from bf16 rows: the issued schedule does not quantise "
+     "the rows first (it sends and multiplies the unwritten wire buffer)", EXPERT_P2P,
+     "        fill_rows(a, scales)\n", "",
+     "tests/moe/test_fp8_paths.py::test_fp8_p2p_path_matches_the_oracle"),
 ]
 
 

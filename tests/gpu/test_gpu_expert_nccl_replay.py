@@ -1,7 +1,8 @@
 """The expert NCCL path's repeated bounded-mode calls replayed from CUDA graphs (``comm/expert/nccl.py``) on one GPU
 (a one-rank NCCL group: no peer, so the graph holds the GEMMs, the zeroing and the weighted sum; the rounds' NCCL
 send/recv with peers need two GPUs). ``moe_dispatch_gemm`` and ``moe_gemm_combine``, bf16, and fp8 with row-wise and
-128-channel block scales; every call on new values in the same tensors, the previous outputs NaN-poisoned, against
+128-channel block scales, the rows given in fp8 or in bf16 (quantised by the call's first issued step: inside the
+graph on replay); every call on new values in the same tensors, the previous outputs NaN-poisoned, against
 the reference path on the same layout (plain PyTorch); every call after a case's first two replays in bounded mode,
 none in exact mode."""
 
@@ -41,7 +42,7 @@ def _replays(rank, world):
         idx = torch.stack([torch.randperm(EXPERTS, device=device, generator=gen)[:TOP_K] for _ in range(TOKENS)])
         layout = fo.moe_layout(idx, EXPERTS, mode=mode)
         weights = torch.rand(TOKENS, TOP_K, device=device, generator=gen)
-        for precision in ("bf16", "row", "block"):
+        for precision, given in (("bf16", None), ("row", "fp8"), ("block", "fp8"), ("row", "bf16"), ("block", "bf16")):
             w_up = torch.randn(EXPERTS, 2 * FFN, HIDDEN, device=device, generator=gen) / HIDDEN**0.5
             w_down = torch.randn(EXPERTS, HIDDEN, FFN, device=device, generator=gen) / FFN**0.5
             x = torch.empty(TOKENS, HIDDEN, device=device, dtype=torch.bfloat16)
@@ -54,7 +55,7 @@ def _replays(rank, world):
                 q_down, s_down = quantise_weight(w_down, precision)
                 up, down = q_up.transpose(1, 2), q_down.transpose(1, 2)
                 extra_up, extra_down = {"scale_w": s_up}, {"scale_w": s_down}
-            if precision == "bf16":
+            if precision == "bf16" or given == "bf16":  # fp8 weights, bf16 rows: the op quantises them in its graph
                 xin, ain, sx, sa = x, a, {}, {}
             else:  # the fp8 operands in tensors of their own, refilled by each call (the addresses repeat)
                 (xin, xs), (ain, as_) = ([t.contiguous() for t in quantise(v.normal_(generator=gen), precision)]
@@ -64,12 +65,12 @@ def _replays(rank, world):
             for call in range(CALLS):
                 x.copy_(torch.randn(x.shape, device=device, generator=gen))
                 a.copy_(torch.randn(a.shape, device=device, generator=gen))
-                if precision != "bf16":
+                if given == "fp8":
                     for source, (q, scale) in ((x, (xin, xs)), (a, (ain, as_))):
                         new_q, new_scale = quantise(source, precision)
                         q.copy_(new_q)
                         scale.copy_(new_scale)
-                what = f"{mode} {precision} #{call}"
+                what = f"{mode} {precision} from {given} #{call}"
                 h = fo.moe_dispatch_gemm(xin, up, layout, path="nccl", **sx, **extra_up)
                 _close(h, fo.moe_dispatch_gemm(xin, up, layout, path="reference", **sx, **extra_up), "dispatch " + what)
                 y = fo.moe_gemm_combine(ain, down, weights, layout, path="nccl", **sa, **extra_down)
@@ -78,7 +79,7 @@ def _replays(rank, world):
                 h.fill_(float("nan"))
                 y.fill_(float("nan"))
                 del h, y
-            counts[f"{mode} {precision}"] = graphs.replays - before
+            counts[f"{mode} {precision} from {given}"] = graphs.replays - before
     torch.cuda.synchronize()
     return counts
 

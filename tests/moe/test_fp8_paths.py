@@ -8,7 +8,8 @@
   peer's signal, then reset), so a row read before it lands, or a flag left set, shows.
 
 Both: W = 2 and 3, row-wise and block-wise, exact and bounded, skewed routing, a rank with no tokens and one that
-receives none; dispatch's products and packed received rows, combine's outputs and returned rows."""
+receives none; fp8 rows given, or (every other case) quantised from bf16 rows by the communicator's first issued
+step; dispatch's products and packed received rows, combine's outputs and returned rows."""
 
 from __future__ import annotations
 
@@ -27,29 +28,38 @@ CASES = [("skewed", "row", "exact"), ("skewed", "block", "bounded"), ("rank-send
          ("rank-receives-none", "row", "bounded"), ("balanced", "block", "exact"), ("balanced", "row", "bounded")]
 
 
-def _calls(p, rank, world, layout, bound):
-    """The dispatch and combine calls of one case on ``rank`` (fp8 rows given with their scales) and the combine's
-    input rows' positions."""
+def _calls(p, rank, world, layout, bound, deferred=False):
+    """The dispatch and combine calls of one case on ``rank`` (fp8 rows given with their scales; ``deferred``: as the
+    ops hand over bf16/fp32 rows, the fp8 rows and scales unwritten wire views, poisoned, that the communicator's
+    issued work fills first) and the combine's input rows' positions."""
     from flashoverlap.comm.expert import ExpertCall, ExpertPlan
-    from flashoverlap.comm.expert.scaled import ExpertScales
+    from flashoverlap.comm.expert.scaled import ExpertScales, unpack, wire_width
+
+    def rows_and_scales(x):
+        if not deferred:
+            return (*fc.quantise64(x, mode), None)
+        packed = torch.full((x.shape[0], wire_width(x.shape[1], mode)), 0xFF, dtype=torch.uint8)  # NaN rows, scales
+        q, s = unpack(packed, x.shape[1], fc.FP8, x.shape[1] // fc.BLOCK if mode == "block" else 1)
+        return q, s, x.float()
 
     mode, top_k = p["mode"], p["top_k"]
     tokens = p["x"][rank].shape[0]
     lmode = "bounded" if bound else "exact"
     w_up, s_up = fc.local_weights(p, rank, "up")
     w_down, s_down = fc.local_weights(p, rank, "down")
-    x_q, x_s = fc.quantise64(p["x"][rank], mode)
+    x_q, x_s, x_source = rows_and_scales(p["x"][rank])
     plan = ExpertPlan("dispatch", world, p["experts"], fc.H, 2 * fc.FFN, top_k, tokens, lmode, bound)
-    dispatch = ExpertCall("moe_dispatch_gemm", plan, x_q, w_up, True, scales=ExpertScales(mode, s_up, x_s),
-                          layout=layout)
+    dispatch = ExpertCall("moe_dispatch_gemm", plan, x_q, w_up, True,
+                          scales=ExpertScales(mode, s_up, x_s, source=x_source), layout=layout)
     positions = fc.receive_positions(p, rank, bound)
     rows = layout.recv_rows
     act = torch.full((rows, fc.FFN), float("nan"), dtype=torch.bfloat16)
     for pos, (s, t, c, _) in zip(positions, fc.received(p, rank)):
         act[pos] = p["act"][s][t * top_k + c]
-    a_q, a_s = fc.quantise64(torch.nan_to_num(act.double()), mode)
+    a_q, a_s, a_source = rows_and_scales(torch.nan_to_num(act.double()))
     plan = ExpertPlan("combine", world, p["experts"], fc.H, fc.FFN, top_k, tokens, lmode, bound)
-    combine = ExpertCall("moe_gemm_combine", plan, a_q, w_down, True, scales=ExpertScales(mode, s_down, a_s),
+    combine = ExpertCall("moe_gemm_combine", plan, a_q, w_down, True,
+                         scales=ExpertScales(mode, s_down, a_s, source=a_source),
                          layout=layout.with_weights(p["router"][rank]))
     return dispatch, combine, positions
 
@@ -108,7 +118,7 @@ def _nccl_ranks(rank, world):
         p = fc.problem(world, routing, 2, scaling, 50 + n)
         bound = max(x.shape[0] for x in p["x"]) * 2 if lmode == "bounded" else None
         layout = expert_layout(p["idx"][rank], p["experts"], group, mode=lmode, bound=bound)
-        dispatch, combine, positions = _calls(p, rank, world, layout, bound)
+        dispatch, combine, positions = _calls(p, rank, world, layout, bound, deferred=n % 2 == 1)
         got = comm.run(dispatch), comm.run(combine)
         want = reference.run(dispatch), reference.run(combine)
         _check(p, rank, f"NCCL {routing} {scaling} {lmode} W={world} rank {rank}", *got, positions, bound, want)
@@ -239,7 +249,7 @@ def test_fp8_p2p_path_matches_the_oracle(world, monkeypatch):
                 p = fc.problem(world, routing, 2, scaling, 70 + n)
                 bound = max(x.shape[0] for x in p["x"]) * 2 if lmode == "bounded" else None
                 layout = expert_layout(p["idx"][rank], p["experts"], group, mode=lmode, bound=bound)
-                dispatch, combine, positions = _calls(p, rank, world, layout, bound)
+                dispatch, combine, positions = _calls(p, rank, world, layout, bound, deferred=n % 2 == 0)
                 got = comms[rank].run(dispatch), comms[rank].run(combine)
                 _check(p, rank, f"P2P {routing} {scaling} {lmode} W={world} rank {rank}", *got, positions, bound)
                 barrier.wait()  # every rank's flags settled before the next case's layout

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm.expert import Layout, check_out
-from flashoverlap.comm.expert.scaled import FP8, ExpertScales, mode_of_weight_scales, quantise
+from flashoverlap.comm.expert.scaled import FP8, ExpertScales, mode_of_weight_scales, quantise, quantise_into, wire_rows
 from flashoverlap.ops import moe_library
 from flashoverlap.ops.library import group_name, needed
 from flashoverlap.runtime import experts
@@ -128,12 +128,13 @@ def moe_dispatch_gemm(
     _check_layout("moe_dispatch_gemm", layout)
     fp8 = _fp8_operands("moe_dispatch_gemm", x, w_up, scale_x, scale_w, ("x", "w_up", "scale_x"))
     if fp8 is not None:
-        x, scale_x, mode = fp8
+        x, scale_x, mode, source = fp8
         if needed("moe_dispatch_gemm", (x, w_up)):
+            _fill_now(source, x, scale_x, mode)
             return torch.ops.flashoverlap.moe_dispatch_scaled(x, scale_x, w_up, scale_w, layout.tensors(),
                                                               group_name(group), moe_library.layout_values(layout),
                                                               False, path, out_dtype)[0]
-        scales = ExpertScales(mode, scale_w, scale_x, out_dtype, x.dtype)
+        scales = ExpertScales(mode, scale_w, scale_x, out_dtype, x.dtype, source)
         return execute(experts.EXPERT, experts.ExpertSpec("moe_dispatch_gemm", "dispatch", x, w_up, layout, group,
                                                           path, scales=scales))[0]
     if needed("moe_dispatch_gemm", (x, w_up)):
@@ -179,15 +180,16 @@ def moe_gemm_combine(
     _check_layout("moe_gemm_combine", layout)
     fp8 = _fp8_operands("moe_gemm_combine", a, w_down, scale_a, scale_w, ("a", "w_down", "scale_a"))
     if fp8 is not None:
-        a, scale_a, mode = fp8
+        a, scale_a, mode, source = fp8
         if needed("moe_gemm_combine", (a, w_down, topk_weights)):
             if out is not None:
                 raise ValueError("moe_gemm_combine: out= does not take part in autograd or torch.compile's fp8 "
                                  "custom op; drop out=")
+            _fill_now(source, a, scale_a, mode)
             return torch.ops.flashoverlap.moe_combine_scaled(a, scale_a, w_down, scale_w, topk_weights,
                                                              layout.tensors(), group_name(group),
                                                              moe_library.layout_values(layout), path, out_dtype)[0]
-        scales = ExpertScales(mode, scale_w, scale_a, out_dtype, a.dtype)
+        scales = ExpertScales(mode, scale_w, scale_a, out_dtype, a.dtype, source)
         spec = experts.ExpertSpec("moe_gemm_combine", "combine", a, w_down, layout, group, path, topk_weights,
                                   out=out, scales=scales)
         return execute(experts.EXPERT, spec)[0]
@@ -206,11 +208,14 @@ def moe_gemm_combine(
 
 
 def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_w: object,
-                  names: tuple[str, str, str]) -> tuple[torch.Tensor, torch.Tensor, str] | None:
-    """None for a bf16/fp16/fp32 call (no fp8 operand, no scales); otherwise the fp8 rows, their scales and the mode
-    (``"row"``/``"block"``, from ``scale_w``'s shape), quantising bf16/fp16/fp32 rows in that mode. Mixed dtypes and
-    missing or misshapen scales raise here, naming the argument, before anything is sent (the runtime checks the
-    scales' full shapes against the operands)."""
+                  names: tuple[str, str, str]) -> tuple[torch.Tensor, torch.Tensor, str, torch.Tensor | None] | None:
+    """None for a bf16/fp16/fp32 call (no fp8 operand, no scales); otherwise the fp8 rows, their scales, the mode
+    (``"row"``/``"block"``, from ``scale_w``'s shape) and the rows they are to be quantised from (None: given fp8).
+    bf16/fp16/fp32 rows: the fp8 rows and scales are a fresh wire buffer's views, written as the call's first issued
+    step (``comm/expert/scaled.fill_rows``: a replayed call's graph holds the quantisation), or now by the caller
+    where the call goes through its custom op (``_fill_now``); traced by ``torch.compile``, quantised here. Mixed
+    dtypes and missing or misshapen scales raise here, naming the argument, before anything is sent (the runtime
+    checks the scales' full shapes against the operands)."""
     rows_name, w_name, scale_name = names
     fp8_rows = isinstance(rows, torch.Tensor) and rows.dtype in FP8
     fp8_w = isinstance(w, torch.Tensor) and w.dtype in FP8
@@ -234,7 +239,7 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
         if scale_rows is None:
             raise ValueError(f"{name}: fp8 {rows_name} needs {scale_name} (float32 [rows, 1] row-wise, or "
                              "[rows, K/128] block-wise)")
-        return rows, scale_rows, mode
+        return rows, scale_rows, mode, None
     if scale_rows is not None:
         raise ValueError(f"{name}: {scale_name} is given but {rows_name} is {rows.dtype}, not fp8: pass fp8 "
                          f"{rows_name} with it, or leave {scale_name} unset ({rows_name} is then quantised here)")
@@ -243,5 +248,15 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
                          f"{list(rows.shape)}")
     if mode == "block" and rows.shape[1] % 128:
         raise ValueError(f"{name}: block-wise scales need {rows_name}'s width {rows.shape[1]} to be a multiple of 128")
-    data, scale = quantise(rows.detach(), mode, w.dtype if w.dtype == torch.float8_e4m3fn else torch.float8_e4m3fn)
-    return data, scale, mode
+    dtype = torch.float8_e4m3fn
+    if torch.compiler.is_compiling():
+        data, scale = quantise(rows.detach(), mode, dtype)
+        return data, scale, mode, None
+    data, scale = wire_rows(rows.shape[0], rows.shape[1], mode, dtype, rows.device)
+    return data, scale, mode, rows.detach()
+
+
+def _fill_now(source: torch.Tensor | None, rows: torch.Tensor, scale: torch.Tensor, mode: str) -> None:
+    """A call through its custom op takes its fp8 rows' values: quantise them before it (``_fp8_operands``)."""
+    if source is not None:
+        quantise_into(source, rows, scale, mode)

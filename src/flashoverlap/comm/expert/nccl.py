@@ -79,7 +79,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
 )
 from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout, call_signature
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
-from flashoverlap.comm.expert.scaled import pack, wire_width
+from flashoverlap.comm.expert.scaled import fill_rows, pack, wire_width
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs
 
@@ -198,6 +198,7 @@ class ExpertNcclCommunicator(GroupFields):
                   captured: bool = False) -> None:
         """Queue one dispatch (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b
+        fill_rows(a, call.scales)
         h, recv = outputs
         chunks = Chunks.of(plan, layout)
         bounded = plan.mode == "bounded"
@@ -242,6 +243,7 @@ class ExpertNcclCommunicator(GroupFields):
                  captured: bool = False) -> None:
         """Queue one combine (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b
+        fill_rows(a, call.scales)
         out, back = outputs
         chunks = Chunks.of(plan, layout)
         bounded = plan.mode == "bounded"

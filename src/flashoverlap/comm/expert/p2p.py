@@ -79,7 +79,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
 )
 from flashoverlap.comm.expert.contract import ExpertCall, call_signature
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
-from flashoverlap.comm.expert.scaled import pack, wire_width
+from flashoverlap.comm.expert.scaled import fill_rows, pack, wire_width
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs
 from flashoverlap.comm.steps import Copy, Finish, Gather, Gemm, Hook, Loc, Record, Signal, Wait, WaitEvent
@@ -365,6 +365,7 @@ class ExpertP2PCommunicator(GroupFields):
         and the driver is called through ``ctypes`` with raw stream and event handles (``stream_ops.fast``), as the
         tensor-parallel P2P executor does."""
         plan, layout, scales = call.plan, call.layout, call.scales
+        fill_rows(a, scales)
         bounded = plan.mode == "bounded"
         kind = chunk_gemm(plan, a.dtype, self.device, scales)
         out_dtype = a.dtype if scales is None else scales.out_dtype

@@ -18,7 +18,14 @@ import torch.distributed as dist
 
 from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
-from flashoverlap.comm.expert.scaled import ExpertScales, dequantised_rows, dequantised_weight, pack, segment_rows
+from flashoverlap.comm.expert.scaled import (
+    ExpertScales,
+    dequantised_rows,
+    dequantised_weight,
+    fill_rows,
+    pack,
+    segment_rows,
+)
 from flashoverlap.comm.protocol import CommGroup
 
 
@@ -80,6 +87,7 @@ class ExpertReferenceCommunicator:
     def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The call's result, and its extra rows where ``return_gathered``; the hook runs after (nothing
         overlaps)."""
+        fill_rows(call.a, call.scales)
         if call.plan.op == "dispatch":
             result, extra = dispatch(call.a, call.b, call.plan, call.layout, self.group.process_group, call.scales)
         else:

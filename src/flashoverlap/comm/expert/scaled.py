@@ -34,13 +34,16 @@ E4M3_MAX = 448.0
 class ExpertScales:
     """An fp8 expert call's scales (``comm/expert/scaled.py``): ``mode`` (``"row"`` or ``"block"``), ``b`` the
     weights' scales, ``a`` the rows' scales (dispatch: the given rows', ``[T, S]`` or ``[T*k, S]`` per choice; combine:
-    ``a``'s ``[R, S]``), the output dtype and the rows' fp8 dtype."""
+    ``a``'s ``[R, S]``), the output dtype and the rows' fp8 dtype. ``source``: the bf16/fp16/fp32 rows that the call's
+    fp8 rows and ``a`` (``wire_rows``' views, not yet written) are quantised from, as the first step of the call's
+    issued work (``fill_rows``): so that a replayed call's graph holds the quantisation too (host time)."""
 
     mode: str
     b: torch.Tensor
     a: torch.Tensor
     out_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.float8_e4m3fn  # the rows' fp8 dtype
+    source: torch.Tensor | None = None
 
     def columns(self, k: int) -> int:
         """Scales per row of ``k`` channels: 1 row-wise, ``k / 128`` block-wise."""
@@ -73,27 +76,48 @@ def quantise(x: torch.Tensor, mode: str, dtype: torch.dtype = torch.float8_e4m3f
     device (the largest magnitudes, the scale's two steps, the quotient, the cast into place): ``x / scale`` never
     exceeds the fp8 maximum by more than a rounding of the scale (far under half a step of fp8 at its top), which the
     round to nearest takes to the maximum: no clamp is needed (a NaN row stays NaN, its sign aside)."""
-    top = torch.finfo(dtype).max
     rows, k = x.shape
-    columns = k // BLOCK if mode == "block" else 1
     if torch.compiler.is_compiling():  # traced: the same values, functionally (the compiler fuses them anyway)
-        xf = x.float()
+        xf, top, columns = x.float(), torch.finfo(dtype).max, k // BLOCK if mode == "block" else 1
         if mode == "block":
             blocks = xf.reshape(rows, columns, BLOCK)
             scale = (blocks.abs().amax(2) / top).clamp_min(1e-12)
             return (blocks / scale[:, :, None]).to(dtype).reshape(rows, k), scale
         scale = (xf.abs().amax(1, keepdim=True) / top).clamp_min(1e-12)
         return (xf / scale).to(dtype), scale
-    packed = torch.empty((rows, packed_width(k, columns)), dtype=torch.uint8, device=x.device)
-    q, scale = unpack_rows(packed, k, dtype, columns)
+    q, scale = wire_rows(rows, k, mode, dtype, x.device)
+    quantise_into(x, q, scale, mode)
+    return q, scale
+
+
+def wire_rows(rows: int, k: int, mode: str, dtype: torch.dtype,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unwritten fp8 rows ``[rows, k]`` and their fp32 scales (``[rows, 1]`` or ``[rows, k/128]``): views of one fresh
+    wire buffer in ``pack``'s layout (``quantise_into`` writes them)."""
+    columns = k // BLOCK if mode == "block" else 1
+    packed = torch.empty((rows, packed_width(k, columns)), dtype=torch.uint8, device=device)
+    return unpack_rows(packed, k, dtype, columns)
+
+
+def quantise_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: str) -> None:
+    """``quantise``'s kernels: ``x [rows, K]`` into ``q`` (fp8) and ``scale`` (``wire_rows``' views)."""
+    rows, k = x.shape
+    columns = scale.shape[1]
     rows_in = x.reshape(rows, columns, BLOCK) if mode == "block" else x.unsqueeze(1)  # [rows, S, K/S]
     if x.is_cuda:  # one kernel: the low-precision rows read as fp32 in the reduction itself
         torch.linalg.vector_norm(rows_in, float("inf"), dim=2, dtype=torch.float32, out=scale)
     else:  # the CPU's infinity norm is a slow loop (and it casts first): the plain largest magnitude
         torch.amax(rows_in.float().abs(), 2, out=scale)
-    scale.div_(top).clamp_min_(1e-12)
+    scale.div_(torch.finfo(q.dtype).max).clamp_min_(1e-12)
     q.view(rows, columns, k // columns).copy_(torch.div(rows_in, scale[:, :, None]))
-    return q, scale
+
+
+def fill_rows(a: torch.Tensor, scales: ExpertScales | None) -> None:
+    """The first step of an fp8 call's issued work, where its rows came in bf16/fp16/fp32 (``ExpertScales.source``):
+    quantise them into the call's fp8 rows ``a`` and their scales. Every expert communicator calls it before anything
+    reads ``a`` (a replayed call: inside its graph)."""
+    if scales is not None and scales.source is not None:
+        quantise_into(scales.source, a, scales.a, scales.mode)
 
 
 def pack(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
