@@ -9,7 +9,8 @@ NCCL ranks), per-rank slices of two MoE configs; one layer call = ``moe_dispatch
 by the op), SwiGLU, ``moe_gemm_combine`` (fp8: the bf16 intermediate quantised by the op), on a layout built once
 (exact mode's layout synchronises with the host, so it stays out of the timing, as a model's layers share it).
 ``host_us``: the median host time to issue one call while the GPU is busy (queued behind a long GPU sleep);
-``t_gpu_ms``: its GPU time (CUDA events, the median). A failing case is recorded and the run goes on.
+``t_gpu_ms``: its GPU time (CUDA events, the median); with ``--profile`` each row keeps the cProfile of ten calls
+(``profile``: the 25 functions of most own time). A failing case is recorded and the run goes on.
 """
 
 from __future__ import annotations
@@ -79,6 +80,24 @@ def measure(layer, iters: int) -> tuple[float, float]:
     return statistics.median(host), statistics.median(gpu)
 
 
+def profiled(layer, calls: int = 10) -> str:
+    """cProfile of ``calls`` calls issued while the GPU is busy: the 25 functions of most own time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda._sleep(400_000_000)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        layer()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
 def main() -> None:
     import flashoverlap as fo
     from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine
@@ -87,6 +106,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--path", default="nccl")
+    parser.add_argument("--profile", action="store_true",
+                        help="keep each row's cProfile (10 calls issued while the GPU is busy; top 25 by own time)")
     args = parser.parse_args()
     from benchmarks.diagnostics.results_file import require_cuda
 
@@ -129,6 +150,9 @@ def main() -> None:
                     with torch.no_grad():
                         host_us, gpu_ms = measure(layer, args.iters)
                     row.update(host_us=host_us, t_gpu_ms=gpu_ms)
+                    if args.profile:
+                        with torch.no_grad():
+                            row["profile"] = profiled(layer)
                     if dtype == "bf16":
                         base = host_us
                     row["ratio_to_bf16"] = None if base is None else host_us / base
