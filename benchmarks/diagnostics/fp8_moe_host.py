@@ -8,8 +8,9 @@ host_us, ratio_to_bf16, t_gpu_ms} and ``meta``. A one-rank NCCL group (the NCCL 
 NCCL ranks), per-rank slices of two MoE configs; one layer call = ``moe_dispatch_gemm`` (bf16 ``x``; fp8: quantised
 by the op), SwiGLU, ``moe_gemm_combine`` (fp8: the bf16 intermediate quantised by the op), on a layout built once
 (exact mode's layout synchronises with the host, so it stays out of the timing, as a model's layers share it).
-``host_us``: the median host time to issue one call while the GPU is busy (queued behind a long GPU sleep);
-``t_gpu_ms``: its GPU time (CUDA events, the median); with ``--profile`` each row keeps the cProfile of ten calls
+``host_us``: the median host time to issue one call while the GPU is busy (queued behind a GPU sleep);
+``t_gpu_ms``: its GPU time (CUDA events, the median); the three dtypes of a config and mode measured in interleaved
+rounds; with ``--profile`` each row keeps the cProfile of ten calls
 (``profile``: the 25 functions of most own time). A failing case is recorded and the run goes on.
 """
 
@@ -60,24 +61,29 @@ def layer_weights(dtype: str, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
     return w_up, w_down, s_up, s_down
 
 
-def measure(layer, iters: int) -> tuple[float, float]:
-    for _ in range(3):
-        layer()
+def measure(layers: list, iters: int) -> list[tuple[float, float]]:
+    """``(host_us, gpu_ms)`` of each of ``layers``, the medians of ``iters`` interleaved rounds (one sample of each
+    layer per round, so that a slow spell of the host falls on all alike); a host sample is one call issued while
+    the GPU is busy (queued behind a GPU sleep), a GPU sample one call timed by CUDA events."""
+    for layer in layers:
+        for _ in range(3):
+            layer()
     torch.cuda.synchronize()
-    host, gpu = [], []
+    host, gpu = [[] for _ in layers], [[] for _ in layers]
     for _ in range(iters):
-        torch.cuda._sleep(100_000_000)  # about 50 ms: the GPU is busy while the call is issued
-        start = time.perf_counter()
-        layer()
-        host.append((time.perf_counter() - start) * 1e6)
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        layer()
-        end.record()
-        end.synchronize()
-        gpu.append(begin.elapsed_time(end))
-    return statistics.median(host), statistics.median(gpu)
+        for layer, host_samples, gpu_samples in zip(layers, host, gpu):
+            torch.cuda._sleep(20_000_000)  # about 10 ms: the GPU is busy while the call is issued
+            start = time.perf_counter()
+            layer()
+            host_samples.append((time.perf_counter() - start) * 1e6)
+            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            layer()
+            end.record()
+            end.synchronize()
+            gpu_samples.append(begin.elapsed_time(end))
+    return [(statistics.median(h), statistics.median(g)) for h, g in zip(host, gpu)]
 
 
 def profiled(layer, calls: int = 10) -> str:
@@ -104,7 +110,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--path", default="nccl")
     parser.add_argument("--profile", action="store_true",
                         help="keep each row's cProfile (10 calls issued while the GPU is busy; top 25 by own time)")
@@ -134,7 +140,7 @@ def main() -> None:
         for mode in ("exact", "bounded"):
             bound = tokens * top_k if mode == "bounded" else None
             layout = fo.moe_layout(idx, local, mode=mode, bound=bound)
-            base = None
+            rows_here, layers = [], []
             for dtype in ("bf16", "fp8-row", "fp8-block"):
                 row = {"config": name, "mode": mode, "dtype": dtype, "path": args.path, "experts": local,
                        "hidden": hidden, "ffn": ffn, "top_k": top_k, "tokens": tokens}
@@ -148,21 +154,31 @@ def main() -> None:
                         return moe_gemm_combine(a, w_down, weights, layout, path=args.path, scale_w=s_down)
 
                     with torch.no_grad():
-                        host_us, gpu_ms = measure(layer, args.iters)
-                    row.update(host_us=host_us, t_gpu_ms=gpu_ms)
-                    if args.profile:
-                        with torch.no_grad():
-                            row["profile"] = profiled(layer)
-                    if dtype == "bf16":
-                        base = host_us
-                    row["ratio_to_bf16"] = None if base is None else host_us / base
+                        layer()  # a failing case is recorded here, before the interleaved rounds
+                    layers.append(layer)
                 except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
                     traceback.print_exc()
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                rows.append(row)
-                print(f"{name} {mode} {dtype}: host {row.get('host_us')} us, gpu {row.get('t_gpu_ms')} ms, "
+                rows_here.append(row)
+            good = [row for row in rows_here if "error" not in row]
+            try:
+                with torch.no_grad():
+                    figures = measure(layers, args.iters)
+                    for row, layer, (host_us, gpu_ms) in zip(good, layers, figures):
+                        row.update(host_us=host_us, t_gpu_ms=gpu_ms)
+                        if args.profile:
+                            row["profile"] = profiled(layer)
+            except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+                traceback.print_exc()
+                for row in good:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            base = next((row.get("host_us") for row in rows_here if row["dtype"] == "bf16"), None)
+            for row in rows_here:
+                row["ratio_to_bf16"] = None if base is None or row.get("host_us") is None else row["host_us"] / base
+                print(f"{name} {mode} {row['dtype']}: host {row.get('host_us')} us, gpu {row.get('t_gpu_ms')} ms, "
                       f"ratio {row.get('ratio_to_bf16')}", flush=True)
-                path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            rows += rows_here
+            path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     dist.destroy_process_group()
     store_dir.cleanup()
     print(f"wrote {path} ({len(rows)} rows)")
