@@ -104,8 +104,10 @@ def write_results(path: str | os.PathLike, meta: dict, rows: list[dict], key: Ca
     rows = [{"commit": meta.get("commit"), **row} for row in rows]
     merged = merge_rows(old_rows, rows, key)
     commits = {row.get("commit") for row in merged}
-    sources = [s for s in sources if isinstance(s, dict) and s.get("commit") in commits and s != _source(meta)]
-    meta = {**meta, "sources": sources + [_source(meta)]}
+    this = _source(meta)
+    sources = [s for s in sources if isinstance(s, dict) and s.get("commit") in commits
+               and (s.get("commit"), s.get("command")) != (this["commit"], this["command"])]  # a run's own, once
+    meta = {**meta, "sources": sources + [this]}
     if "worlds" in meta:  # the W values of the rows the file holds, not only this run's
         meta["worlds"] = sorted({row["W"] for row in merged if isinstance(row.get("W"), int)} | set(meta["worlds"]))
     results = {"meta": meta, "rows": merged}
