@@ -405,6 +405,14 @@ MUTATIONS = [
      "issued (and captured) work, so its padding rows keep what the allocator left", EXPERT_NCCL,
      "        if bounded:\n            h.zero_()\n", "",
      "tests/comm/test_expert_nccl.py::test_bounded_calls_replay_and_exact_ones_do_not"),
+    ("sequential-replay-signature-without-b", "Sequential plan: a replayed call's signature leaves out where b lies "
+     "(a graph captured for one weight would multiply by it when called with another)",
+     "src/flashoverlap/comm/tp/sequential.py", "address(call.a), address(call.b),", "address(call.a),",
+     "tests/comm/test_sequential.py::test_the_sequential_replay_signature_names_every_tensor_a_call_touches"),
+    ("sequential-product-not-into-its-buffer", "Sequential plan: the matmul allocates its product instead of writing "
+     "the call's buffer (a replayed graph's output is not the buffer the call returns)",
+     "src/flashoverlap/comm/tp/sequential.py", "torch.mm(a, b, out=product)", "product = torch.mm(a, b)",
+     "tests/comm/test_sequential.py::test_the_sequential_communicator_matches_plain_pytorch_and_replays"),
     ("expert-nccl-combine-rows-not-quantised", "Expert NCCL path, fp8 from bf16 rows: combine does not quantise its "
      "rows as its first issued step (it multiplies the unwritten wire buffer)", EXPERT_NCCL,
      "        fill_rows(a, call.scales)\n        out, back = outputs\n", "        out, back = outputs\n",

@@ -1,12 +1,12 @@
-"""Where the host time of a call that runs the sequential plan goes, on one GPU and a one-rank NCCL group (one
-process: the sequential plan needs no peer). Each op's public call is timed interleaved
+"""Where the host time of a call that runs the sequential plan goes, on one GPU and a one-rank NCCL group (one process:
+the sequential plan needs no peer). Each op's public call is timed interleaved
 (``bench.timing.host_us_interleaved``: GPU busy ahead, medians) beside the same work issued directly (``torch.mm``
-plus the collective, the outputs allocated as the op allocates them), ``torch.mm`` alone, and the parts our call adds
-in front of that work, each alone: the runtime's whole body (``runtime.calls.execute``), the sequential
+plus the collective, the outputs allocated as the op allocates them), ``torch.mm`` alone, and the parts our call
+adds in front of that work, each alone: the runtime's whole body (``runtime.calls.execute``), the sequential
 communicator's ``run`` of a prepared call, a ``Call``'s construction, the custom-op test (``library.needed``), the
-device check (``guards.on_current_device``), the capture guard (which the P2P and NCCL paths ask, the sequential plan
-not), ``torch.matmul`` in place of ``torch.mm``, and the op's collective alone, through ``torch.distributed`` and as
-the sequential communicator issues it (``collectives.*_now``). A cProfile of 50 calls of ours follows per op.
+device check (``guards.on_current_device``), the capture guard (the replay verdict's), ``torch.matmul`` in place of
+``torch.mm``, and the op's collective alone, through ``torch.distributed`` and as the sequential communicator issues
+it (``collectives.*_now``). A cProfile of 50 calls of ours follows per op.
 
 CUDA_VISIBLE_DEVICES=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \
     torchrun --nproc-per-node 1 -m benchmarks.diagnostics.sequential_host [out.json]
@@ -46,12 +46,15 @@ def op_row(op, public, name, group) -> dict:
         public(a, b, group=group)
         direct_call(op, a, b, group, M)
     ours, direct = public(a, b, group=group), direct_call(op, a, b, group, M)  # the same work, the same result
-    assert not torch.isnan(ours).any() and torch.equal(ours, direct), f"{op}: ours differs from the direct call"
+    assert not torch.isnan(ours).any(), f"{op}: NaN in ours"
+    # bitwise equal where both run the same cuBLAS kernel (ours replayed from a graph from the third call on)
+    apart = ((ours.float() - direct.float()).norm() / direct.float().norm()).item()
+    assert apart < 1e-2, f"{op}: ours differs from the direct call ({apart:.2e})"
     torch.cuda.synchronize()
     _, context, plan = calls.resolve(calls.GemmSpec(name, op, a, b, group), settings.current().nccl_p2p_disabled)
     assert plan.sequential, f"{op}: the call at this shape does not run the sequential plan"
     comm = context.communicator("gemm", "sequential")
-    call = Call(name, plan, a, b, False, None, None, False)
+    call = Call(name, plan, a, b, False, None, None, False)  # an eager call (replay=False)
     c = torch.mm(a, b)
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     gathered = torch.empty(M, K, dtype=a.dtype, device=a.device)
@@ -73,13 +76,14 @@ def op_row(op, public, name, group) -> dict:
         "collective (issued straight)": collective[1],
         "Call(...)": lambda: Call(name, plan, a, b, False, None, None, False),
         "library.needed": lambda: library.needed(name, (a, b)),
-        "capture guard (not asked by the sequential plan)": lambda: guards.capturing(a),
+        "capture guard": lambda: guards.capturing(a),
         "device check": lambda: guards.on_current_device(a),
     }
     us = host_us_interleaved(parts, calls=60, pairs=(("ours", "direct"),))
     paired = us.pop("ours - direct")
     us.pop("ours / direct")
-    row = {"op": op, "M": M, "N": N, "K": K, **{key: round(value, 1) for key, value in us.items()}}
+    row = {"op": op, "M": M, "N": N, "K": K, "relative_difference": apart,
+           **{key: round(value, 1) for key, value in us.items()}}
     row["ours - direct"] = round(us["ours"] - us["direct"], 1)
     row["ours - direct, paired"] = round(paired, 1)  # the median of each round's difference
     print(json.dumps(row), flush=True)

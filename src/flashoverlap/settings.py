@@ -8,7 +8,7 @@ and whether Triton interprets its kernels (on a Triton too old to say so itself)
 | --- | --- |
 | ``FLASHOVERLAP_DEBUG_TIMEOUT=S`` | every wait bounded by about ``S`` s (no replay); agreement on every call |
 | ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's mismatch switch: agreement on every call (``AGREEMENT_TIMEOUT``) |
-| ``FLASHOVERLAP_REPLAY=0`` | repeated P2P and NCCL-path calls issued eagerly, never replayed from a graph |
+| ``FLASHOVERLAP_REPLAY=0`` | repeated calls (P2P, NCCL, sequential) issued eagerly, never replayed from a graph |
 | ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay either (a graph launch does not keep the issue order on one queue) |
 | ``FLASHOVERLAP_CACHE_DIR=D`` | the plan cache's directory (default ``~/.cache/flashoverlap``) |
 | ``FLASHOVERLAP_NO_CACHE=1`` | no plan cache: no lookups, no writes |

@@ -105,32 +105,34 @@ def test_a_sequential_plan_runs_the_sequential_communicator_on_any_path(world_of
     assert len(sequential.calls) == 1 and not ring.calls
 
 
-def test_a_sequential_plan_asks_no_capture_question_and_carries_no_deadline(world_of_one, monkeypatch):
-    # The sequential communicator waits on nothing and never replays: its calls skip the capture query (host time
-    # of every decode-sized call) and are handed neither a deadline nor a replay verdict.
+def test_a_sequential_plan_carries_no_deadline_and_replays_where_the_runtime_allows(world_of_one, monkeypatch):
+    # The sequential communicator waits on nothing: its calls carry no deadline, in debug mode too. Its repeated
+    # calls replay like the other paths' (host time of every decode-sized call): the replay verdict is the runtime's
+    # (off in debug mode and inside a user's capture).
     sequential = _install(world_of_one, ("gemm", "sequential"))
     monkeypatch.setenv("FLASHOVERLAP_DEBUG_TIMEOUT", "5")
     settings.refresh()
-    asked = []  # the per-call question, about the call's operand (debug mode's agreement check asks its own)
+    inside = []
 
     def capturing(operand=None):
-        if operand is not None:
-            asked.append(operand)
-        return False
+        return bool(inside) and operand is not None
 
     monkeypatch.setattr(guards, "capturing", capturing)
     a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
     plan = sequential_plan("all_reduce", 8, 6, 4, 1, path="ring")
     fo.gemm_all_reduce(a, b, plan=plan, path="ring")
-    monkeypatch.delenv("FLASHOVERLAP_DEBUG_TIMEOUT")  # outside debug mode, where other calls may be replayed
+    monkeypatch.delenv("FLASHOVERLAP_DEBUG_TIMEOUT")  # outside debug mode, where calls may be replayed
     monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     settings.refresh()
     assert settings.current().replay
     fo.gemm_all_reduce(a, b, plan=plan, path="ring")
-    debug, plain = sequential.calls
-    assert not asked
-    assert debug.timeout is None and not debug.replay and plain.timeout is None and not plain.replay
+    inside.append(True)  # inside a user's capture: captured there, never replayed
+    fo.gemm_all_reduce(a, b, plan=plan, path="ring")
+    debug, plain, captured = sequential.calls
+    assert debug.timeout is None and not debug.replay
+    assert plain.timeout is None and plain.replay
+    assert captured.timeout is None and not captured.replay
 
 
 def test_a_sequential_call_asks_the_device_question_only_where_a_hook_may_allocate(world_of_one, monkeypatch):

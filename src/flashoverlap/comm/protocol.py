@@ -87,8 +87,7 @@ class Call:
     call may be replayed from a CUDA graph (the runtime's verdict: not switched off, not inside a user's capture,
     not in debug mode); ``scales``: an fp8 call's scales, output dtype and bias (``comm/scaled.Scales``; None
     otherwise: a communicator that does not run fp8 is never handed one, ``runtime/policy.py``). A call of a
-    sequential plan, which waits on nothing and is never replayed, always has ``timeout=None`` and
-    ``replay=False``."""
+    sequential plan, which waits on nothing, always has ``timeout=None``."""
 
     name: str
     plan: Any

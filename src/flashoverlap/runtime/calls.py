@@ -27,8 +27,8 @@ from flashoverlap.runtime import agreement, plans, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, check_operands, check_scaled
 from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context
 
-# What a resolved call holds: (communicator, plan, bare), where ``bare`` says the plan runs without capture query,
-# deadline or replay verdict (the sequential plan off the reference: the decode case, where host time is the cost).
+# What a resolved call holds: (communicator, plan, bare), where ``bare`` says the plan waits on nothing: no deadline
+# (the sequential plan off the reference: the decode case, where host time is the cost; it replays repeated calls).
 Entry = tuple[Any, Any, bool]
 
 
@@ -129,16 +129,14 @@ class GemmKind:
 
     def resolve(self, spec: GemmSpec, env: settings.Settings) -> Entry:
         path, context, plan = resolve(spec, env.nccl_p2p_disabled)
-        bare = plan.sequential and path != "reference"  # waits on nothing, never replayed
+        bare = plan.sequential and path != "reference"  # waits on nothing: no deadline
         return context.communicator("gemm", "sequential" if bare else path), plan, bare
 
     def call(self, spec: GemmSpec, entry: Entry, env: settings.Settings) -> Call:
         _, plan, bare = entry
-        if bare:  # no capture query, no deadline, no replay verdict (host time, the decode case)
-            return Call(spec.name, plan, spec.a, spec.b, spec.return_gathered, spec.hook, scales=spec.scales)
         capturing = guards.capturing(spec.a)
         return Call(spec.name, plan, spec.a, spec.b, spec.return_gathered, spec.hook,
-                    None if capturing else env.timeout, env.replay and not capturing, spec.scales)
+                    None if capturing or bare else env.timeout, env.replay and not capturing, spec.scales)
 
 
 GEMM = GemmKind()

@@ -1,6 +1,13 @@
 """The sequential fallback: ``torch.mm`` and then one NCCL collective on the whole result, what a plan with
 ``sequential=True`` runs where overlap cannot pay (small GEMMs, short collectives). The collective is issued
-straight to the group (``collectives.*_now``): these calls are small, and their host time is the cost."""
+straight to the group (``collectives.*_now``): these calls are small, and their host time is the cost.
+
+So a repeated call is replayed, as the overlapped paths' are (``comm/replay.py``): every tensor the call writes is
+allocated first, in one order (``_buffers``), the matmul writes into its buffer (``out=``), and a call that repeats
+on the same tensors (``call.replay``, a hook that is ``HeldHook`` or none) is one graph launch, the collective
+inside the graph. On a GPU only (the graph is a CUDA graph); a first call, and every call where the runtime says no
+(``FLASHOVERLAP_REPLAY=0``, debug mode, ``CUDA_DEVICE_MAX_CONNECTIONS=1``, inside a user's capture), is issued
+eagerly."""
 
 from __future__ import annotations
 
@@ -14,61 +21,94 @@ from flashoverlap.comm.collectives import (
     reduce_scatter_now,
     refuse_coalescing,
 )
-from flashoverlap.comm.protocol import Call, CommGroup
+from flashoverlap.comm.protocol import Call, CommGroup, HeldHook
+from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
 
 
 class SequentialCommunicator:
-    """Plans with ``sequential=True`` behind the communicator protocol (``comm/protocol.py``): holds nothing."""
+    """Plans with ``sequential=True`` behind the communicator protocol (``comm/protocol.py``): holds the graphs of
+    its repeated calls."""
 
     path = "sequential"
 
     def __init__(self, group: CommGroup) -> None:
         self.group = group
+        self.graphs = CallGraphs(group.device)
+        self._graphed = group.device.type == "cuda"
 
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The op's result (and all-gather's gathered input where asked), as plain PyTorch computes it; the hook is
         issued once the collective is queued, so that it runs beside it."""
-        plan, a, b, process_group = call.plan, call.a, call.b, self.group.process_group
-        refuse_coalescing(process_group, call.name)
-        if call.scales is not None:
-            result = _scaled(call, process_group)
-        elif plan.op == "all_gather":
-            a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
-            all_gather_now(a_full, a.contiguous(), process_group)
-            result = torch.mm(a_full, b), a_full if call.return_gathered else None
-        elif plan.op == "all_reduce":
-            c = torch.mm(a, b)
-            all_reduce_now(c, process_group)
-            result = c, None
-        else:
-            out = torch.empty((plan.block_rows, plan.n), dtype=a.dtype, device=a.device)
-            reduce_scatter_now(out, torch.mm(a, b), process_group)
-            result = out, None
-        if call.hook is not None:
-            call.hook()
-        return result
+        refuse_coalescing(self.group.process_group, call.name)
+        buffers = self._buffers(call)
+        hook = call.hook
+        if call.replay and self._graphed and (hook is None or isinstance(hook, HeldHook)):
+            signature = self._signature(call, buffers)
+            if self.graphs.run(signature, lambda: self._issue(call, buffers)):
+                return _result(call, buffers)
+        self._issue(call, buffers)
+        return _result(call, buffers)
 
     def release(self) -> None:
-        pass
+        self.graphs.clear()
+
+    @staticmethod
+    def _buffers(call: Call) -> tuple[torch.Tensor, ...]:
+        """Every tensor the call writes, allocated in one order on every call (eager, captured, replayed):
+        all-reduce ``(c,)``; reduce-scatter ``(out, product)``; all-gather ``(c, a_full)``, fp8 ``(c, a_full,
+        scale_full)``."""
+        plan, a, scales = call.plan, call.a, call.scales
+        device = a.device
+        out_dtype = a.dtype if scales is None else scales.out_dtype
+        if plan.op == "all_gather":
+            c = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
+            a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=device)
+            if scales is None:
+                return c, a_full
+            return c, a_full, torch.empty((plan.m, scales.scale_columns(plan.k)), dtype=torch.float32, device=device)
+        c = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
+        if plan.op == "all_reduce":
+            return (c,)
+        return torch.empty((plan.block_rows, plan.n), dtype=out_dtype, device=device), c
+
+    @staticmethod
+    def _signature(call: Call, buffers: tuple[torch.Tensor, ...]) -> tuple:
+        """What the call's GPU work depends on besides the tensors' values (``comm/replay.py``)."""
+        scales, hook = call.scales, call.hook
+        return (call.plan, call.a.dtype, call.b.dtype, address(call.a), address(call.b),
+                tuple(t.data_ptr() for t in buffers), cublas_switches(), None if hook is None else hook.signature,
+                None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
+                                             address(scales.bias)))
+
+    def _issue(self, call: Call, buffers: tuple[torch.Tensor, ...]) -> None:
+        plan, a, b, scales, process_group = call.plan, call.a, call.b, call.scales, self.group.process_group
+        if plan.op == "all_gather":
+            c, a_full = buffers[0], buffers[1]
+            if scales is None:
+                all_gather_now(a_full, a.contiguous(), process_group)
+                torch.mm(a_full, b, out=c)
+            else:  # the shard's fp8 rows and their scales (tensor-wise: its one scale per row) in one collective
+                scale_full = buffers[2]
+                all_gather_pair_now((a_full, scale_full),
+                                    (a.contiguous(), scales.shard_rows(a.shape[0]).contiguous()), process_group)
+                scaled.scaled_mm(a_full, b, scales, scale_full, out=c)
+        else:
+            product = buffers[-1]
+            if scales is None:
+                torch.mm(a, b, out=product)
+            else:  # the reductions move the output dtype's partials (NCCL sums them)
+                scaled.scaled_mm(a, b, scales, out=product)
+            if plan.op == "all_reduce":
+                all_reduce_now(product, process_group)
+            else:
+                reduce_scatter_now(buffers[0], product, process_group)
+        if call.hook is not None:
+            call.hook()
 
 
-def _scaled(call: Call, process_group) -> tuple[torch.Tensor, object]:
-    """An fp8 call: ``torch._scaled_mm`` and the collective. The all-gather moves the shard's fp8 rows and their
-    scales (tensor-wise: its one scale per row) in one collective call, into the dense gathered input it returns
-    (no packing: these calls are small, and each copy costs host time); the reductions move the output dtype's
-    partials (NCCL sums them)."""
-    plan, a, b, scales = call.plan, call.a, call.b, call.scales
-    if plan.op == "all_gather":
-        a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=a.device)
-        scale_full = torch.empty((plan.m, scales.scale_columns(plan.k)), dtype=torch.float32, device=a.device)
-        all_gather_pair_now((a_full, scale_full), (a.contiguous(), scales.shard_rows(a.shape[0]).contiguous()),
-                            process_group)
-        c = scaled.scaled_mm(a_full, b, scales, scale_full)
-        return c, (a_full, scale_full) if call.return_gathered else None
-    c = scaled.scaled_mm(a, b, scales)
-    if plan.op == "all_reduce":
-        all_reduce_now(c, process_group)
-        return c, None
-    out = torch.empty((plan.block_rows, plan.n), dtype=c.dtype, device=a.device)
-    reduce_scatter_now(out, c, process_group)
-    return out, None
+def _result(call: Call, buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, object]:
+    if call.plan.op != "all_gather":
+        return buffers[0], None
+    if not call.return_gathered:
+        return buffers[0], None
+    return buffers[0], buffers[1] if call.scales is None else (buffers[1], buffers[2])
