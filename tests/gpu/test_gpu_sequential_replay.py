@@ -1,7 +1,7 @@
 """The sequential plan's repeated calls replayed from CUDA graphs (``comm/tp/sequential.py``) on one GPU, a one-rank
 NCCL group (the collective inside the graph): every op through the public API with the sequential plan, bf16 and
 fp8 row-wise, all-gather with and without its gathered input; every call on new values in the same tensors, the
-previous outputs NaN-poisoned, against ``torch.mm`` / ``torch._scaled_mm``; every call after a case's first two
+previous outputs NaN-poisoned, against ``torch.mm`` / ``torch._scaled_mm``; every call from a case's fourth on
 replayed. Then a user's ``torch.cuda.graph`` capturing a sequential call: captured there, not replayed, right on
 each replay of the user's graph."""
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() 
                                                   os.environ.get("TRITON_INTERPRET") == "1",
                                                   reason="needs a CUDA GPU, and TRITON_INTERPRET unset")]
 
-CALLS = 5
+CALLS = 6
 M, N, K = 257, 320, 192
 
 
@@ -101,5 +101,6 @@ def test_repeated_sequential_calls_replay():
     for case, replays in counts.items():
         if case == "inside a user's capture":
             assert replays == 0, (case, replays)
-        else:  # every call after the first two
-            assert replays >= CALLS - 2, (case, replays)
+        else:  # every call once the allocator's addresses repeat (by a case's third call: its first, eager, call
+            # allocates where the previous case's tensors lay)
+            assert replays >= CALLS - 3, (case, replays)
