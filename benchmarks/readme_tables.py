@@ -439,8 +439,9 @@ HOST_BOUND_LEGEND = (
     "the final synchronisation. Each figure the median of 7 rounds, the paths of a row group interleaved in each. "
     "`sequential`: the library's matmul-then-collective plan; `nccl`: the NCCL path under its overlapped plan "
     "(`default_plan(..., allow_sequential=False)`), `eager` with `FLASHOVERLAP_REPLAY=0`, `replayed` a repeated "
-    "call replayed from a CUDA graph (the default). host / matmul's: over `torch.mm`'s (bf16) or "
-    "`torch._scaled_mm`'s (fp8 row-wise) host time in the same row group.</sub>")
+    "call replayed from a CUDA graph (the default); `auto`: `path=\"auto\"` with no plan, replayed (on one rank "
+    "the sequential plan, which replays repeated calls from ad9c1d59df on). host / matmul's: over `torch.mm`'s "
+    "(bf16) or `torch._scaled_mm`'s (fp8 row-wise) host time in the same row group.</sub>")
 
 
 def _fp8_choice(row: dict) -> str:
