@@ -221,7 +221,7 @@ MUTATIONS = [
      CALLS_TEST),
     ("sequential-inside-coalescing-manager", "Sequential plan: a call inside a coalescing manager on its group runs, "
      "its collective deferred past the GEMM that needs it", "src/flashoverlap/comm/tp/sequential.py",
-     "        refuse_coalescing(process_group, call.name)\n", "", COLLECTIVES_TEST),
+     "        refuse_coalescing(self.group.process_group, call.name)\n", "", COLLECTIVES_TEST),
     ("collectives-now-ignore-torch-function", "Sequential plan's collectives: issued straight under a "
      "__torch_function__ mode or subclass, which torch's function would hand them to", COLLECTIVES,
      " or has_torch_function((tensor,))", "", COLLECTIVES_TEST),
@@ -382,7 +382,7 @@ MUTATIONS = [
      POLICY, "        if path in FP8_PATHS:\n", "        if True:\n", POLICY_TEST),
     ("fp8-sequential-gather-local-scales", "Sequential fp8 all-gather: the gathered rows multiplied with this rank's "
      "scales, not the gathered ones", "src/flashoverlap/comm/tp/sequential.py",
-     "c = scaled.scaled_mm(a_full, b, scales, scale_full)", "c = scaled.scaled_mm(a_full, b, scales)",
+     "scaled.scaled_mm(a_full, b, scales, scale_full, out=c)", "scaled.scaled_mm(a_full, b, scales, out=c)",
      "tests/comm/test_collectives.py::test_the_sequential_communicator_runs_fp8_calls"),
     ("fp8-stages-flat", "fp8 tiles: one pipeline depth everywhere, not the sweep's (4 for deep K and the all-gather)",
      "src/flashoverlap/tune/fp8.py", 'stages = 4 if op == "all_gather" or k >= DEEP_PIPELINE_K else 3',
