@@ -59,3 +59,21 @@ def check_graph_replays(call, expected, a, b, rank, replays):
         graph.replay()
         assert_close(out, expected(a, b), f"graph replay {r}")
     return replays
+
+
+def relative_close(got, want, what, limit):
+    """``got``'s normwise relative error against ``want`` under ``limit``; a NaN (an element never written) fails."""
+    assert not torch.isnan(got.float()).any(), f"{what}: NaN in the output (an element never written)"
+    err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    assert err < limit, f"{what}: relative error {err:.2e}"
+
+
+def communicator_graphs(kind: str, path: str):
+    """The current CUDA device and the replay graphs (``comm/replay.CallGraphs``) of the default group's ``(kind,
+    path)`` communicator on it: what a replay test counts."""
+    import torch.distributed as dist
+
+    from flashoverlap.runtime.context import context_of
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    return device, context_of(dist.group.WORLD, device).communicator(kind, path).graphs
