@@ -405,6 +405,10 @@ MUTATIONS = [
      "issued (and captured) work, so its padding rows keep what the allocator left", EXPERT_NCCL,
      "        if bounded:\n            h.zero_()\n", "",
      "tests/comm/test_expert_nccl.py::test_bounded_calls_replay_and_exact_ones_do_not"),
+    ("replay-recaptures-dropped-signatures", "Replay: a signature whose graph was dropped for room is captured "
+     "again (a model with more signatures than the capacity pays a capture on every other call)",
+     "src/flashoverlap/comm/replay.py", "        if signature in self._dropped:", "        if False:",
+     "tests/comm/test_replay.py"),
     ("sequential-replay-signature-without-b", "Sequential plan: a replayed call's signature leaves out where b lies "
      "(a graph captured for one weight would multiply by it when called with another)",
      "src/flashoverlap/comm/tp/sequential.py", "address(call.a), address(call.b),", "address(call.a),",

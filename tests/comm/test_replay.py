@@ -58,6 +58,22 @@ def test_clear_forgets_every_graph_and_every_count():
 def test_at_capacity_one_each_capture_replaces_the_graph_before_it():
     log = []
     graphs = _graphs(log, capacity=1)
-    for signature in ("a", "a", "b", "b", "a"):  # a captured, b captured (a dropped), a seen anew: not replayed
+    for signature in ("a", "a", "b", "b", "a", "a", "a"):  # a captured, b captured (a dropped): a never again
         graphs.run(signature, lambda: None)
     assert list(graphs._graphs) == ["b"] and graphs.captures == 2 and log == ["replay", "replay"]
+
+
+def test_more_signatures_than_the_capacity_are_captured_once_each_not_on_every_other_call():
+    # A model whose calls cycle through more signatures than the graphs kept (a layer's call per layer): each is
+    # captured at most once; those dropped for room are issued eagerly from then on (a capture costs milliseconds).
+    log = []
+    graphs = _graphs(log, capacity=2)
+    issued = []
+    for _ in range(10):
+        for signature in ("a", "b", "c"):
+            if not graphs.run(signature, lambda s=signature: issued.append(s)):
+                issued.append(signature)
+    assert graphs.captures == 3 and len(graphs) == 2
+    assert graphs.replays + len(issued) - graphs.captures == 30  # every call either replayed or issued eagerly
+    graphs.clear()
+    assert graphs.run("a", lambda: None) is False and graphs.run("a", lambda: None) is True  # clear forgets drops

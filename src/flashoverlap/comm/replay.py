@@ -9,7 +9,10 @@ hands them out in the same order), and so does a benchmark loop.
 
 A signature is captured the second time it is seen: a call that never repeats pays no capture, and one that
 repeats pays one (about an eager call's host time plus the graph's instantiation). The graphs share one memory pool
-and one capture stream; at most ``capacity`` are kept, the least recently used dropped first. Graphs of one
+and one capture stream; at most ``capacity`` are kept, the least recently used dropped first, and a signature whose
+graph was dropped is not captured again: where a model's calls have more signatures than that (a layer's call per
+layer, each with its own weight), capturing again would cost a capture on every other call, milliseconds each, so
+those calls are issued eagerly instead. Graphs of one
 communicator replay one after another, like the group's calls themselves, so scratch memory that a graph frees
 inside its own capture may be reused by the next capture.
 
@@ -32,7 +35,7 @@ import torch
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.protocol import HeldHook
 
-CAPACITY = 32
+CAPACITY = 256  # graphs kept per communicator: a deep model's layers each have their own signatures
 CAPTURE_AFTER = 2  # calls of a signature before it is captured
 
 
@@ -82,6 +85,7 @@ class CallGraphs:
         # on]: a hit is one lookup (the least recently used is found only when a capture overflows the capacity)
         self._graphs: dict[Hashable, list] = {}
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
+        self._dropped: OrderedDict[Hashable, None] = OrderedDict()  # signatures whose graph was dropped for room
         self._uses = 0
         self._stream: torch.cuda.Stream | None = None
         self._pool = None
@@ -120,6 +124,8 @@ class CallGraphs:
     def record(self, signature: Hashable, issue: Callable[[], None]) -> bool:
         """``run`` for a signature that ``replay`` just found no graph for: count the call, and on its
         ``capture_after``-th capture ``issue()`` and replay it. False: not replayed."""
+        if signature in self._dropped:  # dropped for room once: not captured again (see the module docstring)
+            return False
         seen = self._seen.pop(signature, 0) + 1
         if seen < self.capture_after:
             self._seen[signature] = seen
@@ -132,13 +138,17 @@ class CallGraphs:
         raw = getattr(graph, "raw_cuda_graph_exec", None)
         self._graphs[signature] = [graph, raw() if raw is not None else None, self._uses]
         if len(self._graphs) > self.capacity:
-            del self._graphs[min(self._graphs, key=lambda key: self._graphs[key][2])]
+            oldest = min(self._graphs, key=lambda key: self._graphs[key][2])
+            del self._graphs[oldest]
+            self._dropped[oldest] = None
+            _trim(self._dropped, 4 * self.capacity)
         return self.replay(signature)
 
     def clear(self) -> None:
         """Drop every graph (the addresses they hold are no longer valid, e.g. the workspace was reallocated)."""
         self._graphs.clear()
         self._seen.clear()
+        self._dropped.clear()
         self._pool = None
         self._launch = None
 
