@@ -193,7 +193,7 @@ MUTATIONS = [
      "signals", P2P, "a, out, gathered, captured=True, packed_own=own)):",
      "a, out, gathered, captured=False, packed_own=own)):", P2P_TEST),
     ("replay-evicts-the-newest", "P2P replay: a capture over the capacity drops the most recently used graph",
-     REPLAY, "del self._graphs[min(self._graphs,", "del self._graphs[max(self._graphs,", REPLAY_TEST),
+     REPLAY, "oldest = min(self._graphs,", "oldest = max(self._graphs,", REPLAY_TEST),
     ("plan-hash-ignores-fields", "Plan: the cached hash leaves out the last fields (sequential, path, gemm)", PLAN,
      "for item in dataclass_fields(self))", "for item in dataclass_fields(self)[:-3])", PLAN_TEST),
     ("plan-hash-pickled", "Plan: the cached hash travels in a pickle (another process salts strings otherwise)",
