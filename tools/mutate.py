@@ -101,14 +101,17 @@ MUTATIONS = [
      "                    pass\n", NCCL_TEST),
     ("nccl-flags-not-cleared", "NCCL all-gather: the band flags are not cleared after the GEMM", NCCL,
      "        self.flags[: plan.num_groups].zero_()\n", "", NCCL_TEST),
-    ("nccl-replay-signature-without-b", "NCCL path: a replayed call's signature leaves out where b lies (a graph "
-     "captured for one weight would multiply by it when called with another)", NCCL,
-     "address(call.a), address(call.b), buffers.addresses()", "address(call.a), buffers.addresses()",
-     NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches"),
-    ("nccl-replay-signature-without-buffers", "NCCL path: a replayed call's signature leaves out its output and "
-     "product buffers (a graph would write into the previous call's memory)", NCCL,
-     "address(call.a), address(call.b), buffers.addresses()", "address(call.a), address(call.b)",
-     NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches"),
+    ("nccl-replay-signature-without-b", "NCCL path and sequential plan: a replayed call's signature "
+     "(replay.gemm_call_signature, shared) leaves out where b lies (a graph captured for one weight would multiply "
+     "by it when called with another)", REPLAY,
+     "address(call.a), address(call.b), buffers, cublas_switches()", "address(call.a), buffers, cublas_switches()",
+     NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches "
+     "tests/comm/test_sequential.py::test_the_sequential_replay_signature_names_every_tensor_a_call_touches"),
+    ("nccl-replay-signature-without-buffers", "NCCL path and sequential plan: a replayed call's signature leaves out "
+     "the buffers the call writes (a graph would write into the previous call's memory)", REPLAY,
+     "address(call.a), address(call.b), buffers, cublas_switches()", "address(call.a), address(call.b), cublas_switches()",
+     NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches "
+     "tests/comm/test_sequential.py::test_the_sequential_replay_signature_names_every_tensor_a_call_touches"),
     ("agreement-absent-rank-not-named", "Agreement check: a rank that never reached the call is not told apart "
      "(every rank counted as arrived)", "src/flashoverlap/runtime/agreement.py",
      "            if not store.check([key]) or store.get(key).decode() != str(exchange):\n",
@@ -409,10 +412,6 @@ MUTATIONS = [
      "again (a model with more signatures than the capacity pays a capture on every other call)",
      "src/flashoverlap/comm/replay.py", "        if signature in self._dropped:", "        if False:",
      "tests/comm/test_replay.py"),
-    ("sequential-replay-signature-without-b", "Sequential plan: a replayed call's signature leaves out where b lies "
-     "(a graph captured for one weight would multiply by it when called with another)",
-     "src/flashoverlap/comm/tp/sequential.py", "address(call.a), address(call.b),", "address(call.a),",
-     "tests/comm/test_sequential.py::test_the_sequential_replay_signature_names_every_tensor_a_call_touches"),
     ("sequential-product-not-into-its-buffer", "Sequential plan: the matmul allocates its product instead of writing "
      "the call's buffer (a replayed graph's output is not the buffer the call returns)",
      "src/flashoverlap/comm/tp/sequential.py", "torch.mm(a, b, out=product)", "product = torch.mm(a, b)",

@@ -12,9 +12,8 @@ repeats pays one (about an eager call's host time plus the graph's instantiation
 and one capture stream; at most ``capacity`` are kept, the least recently used dropped first, and a signature whose
 graph was dropped is not captured again: where a model's calls have more signatures than that (a layer's call per
 layer, each with its own weight), capturing again would cost a capture on every other call, milliseconds each, so
-those calls are issued eagerly instead. Graphs of one
-communicator replay one after another, like the group's calls themselves, so scratch memory that a graph frees
-inside its own capture may be reused by the next capture.
+those calls are issued eagerly instead. Graphs of one communicator replay one after another, like the group's calls
+themselves, so scratch memory that a graph frees inside its own capture may be reused by the next capture.
 
 A call's independent work (a communicator's ``hook``) is held in its graph where it has a signature of its own
 (``Matmul``: a backward's weight gradient); other hooks are arbitrary code, and their calls are issued eagerly.
@@ -33,7 +32,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from flashoverlap.comm import stream_ops
-from flashoverlap.comm.protocol import HeldHook
+from flashoverlap.comm.protocol import Call, HeldHook
 
 CAPACITY = 256  # graphs kept per communicator: a deep model's layers each have their own signatures
 CAPTURE_AFTER = 2  # calls of a signature before it is captured
@@ -55,6 +54,18 @@ def cublas_switches() -> tuple:
     ``torch.backends.cuda.matmul`` attributes go through a Python ``__getattr__``)."""
     return (torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
             torch._C._get_cublas_allow_fp16_reduced_precision_reduction(), _FP16_ACCUMULATION(), _BLAS_BACKEND())
+
+
+def gemm_call_signature(call: Call, buffers: tuple) -> tuple:
+    """What a tensor-parallel call's GPU work depends on besides the tensors' values: the plan, the dtypes, where
+    each operand lies and how it is laid out, the addresses of the buffers the call writes (``buffers``, allocated in
+    one order on every call), the cuBLAS switches that pick kernels, the held hook's tensors; an fp8 call's scales:
+    their mode, the output dtype, and where the scales and the bias lie."""
+    scales, hook = call.scales, call.hook
+    return (call.plan, call.a.dtype, call.b.dtype, address(call.a), address(call.b), buffers, cublas_switches(),
+            None if hook is None else hook.signature,
+            None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
+                                         address(scales.bias)))
 
 
 class Matmul(HeldHook):

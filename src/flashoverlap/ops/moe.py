@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm.expert import Layout, check_out
-from flashoverlap.comm.expert.scaled import FP8, ExpertScales, mode_of_weight_scales, quantise, quantise_into, wire_rows
+from flashoverlap.comm.expert.scaled import FP8, ExpertScales, fill_rows, mode_of_weight_scales, quantise, wire_rows
 from flashoverlap.ops import moe_library
 from flashoverlap.ops.library import group_name, needed
 from flashoverlap.runtime import experts
@@ -129,12 +129,12 @@ def moe_dispatch_gemm(
     fp8 = _fp8_operands("moe_dispatch_gemm", x, w_up, scale_x, scale_w, ("x", "w_up", "scale_x"))
     if fp8 is not None:
         x, scale_x, mode, source = fp8
+        scales = ExpertScales(mode, scale_w, scale_x, out_dtype, x.dtype, source)
         if needed("moe_dispatch_gemm", (x, w_up)):
-            _fill_now(source, x, scale_x, mode)
+            fill_rows(x, scales)  # the custom op takes the rows' values: quantised now (``_fp8_operands``)
             return torch.ops.flashoverlap.moe_dispatch_scaled(x, scale_x, w_up, scale_w, layout.tensors(),
                                                               group_name(group), moe_library.layout_values(layout),
                                                               False, path, out_dtype)[0]
-        scales = ExpertScales(mode, scale_w, scale_x, out_dtype, x.dtype, source)
         return execute(experts.EXPERT, experts.ExpertSpec("moe_dispatch_gemm", "dispatch", x, w_up, layout, group,
                                                           path, scales=scales))[0]
     if needed("moe_dispatch_gemm", (x, w_up)):
@@ -181,15 +181,15 @@ def moe_gemm_combine(
     fp8 = _fp8_operands("moe_gemm_combine", a, w_down, scale_a, scale_w, ("a", "w_down", "scale_a"))
     if fp8 is not None:
         a, scale_a, mode, source = fp8
+        scales = ExpertScales(mode, scale_w, scale_a, out_dtype, a.dtype, source)
         if needed("moe_gemm_combine", (a, w_down, topk_weights)):
             if out is not None:
                 raise ValueError("moe_gemm_combine: out= does not take part in autograd or torch.compile's fp8 "
                                  "custom op; drop out=")
-            _fill_now(source, a, scale_a, mode)
+            fill_rows(a, scales)  # the custom op takes the rows' values: quantised now (``_fp8_operands``)
             return torch.ops.flashoverlap.moe_combine_scaled(a, scale_a, w_down, scale_w, topk_weights,
                                                              layout.tensors(), group_name(group),
                                                              moe_library.layout_values(layout), path, out_dtype)[0]
-        scales = ExpertScales(mode, scale_w, scale_a, out_dtype, a.dtype, source)
         spec = experts.ExpertSpec("moe_gemm_combine", "combine", a, w_down, layout, group, path, topk_weights,
                                   out=out, scales=scales)
         return execute(experts.EXPERT, spec)[0]
@@ -213,7 +213,7 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
     (``"row"``/``"block"``, from ``scale_w``'s shape) and the rows they are to be quantised from (None: given fp8).
     bf16/fp16/fp32 rows: the fp8 rows and scales are a fresh wire buffer's views, written as the call's first issued
     step (``comm/expert/scaled.fill_rows``: a replayed call's graph holds the quantisation), or now by the caller
-    where the call goes through its custom op (``_fill_now``); traced by ``torch.compile``, quantised here. Mixed
+    where the call goes through its custom op; traced by ``torch.compile``, quantised here. Mixed
     dtypes and missing or misshapen scales raise here, naming the argument, before anything is sent (the runtime
     checks the scales' full shapes against the operands)."""
     rows_name, w_name, scale_name = names
@@ -255,8 +255,3 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
     data, scale = wire_rows(rows.shape[0], rows.shape[1], mode, dtype, rows.device)
     return data, scale, mode, rows.detach()
 
-
-def _fill_now(source: torch.Tensor | None, rows: torch.Tensor, scale: torch.Tensor, mode: str) -> None:
-    """A call through its custom op takes its fp8 rows' values: quantise them before it (``_fp8_operands``)."""
-    if source is not None:
-        quantise_into(source, rows, scale, mode)

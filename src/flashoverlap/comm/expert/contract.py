@@ -73,6 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashoverlap.comm.expert.scaled import wire_width
 from flashoverlap.comm.protocol import Call, held_signature
 from flashoverlap.comm.replay import address, cublas_switches
 
@@ -294,3 +295,19 @@ def call_signature(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tenso
     return (call.plan, a.dtype, call.return_gathered, address(a), address(call.b),
             tuple(address(t) for t in layout.tensors()), address(layout.weights),
             tuple(address(t) for t in outputs), cublas_switches(), fp8, held_signature(call.hook))
+
+
+def call_outputs(call: ExpertCall, a: torch.Tensor, new) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert call's outputs, allocated by ``new(shape, dtype)`` (a communicator's allocator) in one order on every
+    call, so that a repeated call finds them where the previous one did: dispatch ``(h [R, N], received rows [R,
+    H])`` (fp8: ``h`` in the output dtype, the rows packed with their scales); combine ``(out [T, H], returned rows
+    [S, H])``, ``out`` the call's own where given."""
+    plan, layout, scales = call.plan, call.layout, call.scales
+    out_dtype = a.dtype if scales is None else scales.out_dtype
+    if plan.op == "dispatch":
+        rows = layout.recv_rows
+        if scales is None:
+            return new((rows, call.b.shape[2]), a.dtype), new((rows, plan.hidden), a.dtype)
+        return new((rows, call.b.shape[2]), out_dtype), new((rows, wire_width(plan.hidden, scales.mode)), torch.uint8)
+    out = call.out if call.out is not None else new((plan.tokens, plan.hidden), out_dtype)
+    return out, new((layout.send_capacity, plan.hidden), out_dtype)

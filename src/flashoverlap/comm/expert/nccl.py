@@ -77,9 +77,9 @@ from flashoverlap.comm.expert.chunked_gemm import (
     relative_ends,
     segment_table,
 )
-from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout, call_signature
+from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout, call_outputs, call_signature
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
-from flashoverlap.comm.expert.scaled import fill_rows, pack, wire_width
+from flashoverlap.comm.expert.scaled import fill_rows, pack
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs
 
@@ -128,19 +128,9 @@ class ExpertNcclCommunicator(GroupFields):
         return outputs[0], outputs[1] if call.return_gathered else None
 
     def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dispatch: ``(h [R, N], received rows [R, H])`` (fp8: the rows packed with their scales); combine: ``(out
-        [T, H], returned rows [S, H])``, ``out`` the call's own where given. Zeroed, where bounded mode's padding
-        must read zero, inside the call's schedule (so that a replayed graph zeroes them too)."""
-        plan, layout, scales = call.plan, call.layout, call.scales
-        out_dtype = a.dtype if scales is None else scales.out_dtype
-        if plan.op == "dispatch":
-            rows = layout.recv_rows
-            if scales is None:
-                return self._new((rows, call.b.shape[2]), a.dtype), self._new((rows, plan.hidden), a.dtype)
-            return (self._new((rows, call.b.shape[2]), out_dtype),
-                    self._new((rows, wire_width(plan.hidden, scales.mode)), torch.uint8))
-        out = call.out if call.out is not None else self._new((plan.tokens, plan.hidden), out_dtype)
-        return out, self._new((layout.send_capacity, plan.hidden), out_dtype)
+        """``contract.call_outputs``: zeroed, where bounded mode's padding must read zero, inside the call's schedule
+        (so that a replayed graph zeroes them too)."""
+        return call_outputs(call, a, self._new)
 
     def release(self) -> None:
         """Destroy the high-priority clone of the group (collective over the group's ranks, like its creation)."""

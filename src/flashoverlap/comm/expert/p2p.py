@@ -77,7 +77,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
     relative_ends,
     segment_table,
 )
-from flashoverlap.comm.expert.contract import ExpertCall, call_signature
+from flashoverlap.comm.expert.contract import ExpertCall, call_outputs, call_signature
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.expert.scaled import fill_rows, pack, wire_width
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
@@ -250,18 +250,9 @@ class ExpertP2PCommunicator(GroupFields):
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dispatch: ``(h [R, N], received rows [R, H])``; combine: ``(out [T, H], returned rows [S, H])``, ``out``
-        the call's own where given. The row buffers are where the pushed rows are copied out to, returned or not."""
-        plan, layout, hidden = call.plan, call.layout, call.plan.hidden
-        out_dtype = a.dtype if call.scales is None else call.scales.out_dtype
-        if plan.op == "dispatch":
-            rows = layout.recv_rows
-            if call.scales is not None:  # the received rows packed with their scales
-                return (self._new((rows, call.b.shape[2]), out_dtype),
-                        self._new((rows, wire_width(hidden, call.scales.mode)), torch.uint8))
-            return self._new((rows, call.b.shape[2]), a.dtype), self._new((rows, hidden), a.dtype)
-        out = call.out if call.out is not None else self._new((plan.tokens, hidden), out_dtype)
-        return out, self._new((layout.send_capacity, hidden), out_dtype)
+        """``contract.call_outputs``: the row buffers are where the pushed rows are copied out to, returned or
+        not."""
+        return call_outputs(call, a, self._new)
 
     def _scratch(self, shape: tuple[int, int], dtype: torch.dtype, zero: bool) -> torch.Tensor:
         """A temporary of one call (combine's products), allocated on the caller's stream (in a replayed call, from

@@ -45,7 +45,7 @@ from flashoverlap.comm.collectives import (
     reduce_scatter_tensor,
 )
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
-from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
+from flashoverlap.comm.replay import CallGraphs, gemm_call_signature
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
 
@@ -140,14 +140,8 @@ class NcclCommunicator(GroupFields):
         return buffers
 
     def _signature(self, call: Call, buffers: _Buffers) -> tuple:
-        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtypes,
-        where each tensor lies and how it is laid out, the cuBLAS switches that pick kernels, the held hook's
-        tensors; an fp8 call's scales: their mode, the output dtype, and where the scales and the bias lie."""
-        scales, hook = call.scales, call.hook
-        return (call.plan, call.a.dtype, call.b.dtype, address(call.a), address(call.b), buffers.addresses(),
-                cublas_switches(), None if hook is None else hook.signature,
-                None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
-                                             address(scales.bias)))
+        """``replay.gemm_call_signature`` over the call's buffers (``comm/replay.py``)."""
+        return gemm_call_signature(call, buffers.addresses())
 
     @staticmethod
     def _result(plan: Plan, buffers: _Buffers) -> tuple[torch.Tensor, object]:

@@ -22,7 +22,7 @@ from flashoverlap.comm.collectives import (
     refuse_coalescing,
 )
 from flashoverlap.comm.protocol import Call, CommGroup, HeldHook
-from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
+from flashoverlap.comm.replay import CallGraphs, gemm_call_signature
 
 
 class SequentialCommunicator:
@@ -73,12 +73,8 @@ class SequentialCommunicator:
 
     @staticmethod
     def _signature(call: Call, buffers: tuple[torch.Tensor, ...]) -> tuple:
-        """What the call's GPU work depends on besides the tensors' values (``comm/replay.py``)."""
-        scales, hook = call.scales, call.hook
-        return (call.plan, call.a.dtype, call.b.dtype, address(call.a), address(call.b),
-                tuple(t.data_ptr() for t in buffers), cublas_switches(), None if hook is None else hook.signature,
-                None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
-                                             address(scales.bias)))
+        """``replay.gemm_call_signature`` over the call's buffers (``comm/replay.py``)."""
+        return gemm_call_signature(call, tuple(t.data_ptr() for t in buffers))
 
     def _issue(self, call: Call, buffers: tuple[torch.Tensor, ...]) -> None:
         plan, a, b, scales, process_group = call.plan, call.a, call.b, call.scales, self.group.process_group
@@ -107,8 +103,7 @@ class SequentialCommunicator:
 
 
 def _result(call: Call, buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, object]:
-    if call.plan.op != "all_gather":
-        return buffers[0], None
-    if not call.return_gathered:
+    """The result, and all-gather's gathered input where asked (fp8: with its scales)."""
+    if call.plan.op != "all_gather" or not call.return_gathered:
         return buffers[0], None
     return buffers[0], buffers[1] if call.scales is None else (buffers[1], buffers[2])
