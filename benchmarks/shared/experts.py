@@ -43,6 +43,8 @@ class MoeCall:
     avoid_rank: int | None = None
     seed: int = 0
     scaling: str | None = None  # fp8: "row" or "block" (tokens, activations and weights fp8; outputs bf16)
+    # fp8 only: the dispatch's tokens passed in bf16 (their fp8 values dequantised), for the op to quantise itself
+    bf16_tokens: bool = False
 
     def tokens_of(self, rank: int) -> int:
         return 0 if rank == self.empty_rank else self.tokens + 7 * rank
@@ -61,6 +63,7 @@ class MoeCall:
         special = (f" rank {self.empty_rank} no tokens" if self.empty_rank is not None else "") + (
             f" rank {self.avoid_rank} receives none" if self.avoid_rank is not None else "")
         dtype = f"fp8-{self.scaling}" if self.scaling else self.dtype
+        dtype += " bf16 tokens" if self.bf16_tokens else ""
         return (f"moe {dtype} {self.mode} T={self.tokens}+7s L={self.local} k={self.top_k} H={self.hidden} "
                 f"F={self.ffn} {routing}{special}")
 
@@ -75,6 +78,8 @@ class MoeCall:
             return f"scaling {self.scaling!r} is not one of {SCALINGS}"
         if self.scaling == "block" and (self.hidden % BLOCK or self.ffn % BLOCK):
             return f"block-wise scales need H and F multiples of {BLOCK}"
+        if self.bf16_tokens and self.scaling is None:
+            return "bf16_tokens is an fp8 case's option"
         return None
 
 
@@ -254,8 +259,12 @@ def _fp8_case(call: MoeCall, world: int, rank: int, calls: int, device) -> MoeCa
         every_act = [fp8_rows(call, torch.randn(routing.recv_rows(s), f, device=device,
                                                 generator=generator(device, call.seed, s, 14, i)))
                      for s in range(world)]
-        xs.append(every_x[rank][0])
-        scale_xs.append(every_x[rank][1])
+        if call.bf16_tokens:  # the same values in bf16: quantised again by the op (scales within a rounding)
+            xs.append(every_x[rank][2].to(torch.bfloat16))
+            scale_xs.append(None)
+        else:
+            xs.append(every_x[rank][0])
+            scale_xs.append(every_x[rank][1])
         acts.append(every_act[rank][0])
         scale_acts.append(every_act[rank][1])
         want_h.append(routing.dispatch(rank, [x[2] for x in every_x], ups[rank][2]))  # fp32

@@ -13,7 +13,8 @@ Cases (``tp_cases``, ``moe_cases``, ``MODEL_CASES``):
 - the expert ops (``moe_layout``, ``moe_dispatch_gemm``, ``moe_gemm_combine``, ``path="p2p"``): Zipf-skewed
   routing, exact and bounded, a rank with no tokens, a rank that receives none, bf16 and fp16; and in fp8 (family
   ``moe-fp8``, ``moe_fp8_cases``: the P2P expert path with fp8 tokens, activations and weights, row-wise ``[T, 1]``
-  and block ``[T, H/128]`` scales, exact and bounded, against the definition on the dequantised values);
+  and block ``[T, H/128]`` scales, exact and bounded, the tokens fp8 or bf16 (the op quantising them), against the
+  definition on the dequantised values);
 - ``ExpertParallelMLP`` (exact, bounded) forward and backward against ``MoEBlock`` on every rank's tokens; the TP
   styles (``ColwiseParallel``/``RowwiseParallel`` with ``parallelize_module``, default and sequence-parallel layouts)
   and layers (``flashoverlap.nn.parallelize``, with and without sequence parallelism) on a SwiGLU feed-forward,
@@ -107,8 +108,8 @@ def moe_cases(world: int, quick: bool = False) -> list[ex.MoeCall]:
 
 def moe_fp8_cases(world: int, quick: bool = False) -> list[ex.MoeCall]:
     """The fp8 expert cases (issue 44: the P2P expert path in fp8): row-wise and block-wise scales (block: H and F
-    multiples of 128), exact and bounded, a rank with no tokens, one that receives none (``quick``: one of each
-    scaling, bounded)."""
+    multiples of 128), exact and bounded, a rank with no tokens, one that receives none, and the dispatch's tokens in
+    bf16 for the op to quantise (``quick``: one of each scaling, bounded, and one with bf16 tokens)."""
     cases = [
         ex.MoeCall("bf16", "exact", tokens=37, local=2, top_k=2, hidden=128, ffn=64, seed=201, scaling="row"),
         ex.MoeCall("bf16", "bounded", tokens=37, local=2, top_k=2, hidden=128, ffn=64, empty_rank=0, seed=202,
@@ -120,8 +121,12 @@ def moe_fp8_cases(world: int, quick: bool = False) -> list[ex.MoeCall]:
                    scaling="row"),
         ex.MoeCall("bf16", "bounded", tokens=21, local=2, top_k=2, hidden=128, ffn=128, avoid_rank=world - 1,
                    seed=206, scaling="block"),
+        ex.MoeCall("bf16", "exact", tokens=37, local=2, top_k=2, hidden=128, ffn=64, empty_rank=0, seed=207,
+                   scaling="row", bf16_tokens=True),
+        ex.MoeCall("bf16", "bounded", tokens=29, local=2, top_k=2, hidden=256, ffn=128, seed=208, scaling="block",
+                   bf16_tokens=True),
     ]
-    return [cases[1], cases[3]] if quick else cases
+    return [cases[1], cases[3], cases[7]] if quick else cases
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -293,7 +298,7 @@ def run_moe(mc: ex.MoeCall, mode: str, rank: int, world: int, device: torch.devi
         layout = fo.moe_layout(case.idx, mc.experts(world), group, mode=mc.mode, bound=mc.bound(world))
         x, act = case.xs[0].clone(), case.acts[0].clone()
         fp8 = mc.scaling is not None  # the scales too live in one tensor each, new values copied in
-        scale_x = case.scale_xs[0].clone() if fp8 else None
+        scale_x = case.scale_xs[0].clone() if fp8 and not mc.bf16_tokens else None
         scale_act = case.scale_acts[0].clone() if fp8 else None
         scratch_h = torch.empty(want_h[0].shape, dtype=torch.float32, device=device)
         scratch_y = torch.empty(want_y[0].shape, dtype=torch.float32, device=device)
@@ -302,7 +307,8 @@ def run_moe(mc: ex.MoeCall, mode: str, rank: int, world: int, device: torch.devi
             x.copy_(case.xs[i])
             act.copy_(case.acts[i])
             if fp8:
-                scale_x.copy_(case.scale_xs[i])
+                if scale_x is not None:
+                    scale_x.copy_(case.scale_xs[i])
                 scale_act.copy_(case.scale_acts[i])
 
         def calls():
