@@ -1,0 +1,162 @@
+"""What a replayed call's graph launch costs the host, and why (issue 41): each tensor-parallel op at a Llama-3-70B
+TP = 8 shape on the NCCL path (a one-rank NCCL group, the overlapped plan) captured into a graph as the replay does,
+its nodes counted by type, and the host time of one ``cuGraphLaunch`` of it; beside them graphs made of one kind of
+node each (kernels, stream memory operations, event-joined side-stream kernels), so that the launch's cost per node
+kind can be read off.
+
+PYTHONPATH=src python -m benchmarks.diagnostics.graph_launch [out.json]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+SHAPES = {"all_gather": (8192, 1280, 8192), "reduce_scatter": (8192, 8192, 1024), "all_reduce": (4096, 8192, 8192)}
+LAUNCHES = 200
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
+              7: "event_record", 8: "ext_semas_signal", 9: "ext_semas_wait", 10: "mem_alloc", 11: "mem_free",
+              12: "batch_mem_op", 13: "conditional"}
+
+
+def _census(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    """The captured graph's nodes by type (``keep_graph=True``)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    assert lib.cuGraphGetNodes(handle, None, ctypes.byref(count)) == 0
+    nodes = (ctypes.c_void_p * count.value)()
+    assert lib.cuGraphGetNodes(handle, nodes, ctypes.byref(count)) == 0
+    kinds: dict[str, int] = {}
+    for node in nodes:
+        kind = ctypes.c_int(0)
+        assert lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
+        name = NODE_TYPES.get(kind.value, str(kind.value))
+        kinds[name] = kinds.get(name, 0) + 1
+    kinds["total"] = int(count.value)
+    return kinds
+
+
+def _captured(issue) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        issue()  # warm: kernels loaded, NCCL state made
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        issue()
+    if hasattr(graph, "instantiate"):
+        graph.instantiate()
+    return graph
+
+
+def _launch_us(graph: torch.cuda.CUDAGraph) -> float:
+    """Host time of one driver launch of ``graph`` (as ``CallGraphs.replay`` launches), the GPU kept busy ahead."""
+    from flashoverlap.comm import stream_ops
+
+    driver = stream_ops.fast()
+    graph.replay()
+    torch.cuda.synchronize()
+    exec_handle = graph.raw_cuda_graph_exec()
+    stream = torch.cuda.current_stream().cuda_stream
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda._sleep(100_000_000)
+        t0 = time.perf_counter()
+        for _ in range(LAUNCHES // 5):
+            driver.launch_graph(exec_handle, stream)
+        best = min(best, (time.perf_counter() - t0) / (LAUNCHES // 5) * 1e6)
+        torch.cuda.synchronize()
+    return round(best, 2)
+
+
+def _synthetic(device) -> dict[str, dict]:
+    """Graphs of one node kind each, ``n`` nodes: the launch cost per kind."""
+    from flashoverlap.comm import stream_ops
+
+    a = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    flags = torch.zeros(64, dtype=torch.int32, device=device)
+    side = torch.cuda.Stream(device=device)
+    rows = {}
+
+    def kernels(n):
+        def issue():
+            for _ in range(n):
+                a.mul_(1.0)
+        return issue
+
+    def memops(n):
+        def issue():
+            stream = torch.cuda.current_stream()
+            for i in range(n):
+                stream_ops.write(stream, flags[i].data_ptr(), 1)
+                stream_ops.wait_reset(stream, flags[i].data_ptr(), 1)
+        return issue
+
+    def forks(n):
+        def issue():
+            for _ in range(n):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    a.mul_(1.0)
+                torch.cuda.current_stream().wait_stream(side)
+        return issue
+
+    for name, make in (("kernels", kernels), ("memop write+wait_reset pairs", memops),
+                       ("side-stream kernels joined by events", forks)):
+        for n in (1, 8, 24):
+            graph = _captured(make(n))
+            rows[f"{n} {name}"] = {"nodes": _census(graph), "launch_us": _launch_us(graph)}
+            del graph
+    return rows
+
+
+def main() -> dict:
+    import flashoverlap as fo
+
+    device = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+    out = {"meta": {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "command": "python -m benchmarks.diagnostics.graph_launch " + " ".join(sys.argv[1:])},
+           "ops": {}, "synthetic": {}}
+    try:
+        from benchmarks.diagnostics.results_file import commit
+
+        out["meta"]["commit"] = commit()
+    except Exception:  # noqa: BLE001 (a diagnostic's extra)
+        pass
+    for op, (m, n, k) in SHAPES.items():
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        b = (torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5).t()
+        plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False)
+        graph = _captured(lambda fn=ops[op], a=a, b=b, plan=plan: fn(a, b, path="nccl", plan=plan))
+        mm = _captured(lambda a=a, b=b: torch.mm(a, b))
+        out["ops"][f"{op} {m}x{n}x{k}"] = {"groups": len(plan.group_row_tiles),
+                                           "nodes": _census(graph), "launch_us": _launch_us(graph),
+                                           "mm graph launch_us": _launch_us(mm)}
+        print(op, json.dumps(out["ops"][f"{op} {m}x{n}x{k}"]), flush=True)
+        del graph, mm
+    out["synthetic"] = _synthetic(device)
+    print(json.dumps(out["synthetic"], indent=1), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/rv", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        try:
+            result = main()
+        finally:
+            dist.destroy_process_group()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(result, f, indent=1)
