@@ -424,6 +424,16 @@ MUTATIONS = [
      "the rows first (it sends and multiplies the unwritten wire buffer)", EXPERT_P2P,
      "        fill_rows(a, scales)\n", "",
      "tests/moe/test_fp8_paths.py::test_fp8_p2p_path_matches_the_oracle"),
+    ("nccl-graph-waits-are-memops", "NCCL path: inside a graph the counter waits stay stream memory operations (the "
+     "graph's launch then costs the host about 2 us per group)", NCCL,
+     "in_graph = ready is None and guards.capturing(self.counters)", "in_graph = False",
+     NCCL_TEST + "::test_a_captured_call_waits_on_counters_with_the_wait_kernel"),
+    ("wait-kernel-does-not-spin", "kernels/counters: the graph's counter wait looks once instead of spinning",
+     "src/flashoverlap/kernels/counters.py", "    while seen < value:\n", "    if seen < value:\n",
+     "tests/kernels/test_counters.py"),
+    ("wait-kernel-resets-the-wrong-counter", "kernels/counters: the graph's counter wait resets the first counter, "
+     "not its own", "src/flashoverlap/kernels/counters.py", "tl.atomic_xchg(counters_ptr + index, 0",
+     "tl.atomic_xchg(counters_ptr, 0", "tests/kernels/test_counters.py"),
 ]
 
 

@@ -118,6 +118,68 @@ def test_nccl_communicator_code_with_an_asynchronous_producer(world_size):
     assert spawn(_ranks, world_size, "gloo") == [10] * world_size
 
 
+def _captured_waits(rank, world_size):
+    """Inside a graph (a capture, faked here) the counter waits are the wait kernel's (``kernels/counters.py``),
+    one per group with its tile count, never a stream memory operation: a graph's memory-operation nodes cost the
+    host microseconds per launch each. The kernel is the host's wait here; values and counters as eagerly."""
+    fake_cuda.install(wait_timeout_s=10.0)
+    from flashoverlap import guards
+    from flashoverlap.comm import stream_ops
+    from flashoverlap.comm.protocol import CommGroup
+    from flashoverlap.comm.tp import nccl
+    from flashoverlap.plan import TileConfig
+    from flashoverlap.tune.defaults import default_plan
+
+    kernel_waits = []
+    host_wait_reset = stream_ops.wait_reset  # the fake's: the host spins on the memory
+
+    def wait_kernel(counters, index, value):
+        kernel_waits.append((index, value))
+        host_wait_reset(None, counters.data_ptr() + 4 * index, value)
+
+    def memop_in_a_graph(*args):
+        raise AssertionError("a stream memory operation captured into a graph")
+
+    nccl.counter_wait_kernel = wait_kernel
+    comm = nccl.NcclCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
+    tile = TileConfig(16, 16, 16, 2, 1, 4)
+    gen = torch.Generator().manual_seed(rank)
+    m, n, k = 48 * world_size, 40, 24
+    a, b = torch.randn(m, k, generator=gen, dtype=torch.float64), torch.randn(k, n, generator=gen, dtype=torch.float64)
+    total = a @ b
+    dist.all_reduce(total)
+    plans = {op: default_plan(op, m, n, k, world_size, tile=tile, num_groups=3, gemm="triton", allow_sequential=False)
+             for op in ("all_reduce", "reduce_scatter")}
+    for plan in plans.values():  # eagerly first: the NCCL state is made outside any capture
+        comm.prepare(plan, torch.float64)
+    guards.capturing = lambda *args, **kwargs: True
+    for op, plan in plans.items():
+        comm.prepare(plan, torch.float64)
+        product = torch.full((m, n), float("nan"), dtype=torch.float64)
+        producer = _producer(a, b, plan, product, comm.counters)
+        producer.start()
+        kernel_waits.clear()
+        stream_ops.wait_reset = memop_in_a_graph
+        try:
+            if op == "all_reduce":
+                comm.all_reduce(product, plan)
+                torch.testing.assert_close(product, total)
+            else:
+                out = torch.full((plan.block_rows, n), float("nan"), dtype=torch.float64)
+                comm.reduce_scatter(out, product, plan)
+                torch.testing.assert_close(out, total[rank * plan.block_rows : (rank + 1) * plan.block_rows])
+        finally:
+            stream_ops.wait_reset = host_wait_reset
+        producer.join()
+        assert kernel_waits == [(g.index, g.tile_count) for g in plan.groups], (op, kernel_waits)
+        assert not comm.counters.any(), "counters not reset for the next call"
+    return 2
+
+
+def test_a_captured_call_waits_on_counters_with_the_wait_kernel():
+    assert spawn(_captured_waits, 2, "gloo") == [2, 2]
+
+
 def _signatures(rank, world_size):
     """The NCCL communicator's replay signature (``_buffers``, ``_signature``) on the CPU: what a captured call
     depends on besides values. Every tensor the call reads or writes moves the signature when it moves, and a call

@@ -9,15 +9,18 @@ Protocol for one call, on the caller's (producer) stream ``P`` and this communic
 2. The caller launches the signalling GEMM on ``P`` (rule 1: the producer is submitted before any wait on it).
 3. ``all_reduce``: on ``S``, for each group: ``cuStreamWaitValue32(counter[g] >= tiles in g)``, then
    ``cuStreamWriteValue32(counter[g] = 0)`` (so counters are zero again for the next call, and a CUDA graph of
-   the call can be replayed), then the collective. PyTorch >= 2.8 launches a synchronous collective on the
-   current stream, so the NCCL kernels run on ``S`` itself, with its priority.
+   the call can be replayed), then the collective. Inside a graph the wait and reset are a one-warp kernel instead
+   (``kernels/counters.py``: a graph's memory-operation nodes cost the host microseconds per launch each).
+   PyTorch >= 2.8 launches a synchronous collective on the current stream, so the NCCL kernels run on ``S`` itself,
+   with its priority.
 4. ``P`` waits for ``S``: work after the call sees the reduced result, and the next call's GEMM cannot bump a
    counter before this call's reset of it.
 
 Why this cannot deadlock: every wait on ``S`` is on a counter that the GEMM, already submitted on ``P``, drives to
 exactly the awaited value (the plan's tile counts; the kernel bumps each group once per tile). The GEMM waits on
-nothing. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` only serialises the hardware queue behind the GEMM, which is already
-ahead of every wait. With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set, the host checks each group's wait with a deadline
+nothing (so a graph's wait kernel, spinning in one warp of one SM, can delay it but never stop it).
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` only serialises the hardware queue behind the GEMM, which is already ahead of every
+wait. With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set, the host checks each group's wait with a deadline
 and raises an error naming the group and rank instead of hanging (rule 4).
 
 SMs: NCCL's kernels need SMs while the GEMM runs. A plan's ``num_programs`` below the SM count leaves SMs free, a
@@ -362,12 +365,17 @@ class NcclCommunicator(GroupFields):
         comm_group = self.comm_group(plan.comm_ctas)
         waited = []
         base = self.counters.data_ptr()
+        # Inside a graph (this communicator's replay, or a user's capture) the counter waits are kernels: a graph's
+        # stream memory operations cost the host about 2 µs each per launch (kernels/counters.py).
+        in_graph = ready is None and guards.capturing(self.counters)
         # torch.distributed issues on the current stream; the direct calls (``direct``) take the stream's handle.
-        with contextlib.nullcontext() if direct else torch.cuda.stream(self.comm_stream):
+        with contextlib.nullcontext() if direct and not in_graph else torch.cuda.stream(self.comm_stream):
             for grp in plan.groups:
                 if ready is not None:  # bands computed by cuBLAS: an event per group, no counter
                     self.comm_stream.wait_event(ready[grp.index])
-                else:  # the wait and the counter's reset in one driver call (one graph node when captured)
+                elif in_graph:
+                    counter_wait_kernel(self.counters, grp.index, grp.tile_count)
+                else:  # the wait and the counter's reset in one driver call
                     stream_ops.wait_reset(self.comm_stream, base + 4 * grp.index, grp.tile_count)
                 if timeout is not None:
                     waited.append(self.comm_stream.record_event())
@@ -504,6 +512,14 @@ def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan, counters: torch.Tensor
     scaling = None if scales is None else Scaling(scales.a, scales.b, scales.out_dtype, scales.bias)
     gemm(a, b, plan, out=out, counters=counters, scaling=scaling)
     return None
+
+
+def counter_wait_kernel(counters: torch.Tensor, index: int, value: int) -> None:
+    """``kernels/counters.wait_reset`` on the current stream: a graph's counter wait (Triton: imported where a kernel
+    runs)."""
+    from flashoverlap.kernels.counters import wait_reset
+
+    wait_reset(counters, index, value)
 
 
 def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tensor,
