@@ -434,6 +434,10 @@ MUTATIONS = [
     ("wait-kernel-resets-the-wrong-counter", "kernels/counters: the graph's counter wait resets the first counter, "
      "not its own", "src/flashoverlap/kernels/counters.py", "tl.atomic_xchg(counters_ptr + index, 0",
      "tl.atomic_xchg(counters_ptr, 0", "tests/kernels/test_counters.py"),
+    ("nccl-workspace-in-the-signature", "NCCL path: the replay signature holds the workspace's address too (a replayed "
+     "call must then allocate its workspace on every call)", NCCL,
+     "(self.result, self.in_rank_order, *dense)", "(self.result, self.product, self.gathered, self.in_rank_order, "
+     "*dense)", NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches"),
 ]
 
 

@@ -209,9 +209,17 @@ def _signatures(rank, world_size):
                 assert comm._signature(other, first) != kept, (op, gathered)
             held = comm._buffers(call)  # the first call's buffers still alive: the new ones lie elsewhere
             assert comm._signature(call, held) != kept, (op, gathered)
-            expected = {"all_reduce": 2, "reduce_scatter": 2, "all_gather": 3 if gathered else 2}[op]
-            # all-reduce: the product is the result; all-gather: its gathered input too where it is returned
-            assert sum(x is not None for x in first.addresses()) == expected, (op, gathered, first.addresses())
+            # The returned tensors only (all-gather: its gathered input too where it is returned); the workspace is
+            # allocated as the issued work's first step, so a captured graph holds its own (all-reduce: the product
+            # is the result).
+            assert sum(x is not None for x in first.addresses()) == (2 if gathered else 1), (op, first.addresses())
+            addresses = first.addresses()
+            comm._workspace(call, first)
+            assert first.addresses() == addresses, op
+            workspace = {"all_reduce": first.product is first.result,
+                         "reduce_scatter": first.product is not None and first.product.shape == (m, n),
+                         "all_gather": first.gathered is not None and first.gathered.shape == (m, k)}
+            assert workspace[op], (op, gathered)
             checked += 1
     # fp8: where the scales lie is part of it.
     plan = default_plan("all_reduce", m, n, k, world_size, num_groups=2, gemm="cublas", allow_sequential=False)

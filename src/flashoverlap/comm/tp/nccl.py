@@ -53,10 +53,13 @@ from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
 
 class _Buffers:
-    """One call's tensors (``NcclCommunicator._buffers``): ``result`` (returned), ``product`` (the reductions' GEMM
-    output: ``result`` itself for all-reduce, the ``[group][W][rows][N]`` workspace for reduce-scatter), and for
-    all-gather ``gathered`` (the plan's band layout), fp8's ``packed`` own shard, and where the gathered input is
-    returned ``in_rank_order`` (and fp8's ``dense`` rows and scales)."""
+    """One call's tensors: what it returns, allocated by ``NcclCommunicator._buffers`` before the call is looked up for
+    replay (``result``; for all-gather where the gathered input is returned ``in_rank_order``, and fp8's ``dense``
+    rows and scales), and its workspace, allocated by ``_workspace`` as the first step of the issued work (``product``,
+    the reductions' GEMM output: ``result`` itself for all-reduce, the ``[group][W][rows][N]`` workspace for
+    reduce-scatter; for all-gather ``gathered``, the plan's band layout, and fp8's ``packed`` own shard). Inside this
+    communicator's capture the workspace comes from the graphs' pool and stays the graph's: a replayed call allocates
+    only what it returns (host time), and its signature holds only their addresses."""
 
     __slots__ = ("result", "product", "gathered", "packed", "in_rank_order", "dense")
 
@@ -64,9 +67,9 @@ class _Buffers:
         self.result = self.product = self.gathered = self.packed = self.in_rank_order = self.dense = None
 
     def addresses(self) -> tuple:
+        """Where the returned tensors lie (the workspace is the graph's own)."""
         dense = self.dense or (None, None)
-        return tuple(None if t is None else t.data_ptr() for t in (
-            self.result, self.product, self.gathered, self.packed, self.in_rank_order, *dense))
+        return tuple(None if t is None else t.data_ptr() for t in (self.result, self.in_rank_order, *dense))
 
 
 class NcclCommunicator(GroupFields):
@@ -112,35 +115,46 @@ class NcclCommunicator(GroupFields):
         return self._result(plan, buffers)
 
     def _buffers(self, call: Call) -> _Buffers:
-        """The call's tensors, allocated in one order on every call (eager, captured, replayed)."""
+        """The tensors the call returns, allocated in one order on every call (eager, captured, replayed)."""
         plan, a, scales = call.plan, call.a, call.scales
         device, dtype = a.device, a.dtype
         out_dtype = dtype if scales is None else scales.out_dtype
         buffers = _Buffers()
         if plan.op == "all_gather":
-            if scales is None:
-                width, wire = plan.k, dtype
-            else:  # the rows as the wire carries them: packed once, placed into every band's slot
-                buffers.packed = torch.empty((plan.block_rows, scaled.row_bytes(plan.k, dtype, scales)),
-                                             dtype=torch.uint8, device=device)
-                width, wire = buffers.packed.shape[1], torch.uint8
-            buffers.gathered = torch.empty((plan.m, width), dtype=wire, device=device)
             buffers.result = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
             if call.return_gathered:
-                buffers.in_rank_order = torch.empty_like(buffers.gathered)
+                width, wire = self._gathered_width(call)
+                buffers.in_rank_order = torch.empty((plan.m, width), dtype=wire, device=device)
                 if scales is not None:
                     buffers.dense = (torch.empty((plan.m, plan.k), dtype=dtype, device=device),
                                      torch.empty((plan.m, scales.scale_columns(plan.k)), dtype=torch.float32,
                                                  device=device))
         elif plan.op == "reduce_scatter":
-            # The output before the product: the communication stream writes it after the first group's wait only,
-            # while the producer stream may still be running later groups, whose temporaries (the dequantised fp8
-            # product's) the caching allocator would otherwise hand to it once freed.
             buffers.result = torch.empty((plan.block_rows, plan.n), dtype=out_dtype, device=device)
-            buffers.product = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
         else:
             buffers.result = buffers.product = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
         return buffers
+
+    @staticmethod
+    def _gathered_width(call: Call) -> tuple[int, torch.dtype]:
+        """A gathered row's width and dtype: the input's, or fp8's packed bytes (the rows and their scales)."""
+        if call.scales is None:
+            return call.plan.k, call.a.dtype
+        return scaled.row_bytes(call.plan.k, call.a.dtype, call.scales), torch.uint8
+
+    def _workspace(self, call: Call, buffers: _Buffers) -> None:
+        """The call's workspace (``_Buffers``), as the first step of its issued work; after the returned tensors:
+        reduce-scatter's output before its product, because the communication stream writes the output after the
+        first group's wait only, while the producer stream may still be running later groups, whose temporaries
+        (the dequantised fp8 product's) the caching allocator would otherwise hand to it once freed."""
+        plan, device = call.plan, call.a.device
+        if plan.op == "all_gather":
+            width, wire = self._gathered_width(call)
+            if call.scales is not None:  # the rows as the wire carries them: packed once, placed into every slot
+                buffers.packed = torch.empty((plan.block_rows, width), dtype=wire, device=device)
+            buffers.gathered = torch.empty((plan.m, width), dtype=wire, device=device)
+        elif plan.op == "reduce_scatter":
+            buffers.product = torch.empty((plan.m, plan.n), dtype=buffers.result.dtype, device=device)
 
     def _signature(self, call: Call, buffers: _Buffers) -> tuple:
         """``replay.gemm_call_signature`` over the call's buffers (``comm/replay.py``)."""
@@ -157,6 +171,7 @@ class NcclCommunicator(GroupFields):
         the current stream at the end (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, a, b = call.plan, call.a, call.b
         timeout = None if captured else call.timeout
+        self._workspace(call, buffers)
         if plan.op == "all_gather":
             self._all_gather_gemm(call, buffers, timeout)
         else:
