@@ -12,11 +12,11 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
+
+from benchmarks.diagnostics.results_file import in_one_rank_nccl_group, require_cuda, results_meta
 
 SHAPES = {"all_gather": (8192, 1280, 8192), "reduce_scatter": (8192, 8192, 1024), "all_reduce": (4096, 8192, 8192)}
 LAUNCHES = 200
@@ -123,15 +123,8 @@ def main() -> dict:
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
-    out = {"meta": {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "command": "python -m benchmarks.diagnostics.graph_launch " + " ".join(sys.argv[1:])},
+    out = {"meta": results_meta("python -m benchmarks.diagnostics.graph_launch " + " ".join(sys.argv[1:])),
            "ops": {}, "synthetic": {}}
-    try:
-        from benchmarks.diagnostics.results_file import commit
-
-        out["meta"]["commit"] = commit()
-    except Exception:  # noqa: BLE001 (a diagnostic's extra)
-        pass
     for op, (m, n, k) in SHAPES.items():
         a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
         b = (torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5).t()
@@ -149,14 +142,8 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/rv", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-        try:
-            result = main()
-        finally:
-            dist.destroy_process_group()
+    require_cuda("benchmarks.diagnostics.graph_launch")
+    result = in_one_rank_nccl_group(main)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f, indent=1)

@@ -12,7 +12,6 @@ import json
 import os
 import pstats
 import sys
-import tempfile
 import time
 
 import torch
@@ -182,11 +181,6 @@ def _graph_nodes(graphs, key):
 
 
 if __name__ == "__main__":
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/rv", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-        try:
-            main()
-        finally:
-            dist.destroy_process_group()
+    from benchmarks.diagnostics.results_file import in_one_rank_nccl_group
+
+    in_one_rank_nccl_group(main)

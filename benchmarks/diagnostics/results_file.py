@@ -4,6 +4,7 @@ one line it exits with where this machine has not the GPUs it needs (``require_c
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -36,3 +37,18 @@ def write_results(results: dict) -> None:
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
+
+
+def in_one_rank_nccl_group(main):
+    """``main()`` on GPU 0 inside a one-rank NCCL group (file rendezvous in a temporary directory), which is destroyed
+    after it; returns what ``main`` returns."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/rv", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        try:
+            return main()
+        finally:
+            dist.destroy_process_group()
