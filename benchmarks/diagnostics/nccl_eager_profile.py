@@ -1,0 +1,103 @@
+"""Where an eager NCCL-path call's host time goes, fp8 row-wise beside bf16 (issue 41: the eager call's 250 µs target
+holds for bf16 but not for every fp8 call): on a one-rank NCCL group, each op at the Llama-3-70B TP = 8 shapes
+under its overlapped plan, issued eagerly (``FLASHOVERLAP_REPLAY=0``) with the GPU kept busy ahead; per case the host
+time per call and cProfile's top functions by own and by cumulative time.
+
+PYTHONPATH=src python -m benchmarks.diagnostics.nccl_eager_profile [out.json]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+from benchmarks.diagnostics.results_file import in_one_rank_nccl_group, require_cuda, results_meta
+from benchmarks.host_bound import LLAMA, _row_scaled
+
+CALLS = 30
+
+
+def _per_call_us(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda._sleep(300_000_000)
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / CALLS * 1e6
+
+
+def _profiled(fn) -> str:
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(300_000_000)
+    profile.enable()
+    for _ in range(CALLS):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(22)
+    return text.getvalue()
+
+
+def main() -> dict:
+    import flashoverlap as fo
+    from flashoverlap import settings
+    from flashoverlap.tune.fp8 import fp8_tiles
+
+    os.environ["FLASHOVERLAP_REPLAY"] = "0"
+    settings.refresh()
+    device = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf16_ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+                "all_gather": fo.all_gather_gemm}
+    fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
+               "all_gather": fo.all_gather_scaled_gemm}
+    out = {"meta": results_meta("python -m benchmarks.diagnostics.nccl_eager_profile " + " ".join(sys.argv[1:])),
+           "rows": []}
+    for name, op, m, n, k in LLAMA:
+        for dtype in ("bfloat16", "fp8-row"):
+            if dtype == "fp8-row":
+                a, sa = _row_scaled(m, k, device, gen)
+                w, sw = _row_scaled(n, k, device, gen)
+                plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, tile=fp8_tiles(m, n, k, "row", op).tile_config(),
+                                       allow_sequential=False)
+
+                def call(fn=fp8_ops[op], a=a, b=w.t(), sa=sa, sb=sw.reshape(1, n), plan=plan):
+                    return fn(a, b, sa, sb, path="nccl", plan=plan)
+            else:
+                a = torch.randn(m, k, dtype=torch.bfloat16, device=device, generator=gen)
+                b = (torch.randn(n, k, dtype=torch.bfloat16, device=device, generator=gen) / k**0.5).t()
+                plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False)
+
+                def call(fn=bf16_ops[op], a=a, b=b, plan=plan):
+                    return fn(a, b, path="nccl", plan=plan)
+
+            for _ in range(3):
+                call()
+            row = {"shape": name, "op": op, "dtype": dtype, "M": m, "N": n, "K": k, "groups": plan.num_groups,
+                   "gemm": plan.gemm, "host_us": round(_per_call_us(call), 1), "profile": _profiled(call)}
+            print(f"== {name} {op} {dtype}: {row['host_us']} us, {plan.num_groups} groups, {plan.gemm}\n"
+                  f"{row['profile']}", flush=True)
+            out["rows"].append(row)
+    return out
+
+
+if __name__ == "__main__":
+    require_cuda("benchmarks.diagnostics.nccl_eager_profile")
+    result = in_one_rank_nccl_group(main)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(result, f, indent=1)
