@@ -72,10 +72,11 @@ def main() -> dict:
             if dtype == "fp8-row":
                 a, sa = _row_scaled(m, k, device, gen)
                 w, sw = _row_scaled(n, k, device, gen)
+                b, sb = w.t(), sw.reshape(1, n)
                 plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, tile=fp8_tiles(m, n, k, "row", op).tile_config(),
                                        allow_sequential=False)
 
-                def call(fn=fp8_ops[op], a=a, b=w.t(), sa=sa, sb=sw.reshape(1, n), plan=plan):
+                def call(fn=fp8_ops[op], a=a, b=b, sa=sa, sb=sb, plan=plan):
                     return fn(a, b, sa, sb, path="nccl", plan=plan)
             else:
                 a = torch.randn(m, k, dtype=torch.bfloat16, device=device, generator=gen)
