@@ -1,6 +1,7 @@
 """What a replayed call's graph launch costs the host, and why (issue 41): each tensor-parallel op at a Llama-3-70B
 TP = 8 shape on the NCCL path (a one-rank NCCL group, the overlapped plan) captured into a graph as the replay does,
-its nodes counted by type, and the host time of one ``cuGraphLaunch`` of it; beside them graphs made of one kind of
+its nodes counted by type, and the host time of one ``cuGraphLaunch`` of it (and the same for a bounded MoE layer
+call, bf16 and fp8, on the expert NCCL path); beside them graphs made of one kind of
 node each (kernels, stream memory operations, event-joined side-stream kernels), so that the launch's cost per node
 kind can be read off.
 
@@ -117,6 +118,41 @@ def _synthetic(device) -> dict[str, dict]:
     return rows
 
 
+def _moe(device) -> dict[str, dict]:
+    """One bounded MoE layer call (dispatch, SwiGLU, combine; ``fp8_moe_host``'s configs), bf16 and fp8, captured:
+    its nodes by kind and one launch's host time."""
+    import torch.nn.functional as F
+
+    import flashoverlap as fo
+    from benchmarks.diagnostics.fp8_moe_host import CONFIGS, layer_weights
+    from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine
+
+    rows = {}
+    for name, local, hidden, ffn, top_k, tokens in CONFIGS:
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
+        idx = torch.stack([torch.randperm(local, device=device)[:top_k] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, top_k, device=device, generator=gen), -1)
+        w13 = torch.randn(local, 2 * ffn, hidden, device=device, generator=gen).div_(hidden**0.5).bfloat16()
+        w2 = torch.randn(local, hidden, ffn, device=device, generator=gen).div_(ffn**0.5).bfloat16()
+        layout = fo.moe_layout(idx, local, mode="bounded", bound=tokens * top_k)
+        for dtype in ("bf16", "fp8-row", "fp8-block"):
+            w_up, w_down, s_up, s_down = layer_weights(dtype, w13, w2)
+
+            def layer(w_up=w_up, w_down=w_down, s_up=s_up, s_down=s_down, layout=layout, x=x, ffn=ffn,
+                      weights=weights):
+                h = moe_dispatch_gemm(x, w_up, layout, path="nccl", scale_w=s_up)
+                a = F.silu(h[:, :ffn]) * h[:, ffn:]
+                return moe_gemm_combine(a, w_down, weights, layout, path="nccl", scale_w=s_down)
+
+            with torch.no_grad():
+                graph = _captured(layer)
+                rows[f"{name} bounded {dtype}"] = {"nodes": _census(graph), "launch_us": _launch_us(graph)}
+            print(name, dtype, json.dumps(rows[f"{name} bounded {dtype}"]), flush=True)
+            del graph
+    return rows
+
+
 def main() -> dict:
     import flashoverlap as fo
 
@@ -136,6 +172,7 @@ def main() -> dict:
                                            "mm graph launch_us": _launch_us(mm)}
         print(op, json.dumps(out["ops"][f"{op} {m}x{n}x{k}"]), flush=True)
         del graph, mm
+    out["moe"] = _moe(device)
     out["synthetic"] = _synthetic(device)
     print(json.dumps(out["synthetic"], indent=1), flush=True)
     return out
