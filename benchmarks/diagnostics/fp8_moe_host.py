@@ -11,7 +11,9 @@ by the op), SwiGLU, ``moe_gemm_combine`` (fp8: the bf16 intermediate quantised b
 ``host_us``: the median host time to issue one call while the GPU is busy (queued behind a GPU sleep);
 ``t_gpu_ms``: its GPU time (CUDA events, the median); the three dtypes of a config and mode measured in interleaved
 rounds; with ``--profile`` each row keeps the cProfile of ten calls
-(``profile``: the 25 functions of most own time). A failing case is recorded and the run goes on.
+(``profile``: the 25 functions of most own time); with ``--parts`` each bounded row keeps its call's host time in
+parts (``parts_us``: loops of 50 calls back to back; the layer, dispatch, SwiGLU, combine, fp8's set-up). A failing
+case is recorded and the run goes on.
 """
 
 from __future__ import annotations
@@ -86,6 +88,50 @@ def measure(layers: list, iters: int) -> list[tuple[float, float]]:
     return [(statistics.median(h), statistics.median(g)) for h, g in zip(host, gpu)]
 
 
+def loop_us(fns: dict, rounds: int = 15, calls: int = 50) -> dict:
+    """Host time per call of each of ``fns`` in a loop of ``calls`` back to back (the GPU busy ahead), the median of
+    ``rounds`` interleaved rounds: the parts of a layer call (``--parts``)."""
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(200_000_000)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return {name: round(statistics.median(values), 1) for name, values in samples.items()}
+
+
+def layer_parts(x, layout, weights, ffn: int, dtype: str, w13, w2, path: str) -> dict:
+    """A bounded layer call's host time in parts (loops, ``loop_us``): the whole layer, dispatch alone, SwiGLU
+    alone, combine alone; fp8: the op's own quantisation set-up (``_fp8_operands``: the wire rows' allocation) and
+    the runtime's call from there."""
+    from flashoverlap.ops.moe import _fp8_operands, moe_dispatch_gemm, moe_gemm_combine
+
+    w_up, w_down, s_up, s_down = layer_weights(dtype, w13, w2)
+    h = moe_dispatch_gemm(x, w_up, layout, path=path, scale_w=s_up)
+    a = F.silu(h[:, :ffn]) * h[:, ffn:]
+    fns = {
+        "layer": lambda: moe_gemm_combine(F.silu((g := moe_dispatch_gemm(x, w_up, layout, path=path, scale_w=s_up))
+                                                 [:, :ffn]) * g[:, ffn:], w_down, weights, layout, path=path,
+                                          scale_w=s_down),
+        "dispatch": lambda: moe_dispatch_gemm(x, w_up, layout, path=path, scale_w=s_up),
+        "swiglu": lambda: F.silu(h[:, :ffn]) * h[:, ffn:],
+        "combine": lambda: moe_gemm_combine(a, w_down, weights, layout, path=path, scale_w=s_down),
+    }
+    if s_up is not None:
+        fns["dispatch's _fp8_operands"] = lambda: _fp8_operands("moe_dispatch_gemm", x, w_up, None, s_up,
+                                                                ("x", "w_up", "scale_x"))
+        fns["combine's _fp8_operands"] = lambda: _fp8_operands("moe_gemm_combine", a, w_down, None, s_down,
+                                                               ("a", "w_down", "scale_a"))
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    return loop_us(fns)
+
+
 def profiled(layer, calls: int = 10) -> str:
     """cProfile of ``calls`` calls issued while the GPU is busy: the 25 functions of most own time, as text."""
     import cProfile
@@ -112,6 +158,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--path", default="nccl")
+    parser.add_argument("--parts", action="store_true",
+                        help="bounded rows: the layer's host time in parts, loops of calls (parts_us)")
     parser.add_argument("--profile", action="store_true",
                         help="keep each row's cProfile (10 calls issued while the GPU is busy; top 25 by own time)")
     args = parser.parse_args()
@@ -168,6 +216,9 @@ def main() -> None:
                         row.update(host_us=host_us, t_gpu_ms=gpu_ms)
                         if args.profile:
                             row["profile"] = profiled(layer)
+                        if args.parts and mode == "bounded":
+                            row["parts_us"] = layer_parts(x, layout, weights, ffn, row["dtype"], w13, w2, args.path)
+                            print(row["dtype"], row["parts_us"], flush=True)
             except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
                 traceback.print_exc()
                 for row in good:
