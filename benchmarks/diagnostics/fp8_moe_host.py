@@ -129,7 +129,23 @@ def layer_parts(x, layout, weights, ffn: int, dtype: str, w13, w2, path: str) ->
     for fn in fns.values():
         for _ in range(3):
             fn()
-    return loop_us(fns)
+    before = graph_counts()
+    parts = loop_us(fns)
+    after = graph_counts()
+    # The loops' own graph use: a repeated call replays (captures stay 0 once warm; eager calls replay nothing).
+    parts["loops' captures"] = after[0] - before[0]
+    parts["loops' replays"] = after[1] - before[1]
+    return parts
+
+
+def graph_counts() -> tuple[int, int]:
+    """The group's communicators' graph captures and replays so far (``CallGraphs``), summed."""
+    from flashoverlap.runtime.context import existing_context
+
+    context = existing_context(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
+    graphs = [getattr(comm, "graphs", None) for comm in (context.communicators.values() if context else ())]
+    graphs = [g for g in graphs if g is not None]
+    return sum(g.captures for g in graphs), sum(g.replays for g in graphs)
 
 
 def profiled(layer, calls: int = 10) -> str:
