@@ -171,3 +171,52 @@ def _user_graphs(rank, world):
 
 def test_nccl_path_calls_inside_user_graphs_and_reduce_overhead():
     assert spawn(_user_graphs, 1, "nccl", env=ENV)[0] == 9 + 12
+
+
+def _graph_node_kinds(rank, world):
+    """Each op's overlapped call (the signalling GEMM's plan, where the counters are waited on) captured into a graph
+    kept for inspection: its nodes by kind (``cuGraphNodeGetType``)."""
+    import ctypes
+
+    import flashoverlap as fo
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    lib = ctypes.CDLL("libcuda.so.1")
+    ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter}
+    kinds = {}
+    for op, fn in ops.items():
+        m, n, k = 2048, 4096, 1024
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        b = (torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5).t()
+        plan = fo.default_plan(op, m, n, k, world, num_sms=sms, allow_sequential=False, gemm="triton")
+        fn(a, b, path="nccl", plan=plan)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            out = fn(a, b, path="nccl", plan=plan)
+        torch.cuda.current_stream().wait_stream(side)
+        handle, count = ctypes.c_void_p(graph.raw_cuda_graph()), ctypes.c_size_t(0)
+        assert lib.cuGraphGetNodes(handle, None, ctypes.byref(count)) == 0
+        nodes = (ctypes.c_void_p * count.value)()
+        assert lib.cuGraphGetNodes(handle, nodes, ctypes.byref(count)) == 0
+        types = []
+        for node in nodes:
+            kind = ctypes.c_int(0)
+            assert lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
+            types.append(kind.value)
+        graph.replay()
+        assert_close(out, (a.float() @ b.float()).to(a.dtype), f"{op} graph with its wait kernels")
+        kinds[op] = (plan.num_groups, types)
+    return kinds
+
+
+def test_a_captured_call_holds_no_stream_memory_operation():
+    """The counter waits inside a graph are kernels (``kernels/counters.py``): a memory-operation node (type 12,
+    ``CU_GRAPH_NODE_TYPE_BATCH_MEM_OP``) would cost every launch microseconds of host time."""
+    kinds = spawn(_graph_node_kinds, 1, "nccl", env=ENV)[0]
+    for op, (groups, types) in kinds.items():
+        assert 12 not in types, (op, types)
+        assert types.count(0) >= groups + 1, (op, types)  # the GEMM and a wait kernel per group
