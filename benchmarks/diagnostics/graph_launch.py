@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.diagnostics.results_file import in_one_rank_nccl_group, require_cuda, results_meta
+from benchmarks.diagnostics.results_file import one_rank_nccl_diagnostic, results_meta
 
 SHAPES = {"all_gather": (8192, 1280, 8192), "reduce_scatter": (8192, 8192, 1024), "all_reduce": (4096, 8192, 8192)}
 LAUNCHES = 200
@@ -179,8 +179,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    require_cuda("benchmarks.diagnostics.graph_launch")
-    result = in_one_rank_nccl_group(main)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(result, f, indent=1)
+    one_rank_nccl_diagnostic("benchmarks.diagnostics.graph_launch", main)

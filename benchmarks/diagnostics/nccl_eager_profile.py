@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import cProfile
 import io
-import json
 import os
 import pstats
 import sys
@@ -18,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.diagnostics.results_file import in_one_rank_nccl_group, require_cuda, results_meta
+from benchmarks.diagnostics.results_file import one_rank_nccl_diagnostic, results_meta
 from benchmarks.host_bound import LLAMA, _row_scaled
 
 CALLS = 30
@@ -97,8 +96,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    require_cuda("benchmarks.diagnostics.nccl_eager_profile")
-    result = in_one_rank_nccl_group(main)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(result, f, indent=1)
+    one_rank_nccl_diagnostic("benchmarks.diagnostics.nccl_eager_profile", main)

@@ -52,3 +52,13 @@ def in_one_rank_nccl_group(main):
             return main()
         finally:
             dist.destroy_process_group()
+
+
+def one_rank_nccl_diagnostic(name: str, main) -> None:
+    """A one-GPU diagnostic's whole run: refuse without a GPU, ``main()`` in a one-rank NCCL group, its result
+    written as JSON to ``sys.argv[1]`` where given."""
+    require_cuda(name)
+    result = in_one_rank_nccl_group(main)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(result, f, indent=1)
