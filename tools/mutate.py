@@ -438,6 +438,10 @@ MUTATIONS = [
      "call must then allocate its workspace on every call)", NCCL,
      "(self.result, self.in_rank_order, *dense)", "(self.result, self.product, self.gathered, self.in_rank_order, "
      "*dense)", NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches"),
+    ("nccl-graph-wait-off-the-comm-stream", "NCCL path with the direct NCCL calls: inside a graph the counter wait "
+     "kernel is launched on the caller's stream (the collectives would no longer wait for their group)", NCCL,
+     "with contextlib.nullcontext() if direct and not in_graph else", "with contextlib.nullcontext() if direct else",
+     NCCL_TEST + "::test_a_captured_call_waits_on_counters_with_the_wait_kernel"),
 ]
 
 

@@ -5,6 +5,8 @@ each tile (or, for cuBLAS bands, completing the band's event); the collectives a
 before its group is complete reads NaN (the product starts NaN-poisoned) and fails the comparison; a counter not
 reset is caught by the next call; a wait never satisfied raises."""
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,11 +122,14 @@ def test_nccl_communicator_code_with_an_asynchronous_producer(world_size):
 
 def _captured_waits(rank, world_size):
     """Inside a graph (a capture, faked here) the counter waits are the wait kernel's (``kernels/counters.py``),
-    one per group with its tile count, never a stream memory operation: a graph's memory-operation nodes cost the
-    host microseconds per launch each. The kernel is the host's wait here; values and counters as eagerly."""
+    one per group with its tile count, on the communication stream, never a stream memory operation: a graph's
+    memory-operation nodes cost the host microseconds per launch each. The kernel is the host's wait here; values and
+    counters as eagerly; the collectives through ``torch.distributed`` and through a stand-in for the direct NCCL
+    calls (which take the stream's handle, so the call issues them outside any stream context)."""
     fake_cuda.install(wait_timeout_s=10.0)
     from flashoverlap import guards
     from flashoverlap.comm import stream_ops
+    from flashoverlap.comm.collectives import all_reduce_now, reduce_scatter_now
     from flashoverlap.comm.protocol import CommGroup
     from flashoverlap.comm.tp import nccl
     from flashoverlap.plan import TileConfig
@@ -133,7 +138,30 @@ def _captured_waits(rank, world_size):
     kernel_waits = []
     host_wait_reset = stream_ops.wait_reset  # the fake's: the host spins on the memory
 
+    current = []  # the streams of the open ``torch.cuda.stream`` contexts: a kernel launches on the innermost
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    class Direct:  # the direct NCCL calls' surface (comm/nccl_calls.py), through gloo
+        def takes(self, dtype):
+            return True
+
+        def all_reduce(self, band, stream):
+            all_reduce_now(band, dist.group.WORLD)
+
+        def reduce_scatter(self, out, band, stream):
+            reduce_scatter_now(out, band, dist.group.WORLD)
+
     def wait_kernel(counters, index, value):
+        assert current and current[-1] is comm.comm_stream, "the wait kernel launched off the communication stream"
         kernel_waits.append((index, value))
         host_wait_reset(None, counters.data_ptr() + 4 * index, value)
 
@@ -153,8 +181,10 @@ def _captured_waits(rank, world_size):
     for plan in plans.values():  # eagerly first: the NCCL state is made outside any capture
         comm.prepare(plan, torch.float64)
     guards.capturing = lambda *args, **kwargs: True
-    for op, plan in plans.items():
+    torch.cuda.stream = StreamContext
+    for (op, plan), direct in itertools.product(plans.items(), (None, Direct())):
         comm.prepare(plan, torch.float64)
+        comm._direct[plan.comm_ctas] = direct
         product = torch.full((m, n), float("nan"), dtype=torch.float64)
         producer = _producer(a, b, plan, product, comm.counters)
         producer.start()
@@ -173,11 +203,11 @@ def _captured_waits(rank, world_size):
         producer.join()
         assert kernel_waits == [(g.index, g.tile_count) for g in plan.groups], (op, kernel_waits)
         assert not comm.counters.any(), "counters not reset for the next call"
-    return 2
+    return 4
 
 
 def test_a_captured_call_waits_on_counters_with_the_wait_kernel():
-    assert spawn(_captured_waits, 2, "gloo") == [2, 2]
+    assert spawn(_captured_waits, 2, "gloo") == [4, 4]
 
 
 def _signatures(rank, world_size):
