@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.diagnostics.fp8_grouped import commit
+from benchmarks.harness.timing import loop_host_us, profiled
 
 FP8 = torch.float8_e4m3fn
 CONFIGS = [  # (name, local experts, H, F, top-k, tokens)
@@ -51,6 +52,18 @@ def fp8_weights(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tens
     scale = (blocks.abs().amax((2, 4)) / 448).clamp_min(1e-12)
     q = (blocks / scale[:, :, None, :, None]).view(local, n, k).to(FP8)
     return q.transpose(1, 2), scale.transpose(1, 2).contiguous()
+
+
+def layer_inputs(local: int, hidden: int, ffn: int, top_k: int, tokens: int, device: torch.device) -> tuple:
+    """A config's layer inputs from seed 0: ``(x [T, H] bf16, routing [T, k], router weights [T, k], w13 [L, 2F, H],
+    w2 [L, H, F])``, the weights nn.Linear-shaped in bf16."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(local, device=device)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, device=device, generator=gen), -1)
+    w13 = torch.randn(local, 2 * ffn, hidden, device=device, generator=gen).div_(hidden ** 0.5).bfloat16()
+    w2 = torch.randn(local, hidden, ffn, device=device, generator=gen).div_(ffn ** 0.5).bfloat16()
+    return x, idx, weights, w13, w2
 
 
 def layer_weights(dtype: str, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
@@ -94,13 +107,7 @@ def loop_us(fns: dict, rounds: int = 15, calls: int = 50) -> dict:
     samples = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            torch.cuda.synchronize()
-            torch.cuda._sleep(200_000_000)
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
+            samples[name].append(loop_host_us(fn, calls, 200_000_000))
     return {name: round(statistics.median(values), 1) for name, values in samples.items()}
 
 
@@ -148,24 +155,6 @@ def graph_counts() -> tuple[int, int]:
     return sum(g.captures for g in graphs), sum(g.replays for g in graphs)
 
 
-def profiled(layer, calls: int = 10) -> str:
-    """cProfile of ``calls`` calls issued while the GPU is busy: the 25 functions of most own time, as text."""
-    import cProfile
-    import io
-    import pstats
-
-    torch.cuda._sleep(400_000_000)
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(calls):
-        layer()
-    profile.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-    return text.getvalue()
-
-
 def main() -> None:
     import flashoverlap as fo
     from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine
@@ -195,12 +184,7 @@ def main() -> None:
     rows = []
     dev = torch.device("cuda")
     for name, local, hidden, ffn, top_k, tokens in CONFIGS:
-        gen = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(tokens, hidden, device=dev, generator=gen).bfloat16()
-        idx = torch.stack([torch.randperm(local, device=dev)[:top_k] for _ in range(tokens)])
-        weights = torch.softmax(torch.randn(tokens, top_k, device=dev, generator=gen), -1)
-        w13 = torch.randn(local, 2 * ffn, hidden, device=dev, generator=gen).div_(hidden ** 0.5).bfloat16()
-        w2 = torch.randn(local, hidden, ffn, device=dev, generator=gen).div_(ffn ** 0.5).bfloat16()
+        x, idx, weights, w13, w2 = layer_inputs(local, hidden, ffn, top_k, tokens, dev)
         for mode in ("exact", "bounded"):
             bound = tokens * top_k if mode == "bounded" else None
             layout = fo.moe_layout(idx, local, mode=mode, bound=bound)
@@ -231,7 +215,7 @@ def main() -> None:
                     for row, layer, (host_us, gpu_ms) in zip(good, layers, figures):
                         row.update(host_us=host_us, t_gpu_ms=gpu_ms)
                         if args.profile:
-                            row["profile"] = profiled(layer)
+                            row["profile"] = profiled(layer, 10, 400_000_000)  # top 25 by own time
                         if args.parts and mode == "bounded":
                             row["parts_us"] = layer_parts(x, layout, weights, ffn, row["dtype"], w13, w2, args.path)
                             print(row["dtype"], row["parts_us"], flush=True)

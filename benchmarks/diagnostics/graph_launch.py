@@ -124,17 +124,12 @@ def _moe(device) -> dict[str, dict]:
     import torch.nn.functional as F
 
     import flashoverlap as fo
-    from benchmarks.diagnostics.fp8_moe_host import CONFIGS, layer_weights
+    from benchmarks.diagnostics.fp8_moe_host import CONFIGS, layer_inputs, layer_weights
     from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine
 
     rows = {}
     for name, local, hidden, ffn, top_k, tokens in CONFIGS:
-        gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
-        idx = torch.stack([torch.randperm(local, device=device)[:top_k] for _ in range(tokens)])
-        weights = torch.softmax(torch.randn(tokens, top_k, device=device, generator=gen), -1)
-        w13 = torch.randn(local, 2 * ffn, hidden, device=device, generator=gen).div_(hidden**0.5).bfloat16()
-        w2 = torch.randn(local, hidden, ffn, device=device, generator=gen).div_(ffn**0.5).bfloat16()
+        x, idx, weights, w13, w2 = layer_inputs(local, hidden, ffn, top_k, tokens, device)
         layout = fo.moe_layout(idx, local, mode="bounded", bound=tokens * top_k)
         for dtype in ("bf16", "fp8-row", "fp8-block"):
             w_up, w_down, s_up, s_down = layer_weights(dtype, w13, w2)

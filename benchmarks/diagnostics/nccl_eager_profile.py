@@ -8,46 +8,17 @@ PYTHONPATH=src python -m benchmarks.diagnostics.nccl_eager_profile [out.json]
 
 from __future__ import annotations
 
-import cProfile
-import io
 import os
-import pstats
 import sys
-import time
 
 import torch
 
 from benchmarks.diagnostics.results_file import one_rank_nccl_diagnostic, results_meta
+from benchmarks.harness.timing import loop_host_us, profiled
 from benchmarks.host_bound import LLAMA, _row_scaled
 
 CALLS = 30
-
-
-def _per_call_us(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda._sleep(300_000_000)
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / CALLS * 1e6
-
-
-def _profiled(fn) -> str:
-    profile = cProfile.Profile()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(300_000_000)
-    profile.enable()
-    for _ in range(CALLS):
-        fn()
-    profile.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    stats.sort_stats("tottime").print_stats(22)
-    stats.sort_stats("cumulative").print_stats(22)
-    return text.getvalue()
+SLEEP_CYCLES = 300_000_000  # GPU sleep ahead of the calls: longer than their issue
 
 
 def main() -> dict:
@@ -88,7 +59,8 @@ def main() -> dict:
             for _ in range(3):
                 call()
             row = {"shape": name, "op": op, "dtype": dtype, "M": m, "N": n, "K": k, "groups": plan.num_groups,
-                   "gemm": plan.gemm, "host_us": round(_per_call_us(call), 1), "profile": _profiled(call)}
+                   "gemm": plan.gemm, "host_us": round(loop_host_us(call, CALLS, SLEEP_CYCLES), 1),
+                   "profile": profiled(call, CALLS, SLEEP_CYCLES, ("tottime", "cumulative"), 22)}
             print(f"== {name} {op} {dtype}: {row['host_us']} us, {plan.num_groups} groups, {plan.gemm}\n"
                   f"{row['profile']}", flush=True)
             out["rows"].append(row)

@@ -6,30 +6,21 @@ process-group collective on a band, the signalling GEMM's launch, one wait-and-r
 PYTHONPATH=src python -m benchmarks.diagnostics.nccl_host_parts [out.json]
 """
 
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.harness.timing import loop_host_us, profiled
 
 SHAPES = {"all_gather": (8192, 1280, 8192), "reduce_scatter": (8192, 8192, 1024), "all_reduce": (4096, 8192, 8192)}
 CALLS = 30
 
 
 def _timed(fn, calls=CALLS):
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    per_call = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return per_call
+    return loop_host_us(fn, calls, 200_000_000)
 
 
 def main():
@@ -54,19 +45,9 @@ def main():
         for _ in range(3):
             call()
         whole = _timed(call)
-        profile = cProfile.Profile()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(400_000_000)
-        profile.enable()
-        for _ in range(CALLS):
-            call()
-        profile.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-        print(f"== {op} {m}x{n}x{k}: {plan.num_groups} groups, {whole:.0f} us a call\n{text.getvalue()}", flush=True)
-        out[op] = {"shape": [m, n, k], "groups": plan.num_groups, "host_us": round(whole, 1),
-                   "profile": text.getvalue()[:6000]}
+        text = profiled(call, CALLS, 400_000_000)
+        print(f"== {op} {m}x{n}x{k}: {plan.num_groups} groups, {whole:.0f} us a call\n{text}", flush=True)
+        out[op] = {"shape": [m, n, k], "groups": plan.num_groups, "host_us": round(whole, 1), "profile": text[:6000]}
     # Parts alone.
     band = torch.randn(512, 8192, dtype=torch.bfloat16, device=device)
     group = dist.group.WORLD

@@ -30,6 +30,42 @@ def host_us(fn: Callable[[], object], calls: int = 20, sleep_cycles: int = QUEUE
     return 1e6 * statistics.median(times)
 
 
+def loop_host_us(fn: Callable[[], object], calls: int, sleep_cycles: int = QUEUE_AHEAD_CYCLES) -> float:
+    """Host time per call (microseconds) of ``calls`` calls of ``fn`` issued back to back while the GPU is busy ahead
+    (``sleep_cycles`` of GPU sleep): one sample of the loop a model runs, no synchronisation inside it."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    per_call = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return per_call
+
+
+def profiled(fn: Callable[[], object], calls: int, sleep_cycles: int = QUEUE_AHEAD_CYCLES,
+             orders: tuple[str, ...] = ("tottime",), limit: int = 25) -> str:
+    """cProfile of ``calls`` calls of ``fn`` issued while the GPU is busy ahead: the ``limit`` functions first in
+    each of ``orders`` (``pstats`` sort keys), as text."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    for order in orders:
+        stats.sort_stats(order).print_stats(limit)
+    return text.getvalue()
+
+
 def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
                         sleep_cycles: int = QUEUE_AHEAD_CYCLES,
                         pairs: tuple[tuple[str, str], ...] = ()) -> dict[str, float]:
