@@ -139,6 +139,7 @@ def _user_graphs(rank, world):
     ``torch.cuda.graph`` and replayed on new values; then the three ops under ``torch.compile(mode=
     "reduce-overhead")`` (cudagraph trees), replayed on new values."""
     import flashoverlap as fo
+    from flashoverlap.kernels import counters
 
     device = torch.device("cuda", torch.cuda.current_device())
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -179,6 +180,7 @@ def _graph_node_kinds(rank, world):
     import ctypes
 
     import flashoverlap as fo
+    from flashoverlap.kernels import counters
 
     device = torch.device("cuda", torch.cuda.current_device())
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -192,12 +194,17 @@ def _graph_node_kinds(rank, world):
         plan = fo.default_plan(op, m, n, k, world, num_sms=sms, allow_sequential=False, gemm="triton")
         fn(a, b, path="nccl", plan=plan)
         torch.cuda.synchronize()
+        waits = counters._LAUNCH
+        loaded, fast = len(waits._compiled), waits.fast_launches
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.cuda.graph(graph):
             out = fn(a, b, path="nccl", plan=plan)
         torch.cuda.current_stream().wait_stream(side)
+        # Every wait kernel in the capture was the one the first call loaded: launched directly, none through the JIT
+        # (deadlock rule 3), whatever the group's index and tile count.
+        assert (loaded, len(waits._compiled), waits.fast_launches - fast) == (1, 1, plan.num_groups), op
         handle, count = ctypes.c_void_p(graph.raw_cuda_graph()), ctypes.c_size_t(0)
         assert lib.cuGraphGetNodes(handle, None, ctypes.byref(count)) == 0
         nodes = (ctypes.c_void_p * count.value)()
@@ -215,7 +222,8 @@ def _graph_node_kinds(rank, world):
 
 def test_a_captured_call_holds_no_stream_memory_operation():
     """The counter waits inside a graph are kernels (``kernels/counters.py``): a memory-operation node (type 12,
-    ``CU_GRAPH_NODE_TYPE_BATCH_MEM_OP``) would cost every launch microseconds of host time."""
+    ``CU_GRAPH_NODE_TYPE_BATCH_MEM_OP``) would cost every launch microseconds of host time; each is the one kernel
+    the first eager call loaded (no compile or module load inside the capture)."""
     kinds = spawn(_graph_node_kinds, 1, "nccl", env=ENV)[0]
     for op, (groups, types) in kinds.items():
         assert 12 not in types, (op, types)

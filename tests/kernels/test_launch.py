@@ -155,3 +155,21 @@ def test_the_jits_own_switches_are_honoured(kernel, monkeypatch, switch):
         monkeypatch.setattr(launch._knobs.runtime, "launch_exit_hook", lambda metadata: None)
     launcher(1, (x, x, 64), {"BLOCK": 32, "FLAG": False})
     assert len(kernel.jit_calls) == 2 and launcher.fast_launches == 0
+
+
+def test_an_unspecialised_integer_shares_one_compiled_kernel_per_width(kernel):
+    """``do_not_specialize`` integers (the counter wait's group index and value): every value that fits 32 bits
+    reuses the kernel compiled for the first, as in the JIT, so a graph never captures a JIT launch for a new group;
+    a 64-bit value is another kernel."""
+    kernel.arg_names = ["x", "y", "n", "BLOCK", "FLAG", "EVEN"]
+    launcher = Launcher(kernel, unspecialised=("n",))
+    x = torch.zeros(64)
+    meta = {"BLOCK": 32, "FLAG": False}
+    for n in (0, 1, 16, 7, 2**31 - 1):
+        launcher(1, (x, x, n), meta)
+    assert len(kernel.jit_calls) == 1 and launcher.fast_launches == 4
+    assert kernel.last.launches[-1][4][2] == 2**31 - 1  # the value itself still reaches the kernel
+    launcher(1, (x, x, 2**40), meta)
+    assert len(kernel.jit_calls) == 2
+    assert launch.unspecialised(5) == launch.unspecialised(-(2**31)) != launch.unspecialised(2**31)
+    assert launch.unspecialised(2**63) == (int, "u64")

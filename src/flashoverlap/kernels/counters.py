@@ -21,7 +21,10 @@ import triton.language as tl
 from flashoverlap.kernels.launch import Launcher
 
 
-@triton.jit
+# ``index`` and ``value`` are not specialised: one compiled kernel serves every group and tile count, so the kernel a
+# graph captures is the one ``load`` compiled and loaded before any capture (deadlock rule 3: a module loaded inside
+# a capture can fail or hang there; Triton would otherwise compile apart the value 1 and multiples of 16).
+@triton.jit(do_not_specialize=["index", "value"])
 def wait_reset_kernel(counters_ptr, index, value):
     # The acquire load pairs with the producer's release-ordered increments: once the counter reads ``value``, every
     # tile of the group is visible, to this program and to the work after it on its stream.
@@ -31,9 +34,17 @@ def wait_reset_kernel(counters_ptr, index, value):
     tl.atomic_xchg(counters_ptr + index, 0, sem="relaxed", scope="gpu")
 
 
-_LAUNCH = Launcher(wait_reset_kernel)
+_LAUNCH = Launcher(wait_reset_kernel, unspecialised=("index", "value"))
 
 
 def wait_reset(counters: torch.Tensor, index: int, value: int) -> None:
     """On the current stream: wait until the int32 ``counters[index] >= value``, then set it to 0."""
     _LAUNCH(1, (counters, index, value), {"num_warps": 1})
+
+
+def load(device: torch.device) -> None:
+    """Compile and load the kernel on ``device`` outside any capture: one launch that returns at once, on a scratch
+    counter of its own (a call's counters may still be counting on another stream)."""
+    scratch = torch.zeros(1, dtype=torch.int32, device=device)
+    with torch.cuda.device(device):
+        wait_reset(scratch, 0, 0)

@@ -12,6 +12,8 @@ the device, every constexpr and launch option, each tensor's dtype and 16-byte a
 dtype, block shape, shape, strides and alignment, and every integer argument by value (in these kernels the
 integers are the problem's sizes and strides, fixed per plan and layout, so keying them by value costs no hits).
 The key also holds the switches the JIT reads on every launch (``knobs.runtime.debug``, the instrumentation mode).
+An integer the kernel declares ``do_not_specialize`` is keyed by its width class only (Triton compiles one kernel for
+every value of it that fits 32 bits), so its values share one compiled kernel here as they do in the JIT.
 Where Triton runs in its interpreter (the CPU tests), where a profiler hook asks for launch metadata, or where the
 kernel has pre-run hooks, every launch goes through the JIT.
 """
@@ -32,6 +34,13 @@ except ImportError:  # Triton < 3.4: the hooks live on CompiledKernel; the fast 
 LIMIT = 256  # fingerprints kept per kernel (a model has a few per layer shape; beyond that, start again)
 
 
+def unspecialised(value: int) -> object:
+    """A ``do_not_specialize`` integer's fingerprint: the width Triton types it by (i32, i64, u64), not its value."""
+    if -(2**31) <= value < 2**31:
+        return int, "i32"
+    return int, "i64" if -(2**63) <= value < 2**63 else "u64"
+
+
 def fingerprint(value) -> object:
     """What of one argument the compiled kernel depends on, beyond the values it reads at run time."""
     if isinstance(value, torch.Tensor):  # the device is the key's (the current one, where the kernel runs)
@@ -48,15 +57,17 @@ def fingerprint(value) -> object:
 class Launcher:
     """``kernel[(grid,)](*args, **meta)``, issued through the compiled kernel's launcher once the JIT has compiled
     and launched it for the same fingerprint. ``args``: the kernel's leading positional arguments; ``meta``: its
-    constexprs by name and the launch options (``num_warps``, ``num_stages``)."""
+    constexprs by name and the launch options (``num_warps``, ``num_stages``); ``unspecialised``: the names of the
+    integer arguments the kernel declares ``do_not_specialize`` (keyed by ``unspecialised``)."""
 
-    def __init__(self, kernel, limit: int = LIMIT) -> None:
+    def __init__(self, kernel, limit: int = LIMIT, unspecialised: tuple[str, ...] = ()) -> None:
         self.kernel = kernel
         self.limit = limit
         self._compiled: dict[tuple, tuple] = {}  # fingerprint -> (compiled kernel, the constexprs' values in order)
         names = list(getattr(kernel, "arg_names", ()))
         params = getattr(kernel, "params", ())
         self._tail_names = names
+        self._by_width = frozenset(names.index(name) for name in unspecialised)
         self._defaults = {p.name: p.default for p in params
                           if getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty}
         self.fast_launches = 0
@@ -68,7 +79,12 @@ class Launcher:
         device = torch.cuda.current_device()
         # The switches the JIT folds into its own key on every launch (a debug build, instrumentation).
         switches = (_knobs.runtime.debug, getattr(_knobs.compilation, "instrumentation_mode", None))
-        key = (device, switches, tuple(meta.items()), tuple(map(fingerprint, args)))
+        if self._by_width:
+            prints = tuple(unspecialised(value) if i in self._by_width else fingerprint(value)
+                           for i, value in enumerate(args))
+        else:
+            prints = tuple(map(fingerprint, args))
+        key = (device, switches, tuple(meta.items()), prints)
         hit = self._compiled.get(key)
         if hit is None:
             compiled = self.kernel[(grid,)](*args, **meta)

@@ -10,7 +10,8 @@ Protocol for one call, on the caller's (producer) stream ``P`` and this communic
 3. ``all_reduce``: on ``S``, for each group: ``cuStreamWaitValue32(counter[g] >= tiles in g)``, then
    ``cuStreamWriteValue32(counter[g] = 0)`` (so counters are zero again for the next call, and a CUDA graph of
    the call can be replayed), then the collective. Inside a graph the wait and reset are a one-warp kernel instead
-   (``kernels/counters.py``: a graph's memory-operation nodes cost the host microseconds per launch each).
+   (``kernels/counters.py``: a graph's memory-operation nodes cost the host microseconds per launch each), loaded
+   by the first call's warm-up like the collective's kernels.
    PyTorch >= 2.8 launches a synchronous collective on the current stream, so the NCCL kernels run on ``S`` itself,
    with its priority.
 4. ``P`` waits for ``S``: work after the call sees the reduced result, and the next call's GEMM cannot bump a
@@ -250,6 +251,8 @@ class NcclCommunicator(GroupFields):
                 else:
                     dist.all_reduce(probe, group=comm_group)
             self.comm_stream.synchronize()
+            if self.device.type == "cuda":  # the graphs' counter wait, loaded before any capture (rule 3)
+                load_wait_kernel(self.device)
             self._warm.add((plan.op, plan.comm_ctas, dtype))
             if plan.comm_ctas not in self._direct:
                 self._direct[plan.comm_ctas] = nccl_calls.for_group(comm_group, self.device)
@@ -535,6 +538,13 @@ def counter_wait_kernel(counters: torch.Tensor, index: int, value: int) -> None:
     from flashoverlap.kernels.counters import wait_reset
 
     wait_reset(counters, index, value)
+
+
+def load_wait_kernel(device: torch.device) -> None:
+    """``kernels/counters.load``: the wait kernel compiled and loaded on ``device``, outside any capture."""
+    from flashoverlap.kernels.counters import load
+
+    load(device)
 
 
 def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tensor,
