@@ -113,8 +113,8 @@ def loop_us(fns: dict, rounds: int = 15, calls: int = 50) -> dict:
 
 def layer_parts(x, layout, weights, ffn: int, dtype: str, w13, w2, path: str) -> dict:
     """A bounded layer call's host time in parts (loops, ``loop_us``): the whole layer, dispatch alone, SwiGLU
-    alone, combine alone; fp8: the op's own quantisation set-up (``_fp8_operands``: the wire rows' allocation) and
-    the runtime's call from there."""
+    alone, combine alone; fp8: the op's own fp8 checks (``_fp8_operands``; before 2026-12-04's second session also
+    the wire rows' allocation, now the call's own issued step) and the runtime's call from there."""
     from flashoverlap.ops.moe import _fp8_operands, moe_dispatch_gemm, moe_gemm_combine
 
     w_up, w_down, s_up, s_down = layer_weights(dtype, w13, w2)

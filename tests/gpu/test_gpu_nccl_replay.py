@@ -139,7 +139,6 @@ def _user_graphs(rank, world):
     ``torch.cuda.graph`` and replayed on new values; then the three ops under ``torch.compile(mode=
     "reduce-overhead")`` (cudagraph trees), replayed on new values."""
     import flashoverlap as fo
-    from flashoverlap.kernels import counters
 
     device = torch.device("cuda", torch.cuda.current_device())
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -30,36 +30,34 @@ CASES = [("skewed", "row", "exact"), ("skewed", "block", "bounded"), ("rank-send
 
 def _calls(p, rank, world, layout, bound, deferred=False):
     """The dispatch and combine calls of one case on ``rank`` (fp8 rows given with their scales; ``deferred``: as the
-    ops hand over bf16/fp32 rows, the fp8 rows and scales unwritten wire views, poisoned, that the communicator's
-    issued work fills first) and the combine's input rows' positions."""
+    ops hand over bf16/fp32 rows, scales None, which the communicator's issued work quantises first into wire rows
+    it allocates, NaN-poisoned where the communicator's allocator is) and the combine's input rows' positions."""
     from flashoverlap.comm.expert import ExpertCall, ExpertPlan
-    from flashoverlap.comm.expert.scaled import ExpertScales, unpack, wire_width
+    from flashoverlap.comm.expert.scaled import ExpertScales
 
     def rows_and_scales(x):
         if not deferred:
-            return (*fc.quantise64(x, mode), None)
-        packed = torch.full((x.shape[0], wire_width(x.shape[1], mode)), 0xFF, dtype=torch.uint8)  # NaN rows, scales
-        q, s = unpack(packed, x.shape[1], fc.FP8, x.shape[1] // fc.BLOCK if mode == "block" else 1)
-        return q, s, x.float()
+            return fc.quantise64(x, mode)
+        return x.float(), None  # the communicator quantises them into wire rows of its own
 
     mode, top_k = p["mode"], p["top_k"]
     tokens = p["x"][rank].shape[0]
     lmode = "bounded" if bound else "exact"
     w_up, s_up = fc.local_weights(p, rank, "up")
     w_down, s_down = fc.local_weights(p, rank, "down")
-    x_q, x_s, x_source = rows_and_scales(p["x"][rank])
+    x_q, x_s = rows_and_scales(p["x"][rank])
     plan = ExpertPlan("dispatch", world, p["experts"], fc.H, 2 * fc.FFN, top_k, tokens, lmode, bound)
     dispatch = ExpertCall("moe_dispatch_gemm", plan, x_q, w_up, True,
-                          scales=ExpertScales(mode, s_up, x_s, source=x_source), layout=layout)
+                          scales=ExpertScales(mode, s_up, x_s, dtype=fc.FP8), layout=layout)
     positions = fc.receive_positions(p, rank, bound)
     rows = layout.recv_rows
     act = torch.full((rows, fc.FFN), float("nan"), dtype=torch.bfloat16)
     for pos, (s, t, c, _) in zip(positions, fc.received(p, rank)):
         act[pos] = p["act"][s][t * top_k + c]
-    a_q, a_s, a_source = rows_and_scales(torch.nan_to_num(act.double()))
+    a_q, a_s = rows_and_scales(torch.nan_to_num(act.double()))
     plan = ExpertPlan("combine", world, p["experts"], fc.H, fc.FFN, top_k, tokens, lmode, bound)
     combine = ExpertCall("moe_gemm_combine", plan, a_q, w_down, True,
-                         scales=ExpertScales(mode, s_down, a_s, source=a_source),
+                         scales=ExpertScales(mode, s_down, a_s, dtype=fc.FP8),
                          layout=layout.with_weights(p["router"][rank]))
     return dispatch, combine, positions
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm.expert import Layout, check_out
-from flashoverlap.comm.expert.scaled import FP8, ExpertScales, fill_rows, mode_of_weight_scales, quantise, wire_rows
+from flashoverlap.comm.expert.scaled import FP8, ExpertScales, mode_of_weight_scales, quantise
 from flashoverlap.ops import moe_library
 from flashoverlap.ops.library import group_name, needed
 from flashoverlap.runtime import experts
@@ -128,10 +128,11 @@ def moe_dispatch_gemm(
     _check_layout("moe_dispatch_gemm", layout)
     fp8 = _fp8_operands("moe_dispatch_gemm", x, w_up, scale_x, scale_w, ("x", "w_up", "scale_x"))
     if fp8 is not None:
-        x, scale_x, mode, source = fp8
-        scales = ExpertScales(mode, scale_w, scale_x, out_dtype, x.dtype, source)
+        x, scale_x, mode = fp8
+        scales = ExpertScales(mode, scale_w, scale_x, out_dtype, x.dtype if scale_x is not None else E4M3)
         if needed("moe_dispatch_gemm", (x, w_up)):
-            fill_rows(x, scales)  # the custom op takes the rows' values: quantised now (``_fp8_operands``)
+            if scale_x is None:  # the custom op takes fp8 rows: bf16 ones quantised now
+                x, scale_x = quantise(x.detach(), mode)
             return torch.ops.flashoverlap.moe_dispatch_scaled(x, scale_x, w_up, scale_w, layout.tensors(),
                                                               group_name(group), moe_library.layout_values(layout),
                                                               False, path, out_dtype)[0]
@@ -180,13 +181,14 @@ def moe_gemm_combine(
     _check_layout("moe_gemm_combine", layout)
     fp8 = _fp8_operands("moe_gemm_combine", a, w_down, scale_a, scale_w, ("a", "w_down", "scale_a"))
     if fp8 is not None:
-        a, scale_a, mode, source = fp8
-        scales = ExpertScales(mode, scale_w, scale_a, out_dtype, a.dtype, source)
+        a, scale_a, mode = fp8
+        scales = ExpertScales(mode, scale_w, scale_a, out_dtype, a.dtype if scale_a is not None else E4M3)
         if needed("moe_gemm_combine", (a, w_down, topk_weights)):
             if out is not None:
                 raise ValueError("moe_gemm_combine: out= does not take part in autograd or torch.compile's fp8 "
                                  "custom op; drop out=")
-            fill_rows(a, scales)  # the custom op takes the rows' values: quantised now (``_fp8_operands``)
+            if scale_a is None:  # the custom op takes fp8 rows: bf16 ones quantised now
+                a, scale_a = quantise(a.detach(), mode)
             return torch.ops.flashoverlap.moe_combine_scaled(a, scale_a, w_down, scale_w, topk_weights,
                                                              layout.tensors(), group_name(group),
                                                              moe_library.layout_values(layout), path, out_dtype)[0]
@@ -207,15 +209,18 @@ def moe_gemm_combine(
     return execute(experts.EXPERT, spec)[0]
 
 
+E4M3 = torch.float8_e4m3fn  # the dtype bf16/fp16/fp32 rows are quantised to
+
+
 def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_w: object,
-                  names: tuple[str, str, str]) -> tuple[torch.Tensor, torch.Tensor, str, torch.Tensor | None] | None:
-    """None for a bf16/fp16/fp32 call (no fp8 operand, no scales); otherwise the fp8 rows, their scales, the mode
-    (``"row"``/``"block"``, from ``scale_w``'s shape) and the rows they are to be quantised from (None: given fp8).
-    bf16/fp16/fp32 rows: the fp8 rows and scales are a fresh wire buffer's views, written as the call's first issued
-    step (``comm/expert/scaled.fill_rows``: a replayed call's graph holds the quantisation), or now by the caller
-    where the call goes through its custom op; traced by ``torch.compile``, quantised here. Mixed
-    dtypes and missing or misshapen scales raise here, naming the argument, before anything is sent (the runtime
-    checks the scales' full shapes against the operands)."""
+                  names: tuple[str, str, str]) -> tuple[torch.Tensor, torch.Tensor | None, str] | None:
+    """None for a bf16/fp16/fp32 call (no fp8 operand, no scales); otherwise the rows, their scales and the mode
+    (``"row"``/``"block"``, from ``scale_w``'s shape). fp8 rows come with their scales; bf16/fp16/fp32 rows come back
+    as they are with scales None: the call quantises them as its first issued step, into a wire buffer of its own
+    (``comm/expert/scaled.wired``: a replayed call's graph holds both), or the caller now where the call goes through
+    its custom op; traced by ``torch.compile``, quantised here. Mixed dtypes and missing or misshapen scales raise
+    here, naming the argument, before anything is sent (the runtime checks the scales' full shapes against the
+    operands)."""
     rows_name, w_name, scale_name = names
     fp8_rows = isinstance(rows, torch.Tensor) and rows.dtype in FP8
     fp8_w = isinstance(w, torch.Tensor) and w.dtype in FP8
@@ -239,7 +244,7 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
         if scale_rows is None:
             raise ValueError(f"{name}: fp8 {rows_name} needs {scale_name} (float32 [rows, 1] row-wise, or "
                              "[rows, K/128] block-wise)")
-        return rows, scale_rows, mode, None
+        return rows, scale_rows, mode
     if scale_rows is not None:
         raise ValueError(f"{name}: {scale_name} is given but {rows_name} is {rows.dtype}, not fp8: pass fp8 "
                          f"{rows_name} with it, or leave {scale_name} unset ({rows_name} is then quantised here)")
@@ -248,10 +253,8 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
                          f"{list(rows.shape)}")
     if mode == "block" and rows.shape[1] % 128:
         raise ValueError(f"{name}: block-wise scales need {rows_name}'s width {rows.shape[1]} to be a multiple of 128")
-    dtype = torch.float8_e4m3fn
     if torch.compiler.is_compiling():
-        data, scale = quantise(rows.detach(), mode, dtype)
-        return data, scale, mode, None
-    data, scale = wire_rows(rows.shape[0], rows.shape[1], mode, dtype, rows.device)
-    return data, scale, mode, rows.detach()
+        data, scale = quantise(rows.detach(), mode)
+        return data, scale, mode
+    return rows.detach(), None, mode
 

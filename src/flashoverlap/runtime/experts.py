@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from flashoverlap import guards, settings
 from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
-from flashoverlap.comm.expert.scaled import FP8, ExpertScales
+from flashoverlap.comm.expert.scaled import FP8, ExpertScales, rows_dtype
 from flashoverlap.comm.protocol import Hook
 from flashoverlap.runtime import agreement, calls, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPES
@@ -141,7 +141,7 @@ class ExpertKind:
         k, n = b.shape[1], b.shape[2]
         hidden, ffn = (k, n) if spec.op == "dispatch" else (n, k)
         header = [1 + ("dispatch", "combine").index(spec.op), routing.experts, hidden, ffn, routing.top_k,
-                  MODES.index(routing.mode), routing.bound or 0, DTYPE_CODES[a.dtype],
+                  MODES.index(routing.mode), routing.bound or 0, DTYPE_CODES[rows_dtype(a, spec.scales)],
                   policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted),
                   0 if spec.scales is None else 1 + ("row", "block").index(spec.scales.mode)]
         context = group_context(spec.name, spec.group, a.device)
@@ -168,8 +168,8 @@ class ExpertKind:
         routing, plan = spec.layout, entry[1]
         rows = routing.rows_per_expert  # exact mode: this layout's counts, on the host at no cost
         if plan.gemm is not None and rows is not None:
-            gemm, hybrid = _gemm_for_rows(rows, spec.b.shape[1], spec.b.shape[2], spec.a.dtype, spec.a.device,
-                                          plan.world_size, _scaling(spec))
+            gemm, hybrid = _gemm_for_rows(rows, spec.b.shape[1], spec.b.shape[2], rows_dtype(spec.a, spec.scales),
+                                          spec.a.device, plan.world_size, _scaling(spec))
             if gemm != plan.gemm:
                 plan = dataclasses.replace(plan, gemm=gemm, hybrid=hybrid)
         if spec.op == "combine" and spec.weighted:
@@ -203,8 +203,8 @@ def _resolve(spec: ExpertSpec, nccl_p2p_disabled: bool) -> tuple[GroupContext, s
     gemm = None  # the reference path always loops
     if resolved != "reference":
         capability = torch.cuda.get_device_capability(a.device) if a.device.type == "cuda" else None
-        gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, a.dtype, capability,
-                           chunks=context.world_size, scaling=_scaling(spec))
+        gemm = choose_gemm(routing.mode, local, routing.tokens * routing.top_k, k, n, rows_dtype(a, spec.scales),
+                           capability, chunks=context.world_size, scaling=_scaling(spec))
     plan = ExpertPlan(spec.op, context.world_size, routing.experts, hidden, ffn, routing.top_k, routing.tokens,
                       routing.mode, routing.bound, gemm, spec.per_choice, spec.weighted,
                       grouped.HYBRID_CUT if gemm == "hybrid" else None)
@@ -261,10 +261,11 @@ def _check_operands(spec: ExpertSpec) -> None:
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != dims:
             raise ValueError(f"{name}: {arg} must be {dims}-D, got shape {list(t.shape)}")
-        if scales is not None and t.dtype not in FP8:
+        fp8 = scales is not None and (t is b or scales.a is not None)  # else rows the call quantises (``wired``)
+        if fp8 and t.dtype not in FP8:
             raise ValueError(f"{name}: {arg} must be float8_e4m3fn or float8_e5m2 in an fp8 call (scales given), "
                              f"got {t.dtype}")
-        if scales is None and t.dtype not in DTYPES:
+        if not fp8 and t.dtype not in DTYPES:
             hint = f" (fp8: pass its scales, scale_{'w' if t is b else rows_name})" if t.dtype in FP8 else ""
             raise ValueError(f"{name}: {arg} must be bfloat16, float16 or float32, got {t.dtype}{hint}")
     if not isinstance(routing, Layout):
@@ -325,9 +326,9 @@ def _check_scales(spec: ExpertSpec) -> None:
     else:
         want_b, want_a = (local, n), (a.shape[0], 1)
         what_b = "[L, N] (one per expert and output column)"
-    for arg, t, want, what in (("scale_w", scales.b, want_b, what_b),
-                               (rows_scale, scales.a, want_a, "[rows, K/128]" if scales.mode == "block" else
-                                "[rows, 1]")):
+    given = (("scale_w", scales.b, want_b, what_b),
+             (rows_scale, scales.a, want_a, "[rows, K/128]" if scales.mode == "block" else "[rows, 1]"))
+    for arg, t, want, what in given[: 1 if scales.a is None else 2]:  # a None: the rows are quantised by the call
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != torch.float32 or tuple(t.shape) != want or t.device != a.device:

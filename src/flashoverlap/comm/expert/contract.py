@@ -290,8 +290,7 @@ def call_signature(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tenso
     dtype, where each tensor lies and how (the operands, the layout's, the outputs ``a`` and the call's outputs),
     cuBLAS's switches, an fp8 call's scales and a held hook's tensors. A communicator adds its own buffers'."""
     layout, scales = call.layout, call.scales
-    fp8 = None if scales is None else (scales.signature(), address(scales.a), address(scales.b),
-                                       address(scales.source))
+    fp8 = None if scales is None else (scales.signature(), address(scales.a), address(scales.b))
     return (call.plan, a.dtype, call.return_gathered, address(a), address(call.b),
             tuple(address(t) for t in layout.tensors()), address(layout.weights),
             tuple(address(t) for t in outputs), cublas_switches(), fp8, held_signature(call.hook))

@@ -79,7 +79,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
 )
 from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout, call_outputs, call_signature
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
-from flashoverlap.comm.expert.scaled import fill_rows, pack
+from flashoverlap.comm.expert.scaled import pack, wired
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs
 
@@ -188,7 +188,7 @@ class ExpertNcclCommunicator(GroupFields):
                   captured: bool = False) -> None:
         """Queue one dispatch (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b
-        fill_rows(a, call.scales)
+        call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows
         h, recv = outputs
         chunks = Chunks.of(plan, layout)
         bounded = plan.mode == "bounded"
@@ -233,7 +233,7 @@ class ExpertNcclCommunicator(GroupFields):
                  captured: bool = False) -> None:
         """Queue one combine (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b
-        fill_rows(a, call.scales)
+        call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows
         out, back = outputs
         chunks = Chunks.of(plan, layout)
         bounded = plan.mode == "bounded"

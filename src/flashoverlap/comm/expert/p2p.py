@@ -79,7 +79,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
 )
 from flashoverlap.comm.expert.contract import ExpertCall, call_outputs, call_signature
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
-from flashoverlap.comm.expert.scaled import fill_rows, pack, wire_width
+from flashoverlap.comm.expert.scaled import pack, rows_dtype, wire_width, wired
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs
 from flashoverlap.comm.steps import Copy, Finish, Gather, Gemm, Hook, Loc, Record, Signal, Wait, WaitEvent
@@ -269,7 +269,7 @@ class ExpertP2PCommunicator(GroupFields):
         """The workspace holds the largest chunk any pair moves in this call in each of its ``W`` slots (growing it
         is collective, to a size every rank agrees on, and refused inside a capture); a plan's first call loads its
         GEMM kernels."""
-        plan, layout, dtype = call.plan, call.layout, call.a.dtype
+        plan, layout, dtype = call.plan, call.layout, rows_dtype(call.a, call.scales)
         rows = plan.bound if plan.mode == "bounded" else self._largest_pair(call.name, layout, chunks)
         need = rows * _row_bytes(call)
         if need > self._slot_bytes():
@@ -300,6 +300,7 @@ class ExpertP2PCommunicator(GroupFields):
         """Run each GEMM of the schedule once, eagerly, on scratch rows: the call queues them behind flag waits, where
         a kernel that is not loaded yet must not be launched first (deadlock rule 3)."""
         guards.refuse_inside_capture(f"{call.name}: the first P2P call of a shape loads its GEMM kernels")
+        call = wired(call, call.a)[0]  # fp8 from bf16 rows: the scales combine's scratch rows read by row number
         plan, b, scales = call.plan, call.b, call.scales
         multiply = self._multiplier(call, chunk_gemm(plan, call.a.dtype, self.device, scales))
         k, n = b.shape[1], b.shape[2]
@@ -355,8 +356,8 @@ class ExpertP2PCommunicator(GroupFields):
         ``_outputs``) hold the result on the caller's stream afterwards. The schedule comes resolved (``_program``),
         and the driver is called through ``ctypes`` with raw stream and event handles (``stream_ops.fast``), as the
         tensor-parallel P2P executor does."""
+        call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows
         plan, layout, scales = call.plan, call.layout, call.scales
-        fill_rows(a, scales)
         bounded = plan.mode == "bounded"
         kind = chunk_gemm(plan, a.dtype, self.device, scales)
         out_dtype = a.dtype if scales is None else scales.out_dtype

@@ -22,9 +22,9 @@ from flashoverlap.comm.expert.scaled import (
     ExpertScales,
     dequantised_rows,
     dequantised_weight,
-    fill_rows,
     pack,
     segment_rows,
+    wired,
 )
 from flashoverlap.comm.protocol import CommGroup
 
@@ -87,7 +87,7 @@ class ExpertReferenceCommunicator:
     def run(self, call: ExpertCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The call's result, and its extra rows where ``return_gathered``; the hook runs after (nothing
         overlaps)."""
-        fill_rows(call.a, call.scales)
+        call = wired(call, call.a)[0]  # fp8 from bf16 rows: quantised first
         if call.plan.op == "dispatch":
             result, extra = dispatch(call.a, call.b, call.plan, call.layout, self.group.process_group, call.scales)
         else:

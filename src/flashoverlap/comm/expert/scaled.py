@@ -20,6 +20,7 @@ fp32 bytes padded to 16: at K = 7168 block-wise, 7168 + 224 bytes, 0.516x the bf
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,23 +35,23 @@ E4M3_MAX = 448.0
 class ExpertScales:
     """An fp8 expert call's scales (``comm/expert/scaled.py``): ``mode`` (``"row"`` or ``"block"``), ``b`` the
     weights' scales, ``a`` the rows' scales (dispatch: the given rows', ``[T, S]`` or ``[T*k, S]`` per choice; combine:
-    ``a``'s ``[R, S]``), the output dtype and the rows' fp8 dtype. ``source``: the bf16/fp16/fp32 rows that the call's
-    fp8 rows and ``a`` (``wire_rows``' views, not yet written) are quantised from, as the first step of the call's
-    issued work (``fill_rows``): so that a replayed call's graph holds the quantisation too (host time)."""
+    ``a``'s ``[R, S]``), the output dtype and the rows' fp8 dtype. ``a`` None: the call's rows came in bf16/fp16/fp32
+    and are quantised into a wire buffer of the call's own as its first issued step (``wired``): so that a replayed
+    call's graph holds the buffer and the quantisation, and a repeated call's host allocates and slices nothing
+    for them."""
 
     mode: str
     b: torch.Tensor
-    a: torch.Tensor
+    a: torch.Tensor | None
     out_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.float8_e4m3fn  # the rows' fp8 dtype
-    source: torch.Tensor | None = None
 
     def columns(self, k: int) -> int:
         """Scales per row of ``k`` channels: 1 row-wise, ``k / 128`` block-wise."""
         return k // BLOCK if self.mode == "block" else 1
 
     def signature(self) -> tuple:
-        return (self.mode, self.a.shape[1:], self.b.shape, self.out_dtype, self.dtype)
+        return (self.mode, None if self.a is None else self.a.shape[1:], self.b.shape, self.out_dtype, self.dtype)
 
 
 def mode_of_weight_scales(scale_w: object) -> str | None:
@@ -112,12 +113,28 @@ def quantise_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: s
     q.view(rows, columns, k // columns).copy_(torch.div(rows_in, scale[:, :, None]))
 
 
-def fill_rows(a: torch.Tensor, scales: ExpertScales | None) -> None:
-    """The first step of an fp8 call's issued work, where its rows came in bf16/fp16/fp32 (``ExpertScales.source``):
-    quantise them into the call's fp8 rows ``a`` and their scales. Every expert communicator calls it before anything
-    reads ``a`` (a replayed call: inside its graph)."""
-    if scales is not None and scales.source is not None:
-        quantise_into(scales.source, a, scales.a, scales.mode)
+def wired(call, a: torch.Tensor, new=None) -> tuple:
+    """The first step of an fp8 call's issued work (every expert communicator's, before anything reads the rows):
+    where its rows ``a`` came in bf16/fp16/fp32 (``ExpertScales.a`` None), quantise them into a fresh wire buffer
+    (``wire_rows``' layout, from ``new(shape, dtype)``, the communicator's allocator, where given) and return the call
+    with those fp8 rows and their scales, and the rows; otherwise ``(call, a)``. Inside a capture the buffer comes
+    from the graph's pool, so a replay allocates nothing for it."""
+    scales = call.scales
+    if scales is None or scales.a is not None:
+        return call, a
+    rows, k = a.shape
+    columns = scales.columns(k)
+    shape = (rows, packed_width(k, columns))
+    packed = torch.empty(shape, dtype=torch.uint8, device=a.device) if new is None else new(shape, torch.uint8)
+    q, scale = unpack_rows(packed, k, scales.dtype, columns)
+    quantise_into(a, q, scale, scales.mode)
+    return dataclasses.replace(call, a=q, scales=dataclasses.replace(scales, a=scale)), q
+
+
+def rows_dtype(a: torch.Tensor, scales: ExpertScales | None) -> torch.dtype:
+    """The dtype a call's rows are multiplied (and, dispatch, sent) in: the fp8 dtype of an fp8 call, whether its rows
+    came in fp8 or are quantised by the call (``wired``)."""
+    return a.dtype if scales is None else scales.dtype
 
 
 def pack(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
