@@ -418,12 +418,27 @@ MUTATIONS = [
      "tests/comm/test_sequential.py::test_the_sequential_communicator_matches_plain_pytorch_and_replays"),
     ("expert-nccl-combine-rows-not-quantised", "Expert NCCL path, fp8 from bf16 rows: combine does not quantise its "
      "rows as its first issued step (it multiplies the unwritten wire buffer)", EXPERT_NCCL,
-     "        fill_rows(a, call.scales)\n        out, back = outputs\n", "        out, back = outputs\n",
+     "        call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows\n"
+     "        out, back = outputs\n", "        out, back = outputs\n",
      "tests/moe/test_fp8_paths.py::test_fp8_nccl_path_matches_the_oracle"),
     ("expert-p2p-rows-not-quantised", "Expert P2P path, fp8 from bf16 rows: the issued schedule does not quantise "
-     "the rows first (it sends and multiplies the unwritten wire buffer)", EXPERT_P2P,
-     "        fill_rows(a, scales)\n", "",
+     "the rows first (it sends and multiplies the bf16 rows as they came)", EXPERT_P2P,
+     "        call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows\n"
+     "        plan, layout, scales", "        plan, layout, scales",
      "tests/moe/test_fp8_paths.py::test_fp8_p2p_path_matches_the_oracle"),
+    ("expert-wire-rows-unwritten", "fp8 experts from bf16 rows: the call's wire rows are allocated but never written "
+     "(the quantisation left out of the issued step)", "src/flashoverlap/comm/expert/scaled.py",
+     "    quantise_into(a, q, scale, scales.mode)\n    return dataclasses.replace(",
+     "    return dataclasses.replace(", "tests/moe/test_fp8_paths.py::test_fp8_nccl_path_matches_the_oracle"),
+    ("expert-nccl-wire-before-the-lookup", "Expert NCCL path, fp8 from bf16 rows: the wire rows made before the "
+     "graph lookup (a replayed call's host allocates and quantises them on every call; the signature names them)",
+     EXPERT_NCCL, "        outputs = self._outputs(call, a)\n        issue = ",
+     "        call, a = wired(call, a, self._new)\n        outputs = self._outputs(call, a)\n        issue = ",
+     "tests/moe/test_fp8_paths.py::test_fp8_rows_from_bf16_are_quantised_inside_the_replayed_work"),
+    ("launch-unspecialised-keyed-by-value", "Direct launches: a do_not_specialize integer keyed by its value, so each "
+     "new group index or tile count of the graphs' counter wait goes through the JIT (inside a capture)",
+     "src/flashoverlap/kernels/launch.py", "unspecialised(value) if i in self._by_width else",
+     "fingerprint(value) if i in self._by_width else", "tests/kernels/test_launch.py"),
     ("nccl-graph-waits-are-memops", "NCCL path: inside a graph the counter waits stay stream memory operations (the "
      "graph's launch then costs the host about 2 us per group)", NCCL,
      "in_graph = ready is None and guards.capturing(self.counters)", "in_graph = False",

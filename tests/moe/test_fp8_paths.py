@@ -130,6 +130,72 @@ def test_fp8_nccl_path_matches_the_oracle(world):
     assert spawn(_nccl_ranks, world, "gloo") == [len(CASES)] * world
 
 
+def _wired_in_the_graph(rank, world):
+    """fp8 from bf16 rows, bounded, repeated: the wire rows are allocated and written inside the issued work that a
+    graph holds (``comm/expert/scaled.wired``), so a repeated call's host allocates only its two outputs before the
+    graph lookup, the signature names the bf16 rows (not a wire buffer), and every call, replayed or not, is right.
+    The graphs stand in as in ``tests/comm/test_expert_nccl.py``: a repeated signature's issued work runs again."""
+    import torch.distributed as dist
+
+    from tests.comm import fake_cuda
+
+    fake_cuda.install(wait_timeout_s=10.0)
+    torch.set_num_threads(1)
+    from flashoverlap.comm.expert import expert_layout
+    from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator
+    from flashoverlap.comm.expert.reference import ExpertReferenceCommunicator
+    from flashoverlap.comm.protocol import CommGroup
+    from flashoverlap.comm.replay import address
+
+    group = CommGroup.of(dist.group.WORLD, torch.device("cpu"))
+    comm, reference = ExpertNcclCommunicator(group), ExpertReferenceCommunicator(group)
+    buffers, allocated, before_lookup, replays = {}, [0], [], [0]
+
+    def new(shape, dtype, zero=False):  # the caching allocator's reuse: the n-th buffer of a call where it was
+        allocated[0] += 1
+        fill = 0 if zero else (0xFF if dtype == torch.uint8 else float("nan"))
+        return buffers.setdefault((tuple(shape), dtype, allocated[0]), torch.empty(shape, dtype=dtype)).fill_(fill)
+
+    class Graphs:
+        def __init__(self):
+            self.seen = {}
+
+        def run(self, signature, issue):
+            before_lookup.append((allocated[0], signature))
+            self.seen[signature] = self.seen.get(signature, 0) + 1
+            if self.seen[signature] < 2:
+                return False
+            issue()
+            replays[0] += 1
+            return True
+
+        def clear(self):
+            self.seen.clear()
+
+    comm._new, comm.graphs, comm._graphed = new, Graphs(), True
+    p = fc.problem(world, "skewed", 2, "block", 77)
+    bound = max(x.shape[0] for x in p["x"]) * 2
+    layout = expert_layout(p["idx"][rank], p["experts"], group, mode="bounded", bound=bound)
+    dispatch, combine, positions = _calls(p, rank, world, layout, bound, deferred=True)
+    dispatch.replay = combine.replay = True
+    for _ in range(3):
+        got = []
+        for call in (dispatch, combine):
+            allocated[0] = 0
+            got.append(comm.run(call))
+            outside, signature = before_lookup[-1]
+            assert outside == 2, f"{call.name}: {outside} buffers allocated before the graph lookup, not its 2 outputs"
+            assert call.scales.a is None and address(call.a) in signature, call.name  # the bf16 rows, by address
+        want = reference.run(dispatch), reference.run(combine)
+        _check(p, rank, f"NCCL wired W={world} rank {rank}", *got, positions, bound, want)
+    return replays[0]
+
+
+def test_fp8_rows_from_bf16_are_quantised_inside_the_replayed_work():
+    # dispatch and combine, three calls each: the second and third replay.
+    assert spawn(_wired_in_the_graph, 2, "gloo") == [4, 4]
+
+
 # -- P2P: ranks as threads, the driver doing what the GPU would ----------------------------------------------------
 
 
