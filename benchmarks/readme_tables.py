@@ -543,6 +543,11 @@ def faults(path: str) -> str:
     return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
 
 
+def _target(ratio: float | None) -> str:
+    """A row's target ratio as the table shows it ("—" where the row has none)."""
+    return "—" if ratio is None else f"<= {ratio}x"
+
+
 def host_shared(path: str) -> str:
     """Host time per call with W ranks sharing one GPU, eager and replayed, beside ``torch.mm`` alone."""
     data = _load(path)
@@ -554,7 +559,7 @@ def host_shared(path: str) -> str:
             continue
         lines.append(f"| {row['W']} | {OPS.get(row['op'], row['op'])} | {row['dtype']} | {row['mode']} | "
                      f"{_us(row['host_us'])} | {_us(row['torch_mm_us'])} | {row['paired_ratio']:.1f}x | "
-                     f"<= {row['target_ratio']}x |")
+                     f"{_target(row['target_ratio'])} |")
     return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
 
 
