@@ -435,6 +435,19 @@ MUTATIONS = [
      EXPERT_NCCL, "        outputs = self._outputs(call, a)\n        issue = ",
      "        call, a = wired(call, a, self._new)\n        outputs = self._outputs(call, a)\n        issue = ",
      "tests/moe/test_fp8_paths.py::test_fp8_rows_from_bf16_are_quantised_inside_the_replayed_work"),
+    ("nccl-wait-kernel-loaded-inside-a-capture", "NCCL path: the graphs' counter-wait kernel loaded by a plan's first "
+     "call even inside a capture (a module load recorded into the user's graph, deadlock rule 3)", NCCL,
+     'and self.device.type == "cuda"\n                and not guards.capturing(self.counters)):',
+     'and self.device.type == "cuda"\n                and True):',
+     NCCL_TEST + "::test_the_graphs_wait_kernel_is_loaded_once_eagerly_by_the_first_plan_that_uses_it"),
+    ("nccl-wait-kernel-loaded-by-every-plan", "NCCL path: the counter-wait kernel loaded by all-gather and cuBLAS-band "
+     "plans too (their first call compiles a kernel they never launch)", NCCL,
+     'not self._wait_loaded and plan.op != "all_gather" and plan.gemm != "cublas"', "not self._wait_loaded",
+     NCCL_TEST + "::test_the_graphs_wait_kernel_is_loaded_once_eagerly_by_the_first_plan_that_uses_it"),
+    ("fp8-expert-grad-unchecked", "fp8 expert ops: an operand that requires grad is taken (the ops record no "
+     "autograd: its gradient silently never comes)", "src/flashoverlap/ops/moe.py",
+     "    if torch.is_grad_enabled():\n        for arg, t in", "    if False:\n        for arg, t in",
+     "tests/moe/test_fp8_moe_ops.py::test_fp8_errors_name_the_argument_before_anything_is_sent"),
     ("launch-unspecialised-keyed-by-value", "Direct launches: a do_not_specialize integer keyed by its value, so each "
      "new group index or tile count of the graphs' counter wait goes through the JIT (inside a capture)",
      "src/flashoverlap/kernels/launch.py", "unspecialised(value) if i in self._by_width else",

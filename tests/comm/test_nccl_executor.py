@@ -210,6 +210,52 @@ def test_a_captured_call_waits_on_counters_with_the_wait_kernel():
     assert spawn(_captured_waits, 2, "gloo") == [4, 4]
 
 
+def _wait_kernel_loads(rank, world_size):
+    """The graphs' counter-wait kernel is loaded once, eagerly, by the first call of a plan whose signalling GEMM bumps
+    counters (``prepare``), never by an all-gather's or a cuBLAS-band plan's, and not inside a capture (where the
+    next eager call loads it). The device is a GPU's as the rule reads it; the warm-up ran on the CPU first."""
+    fake_cuda.install(wait_timeout_s=10.0)
+    from flashoverlap import guards
+    from flashoverlap.comm.protocol import CommGroup
+    from flashoverlap.comm.tp import nccl
+    from flashoverlap.plan import TileConfig
+    from flashoverlap.tune.defaults import default_plan
+
+    loads = []
+    nccl.load_wait_kernel = loads.append
+    comm = nccl.NcclCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
+    tile = TileConfig(16, 16, 16, 2, 1, 4)
+    m, n, k = 48 * world_size, 40, 24
+
+    def plan(op, gemm):
+        return default_plan(op, m, n, k, world_size, tile=tile, num_groups=3, gemm=gemm, allow_sequential=False,
+                            **({"comm_ctas": 0} if op == "all_gather" else {}))
+
+    plans = {name: plan(*name) for name in (("all_gather", "triton"), ("reduce_scatter", "cublas"),
+                                             ("reduce_scatter", "triton"), ("all_reduce", "triton"))}
+    for p in plans.values():  # the collectives' warm-up, on the CPU
+        comm.prepare(p, torch.float64)
+    assert loads == [], "loaded on a CPU device"
+    comm.device = torch.device("cuda", 0)
+    seen = []
+    for name in (("all_gather", "triton"), ("reduce_scatter", "cublas")):
+        comm.prepare(plans[name], torch.float64)
+    seen.append(len(loads))  # 0: neither launches the wait kernel
+    capturing = guards.capturing
+    guards.capturing = lambda *args, **kwargs: True
+    comm.prepare(plans[("reduce_scatter", "triton")], torch.float64)
+    seen.append(len(loads))  # 0: inside a capture
+    guards.capturing = capturing
+    for name in (("reduce_scatter", "triton"), ("all_reduce", "triton"), ("reduce_scatter", "triton")):
+        comm.prepare(plans[name], torch.float64)
+    seen.append(len(loads))  # 1: once, by the first eager call that needs it
+    return seen, loads == [torch.device("cuda", 0)]
+
+
+def test_the_graphs_wait_kernel_is_loaded_once_eagerly_by_the_first_plan_that_uses_it():
+    assert spawn(_wait_kernel_loads, 1, "gloo") == [([0, 0, 1], True)]
+
+
 def _signatures(rank, world_size):
     """The NCCL communicator's replay signature (``_buffers``, ``_signature``) on the CPU: what a captured call
     depends on besides values. Every tensor the call reads or writes moves the signature when it moves, and a call

@@ -173,3 +173,6 @@ def test_an_unspecialised_integer_shares_one_compiled_kernel_per_width(kernel):
     assert len(kernel.jit_calls) == 2
     assert launch.unspecialised(5) == launch.unspecialised(-(2**31)) != launch.unspecialised(2**31)
     assert launch.unspecialised(2**63) == (int, "u64")
+    # Not integers: keyed as everything else is (Triton types a bool u1, a float fp32).
+    assert launch.unspecialised(True) == fingerprint(True) != launch.unspecialised(1)
+    assert launch.unspecialised(1.0) == fingerprint(1.0)

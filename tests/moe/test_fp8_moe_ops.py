@@ -137,6 +137,9 @@ def _errors(rank, world):
         (dict(x=xq, w=w_up, scale_x=xs, scale_w=s_up.double()), r"scale_w must be float32"),
         (dict(x=xq, w=w_up, scale_x=xs[:, :1].expand(-1, 2), scale_w=s_up), r"scale_x must be float32 \[\d+, 1\]"),
         (dict(x=xq, w=w_up, scale_x=xs, scale_w=s_up[:, :, None]), r"scale_w must be float32 \[2, 2, 2\]"),
+        (dict(x=x.double(), w=w_up, scale_x=None, scale_w=s_up), "x must be a 2-D bfloat16, float16 or float32"),
+        # The fp8 ops record no autograd: a gradient that would silently never come is refused.
+        (dict(x=x.float().requires_grad_(), w=w_up, scale_x=None, scale_w=s_up), "x requires grad"),
     ]
     for args, message in bad:
         with pytest.raises((ValueError, TypeError), match=message):
@@ -146,6 +149,8 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match=r"scale_a must be float32 \[\d+, 1\]"):
         fo.moe_gemm_combine(a.to(fc.FP8), w_down, p["router"][rank], layout,
                             scale_a=torch.ones(layout.recv_rows, 2), scale_w=s_down)
+    with pytest.raises(ValueError, match="topk_weights requires grad"):
+        fo.moe_gemm_combine(a, w_down, p["router"][rank].float().requires_grad_(), layout, scale_w=s_down)
     with pytest.raises(ValueError, match="w_down is torch.bfloat16 but the call is fp8"):
         fo.moe_gemm_combine(a.to(fc.FP8), w_down.bfloat16(), p["router"][rank], layout,
                             scale_a=torch.ones(layout.recv_rows, 1), scale_w=s_down)

@@ -34,11 +34,17 @@ except ImportError:  # Triton < 3.4: the hooks live on CompiledKernel; the fast 
 LIMIT = 256  # fingerprints kept per kernel (a model has a few per layer shape; beyond that, start again)
 
 
-def unspecialised(value: int) -> object:
-    """A ``do_not_specialize`` integer's fingerprint: the width Triton types it by (i32, i64, u64), not its value."""
+def unspecialised(value: object) -> object:
+    """A ``do_not_specialize`` integer's fingerprint: the width Triton types it by (i32, i64, u64), not its value;
+    anything else (a bool, a float, a tensor) as ``fingerprint`` keys it, and an integer beyond u64 by value (Triton
+    refuses it)."""
+    if type(value) is not int:
+        return fingerprint(value)
     if -(2**31) <= value < 2**31:
         return int, "i32"
-    return int, "i64" if -(2**63) <= value < 2**63 else "u64"
+    if -(2**63) <= value < 2**63:
+        return int, "i64"
+    return (int, "u64") if value < 2**64 else (int, value)
 
 
 def fingerprint(value) -> object:

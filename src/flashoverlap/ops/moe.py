@@ -126,7 +126,7 @@ def moe_dispatch_gemm(
         expert); rows of no segment (bounded mode's padding) are zero.
     """
     _check_layout("moe_dispatch_gemm", layout)
-    fp8 = _fp8_operands("moe_dispatch_gemm", x, w_up, scale_x, scale_w, ("x", "w_up", "scale_x"))
+    fp8 = _fp8_operands("moe_dispatch_gemm", x, w_up, scale_x, scale_w, ("x", "w_up", "scale_x"), ())
     if fp8 is not None:
         x, scale_x, mode = fp8
         scales = ExpertScales(mode, scale_w, scale_x, out_dtype, x.dtype if scale_x is not None else E4M3)
@@ -179,7 +179,8 @@ def moe_gemm_combine(
         ``y: [T, H]`` in a's dtype (fp8: ``out_dtype``), in this rank's token order (``out`` where given).
     """
     _check_layout("moe_gemm_combine", layout)
-    fp8 = _fp8_operands("moe_gemm_combine", a, w_down, scale_a, scale_w, ("a", "w_down", "scale_a"))
+    fp8 = _fp8_operands("moe_gemm_combine", a, w_down, scale_a, scale_w, ("a", "w_down", "scale_a"),
+                        (("topk_weights", topk_weights),))
     if fp8 is not None:
         a, scale_a, mode = fp8
         scales = ExpertScales(mode, scale_w, scale_a, out_dtype, a.dtype if scale_a is not None else E4M3)
@@ -210,17 +211,20 @@ def moe_gemm_combine(
 
 
 E4M3 = torch.float8_e4m3fn  # the dtype bf16/fp16/fp32 rows are quantised to
+ROWS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # rows an fp8 call quantises (the runtime's DTYPES)
 
 
 def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_w: object,
-                  names: tuple[str, str, str]) -> tuple[torch.Tensor, torch.Tensor | None, str] | None:
+                  names: tuple[str, str, str],
+                  others: tuple = ()) -> tuple[torch.Tensor, torch.Tensor | None, str] | None:
     """None for a bf16/fp16/fp32 call (no fp8 operand, no scales); otherwise the rows, their scales and the mode
     (``"row"``/``"block"``, from ``scale_w``'s shape). fp8 rows come with their scales; bf16/fp16/fp32 rows come back
     as they are with scales None: the call quantises them as its first issued step, into a wire buffer of its own
     (``comm/expert/scaled.wired``: a replayed call's graph holds both), or the caller now where the call goes through
-    its custom op; traced by ``torch.compile``, quantised here. Mixed dtypes and missing or misshapen scales raise
-    here, naming the argument, before anything is sent (the runtime checks the scales' full shapes against the
-    operands)."""
+    its custom op; traced by ``torch.compile``, quantised here. Mixed dtypes, missing or misshapen scales, and an
+    operand that requires grad (``others``: the call's other tensors, by name; the fp8 ops record no autograd, so
+    its gradient would silently never come) raise here, naming the argument, before anything is sent (the runtime
+    checks the scales' full shapes against the operands)."""
     rows_name, w_name, scale_name = names
     fp8_rows = isinstance(rows, torch.Tensor) and rows.dtype in FP8
     fp8_w = isinstance(w, torch.Tensor) and w.dtype in FP8
@@ -240,6 +244,12 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
                          f"{list(getattr(scale_w, 'shape', []))}")
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"{name}: {rows_name} must be a torch.Tensor, got {type(rows).__name__}")
+    if torch.is_grad_enabled():
+        for arg, t in ((rows_name, rows), (w_name, w), (scale_name, scale_rows), ("scale_w", scale_w), *others):
+            if getattr(t, "requires_grad", False):
+                raise ValueError(f"{name}: {arg} requires grad, but the fp8 expert ops record no autograd (its "
+                                 "gradient would never come): call under torch.no_grad() for inference, or train "
+                                 "with flashoverlap.nn.ExpertParallelMLP(fp8='row'), which defines the backward")
     if fp8_rows:
         if scale_rows is None:
             raise ValueError(f"{name}: fp8 {rows_name} needs {scale_name} (float32 [rows, 1] row-wise, or "
@@ -248,9 +258,9 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
     if scale_rows is not None:
         raise ValueError(f"{name}: {scale_name} is given but {rows_name} is {rows.dtype}, not fp8: pass fp8 "
                          f"{rows_name} with it, or leave {scale_name} unset ({rows_name} is then quantised here)")
-    if rows.ndim != 2 or not rows.is_floating_point():
-        raise ValueError(f"{name}: {rows_name} must be a 2-D floating tensor, got {rows.dtype} of shape "
-                         f"{list(rows.shape)}")
+    if rows.ndim != 2 or rows.dtype not in ROWS_DTYPES:
+        raise ValueError(f"{name}: {rows_name} must be a 2-D bfloat16, float16 or float32 tensor (quantised to fp8 "
+                         f"here) or fp8 with {scale_name}, got {rows.dtype} of shape {list(rows.shape)}")
     if mode == "block" and rows.shape[1] % 128:
         raise ValueError(f"{name}: block-wise scales need {rows_name}'s width {rows.shape[1]} to be a multiple of 128")
     if torch.compiler.is_compiling():

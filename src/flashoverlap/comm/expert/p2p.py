@@ -277,7 +277,9 @@ class ExpertP2PCommunicator(GroupFields):
             if self.workspace.ensure(size, call.name, ones=(FREE_BASE, FREE_BASE + self.world_size)):
                 self.graphs.clear()
                 self._programs.clear()
-        key = (plan, dtype, call.b.stride())
+        # Rows the call quantises lie in its wire rows (a row stride of the packed width, and so their scales):
+        # other kernel variants than given fp8 rows and scales (Triton specialises strides).
+        key = (plan, dtype, call.b.stride(), call.scales is not None and call.scales.a is None)
         if key not in self._warm:
             self._load_kernels(call, chunks)
             self._warm.add(key)
@@ -300,7 +302,8 @@ class ExpertP2PCommunicator(GroupFields):
         """Run each GEMM of the schedule once, eagerly, on scratch rows: the call queues them behind flag waits, where
         a kernel that is not loaded yet must not be launched first (deadlock rule 3)."""
         guards.refuse_inside_capture(f"{call.name}: the first P2P call of a shape loads its GEMM kernels")
-        call = wired(call, call.a)[0]  # fp8 from bf16 rows: the scales combine's scratch rows read by row number
+        quantised = call.scales is not None and call.scales.a is None
+        call = wired(call, call.a)[0]  # fp8 from bf16 rows: the wire rows and scales, laid out as the call's
         plan, b, scales = call.plan, call.b, call.scales
         multiply = self._multiplier(call, chunk_gemm(plan, call.a.dtype, self.device, scales))
         k, n = b.shape[1], b.shape[2]
@@ -309,6 +312,8 @@ class ExpertP2PCommunicator(GroupFields):
             if isinstance(item, Gemm):
                 if scales is not None and plan.op == "dispatch":  # packed rows
                     x = torch.zeros((item.rows, wire_width(k, scales.mode)), dtype=torch.uint8, device=self.device)
+                elif quantised:  # the call's own wire rows (their layout is the kernel's), scales by row number
+                    x = call.a
                 else:  # combine's fp8 rows take their scales by row number: the first rows' are there
                     x = torch.zeros((item.rows, k), dtype=call.a.dtype, device=self.device)
                 multiply(item.chunk, x, 0, torch.empty((item.rows, n), dtype=out_dtype, device=self.device), 0,

@@ -132,9 +132,9 @@ def wired(call, a: torch.Tensor, new=None) -> tuple:
 
 
 def rows_dtype(a: torch.Tensor, scales: ExpertScales | None) -> torch.dtype:
-    """The dtype a call's rows are multiplied (and, dispatch, sent) in: the fp8 dtype of an fp8 call, whether its rows
-    came in fp8 or are quantised by the call (``wired``)."""
-    return a.dtype if scales is None else scales.dtype
+    """The dtype a call's rows are multiplied (and, dispatch, sent) in: their own where they came in fp8 (or the call
+    is not fp8), the fp8 dtype they are quantised to where the call quantises them (``wired``)."""
+    return a.dtype if scales is None or scales.a is not None else scales.dtype
 
 
 def pack(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

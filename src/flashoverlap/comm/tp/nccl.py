@@ -85,6 +85,7 @@ class NcclCommunicator(GroupFields):
         # All-gather: flags[g] != 0 once group g's band of every shard has landed; zero between calls.
         self.flags = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
         self._warm: set[tuple[str, int, torch.dtype]] = set()
+        self._wait_loaded = False  # the graphs' counter-wait kernel (kernels/counters.py) loaded on this device
         self._capped_groups: dict[int, dist.ProcessGroup] = {}
         self._comm_handle = self.comm_stream.cuda_stream
         self._index = self.device.index if self.device.index is not None else 0
@@ -251,11 +252,17 @@ class NcclCommunicator(GroupFields):
                 else:
                     dist.all_reduce(probe, group=comm_group)
             self.comm_stream.synchronize()
-            if self.device.type == "cuda":  # the graphs' counter wait, loaded before any capture (rule 3)
-                load_wait_kernel(self.device)
             self._warm.add((plan.op, plan.comm_ctas, dtype))
             if plan.comm_ctas not in self._direct:
                 self._direct[plan.comm_ctas] = nccl_calls.for_group(comm_group, self.device)
+        # The graphs' counter wait (plans whose signalling GEMM bumps counters), loaded by the first such plan's call
+        # outside a capture: a first call is eager wherever the collective's warm-up above runs with it (rule 3); a
+        # plan that finds its op warmed by a cuBLAS-band plan and comes first inside a capture leaves the kernel to
+        # load there (as the capture's first wait), and the next eager call loads it.
+        if (not self._wait_loaded and plan.op != "all_gather" and plan.gemm != "cublas" and self.device.type == "cuda"
+                and not guards.capturing(self.counters)):
+            load_wait_kernel(self.device)
+            self._wait_loaded = True
         self._fork()
 
     def _fork(self) -> int:
