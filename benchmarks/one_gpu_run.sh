@@ -6,6 +6,9 @@
 # Logs and JSON land in $OUT.
 # Usage: FLASHOVERLAP_COMMIT=$(git rev-parse --short=10 HEAD) [STEPS="tests spawn p2p moe sequential"] \
 #        bash benchmarks/one_gpu_run.sh
+# Steps not in the default set (each a re-measurement of an open issue's figures; results under $OUT, to be merged
+# into benchmarks/results by hand): fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
+# shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42).
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -51,4 +54,18 @@ if has sequential; then
     timeout ${SEQ_TIMEOUT:-180} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.sequential_host \
         "$OUT/sequential-host-$commit.json" > "$OUT/sequential-host-$commit.log" 2>&1; echo "sequential: exit $?"
     grep -E "^\{" "$OUT/sequential-host-$commit.log" | cut -c1-400
+fi
+if has fp8moe; then  # the fp8 MoE layer's host time beside bf16's (issue 44), single calls and loops in parts
+    timeout ${FP8MOE_TIMEOUT:-200} python3 -m benchmarks.diagnostics.fp8_moe_host --out "$OUT" --iters 60 --parts \
+        > "$OUT/fp8-moe-host-$commit.log" 2>&1; echo "fp8moe: exit $?"; grep -E "ratio|layer" "$OUT/fp8-moe-host-$commit.log" | tail -12
+fi
+if has hostbound; then  # the host-bound loops at Llama-70B TP = 8 shapes, bf16 and fp8 row-wise (issue 41)
+    timeout ${HOSTBOUND_TIMEOUT:-300} python3 -m benchmarks.host_bound "$OUT/host-bound-llama-$commit.json" --shapes=llama \
+        > "$OUT/host-bound-$commit.log" 2>&1; echo "hostbound: exit $?"; tail -3 "$OUT/host-bound-$commit.log"
+fi
+if has shared; then  # ranks sharing the GPU: the moe-fp8 mechanics (W = 2, 4, 8), then host time per call (issue 42)
+    timeout ${SHARED_TIMEOUT:-150} python3 -m benchmarks.shared_ranks --step mechanics --worlds 2,4,8 --families moe-fp8 \
+        --out "$OUT/mech" > "$OUT/shared-mech-$commit.log" 2>&1; echo "shared mechanics: exit $?"
+    timeout ${SHARED_HOST_TIMEOUT:-200} python3 -m benchmarks.shared_ranks --step host --worlds 8,4,2 --budget 170 \
+        --out "$OUT/shared" > "$OUT/shared-host-$commit.log" 2>&1; echo "shared host: exit $?"
 fi
