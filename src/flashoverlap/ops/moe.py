@@ -266,5 +266,5 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
     if torch.compiler.is_compiling():
         data, scale = quantise(rows.detach(), mode)
         return data, scale, mode
-    return rows.detach(), None, mode
+    return rows, None, mode  # no operand requires grad where autograd records (above): nothing to detach
 
