@@ -1,4 +1,4 @@
-"""Host-bound or not: the loop a model runs (BENCHMARK.md, "Host-bound or not"). For each shape, op and path,
+"""Host-bound or not: the loop a model runs (docs/benchmarks.md, "Host-bound or not"). For each shape, op and path,
 ``LOOP`` calls back to back on the same tensors:
 
 - ``host_us``: the time to issue one call (no synchronisation inside the loop), per call;

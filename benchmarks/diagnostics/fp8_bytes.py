@@ -9,7 +9,7 @@ FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python -m benchmarks.diagnostics.fp8_
 import torch
 
 from benchmarks.diagnostics.fp8_gemm import GRID, WORLD
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import results_argument, results_meta, write_results
 from flashoverlap.comm.scaled import BLOCK, Scales, row_bytes
 from flashoverlap.tune.fp8 import fp8_plan
 
@@ -24,6 +24,7 @@ def wire_bytes(plan, row: int) -> int:
 
 
 def main() -> None:
+    results_argument(__doc__)
     rows = []
     for op, shapes in GRID.items():
         for m, n, k in shapes:

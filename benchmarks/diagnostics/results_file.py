@@ -32,8 +32,20 @@ def results_meta(command: str, gpus: str | None = None, **extra) -> dict:
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra}
 
 
+def results_argument(doc: str | None) -> None:
+    """A diagnostic's command line, checked before it runs: ``-h``/``--help`` prints ``doc`` and exits; any other
+    option is refused (the one argument is the results file's path)."""
+    arg = sys.argv[1] if len(sys.argv) > 1 else ""
+    if arg in ("-h", "--help"):
+        print(doc)
+        sys.exit(0)
+    if arg.startswith("-"):
+        sys.exit(f"unknown option {arg}: the one argument is the results file's path (or none)")
+
+
 def write_results(results: dict) -> None:
     """Write ``results`` as JSON to the path the command line gives (``sys.argv[1]``), where it gives one."""
+    results_argument(None)  # never a file named after an option
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
