@@ -130,10 +130,11 @@ def _count_ops(fn) -> tuple[int, int, list[str]]:
     return len(names), sum(1 for n in names if n not in NO_KERNEL), names
 
 
-def _replay_on_the_host(device: torch.device) -> None:
+def _replay_on_the_host(device: torch.device, patch) -> None:
     """From here on the group's expert communicators find every bounded call's graph (``comm/replay.py``), and a
     replay costs nothing: what is timed is what a replayed call's host does before its graph launch (the op's
-    set-up, the runtime, the outputs, the signature and its lookup), whatever addresses the CPU's allocator gives."""
+    set-up, the runtime, the outputs, the signature and its lookup), whatever addresses the CPU's allocator gives.
+    Undone by ``patch`` (the case's own monkeypatch): the communicators outlive the case."""
     import types
 
     from flashoverlap.runtime.context import existing_context
@@ -144,7 +145,8 @@ def _replay_on_the_host(device: torch.device) -> None:
 
     for comm in existing_context(dist.group.WORLD, device).communicators.values():
         if hasattr(comm, "_graphed"):
-            comm._graphed, comm.graphs = True, types.SimpleNamespace(run=run, clear=lambda: None)
+            patch.setattr(comm, "_graphed", True)
+            patch.setattr(comm, "graphs", types.SimpleNamespace(run=run, clear=lambda: None))
 
 
 def rows_for(config, mode: str, windows: int, calls: int, verbose: bool, replayed: bool = False) -> list[dict]:
@@ -188,7 +190,7 @@ def rows_for(config, mode: str, windows: int, calls: int, verbose: bool, replaye
                 layer()
                 patch.setattr(experts.ExpertKind, "call", original_call)
                 if replayed:
-                    _replay_on_the_host(x.device)
+                    _replay_on_the_host(x.device, patch)
                 Launches.count = Launches.library = 0
                 layer()
                 launches, library = Launches.count, Launches.library

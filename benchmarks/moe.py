@@ -1,5 +1,5 @@
-"""The MoE layer benchmark (docs/benchmarks.md, "The MoE layer on two GPUs"): one expert-parallel SwiGLU MoE layer on ``W`` ranks,
-flashoverlap's ops against the plain layer users run today, the same tokens, routing and weights.
+"""The MoE layer benchmark (docs/benchmarks.md, "The MoE layer on two GPUs"): one expert-parallel SwiGLU MoE layer
+on ``W`` ranks, flashoverlap's ops against the plain layer users run today, the same tokens, routing and weights.
 
 Per row {config, W, tokens, routing, mode, path, pass}, timed side by side (``timing.time_side_by_side``: CUDA
 events, each call queued behind a GPU sleep, median per rank, maximum over ranks, calls interleaved):
