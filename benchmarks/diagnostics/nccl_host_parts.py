@@ -143,22 +143,8 @@ def _replay_row(fn, spec):
         "the call's allocations (_buffers)": _timed(lambda: communicator._buffers(call)),
         "the replay signature (_signature)": _timed(lambda: communicator._signature(call, buffers)),
         "the graph launch (CallGraphs.replay)": _timed(lambda: communicator.graphs.replay(graph_key)),
-        "graph nodes": _graph_nodes(communicator.graphs, graph_key),
-    }
+    }  # the graph's nodes by kind and its launch alone: benchmarks/diagnostics/graph_launch.py
     return {key: round(v, 1) if isinstance(v, float) else v for key, v in row.items()}
-
-
-def _graph_nodes(graphs, key):
-    """The captured graph's node count (None where this torch does not say)."""
-    entry = graphs._graphs.get(key)
-    try:
-        from cuda.bindings import runtime
-
-        graph = entry[0].raw_cuda_graph()
-        err, _, count = runtime.cudaGraphGetNodes(graph, 0)
-        return int(count)
-    except Exception:  # a diagnostic's extra: absent where the binding or the accessor is
-        return None
 
 
 if __name__ == "__main__":
