@@ -21,8 +21,11 @@ Why this cannot deadlock: every wait on ``S`` is on a counter that the GEMM, alr
 exactly the awaited value (the plan's tile counts; the kernel bumps each group once per tile). The GEMM waits on
 nothing (so a graph's wait kernel, spinning in one warp of one SM, can delay it but never stop it).
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` only serialises the hardware queue behind the GEMM, which is already ahead of every
-wait. With ``FLASHOVERLAP_DEBUG_TIMEOUT`` set, the host checks each group's wait with a deadline
-and raises an error naming the group and rank instead of hanging (rule 4).
+wait when the call is issued eagerly. A graph launches its independent branches in an order of its own, so the
+library does not replay under that setting (``settings.py``); a user's capture under it relies on the graph keeping
+the capture order (the GEMM's node before the waits'), which has not been measured. With
+``FLASHOVERLAP_DEBUG_TIMEOUT`` set, the host checks each group's wait with a deadline and raises an error naming the
+group and rank instead of hanging (rule 4).
 
 SMs: NCCL's kernels need SMs while the GEMM runs. A plan's ``num_programs`` below the SM count leaves SMs free, a
 plan with one program per tile lets NCCL's blocks in as GEMM programs retire, and ``comm_ctas`` sets NCCL's CTA count
