@@ -157,12 +157,14 @@ def test_the_jits_own_switches_are_honoured(kernel, monkeypatch, switch):
     assert len(kernel.jit_calls) == 2 and launcher.fast_launches == 0
 
 
-def test_an_unspecialised_integer_shares_one_compiled_kernel_per_width(kernel):
+@pytest.mark.parametrize("declared", [["n"], [2]])
+def test_an_unspecialised_integer_shares_one_compiled_kernel_per_width(kernel, declared):
     """``do_not_specialize`` integers (the counter wait's group index and value): every value that fits 32 bits
     reuses the kernel compiled for the first, as in the JIT, so a graph never captures a JIT launch for a new group;
     a 64-bit value is another kernel."""
     kernel.arg_names = ["x", "y", "n", "BLOCK", "FLAG", "EVEN"]
-    launcher = Launcher(kernel, unspecialised=("n",))
+    kernel.do_not_specialize = declared  # as ``triton.jit(do_not_specialize=...)`` keeps it: names or positions
+    launcher = Launcher(kernel)
     x = torch.zeros(64)
     meta = {"BLOCK": 32, "FLAG": False}
     for n in (0, 1, 16, 7, 2**31 - 1):

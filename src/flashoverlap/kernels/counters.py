@@ -34,7 +34,7 @@ def wait_reset_kernel(counters_ptr, index, value):
     tl.atomic_xchg(counters_ptr + index, 0, sem="relaxed", scope="gpu")
 
 
-_LAUNCH = Launcher(wait_reset_kernel, unspecialised=("index", "value"))
+_LAUNCH = Launcher(wait_reset_kernel)
 
 
 def wait_reset(counters: torch.Tensor, index: int, value: int) -> None:

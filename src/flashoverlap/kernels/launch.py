@@ -63,17 +63,18 @@ def fingerprint(value) -> object:
 class Launcher:
     """``kernel[(grid,)](*args, **meta)``, issued through the compiled kernel's launcher once the JIT has compiled
     and launched it for the same fingerprint. ``args``: the kernel's leading positional arguments; ``meta``: its
-    constexprs by name and the launch options (``num_warps``, ``num_stages``); ``unspecialised``: the names of the
-    integer arguments the kernel declares ``do_not_specialize`` (keyed by ``unspecialised``)."""
+    constexprs by name and the launch options (``num_warps``, ``num_stages``). The arguments the kernel declares
+    ``do_not_specialize`` (by name or position) are keyed by ``unspecialised``."""
 
-    def __init__(self, kernel, limit: int = LIMIT, unspecialised: tuple[str, ...] = ()) -> None:
+    def __init__(self, kernel, limit: int = LIMIT) -> None:
         self.kernel = kernel
         self.limit = limit
         self._compiled: dict[tuple, tuple] = {}  # fingerprint -> (compiled kernel, the constexprs' values in order)
         names = list(getattr(kernel, "arg_names", ()))
         params = getattr(kernel, "params", ())
         self._tail_names = names
-        self._by_width = frozenset(names.index(name) for name in unspecialised)
+        self._by_width = frozenset(names.index(arg) if isinstance(arg, str) else arg
+                                   for arg in getattr(kernel, "do_not_specialize", None) or ())
         self._defaults = {p.name: p.default for p in params
                           if getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty}
         self.fast_launches = 0

@@ -48,6 +48,7 @@ from flashoverlap.ops import moe_library
 from flashoverlap.ops.library import group_name, needed
 from flashoverlap.runtime import experts
 from flashoverlap.runtime.calls import execute
+from flashoverlap.runtime.checks import DTYPES
 
 
 def moe_layout(
@@ -211,7 +212,6 @@ def moe_gemm_combine(
 
 
 E4M3 = torch.float8_e4m3fn  # the dtype bf16/fp16/fp32 rows are quantised to
-ROWS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # rows an fp8 call quantises (the runtime's DTYPES)
 
 
 def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_w: object,
@@ -258,7 +258,7 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
     if scale_rows is not None:
         raise ValueError(f"{name}: {scale_name} is given but {rows_name} is {rows.dtype}, not fp8: pass fp8 "
                          f"{rows_name} with it, or leave {scale_name} unset ({rows_name} is then quantised here)")
-    if rows.ndim != 2 or rows.dtype not in ROWS_DTYPES:
+    if rows.ndim != 2 or rows.dtype not in DTYPES:  # the runtime's: what an fp8 call quantises
         raise ValueError(f"{name}: {rows_name} must be a 2-D bfloat16, float16 or float32 tensor (quantised to fp8 "
                          f"here) or fp8 with {scale_name}, got {rows.dtype} of shape {list(rows.shape)}")
     if mode == "block" and rows.shape[1] % 128:

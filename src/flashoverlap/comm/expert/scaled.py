@@ -91,12 +91,14 @@ def quantise(x: torch.Tensor, mode: str, dtype: torch.dtype = torch.float8_e4m3f
     return q, scale
 
 
-def wire_rows(rows: int, k: int, mode: str, dtype: torch.dtype,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def wire_rows(rows: int, k: int, mode: str, dtype: torch.dtype, device: torch.device,
+              new=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unwritten fp8 rows ``[rows, k]`` and their fp32 scales (``[rows, 1]`` or ``[rows, k/128]``): views of one fresh
-    wire buffer in ``pack``'s layout (``quantise_into`` writes them)."""
+    wire buffer in ``pack``'s layout (``quantise_into`` writes them), from ``new(shape, dtype)`` where given (a
+    communicator's allocator)."""
     columns = k // BLOCK if mode == "block" else 1
-    packed = torch.empty((rows, packed_width(k, columns)), dtype=torch.uint8, device=device)
+    shape = (rows, packed_width(k, columns))
+    packed = torch.empty(shape, dtype=torch.uint8, device=device) if new is None else new(shape, torch.uint8)
     return unpack_rows(packed, k, dtype, columns)
 
 
@@ -115,18 +117,14 @@ def quantise_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: s
 
 def wired(call, a: torch.Tensor, new=None) -> tuple:
     """The first step of an fp8 call's issued work (every expert communicator's, before anything reads the rows):
-    where its rows ``a`` came in bf16/fp16/fp32 (``ExpertScales.a`` None), quantise them into a fresh wire buffer
-    (``wire_rows``' layout, from ``new(shape, dtype)``, the communicator's allocator, where given) and return the call
-    with those fp8 rows and their scales, and the rows; otherwise ``(call, a)``. Inside a capture the buffer comes
-    from the graph's pool, so a replay allocates nothing for it."""
+    where its rows ``a`` came in bf16/fp16/fp32 (``ExpertScales.a`` None), quantise them into fresh wire rows
+    (``wire_rows``, from ``new``, the communicator's allocator, where given) and return the call with those fp8 rows
+    and their scales, and the rows; otherwise ``(call, a)``. Inside a capture the buffer comes from the graph's pool,
+    so a replay allocates nothing for it."""
     scales = call.scales
     if scales is None or scales.a is not None:
         return call, a
-    rows, k = a.shape
-    columns = scales.columns(k)
-    shape = (rows, packed_width(k, columns))
-    packed = torch.empty(shape, dtype=torch.uint8, device=a.device) if new is None else new(shape, torch.uint8)
-    q, scale = unpack_rows(packed, k, scales.dtype, columns)
+    q, scale = wire_rows(a.shape[0], a.shape[1], scales.mode, scales.dtype, a.device, new)
     quantise_into(a, q, scale, scales.mode)
     return dataclasses.replace(call, a=q, scales=dataclasses.replace(scales, a=scale)), q
 
