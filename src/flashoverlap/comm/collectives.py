@@ -140,18 +140,27 @@ def _base_now(method: str | None, options: object, through_torch: Callable, out:
         work.wait()
 
 
+def own_slots(gathered: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor | None:
+    """``rank``'s slot of every band of ``gathered`` (the plan's ``[group][W][rows][K]`` layout) as one ``[G, rows,
+    K]`` view, where every group has the same rows (the usual plan); else None."""
+    groups = plan.groups
+    rows = groups[0].rows
+    if (all(g.rows == rows for g in groups) and rows * len(groups) == plan.block_rows
+            and groups[-1].out_row_end == gathered.shape[0]):
+        # Bands follow each other in group order, each W slots of ``rows`` rows (``Plan.groups``).
+        return gathered.view(len(groups), plan.world_size, rows, -1)[:, rank]
+    return None
+
+
 def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan, rank: int) -> None:
     """Copy ``rank``'s shard into its slot of every band of ``gathered`` (the plan's ``[group][W][rows][K]``
     layout) on the current stream, so that the GEMM's local tiles read it without waiting: one strided copy where
-    every group has the same rows (the usual plan), else one copy per group."""
-    groups = plan.groups
-    rows = groups[0].rows
-    if (all(g.rows == rows for g in groups) and rows * len(groups) == a_shard.shape[0]
-            and groups[-1].out_row_end == gathered.shape[0]):
-        # Bands follow each other in group order, each W slots of ``rows`` rows (``Plan.groups``).
-        gathered.view(len(groups), plan.world_size, rows, -1)[:, rank].copy_(a_shard.view(len(groups), rows, -1))
+    every group has the same rows (``own_slots``), else one copy per group."""
+    slots = own_slots(gathered, plan, rank)
+    if slots is not None and a_shard.shape[0] == plan.block_rows:
+        slots.copy_(a_shard.view(slots.shape[0], slots.shape[1], -1))
         return
-    for grp in groups:
+    for grp in plan.groups:
         start = grp.out_row_start + rank * grp.rows
         gathered[start : start + grp.rows].copy_(a_shard[grp.row_start : grp.row_end])
 

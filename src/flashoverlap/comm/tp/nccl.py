@@ -47,6 +47,7 @@ from flashoverlap.comm.collectives import (
     all_gather_now,
     all_reduce_now,
     gathered_in_rank_order,
+    own_slots,
     place_own_shard,
     reduce_scatter_now,
     reduce_scatter_tensor,
@@ -155,9 +156,11 @@ class NcclCommunicator(GroupFields):
         plan, device = call.plan, call.a.device
         if plan.op == "all_gather":
             width, wire = self._gathered_width(call)
-            if call.scales is not None:  # the rows as the wire carries them: packed once, placed into every slot
-                buffers.packed = torch.empty((plan.block_rows, width), dtype=wire, device=device)
             buffers.gathered = torch.empty((plan.m, width), dtype=wire, device=device)
+            if call.scales is not None:  # the rows as the wire carries them: packed straight into the own slots,
+                buffers.packed = own_slots(buffers.gathered, plan, self.rank)  # or packed once and placed from here
+                if buffers.packed is None:
+                    buffers.packed = torch.empty((plan.block_rows, width), dtype=wire, device=device)
         elif plan.op == "reduce_scatter":
             buffers.product = torch.empty((plan.m, plan.n), dtype=buffers.result.dtype, device=device)
 
@@ -208,23 +211,26 @@ class NcclCommunicator(GroupFields):
         waits become graph edges (``_bands_by_cublas``).
 
         fp8 (``call.scales``): the bands are packed rows (``comm/scaled.pack_rows``: a row's fp8 bytes and its scales,
-        one buffer, moved as bytes), and the GEMM reads the fp8 rows and their scales in place from ``gathered``."""
+        one buffer, moved as bytes), packed straight into this rank's slots where the plan's bands are even
+        (``collectives.own_slots``: no second copy), and the GEMM reads the fp8 rows and their scales in place from
+        ``gathered``."""
         plan, a_shard, b, op, scales = call.plan, call.a, call.b, call.name, call.scales
         device = a_shard.device
         if plan.gemm == "triton":  # only a GEMM that spins on the bands can starve NCCL
             check_leaves_nccl_sms(plan, guards.sm_count(device), op)
+        gathered = buffers.gathered
         shard = a_shard if scales is None else scaled.pack_rows(a_shard, scales.shard_rows(plan.block_rows),
                                                                  out=buffers.packed)
-        gathered = buffers.gathered
-        self.prepare(plan, shard.dtype)
+        placed = buffers.packed is not None and buffers.packed.ndim == 3  # fp8 rows packed into their slots
+        self.prepare(plan, gathered.dtype)
         operand = _Gathered(gathered, plan.k, a_shard.dtype, scales)
         if plan.gemm == "cublas" or guards.capturing():
-            _bands_by_cublas(self, operand, shard, b, plan, buffers.result)
+            _bands_by_cublas(self, operand, shard, b, plan, buffers.result, placed)
         else:
             from flashoverlap.kernels.gemm import GatherWait, gemm  # Triton: imported where a kernel runs
 
             _cublas_ready(device, a_shard.dtype)
-            self.all_gather(gathered, shard, plan)
+            self.all_gather(gathered, shard, plan, shard_placed=placed)
             wait_error = torch.zeros(1, dtype=torch.int32, device=device) if timeout else None
             # About a microsecond a poll: the debug bound in polls.
             wait = GatherWait(self.flags, self.rank, wait_error, int(timeout * 1e6) if timeout else 0)
@@ -326,7 +332,7 @@ class NcclCommunicator(GroupFields):
         self._issue(plan, launch, ready, timeout, direct is not None)
 
     def all_gather(self, gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan,
-                   events: bool = False) -> list[torch.cuda.Event]:
+                   events: bool = False, shard_placed: bool = False) -> list[torch.cuda.Event]:
         """Fill ``gathered`` (the plan's ``[group][W][rows][K]`` layout) band by band on the communication stream,
         raising ``flags[g]`` once band ``g`` has landed. Here communication is the producer and the GEMM the
         consumer, so this is called *before* the GEMM is launched (rule 1); the GEMM must leave ``comm_ctas`` SMs
@@ -334,10 +340,12 @@ class NcclCommunicator(GroupFields):
 
         With ``events``, each band's arrival is published as a CUDA event (returned, one per group) instead of a
         flag: inside a CUDA graph the consumer must depend on the bands through graph edges, because a graph may
-        queue the NCCL kernels behind a kernel that spins on their flags."""
+        queue the NCCL kernels behind a kernel that spins on their flags. ``shard_placed``: ``a_shard`` is in its slots
+        already (fp8 rows packed there)."""
         # This rank's bands into their slots first, on the producer stream; each band's all-gather reads its slot
         # in place.
-        place_own_shard(gathered, a_shard, plan, self.rank)
+        if not shard_placed:
+            place_own_shard(gathered, a_shard, plan, self.rank)
         self._fork()
         comm_group = self.comm_group(plan.comm_ctas)
         direct, stream = self._direct_for(plan, gathered.dtype), self._comm_handle
@@ -504,14 +512,14 @@ class _Gathered:
 
 
 def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Tensor, b: torch.Tensor,
-                     plan: Plan, c: torch.Tensor) -> None:
+                     plan: Plan, c: torch.Tensor, placed: bool = False) -> None:
     """Plans with ``gemm="cublas"``, and every call inside a CUDA-graph capture: the same bands gathered in the
     same order, but each band's slots multiplied by cuBLAS once the band's event has fired, the dependency a stream
     (graph) edge instead of an in-kernel spin. In a graph this is required: a graph may serialize its branches
     onto one hardware queue, where a spinning GEMM ahead of the NCCL kernels it waits for would never finish (the
     in-kernel schedule hung under graph replay on the H200s; that serialization is the likely cause, not a proven
     one). Overlap in a graph is therefore decomposition-like."""
-    arrived = comm.all_gather(operand.gathered, shard, plan, events=True)
+    arrived = comm.all_gather(operand.gathered, shard, plan, events=True, shard_placed=placed)
     producer = torch.cuda.current_stream(shard.device)
     c_blocks = c.view(plan.world_size, plan.block_rows, plan.n)  # rank r's rows of the result: c_blocks[r]
 
