@@ -126,7 +126,20 @@ def _communicator(rank, world, recorder, monkeypatch, slot_bytes=1 << 16):
         recorder.trace.append(("gemm", x.data_ptr(), x.shape[0], out.data_ptr(), tuple(ends.tolist())))
 
     monkeypatch.setattr(chunked_gemm, "multiply_chunk", gemm)
+    recorder.allocated = []  # the communicator's allocations, in order (``_rows``)
+
+    def new(shape, dtype):
+        recorder.allocated.append(torch.empty(shape, dtype=dtype))
+        return recorder.allocated[-1]
+
+    monkeypatch.setattr(comm, "_new", new)
     return comm
+
+
+def _rows(recorder, outputs):
+    """A call's rows buffer: its returned one, or where it does not return it, the one its issued work allocated
+    last (``contract.issued_rows``)."""
+    return outputs[1] if outputs[1] is not None else recorder.allocated[-1]
 
 
 def _expected(comm, call, chunks, tensors, row_bytes):
@@ -217,7 +230,8 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, r
     if op == "dispatch":
         tensors = {"send": send_tensor, "h": outputs[0], "recv": outputs[1]}
     else:
-        tensors = {"a": a, "y": y, "back": outputs[1]}
+        assert outputs[1] is None  # not returned: the issued work's own
+        tensors = {"a": a, "y": y, "back": _rows(recorder, outputs)}
     assert recorder.trace == _expected(comm, call, chunks, tensors, HIDDEN * 2)
 
 
@@ -274,6 +288,9 @@ def _replaying(monkeypatch, mode):
     b = torch.randn(LOCAL, HIDDEN, 2 * FFN, dtype=torch.bfloat16)
     outputs = comm._outputs(ExpertCall("op", plan, a, b, layout=layout), a)
     monkeypatch.setattr(comm, "_outputs", lambda call, a: outputs)  # the allocator's same blocks, call after call
+    blocks = {}  # and the issued work's own (the received rows): the same block per shape, as the trace compares
+    monkeypatch.setattr(comm, "_new", lambda shape, dtype: blocks.setdefault((shape, dtype), torch.empty(shape,
+                                                                                                      dtype=dtype)))
     send = torch.empty(layout.send_capacity, HIDDEN, dtype=torch.bfloat16)
     monkeypatch.setattr(ep, "send_buffer", lambda a, plan, layout: send)
     return recorder, comm, ExpertCall("op", plan, a, b, layout=layout, replay=True)
@@ -346,8 +363,8 @@ def _run_call(comm, recorder, monkeypatch, layout, op="dispatch", hidden=HIDDEN)
     outputs = comm._outputs(call, a)
     recorder.trace.clear()
     comm.issue(call, a, chunks, outputs)
-    tensors = {"send": send_tensor, "h": outputs[0], "recv": outputs[1]} if op == "dispatch" else \
-        {"a": a, "y": y, "back": outputs[1]}
+    tensors = {"send": send_tensor, "h": outputs[0], "recv": _rows(recorder, outputs)} if op == "dispatch" else \
+        {"a": a, "y": y, "back": _rows(recorder, outputs)}
     return list(recorder.trace), _expected(comm, call, chunks, tensors, hidden * 2)
 
 
@@ -463,7 +480,7 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
             # The loading run (first call only) is the first thing issued, on scratch rows.
             assert len(real) == (2 if call_index == 0 else 1)
             assert call_index > 0 or (trace[0][0] == "light" and trace[0][2] != outputs[0].data_ptr())
-            h, recv = outputs
+            h, recv = outputs[0], _rows(recorder, outputs)
             at = chunked_gemm.offsets(chunks.send)[1] * HIDDEN * 2
             own_copy = (0, "copy", recv.data_ptr() + chunked_gemm.offsets(chunks.recv)[1] * HIDDEN * 2,
                         send_tensor.data_ptr() + at, chunks.recv[1] * HIDDEN * 2)
@@ -471,7 +488,7 @@ def test_the_hybrids_light_launch_waits_on_nothing_and_reads_every_chunk(op, mon
             assert trace[-3:] == [(1, "record", comm._join), (0, "wait_event", comm._join),
                                   ("light", recv.data_ptr(), h.data_ptr())]
         else:
-            back = outputs[1]
+            back = _rows(recorder, outputs)
             assert trace[0] == ("light", a.data_ptr(), y.data_ptr()) and len(real) == 1
             own = chunked_gemm.offsets(chunks.recv)[1]
             gemms = [step for step in trace if step[0] == "gemm"]

@@ -132,9 +132,10 @@ def test_fp8_nccl_path_matches_the_oracle(world):
 
 def _wired_in_the_graph(rank, world):
     """fp8 from bf16 rows, bounded, repeated: the wire rows are allocated and written inside the issued work that a
-    graph holds (``comm/expert/scaled.wired``), so a repeated call's host allocates only its two outputs before the
-    graph lookup, the signature names the bf16 rows (not a wire buffer), and every call, replayed or not, is right.
-    The graphs stand in as in ``tests/comm/test_expert_nccl.py``: a repeated signature's issued work runs again."""
+    graph holds (``comm/expert/scaled.wired``), so a repeated call's host allocates only its outputs before the
+    graph lookup (its result, and its rows where it returns them: else the issued work allocates them too), the
+    signature names the bf16 rows (not a wire buffer), and every call, replayed or not, is right. The graphs stand in
+    as in ``tests/comm/test_expert_nccl.py``: a repeated signature's issued work runs again."""
     import torch.distributed as dist
 
     from tests.comm import fake_cuda
@@ -178,22 +179,32 @@ def _wired_in_the_graph(rank, world):
     layout = expert_layout(p["idx"][rank], p["experts"], group, mode="bounded", bound=bound)
     dispatch, combine, positions = _calls(p, rank, world, layout, bound, deferred=True)
     dispatch.replay = combine.replay = True
-    for _ in range(3):
-        got = []
-        for call in (dispatch, combine):
-            allocated[0] = 0
-            got.append(comm.run(call))
-            outside, signature = before_lookup[-1]
-            assert outside == 2, f"{call.name}: {outside} buffers allocated before the graph lookup, not its 2 outputs"
-            assert call.scales.a is None and address(call.a) in signature, call.name  # the bf16 rows, by address
-        want = reference.run(dispatch), reference.run(combine)
-        _check(p, rank, f"NCCL wired W={world} rank {rank}", *got, positions, bound, want)
+    returned = None
+    for gathered in (True, False):  # the received / returned rows returned, or the issued work's own
+        dispatch.return_gathered = combine.return_gathered = gathered
+        for _ in range(3):
+            got = []
+            for call in (dispatch, combine):
+                allocated[0] = 0
+                got.append(comm.run(call))
+                outside, signature = before_lookup[-1]
+                want = 2 if gathered else 1  # the result, and the rows where they are returned
+                assert outside == want, f"{call.name}: {outside} buffers allocated before the graph lookup, not {want}"
+                assert call.scales.a is None and address(call.a) in signature, call.name  # the bf16 rows, by address
+                assert (got[-1][1] is not None) == gathered, call.name
+            if gathered:
+                want = reference.run(dispatch), reference.run(combine)
+                _check(p, rank, f"NCCL wired W={world} rank {rank}", *got, positions, bound, want)
+                returned = [out.clone() for out, _ in got]
+            else:  # the same results as the calls that returned their rows
+                for (out, _), before in zip(got, returned):
+                    torch.testing.assert_close(out, before, rtol=0, atol=0, equal_nan=True)
     return replays[0]
 
 
 def test_fp8_rows_from_bf16_are_quantised_inside_the_replayed_work():
-    # dispatch and combine, three calls each: the second and third replay.
-    assert spawn(_wired_in_the_graph, 2, "gloo") == [4, 4]
+    # dispatch and combine, three calls each, rows returned or not: the second and third of each replay.
+    assert spawn(_wired_in_the_graph, 2, "gloo") == [8, 8]
 
 
 # -- P2P: ranks as threads, the driver doing what the GPU would ----------------------------------------------------

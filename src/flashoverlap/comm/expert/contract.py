@@ -296,17 +296,32 @@ def call_signature(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tenso
             tuple(address(t) for t in outputs), cublas_switches(), fp8, held_signature(call.hook))
 
 
-def call_outputs(call: ExpertCall, a: torch.Tensor, new) -> tuple[torch.Tensor, torch.Tensor]:
+def call_outputs(call: ExpertCall, a: torch.Tensor, new) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An expert call's outputs, allocated by ``new(shape, dtype)`` (a communicator's allocator) in one order on every
     call, so that a repeated call finds them where the previous one did: dispatch ``(h [R, N], received rows [R,
     H])`` (fp8: ``h`` in the output dtype, the rows packed with their scales); combine ``(out [T, H], returned rows
-    [S, H])``, ``out`` the call's own where given."""
-    plan, layout, scales = call.plan, call.layout, call.scales
-    out_dtype = a.dtype if scales is None else scales.out_dtype
+    [S, H])``, ``out`` the call's own where given. The rows only where the call returns them (``return_gathered``);
+    else None, and the issued work allocates them as its first step (``issued_rows``): a replayed call's graph then
+    holds them, and its host allocates nothing for them."""
+    plan, scales = call.plan, call.scales
     if plan.op == "dispatch":
-        rows = layout.recv_rows
+        first = new((call.layout.recv_rows, call.b.shape[2]), a.dtype if scales is None else scales.out_dtype)
+    else:
+        first = call.out if call.out is not None else new((plan.tokens, plan.hidden),
+                                                          a.dtype if scales is None else scales.out_dtype)
+    return first, issued_rows(call, a, (first, None), new) if call.return_gathered else None
+
+
+def issued_rows(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor | None],
+                new) -> torch.Tensor:
+    """``outputs``' rows buffer (``call_outputs``), allocated by ``new`` where the call does not return it: dispatch's
+    received rows ``[R, H]`` (fp8: packed with their scales, bytes), combine's returned rows ``[S, H]`` in the output
+    dtype. Called first in a communicator's issued work (inside a capture: from the graph's pool)."""
+    if outputs[1] is not None:
+        return outputs[1]
+    plan, layout, scales = call.plan, call.layout, call.scales
+    if plan.op == "dispatch":
         if scales is None:
-            return new((rows, call.b.shape[2]), a.dtype), new((rows, plan.hidden), a.dtype)
-        return new((rows, call.b.shape[2]), out_dtype), new((rows, wire_width(plan.hidden, scales.mode)), torch.uint8)
-    out = call.out if call.out is not None else new((plan.tokens, plan.hidden), out_dtype)
-    return out, new((layout.send_capacity, plan.hidden), out_dtype)
+            return new((layout.recv_rows, plan.hidden), a.dtype)
+        return new((layout.recv_rows, wire_width(plan.hidden, scales.mode)), torch.uint8)
+    return new((layout.send_capacity, plan.hidden), a.dtype if scales is None else scales.out_dtype)

@@ -77,7 +77,14 @@ from flashoverlap.comm.expert.chunked_gemm import (
     relative_ends,
     segment_table,
 )
-from flashoverlap.comm.expert.contract import ExpertCall, ExpertPlan, Layout, call_outputs, call_signature
+from flashoverlap.comm.expert.contract import (
+    ExpertCall,
+    ExpertPlan,
+    Layout,
+    call_outputs,
+    call_signature,
+    issued_rows,
+)
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.expert.scaled import pack, wired
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
@@ -128,7 +135,8 @@ class ExpertNcclCommunicator(GroupFields):
         return outputs[0], outputs[1] if call.return_gathered else None
 
     def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``contract.call_outputs``: zeroed, where bounded mode's padding must read zero, inside the call's schedule
+        """``contract.call_outputs`` (the rows buffer only where the call returns it; else the issued work allocates
+        it, ``contract.issued_rows``): zeroed, where bounded mode's padding must read zero, inside the call's schedule
         (so that a replayed graph zeroes them too)."""
         return call_outputs(call, a, self._new)
 
@@ -189,7 +197,7 @@ class ExpertNcclCommunicator(GroupFields):
         """Queue one dispatch (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b
         call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows
-        h, recv = outputs
+        h, recv = outputs[0], issued_rows(call, a, outputs, self._new)
         chunks = Chunks.of(plan, layout)
         bounded = plan.mode == "bounded"
         send_at, recv_at = chunks.send_offsets, chunks.recv_offsets
@@ -234,7 +242,7 @@ class ExpertNcclCommunicator(GroupFields):
         """Queue one combine (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b
         call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows
-        out, back = outputs
+        out, back = outputs[0], issued_rows(call, a, outputs, self._new)
         chunks = Chunks.of(plan, layout)
         bounded = plan.mode == "bounded"
         send_at, recv_at = chunks.send_offsets, chunks.recv_offsets

@@ -77,7 +77,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
     relative_ends,
     segment_table,
 )
-from flashoverlap.comm.expert.contract import ExpertCall, call_outputs, call_signature
+from flashoverlap.comm.expert.contract import ExpertCall, call_outputs, call_signature, issued_rows
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.expert.scaled import pack, rows_dtype, wire_width, wired
 from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
@@ -250,8 +250,8 @@ class ExpertP2PCommunicator(GroupFields):
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``contract.call_outputs``: the row buffers are where the pushed rows are copied out to, returned or
-        not."""
+        """``contract.call_outputs``: the rows buffer (where the pushed rows are copied out to) only where the call
+        returns it; else ``issue`` allocates it (``contract.issued_rows``)."""
         return call_outputs(call, a, self._new)
 
     def _scratch(self, shape: tuple[int, int], dtype: torch.dtype, zero: bool) -> torch.Tensor:
@@ -376,12 +376,12 @@ class ExpertP2PCommunicator(GroupFields):
         driver = stream_ops.fast()
         handles = (driver.current_stream(self._index), self.copy_stream.cuda_stream)
         if plan.op == "dispatch":
-            h, recv = outputs
+            h, recv = outputs[0], issued_rows(call, a, outputs, self._new)
             if bounded:
                 h.zero_()  # padding rows (no segment covers them) read zero
             tensors = [None, recv, h]  # the send buffer: made by the schedule's Gather
         else:
-            out, back = outputs
+            out, back = outputs[0], issued_rows(call, a, outputs, self._new)
             if bounded:
                 back.zero_()  # the own slot's padding rows, which no GEMM writes
             # Chunks leave whole (bounded mode: slots, padding included), so the rows no segment covers are zero.
