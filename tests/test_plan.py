@@ -309,3 +309,15 @@ def test_cublas_band_plans():
     assert Plan.from_dict(legacy).gemm == "triton"  # cache entries written before the field existed
     with pytest.raises(ValueError, match="Plan.gemm must be one of"):
         default_plan("all_reduce", 4096, 4096, 4096, 2, gemm="cutlass", allow_sequential=False)
+
+
+def test_only_a_reductions_signalling_gemm_counts_tiles():
+    # What the NCCL communicator waits on follows from it: counters (and, in a graph, the wait kernel it loads first),
+    # else events, flags or nothing.
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        for gemm in ("triton", "cublas"):
+            plan = default_plan(op, 4096, 4096, 4096, 2, gemm=gemm, allow_sequential=False)
+            assert plan.counts_tiles == (op != "all_gather" and gemm == "triton"), (op, gemm)
+        sequential = dataclasses.replace(default_plan(op, 4096, 4096, 4096, 2, allow_sequential=False),
+                                         sequential=True)
+        assert not sequential.counts_tiles, op

@@ -254,6 +254,13 @@ class Plan:
         return len(self.group_row_tiles)
 
     @property
+    def counts_tiles(self) -> bool:
+        """Whether the GEMM publishes each group's progress by bumping its counter per finished tile (a reduction's
+        signalling Triton GEMM) and the communicator waits on those counters; else it waits on events (cuBLAS
+        bands), on flags it raises itself (all-gather: communication is the producer), or on nothing (sequential)."""
+        return self.op != "all_gather" and self.gemm != "cublas" and not self.sequential
+
+    @property
     def sub_bands(self) -> int:
         """Sub-bands per rank block: the groups, or for a P2P all-reduce (whose ring cuts ``C`` into ``world_size``
         blocks of groups) the groups per block."""

@@ -264,11 +264,11 @@ class NcclCommunicator(GroupFields):
             self._warm.add((plan.op, plan.comm_ctas, dtype))
             if plan.comm_ctas not in self._direct:
                 self._direct[plan.comm_ctas] = nccl_calls.for_group(comm_group, self.device)
-        # The graphs' counter wait (plans whose signalling GEMM bumps counters), loaded by the first such plan's call
-        # outside a capture: a first call is eager wherever the collective's warm-up above runs with it (rule 3); a
-        # plan that finds its op warmed by a cuBLAS-band plan and comes first inside a capture leaves the kernel to
-        # load there (as the capture's first wait), and the next eager call loads it.
-        if (not self._wait_loaded and plan.op != "all_gather" and plan.gemm != "cublas" and self.device.type == "cuda"
+        # The graphs' counter wait (plans whose GEMM bumps counters, ``Plan.counts_tiles``), loaded by the first such
+        # plan's call outside a capture: a first call is eager wherever the collective's warm-up above runs with it
+        # (rule 3); a plan that finds its op warmed by a cuBLAS-band plan and comes first inside a capture leaves the
+        # kernel to load there (as the capture's first wait), and the next eager call loads it.
+        if (not self._wait_loaded and plan.counts_tiles and self.device.type == "cuda"
                 and not guards.capturing(self.counters)):
             load_wait_kernel(self.device)
             self._wait_loaded = True
@@ -541,7 +541,7 @@ def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan, counters: torch.Tensor
     """A reduction plan's product into ``out`` (``C``, or the reduce-scatter workspace, ``[M, N]`` of the output
     dtype), and what the communicator waits on for each group: the events of cuBLAS bands, or None for the
     signalling GEMM, which bumps ``counters``. fp8 (``scales``): the scaled product in the output dtype."""
-    if plan.gemm == "cublas":
+    if not plan.counts_tiles:
         return compute_bands(a, b, plan, out, scales)
     from flashoverlap.kernels.gemm import Scaling, gemm  # Triton: imported where a kernel runs
 
