@@ -8,7 +8,8 @@
 #        bash benchmarks/one_gpu_run.sh
 # Steps not in the default set (each a re-measurement of an open issue's figures; results under $OUT, to be merged
 # into benchmarks/results by hand): fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
-# shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42).
+# shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42), fp8tiles (the fp8 grouped GEMM's tile
+# sweep, issue 44's block-wise target).
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -68,4 +69,9 @@ if has shared; then  # ranks sharing the GPU: the moe-fp8 mechanics (W = 2, 4, 8
         --out "$OUT/mech" > "$OUT/shared-mech-$commit.log" 2>&1; echo "shared mechanics: exit $?"
     timeout ${SHARED_HOST_TIMEOUT:-200} python3 -m benchmarks.shared_ranks --step host --worlds 8,4,2 --budget 170 \
         --out "$OUT/shared" > "$OUT/shared-host-$commit.log" 2>&1; echo "shared host: exit $?"
+fi
+if has fp8tiles; then  # the fp8 grouped GEMM's tiles, block- and row-wise, beside bf16 _grouped_mm (issue 44)
+    timeout ${FP8TILES_TIMEOUT:-240} python3 -m benchmarks.diagnostics.fp8_grouped_tiles \
+        --out "$OUT/h200x1-fp8-grouped-tiles-$commit.json" > "$OUT/fp8-grouped-tiles-$commit.log" 2>&1
+    echo "fp8tiles: exit $?"; grep -E "^\[" "$OUT/fp8-grouped-tiles-$commit.log" | cut -c1-200
 fi

@@ -1,0 +1,180 @@
+"""Which tile the fp8 grouped GEMM (``kernels.grouped_gemm.scaled_grouped_gemm``) should take (issue 44's block-wise
+target: >= 1.3x bf16 ``torch._grouped_mm`` at >= 8192 rows; its one tile, ``SCALED_TILE``, was never swept on a GPU).
+
+    FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python -m benchmarks.diagnostics.fp8_grouped_tiles \\
+        --out benchmarks/results/h200x1-fp8-grouped-tiles.json [--only NAME,...] [--iters 10]
+
+For each config of ``fp8_grouped.CONFIGS`` (one rank's slice at W = 2, balanced routing, in ``fp8_grouped.CHUNKS``
+chunks as the paths run them), block-wise and row-wise: every tile of ``TILES`` through the kernel's launcher,
+beside bf16 ``torch._grouped_mm`` on the same rows (and ``torch._scaled_grouped_mm`` row-wise). Each: the median of
+CUDA-event times over ``--iters`` calls after a warm-up, each queued behind a GPU sleep; fresh random operands and
+scales, never zeros; every tile's output checked against the loop way's (one scaled matmul per segment: ``err``, the
+max relative difference; a tile off by more than 5e-2 is marked wrong and never taken as best). Rows {config,
+scaling, experts, rows, K, N, t_bf16_grouped_mm_ms, t_scaled_grouped_mm_ms, tiles: {name: {tile, t_ms, err, ok}},
+best, t_best_ms, best_over_bf16, current_over_bf16}. A diagnostic to choose the kernel's tile, not a library
+figure; the file is rewritten after every config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from benchmarks.diagnostics.fp8_grouped import CHUNKS, CONFIGS, FP8, timed
+from benchmarks.diagnostics.grouped_gemm_ways import rows_per_expert
+from benchmarks.diagnostics.results_file import require_cuda, results_meta
+from flashoverlap.comm.expert.scaled import ExpertScales, scaled_multiply
+from flashoverlap.tune.grouped import GroupedCall
+
+# (block_m, block_n, group_m, num_stages, num_warps, num_programs): block_k is 128 (one block-wise scale per K step).
+# num_programs 0: persistent, one program per SM (the current tile's launch); None: one program per tile.
+TILES = {
+    "current": None,  # ``SCALED_TILE``, the kernel's tile today
+    "128x128-s4": (128, 128, 8, 4, 8, 0),
+    "128x128-s4-w4": (128, 128, 8, 4, 4, 0),
+    "128x256-s3": (128, 256, 8, 3, 8, 0),
+    "128x256-s4": (128, 256, 8, 4, 8, 0),
+    "256x128-s3": (256, 128, 8, 3, 8, 0),
+    "64x128-s4-w4": (64, 128, 8, 4, 4, 0),
+    "64x256-s4": (64, 256, 8, 4, 8, 0),
+    "128x128-s3-tiles": (128, 128, 8, 3, 8, None),
+    "128x256-s3-tiles": (128, 256, 8, 3, 8, None),
+}
+
+
+def tile_of(spec: tuple | None):
+    """The ``GroupedTile`` of a ``TILES`` entry (None: ``SCALED_TILE``)."""
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, GroupedTile
+
+    if spec is None:
+        return SCALED_TILE
+    block_m, block_n, group_m, stages, warps, programs = spec
+    return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs)
+
+
+def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, iters: int, seed: int = 0,
+               device: str = "cuda", timer=timed, tiles: dict = TILES) -> dict:
+    """One config's row (module docstring). ``device``, ``timer`` and ``tiles``: the test's interpreted run on the
+    CPU, timed by a stand-in."""
+    from flashoverlap.kernels.grouped_gemm import Segments, scaled_grouped_gemm
+
+    dev = torch.device(device)
+    call = GroupedCall(rows_per_expert(rows, local, "balanced", seed), k, n, 1, CHUNKS)
+    chunks = call.segments()  # rows per (chunk, expert)
+    gen = torch.Generator(device=dev).manual_seed(seed + 1)
+    x = torch.randn(rows, k, device=dev, generator=gen)
+    amax = x.abs().amax(1, keepdim=True) if scaling == "row" else x.view(rows, k // 128, 128).abs().amax(2)
+    x_scale = (amax / 448).clamp_min(1e-12).float()
+    xq = (x.view(rows, -1, 128 if scaling == "block" else k) / x_scale.view(rows, -1, 1)).view(rows, k).to(FP8)
+    del x
+    w = torch.randn(local, n, k, device=dev, generator=gen).div_(k ** 0.5)
+    wq = w.to(FP8).transpose(1, 2)  # [L, K, N] view of nn.Linear-shaped storage, as the layers hold them
+    w_bf16 = w.to(torch.bfloat16).transpose(1, 2)
+    del w
+    w_scale = (torch.rand(local, n, device=dev, generator=gen) + 0.5) if scaling == "row" else \
+        (torch.rand(local, k // 128, -(-n // 128), device=dev, generator=gen) + 0.5)
+    x_bf16 = xq.to(torch.bfloat16)
+    sizes = [sum(c) for c in chunks]
+    starts = [sum(sizes[:c]) for c in range(CHUNKS)]
+    ends = [torch.tensor(c, device=dev).cumsum(0).to(torch.int32) for c in chunks]
+    experts = torch.arange(local, dtype=torch.int32, device=dev)
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+    row = {"config": name, "scaling": scaling, "experts": local, "rows": rows, "K": k, "N": n, "chunks": CHUNKS,
+           "tiles": {}}
+
+    def ours(tile):
+        def fn():
+            for c in range(CHUNKS):
+                s, e = starts[c], starts[c] + sizes[c]
+                scaled_grouped_gemm(xq[s:e], x_scale[s:e], wq, w_scale, Segments(ends[c], experts), out=out[s:e],
+                                    mode=scaling, tile=tile)
+        return fn
+
+    def bf16():
+        for c in range(CHUNKS):
+            s, e = starts[c], starts[c] + sizes[c]
+            out[s:e].copy_(torch._grouped_mm(x_bf16[s:e], w_bf16, offs=ends[c]))
+
+    def scaled_grouped():
+        for c in range(CHUNKS):
+            s, e = starts[c], starts[c] + sizes[c]
+            torch._scaled_grouped_mm(xq[s:e], wq, x_scale[s:e].reshape(-1), w_scale, offs=ends[c],
+                                     out_dtype=torch.bfloat16)
+
+    row["t_bf16_grouped_mm_ms"] = timer(bf16, iters)
+    row["t_scaled_grouped_mm_ms"] = None
+    if scaling == "row":
+        try:
+            row["t_scaled_grouped_mm_ms"] = timer(scaled_grouped, iters)
+        except Exception as exc:  # noqa: BLE001  (recorded, the run goes on)
+            row["error_scaled_grouped_mm"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    # The reference: the loop way (one scaled matmul per segment, ``comm/expert/scaled.scaled_multiply``).
+    scales = ExpertScales(scaling, w_scale, x_scale)
+    out.fill_(float("nan"))
+    for c in range(CHUNKS):
+        s, e = starts[c], starts[c] + sizes[c]
+        scaled_multiply("loop", xq[s:e], x_scale[s:e], wq, scales, ends[c], out[s:e], ends[c].tolist())
+    reference = out.float().clone()
+    for tile_name, spec in tiles.items():
+        tile = tile_of(spec)
+        entry = row["tiles"][tile_name] = {"tile": [tile.block_m, tile.block_n, tile.group_m, tile.num_stages,
+                                                    tile.num_warps, tile.num_programs]}
+        try:
+            fn = ours(tile)
+            out.fill_(float("nan"))
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            err = float((out.float() - reference).abs().max()) / (1 + float(reference.abs().max()))
+            entry.update(err=err, ok=err <= 5e-2, t_ms=timer(fn, iters))
+        except Exception as exc:  # noqa: BLE001
+            entry.update(ok=False, t_ms=None, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            traceback.print_exc()
+    good = {t: e["t_ms"] for t, e in row["tiles"].items() if e.get("ok") and e.get("t_ms")}
+    if good:
+        best = min(good, key=good.get)
+        row.update(best=best, t_best_ms=good[best], best_over_bf16=row["t_bf16_grouped_mm_ms"] / good[best])
+        if "current" in good:
+            row["current_over_bf16"] = row["t_bf16_grouped_mm_ms"] / good["current"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/h200x1-fp8-grouped-tiles.json")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--only", default=None, help="comma-separated config names (fp8_grouped.CONFIGS)")
+    parser.add_argument("--scalings", default="block,row")
+    args = parser.parse_args()
+    require_cuda("benchmarks.diagnostics.fp8_grouped_tiles")
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = results_meta(" ".join(["python -m benchmarks.diagnostics.fp8_grouped_tiles", *sys.argv[1:]]),
+                        chunks=CHUNKS, tiles={name: spec and list(spec) for name, spec in TILES.items()})
+    rows, started = [], time.monotonic()
+    for name, local, k, n, count, _ in CONFIGS:
+        if args.only and name not in args.only.split(","):
+            continue
+        for scaling in args.scalings.split(","):
+            try:
+                row = config_row(name, local, k, n, count, scaling, args.iters)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                row = {"config": name, "scaling": scaling, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rows.append(row)
+            torch.cuda.empty_cache()
+            print(f"[{time.monotonic() - started:6.1f}s] {name} {scaling}: bf16 {row.get('t_bf16_grouped_mm_ms')} "
+                  f"best {row.get('best')} {row.get('t_best_ms')} ({row.get('best_over_bf16')}x bf16; current "
+                  f"{row.get('current_over_bf16')}x)", flush=True)
+            path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {path} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()

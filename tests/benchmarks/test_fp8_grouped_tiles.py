@@ -1,0 +1,86 @@
+"""The fp8 grouped GEMM's tile sweep (``benchmarks/diagnostics/fp8_grouped_tiles.py``) on the CPU, under the Triton
+interpreter (a child process, ``python -m tests.benchmarks.test_fp8_grouped_tiles``, sets TRITON_INTERPRET before
+triton is imported), tiny shapes, a stand-in timer: every tile's output checked against the loop way, a tile that
+computes wrong marked so and never taken as best, and a row's fields."""
+
+import json
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from tests.interpreter import needs_interpreter  # noqa: E402
+
+TILES = ("current", "64x128-s4-w4", "128x256-s3-tiles")
+
+
+def _rows():
+    from benchmarks.diagnostics import fp8_grouped_tiles as sweep
+    from flashoverlap.kernels import grouped_gemm
+
+    tiles = {name: sweep.TILES[name] for name in TILES}
+    times = {"current": 3.0, "64x128-s4-w4": 1.0, "128x256-s3-tiles": 2.0}
+    timed = []
+
+    def timer(fn, iters):  # the tile being timed is the last one launched: its stand-in time
+        fn()
+        timed.append(launched[-1] if launched else "bf16")
+        return times.get(timed[-1], 4.0)
+
+    launched = []
+    real = grouped_gemm.scaled_grouped_gemm
+
+    def recording(*args, tile=None, **kwargs):
+        launched.append(next(name for name, spec in tiles.items() if sweep.tile_of(spec) == tile))
+        out = real(*args, tile=tile, **kwargs)
+        if wrong and launched[-1] == "64x128-s4-w4":
+            out.add_(1.0)  # a tile that computes wrong
+        return out
+
+    grouped_gemm.scaled_grouped_gemm = recording
+    rows = {}
+    for wrong in (False, True):
+        for scaling in ("block", "row"):
+            launched.clear()
+            rows[f"{scaling}-{'wrong' if wrong else 'right'}"] = sweep.config_row(
+                "tiny", 2, 256, 160, 96, scaling, 1, device="cpu", timer=timer, tiles=tiles)
+    return rows
+
+
+if __name__ == "__main__":
+    print(json.dumps(_rows()))
+    sys.exit(0)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    proc = subprocess.run([sys.executable, "-m", "tests.benchmarks.test_fp8_grouped_tiles"], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("scaling", ["block", "row"])
+def test_every_tile_is_checked_against_the_loop_and_the_fastest_right_one_is_best(rows, scaling):
+    row = rows[f"{scaling}-right"]
+    assert {"config", "scaling", "experts", "rows", "K", "N", "t_bf16_grouped_mm_ms", "t_scaled_grouped_mm_ms",
+            "tiles", "best", "t_best_ms", "best_over_bf16", "current_over_bf16"} <= set(row)
+    assert set(row["tiles"]) == set(TILES)
+    for name, entry in row["tiles"].items():
+        assert entry["ok"] and entry["err"] < 2e-2, (name, entry)
+    assert row["best"] == "64x128-s4-w4" and row["t_best_ms"] == 1.0
+    assert row["best_over_bf16"] == 4.0 and row["current_over_bf16"] == 4.0 / 3.0
+    assert row["tiles"]["current"]["tile"] == [128, 128, 8, 3, 8, 0]  # SCALED_TILE, the kernel's tile today
+
+
+@needs_interpreter
+@pytest.mark.parametrize("scaling", ["block", "row"])
+def test_a_tile_that_computes_wrong_is_never_best(rows, scaling):
+    row = rows[f"{scaling}-wrong"]
+    assert not row["tiles"]["64x128-s4-w4"]["ok"] and row["tiles"]["64x128-s4-w4"]["err"] > 5e-2
+    assert row["best"] == "128x256-s3-tiles" and row["t_best_ms"] == 2.0
