@@ -9,7 +9,7 @@ and whether Triton interprets its kernels (on a Triton too old to say so itself)
 | ``FLASHOVERLAP_DEBUG_TIMEOUT=S`` | every wait bounded by about ``S`` s (no replay); agreement on every call |
 | ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's mismatch switch: agreement on every call (``AGREEMENT_TIMEOUT``) |
 | ``FLASHOVERLAP_REPLAY=0`` | repeated calls (P2P, NCCL, sequential) issued eagerly, never replayed from a graph |
-| ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay either (a graph launch does not keep the issue order on one queue) |
+| ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay; in a user's capture, NCCL-path reductions in cuBLAS bands (one queue) |
 | ``FLASHOVERLAP_CACHE_DIR=D`` | the plan cache's directory (default ``~/.cache/flashoverlap``) |
 | ``FLASHOVERLAP_NO_CACHE=1`` | no plan cache: no lookups, no writes |
 | ``NCCL_P2P_DISABLE=1`` | ``path="auto"`` never takes the P2P path (NCCL moves bytes through host memory) |
@@ -34,6 +34,7 @@ class Settings:
     agreement: float | None = None  # the agreement check's deadline in seconds; None: no check
     cache_dir: Path | None = None  # the plan cache's directory; None: no plan cache
     triton_interpret: bool = False  # TRITON_INTERPRET=1 (guards.triton_interpreted asks Triton first)
+    single_queue: bool = False  # CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue serves every stream
 
 
 _current: Settings | None = None
@@ -57,14 +58,14 @@ def refresh() -> None:
 def read(environ: os._Environ | dict = os.environ) -> Settings:
     """The settings the environment ``environ`` gives."""
     timeout = debug_timeout(environ)
-    replay = (timeout is None and environ.get("FLASHOVERLAP_REPLAY", "1") != "0"
-              and environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1")
+    single_queue = environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    replay = timeout is None and environ.get("FLASHOVERLAP_REPLAY", "1") != "0" and not single_queue
     detail = environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
     agreement = timeout if timeout is not None else AGREEMENT_TIMEOUT if detail else None
     cache = None if environ.get("FLASHOVERLAP_NO_CACHE") == "1" else Path(
         environ.get("FLASHOVERLAP_CACHE_DIR") or Path.home() / ".cache" / "flashoverlap")
     return Settings(timeout, replay, environ.get("NCCL_P2P_DISABLE") == "1", agreement, cache,
-                    environ.get("TRITON_INTERPRET") == "1")
+                    environ.get("TRITON_INTERPRET") == "1", single_queue)
 
 
 def debug_timeout(environ: os._Environ | dict = os.environ) -> float | None:

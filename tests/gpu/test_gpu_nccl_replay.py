@@ -227,3 +227,35 @@ def test_a_captured_call_holds_no_stream_memory_operation():
     for op, (groups, types) in kinds.items():
         assert 12 not in types, (op, types)
         assert types.count(0) >= groups + 1, (op, types)  # the GEMM and a wait kernel per group
+
+
+def _one_queue_captures(rank, world):
+    """Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (set before the process made its CUDA context), a user's capture of
+    the signalling GEMM's reductions takes cuBLAS bands (``runtime/policy.captured_plan``): no
+    wait kernel is launched into it, and its replays are right on new values."""
+    import flashoverlap as fo
+    from flashoverlap.kernels import counters
+
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    m, n, k = 2048, 2048, 1024
+    checked = 0
+    for op, fn in (("all_reduce", fo.gemm_all_reduce), ("reduce_scatter", fo.gemm_reduce_scatter)):
+        gen = torch.Generator(device=device).manual_seed(checked)
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=device, generator=gen)
+        b = (torch.randn(n, k, dtype=torch.bfloat16, device=device, generator=gen) / k**0.5).t()
+        plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False, gemm="triton", num_groups=4)
+        fn(a, b, path="nccl", plan=plan)  # eagerly first: the NCCL state, the wait kernel's load, cuBLAS's handle
+        torch.cuda.synchronize()
+        waits = counters._LAUNCH
+        launched = waits.fast_launches
+        check_graph_replays(lambda a, b, fn=fn, plan=plan: fn(a, b, path="nccl", plan=plan),
+                            lambda a, b: (a.float() @ b.float()).to(a.dtype), a, b, rank, replays=3)
+        assert waits.fast_launches == launched, f"{op}: a wait kernel launched under one hardware queue"
+        checked += 1
+    return checked
+
+
+def test_a_users_capture_under_one_hardware_queue_waits_on_graph_edges():
+    assert spawn(_one_queue_captures, 1, "nccl", env={**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})[0] == 2

@@ -2,6 +2,7 @@
 ``Call`` resolved once (the debug deadline and the replay verdict included), and every communicator follows the one
 protocol (``comm/protocol.py``)."""
 
+import dataclasses
 import inspect
 import tempfile
 
@@ -13,6 +14,7 @@ import flashoverlap as fo
 from flashoverlap import guards, settings
 from flashoverlap.comm.protocol import Call, Communicator
 from flashoverlap.runtime import context as context_module
+from flashoverlap.runtime import policy
 from flashoverlap.runtime.context import COMMUNICATORS, context_of
 from flashoverlap.tune.defaults import sequential_plan
 
@@ -94,6 +96,44 @@ def test_no_replay_and_no_deadline_inside_a_users_capture(world_of_one, monkeypa
     fo.gemm_all_reduce(a, b)
     outside, inside = reference.calls
     assert outside.replay and not inside.replay, "a call inside a user's capture must be captured, not replayed"
+
+
+@pytest.mark.parametrize("connections", [None, "8", "1"])
+def test_inside_a_users_capture_on_one_queue_the_nccl_reductions_wait_on_edges(world_of_one, monkeypatch,
+                                                                                connections):
+    # CUDA_DEVICE_MAX_CONNECTIONS=1: a reduction whose signalling GEMM bumps counters runs as cuBLAS bands inside a
+    # user's capture (runtime/policy.captured_plan); eagerly, and with more queues, it keeps its plan.
+    from flashoverlap.tune.defaults import default_plan
+
+    nccl = _install(world_of_one, ("gemm", "nccl"))
+    monkeypatch.setattr(policy, "reason_not", lambda path, request: None)  # the NCCL path, on a CPU group
+    a, b = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 48, dtype=torch.bfloat16)
+    if connections is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
+    settings.refresh()
+    try:
+        plans = {op: default_plan(op, 64, 48, 32, 1, num_groups=2, gemm=gemm, allow_sequential=False)
+                 for op, gemm in (("all_reduce", "triton"), ("reduce_scatter", "triton"), ("all_gather", "triton"),
+                                  ("all_reduce", "cublas"))}
+        ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
+               "all_gather": fo.all_gather_gemm}
+        for plan in plans.values():
+            ops[plan.op](a, b, path="nccl", plan=plan)
+        monkeypatch.setattr(guards, "capturing", lambda *operand: True)
+        for plan in plans.values():
+            ops[plan.op](a, b, path="nccl", plan=plan)
+    finally:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        settings.refresh()
+    eager, captured = nccl.calls[: len(plans)], nccl.calls[len(plans):]
+    assert [call.plan for call in eager] == list(plans.values())
+    for plan, call in zip(plans.values(), captured):
+        banded = connections == "1" and plan.counts_tiles
+        want = dataclasses.replace(plan, gemm="cublas") if banded else plan
+        assert call.plan == want, (connections, plan.op, plan.gemm, call.plan.gemm)
+        assert call.plan.groups == plan.groups  # the same bands, multiplied by cuBLAS
 
 
 def test_a_sequential_plan_runs_the_sequential_communicator_on_any_path(world_of_one):

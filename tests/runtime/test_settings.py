@@ -22,6 +22,12 @@ def test_replay_is_off_where_it_must_be(env, allowed):
     assert settings.read(env).replay is allowed
 
 
+def test_one_hardware_queue():
+    assert settings.read({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}).single_queue
+    assert not settings.read({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}).single_queue
+    assert not settings.read({}).single_queue
+
+
 def test_nccl_p2p_disabled():
     assert settings.read({"NCCL_P2P_DISABLE": "1"}).nccl_p2p_disabled
     assert not settings.read({"NCCL_P2P_DISABLE": "0"}).nccl_p2p_disabled

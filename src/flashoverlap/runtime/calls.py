@@ -135,6 +135,8 @@ class GemmKind:
     def call(self, spec: GemmSpec, entry: Entry, env: settings.Settings) -> Call:
         _, plan, bare = entry
         capturing = guards.capturing(spec.a)
+        if capturing:  # a user's capture: waits as graph edges where one hardware queue serves every stream
+            plan = policy.captured_plan(plan, env.single_queue)
         return Call(spec.name, plan, spec.a, spec.b, spec.return_gathered, spec.hook,
                     None if capturing or bare else env.timeout, env.replay and not capturing, spec.scales)
 

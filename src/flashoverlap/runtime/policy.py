@@ -14,6 +14,7 @@ and with CUDA tensors needs an NCCL group.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -271,6 +272,18 @@ def plan_of(path: str, facts: Facts, tuned: bool = True) -> Plan:
     return default_plan(op, m, n, k, world, num_sms=facts.num_sms, element_size=dtype.itemsize, comm_ratio=comm_ratio,
                         path=path if cuda or path == "ring" else "nccl",  # off CUDA: the reference, or the ring
                         allow_sequential=not overlap_only)
+
+
+def captured_plan(plan: Plan, single_queue: bool) -> Plan:
+    """The plan a call runs inside a user's CUDA-graph capture: its own, but for the NCCL path's reductions under one
+    hardware queue (``single_queue``: ``CUDA_DEVICE_MAX_CONNECTIONS=1``), whose counter waits become graph kernels
+    that spin until the GEMM's tiles arrive: there, cuBLAS bands whose events are graph edges. A graph launches its
+    independent branches in an order of its own (the reason the library never replays under that setting), and on
+    one queue a spinning wait placed before the GEMM, with a collective queued behind it, would hold the GEMM back
+    for ever; an edge cannot."""
+    if single_queue and plan.path == "nccl" and plan.counts_tiles:
+        return dataclasses.replace(plan, gemm="cublas")
+    return plan
 
 
 def _fp8_plan(path: str, facts: Facts) -> Plan:

@@ -22,8 +22,9 @@ exactly the awaited value (the plan's tile counts; the kernel bumps each group o
 nothing (so a graph's wait kernel, spinning in one warp of one SM, can delay it but never stop it).
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` only serialises the hardware queue behind the GEMM, which is already ahead of every
 wait when the call is issued eagerly. A graph launches its independent branches in an order of its own, so the
-library does not replay under that setting (``settings.py``); a user's capture under it relies on the graph keeping
-the capture order (the GEMM's node before the waits'), which has not been measured. With
+library does not replay under that setting (``settings.py``), and a user's capture under it takes cuBLAS bands
+instead of the signalling GEMM (``runtime/policy.captured_plan``): the collectives then depend on the bands through
+graph edges, and no kernel spins on a counter in the one queue. With
 ``FLASHOVERLAP_DEBUG_TIMEOUT`` set, the host checks each group's wait with a deadline and raises an error naming the
 group and rank instead of hanging (rule 4).
 
@@ -184,6 +185,10 @@ class NcclCommunicator(GroupFields):
             self._all_gather_gemm(call, buffers, timeout)
         else:
             self.prepare(plan, buffers.product.dtype)
+            if plan.counts_tiles and a.is_cuda and not captured and not guards.capturing(self.counters):
+                # Inside a user's capture under one hardware queue this plan runs as cuBLAS bands
+                # (runtime/policy.captured_plan), and a capture cannot create cuBLAS's handle: made here, eagerly.
+                _cublas_ready(a.device, a.dtype)
             ready = produce(a, b, plan, self.counters, call.scales, out=buffers.product)
             if plan.op == "all_reduce":
                 self.all_reduce(buffers.product, plan, ready, timeout)
