@@ -419,7 +419,7 @@ MUTATIONS = [
     ("expert-nccl-combine-rows-not-quantised", "Expert NCCL path, fp8 from bf16 rows: combine does not quantise its "
      "rows as its first issued step (it multiplies the unwritten wire buffer)", EXPERT_NCCL,
      "        call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows\n"
-     "        out, back = outputs\n", "        out, back = outputs\n",
+     "        out, back = outputs[0]", "        out, back = outputs[0]",
      "tests/moe/test_fp8_paths.py::test_fp8_nccl_path_matches_the_oracle"),
     ("expert-p2p-rows-not-quantised", "Expert P2P path, fp8 from bf16 rows: the issued schedule does not quantise "
      "the rows first (it sends and multiplies the bf16 rows as they came)", EXPERT_P2P,
@@ -442,8 +442,46 @@ MUTATIONS = [
      NCCL_TEST + "::test_the_graphs_wait_kernel_is_loaded_once_eagerly_by_the_first_plan_that_uses_it"),
     ("nccl-wait-kernel-loaded-by-every-plan", "NCCL path: the counter-wait kernel loaded by all-gather and cuBLAS-band "
      "plans too (their first call compiles a kernel they never launch)", NCCL,
-     'not self._wait_loaded and plan.op != "all_gather" and plan.gemm != "cublas"', "not self._wait_loaded",
+     "not self._wait_loaded and plan.counts_tiles", "not self._wait_loaded",
      NCCL_TEST + "::test_the_graphs_wait_kernel_is_loaded_once_eagerly_by_the_first_plan_that_uses_it"),
+    ("nccl-fp8-shard-packed-into-another-slot", "NCCL path, fp8 all-gather: the own shard's packed rows written into "
+     "the next rank's slots of the bands (the gathered A holds a peer's rows twice and its own nowhere)", NCCL,
+     "buffers.packed = own_slots(buffers.gathered, plan, self.rank)",
+     "buffers.packed = own_slots(buffers.gathered, plan, (self.rank + 1) % self.world_size)",
+     NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("nccl-fp8-shard-placed-twice", "NCCL path, fp8 all-gather: a shard packed into its slots is placed again from "
+     "itself as if it were a packed buffer (the rows land in the wrong rows of the bands)", NCCL,
+     "        if not shard_placed:\n", "        if True:\n",
+     NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("pack-rows-drops-the-scales", "comm/scaled.pack_rows: into slots of several bands the rows are written but "
+     "not their scales", "src/flashoverlap/comm/scaled.py",
+     "    scale_view.copy_(scale_rows if out.ndim == 2 else scale_rows.reshape(*lead, columns))\n",
+     "    scale_view.copy_(scale_rows) if out.ndim == 2 else None\n",
+     NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("expert-rows-allocated-before-the-lookup", "Expert calls: the received/returned rows allocated before the graph "
+     "lookup even where the call does not return them (a replayed call's host allocates them on every call)",
+     "src/flashoverlap/comm/expert/contract.py",
+     "    return first, issued_rows(call, a, (first, None), new) if call.return_gathered else None",
+     "    return first, issued_rows(call, a, (first, None), new)",
+     "tests/moe/test_fp8_paths.py::test_fp8_rows_from_bf16_are_quantised_inside_the_replayed_work"),
+    ("expert-p2p-rows-buffer-not-issued", "Expert P2P path: a combine that does not return its rows sends the "
+     "products from a buffer the schedule never allocated (the rows are taken from the call's outputs as they are)",
+     EXPERT_P2P, "            out, back = outputs[0], issued_rows(call, a, outputs, self._new)",
+     "            out, back = outputs[0], outputs[1] if outputs[1] is not None else torch.empty(0)",
+     "tests/comm/test_expert_p2p_executor.py"),
+    ("plan-cublas-counts-tiles", "Plan.counts_tiles: a cuBLAS-band plan said to count tiles (its communicator would "
+     "wait on counters nothing bumps)", PLAN,
+     '        return self.op != "all_gather" and self.gemm != "cublas" and not self.sequential',
+     '        return self.op != "all_gather" and not self.sequential', PLAN_TEST),
+    ("one-queue-capture-keeps-the-signalling-gemm", "Inside a user's capture under CUDA_DEVICE_MAX_CONNECTIONS=1, an "
+     "NCCL reduction keeps the signalling GEMM and its spinning counter waits (a graph's launch order could put a "
+     "wait ahead of the GEMM on the one queue)", CALLS,
+     "            plan = policy.captured_plan(plan, env.single_queue)", "            plan = plan",
+     CALLS_TEST + "::test_inside_a_users_capture_on_one_queue_the_nccl_reductions_wait_on_edges"),
+    ("one-queue-bands-every-plan", "Under CUDA_DEVICE_MAX_CONNECTIONS=1 every captured plan is made cuBLAS bands, "
+     "all-gathers and P2P plans included", POLICY,
+     '    if single_queue and plan.path == "nccl" and plan.counts_tiles:', "    if single_queue:",
+     CALLS_TEST + "::test_inside_a_users_capture_on_one_queue_the_nccl_reductions_wait_on_edges"),
     ("fp8-expert-grad-unchecked", "fp8 expert ops: an operand that requires grad is taken (the ops record no "
      "autograd: its gradient silently never comes)", "src/flashoverlap/ops/moe.py",
      "    if torch.is_grad_enabled():\n        for arg, t in", "    if False:\n        for arg, t in",
