@@ -458,6 +458,11 @@ MUTATIONS = [
      "    scale_view.copy_(scale_rows if out.ndim == 2 else scale_rows.reshape(*lead, columns))\n",
      "    scale_view.copy_(scale_rows) if out.ndim == 2 else None\n",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("pack-rows-rows-to-the-wrong-bands", "comm/scaled.pack_rows: into slots of several bands the rows are written "
+     "band-major in the wrong order (a band's slot holds rows of another band)", "src/flashoverlap/comm/scaled.py",
+     "    a_view.copy_(a if out.ndim == 2 else a.reshape(*lead, k))\n",
+     "    a_view.copy_(a if out.ndim == 2 else a.reshape(lead[1], lead[0], k).transpose(0, 1))\n",
+     NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
     ("expert-rows-allocated-before-the-lookup", "Expert calls: the received/returned rows allocated before the graph "
      "lookup even where the call does not return them (a replayed call's host allocates them on every call)",
      "src/flashoverlap/comm/expert/contract.py",

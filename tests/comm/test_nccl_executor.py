@@ -318,42 +318,59 @@ def _fp8_all_gather(rank, world_size):
     dequantised one here): each rank's fp8 rows and their scales, packed straight into its slot of every band where
     the bands are even (``collectives.own_slots``) or packed once and placed where they are not, gathered and
     multiplied, against the product of the dequantised gathered A; the returned gathered input (rows and scales)
-    against ``all_gather`` of each."""
+    against ``all_gather`` of each, and the same product where the call does not return it."""
     fake_cuda.install(wait_timeout_s=10.0)
     from flashoverlap.comm.protocol import Call, CommGroup
     from flashoverlap.comm.scaled import Scales
     from flashoverlap.comm.tp.nccl import NcclCommunicator
+    from flashoverlap.plan import TileConfig
     from flashoverlap.tune.defaults import default_plan
 
     comm = NcclCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
     shared, gen = torch.Generator().manual_seed(0), torch.Generator().manual_seed(10 + rank)
-    shard_rows, n, k = 48, 40, 24
+    shard_rows, n, k = 48, 40, 256
     m = shard_rows * world_size
+    tile = TileConfig(16, 16, 16, 2, 1, 4)
     b = (torch.randn(n, k, generator=shared) / 4).to(torch.float8_e4m3fn).t()  # one w.t() on every rank
-    scale_b = torch.rand(1, n, generator=shared) + 0.5
     checked = []
-    for mode in ("row", "tensor"):
+    for mode in ("row", "tensor", "block"):
         a = (torch.randn(shard_rows, k, generator=gen) * 3).to(torch.float8_e4m3fn)
-        scale_a = (torch.rand(shard_rows, 1, generator=gen) + 0.5) if mode == "row" else torch.tensor(0.5 + rank)
-        sb = scale_b if mode == "row" else torch.tensor(0.75)
-        rows_a = scale_a if mode == "row" else scale_a.expand(shard_rows, 1).contiguous()
+        columns = k // 128 if mode == "block" else 1
+        if mode == "tensor":  # each rank its own scale: the gathered A is row-wise in effect
+            scale_a, rows_a = torch.tensor(0.5 + rank), torch.full((shard_rows, 1), 0.5 + rank)
+            sb, b_deq = torch.tensor(0.75), b.float() * 0.75
+        else:
+            scale_a = rows_a = torch.rand(shard_rows, columns, generator=gen) + 0.5
+            if mode == "row":
+                sb = torch.rand(1, n, generator=shared) + 0.5
+                b_deq = b.float() * sb
+            else:
+                sb = torch.rand(k // 128, -(-n // 128), generator=shared) + 0.5
+                b_deq = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[:k, :n]
         full_a = torch.empty(m, k, dtype=torch.uint8)
         dist.all_gather_into_tensor(full_a, a.view(torch.uint8))
-        full_scale = torch.empty(m, 1)
-        dist.all_gather_into_tensor(full_scale, rows_a)
-        want = (full_a.view(torch.float8_e4m3fn).float() * full_scale) @ (b.float() * sb)
-        for groups in (3, 2):  # 3: even bands (16 rows each); 2: 32 and 16 rows (no one view of the own slots)
-            plan = default_plan("all_gather", m, n, k, world_size, num_groups=groups, gemm="cublas", comm_ctas=0,
-                                allow_sequential=False)
-            call = Call("all_gather_gemm", plan, a, b, True, scales=Scales.of(scale_a, sb, n=n))
-            out, (rows, scales) = comm.run(call)
-            torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
-            torch.testing.assert_close(rows.view(torch.uint8), full_a)
-            torch.testing.assert_close(scales, full_scale)
-            checked.append((mode, groups))
+        full_scale = torch.empty(m, columns)
+        dist.all_gather_into_tensor(full_scale, rows_a.contiguous())
+        a_deq = full_a.view(torch.float8_e4m3fn).float() * full_scale.repeat_interleave(k // columns, 1)
+        want = a_deq @ b_deq
+        for groups, bands in ((3, [16, 16, 16]), (2, [32, 16])):  # even bands; uneven (no one view of the slots)
+            plan = default_plan("all_gather", m, n, k, world_size, tile=tile, num_groups=groups, gemm="cublas",
+                                comm_ctas=0, allow_sequential=False)
+            assert [g.rows for g in plan.groups] == bands, plan.groups
+            for returned in (True, False):
+                call = Call("all_gather_gemm", plan, a, b, returned, scales=Scales.of(scale_a, sb, n=n))
+                out, gathered = comm.run(call)
+                torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+                if returned:
+                    rows, scales = gathered
+                    torch.testing.assert_close(rows.view(torch.uint8), full_a)
+                    torch.testing.assert_close(scales, full_scale)
+                else:
+                    assert gathered is None
+                checked.append((mode, groups, returned))
     return len(checked)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them(world_size):
-    assert spawn(_fp8_all_gather, world_size, "gloo") == [4] * world_size
+    assert spawn(_fp8_all_gather, world_size, "gloo") == [12] * world_size

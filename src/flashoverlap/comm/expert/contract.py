@@ -285,7 +285,7 @@ class ExpertCall(Call):
     out: torch.Tensor | None = None
 
 
-def call_signature(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+def call_signature(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor | None]) -> tuple:
     """What an expert call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the
     dtype, where each tensor lies and how (the operands, the layout's, the outputs ``a`` and the call's outputs),
     cuBLAS's switches, an fp8 call's scales and a held hook's tensors. A communicator adds its own buffers'."""

@@ -134,7 +134,7 @@ class ExpertNcclCommunicator(GroupFields):
             issue(call, a, outputs)
         return outputs[0], outputs[1] if call.return_gathered else None
 
-    def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``contract.call_outputs`` (the rows buffer only where the call returns it; else the issued work allocates
         it, ``contract.issued_rows``): zeroed, where bounded mode's padding must read zero, inside the call's schedule
         (so that a replayed graph zeroes them too)."""
@@ -192,7 +192,7 @@ class ExpertNcclCommunicator(GroupFields):
                 work.wait()
 
     # -- dispatch ------------------------------------------------------------------------------------------
-    def _dispatch(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor],
+    def _dispatch(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor | None],
                   captured: bool = False) -> None:
         """Queue one dispatch (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b
@@ -237,7 +237,7 @@ class ExpertNcclCommunicator(GroupFields):
             self._check_progress(call, waited, "the rows from and to")
 
     # -- combine -------------------------------------------------------------------------------------------
-    def _combine(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor],
+    def _combine(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor | None],
                  captured: bool = False) -> None:
         """Queue one combine (``captured``: into this communicator's own graph, no debug deadline)."""
         plan, layout, b = call.plan, call.layout, call.b

@@ -249,7 +249,7 @@ class ExpertP2PCommunicator(GroupFields):
         """A call's output, from the caching allocator (whose reuse of addresses lets a repeated call replay)."""
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``contract.call_outputs``: the rows buffer (where the pushed rows are copied out to) only where the call
         returns it; else ``issue`` allocates it (``contract.issued_rows``)."""
         return call_outputs(call, a, self._new)
@@ -261,7 +261,7 @@ class ExpertP2PCommunicator(GroupFields):
                                                                                             device=self.device)
 
     @staticmethod
-    def _result(call: ExpertCall, outputs: tuple[torch.Tensor, torch.Tensor]):
+    def _result(call: ExpertCall, outputs: tuple[torch.Tensor, torch.Tensor | None]):
         return outputs[0], outputs[1] if call.return_gathered else None
 
     # -- before anything is queued -------------------------------------------------------------------------
@@ -355,8 +355,8 @@ class ExpertP2PCommunicator(GroupFields):
         return ends
 
     # -- the call's GPU work ----------------------------------------------------------------------------------
-    def issue(self, call: ExpertCall, a: torch.Tensor, chunks: Chunks, outputs: tuple[torch.Tensor, torch.Tensor],
-              timeout: float | None = None) -> None:
+    def issue(self, call: ExpertCall, a: torch.Tensor, chunks: Chunks,
+              outputs: tuple[torch.Tensor, torch.Tensor | None], timeout: float | None = None) -> None:
         """The schedule of one call (after ``prepare``), on the caller's stream and the copy stream; ``outputs`` (see
         ``_outputs``) hold the result on the caller's stream afterwards. The schedule comes resolved (``_program``),
         and the driver is called through ``ctypes`` with raw stream and event handles (``stream_ops.fast``), as the
@@ -484,7 +484,7 @@ class ExpertP2PCommunicator(GroupFields):
         """The schedule's stream ``index`` (``C``, ``X``) as a torch object (debug mode's polled events)."""
         return (torch.cuda.current_stream(self.device), self.copy_stream)[index]
 
-    def _signature(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    def _signature(self, call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor | None]) -> tuple:
         """``contract.call_signature`` and the workspace's address (``comm/replay.py``)."""
         return call_signature(call, a, outputs), self.workspace.buffer.data_ptr()
 

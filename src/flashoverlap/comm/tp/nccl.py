@@ -63,7 +63,8 @@ class _Buffers:
     replay (``result``; for all-gather where the gathered input is returned ``in_rank_order``, and fp8's ``dense``
     rows and scales), and its workspace, allocated by ``_workspace`` as the first step of the issued work (``product``,
     the reductions' GEMM output: ``result`` itself for all-reduce, the ``[group][W][rows][N]`` workspace for
-    reduce-scatter; for all-gather ``gathered``, the plan's band layout, and fp8's ``packed`` own shard). Inside this
+    reduce-scatter; for all-gather ``gathered``, the plan's band layout, and fp8's ``packed`` own shard: a ``[G, rows,
+    width]`` view of its slots in ``gathered`` where the bands are even, else a ``[rows, width]`` buffer). Inside this
     communicator's capture the workspace comes from the graphs' pool and stays the graph's: a replayed call allocates
     only what it returns (host time), and its signature holds only their addresses."""
 
