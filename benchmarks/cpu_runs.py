@@ -1,6 +1,7 @@
-"""What the CPU host-cost scripts (``host_python.py``, ``moe_host_python.py``, ``fp8_moe_host_python.py``) share: the
-least time per call, the least row per case over repeats, the measured checkout's commit, and one labelled run
-("before", "after") merged into a results file beside the others."""
+"""What the CPU host-cost scripts (``host_python.py``, ``moe_host_python.py``, ``fp8_moe_host_python.py``,
+``nccl_host_python.py``) share: the operators that launch no GPU kernel, the least time per call, the least row per
+case over repeats, the measured checkout's commit, and one labelled run ("before", "after") merged into a results
+file beside the others."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+# Operators that launch no GPU kernel (views, metadata, allocation without a fill): what a CPU run's operator count
+# leaves out of its ``kernels``.
+NO_KERNEL = {"aten::view", "aten::slice", "aten::select", "aten::transpose", "aten::t", "aten::as_strided",
+             "aten::reshape", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::empty", "aten::empty_like",
+             "aten::detach", "aten::alias", "aten::_reshape_alias", "aten::unflatten", "aten::split",
+             "aten::chunk", "aten::narrow", "aten::permute", "aten::lift_fresh", "aten::empty_strided",
+             "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view", "aten::split_with_sizes"}
 
 
 def per_call_us(fn: Callable[[], object], windows: int, calls: int) -> float:

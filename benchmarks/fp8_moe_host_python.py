@@ -46,7 +46,7 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(ROOT))  # tests.comm.fake_cuda: this checkout's (it fakes torch.cuda, not flashoverlap)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
+from cpu_runs import NO_KERNEL, checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
 
 from benchmarks.diagnostics.fp8_moe_host import layer_weights  # noqa: E402  (the GPU diagnostic's weights)
 
@@ -55,12 +55,6 @@ CONFIGS = [  # (name, local experts, H, F, top-k, tokens): the GPU diagnostic's
     ("mixtral-8x7b", 4, 4096, 14336, 2, 2048),
 ]
 HIDDEN, FFN, TOKENS = 384, 128, 32  # the small stand-ins (H, 2F and F distinct: the GEMM choice maps them back)
-# Operators that launch no GPU kernel (views, metadata, allocation without a fill).
-NO_KERNEL = {"aten::view", "aten::slice", "aten::select", "aten::transpose", "aten::t", "aten::as_strided",
-             "aten::reshape", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::empty", "aten::empty_like",
-             "aten::detach", "aten::alias", "aten::_reshape_alias", "aten::unflatten", "aten::split",
-             "aten::chunk", "aten::narrow", "aten::permute", "aten::lift_fresh", "aten::empty_strided",
-             "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view"}
 
 
 class Launches:

@@ -5,6 +5,7 @@ each tile (or, for cuBLAS bands, completing the band's event); the collectives a
 before its group is complete reads NaN (the product starts NaN-poisoned) and fails the comparison; a counter not
 reset is caught by the next call; a wait never satisfied raises."""
 
+import ctypes
 import itertools
 
 import pytest
@@ -112,6 +113,19 @@ def _ranks(rank, world_size):
             assert (flag, band, slot, count) == (4 * grp.index, view.data_ptr() - start, own.data_ptr() - start,
                                                  own.numel()), grp
         checked.append(("all_gather", groups))
+    # The reductions' direct calls by address: each group's band of C (all-reduce), and of the reduce-scatter's
+    # workspace with this rank's band of the output.
+    for op in ("all_reduce", "reduce_scatter"):
+        plan = default_plan(op, m, n, k, world_size, tile=tile, num_groups=3, allow_sequential=False)
+        c = torch.empty((m, n), dtype=torch.float64)
+        out = torch.empty((plan.block_rows, n), dtype=torch.float64)
+        for grp, (offset, count) in zip(plan.groups, comm._band_offsets(plan, c, op == "reduce_scatter")):
+            rows = c[grp.out_row_start : grp.out_row_end] if op == "reduce_scatter" else \
+                c[grp.row_start : grp.row_end]
+            assert (offset, count) == (rows.data_ptr() - c.data_ptr(), rows.numel()), (op, grp)
+        for grp, (offset, count) in zip(plan.groups, comm._band_offsets(plan, out, False)):
+            rows = out[grp.row_start : grp.row_end]
+            assert op == "all_reduce" or (offset, count) == (rows.data_ptr() - out.data_ptr(), rows.numel()), grp
     return len(checked)
 
 
@@ -150,15 +164,22 @@ def _captured_waits(rank, world_size):
         def __exit__(self, *exc):
             current.pop()
 
-    class Direct:  # the direct NCCL calls' surface (comm/nccl_calls.py), through gloo
+    def at(address, count, dtype):  # count elements of dtype at address, as a tensor sharing the memory
+        return torch.frombuffer((ctypes.c_char * (count * dtype.itemsize)).from_address(address), dtype=dtype)
+
+    class Direct:  # the direct NCCL calls' surface (comm/nccl_calls.py), by address, through gloo
         def takes(self, dtype):
             return True
 
-        def all_reduce(self, band, stream):
-            all_reduce_now(band, dist.group.WORLD)
+        @staticmethod
+        def code(dtype):
+            return dtype
 
-        def reduce_scatter(self, out, band, stream):
-            reduce_scatter_now(out, band, dist.group.WORLD)
+        def all_reduce_at(self, address, count, dtype, stream):
+            all_reduce_now(at(address, count, dtype), dist.group.WORLD)
+
+        def reduce_scatter_at(self, out, band, count, dtype, stream):
+            reduce_scatter_now(at(out, count, dtype), at(band, count * world_size, dtype), dist.group.WORLD)
 
     def wait_kernel(counters, index, value):
         assert current and current[-1] is comm.comm_stream, "the wait kernel launched off the communication stream"

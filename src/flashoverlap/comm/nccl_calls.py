@@ -66,13 +66,21 @@ class NcclComm:
         self._lib, self._comm, self.world_size = lib, comm, world_size
 
     def all_reduce(self, tensor: torch.Tensor, stream: int) -> None:
-        ptr = tensor.data_ptr()
-        self._check(self._lib.ncclAllReduce(ptr, ptr, tensor.numel(), _DTYPES[tensor.dtype], _SUM, self._comm,
-                                            stream), "ncclAllReduce")
+        self.all_reduce_at(tensor.data_ptr(), tensor.numel(), _DTYPES[tensor.dtype], stream)
+
+    def all_reduce_at(self, ptr: int, count: int, code: int, stream: int) -> None:
+        """``all_reduce`` by address: the sum over the ranks of ``count`` elements of NCCL type ``code`` at ``ptr``,
+        in place."""
+        self._check(self._lib.ncclAllReduce(ptr, ptr, count, code, _SUM, self._comm, stream), "ncclAllReduce")
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, stream: int) -> None:
-        self._check(self._lib.ncclReduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(), _DTYPES[out.dtype],
-                                                _SUM, self._comm, stream), "ncclReduceScatter")
+        self.reduce_scatter_at(out.data_ptr(), inp.data_ptr(), out.numel(), _DTYPES[out.dtype], stream)
+
+    def reduce_scatter_at(self, out: int, inp: int, count: int, code: int, stream: int) -> None:
+        """``reduce_scatter`` by address: ``count`` elements of NCCL type ``code`` at ``out``, this rank's block of the
+        sum over the ranks of ``world_size * count`` elements at ``inp``."""
+        self._check(self._lib.ncclReduceScatter(inp, out, count, code, _SUM, self._comm, stream),
+                    "ncclReduceScatter")
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, stream: int) -> None:
         self.all_gather_at(out.data_ptr(), inp.data_ptr(), inp.numel(), _DTYPES[inp.dtype], stream)

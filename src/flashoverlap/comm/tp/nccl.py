@@ -315,10 +315,14 @@ class NcclCommunicator(GroupFields):
                    timeout: float | None = None) -> None:
         """All-reduce ``c`` group by group as the GEMM (already launched on the current stream) finishes each
         (its counters tell; or, for bands computed by cuBLAS, the events in ``ready``)."""
-        bands, direct, stream = self._split(c, plan, False), self._direct_for(plan, c.dtype), self._comm_handle
-        if direct is not None:
-            self._issue(plan, lambda grp, group: direct.all_reduce(bands[grp.index], stream), ready, timeout, True)
+        direct, stream = self._direct_for(plan, c.dtype), self._comm_handle
+        if direct is not None:  # by address: no band views (host time, eager)
+            start, code, bands = c.data_ptr(), direct.code(c.dtype), self._band_offsets(plan, c, False)
+            self._issue(plan, lambda grp, group: direct.all_reduce_at(start + bands[grp.index][0],
+                                                                      bands[grp.index][1], code, stream),
+                        ready, timeout, True)
         else:
+            bands = self._split(c, plan, False)
             self._issue(plan, lambda grp, group: all_reduce_now(bands[grp.index], group), ready, timeout)
 
     def reduce_scatter(self, out: torch.Tensor, workspace: torch.Tensor, plan: Plan,
@@ -326,13 +330,19 @@ class NcclCommunicator(GroupFields):
         """Reduce-scatter each group's ``[W][rows][N]`` slice of ``workspace`` into its band of this rank's
         ``out [M/W, N]``, as the GEMM (already launched on the current stream) finishes each group."""
 
-        bands, outs = self._split(workspace, plan, True), self._split(out, plan, False)
         direct, stream = self._direct_for(plan, out.dtype), self._comm_handle
+        if direct is not None:  # by address: no band views (host time, eager)
+            code, outs, bands = direct.code(out.dtype), self._band_offsets(plan, out, False), \
+                self._band_offsets(plan, workspace, True)
+            out_at, band_at = out.data_ptr(), workspace.data_ptr()
 
-        def launch(grp, group):
-            if direct is not None:
-                direct.reduce_scatter(outs[grp.index], bands[grp.index], stream)
-            else:
+            def launch(grp, group):
+                direct.reduce_scatter_at(out_at + outs[grp.index][0], band_at + bands[grp.index][0],
+                                         outs[grp.index][1], code, stream)
+        else:
+            bands, outs = self._split(workspace, plan, True), self._split(out, plan, False)
+
+            def launch(grp, group):
                 reduce_scatter_now(outs[grp.index], bands[grp.index], group)
 
         self._issue(plan, launch, ready, timeout, direct is not None)
@@ -430,6 +440,18 @@ class NcclCommunicator(GroupFields):
         """The directly called NCCL communicator of ``plan``'s collectives, where it carries ``dtype``."""
         direct = self._direct.get(plan.comm_ctas)
         return direct if direct is not None and direct.takes(dtype) else None
+
+    def _band_offsets(self, plan: Plan, tensor: torch.Tensor, workspace: bool) -> tuple[tuple[int, int], ...]:
+        """``_split``'s bands as ``(byte offset, elements)`` in a row-major ``tensor`` (rows of ``tensor.shape[1]``
+        elements), by group index: what a by-address collective takes; once per plan, row width and element size."""
+        width, size = tensor.shape[1], tensor.element_size()
+        key = (plan, workspace, width, size)
+        offsets = self._bands.get(key)
+        if offsets is None:
+            ranges = [(g.out_row_start, g.out_row_end) if workspace else (g.row_start, g.row_end)
+                      for g in plan.groups]
+            offsets = self._bands[key] = tuple((start * width * size, (end - start) * width) for start, end in ranges)
+        return offsets
 
     def _split(self, tensor: torch.Tensor, plan: Plan, workspace: bool) -> list[torch.Tensor]:
         """Each group's rows of ``tensor`` (``workspace``: the ``[group][W][rows][N]`` slices, else the group's
