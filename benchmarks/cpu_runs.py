@@ -1,21 +1,24 @@
 """What the CPU host-cost scripts (``host_python.py``, ``moe_host_python.py``, ``fp8_moe_host_python.py``,
-``nccl_host_python.py``) share: the operators that launch no GPU kernel, the least time per call, the least row per
-case over repeats, the measured checkout's commit, and one labelled run ("before", "after") merged into a results
-file beside the others."""
+``nccl_host_python.py``) share: the operators that launch no GPU kernel, a one-rank group on the host, the least time
+per call, the least row per case over repeats, the measured checkout's commit, and one labelled run ("before",
+"after") merged into a results file beside the others."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 # Operators that launch no GPU kernel (views, metadata, allocation without a fill): what a CPU run's operator count
 # leaves out of its ``kernels``.
@@ -24,6 +27,24 @@ NO_KERNEL = {"aten::view", "aten::slice", "aten::select", "aten::transpose", "at
              "aten::detach", "aten::alias", "aten::_reshape_alias", "aten::unflatten", "aten::split",
              "aten::chunk", "aten::narrow", "aten::permute", "aten::lift_fresh", "aten::empty_strided",
              "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view", "aten::split_with_sizes"}
+
+
+@contextlib.contextmanager
+def one_rank_on_the_host(root: Path):
+    """A one-rank gloo group whose CUDA streams run on the host (``root``'s ``tests/comm/fake_cuda.py``: the checkout
+    whose fakes fit the measured library), torch on one thread, for the duration: the scripts that run the NCCL path's
+    own code without a GPU."""
+    sys.path.insert(0, str(root))
+    from tests.comm import fake_cuda
+
+    torch.set_num_threads(1)
+    fake_cuda.install(wait_timeout_s=10.0)
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(store, 'init')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def per_call_us(fn: Callable[[], object], windows: int, calls: int) -> float:

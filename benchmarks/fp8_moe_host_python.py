@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -46,7 +44,15 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(ROOT))  # tests.comm.fake_cuda: this checkout's (it fakes torch.cuda, not flashoverlap)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import NO_KERNEL, checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
+from cpu_runs import (  # noqa: E402
+    NO_KERNEL,
+    checkout_commit,
+    labelled,
+    least_rows,
+    one_rank_on_the_host,
+    per_call_us,
+    write_run,
+)
 
 from benchmarks.diagnostics.fp8_moe_host import layer_weights  # noqa: E402  (the GPU diagnostic's weights)
 
@@ -222,12 +228,12 @@ def main() -> int:
                         help="also bounded calls replayed (rows calls='replayed'): the host's work before the graph "
                              "launch, every call taken as found in the graphs, the replay itself costing nothing")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    from tests.comm import fake_cuda
+    with one_rank_on_the_host(ROOT):
+        measure(args)
+    return 0
 
-    fake_cuda.install(wait_timeout_s=10.0)
-    store = tempfile.TemporaryDirectory()
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store.name, 'init')}", rank=0, world_size=1)
+
+def measure(args) -> None:
     cases = [(mode, False) for mode in ("exact", "bounded")] + ([("bounded", True)] if args.replayed else [])
     measured = [row for _ in range(args.repeat) for config in CONFIGS for mode, replayed in cases
                 for row in rows_for(config, mode, args.windows, args.calls, args.verbose, replayed)]
@@ -244,9 +250,6 @@ def main() -> int:
                    "unit": "us_per_call: least over --windows windows of --calls layer calls, times --repeat; "
                            "torch's CPU kernels on small tensors included, the Triton kernels stubbed (launch "
                            "counted), the CUDA streams the host's (tests/comm/fake_cuda.py)"})
-    dist.destroy_process_group()
-    store.cleanup()
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
-import os
 import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -45,7 +43,15 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(ROOT))  # tests.comm.fake_cuda: this checkout's (it fakes torch.cuda, not flashoverlap)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import NO_KERNEL, checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
+from cpu_runs import (  # noqa: E402
+    NO_KERNEL,
+    checkout_commit,
+    labelled,
+    least_rows,
+    one_rank_on_the_host,
+    per_call_us,
+    write_run,
+)
 
 SHAPES = [  # (name, op, M, N, K): host_bound.py's Llama-3-70B TP = 8 per-rank shapes (all-gather: the gathered M)
     ("q,k,v", "all_gather", 8192, 1280, 8192),
@@ -205,12 +211,12 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--verbose", action="store_true", help="print each call's operators")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    from tests.comm import fake_cuda
+    with one_rank_on_the_host(ROOT):
+        measure(args)
+    return 0
 
-    fake_cuda.install(wait_timeout_s=10.0)
-    store = tempfile.TemporaryDirectory()
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store.name, 'init')}", rank=0, world_size=1)
+
+def measure(args) -> None:
     measured = [row for _ in range(args.repeat) for shape in SHAPES
                 for row in rows_for(shape, args.windows, args.calls, args.verbose)]
     rows = list(least_rows(measured, ("shape", "dtype", "mode")).values())
@@ -224,9 +230,6 @@ def main() -> int:
                    "unit": "us_per_call: least over --windows windows of --calls calls, times --repeat; torch's CPU "
                            "kernels on small tensors included, the Triton GEMM, the direct NCCL calls and the driver "
                            "stand-ins, the CUDA streams the host's (tests/comm/fake_cuda.py)"})
-    dist.destroy_process_group()
-    store.cleanup()
-    return 0
 
 
 if __name__ == "__main__":
