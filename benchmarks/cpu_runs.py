@@ -5,6 +5,7 @@ per call, the least row per case over repeats, the measured checkout's commit, a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -27,6 +28,19 @@ NO_KERNEL = {"aten::view", "aten::slice", "aten::select", "aten::transpose", "at
              "aten::detach", "aten::alias", "aten::_reshape_alias", "aten::unflatten", "aten::split",
              "aten::chunk", "aten::narrow", "aten::permute", "aten::lift_fresh", "aten::empty_strided",
              "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view", "aten::split_with_sizes"}
+
+
+def labelled_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a labelled CPU run: ``--label`` (required), ``--out``, ``--repeat``, ``--windows``,
+    ``--calls`` and ``--verbose`` (print each call's operators); a script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
+    parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
+    parser.add_argument("--repeat", type=int, default=2, help="measure every row this many times, keep the least")
+    parser.add_argument("--windows", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--verbose", action="store_true", help="print each call's operators")
+    return parser
 
 
 @contextlib.contextmanager

@@ -30,7 +30,6 @@ counted here), triton_launches, ratio_to_bf16
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -44,15 +43,8 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(ROOT))  # tests.comm.fake_cuda: this checkout's (it fakes torch.cuda, not flashoverlap)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import (  # noqa: E402
-    NO_KERNEL,
-    checkout_commit,
-    labelled,
-    least_rows,
-    one_rank_on_the_host,
-    per_call_us,
-    write_run,
-)
+import cpu_runs  # noqa: E402
+from cpu_runs import NO_KERNEL, checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
 
 from benchmarks.diagnostics.fp8_moe_host import layer_weights  # noqa: E402  (the GPU diagnostic's weights)
 
@@ -217,18 +209,12 @@ def rows_for(config, mode: str, windows: int, calls: int, verbose: bool, replaye
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
-    parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
-    parser.add_argument("--repeat", type=int, default=2, help="measure every row this many times, keep the least")
-    parser.add_argument("--windows", type=int, default=20)
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--verbose", action="store_true", help="print each call's operators")
+    parser = cpu_runs.labelled_parser(__doc__)
     parser.add_argument("--replayed", action="store_true",
                         help="also bounded calls replayed (rows calls='replayed'): the host's work before the graph "
                              "launch, every call taken as found in the graphs, the replay itself costing nothing")
     args = parser.parse_args()
-    with one_rank_on_the_host(ROOT):
+    with cpu_runs.one_rank_on_the_host(ROOT):
         measure(args)
     return 0
 

@@ -27,7 +27,6 @@ against a checkout (``PYTHONPATH=<checkout>/src``) to measure that checkout:
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib.util
 import sys
@@ -43,15 +42,7 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(ROOT))  # tests.comm.fake_cuda: this checkout's (it fakes torch.cuda, not flashoverlap)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import (  # noqa: E402
-    NO_KERNEL,
-    checkout_commit,
-    labelled,
-    least_rows,
-    one_rank_on_the_host,
-    per_call_us,
-    write_run,
-)
+import cpu_runs  # noqa: E402
 
 SHAPES = [  # (name, op, M, N, K): host_bound.py's Llama-3-70B TP = 8 per-rank shapes (all-gather: the gathered M)
     ("q,k,v", "all_gather", 8192, 1280, 8192),
@@ -136,7 +127,7 @@ def _count_ops(fn) -> tuple[int, int, list[str]]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     names = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
-    return len(names), sum(1 for n in names if n not in NO_KERNEL), names
+    return len(names), sum(1 for n in names if n not in cpu_runs.NO_KERNEL), names
 
 
 def _call(op: str, dtype: str, plan, gen: torch.Generator):
@@ -192,7 +183,7 @@ def rows_for(shape, windows: int, calls: int, verbose: bool = False) -> list[dic
                     call()
                     triton = launches["count"]
                     ops, kernels, names = _count_ops(call)
-                    us = per_call_us(call, windows=windows, calls=calls)
+                    us = cpu_runs.per_call_us(call, windows=windows, calls=calls)
                 if verbose:
                     print(name, dtype, mode, names, file=sys.stderr)
                 out.append({"shape": name, "op": op, "dtype": dtype, "mode": mode, "groups": plan.num_groups,
@@ -203,15 +194,9 @@ def rows_for(shape, windows: int, calls: int, verbose: bool = False) -> list[dic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
-    parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
-    parser.add_argument("--repeat", type=int, default=2, help="measure every row this many times, keep the least")
-    parser.add_argument("--windows", type=int, default=20)
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--verbose", action="store_true", help="print each call's operators")
+    parser = cpu_runs.labelled_parser(__doc__)
     args = parser.parse_args()
-    with one_rank_on_the_host(ROOT):
+    with cpu_runs.one_rank_on_the_host(ROOT):
         measure(args)
     return 0
 
@@ -219,13 +204,13 @@ def main() -> int:
 def measure(args) -> None:
     measured = [row for _ in range(args.repeat) for shape in SHAPES
                 for row in rows_for(shape, args.windows, args.calls, args.verbose)]
-    rows = list(least_rows(measured, ("shape", "dtype", "mode")).values())
-    commit = checkout_commit(SOURCE)
-    labelled(rows, args.label, commit)
+    rows = list(cpu_runs.least_rows(measured, ("shape", "dtype", "mode")).values())
+    commit = cpu_runs.checkout_commit(SOURCE)
+    cpu_runs.labelled(rows, args.label, commit)
     for row in rows:
         print(row)
     if args.out:
-        write_run(args.out, args.label, "label", rows, commit, ROOT, SOURCE, "nccl_host_python.py",
+        cpu_runs.write_run(args.out, args.label, "label", rows, commit, ROOT, SOURCE, "nccl_host_python.py",
                   {"world_size": 1, "path": "nccl", "small_shapes": {"rows_per_group": ROWS_PER_GROUP, "N": N, "K": K},
                    "unit": "us_per_call: least over --windows windows of --calls calls, times --repeat; torch's CPU "
                            "kernels on small tensors included, the Triton GEMM, the direct NCCL calls and the driver "
