@@ -453,6 +453,11 @@ MUTATIONS = [
      "itself as if it were a packed buffer (the rows land in the wrong rows of the bands)", NCCL,
      "        if not shard_placed:\n", "        if True:\n",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("nccl-fp8-triton-branch-places-again", "NCCL path, fp8 all-gather under the signalling GEMM: the shard packed "
+     "into its slots is placed again from itself as if it were a packed buffer", NCCL,
+     "            self.all_gather(gathered, shard, plan, shard_placed=placed)",
+     "            self.all_gather(gathered, shard, plan)",
+     NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
     ("pack-rows-drops-the-scales", "comm/scaled.pack_rows: into slots of several bands the rows are written but "
      "not their scales", "src/flashoverlap/comm/scaled.py",
      "    scale_view.copy_(scale_rows if out.ndim == 2 else scale_rows.reshape(*lead, columns))\n",

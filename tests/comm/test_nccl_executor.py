@@ -6,6 +6,7 @@ before its group is complete reads NaN (the product starts NaN-poisoned) and fai
 reset is caught by the next call; a wait never satisfied raises."""
 
 import ctypes
+import dataclasses
 import itertools
 
 import pytest
@@ -343,11 +344,15 @@ def _fp8_all_gather(rank, world_size):
     fake_cuda.install(wait_timeout_s=10.0)
     from flashoverlap.comm.protocol import Call, CommGroup
     from flashoverlap.comm.scaled import Scales
+    from flashoverlap.comm.tp import nccl
     from flashoverlap.comm.tp.nccl import NcclCommunicator
+    from flashoverlap.kernels import gemm as gemm_kernel
     from flashoverlap.plan import TileConfig
     from flashoverlap.tune.defaults import default_plan
 
     comm = NcclCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
+    nccl.check_leaves_nccl_sms = lambda plan, num_sms, op="": None  # the CPU has no SMs to leave
+    gemm_kernel._LAUNCH = lambda grid, args, meta: None  # the signalling GEMM's launch: a stand-in
     shared, gen = torch.Generator().manual_seed(0), torch.Generator().manual_seed(10 + rank)
     shard_rows, n, k = 48, 40, 256
     m = shard_rows * world_size
@@ -389,9 +394,17 @@ def _fp8_all_gather(rank, world_size):
                 else:
                     assert gathered is None
                 checked.append((mode, groups, returned))
+            # The signalling GEMM's branch (its kernel a stand-in that computes nothing here: the gathered rows the
+            # GEMM would read are what is checked, through the gathered input the call returns).
+            triton = dataclasses.replace(plan, gemm="triton", tile=TileConfig(16, 16, 128, 2, 1, 4))  # block_k: 128
+            _, (rows, scales) = comm.run(Call("all_gather_gemm", triton, a, b, True, scales=Scales.of(scale_a, sb,
+                                                                                                      n=n)))
+            torch.testing.assert_close(rows.view(torch.uint8), full_a)
+            torch.testing.assert_close(scales, full_scale)
+            checked.append((mode, groups, "triton"))
     return len(checked)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them(world_size):
-    assert spawn(_fp8_all_gather, world_size, "gloo") == [12] * world_size
+    assert spawn(_fp8_all_gather, world_size, "gloo") == [18] * world_size
