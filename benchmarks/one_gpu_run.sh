@@ -9,7 +9,8 @@
 # Steps not in the default set (each a re-measurement of an open issue's figures; results under $OUT, to be merged
 # into benchmarks/results by hand): fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
 # shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42), fp8tiles (the fp8 grouped GEMM's tile
-# sweep, issue 44's block-wise target).
+# sweep, issue 44's block-wise target). Each step's timeout is its budget: a device call runs 600 s at most, so split
+# them, e.g. STEPS="tests fp8moe" (440 s), then "hostbound" (300 s), "fp8tiles" (420 s), "shared" (350 s).
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
