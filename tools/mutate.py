@@ -492,6 +492,11 @@ MUTATIONS = [
      "all-gathers and P2P plans included", POLICY,
      '    if single_queue and plan.path == "nccl" and plan.counts_tiles:', "    if single_queue:",
      CALLS_TEST + "::test_inside_a_users_capture_on_one_queue_the_nccl_reductions_wait_on_edges"),
+    ("fp8-expert-scale-shape-unchecked", "fp8 expert ops: a scale tensor of the wrong shape is taken (the kernels "
+     "would read past it or apply the wrong scales)", "src/flashoverlap/runtime/experts.py",
+     "    if t.dtype is not torch.float32 or t.shape != want or t.device != device:",
+     "    if t.dtype is not torch.float32 or t.device != device:",
+     "tests/moe/test_fp8_moe_ops.py::test_fp8_errors_name_the_argument_before_anything_is_sent"),
     ("fp8-expert-grad-unchecked", "fp8 expert ops: an operand that requires grad is taken (the ops record no "
      "autograd: its gradient silently never comes)", "src/flashoverlap/ops/moe.py",
      "    if torch.is_grad_enabled():\n        for arg, t in", "    if False:\n        for arg, t in",

@@ -310,30 +310,34 @@ def _check_operands(spec: ExpertSpec) -> None:
 
 
 def _check_scales(spec: ExpertSpec) -> None:
-    """An fp8 call's scales against its operands (``comm/expert/scaled.py``'s table), naming the argument."""
+    """An fp8 call's scales against its operands (``comm/expert/scaled.py``'s table), naming the argument. On every
+    call, so without building what a passing check does not need."""
     name, scales, a, b = spec.name, spec.scales, spec.a, spec.b
-    rows_scale = "scale_x" if spec.op == "dispatch" else "scale_a"
-    if scales.mode not in ("row", "block"):
-        raise ValueError(f"{name}: fp8 scaling must be 'row' or 'block', got {scales.mode!r}")
-    if scales.out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"{name}: out_dtype must be torch.bfloat16 or torch.float32, got {scales.out_dtype}")
+    mode, out_dtype = scales.mode, scales.out_dtype
+    if mode != "row" and mode != "block":
+        raise ValueError(f"{name}: fp8 scaling must be 'row' or 'block', got {mode!r}")
+    if out_dtype is not torch.bfloat16 and out_dtype is not torch.float32:
+        raise ValueError(f"{name}: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     local, k, n = b.shape
-    if scales.mode == "block":
+    if mode == "block":
         if k % 128:
             raise ValueError(f"{name}: block-wise scales need K = {k} (the rows' width) to be a multiple of 128")
-        want_b, want_a = (local, k // 128, -(-n // 128)), (a.shape[0], k // 128)
-        what_b = "[L, K/128, ceil(N/128)] (one per 128x128 block of w[l] [K, N])"
+        _check_scale(name, "scale_w", scales.b, (local, k // 128, -(-n // 128)), a.device, mode,
+                     "[L, K/128, ceil(N/128)] (one per 128x128 block of w[l] [K, N])")
     else:
-        want_b, want_a = (local, n), (a.shape[0], 1)
-        what_b = "[L, N] (one per expert and output column)"
-    given = (("scale_w", scales.b, want_b, what_b),
-             (rows_scale, scales.a, want_a, "[rows, K/128]" if scales.mode == "block" else "[rows, 1]"))
-    for arg, t, want, what in given[: 1 if scales.a is None else 2]:  # a None: the rows are quantised by the call
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.float32 or tuple(t.shape) != want or t.device != a.device:
-            raise ValueError(f"{name}: {arg} must be float32 {list(want)} on {a.device} ({scales.mode}-wise: "
-                             f"{what}), got {t.dtype} {list(t.shape)} on {t.device}")
+        _check_scale(name, "scale_w", scales.b, (local, n), a.device, mode, "[L, N] (one per expert and output column)")
+    if scales.a is not None:  # else the rows are quantised by the call
+        _check_scale(name, "scale_x" if spec.op == "dispatch" else "scale_a", scales.a,
+                     (a.shape[0], k // 128 if mode == "block" else 1), a.device, mode,
+                     "[rows, K/128]" if mode == "block" else "[rows, 1]")
+
+
+def _check_scale(name: str, arg: str, t: object, want: tuple, device: torch.device, mode: str, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype is not torch.float32 or t.shape != want or t.device != device:
+        raise ValueError(f"{name}: {arg} must be float32 {list(want)} on {device} ({mode}-wise: {what}), got "
+                         f"{t.dtype} {list(t.shape)} on {t.device}")
 
 
 # -- the agreement check: the ranks agree ------------------------------------------------------------------------
