@@ -673,6 +673,35 @@ def cpu_host_python(path: str) -> str:
     return "\n".join(lines) + "\n\n" + legend + f"\n\n<sub>Source: `{path}`: {sources}.</sub>"
 
 
+def cpu_nccl_host(path: str) -> str:
+    """The NCCL path's host work per call on the CPU (``benchmarks/nccl_host_python.py``), per shape, dtype and mode:
+    torch operators and µs of CPU time per call under the first two labels (``before``, ``after``)."""
+    data = _load(path)
+    meta = data["meta"]
+    labels = list(dict.fromkeys(row["label"] for row in data["rows"]))[:2]
+    by = {(row["shape"], row["dtype"], row["mode"], row["label"]): row for row in data["rows"]}
+    lines = ["| shape | op | dtype | mode | " + " | ".join(f"torch operators, {label}" for label in labels) + " | "
+             + " | ".join(f"µs, {label}" for label in labels) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in range(2 * len(labels))) + " |"]
+    for shape, dtype, mode in dict.fromkeys((row["shape"], row["dtype"], row["mode"]) for row in data["rows"]):
+        rows = [by.get((shape, dtype, mode, label)) for label in labels]
+        op = next(r for r in rows if r is not None)["op"]
+        ops = " | ".join("-" if r is None else str(r["torch_ops"]) for r in rows)
+        us = " | ".join("-" if r is None else f"{r['us_per_call']:.1f}" for r in rows)
+        lines.append(f"| {shape} | {OPS.get(op, op)} | {dtype} | {mode} | {ops} | {us} |")
+    legend = ("<sub>One call of each op through the runtime on a CPU machine, one rank, the CUDA streams, the direct "
+              "NCCL calls, the driver and the Triton GEMM's launch replaced by stand-ins that cost nothing, on plans "
+              "of the structure the Llama-3-70B TP = 8 shapes' overlapped plans have (small tensors): the least CPU "
+              f"time per call over several windows ({meta.get('machine', '')}, torch {meta.get('torch', '')}) and the "
+              "torch operators it issues (on a GPU each costs a dispatch, most a launch). `replayed`: the host's work "
+              "before a replayed call's graph launch. Not the GPU's host time.</sub>")
+    runs = meta.get("runs", {})
+    last = list(runs)[-1] if runs else None
+    sources = "; ".join(f"{label}: commit `{run['commit']}`{stale_note(run['commit']) if label == last else ''}, "
+                        f"`{run['command']}`" for label, run in runs.items())
+    return "\n".join(lines) + "\n\n" + legend + f"\n\n<sub>Source: `{path}`: {sources}.</sub>"
+
+
 def moe_layer(pattern: str) -> str:
     """Every MoE layer results file matching ``pattern`` (no file: a line saying so): per config, tokens,
     routing and pass, the plain layer, the bound without communication, and the fastest of ours over modes and
@@ -869,7 +898,7 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,
              "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound,
              "fp8-grouped": fp8_grouped, "shared-ranks": shared_ranks, "soak": soak, "faults": faults,
-             "host-shared": host_shared, "fp8-moe-host": fp8_moe_host}
+             "host-shared": host_shared, "fp8-moe-host": fp8_moe_host, "cpu-nccl-host": cpu_nccl_host}
 
 
 def render(spec: str) -> str:
