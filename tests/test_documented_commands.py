@@ -37,6 +37,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # file): their documented options are checked against --help instead.
 HELP_ONLY = {"benchmarks/cpu_install.py": "creates virtual environments and installs torch (minutes)",
              "benchmarks/host_python.py": "a CPU measurement, minutes, writing a results file",
+             "benchmarks/nccl_host_python.py": "a CPU measurement that fakes torch.cuda for its process, writing a "
+                                              "results file",
              "tools/mutate.py": "runs the test suite once per mutation (hours)"}
 # Commands the docs name that still fail on a CPU machine (with a traceback, or with a status that means something
 # else), each in files outside this test's owners' reach: the reason, and whose change fixes it. Each still runs, as
