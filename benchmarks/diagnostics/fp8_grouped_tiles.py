@@ -36,7 +36,7 @@ from flashoverlap.tune.grouped import GroupedCall
 # (block_m, block_n, group_m, num_stages, num_warps, num_programs): block_k is 128 (one block-wise scale per K step).
 # num_programs 0: persistent, one program per SM (the current tile's launch); None: one program per tile.
 TILES = {
-    "current": None,  # ``SCALED_TILE``, the kernel's tile today
+    "current": None,  # the kernel's tile today for the scaling (``SCALED_TILE_ROW``, ``SCALED_TILE``)
     "128x128-s4": (128, 128, 8, 4, 8, 0),
     "128x128-s4-w4": (128, 128, 8, 4, 4, 0),
     "128x256-s3": (128, 256, 8, 3, 8, 0),
@@ -49,12 +49,12 @@ TILES = {
 }
 
 
-def tile_of(spec: tuple | None):
-    """The ``GroupedTile`` of a ``TILES`` entry (None: ``SCALED_TILE``)."""
-    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, GroupedTile
+def tile_of(spec: tuple | None, scaling: str = "block"):
+    """The ``GroupedTile`` of a ``TILES`` entry (None: the kernel's own for ``scaling``)."""
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, SCALED_TILE_ROW, GroupedTile
 
     if spec is None:
-        return SCALED_TILE
+        return SCALED_TILE_ROW if scaling == "row" else SCALED_TILE
     block_m, block_n, group_m, stages, warps, programs = spec
     return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs)
 
@@ -130,7 +130,7 @@ def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, i
         except Exception as exc:  # noqa: BLE001  (recorded, the run goes on)
             row["error_scaled_grouped_mm"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     for tile_name, spec in tiles.items():
-        tile = tile_of(spec)
+        tile = tile_of(spec, scaling)
         entry = row["tiles"][tile_name] = {"tile": [tile.block_m, tile.block_n, tile.group_m, tile.num_stages,
                                                     tile.num_warps, tile.num_programs]}
         try:

@@ -756,7 +756,11 @@ def scaled_grouped_gemm_kernel(
         tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(offs_m[:, None] < row1) & (offs_n[None, :] < N))
 
 
-SCALED_TILE = GroupedTile(128, 128, 128, 8, 3, 8, 0)  # persistent, one program per SM: not yet swept on a GPU
+# Persistent, one program per SM. Swept on one H200 (benchmarks/results/h200x1-fp8-grouped-tiles.json, 4c17018fd0):
+# row-wise, 128x256 tiles with 4 stages were the fastest of ten at every config; block-wise no tile beat this one by
+# more than a few per cent (64x256 at most configs, one program per 128x128 tile at Mixtral-8x22B).
+SCALED_TILE = GroupedTile(128, 128, 128, 8, 3, 8, 0)  # block-wise
+SCALED_TILE_ROW = GroupedTile(128, 256, 128, 8, 4, 8, 0)  # row-wise
 
 
 def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -775,7 +779,7 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     if k != k_w or mode not in ("row", "block") or (mode == "block" and k % 128):
         raise ValueError(f"scaled_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, mode {mode!r}: K must agree, "
                          "mode be 'row' or 'block' (block: K a multiple of 128)")
-    tile = tile or SCALED_TILE
+    tile = tile or (SCALED_TILE_ROW if mode == "row" else SCALED_TILE)
     if mode == "block" and tile.block_k != 128:
         raise ValueError("scaled_grouped_gemm: block-wise scales need tile.block_k = 128")
     seg = segments
