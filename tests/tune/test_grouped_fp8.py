@@ -33,11 +33,12 @@ def test_the_choice_is_within_five_percent_of_the_best_way(which):
     assert max(worst.values()) <= 1.05, worst
 
 
-def test_few_large_experts_go_to_the_loop_and_only_where_the_sizes_are_on_the_host():
+def test_few_large_experts_go_to_the_loop_block_wise_and_only_where_the_sizes_are_on_the_host():
     big = GroupedCall.balanced(4, 16384, 6144, 32768)  # Mixtral-8x22B's up projection at W = 2
     small = GroupedCall.balanced(64, 32768, 2048, 1536)  # Qwen3-30B-A3B's
-    assert grouped_fp8.expert_gemm_fp8(big, "row", mode="exact", device_capability=(9, 0))[0] == "loop"
-    assert grouped_fp8.expert_gemm_fp8(big, "row", mode="bounded", device_capability=(9, 0))[0] == "triton"
+    assert grouped_fp8.expert_gemm_fp8(big, "block", mode="exact", device_capability=(9, 0))[0] == "loop"
+    assert grouped_fp8.expert_gemm_fp8(big, "row", mode="exact", device_capability=(9, 0))[0] == "triton"
+    assert grouped_fp8.expert_gemm_fp8(big, "block", mode="bounded", device_capability=(9, 0))[0] == "triton"
     assert grouped_fp8.expert_gemm_fp8(small, "block", mode="exact", device_capability=(9, 0))[0] == "triton"
     assert grouped_fp8.expert_gemm_fp8(small, "row", mode="bounded", device_capability=(9, 0),
                                        triton=False)[0] == "cublas"
