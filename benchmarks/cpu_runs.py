@@ -30,6 +30,19 @@ NO_KERNEL = {"aten::view", "aten::slice", "aten::select", "aten::transpose", "at
              "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view", "aten::split_with_sizes"}
 
 
+def operator_counts(fn) -> tuple[int, int, list[str]]:
+    """The torch operators one call of ``fn`` issues from Python (after a first call; the profiler's top-level
+    ``aten::`` events): ``(how many, how many would launch a GPU kernel (not ``NO_KERNEL``), their names)``. On a GPU
+    each costs host time of its own (a dispatch, and most a kernel launch), which the CPU's time understates."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    return len(names), sum(1 for n in names if n not in NO_KERNEL), names
+
+
 def labelled_parser(doc: str) -> argparse.ArgumentParser:
     """The command line of a labelled CPU run: ``--label`` (required), ``--out``, ``--repeat``, ``--windows``,
     ``--calls`` and ``--verbose`` (print each call's operators); a script adds its own."""

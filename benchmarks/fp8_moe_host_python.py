@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))  # tests.comm.fake_cuda: this checkout's (it fakes
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
 import cpu_runs  # noqa: E402
-from cpu_runs import NO_KERNEL, checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
+from cpu_runs import checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
 
 from benchmarks.diagnostics.fp8_moe_host import layer_weights  # noqa: E402  (the GPU diagnostic's weights)
 
@@ -110,16 +110,6 @@ def _install(patch, real: dict[int, int], rows_scale: int) -> None:
     patch.setattr(grouped, "expert_gemm", on_h200(grouped.expert_gemm))
     patch.setattr(grouped_fp8, "expert_gemm_fp8", on_h200(grouped_fp8.expert_gemm_fp8))
     experts._gemm_for_rows.cache_clear()
-
-
-def _count_ops(fn) -> tuple[int, int, list[str]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    names = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
-    return len(names), sum(1 for n in names if n not in NO_KERNEL), names
 
 
 def _replay_on_the_host(device: torch.device, patch) -> None:
@@ -195,7 +185,7 @@ def rows_for(config, mode: str, windows: int, calls: int, verbose: bool, replaye
                 Launches.count = Launches.library = 0
                 layer()
                 launches, library = Launches.count, Launches.library
-                ops, kernels, names = _count_ops(layer)
+                ops, kernels, names = cpu_runs.operator_counts(layer)
                 us = per_call_us(layer, windows=windows, calls=calls)
             if verbose:
                 print(name, mode, dtype, names, file=sys.stderr)

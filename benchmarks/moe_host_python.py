@@ -43,7 +43,7 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(SOURCE))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import checkout_commit, labelled, least_rows, per_call_us, write_run  # noqa: E402
+from cpu_runs import checkout_commit, labelled, least_rows, operator_counts, per_call_us, write_run  # noqa: E402
 
 from flashoverlap.comm.expert import (  # noqa: E402
     ExpertCall,
@@ -111,19 +111,8 @@ def rows_for(mode: str, patch) -> list[dict]:
         steps = len(recorder.trace)
         us = per_call_us(fn, windows=60, calls=100)
         out.append({"op": op, "path": "p2p", "mode": mode, "us_per_call": round(us, 2),
-                    "driver_and_stream_calls": steps, "torch_ops": _torch_ops(fn)})
+                    "driver_and_stream_calls": steps, "torch_ops": operator_counts(fn)[0]})
     return out
-
-
-def _torch_ops(fn) -> int:
-    """The torch operators one call issues from Python (the profiler's top-level ``aten::`` events): on a GPU each
-    costs host time of its own (a dispatch, and most a kernel launch), which the CPU's figure understates."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for event in prof.events() if event.name.startswith("aten::") and event.cpu_parent is None)
 
 
 def main() -> int:

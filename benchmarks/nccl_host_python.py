@@ -120,16 +120,6 @@ def _install(patch) -> dict:
     return launches
 
 
-def _count_ops(fn) -> tuple[int, int, list[str]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    names = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
-    return len(names), sum(1 for n in names if n not in cpu_runs.NO_KERNEL), names
-
-
 def _call(op: str, dtype: str, plan, gen: torch.Generator):
     import flashoverlap as fo
 
@@ -182,7 +172,7 @@ def rows_for(shape, windows: int, calls: int, verbose: bool = False) -> list[dic
                     launches["count"] = 0
                     call()
                     triton = launches["count"]
-                    ops, kernels, names = _count_ops(call)
+                    ops, kernels, names = cpu_runs.operator_counts(call)
                     us = cpu_runs.per_call_us(call, windows=windows, calls=calls)
                 if verbose:
                     print(name, dtype, mode, names, file=sys.stderr)
