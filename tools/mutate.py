@@ -47,6 +47,8 @@ GUARDS = "src/flashoverlap/guards.py"
 GUARDS_TEST = "tests/test_guards.py"
 
 GROUPED = "src/flashoverlap/kernels/grouped_gemm.py"
+QUANTISE = "src/flashoverlap/kernels/quantise.py"
+QUANTISE_TEST = "tests/kernels/test_quantise.py"
 GROUPED_TEST = "tests/kernels/test_grouped_gemm.py"
 POLICY_GROUPED = "src/flashoverlap/tune/grouped.py"
 POLICY_GROUPED_TEST = "tests/tune/test_grouped.py"
@@ -119,6 +121,17 @@ MUTATIONS = [
     ("fp8-grouped-loop-threshold-off", "fp8 grouped GEMM choice: the per-expert loop taken from 512 rows per expert "
      "(DeepSeek-V3's down projection: 4.7x slower than ours)", "src/flashoverlap/tune/grouped_fp8.py",
      "LOOP_MIN_ROWS = 2048", "LOOP_MIN_ROWS = 512", "tests/tune/test_grouped_fp8.py"),
+    ("quantise-kernel-subnormal-spacing-lost", "fp8 quantise kernel: values below fp8's smallest normal rounded at "
+     "their own binade's spacing (finer than fp8 holds there)", QUANTISE,
+     "binade = tl.maximum((bits >> 23) & 0xFF, 127 + MIN_EXPONENT)", "binade = (bits >> 23) & 0xFF", QUANTISE_TEST),
+    ("quantise-kernel-nan-block-scale-finite", "fp8 quantise kernel, block-wise: a block holding a NaN gets a finite "
+     "scale (Triton's maximum drops the NaN)", QUANTISE, "            scale = tl.where(nans > 0, float(\"nan\"), scale)\n",
+     "", QUANTISE_TEST),
+    ("quantise-kernel-sign-of-zero-lost", "fp8 quantise kernel: -0.0 written as +0.0 (the sign bit not carried over)",
+     QUANTISE, ".to(tl.int32, bitcast=True) | (bits & -2147483648)", ".to(tl.int32, bitcast=True)", QUANTISE_TEST),
+    ("quantise-kernel-last-block-scale-dropped", "fp8 quantise kernel, block-wise: the scale of a chunk's last block "
+     "not stored", QUANTISE, "tl.store(s_row + firsts // BLOCK, scale, mask=firsts < k)",
+     "tl.store(s_row + firsts // BLOCK, scale, mask=firsts + BLOCK < k)", QUANTISE_TEST),
     ("ipc-shared-gpu-not-seen", "P2P workspace: ranks sharing one GPU are mapped by symmetric memory (which refuses "
      "them) instead of CUDA IPC", "src/flashoverlap/comm/symmetric.py",
      "    shared = len({(host, uuid) for host, uuid, _ in everyone}) < len(everyone)\n",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from flashoverlap.comm.scaled import BLOCK, FP8, Scales, _aligned, pack_rows, packed_width, scaled_mm, unpack_rows
+from flashoverlap.kernels import quantise as quantise_kernel
 
 MODES = ("row", "block")
 E4M3_MAX = 448.0
@@ -73,10 +74,11 @@ def quantise(x: torch.Tensor, mode: str, dtype: torch.dtype = torch.float8_e4m3f
 
     Both are views of one wire buffer (``pack``'s layout: the fp8 row then its scales, a row stride of
     ``wire_width(K, mode)`` bytes), so that ``pack`` of the pair is that buffer, no copy; ``.contiguous()`` where a
-    consumer wants dense tensors (traced by ``torch.compile``: dense tensors, the same values). Five kernels on the
-    device (the largest magnitudes, the scale's two steps, the quotient, the cast into place): ``x / scale`` never
-    exceeds the fp8 maximum by more than a rounding of the scale (far under half a step of fp8 at its top), which the
-    round to nearest takes to the maximum: no clamp is needed (a NaN row stays NaN, its sign aside)."""
+    consumer wants dense tensors (traced by ``torch.compile``: dense tensors, the same values). One kernel on a GPU
+    (``kernels/quantise.py``), five torch kernels elsewhere (the largest magnitudes, the scale's two steps, the
+    quotient, the cast into place), the same bytes: ``x / scale`` never exceeds the fp8 maximum by more than a
+    rounding of the scale (far under half a step of fp8 at its top), which the round to nearest takes to the
+    maximum: no clamp is needed (a NaN row stays NaN, its sign aside)."""
     rows, k = x.shape
     if torch.compiler.is_compiling():  # traced: the same values, functionally (the compiler fuses them anyway)
         xf, top, columns = x.float(), torch.finfo(dtype).max, k // BLOCK if mode == "block" else 1
@@ -103,7 +105,16 @@ def wire_rows(rows: int, k: int, mode: str, dtype: torch.dtype, device: torch.de
 
 
 def quantise_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: str) -> None:
-    """``quantise``'s kernels: ``x [rows, K]`` into ``q`` (fp8) and ``scale`` (``wire_rows``' views)."""
+    """``quantise``'s kernels: ``x [rows, K]`` into ``q`` (fp8) and ``scale`` (``wire_rows``' views). On a GPU one
+    Triton kernel (``kernels/quantise.py``: the same bytes, one launch instead of five); elsewhere torch's."""
+    if x.is_cuda and quantise_kernel.available() and x.stride(1) == 1:
+        quantise_kernel.quantise_rows(x, q, scale, mode == "block")
+    else:
+        quantise_with_torch(x, q, scale, mode)
+
+
+def quantise_with_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: str) -> None:
+    """``quantise_into`` in torch operators (the CPU's, and the GPU kernel's oracle)."""
     rows, k = x.shape
     columns = scale.shape[1]
     rows_in = x.reshape(rows, columns, BLOCK) if mode == "block" else x.unsqueeze(1)  # [rows, S, K/S]
