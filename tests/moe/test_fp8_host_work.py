@@ -10,15 +10,16 @@ from flashoverlap.nn import fp8_experts
 
 
 def _plain(x, mode, dtype):
-    """The formula: per row (or 1x128 block) ``scale = max(amax / fp8_max, 1e-12)``, ``q = x / scale`` in fp32."""
-    top = torch.finfo(dtype).max
+    """The formula: per row (or 1x128 block) ``scale = max(amax * (1 / fp8_max), 1e-12)``, ``q = x / scale`` in fp32
+    (times the reciprocal: what torch's CUDA division by a number computes, and so the GPU kernel)."""
+    top, inverse = torch.finfo(dtype).max, 1 / torch.finfo(dtype).max
     rows, k = x.shape
     xf = x.float()
     if mode == "block":
         blocks = xf.reshape(rows, k // 128, 128)
-        scale = (blocks.abs().amax(2) / top).clamp_min(1e-12)
+        scale = (blocks.abs().amax(2) * inverse).clamp_min(1e-12)
         return (blocks / scale[:, :, None]).clamp(-top, top).to(dtype).reshape(rows, k), scale
-    scale = (xf.abs().amax(1, keepdim=True) / top).clamp_min(1e-12)
+    scale = (xf.abs().amax(1, keepdim=True) * inverse).clamp_min(1e-12)
     return (xf / scale).clamp(-top, top).to(dtype), scale
 
 

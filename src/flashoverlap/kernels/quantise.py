@@ -1,15 +1,16 @@
 """Quantising rows to fp8 in one kernel: ``x [rows, K]`` (bf16, fp16 or fp32) into fp8 rows ``q`` and fp32 scales,
 one per row (``[rows, 1]``) or one per 1x128 block (``[rows, K/128]``), the values ``comm/expert/scaled.quantise``
-defines: ``scale = max(amax / fp8_max, 1e-12)`` and ``q = fp8(x / scale)`` in fp32, rounded to nearest even.
+defines: ``scale = max(amax * (1 / fp8_max), 1e-12)`` and ``q = fp8(x / scale)`` in fp32, rounded to nearest even.
 
 The torch form of the same is five kernels (the largest magnitudes, the scale's two steps, the quotient, the cast
 into place), each a launch and each reading or writing the rows again; an fp8 expert call quantises its rows as the
 first step of its issued work, so on a call that is not replayed those launches are host time (issue 44's target:
 the fp8 layer's host time within 1.15x bf16's). Here one program quantises one row: its largest magnitude (a pass
 over the row), then the quotient and the cast (a second pass), writing the scales and the fp8 bytes where the
-caller's views lie (the packed wire rows: a row stride past K). Both divisions are correctly rounded
-(``div_rn``), as torch's are, so the bytes match the torch form's. A row holding a NaN gets a NaN scale and NaN
-bytes (torch's largest magnitude propagates it; Triton's maximum would drop it).
+caller's views lie (the packed wire rows: a row stride past K). The scale is the largest magnitude times the fp32
+reciprocal of the fp8 maximum (what torch's CUDA division by a number computes), the quotient correctly rounded
+(``div_rn``, as torch's division of two tensors), so the bytes match the torch form's. A row (block) holding a NaN
+gets a NaN scale and NaN bytes (torch's largest magnitude propagates it; Triton's maximum would drop it).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _to_grid(v, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 
 
 @_jit
-def quantise_kernel(x_ptr, q_ptr, scale_ptr, k, x_stride, q_stride, scale_stride, FP8_MAX: tl.constexpr,
+def quantise_kernel(x_ptr, q_ptr, scale_ptr, k, x_stride, q_stride, scale_stride, INV_FP8_MAX: tl.constexpr,
                     MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, BLOCKWISE: tl.constexpr, CHUNK: tl.constexpr,
                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -64,7 +65,7 @@ def quantise_kernel(x_ptr, q_ptr, scale_ptr, k, x_stride, q_stride, scale_stride
             x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
             nans = tl.sum((x != x).to(tl.int32), axis=1)
             top = tl.max(tl.abs(x), axis=1)
-            scale = tl.maximum(tl.math.div_rn(top, FP8_MAX), 1e-12)
+            scale = tl.maximum(top * INV_FP8_MAX, 1e-12)
             scale = tl.where(nans > 0, float("nan"), scale)
             firsts = start + tl.arange(0, blocks) * BLOCK  # each block's first channel
             tl.store(s_row + firsts // BLOCK, scale, mask=firsts < k)
@@ -78,7 +79,7 @@ def quantise_kernel(x_ptr, q_ptr, scale_ptr, k, x_stride, q_stride, scale_stride
             x = tl.load(x_row + start + cols, mask=start + cols < k, other=0.0).to(tl.float32)
             nans += (x != x).to(tl.int32)
             top = tl.maximum(top, tl.abs(x))
-        scale = tl.maximum(tl.math.div_rn(tl.max(top, axis=0), FP8_MAX), 1e-12)
+        scale = tl.maximum(tl.max(top, axis=0) * INV_FP8_MAX, 1e-12)
         scale = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
         tl.store(s_row, scale)
         for start in range(0, k, CHUNK):
@@ -107,5 +108,5 @@ def quantise_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, blockwi
         return
     info = torch.finfo(q.dtype)
     _LAUNCH(rows, (x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0)),
-            {"FP8_MAX": float(info.max), "MANTISSA": _MANTISSA[q.dtype], "MIN_EXPONENT": round(math.log2(
+            {"INV_FP8_MAX": 1 / info.max, "MANTISSA": _MANTISSA[q.dtype], "MIN_EXPONENT": round(math.log2(
                 info.smallest_normal)), "BLOCKWISE": blockwise, "CHUNK": CHUNK, "BLOCK": BLOCK, "num_warps": 4})

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from flashoverlap.comm.scaled import BLOCK, FP8, Scales, _aligned, pack_rows, packed_width, scaled_mm, unpack_rows
-from flashoverlap.kernels import quantise as quantise_kernel
 
 MODES = ("row", "block")
 E4M3_MAX = 448.0
@@ -70,7 +69,7 @@ def wire_width(k: int, mode: str) -> int:
 def quantise(x: torch.Tensor, mode: str, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [rows, K]`` (any float) as fp8 and its fp32 scales (``[rows, 1]`` row-wise, ``[rows, K/128]`` block-wise):
     each row (or 1x128 block) scaled so that its largest magnitude is the fp8 dtype's largest, ``x ~ q * scale``
-    (``scale = max(amax / fp8_max, 1e-12)``, ``q = x / scale`` in fp32, rounded to fp8).
+    (``scale = max(amax * (1 / fp8_max), 1e-12)``, ``q = x / scale`` in fp32, rounded to fp8).
 
     Both are views of one wire buffer (``pack``'s layout: the fp8 row then its scales, a row stride of
     ``wire_width(K, mode)`` bytes), so that ``pack`` of the pair is that buffer, no copy; ``.contiguous()`` where a
@@ -81,12 +80,12 @@ def quantise(x: torch.Tensor, mode: str, dtype: torch.dtype = torch.float8_e4m3f
     maximum: no clamp is needed (a NaN row stays NaN, its sign aside)."""
     rows, k = x.shape
     if torch.compiler.is_compiling():  # traced: the same values, functionally (the compiler fuses them anyway)
-        xf, top, columns = x.float(), torch.finfo(dtype).max, k // BLOCK if mode == "block" else 1
+        xf, inverse, columns = x.float(), 1 / torch.finfo(dtype).max, k // BLOCK if mode == "block" else 1
         if mode == "block":
             blocks = xf.reshape(rows, columns, BLOCK)
-            scale = (blocks.abs().amax(2) / top).clamp_min(1e-12)
+            scale = (blocks.abs().amax(2) * inverse).clamp_min(1e-12)
             return (blocks / scale[:, :, None]).to(dtype).reshape(rows, k), scale
-        scale = (xf.abs().amax(1, keepdim=True) / top).clamp_min(1e-12)
+        scale = (xf.abs().amax(1, keepdim=True) * inverse).clamp_min(1e-12)
         return (xf / scale).to(dtype), scale
     q, scale = wire_rows(rows, k, mode, dtype, x.device)
     quantise_into(x, q, scale, mode)
@@ -104,13 +103,20 @@ def wire_rows(rows: int, k: int, mode: str, dtype: torch.dtype, device: torch.de
     return unpack_rows(packed, k, dtype, columns)
 
 
+_QUANTISE = None  # kernels.quantise, imported on the first GPU quantisation (Triton: where a kernel runs)
+
+
 def quantise_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: str) -> None:
     """``quantise``'s kernels: ``x [rows, K]`` into ``q`` (fp8) and ``scale`` (``wire_rows``' views). On a GPU one
     Triton kernel (``kernels/quantise.py``: the same bytes, one launch instead of five); elsewhere torch's."""
-    if x.is_cuda and quantise_kernel.available() and x.stride(1) == 1:
-        quantise_kernel.quantise_rows(x, q, scale, mode == "block")
-    else:
-        quantise_with_torch(x, q, scale, mode)
+    if x.is_cuda and x.stride(1) == 1:
+        global _QUANTISE
+        if _QUANTISE is None:
+            from flashoverlap.kernels import quantise as _QUANTISE  # Triton: imported where a kernel runs
+        if _QUANTISE.available():
+            _QUANTISE.quantise_rows(x, q, scale, mode == "block")
+            return
+    quantise_with_torch(x, q, scale, mode)
 
 
 def quantise_with_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mode: str) -> None:
@@ -122,7 +128,9 @@ def quantise_with_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, m
         torch.linalg.vector_norm(rows_in, float("inf"), dim=2, dtype=torch.float32, out=scale)
     else:  # the CPU's infinity norm is a slow loop (and it casts first): the plain largest magnitude
         torch.amax(rows_in.float().abs(), 2, out=scale)
-    scale.div_(torch.finfo(q.dtype).max).clamp_min_(1e-12)
+    # Times the reciprocal, not a division: what torch's CUDA kernel computes for a division by a number (its CPU
+    # one divides), so that the scales are the same on both and the GPU kernel's.
+    scale.mul_(1 / torch.finfo(q.dtype).max).clamp_min_(1e-12)
     q.view(rows, columns, k // columns).copy_(torch.div(rows_in, scale[:, :, None]))
 
 
