@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mechanics: keep the results file's right rows (each with its commit) and run only the "
                         "cases it lacks or got wrong (a step an earlier budget cut short)")
     p.add_argument("--rounds", type=int, default=40, help="host: timed rounds per op")
+    p.add_argument("--shape", type=lambda text: tuple(int(v) for v in text.split(",")), default=None,
+                   metavar="M,N,K", help="host: each rank's GEMM (default: benchmarks/shared/host.HOST_SHAPE; "
+                                         "another shape's rows belong in another --out, the rows' keys omit it)")
     p.add_argument("--seed", type=int, default=0, help="soak: the random sequence's seed")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="FILE",
                    help="merge these results files of --step (from separate device calls) into the one in --out, "
@@ -294,7 +297,7 @@ def run_host(args) -> list[dict]:
             rows = [{"W": world, "op": None, "mode": None, "error": f"budget spent: W = {world} not run"}]
         else:
             options = {"deadline": time.time() + share * 0.8, "device": args.device, "ops": args.ops,
-                       "rounds": args.rounds}
+                       "rounds": args.rounds, "shape": args.shape or host.HOST_SHAPE}
             _say(f"host W={world}: share {share:.0f} s")
             results, failure = spawn_ranks(host.rank_main, world, (options,), share + SPAWN_MARGIN, args.device)
             rows = (host.aggregate(results, world) if results is not None
@@ -305,7 +308,7 @@ def run_host(args) -> list[dict]:
                  f"{row.get('torch_mm_us')} us (paired ratio {row.get('paired_ratio')}, target "
                  f"{row.get('target_ratio')}, replay share {row.get('replay_share')}){error}")
         all_rows += rows
-        _write(args, rows, key=KEYS["host"], shape=list(host.HOST_SHAPE))
+        _write(args, rows, key=KEYS["host"], shape=list(args.shape or host.HOST_SHAPE))
     return all_rows
 
 
