@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mechanics: keep the results file's right rows (each with its commit) and run only the "
                         "cases it lacks or got wrong (a step an earlier budget cut short)")
     p.add_argument("--rounds", type=int, default=40, help="host: timed rounds per op")
+    p.add_argument("--graph-waits", choices=("kernel", "memop"), default=None,
+                   help="mechanics, host: how the P2P graphs wait on a flag, forced (the library: memop on a shared "
+                        "GPU, kernel on GPUs of their own)")
     p.add_argument("--shape", type=lambda text: tuple(int(v) for v in text.split(",")), default=None,
                    metavar="M,N,K", help="host: each rank's GEMM (default: benchmarks/shared/host.HOST_SHAPE; "
                                          "another shape's rows belong in another --out, the rows' keys omit it)")
@@ -184,7 +187,8 @@ def run_mechanics(args) -> list[dict]:
                 failure = None
             else:
                 options = {"deadline": time.time() + share * 0.85, "device": args.device, "quick": args.quick,
-                           "families": (family,), "skip": [[row["case"], row["mode"]] for row in kept]}
+                           "families": (family,), "skip": [[row["case"], row["mode"]] for row in kept],
+                           "graph_waits": args.graph_waits}
                 paths = [progress_path(progress_dir, f"mechanics-{family}", world, r) for r in range(world)]
                 _say(f"mechanics W={world} {family}: share {share:.0f} s")
                 results, failure = spawn_ranks(mechanics.spawned, world, (options, [str(p) for p in paths]),
@@ -297,7 +301,7 @@ def run_host(args) -> list[dict]:
             rows = [{"W": world, "op": None, "mode": None, "error": f"budget spent: W = {world} not run"}]
         else:
             options = {"deadline": time.time() + share * 0.8, "device": args.device, "ops": args.ops,
-                       "rounds": args.rounds, "shape": args.shape or host.HOST_SHAPE}
+                       "rounds": args.rounds, "shape": args.shape or host.HOST_SHAPE, "graph_waits": args.graph_waits}
             _say(f"host W={world}: share {share:.0f} s")
             results, failure = spawn_ranks(host.rank_main, world, (options,), share + SPAWN_MARGIN, args.device)
             rows = (host.aggregate(results, world) if results is not None

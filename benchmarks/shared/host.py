@@ -33,10 +33,11 @@ TARGETS = {("replayed", 8): 1.5, ("eager", 2): 3.0, ("eager", 8): 4.0}
 def rank_main(rank: int, world: int, options: dict) -> list[dict]:
     import flashoverlap as fo
     from benchmarks.harness.timing import cycle_rounds, host_us_interleaved
-    from benchmarks.shared.mechanics import replays
+    from benchmarks.shared.mechanics import forced_graph_waits, replays
     from flashoverlap import settings
 
     device = device_of(options.get("device", "cuda"))
+    forced_graph_waits(options)
     m, n, k = options.get("shape", HOST_SHAPE)
     rounds = options.get("rounds", ROUNDS)
     settings.refresh()

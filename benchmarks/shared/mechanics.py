@@ -556,6 +556,15 @@ def right_rows(path) -> dict[tuple[int, str], list[dict]]:
     return kept
 
 
+def forced_graph_waits(options: dict) -> None:
+    """``options["graph_waits"]`` ("kernel" or "memop"): how this process's P2P graphs wait on a flag, whatever the
+    GPUs (``P2PCommunicator.graph_waits``; on a shared GPU the library takes "memop"), for a diagnostic run."""
+    if options.get("graph_waits"):
+        from flashoverlap.comm.tp.p2p import P2PCommunicator
+
+        P2PCommunicator.graph_waits = options["graph_waits"]
+
+
 def spawned(rank: int, world: int, options: dict, paths: list[str]):
     """``rank_main`` with rank ``rank``'s progress file (``paths[rank]``): what the step spawns."""
     return rank_main(rank, world, {**options, "progress": paths[rank]})
@@ -566,6 +575,7 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
     (``options["deadline"]``, checked collectively before each case); returns this rank's rows, also written one by
     one to its progress file."""
     device = device_of(options.get("device", "cuda"))
+    forced_graph_waits(options)
     group = dist.group.WORLD
     progress = Progress(options.get("progress"))
     families = tuple(options.get("families") or ("tp", "moe", "moe-fp8", "models"))

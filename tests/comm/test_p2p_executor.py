@@ -185,6 +185,62 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, captured, mon
                                        captured=captured)
 
 
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+@pytest.mark.parametrize("world,rank", [(2, 1), (4, 3)])
+def test_a_graph_waits_on_flags_with_the_wait_kernel_where_gpus_are_not_shared(op, world, rank, monkeypatch):
+    """Captured with kernel waits (ranks on GPUs of their own): every flag wait of the schedule is the wait kernel
+    on the wait's stream, for the flag's slot in this rank's flags, at the wait's place; the rest of the captured
+    trace is unchanged. No stream memory operation is captured."""
+    import contextlib
+
+    from flashoverlap.kernels import counters
+
+    recorder = Recorder()
+    comm = _communicator(rank, world, recorder, monkeypatch)
+    comm.workspace.flags = torch.zeros(FLAG_STRIDE // 4, dtype=torch.int32)
+    current = [0]
+
+    @contextlib.contextmanager
+    def on(stream):  # torch.cuda.stream: the wait kernel is launched on the current stream
+        before, current[0] = current[0], stream.cuda_stream
+        yield
+        current[0] = before
+
+    def wait_kernel(flags, index, value):
+        assert flags is comm.workspace.flags
+        recorder.trace.append((current[0], "wait kernel", index, value))
+
+    monkeypatch.setattr(p2p.torch.cuda, "stream", on)
+    monkeypatch.setattr(counters, "wait_reset", wait_kernel)
+    comm.graph_waits = "kernel"
+    m = 64 * world + (16 if op == "all_reduce" else 0)
+    plan = default_plan(op, m, 24, 20, world, tile=TILE, num_groups=2, path="p2p", allow_sequential=False)
+    rows = plan.block_rows if op == "all_gather" else plan.m
+    a = torch.randn(rows, plan.k, dtype=torch.bfloat16)
+    b = torch.randn(plan.k, plan.n, dtype=torch.bfloat16)
+    out = torch.empty(plan.block_rows if op == "reduce_scatter" else plan.m, plan.n, dtype=torch.bfloat16)
+    gathered = torch.empty(plan.m, plan.k, dtype=torch.bfloat16) if op == "all_gather" else None
+    comm.issue(Call(op, plan, a, b, hook=lambda: recorder.trace.append((0, "hook"))), a, out, gathered,
+               captured=True)
+    bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
+    width = plan.k if op == "all_gather" else plan.n
+    want = _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None, captured=True)
+    kernel_waits, i = [], 0
+    while i < len(want):  # each (wait, reset) pair of stream memory operations: one wait kernel launch
+        step = want[i]
+        if step[1] == "wait":
+            assert want[i + 1] == (step[0], "write", step[2], 0)
+            slot, rest = divmod(step[2] - comm.workspace.flag_ptr(rank, 0), 4)  # a wait reads this rank's flags
+            assert rest == 0 and 0 <= slot < FLAG_STRIDE // 4
+            kernel_waits.append((step[0], "wait kernel", slot, 1))
+            i += 2
+        else:
+            kernel_waits.append(step)
+            i += 1
+    assert any(step[1] == "wait kernel" for step in kernel_waits)
+    assert recorder.trace == kernel_waits
+
+
 class FakeGraph:
     """A capture that queues the call's work once (into the trace, where a CUDA graph would hold it)."""
 

@@ -80,6 +80,7 @@ REGION_ALIGN = 1 << 16
 # A resolved schedule step's first field (``P2PCommunicator._program``), and the call's buffers by index. The last
 # three appear only in a batched program (``_batched``).
 _MM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _HOOK, _FORKED_SIGNAL, _MEMOPS, _COPIES, _FORKED_SIGNALS = range(11)
+_KERNEL_WAIT = 11  # a flag wait in a graph, as the wait kernel (``kernels/counters.py``): (code, stream, flag slot)
 _SPACES = {"a": 0, "out": 1, "gathered": 2}
 
 
@@ -192,7 +193,8 @@ def _passable(step: tuple, stream: int) -> bool:
             or code == _SIGNAL and step[1] != stream)
 
 
-_ON_A_STREAM = (_COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _MEMOPS, _COPIES)  # steps whose second field is a stream
+# steps whose second field is a stream
+_ON_A_STREAM = (_COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _MEMOPS, _COPIES, _KERNEL_WAIT)
 
 
 def _joined_already(program: list, stream: int) -> bool:
@@ -280,6 +282,9 @@ class P2PCommunicator(GroupFields):
     """Copy stream, events and symmetric workspace for one (process group, device)."""
 
     path = "p2p"
+    # How a graph (ours or a user's) waits on a flag: None, as the ranks' GPUs say (``_graph_waits``); "kernel" or
+    # "memop" on an instance to choose (a diagnostic's switch).
+    graph_waits: str | None = None
 
     def __init__(self, group: CommGroup) -> None:
         super().__init__(group)
@@ -377,6 +382,14 @@ class P2PCommunicator(GroupFields):
                 None if hook is None else hook.signature,
                 None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
                                              address(scales.bias), address(own)))
+
+    def _graph_waits(self) -> str:
+        """How a graph waits on a flag (module docstring): "kernel" where every rank has a GPU of its own, "memop"
+        where ranks share one (or ``graph_waits`` says so). A spinning wait kernel holds its context's share of a
+        time-sliced GPU while the peer it waits for needs that GPU; a stream memory operation yields it."""
+        if self.graph_waits is not None:
+            return self.graph_waits
+        return "memop" if self.device.type != "cuda" or self.workspace.shared_device else "kernel"
 
     def _workspace_address(self) -> int:
         """Where the workspace lies (0 before the first call has allocated it: that call's signature is made again
@@ -487,6 +500,11 @@ class P2PCommunicator(GroupFields):
                     waited.append((self._stream(stream).record_event(), item))
             elif code == _SIGNAL:
                 write(handles[step[1]], step[2], 1)
+            elif code == _KERNEL_WAIT:  # in a graph only (no Python runs at a replay)
+                from flashoverlap.kernels.counters import wait_reset as wait_kernel  # Triton: where a kernel runs
+
+                with torch.cuda.stream(self._stream(step[1])):
+                    wait_kernel(self.workspace.flags, step[2], 1)
             elif code == _MEMOPS:
                 memops(handles[step[1]], step[2])
             elif code == _COPIES:
@@ -532,7 +550,8 @@ class P2PCommunicator(GroupFields):
         (``_batched``), and then a copy stream whose last work the caller's stream already waits for is not joined
         again."""
         out_dtype, a_row = _widths(plan, dtype, scales)
-        key = (plan, dtype, out_dtype, a_row, gathered_own, captured, batch)  # a new workspace empties the cache
+        kernel_waits = captured and self._graph_waits() == "kernel"
+        key = (plan, dtype, out_dtype, a_row, gathered_own, captured, batch, kernel_waits)  # a new workspace empties it
         cached = self._programs.get(key)
         if cached is not None:
             return cached
@@ -577,6 +596,8 @@ class P2PCommunicator(GroupFields):
             elif isinstance(item, steps.Copy):
                 program.append((_COPY, stream_index[item.stream], *place(item.dst), *place(item.src),
                                 item.rows * row_bytes))
+            elif isinstance(item, steps.Wait) and kernel_waits:  # a rank waits on its own flags only
+                program.append((_KERNEL_WAIT, stream_index[item.stream], item.flag.row))
             elif isinstance(item, steps.Wait):
                 program.append((_WAIT, stream_index[item.stream], self.workspace.flag_ptr(item.flag.rank,
                                                                                          item.flag.row), item))
@@ -612,6 +633,10 @@ class P2PCommunicator(GroupFields):
         band's scaled product as the call runs it (its scales' layout copies, the add of an accumulating step),
         all-gather's from packed rows."""
         guards.refuse_inside_capture(f"{op}: the first P2P call of a shape loads its cuBLAS kernels")
+        if self._graph_waits() == "kernel" and a.device.type == "cuda":  # a graph's flag waits (step 2, captured)
+            from flashoverlap.kernels.counters import load  # Triton: imported where a kernel runs
+
+            load(self.device)
         shapes = {(item.rows, item.accumulate) for item in rs.schedule(plan, self.rank) if isinstance(item, steps.Mm)}
         if scales is not None:
             source, scale_a = a, None if scales.mode == "tensor" else scales.a
