@@ -1,6 +1,7 @@
 """The P2P communicator (over NVLink, Flux's principle with cuBLAS): every multiplication by cuBLAS on the caller's
 stream, every byte moved by a copy engine on a copy stream, every reduction fused into cuBLAS (``addmm_`` on the
-pulled partial, beta = 1), and every cross-rank wait a stream memory operation. No SM moves or sums bytes.
+pulled partial, beta = 1), and every cross-rank wait a stream memory operation (in a graph on GPUs of their own, a
+one-warp wait kernel). No SM moves or sums bytes.
 
 The schedule (which rows, in which order, which flags) is ``comm/tp/ring_schedule.py``, whose module docstring argues
 why it cannot deadlock; this module only issues it. One call:
@@ -33,8 +34,16 @@ why it cannot deadlock; this module only issues it. One call:
    relies on holds for the copy without a fence: what a signal announces precedes it (on its stream, or on ``C``
    before the fork) and has ended before the copy starts, and it lies in this GPU's own memory, where the peer
    reads it, or is a pull from the peer that is complete; no fence is needed because no step of the schedule
-   writes into a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Waits are
-   always stream memory operations: only they block a stream.
+   writes into a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Eagerly a
+   wait is a stream memory operation (a wait for 1 and a reset to 0). In a graph, where every rank has a GPU of
+   its own, it is the wait kernel (``kernels/counters.py``: one warp spins on the flag, then resets it): a graph's
+   memory-operation nodes are prepared again at every launch, and at W = 8 a captured program holds up to 57 of
+   them (all-reduce, 16384x8192x4096), where a synthetic graph of 48 took 1.3 ms to launch
+   (``benchmarks/results/logs/graph-launch-465680a749.json``) and kernel nodes cost almost nothing. The flag's
+   producer is a peer on another GPU, so the spinning warp never holds SMs it needs (deadlock rule 2); it can only
+   slow this rank's own matmuls, by one warp. Ranks that share a GPU keep the memory operations: there a spinning
+   kernel would hold its process's time slice of the GPU while the peer it waits for needs it
+   (``_graph_waits``).
 3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on the
    caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams touch
    (``a``, fp8's packed own shard, ``out``, ``gathered``) are used on them only before that join, so the caching
