@@ -164,12 +164,8 @@ def _expected(plan, rank, comm, bases, row_bytes, gathered_own, captured=False):
     return out
 
 
-@pytest.mark.parametrize("captured", [False, True])
-@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
-@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2)])
-def test_the_executor_issues_exactly_the_schedule(op, world, rank, captured, monkeypatch):
-    recorder = Recorder()
-    comm = _communicator(rank, world, recorder, monkeypatch)
+def _issued(comm, recorder, op, world, rank, captured):
+    """One call of ``op`` issued by ``comm`` (a small plan, the gathered input returned): the trace it implies."""
     m = 64 * world + (16 if op == "all_reduce" else 0)
     plan = default_plan(op, m, 24, 20, world, tile=TILE, num_groups=2, path="p2p", allow_sequential=False)
     rows = plan.block_rows if op == "all_gather" else plan.m
@@ -181,8 +177,17 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, captured, mon
                captured=captured)
     bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
     width = plan.k if op == "all_gather" else plan.n
-    assert recorder.trace == _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None,
-                                       captured=captured)
+    return _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None, captured=captured)
+
+
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2)])
+def test_the_executor_issues_exactly_the_schedule(op, world, rank, captured, monkeypatch):
+    recorder = Recorder()
+    comm = _communicator(rank, world, recorder, monkeypatch)
+    want = _issued(comm, recorder, op, world, rank, captured)
+    assert recorder.trace == want
 
 
 @pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
@@ -213,18 +218,7 @@ def test_a_graph_waits_on_flags_with_the_wait_kernel_where_gpus_are_not_shared(o
     monkeypatch.setattr(p2p.torch.cuda, "stream", on)
     monkeypatch.setattr(counters, "wait_reset", wait_kernel)
     comm.graph_waits = "kernel"
-    m = 64 * world + (16 if op == "all_reduce" else 0)
-    plan = default_plan(op, m, 24, 20, world, tile=TILE, num_groups=2, path="p2p", allow_sequential=False)
-    rows = plan.block_rows if op == "all_gather" else plan.m
-    a = torch.randn(rows, plan.k, dtype=torch.bfloat16)
-    b = torch.randn(plan.k, plan.n, dtype=torch.bfloat16)
-    out = torch.empty(plan.block_rows if op == "reduce_scatter" else plan.m, plan.n, dtype=torch.bfloat16)
-    gathered = torch.empty(plan.m, plan.k, dtype=torch.bfloat16) if op == "all_gather" else None
-    comm.issue(Call(op, plan, a, b, hook=lambda: recorder.trace.append((0, "hook"))), a, out, gathered,
-               captured=True)
-    bases = {"a": a.data_ptr(), "out": out.data_ptr(), "gathered": 0 if gathered is None else gathered.data_ptr()}
-    width = plan.k if op == "all_gather" else plan.n
-    want = _expected(plan, rank, comm, bases, width * 2, gathered_own=gathered is not None, captured=True)
+    want = _issued(comm, recorder, op, world, rank, True)
     kernel_waits, i = [], 0
     while i < len(want):  # each (wait, reset) pair of stream memory operations: one wait kernel launch
         step = want[i]
