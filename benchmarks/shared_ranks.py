@@ -87,8 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "cases it lacks or got wrong (a step an earlier budget cut short)")
     p.add_argument("--rounds", type=int, default=40, help="host: timed rounds per op")
     p.add_argument("--graph-waits", choices=("kernel", "memop"), default=None,
-                   help="mechanics, host: how the P2P graphs wait on a flag, forced (the library: memop on a shared "
-                        "GPU, kernel on GPUs of their own)")
+                   help="mechanics, host: how the P2P graphs wait on a flag, forced (the library's own: the wait "
+                        "kernel)")
     p.add_argument("--shape", type=lambda text: tuple(int(v) for v in text.split(",")), default=None,
                    metavar="M,N,K", help="host: each rank's GEMM (default: benchmarks/shared/host.HOST_SHAPE; "
                                          "another shape's rows belong in another --out, the rows' keys omit it)")

@@ -132,14 +132,17 @@ MUTATIONS = [
     ("quantise-kernel-last-block-scale-dropped", "fp8 quantise kernel, block-wise: the scale of a chunk's last block "
      "not stored", QUANTISE, "tl.store(s_row + firsts // BLOCK, scale, mask=firsts < k)",
      "tl.store(s_row + firsts // BLOCK, scale, mask=firsts + BLOCK < k)", QUANTISE_TEST),
-    ("p2p-graph-waits-stay-memops", "P2P path: a graph's flag waits stay stream memory operations on GPUs of their "
-     "own (a launch prepares each again: 1.3 ms for 48)", P2P,
+    ("p2p-graph-waits-stay-memops", "P2P path: a graph's flag waits stay stream memory operations (a launch "
+     "prepares each again: 1.3 ms for 48)", P2P,
      '        kernel_waits = captured and self._graph_waits() == "kernel"\n',
-     "        kernel_waits = False\n", P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel_where_gpus_are_not_shared"),
+     "        kernel_waits = False\n", P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),
+    ("p2p-graph-waits-default-memops", "P2P path: a graph on a GPU waits with stream memory operations by default",
+     P2P, '        return "kernel" if self.device.type == "cuda" else "memop"', '        return "memop"',
+     P2P_TEST + "::test_graphs_wait_with_the_kernel_on_a_gpu_unless_told"),
     ("p2p-graph-wait-kernel-wrong-flag", "P2P path: a graph's wait kernel spins on the next flag slot, not the wait's",
      P2P, "program.append((_KERNEL_WAIT, stream_index[item.stream], item.flag.row))",
      "program.append((_KERNEL_WAIT, stream_index[item.stream], item.flag.row + 1))",
-     P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel_where_gpus_are_not_shared"),
+     P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),
     ("ipc-shared-gpu-not-seen", "P2P workspace: ranks sharing one GPU are mapped by symmetric memory (which refuses "
      "them) instead of CUDA IPC", "src/flashoverlap/comm/symmetric.py",
      "    shared = shares_a_gpu(everyone)\n", "    shared = False\n", "tests/comm/test_symmetric.py"),

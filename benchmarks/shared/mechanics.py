@@ -558,7 +558,7 @@ def right_rows(path) -> dict[tuple[int, str], list[dict]]:
 
 def forced_graph_waits(options: dict) -> None:
     """``options["graph_waits"]`` ("kernel" or "memop"): how this process's P2P graphs wait on a flag, whatever the
-    GPUs (``P2PCommunicator.graph_waits``; on a shared GPU the library takes "memop"), for a diagnostic run."""
+    GPUs (``P2PCommunicator.graph_waits``; the library's own: the kernel on a GPU), for a diagnostic run."""
     if options.get("graph_waits"):
         from flashoverlap.comm.tp.p2p import P2PCommunicator
 

@@ -192,8 +192,8 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, captured, mon
 
 @pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
 @pytest.mark.parametrize("world,rank", [(2, 1), (4, 3)])
-def test_a_graph_waits_on_flags_with_the_wait_kernel_where_gpus_are_not_shared(op, world, rank, monkeypatch):
-    """Captured with kernel waits (ranks on GPUs of their own): every flag wait of the schedule is the wait kernel
+def test_a_graph_waits_on_flags_with_the_wait_kernel(op, world, rank, monkeypatch):
+    """Captured with kernel waits (the default on a GPU): every flag wait of the schedule is the wait kernel
     on the wait's stream, for the flag's slot in this rank's flags, at the wait's place; the rest of the captured
     trace is unchanged. No stream memory operation is captured."""
     import contextlib
@@ -233,6 +233,16 @@ def test_a_graph_waits_on_flags_with_the_wait_kernel_where_gpus_are_not_shared(o
             i += 1
     assert any(step[1] == "wait kernel" for step in kernel_waits)
     assert recorder.trace == kernel_waits
+
+
+def test_graphs_wait_with_the_kernel_on_a_gpu_unless_told(monkeypatch):
+    comm = _communicator(0, 2, Recorder(), monkeypatch)
+    comm.device = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    assert comm._graph_waits() == "kernel"
+    comm.graph_waits = "memop"
+    assert comm._graph_waits() == "memop"
+    comm.graph_waits, comm.device = None, torch.device("cpu")
+    assert comm._graph_waits() == "memop"
 
 
 class FakeGraph:

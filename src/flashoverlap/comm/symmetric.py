@@ -57,7 +57,6 @@ class SymmetricWorkspace:
         self.handle = None
         self._peers: list[torch.Tensor] = []
         self.mapping: str | None = None  # "symmetric" or "ipc" (``peer_mapping``), chosen at the first allocation
-        self.shared_device: bool | None = None  # whether ranks of the group share a GPU (known with ``mapping``)
 
     def ensure(self, nbytes: int, op: str, ones: tuple[int, int] = (0, 0)) -> bool:
         """Make the data region at least ``nbytes`` (collective when it grows); a new buffer's flags start at zero,
@@ -72,7 +71,7 @@ class SymmetricWorkspace:
             # passed that call's done barrier, by peers pulling from it): let it all finish before freeing it.
             torch.cuda.synchronize(self.device)
         if self.mapping is None:
-            self.mapping, self.shared_device = peer_mapping(self.group, self.device)
+            self.mapping = peer_mapping(self.group, self.device)
         size = size_class(FLAG_BYTES + nbytes)
         if self.mapping == "ipc":
             self._ipc_buffers(size)
@@ -151,16 +150,15 @@ class SymmetricWorkspace:
         self.handle.barrier(channel=channel)
 
 
-def peer_mapping(group: dist.ProcessGroup, device: torch.device) -> tuple[str, bool]:
+def peer_mapping(group: dist.ProcessGroup, device: torch.device) -> str:
     """How a workspace over ``group`` maps its peers' buffers (collective, the same answer on every rank):
     ``"symmetric"`` (PyTorch's symmetric memory) where the group's backend is NCCL and every rank has a GPU of its
-    own, else ``"ipc"`` (CUDA IPC handles: ranks that share a GPU, or a group of another backend); and whether ranks
-    of the group share a GPU."""
+    own, else ``"ipc"`` (CUDA IPC handles: ranks that share a GPU, or a group of another backend)."""
     uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index))
     mine = (socket.gethostname(), uuid, dist.get_backend(group))
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    return mapping_of(everyone), shares_a_gpu(everyone)
+    return mapping_of(everyone)
 
 
 def shares_a_gpu(everyone: list[tuple[str, str, str]]) -> bool:

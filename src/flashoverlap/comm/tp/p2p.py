@@ -1,7 +1,7 @@
 """The P2P communicator (over NVLink, Flux's principle with cuBLAS): every multiplication by cuBLAS on the caller's
 stream, every byte moved by a copy engine on a copy stream, every reduction fused into cuBLAS (``addmm_`` on the
-pulled partial, beta = 1), and every cross-rank wait a stream memory operation (in a graph on GPUs of their own, a
-one-warp wait kernel). No SM moves or sums bytes.
+pulled partial, beta = 1), and every cross-rank wait a stream memory operation (in a graph, a one-warp wait
+kernel). No SM moves or sums bytes.
 
 The schedule (which rows, in which order, which flags) is ``comm/tp/ring_schedule.py``, whose module docstring argues
 why it cannot deadlock; this module only issues it. One call:
@@ -35,15 +35,17 @@ why it cannot deadlock; this module only issues it. One call:
    before the fork) and has ended before the copy starts, and it lies in this GPU's own memory, where the peer
    reads it, or is a pull from the peer that is complete; no fence is needed because no step of the schedule
    writes into a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Eagerly a
-   wait is a stream memory operation (a wait for 1 and a reset to 0). In a graph, where every rank has a GPU of
-   its own, it is the wait kernel (``kernels/counters.py``: one warp spins on the flag, then resets it): a graph's
+   wait is a stream memory operation (a wait for 1 and a reset to 0). In a graph it is the wait kernel
+   (``kernels/counters.py``: one warp spins on the flag, then resets it): a graph's
    memory-operation nodes are prepared again at every launch, and at W = 8 a captured program holds up to 57 of
    them (all-reduce, 16384x8192x4096), where a synthetic graph of 48 took 1.3 ms to launch
    (``benchmarks/results/logs/graph-launch-465680a749.json``) and kernel nodes cost almost nothing. The flag's
-   producer is a peer on another GPU, so the spinning warp never holds SMs it needs (deadlock rule 2); it can only
-   slow this rank's own matmuls, by one warp. Ranks that share a GPU keep the memory operations: there a spinning
-   kernel would hold its process's time slice of the GPU while the peer it waits for needs it
-   (``_graph_waits``).
+   producer is a peer's copy after the peer's own work, so the spinning warp never holds SMs it needs (deadlock
+   rule 2): on another GPU it holds none of that GPU's, and where ranks share one GPU the peer's process runs in its
+   own time slice (or, under MPS, beside the warp); it can only slow this rank's own matmuls, by one warp. Measured
+   on one H200 with ranks sharing it: W = 2 mechanics right, every repeated call replayed; at W = 8, 16384x8192x4096,
+   a replayed all-reduce's host time 378 -> 206 µs and all-gather's 422 -> 218 µs against memory operations
+   (``benchmarks/results/logs/graph-waits/``). ``graph_waits = "memop"`` keeps the memory operations.
 3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on the
    caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams touch
    (``a``, fp8's packed own shard, ``out``, ``gathered``) are used on them only before that join, so the caching
@@ -291,8 +293,8 @@ class P2PCommunicator(GroupFields):
     """Copy stream, events and symmetric workspace for one (process group, device)."""
 
     path = "p2p"
-    # How a graph (ours or a user's) waits on a flag: None, as the ranks' GPUs say (``_graph_waits``); "kernel" or
-    # "memop" on an instance to choose (a diagnostic's switch).
+    # How a graph (ours or a user's) waits on a flag: None, the wait kernel on a GPU (``_graph_waits``); "kernel" or
+    # "memop" on the class or an instance to choose (a diagnostic's switch).
     graph_waits: str | None = None
 
     def __init__(self, group: CommGroup) -> None:
@@ -393,12 +395,10 @@ class P2PCommunicator(GroupFields):
                                              address(scales.bias), address(own)))
 
     def _graph_waits(self) -> str:
-        """How a graph waits on a flag (module docstring): "kernel" where every rank has a GPU of its own, "memop"
-        where ranks share one (or ``graph_waits`` says so). A spinning wait kernel holds its context's share of a
-        time-sliced GPU while the peer it waits for needs that GPU; a stream memory operation yields it."""
+        """How a graph waits on a flag (module docstring): "kernel" on a GPU, unless ``graph_waits`` says "memop"."""
         if self.graph_waits is not None:
             return self.graph_waits
-        return "memop" if self.device.type != "cuda" or self.workspace.shared_device else "kernel"
+        return "kernel" if self.device.type == "cuda" else "memop"
 
     def _workspace_address(self) -> int:
         """Where the workspace lies (0 before the first call has allocated it: that call's signature is made again
