@@ -1,4 +1,5 @@
-"""A counter wait as a kernel: the form a call's per-group wait takes inside a CUDA graph.
+"""A counter wait as a kernel: the form a call's per-group wait (NCCL path) and per-flag wait (P2P path,
+``comm/tp/p2p.py``: a flag of 0 or 1, waited for 1) takes inside a CUDA graph.
 
 Eagerly a stream waits on a group's counter with a stream memory operation (``comm/stream_ops.wait_reset``), which
 occupies no SM. Captured into a graph, each such operation becomes a node that the driver prepares again on every
@@ -9,7 +10,8 @@ resets it to 0, as the memory operation does.
 
 It takes one warp of one SM while it spins. That never blocks its producer: the signalling GEMM waits on nothing,
 so its programs finish on the other SMs whatever this one holds (deadlock rule 2), and the collective behind the
-wait starts only once it returns, as behind the memory operation.
+wait starts only once it returns, as behind the memory operation. A P2P flag's producer is a peer's copy after the
+peer's own work, on another GPU or in another process's time slice of a shared one.
 """
 
 from __future__ import annotations
