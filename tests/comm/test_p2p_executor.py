@@ -217,6 +217,9 @@ def test_a_graph_waits_on_flags_with_the_wait_kernel(op, world, rank, monkeypatc
 
     monkeypatch.setattr(p2p.torch.cuda, "stream", on)
     monkeypatch.setattr(counters, "wait_reset", wait_kernel)
+    comm.graph_waits = "memop"  # a captured program of memory operations first: the kernel's must be another
+    _issued(comm, recorder, op, world, rank, True)
+    recorder.trace.clear()
     comm.graph_waits = "kernel"
     want = _issued(comm, recorder, op, world, rank, True)
     kernel_waits, i = [], 0
@@ -233,6 +236,9 @@ def test_a_graph_waits_on_flags_with_the_wait_kernel(op, world, rank, monkeypatc
             i += 1
     assert any(step[1] == "wait kernel" for step in kernel_waits)
     assert recorder.trace == kernel_waits
+    recorder.trace.clear()  # an eager call waits with memory operations whatever the setting
+    eager = _issued(comm, recorder, op, world, rank, False)
+    assert recorder.trace == eager
 
 
 def test_graphs_wait_with_the_kernel_on_a_gpu_unless_told(monkeypatch):

@@ -36,8 +36,11 @@ def _inputs(case, device):
     name, mode, fp8, x_dtype, rows, k, packed = case
     gen = torch.Generator().manual_seed(len(name) * 31 + rows)
     x = torch.randn(rows, k, generator=gen) * 3
-    x[0, :7] = torch.tensor([0.0, -0.0, 1e-6, -3e-7, 2.0**-12, 124.5 / 448, -124.5 / 448])  # zeros, subnormals, carries
-    x[0, 7] = 1.0  # the row's largest magnitude (scale 1/448): the carries are exact quotients
+    # Row 0: largest magnitude 1.0 (scale 1 / fp8 max), so that its special values' quotients are known: zeros, an
+    # e4m3 subnormal (1.2e-5 * 448 = 0.0054, below 2^-6), and carries into the next binade (0.28125 * 448 = 126 ->
+    # 128 in e4m3; 0.28125 * 57344 = 16128 -> 16384 in e5m2); all exact in every input dtype but the tiny ones.
+    x[0] = x[0].clamp(-0.9, 0.9)
+    x[0, :8] = torch.tensor([0.0, -0.0, 1.2e-5, -3e-7, 2.0**-12, 0.28125, -0.28125, 1.0])
     x[-1, 130:140] = -0.0
     if rows > 2:
         x[1] = 0.0  # a row of zeros: the scale's floor

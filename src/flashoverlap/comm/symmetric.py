@@ -6,8 +6,8 @@ every op call is collective with the same shapes), grown by powers of two and th
 CUDA-graph capture. Every rank's buffer is mapped into every other rank's address space: ``peer_ptr(r)`` is the
 device address of rank r's data region as seen from this device, so a copy engine can pull from it. Each buffer
 starts with ``FLAG_SLOTS`` int32 flags (zeroed at allocation, before a barrier) that peers may set with stream
-memory operations (``flag_ptr``), then the data region. ``barrier`` is a cross-rank barrier on the workspace's
-signal pad, ordered on the current stream.
+memory operations or 4-byte copies (``flag_ptr``), then the data region. ``barrier`` is a cross-rank barrier on
+the workspace's signal pad, ordered on the current stream.
 
 Ranks that share one GPU (W processes on one device: how W = 4 and 8 run before eight GPUs), or a group whose backend
 is not NCCL: PyTorch's symmetric memory refuses them, and CUDA IPC does not. There the buffers come from the caching

@@ -28,6 +28,8 @@ from flashoverlap.kernels.launch import Launcher
 # a capture can fail or hang there; Triton would otherwise compile apart the value 1 and multiples of 16).
 @triton.jit(do_not_specialize=["index", "value"])
 def wait_reset_kernel(counters_ptr, index, value):
+    # GPU scope: the counter lies in this GPU's memory. A P2P flag is set by a peer's copy engine; the work this
+    # wait releases is a copy or a kernel queued after it, which starts only once this kernel has ended.
     # The acquire load pairs with the producer's release-ordered increments: once the counter reads ``value``, every
     # tile of the group is visible, to this program and to the work after it on its stream.
     seen = tl.atomic_add(counters_ptr + index, 0, sem="acquire", scope="gpu")

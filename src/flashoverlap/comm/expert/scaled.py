@@ -74,7 +74,8 @@ def quantise(x: torch.Tensor, mode: str, dtype: torch.dtype = torch.float8_e4m3f
     Both are views of one wire buffer (``pack``'s layout: the fp8 row then its scales, a row stride of
     ``wire_width(K, mode)`` bytes), so that ``pack`` of the pair is that buffer, no copy; ``.contiguous()`` where a
     consumer wants dense tensors (traced by ``torch.compile``: dense tensors, the same values). One kernel on a GPU
-    (``kernels/quantise.py``), five torch kernels elsewhere (the largest magnitudes, the scale's two steps, the
+    (``kernels/quantise.py``; torch's where Triton is missing or ``x``'s columns are strided), five torch kernels
+    elsewhere (the largest magnitudes, the scale's two steps, the
     quotient, the cast into place), the same bytes: ``x / scale`` never exceeds the fp8 maximum by more than a
     rounding of the scale (far under half a step of fp8 at its top), which the round to nearest takes to the
     maximum: no clamp is needed (a NaN row stays NaN, its sign aside)."""

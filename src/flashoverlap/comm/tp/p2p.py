@@ -9,43 +9,41 @@ why it cannot deadlock; this module only issues it. One call:
 1. Before anything is queued: the symmetric workspace is large enough (growing it is collective and refused
    inside a CUDA-graph capture) and the region layout is fixed by its size; on a plan's first call its cuBLAS
    kernels are run once, eagerly (deadlock rule 3: none is loaded behind a stream wait).
-2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` /
-   ``addmm_``), ``Copy`` on the copy streams ``X`` and ``L`` (``cuMemcpyDtoDAsync``), ``Wait``
-   (a wait for 1 and a reset to 0, one ``cuStreamBatchMemOp``), ``Signal`` (a 1 into a peer's flag header), and
-   events between the streams. Host time is the cost here (an op call must not cost much more than matmul plus a
+2. Event 0 is recorded on the caller's stream ``C``; the schedule runs: ``Mm`` on ``C`` (``torch.mm`` / ``addmm_``),
+   ``Copy`` on the copy streams ``X`` and ``L`` (``cuMemcpyDtoDAsync``), ``Wait`` (a wait for 1 and a reset to 0, one
+   ``cuStreamBatchMemOp``; in a graph, the wait kernel), ``Signal`` (a 1 into a peer's flag header), and events
+   between the streams. Host time is the cost here (an op call must not cost much more than matmul plus a
    collective): the schedule is resolved once per plan (``_program``: addresses, offsets, views) and the driver is
    called through ``ctypes`` (``stream_ops.fast``), events and stream handles included (driver events, not
    ``torch.cuda.Event``); a call that repeats with the same tensors replays a CUDA graph of steps 2 and 3 instead
-   (``comm/replay.py``). The resolved program is batched where the driver allows (``_batched``, outside debug
-   mode): flag waits and signals that follow one another on a stream are one ``cuStreamBatchMemOp``, a copy
-   stream's signal joins that stream's next ones, the all-reduce's final pulls of a sub-band from the W - 1 peers
-   are one batch of waits and one ``cuMemcpyBatchAsync`` (CUDA >= 12.8; copy by copy where the driver lacks it,
-   and inside a capture), and a copy stream whose last work ``C`` already waits for is not joined again. At
-   W = 8 an eager call takes 52 / 40 / 37 driver calls (AR / RS / AG) instead of 94 / 53 / 57
-   (``benchmarks/results/cpu-host-python-w8.json``): host time grows with W by a driver call per peer, not several.
-   A signal issued eagerly is a ``cuStreamWriteValue32``. Captured into a graph (ours or a user's), it is a 4-byte
-   ``cuMemcpyDtoDAsync`` of a word that holds 1: on a copy stream (``X``, ``L``) in place, behind that stream's own
-   copy; on ``C``, on a branch of its own (stream ``S``, forked from ``C`` by an event, joined back in step 3),
-   so that ``C``'s next matmul never waits for a copy engine. Measured on one H200
-   (``benchmarks/diagnostics/replay_host.py``, ``host_trace.py``): in a graph a stream memory operation is a node
-   that costs the host microseconds at every launch (a copy node, and an event's edge, nothing) and the GPU a few
-   between two matmuls; issued eagerly, the copy is the dearer driver call. ``S`` holds nothing but these copies,
-   each after a matmul of ``C``'s that has already been queued, so it never waits on a peer. The order the peer
-   relies on holds for the copy without a fence: what a signal announces precedes it (on its stream, or on ``C``
-   before the fork) and has ended before the copy starts, and it lies in this GPU's own memory, where the peer
-   reads it, or is a pull from the peer that is complete; no fence is needed because no step of the schedule
-   writes into a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Eagerly a
-   wait is a stream memory operation (a wait for 1 and a reset to 0). In a graph it is the wait kernel
-   (``kernels/counters.py``: one warp spins on the flag, then resets it): a graph's
-   memory-operation nodes are prepared again at every launch, and at W = 8 a captured program holds up to 57 of
-   them (all-reduce, 16384x8192x4096), where a synthetic graph of 48 took 1.3 ms to launch
-   (``benchmarks/results/logs/graph-launch-465680a749.json``) and kernel nodes cost almost nothing. The flag's
-   producer is a peer's copy after the peer's own work, so the spinning warp never holds SMs it needs (deadlock
-   rule 2): on another GPU it holds none of that GPU's, and where ranks share one GPU the peer's process runs in its
-   own time slice (or, under MPS, beside the warp); it can only slow this rank's own matmuls, by one warp. Measured
-   on one H200 with ranks sharing it: W = 2 mechanics right, every repeated call replayed; at W = 8, 16384x8192x4096,
-   a replayed all-reduce's host time 378 -> 206 µs and all-gather's 422 -> 218 µs against memory operations
-   (``benchmarks/results/logs/graph-waits/``). ``graph_waits = "memop"`` keeps the memory operations.
+   (``comm/replay.py``). The resolved program is batched where the driver allows (``_batched``, outside debug mode):
+   flag waits and signals that follow one another on a stream are one ``cuStreamBatchMemOp``, a copy stream's signal
+   joins that stream's next ones, the all-reduce's final pulls of a sub-band from the W - 1 peers are one batch of
+   waits and one ``cuMemcpyBatchAsync`` (CUDA >= 12.8; copy by copy where the driver lacks it, and inside a capture),
+   and a copy stream whose last work ``C`` already waits for is not joined again. At W = 8 an eager call takes 52 /
+   40 / 37 driver calls (AR / RS / AG) instead of 94 / 53 / 57 (``benchmarks/results/cpu-host-python-w8.json``): host
+   time grows with W by a driver call per peer, not several. A signal issued eagerly is a ``cuStreamWriteValue32``.
+   Captured into a graph (ours or a user's), it is a 4-byte ``cuMemcpyDtoDAsync`` of a word that holds 1: on a copy
+   stream (``X``, ``L``) in place, behind that stream's own copy; on ``C``, on a branch of its own (stream ``S``,
+   forked from ``C`` by an event, joined back in step 3), so that ``C``'s next matmul never waits for a copy engine.
+   Measured on one H200 (``benchmarks/diagnostics/replay_host.py``, ``host_trace.py``): in a graph a stream memory
+   operation is a node that costs the host microseconds at every launch (a copy node, and an event's edge, nothing)
+   and the GPU a few between two matmuls; issued eagerly, the copy is the dearer driver call. ``S`` holds nothing but
+   these copies, each after a matmul of ``C``'s that has already been queued, so it never waits on a peer. The order
+   the peer relies on holds for the copy without a fence: what a signal announces precedes it (on its stream, or on
+   ``C`` before the fork) and has ended before the copy starts, and it lies in this GPU's own memory, where the peer
+   reads it, or is a pull from the peer that is complete; no fence is needed because no step of the schedule writes
+   into a peer's memory but the signals themselves (``tests/comm/test_ring_protocol.py``). Eagerly a wait is a stream
+   memory operation (a wait for 1 and a reset to 0). In a graph it is the wait kernel (``kernels/counters.py``: one
+   warp spins on the flag, then resets it): a graph's memory-operation nodes are prepared again at every launch, and
+   at W = 8 a captured program holds up to 57 of them (all-reduce, 16384x8192x4096), where a synthetic graph of 48
+   took 1.3 ms to launch (``benchmarks/results/logs/graph-launch-465680a749.json``) and kernel nodes cost almost
+   nothing. The flag's producer is a peer's copy after the peer's own work, so the spinning warp never holds SMs it
+   needs (deadlock rule 2): on another GPU it holds none of that GPU's, and where ranks share one GPU the peer's
+   process runs in its own time slice (or, under MPS, beside the warp); it can only slow this rank's own matmuls, by
+   one warp. Measured on one H200 with ranks sharing it: W = 2 mechanics right, every repeated call replayed; at W =
+   8, 16384x8192x4096, a replayed all-reduce's host time 378 -> 206 µs and all-gather's 422 -> 218 µs against memory
+   operations (``benchmarks/results/logs/graph-waits/``). ``graph_waits = "memop"`` keeps the memory operations.
 3. ``C`` waits for the other streams (an event recorded on each, waited for on ``C``): the result is complete on the
    caller's stream, as after ``matmul`` and a collective. No ``record_stream``: the tensors the copy streams touch
    (``a``, fp8's packed own shard, ``out``, ``gathered``) are used on them only before that join, so the caching
@@ -605,7 +603,8 @@ class P2PCommunicator(GroupFields):
             elif isinstance(item, steps.Copy):
                 program.append((_COPY, stream_index[item.stream], *place(item.dst), *place(item.src),
                                 item.rows * row_bytes))
-            elif isinstance(item, steps.Wait) and kernel_waits:  # a rank waits on its own flags only
+            elif isinstance(item, steps.Wait) and kernel_waits:
+                assert item.flag.rank == self.rank, "a rank waits on its own flags only (workspace.flags)"
                 program.append((_KERNEL_WAIT, stream_index[item.stream], item.flag.row))
             elif isinstance(item, steps.Wait):
                 program.append((_WAIT, stream_index[item.stream], self.workspace.flag_ptr(item.flag.rank,
@@ -642,7 +641,7 @@ class P2PCommunicator(GroupFields):
         band's scaled product as the call runs it (its scales' layout copies, the add of an accumulating step),
         all-gather's from packed rows."""
         guards.refuse_inside_capture(f"{op}: the first P2P call of a shape loads its cuBLAS kernels")
-        if self._graph_waits() == "kernel" and a.device.type == "cuda":  # a graph's flag waits (step 2, captured)
+        if a.device.type == "cuda":  # a graph's flag waits (step 2, captured), whatever ``graph_waits`` says later
             from flashoverlap.kernels.counters import load  # Triton: imported where a kernel runs
 
             load(self.device)

@@ -41,7 +41,10 @@ which waited only on that rank's ``C`` at (s - 1, j); a ``free`` wait is on pull
 all-reduce's final pulls are on the peers' last step. On every rank the list is issued in that order, and each
 stream runs its part in list order, so the earliest unfinished position can always proceed, also when one
 hardware queue serves all streams (``CUDA_DEVICE_MAX_CONNECTIONS=1``: the list order is the queue order).
-Copies and stream memory operations need no SM, and cuBLAS waits on nothing but its own stream.
+Copies and stream memory operations need no SM, and cuBLAS waits on nothing but its own stream. Inside a CUDA graph a
+``Wait`` is a one-warp spinning kernel instead (``comm/tp/p2p.py``): it holds no SM its producer needs, since the
+producer is a peer's copy after the peer's own work (on another GPU, or in another process's time slice of a
+shared one), and it blocks its stream exactly as the memory operation does.
 
 fp8 calls add no step: the same list runs with rows of another width (the all-gather's packed rows, fp8 bytes and
 their scales moved together, a shard's scales in the same ``Copy`` as its rows; the reductions' rows of the output
