@@ -5,7 +5,6 @@ computes wrong marked so and never taken as best, and a row's fields."""
 
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
@@ -13,7 +12,7 @@ if __name__ == "__main__":  # the child: interpret the kernels (before anything 
 
 import pytest  # noqa: E402
 
-from tests.interpreter import needs_interpreter  # noqa: E402
+from tests.interpreter import interpreted_json, needs_interpreter  # noqa: E402
 
 TILES = ("current", "64x128-s4-w4", "128x256-s3-tiles")
 
@@ -58,10 +57,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def rows():
-    proc = subprocess.run([sys.executable, "-m", "tests.benchmarks.test_fp8_grouped_tiles"], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_json("tests.benchmarks.test_fp8_grouped_tiles")
 
 
 @needs_interpreter

@@ -7,7 +7,6 @@ stay NaN."""
 
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
@@ -16,7 +15,7 @@ if __name__ == "__main__":  # the child: interpret the kernels (before anything 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.interpreter import needs_interpreter  # noqa: E402
+from tests.interpreter import interpreted_json, needs_interpreter  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 # (name, mode, experts, K, N, segment (start, end) or ends only, segment experts, w transposed, packed rows, out dtype)
@@ -83,10 +82,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def interpreted():
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_grouped_fp8"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_json("tests.kernels.test_grouped_fp8")
 
 
 @needs_interpreter

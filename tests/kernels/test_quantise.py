@@ -10,7 +10,6 @@ GPU only (the interpreter's fp32-to-fp8 cast does not keep NaN)."""
 
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # the child: interpret the kernel (before anything imports triton)
@@ -19,7 +18,7 @@ if __name__ == "__main__":  # the child: interpret the kernel (before anything i
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.interpreter import needs_interpreter  # noqa: E402
+from tests.interpreter import interpreted_json, needs_interpreter  # noqa: E402
 
 # (name, mode, fp8 dtype, input dtype, rows, K, packed)
 CASES = [
@@ -86,10 +85,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def interpreted():
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_quantise"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_json("tests.kernels.test_quantise")
 
 
 @needs_interpreter
