@@ -161,14 +161,9 @@ def peer_mapping(group: dist.ProcessGroup, device: torch.device) -> str:
     return mapping_of(everyone)
 
 
-def shares_a_gpu(everyone: list[tuple[str, str, str]]) -> bool:
-    """Whether two of ``everyone``'s ``(host, GPU UUID, backend)`` name the same GPU."""
-    return len({(host, uuid) for host, uuid, _ in everyone}) < len(everyone)
-
-
 def mapping_of(everyone: list[tuple[str, str, str]]) -> str:
     """``peer_mapping``'s decision from every rank's ``(host, GPU UUID, backend)`` (pure: testable without GPUs)."""
-    shared = shares_a_gpu(everyone)
+    shared = len({(host, uuid) for host, uuid, _ in everyone}) < len(everyone)
     return "ipc" if shared or any(backend != "nccl" for _, _, backend in everyone) else "symmetric"
 
 
