@@ -55,6 +55,7 @@ POLICY_GROUPED_TEST = "tests/tune/test_grouped.py"
 EXPERT_NCCL = "src/flashoverlap/comm/expert/nccl.py"
 CHUNKED = "src/flashoverlap/comm/expert/chunked_gemm.py"
 EXPERT_P2P = "src/flashoverlap/comm/expert/p2p.py"
+EXPERT_P2P_TEST = "tests/comm/test_expert_p2p_executor.py"
 HYBRID_TEST = "tests/moe/test_hybrid.py"
 
 TESTING = "src/flashoverlap/testing.py"
@@ -136,9 +137,27 @@ MUTATIONS = [
      "prepares each again: 1.3 ms for 48)", P2P,
      '        kernel_waits = captured and self._graph_waits() == "kernel"\n',
      "        kernel_waits = False\n", P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),
-    ("p2p-graph-waits-default-memops", "P2P path: a graph on a GPU waits with stream memory operations by default",
-     P2P, '        return "kernel" if self.device.type == "cuda" else "memop"', '        return "memop"',
-     P2P_TEST + "::test_graphs_wait_with_the_kernel_on_a_gpu_unless_told"),
+    ("p2p-graph-waits-default-memops", "P2P paths: a graph on a GPU waits with stream memory operations by default",
+     "src/flashoverlap/comm/stream_ops.py", '    return "kernel" if device.type == "cuda" else "memop"',
+     '    return "memop"', P2P_TEST + "::test_graphs_wait_with_the_kernel_on_a_gpu_unless_told"),
+    ("expert-p2p-graph-waits-stay-memops", "P2P expert path: a graph's flag waits stay stream memory operations",
+     EXPERT_P2P, '_row_bytes(call), captured and self._graph_waits() == "kernel")', "_row_bytes(call), False)",
+     EXPERT_P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),
+    ("expert-p2p-wait-kind-not-in-the-program-key", "P2P expert path: the resolved program's cache key leaves out "
+     "how a graph waits", EXPERT_P2P, "key = (op, chunks.send, chunks.recv, gathered, row_bytes, kernel_waits)",
+     "key = (op, chunks.send, chunks.recv, gathered, row_bytes)",
+     EXPERT_P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),
+    ("expert-p2p-graph-wait-kernel-wrong-flag", "P2P expert path: a graph's wait kernel spins on the next flag slot",
+     EXPERT_P2P, "program.append((_KERNEL_WAIT, _STREAMS[item.stream], item.flag.row))",
+     "program.append((_KERNEL_WAIT, _STREAMS[item.stream], item.flag.row + 1))",
+     EXPERT_P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),
+    ("expert-p2p-replay-captured-as-eager", "P2P expert path: a replayed call's capture issued as an eager call "
+     "(memory-operation waits in the graph)", EXPERT_P2P, "self.issue(call, a, chunks, outputs, captured=True)",
+     "self.issue(call, a, chunks, outputs)",
+     EXPERT_P2P_TEST + "::test_calls_are_issued_as_captured_inside_our_graph_and_the_users_only"),
+    ("expert-p2p-users-capture-as-eager", "P2P expert path: a call inside the user's capture issued as an eager call",
+     EXPERT_P2P, "captured=guards.capturing(a))", "captured=False)",
+     EXPERT_P2P_TEST + "::test_calls_are_issued_as_captured_inside_our_graph_and_the_users_only"),
     ("p2p-wait-kind-not-in-the-program-key", "P2P path: the resolved program's cache key leaves out how a graph "
      "waits (a program of memory operations reused where the wait kernel was asked for)", P2P,
      "gathered_own, captured, batch, kernel_waits)  # a new workspace empties it",

@@ -190,11 +190,9 @@ CASES = [  # (world, rank, mode, send, recv, bound)
 ]
 
 
-@pytest.mark.parametrize("op", ["dispatch", "combine"])
-@pytest.mark.parametrize("world,rank,mode,send,recv,bound", CASES)
-def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, recv, bound, monkeypatch):
-    recorder = Recorder()
-    comm = _communicator(rank, world, recorder, monkeypatch)
+def _issued(comm, recorder, op, world, rank, mode, send, recv, bound, monkeypatch, captured=False):
+    """One call of ``op`` issued (``captured``: as into a graph) on the recording driver; returns the trace the
+    schedule says it must leave, with memory-operation waits."""
     layout = _layout(world, rank, mode, send, recv, bound)
     tokens = layout.tokens
     plan = ExpertPlan(op, world, LOCAL * world, HIDDEN, 2 * FFN if op == "dispatch" else FFN, TOP_K, tokens, mode,
@@ -226,13 +224,82 @@ def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, r
     chunks = chunked_gemm.Chunks.of(plan, layout)
     outputs = comm._outputs(call, a)
     assert (outputs[0] is given) == (op == "combine")
-    comm.issue(call, a, chunks, outputs)
+    comm.issue(call, a, chunks, outputs, captured=captured)
     if op == "dispatch":
         tensors = {"send": send_tensor, "h": outputs[0], "recv": outputs[1]}
     else:
         assert outputs[1] is None  # not returned: the issued work's own
         tensors = {"a": a, "y": y, "back": _rows(recorder, outputs)}
-    assert recorder.trace == _expected(comm, call, chunks, tensors, HIDDEN * 2)
+    return _expected(comm, call, chunks, tensors, HIDDEN * 2)
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+@pytest.mark.parametrize("world,rank,mode,send,recv,bound", CASES)
+def test_the_executor_issues_exactly_the_schedule(op, world, rank, mode, send, recv, bound, monkeypatch):
+    recorder = Recorder()
+    comm = _communicator(rank, world, recorder, monkeypatch)
+    assert recorder.trace == _issued(comm, recorder, op, world, rank, mode, send, recv, bound, monkeypatch)
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+@pytest.mark.parametrize("world,rank,mode,send,recv,bound", [CASES[1], CASES[2], CASES[5]])
+def test_a_graph_waits_on_flags_with_the_wait_kernel(op, world, rank, mode, send, recv, bound, monkeypatch):
+    """Captured with kernel waits (the default on a GPU): every flag wait of the schedule is the wait kernel on the
+    wait's stream, for the flag's slot in this rank's flags, at the wait's place; the rest of the captured trace is
+    unchanged (signals stay stream writes). An eager call waits with memory operations whatever the setting."""
+    import contextlib
+
+    from flashoverlap.kernels import counters
+
+    recorder = Recorder()
+    comm = _communicator(rank, world, recorder, monkeypatch)
+    comm.workspace.flags = torch.zeros(FLAG_STRIDE // 4, dtype=torch.int32)
+    current = [0]
+
+    @contextlib.contextmanager
+    def on(stream):  # torch.cuda.stream: the wait kernel is launched on the current stream
+        before, current[0] = current[0], stream.cuda_stream
+        yield
+        current[0] = before
+
+    def wait_kernel(flags, index, value):
+        assert flags is comm.workspace.flags
+        recorder.trace.append((current[0], "wait kernel", index, value))
+
+    monkeypatch.setattr(ep.torch.cuda, "stream", on)
+    monkeypatch.setattr(counters, "wait_reset", wait_kernel)
+    case = (op, world, rank, mode, send, recv, bound, monkeypatch)
+    comm.graph_waits = "memop"  # a captured program of memory operations first: the kernel's must be another
+    assert recorder.trace == _issued(comm, recorder, *case, captured=True)
+    recorder.trace.clear()
+    comm.graph_waits = "kernel"
+    want = _issued(comm, recorder, *case, captured=True)
+    kernel_waits, i = [], 0
+    while i < len(want):  # each (wait, reset) pair of stream memory operations: one wait kernel launch
+        step = want[i]
+        if step[1:2] == ("wait",):
+            assert want[i + 1] == (step[0], "write", step[2], 0)
+            slot, rest = divmod(step[2] - comm.workspace.flag_ptr(rank, 0), 4)  # a wait reads this rank's flags
+            assert rest == 0 and 0 <= slot < FLAG_STRIDE // 4
+            kernel_waits.append((step[0], "wait kernel", slot, 1))
+            i += 2
+        else:
+            kernel_waits.append(step)
+            i += 1
+    assert {step[0] for step in kernel_waits if step[1:2] == ("wait kernel",)} == {0, 1}  # C's waits and X's
+    assert recorder.trace == kernel_waits
+    recorder.trace.clear()
+    assert recorder.trace == [] and _issued(comm, recorder, *case) == recorder.trace  # eager: memory operations
+
+
+def test_graphs_wait_with_the_kernel_on_a_gpu_unless_told(monkeypatch):
+    comm = _communicator(0, 2, Recorder(), monkeypatch)
+    comm.device = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    assert comm._graph_waits() == "kernel"
+    comm.graph_waits = "memop"
+    assert comm._graph_waits() == "memop"
+    comm.graph_waits, comm.device = None, torch.device("cpu")
+    assert comm._graph_waits() == "memop"
 
 
 def test_the_workspace_holds_the_largest_chunk_of_any_pair_with_no_collective(monkeypatch):
@@ -307,6 +374,21 @@ def test_a_repeated_bounded_call_replays_a_graph_of_exactly_the_eager_schedule(m
     recorder.trace.clear()
     comm.run(call)
     assert recorder.trace == [("replay",)]
+
+
+def test_calls_are_issued_as_captured_inside_our_graph_and_the_users_only(monkeypatch):
+    recorder, comm, call = _replaying(monkeypatch, "bounded")
+    issued = []
+    real = comm.issue
+    monkeypatch.setattr(comm, "issue", lambda *args, captured=False, **kwargs: (issued.append(captured),
+                                                                                 real(*args, captured=captured,
+                                                                                      **kwargs)))
+    comm.run(call)  # eager, then captured into our graph, then replayed (no issue)
+    comm.run(call)
+    comm.run(call)
+    monkeypatch.setattr(ep.guards, "capturing", lambda operand=None: True)  # inside the user's capture
+    comm.run(dataclasses.replace(call, replay=False))
+    assert issued == [False, True, True]
 
 
 def test_exact_mode_calls_are_never_replayed(monkeypatch):

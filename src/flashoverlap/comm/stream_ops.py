@@ -54,6 +54,16 @@ def wait_reset(stream: torch.cuda.Stream, address: int, value: int) -> None:
     fast().wait_reset(stream.cuda_stream, address, value)
 
 
+def graph_waits(forced: str | None, device: torch.device) -> str:
+    """How a flag wait captured into a CUDA graph is issued, the one rule of both P2P executors: ``forced``
+    ("kernel" or "memop") where given, else the wait kernel on a GPU (``kernels/counters.py``: each memory operation
+    captured into a graph is a node the driver prepares again at every launch) and memory operations elsewhere (the
+    CPU tests' recording drivers). Eager calls always wait with memory operations."""
+    if forced is not None:
+        return forced
+    return "kernel" if device.type == "cuda" else "memop"
+
+
 def join(waiter: int, source: int, event: int) -> None:
     """Work queued on stream ``waiter`` from now on waits for the work queued so far on stream ``source`` (raw
     handles), through the driver event ``event`` (``new_event``): ``Stream.wait_stream`` makes a torch event and goes

@@ -1,6 +1,7 @@
 """The P2P expert communicator (path ``"p2p"``, one NVLink node): dispatch and combine (``contract.py``) with
 copy-engine pushes into the peers' symmetric memory, a flag per (source, destination) pair set by a stream write
-after each push, and the receiver's grouped GEMM per arrived chunk. No SM moves a byte; no kernel waits on a flag.
+after each push, and the receiver's grouped GEMM per arrived chunk. No SM moves a byte; an eager call's flag waits are
+stream memory operations, a captured call's the wait kernel (below).
 
 The schedule (``schedule``) is data, pure Python: for one rank and one call, the ordered operations of its two
 streams, ``C`` (the caller's: the GEMMs, and the copies out of this rank's own symmetric slots) and ``X`` (the copy
@@ -42,6 +43,16 @@ unfinished (call, phase) over all ranks can always proceed: also with one hardwa
 need no SM; the GEMMs wait on nothing but their own stream. A kernel first launched behind a flag wait (deadlock
 rule 3) is loaded eagerly on a plan's first call; and every producer is issued before any wait on it, so even a
 kernel that loads late cannot wait on something the host has yet to issue.
+
+In a CUDA graph (a replayed bounded call, or a call captured into the user's graph) each flag wait is the wait
+kernel (``kernels/counters.py``: one warp spins on this rank's flag, then resets it), as in the tensor-parallel
+P2P path: a memory operation captured into a graph is a node the driver prepares again at every launch, and a call
+holds 4(W - 1) of them as waits and resets (28 at W = 8). The flag's producer is a peer's copy-engine push or a
+peer's stream write after a copy, which need no SM of this GPU (on a GPU the ranks share, the peer's process runs in
+its own time slice), so the spinning warp never holds what its producer needs (deadlock rule 2); the kernel is
+loaded with the GEMMs on a plan's first call (rule 3). Signals stay stream writes in a graph: a ``full`` signal
+announces a push into the peer's memory, and the stream write's default memory barrier orders that push before
+the flag. ``graph_waits = "memop"`` keeps memory operations (``stream_ops.graph_waits``).
 
 The hybrid GEMM (exact mode, ``chunked_gemm.light_multiplier``): the schedule's GEMMs cover the heavy experts only.
 Dispatch copies the own chunk among the received rows (the schedule's ``gathered`` copy) and, after ``X`` joins
@@ -91,7 +102,7 @@ MAX_RANKS = P2P_MAX_RANKS
 FREE_BASE = MAX_RANKS  # flag slots: full[s] at s (0 .. W-1), free[d] at FREE_BASE + d
 # A resolved schedule step's first field (``ExpertP2PCommunicator._program``); the call's buffers by index (3: an
 # absolute address, a peer's slot or a flag), per op.
-_GEMM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _GATHER, _HOOK, _FINISH = range(9)
+_GEMM, _COPY, _WAIT, _SIGNAL, _RECORD, _WAIT_EVENT, _GATHER, _HOOK, _FINISH, _KERNEL_WAIT = range(10)
 _SPACES = {"dispatch": {"send": 0, "recv": 1, "h": 2}, "combine": {"a": 0, "y": 1, "back": 2}}
 _STREAMS = {"C": 0, "X": 1}
 
@@ -188,6 +199,9 @@ class ExpertP2PCommunicator(GroupFields):
     """A copy stream, events and a symmetric workspace of ``W`` slots for one (process group, device)."""
 
     path = "p2p"
+    # How a graph (ours or a user's) waits on a flag: None, the wait kernel on a GPU (``stream_ops.graph_waits``);
+    # "kernel" or "memop" forces one (a diagnostic's switch, as ``P2PCommunicator.graph_waits``).
+    graph_waits: str | None = None
 
     def __init__(self, group: CommGroup) -> None:
         super().__init__(group)
@@ -223,9 +237,9 @@ class ExpertP2PCommunicator(GroupFields):
         outputs = self._outputs(call, a)
         if call.replay and plan.mode == "bounded" and (call.hook is None or held_signature(call.hook) is not None):
             signature = self._signature(call, a, outputs)
-            if self.graphs.run(signature, lambda: self.issue(call, a, chunks, outputs)):
+            if self.graphs.run(signature, lambda: self.issue(call, a, chunks, outputs, captured=True)):
                 return self._result(call, outputs)
-        self.issue(call, a, chunks, outputs, call.timeout)
+        self.issue(call, a, chunks, outputs, call.timeout, captured=guards.capturing(a))
         return self._result(call, outputs)
 
     def release(self) -> None:
@@ -302,6 +316,10 @@ class ExpertP2PCommunicator(GroupFields):
         """Run each GEMM of the schedule once, eagerly, on scratch rows: the call queues them behind flag waits, where
         a kernel that is not loaded yet must not be launched first (deadlock rule 3)."""
         guards.refuse_inside_capture(f"{call.name}: the first P2P call of a shape loads its GEMM kernels")
+        if self.device.type == "cuda":  # a graph's flag waits, whatever ``graph_waits`` says later
+            from flashoverlap.kernels.counters import load  # Triton: imported where a kernel runs
+
+            load(self.device)
         quantised = call.scales is not None and call.scales.a is None
         call = wired(call, call.a)[0]  # fp8 from bf16 rows: the wire rows and scales, laid out as the call's
         plan, b, scales = call.plan, call.b, call.scales
@@ -356,9 +374,11 @@ class ExpertP2PCommunicator(GroupFields):
 
     # -- the call's GPU work ----------------------------------------------------------------------------------
     def issue(self, call: ExpertCall, a: torch.Tensor, chunks: Chunks,
-              outputs: tuple[torch.Tensor, torch.Tensor | None], timeout: float | None = None) -> None:
+              outputs: tuple[torch.Tensor, torch.Tensor | None], timeout: float | None = None,
+              captured: bool = False) -> None:
         """The schedule of one call (after ``prepare``), on the caller's stream and the copy stream; ``outputs`` (see
-        ``_outputs``) hold the result on the caller's stream afterwards. The schedule comes resolved (``_program``),
+        ``_outputs``) hold the result on the caller's stream afterwards; ``captured``: the work is being captured into
+        a CUDA graph (its flag waits are the wait kernel, ``_graph_waits``). The schedule comes resolved (``_program``),
         and the driver is called through ``ctypes`` with raw stream and event handles (``stream_ops.fast``), as the
         tensor-parallel P2P executor does."""
         call, a = wired(call, a, self._new)  # fp8 from bf16 rows: quantised, into the call's own wire rows
@@ -372,7 +392,7 @@ class ExpertP2PCommunicator(GroupFields):
             self._load_light(call, light)
         program, ops = self._program(plan.op, chunks,
                                      (call.return_gathered or light is not None) and plan.op == "dispatch",
-                                     _row_bytes(call))
+                                     _row_bytes(call), captured and self._graph_waits() == "kernel")
         driver = stream_ops.fast()
         handles = (driver.current_stream(self._index), self.copy_stream.cuda_stream)
         if plan.op == "dispatch":
@@ -411,6 +431,11 @@ class ExpertP2PCommunicator(GroupFields):
                 wait_reset(handles[step[1]], step[2])
                 if timeout is not None:  # debug mode: an event to poll, through torch
                     waited.append((self._stream(step[1]).record_event(), item))
+            elif code == _KERNEL_WAIT:  # in a graph only
+                from flashoverlap.kernels.counters import wait_reset as wait_kernel  # Triton: where a kernel runs
+
+                with torch.cuda.stream(self._stream(step[1])):
+                    wait_kernel(self.workspace.flags, step[2], 1)
             elif code == _SIGNAL:
                 write(handles[step[1]], step[2], 1)
             elif code == _RECORD:
@@ -433,11 +458,13 @@ class ExpertP2PCommunicator(GroupFields):
         if timeout is not None:
             self._check_progress(call, waited, timeout)
 
-    def _program(self, op: str, chunks: Chunks, gathered: bool, row_bytes: int) -> tuple[list, tuple]:
+    def _program(self, op: str, chunks: Chunks, gathered: bool, row_bytes: int,
+                 kernel_waits: bool = False) -> tuple[list, tuple]:
         """The schedule of a call (``schedule``) with what does not change between calls resolved: each step as a
-        tuple of its code, streams, buffers by index (``_SPACES``; 3: absolute), byte offsets, flag addresses and
-        sizes; made once per (op, chunks, gathered, row bytes) and workspace, with the driver events it uses."""
-        key = (op, chunks.send, chunks.recv, gathered, row_bytes)
+        tuple of its code, streams, buffers by index (``_SPACES``; 3: absolute), byte offsets, flag addresses (or,
+        with ``kernel_waits``, a wait's slot in this rank's flags) and sizes; made once per (op, chunks, gathered,
+        row bytes, kernel waits) and workspace, with the driver events it uses."""
+        key = (op, chunks.send, chunks.recv, gathered, row_bytes, kernel_waits)
         cached = self._programs.get(key)
         if cached is not None:
             return cached
@@ -462,6 +489,9 @@ class ExpertP2PCommunicator(GroupFields):
             elif isinstance(item, Copy):
                 program.append((_COPY, _STREAMS[item.stream], *place(item.dst), *place(item.src),
                                 item.rows * row_bytes))
+            elif isinstance(item, Wait) and kernel_waits:
+                assert item.flag.rank == self.rank, "a rank waits on its own flags only (workspace.flags)"
+                program.append((_KERNEL_WAIT, _STREAMS[item.stream], item.flag.row))
             elif isinstance(item, (Wait, Signal)):
                 program.append((_WAIT if isinstance(item, Wait) else _SIGNAL, _STREAMS[item.stream],
                                 workspace.flag_ptr(item.flag.rank, item.flag.row)))
@@ -479,6 +509,10 @@ class ExpertP2PCommunicator(GroupFields):
             self._programs.clear()
         cached = self._programs[key] = (program, ops)
         return cached
+
+    def _graph_waits(self) -> str:
+        """How a graph waits on a flag (module docstring): "kernel" on a GPU, unless ``graph_waits`` says "memop"."""
+        return stream_ops.graph_waits(self.graph_waits, self.device)
 
     def _stream(self, index: int) -> torch.cuda.Stream:
         """The schedule's stream ``index`` (``C``, ``X``) as a torch object (debug mode's polled events)."""

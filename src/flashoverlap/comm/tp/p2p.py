@@ -394,9 +394,7 @@ class P2PCommunicator(GroupFields):
 
     def _graph_waits(self) -> str:
         """How a graph waits on a flag (module docstring): "kernel" on a GPU, unless ``graph_waits`` says "memop"."""
-        if self.graph_waits is not None:
-            return self.graph_waits
-        return "kernel" if self.device.type == "cuda" else "memop"
+        return stream_ops.graph_waits(self.graph_waits, self.device)
 
     def _workspace_address(self) -> int:
         """Where the workspace lies (0 before the first call has allocated it: that call's signature is made again
