@@ -464,6 +464,9 @@ def fp8_grouped(path: str) -> str:
     for row in data["rows"]:
         head = (f"| {row['config']} | {row.get('set', '-')} | {row['routing']} | {row.get('scaling', '-')} "
                 f"| {row.get('experts', '-')}, {row.get('rows', '-')}, {row.get('K', '-')}, {row.get('N', '-')}")
+        if row.get("skipped"):
+            lines.append(f"{head} | not run: {row['skipped']} | | | | | | |")
+            continue
         if row.get("t_ours_ms") is None and row.get("t_loop_ms") is None:
             lines.append(f"{head} | error: {str(row.get('error', '-'))[:70]} | | | | | | |")
             continue
