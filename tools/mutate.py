@@ -139,7 +139,7 @@ MUTATIONS = [
      "        kernel_waits = False\n", P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),
     ("p2p-graph-waits-default-memops", "P2P paths: a graph on a GPU waits with stream memory operations by default",
      "src/flashoverlap/comm/stream_ops.py", '    return "kernel" if device.type == "cuda" else "memop"',
-     '    return "memop"', P2P_TEST + "::test_graphs_wait_with_the_kernel_on_a_gpu_unless_told"),
+     '    return "memop"', "tests/comm/test_stream_ops.py::test_graphs_wait_with_the_kernel_on_a_gpu_unless_told"),
     ("expert-p2p-graph-waits-stay-memops", "P2P expert path: a graph's flag waits stay stream memory operations",
      EXPERT_P2P, '_row_bytes(call), captured and self._graph_waits() == "kernel")', "_row_bytes(call), False)",
      EXPERT_P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),

@@ -16,6 +16,7 @@ from flashoverlap.comm.tp import p2p
 from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import TileConfig
 from flashoverlap.tune.defaults import default_plan
+from tests.comm.graph_waits import as_kernel_waits, record_wait_kernels
 
 TILE = TileConfig(16, 16, 16, 2, 1, 4)
 PEER_BASE, FLAG_BASE, FLAG_STRIDE = 1 << 40, 1 << 36, 1 << 20
@@ -196,59 +197,21 @@ def test_a_graph_waits_on_flags_with_the_wait_kernel(op, world, rank, monkeypatc
     """Captured with kernel waits (the default on a GPU): every flag wait of the schedule is the wait kernel
     on the wait's stream, for the flag's slot in this rank's flags, at the wait's place; the rest of the captured
     trace is unchanged. No stream memory operation is captured."""
-    import contextlib
-
-    from flashoverlap.kernels import counters
-
     recorder = Recorder()
     comm = _communicator(rank, world, recorder, monkeypatch)
     comm.workspace.flags = torch.zeros(FLAG_STRIDE // 4, dtype=torch.int32)
-    current = [0]
-
-    @contextlib.contextmanager
-    def on(stream):  # torch.cuda.stream: the wait kernel is launched on the current stream
-        before, current[0] = current[0], stream.cuda_stream
-        yield
-        current[0] = before
-
-    def wait_kernel(flags, index, value):
-        assert flags is comm.workspace.flags
-        recorder.trace.append((current[0], "wait kernel", index, value))
-
-    monkeypatch.setattr(p2p.torch.cuda, "stream", on)
-    monkeypatch.setattr(counters, "wait_reset", wait_kernel)
+    record_wait_kernels(monkeypatch, recorder, comm.workspace.flags)
     comm.graph_waits = "memop"  # a captured program of memory operations first: the kernel's must be another
     _issued(comm, recorder, op, world, rank, True)
     recorder.trace.clear()
     comm.graph_waits = "kernel"
-    want = _issued(comm, recorder, op, world, rank, True)
-    kernel_waits, i = [], 0
-    while i < len(want):  # each (wait, reset) pair of stream memory operations: one wait kernel launch
-        step = want[i]
-        if step[1] == "wait":
-            assert want[i + 1] == (step[0], "write", step[2], 0)
-            slot, rest = divmod(step[2] - comm.workspace.flag_ptr(rank, 0), 4)  # a wait reads this rank's flags
-            assert rest == 0 and 0 <= slot < FLAG_STRIDE // 4
-            kernel_waits.append((step[0], "wait kernel", slot, 1))
-            i += 2
-        else:
-            kernel_waits.append(step)
-            i += 1
+    kernel_waits = as_kernel_waits(_issued(comm, recorder, op, world, rank, True), comm.workspace.flag_ptr(rank, 0),
+                                   FLAG_STRIDE // 4)
     assert any(step[1] == "wait kernel" for step in kernel_waits)
     assert recorder.trace == kernel_waits
     recorder.trace.clear()  # an eager call waits with memory operations whatever the setting
     eager = _issued(comm, recorder, op, world, rank, False)
     assert recorder.trace == eager
-
-
-def test_graphs_wait_with_the_kernel_on_a_gpu_unless_told(monkeypatch):
-    comm = _communicator(0, 2, Recorder(), monkeypatch)
-    comm.device = torch.device("cuda", 0)  # a device object only: nothing runs on it
-    assert comm._graph_waits() == "kernel"
-    comm.graph_waits = "memop"
-    assert comm._graph_waits() == "memop"
-    comm.graph_waits, comm.device = None, torch.device("cpu")
-    assert comm._graph_waits() == "memop"
 
 
 class FakeGraph:

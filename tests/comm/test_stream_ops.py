@@ -5,6 +5,7 @@ order (the order is the protocol: a reset before the wait would lose the signal)
 import struct
 
 import pytest
+import torch
 
 from flashoverlap.comm import stream_ops
 
@@ -39,3 +40,19 @@ def test_a_failed_batch_raises():
     driver._batch = lambda *args: 1
     with pytest.raises(RuntimeError, match="cuStreamBatchMemOp"):
         driver.wait_reset(1, 0x1000)
+
+
+@pytest.mark.parametrize("executor", ["tp", "expert"])
+def test_graphs_wait_with_the_kernel_on_a_gpu_unless_told(executor):
+    """Both P2P executors ask the one rule: the wait kernel in a graph on a GPU, memory operations elsewhere, either
+    where the executor's ``graph_waits`` forces it."""
+    from flashoverlap.comm.expert.p2p import ExpertP2PCommunicator
+    from flashoverlap.comm.tp.p2p import P2PCommunicator
+
+    comm = object.__new__({"tp": P2PCommunicator, "expert": ExpertP2PCommunicator}[executor])
+    comm.device = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    assert comm._graph_waits() == "kernel"
+    comm.graph_waits = "memop"
+    assert comm._graph_waits() == "memop"
+    comm.graph_waits, comm.device = None, torch.device("cpu")
+    assert comm._graph_waits() == "memop"
