@@ -554,16 +554,22 @@ def _target(ratio: float | None) -> str:
 def host_shared(path: str) -> str:
     """Host time per call with W ranks sharing one GPU, eager and replayed, beside ``torch.mm`` alone."""
     data = _load(path)
-    lines = ["| W | op | dtype | mode | host (µs) | `torch.mm` (µs) | paired ratio | target |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| W | op | dtype | mode | host (µs) | `torch.mm` (µs) | paired ratio | target | the call's matmuls "
+             "alone (µs) | eager / those |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in data["rows"]:
         if row.get("op") is None:
-            lines.append(f"| {row['W']} | {row.get('error', '-')} | | | | | | |")
+            lines.append(f"| {row['W']} | {row.get('error', '-')} | | | | | | | | |")
             continue
+        bands = "-" if row.get("bands_us") is None else f"{row['bands']} launches, {_us(row['bands_us'])}"
+        over = "-" if row.get("eager_over_bands") is None else f"{row['eager_over_bands']:.1f}x"
         lines.append(f"| {row['W']} | {OPS.get(row['op'], row['op'])} | {row['dtype']} | {row['mode']} | "
                      f"{_us(row['host_us'])} | {_us(row['torch_mm_us'])} | {row['paired_ratio']:.1f}x | "
-                     f"{_target(row['target_ratio'])} |")
-    return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
+                     f"{_target(row['target_ratio'])} | {bands} | {over} |")
+    legend = ("<sub>The call's matmuls alone: one `torch.mm` (fp8: `torch._scaled_mm`) per matmul step of the "
+              "plan's schedule, on that many rows, no library code: the floor of an eager call's host time where "
+              "each launch costs what a whole-GEMM `torch.mm` does (rows without it predate the column).</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
 def fp8_moe_host(path: str) -> str:

@@ -10,6 +10,10 @@ settings object is swapped before each call (``settings._current``: eager with r
 (``settings.refresh()``) would cost microseconds inside the timed call. A replayed call's share of actual replays is
 counted (``replay_share``: 1.0 when every timed replayed call ran from its graph).
 
+``bands``: the call's own matmul launches without the library, one ``torch.mm`` (fp8: ``torch._scaled_mm``) per
+matmul step of the plan's schedule on that many rows (``bands_us``, and ``eager_over_bands``, paired): the floor of
+an eager call's host time where each cuBLAS launch costs what a whole-GEMM ``torch.mm`` does.
+
 Targets (issue 42): replayed <= 1.5x ``torch.mm`` at W = 8; eager <= 3x at W = 2 and <= 4x at W = 8.
 """
 
@@ -35,6 +39,8 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
     from benchmarks.harness.timing import cycle_rounds, host_us_interleaved
     from benchmarks.shared.mechanics import forced_graph_waits, replays
     from flashoverlap import settings
+    from flashoverlap.comm import steps
+    from flashoverlap.comm.tp import ring_schedule as rs
 
     device = device_of(options.get("device", "cuda"))
     forced_graph_waits(options)
@@ -58,10 +64,15 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
             full16 = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
             w16 = (torch.randn(n, k, device=device, generator=gen) / k**0.5).to(torch.bfloat16).t()
             fns = {"torch.mm": lambda: torch.mm(full16, w16)}
+            bands = [item.rows for item in rs.schedule(plan, rank) if isinstance(item, steps.Mm)]
             if fp8:
                 full8, scale_full = tc.quantise(full16.float(), "row", "a")
                 fns["torch._scaled_mm"] = lambda: torch._scaled_mm(full8, ops.b, scale_full, ops.scale_b,
                                                                    out_dtype=torch.bfloat16)
+                fns["bands"] = lambda: [torch._scaled_mm(full8[:rows], ops.b, scale_full[:rows], ops.scale_b,
+                                                         out_dtype=torch.bfloat16) for rows in bands]
+            else:
+                fns["bands"] = lambda: [torch.mm(full16[:rows], w16) for rows in bands]
 
             def ours(mode):
                 def fn():
@@ -76,7 +87,8 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
             torch.cuda.synchronize()
             before = replays(dist.group.WORLD, device)
             start = time.perf_counter()
-            us = host_us_interleaved(fns, calls=rounds, pairs=(("eager", "torch.mm"), ("replayed", "torch.mm")))
+            us = host_us_interleaved(fns, calls=rounds, pairs=(("eager", "torch.mm"), ("replayed", "torch.mm"),
+                                                               ("eager", "bands")))
             cycle = cycle_rounds(len(fns))
             timed_rounds = -(-rounds // cycle) * cycle  # host_us_interleaved's whole cycles
             share = (replays(dist.group.WORLD, device) - before) / timed_rounds
@@ -91,6 +103,8 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
                             "paired_ratio": round(ratio, 2), "target_ratio": target,
                             "meets_target": None if target is None else ratio <= target,
                             "replay_share": round(share, 2) if mode == "replayed" else None,
+                            "bands": len(bands), "bands_us": round(us["bands"], 1),
+                            "eager_over_bands": round(us["eager / bands"], 2) if mode == "eager" else None,
                             "rounds": timed_rounds, "seconds": round(time.perf_counter() - start, 1)})
             if rank == 0:
                 print(f"host W={world} {op}: " + ", ".join(f"{name} {value:.1f} us" for name, value in us.items()
