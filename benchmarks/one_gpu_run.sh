@@ -10,7 +10,7 @@
 # into benchmarks/results by hand): fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
 # shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42), fp8tiles (the fp8 grouped GEMM's tile
 # sweep, issue 44's block-wise target). Each step's timeout is its budget: a device call runs 600 s at most, so split
-# them, e.g. STEPS="tests fp8moe" (440 s), then "hostbound" (300 s), "fp8tiles" (420 s), "shared" (350 s).
+# them, e.g. STEPS="tests fp8moe" (440 s), then "hostbound" (300 s), "fp8tiles" (420 s), "tests shared" (565 s).
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -65,10 +65,14 @@ if has hostbound; then  # the host-bound loops at Llama-70B TP = 8 shapes, bf16 
     timeout ${HOSTBOUND_TIMEOUT:-300} python3 -m benchmarks.host_bound "$OUT/host-bound-llama-$commit.json" --shapes=llama \
         > "$OUT/host-bound-$commit.log" 2>&1; echo "hostbound: exit $?"; tail -3 "$OUT/host-bound-$commit.log"
 fi
-if has shared; then  # ranks sharing the GPU: the moe-fp8 mechanics (W = 2, 4, 8), then host time per call (issue 42)
-    timeout ${SHARED_TIMEOUT:-150} python3 -m benchmarks.shared_ranks --step mechanics --worlds 2,4,8 --families moe-fp8 \
-        --out "$OUT/mech" > "$OUT/shared-mech-$commit.log" 2>&1; echo "shared mechanics: exit $?"
-    timeout ${SHARED_HOST_TIMEOUT:-200} python3 -m benchmarks.shared_ranks --step host --worlds 8,4,2 --budget 170 \
+if has shared; then  # ranks sharing the GPU (issue 42), W = 2, 4, 8: the expert families' mechanics and the tensor-parallel
+    # smoke (every repeated call replayed: both P2P paths' graphs wait with the wait kernel), then host time per call
+    timeout ${SHARED_TIMEOUT:-110} python3 -m benchmarks.shared_ranks --step mechanics --worlds 2,4,8 \
+        --families moe,moe-fp8,models --budget 105 --out "$OUT/mech" > "$OUT/shared-mech-$commit.log" 2>&1
+    echo "shared mechanics: exit $?"; tail -3 "$OUT/shared-mech-$commit.log"
+    timeout 55 python3 -m benchmarks.shared_ranks --step mechanics --worlds 2,4,8 --families tp --quick --budget 50 \
+        --out "$OUT/mech-tp" > "$OUT/shared-mech-tp-$commit.log" 2>&1; echo "shared tp smoke: exit $?"
+    timeout ${SHARED_HOST_TIMEOUT:-150} python3 -m benchmarks.shared_ranks --step host --worlds 8,4,2 --budget 145 \
         --out "$OUT/shared" > "$OUT/shared-host-$commit.log" 2>&1; echo "shared host: exit $?"
 fi
 if has fp8tiles; then  # the fp8 grouped GEMM's tiles, block- and row-wise, beside bf16 _grouped_mm (issue 44)

@@ -557,12 +557,14 @@ def right_rows(path) -> dict[tuple[int, str], list[dict]]:
 
 
 def forced_graph_waits(options: dict) -> None:
-    """``options["graph_waits"]`` ("kernel" or "memop"): how this process's P2P graphs wait on a flag, whatever the
-    GPUs (``P2PCommunicator.graph_waits``; the library's own: the kernel on a GPU), for a diagnostic run."""
+    """``options["graph_waits"]`` ("kernel" or "memop"): how this process's P2P graphs, tensor-parallel and expert,
+    wait on a flag, whatever the GPUs (``P2PCommunicator.graph_waits``, ``ExpertP2PCommunicator.graph_waits``; the
+    library's own: the kernel on a GPU), for a diagnostic run."""
     if options.get("graph_waits"):
+        from flashoverlap.comm.expert.p2p import ExpertP2PCommunicator
         from flashoverlap.comm.tp.p2p import P2PCommunicator
 
-        P2PCommunicator.graph_waits = options["graph_waits"]
+        P2PCommunicator.graph_waits = ExpertP2PCommunicator.graph_waits = options["graph_waits"]
 
 
 def spawned(rank: int, world: int, options: dict, paths: list[str]):
