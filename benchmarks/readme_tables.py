@@ -566,9 +566,10 @@ def host_shared(path: str) -> str:
         lines.append(f"| {row['W']} | {OPS.get(row['op'], row['op'])} | {row['dtype']} | {row['mode']} | "
                      f"{_us(row['host_us'])} | {_us(row['torch_mm_us'])} | {row['paired_ratio']:.1f}x | "
                      f"{_target(row['target_ratio'])} | {bands} | {over} |")
-    legend = ("<sub>The call's matmuls alone: one `torch.mm` (fp8: `torch._scaled_mm`) per matmul step of the "
-              "plan's schedule, on that many rows, no library code: the floor of an eager call's host time where "
-              "each launch costs what a whole-GEMM `torch.mm` does (rows without it predate the column).</sub>")
+    legend = ("<sub>The call's matmuls alone: per matmul step of the plan's schedule, the launches the P2P executor "
+              "makes for it (`torch.mm` with `out=` or `addmm_`; fp8: `torch._scaled_mm`, plus an add where the step "
+              "accumulates) on that many rows, no library code: about the floor of an eager call's host time (rows "
+              "without it predate the column).</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 

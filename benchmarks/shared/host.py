@@ -10,9 +10,10 @@ settings object is swapped before each call (``settings._current``: eager with r
 (``settings.refresh()``) would cost microseconds inside the timed call. A replayed call's share of actual replays is
 counted (``replay_share``: 1.0 when every timed replayed call ran from its graph).
 
-``bands``: the call's own matmul launches without the library, one ``torch.mm`` (fp8: ``torch._scaled_mm``) per
-matmul step of the plan's schedule on that many rows (``bands_us``, and ``eager_over_bands``, paired): the floor of
-an eager call's host time where each cuBLAS launch costs what a whole-GEMM ``torch.mm`` does.
+``bands``: the call's own matmul launches without the library, as the P2P executor issues them: per matmul step of
+the plan's schedule, ``torch.mm(..., out=)`` or ``addmm_`` on that many rows (fp8: ``torch._scaled_mm(..., out=)``,
+an accumulating step's product added in a second kernel), the operands' row blocks and outputs made once
+(``bands_us``, and ``eager_over_bands``, paired): about the floor of an eager call's host time.
 
 Targets (issue 42): replayed <= 1.5x ``torch.mm`` at W = 8; eager <= 3x at W = 2 and <= 4x at W = 8.
 """
@@ -64,15 +65,31 @@ def rank_main(rank: int, world: int, options: dict) -> list[dict]:
             full16 = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
             w16 = (torch.randn(n, k, device=device, generator=gen) / k**0.5).to(torch.bfloat16).t()
             fns = {"torch.mm": lambda: torch.mm(full16, w16)}
-            bands = [item.rows for item in rs.schedule(plan, rank) if isinstance(item, steps.Mm)]
+            bands = [(item.rows, item.accumulate) for item in rs.schedule(plan, rank) if isinstance(item, steps.Mm)]
+            outs = [torch.zeros(rows, n, dtype=torch.bfloat16, device=device) for rows, _ in bands]
             if fp8:
                 full8, scale_full = tc.quantise(full16.float(), "row", "a")
                 fns["torch._scaled_mm"] = lambda: torch._scaled_mm(full8, ops.b, scale_full, ops.scale_b,
                                                                    out_dtype=torch.bfloat16)
-                fns["bands"] = lambda: [torch._scaled_mm(full8[:rows], ops.b, scale_full[:rows], ops.scale_b,
-                                                         out_dtype=torch.bfloat16) for rows in bands]
+                parts = [(full8[:rows], scale_full[:rows], out, accumulate)
+                         for (rows, accumulate), out in zip(bands, outs)]
+
+                def band_launches():
+                    for src, scale, out, accumulate in parts:
+                        if accumulate:
+                            out.add_(torch._scaled_mm(src, ops.b, scale, ops.scale_b, out_dtype=torch.bfloat16))
+                        else:
+                            torch._scaled_mm(src, ops.b, scale, ops.scale_b, out_dtype=torch.bfloat16, out=out)
             else:
-                fns["bands"] = lambda: [torch.mm(full16[:rows], w16) for rows in bands]
+                parts = [(full16[:rows], out, accumulate) for (rows, accumulate), out in zip(bands, outs)]
+
+                def band_launches():
+                    for src, out, accumulate in parts:
+                        if accumulate:
+                            out.addmm_(src, w16)
+                        else:
+                            torch.mm(src, w16, out=out)
+            fns["bands"] = band_launches
 
             def ours(mode):
                 def fn():

@@ -1,6 +1,7 @@
 """What both P2P executors' graph-wait tests share (``tests/comm/test_p2p_executor.py``,
-``test_expert_p2p_executor.py``): the wait kernel recorded where a capture launches it, and the trace a captured
-call must leave when each flag wait (a wait and a reset, as stream memory operations) is that kernel instead."""
+``test_expert_p2p_executor.py``): the wait kernel recorded where a capture launches it, the trace a captured call
+must leave when each flag wait (a wait and a reset, as stream memory operations) is that kernel instead, and the
+kernel's load on a plan's first call (deadlock rule 3)."""
 
 import contextlib
 
@@ -45,3 +46,22 @@ def as_kernel_waits(trace: list, flags_at: int, slots: int) -> list:
             out.append(step)
             i += 1
     return out
+
+
+def first_load(monkeypatch, load_kernels) -> tuple:
+    """Run ``load_kernels()`` (a plan's first-call kernel loading) until it loads the wait kernel, first: returns
+    the arguments ``kernels.counters.load`` was given, and fails if anything else ran into a GPU before it."""
+    from flashoverlap.kernels import counters
+
+    class Loaded(Exception):
+        pass
+
+    def load(device):
+        raise Loaded(device)
+
+    monkeypatch.setattr(counters, "load", load)
+    try:
+        load_kernels()
+    except Loaded as loaded:
+        return loaded.args
+    raise AssertionError("the plan's first call never loaded the wait kernel")

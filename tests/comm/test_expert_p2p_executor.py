@@ -18,7 +18,7 @@ from flashoverlap.comm.expert import ExpertCall, ExpertPlan, HybridCut, Layout, 
 from flashoverlap.comm.expert import p2p as ep
 from flashoverlap.comm.expert.chunked_gemm import relative_ends
 from flashoverlap.comm.replay import CallGraphs
-from tests.comm.graph_waits import as_kernel_waits, record_wait_kernels
+from tests.comm.graph_waits import as_kernel_waits, first_load, record_wait_kernels
 
 PEER_BASE, FLAG_BASE, FLAG_STRIDE = 1 << 40, 1 << 36, 1 << 20
 LOCAL, HIDDEN, FFN, TOP_K = 2, 24, 16, 2
@@ -352,6 +352,16 @@ def test_calls_are_issued_as_captured_inside_our_graph_and_the_users_only(monkey
     monkeypatch.setattr(ep.guards, "capturing", lambda operand=None: True)  # inside the user's capture
     comm.run(dataclasses.replace(call, replay=False))
     assert issued == [False, True, True]
+
+
+def test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else(monkeypatch):
+    """Deadlock rule 3: a graph of the plan (ours or the user's) launches the wait kernel behind a flag wait, so the
+    plan's first (eager, uncaptured) call loads it, first, on a GPU whatever ``graph_waits`` says."""
+    _, comm, call = _replaying(monkeypatch, "bounded")
+    comm.device, comm.graph_waits = torch.device("cuda", 0), "memop"  # a device object only: nothing runs on it
+
+    chunks = chunked_gemm.Chunks.of(call.plan, call.layout)
+    assert first_load(monkeypatch, lambda: comm._load_kernels(call, chunks)) == (comm.device,)
 
 
 def test_exact_mode_calls_are_never_replayed(monkeypatch):

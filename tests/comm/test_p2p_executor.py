@@ -16,7 +16,7 @@ from flashoverlap.comm.tp import p2p
 from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import TileConfig
 from flashoverlap.tune.defaults import default_plan
-from tests.comm.graph_waits import as_kernel_waits, record_wait_kernels
+from tests.comm.graph_waits import as_kernel_waits, first_load, record_wait_kernels
 
 TILE = TileConfig(16, 16, 16, 2, 1, 4)
 PEER_BASE, FLAG_BASE, FLAG_STRIDE = 1 << 40, 1 << 36, 1 << 20
@@ -242,6 +242,15 @@ def _replaying(monkeypatch, op="reduce_scatter"):
     # On this communicator alone: a stand-in for torch.empty itself would outlive the test if an undo failed.
     monkeypatch.setattr(comm, "_new", lambda shape, dtype: blocks[tuple(shape)])
     return recorder, comm, plan, a, b, blocks
+
+
+def test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else(monkeypatch):
+    """Deadlock rule 3: a graph of the plan (ours or the user's) launches the wait kernel behind a flag wait, so the
+    plan's first (eager, uncaptured) call loads it, first, on a GPU whatever ``graph_waits`` says."""
+    _, comm, plan, a, b, _ = _replaying(monkeypatch)
+    comm.device, comm.graph_waits = torch.device("cuda", 0), "memop"  # a device object only: nothing runs on it
+
+    assert first_load(monkeypatch, lambda: p2p.P2PCommunicator._load_kernels(comm, plan, a, b, "op")) == (comm.device,)
 
 
 def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypatch):

@@ -1,5 +1,5 @@
-"""A counter wait as a kernel: the form a call's per-group wait (NCCL path) and per-flag wait (P2P path,
-``comm/tp/p2p.py``: a flag of 0 or 1, waited for 1) takes inside a CUDA graph.
+"""A counter wait as a kernel: the form a call's per-group wait (NCCL path) and per-flag wait (both P2P paths,
+``comm/tp/p2p.py`` and ``comm/expert/p2p.py``: a flag of 0 or 1, waited for 1) takes inside a CUDA graph.
 
 Eagerly a stream waits on a group's counter with a stream memory operation (``comm/stream_ops.wait_reset``), which
 occupies no SM. Captured into a graph, each such operation becomes a node that the driver prepares again on every
@@ -10,8 +10,8 @@ resets it to 0, as the memory operation does.
 
 It takes one warp of one SM while it spins. That never blocks its producer: the signalling GEMM waits on nothing,
 so its programs finish on the other SMs whatever this one holds (deadlock rule 2), and the collective behind the
-wait starts only once it returns, as behind the memory operation. A P2P flag's producer is a peer's copy after the
-peer's own work, on another GPU or in another process's time slice of a shared one.
+wait starts only once it returns, as behind the memory operation. A P2P flag's producer is a peer's copy or stream
+write after the peer's own work, on another GPU or in another process's time slice of a shared one.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from flashoverlap.kernels.launch import Launcher
 # a capture can fail or hang there; Triton would otherwise compile apart the value 1 and multiples of 16).
 @triton.jit(do_not_specialize=["index", "value"])
 def wait_reset_kernel(counters_ptr, index, value):
-    # GPU scope: the counter lies in this GPU's memory. A P2P flag is set by a peer's copy engine; the work this
-    # wait releases is a copy or a kernel queued after it, which starts only once this kernel has ended.
+    # GPU scope: the counter lies in this GPU's memory. A P2P flag is set by a peer's copy engine (tensor-parallel
+    # graphs) or stream write (eager calls, the expert path); the work this wait releases is a copy or a kernel
+    # queued after it, which starts only once this kernel has ended.
     # The acquire load pairs with the producer's release-ordered increments: once the counter reads ``value``, every
     # tile of the group is visible, to this program and to the work after it on its stream.
     seen = tl.atomic_add(counters_ptr + index, 0, sem="acquire", scope="gpu")

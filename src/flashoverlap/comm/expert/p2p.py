@@ -47,12 +47,16 @@ kernel that loads late cannot wait on something the host has yet to issue.
 In a CUDA graph (a replayed bounded call, or a call captured into the user's graph) each flag wait is the wait
 kernel (``kernels/counters.py``: one warp spins on this rank's flag, then resets it), as in the tensor-parallel
 P2P path: a memory operation captured into a graph is a node the driver prepares again at every launch, and a call
-holds 4(W - 1) of them as waits and resets (28 at W = 8). The flag's producer is a peer's copy-engine push or a
-peer's stream write after a copy, which need no SM of this GPU (on a GPU the ranks share, the peer's process runs in
-its own time slice), so the spinning warp never holds what its producer needs (deadlock rule 2); the kernel is
-loaded with the GEMMs on a plan's first call (rule 3). Signals stay stream writes in a graph: a ``full`` signal
-announces a push into the peer's memory, and the stream write's default memory barrier orders that push before
-the flag. ``graph_waits = "memop"`` keeps memory operations (``stream_ops.graph_waits``).
+holds 4(W - 1) of them (28 at W = 8), 2(W - 1) waits (each with its reset, one node) and 2(W - 1) signals; the
+kernel takes the waits' half. Every flag is set by a peer's stream write after the peer's own copy, which needs no
+SM of this GPU (on a GPU the ranks share, the peer's process runs in its own time slice), so the spinning warp never
+holds what its producer needs (deadlock rule 2); the kernel is loaded on a plan's first call (rule 3). What a wait
+releases (a copy out of the slot on ``C``, a push on ``X``) starts only once the kernel has ended, after the flag's
+write, which the write's default memory barrier orders after the peer's push. Signals stay stream writes in a graph:
+a ``full`` signal announces a push into the peer's memory, which that barrier orders before the flag (a ``free``
+signal announces only that this rank's own slot was read, and a 4-byte copy, as the tensor-parallel path's graphs
+signal, would serve it: not done, unmeasured). ``graph_waits = "memop"`` keeps memory operations
+(``stream_ops.graph_waits``).
 
 The hybrid GEMM (exact mode, ``chunked_gemm.light_multiplier``): the schedule's GEMMs cover the heavy experts only.
 Dispatch copies the own chunk among the received rows (the schedule's ``gathered`` copy) and, after ``X`` joins

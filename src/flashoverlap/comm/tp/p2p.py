@@ -639,7 +639,7 @@ class P2PCommunicator(GroupFields):
         band's scaled product as the call runs it (its scales' layout copies, the add of an accumulating step),
         all-gather's from packed rows."""
         guards.refuse_inside_capture(f"{op}: the first P2P call of a shape loads its cuBLAS kernels")
-        if a.device.type == "cuda":  # a graph's flag waits (step 2, captured), whatever ``graph_waits`` says later
+        if self.device.type == "cuda":  # a graph's flag waits (step 2, captured), whatever ``graph_waits`` says later
             from flashoverlap.kernels.counters import load  # Triton: imported where a kernel runs
 
             load(self.device)
