@@ -12,9 +12,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-smoke bench host tests}
+KNOWN_STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like reliability faults ring-nvlink ring-pcie-like block-profile moe-nvlink moe-pcie-like hf-nvlink hf-pcie-like"
+source "$(dirname "$0")/steps.sh"  # has, and STEPS checked: an unknown step is an error
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')x$NGPU
-has() { [[ " $STEPS " == *" $1 "* ]]; }
 bench() {  # setting, tag, extra args, timeout
     local env=""; [[ $1 == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
     local cmd="$env torchrun --nproc-per-node $NGPU -m benchmarks.ops ${3}"

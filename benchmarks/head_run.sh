@@ -23,10 +23,11 @@ export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 [[ $SETTING == pcie-like ]] && export NCCL_P2P_DISABLE=1
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-fp8-moe moe host bench tests block hf fp8 reliability faults}
+KNOWN_STEPS="fp8-moe moe host bench tests block hf fp8 reliability faults"
+source "$(dirname "$0")/steps.sh"  # has, and STEPS checked: an unknown step is an error
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [[ $NGPU -lt 2 ]]; then echo "head_run: needs 2 or more GPUs, this machine has $NGPU" >&2; exit 2; fi
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')x$NGPU
-has() { [[ " $STEPS " == *" $1 "* ]]; }
 paths="auto nccl p2p"; [[ $SETTING == pcie-like ]] && paths="auto nccl"  # NCCL through host memory: P2P does not apply
 run() {  # name, timeout, command...: logged, timed out, its exit printed
     local name=$1 limit=$2; shift 2

@@ -17,8 +17,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-tests spawn p2p moe sequential fp8}
+KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound shared fp8tiles"
+source "$(dirname "$0")/steps.sh"  # has, and STEPS checked: an unknown step is an error
 commit=${FLASHOVERLAP_COMMIT:-unknown}
-has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests and the one-GPU tests (the two-GPU ones skip)
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:randomly tests/kernels tests/gpu > "$OUT/gpu-tests-$commit.log" 2>&1
     echo "tests: exit $?"; tail -3 "$OUT/gpu-tests-$commit.log"

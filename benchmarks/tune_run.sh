@@ -16,13 +16,14 @@ export FLASHOVERLAP_CACHE_DIR=$OUT/logs/cache
 SETTING=${SETTING:-nvlink}; OPS=${OPS-all_reduce,reduce_scatter,all_gather}
 [[ $SETTING == pcie-like ]] && PATHS=${PATHS:-nccl} || PATHS=${PATHS:-nccl p2p}
 STEPS=${STEPS:-bw validate bench auto tests}; AUTO_SHAPES=${AUTO_SHAPES-}; TESTS=${TESTS-}
+KNOWN_STEPS="bw validate bench auto tests"
+source "$(dirname "$0")/steps.sh"  # has, and STEPS checked: an unknown step is an error
 [[ $SETTING == pcie-like ]] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
 prefix=""; [[ $SETTING == pcie-like ]] && prefix="NCCL_P2P_DISABLE=1 "
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
 t="torchrun --nproc-per-node $NGPU -m flashoverlap"
 v="torchrun --nproc-per-node $NGPU -m benchmarks.model_check"  # the model check (the harness's)
-has() { [[ " $STEPS " == *" $1 "* ]]; }
 DEADLINE=${DEADLINE:-570}  # seconds: later steps are cut short or skipped to end within the device call's limit
 run() {  # run <timeout> <log> <command...>: the command, its exit status and the last lines that matter
     local limit=$1 log=$2; shift 2

@@ -157,6 +157,8 @@ MUTATIONS = [
     ("expert-p2p-wait-kernel-not-loaded", "P2P expert path: a plan's first call does not load the wait kernel its "
      "graphs launch behind flag waits (deadlock rule 3)", EXPERT_P2P, "            load(self.device)\n",
      "            pass\n", EXPERT_P2P_TEST + "::test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else"),
+    ("device-script-steps-unchecked", "device scripts: a misspelt STEPS name runs nothing and exits 0",
+     "benchmarks/steps.sh", "}\ncheck_steps\n", "}\n", "tests/test_device_scripts.py"),
     ("expert-p2p-replay-captured-as-eager", "P2P expert path: a replayed call's capture issued as an eager call "
      "(memory-operation waits in the graph)", EXPERT_P2P, "self.issue(call, a, chunks, outputs, captured=True)",
      "self.issue(call, a, chunks, outputs)",

@@ -1,0 +1,44 @@
+"""The device scripts (``benchmarks/*_run.sh``: a device call's steps, picked with ``STEPS``): a step name that is
+not one of the script's is an error naming it, before anything runs (a misspelt step would otherwise run nothing and
+exit 0, as a new user found of other documented commands), and every step the script tests for, and every default
+step, is one of its ``KNOWN_STEPS`` (``benchmarks/steps.sh``)."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {"device_run.sh": [], "head_run.sh": ["nvlink"], "one_gpu_run.sh": [], "tune_run.sh": []}
+SETTINGS = ("nvlink", "pcie-like")  # what a ``has name-$setting`` step expands to
+
+
+def _run(script: str, args: list[str], steps: str, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STEPS": steps, "OUT": str(out), "SETTING": "nvlink"}
+    return subprocess.run(["bash", f"benchmarks/{script}", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_misspelt_or_empty_step_list_is_an_error_before_anything_runs(script, tmp_path):
+    for steps, said in (("tests tsets", "unknown step 'tsets'"), (" ", "STEPS names no step")):
+        out = tmp_path / steps.strip().replace(" ", "-")
+        result = _run(script, SCRIPTS[script], steps, out)
+        assert result.returncode == 2, (script, result.stdout, result.stderr)
+        assert said in result.stderr and "steps: " in result.stderr
+        assert not any(out.rglob("*.*")), f"{script} wrote {list(out.rglob('*.*'))} before refusing its steps"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_step_tested_for_and_every_default_step_is_known(script):
+    text = (ROOT / "benchmarks" / script).read_text()
+    known = set(re.search(r'^KNOWN_STEPS="([^"]*)"', text, re.M).group(1).split())
+    used = set()
+    for name, setting in re.findall(r"\bhas ([a-z0-9][a-z0-9-]*)(\$\w+)?", text):
+        used |= {name + value for value in SETTINGS} if setting else {name}
+    defaults = set(re.search(r"^STEPS=\$\{STEPS:?-([^}]*)\}", text, re.M).group(1).split())
+    assert used == known, f"{script}: tested for but not known {sorted(used - known)}, known but never tested for " \
+                          f"{sorted(known - used)}"
+    assert defaults <= known, f"{script}: default steps not known {sorted(defaults - known)}"
