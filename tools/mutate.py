@@ -159,6 +159,9 @@ MUTATIONS = [
      "            pass\n", EXPERT_P2P_TEST + "::test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else"),
     ("device-script-steps-unchecked", "device scripts: a misspelt STEPS name runs nothing and exits 0",
      "benchmarks/steps.sh", "}\ncheck_steps\n", "}\n", "tests/test_device_scripts.py"),
+    ("fp8-grouped-only-unchecked", "fp8 grouped benchmarks: a misspelt --only config name runs nothing and exits 0",
+     "benchmarks/diagnostics/fp8_grouped.py", "    if unknown or not names:\n", "    if False:\n",
+     "tests/benchmarks/test_options.py"),
     ("expert-p2p-replay-captured-as-eager", "P2P expert path: a replayed call's capture issued as an eager call "
      "(memory-operation waits in the graph)", EXPERT_P2P, "self.issue(call, a, chunks, outputs, captured=True)",
      "self.issue(call, a, chunks, outputs)",

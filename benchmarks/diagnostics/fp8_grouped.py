@@ -143,7 +143,7 @@ def sample(name, local, k, n, rows, routing, scaling, iters, seed=0):
             row[f"err_{way}"] = err
             row[f"t_{way}_ms"] = timed(fn, iters)
             results[way] = (row[f"t_{way}_ms"], err <= 5e-2)
-        except Exception as exc:  # noqa: BLE001: the row records it, the run goes on
+        except Exception as exc:  # noqa: BLE001 -- the row records it, the run goes on
             row[f"t_{way}_ms"] = None
             row[f"error_{way}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             traceback.print_exc()
@@ -167,11 +167,24 @@ def sample(name, local, k, n, rows, routing, scaling, iters, seed=0):
     return row
 
 
+def config_names(text: str) -> list[str]:
+    """``--only``'s value: names of ``CONFIGS``, comma-separated; an unknown one is a usage error (a misspelt name
+    would otherwise run nothing and exit 0)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known = [row[0] for row in CONFIGS]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown) or '(none named)'}; the configs: "
+                                         + ", ".join(known))
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--only", default=None, help="comma-separated config names")
+    parser.add_argument("--only", type=config_names, default=None,
+                        help="comma-separated config names: " + ", ".join(row[0] for row in CONFIGS))
     args = parser.parse_args()
     require_cuda("benchmarks.diagnostics.fp8_grouped")
     path = Path(args.out) / "h200x1-fp8-grouped.json"
@@ -188,7 +201,7 @@ def main() -> None:
     rows = []
     started = time.monotonic()
     for name, local, k, n, count, which in CONFIGS:
-        if args.only and name not in args.only.split(","):
+        if args.only and name not in args.only:
             continue
         for scaling in ("row", "block"):
             for routing in ("balanced", "zipf"):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.diagnostics.fp8_grouped import CHUNKS, CONFIGS, FP8, timed
+from benchmarks.diagnostics.fp8_grouped import CHUNKS, CONFIGS, FP8, config_names, timed
 from benchmarks.diagnostics.grouped_gemm_ways import rows_per_expert
 from benchmarks.diagnostics.results_file import require_cuda, results_meta
 from flashoverlap.comm.expert.scaled import ExpertScales, scaled_multiply
@@ -157,7 +157,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results/h200x1-fp8-grouped-tiles.json")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--only", default=None, help="comma-separated config names (fp8_grouped.CONFIGS)")
+    parser.add_argument("--only", type=config_names, default=None,
+                        help="comma-separated config names (fp8_grouped.CONFIGS)")
     parser.add_argument("--scalings", default="block,row")
     args = parser.parse_args()
     require_cuda("benchmarks.diagnostics.fp8_grouped_tiles")
@@ -167,7 +168,7 @@ def main() -> None:
                         chunks=CHUNKS, tiles={name: spec and list(spec) for name, spec in TILES.items()})
     rows, started = [], time.monotonic()
     for name, local, k, n, count, _ in CONFIGS:
-        if args.only and name not in args.only.split(","):
+        if args.only and name not in args.only:
             continue
         for scaling in args.scalings.split(","):
             try:

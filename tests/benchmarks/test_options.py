@@ -71,3 +71,14 @@ def test_host_bound_cases_keep_the_ops_asked_for():
     kept = host_bound.cases(False, "grid", ("reduce_scatter", "all_gather"))
     assert {op for _, op, *_ in everything} == set(host_bound.OPS)
     assert kept == [case for case in everything if case[1] != "all_reduce"] and kept
+
+
+@pytest.mark.parametrize("module", ["benchmarks.diagnostics.fp8_grouped", "benchmarks.diagnostics.fp8_grouped_tiles"])
+def test_a_misspelt_config_name_is_a_usage_error_before_the_gpu_is_asked_for(capsys, monkeypatch, module):
+    """``--only`` with a name that is not a config ran nothing and exited 0; now the usage error names it and lists
+    the configs."""
+    monkeypatch.setattr(sys, "argv", [module, "--only", "mixtral-8x22b-up,mixtral-8x22-up"])
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(module).main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "unknown config mixtral-8x22-up;" in err and "gpt-oss-120b-up" in err, err
