@@ -613,9 +613,21 @@ def run(name: str, what: str, path: str, old: str, new: str, tests: str) -> dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", default=None, help="mutation names to run (default: all)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mutations.json"))
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="mutation names to run (default: all); a subset needs --out (the committed results "
+                             "file holds the whole list's run)")
+    parser.add_argument("--out", default=None, help="the results file (default, for the whole list: "
+                                                    "benchmarks/results/mutations.json)")
     args = parser.parse_args()
+    if args.only is not None:
+        known = {m[0] for m in MUTATIONS}
+        unknown = [name for name in args.only if name not in known]
+        if unknown or not args.only:
+            parser.error(f"--only: unknown mutation(s) {unknown}" if unknown else "--only names no mutation")
+        if args.out is None:
+            parser.error("--only runs a subset: give --out (the committed benchmarks/results/mutations.json holds "
+                         "the whole list's run)")
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "mutations.json")
     chosen = [m for m in MUTATIONS if args.only is None or m[0] in args.only]
     rows = []
     for mutation in chosen:
@@ -626,7 +638,8 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
-    meta = {"commit": commit + ("-dirty" if dirty else ""), "command": "python tools/mutate.py",
+    command = "python tools/mutate.py" + ("" if args.only is None else " --only " + " ".join(args.only))
+    meta = {"commit": commit + ("-dirty" if dirty else ""), "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     missed = [r["name"] for r in rows if not r["caught"]]
