@@ -43,15 +43,37 @@ def operator_counts(fn) -> tuple[int, int, list[str]]:
     return len(names), sum(1 for n in names if n not in NO_KERNEL), names
 
 
+def at_least_one(text: str) -> int:
+    """A count of 1 or more (``--repeat``, ``--windows``, ``--calls``): 0 measured nothing, and the label's rows in
+    the results file were replaced by none."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of 1 or more, got {text!r}")
+    return int(text)
+
+
+def names_of(known: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """A parser of comma-separated names, each one of ``known``, at least one: a misspelt one measured nothing for
+    it, and the label's rows were replaced by fewer."""
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{'unknown ' + ', '.join(unknown) if unknown else 'none named'}; "
+                                             f"choose from {', '.join(known)}")
+        return names
+    return parse
+
+
 def labelled_parser(doc: str) -> argparse.ArgumentParser:
     """The command line of a labelled CPU run: ``--label`` (required), ``--out``, ``--repeat``, ``--windows``,
     ``--calls`` and ``--verbose`` (print each call's operators); a script adds its own."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
     parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
-    parser.add_argument("--repeat", type=int, default=2, help="measure every row this many times, keep the least")
-    parser.add_argument("--windows", type=int, default=20)
-    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--repeat", type=at_least_one, default=2,
+                        help="measure every row this many times, keep the least")
+    parser.add_argument("--windows", type=at_least_one, default=20)
+    parser.add_argument("--calls", type=at_least_one, default=20)
     parser.add_argument("--verbose", action="store_true", help="print each call's operators")
     return parser
 

@@ -46,7 +46,7 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(SOURCE))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import checkout_commit, per_call_us, write_run  # noqa: E402
+from cpu_runs import checkout_commit, names_of, per_call_us, write_run  # noqa: E402
 
 import flashoverlap as fo  # noqa: E402
 from tests.comm import test_p2p_executor as fakes  # noqa: E402
@@ -224,14 +224,15 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
     parser.add_argument("--worlds", default="2", help="W of the P2P rows, comma-separated (default 2)")
     parser.add_argument("--shape", default=",".join(map(str, SHAPE)), help="M,N,K of the P2P rows")
-    parser.add_argument("--dtypes", default="bf16", help="bf16 and/or row (fp8 row-wise), comma-separated")
-    parser.add_argument("--parts", default=",".join(PARTS),
+    parser.add_argument("--dtypes", type=names_of(("bf16", "row")), default=["bf16"],
+                        help="bf16 and/or row (fp8 row-wise), comma-separated")
+    parser.add_argument("--parts", type=names_of(("runtime", "p2p-executor", "p2p-replayed")), default=list(PARTS),
                         help=f"comma-separated of runtime, p2p-executor, p2p-replayed (default {','.join(PARTS)})")
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     shape = tuple(int(x) for x in args.shape.split(","))
-    parts = args.parts.split(",")
-    extended = (worlds, shape, args.dtypes, parts) != ([2], SHAPE, "bf16", list(PARTS))
+    parts = args.parts
+    extended = (worlds, shape, args.dtypes, parts) != ([2], SHAPE, ["bf16"], list(PARTS))
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
         rows = []
@@ -240,7 +241,7 @@ def main() -> int:
                 rows.append({"op": op, "part": "runtime", "mode": args.label,
                              "us_per_call": round(runtime_us(op), 2)})
             for world in worlds:
-                for dtype in args.dtypes.split(","):
+                for dtype in args.dtypes:
                     for part in ("p2p-executor", "p2p-replayed"):
                         if part not in parts:
                             continue
@@ -259,7 +260,7 @@ def main() -> int:
     if args.out:
         write_run(args.out, args.label, "mode", rows, commit, ROOT, SOURCE, "host_python.py",
                   {"shape": list(shape), "world_size_p2p": worlds[0] if len(worlds) == 1 else worlds,
-                   **({"dtypes": args.dtypes.split(","), "parts": parts} if extended else {})})
+                   **({"dtypes": args.dtypes, "parts": parts} if extended else {})})
     return 0
 
 

@@ -43,7 +43,15 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(SOURCE))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import checkout_commit, labelled, least_rows, operator_counts, per_call_us, write_run  # noqa: E402
+from cpu_runs import (  # noqa: E402
+    at_least_one,
+    checkout_commit,
+    labelled,
+    least_rows,
+    operator_counts,
+    per_call_us,
+    write_run,
+)
 
 from flashoverlap.comm.expert import (  # noqa: E402
     ExpertCall,
@@ -119,7 +127,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
     parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
-    parser.add_argument("--repeat", type=int, default=3, help="measure every row this many times, keep the least")
+    parser.add_argument("--repeat", type=at_least_one, default=3,
+                        help="measure every row this many times, keep the least")
     args = parser.parse_args()
     import pytest
 

@@ -82,3 +82,20 @@ def test_a_misspelt_config_name_is_a_usage_error_before_the_gpu_is_asked_for(cap
         importlib.import_module(module).main()
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "unknown config mixtral-8x22-up;" in err and "gpt-oss-120b-up" in err, err
+
+
+@pytest.mark.parametrize("script,argv,said", [
+    ("host_python.py", ["--parts", "runtme"], "argument --parts: unknown runtme"),
+    ("host_python.py", ["--dtypes", "fp8"], "argument --dtypes: unknown fp8"),
+    ("host_python.py", ["--parts", ","], "argument --parts: none named"),
+    ("moe_host_python.py", ["--repeat", "0"], "argument --repeat: a whole number of 1 or more"),
+    ("nccl_host_python.py", ["--repeat", "0"], "argument --repeat: a whole number of 1 or more"),
+    ("fp8_moe_host_python.py", ["--calls", "0"], "argument --calls: a whole number of 1 or more")])
+def test_a_cpu_measurement_that_would_measure_nothing_is_a_usage_error(tmp_path, script, argv, said):
+    """These measured nothing for a misspelt name or a zero count, exited 0, and replaced the label's rows in the
+    results file by fewer or none."""
+    out = tmp_path / "rows.json"
+    result = subprocess.run([sys.executable, f"benchmarks/{script}", "--label", "x", "--out", str(out), *argv],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    assert not out.exists()
