@@ -99,11 +99,13 @@ def non_negative_ints(text: str) -> list[int]:
 
 
 def op_names(text: str) -> list[str]:
-    """``all_reduce,reduce_scatter,...``: known ops (empty: none)."""
+    """``all_reduce,reduce_scatter,...``: known ops, at least one (none would run nothing and exit 0)."""
     names = [name for name in text.split(",") if name]
     unknown = [name for name in names if name not in OPS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected at least one op of {', '.join(OPS)}")
     return names
 
 
@@ -117,8 +119,7 @@ def demo_op(text: str) -> str:
 
 def op_list(text: str) -> str:
     """``op_names``, checked, kept as the comma-separated text (the tuner's form)."""
-    if not op_names(text):
-        raise argparse.ArgumentTypeError("expected at least one op")
+    op_names(text)
     return text
 
 
