@@ -121,6 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     families = tuple(FAMILY_WEIGHTS)
     if args.families is not None and set(args.families) - set(families):
         p.error(f"--families: unknown {sorted(set(args.families) - set(families))} (known: {list(families)})")
+    chosen = args.families or families
+    if args.step == "mechanics" and all(mechanics.case_count(w, args.device, args.quick, f) == 0
+                                        for f in chosen for w in args.worlds):  # it would run nothing
+        p.error(f"--families: {', '.join(chosen)} has no case at W = {args.worlds}"
+                + (" under --quick (the models family runs in full runs only)" if args.quick else ""))
     del mechanics
     return args
 

@@ -485,6 +485,7 @@ def test_command_line():
                 ["--step", "faults", "--ops", "nope"], ["--step", "faults", "--scenarios", "nope"],
                 ["--step", "host", "--device", "cpu"], ["--step", "mechanics", "--families", "tp,nope"],
                 ["--step", "mechanics", "--families", "experts"],
+                ["--step", "mechanics", "--families", "models", "--quick"],  # models has no quick case: nothing
                 ["--step", "nope"]):
         with pytest.raises(SystemExit):
             shared_ranks.parse_args(bad)
