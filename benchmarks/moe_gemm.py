@@ -401,6 +401,19 @@ def assign_paths(rows: list[dict]) -> None:
         r["tflops"] = r["flops"] / r["t_ms"] / 1e9
 
 
+def _names_of(known: tuple[str, ...]):
+    """Comma-separated names, each one of ``known``, at least one (a misspelt routing or projection ran the other
+    one under the misspelt label)."""
+    def parse(text: str) -> str:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{'unknown ' + ', '.join(unknown) if unknown else 'none named'}; "
+                                             f"choose from {', '.join(known)}")
+        return ",".join(names)
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_gemm", description=__doc__.split("\n")[0])
@@ -408,9 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", help="time SWEEP_TILES instead and write them to this JSON")
     parser.add_argument("--expert-groups", help="time the per-expert-group forms (EXPERT_GROUPS) instead and write "
                         "them to this JSON")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--routings", default=",".join(ROUTINGS))
-    parser.add_argument("--projs", default=",".join(PROJS))
+    parser.add_argument("--configs", default=",".join(CONFIGS), type=_names_of(tuple(CONFIGS)))
+    parser.add_argument("--routings", default=",".join(ROUTINGS), type=_names_of(ROUTINGS))
+    parser.add_argument("--projs", default=",".join(PROJS), type=_names_of(PROJS))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)

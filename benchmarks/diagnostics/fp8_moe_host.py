@@ -162,7 +162,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--path", default="nccl")
+    parser.add_argument("--path", default="nccl", choices=("nccl", "reference", "auto"),
+                        help="the expert ops' path on the one-rank NCCL group (default nccl)")
     parser.add_argument("--parts", action="store_true",
                         help="bounded rows: the layer's host time in parts, loops of calls (parts_us)")
     parser.add_argument("--profile", action="store_true",
