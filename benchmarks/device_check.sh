@@ -5,6 +5,8 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
+[[ $what == tests || $what == bench || $what == all ]] || {
+    echo "device_check.sh: the first argument is tests, bench or all, got '$what'" >&2; exit 2; }
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the package, and the harness (benchmarks)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu --format=csv \

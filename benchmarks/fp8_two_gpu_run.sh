@@ -9,7 +9,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 commit=${FLASHOVERLAP_COMMIT:-unknown}
-for setting in ${SETTINGS-nvlink pcie-like}; do
+SETTINGS=${SETTINGS-nvlink pcie-like}
+for setting in $SETTINGS; do [[ $setting == nvlink || $setting == pcie-like ]] || {
+    echo "fp8_two_gpu_run.sh: SETTINGS holds nvlink and/or pcie-like, got '$setting'" >&2; exit 2; }; done
+[[ -n ${SETTINGS// /} ]] || { echo "fp8_two_gpu_run.sh: SETTINGS names no setting (nvlink, pcie-like)" >&2; exit 2; }
+for setting in $SETTINGS; do
     extra=(); [[ $setting == pcie-like ]] && extra=(env NCCL_P2P_DISABLE=1)
     "${extra[@]}" timeout ${OPS_TIMEOUT:-540} torchrun --nproc-per-node 2 -m benchmarks.fp8_ops \
         --out "$OUT/h200x2-$setting-fp8.json" > "$OUT/fp8-ops-$setting-$commit.log" 2>&1

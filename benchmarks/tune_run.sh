@@ -14,6 +14,8 @@ export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the package, and t
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT/logs"
 export FLASHOVERLAP_CACHE_DIR=$OUT/logs/cache
 SETTING=${SETTING:-nvlink}; OPS=${OPS-all_reduce,reduce_scatter,all_gather}
+[[ $SETTING == nvlink || $SETTING == pcie-like ]] || {
+    echo "tune_run.sh: SETTING is nvlink or pcie-like, got '$SETTING'" >&2; exit 2; }
 [[ $SETTING == pcie-like ]] && PATHS=${PATHS:-nccl} || PATHS=${PATHS:-nccl p2p}
 STEPS=${STEPS:-bw validate bench auto tests}; AUTO_SHAPES=${AUTO_SHAPES-}; TESTS=${TESTS-}
 KNOWN_STEPS="bw validate bench auto tests"
@@ -53,6 +55,8 @@ if has bench; then
         run 60 "$OUT/logs/timeline-$SETTING.log" torchrun --nproc-per-node "$NGPU" -m benchmarks.ops \
         --shapes "$shape" --iters 10 --timeline "$OUT/timeline-$SETTING.png" --out "$OUT/logs/timeline-$SETTING.json"
 fi
+has auto && [[ -z ${AUTO_SHAPES// /} ]] && echo "auto: no AUTO_SHAPES given (op:M,N,K ...), nothing planned"
+has tests && [[ -z ${TESTS// /} ]] && echo "tests: no TESTS given (pytest arguments), none run"
 if has auto; then
     for item in $AUTO_SHAPES; do
         SHOW=8 run 60 "$OUT/logs/plan-auto-$SETTING-${item%%:*}-${item#*:}.log" \

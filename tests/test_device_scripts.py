@@ -42,3 +42,19 @@ def test_every_step_tested_for_and_every_default_step_is_known(script):
     assert used == known, f"{script}: tested for but not known {sorted(used - known)}, known but never tested for " \
                           f"{sorted(known - used)}"
     assert defaults <= known, f"{script}: default steps not known {sorted(defaults - known)}"
+
+
+@pytest.mark.parametrize("script,env,said", [
+    ("device_check.sh test", {}, "the first argument is tests, bench or all, got 'test'"),
+    ("final_run.sh", {"SETTINGS": "pcie"}, "SETTINGS holds nvlink and/or pcie-like, got 'pcie'"),
+    ("fp8_two_gpu_run.sh", {"SETTINGS": " "}, "SETTINGS names no setting"),
+    ("tune_run.sh", {"SETTING": "pcie", "STEPS": "bw"}, "SETTING is nvlink or pcie-like, got 'pcie'")])
+def test_a_misspelt_setting_or_mode_is_an_error_before_anything_runs(script, env, said, tmp_path):
+    """These ran nothing (a mode no branch takes, an empty setting list) or the wrong thing (a misspelt setting ran
+    nvlink under the misspelt name) and exited 0."""
+    name, *args = script.split()
+    result = subprocess.run(["bash", f"benchmarks/{name}", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "OUT": str(tmp_path / "out"), **env})
+    assert result.returncode == 2 and said in result.stderr, (result.stdout, result.stderr)
+    assert not any((tmp_path / "out").rglob("*.*"))
+
