@@ -427,6 +427,8 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
                         except ValueError as exc:
                             rows.append({"config": name, "W": world, "tokens": tokens, "routing": routing,
                                          "path": path, "pass": pass_, "notes": f"skipped: {exc}"})
+                            if log is not None:  # said and written, as a measured row is
+                                log(rows)
                             continue
                         for mode, precision in ((m, p) for m in modes for p in precisions):
                             base = {"config": name, "W": world, "tokens": tokens, "routing": routing, "mode": mode,
@@ -444,6 +446,8 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
                                 note = fp8.skip(precision, train)
                                 if note:
                                     rows.append({**base, "precision": precision, "notes": f"skipped: {note}"})
+                                    if log is not None:
+                                        log(rows)
                                     continue
                                 figures = FP8_FIGURES
                                 fns = fp8.fns(precision, mode, path, (x, idx, weights), step_grad, plain, params)
@@ -455,6 +459,8 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
                                     raise
                                 rows.append({**base, "precision": precision,
                                              "notes": f"failed: {type(exc).__name__}: {str(exc)[:300]}"})
+                                if log is not None:
+                                    log(rows)
                                 continue
                             row = {**base, "experts": config.experts, "top_k": config.top_k,
                                    **{f: round(times[f], 4) for f in figures}}
