@@ -183,13 +183,21 @@ def faults(args, rank, world, device, log) -> list[dict]:
     return results
 
 
+def _scenario(text: str) -> str:
+    """``--fault``: one of ``SCENARIOS`` as OP:PATH:KIND (a misspelt kind made a normal call, recorded NOT OK)."""
+    if tuple(text.split(":")) not in SCENARIOS:
+        raise argparse.ArgumentTypeError(f"not a scenario: {text!r}; OP one of {', '.join(OPS)}, PATH nccl or p2p, "
+                                         "KIND skip, raise, dtype or shape")
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=10000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--fault-timeout", type=float, default=5.0)
     parser.add_argument("--skip-faults", action="store_true")
-    parser.add_argument("--fault", default=None, metavar="OP:PATH:KIND",
+    parser.add_argument("--fault", default=None, metavar="OP:PATH:KIND", type=_scenario,
                         help="only this fault scenario (KIND: skip, raise, dtype, shape), and no random calls")
     parser.add_argument("--out", default="reliability.json")
     args = parser.parse_args()

@@ -20,6 +20,8 @@ STEPS = 3
 def main():
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     mode = sys.argv[2] if len(sys.argv) > 2 else "train"
+    if mode not in ("train", "prefill"):
+        raise SystemExit(f"block_profile: the mode is train or prefill, got {mode!r}")
     rank = int(__import__("os").environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
