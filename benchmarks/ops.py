@@ -87,6 +87,10 @@ def sweep_plans(op: str, call, shape: tuple[int, int, int], args, world_size, de
                         print(f"    sweep {op} {m}x{n}x{k} groups={rec['groups']:2d} {profile:>11} "
                               f"programs={rec['programs']:5d} comm_ctas={comm_ctas:3d}: {t:.3f} ms  "
                               f"E={rec['E']:+.2f}", flush=True)
+    if not out and dist.get_rank() == 0:
+        print(f"    sweep {op} {m}x{n}x{k}: no plan of the sweep's values applies (all-gather takes comm_ctas >= 1 "
+              f"and leaves NCCL its SMs: --sweep-ctas {args.sweep_ctas}, --sweep-programs {args.sweep_programs})",
+              flush=True)
     return out
 
 
