@@ -152,10 +152,12 @@ MUTATIONS = [
      "program.append((_KERNEL_WAIT, _STREAMS[item.stream], item.flag.row + 1))",
      EXPERT_P2P_TEST + "::test_a_graph_waits_on_flags_with_the_wait_kernel"),
     ("p2p-wait-kernel-not-loaded", "P2P path: a plan's first call does not load the wait kernel its graphs launch "
-     "behind flag waits (deadlock rule 3)", P2P, "            load(self.device)\n", "            pass\n",
+     "behind flag waits (deadlock rule 3)", P2P, "            stream_ops.load_wait_kernel(self.device)\n",
+     "            pass\n",
      P2P_TEST + "::test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else"),
     ("expert-p2p-wait-kernel-not-loaded", "P2P expert path: a plan's first call does not load the wait kernel its "
-     "graphs launch behind flag waits (deadlock rule 3)", EXPERT_P2P, "            load(self.device)\n",
+     "graphs launch behind flag waits (deadlock rule 3)", EXPERT_P2P,
+     "            stream_ops.load_wait_kernel(self.device)\n",
      "            pass\n", EXPERT_P2P_TEST + "::test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else"),
     ("device-script-steps-unchecked", "device scripts: a misspelt STEPS name runs nothing and exits 0",
      "benchmarks/steps.sh", "}\ncheck_steps\n", "}\n", "tests/test_device_scripts.py"),

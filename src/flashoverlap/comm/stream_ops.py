@@ -3,7 +3,9 @@
 ``cuStreamWaitValue32`` blocks a stream (not the host, not any SM) until a word in device memory reaches a value;
 ``cuStreamWriteValue32`` writes a word when the stream reaches that point. Both are plain stream work, so they
 are ordered with the stream's kernels and can be captured in a CUDA graph. Reached through ``cuda.bindings``,
-imported on first use so that the CPU-only parts of the package never need it.
+imported on first use so that the CPU-only parts of the package never need it. Inside a graph a wait takes the
+form of the wait kernel (``graph_waits``, ``counter_wait_kernel``, ``load_wait_kernel``: ``kernels/counters.py``),
+for every executor that waits on counters or flags.
 """
 
 from __future__ import annotations
@@ -62,6 +64,22 @@ def graph_waits(forced: str | None, device: torch.device) -> str:
     if forced is not None:
         return forced
     return "kernel" if device.type == "cuda" else "memop"
+
+
+def counter_wait_kernel(counters: torch.Tensor, index: int, value: int) -> None:
+    """``kernels/counters.wait_reset`` on the current stream: a graph's wait on a counter or flag of ``counters``
+    (the NCCL path's per-group counters, the P2P paths' flags; Triton: imported where a kernel runs)."""
+    from flashoverlap.kernels.counters import wait_reset
+
+    wait_reset(counters, index, value)
+
+
+def load_wait_kernel(device: torch.device) -> None:
+    """``kernels/counters.load``: the wait kernel compiled and loaded on ``device``, outside any capture (deadlock
+    rule 3: a graph launches it behind a wait)."""
+    from flashoverlap.kernels.counters import load
+
+    load(device)
 
 
 def join(waiter: int, source: int, event: int) -> None:

@@ -321,9 +321,7 @@ class ExpertP2PCommunicator(GroupFields):
         a kernel that is not loaded yet must not be launched first (deadlock rule 3)."""
         guards.refuse_inside_capture(f"{call.name}: the first P2P call of a shape loads its GEMM kernels")
         if self.device.type == "cuda":  # a graph's flag waits, whatever ``graph_waits`` says later
-            from flashoverlap.kernels.counters import load  # Triton: imported where a kernel runs
-
-            load(self.device)
+            stream_ops.load_wait_kernel(self.device)
         quantised = call.scales is not None and call.scales.a is None
         call = wired(call, call.a)[0]  # fp8 from bf16 rows: the wire rows and scales, laid out as the call's
         plan, b, scales = call.plan, call.b, call.scales
@@ -436,10 +434,8 @@ class ExpertP2PCommunicator(GroupFields):
                 if timeout is not None:  # debug mode: an event to poll, through torch
                     waited.append((self._stream(step[1]).record_event(), item))
             elif code == _KERNEL_WAIT:  # in a graph only
-                from flashoverlap.kernels.counters import wait_reset as wait_kernel  # Triton: where a kernel runs
-
                 with torch.cuda.stream(self._stream(step[1])):
-                    wait_kernel(self.workspace.flags, step[2], 1)
+                    stream_ops.counter_wait_kernel(self.workspace.flags, step[2], 1)
             elif code == _SIGNAL:
                 write(handles[step[1]], step[2], 1)
             elif code == _RECORD:

@@ -55,6 +55,7 @@ from flashoverlap.comm.collectives import (
 )
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
 from flashoverlap.comm.replay import CallGraphs, gemm_call_signature
+from flashoverlap.comm.stream_ops import counter_wait_kernel, load_wait_kernel
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
 
@@ -576,21 +577,6 @@ def produce(a: torch.Tensor, b: torch.Tensor, plan: Plan, counters: torch.Tensor
     scaling = None if scales is None else Scaling(scales.a, scales.b, scales.out_dtype, scales.bias)
     gemm(a, b, plan, out=out, counters=counters, scaling=scaling)
     return None
-
-
-def counter_wait_kernel(counters: torch.Tensor, index: int, value: int) -> None:
-    """``kernels/counters.wait_reset`` on the current stream: a graph's counter wait (Triton: imported where a kernel
-    runs)."""
-    from flashoverlap.kernels.counters import wait_reset
-
-    wait_reset(counters, index, value)
-
-
-def load_wait_kernel(device: torch.device) -> None:
-    """``kernels/counters.load``: the wait kernel compiled and loaded on ``device``, outside any capture."""
-    from flashoverlap.kernels.counters import load
-
-    load(device)
 
 
 def compute_bands(a: torch.Tensor, b: torch.Tensor, plan: Plan, out: torch.Tensor,

@@ -506,10 +506,8 @@ class P2PCommunicator(GroupFields):
             elif code == _SIGNAL:
                 write(handles[step[1]], step[2], 1)
             elif code == _KERNEL_WAIT:  # in a graph only (no Python runs at a replay)
-                from flashoverlap.kernels.counters import wait_reset as wait_kernel  # Triton: where a kernel runs
-
                 with torch.cuda.stream(self._stream(step[1])):
-                    wait_kernel(self.workspace.flags, step[2], 1)
+                    stream_ops.counter_wait_kernel(self.workspace.flags, step[2], 1)
             elif code == _MEMOPS:
                 memops(handles[step[1]], step[2])
             elif code == _COPIES:
@@ -640,9 +638,7 @@ class P2PCommunicator(GroupFields):
         all-gather's from packed rows."""
         guards.refuse_inside_capture(f"{op}: the first P2P call of a shape loads its cuBLAS kernels")
         if self.device.type == "cuda":  # a graph's flag waits (step 2, captured), whatever ``graph_waits`` says later
-            from flashoverlap.kernels.counters import load  # Triton: imported where a kernel runs
-
-            load(self.device)
+            stream_ops.load_wait_kernel(self.device)
         shapes = {(item.rows, item.accumulate) for item in rs.schedule(plan, self.rank) if isinstance(item, steps.Mm)}
         if scales is not None:
             source, scale_a = a, None if scales.mode == "tensor" else scales.a
