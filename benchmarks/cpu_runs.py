@@ -53,7 +53,8 @@ def at_least_one(text: str) -> int:
 
 def names_of(known: tuple[str, ...]) -> Callable[[str], list[str]]:
     """A parser of comma-separated names, each one of ``known``, at least one: a misspelt one measured nothing for
-    it, and the label's rows were replaced by fewer."""
+    it, and the label's rows were replaced by fewer. (``flashoverlap.cli.names_of``'s twin, kept here: these scripts
+    import the measured checkout's flashoverlap, which may predate it.)"""
     def parse(text: str) -> list[str]:
         names = [name for name in text.split(",") if name]
         unknown = [name for name in names if name not in known]

@@ -46,6 +46,7 @@ import torch
 
 from benchmarks.harness.run import commit
 from benchmarks.harness.timing import host_us
+from flashoverlap.cli import names_of
 from flashoverlap.comm.expert import ExpertPlan, Layout
 from flashoverlap.comm.expert.chunked_gemm import chunk_multiplier, light_multiplier
 from flashoverlap.kernels.grouped_gemm import (
@@ -401,19 +402,6 @@ def assign_paths(rows: list[dict]) -> None:
         r["tflops"] = r["flops"] / r["t_ms"] / 1e9
 
 
-def _names_of(known: tuple[str, ...]):
-    """Comma-separated names, each one of ``known``, at least one (a misspelt routing or projection ran the other
-    one under the misspelt label)."""
-    def parse(text: str) -> str:
-        names = [name for name in text.split(",") if name]
-        unknown = [name for name in names if name not in known]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"{'unknown ' + ', '.join(unknown) if unknown else 'none named'}; "
-                                             f"choose from {', '.join(known)}")
-        return ",".join(names)
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_gemm", description=__doc__.split("\n")[0])
@@ -421,9 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", help="time SWEEP_TILES instead and write them to this JSON")
     parser.add_argument("--expert-groups", help="time the per-expert-group forms (EXPERT_GROUPS) instead and write "
                         "them to this JSON")
-    parser.add_argument("--configs", default=",".join(CONFIGS), type=_names_of(tuple(CONFIGS)))
-    parser.add_argument("--routings", default=",".join(ROUTINGS), type=_names_of(ROUTINGS))
-    parser.add_argument("--projs", default=",".join(PROJS), type=_names_of(PROJS))
+    # Known names only: a misspelt routing or projection ran the other one under the misspelt label.
+    parser.add_argument("--configs", default=list(CONFIGS), type=names_of(tuple(CONFIGS), "config"))
+    parser.add_argument("--routings", default=list(ROUTINGS), type=names_of(ROUTINGS, "routing"))
+    parser.add_argument("--projs", default=list(PROJS), type=names_of(PROJS, "projection"))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)
@@ -432,9 +421,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     rows = []
-    for config in args.configs.split(","):
-        for routing in args.routings.split(","):
-            for proj in args.projs.split(","):
+    for config in args.configs:
+        for routing in args.routings:
+            for proj in args.projs:
                 fn = expert_group_row if args.expert_groups else sweep_row if args.sweep else bench_row
                 row = fn(config, routing, proj, args.iters, args.warmup)
                 rows.append(row)

@@ -161,9 +161,10 @@ MUTATIONS = [
      "            pass\n", EXPERT_P2P_TEST + "::test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else"),
     ("device-script-steps-unchecked", "device scripts: a misspelt STEPS name runs nothing and exits 0",
      "benchmarks/steps.sh", "}\ncheck_steps\n", "}\n", "tests/test_device_scripts.py"),
-    ("fp8-grouped-only-unchecked", "fp8 grouped benchmarks: a misspelt --only config name runs nothing and exits 0",
-     "benchmarks/diagnostics/fp8_grouped.py", "    if unknown or not names:\n", "    if False:\n",
-     "tests/benchmarks/test_options.py"),
+    ("known-names-unchecked", "cli.names_of: a misspelt or empty name list passes (the fp8 grouped benchmarks' "
+     "--only, moe_gemm's lists, the op lists: nothing run, or the wrong thing, and exit 0)",
+     "src/flashoverlap/cli.py", "        if unknown or not names:\n", "        if False:\n",
+     "tests/benchmarks/test_options.py tests/test_cli.py"),
     ("expert-p2p-replay-captured-as-eager", "P2P expert path: a replayed call's capture issued as an eager call "
      "(memory-operation waits in the graph)", EXPERT_P2P, "self.issue(call, a, chunks, outputs, captured=True)",
      "self.issue(call, a, chunks, outputs)",

@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.diagnostics.grouped_gemm_ways import rows_per_expert
 from benchmarks.diagnostics.results_file import require_cuda
+from flashoverlap.cli import names_of
 from flashoverlap.comm.expert.scaled import ExpertScales, scaled_multiply
 from flashoverlap.tune.grouped import GroupedCall
 from flashoverlap.tune.grouped_fp8 import expert_gemm_fp8
@@ -49,6 +50,8 @@ CONFIGS = [
     ("deepseek-v3-down", 32, 2048, 7168, 16384, "validate"),
     ("qwen3-235b-a22b-up", 64, 4096, 3072, 16384, "validate"),
 ]
+# ``--only``: names of CONFIGS (a misspelt one ran nothing and exited 0).
+config_names = names_of(tuple(row[0] for row in CONFIGS), "config")
 WAYS = {"ours": "triton", "scaled_grouped_mm": "cublas", "loop": "loop"}
 
 
@@ -167,24 +170,11 @@ def sample(name, local, k, n, rows, routing, scaling, iters, seed=0):
     return row
 
 
-def config_names(text: str) -> list[str]:
-    """``--only``'s value: names of ``CONFIGS``, comma-separated; an unknown one is a usage error (a misspelt name
-    would otherwise run nothing and exit 0)."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    known = [row[0] for row in CONFIGS]
-    unknown = [name for name in names if name not in known]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown) or '(none named)'}; the configs: "
-                                         + ", ".join(known))
-    return names
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--only", type=config_names, default=None,
-                        help="comma-separated config names: " + ", ".join(row[0] for row in CONFIGS))
+    parser.add_argument("--only", type=config_names, default=None, help="comma-separated config names")
     args = parser.parse_args()
     require_cuda("benchmarks.diagnostics.fp8_grouped")
     path = Path(args.out) / "h200x1-fp8-grouped.json"

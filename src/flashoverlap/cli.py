@@ -98,15 +98,20 @@ def non_negative_ints(text: str) -> list[int]:
     return _ints(text, non_negative, "integers >= 0")
 
 
-def op_names(text: str) -> list[str]:
-    """``all_reduce,reduce_scatter,...``: known ops, at least one (none would run nothing and exit 0)."""
-    names = [name for name in text.split(",") if name]
-    unknown = [name for name in names if name not in OPS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected at least one op of {', '.join(OPS)}")
-    return names
+def names_of(known: tuple[str, ...], what: str):
+    """A parser of ``A,B,...``: names of ``known`` (the ``what``), at least one: a misspelt name would select nothing
+    for it, and an empty list nothing at all, and the command exit 0 having done less than asked."""
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            wrong = f"unknown {what} {', '.join(unknown)}" if unknown else f"expected at least one {what}"
+            raise argparse.ArgumentTypeError(f"{wrong}; choose from {', '.join(known)}")
+        return names
+    return parse
+
+
+op_names = names_of(tuple(OPS), "op")  # ``all_reduce,reduce_scatter,...``: known ops, at least one
 
 
 def demo_op(text: str) -> str:

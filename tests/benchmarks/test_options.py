@@ -105,9 +105,9 @@ def test_a_misspelt_routing_or_path_is_a_usage_error(capsys, monkeypatch):
     """``moe_gemm --routings zpf`` ran zipf routing under the label "zpf" (anything but "balanced" was zipf);
     ``fp8_moe_host --path ncl`` recorded an error row per case and exited 0, over the committed results file."""
     code, err = _exit(capsys, "benchmarks.moe_gemm", ["--routings", "balanced,zpf"])
-    assert code == 2 and "unknown zpf; choose from balanced, zipf" in err, err
+    assert code == 2 and "unknown routing zpf; choose from balanced, zipf" in err, err
     code, err = _exit(capsys, "benchmarks.moe_gemm", ["--projs", "upp"])
-    assert code == 2 and "unknown upp" in err, err
+    assert code == 2 and "unknown projection upp; choose from up, down" in err, err
     monkeypatch.setattr(sys, "argv", ["fp8_moe_host", "--path", "ncl"])
     with pytest.raises(SystemExit) as stop:
         importlib.import_module("benchmarks.diagnostics.fp8_moe_host").main()
