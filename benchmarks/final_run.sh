@@ -10,9 +10,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the package, and the harness (benchmarks)
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 TESTS=${TESTS-tests/gpu}; DEMO=${DEMO-1}; SETTINGS=${SETTINGS-nvlink pcie-like}
-for setting in $SETTINGS; do [[ $setting == nvlink || $setting == pcie-like ]] || {
-    echo "final_run.sh: SETTINGS holds nvlink and/or pcie-like, got '$setting'" >&2; exit 2; }; done
-[[ -n ${SETTINGS// /} ]] || { echo "final_run.sh: SETTINGS names no setting (nvlink, pcie-like)" >&2; exit 2; }
+source "$(dirname "$0")/steps.sh"; check_words SETTINGS setting "nvlink pcie-like"
 OPS=${OPS-all_reduce,reduce_scatter,all_gather}; BENCH_ARGS=${BENCH_ARGS-}; TIMELINE=${TIMELINE-1}; TAG=${TAG-}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \

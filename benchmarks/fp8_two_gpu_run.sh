@@ -10,9 +10,7 @@ export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 commit=${FLASHOVERLAP_COMMIT:-unknown}
 SETTINGS=${SETTINGS-nvlink pcie-like}
-for setting in $SETTINGS; do [[ $setting == nvlink || $setting == pcie-like ]] || {
-    echo "fp8_two_gpu_run.sh: SETTINGS holds nvlink and/or pcie-like, got '$setting'" >&2; exit 2; }; done
-[[ -n ${SETTINGS// /} ]] || { echo "fp8_two_gpu_run.sh: SETTINGS names no setting (nvlink, pcie-like)" >&2; exit 2; }
+source "$(dirname "$0")/steps.sh"; check_words SETTINGS setting "nvlink pcie-like"
 for setting in $SETTINGS; do
     extra=(); [[ $setting == pcie-like ]] && extra=(env NCCL_P2P_DISABLE=1)
     "${extra[@]}" timeout ${OPS_TIMEOUT:-540} torchrun --nproc-per-node 2 -m benchmarks.fp8_ops \

@@ -398,6 +398,12 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
     device = device or torch.device("cuda", torch.cuda.current_device())
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rows: list[dict] = []
+
+    def add(row: dict) -> None:  # every row, measured or a note, said and written as it comes
+        rows.append(row)
+        if log is not None:
+            log(rows)
+
     for name, config in configs.items():
         if config.experts % world:
             raise ValueError(f"{name}: {config.experts} experts cannot be shared by {world} ranks")
@@ -425,10 +431,8 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
                         try:
                             resolved = experts.resolved_path("bench moe", device, dtype, group, path)
                         except ValueError as exc:
-                            rows.append({"config": name, "W": world, "tokens": tokens, "routing": routing,
-                                         "path": path, "pass": pass_, "notes": f"skipped: {exc}"})
-                            if log is not None:  # said and written, as a measured row is
-                                log(rows)
+                            add({"config": name, "W": world, "tokens": tokens, "routing": routing, "path": path,
+                                 "pass": pass_, "notes": f"skipped: {exc}"})
                             continue
                         for mode, precision in ((m, p) for m in modes for p in precisions):
                             base = {"config": name, "W": world, "tokens": tokens, "routing": routing, "mode": mode,
@@ -445,9 +449,7 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
                             else:
                                 note = fp8.skip(precision, train)
                                 if note:
-                                    rows.append({**base, "precision": precision, "notes": f"skipped: {note}"})
-                                    if log is not None:
-                                        log(rows)
+                                    add({**base, "precision": precision, "notes": f"skipped: {note}"})
                                     continue
                                 figures = FP8_FIGURES
                                 fns = fp8.fns(precision, mode, path, (x, idx, weights), step_grad, plain, params)
@@ -457,10 +459,8 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
                             except (RuntimeError, AssertionError) as exc:  # a GEMM that refuses the shapes (fp8)
                                 if precision == "bf16":
                                     raise
-                                rows.append({**base, "precision": precision,
-                                             "notes": f"failed: {type(exc).__name__}: {str(exc)[:300]}"})
-                                if log is not None:
-                                    log(rows)
+                                add({**base, "precision": precision,
+                                     "notes": f"failed: {type(exc).__name__}: {str(exc)[:300]}"})
                                 continue
                             row = {**base, "experts": config.experts, "top_k": config.top_k,
                                    **{f: round(times[f], 4) for f in figures}}
@@ -468,9 +468,7 @@ def bench_rows(configs: dict[str, MoEConfig], token_counts: list[int], routings:
                             row["host_us"] = round(host["t_ms"], 1)
                             row["host_plain_us"] = round(host["t_plain_ms"], 1)
                             row["precision"] = precision
-                            rows.append(row)
-                            if log is not None:
-                                log(rows)
+                            add(row)
                     for tensor in (x, w_up, w_down, weights):
                         tensor.requires_grad_(False)
                         tensor.grad = None

@@ -18,7 +18,7 @@ export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-tests spawn p2p moe sequential fp8}
 KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound shared fp8tiles"
-source "$(dirname "$0")/steps.sh"  # has, and STEPS checked: an unknown step is an error
+source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 commit=${FLASHOVERLAP_COMMIT:-unknown}
 if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests and the one-GPU tests (the two-GPU ones skip)
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:randomly tests/kernels tests/gpu > "$OUT/gpu-tests-$commit.log" 2>&1

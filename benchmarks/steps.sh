@@ -1,18 +1,18 @@
-# Sourced by the device scripts (device_run, head_run, one_gpu_run, tune_run) after they set STEPS and KNOWN_STEPS:
-# every name in STEPS must be one of the script's steps (a misspelt step would otherwise run nothing and exit 0),
-# and STEPS must name at least one. ``has NAME``: whether STEPS names the step.
+# Sourced by the device scripts: ``has NAME`` (whether STEPS names the step), and ``check_words VAR NOUN KNOWN``:
+# every word of $VAR is one of KNOWN and there is at least one, else an error naming it before anything runs (a
+# misspelt step or setting would otherwise run nothing, or the wrong thing, and exit 0).
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-check_steps() {
-    local step
-    if [[ -z "${STEPS// /}" ]]; then
-        echo "$(basename "$0"): STEPS names no step (steps: $KNOWN_STEPS)" >&2
+check_words() {
+    local name=$1 noun=$2 known=$3 word
+    local value=${!name}
+    if [[ -z "${value// /}" ]]; then
+        echo "$(basename "$0"): $name names no $noun (${noun}s: $known)" >&2
         exit 2
     fi
-    for step in $STEPS; do
-        if [[ " $KNOWN_STEPS " != *" $step "* ]]; then
-            echo "$(basename "$0"): unknown step '$step' (steps: $KNOWN_STEPS)" >&2
+    for word in $value; do
+        if [[ " $known " != *" $word "* ]]; then
+            echo "$(basename "$0"): unknown $noun '$word' in $name (${noun}s: $known)" >&2
             exit 2
         fi
     done
 }
-check_steps

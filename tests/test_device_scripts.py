@@ -1,7 +1,7 @@
 """The device scripts (``benchmarks/*_run.sh``: a device call's steps, picked with ``STEPS``): a step name that is
 not one of the script's is an error naming it, before anything runs (a misspelt step would otherwise run nothing and
 exit 0, as a new user found of other documented commands), and every step the script tests for, and every default
-step, is one of its ``KNOWN_STEPS`` (``benchmarks/steps.sh``)."""
+step, is one of its ``KNOWN_STEPS`` (``benchmarks/steps.sh``'s ``check_words``, which checks the settings too)."""
 
 import os
 import re
@@ -46,7 +46,7 @@ def test_every_step_tested_for_and_every_default_step_is_known(script):
 
 @pytest.mark.parametrize("script,env,said", [
     ("device_check.sh test", {}, "the first argument is tests, bench or all, got 'test'"),
-    ("final_run.sh", {"SETTINGS": "pcie"}, "SETTINGS holds nvlink and/or pcie-like, got 'pcie'"),
+    ("final_run.sh", {"SETTINGS": "pcie"}, "unknown setting 'pcie' in SETTINGS (settings: nvlink pcie-like)"),
     ("fp8_two_gpu_run.sh", {"SETTINGS": " "}, "SETTINGS names no setting"),
     ("tune_run.sh", {"SETTING": "pcie", "STEPS": "bw"}, "SETTING is nvlink or pcie-like, got 'pcie'")])
 def test_a_misspelt_setting_or_mode_is_an_error_before_anything_runs(script, env, said, tmp_path):

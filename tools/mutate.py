@@ -159,8 +159,10 @@ MUTATIONS = [
      "graphs launch behind flag waits (deadlock rule 3)", EXPERT_P2P,
      "            stream_ops.load_wait_kernel(self.device)\n",
      "            pass\n", EXPERT_P2P_TEST + "::test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else"),
-    ("device-script-steps-unchecked", "device scripts: a misspelt STEPS name runs nothing and exits 0",
-     "benchmarks/steps.sh", "}\ncheck_steps\n", "}\n", "tests/test_device_scripts.py"),
+    ("device-script-steps-unchecked", "device scripts: a misspelt STEPS or SETTINGS name runs nothing (or nvlink "
+     "under the misspelt name) and exits 0",
+     "benchmarks/steps.sh", """if [[ " $known " != *" $word "* ]]; then""", "if false; then",
+     "tests/test_device_scripts.py"),
     ("known-names-unchecked", "cli.names_of: a misspelt or empty name list passes (the fp8 grouped benchmarks' "
      "--only, moe_gemm's lists, the op lists: nothing run, or the wrong thing, and exit 0)",
      "src/flashoverlap/cli.py", "        if unknown or not names:\n", "        if False:\n",
