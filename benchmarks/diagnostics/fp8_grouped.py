@@ -198,9 +198,8 @@ def main() -> None:
                 if scaling == "block" and routing == "zipf" and which == "fit" and local < 32:
                     continue
                 if scaling == "block" and k % 128:  # refused by every way (ours, torch's): nothing to time
-                    row = {"config": name, "routing": routing, "scaling": scaling,
+                    row = {"config": name, "routing": routing, "scaling": scaling, "set": which,
                            "skipped": f"block-wise scaling needs K a multiple of 128 (K = {k})"}
-                    row["set"] = which
                     rows.append(row)
                     print(f"{name} {scaling} {routing}: {row['skipped']}", flush=True)
                     continue

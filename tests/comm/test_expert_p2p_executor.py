@@ -359,7 +359,6 @@ def test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else(
     plan's first (eager, uncaptured) call loads it, first, on a GPU whatever ``graph_waits`` says."""
     _, comm, call = _replaying(monkeypatch, "bounded")
     comm.device, comm.graph_waits = torch.device("cuda", 0), "memop"  # a device object only: nothing runs on it
-
     chunks = chunked_gemm.Chunks.of(call.plan, call.layout)
     assert first_load(monkeypatch, lambda: comm._load_kernels(call, chunks)) == (comm.device,)
 

@@ -249,7 +249,6 @@ def test_a_plans_first_call_loads_the_wait_kernel_on_a_gpu_before_anything_else(
     plan's first (eager, uncaptured) call loads it, first, on a GPU whatever ``graph_waits`` says."""
     _, comm, plan, a, b, _ = _replaying(monkeypatch)
     comm.device, comm.graph_waits = torch.device("cuda", 0), "memop"  # a device object only: nothing runs on it
-
     assert first_load(monkeypatch, lambda: p2p.P2PCommunicator._load_kernels(comm, plan, a, b, "op")) == (comm.device,)
 
 
