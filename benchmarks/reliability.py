@@ -201,6 +201,8 @@ def main() -> int:
                         help="only this fault scenario (KIND: skip, raise, dtype, shape), and no random calls")
     parser.add_argument("--out", default="reliability.json")
     args = parser.parse_args()
+    if args.fault is not None and args.skip_faults:  # one scenario and no faults: the file would hold only meta
+        parser.error("--fault runs one fault scenario and --skip-faults runs none: give one of them")
     # results_file.require_cuda's line, inline: torchrun runs this file as a script, without the checkout on its path
     gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 2))  # one per rank
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -69,6 +69,13 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+# The options only some steps read, and those steps: any other step refuses them.
+STEP_OPTIONS = {"calls": ("soak",), "seed": ("soak",), "timeout": ("faults",), "scenarios": ("faults",),
+                "ops": ("faults", "host"), "families": ("mechanics",), "quick": ("mechanics",),
+                "resume": ("mechanics",), "rounds": ("host",), "shape": ("host",),
+                "graph_waits": ("mechanics", "host")}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.shared_ranks", description=__doc__.split("\n\n")[0])
     p.add_argument("--step", required=True, choices=sorted(STEPS))
@@ -99,6 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: gloo CPU ranks and the reference path (checks the harness, not the GPU paths)")
     args = p.parse_args(argv)
+    given = [(name, steps) for name, steps in STEP_OPTIONS.items() if getattr(args, name) != p.get_default(name)
+             and (args.merge is not None or args.step not in steps)]
+    if given:  # an option the step never reads (or --merge, which runs nothing) would be silently ignored
+        p.error("; ".join(f"--{name.replace('_', '-')} applies to --step {' or '.join(steps)} when it runs, "
+                          f"not to --step {args.step}{' --merge' if args.merge is not None else ''}"
+                          for name, steps in given))
     if args.worlds is None:
         args.worlds = [4] if args.step == "faults" else [2, 4, 8]
     if args.budget is None:

@@ -20,6 +20,7 @@ SETTING=${SETTING:-nvlink}; OPS=${OPS-all_reduce,reduce_scatter,all_gather}
 STEPS=${STEPS:-bw validate bench auto tests}; AUTO_SHAPES=${AUTO_SHAPES-}; TESTS=${TESTS-}
 KNOWN_STEPS="bw validate bench auto tests"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
+check_words PATHS path "nccl p2p"  # PATHS=" " or a misspelt path would skip bw and validate, or fail in each
 [[ $SETTING == pcie-like ]] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
 prefix=""; [[ $SETTING == pcie-like ]] && prefix="NCCL_P2P_DISABLE=1 "
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')

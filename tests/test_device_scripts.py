@@ -48,10 +48,12 @@ def test_every_step_tested_for_and_every_default_step_is_known(script):
     ("device_check.sh test", {}, "the first argument is tests, bench or all, got 'test'"),
     ("final_run.sh", {"SETTINGS": "pcie"}, "unknown setting 'pcie' in SETTINGS (settings: nvlink pcie-like)"),
     ("fp8_two_gpu_run.sh", {"SETTINGS": " "}, "SETTINGS names no setting"),
-    ("tune_run.sh", {"SETTING": "pcie", "STEPS": "bw"}, "SETTING is nvlink or pcie-like, got 'pcie'")])
+    ("tune_run.sh", {"SETTING": "pcie", "STEPS": "bw"}, "SETTING is nvlink or pcie-like, got 'pcie'"),
+    ("tune_run.sh", {"PATHS": " ", "STEPS": "bw"}, "PATHS names no path (paths: nccl p2p)"),
+    ("tune_run.sh", {"PATHS": "nccl p2pp", "STEPS": "bw"}, "unknown path 'p2pp' in PATHS")])
 def test_a_misspelt_setting_or_mode_is_an_error_before_anything_runs(script, env, said, tmp_path):
-    """These ran nothing (a mode no branch takes, an empty setting list) or the wrong thing (a misspelt setting ran
-    nvlink under the misspelt name) and exited 0."""
+    """These ran nothing (a mode no branch takes, an empty setting or path list) or the wrong thing (a misspelt
+    setting ran nvlink under the misspelt name) and exited 0."""
     name, *args = script.split()
     result = subprocess.run(["bash", f"benchmarks/{name}", *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=60, env={**os.environ, "OUT": str(tmp_path / "out"), **env})

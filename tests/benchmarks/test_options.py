@@ -112,3 +112,14 @@ def test_a_misspelt_routing_or_path_is_a_usage_error(capsys, monkeypatch):
     with pytest.raises(SystemExit) as stop:
         importlib.import_module("benchmarks.diagnostics.fp8_moe_host").main()
     assert stop.value.code == 2 and "invalid choice: 'ncl'" in capsys.readouterr().err
+
+
+def test_one_fault_scenario_with_no_faults_is_a_usage_error(tmp_path):
+    """``reliability.py --fault OP:PATH:KIND --skip-faults`` ran no random calls (``--fault``) and no fault
+    (``--skip-faults``), then wrote a file holding only ``meta``. Refused before the GPU is looked for."""
+    out = tmp_path / "r.json"
+    result = subprocess.run([sys.executable, "benchmarks/reliability.py", "--fault", "all_reduce:p2p:skip",
+                             "--skip-faults", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--fault runs one fault scenario and --skip-faults runs none" in result.stderr, \
+        result.stderr
+    assert not out.exists()

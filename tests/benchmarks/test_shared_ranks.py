@@ -2,6 +2,7 @@
 computes locally, the soak's random call generator (the same on every rank; every op, dtype and mode drawn; every
 call valid on the P2P path), the fault verdict, the results files and the command line."""
 
+import inspect
 import json
 import math
 import os
@@ -489,6 +490,37 @@ def test_command_line():
                 ["--step", "nope"]):
         with pytest.raises(SystemExit):
             shared_ranks.parse_args(bad)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--step", "soak", "--families", "tp"], "--families applies to --step mechanics"),
+    (["--step", "host", "--scenarios", "skip"], "--scenarios applies to --step faults"),
+    (["--step", "mechanics", "--calls", "300"], "--calls applies to --step soak"),
+    (["--step", "soak", "--ops", "gemm_all_reduce"], "--ops applies to --step faults or host"),
+    (["--step", "faults", "--graph-waits", "memop"], "--graph-waits applies to --step mechanics or host"),
+    (["--step", "host", "--quick"], "--quick applies to --step mechanics"),
+    (["--step", "mechanics", "--merge", "a.json", "--resume"], "not to --step mechanics --merge"),
+])
+def test_an_option_the_step_does_not_read_is_refused_by_name(argv, named, capsys):
+    """A step-specific option given to another step (or to ``--merge``, which runs nothing) would be ignored:
+    the command refuses it, naming the option and the steps that read it."""
+    with pytest.raises(SystemExit):
+        shared_ranks.parse_args(argv)
+    assert named in capsys.readouterr().err
+
+
+def test_every_step_specific_option_is_read_by_its_steps_and_accepted_there():
+    for name, steps in shared_ranks.STEP_OPTIONS.items():
+        for step in steps:
+            flag = "--" + name.replace("_", "-")
+            value = {"calls": "3", "seed": "1", "timeout": "2", "scenarios": "skip", "families": "tp",
+                     "rounds": "2", "shape": "8,8,8", "graph_waits": "memop",
+                     "ops": "gemm_all_reduce"}.get(name)
+            args = shared_ranks.parse_args(["--step", step, flag] + ([value] if value else []))
+            assert getattr(args, name) not in (None, False)
+            assert f"args.{name}" in inspect.getsource(shared_ranks.RUNNERS[step]), (name, step)
+        for step in set(shared_ranks.RUNNERS) - set(steps):  # and the table names every step that reads it
+            assert f"args.{name}" not in inspect.getsource(shared_ranks.RUNNERS[step]), (name, step)
     assert set(shared_ranks.STEPS.values()) >= {"h200x1-shared-ranks.json", "h200x1-soak.json",
                                                 "h200x1-faults.json", "h200x1-host-shared.json"}
 
