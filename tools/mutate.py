@@ -163,6 +163,10 @@ MUTATIONS = [
      "under the misspelt name) and exits 0",
      "benchmarks/steps.sh", """if [[ " $known " != *" $word "* ]]; then""", "if false; then",
      "tests/test_device_scripts.py"),
+    ("shared-ranks-step-options-unchecked", "shared_ranks: an option the step never reads (--families to the soak, "
+     "--calls to mechanics, anything with --merge) is ignored and the run goes on",
+     "benchmarks/shared_ranks.py", "    if given:  # an option", "    if False:  # an option",
+     "tests/benchmarks/test_shared_ranks.py::test_an_option_the_step_does_not_read_is_refused_by_name"),
     ("known-names-unchecked", "cli.names_of: a misspelt or empty name list passes (the fp8 grouped benchmarks' "
      "--only, moe_gemm's lists, the op lists: nothing run, or the wrong thing, and exit 0)",
      "src/flashoverlap/cli.py", "        if unknown or not names:\n", "        if False:\n",
