@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 [[ $what == tests || $what == bench || $what == all ]] || {
     echo "device_check.sh: the first argument is tests, bench or all, got '$what'" >&2; exit 2; }
-NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+source "$(dirname "$0")/steps.sh"; gpus_at_least 2  # sets NGPU
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the package, and the harness (benchmarks)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu --format=csv \
     -lms 200 > "$OUT/smi.csv" 2>&1 &

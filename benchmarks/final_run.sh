@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 TESTS=${TESTS-tests/gpu}; DEMO=${DEMO-1}; SETTINGS=${SETTINGS-nvlink pcie-like}
 source "$(dirname "$0")/steps.sh"; check_words SETTINGS setting "nvlink pcie-like"
 OPS=${OPS-all_reduce,reduce_scatter,all_gather}; BENCH_ARGS=${BENCH_ARGS-}; TIMELINE=${TIMELINE-1}; TAG=${TAG-}
-NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+gpus_at_least 2  # sets NGPU
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv -lms 250 > "$OUT/smi.csv" 2>&1 &
 SMI=$!

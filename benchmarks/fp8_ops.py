@@ -34,7 +34,7 @@ Rows: the bf16 file's fields (op, path, dtype, M, N, K, t_gemm_ms, t_comm_ms, t_
 E, host_us, baselines) plus ``scaling``, ``t_bf16_op_ms``, ``t_fused_scaled_ms``, ``rel_err`` and ``auto``; one row
 per explicit path. Writes ``benchmarks/results/<gpu>x<W>-<setting>-fp8.json`` (``--out``), rank 0, after each row.
 
-``--dry-run`` (automatic without CUDA): gloo, tiny shapes (``DRY_SHAPES``), the reference path, wall-clock times:
+``--dry-run``: gloo, tiny shapes (``DRY_SHAPES``), the reference path, wall-clock times:
 the script's logic (inputs, scales, checks, rows, the results file) on the CPU, e.g.
 ``PYTHONPATH=src:. torchrun --nproc-per-node 2 -m benchmarks.fp8_ops --dry-run``; its default ``--out`` is in the
 temporary directory. ``tests/benchmarks/test_fp8_ops.py`` runs it at W = 2.
@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.run import commit, results_meta, setting
 from flashoverlap import settings
 from flashoverlap.bench import COLUMNS, GRIDS, OP_FUNCTIONS, efficiency, ms, op_row, print_table, write_results
@@ -418,7 +419,7 @@ def parser() -> argparse.ArgumentParser:
                    help="shapes for every op (default: each op's bf16 grid; dry run: 64,48,256)")
     p.add_argument("--iters", type=positive, default=MIN_ITERS, help=f"timed calls per figure (>= {MIN_ITERS})")
     p.add_argument("--dry-run", action="store_true",
-                   help="gloo, tiny shapes, the reference path, wall-clock times (automatic without CUDA)")
+                   help="gloo, tiny shapes, the reference path, wall-clock times (the CPU check of the script)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpu>x<W>-<setting>-fp8.json)")
     return p
 
@@ -428,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if "RANK" not in os.environ:
         parser().error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m benchmarks.fp8_ops")
-    dry_run = args.dry_run or not torch.cuda.is_available()
+    dry_run = args.dry_run
+    if not dry_run:  # without CUDA it used to fall into a dry run and write its file under the GPU results' name
+        require_cuda("benchmarks.fp8_ops (--dry-run runs it on the CPU)", per_rank=True)
     if not dry_run and args.iters < MIN_ITERS:
         parser().error(f"--iters must be at least {MIN_ITERS} (BENCHMARK.md's timing)")
     if dry_run:

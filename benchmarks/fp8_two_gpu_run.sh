@@ -11,12 +11,16 @@ OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 commit=${FLASHOVERLAP_COMMIT:-unknown}
 SETTINGS=${SETTINGS-nvlink pcie-like}
 source "$(dirname "$0")/steps.sh"; check_words SETTINGS setting "nvlink pcie-like"
+gpus_at_least 2
+failed=0  # the number of steps that did not exit 0: the script's exit status says whether every file is whole
 for setting in $SETTINGS; do
     extra=(); [[ $setting == pcie-like ]] && extra=(env NCCL_P2P_DISABLE=1)
     "${extra[@]}" timeout ${OPS_TIMEOUT:-540} torchrun --nproc-per-node 2 -m benchmarks.fp8_ops \
         --out "$OUT/h200x2-$setting-fp8.json" > "$OUT/fp8-ops-$setting-$commit.log" 2>&1
-    echo "fp8 ops $setting: exit $?"; tail -4 "$OUT/fp8-ops-$setting-$commit.log"
+    code=$?; (( code )) && failed=$((failed + 1)); echo "fp8 ops $setting: exit $code"; tail -4 "$OUT/fp8-ops-$setting-$commit.log"
     "${extra[@]}" timeout ${BLOCK_TIMEOUT:-540} torchrun --nproc-per-node 2 -m benchmarks.fp8_block \
         --out "$OUT/h200x2-$setting-fp8-block.json" > "$OUT/fp8-block-$setting-$commit.log" 2>&1
-    echo "fp8 block $setting: exit $?"; tail -4 "$OUT/fp8-block-$setting-$commit.log"
+    code=$?; (( code )) && failed=$((failed + 1)); echo "fp8 block $setting: exit $code"
+    tail -4 "$OUT/fp8-block-$setting-$commit.log"
 done
+(( failed == 0 )) || { echo "fp8_two_gpu_run.sh: $failed step(s) failed: their files are missing or partial" >&2; exit 1; }

@@ -25,8 +25,7 @@ OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-fp8-moe moe host bench tests block hf fp8 reliability faults}
 KNOWN_STEPS="fp8-moe moe host bench tests block hf fp8 reliability faults"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
-NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-if [[ $NGPU -lt 2 ]]; then echo "head_run: needs 2 or more GPUs, this machine has $NGPU" >&2; exit 2; fi
+gpus_at_least 2  # sets NGPU
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')x$NGPU
 paths="auto nccl p2p"; [[ $SETTING == pcie-like ]] && paths="auto nccl"  # NCCL through host memory: P2P does not apply
 run() {  # name, timeout, command...: logged, timed out, its exit printed

@@ -4,10 +4,10 @@
 # diagnostics that write the committed results: P2P mechanics and host time (two processes), the expert paths'
 # mechanics and an MoE layer's host time (two processes), the sequential plan's host time in parts (one process).
 # Logs and JSON land in $OUT.
-# Usage: FLASHOVERLAP_COMMIT=$(git rev-parse --short=10 HEAD) [STEPS="tests spawn p2p moe sequential"] \
+# Usage: FLASHOVERLAP_COMMIT=$(git rev-parse --short=10 HEAD) [STEPS="tests spawn p2p moe sequential fp8"] \
 #        bash benchmarks/one_gpu_run.sh
 # Steps not in the default set (each a re-measurement of an open issue's figures; results under $OUT, to be merged
-# into benchmarks/results by hand): fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
+# into benchmarks/results by hand): p2p8 (the P2P path's fp8 mechanics and host time, two processes), fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
 # shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42), fp8tiles (the fp8 grouped GEMM's tile
 # sweep, issue 44's block-wise target). Each step's timeout is its budget: a device call runs 600 s at most, so split
 # them, e.g. STEPS="tests fp8moe" (440 s), then "hostbound" (300 s), "fp8tiles" (420 s), "tests shared" (565 s).
@@ -19,6 +19,7 @@ OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-tests spawn p2p moe sequential fp8}
 KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound shared fp8tiles"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
+gpus_at_least 1
 commit=${FLASHOVERLAP_COMMIT:-unknown}
 if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests and the one-GPU tests (the two-GPU ones skip)
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:randomly tests/kernels tests/gpu > "$OUT/gpu-tests-$commit.log" 2>&1

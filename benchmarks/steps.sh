@@ -1,6 +1,8 @@
-# Sourced by the device scripts: ``has NAME`` (whether STEPS names the step), and ``check_words VAR NOUN KNOWN``:
+# Sourced by the device scripts: ``has NAME`` (whether STEPS names the step), ``check_words VAR NOUN KNOWN``:
 # every word of $VAR is one of KNOWN and there is at least one, else an error naming it before anything runs (a
-# misspelt step or setting would otherwise run nothing, or the wrong thing, and exit 0).
+# misspelt step or setting would otherwise run nothing, or the wrong thing, and exit 0), and ``gpus_at_least N``:
+# NGPU set to this machine's CUDA GPUs, else (fewer than N) an error before anything runs (on a CPU machine a
+# script's steps used to fail one by one, or fall into a dry run, and the script exited 0).
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 check_words() {
     local name=$1 noun=$2 known=$3 word
@@ -15,4 +17,11 @@ check_words() {
             exit 2
         fi
     done
+}
+gpus_at_least() {
+    NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+    if (( NGPU < $1 )); then
+        echo "$(basename "$0"): needs $1 or more CUDA GPUs, this machine has $NGPU" >&2
+        exit 2
+    fi
 }

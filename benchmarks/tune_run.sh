@@ -17,13 +17,13 @@ SETTING=${SETTING:-nvlink}; OPS=${OPS-all_reduce,reduce_scatter,all_gather}
 [[ $SETTING == nvlink || $SETTING == pcie-like ]] || {
     echo "tune_run.sh: SETTING is nvlink or pcie-like, got '$SETTING'" >&2; exit 2; }
 [[ $SETTING == pcie-like ]] && PATHS=${PATHS:-nccl} || PATHS=${PATHS:-nccl p2p}
-STEPS=${STEPS:-bw validate bench auto tests}; AUTO_SHAPES=${AUTO_SHAPES-}; TESTS=${TESTS-}
+STEPS=${STEPS-bw validate bench auto tests}; AUTO_SHAPES=${AUTO_SHAPES-}; TESTS=${TESTS-}
 KNOWN_STEPS="bw validate bench auto tests"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 check_words PATHS path "nccl p2p"  # PATHS=" " or a misspelt path would skip bw and validate, or fail in each
 [[ $SETTING == pcie-like ]] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
 prefix=""; [[ $SETTING == pcie-like ]] && prefix="NCCL_P2P_DISABLE=1 "
-NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+gpus_at_least 2  # sets NGPU
 gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
 t="torchrun --nproc-per-node $NGPU -m flashoverlap"
 v="torchrun --nproc-per-node $NGPU -m benchmarks.model_check"  # the model check (the harness's)

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"device_run.sh": [], "head_run.sh": ["nvlink"], "one_gpu_run.sh": [], "tune_run.sh": []}
@@ -23,7 +24,8 @@ def _run(script: str, args: list[str], steps: str, out: Path) -> subprocess.Comp
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_misspelt_or_empty_step_list_is_an_error_before_anything_runs(script, tmp_path):
-    for steps, said in (("tests tsets", "unknown step 'tsets'"), (" ", "STEPS names no step")):
+    for steps, said in (("tests tsets", "unknown step 'tsets'"), (" ", "STEPS names no step"),
+                        ("", "STEPS names no step")):
         out = tmp_path / steps.strip().replace(" ", "-")
         result = _run(script, SCRIPTS[script], steps, out)
         assert result.returncode == 2, (script, result.stdout, result.stderr)
@@ -60,3 +62,23 @@ def test_a_misspelt_setting_or_mode_is_an_error_before_anything_runs(script, env
     assert result.returncode == 2 and said in result.stderr, (result.stdout, result.stderr)
     assert not any((tmp_path / "out").rglob("*.*"))
 
+
+
+GPUS = {"device_run.sh": 2, "head_run.sh": 2, "one_gpu_run.sh": 1, "tune_run.sh": 2, "final_run.sh": 2,
+        "fp8_two_gpu_run.sh": 2, "device_check.sh tests": 2}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA GPUs gets")
+@pytest.mark.parametrize("script", GPUS)
+def test_a_machine_without_the_gpus_a_script_needs_is_told_so_before_anything_runs(script, tmp_path):
+    """Every device script counts the GPUs first: on a CPU machine its steps used to fail one by one (or, the fp8
+    grid, fall into a dry run written under the GPU results' name) and the script exited 0."""
+    name, *args = script.split()
+    args = args or SCRIPTS.get(name, [])
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SETTING": "nvlink", "SETTINGS": "nvlink"}
+    env.pop("STEPS", None)  # each script's default steps
+    result = subprocess.run(["bash", f"benchmarks/{name}", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert f"{name}: needs {GPUS[script]} or more CUDA GPUs, this machine has 0" in result.stderr
+    assert not any((tmp_path / "out").rglob("*.*"))

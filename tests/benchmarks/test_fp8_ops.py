@@ -102,3 +102,16 @@ def _mismatch(rank, world):
 
 def test_a_wrong_result_fails_loudly():
     assert spawn(_mismatch, 2) == [True, True]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA GPUs gets")
+def test_without_cuda_and_without_dry_run_it_refuses_instead_of_a_dry_run_under_the_gpu_name(monkeypatch):
+    """It used to fall into a dry run without CUDA and write it where the two-GPU results go (the device script
+    then exited 0): a dry run is asked for by name."""
+    import benchmarks.fp8_ops as bench
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--out", "never.json"])
+    assert "needs 2 CUDA GPUs, one per rank, found none" in str(stop.value) and "--dry-run" in str(stop.value)
