@@ -208,22 +208,31 @@ def replay_counts(device: torch.device) -> dict:
     return counts
 
 
+def parse_args(argv: list[str] | None = None):
+    """The command line, checked before the GPU is looked for: a misspelt option or value is a usage error (the
+    options were read by hand, and a misspelt one ran every case)."""
+    import argparse
+
+    from flashoverlap.cli import names_of
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_bound", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("out", nargs="?", default=None, help="results JSON (none: the rows are printed only)")
+    p.add_argument("--quick", action="store_true", help="one shape per op")
+    p.add_argument("--shapes", choices=("all", "llama", "grid"), default="all")
+    p.add_argument("--dtypes", type=names_of(("bfloat16", "fp8-row"), "dtype"), default=("bfloat16", "fp8-row"),
+                   help="bfloat16 and/or fp8-row, comma-separated")
+    p.add_argument("--ops", type=names_of(OPS, "op"), default=OPS, help="some of " + ",".join(OPS))
+    return p.parse_args(argv)
+
+
 def main() -> None:
     from benchmarks.diagnostics.results_file import require_cuda, results_meta
 
-    if {"-h", "--help"} & set(sys.argv[1:]):
-        print(__doc__)
-        return
+    parsed = parse_args()
     require_cuda("benchmarks.host_bound", per_rank="LOCAL_RANK" in os.environ)
-    args = [x for x in sys.argv[1:] if not x.startswith("--")]
-    quick = "--quick" in sys.argv
-    options = dict(x[2:].split("=", 1) for x in sys.argv[1:] if x.startswith("--") and "=" in x)
-    shapes = options.get("shapes", "all")
-    dtypes = tuple(options.get("dtypes", "bfloat16,fp8-row").split(","))
-    ops = tuple(options.get("ops", ",".join(OPS)).split(","))
-    if shapes not in ("all", "llama", "grid") or not set(dtypes) <= {"bfloat16", "fp8-row"} or not set(ops) <= set(OPS):
-        raise SystemExit("benchmarks.host_bound: --shapes= all, llama or grid; --dtypes= bfloat16 and/or fp8-row; "
-                         "--ops= some of " + ",".join(OPS))
+    args = [parsed.out] if parsed.out else []
+    quick, shapes, dtypes, ops = parsed.quick, parsed.shapes, tuple(parsed.dtypes), tuple(parsed.ops)
     launched = "LOCAL_RANK" in os.environ  # under torchrun: W ranks, one GPU each
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local)

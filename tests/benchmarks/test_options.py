@@ -123,3 +123,27 @@ def test_one_fault_scenario_with_no_faults_is_a_usage_error(tmp_path):
     assert result.returncode == 2 and "--fault runs one fault scenario and --skip-faults runs none" in result.stderr, \
         result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,said", [(["--quik"], "unrecognized arguments: --quik"),
+                                       (["--shape=llama"], "unrecognized arguments: --shape=llama"),
+                                       (["--shapes=lama"], "invalid choice: 'lama'"),
+                                       (["--dtypes=bfloat16,fp8"], "unknown dtype fp8"),
+                                       (["--ops=all_reduce,gather"], "unknown op gather")])
+def test_host_bound_refuses_a_misspelt_option_or_value_before_the_gpu_is_asked_for(capsys, argv, said):
+    """Its options were read by hand: a misspelt key (``--shape=``, ``--quik``) was ignored and every case ran."""
+    from benchmarks import host_bound
+
+    with pytest.raises(SystemExit) as stop:
+        host_bound.parse_args(["out.json", *argv])
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_host_bound_takes_its_documented_forms():
+    from benchmarks import host_bound
+
+    args = host_bound.parse_args(["o.json", "--shapes=llama", "--dtypes=bfloat16", "--quick"])
+    assert (args.out, args.shapes, list(args.dtypes), args.quick, tuple(args.ops)) == \
+        ("o.json", "llama", ["bfloat16"], True, host_bound.OPS)
+    args = host_bound.parse_args(["--shapes", "grid", "--ops", "all_gather", "o.json"])
+    assert (args.out, args.shapes, args.ops) == ("o.json", "grid", ["all_gather"])
