@@ -1,5 +1,5 @@
 """``torchrun --nproc-per-node 2 -m benchmarks.fp8_ops`` (from the root of a source checkout, ``PYTHONPATH=src:.``):
-the fp8 ops at the bf16 grid's shapes (docs/benchmarks.md, /work/shared/BENCHMARK.md "fp8"), in each scaling mode
+the fp8 ops at the bf16 grid's shapes (docs/benchmarks.md, "fp8"), in each scaling mode
 (tensor-wise, row-wise, block-wise 1x128 / 128x128), beside the plain PyTorch code they replace.
 
 Per op, shape and scaling, timed side by side (``flashoverlap.tune.timing.time_side_by_side``: CUDA events, each call

@@ -43,7 +43,9 @@ MEASURES = {"cpu-install": ("pyproject.toml",), "mutations": ("src/flashoverlap"
             "reliability": ("src/flashoverlap", "benchmarks/reliability.py")}
 # Commands a results file records that have moved since (recorded prefix: the one that runs it now). The record is a
 # measurement's and stays as it is; its source line names the current command beside it (``_command``).
-MOVED = {"python -m flashoverlap.bench.moe_gemm": "python -m benchmarks.moe_gemm"}
+MOVED = {"python -m flashoverlap.bench.moe_gemm": "python -m benchmarks.moe_gemm",
+         "torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py":
+             "torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_sub_bands"}
 # Marks a note that git could not confirm or deny (inside a fresh rendering only, never written to a document).
 UNSURE = "\x00"
 
@@ -92,7 +94,7 @@ def _command(recorded: str) -> str:
     recorded = recorded.strip()
     for old, now in MOVED.items():
         if recorded == old or recorded.startswith(old + " "):
-            return f"`{recorded}` (as recorded; the module has moved: `{now}{recorded[len(old):]}` runs it now)"
+            return f"`{recorded}` (as recorded; it has moved: `{now}{recorded[len(old):]}` runs it now)"
     return f"`{recorded}`"
 
 
@@ -259,8 +261,9 @@ def sub_band_table(path: str) -> str:
     for row in data["rows"]:
         cells = " | ".join(_e(row["E"].get(str(s))) for s in counts)
         lines.append(f"| {OPS[row['op']]} | {row['M']}, {row['N']}, {row['K']} | {cells} | {_e(row['E_async_tp'])} |")
+    recorded = _command("torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py")  # the file has none
     return "\n".join(lines) + f"\n\n<sub>Source: `{path}` (commit `{str(data['commit'])[:10]}`" \
-        f"{stale_note(data['commit'])}): `torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py`.</sub>"
+        f"{stale_note(data['commit'])}): {recorded}.</sub>"
 
 
 def paths_table(path: str) -> str:
@@ -899,6 +902,12 @@ def fp8_block(pattern: str) -> str:
 
     return _per_file(pattern, table)
 
+def timeline_sources(*paths: str) -> str:
+    """The source line of each timeline picture's data (``benchmarks/harness/timeline.py`` draws the picture from it):
+    where and at which commit it was measured, and whether the code has changed since."""
+    return "\n\n".join(_source(path, _load(path)) for path in paths)
+
+
 RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-range": e_range,
              "host-ratio-range": host_ratio_range,
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
@@ -908,7 +917,8 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,
              "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound,
              "fp8-grouped": fp8_grouped, "shared-ranks": shared_ranks, "soak": soak, "faults": faults,
-             "host-shared": host_shared, "fp8-moe-host": fp8_moe_host, "cpu-nccl-host": cpu_nccl_host}
+             "host-shared": host_shared, "fp8-moe-host": fp8_moe_host, "cpu-nccl-host": cpu_nccl_host,
+             "timeline-sources": timeline_sources}
 
 
 def render(spec: str) -> str:

@@ -70,6 +70,8 @@ def test_the_fp8_ops_autograd_and_install_statements_agree():
     assert "take no part in autograd" in scaled_ops.__doc__
     assert "all but the fp8\nops have autograd" in README or "all but the fp8 ops have autograd" in README
     assert "take no part in autograd" in _section(USAGE, "## fp8")
+    for text in (scaled_ops.__doc__, _section(USAGE, "## fp8")):  # and what a gradient-needing operand gets
+        assert "requires grad raises, naming it" in " ".join(text.split())
     for text in (README, USAGE):
         assert "pip install flashoverlap[" not in text  # the package index does not serve flashoverlap
 

@@ -138,6 +138,11 @@ def _errors(rank, world):
         (dict(x=xq, w=w_up, scale_x=xs[:, :1].expand(-1, 2), scale_w=s_up), r"scale_x must be float32 \[\d+, 1\]"),
         (dict(x=xq, w=w_up, scale_x=xs, scale_w=s_up[:, :, None]), r"scale_w must be float32 \[2, 2, 2\]"),
         (dict(x=x.double(), w=w_up, scale_x=None, scale_w=s_up), "x must be a 2-D bfloat16, float16 or float32"),
+        # torch's grouped fp8 kernel (and the DeepEP/torchao formats) take e4m3: e5m2 is refused, not run by one way
+        # and failing in another after the rows were sent.
+        (dict(x=xq.to(torch.float8_e5m2), w=w_up, scale_x=xs, scale_w=s_up),
+         "x must be float8_e4m3fn in an fp8 call .*got torch.float8_e5m2: quantise to float8_e4m3fn"),
+        (dict(x=xq, w=w_up.to(torch.float8_e5m2), scale_x=xs, scale_w=s_up), "w_up must be float8_e4m3fn"),
         # The fp8 ops record no autograd: a gradient that would silently never come is refused.
         (dict(x=x.float().requires_grad_(), w=w_up, scale_x=None, scale_w=s_up), "x requires grad"),
     ]

@@ -115,12 +115,19 @@ def _bad(rank, world):
         (dict(a=a[:, :200], b=b[:200], scale_a=torch.ones(4, 2), scale_b=torch.ones(2, 1)), "multiple of 128"),
         (dict(out_dtype=torch.float16), "out_dtype must be"),
         (dict(bias=torch.zeros(16)), "bias must be"),
+        # The fp8 ops record no autograd: a gradient that would silently never come (or come only partly, through
+        # the bias and scales without the collective) is refused, naming the operand.
+        (dict(bias=torch.zeros(16, dtype=torch.bfloat16, requires_grad=True)), "bias requires grad"),
+        (dict(scale_a=sa.clone().requires_grad_()), "scale_a requires grad, but the fp8 ops record no autograd"),
     ]
     for change, message in cases:
         args = dict(a=a, b=b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, bias=None) | change
         with pytest.raises((ValueError, TypeError), match=message):
             fo.scaled_gemm_all_reduce(args["a"], args["b"], args["scale_a"], args["scale_b"],
                                       out_dtype=args["out_dtype"], bias=args["bias"])
+    with torch.no_grad():  # inference: the same operands run
+        bias = torch.zeros(16, dtype=torch.bfloat16, requires_grad=True)
+        assert fo.scaled_gemm_all_reduce(a, b, sa, sb, bias=bias).shape == (4, 16)
     return True
 
 

@@ -13,7 +13,7 @@ What it does not do: torch's watchdog does not see these calls (a hang in one is
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING``: the debug deadline of ``FLASHOVERLAP_DEBUG_TIMEOUT`` bounds the counter waits
 before them), and ``TORCH_NCCL_*`` tracing does not record them. ``for_group`` returns None (the caller then uses
 ``torch.distributed``) wherever the binding cannot apply: no ``_comm_ptr`` in this torch, the communicator not made
-yet, no ``libnccl`` loaded in the process, a dtype NCCL lacks, or ``FLASHOVERLAP_DIRECT_NCCL=0``.
+yet, no ``libnccl`` loaded in the process, or a dtype NCCL lacks.
 """
 
 from __future__ import annotations

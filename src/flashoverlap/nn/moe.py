@@ -21,7 +21,8 @@ fp8 MoE training recipe through the fp8 expert ops (the forward GEMMs and both b
 fp8 with power-of-2 row-wise scales, the rows dispatched as fp8 with their scales, gradients bf16). ``fp8="block"``:
 inference with one scale per 128x128 block of the weights and per 1x128 block of the rows, cast at each call (a call
 that needs gradients raises). Expert weights converted by torchao's MoE training conversion
-(``torchao.quantization.quantize_(layer, Float8TrainingOpConfig())``) run ``fp8="row"`` whatever ``fp8`` says.
+(``torchao.quantization.quantize_(layer, Float8TrainingOpConfig())``) run ``fp8="row"`` with ``fp8=None`` or
+``"row"``; ``fp8="block"`` with them raises (their recipe is row-wise).
 
 The gate is replicated: with data parallelism over the expert group, its gradient is summed by the data-parallel
 reduction like any replicated parameter.

@@ -53,6 +53,17 @@ def needed(name: str, tensors: tuple, plan: Plan | None = None) -> bool:
     return grad or torch.compiler.is_compiling()
 
 
+def refuse_grad(name: str, named: tuple, advice: str) -> None:
+    """The fp8 ops record no autograd: with grad enabled, an operand among ``named`` (``(argument, tensor)`` pairs)
+    that requires grad raises, naming it, rather than a result whose gradient would silently never come
+    (``advice``: what to do instead)."""
+    if torch.is_grad_enabled():
+        for arg, t in named:
+            if getattr(t, "requires_grad", False):
+                raise ValueError(f"{name}: {arg} requires grad, but the fp8 ops record no autograd (its gradient "
+                                 f"would never come): {advice}")
+
+
 def _world(name: str) -> int:
     return dist.get_world_size(_resolve_process_group(name))
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from flashoverlap.comm.expert import Layout, check_out
 from flashoverlap.comm.expert.scaled import FP8, ExpertScales, mode_of_weight_scales, quantise
 from flashoverlap.ops import moe_library
-from flashoverlap.ops.library import group_name, needed
+from flashoverlap.ops.library import group_name, needed, refuse_grad
 from flashoverlap.runtime import experts
 from flashoverlap.runtime.calls import execute
 from flashoverlap.runtime.checks import DTYPES
@@ -120,7 +120,7 @@ def moe_dispatch_gemm(
         scale_x: fp8 ``x``'s fp32 scales, ``[T, 1]`` (row-wise) or ``[T, H/128]`` (block-wise); None for a
             bf16/fp16/fp32 ``x`` (quantised here where the weights are fp8).
         scale_w: fp8 ``w_up``'s fp32 scales: ``[L, N]`` (row-wise) or ``[L, H/128, ceil(N/128)]`` (block-wise).
-        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32``.
+        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32`` (not on the P2P path).
 
     Returns:
         ``h: [R, N]`` in x's dtype (fp8: ``out_dtype``): the received rows' products, grouped by (source rank, local
@@ -174,7 +174,7 @@ def moe_gemm_combine(
         scale_a: fp8 ``a``'s fp32 scales, ``[R, 1]`` or ``[R, F/128]``; None for a bf16/fp16/fp32 ``a`` (quantised
             here where the weights are fp8).
         scale_w: fp8 ``w_down``'s fp32 scales: ``[L, H]`` (row-wise) or ``[L, F/128, ceil(H/128)]`` (block-wise).
-        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32``.
+        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32`` (not on the P2P path).
 
     Returns:
         ``y: [T, H]`` in a's dtype (fp8: ``out_dtype``), in this rank's token order (``out`` where given).
@@ -244,12 +244,9 @@ def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_
                          f"{list(getattr(scale_w, 'shape', []))}")
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"{name}: {rows_name} must be a torch.Tensor, got {type(rows).__name__}")
-    if torch.is_grad_enabled():
-        for arg, t in ((rows_name, rows), (w_name, w), (scale_name, scale_rows), ("scale_w", scale_w), *others):
-            if getattr(t, "requires_grad", False):
-                raise ValueError(f"{name}: {arg} requires grad, but the fp8 expert ops record no autograd (its "
-                                 "gradient would never come): call under torch.no_grad() for inference, or train "
-                                 "with flashoverlap.nn.ExpertParallelMLP(fp8='row'), which defines the backward")
+    refuse_grad(name, ((rows_name, rows), (w_name, w), (scale_name, scale_rows), ("scale_w", scale_w), *others),
+                "call under torch.no_grad() for inference, or train with "
+                "flashoverlap.nn.ExpertParallelMLP(fp8='row'), which defines the backward")
     if fp8_rows:
         if scale_rows is None:
             raise ValueError(f"{name}: fp8 {rows_name} needs {scale_name} (float32 [rows, 1] row-wise, or "

@@ -8,7 +8,8 @@ whose shapes say the mode (tensor-wise, row-wise, block-wise 1x128 / 128x128), o
 optional bias ``[N]`` in the output dtype, added by each rank's product as ``_scaled_mm(..., bias=bias)`` would
 (for a row-parallel layer pass it on one rank). Registered as ``torch.ops.flashoverlap.scaled_*`` with fake
 implementations, so that ``torch.compile`` traces them; they take no part in autograd themselves (the fp8 styles,
-``flashoverlap.nn.Float8*``, define the backward).
+``flashoverlap.nn.Float8*``, define the backward): with grad enabled, an operand that requires grad raises, naming
+it (``ops/library.refuse_grad``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap.comm.scaled import BLOCK, Scales
-from flashoverlap.ops.library import _group, _world, group_name
+from flashoverlap.ops.library import _group, _world, group_name, refuse_grad
 from flashoverlap.plan import Plan
 from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
@@ -97,6 +98,11 @@ def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torc
             return c, (a_full, scale_full)
         custom = ops.scaled_gemm_all_reduce if op == "all_reduce" else ops.scaled_gemm_reduce_scatter
         return custom(a, b, scale_a, scale_b, group_name(group), out_dtype, bias, path), None
+    refuse_grad(name, (("a_shard" if op == "all_gather" else "a", a), ("b", b),
+                       ("scale_a_shard" if op == "all_gather" else "scale_a", scale_a), ("scale_b", scale_b),
+                       ("bias", bias)),
+                "call under torch.no_grad(), or train with the fp8 styles (flashoverlap.nn.Float8*), which define "
+                "the backward")
     spec = GemmSpec(name, op, a, b, group, plan, path, return_gathered,
                     scales=Scales.of(scale_a, scale_b, out_dtype, bias, b.shape[-1] if isinstance(b, torch.Tensor)
                                      and b.ndim == 2 else None))

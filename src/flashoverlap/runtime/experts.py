@@ -262,9 +262,10 @@ def _check_operands(spec: ExpertSpec) -> None:
         if t.ndim != dims:
             raise ValueError(f"{name}: {arg} must be {dims}-D, got shape {list(t.shape)}")
         fp8 = scales is not None and (t is b or scales.a is not None)  # else rows the call quantises (``wired``)
-        if fp8 and t.dtype not in FP8:
-            raise ValueError(f"{name}: {arg} must be float8_e4m3fn or float8_e5m2 in an fp8 call (scales given), "
-                             f"got {t.dtype}")
+        if fp8 and t.dtype is not torch.float8_e4m3fn:  # torch's grouped fp8 kernel multiplies e4m3 only
+            hint = ": quantise to float8_e4m3fn, as DeepEP and torchao's MoE training do" \
+                if t.dtype is torch.float8_e5m2 else ""
+            raise ValueError(f"{name}: {arg} must be float8_e4m3fn in an fp8 call (scales given), got {t.dtype}{hint}")
         if not fp8 and t.dtype not in DTYPES:
             hint = f" (fp8: pass its scales, scale_{'w' if t is b else rows_name})" if t.dtype in FP8 else ""
             raise ValueError(f"{name}: {arg} must be bfloat16, float16 or float32, got {t.dtype}{hint}")
