@@ -595,6 +595,35 @@ MUTATIONS = [
      "kernel is launched on the caller's stream (the collectives would no longer wait for their group)", NCCL,
      "with contextlib.nullcontext() if direct and not in_graph else", "with contextlib.nullcontext() if direct else",
      NCCL_TEST + "::test_a_captured_call_waits_on_counters_with_the_wait_kernel"),
+    ("expert-agreement-without-out-dtype", "expert ops: ranks whose fp8 combine outputs differ in dtype agree (the "
+     "row leaves out_dtype out): gloo aborts the process", "src/flashoverlap/runtime/experts.py",
+     "                  0 if spec.scales is None else DTYPE_CODES[spec.scales.out_dtype]]", "                  0]",
+     "tests/moe/test_fp8_moe_ops.py::test_fp8_errors_name_the_argument_before_anything_is_sent"),
+    ("agreement-values-by-code", "agreement: the values that differ shown by their codes, not their names",
+     "src/flashoverlap/runtime/agreement.py", "    return field[1][code]\n", "    return str(code)\n",
+     DISAGREE_TEST + " tests/moe/test_moe_errors.py"),
+    ("fp8-ops-take-operands-that-require-grad", "fp8 ops: an operand that requires grad runs (partial gradients "
+     "through the bias and scales, none through the collective)", "src/flashoverlap/ops/library.py",
+     "            if getattr(t, \"requires_grad\", False):\n                raise ValueError(f\"{name}: {arg} requires grad",
+     "            if False:\n                raise ValueError(f\"{name}: {arg} requires grad",
+     "tests/ops/test_scaled.py::test_bad_input_is_named_before_anything_is_sent"),
+    ("fp8-scales-not-tensors-in-the-signature", "fp8 ops: a Python float scale reaches the call's signature (an "
+     "AttributeError naming nothing)", CALLS,
+     "            return None  # not cacheable: the first call's checks", "            pass  # not cacheable: the first call's checks",
+     "tests/ops/test_scaled.py::test_bad_input_is_named_before_anything_is_sent"),
+    ("expert-ops-take-e5m2", "expert ops: e5m2 rows or weights run (torch's grouped fp8 kernel refuses them mid-call)",
+     "src/flashoverlap/runtime/experts.py", "if fp8 and t.dtype is not torch.float8_e4m3fn:",
+     "if fp8 and t.dtype not in FP8:",
+     "tests/moe/test_fp8_moe_ops.py::test_fp8_errors_name_the_argument_before_anything_is_sent"),
+    ("moe-routing-infers-k-from-no-tokens", "nn: a rank with no tokens routed by the gate (reshape to [0, -1] fails)",
+     "src/flashoverlap/nn/moe.py", "route(logits.reshape(rows.shape[0], logits.shape[-1]),",
+     "route(logits.reshape(rows.shape[0], -1),",
+     "tests/moe/test_moe_nn.py::test_a_rank_without_tokens_routes_by_the_gate"),
+    ("non-member-group-unnamed", "a rank outside a group passes new_group's NON_GROUP_MEMBER: a type error that "
+     "does not say it is not a member", "src/flashoverlap/runtime/checks.py",
+     "    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:",
+     "    if False:",
+     "tests/ops/test_errors.py::test_a_rank_outside_the_group_is_told_so_and_num_experts_takes_any_integer"),
 ]
 
 

@@ -161,6 +161,13 @@ def _errors(rank, world):
                             scale_a=torch.ones(layout.recv_rows, 1), scale_w=s_down)
     # Nothing was sent: the ranks still agree on the next call.
     h = fo.moe_dispatch_gemm(xq, w_up, layout, scale_x=xs, scale_w=s_up)
+    # Ranks whose combine outputs differ in dtype would send rows of other widths (gloo aborts the process): every
+    # rank raises first, naming out_dtype by its values (no switch set: the call's first).
+    out_dtype = (torch.bfloat16, torch.float32)[rank]
+    names = ("bfloat16", "float32")
+    with pytest.raises(ValueError, match=rf"disagree on out_dtype \({names[rank]} here, {names[1 - rank]} on rank"):
+        fo.moe_gemm_combine(a.to(fc.FP8), w_down, p["router"][rank].detach(), layout,
+                            scale_a=torch.ones(layout.recv_rows, 1), scale_w=s_down, out_dtype=out_dtype)
     return h.shape[0]
 
 

@@ -138,10 +138,13 @@ def _debug_errors(rank, world):
         _raises(ValueError, "the ranks' layouts disagree .*rank 0 sends rank 1 other counts than rank 1 expects",
                 fo.moe_dispatch_gemm, p["x"][rank], w_up, layouts[rank])
         x = p["x"][rank] if rank == 0 else p["x"][rank].half()
-        _raises(ValueError, rf"the ranks disagree on dtype \(\d+ here, \d+ on rank {1 - rank}\)", fo.moe_dispatch_gemm,
-                x, w_up.to(x.dtype), layouts[0])
-        _raises(ValueError, rf"the ranks disagree on path \(\d+ here, \d+ on rank {1 - rank}\)", fo.moe_dispatch_gemm,
-                p["x"][rank], w_up, layouts[0], path=("auto", "reference")[rank])
+        dtypes = ("float32", "float16")  # the values named, not their codes
+        mine, theirs = dtypes[rank], dtypes[1 - rank]
+        _raises(ValueError, rf"the ranks disagree on dtype \({mine} here, {theirs} on rank {1 - rank}\)",
+                fo.moe_dispatch_gemm, x, w_up.to(x.dtype), layouts[0])
+        paths = ("auto", "reference")
+        _raises(ValueError, rf"the ranks disagree on path \({paths[rank]} here, {paths[1 - rank]} on rank {1 - rank}\)",
+                fo.moe_dispatch_gemm, p["x"][rank], w_up, layouts[0], path=paths[rank])
         # Each rank's x and w_up agree, but rank 1's hidden size is not rank 0's.
         width = cases.H - rank
         _raises(ValueError, rf"hidden size H \({width} here, {cases.H - 1 + rank} on rank {1 - rank}\)",

@@ -65,6 +65,28 @@ def test_from_moe_block_matches_the_plain_block(ranks):
     ranks(2).run(_from_moe_block, "float32")
 
 
+def _rank_without_tokens(rank, world):
+    """Rank 1 has no tokens (``x [0, H]``, as a rank of an uneven batch may): routed by the layer's gate and by
+    logits, and the plain block on no rows; the other rank's output is the block's."""
+    from flashoverlap.nn import ExpertParallelMLP
+
+    block, x, _ = _block_and_inputs(world, torch.float32)
+    x_r = x[rank] if rank == 0 else x[rank][:0]
+    assert block(x[rank][:0]).shape == (0, H)  # the plain block on no rows (it reshaped [0, -1])
+    for mode in ("exact", "bounded"):
+        layer = ExpertParallelMLP.from_moe_block(block, mode=mode, bound=T * K if mode == "bounded" else None)
+        with torch.no_grad():
+            for y in (layer(x_r), layer(x_r, logits=block.gate(x_r))):
+                assert y.shape == x_r.shape, (mode, y.shape)
+                if rank == 0:
+                    close(f"{mode}: y", y, block(x_r), torch.float32)
+    return True
+
+
+def test_a_rank_without_tokens_routes_by_the_gate(ranks):
+    ranks(2).run(_rank_without_tokens)
+
+
 def _compiled(rank, world):
     from torch._dynamo.backends.registry import lookup_backend
 

@@ -185,3 +185,29 @@ def test_float32_runs_any_plan_on_the_reference_path_but_no_overlapped_one_on_cu
     with pytest.raises(ValueError, match="path='nccl' needs CUDA tensors"):
         fo.gemm_all_reduce(a, b, plan=plan, path="nccl")
     # On CUDA the rule is the policy's (tests/runtime/test_policy.py): float32 runs only sequential plans there.
+
+
+def _outside_the_group(rank, world):
+    """Rank 2 is outside ``new_group([0, 1])`` and passes what ``new_group`` returned there; ranks 0 and 1 use the
+    group. ``moe_layout``'s num_experts as a 0-d integer tensor is the int it holds."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    if rank == 2:
+        for call in (lambda: fo.gemm_all_reduce(a, b, group),
+                     lambda: fo.moe_layout(torch.zeros(3, 1, dtype=torch.long), 2, group)):
+            with pytest.raises(ValueError, match=r"this rank \(global 2\) is not a member of group \(dist.new_group"):
+                call()
+        return "refused"
+    layout = fo.moe_layout(torch.zeros(3, 1, dtype=torch.long), torch.tensor(2), group)
+    assert layout.experts == 2 and isinstance(layout.experts, int)
+    with pytest.raises(TypeError, match="num_experts must be an int, got float 2.0"):
+        fo.moe_layout(torch.zeros(3, 1, dtype=torch.long), 2.0, group)
+    return tuple(fo.gemm_all_reduce(a, b, group).shape)
+
+
+def test_a_rank_outside_the_group_is_told_so_and_num_experts_takes_any_integer():
+    from flashoverlap.testing import spawn
+
+    assert spawn(_outside_the_group, 3) == [(4, 6), (4, 6), "refused"]

@@ -119,6 +119,10 @@ def _bad(rank, world):
         # the bias and scales without the collective) is refused, naming the operand.
         (dict(bias=torch.zeros(16, dtype=torch.bfloat16, requires_grad=True)), "bias requires grad"),
         (dict(scale_a=sa.clone().requires_grad_()), "scale_a requires grad, but the fp8 ops record no autograd"),
+        # Scales that are not tensors are named, not met by an AttributeError of the call's signature.
+        (dict(scale_a=1.0), "scale_a must be a torch.Tensor, got float"),
+        (dict(scale_a=None), "scale_a must be a torch.Tensor, got NoneType"),
+        (dict(scale_b=2), "scale_b must be a torch.Tensor, got int"),
     ]
     for change, message in cases:
         args = dict(a=a, b=b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, bias=None) | change

@@ -6,6 +6,7 @@ Then the group is still usable, and a repeated call exchanges nothing (the agree
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -109,6 +110,11 @@ def _received(fo, idx: torch.Tensor, experts: int) -> int:
     return fo.moe_layout(idx, experts).recv_rows
 
 
+NAMED_VALUES = {"dtype of a and b": {"bfloat16", "float16"}, "path": {"auto", "reference"},
+                "scaling (the scales' shapes)": {"tensor", "row"}, "out_dtype": {"bfloat16", "float32"},
+                "fp8 scaling": {"row", "block"}}
+
+
 def _disagreeing(rank: int, world: int):
     import flashoverlap as fo
     from flashoverlap import settings
@@ -127,6 +133,9 @@ def _disagreeing(rank: int, world: int):
             text = str(exc)
             assert text.startswith(f"{op}: rank {rank} of group"), text
             assert f"disagree on {argument} (" in text, text
+            if argument in NAMED_VALUES:  # a coded field's values by name, not by their codes
+                mine, theirs = re.search(rf"{re.escape(argument)} \((\S+) here, (\S+) on rank", text).groups()
+                assert {mine, theirs} <= NAMED_VALUES[argument] and mine != theirs, text
             assert f"ranks {others if rank == 0 else [0]} differ" in text, text
             named.append((op, argument))
         else:

@@ -81,8 +81,8 @@ class MoEBlock(nn.Module):
         rows = x.reshape(-1, self.hidden)
         if topk_idx is None:
             topk_idx, topk_weights = route(self.gate(rows), self.top_k, self.normalize)
-        topk_idx = topk_idx.reshape(rows.shape[0], -1)
-        topk_weights = topk_weights.reshape(rows.shape[0], -1)
+        topk_idx = topk_idx.reshape(rows.shape[0], topk_idx.shape[-1])  # [..., k] -> [T, k], T may be 0
+        topk_weights = topk_weights.reshape(rows.shape[0], topk_weights.shape[-1])
         out = torch.zeros_like(rows, dtype=torch.float32)
         for e, expert in enumerate(self.experts):
             token, choice = torch.nonzero(topk_idx == e, as_tuple=True)
@@ -193,7 +193,8 @@ class ExpertParallelMLP(nn.Module):
                     raise ValueError("ExpertParallelMLP: no routing given and the layer has no gate; pass "
                                      "topk_idx and topk_weights, or logits, or build it with gate=True")
                 logits = self.gate(rows)
-            topk_idx, topk_weights = route(logits.reshape(rows.shape[0], -1), self.top_k, self.normalize)
+            topk_idx, topk_weights = route(logits.reshape(rows.shape[0], logits.shape[-1]), self.top_k,
+                                           self.normalize)  # (a rank with no tokens has no -1 to infer)
         # [..., k] -> [T, k] (k from the last dimension: a rank with no tokens has no -1 to infer)
         return (rows, topk_idx.reshape(rows.shape[0], topk_idx.shape[-1]),
                 topk_weights.reshape(rows.shape[0], topk_weights.shape[-1]))

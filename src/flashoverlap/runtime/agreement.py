@@ -6,7 +6,9 @@ re-raised with the op, the group and how to turn the per-call check on.
 
 A call whose row the group agreed on before is not exchanged again (``once``): a repeated call pays nothing. What
 that cannot see: a rank that repeats an agreed call while another makes a new one (the first one skips the exchange
-the other makes); the per-call check sees that too."""
+the other makes: the other waits, bounded by ``AGREEMENT_TIMEOUT``), or ranks that each repeat a different agreed
+call (neither exchanges: where the bytes they move agree in size, the values are wrong). Seeing those needs an
+exchange on every call, which is the per-call check's (debug mode)."""
 
 from __future__ import annotations
 
@@ -31,16 +33,19 @@ HINT = ("set TORCH_DISTRIBUTED_DEBUG=DETAIL (or FLASHOVERLAP_DEBUG_TIMEOUT=<seco
         "and the ranks that differ")
 
 
-def agree(name: str, context: GroupContext, kind: str, fields: tuple[str, ...], row: list[int], timeout: float,
+Field = str | tuple[str, tuple[str, ...]]  # a row's field: its name, or its name and the names of its codes
+
+
+def agree(name: str, context: GroupContext, kind: str, fields: tuple, row: list[int], timeout: float,
           tail: torch.Tensor | None = None, once: bool = False) -> list[list[int]] | None:
-    """Every rank of the group makes the same call: ``row`` (ints, described by ``fields``) the same on every rank,
-    or every rank raises before any other collective or launch of the call, naming the fields that differ (the
-    arguments) and the ranks. ``tail``: int64 values the kind compares itself (a layout's counts); returns every
-    rank's tail, by rank, once the rows agree (None without one, or where nothing was exchanged). One or two small
-    all-gathers, each bounded by ``timeout``: a rank that never comes to the call makes the others raise, naming
-    the op and the group. ``once``: nothing is exchanged where the group agreed on ``row`` before (the check
-    without a switch: every rank of a group that makes the same calls has agreed on the same rows, so every rank
-    skips, or exchanges, alike)."""
+    """Every rank of the group makes the same call: ``row`` (ints, described by ``fields``: a name, or a name and
+    what each code stands for) the same on every rank, or every rank raises before any other collective or launch
+    of the call, naming the fields that differ (the arguments, their values shown by name) and the ranks. ``tail``:
+    int64 values the kind compares itself (a layout's counts); returns every rank's tail, by rank, once the rows agree
+    (None without one, or where nothing was exchanged). One or two small all-gathers, each bounded by ``timeout``: a
+    rank that never comes to the call makes the others raise, naming the op and the group. ``once``: nothing is
+    exchanged where the group agreed on ``row`` before (the check without a switch: every rank of a group that makes the
+    same calls has agreed on the same rows, so every rank skips, or exchanges, alike)."""
     key = (kind, *row)
     if once and key in context.agreed_rows:
         return None
@@ -57,7 +62,7 @@ def agree(name: str, context: GroupContext, kind: str, fields: tuple[str, ...], 
         if other[0] != header[0] or other[1] != length and other[2:] == rows[context.rank][2:]:
             what = ["the kind of call (another op, or the same op with other routing)"]
         else:
-            what = [f"{field} ({mine} here, {theirs} on rank {differ[0]})"
+            what = [f"{_name(field)} ({_value(field, mine)} here, {_value(field, theirs)} on rank {differ[0]})"
                     for field, mine, theirs in zip(fields, row, other[2:]) if mine != theirs] or ["the call"]
         raise ValueError(f"{name}: rank {context.rank} of {context.name}: the ranks disagree on {', '.join(what)}; "
                          f"ranks {differ} differ from this rank: every rank must make the same call with the same "
@@ -68,6 +73,17 @@ def agree(name: str, context: GroupContext, kind: str, fields: tuple[str, ...], 
         context.agreed_rows.clear()  # every rank forgets at the same call
     context.agreed_rows.add(key)
     return tails
+
+
+def _name(field: Field) -> str:
+    return field if isinstance(field, str) else field[0]
+
+
+def _value(field: Field, code: int) -> str:
+    """A row's value as the message shows it: by name where the field names its codes."""
+    if isinstance(field, str) or not 0 <= code < len(field[1]):
+        return str(code)
+    return field[1][code]
 
 
 def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: float) -> list[list[int]]:
@@ -147,7 +163,9 @@ def _late(name: str, context: GroupContext, arrival: tuple | None, timeout: floa
     if absent == []:
         return head + f"every rank reached the call, but its agreement exchange did not end within {timeout:g} s"
     return head + (f"{_who(absent)} did not reach the call within {timeout:g} s (the agreement check): skipped it, "
-                   "raised before it, is stuck elsewhere or died; the group is unusable now")
+                   "raised before it, is stuck elsewhere, made a call the group had agreed on before (a repeated "
+                   "call is not checked again unless TORCH_DISTRIBUTED_DEBUG=DETAIL), or died; the group is unusable "
+                   "now")
 
 
 @functools.lru_cache(maxsize=256)

@@ -24,7 +24,7 @@ from flashoverlap.comm.protocol import Call, Hook
 from flashoverlap.comm.scaled import Scales
 from flashoverlap.plan import OPS, Plan
 from flashoverlap.runtime import agreement, plans, policy
-from flashoverlap.runtime.checks import DTYPE_CODES, check_operands, check_scaled
+from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, check_operands, check_scaled
 from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context
 
 # What a resolved call holds: (communicator, plan, bare), where ``bare`` says the plan waits on nothing: no deadline
@@ -98,8 +98,9 @@ class GemmSpec:
     scales: Scales | None = None
 
 
-_GEMM_FIELDS = ("op", "a's rows M", "b's columns N", "K (a's columns, b's rows)", "dtype of a and b", "path", "plan",
-                "scaling (the scales' shapes)", "out_dtype")
+_GEMM_FIELDS = (("op", OPS), "a's rows M", "b's columns N", "K (a's columns, b's rows)",
+                ("dtype of a and b", DTYPE_NAMES), ("path", policy.CALL_PATHS), "plan (a digest; 0: none)",
+                ("scaling (the scales' shapes)", ("none", *Scales.MODES)), ("out_dtype", DTYPE_NAMES))
 
 
 class GemmKind:
@@ -123,6 +124,9 @@ class GemmKind:
         a, b, plan, group, scales = spec.a, spec.b, spec.plan, spec.group, spec.scales
         if type(a) is not torch.Tensor or type(b) is not torch.Tensor or (plan is not None and type(plan) is not Plan):
             return None
+        if scales is not None and (type(scales.a) is not torch.Tensor or type(scales.b) is not torch.Tensor
+                                   or scales.bias is not None and type(scales.bias) is not torch.Tensor):
+            return None  # not cacheable: the first call's checks name the argument (a Python float scale, say)
         return (spec.op, spec.name, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device,
                 group if group is not None or not dist.is_initialized() else dist.group.WORLD, plan, spec.path,
                 env.nccl_p2p_disabled, None if scales is None else scales.signature())

@@ -15,6 +15,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = scaled.FP8  # the fp8 operand dtypes, as the scaled products define them
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float32)
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES + FP8_DTYPES, start=1)}
+DTYPE_NAMES = ("none", *(str(dtype).removeprefix("torch.") for dtype in DTYPES + FP8_DTYPES))  # by code
 
 
 def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:
@@ -104,6 +105,9 @@ def check_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{op}: torch.distributed is not initialised; call dist.init_process_group() first")
     group = group if group is not None else dist.group.WORLD
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:  # dist.new_group, outside it
+        raise ValueError(f"{op}: this rank (global {dist.get_rank()}) is not a member of group (dist.new_group "
+                         "returned GroupMember.NON_GROUP_MEMBER here): call the op on the group's ranks only")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     if dist.get_rank(group) < 0:

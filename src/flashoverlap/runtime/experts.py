@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, chec
 from flashoverlap.comm.expert.scaled import FP8, ExpertScales, rows_dtype
 from flashoverlap.comm.protocol import Hook
 from flashoverlap.runtime import agreement, calls, policy
-from flashoverlap.runtime.checks import DTYPE_CODES, DTYPES
+from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, DTYPES
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
 from flashoverlap.tune import grouped, grouped_fp8
 
@@ -46,9 +47,12 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
                          f"{topk_idx.dtype} of shape {list(topk_idx.shape)}")
     if mode not in MODES:
         raise ValueError(f"{name}: mode must be one of {MODES}, got {mode!r}")
+    if isinstance(num_experts, bool) or not hasattr(type(num_experts), "__index__"):
+        raise TypeError(f"{name}: num_experts must be an int, got {type(num_experts).__name__} {num_experts!r}")
+    num_experts = operator.index(num_experts)  # a NumPy or 0-d torch integer as the int it holds
     context = group_context(name, group, topk_idx.device)
     world = context.world_size
-    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
+    if num_experts < 1 or num_experts % world:
         raise ValueError(f"{name}: num_experts must be a positive multiple of the group's {world} ranks (each "
                          f"holds num_experts / {world}), got {num_experts!r}")
     tokens, top_k = topk_idx.shape
@@ -70,7 +74,7 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
     every = env.agreement is not None  # debug mode: the ranks agree on every call, mode and bound included
     if not guards.capturing():  # else on the group's first layout of these experts and top-k (the mode and the
         # bound: expert_layout's own exchange checks them on every call)
-        header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * every, (bound or 0) * every, 0, 0, 0, 0, 0]
+        header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * every, (bound or 0) * every, 0, 0, 0, 0, 0, 0]
         agreement.agree(name, context, "expert", _FIELDS, header, env.agreement or settings.AGREEMENT_TIMEOUT,
                         once=not every)
     return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
@@ -143,7 +147,8 @@ class ExpertKind:
         header = [1 + ("dispatch", "combine").index(spec.op), routing.experts, hidden, ffn, routing.top_k,
                   MODES.index(routing.mode), routing.bound or 0, DTYPE_CODES[rows_dtype(a, spec.scales)],
                   policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted),
-                  0 if spec.scales is None else 1 + ("row", "block").index(spec.scales.mode)]
+                  0 if spec.scales is None else 1 + ("row", "block").index(spec.scales.mode),
+                  0 if spec.scales is None else DTYPE_CODES[spec.scales.out_dtype]]
         context = group_context(spec.name, spec.group, a.device)
         if routing.world_size != context.world_size:
             return  # a layout of another group: resolve raises the clear error
@@ -342,8 +347,10 @@ def _check_scale(name: str, arg: str, t: object, want: tuple, device: torch.devi
 
 
 # -- the agreement check: the ranks agree ------------------------------------------------------------------------
-_FIELDS = ("op", "num_experts", "hidden size H", "expert width F", "top-k", "mode", "bound", "dtype", "path",
-           "per_choice", "weighted", "fp8 scaling")
+_FIELDS = (("op", ("moe_layout", "dispatch", "combine")), "num_experts", "hidden size H", "expert width F", "top-k",
+           ("mode", MODES), "bound", ("dtype", DTYPE_NAMES), ("path", policy.EXPERT_PATHS),
+           ("per_choice", ("False", "True")), ("weighted", ("False", "True")),
+           ("fp8 scaling", ("none", "row", "block")), ("out_dtype", DTYPE_NAMES))
 
 
 def _check_counts(name: str, context: GroupContext, routing: Layout, rows: list[list[int]]) -> None:
