@@ -619,6 +619,10 @@ MUTATIONS = [
      "src/flashoverlap/nn/moe.py", "route(logits.reshape(rows.shape[0], logits.shape[-1]),",
      "route(logits.reshape(rows.shape[0], -1),",
      "tests/moe/test_moe_nn.py::test_a_rank_without_tokens_routes_by_the_gate"),
+    ("fp8-paired-k-steps-same-scale", "fp8 grouped GEMM, paired K steps: the second step of a pair scaled by the "
+     "first's block scales", GROUPED, "            + d1 * _step_scales(sx_ptrs, sw_ptrs, kk + 1,",
+     "            + d1 * _step_scales(sx_ptrs, sw_ptrs, kk,",
+     "tests/kernels/test_grouped_fp8.py::test_interpreted_paired_k_steps_give_the_same_products"),
     ("non-member-group-unnamed", "a rank outside a group passes new_group's NON_GROUP_MEMBER: a type error that "
      "does not say it is not a member", "src/flashoverlap/runtime/checks.py",
      "    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:",

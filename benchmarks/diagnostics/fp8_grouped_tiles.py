@@ -13,7 +13,8 @@ max relative difference; a tile off by more than 5e-2 is marked wrong and never 
 scaling, experts, rows, K, N, t_bf16_grouped_mm_ms, t_scaled_grouped_mm_ms, tiles: {name: {tile, t_ms, err, ok}},
 err_scaled_grouped_mm, best, t_best_ms, bf16_over_best, bf16_over_current (bf16's time over the tile's: above 1, the
 fp8 tile is faster)}. A diagnostic to choose the kernel's tile, not a library figure; the file is rewritten after
-every config. Run it alone in a device call (about 8 configs x 2 scalings x 10 tiles, each compiled once).
+every config. Run it alone in a device call (about 8 configs, 14 tiles block-wise and 10 row-wise, each compiled
+once).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import torch
 from benchmarks.diagnostics.fp8_grouped import CHUNKS, CONFIGS, FP8, config_names, timed
 from benchmarks.diagnostics.grouped_gemm_ways import rows_per_expert
 from benchmarks.diagnostics.results_file import require_cuda, results_meta
+from flashoverlap.cli import names_of
 from flashoverlap.comm.expert.scaled import ExpertScales, scaled_multiply
 from flashoverlap.tune.grouped import GroupedCall
 
-# (block_m, block_n, group_m, num_stages, num_warps, num_programs): block_k is 128 (one block-wise scale per K step).
-# num_programs 0: persistent, one program per SM (the current tile's launch); None: one program per tile.
+# (block_m, block_n, group_m, num_stages, num_warps, num_programs[, "pairs"]): block_k is 128 (one block-wise scale
+# per K step). num_programs 0: persistent, one program per SM (the current tile's launch); None: one program per
+# tile. "pairs": ``GroupedTile.pair_k`` (two K steps per iteration, block-wise only: row-wise runs skip them).
 TILES = {
     "current": None,  # the kernel's tile today for the scaling (``SCALED_TILE_ROW``, ``SCALED_TILE``)
     "128x128-s4": (128, 128, 8, 4, 8, 0),
@@ -46,6 +49,10 @@ TILES = {
     "64x256-s4": (64, 256, 8, 4, 8, 0),
     "128x128-s3-tiles": (128, 128, 8, 3, 8, None),
     "128x256-s3-tiles": (128, 256, 8, 3, 8, None),
+    "128x128-s3-pairs": (128, 128, 8, 3, 8, 0, "pairs"),
+    "128x128-s4-pairs": (128, 128, 8, 4, 8, 0, "pairs"),
+    "64x256-s4-pairs": (64, 256, 8, 4, 8, 0, "pairs"),
+    "128x128-s3-tiles-pairs": (128, 128, 8, 3, 8, None, "pairs"),
 }
 
 
@@ -55,8 +62,8 @@ def tile_of(spec: tuple | None, scaling: str = "block"):
 
     if spec is None:
         return SCALED_TILE_ROW if scaling == "row" else SCALED_TILE
-    block_m, block_n, group_m, stages, warps, programs = spec
-    return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs)
+    block_m, block_n, group_m, stages, warps, programs, *pairs = spec
+    return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs, pair_k=pairs == ["pairs"])
 
 
 def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, iters: int, seed: int = 0,
@@ -131,8 +138,10 @@ def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, i
             row["error_scaled_grouped_mm"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     for tile_name, spec in tiles.items():
         tile = tile_of(spec, scaling)
+        if tile.pair_k and scaling != "block":  # the row-wise kernel ignores it: the same kernel timed twice
+            continue
         entry = row["tiles"][tile_name] = {"tile": [tile.block_m, tile.block_n, tile.group_m, tile.num_stages,
-                                                    tile.num_warps, tile.num_programs]}
+                                                    tile.num_warps, tile.num_programs, tile.pair_k]}
         try:
             fn = ours(tile)
             out.fill_(float("nan"))
@@ -159,7 +168,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--only", type=config_names, default=None,
                         help="comma-separated config names (fp8_grouped.CONFIGS)")
-    parser.add_argument("--scalings", default="block,row")
+    parser.add_argument("--scalings", type=names_of(("block", "row"), "scaling"), default=["block", "row"],
+                        help="block and/or row, comma-separated")
     args = parser.parse_args()
     require_cuda("benchmarks.diagnostics.fp8_grouped_tiles")
     path = Path(args.out)
@@ -170,7 +180,12 @@ def main() -> None:
     for name, local, k, n, count, _ in CONFIGS:
         if args.only and name not in args.only:
             continue
-        for scaling in args.scalings.split(","):
+        for scaling in args.scalings:
+            if scaling == "block" and k % 128:  # refused by the kernel (and torch's): nothing to time
+                rows.append({"config": name, "scaling": scaling,
+                             "skipped": f"block-wise scaling needs K a multiple of 128 (K = {k})"})
+                print(f"{name} {scaling}: {rows[-1]['skipped']}", flush=True)
+                continue
             try:
                 row = config_row(name, local, k, n, count, scaling, args.iters)
             except Exception as exc:  # noqa: BLE001

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from tests.interpreter import interpreted_json, needs_interpreter  # noqa: E402
 
-TILES = ("current", "64x128-s4-w4", "128x256-s3-tiles")
+TILES = ("current", "64x128-s4-w4", "128x256-s3-tiles", "128x128-s3-pairs")
 
 
 def _rows():
@@ -22,7 +22,7 @@ def _rows():
     from flashoverlap.kernels import grouped_gemm
 
     tiles = {name: sweep.TILES[name] for name in TILES}
-    times = {"current": 3.0, "64x128-s4-w4": 1.0, "128x256-s3-tiles": 2.0}
+    times = {"current": 3.0, "64x128-s4-w4": 1.0, "128x256-s3-tiles": 2.0, "128x128-s3-pairs": 5.0}
     timed = []
 
     def timer(fn, iters):  # the tile being timed is the last one launched: its stand-in time
@@ -66,13 +66,16 @@ def test_every_tile_is_checked_against_the_loop_and_the_fastest_right_one_is_bes
     row = rows[f"{scaling}-none"]
     assert {"config", "scaling", "experts", "rows", "K", "N", "t_bf16_grouped_mm_ms", "t_scaled_grouped_mm_ms",
             "tiles", "best", "t_best_ms", "bf16_over_best", "bf16_over_current"} <= set(row)
-    assert set(row["tiles"]) == set(TILES)
+    # Paired K steps are the block-wise kernel's alone: row-wise they would time the same kernel again.
+    assert set(row["tiles"]) == set(TILES) - ({"128x128-s3-pairs"} if scaling == "row" else set())
     for name, entry in row["tiles"].items():
         assert entry["ok"] and entry["err"] < 2e-2, (name, entry)
     assert row["best"] == "64x128-s4-w4" and row["t_best_ms"] == 1.0
     assert row["bf16_over_best"] == 4.0 and row["bf16_over_current"] == 4.0 / 3.0
-    want = [128, 256, 8, 4, 8, 0] if scaling == "row" else [128, 128, 8, 3, 8, 0]  # the kernel's tiles today
+    want = [128, 256, 8, 4, 8, 0, False] if scaling == "row" else [128, 128, 8, 3, 8, 0, False]  # the kernel's tiles
     assert row["tiles"]["current"]["tile"] == want
+    if scaling == "block":
+        assert row["tiles"]["128x128-s3-pairs"]["tile"] == [128, 128, 8, 3, 8, 0, True]
 
 
 @needs_interpreter
@@ -84,4 +87,5 @@ def test_a_tile_that_computes_wrong_is_never_best(rows, scaling):
     # The reference is the loop way's, not the current tile's: a wrong current tile is caught too.
     row = rows[f"{scaling}-current"]
     assert not row["tiles"]["current"]["ok"] and "bf16_over_current" not in row
-    assert all(row["tiles"][name]["ok"] for name in TILES[1:]) and row["best"] == "64x128-s4-w4"
+    assert all(entry["ok"] for name, entry in row["tiles"].items() if name != "current")
+    assert row["best"] == "64x128-s4-w4"

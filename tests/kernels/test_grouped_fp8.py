@@ -27,7 +27,11 @@ CASES = [
     ("block-ends", "block", 3, 256, 160, [(None, 10), (None, 10), (None, 25), (None, 37)], [2, 0, 1, 0], True,
      False, "float32"),
     ("block-packed-gaps", "block", 2, 128, 200, [(3, 9), (12, 30), (30, 31)], [1, 0, 1], True, True, "bfloat16"),
+    ("block-odd-steps", "block", 2, 384, 72, [(None, 9), (None, 21)], [1, 0], False, False, "float32"),
 ]
+# The block-wise cases again with ``pair_k`` (two K steps per iteration; a pair, a pair and a step, one step): a
+# tile 32 wide (the weight's scale one scalar per step) and 256 wide (one per column: N = 200 spans two blocks).
+PAIRED = {"32": (16, 32), "256": (16, 256)}
 
 
 def _run(case, device="cpu", tile=None):
@@ -75,8 +79,18 @@ def _run(case, device="cpu", tile=None):
     return {"name": name, "err": err, "untouched": untouched, "dtype": out_dtype}
 
 
+def _paired(case, width: str) -> dict:
+    from flashoverlap.kernels.grouped_gemm import GroupedTile
+
+    block_m, block_n = PAIRED[width]
+    return _run(case, tile=GroupedTile(block_m, block_n, 128, 2, 1, 4, None, pair_k=True))
+
+
 if __name__ == "__main__":
-    print(json.dumps({case[0]: _run(case) for case in CASES}))
+    rows = {case[0]: _run(case) for case in CASES}
+    rows |= {f"{case[0]}-paired-{width}": _paired(case, width) for case in CASES if case[1] == "block"
+             for width in PAIRED}
+    print(json.dumps(rows))
     sys.exit(0)
 
 
@@ -92,6 +106,16 @@ def test_interpreted_fp8_grouped_gemm(interpreted, case):
     tol = 1e-2 if row["dtype"] == "bfloat16" else 1e-5
     assert row["err"] <= tol, row
     assert row["untouched"], f"{case[0]}: rows no segment covers were written"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("width", PAIRED)
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] == "block"], ids=[c[0] for c in CASES if c[1] == "block"])
+def test_interpreted_paired_k_steps_give_the_same_products(interpreted, case, width):
+    row = interpreted[f"{case[0]}-paired-{width}"]
+    tol = 1e-2 if row["dtype"] == "bfloat16" else 1e-5
+    assert row["err"] <= tol, row
+    assert row["untouched"], f"{case[0]} paired: rows no segment covers were written"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -417,7 +417,10 @@ class GroupedTile:
     instead of all running after them. ``flat``: persistent programs (``num_programs`` an int, not ``dynamic``)
     run one flattened loop over their tiles and K, software-pipelined across tiles; full-height tiles only
     (``half_tail`` and ``swap_rows`` do not apply); without signals only (the barrier before each tile's release
-    would split the loop: with ``flags``, ``flat`` is ignored)."""
+    would split the loop: with ``flags``, ``flat`` is ignored). ``pair_k`` (the fp8 kernel with block-wise scales
+    only; others ignore it): two 128-deep K steps per loop iteration, their products independent, so that one's
+    scaling need not wait for the other's MMA; a tile at most 128 wide takes its weight scale per step as one
+    scalar."""
 
     block_m: int = 128
     block_n: int = 256
@@ -431,6 +434,7 @@ class GroupedTile:
     swap_rows: int = 0
     mix: bool = False
     flat: bool = False
+    pair_k: bool = False
 
 
 # Tiles measured on one H200 (torch 2.11, triton 3.6). Sweeps 1-3 (benchmarks/results/logs/moe-gemm/, commits
@@ -713,6 +717,37 @@ def grouped_gemm(
 
 
 @_jit
+def _step_scales(sx_ptrs, sw_ptrs, kk, stride_sxk, stride_swk, SCALAR_W: tl.constexpr):
+    """K step ``kk``'s scales as its product multiplies them: the rows' ``[BLOCK_M]`` times the weight's one scalar
+    (``[BLOCK_M, 1]``), or times its per-column scales (``[BLOCK_M, BLOCK_N]``)."""
+    sa = tl.load(sx_ptrs + kk * stride_sxk)
+    sb = tl.load(sw_ptrs + kk * stride_swk)
+    if SCALAR_W:
+        return (sa * sb)[:, None]
+    return sa[:, None] * sb[None, :]
+
+
+@_jit
+def _paired_block_products(a_ptrs, b_ptrs, sx_ptrs, sw_ptrs, acc, K, stride_xk, stride_wk, stride_sxk, stride_swk,
+                           BLOCK_K: tl.constexpr, SCALAR_W: tl.constexpr):
+    """``acc`` plus every 128-deep K step's product scaled by its block scales (``sx_ptrs``: the tile's rows' scales
+    at step 0; ``sw_ptrs``: the weight's, one or one per column), two steps per iteration: their products are
+    independent, so the first's scaling can proceed while the second's MMA runs (an odd last step alone)."""
+    k_tiles = K // BLOCK_K
+    for kk in range(0, k_tiles - 1, 2):
+        d0 = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs))
+        d1 = tl.dot(tl.load(a_ptrs + BLOCK_K * stride_xk), tl.load(b_ptrs + BLOCK_K * stride_wk))
+        acc += d0 * _step_scales(sx_ptrs, sw_ptrs, kk, stride_sxk, stride_swk, SCALAR_W) \
+            + d1 * _step_scales(sx_ptrs, sw_ptrs, kk + 1, stride_sxk, stride_swk, SCALAR_W)
+        a_ptrs += 2 * BLOCK_K * stride_xk
+        b_ptrs += 2 * BLOCK_K * stride_wk
+    if k_tiles % 2:
+        acc += tl.dot(tl.load(a_ptrs), tl.load(b_ptrs)) * _step_scales(sx_ptrs, sw_ptrs, k_tiles - 1, stride_sxk,
+                                                                       stride_swk, SCALAR_W)
+    return acc
+
+
+@_jit
 def scaled_grouped_gemm_kernel(
     x, x_scale, w, w_scale, out, table_ptr,
     total_rows, N, K, num_segments, tiles_n,
@@ -720,7 +755,7 @@ def scaled_grouped_gemm_kernel(
     stride_we, stride_wk, stride_wn, stride_swe, stride_swk, stride_swn,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCKWISE: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCKWISE: tl.constexpr, PAIR_K: tl.constexpr = False,
 ):
     cum = tl.load(table_ptr + tl.arange(0, BLOCK_S))
     total = tl.load(table_ptr + num_segments - 1)
@@ -736,7 +771,13 @@ def scaled_grouped_gemm_kernel(
         a_ptrs = x + rows_in[:, None] * stride_xm + offs_k[None, :] * stride_xk
         b_ptrs = w + e64 * stride_we + offs_k[:, None] * stride_wk + cols_in[None, :] * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(tl.cdiv(K, BLOCK_K)):
+        if PAIR_K:  # block-wise, K a multiple of BLOCK_K = 128 (the launcher's check): no K masks
+            scalar_w: tl.constexpr = BLOCK_N <= 128  # the tile's columns lie in one 128-wide scale block
+            sw_cols = off_n // 128 if scalar_w else cols_in // 128
+            acc = _paired_block_products(a_ptrs, b_ptrs, x_scale + rows_in * stride_sxm,
+                                         w_scale + e64 * stride_swe + sw_cols * stride_swn, acc, K, stride_xk,
+                                         stride_wk, stride_sxk, stride_swk, BLOCK_K, scalar_w)
+        for kk in range(tl.cdiv(K, BLOCK_K) if PAIR_K else 0, tl.cdiv(K, BLOCK_K)):
             k_left = K - kk * BLOCK_K
             a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
@@ -811,7 +852,8 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         w.stride(0), w.stride(1), w.stride(2), sw_e, sw_k, sw_n,
         out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
-        BLOCKWISE=mode == "block", num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCKWISE=mode == "block", PAIR_K=tile.pair_k and mode == "block", num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return out
 
