@@ -904,8 +904,15 @@ def fp8_block(pattern: str) -> str:
 
 def timeline_sources(*paths: str) -> str:
     """The source line of each timeline picture's data (``benchmarks/harness/timeline.py`` draws the picture from it):
-    where and at which commit it was measured, and whether the code has changed since."""
-    return "\n\n".join(_source(path, _load(path)) for path in paths)
+    where and at which commit it was measured, and whether the code has changed since. Its command is the file's
+    to record: the option that drew the picture has changed since (``benchmarks.ops --timeline PNG`` now)."""
+    lines = []
+    for path in paths:
+        meta = _load(path)["meta"]
+        lines.append(f"<sub>Source: `{path}` ({meta['gpus']}, {meta['setting']}, torch {meta['torch']}, commit "
+                     f"`{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}; the file records its command, "
+                     "an older form of `benchmarks.ops --timeline PNG`).</sub>")
+    return "\n\n".join(lines)
 
 
 RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-range": e_range,
