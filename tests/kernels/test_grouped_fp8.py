@@ -119,11 +119,13 @@ def test_interpreted_paired_k_steps_give_the_same_products(interpreted, case, wi
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("mode", ["row", "block"])
-def test_gpu_fp8_grouped_gemm(mode):
+@pytest.mark.parametrize("mode,paired", [("row", False), ("block", False), ("block", True)])
+def test_gpu_fp8_grouped_gemm(mode, paired):
+    import dataclasses
+
     from flashoverlap.kernels.grouped_gemm import SCALED_TILE
 
-    case = ("gpu-" + mode, mode, 8, 1024, 768, [(None, e) for e in (300, 300, 1100, 1500, 2047, 3000, 3001, 4000)],
-            [3, 1, 0, 7, 2, 5, 4, 6], True, True, "bfloat16")
-    row = _run(case, "cuda", SCALED_TILE)
+    case = ("gpu-" + mode, mode, 8, 1152, 768, [(None, e) for e in (300, 300, 1100, 1500, 2047, 3000, 3001, 4000)],
+            [3, 1, 0, 7, 2, 5, 4, 6], True, True, "bfloat16")  # K = 9 steps of 128: four pairs and one alone
+    row = _run(case, "cuda", dataclasses.replace(SCALED_TILE, pair_k=paired))
     assert row["err"] <= 1e-2 and row["untouched"], row
