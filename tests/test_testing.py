@@ -102,7 +102,7 @@ def test_a_rank_that_ends_without_reporting_is_an_error_at_once():
 
 def test_a_call_that_never_ends_is_an_error_after_its_timeout_with_what_the_ranks_printed(capfd):
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="did not all report within 3 s"):
+    with pytest.raises(RuntimeError, match="did not all report within 3 s: ranks 0, 1 did not"):
         spawn(_hang, 2, timeout=3)
     assert time.monotonic() - start < 60
     out, _ = capfd.readouterr()
@@ -159,3 +159,41 @@ def test_host_synchronisations_names_where_each_is_issued_and_restores_the_mode(
         testing.host_synchronisations(fails)
     assert modes[-1] == 2
     assert testing.host_synchronisations(lambda: None) == []
+
+
+def _big(rank, world_size):
+    return torch.full((4_000_000,), float(rank))  # 16 MB: past what the queue's shared storage carried reliably
+
+
+def test_large_tensor_results_reach_the_caller():
+    """A rank's tensor used to travel as shared storage that the rank, gone after reporting, could no longer serve
+    (EOFError, ConnectionResetError, FileNotFoundError in the caller)."""
+    for _ in range(2):
+        got = spawn(_big, 2)
+        assert [float(t[0]) for t in got] == [0.0, 1.0] and all(t.shape == (4_000_000,) for t in got)
+
+
+def _unpicklable(rank, world_size):
+    return (lambda: rank) if rank == 1 else rank
+
+
+def test_a_result_that_cannot_be_sent_is_that_ranks_failure():
+    with pytest.raises(RuntimeError, match=r"rank 1 failed:(.|\n)*rank 1's result \(function\) cannot be sent"):
+        spawn(_unpicklable, 2)
+
+
+def _fail_while_the_other_waits_in_a_collective(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.all_reduce(torch.ones(1))  # rank 1 never comes: the collective breaks off once rank 1's process is gone
+
+
+def test_the_first_failure_is_raised_not_the_peer_it_broke():
+    """Rank 0's collective breaks off because rank 1 raised: rank 1's error is the one raised (it was the first
+    seen; the lowest rank's used to be), rank 0's after it."""
+    with pytest.raises(RuntimeError) as info:
+        spawn(_fail_while_the_other_waits_in_a_collective, 2, timeout=120, grace=30.0)
+    text = str(info.value)
+    assert text.startswith("rank 1 failed:") and "ValueError: boom from rank 1" in text, text

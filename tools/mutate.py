@@ -623,6 +623,9 @@ MUTATIONS = [
      "first's block scales", GROUPED, "            + d1 * _step_scales(sx_ptrs, sw_ptrs, kk + 1,",
      "            + d1 * _step_scales(sx_ptrs, sw_ptrs, kk,",
      "tests/kernels/test_grouped_fp8.py::test_interpreted_paired_k_steps_give_the_same_products"),
+    ("reference-agreed-on-first-calls-only", "agreement: the reference path agrees on a call's first call only "
+     "(ranks each repeating a different call return wrong values)", CALLS,
+     "    return dist.get_world_size(group) > 1\n", "    return False\n", DISAGREE_TEST),
     ("non-member-group-unnamed", "a rank outside a group passes new_group's NON_GROUP_MEMBER: a type error that "
      "does not say it is not a member", "src/flashoverlap/runtime/checks.py",
      "    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:",

@@ -1,8 +1,8 @@
 """Every environment variable the library reads, read here once (``current``; ``refresh`` to read them again) and
 handed down as values: the debug deadline, whether the ranks check that they agree on every call (without a
-switch, on the first call of each new call only: ``runtime/agreement.py``), whether repeated
-calls may be replayed from CUDA graphs, whether NCCL's peer-to-peer transport is off, where the plan cache lives,
-and whether Triton interprets its kernels (on a Triton too old to say so itself).
+switch, on the first call of each new call only, and on every call of the reference path: ``runtime/agreement.py``),
+whether repeated calls may be replayed from CUDA graphs, whether NCCL's peer-to-peer transport is off, where the plan
+cache lives, and whether Triton interprets its kernels (on a Triton too old to say so itself).
 
 | variable | effect |
 | --- | --- |

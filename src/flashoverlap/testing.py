@@ -22,12 +22,16 @@ touches CUDA). What differs from fresh interpreters, and how it is handled:
   caller's own ``sys.stdout`` and ``sys.stderr`` while the call waits (where a test runner captures them).
 
 A rank that fails makes the call raise with its traceback once the others have reported or had ``FAILURE_GRACE``
-seconds to; a rank that ends without reporting, at once; a call not done within ``timeout``, then.
+seconds to: the first failure seen (a peer whose collective broke off because of it fails after it; the others'
+last lines follow); a rank that ends without reporting, at once; a call not done within ``timeout``, then, naming
+the ranks that did not report. Results travel pickled as bytes (a tensor's storage is not shared with the caller:
+a rank may be gone before the caller reads it); one that cannot be pickled is that rank's failure.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import sys
 import tempfile
@@ -113,7 +117,14 @@ def _worker(rank: int, fn: Callable, job: tuple, queue, output: str):
         # fails the other's set-up with "connection closed by peer" instead of reporting its own result.
         dist.barrier()
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        try:
+            # As bytes: the queue's own pickler shares a tensor's storage with the parent through this process,
+            # which may be gone before the parent reads it (results of a million elements failed that way).
+            sent = pickle.dumps(result)
+        except Exception as exc:  # noqa: BLE001  (reported as this rank's failure)
+            raise RuntimeError(f"spawn: rank {rank}'s result ({type(result).__name__}) cannot be sent to the caller "
+                               f"(pickled): {type(exc).__name__}: {exc}") from exc
+        queue.put((rank, "ok", sent))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -174,7 +185,7 @@ def spawn(
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
+        errors: dict[int, str] = {}  # in the order the failures were seen: the first is the likeliest cause
         offsets: dict[str, int] = {}
         deadline = time.monotonic() + timeout
         try:
@@ -184,23 +195,32 @@ def spawn(
                 except queue_module.Empty:
                     _relay(output, world_size, offsets)
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"spawn: ranks did not all report within {timeout} s") from None
+                        if errors:
+                            break  # the grace is over: the failures seen are raised below
+                        missing = [r for r in range(world_size) if r not in results]
+                        for p in procs:
+                            p.kill()
+                        raise RuntimeError(f"spawn: ranks did not all report within {timeout} s: rank"
+                                           f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
+                                           "not") from None
                     ended = [r for r, p in enumerate(procs) if r not in results and r not in errors
                              and not p.is_alive()]
                     if ended and queue.empty():
                         time.sleep(_POLL)  # a report sent just before the rank ended may still be on its way
                         if queue.empty():
-                            raise RuntimeError(f"spawn: rank {ended[0]} ended (exit code {procs[ended[0]].exitcode}) "
-                                               "without reporting") from None
+                            if not errors:  # the first failure: at once (a dead rank leaves its peers waiting)
+                                for p in procs:
+                                    p.kill()
+                                raise RuntimeError(f"spawn: rank {ended[0]} ended (exit code "
+                                                   f"{procs[ended[0]].exitcode}) without reporting") from None
+                            for r in ended:
+                                errors[r] = f"ended (exit code {procs[r].exitcode}) without reporting"
                     continue
-                (results if status == "ok" else errors)[rank] = payload
-                if errors:
+                if status == "ok":
+                    results[rank] = pickle.loads(payload)
+                else:
+                    errors[rank] = payload
                     deadline = min(deadline, time.monotonic() + grace)
-        except RuntimeError:
-            if not errors:
-                for p in procs:
-                    p.kill()
-                raise
         finally:
             for p in procs:
                 p.join(timeout=0.1 if errors or len(results) < world_size else 60)
@@ -209,8 +229,9 @@ def spawn(
                     p.join()
             _relay(output, world_size, offsets)
         if errors:
-            first = min(errors)
-            raise RuntimeError(f"rank {first} failed:\n{errors[first]}")
+            first, *then = errors  # the first failure seen: a peer's own error (a collective broken off) comes after
+            after = "".join(f"\nthen rank {r} failed: {errors[r].strip().splitlines()[-1]}" for r in then)
+            raise RuntimeError(f"rank {first} failed:\n{errors[first]}{after}")
         return [results[r] for r in range(world_size)]
 
 

@@ -141,7 +141,8 @@ def _disagreeing(rank: int, world: int):
         else:
             returned.append((op, argument, tuple(getattr(out, "shape", ()))))
     assert not returned, f"rank {rank} returned tensors: {returned}"
-    # The group is usable after the errors, and a call agreed once exchanges nothing when repeated.
+    # The group is usable after the errors; on the reference path a repeated call is agreed on too, one small
+    # exchange per call (the GPU paths agree on a first call only: tests/runtime/test_calls.py).
     a, b = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)), torch.ones(16, 8)
     fo.all_gather_gemm(a, b)
     exchanged = []
@@ -155,9 +156,53 @@ def _disagreeing(rank: int, world: int):
     gathered = torch.empty(world * 4, 16)
     dist.all_gather_into_tensor(gathered, a)
     torch.testing.assert_close(c, gathered @ b)
-    assert not exchanged, exchanged
+    assert exchanged == ["all_gather_gemm"] * 3, exchanged
     assert context.REGISTRY.resolved
     return named
+
+
+def _repeating_different_calls(rank: int, world: int):
+    """Every rank makes call A, then call B (both agreed); then rank 0 repeats A while the others repeat B, whose
+    collectives move as many bytes (a [12, 8] result against an [8, 12] one): with no switch set, every rank
+    raises, naming the arguments, and none returns a tensor (a first-call check alone let each add the other's
+    differently shaped matrix). Dense, fp8 and expert ops."""
+    import flashoverlap as fo
+
+    for variable in ("TORCH_DISTRIBUTED_DEBUG", "FLASHOVERLAP_DEBUG_TIMEOUT"):
+        os.environ.pop(variable, None)
+    from flashoverlap import settings
+
+    settings.refresh()
+    g = torch.Generator().manual_seed(rank)
+    a_ = (torch.randn(12, 16, generator=g), torch.randn(16, 8, generator=g))
+    b_ = (torch.randn(8, 16, generator=g), torch.randn(16, 12, generator=g))
+    fp8 = {"A": _scaled(*a_, "row"), "B": _scaled(*b_, "row")}
+    experts = 2 * world
+    idx = torch.arange(6).reshape(6, 1) % experts
+    layout = fo.moe_layout(idx, experts)
+    x = {"A": torch.randn(6, 8, generator=g), "B": torch.randn(6, 16, generator=g)}  # the hidden sizes differ
+    w = {"A": torch.randn(2, 8, 16, generator=g), "B": torch.randn(2, 16, 8, generator=g)}  # the same bytes
+    calls = {"gemm_all_reduce": lambda c: fo.gemm_all_reduce(*(a_ if c == "A" else b_)),
+             "scaled_gemm_all_reduce": lambda c: fo.scaled_gemm_all_reduce(*fp8[c]),
+             "moe_dispatch_gemm": lambda c: fo.moe_dispatch_gemm(x[c], w[c], layout)}
+    outcome = {}
+    for op, call in calls.items():
+        call("A")
+        call("B")
+        try:
+            out = call("A" if rank == 0 else "B")
+        except ValueError as exc:
+            assert str(exc).startswith(f"{op}: rank {rank} of group") and "disagree on" in str(exc), str(exc)
+            outcome[op] = "raised"
+        else:
+            outcome[op] = f"returned {tuple(out.shape)}"
+    return outcome
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_each_repeating_a_different_call_raise_on_the_reference_path(world):
+    outcomes = spawn(_repeating_different_calls, world, timeout=240)
+    assert all(o == {op: "raised" for op in outcomes[0]} for o in outcomes), outcomes
 
 
 @pytest.mark.parametrize("world", [2, 3])

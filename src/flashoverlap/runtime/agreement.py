@@ -1,6 +1,7 @@
 """The agreement check: before anything collective of a call, every rank of the group must be making the same call.
 Always on the first call of each new call (its row: op, shapes, dtype, path, plan, mode), with no switch set, so that
-ranks that disagree get an error instead of a wrong result; before every call in debug mode
+ranks that disagree get an error instead of a wrong result; on every call of the reference path
+(``runtime/calls.agree_every_call``: CPU tensors); before every call in debug mode
 (``FLASHOVERLAP_DEBUG_TIMEOUT`` or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``). And the error a backend raises inside a call,
 re-raised with the op, the group and how to turn the per-call check on.
 
@@ -8,7 +9,7 @@ A call whose row the group agreed on before is not exchanged again (``once``): a
 that cannot see: a rank that repeats an agreed call while another makes a new one (the first one skips the exchange
 the other makes: the other waits, bounded by ``AGREEMENT_TIMEOUT``), or ranks that each repeat a different agreed
 call (neither exchanges: where the bytes they move agree in size, the values are wrong). Seeing those needs an
-exchange on every call, which is the per-call check's (debug mode)."""
+exchange on every call, which is the per-call check's (debug mode; the reference path always)."""
 
 from __future__ import annotations
 

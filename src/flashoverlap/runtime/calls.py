@@ -3,7 +3,8 @@
 The skeleton is the same for every op: read the settings, let the ranks agree on the call (debug mode: every
 call), look the call's signature up (a repeated call skips its checks and lookups: host time before the first
 launch is GPU idle time when the GPU has nothing queued), and for a first call let the ranks agree on it (whatever
-the settings: ranks that disagree raise, none returns a tensor), then resolve it once (checks, group context,
+the settings: ranks that disagree raise, none returns a tensor; on the reference path, whose collectives block the
+host anyway, on every call), then resolve it once (checks, group context,
 path, plan, communicator); switch to the operands' device, and hand the communicator one ``Call``. What differs
 per kind of op is a small strategy object (``Kind``): its checks and agreement row, its signature, its plan builder
 and the call it builds. ``GEMM`` (this module) serves the tensor-parallel ops, fp8 ones included
@@ -32,6 +33,25 @@ from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context
 Entry = tuple[Any, Any, bool]
 
 
+def agree_every_call(spec: Any) -> bool:
+    """Whether the ranks agree on every call of ``spec``'s, not only a first one, without a switch set: on the
+    reference path (CPU tensors, or ``path="reference"``) of a group of several ranks, whose collectives block the
+    host anyway (one more small exchange is its cost), so that ranks each repeating a different call raise, which
+    a first-call check cannot see. Decided from the call's own arguments, before the cache is asked, so that every
+    rank decides alike whatever its cache holds. The GPU paths agree on a first call only: an exchange there would
+    cost every call a host round trip."""
+    a = spec.a
+    if spec.path != "reference" and not (type(a) is torch.Tensor and a.device.type == "cpu"):
+        return False
+    group = spec.group
+    if group is not None and not isinstance(group, dist.ProcessGroup) or not dist.is_initialized():
+        return False  # the checks name it
+    try:
+        return dist.get_world_size(group) > 1
+    except (RuntimeError, ValueError):  # not a member: the checks name it
+        return False
+
+
 class Kind(Protocol):
     """What one kind of op tells the pipeline (a strategy: the pipeline itself is ``execute``)."""
 
@@ -52,12 +72,13 @@ class Kind(Protocol):
 def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one call of any op (see the module docstring); returns the communicator's ``(result, extra)``."""
     env = settings.current()
-    if env.agreement is not None:  # before any collective of the call (plan lookups may run some)
-        kind.agree(spec, env.agreement)
+    every = env.agreement is None and agree_every_call(spec)
+    if env.agreement is not None or every:  # before any collective of the call (plan lookups may run some)
+        kind.agree(spec, env.agreement or settings.AGREEMENT_TIMEOUT)
     signature = kind.signature(spec, env)
     entry = None if signature is None else REGISTRY.lookup(signature)
     if entry is None:
-        if env.agreement is None:  # no switch set: a call the group has not agreed on yet, before its collectives
+        if env.agreement is None and not every:  # no switch set: a call the group has not agreed on yet
             kind.agree(spec, settings.AGREEMENT_TIMEOUT, once=True)
         entry = kind.resolve(spec, env)
         if signature is not None:
