@@ -626,6 +626,14 @@ MUTATIONS = [
     ("reference-agreed-on-first-calls-only", "agreement: the reference path agrees on a call's first call only "
      "(ranks each repeating a different call return wrong values)", CALLS,
      "    return dist.get_world_size(group) > 1\n", "    return False\n", DISAGREE_TEST),
+    ("replicated-grads-summed-after-accumulation", "styles: ReplicatedWithGradAllReduce sums .grad after each "
+     "accumulation (a sum of sums over micro-batches)", "src/flashoverlap/nn/styles.py",
+     "                    param.register_hook(summed)",
+     "                    param.register_post_accumulate_grad_hook(lambda p: torch.distributed.all_reduce(p.grad, "
+     "group=group))", "tests/nn/test_styles.py::test_replicated_modules_sum_their_gradients_over_the_ranks"),
+    ("parallelize-takes-float8-linear", "parallelize: torchao's Float8Linear sharded as a bf16 layer, silently",
+     "src/flashoverlap/nn/layers.py", '                if type(module).__name__ == "Float8Linear":',
+     "                if False:", "tests/nn/test_layers.py::test_layer_errors_name_the_argument"),
     ("non-member-group-unnamed", "a rank outside a group passes new_group's NON_GROUP_MEMBER: a type error that "
      "does not say it is not a member", "src/flashoverlap/runtime/checks.py",
      "    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:",

@@ -1,8 +1,9 @@
-"""Hugging Face transformers' Llama and Qwen2 (tiny configs, random weights, no download) at tensor parallelism on
-gloo ranks, W = 2 and 4: logits and every parameter's gradient equal to the unsharded model's (fp32 at 1e-5, bf16
-at 2e-2), with
+"""Hugging Face transformers' Llama, Qwen2 and Qwen3 (tiny configs, random weights, no download) at tensor
+parallelism on gloo ranks, W = 2 and 4: logits and every parameter's gradient equal to the unsharded model's (fp32
+at 1e-5, bf16 at 2e-2), with
 
-- flashoverlap's styles on the model's own ``base_model_tp_plan`` (``styles_from_hf_plan``), eager;
+- flashoverlap's styles on the model's own ``base_model_tp_plan`` (``styles_from_hf_plan``), eager (Qwen3's plan
+  holds ``replicated_with_grad_allreduce`` norms: their gradients summed over the ranks);
 - flashoverlap's styles on a torchtitan-style sequence-parallel plan (``SequenceParallel`` norms,
   ``PrepareModuleInput``, ``Shard(1)`` between the projections), eager;
 - PyTorch's styles compiled with ``flashoverlap.compile`` on (each family once per W, the two plans alternating):
@@ -28,7 +29,8 @@ def _model(family: str, dtype: torch.dtype):
     import transformers
 
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+                             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
     config = config_cls(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64,
                         attn_implementation="sdpa")
@@ -137,9 +139,10 @@ VARIANTS = {
     2: [("llama", "hf", F32, False), ("llama", "sequence", F32, False), ("llama", "sequence", BF16, False),
         ("llama", "sequence", F32, True),
         ("qwen2", "hf", F32, False), ("qwen2", "sequence", F32, False), ("qwen2", "hf", BF16, False),
-        ("qwen2", "hf", F32, True)],
+        ("qwen2", "hf", F32, True), ("qwen3", "hf", F32, False)],
     4: [("llama", "hf", F32, False), ("llama", "sequence", F32, False), ("llama", "hf", F32, True),
-        ("qwen2", "hf", F32, False), ("qwen2", "sequence", F32, False), ("qwen2", "sequence", F32, True)],
+        ("qwen2", "hf", F32, False), ("qwen2", "sequence", F32, False), ("qwen2", "sequence", F32, True),
+        ("qwen3", "hf", F32, False)],
 }
 
 

@@ -266,3 +266,30 @@ def test_hf_plan_maps_onto_the_styles():
     assert plan["model.layers.*.q_proj"].output_layouts == (Shard(-1),)
     with pytest.raises(ValueError, match=r"no flashoverlap style for \['packed_colwise'\]"):
         fnn.styles_from_hf_plan({"experts.gate_up": "packed_colwise"})
+
+
+def _replicated_norm(rank, world_size):
+    """A replicated weight applied to this rank's part of a sharded axis: with ``ReplicatedWithGradAllReduce`` its
+    gradient is the sum of every rank's (the unsharded model's), also over two accumulated backward passes (a sum of
+    sums would count the first pass W times)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import flashoverlap.nn as fnn
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    xs = [torch.randn(world_size, 3, 5) for _ in range(2)]  # [ranks, tokens, features]: rank r sees xs[:, r]
+    norm = torch.nn.LayerNorm(5)
+    full = copy.deepcopy(norm)
+    for x in xs:
+        full(x.reshape(-1, 5)).pow(2).sum().backward()
+    parallelize_module(norm, mesh, fnn.styles_from_hf_plan({"": "replicated_with_grad_allreduce"})[""])
+    for x in xs:
+        norm(x[rank]).pow(2).sum().backward()
+    return [float((norm.get_parameter(n).grad - p.grad).abs().max()) for n, p in full.named_parameters()]
+
+
+def test_replicated_modules_sum_their_gradients_over_the_ranks():
+    for errors in spawn(_replicated_norm, 2) + spawn(_replicated_norm, 3):
+        assert max(errors) < 1e-5, errors

@@ -12,10 +12,10 @@ from flashoverlap.nn.layers import (
     sync_sequence_parallel_grads,
 )
 from flashoverlap.nn.moe import ExpertParallelMLP, MoEBlock, MoEExpert, route
-from flashoverlap.nn.styles import ColwiseParallel, RowwiseParallel, styles_from_hf_plan
+from flashoverlap.nn.styles import ColwiseParallel, ReplicatedWithGradAllReduce, RowwiseParallel, styles_from_hf_plan
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "mark_sequence_parallel", "parallelize",
            "sync_sequence_parallel_grads"]
 __all__ += ["ExpertParallelMLP", "Float8ExpertParallelMLP", "MoEBlock", "MoEExpert", "route"]
-__all__ += ["ColwiseParallel", "RowwiseParallel", "styles_from_hf_plan"]
+__all__ += ["ColwiseParallel", "ReplicatedWithGradAllReduce", "RowwiseParallel", "styles_from_hf_plan"]
 __all__ += ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]

@@ -180,6 +180,15 @@ def parallelize(model: nn.Module, plan: dict[str, str], group=None, *, sequence_
                 if not isinstance(module, nn.Linear):
                     raise ValueError(f"parallelize: {name!r} (matched by {pattern!r}) is a {type(module).__name__}, "
                                      "not an nn.Linear")
+                if not name:  # the model itself: it cannot be replaced in place
+                    raise ValueError(f"parallelize: {pattern!r} matches the model itself, an nn.Linear, which cannot "
+                                     f"be replaced in place: use {STYLES[style].__name__}.from_linear(model) and keep "
+                                     "what it returns")
+                if type(module).__name__ == "Float8Linear":  # torchao's: parallelize's shards run bf16, not fp8
+                    raise TypeError(f"parallelize: {name!r} is torchao's Float8Linear, which a "
+                                    f"{STYLES[style].__name__} would run in bf16: shard fp8 models with "
+                                    "parallelize_module and flashoverlap.nn.Float8ColwiseParallel / "
+                                    "Float8RowwiseParallel")
                 parent, _, child = name.rpartition(".")
                 shard = STYLES[style].from_linear(module, group, sequence_parallel=sequence_parallel, path=path)
                 setattr(model.get_submodule(parent) if parent else model, child, shard)
@@ -200,7 +209,9 @@ def mark_sequence_parallel(*params: nn.Parameter) -> None:
 
 def sync_sequence_parallel_grads(model: nn.Module, group=None) -> None:
     """After backward: sum over ``group`` the gradients of the parameters marked sequence-parallel (a row layer's
-    bias with ``sequence_parallel=True``, and those given to ``mark_sequence_parallel``), one all-reduce."""
+    bias with ``sequence_parallel=True``, and those given to ``mark_sequence_parallel``), one all-reduce. Once per
+    optimizer step, after the last micro-batch's backward (as Megatron does): the gradients accumulated over the
+    micro-batches are each rank's own until then, and a second call would sum the summed ones again."""
     grads = [p.grad for p in model.parameters() if getattr(p, SEQUENCE_PARALLEL_REPLICATED, False)
              and p.grad is not None]
     if not grads:

@@ -1,5 +1,6 @@
 """PyTorch tensor-parallel styles whose sharded ``nn.Linear`` runs flashoverlap's ops: ``ColwiseParallel`` and
-``RowwiseParallel`` for ``torch.distributed.tensor.parallel.parallelize_module``, and ``styles_from_hf_plan``.
+``RowwiseParallel`` for ``torch.distributed.tensor.parallel.parallelize_module``, and ``styles_from_hf_plan`` (with
+``ReplicatedWithGradAllReduce`` for the replicated norms of a Hugging Face plan).
 
 They are drop-in replacements for PyTorch's styles of the same names (subclasses of them, so of ``ParallelStyle``):
 the same arguments (``input_layouts``, ``output_layouts``, ``use_local_output``), the same parameter sharding
@@ -258,8 +259,37 @@ class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
         return DTensor.from_local(y, binding.mesh, [out], run_check=False)
 
 
-# Hugging Face's tensor-parallel plan strings (``config.base_model_tp_plan``) that name a sharded linear, and the
-# style with the same layouts (transformers' own registry: ``transformers.distributed.tensor_parallel``).
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A module whose parameters stay whole on every rank while it sees only this rank's part of a sharded axis:
+    Qwen3's per-head ``q_norm`` and ``k_norm`` between the colwise q/k projections and the rowwise o projection
+    (Hugging Face's plan string ``replicated_with_grad_allreduce``). The forward is untouched; each rank's gradient
+    of a parameter covers only its own heads, so it is summed over the mesh's group as it arrives, before it is
+    accumulated into ``.grad`` (micro-batches then accumulate sums, never sums of sums). The hooks are attached at
+    the module's first forward, so that parameters replaced after ``parallelize_module`` (loaded weights) get them.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        hooked: dict[str, nn.Parameter] = {}
+
+        def summed(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()  # the incoming gradient may be another tensor's too
+            torch.distributed.all_reduce(grad, group=group)
+            return grad
+
+        def hook_parameters(module: nn.Module, args: Any) -> None:
+            for name, param in module.named_parameters(recurse=False):
+                if param.requires_grad and hooked.get(name) is not param:
+                    param.register_hook(summed)
+                    hooked[name] = param
+
+        module.register_forward_pre_hook(hook_parameters)
+        return module
+
+
+# Hugging Face's tensor-parallel plan strings (``config.base_model_tp_plan``) that name a sharded linear (or a
+# replicated module with partial gradients), and the style with the same layouts (transformers' own registry:
+# ``transformers.distributed.tensor_parallel``).
 _HF_STYLES = {
     "colwise": lambda path: ColwiseParallel(path=path),
     "rowwise": lambda path: RowwiseParallel(path=path),
@@ -267,6 +297,7 @@ _HF_STYLES = {
     "colwise_gather_output": lambda path: ColwiseParallel(output_layouts=Replicate(), path=path),
     "rowwise_rep": lambda path: RowwiseParallel(input_layouts=Replicate(), path=path),
     "rowwise_split_input": lambda path: RowwiseParallel(input_layouts=Replicate(), path=path),
+    "replicated_with_grad_allreduce": lambda path: ReplicatedWithGradAllReduce(),
 }
 
 
@@ -274,10 +305,12 @@ def styles_from_hf_plan(plan: dict[str, str], prefix: str = "", path: str = "aut
     """A ``parallelize_module`` plan from a Hugging Face ``tp_plan`` (``{"layers.*.self_attn.q_proj": "colwise",
     ...}``, as in ``config.base_model_tp_plan``): each name prefixed with ``prefix`` (``"model."`` for a
     ``LlamaForCausalLM``, whose base model is ``model``), each style string mapped to the style with the same
-    layouts. Raises naming the strings it does not map (packed, MoE and embedding styles: shard those with
-    transformers' own styles or PyTorch's)."""
+    layouts. Raises naming the strings it does not map (packed, MoE and embedding styles), before anything is
+    sharded: leave those entries out of ``plan`` and shard their modules apart (PyTorch's styles where one has the
+    same layouts; transformers' own are not ``ParallelStyle``s), or keep transformers' whole plan for the model."""
     unknown = sorted({style for style in plan.values() if style not in _HF_STYLES})
     if unknown:
-        raise ValueError(f"styles_from_hf_plan: no flashoverlap style for {unknown}; mapped are {sorted(_HF_STYLES)} "
-                         "(shard the other modules with transformers' or PyTorch's styles)")
+        raise ValueError(f"styles_from_hf_plan: no flashoverlap style for {unknown}; mapped are {sorted(_HF_STYLES)}. "
+                         "Leave those entries out of the plan and shard their modules apart (PyTorch's styles where "
+                         "one has the same layouts), or keep transformers' own plan for this model")
     return {prefix + name: _HF_STYLES[style](path) for name, style in plan.items()}
