@@ -94,6 +94,8 @@ def _errors(rank, world_size):
     row = fnn.RowParallelLinear(8, 8, sequence_parallel=True, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="3 tokens .* cannot be split over 2 ranks"):
         row(torch.randn(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x must be \[tokens, ..., features\], got shape \[4\]"):
+        row(torch.randn(4, dtype=torch.bfloat16))  # a bare IndexError before
     layer = fnn.ColumnParallelLinear.from_linear(nn.Linear(6, 4, dtype=torch.bfloat16), sequence_parallel=True)
     assert layer.weight.shape == (2, 6) and "shard" in repr(layer)
     # A wrong input dtype is refused before any communication: only rank 1 calls, and both then meet in a barrier

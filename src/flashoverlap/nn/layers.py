@@ -79,6 +79,9 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"{name}: the input x is {x.dtype} but the layer's weight is {self.weight.dtype}; "
                              f"cast the input (x.to(torch.{want})) or build the layer with "
                              f"dtype={x.dtype} (or call .to({x.dtype}) on it)")
+        if self.sequence_parallel and x.ndim < 2:  # the tokens are split along x's first dimension
+            raise ValueError(f"{type(self).__name__}: sequence_parallel=True splits x's tokens (its first dimension) "
+                             f"over the ranks: x must be [tokens, ..., features], got shape {list(x.shape)}")
         return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
     @classmethod
