@@ -80,10 +80,26 @@ def _run(case, device="cpu", tile=None):
 
 
 def _paired(case, width: str) -> dict:
+    """``_run`` with a paired tile, and whether the launcher asked the kernel for paired steps (``PAIR_K``)."""
+    from flashoverlap.kernels import grouped_gemm
     from flashoverlap.kernels.grouped_gemm import GroupedTile
 
-    block_m, block_n = PAIRED[width]
-    return _run(case, tile=GroupedTile(block_m, block_n, 128, 2, 1, 4, None, pair_k=True))
+    real, launched = grouped_gemm.scaled_grouped_gemm_kernel, []
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs.get("PAIR_K"))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    grouped_gemm.scaled_grouped_gemm_kernel = Recording()
+    try:
+        block_m, block_n = PAIRED[width]
+        row = _run(case, tile=GroupedTile(block_m, block_n, 128, 2, 1, 4, None, pair_k=True))
+    finally:
+        grouped_gemm.scaled_grouped_gemm_kernel = real
+    return row | {"pair_k": launched}
 
 
 if __name__ == "__main__":
@@ -113,6 +129,7 @@ def test_interpreted_fp8_grouped_gemm(interpreted, case):
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] == "block"], ids=[c[0] for c in CASES if c[1] == "block"])
 def test_interpreted_paired_k_steps_give_the_same_products(interpreted, case, width):
     row = interpreted[f"{case[0]}-paired-{width}"]
+    assert row["pair_k"] == [True], row  # the paired steps ran (not the unpaired loop under a paired tile)
     tol = 1e-2 if row["dtype"] == "bfloat16" else 1e-5
     assert row["err"] <= tol, row
     assert row["untouched"], f"{case[0]} paired: rows no segment covers were written"
@@ -129,3 +146,39 @@ def test_gpu_fp8_grouped_gemm(mode, paired):
             [3, 1, 0, 7, 2, 5, 4, 6], True, True, "bfloat16")  # K = 9 steps of 128: four pairs and one alone
     row = _run(case, "cuda", dataclasses.replace(SCALED_TILE, pair_k=paired))
     assert row["err"] <= 1e-2 and row["untouched"], row
+
+
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+@pytest.mark.parametrize("mode,paired", [("row", False), ("block", False), ("block", True)])
+def test_every_fp8_kernel_variant_compiles_to_triton_ir(mode, paired, block_n):
+    """The kernel's Triton IR for Hopper, built on the CPU (no GPU, no interpreter): the interpreter runs a kernel's
+    Python, where a constexpr branch's ``return`` ends the function, while the compiler goes on past it, so a
+    kernel can pass every interpreted test and still not compile (the paired steps' scales did, 128 wide)."""
+    pytest.importorskip("triton")
+    compiler = pytest.importorskip("triton.compiler")
+    nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+
+    from flashoverlap.kernels import grouped_gemm
+
+    kernel = grouped_gemm.scaled_grouped_gemm_kernel
+    if not hasattr(kernel, "arg_names"):
+        pytest.skip("Triton interprets kernels in this process")
+    names = kernel.arg_names
+    pointers = {"x": "*fp8e4nv", "x_scale": "*fp32", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16",
+                "table_ptr": "*i32"}
+    constants = dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=128, BLOCK_S=16, GROUP_M=8, BLOCKWISE=mode == "block",
+                     PAIR_K=paired)
+    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
+    source = compiler.ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()})
+    target = GPUTarget("cuda", 90, 32)
+    backend = nvidia.CUDABackend(target)
+    options = backend.parse_options({"num_warps": 8, "num_stages": 3})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                            context)
+    assert str(module).count("tt.dot") == (4 if paired else 1)  # paired: two per pair, one for the last step, and
+    # the unpaired loop's (it runs no iteration)

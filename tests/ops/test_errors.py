@@ -211,3 +211,16 @@ def test_a_rank_outside_the_group_is_told_so_and_num_experts_takes_any_integer()
     from flashoverlap.testing import spawn
 
     assert spawn(_outside_the_group, 3) == [(4, 6), (4, 6), "refused"]
+
+
+def test_fp8_scales_that_are_not_tensors_are_named_before_the_signature(world_of_one):
+    """On one rank the call's first-call agreement comes after its signature (no rank to agree with, as on the GPU
+    paths' repeated calls): a Python number or None as a scale must still be named, not met by an AttributeError
+    of the signature."""
+    a = torch.randn(4, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+    for scale_a, scale_b, said in ((1.0, torch.ones(()), "scale_a must be a torch.Tensor, got float"),
+                                   (None, torch.ones(()), "scale_a must be a torch.Tensor, got NoneType"),
+                                   (torch.ones(()), 2, "scale_b must be a torch.Tensor, got int")):
+        with pytest.raises(TypeError, match=said):
+            fo.scaled_gemm_all_reduce(a, b, scale_a, scale_b)

@@ -115,11 +115,15 @@ NAMED_VALUES = {"dtype of a and b": {"bfloat16", "float16"}, "path": {"auto", "r
                 "fp8 scaling": {"row", "block"}}
 
 
-def _disagreeing(rank: int, world: int):
+def _disagreeing(rank: int, world: int, every_call: bool = True):
+    """``every_call``: the reference path's rule (an exchange per call); False: the GPU paths' (an exchange on a
+    call's first call only, ``runtime/calls.agree_every_call`` answering False as it does there), on gloo."""
     import flashoverlap as fo
     from flashoverlap import settings
-    from flashoverlap.runtime import agreement, context
+    from flashoverlap.runtime import agreement, calls, context
 
+    if not every_call:
+        calls.agree_every_call = lambda spec: False
     for variable in ("TORCH_DISTRIBUTED_DEBUG", "FLASHOVERLAP_DEBUG_TIMEOUT"):
         os.environ.pop(variable, None)
     settings.refresh()
@@ -142,7 +146,7 @@ def _disagreeing(rank: int, world: int):
             returned.append((op, argument, tuple(getattr(out, "shape", ()))))
     assert not returned, f"rank {rank} returned tensors: {returned}"
     # The group is usable after the errors; on the reference path a repeated call is agreed on too, one small
-    # exchange per call (the GPU paths agree on a first call only: tests/runtime/test_calls.py).
+    # exchange per call; under the GPU paths' rule a repeated call exchanges nothing.
     a, b = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)), torch.ones(16, 8)
     fo.all_gather_gemm(a, b)
     exchanged = []
@@ -156,7 +160,7 @@ def _disagreeing(rank: int, world: int):
     gathered = torch.empty(world * 4, 16)
     dist.all_gather_into_tensor(gathered, a)
     torch.testing.assert_close(c, gathered @ b)
-    assert exchanged == ["all_gather_gemm"] * 3, exchanged
+    assert exchanged == (["all_gather_gemm"] * 3 if every_call else []), exchanged
     assert context.REGISTRY.resolved
     return named
 
@@ -206,6 +210,7 @@ def test_ranks_each_repeating_a_different_call_raise_on_the_reference_path(world
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ranks_that_disagree_raise_on_every_rank_and_none_returns_a_tensor_with_no_switch_set(world):
-    named = spawn(_disagreeing, world, timeout=240)
+@pytest.mark.parametrize("every_call", [True, False], ids=["reference-rule", "first-call-rule"])
+def test_ranks_that_disagree_raise_on_every_rank_and_none_returns_a_tensor_with_no_switch_set(world, every_call):
+    named = spawn(_disagreeing, world, args=(every_call,), timeout=240)
     assert all(n == named[0] for n in named) and len(named[0]) == len(_cases(0, 2)), named

@@ -722,9 +722,13 @@ def _step_scales(sx_ptrs, sw_ptrs, kk, stride_sxk, stride_swk, SCALAR_W: tl.cons
     (``[BLOCK_M, 1]``), or times its per-column scales (``[BLOCK_M, BLOCK_N]``)."""
     sa = tl.load(sx_ptrs + kk * stride_sxk)
     sb = tl.load(sw_ptrs + kk * stride_swk)
+    # One return, after the branch: the compiler generates what follows a constexpr branch's return too (only the
+    # interpreter stops there), and a scalar ``sb[None, :]`` does not compile.
     if SCALAR_W:
-        return (sa * sb)[:, None]
-    return sa[:, None] * sb[None, :]
+        s = (sa * sb)[:, None]
+    else:
+        s = sa[:, None] * sb[None, :]
+    return s
 
 
 @_jit

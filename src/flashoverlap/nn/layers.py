@@ -183,15 +183,15 @@ def parallelize(model: nn.Module, plan: dict[str, str], group=None, *, sequence_
                 if not isinstance(module, nn.Linear):
                     raise ValueError(f"parallelize: {name!r} (matched by {pattern!r}) is a {type(module).__name__}, "
                                      "not an nn.Linear")
-                if not name:  # the model itself: it cannot be replaced in place
-                    raise ValueError(f"parallelize: {pattern!r} matches the model itself, an nn.Linear, which cannot "
-                                     f"be replaced in place: use {STYLES[style].__name__}.from_linear(model) and keep "
-                                     "what it returns")
                 if type(module).__name__ == "Float8Linear":  # torchao's: parallelize's shards run bf16, not fp8
                     raise TypeError(f"parallelize: {name!r} is torchao's Float8Linear, which a "
                                     f"{STYLES[style].__name__} would run in bf16: shard fp8 models with "
                                     "parallelize_module and flashoverlap.nn.Float8ColwiseParallel / "
                                     "Float8RowwiseParallel")
+                if not name:  # the model itself: it cannot be replaced in place
+                    raise ValueError(f"parallelize: {pattern!r} matches the model itself, an nn.Linear, which cannot "
+                                     f"be replaced in place: use {STYLES[style].__name__}.from_linear(model) and keep "
+                                     "what it returns")
                 parent, _, child = name.rpartition(".")
                 shard = STYLES[style].from_linear(module, group, sequence_parallel=sequence_parallel, path=path)
                 setattr(model.get_submodule(parent) if parent else model, child, shard)

@@ -41,6 +41,7 @@ Everything else is PyTorch's own behaviour, unchanged:
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -270,7 +271,9 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()
-        hooked: dict[str, nn.Parameter] = {}
+        # Each parameter object hooked once, whatever its name's history (by id: a tensor's == is elementwise; the
+        # entry goes with the parameter, so a later one at the same id is hooked).
+        hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
         def summed(grad: torch.Tensor) -> torch.Tensor:
             grad = grad.clone()  # the incoming gradient may be another tensor's too
@@ -278,10 +281,10 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
             return grad
 
         def hook_parameters(module: nn.Module, args: Any) -> None:
-            for name, param in module.named_parameters(recurse=False):
-                if param.requires_grad and hooked.get(name) is not param:
+            for param in module.parameters(recurse=False):
+                if param.requires_grad and hooked.get(id(param)) is not param:
                     param.register_hook(summed)
-                    hooked[name] = param
+                    hooked[id(param)] = param
 
         module.register_forward_pre_hook(hook_parameters)
         return module

@@ -41,7 +41,7 @@ def agree_every_call(spec: Any) -> bool:
     rank decides alike whatever its cache holds. The GPU paths agree on a first call only: an exchange there would
     cost every call a host round trip."""
     a = spec.a
-    if spec.path != "reference" and not (type(a) is torch.Tensor and a.device.type == "cpu"):
+    if spec.path != "reference" and not (isinstance(a, torch.Tensor) and a.is_cpu):  # a Parameter too
         return False
     group = spec.group
     if group is not None and not isinstance(group, dist.ProcessGroup) or not dist.is_initialized():

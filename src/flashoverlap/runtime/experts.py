@@ -47,9 +47,13 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
                          f"{topk_idx.dtype} of shape {list(topk_idx.shape)}")
     if mode not in MODES:
         raise ValueError(f"{name}: mode must be one of {MODES}, got {mode!r}")
-    if isinstance(num_experts, bool) or not hasattr(type(num_experts), "__index__"):
-        raise TypeError(f"{name}: num_experts must be an int, got {type(num_experts).__name__} {num_experts!r}")
-    num_experts = operator.index(num_experts)  # a NumPy or 0-d torch integer as the int it holds
+    try:
+        if isinstance(num_experts, bool):
+            raise TypeError
+        num_experts = operator.index(num_experts)  # a NumPy or 0-d torch integer as the int it holds
+    except TypeError:
+        raise TypeError(f"{name}: num_experts must be an int, got {type(num_experts).__name__} {num_experts!r}") \
+            from None
     context = group_context(name, group, topk_idx.device)
     world = context.world_size
     if num_experts < 1 or num_experts % world:
