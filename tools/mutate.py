@@ -639,6 +639,10 @@ MUTATIONS = [
      "    if SCALAR_W:\n        s = (sa * sb)[:, None]\n    else:\n        s = sa[:, None] * sb[None, :]\n    return s\n",
      "    if SCALAR_W:\n        return (sa * sb)[:, None]\n    return sa[:, None] * sb[None, :]\n",
      "tests/kernels/test_grouped_fp8.py::test_every_fp8_kernel_variant_compiles_to_triton_ir"),
+    ("every-call-rule-by-exact-type", "agreement: the every-call rule asks a tensor's exact type, so a Parameter "
+     "operand on one rank decides apart from a plain tensor on another (a deadlock)", CALLS,
+     "not (isinstance(a, torch.Tensor) and a.is_cpu)", "not (type(a) is torch.Tensor and a.is_cpu)",
+     DISAGREE_TEST + "::test_a_parameter_operand_on_one_rank_is_the_same_call"),
     ("non-member-group-unnamed", "a rank outside a group passes new_group's NON_GROUP_MEMBER: a type error that "
      "does not say it is not a member", "src/flashoverlap/runtime/checks.py",
      "    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:",

@@ -214,3 +214,19 @@ def test_ranks_each_repeating_a_different_call_raise_on_the_reference_path(world
 def test_ranks_that_disagree_raise_on_every_rank_and_none_returns_a_tensor_with_no_switch_set(world, every_call):
     named = spawn(_disagreeing, world, args=(every_call,), timeout=240)
     assert all(n == named[0] for n in named) and len(named[0]) == len(_cases(0, 2)), named
+
+
+def _parameter_on_one_rank(rank: int, world: int):
+    """Rank 0 passes its operand as an ``nn.Parameter``, the others as plain tensors: the same call, so every rank
+    must decide alike whether to agree on it (deciding by exact type deadlocked here at the second call)."""
+    import flashoverlap as fo
+
+    a = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    a = torch.nn.Parameter(a, requires_grad=False) if rank == 0 else a
+    b = torch.ones(8, 6)
+    out = [fo.gemm_all_reduce(a, b) for _ in range(3)]
+    return float((out[-1] - out[0]).abs().max())
+
+
+def test_a_parameter_operand_on_one_rank_is_the_same_call():
+    assert spawn(_parameter_on_one_rank, 2, timeout=60) == [0.0, 0.0]
