@@ -643,6 +643,14 @@ MUTATIONS = [
      "operand on one rank decides apart from a plain tensor on another (a deadlock)", CALLS,
      "not (isinstance(a, torch.Tensor) and a.is_cpu)", "not (type(a) is torch.Tensor and a.is_cpu)",
      DISAGREE_TEST + "::test_a_parameter_operand_on_one_rank_is_the_same_call"),
+    ("fp8-layer-cast-by-to-dtype", "nn: .to(torch.bfloat16) casts a Float8ExpertParallelMLP's fp8 weights and "
+     "scales (the next call fails)", "src/flashoverlap/nn/fp8_moe.py",
+     "            if moved.dtype != kept.dtype:", "            if False:",
+     "tests/moe/test_moe_nn.py::test_an_fp8_layer_keeps_its_format_under_to_dtype"),
+    ("block-widths-unchecked-at-build", "nn: fp8='block' with widths not multiples of 128 is built, and fails at its "
+     "first call's dispatch", "src/flashoverlap/nn/moe.py",
+     '        if fp8 == "block" and (hidden % 128 or ffn % 128):', "        if False:",
+     "tests/moe/test_moe_nn.py::test_block_wise_widths_are_checked_when_the_layer_is_built"),
     ("non-member-group-unnamed", "a rank outside a group passes new_group's NON_GROUP_MEMBER: a type error that "
      "does not say it is not a member", "src/flashoverlap/runtime/checks.py",
      "    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:",

@@ -211,7 +211,9 @@ def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | 
         world_size = gpus if on_gpu else 2
     if on_gpu and world_size > gpus:
         raise SystemExit(f"--world-size {world_size} needs that many GPUs, found {gpus}")
-    where = f"{world_size} GPUs (NCCL)" if on_gpu else f"{world_size} CPU processes (gloo)"
+    plural = "" if world_size == 1 else "s"
+    where = f"{world_size} GPU{plural} (NCCL)" if on_gpu else \
+        f"{world_size} CPU process{'' if world_size == 1 else 'es'} (gloo)"
     if OPS[op][0] in ("reduce_scatter", "all_gather") and m % world_size:
         raise SystemExit(f"--shape {m},{n},{k}: {op} needs M divisible by the {world_size} ranks")
     dtype = getattr(torch, dtype_name)

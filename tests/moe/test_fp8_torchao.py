@@ -80,7 +80,8 @@ def _cpu(rank, world):
     # What the layer refuses, on every rank, before anything is sent.
     idx, weights = torch.tensor([[0, 1]]), torch.full((1, 2), 0.5, dtype=torch.bfloat16)
     x = torch.randn(1, fc.H, dtype=torch.bfloat16)
-    block = _convert(ExpertParallelMLP(fc.H, fc.FFN, 2 * world, 2, fp8="block", dtype=torch.bfloat16))
+    # (block-wise needs widths of 128, checked when the layer is built)
+    block = _convert(ExpertParallelMLP(128, 128, 2 * world, 2, fp8="block", dtype=torch.bfloat16))
     half = ExpertParallelMLP(fc.H, fc.FFN, 2 * world, 2, dtype=torch.bfloat16)
     _swap_params(half, config=Float8TrainingOpConfig(), target_parameter_name="w13")
     mx = ExpertParallelMLP(fc.H, fc.FFN, 2 * world, 2, dtype=torch.bfloat16)
@@ -89,7 +90,7 @@ def _cpu(rank, world):
                                 (half, TypeError, "convert both experts' weights"),
                                 (mx, NotImplementedError, "MXFP8TrainingOpConfig")):
         with pytest.raises(error, match=words):
-            layer(x, idx, weights)
+            layer(x if layer is not block else torch.randn(1, 128, dtype=torch.bfloat16), idx, weights)
     return True
 
 

@@ -127,3 +127,53 @@ def test_compiled_layer_matches_eager(ranks):
     ops = "flashoverlap.{}"
     assert got["bounded"] == [ops.format(op) for op in ("moe_combine", "moe_dispatch", "moe_layout")], got
     assert got["exact"] == [ops.format(op) for op in ("moe_combine", "moe_dispatch")], got
+
+
+def _fp8_layer_keeps_its_format(rank, world):
+    """``Float8ExpertParallelMLP.from_float`` converts in place; ``.to(torch.bfloat16)`` and ``.half()`` leave its
+    fp8 weights and fp32 scales as they are (fp8 counts as floating point to ``nn.Module.to``: they were cast, and
+    the next call failed naming an internal argument), and the output after ``.to`` is the output before."""
+    from flashoverlap.nn import ExpertParallelMLP, Float8ExpertParallelMLP
+
+    block, x, _ = _block_and_inputs(world, torch.bfloat16)
+    big = type(block)(128, 128, E, K, dtype=torch.bfloat16)  # block-wise scales: widths of 128
+    layer = ExpertParallelMLP.from_moe_block(big)
+    converted = Float8ExpertParallelMLP.from_float(layer, "row")
+    assert converted is layer
+    formats = {n: b.dtype for n, b in layer.named_buffers()}
+    xs = torch.randn(T, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = layer(xs)
+        layer.to(torch.bfloat16)
+        after = layer(xs)
+        layer.half()
+    assert {n: b.dtype for n, b in layer.named_buffers()} == formats, formats
+    assert formats["w13_fp8"] == torch.float8_e4m3fn and formats["w13_scale"] == torch.float32
+    return float((after.float() - before.float()).abs().max())
+
+
+def test_an_fp8_layer_keeps_its_format_under_to_dtype(ranks):
+    assert ranks(2).run(_fp8_layer_keeps_its_format) == [0.0, 0.0]
+
+
+def _block_widths_checked_at_construction(rank, world):
+    """Block-wise fp8 needs widths of 128: said when the layer is built (or converted), naming the widths, not at
+    the first call's dispatch."""
+    import pytest
+
+    from flashoverlap.nn import ExpertParallelMLP, Float8ExpertParallelMLP
+
+    with pytest.raises(ValueError, match=r"fp8='block' .* hidden \(128\) and ffn \(64\) must be multiples of 128"):
+        ExpertParallelMLP(128, 64, E, K, fp8="block", dtype=torch.bfloat16)
+    layer = ExpertParallelMLP(H, FFN, E, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"from_float: scaling='block' .* hidden \({H}\) and ffn \({FFN}\)"):
+        Float8ExpertParallelMLP.from_float(layer, "block")
+    # An input of another dtype is the layer's error, named before its gate's matmul refuses it in its own words.
+    gated = ExpertParallelMLP(H, FFN, E, K, gate=True, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the input x is torch.float32 but the experts' weights are torch.bfloat16"):
+        gated(torch.randn(T, H))
+    return True
+
+
+def test_block_wise_widths_are_checked_when_the_layer_is_built(ranks):
+    assert ranks(2).run(_block_widths_checked_at_construction) == [True, True]

@@ -57,8 +57,9 @@ SCALINGS = ("row", "block")
 
 class Float8ExpertParallelMLP(ExpertParallelMLP):
     """``ExpertParallelMLP`` with fp8 experts for inference (see the module docstring). Build it from a bf16 layer
-    with ``from_float(layer, scaling)``; ``scaling`` ``"row"`` or ``"block"``. The fp8 weights and their scales are
-    buffers (``w13_fp8``, ``w13_scale``, ``w2_fp8``, ``w2_scale``); the bf16 parameters are dropped to empty tensors."""
+    with ``from_float(layer, scaling)``, which converts ``layer`` in place and returns it; ``scaling`` ``"row"`` or
+    ``"block"``. The fp8 weights and their scales are buffers (``w13_fp8``, ``w13_scale``, ``w2_fp8``,
+    ``w2_scale``) that keep their dtypes under ``.to(dtype)``; the bf16 parameters are dropped."""
 
     scaling: str
 
@@ -68,6 +69,10 @@ class Float8ExpertParallelMLP(ExpertParallelMLP):
             raise ValueError(f"Float8ExpertParallelMLP: scaling must be one of {SCALINGS}, got {scaling!r}")
         if not isinstance(layer, ExpertParallelMLP) or isinstance(layer, Float8ExpertParallelMLP):
             raise TypeError("Float8ExpertParallelMLP.from_float takes a (bf16) ExpertParallelMLP")
+        if scaling == "block" and (layer.hidden % 128 or layer.ffn % 128):
+            raise ValueError(f"Float8ExpertParallelMLP.from_float: scaling='block' scales 128x128 blocks of the "
+                             f"weights: the layer's hidden ({layer.hidden}) and ffn ({layer.ffn}) must be multiples "
+                             "of 128")
         w13, s13 = quantise_weight(layer.w13, scaling)
         w2, s2 = quantise_weight(layer.w2, scaling)
         layer.__class__ = cls
@@ -94,6 +99,20 @@ class Float8ExpertParallelMLP(ExpertParallelMLP):
         y = moe_gemm_combine(a.to(torch.bfloat16), self.w2_fp8.transpose(1, 2), topk_weights, routing, self.group,
                              path=self.path, scale_w=self.w2_scale, out_dtype=torch.bfloat16)
         return y.to(x.dtype).view(x.shape)
+
+    _KEPT = ("w13_fp8", "w13_scale", "w2_fp8", "w2_scale")  # their dtypes are the format: .to(dtype) keeps them
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module``'s, but the fp8 weights and their fp32 scales keep their dtypes: ``.to(torch.bfloat16)`` or
+        ``.half()`` (fp8 counts as floating point there) would have cast them, and the next call failed. A move to
+        another device still moves them."""
+        before = {name: self._buffers[name] for name in self._KEPT if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, kept in before.items():
+            moved = self._buffers[name]
+            if moved.dtype != kept.dtype:
+                self._buffers[name] = kept.to(device=moved.device)
+        return self
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8={self.scaling!r}"

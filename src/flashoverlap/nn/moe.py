@@ -115,6 +115,9 @@ class ExpertParallelMLP(nn.Module):
         if fp8 not in (None, "row", "block"):
             raise ValueError(f"ExpertParallelMLP: fp8 must be None, 'row' (training) or 'block' (inference), "
                              f"got {fp8!r}")
+        if fp8 == "block" and (hidden % 128 or ffn % 128):  # here, not at the first call's dispatch
+            raise ValueError(f"ExpertParallelMLP: fp8='block' scales 128x128 blocks of the weights: hidden "
+                             f"({hidden}) and ffn ({ffn}) must be multiples of 128")
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallelMLP: torch.distributed is not initialised; call "
                                "dist.init_process_group()")
@@ -147,10 +150,10 @@ class ExpertParallelMLP(nn.Module):
                 *, logits: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``, this rank's tokens. Routing: ``topk_idx`` and ``topk_weights``
         (``[..., k]`` each), or ``logits [..., E]`` (softmax top-k), or neither (the layer's gate)."""
-        rows, topk_idx, topk_weights = self.routing(x, topk_idx, topk_weights, logits)
-        if x.dtype != self.w13.dtype:
+        if x.dtype != self.w13.dtype:  # before the gate, whose own matmul would refuse it less clearly
             raise ValueError(f"ExpertParallelMLP: the input x is {x.dtype} but the experts' weights are "
                              f"{self.w13.dtype}; cast one to the other")
+        rows, topk_idx, topk_weights = self.routing(x, topk_idx, topk_weights, logits)
         routing = moe_layout(topk_idx, self.num_experts, self.group, mode=self.mode, bound=self.bound)
         w13, w2, fp8 = self.w13, self.w2, self.fp8
         if type(w13) not in (nn.Parameter, torch.Tensor) or type(w2) not in (nn.Parameter, torch.Tensor):
