@@ -98,10 +98,13 @@ def _command(recorded: str) -> str:
     return f"`{recorded}`"
 
 
-def _source(path: str, data: dict) -> str:
+def _source(path: str, data: dict, command: str | None = None) -> str:
+    """A results file's source line: where and at which commit, and its recorded command (``command``: what the
+    line says instead, where the recorded one no longer runs as written)."""
     meta = data["meta"]
     return (f"<sub>Source: `{path}` ({meta['gpus']}, {meta['setting']}, torch {meta['torch']}, commit "
-            f"`{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}): {_command(meta['command'])}.</sub>")
+            f"`{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}"
+            + (f"; {command}).</sub>" if command else f"): {_command(meta['command'])}.</sub>"))
 
 
 def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
@@ -906,13 +909,8 @@ def timeline_sources(*paths: str) -> str:
     """The source line of each timeline picture's data (``benchmarks/harness/timeline.py`` draws the picture from it):
     where and at which commit it was measured, and whether the code has changed since. Its command is the file's
     to record: the option that drew the picture has changed since (``benchmarks.ops --timeline PNG`` now)."""
-    lines = []
-    for path in paths:
-        meta = _load(path)["meta"]
-        lines.append(f"<sub>Source: `{path}` ({meta['gpus']}, {meta['setting']}, torch {meta['torch']}, commit "
-                     f"`{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}; the file records its command, "
-                     "an older form of `benchmarks.ops --timeline PNG`).</sub>")
-    return "\n\n".join(lines)
+    said = "the file records its command, an older form of `benchmarks.ops --timeline PNG`"
+    return "\n\n".join(_source(path, _load(path), said) for path in paths)
 
 
 RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-range": e_range,
