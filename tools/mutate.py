@@ -648,8 +648,8 @@ MUTATIONS = [
      "            if moved.dtype != kept.dtype:", "            if False:",
      "tests/moe/test_moe_nn.py::test_an_fp8_layer_keeps_its_format_under_to_dtype"),
     ("block-widths-unchecked-at-build", "nn: fp8='block' with widths not multiples of 128 is built, and fails at its "
-     "first call's dispatch", "src/flashoverlap/nn/moe.py",
-     '        if fp8 == "block" and (hidden % 128 or ffn % 128):', "        if False:",
+     "first call's dispatch", "src/flashoverlap/nn/fp8_experts.py",
+     "    if hidden % BLOCK or ffn % BLOCK:", "    if False:",
      "tests/moe/test_moe_nn.py::test_block_wise_widths_are_checked_when_the_layer_is_built"),
     ("non-member-group-unnamed", "a rank outside a group passes new_group's NON_GROUP_MEMBER: a type error that "
      "does not say it is not a member", "src/flashoverlap/runtime/checks.py",

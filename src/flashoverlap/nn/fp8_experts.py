@@ -16,6 +16,13 @@ from flashoverlap.comm.scaled import BLOCK
 from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine
 
 
+def check_block_widths(where: str, hidden: int, ffn: int) -> None:
+    """Block-wise fp8 experts' widths, checked where the layer is built or converted, not at its first dispatch."""
+    if hidden % BLOCK or ffn % BLOCK:
+        raise ValueError(f"{where}='block' scales {BLOCK}x{BLOCK} blocks of the weights: hidden ({hidden}) and ffn "
+                         f"({ffn}) must be multiples of {BLOCK}")
+
+
 def quantise_weight(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
     """nn.Linear-shaped expert weights ``w [L, N, K]`` as fp8 e4m3 ``[L, N, K]`` and the scales the ops take for the
     ``[L, K, N]`` view (``transpose(1, 2)``): row-wise ``[L, N]``; block-wise ``[L, K/128, ceil(N/128)]`` (a

@@ -44,6 +44,7 @@ from flashoverlap.nn.fp8_experts import (  # noqa: F401 (the training mechanics,
     _Fp8Combine,
     _Fp8Dispatch,
     cast_rowwise,
+    check_block_widths,
     experts_forward,
     quantise_weight,
     torchao_weight,
@@ -69,10 +70,8 @@ class Float8ExpertParallelMLP(ExpertParallelMLP):
             raise ValueError(f"Float8ExpertParallelMLP: scaling must be one of {SCALINGS}, got {scaling!r}")
         if not isinstance(layer, ExpertParallelMLP) or isinstance(layer, Float8ExpertParallelMLP):
             raise TypeError("Float8ExpertParallelMLP.from_float takes a (bf16) ExpertParallelMLP")
-        if scaling == "block" and (layer.hidden % 128 or layer.ffn % 128):
-            raise ValueError(f"Float8ExpertParallelMLP.from_float: scaling='block' scales 128x128 blocks of the "
-                             f"weights: the layer's hidden ({layer.hidden}) and ffn ({layer.ffn}) must be multiples "
-                             "of 128")
+        if scaling == "block":
+            check_block_widths("Float8ExpertParallelMLP.from_float: scaling", layer.hidden, layer.ffn)
         w13, s13 = quantise_weight(layer.w13, scaling)
         w2, s2 = quantise_weight(layer.w2, scaling)
         layer.__class__ = cls

@@ -115,9 +115,10 @@ class ExpertParallelMLP(nn.Module):
         if fp8 not in (None, "row", "block"):
             raise ValueError(f"ExpertParallelMLP: fp8 must be None, 'row' (training) or 'block' (inference), "
                              f"got {fp8!r}")
-        if fp8 == "block" and (hidden % 128 or ffn % 128):  # here, not at the first call's dispatch
-            raise ValueError(f"ExpertParallelMLP: fp8='block' scales 128x128 blocks of the weights: hidden "
-                             f"({hidden}) and ffn ({ffn}) must be multiples of 128")
+        if fp8 == "block":
+            from flashoverlap.nn.fp8_experts import check_block_widths
+
+            check_block_widths("ExpertParallelMLP: fp8", hidden, ffn)
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallelMLP: torch.distributed is not initialised; call "
                                "dist.init_process_group()")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from flashoverlap import guards, settings
 from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
 from flashoverlap.comm.expert.scaled import FP8, ExpertScales, rows_dtype
+from flashoverlap.comm.expert.scaled import MODES as SCALED_MODES
 from flashoverlap.comm.protocol import Hook
 from flashoverlap.runtime import agreement, calls, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, DTYPES
@@ -151,7 +152,7 @@ class ExpertKind:
         header = [1 + ("dispatch", "combine").index(spec.op), routing.experts, hidden, ffn, routing.top_k,
                   MODES.index(routing.mode), routing.bound or 0, DTYPE_CODES[rows_dtype(a, spec.scales)],
                   policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted),
-                  0 if spec.scales is None else 1 + ("row", "block").index(spec.scales.mode),
+                  0 if spec.scales is None else 1 + SCALED_MODES.index(spec.scales.mode),
                   0 if spec.scales is None else DTYPE_CODES[spec.scales.out_dtype]]
         context = group_context(spec.name, spec.group, a.device)
         if routing.world_size != context.world_size:
