@@ -12,8 +12,9 @@ scales, never zeros; every tile's output checked against the loop way's (one sca
 max relative difference; a tile off by more than 5e-2 is marked wrong and never taken as best). Rows {config,
 scaling, experts, rows, K, N, t_bf16_grouped_mm_ms, t_scaled_grouped_mm_ms, tiles: {name: {tile, t_ms, err, ok}},
 err_scaled_grouped_mm, best, t_best_ms, bf16_over_best, bf16_over_current (bf16's time over the tile's: above 1, the
-fp8 tile is faster)}. A diagnostic to choose the kernel's tile, not a library figure; the file is rewritten after
-every config. Run it alone in a device call (about 8 configs, 14 tiles block-wise and 10 row-wise, each compiled
+fp8 tile is faster)}; ``meta.facts``: each tile's registers, shared memory, programs per SM and MMA waits as Triton
+compiles it for this GPU (``kernel_facts``). A diagnostic to choose the kernel's tile, not a library figure; the file
+is rewritten after every config. Run it alone in a device call (about 8 configs, 15 tiles per scaling, each compiled
 once).
 """
 
@@ -35,9 +36,11 @@ from flashoverlap.cli import names_of
 from flashoverlap.comm.expert.scaled import ExpertScales, scaled_multiply
 from flashoverlap.tune.grouped import GroupedCall
 
-# (block_m, block_n, group_m, num_stages, num_warps, num_programs[, "pairs"]): block_k is 128 (one block-wise scale
-# per K step). num_programs 0: persistent, one program per SM (the current tile's launch); None: one program per
-# tile. "pairs": ``GroupedTile.pair_k`` (two K steps per iteration, block-wise only: row-wise runs skip them).
+# (block_m, block_n, group_m, num_stages, num_warps, num_programs[, programs_per_sm]): block_k is 128 (one block-wise
+# scale per K step). num_programs 0: persistent, programs_per_sm (default 1) per SM; None: one program per tile.
+# Several programs per SM let one program's MMA run while another scales its product (``kernel_facts``: Triton waits
+# for each block-wise step's MMA); the 64-row tiles with 4 warps are the ones whose registers and shared memory
+# fit two or more (each row's ``facts``).
 TILES = {
     "current": None,  # the kernel's tile today for the scaling (``SCALED_TILE_ROW``, ``SCALED_TILE``)
     "128x128-s4": (128, 128, 8, 4, 8, 0),
@@ -49,10 +52,11 @@ TILES = {
     "64x256-s4": (64, 256, 8, 4, 8, 0),
     "128x128-s3-tiles": (128, 128, 8, 3, 8, None),
     "128x256-s3-tiles": (128, 256, 8, 3, 8, None),
-    "128x128-s3-pairs": (128, 128, 8, 3, 8, 0, "pairs"),
-    "128x128-s4-pairs": (128, 128, 8, 4, 8, 0, "pairs"),
-    "64x256-s4-pairs": (64, 256, 8, 4, 8, 0, "pairs"),
-    "128x128-s3-tiles-pairs": (128, 128, 8, 3, 8, None, "pairs"),
+    "64x128-s4-w4-2sm": (64, 128, 8, 4, 4, 0, 2),
+    "64x128-s3-w4-2sm": (64, 128, 8, 3, 4, 0, 2),
+    "64x128-s3-w4-tiles": (64, 128, 8, 3, 4, None),
+    "128x64-s4-w4-2sm": (128, 64, 8, 4, 4, 0, 2),
+    "64x64-s4-w4-3sm": (64, 64, 8, 4, 4, 0, 3),
 }
 
 
@@ -62,8 +66,9 @@ def tile_of(spec: tuple | None, scaling: str = "block"):
 
     if spec is None:
         return SCALED_TILE_ROW if scaling == "row" else SCALED_TILE
-    block_m, block_n, group_m, stages, warps, programs, *pairs = spec
-    return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs, pair_k=pairs == ["pairs"])
+    block_m, block_n, group_m, stages, warps, programs, *per_sm = spec
+    return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs, programs_per_sm=per_sm[0] if per_sm
+                       else 1)
 
 
 def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, iters: int, seed: int = 0,
@@ -138,10 +143,8 @@ def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, i
             row["error_scaled_grouped_mm"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     for tile_name, spec in tiles.items():
         tile = tile_of(spec, scaling)
-        if tile.pair_k and scaling != "block":  # the row-wise kernel ignores it: the same kernel timed twice
-            continue
         entry = row["tiles"][tile_name] = {"tile": [tile.block_m, tile.block_n, tile.group_m, tile.num_stages,
-                                                    tile.num_warps, tile.num_programs, tile.pair_k]}
+                                                    tile.num_warps, tile.num_programs, tile.programs_per_sm]}
         try:
             fn = ours(tile)
             out.fill_(float("nan"))
@@ -162,6 +165,22 @@ def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, i
     return row
 
 
+def tile_facts(scalings) -> dict:
+    """``kernel_facts.fp8_kernel_facts`` of every tile, per scaling, for this GPU's architecture (or the error)."""
+    from benchmarks.diagnostics.kernel_facts import fp8_kernel_facts
+
+    major, minor = torch.cuda.get_device_capability()
+    facts = {}
+    for scaling in scalings:
+        for name, spec in TILES.items():
+            try:
+                facts.setdefault(scaling, {})[name] = fp8_kernel_facts(tile_of(spec, scaling), scaling,
+                                                                       10 * major + minor)
+            except Exception as exc:  # noqa: BLE001  (a diagnostic beside the times: recorded, the sweep goes on)
+                facts.setdefault(scaling, {})[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return facts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results/h200x1-fp8-grouped-tiles.json")
@@ -175,7 +194,8 @@ def main() -> None:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = results_meta(" ".join(["python -m benchmarks.diagnostics.fp8_grouped_tiles", *sys.argv[1:]]),
-                        chunks=CHUNKS, tiles={name: spec and list(spec) for name, spec in TILES.items()})
+                        chunks=CHUNKS, tiles={name: spec and list(spec) for name, spec in TILES.items()},
+                        facts=tile_facts(args.scalings))
     rows, started = [], time.monotonic()
     for name, local, k, n, count, _ in CONFIGS:
         if args.only and name not in args.only:

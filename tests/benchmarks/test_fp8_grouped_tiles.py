@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from tests.interpreter import interpreted_json, needs_interpreter  # noqa: E402
 
-TILES = ("current", "64x128-s4-w4", "128x256-s3-tiles", "128x128-s3-pairs")
+TILES = ("current", "64x128-s4-w4", "128x256-s3-tiles", "64x128-s4-w4-2sm")
 
 
 def _rows():
@@ -22,7 +22,7 @@ def _rows():
     from flashoverlap.kernels import grouped_gemm
 
     tiles = {name: sweep.TILES[name] for name in TILES}
-    times = {"current": 3.0, "64x128-s4-w4": 1.0, "128x256-s3-tiles": 2.0, "128x128-s3-pairs": 5.0}
+    times = {"current": 3.0, "64x128-s4-w4": 1.0, "128x256-s3-tiles": 2.0, "64x128-s4-w4-2sm": 5.0}
     timed = []
 
     def timer(fn, iters):  # the tile being timed is the last one launched: its stand-in time
@@ -66,16 +66,14 @@ def test_every_tile_is_checked_against_the_loop_and_the_fastest_right_one_is_bes
     row = rows[f"{scaling}-none"]
     assert {"config", "scaling", "experts", "rows", "K", "N", "t_bf16_grouped_mm_ms", "t_scaled_grouped_mm_ms",
             "tiles", "best", "t_best_ms", "bf16_over_best", "bf16_over_current"} <= set(row)
-    # Paired K steps are the block-wise kernel's alone: row-wise they would time the same kernel again.
-    assert set(row["tiles"]) == set(TILES) - ({"128x128-s3-pairs"} if scaling == "row" else set())
+    assert set(row["tiles"]) == set(TILES)
     for name, entry in row["tiles"].items():
         assert entry["ok"] and entry["err"] < 2e-2, (name, entry)
     assert row["best"] == "64x128-s4-w4" and row["t_best_ms"] == 1.0
     assert row["bf16_over_best"] == 4.0 and row["bf16_over_current"] == 4.0 / 3.0
-    want = [128, 256, 8, 4, 8, 0, False] if scaling == "row" else [128, 128, 8, 3, 8, 0, False]  # the kernel's tiles
+    want = [128, 256, 8, 4, 8, 0, 1] if scaling == "row" else [128, 128, 8, 3, 8, 0, 1]  # the kernel's tiles
     assert row["tiles"]["current"]["tile"] == want
-    if scaling == "block":
-        assert row["tiles"]["128x128-s3-pairs"]["tile"] == [128, 128, 8, 3, 8, 0, True]
+    assert row["tiles"]["64x128-s4-w4-2sm"]["tile"] == [64, 128, 8, 4, 4, 0, 2]  # two persistent programs per SM
 
 
 @needs_interpreter

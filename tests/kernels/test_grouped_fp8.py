@@ -29,9 +29,9 @@ CASES = [
     ("block-packed-gaps", "block", 2, 128, 200, [(3, 9), (12, 30), (30, 31)], [1, 0, 1], True, True, "bfloat16"),
     ("block-odd-steps", "block", 2, 384, 72, [(None, 9), (None, 21)], [1, 0], False, False, "float32"),
 ]
-# The block-wise cases again with ``pair_k`` (two K steps per iteration; a pair, a pair and a step, one step): a
-# tile 32 wide (the weight's scale one scalar per step) and 256 wide (one per column: N = 200 spans two blocks).
-PAIRED = {"32": (16, 32), "256": (16, 256)}
+# The block-wise cases again at two more tile widths: 64 (the weight's scale one scalar per step, and a tile that
+# starts mid-block: its block is ``off_n // 128``) and 256 (one scale per column: N = 200 spans two blocks).
+WIDTHS = {"64": (16, 64), "256": (16, 256)}
 
 
 def _run(case, device="cpu", tile=None):
@@ -79,33 +79,17 @@ def _run(case, device="cpu", tile=None):
     return {"name": name, "err": err, "untouched": untouched, "dtype": out_dtype}
 
 
-def _paired(case, width: str) -> dict:
-    """``_run`` with a paired tile, and whether the launcher asked the kernel for paired steps (``PAIR_K``)."""
-    from flashoverlap.kernels import grouped_gemm
+def _wide(case, width: str) -> dict:
     from flashoverlap.kernels.grouped_gemm import GroupedTile
 
-    real, launched = grouped_gemm.scaled_grouped_gemm_kernel, []
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(kwargs.get("PAIR_K"))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    grouped_gemm.scaled_grouped_gemm_kernel = Recording()
-    try:
-        block_m, block_n = PAIRED[width]
-        row = _run(case, tile=GroupedTile(block_m, block_n, 128, 2, 1, 4, None, pair_k=True))
-    finally:
-        grouped_gemm.scaled_grouped_gemm_kernel = real
-    return row | {"pair_k": launched}
+    block_m, block_n = WIDTHS[width]
+    return _run(case, tile=GroupedTile(block_m, block_n, 128, 2, 1, 4, None))
 
 
 if __name__ == "__main__":
     rows = {case[0]: _run(case) for case in CASES}
-    rows |= {f"{case[0]}-paired-{width}": _paired(case, width) for case in CASES if case[1] == "block"
-             for width in PAIRED}
+    rows |= {f"{case[0]}-{width}-wide": _wide(case, width) for case in CASES if case[1] == "block"
+             for width in WIDTHS}
     print(json.dumps(rows))
     sys.exit(0)
 
@@ -125,59 +109,62 @@ def test_interpreted_fp8_grouped_gemm(interpreted, case):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("width", PAIRED)
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] == "block"], ids=[c[0] for c in CASES if c[1] == "block"])
-def test_interpreted_paired_k_steps_give_the_same_products(interpreted, case, width):
-    row = interpreted[f"{case[0]}-paired-{width}"]
-    assert row["pair_k"] == [True], row  # the paired steps ran (not the unpaired loop under a paired tile)
+def test_interpreted_block_scales_at_other_tile_widths(interpreted, case, width):
+    row = interpreted[f"{case[0]}-{width}-wide"]
     tol = 1e-2 if row["dtype"] == "bfloat16" else 1e-5
     assert row["err"] <= tol, row
-    assert row["untouched"], f"{case[0]} paired: rows no segment covers were written"
+    assert row["untouched"], f"{case[0]} {width} wide: rows no segment covers were written"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("mode,paired", [("row", False), ("block", False), ("block", True)])
-def test_gpu_fp8_grouped_gemm(mode, paired):
+@pytest.mark.parametrize("mode,block_n", [("row", None), ("block", None), ("block", 256)])
+def test_gpu_fp8_grouped_gemm(mode, block_n):
     import dataclasses
 
-    from flashoverlap.kernels.grouped_gemm import SCALED_TILE
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, SCALED_TILE_ROW
 
     case = ("gpu-" + mode, mode, 8, 1152, 768, [(None, e) for e in (300, 300, 1100, 1500, 2047, 3000, 3001, 4000)],
-            [3, 1, 0, 7, 2, 5, 4, 6], True, True, "bfloat16")  # K = 9 steps of 128: four pairs and one alone
-    row = _run(case, "cuda", dataclasses.replace(SCALED_TILE, pair_k=paired))
+            [3, 1, 0, 7, 2, 5, 4, 6], True, True, "bfloat16")  # K = 9 steps of 128
+    tile = SCALED_TILE_ROW if mode == "row" else SCALED_TILE
+    row = _run(case, "cuda", tile if block_n is None else dataclasses.replace(tile, block_n=block_n))
     assert row["err"] <= 1e-2 and row["untouched"], row
 
 
-@pytest.mark.parametrize("block_n", [64, 128, 256])
-@pytest.mark.parametrize("mode,paired", [("row", False), ("block", False), ("block", True)])
-def test_every_fp8_kernel_variant_compiles_to_triton_ir(mode, paired, block_n):
-    """The kernel's Triton IR for Hopper, built on the CPU (no GPU, no interpreter): the interpreter runs a kernel's
-    Python, where a constexpr branch's ``return`` ends the function, while the compiler goes on past it, so a
-    kernel can pass every interpreted test and still not compile (the paired steps' scales did, 128 wide)."""
-    pytest.importorskip("triton")
-    compiler = pytest.importorskip("triton.compiler")
-    nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-
+def _facts(tile, mode):
+    """``kernel_facts.fp8_kernel_facts``: the kernel compiled for Hopper on this machine (no GPU needed)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from benchmarks.diagnostics.kernel_facts import fp8_kernel_facts
     from flashoverlap.kernels import grouped_gemm
 
-    kernel = grouped_gemm.scaled_grouped_gemm_kernel
-    if not hasattr(kernel, "arg_names"):
+    if not hasattr(grouped_gemm.scaled_grouped_gemm_kernel, "arg_names"):
         pytest.skip("Triton interprets kernels in this process")
-    names = kernel.arg_names
-    pointers = {"x": "*fp8e4nv", "x_scale": "*fp32", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16",
-                "table_ptr": "*i32"}
-    constants = dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=128, BLOCK_S=16, GROUP_M=8, BLOCKWISE=mode == "block",
-                     PAIR_K=paired)
-    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
-    source = compiler.ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()})
-    target = GPUTarget("cuda", 90, 32)
-    backend = nvidia.CUDABackend(target)
-    options = backend.parse_options({"num_warps": 8, "num_stages": 3})
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    module = source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-                            context)
-    assert str(module).count("tt.dot") == (3 if paired else 1)  # paired: two per pair, one for an odd last step
+    return fp8_kernel_facts(tile, mode)
+
+
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+@pytest.mark.parametrize("mode", ["row", "block"])
+def test_every_fp8_kernel_variant_compiles_for_hopper(mode, block_n):
+    """The kernel compiled for sm_90 on the CPU, down to the cubin: the interpreter runs a kernel's Python, where a
+    constexpr branch's ``return`` ends the function, while the compiler goes on past it, so a kernel can pass every
+    interpreted test and still not compile (the scales helper once did, 128 wide). And what its speed rests on: the
+    loads multi-buffered; row-wise, the MMA kept in flight across K steps (a wait that leaves one pending) and the
+    scales applied once, after the loop (two tile-sized multiplies); block-wise, one tile-sized multiply per K step
+    where the tile lies in one 128-wide weight-scale block, two where its columns span several."""
+    from flashoverlap.kernels.grouped_gemm import GroupedTile
+
+    facts = _facts(GroupedTile(128, block_n, 128, 8, 3, 8, 0), mode)
+    assert facts["async_loads"] > 0, facts
+    if mode == "row":
+        assert 1 in facts["mma_waits"] and facts["scale_multiplies"] == 2, facts
+    else:
+        assert facts["scale_multiplies"] == (1 if block_n <= 128 else 2), facts
+
+
+@pytest.mark.parametrize("mode", ["row", "block"])
+def test_the_default_fp8_tiles_launch_without_spilling(mode):
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, SCALED_TILE_ROW
+
+    facts = _facts(SCALED_TILE_ROW if mode == "row" else SCALED_TILE, mode)
+    assert facts["programs_per_sm_fit"] >= 1 and facts["spill_bytes"] == 0, facts

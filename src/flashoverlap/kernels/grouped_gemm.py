@@ -417,10 +417,9 @@ class GroupedTile:
     instead of all running after them. ``flat``: persistent programs (``num_programs`` an int, not ``dynamic``)
     run one flattened loop over their tiles and K, software-pipelined across tiles; full-height tiles only
     (``half_tail`` and ``swap_rows`` do not apply); without signals only (the barrier before each tile's release
-    would split the loop: with ``flags``, ``flat`` is ignored). ``pair_k`` (the fp8 kernel with block-wise scales
-    only; others ignore it): two 128-deep K steps per loop iteration, their products independent, so that one's
-    scaling need not wait for the other's MMA; a tile at most 128 wide takes its weight scale per step as one
-    scalar."""
+    would split the loop: with ``flags``, ``flat`` is ignored). ``programs_per_sm``: with ``num_programs`` 0, that
+    many persistent programs per SM (two small tiles' programs on one SM: one's MMA runs while the other's CUDA
+    cores work, where the registers and shared memory of both fit)."""
 
     block_m: int = 128
     block_n: int = 256
@@ -434,7 +433,7 @@ class GroupedTile:
     swap_rows: int = 0
     mix: bool = False
     flat: bool = False
-    pair_k: bool = False
+    programs_per_sm: int = 1
 
 
 # Tiles measured on one H200 (torch 2.11, triton 3.6). Sweeps 1-3 (benchmarks/results/logs/moe-gemm/, commits
@@ -663,7 +662,7 @@ def grouped_gemm(
     if tile.num_programs is None:
         grid = bound_tiles
     else:
-        programs = tile.num_programs or guards.sm_count(x.device)
+        programs = tile.num_programs or tile.programs_per_sm * guards.sm_count(x.device)
         grid = min(programs, bound_tiles) if bound_tiles else 0
     if grid == 0 or n == 0:
         return out
@@ -732,26 +731,6 @@ def _step_scales(sx_ptrs, sw_ptrs, kk, stride_sxk, stride_swk, SCALAR_W: tl.cons
 
 
 @_jit
-def _paired_block_products(a_ptrs, b_ptrs, sx_ptrs, sw_ptrs, acc, K, stride_xk, stride_wk, stride_sxk, stride_swk,
-                           BLOCK_K: tl.constexpr, SCALAR_W: tl.constexpr):
-    """``acc`` plus every 128-deep K step's product scaled by its block scales (``sx_ptrs``: the tile's rows' scales
-    at step 0; ``sw_ptrs``: the weight's, one or one per column), two steps per iteration: their products are
-    independent, so the first's scaling can proceed while the second's MMA runs (an odd last step alone)."""
-    k_tiles = K // BLOCK_K
-    for kk in range(0, k_tiles - 1, 2):
-        d0 = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs))
-        d1 = tl.dot(tl.load(a_ptrs + BLOCK_K * stride_xk), tl.load(b_ptrs + BLOCK_K * stride_wk))
-        acc += d0 * _step_scales(sx_ptrs, sw_ptrs, kk, stride_sxk, stride_swk, SCALAR_W) \
-            + d1 * _step_scales(sx_ptrs, sw_ptrs, kk + 1, stride_sxk, stride_swk, SCALAR_W)
-        a_ptrs += 2 * BLOCK_K * stride_xk
-        b_ptrs += 2 * BLOCK_K * stride_wk
-    if k_tiles % 2:
-        acc += tl.dot(tl.load(a_ptrs), tl.load(b_ptrs)) * _step_scales(sx_ptrs, sw_ptrs, k_tiles - 1, stride_sxk,
-                                                                       stride_swk, SCALAR_W)
-    return acc
-
-
-@_jit
 def scaled_grouped_gemm_kernel(
     x, x_scale, w, w_scale, out, table_ptr,
     total_rows, N, K, num_segments, tiles_n,
@@ -759,7 +738,7 @@ def scaled_grouped_gemm_kernel(
     stride_we, stride_wk, stride_wn, stride_swe, stride_swk, stride_swn,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCKWISE: tl.constexpr, PAIR_K: tl.constexpr = False,
+    GROUP_M: tl.constexpr, BLOCKWISE: tl.constexpr,
 ):
     cum = tl.load(table_ptr + tl.arange(0, BLOCK_S))
     total = tl.load(table_ptr + num_segments - 1)
@@ -775,23 +754,24 @@ def scaled_grouped_gemm_kernel(
         a_ptrs = x + rows_in[:, None] * stride_xm + offs_k[None, :] * stride_xk
         b_ptrs = w + e64 * stride_we + offs_k[:, None] * stride_wk + cols_in[None, :] * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PAIR_K:  # block-wise, K a multiple of BLOCK_K = 128 (the launcher's check): no K masks
+        if BLOCKWISE:  # K a multiple of BLOCK_K = 128 (the launcher's check): no K masks
             scalar_w: tl.constexpr = BLOCK_N <= 128  # the tile's columns lie in one 128-wide scale block
-            sw_cols = off_n // 128 if scalar_w else cols_in // 128
-            acc = _paired_block_products(a_ptrs, b_ptrs, x_scale + rows_in * stride_sxm,
-                                         w_scale + e64 * stride_swe + sw_cols * stride_swn, acc, K, stride_xk,
-                                         stride_wk, stride_sxk, stride_swk, BLOCK_K, scalar_w)
-        else:  # the unpaired loop (the default): the paired launch compiles none of it
+            sx_ptrs = x_scale + rows_in * stride_sxm
+            sw_ptrs = w_scale + e64 * stride_swe + (off_n // 128 if scalar_w else cols_in // 128) * stride_swn
+            for kk in range(K // BLOCK_K):
+                # The product must be scaled before it is added: Triton waits for each step's MMA here (wait 0),
+                # so the scaling is as short as it can be made: one multiply-add per element with a scalar weight
+                # scale. (Two independent products per step were tried: each still waits; see the sweep's notes.)
+                acc += tl.dot(tl.load(a_ptrs), tl.load(b_ptrs)) * _step_scales(sx_ptrs, sw_ptrs, kk, stride_sxk,
+                                                                               stride_swk, scalar_w)
+                a_ptrs += BLOCK_K * stride_xk
+                b_ptrs += BLOCK_K * stride_wk
+        else:
             for kk in range(tl.cdiv(K, BLOCK_K)):
                 k_left = K - kk * BLOCK_K
                 a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-                if BLOCKWISE:
-                    sa = tl.load(x_scale + rows_in * stride_sxm + kk * stride_sxk)
-                    sb = tl.load(w_scale + e64 * stride_swe + kk * stride_swk + (cols_in // 128) * stride_swn)
-                    acc += tl.dot(a_tile, b_tile) * sa[:, None] * sb[None, :]
-                else:
-                    acc = tl.dot(a_tile, b_tile, acc)
+                acc = tl.dot(a_tile, b_tile, acc)
                 a_ptrs += BLOCK_K * stride_xk
                 b_ptrs += BLOCK_K * stride_wk
         if not BLOCKWISE:
@@ -843,7 +823,8 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         HAS_GROUPS=False, HAS_STARTS=seg.starts is not None, num_warps=4 if block_s <= 1024 else 8,
     )
     bound_tiles = (-(-rows // tile.block_m) + min(num_segments, rows)) * tiles_n
-    programs = bound_tiles if tile.num_programs is None else (tile.num_programs or guards.sm_count(x.device))
+    programs = bound_tiles if tile.num_programs is None else (tile.num_programs
+                                                             or tile.programs_per_sm * guards.sm_count(x.device))
     grid = min(programs, bound_tiles)
     # The scales' strides as the kernel reads them, without views: x_scale [rows] as [rows, 1]; row-wise w_scale
     # [E, N] as [E, 1, N] (its K stride never read).
@@ -857,7 +838,7 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         w.stride(0), w.stride(1), w.stride(2), sw_e, sw_k, sw_n,
         out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
-        BLOCKWISE=mode == "block", PAIR_K=tile.pair_k and mode == "block", num_warps=tile.num_warps,
+        BLOCKWISE=mode == "block", num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     return out
@@ -870,6 +851,8 @@ def _check_tile(tile: GroupedTile) -> None:
     if not (pow2(tile.block_m) and pow2(tile.block_n) and pow2(tile.block_k) and min(tile.block_m, tile.block_n,
                                                                                     tile.block_k) >= 16):
         raise ValueError(f"tile: block_m, block_n, block_k must be powers of two >= 16, got {tile}")
+    if not (isinstance(tile.programs_per_sm, int) and tile.programs_per_sm >= 1):
+        raise ValueError(f"tile.programs_per_sm must be an int >= 1, got {tile.programs_per_sm!r}")
     if tile.swap_rows and not (pow2(tile.swap_rows) and 16 <= tile.swap_rows <= tile.block_m // 2):
         raise ValueError(f"tile.swap_rows must be 0 or a power of two in [16, block_m // 2 = {tile.block_m // 2}], "
                          f"got {tile.swap_rows}")
