@@ -619,10 +619,14 @@ MUTATIONS = [
      "src/flashoverlap/nn/moe.py", "route(logits.reshape(rows.shape[0], logits.shape[-1]),",
      "route(logits.reshape(rows.shape[0], -1),",
      "tests/moe/test_moe_nn.py::test_a_rank_without_tokens_routes_by_the_gate"),
-    ("fp8-paired-k-steps-same-scale", "fp8 grouped GEMM, paired K steps: the second step of a pair scaled by the "
-     "first's block scales", GROUPED, "            + d1 * _step_scales(sx_ptrs, sw_ptrs, kk + 1,",
-     "            + d1 * _step_scales(sx_ptrs, sw_ptrs, kk,",
-     "tests/kernels/test_grouped_fp8.py::test_interpreted_paired_k_steps_give_the_same_products"),
+    ("fp8-block-scale-of-the-tile-not-the-block", "fp8 grouped GEMM, block-wise: a tile narrower than 128 takes "
+     "the weight scale of block off_n // BLOCK_N, not off_n // 128 (a tile starting mid-block reads the next block's)",
+     GROUPED, "(off_n // 128 if scalar_w else cols_in // 128)", "(off_n // BLOCK_N if scalar_w else cols_in // 128)",
+     "tests/kernels/test_grouped_fp8.py::test_interpreted_block_scales_at_other_tile_widths"),
+    ("fp8-block-scale-per-column-at-128", "fp8 grouped GEMM, block-wise: the weight's scale taken per column even "
+     "where the tile lies in one 128-wide block (two tile-sized multiplies per K step, not one)", GROUPED,
+     "            scalar_w: tl.constexpr = BLOCK_N <= 128", "            scalar_w: tl.constexpr = False",
+     "tests/kernels/test_grouped_fp8.py::test_every_fp8_kernel_variant_compiles_for_hopper"),
     ("reference-agreed-on-first-calls-only", "agreement: the reference path agrees on a call's first call only "
      "(ranks each repeating a different call return wrong values)", CALLS,
      "    return dist.get_world_size(group) > 1\n", "    return False\n", DISAGREE_TEST),
@@ -634,11 +638,11 @@ MUTATIONS = [
     ("parallelize-takes-float8-linear", "parallelize: torchao's Float8Linear sharded as a bf16 layer, silently",
      "src/flashoverlap/nn/layers.py", '                if type(module).__name__ == "Float8Linear":',
      "                if False:", "tests/nn/test_layers.py::test_layer_errors_name_the_argument"),
-    ("fp8-step-scales-early-return", "fp8 grouped GEMM, paired K steps: a constexpr branch returns early (the "
-     "interpreter stops there, the compiler does not: 128-wide paired tiles fail to compile)", GROUPED,
+    ("fp8-step-scales-early-return", "fp8 grouped GEMM, block-wise: a constexpr branch returns early (the "
+     "interpreter stops there, the compiler does not: tiles at most 128 wide fail to compile)", GROUPED,
      "    if SCALAR_W:\n        s = (sa * sb)[:, None]\n    else:\n        s = sa[:, None] * sb[None, :]\n    return s\n",
      "    if SCALAR_W:\n        return (sa * sb)[:, None]\n    return sa[:, None] * sb[None, :]\n",
-     "tests/kernels/test_grouped_fp8.py::test_every_fp8_kernel_variant_compiles_to_triton_ir"),
+     "tests/kernels/test_grouped_fp8.py::test_every_fp8_kernel_variant_compiles_for_hopper"),
     ("every-call-rule-by-exact-type", "agreement: the every-call rule asks a tensor's exact type, so a Parameter "
      "operand on one rank decides apart from a plain tensor on another (a deadlock)", CALLS,
      "not (isinstance(a, torch.Tensor) and a.is_cpu)", "not (type(a) is torch.Tensor and a.is_cpu)",
