@@ -494,6 +494,39 @@ def fp8_grouped(path: str) -> str:
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
+def fp8_tiles(path: str) -> str:
+    """The fp8 grouped GEMM's tile sweep (``benchmarks/diagnostics/fp8_grouped_tiles.py``): per config and scaling,
+    bf16 ``torch._grouped_mm``, the kernel's tile and the fastest right tile, with how many of its programs share an
+    SM where the file has the compiled facts."""
+    data = _load(path)
+    facts = data["meta"].get("facts", {})
+    lines = ["| config | scaling | experts, rows, K, N | bf16 `_grouped_mm` (ms) | kernel's tile (ms) | fastest tile "
+             "| its time (ms) | programs per SM | bf16 / fastest | bf16 / kernel's |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in data["rows"]:
+        head = (f"| {row['config']} | {row['scaling']} | {row.get('experts', '-')}, {row.get('rows', '-')}, "
+                f"{row.get('K', '-')}, {row.get('N', '-')}")
+        if row.get("best") is None:
+            lines.append(f"{head} | not run: {str(row.get('skipped') or row.get('error', '-'))[:70]} | | | | | | |")
+            continue
+        tiles = row["tiles"]
+        spec = tiles[row["best"]]["tile"]
+        fit = facts.get(row["scaling"], {}).get(row["best"], {}).get("programs_per_sm_fit")
+        per_sm = spec[6] if len(spec) > 6 and not isinstance(spec[6], bool) else 1
+        programs = "one per tile" if spec[5] is None else f"{per_sm}" + (f" (fit {fit})" if fit else "")
+        current, over_current = tiles.get("current", {}).get("t_ms"), row.get("bf16_over_current")
+        lines.append(f"{head} | {_ms(row['t_bf16_grouped_mm_ms'])} | {_ms(current)} | {row['best']} "
+                     f"| {_ms(row['t_best_ms'])} | {programs} | {row['bf16_over_best']:.2f}x | "
+                     f"{'-' if over_current is None else f'{over_current:.2f}x'} |")
+    legend = ("<sub>One H200, per-rank slices at W = 2, balanced routing, fp8 e4m3, bf16 out, every tile's output "
+              "checked against a per-expert `_scaled_mm` loop (a wrong tile is never the fastest). Tile names: rows x "
+              "columns, pipeline stages (`s`), warps (`w`, else 8), persistent programs per SM (`2sm`, else one) or "
+              "one program per tile (`tiles`). `programs per SM`: the fastest tile's, and how many fit by its "
+              "registers and shared memory as Triton compiles it (`benchmarks/diagnostics/kernel_facts.py`). bf16 / ... above "
+              "1: the fp8 kernel is faster than bf16 `torch._grouped_mm`.</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
+
+
 def shared_ranks(path: str) -> str:
     """The shared-GPU mechanics (``benchmarks/shared_ranks.py --step mechanics``) summed per W, family and mode:
     cases run, calls checked, wrong values, replays against the repeated calls that should replay, cases that
@@ -921,7 +954,8 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
              "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,
              "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound,
-             "fp8-grouped": fp8_grouped, "shared-ranks": shared_ranks, "soak": soak, "faults": faults,
+             "fp8-grouped": fp8_grouped, "fp8-tiles": fp8_tiles, "shared-ranks": shared_ranks, "soak": soak,
+             "faults": faults,
              "host-shared": host_shared, "fp8-moe-host": fp8_moe_host, "cpu-nccl-host": cpu_nccl_host,
              "timeline-sources": timeline_sources}
 
