@@ -522,8 +522,8 @@ def fp8_tiles(path: str) -> str:
               "checked against a per-expert `_scaled_mm` loop (a wrong tile is never the fastest). Tile names: rows x "
               "columns, pipeline stages (`s`), warps (`w`, else 8), persistent programs per SM (`2sm`, else one) or "
               "one program per tile (`tiles`). `programs per SM`: the fastest tile's, and how many fit by its "
-              "registers and shared memory as Triton compiles it (`benchmarks/diagnostics/kernel_facts.py`). bf16 / ... above "
-              "1: the fp8 kernel is faster than bf16 `torch._grouped_mm`.</sub>")
+              "registers and shared memory as Triton compiles it (`benchmarks/diagnostics/kernel_facts.py`). "
+              "bf16 / ... above 1: the fp8 kernel is faster than bf16 `torch._grouped_mm`.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
