@@ -199,6 +199,21 @@ def test_the_grouped_gemm_table_compares_the_chosen_path_with_grouped_mm(tmp_pat
     assert "at W = 2" in table and "above 1: ours is faster" in table
 
 
+def test_the_tile_sweep_table_names_the_fastest_tile_and_how_many_share_an_sm(tmp_path):
+    tiles = {"current": {"tile": [128, 128, 8, 3, 8, 0, 1], "t_ms": 2.0, "ok": True},
+             "64x128-s4-w4-2sm": {"tile": [64, 128, 8, 4, 4, 0, 2], "t_ms": 1.0, "ok": True},
+             "128x128-s3-tiles": {"tile": [128, 128, 8, 3, 8, None, 1], "t_ms": 1.5, "ok": True}}
+    rows = [{"config": "toy", "scaling": "block", "experts": 4, "rows": 64, "K": 256, "N": 128,
+             "t_bf16_grouped_mm_ms": 1.5, "tiles": tiles, "best": "64x128-s4-w4-2sm", "t_best_ms": 1.0,
+             "bf16_over_best": 1.5, "bf16_over_current": 0.75},
+            {"config": "toy", "scaling": "row", "skipped": "K"}]
+    meta = {"gpus": "synthetic", "torch": "-", "commit": "0" * 40, "command": "none", "date": "2000-01-01",
+            "facts": {"block": {"64x128-s4-w4-2sm": {"programs_per_sm_fit": 2}}}}
+    table = _table(_renderer().fp8_tiles(_results(tmp_path, "tiles.json", meta, rows)))
+    assert table[0][3:] == ["1.500", "2.000", "64x128-s4-w4-2sm", "1.000", "2 (fit 2)", "1.50x", "0.75x"]
+    assert table[1][3].startswith("not run: K")
+
+
 def test_the_python_cost_table_puts_before_beside_after(tmp_path):
     rows = [{"op": "all_reduce", "part": "runtime", "mode": "before", "us_per_call": 10.0},
             {"op": "all_reduce", "part": "p2p-executor", "mode": "before", "us_per_call": 40.0,
