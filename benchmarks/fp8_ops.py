@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if not dry_run:  # without CUDA it used to fall into a dry run and write its file under the GPU results' name
         require_cuda("benchmarks.fp8_ops (--dry-run runs it on the CPU)", per_rank=True)
     if not dry_run and args.iters < MIN_ITERS:
-        parser().error(f"--iters must be at least {MIN_ITERS} (BENCHMARK.md's timing)")
+        parser().error(f"--iters must be at least {MIN_ITERS} (docs/benchmarks.md's timing)")
     if dry_run:
         device = torch.device("cpu")
         dist.init_process_group("gloo")

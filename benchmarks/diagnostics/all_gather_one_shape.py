@@ -10,6 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.baselines import DecomposedAllGather
 from flashoverlap.ops.all_gather_gemm import all_gather_gemm
 from flashoverlap.runtime import plan_for
@@ -29,6 +30,7 @@ def step(name, fn):
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.all_gather_one_shape", per_rank=True)
     m, n, k = (int(x) for x in sys.argv[1:4])
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)

@@ -13,11 +13,13 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.block import Block, BlockConfig, TPBlock
+from benchmarks.diagnostics.results_file import require_cuda
 
 STEPS = 3
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.block_profile", per_rank=True)
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     mode = sys.argv[2] if len(sys.argv) > 2 else "train"
     if mode not in ("train", "prefill"):

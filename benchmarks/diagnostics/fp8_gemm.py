@@ -13,7 +13,7 @@
 each beside ``torch._scaled_mm`` in the same mode on the whole GEMM and bf16 ``torch.mm`` of the same shape; where the
 plan's GEMM runs on fewer programs than the GPU has SMs (the all-gather's, persistent on the SMs NCCL leaves it:
 deadlock rule 2), also beside ``torch._scaled_mm`` given the same SMs (``torch._C._set_sm_carveout_experimental``,
-BENCHMARK.md's GEMM at an SM budget): ``t_scaled_mm_budget_ms``, ``speed_vs_budget``.
+docs/benchmarks.md's GEMM at an SM budget): ``t_scaled_mm_budget_ms``, ``speed_vs_budget``.
 Per-rank GEMMs: all-reduce and reduce-scatter ``(M, N, K/2)``, all-gather ``(M, N/2, K)`` with M gathered.
 Times are medians of CUDA-event times of 25 calls after 5 warm-up calls, each queued behind a GPU sleep (the GPU's
 time, not the host's); fresh random operands (randn times 3 cast to fp8, never zeros) and scales in [0.5, 1.5).

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python -m benchmarks.diagnostics.fp8_grouped --out benchmarks/results
 
-writes ``<out>/h200x1-fp8-grouped.json`` (BENCHMARK.md, "fp8 experts"): rows {config, routing, proj, scaling,
+writes ``<out>/h200x1-fp8-grouped.json`` (docs/benchmarks.md, "fp8 experts"): rows {config, routing, proj, scaling,
 experts, rows, K, N, t_ours_ms, t_scaled_grouped_mm_ms, t_loop_ms, t_bf16_grouped_mm_ms, chosen, t_chosen_ms,
 best, chosen_over_best, err_*} and ``meta`` (commit, command, torch, GPU). A sample is one rank's slice at W = 2 of an
 MoE config (issue 44's table, plus two configs the starting rule was not written from: ``fit`` / ``validate``),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap.comm import scaled
 from flashoverlap.comm.collectives import all_gather_now, all_reduce_now
@@ -26,6 +26,7 @@ E4M3 = torch.float8_e4m3fn
 
 
 def main() -> None:
+    require_cuda("benchmarks.diagnostics.fp8_host_parts")
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     group = dist.group.WORLD
     a16 = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")

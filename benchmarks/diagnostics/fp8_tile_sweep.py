@@ -3,7 +3,7 @@ target): at the grid's per-rank GEMMs (W = 2), tensor- and row-wise, each candid
 ``default_plan`` gives it (all-reduce and reduce-scatter: one program per tile, since programs that retire let
 NCCL's blocks in; all-gather: persistent on the SMs NCCL leaves, every band already arrived), signals included,
 against ``torch._scaled_mm`` in the same mode on the whole GPU and, for the all-gather, given the same SMs
-(``torch._C._set_sm_carveout_experimental``: BENCHMARK.md's GEMM at an SM budget).
+(``torch._C._set_sm_carveout_experimental``: docs/benchmarks.md's GEMM at an SM budget).
 
 A diagnostic to choose the policy in ``tune/fp8.py``, not a library figure. Medians of CUDA-event times of 25 calls
 after 5 warm-up calls, each queued behind a GPU sleep; fresh random operands and scales, never zeros.
@@ -14,7 +14,7 @@ FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python benchmarks/diagnostics/fp8_til
 import torch
 
 from benchmarks.diagnostics.fp8_gemm import GRID, WORLD, per_rank, scales, time_ms
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from flashoverlap.kernels.gemm import GatherWait, Scaling
 from flashoverlap.kernels.gemm import gemm as gemm_kernel
 from flashoverlap.plan import TileConfig
@@ -28,6 +28,7 @@ CARVE = getattr(torch._C, "_set_sm_carveout_experimental", None)
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.fp8_tile_sweep")
     rows = []
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for op, shapes in GRID.items():

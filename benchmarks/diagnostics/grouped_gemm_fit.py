@@ -2,7 +2,7 @@
 the per-segment ``torch.mm`` loop) timed on one GPU at the fitting set (``grouped_gemm_ways.py`` says how), then
 per way the coefficients that best predict them, written as ``tune/grouped_costs.py`` beside a results file.
 
-Fitting set: the per-rank slices at W = 2 of BENCHMARK.md's MoE configs, Mixtral-like (4 local experts, H 4096,
+Fitting set: the per-rank slices at W = 2 of docs/benchmarks.md's MoE configs, Mixtral-like (4 local experts, H 4096,
 F 14336, top-2), Qwen3-30B-A3B-like (64, 2048, 768, top-8) and DeepSeek-V3-like (128, 7168, 2048, top-8), at 2048
 and 8192 tokens per rank, balanced and Zipf(1.2) routing, up and down projections (24 samples).
 
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 import flashoverlap.tune  # noqa: E402
 from benchmarks.diagnostics.grouped_gemm_ways import WAYS, Config, call_of, run_all  # noqa: E402
-from benchmarks.diagnostics.results_file import results_meta  # noqa: E402
+from benchmarks.diagnostics.results_file import require_cuda, results_meta  # noqa: E402
 from flashoverlap.tune.grouped import WayCosts, cost_ms, gpu_ms, host_calls, kernels  # noqa: E402
 
 FIT_CONFIGS = [Config(f"{name}-{tokens}", local, hidden, ffn, top_k, tokens)
@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
+    if not (args.dry_run or args.refit):  # a dry run and a refit run on the CPU
+        require_cuda("benchmarks.diagnostics.grouped_gemm_fit")
     t0 = time.perf_counter()
     if args.refit:
         with open(args.refit) as f:
@@ -142,8 +144,8 @@ def main() -> None:
         call = call_of(row)
         row["predicted_ms"] = {name: cost_ms(way, call, costs[way]) for name, way in WAYS.items()}
         row["predicted_gpu_ms"] = {name: gpu_ms(way, call, costs[way]) for name, way in WAYS.items()}
-    source = f"benchmarks/results/{os.path.basename(args.out)} (commit {meta.get('commit', 'unknown')}, " \
-             f"{str(meta.get('date', ''))[:10]})"
+    measured_in = args.refit or f"benchmarks/results/{os.path.basename(args.out)}"  # refit: the rows' own file
+    source = f"{measured_in} (commit {meta.get('commit', 'unknown')}, {str(meta.get('date', ''))[:10]})"
     text = costs_module(costs, source)
     path = args.costs or (None if args.dry_run else os.path.join(os.path.dirname(flashoverlap.tune.__file__),
                                                                  "grouped_costs.py"))

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from flashoverlap.kernels import grouped_gemm as module
 
 CASES = [("moe-one-gpu chunk", 4096, 8, 1024, 1024), ("deepseek-like chunk", 16384, 128, 7168, 4096)]
@@ -122,6 +122,7 @@ def one_case(name, rows, experts, k, n):
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.grouped_gemm_host")
     rows_out = [one_case(*case) for case in CASES]
     write_results({"meta": results_meta("CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python "
                                       "-m benchmarks.diagnostics.grouped_gemm_host OUT.json"), "rows": rows_out})

@@ -32,7 +32,7 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 from benchmarks.diagnostics.grouped_gemm_ways import WAYS, Config, call_of, run_all  # noqa: E402
-from benchmarks.diagnostics.results_file import results_meta  # noqa: E402
+from benchmarks.diagnostics.results_file import require_cuda, results_meta  # noqa: E402
 from flashoverlap.tune import grouped, grouped_costs  # noqa: E402
 
 VALIDATION_CONFIGS = [
@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
+    if not args.dry_run:  # the dry run is the CPU's
+        require_cuda("benchmarks.diagnostics.grouped_gemm_validate")
     t0 = time.perf_counter()
     configs = DRY_CONFIGS if args.dry_run else VALIDATION_CONFIGS
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 
 REPEATS = 20
 
@@ -35,6 +35,7 @@ def timed(fn, repeats=REPEATS):
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.host_primitives")
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

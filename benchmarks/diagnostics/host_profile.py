@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.timing import host_us
 from flashoverlap.testing import plain
 
@@ -25,6 +26,7 @@ OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatte
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.host_profile", per_rank=True)
     paths = (sys.argv[1] if len(sys.argv) > 1 else "nccl,p2p").split(",")
     m, n, k = (int(x) for x in sys.argv[2].split(",")) if len(sys.argv) > 2 else SHAPE
     rank = int(os.environ["LOCAL_RANK"])

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from benchmarks.diagnostics.p2p_one_gpu import HOST_SHAPE, OPS, close_run, direct_call, host_operands, ipc_p2p, open_run
+from benchmarks.diagnostics.results_file import require_cuda
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.protocol import Call
 
@@ -110,6 +111,7 @@ def trace(fn):
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.host_trace")
     rank, world, device, meta = open_run("host_trace")
     comm = ipc_p2p(device)
     m, n, k = HOST_SHAPE

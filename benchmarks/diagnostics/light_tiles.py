@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from benchmarks.moe_gemm import Slice
 from flashoverlap.comm.expert import chunked_gemm
 from flashoverlap.kernels.grouped_gemm import (
@@ -43,6 +43,7 @@ TILES = {
 
 
 def main() -> int:
+    require_cuda("benchmarks.diagnostics.light_tiles")
     rows = []
     for routing in ("balanced", "zipf"):
         for proj in ("up", "down"):

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from benchmarks.moe_gemm import Slice
 from flashoverlap.kernels.grouped_gemm import (
     TILE_MANY_EXPERTS,
@@ -278,6 +278,7 @@ def check(s: Slice, fn, what: str, dispatch_layout: bool = False) -> float:
 
 
 def main() -> int:
+    require_cuda("benchmarks.diagnostics.moe_skew_streams")
     if CARVE is None:
         print("this torch has no torch._C._set_sm_carveout_experimental", flush=True)
         return 1

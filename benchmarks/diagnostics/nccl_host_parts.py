@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.timing import loop_host_us, profiled
 
 SHAPES = {"all_gather": (8192, 1280, 8192), "reduce_scatter": (8192, 8192, 1024), "all_reduce": (4096, 8192, 8192)}
@@ -150,4 +151,5 @@ def _replay_row(fn, spec):
 if __name__ == "__main__":
     from benchmarks.diagnostics.results_file import in_one_rank_nccl_group
 
+    require_cuda("benchmarks.diagnostics.nccl_host_parts")  # before the group: one line, not a traceback
     in_one_rank_nccl_group(main)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from benchmarks.diagnostics.results_file import require_cuda
 from flashoverlap.testing import plain
 from flashoverlap.tune.timing import time_side_by_side
 
@@ -40,6 +41,7 @@ def say(msg):
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.p2p_smoke", per_rank=True)
     op = sys.argv[1]
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.diagnostics.p2p_one_gpu import HOST_SHAPE, OPS, close_run, host_operands, ipc_p2p, open_run
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.protocol import Call
@@ -210,6 +211,7 @@ def synthetic_rows(rank: int) -> dict:
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.replay_host")
     rank, world, device, meta = open_run("replay_host")
     comm = ipc_p2p(device)
     meta["unit"] = "us of host time per call, median of 40 (30 for synthetic), GPU busy ahead"

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.op_rows import GRID_ALL_GATHER, GRID_ALL_REDUCE
 from flashoverlap.bench import efficiency
 from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
@@ -53,6 +54,7 @@ def measure(op, m, n, k, world, rank):
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.ring_nccl", per_rank=True)
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))

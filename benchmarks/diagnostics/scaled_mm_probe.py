@@ -9,12 +9,13 @@ import itertools
 
 import torch
 
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 
 E4M3 = torch.float8_e4m3fn
 
 
 def main() -> None:
+    require_cuda("benchmarks.diagnostics.scaled_mm_probe")
     n, k = 1008, 1024
     rows_tried = (501, 502, 504, 512, 1001, 1002)
     b = (torch.randn(n, k, device="cuda") * 3).to(E4M3).t()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from benchmarks.diagnostics.p2p_one_gpu import direct_call
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap import guards, settings
 from flashoverlap.comm import collectives
@@ -102,6 +102,7 @@ def op_row(op, public, name, group) -> dict:
 
 
 def main() -> int:
+    require_cuda("benchmarks.diagnostics.sequential_host")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     rows = [op_row(op, public, name, dist.group.WORLD) for op, (public, name) in PUBLIC.items()]

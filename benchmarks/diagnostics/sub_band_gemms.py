@@ -10,7 +10,7 @@ python -m benchmarks.diagnostics.sub_band_gemms [out.json]
 
 import torch
 
-from benchmarks.diagnostics.results_file import results_meta, write_results
+from benchmarks.diagnostics.results_file import require_cuda, results_meta, write_results
 from flashoverlap.tune.timing import time_ms
 
 GRID = {"all_reduce": [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
@@ -43,6 +43,7 @@ def ring_products(op, a, b, out, s):
 
 
 def main():
+    require_cuda("benchmarks.diagnostics.sub_band_gemms")
     rows = []
     for op, shapes in GRID.items():
         for m, n, k in shapes:

@@ -1,0 +1,37 @@
+"""Every GPU diagnostic under ``benchmarks/diagnostics/`` says in one line that it needs CUDA GPUs when run without
+them (``results_file.require_cuda`` first in its ``main``), instead of a traceback from deep inside its first CUDA
+call: run here in this process with CUDA reported absent, as ``python -m`` would, its output path in a scratch
+directory."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+# The diagnostics a CPU runs (each has its own test), and the helpers that are no command.
+CPU_OR_HELPER = {"__init__", "results_file", "kernel_facts", "fp8_bytes", "grouped_gemm_ways"}
+# Those whose results path is an option, not an argument.
+OUT_OPTION = {"fp8_grouped", "fp8_grouped_tiles", "fp8_moe_host"}
+DIAGNOSTICS = sorted(p.stem for p in (ROOT / "benchmarks" / "diagnostics").glob("*.py")
+                     if p.stem not in CPU_OR_HELPER and "def main(" in p.read_text())
+
+
+@pytest.mark.parametrize("name", DIAGNOSTICS)
+def test_a_gpu_diagnostic_says_it_needs_cuda_in_one_line(name, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    out = str(tmp_path / "out.json")
+    monkeypatch.setattr(sys, "argv", [name, *(["--out", str(tmp_path)] if name in OUT_OPTION else [out])])
+    monkeypatch.chdir(tmp_path)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module(f"benchmarks.diagnostics.{name}", run_name="__main__", alter_sys=True)
+    message = exit_.value.code
+    assert isinstance(message, str) and "\n" not in message, (name, message, capsys.readouterr())
+    assert "CUDA GPU" in message and name in message, message
