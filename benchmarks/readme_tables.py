@@ -500,8 +500,8 @@ def fp8_tiles(path: str) -> str:
     SM where the file has the compiled facts."""
     data = _load(path)
     facts = data["meta"].get("facts", {})
-    lines = ["| config | scaling | experts, rows, K, N | bf16 `_grouped_mm` (ms) | kernel's tile (ms) | fastest tile "
-             "| its time (ms) | programs per SM | bf16 / fastest | bf16 / kernel's |",
+    lines = ["| config | scaling | experts, rows, K, N | bf16 `_grouped_mm` (ms) | kernel's tile then: ms "
+             "| fastest tile | its time (ms) | programs per SM | bf16 / fastest | bf16 / kernel's |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in data["rows"]:
         head = (f"| {row['config']} | {row['scaling']} | {row.get('experts', '-')}, {row.get('rows', '-')}, "
@@ -514,14 +514,17 @@ def fp8_tiles(path: str) -> str:
         fit = facts.get(row["scaling"], {}).get(row["best"], {}).get("programs_per_sm_fit")
         per_sm = spec[6] if len(spec) > 6 and not isinstance(spec[6], bool) else 1
         programs = "one per tile" if spec[5] is None else f"{per_sm}" + (f" (fit {fit})" if fit else "")
-        current, over_current = tiles.get("current", {}).get("t_ms"), row.get("bf16_over_current")
-        lines.append(f"{head} | {_ms(row['t_bf16_grouped_mm_ms'])} | {_ms(current)} | {row['best']} "
+        current, over_current = tiles.get("current", {}), row.get("bf16_over_current")
+        then = current.get("tile") or []
+        then = f"{then[0]}x{then[1]}-s{then[3]}: " if len(then) > 3 else ""
+        lines.append(f"{head} | {_ms(row['t_bf16_grouped_mm_ms'])} | {then}{_ms(current.get('t_ms'))} | {row['best']} "
                      f"| {_ms(row['t_best_ms'])} | {programs} | {row['bf16_over_best']:.2f}x | "
                      f"{'-' if over_current is None else f'{over_current:.2f}x'} |")
     legend = ("<sub>One H200, per-rank slices at W = 2, balanced routing, fp8 e4m3, bf16 out, every tile's output "
               "checked against a per-expert `_scaled_mm` loop (a wrong tile is never the fastest). Tile names: rows x "
-              "columns, pipeline stages (`s`), warps (`w`, else 8), persistent programs per SM (`2sm`, else one) or "
-              "one program per tile (`tiles`). `programs per SM`: the fastest tile's, and how many fit by its "
+              "columns, pipeline stages (`s`), warps (`w`, else 8), persistent programs per SM (`2sm`, `3sm`, else "
+              "one) or one program per tile (`tiles`). `kernel's tile then`: the tile the kernel ran for the scaling at the "
+              "commit measured, and its time. `programs per SM`: the fastest tile's, and how many fit by its "
               "registers and shared memory as Triton compiles it (`benchmarks/diagnostics/kernel_facts.py`). "
               "bf16 / ... above 1: the fp8 kernel is faster than bf16 `torch._grouped_mm`.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])

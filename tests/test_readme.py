@@ -210,7 +210,7 @@ def test_the_tile_sweep_table_names_the_fastest_tile_and_how_many_share_an_sm(tm
     meta = {"gpus": "synthetic", "torch": "-", "commit": "0" * 40, "command": "none", "date": "2000-01-01",
             "facts": {"block": {"64x128-s4-w4-2sm": {"programs_per_sm_fit": 2}}}}
     table = _table(_renderer().fp8_tiles(_results(tmp_path, "tiles.json", meta, rows)))
-    assert table[0][3:] == ["1.500", "2.000", "64x128-s4-w4-2sm", "1.000", "2 (fit 2)", "1.50x", "0.75x"]
+    assert table[0][3:] == ["1.500", "128x128-s3: 2.000", "64x128-s4-w4-2sm", "1.000", "2 (fit 2)", "1.50x", "0.75x"]
     assert table[1][3].startswith("not run: K")
 
 

@@ -1,8 +1,9 @@
-"""Which tile the fp8 grouped GEMM (``kernels.grouped_gemm.scaled_grouped_gemm``) should take (issue 44's block-wise
-target: >= 1.3x bf16 ``torch._grouped_mm`` at >= 8192 rows; its one tile, ``SCALED_TILE``, was never swept on a GPU).
+"""Which tile the fp8 grouped GEMM (``kernels.grouped_gemm.scaled_grouped_gemm``) should take per scaling mode
+(``SCALED_TILE`` block-wise, ``SCALED_TILE_ROW`` row-wise; issue 44's block-wise target: >= 1.3x bf16
+``torch._grouped_mm`` at >= 8192 rows).
 
     FLASHOVERLAP_COMMIT=<sha> PYTHONPATH=src:. python -m benchmarks.diagnostics.fp8_grouped_tiles \\
-        --out benchmarks/results/h200x1-fp8-grouped-tiles.json [--only NAME,...] [--iters 10]
+        --out benchmarks/results/h200x1-fp8-grouped-tiles.json [--only NAME,...] [--scalings block,row] [--iters 10]
 
 For each config of ``fp8_grouped.CONFIGS`` (one rank's slice at W = 2, balanced routing, in ``fp8_grouped.CHUNKS``
 chunks as the paths run them), block-wise and row-wise: every tile of ``TILES`` through the kernel's launcher,
@@ -39,8 +40,8 @@ from flashoverlap.tune.grouped import GroupedCall
 # (block_m, block_n, group_m, num_stages, num_warps, num_programs[, programs_per_sm]): block_k is 128 (one block-wise
 # scale per K step). num_programs 0: persistent, programs_per_sm (default 1) per SM; None: one program per tile.
 # Several programs per SM let one program's MMA run while another scales its product (``kernel_facts``: Triton waits
-# for each block-wise step's MMA); the 64-row tiles with 4 warps are the ones whose registers and shared memory
-# fit two or more (each row's ``facts``).
+# for each block-wise step's MMA); tiles of 4 warps at most 128x128 are the ones whose registers and shared memory
+# fit two or more (``meta.facts``).
 TILES = {
     "current": None,  # the kernel's tile today for the scaling (``SCALED_TILE_ROW``, ``SCALED_TILE``)
     "128x128-s4": (128, 128, 8, 4, 8, 0),
@@ -170,6 +171,8 @@ def tile_facts(scalings) -> dict:
     from benchmarks.diagnostics.kernel_facts import fp8_kernel_facts
 
     major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return {"note": f"sm_{major}{minor}: the facts are read for Hopper (sm_90) only"}
     facts = {}
     for scaling in scalings:
         for name, spec in TILES.items():
@@ -182,7 +185,7 @@ def tile_facts(scalings) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/h200x1-fp8-grouped-tiles.json")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--only", type=config_names, default=None,

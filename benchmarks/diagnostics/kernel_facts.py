@@ -66,11 +66,15 @@ def _resources(cubin: bytes) -> dict:
 
 
 def fp8_kernel_facts(tile, mode: str, arch: int = 90) -> dict:
-    """``{registers, spill_bytes, shared_bytes, programs_per_sm_fit, mma_waits, async_loads, scale_multiplies}``:
+    """``{registers, spill_bytes, shared_bytes, programs_per_sm_fit, mma_waits, async_loads, scale_multiplies}`` for
+    Hopper (``arch`` 90: the per-SM limits here are Hopper's, and its MMA waits are what the facts read):
     ``programs_per_sm_fit`` how many programs of this tile fit on one SM at once (registers, shared memory, warps; 0:
     it does not launch); ``mma_waits`` the ``pendings`` of each MMA wait in order (a 1 inside the K loop keeps an MMA in
     flight across steps); ``scale_multiplies`` the tile-sized fp32 multiplies in the kernel (block-wise: per K
     step)."""
+    if arch != 90:
+        raise ValueError(f"kernel_facts: sm_{arch} is not Hopper (sm_90): its SM limits and MMA waits are not "
+                         "the ones these facts read")
     compiled = compile_fp8_kernel(tile, mode, arch)
     ttgir = compiled.asm["ttgir"]
     facts = _resources(compiled.asm["cubin"])
@@ -89,8 +93,9 @@ def fp8_kernel_facts(tile, mode: str, arch: int = 90) -> dict:
 def main() -> None:
     from benchmarks.diagnostics.fp8_grouped_tiles import TILES, tile_of
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (90: Hopper)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, choices=[90], help="the compute capability to compile for "
+                        "(Hopper, the only one whose limits these facts know)")
     args = parser.parse_args()
     for scaling in ("block", "row"):
         for name, spec in TILES.items():

@@ -408,9 +408,9 @@ def grouped_gemm_kernel(
 class GroupedTile:
     """Tile shape and launch shape of the grouped GEMM. ``num_programs``: ``None`` launches one program per tile
     of the host-side bound (programs past the real tiles exit at once); an int launches that many persistent
-    programs (``0``: one per SM), which take tiles by stride, or (``dynamic``) the first by program id and the
-    rest from an atomic counter. ``half_tail``: a segment's last tile, when it has at most ``block_m // 2`` rows,
-    runs at half height (skewed routing leaves many small segments). ``swap_rows`` (0, or a power of two from 16
+    programs (``0``: ``programs_per_sm`` per SM), which take tiles by stride, or (``dynamic``) the first by program
+    id and the rest from an atomic counter. ``half_tail``: a segment's last tile, when it has at most
+    ``block_m // 2`` rows, runs at half height (skewed routing leaves many small segments). ``swap_rows`` (0, or a power of two from 16
     to ``block_m // 2``): a last tile of at most that many rows runs transposed, ``w^T x^T``, at that height
     (bf16/fp16 only; others ignore it). ``mix``: in heavy-first order without priorities, the tiles of one-tile-row
     segments (memory-bound: a weight strip read for few rows) are spread evenly among the others (compute-bound),
@@ -759,9 +759,10 @@ def scaled_grouped_gemm_kernel(
             sx_ptrs = x_scale + rows_in * stride_sxm
             sw_ptrs = w_scale + e64 * stride_swe + (off_n // 128 if scalar_w else cols_in // 128) * stride_swn
             for kk in range(K // BLOCK_K):
-                # The product must be scaled before it is added: Triton waits for each step's MMA here (wait 0),
-                # so the scaling is as short as it can be made: one multiply-add per element with a scalar weight
-                # scale. (Two independent products per step were tried: each still waits; see the sweep's notes.)
+                # The product must be scaled before it is added, so Triton waits for each step's MMA here
+                # (``benchmarks/diagnostics/kernel_facts.py`` shows the waits; two independent products per step
+                # waited for each, 0b293d9), and the scaling is made short: one multiply-add per element where the
+                # weight's scale is one scalar. Programs sharing an SM overlap one's MMA with another's scaling.
                 acc += tl.dot(tl.load(a_ptrs), tl.load(b_ptrs)) * _step_scales(sx_ptrs, sw_ptrs, kk, stride_sxk,
                                                                                stride_swk, scalar_w)
                 a_ptrs += BLOCK_K * stride_xk
@@ -782,9 +783,9 @@ def scaled_grouped_gemm_kernel(
         tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(offs_m[:, None] < row1) & (offs_n[None, :] < N))
 
 
-# Persistent, one program per SM. Swept on one H200 (benchmarks/results/h200x1-fp8-grouped-tiles.json, 4c17018fd0):
-# row-wise, 128x256 tiles with 4 stages were the fastest of ten at every config; block-wise no tile beat this one by
-# more than a few per cent (64x256 at most configs, one program per 128x128 tile at Mixtral-8x22B).
+# Persistent, one program per SM. Swept on one H200 (benchmarks/results/h200x1-fp8-grouped-tiles.json, rendered in
+# docs/benchmarks.md): row-wise, 128x256 tiles with 4 stages the fastest or next to it at every config; block-wise,
+# the tiles then swept (one program per SM, or per tile) were close to this one, none 1.3x bf16.
 SCALED_TILE = GroupedTile(128, 128, 128, 8, 3, 8, 0)  # block-wise
 SCALED_TILE_ROW = GroupedTile(128, 256, 128, 8, 4, 8, 0)  # row-wise
 
@@ -806,6 +807,7 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         raise ValueError(f"scaled_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, mode {mode!r}: K must agree, "
                          "mode be 'row' or 'block' (block: K a multiple of 128)")
     tile = tile or (SCALED_TILE_ROW if mode == "row" else SCALED_TILE)
+    _check_tile(tile)
     if mode == "block" and tile.block_k != 128:
         raise ValueError("scaled_grouped_gemm: block-wise scales need tile.block_k = 128")
     seg = segments
