@@ -522,11 +522,11 @@ def fp8_tiles(path: str) -> str:
                      f"{'-' if over_current is None else f'{over_current:.2f}x'} |")
     legend = ("<sub>One H200, per-rank slices at W = 2, balanced routing, fp8 e4m3, bf16 out, every tile's output "
               "checked against a per-expert `_scaled_mm` loop (a wrong tile is never the fastest). Tile names: rows x "
-              "columns, pipeline stages (`s`), warps (`w`, else 8), persistent programs per SM (`2sm`, `3sm`, else "
-              "one) or one program per tile (`tiles`). `kernel's tile then`: the tile the kernel ran for the scaling at the "
-              "commit measured, and its time. `programs per SM`: the fastest tile's, and how many fit by its "
-              "registers and shared memory as Triton compiles it (`benchmarks/diagnostics/kernel_facts.py`). "
-              "bf16 / ... above 1: the fp8 kernel is faster than bf16 `torch._grouped_mm`.</sub>")
+              "columns, pipeline stages (`s`), warps (`w`, else 8), persistent programs per SM (`2sm`, `3sm`, else one)"
+              " or one program per tile (`tiles`). `kernel's tile then`: the tile the kernel ran for the scaling at the"
+              " commit measured, and its time. `programs per SM`: the fastest tile's, and how many fit by its registers"
+              " and shared memory as Triton compiles it (`benchmarks/diagnostics/kernel_facts.py`). bf16 / ... above 1:"
+              " the fp8 kernel is faster than bf16 `torch._grouped_mm`.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 

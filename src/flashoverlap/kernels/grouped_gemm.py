@@ -406,16 +406,16 @@ def grouped_gemm_kernel(
 
 @dataclass(frozen=True)
 class GroupedTile:
-    """Tile shape and launch shape of the grouped GEMM. ``num_programs``: ``None`` launches one program per tile
-    of the host-side bound (programs past the real tiles exit at once); an int launches that many persistent
-    programs (``0``: ``programs_per_sm`` per SM), which take tiles by stride, or (``dynamic``) the first by program
-    id and the rest from an atomic counter. ``half_tail``: a segment's last tile, when it has at most
-    ``block_m // 2`` rows, runs at half height (skewed routing leaves many small segments). ``swap_rows`` (0, or a power of two from 16
-    to ``block_m // 2``): a last tile of at most that many rows runs transposed, ``w^T x^T``, at that height
+    """Tile shape and launch shape of the grouped GEMM. ``num_programs``: ``None`` launches one program per tile of the
+    host-side bound (programs past the real tiles exit at once); an int launches that many persistent programs
+    (``0``: ``programs_per_sm`` per SM), which take tiles by stride, or (``dynamic``) the first by program id and
+    the rest from an atomic counter. ``half_tail``: a segment's last tile, when it has at most ``block_m // 2``
+    rows, runs at half height (skewed routing leaves many small segments). ``swap_rows`` (0, or a power of two from
+    16 to ``block_m // 2``): a last tile of at most that many rows runs transposed, ``w^T x^T``, at that height
     (bf16/fp16 only; others ignore it). ``mix``: in heavy-first order without priorities, the tiles of one-tile-row
     segments (memory-bound: a weight strip read for few rows) are spread evenly among the others (compute-bound),
-    instead of all running after them. ``flat``: persistent programs (``num_programs`` an int, not ``dynamic``)
-    run one flattened loop over their tiles and K, software-pipelined across tiles; full-height tiles only
+    instead of all running after them. ``flat``: persistent programs (``num_programs`` an int, not ``dynamic``) run
+    one flattened loop over their tiles and K, software-pipelined across tiles; full-height tiles only
     (``half_tail`` and ``swap_rows`` do not apply); without signals only (the barrier before each tile's release
     would split the loop: with ``flags``, ``flat`` is ignored). ``programs_per_sm``: with ``num_programs`` 0, that
     many persistent programs per SM (two small tiles' programs on one SM: one's MMA runs while the other's CUDA
