@@ -13,6 +13,7 @@ buffers.
 from __future__ import annotations
 
 import atexit
+import gc
 from typing import Any
 
 import torch
@@ -180,9 +181,12 @@ class Registry:
 
     def forget(self) -> None:
         """Drop every context and resolved call, releasing nothing (no collective: at interpreter exit the peers
-        may be gone). What it frees, the process's exit frees."""
+        may be gone). What it frees, the process's exit frees. Then collect reference cycles: a layer or an autograd
+        graph in a cycle holds its process group until a collection, and one left to the interpreter's final
+        teardown ends the process as a reference of ours would (below)."""
         self.resolved.clear()
         self.contexts.clear()
+        gc.collect()
 
 
 REGISTRY = Registry()
