@@ -655,6 +655,11 @@ MUTATIONS = [
      "first call's dispatch", "src/flashoverlap/nn/fp8_experts.py",
      "    if hidden % BLOCK or ffn % BLOCK:", "    if False:",
      "tests/moe/test_moe_nn.py::test_block_wise_widths_are_checked_when_the_layer_is_built"),
+    ("exit-handler-leaves-cycles", "runtime: the exit handler drops its contexts but collects no cycle, so a "
+     "destroyed gloo group held by a layer in a cycle is freed in the interpreter's teardown (std::terminate)",
+     "src/flashoverlap/runtime/context.py", "        self.contexts.clear()\n        gc.collect()\n",
+     "        self.contexts.clear()\n",
+     "tests/runtime/test_context.py::test_the_exit_handler_lets_go_of_a_group_held_in_a_reference_cycle"),
     ("non-member-group-unnamed", "a rank outside a group passes new_group's NON_GROUP_MEMBER: a type error that "
      "does not say it is not a member", "src/flashoverlap/runtime/checks.py",
      "    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:",
