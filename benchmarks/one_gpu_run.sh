@@ -78,7 +78,8 @@ if has shared; then  # ranks sharing the GPU (issue 42), W = 2, 4, 8: the expert
         --out "$OUT/shared" > "$OUT/shared-host-$commit.log" 2>&1; echo "shared host: exit $?"
 fi
 if has fp8tiles; then  # the fp8 grouped GEMM's tiles, block- and row-wise, beside bf16 _grouped_mm (issue 44)
-    timeout ${FP8TILES_TIMEOUT:-420} python3 -m benchmarks.diagnostics.fp8_grouped_tiles \
+    # FP8TILES_ARGS: options of the sweep, e.g. "--scalings block" (word-split: options only, no spaces in values)
+    timeout ${FP8TILES_TIMEOUT:-420} python3 -m benchmarks.diagnostics.fp8_grouped_tiles ${FP8TILES_ARGS:-} \
         --out "$OUT/h200x1-fp8-grouped-tiles-$commit.json" > "$OUT/fp8-grouped-tiles-$commit.log" 2>&1
     echo "fp8tiles: exit $?"; grep -E "^\[" "$OUT/fp8-grouped-tiles-$commit.log" | cut -c1-200
 fi
