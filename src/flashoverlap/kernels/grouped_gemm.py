@@ -783,10 +783,12 @@ def scaled_grouped_gemm_kernel(
         tl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(offs_m[:, None] < row1) & (offs_n[None, :] < N))
 
 
-# Persistent, one program per SM. Swept on one H200 (benchmarks/results/h200x1-fp8-grouped-tiles.json, rendered in
-# docs/benchmarks.md): row-wise, 128x256 tiles with 4 stages the fastest or next to it at every config; block-wise,
-# the tiles then swept (one program per SM, or per tile) were close to this one, none 1.3x bf16.
-SCALED_TILE = GroupedTile(128, 128, 128, 8, 3, 8, 0)  # block-wise
+# Swept on one H200 (benchmarks/results/h200x1-fp8-grouped-tiles.json, rendered in docs/benchmarks.md). Row-wise:
+# persistent 128x256 tiles with 4 stages, the fastest or next to it at every config. Block-wise: 64x128 tiles of 4
+# warps, one program per tile, so that two programs share each SM (their registers and shared memory fit two): one's
+# MMA runs while the other scales its product (Triton waits for each block-wise step's MMA). It was the fastest tile
+# at four of the five configs re-measured, and within a few per cent of the fastest at the fifth.
+SCALED_TILE = GroupedTile(64, 128, 128, 8, 3, 4, None)  # block-wise
 SCALED_TILE_ROW = GroupedTile(128, 256, 128, 8, 4, 8, 0)  # row-wise
 
 
