@@ -5,6 +5,9 @@ how many tile-sized multiplies scale its products.
 
     PYTHONPATH=src:. python -m benchmarks.diagnostics.kernel_facts [--arch 90]
 
+prints the facts of the kernel's own tiles (``SCALED_TILE``, ``SCALED_TILE_ROW``); the tile sweep records those of
+every tile it times (``fp8_grouped_tiles``, ``meta.facts``).
+
 The kernel is specialised as the launcher's calls are (Triton's JIT specialises integers equal to 1 and marks
 pointers and widths divisible by 16): unit inner strides for the rows, the weights' K (the ``w.transpose(1, 2)``
 view of ``[E, N, K]`` weights) and the output, fp8 e4m3 operands, bf16 out.
@@ -91,15 +94,14 @@ def fp8_kernel_facts(tile, mode: str, arch: int = 90) -> dict:
 
 
 def main() -> None:
-    from benchmarks.diagnostics.fp8_grouped_tiles import TILES, tile_of
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, SCALED_TILE_ROW
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, choices=[90], help="the compute capability to compile for "
                         "(Hopper, the only one whose limits these facts know)")
     args = parser.parse_args()
-    for scaling in ("block", "row"):
-        for name, spec in TILES.items():
-            print(scaling, name, fp8_kernel_facts(tile_of(spec, scaling), scaling, args.arch), flush=True)
+    for scaling, tile in (("block", SCALED_TILE), ("row", SCALED_TILE_ROW)):  # the sweep's tiles: its meta.facts
+        print(scaling, tile, fp8_kernel_facts(tile, scaling, args.arch), flush=True)
 
 
 if __name__ == "__main__":
