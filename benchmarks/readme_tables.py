@@ -512,7 +512,7 @@ def fp8_tiles(path: str) -> str:
         tiles = row["tiles"]
         spec = tiles[row["best"]]["tile"]
         fit = facts.get(row["scaling"], {}).get(row["best"], {}).get("programs_per_sm_fit")
-        per_sm = spec[6] if len(spec) > 6 and not isinstance(spec[6], bool) else 1
+        per_sm = spec[6] if len(spec) > 6 else 1  # files from before programs_per_sm: one
         programs = "one per tile" if spec[5] is None else f"{per_sm}" + (f" (fit {fit})" if fit else "")
         current, over_current = tiles.get("current", {}), row.get("bf16_over_current")
         then = current.get("tile") or []

@@ -435,6 +435,11 @@ class GroupedTile:
     flat: bool = False
     programs_per_sm: int = 1
 
+    def persistent_programs(self, device: torch.device) -> int:
+        """How many persistent programs an int ``num_programs`` launches on ``device`` (0: ``programs_per_sm`` per
+        SM)."""
+        return self.num_programs or self.programs_per_sm * guards.sm_count(device)
+
 
 # Tiles measured on one H200 (torch 2.11, triton 3.6). Sweeps 1-3 (benchmarks/results/logs/moe-gemm/, commits
 # ab7bb3a, b77905f, e410e6d): 128x256x64 tiles with 8 warps won everywhere (128x128, 64x256, 256x128 and 128x256x128
@@ -662,7 +667,7 @@ def grouped_gemm(
     if tile.num_programs is None:
         grid = bound_tiles
     else:
-        programs = tile.num_programs or tile.programs_per_sm * guards.sm_count(x.device)
+        programs = tile.persistent_programs(x.device)
         grid = min(programs, bound_tiles) if bound_tiles else 0
     if grid == 0 or n == 0:
         return out
@@ -827,8 +832,7 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         HAS_GROUPS=False, HAS_STARTS=seg.starts is not None, num_warps=4 if block_s <= 1024 else 8,
     )
     bound_tiles = (-(-rows // tile.block_m) + min(num_segments, rows)) * tiles_n
-    programs = bound_tiles if tile.num_programs is None else (tile.num_programs
-                                                             or tile.programs_per_sm * guards.sm_count(x.device))
+    programs = bound_tiles if tile.num_programs is None else tile.persistent_programs(x.device)
     grid = min(programs, bound_tiles)
     # The scales' strides as the kernel reads them, without views: x_scale [rows] as [rows, 1]; row-wise w_scale
     # [E, N] as [E, 1, N] (its K stride never read).
