@@ -32,10 +32,16 @@ def _rows():
 
     launched = []
     real = grouped_gemm.scaled_grouped_gemm
+    computed = {}  # a launch's output by tile, mode and chunk: config_row's inputs are seeded, the same each sweep
 
-    def recording(*args, tile=None, mode=None, **kwargs):
+    def recording(*args, tile=None, mode=None, out=None, **kwargs):
         launched.append(next(name for name, spec in tiles.items() if sweep.tile_of(spec, mode) == tile))
-        out = real(*args, tile=tile, mode=mode, **kwargs)
+        key = (launched[-1], mode, out.storage_offset(), out.shape[0])
+        if key in computed:  # each tile interpreted once per mode and chunk (the interpreter is slow)
+            out.copy_(computed[key])
+        else:
+            real(*args, tile=tile, mode=mode, out=out, **kwargs)
+            computed[key] = out.clone()
         if launched[-1] == wrong:
             out.add_(1.0)  # a tile that computes wrong
         return out
