@@ -6,8 +6,9 @@ at 1e-5, bf16 at 2e-2), with
   holds ``replicated_with_grad_allreduce`` norms: their gradients summed over the ranks);
 - flashoverlap's styles on a torchtitan-style sequence-parallel plan (``SequenceParallel`` norms,
   ``PrepareModuleInput``, ``Shard(1)`` between the projections), eager;
-- PyTorch's styles compiled with ``flashoverlap.compile`` on (each family once per W, the two plans alternating):
-  the number of matmul + collective patterns it rewrote is asserted.
+- PyTorch's styles compiled with ``flashoverlap.compile`` on, at W = 2 (Llama on the sequence-parallel plan, Qwen2
+  on Hugging Face's): the number of matmul + collective patterns it rewrote is asserted. (The rewrites do not depend
+  on W; each compiled variant costs about 20 s at W = 4 on two cores, so W = 4 runs eager only.)
 
 One pair (or four) of processes per W runs both families. Compiled: Inductor with ATen kernels (its C++ code
 generation costs about a minute per model on two cores; ``tests/test_compile_pass.py`` compiles with it)."""
@@ -140,9 +141,8 @@ VARIANTS = {
         ("llama", "sequence", F32, True),
         ("qwen2", "hf", F32, False), ("qwen2", "sequence", F32, False), ("qwen2", "hf", BF16, False),
         ("qwen2", "hf", F32, True), ("qwen3", "hf", F32, False)],
-    4: [("llama", "hf", F32, False), ("llama", "sequence", F32, False), ("llama", "hf", F32, True),
-        ("qwen2", "hf", F32, False), ("qwen2", "sequence", F32, False), ("qwen2", "sequence", F32, True),
-        ("qwen3", "hf", F32, False)],
+    4: [("llama", "hf", F32, False), ("llama", "sequence", F32, False),
+        ("qwen2", "hf", F32, False), ("qwen2", "sequence", F32, False), ("qwen3", "hf", F32, False)],
 }
 
 
