@@ -4,6 +4,7 @@ message names its option; and the harness imports from the root of a checkout, a
 
 import argparse
 import importlib
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]
 def _exit(capsys, module: str, argv: list[str]) -> tuple[int, str]:
     with pytest.raises(SystemExit) as stop:
         importlib.import_module(module).main(argv)
+    return stop.value.code, capsys.readouterr().err
+
+
+def _script_exit(capsys, monkeypatch, script: str, argv: list[str]) -> tuple[int, str]:
+    """``python benchmarks/SCRIPT ARGV``'s exit code and stderr, run in this process (a child costs a torch import,
+    ~2.5 s): the script's ``main`` with its ``sys.argv``; the folders it puts on ``sys.path`` taken off after."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    main = runpy.run_path(str(ROOT / "benchmarks" / script))["main"]
+    monkeypatch.setattr(sys, "argv", [f"benchmarks/{script}", *argv])
+    with pytest.raises(SystemExit) as stop:
+        main()
     return stop.value.code, capsys.readouterr().err
 
 
@@ -91,13 +103,13 @@ def test_a_misspelt_config_name_is_a_usage_error_before_the_gpu_is_asked_for(cap
     ("moe_host_python.py", ["--repeat", "0"], "argument --repeat: a whole number of 1 or more"),
     ("nccl_host_python.py", ["--repeat", "0"], "argument --repeat: a whole number of 1 or more"),
     ("fp8_moe_host_python.py", ["--calls", "0"], "argument --calls: a whole number of 1 or more")])
-def test_a_cpu_measurement_that_would_measure_nothing_is_a_usage_error(tmp_path, script, argv, said):
+def test_a_cpu_measurement_that_would_measure_nothing_is_a_usage_error(capsys, monkeypatch, tmp_path, script, argv,
+                                                                       said):
     """These measured nothing for a misspelt name or a zero count, exited 0, and replaced the label's rows in the
     results file by fewer or none."""
     out = tmp_path / "rows.json"
-    result = subprocess.run([sys.executable, f"benchmarks/{script}", "--label", "x", "--out", str(out), *argv],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and said in result.stderr, result.stderr
+    code, err = _script_exit(capsys, monkeypatch, script, ["--label", "x", "--out", str(out), *argv])
+    assert code == 2 and said in err, err
     assert not out.exists()
 
 
@@ -114,14 +126,13 @@ def test_a_misspelt_routing_or_path_is_a_usage_error(capsys, monkeypatch):
     assert stop.value.code == 2 and "invalid choice: 'ncl'" in capsys.readouterr().err
 
 
-def test_one_fault_scenario_with_no_faults_is_a_usage_error(tmp_path):
+def test_one_fault_scenario_with_no_faults_is_a_usage_error(capsys, monkeypatch, tmp_path):
     """``reliability.py --fault OP:PATH:KIND --skip-faults`` ran no random calls (``--fault``) and no fault
     (``--skip-faults``), then wrote a file holding only ``meta``. Refused before the GPU is looked for."""
     out = tmp_path / "r.json"
-    result = subprocess.run([sys.executable, "benchmarks/reliability.py", "--fault", "all_reduce:p2p:skip",
-                             "--skip-faults", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "--fault runs one fault scenario and --skip-faults runs none" in result.stderr, \
-        result.stderr
+    code, err = _script_exit(capsys, monkeypatch, "reliability.py",
+                             ["--fault", "all_reduce:p2p:skip", "--skip-faults", "--out", str(out)])
+    assert code == 2 and "--fault runs one fault scenario and --skip-faults runs none" in err, err
     assert not out.exists()
 
 
