@@ -73,6 +73,9 @@ def _rank_without_tokens(rank, world):
     block, x, _ = _block_and_inputs(world, torch.float32)
     x_r = x[rank] if rank == 0 else x[rank][:0]
     assert block(x[rank][:0]).shape == (0, H)  # the plain block on no rows (it reshaped [0, -1])
+    none = x[rank][:0].clone().requires_grad_()
+    block(none).sum().backward()  # its output on no rows is part of the graph (a zeros tensor was not)
+    assert none.grad is not None and none.grad.shape == (0, H)
     for mode in ("exact", "bounded"):
         layer = ExpertParallelMLP.from_moe_block(block, mode=mode, bound=T * K if mode == "bounded" else None)
         with torch.no_grad():

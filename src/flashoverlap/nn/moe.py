@@ -83,6 +83,8 @@ class MoEBlock(nn.Module):
             topk_idx, topk_weights = route(self.gate(rows), self.top_k, self.normalize)
         topk_idx = topk_idx.reshape(rows.shape[0], topk_idx.shape[-1])  # [..., k] -> [T, k], T may be 0
         topk_weights = topk_weights.reshape(rows.shape[0], topk_weights.shape[-1])
+        if rows.shape[0] == 0:  # no rows, no expert runs: the (empty) output still hangs off x's graph, as a plain
+            return (rows * 1).view(x.shape)  # block's would, so that backward() on it runs
         out = torch.zeros_like(rows, dtype=torch.float32)
         for e, expert in enumerate(self.experts):
             token, choice = torch.nonzero(topk_idx == e, as_tuple=True)
