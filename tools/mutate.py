@@ -619,6 +619,10 @@ MUTATIONS = [
      "src/flashoverlap/nn/moe.py", "route(logits.reshape(rows.shape[0], logits.shape[-1]),",
      "route(logits.reshape(rows.shape[0], -1),",
      "tests/moe/test_moe_nn.py::test_a_rank_without_tokens_routes_by_the_gate"),
+    ("moe-block-no-rows-off-the-graph", "nn: the plain MoEBlock on no rows returns a zeros tensor that is off "
+     "x's graph (backward() raises 'does not require grad')",
+     "src/flashoverlap/nn/moe.py", "        if rows.shape[0] == 0:", "        if False:",
+     "tests/moe/test_moe_nn.py::test_a_rank_without_tokens_routes_by_the_gate"),
     ("fp8-block-scale-of-the-tile-not-the-block", "fp8 grouped GEMM, block-wise: a tile narrower than 128 takes "
      "the weight scale of block off_n // BLOCK_N, not off_n // 128 (a tile starting mid-block reads the next block's)",
      GROUPED, "(off_n // 128 if scalar_w else cols_in // 128)", "(off_n // BLOCK_N if scalar_w else cols_in // 128)",
