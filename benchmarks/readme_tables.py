@@ -414,6 +414,12 @@ HOST_LEGEND = (
     "round, which a slow spell of the host that lasts a round moves less than the medians apart.</sub>")
 
 
+def _one_gpu(meta: dict) -> str:
+    """``"One H200"`` (or the GPU the file's ``meta["gpus"]`` names: a device call may get an H100)."""
+    name = str(meta.get("gpus", "NVIDIA H200")).split(" shared by ")[0].removeprefix("1x ").removeprefix("NVIDIA ")
+    return f"One {name}"
+
+
 def host_bound(path: str) -> str:
     """The loop a model runs (``benchmarks/host_bound.py``): per shape and dtype, host, GPU and wall time per call of
     each path, with wall over GPU (above 1: the GPU waited) and host over the plain matmul's host time."""
@@ -436,7 +442,8 @@ def host_bound(path: str) -> str:
         path_name = {"mm": "`torch.mm`", "scaled_mm": "`torch._scaled_mm`"}.get(row["path"], row["path"])
         lines.append(f"{head} | {path_name} | {row['mode']} | {_us(row['host_us'])} | {_us(row['gpu_us'])} "
                      f"| {_us(row['wall_us'])} | {row['wall_us'] / row['gpu_us']:.2f} | {ratio} |")
-    return "\n".join(lines) + "\n\n" + HOST_BOUND_LEGEND + "\n\n" + _sourced(path, data["meta"])
+    legend = HOST_BOUND_LEGEND.replace("One H200", _one_gpu(data["meta"]), 1)
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
 HOST_BOUND_LEGEND = (
@@ -485,7 +492,7 @@ def fp8_grouped(path: str) -> str:
         lines.append(f"{head} | {_ms(times['ours'])} | {_ms(times['cublas'])} | {_ms(times['loop'])} | {_ms(bf16)} "
                      f"| {'ours' if way == 'triton' else way} | {chosen / best:.2f} | "
                      f"{'-' if bf16 is None else f'{bf16 / chosen:.2f}x'} |")
-    legend = ("<sub>One H200, per-rank slices at W = 2, fp8 e4m3 rows and weights, bf16 out; `ours`: "
+    legend = (f"<sub>{_one_gpu(data['meta'])}, per-rank slices at W = 2, fp8 e4m3 rows and weights, bf16 out; `ours`: "
               "`kernels.grouped_gemm.scaled_grouped_gemm` (Triton); `_scaled_grouped_mm`: torch's (row-wise only); "
               "loop: one `torch._scaled_mm` per expert. `chosen`: the way `tune/grouped_fp8.py`'s rule picks "
               "for the shape (the rule of this checkout, fitted on these figures; exact mode); "
@@ -602,6 +609,10 @@ def host_shared(path: str) -> str:
     for row in data["rows"]:
         if row.get("op") is None:
             lines.append(f"| {row['W']} | {row.get('error', '-')} | | | | | | | | |")
+            continue
+        if "host_us" not in row:  # an op the step's budget (or a rank's error) left unmeasured
+            lines.append(f"| {row['W']} | {OPS.get(row['op'], row['op'])} | - | {row.get('mode', '-')} | "
+                         f"not measured: {str(row.get('error', '-')).split(' | ')[0][:60]} | | | | | |")
             continue
         bands = "-" if row.get("bands_us") is None else f"{row['bands']} launches, {_us(row['bands_us'])}"
         over = "-" if row.get("eager_over_bands") is None else f"{row['eager_over_bands']:.1f}x"
