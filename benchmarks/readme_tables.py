@@ -495,7 +495,7 @@ def fp8_grouped(path: str) -> str:
     legend = (f"<sub>{_one_gpu(data['meta'])}, per-rank slices at W = 2, fp8 e4m3 rows and weights, bf16 out; `ours`: "
               "`kernels.grouped_gemm.scaled_grouped_gemm` (Triton); `_scaled_grouped_mm`: torch's (row-wise only); "
               "loop: one `torch._scaled_mm` per expert. `chosen`: the way `tune/grouped_fp8.py`'s rule picks "
-              "for the shape (the rule of this checkout, fitted on these figures; exact mode); "
+              "for the shape (the rule of this checkout, fitted on an H200's figures; exact mode); "
               "`set`: the configs the rule was fitted on, and those it was "
               "validated on. bf16 / chosen above 1: the fp8 way is faster than bf16 `torch._grouped_mm`.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
