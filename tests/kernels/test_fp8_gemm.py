@@ -13,7 +13,6 @@ TRITON_INTERPRET before triton is imported; this process never sets it.
 import json
 import math
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
@@ -25,7 +24,7 @@ import torch  # noqa: E402
 from flashoverlap.kernels.gemm import GatherWait, Scaling, gemm, launch_arguments  # noqa: E402
 from flashoverlap.plan import TileConfig  # noqa: E402
 from flashoverlap.tune.defaults import default_plan  # noqa: E402
-from tests.interpreter import needs_interpreter  # noqa: E402
+from tests.interpreter import interpreted_rows, needs_interpreter  # noqa: E402
 
 E4, E5 = "float8_e4m3fn", "float8_e5m2"
 # Scaling modes: tensor-wise; row-wise; A per row with one B scale (the gathered tensor-wise shards, each with its own
@@ -175,14 +174,7 @@ def run_all_gather(case) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_fp8_gemm"], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {row["name"]: row for row in rows}
+    return interpreted_rows("tests.kernels.test_fp8_gemm", timeout=900)
 
 
 def _limit(out_dtype: str) -> float:

@@ -5,14 +5,10 @@ The cases run in a child process: TRITON_INTERPRET must be set before triton is 
 process, whose children run the GPU tests.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.interpreter import needs_interpreter
+from tests.interpreter import interpreted_rows, needs_interpreter
 from tests.kernels.gemm_cases import ALL_GATHER_CASES, CASES, COPY_CASES
 
 pytestmark = needs_interpreter
@@ -20,14 +16,7 @@ pytestmark = needs_interpreter
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.interpreted_cases"], capture_output=True,
-                          text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {row["name"]: row for row in rows}
+    return interpreted_rows("tests.kernels.interpreted_cases", timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -8,7 +8,6 @@ dot is wrong); bf16 runs in the GPU tests.
 
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
@@ -28,7 +27,7 @@ from flashoverlap.kernels.grouped_gemm import (  # noqa: E402
     grouped_mm_reference,
     workspace_size,
 )
-from tests.interpreter import needs_interpreter  # noqa: E402
+from tests.interpreter import interpreted_rows, needs_interpreter  # noqa: E402
 
 SMALL = GroupedTile(16, 16, 16, 2, 1, 4, None)  # one program per tile of the bound
 # (name, dtype, experts, K, N, segment sizes, segment experts, signal groups or None, number of groups, order,
@@ -314,14 +313,7 @@ def run_edge_cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), root, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_grouped_gemm"], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {row["name"]: row for row in results}
+    return interpreted_rows("tests.kernels.test_grouped_gemm", timeout=300)
 
 
 @needs_interpreter

@@ -8,7 +8,6 @@ equal the plain per-segment product, and neither part writes the other's rows.
 
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # the child: interpret the kernels (before anything imports triton)
@@ -25,7 +24,7 @@ from flashoverlap.comm.expert import (  # noqa: E402
 )
 from flashoverlap.runtime import experts as runtime_experts  # noqa: E402
 from flashoverlap.tune.grouped import HYBRID_CUT, hybrid_pays  # noqa: E402
-from tests.interpreter import needs_interpreter  # noqa: E402
+from tests.interpreter import interpreted_output, needs_interpreter  # noqa: E402
 
 # Rows per (source, local expert) of a rank's receive layout at W = 3, L = 5: expert 0 heavy everywhere, expert 3
 # heavy in sum only, expert 4 without rows, an empty segment inside a chunk, and a whole chunk (source 2) of light
@@ -152,13 +151,8 @@ def run_values() -> list[dict]:
 
 @needs_interpreter
 def test_values_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), root, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "tests.moe.test_hybrid"], capture_output=True, text=True, env=env,
-                          cwd=root, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    output = interpreted_output("tests.moe.test_hybrid", timeout=300)
+    rows = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     assert len(rows) == 2
     for row in rows:
         assert row["kind"] == "hybrid" and row["light"], row
