@@ -97,7 +97,12 @@ def interpreted_output(module: str, timeout: float = 600) -> str:
         _server.wait()
         _server = None
         raise AssertionError(f"{module}: no result within {timeout} s under the interpreter")
-    reply = json.loads(_server.stdout.readline())
+    line = _server.stdout.readline()
+    if not line:  # the server itself ended (killed from outside): the next call starts a new one
+        _server.wait()
+        _server = None
+        raise AssertionError(f"{module}: the interpreter server ended before it answered")
+    reply = json.loads(line)
     assert reply["code"] == 0, reply["err"]
     return reply["out"]
 
