@@ -442,12 +442,12 @@ def host_bound(path: str) -> str:
         path_name = {"mm": "`torch.mm`", "scaled_mm": "`torch._scaled_mm`"}.get(row["path"], row["path"])
         lines.append(f"{head} | {path_name} | {row['mode']} | {_us(row['host_us'])} | {_us(row['gpu_us'])} "
                      f"| {_us(row['wall_us'])} | {row['wall_us'] / row['gpu_us']:.2f} | {ratio} |")
-    legend = HOST_BOUND_LEGEND.replace("One H200", _one_gpu(data["meta"]), 1)
+    legend = HOST_BOUND_LEGEND.format(gpu=_one_gpu(data["meta"]))
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
 HOST_BOUND_LEGEND = (
-    "<sub>One H200, a one-rank NCCL group; per call of 50 back to back on the same tensors: host = the time to issue "
+    "<sub>{gpu}, a one-rank NCCL group; per call of 50 back to back on the same tensors: host = the time to issue "
     "it, GPU = the same loop queued behind a long GPU sleep (the host never what the GPU waits on), wall = issue plus "
     "the final synchronisation. Each figure the median of 7 rounds, the paths of a row group interleaved in each. "
     "`sequential`: the library's matmul-then-collective plan; `nccl`: the NCCL path under its overlapped plan "

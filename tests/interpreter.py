@@ -74,6 +74,9 @@ def _stop_server() -> None:
         _server = None
 
 
+atexit.register(_stop_server)  # whichever server is running when the session ends
+
+
 def interpreted_output(module: str, timeout: float = 600) -> str:
     """The standard output of ``python -m module`` under ``TRITON_INTERPRET=1`` (a process forked from the
     interpreter server where it can); the module must exit 0."""
@@ -88,7 +91,6 @@ def interpreted_output(module: str, timeout: float = 600) -> str:
     if _server is None or _server.poll() is not None:
         _server = subprocess.Popen([sys.executable, "-c", _SERVER_CODE], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        atexit.register(_stop_server)
     _server.stdin.write(module + "\n")
     _server.stdin.flush()
     ready, _, _ = select.select([_server.stdout], [], [], timeout)
@@ -113,8 +115,11 @@ def interpreted_json(module: str, timeout: float = 600) -> object:
     return json.loads(interpreted_output(module, timeout).strip().splitlines()[-1])
 
 
+def interpreted_lines(module: str, timeout: float = 600) -> list:
+    """The JSON rows (lines starting with ``{``) that ``python -m module`` prints under the interpreter."""
+    return [json.loads(line) for line in interpreted_output(module, timeout).splitlines() if line.startswith("{")]
+
+
 def interpreted_rows(module: str, timeout: float = 600) -> dict:
-    """The JSON rows (lines starting with ``{``) that ``python -m module`` prints under the interpreter, by their
-    ``name``."""
-    rows = [json.loads(line) for line in interpreted_output(module, timeout).splitlines() if line.startswith("{")]
-    return {row["name"]: row for row in rows}
+    """``interpreted_lines``' rows by their ``name``."""
+    return {row["name"]: row for row in interpreted_lines(module, timeout)}

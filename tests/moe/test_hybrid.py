@@ -24,7 +24,7 @@ from flashoverlap.comm.expert import (  # noqa: E402
 )
 from flashoverlap.runtime import experts as runtime_experts  # noqa: E402
 from flashoverlap.tune.grouped import HYBRID_CUT, hybrid_pays  # noqa: E402
-from tests.interpreter import interpreted_output, needs_interpreter  # noqa: E402
+from tests.interpreter import interpreted_lines, needs_interpreter  # noqa: E402
 
 # Rows per (source, local expert) of a rank's receive layout at W = 3, L = 5: expert 0 heavy everywhere, expert 3
 # heavy in sum only, expert 4 without rows, an empty segment inside a chunk, and a whole chunk (source 2) of light
@@ -151,8 +151,7 @@ def run_values() -> list[dict]:
 
 @needs_interpreter
 def test_values_under_the_interpreter():
-    output = interpreted_output("tests.moe.test_hybrid", timeout=300)
-    rows = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    rows = interpreted_lines("tests.moe.test_hybrid", timeout=300)
     assert len(rows) == 2
     for row in rows:
         assert row["kind"] == "hybrid" and row["light"], row
