@@ -8,12 +8,11 @@ PYTHONPATH=src python -m benchmarks.diagnostics.nccl_eager_profile [out.json]
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-from benchmarks.diagnostics.results_file import one_rank_nccl_diagnostic, results_meta
+from benchmarks.diagnostics.results_file import one_gpu_setup, one_rank_nccl_diagnostic, results_meta
 from benchmarks.harness.timing import loop_host_us, profiled
 from benchmarks.host_bound import LLAMA, _row_scaled
 
@@ -23,14 +22,9 @@ SLEEP_CYCLES = 300_000_000  # GPU sleep ahead of the calls: longer than their is
 
 def main() -> dict:
     import flashoverlap as fo
-    from flashoverlap import settings
     from flashoverlap.tune.fp8 import fp8_tiles
 
-    os.environ["FLASHOVERLAP_REPLAY"] = "0"
-    settings.refresh()
-    device = torch.device("cuda", 0)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    gen = torch.Generator(device=device).manual_seed(0)
+    device, sms, gen = one_gpu_setup(replay=False)
     bf16_ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
                 "all_gather": fo.all_gather_gemm}
     fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,

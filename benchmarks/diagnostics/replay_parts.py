@@ -11,12 +11,11 @@ PYTHONPATH=src python -m benchmarks.diagnostics.replay_parts [out.json]
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-from benchmarks.diagnostics.results_file import one_rank_nccl_diagnostic, results_argument, results_meta
+from benchmarks.diagnostics.results_file import one_gpu_setup, one_rank_nccl_diagnostic, results_argument, results_meta
 from benchmarks.harness.timing import host_us_interleaved, loop_host_us, profiled
 
 CASES = [("q,k,v", "all_gather", 8192, 1280, 8192, "bf16"), ("o", "reduce_scatter", 8192, 8192, 1024, "bf16"),
@@ -114,13 +113,7 @@ def _case(name, op, m, n, k, dtype, device, gen, sms) -> dict:
 
 
 def main() -> dict:
-    from flashoverlap import settings
-
-    os.environ["FLASHOVERLAP_REPLAY"] = "1"
-    settings.refresh()
-    device = torch.device("cuda", 0)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    gen = torch.Generator(device=device).manual_seed(0)
+    device, sms, gen = one_gpu_setup(replay=True)
     rows = []
     for case in CASES:
         try:

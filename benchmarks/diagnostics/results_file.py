@@ -66,6 +66,18 @@ def in_one_rank_nccl_group(main):
             dist.destroy_process_group()
 
 
+def one_gpu_setup(replay: bool) -> tuple[torch.device, int, torch.Generator]:
+    """A one-GPU diagnostic's start: the library's replay switch set (``FLASHOVERLAP_REPLAY``, read again), and GPU 0,
+    its SM count and a generator on it seeded 0."""
+    from flashoverlap import settings
+
+    os.environ["FLASHOVERLAP_REPLAY"] = "1" if replay else "0"
+    settings.refresh()
+    device = torch.device("cuda", 0)
+    return (device, torch.cuda.get_device_properties(device).multi_processor_count,
+            torch.Generator(device=device).manual_seed(0))
+
+
 def one_rank_nccl_diagnostic(name: str, main) -> None:
     """A one-GPU diagnostic's whole run: refuse without a GPU, ``main()`` in a one-rank NCCL group, its result
     written as JSON to ``sys.argv[1]`` where given."""
