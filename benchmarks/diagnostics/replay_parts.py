@@ -17,22 +17,22 @@ import torch
 
 from benchmarks.diagnostics.results_file import one_gpu_setup, one_rank_nccl_diagnostic, results_argument, results_meta
 from benchmarks.harness.timing import host_us_interleaved, loop_host_us, profiled
+from benchmarks.host_bound import _row_scaled
 
 CASES = [("q,k,v", "all_gather", 8192, 1280, 8192, "bf16"), ("o", "reduce_scatter", 8192, 8192, 1024, "bf16"),
          ("grid", "all_reduce", 4096, 8192, 8192, "bf16"), ("grid", "all_reduce", 4096, 8192, 8192, "fp8-row")]
 
 
 def _operands(op, m, n, k, dtype, device, gen):
-    rows = m  # one rank: all-gather's shard is all of A
+    """bf16 ``(a, b = w.t(), None)``, or row-wise fp8 ``(a, b, (scale_a, scale_b))`` as ``host_bound`` makes them;
+    one rank: all-gather's shard is all of A."""
     if dtype == "bf16":
-        a = torch.randn(rows, k, dtype=torch.bfloat16, device=device, generator=gen)
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=device, generator=gen)
         b = (torch.randn(n, k, dtype=torch.bfloat16, device=device, generator=gen) / k**0.5).t()
         return a, b, None
-    x = torch.randn(rows, k, device=device, generator=gen)
-    sx = x.abs().amax(dim=1, keepdim=True) / 448.0
-    w = torch.randn(n, k, device=device, generator=gen)
-    sw = w.abs().amax(dim=1, keepdim=True) / 448.0
-    return (x / sx).to(torch.float8_e4m3fn), (w / sw).to(torch.float8_e4m3fn).t(), (sx, sw.reshape(1, n))
+    a, sa = _row_scaled(m, k, device, gen)
+    w, sw = _row_scaled(n, k, device, gen)
+    return a, w.t(), (sa, sw.reshape(1, n))
 
 
 def _case(name, op, m, n, k, dtype, device, gen, sms) -> dict:
