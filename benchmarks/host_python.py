@@ -111,6 +111,9 @@ def runtime_us(op: str) -> float:
             def run(self, call):
                 return call.a, None
 
+            def replayer(self, call):  # no replay lane (comm/protocol.py; absent before it)
+                return None
+
             def release(self):
                 pass
 

@@ -335,6 +335,75 @@ def test_the_replay_signature_names_every_tensor_a_call_touches():
     assert spawn(_signatures, 2, "gloo") == [5, 5]
 
 
+def _lanes(rank, world_size):
+    """``NcclCommunicator.replayer`` against ``run``: built from a replayed call, its function allocates the call's
+    returned tensors as ``run`` does and looks the graph up under ``run``'s signature, returning those tensors; with
+    the allocator's blocks elsewhere it finds none and returns None. (The allocator is a stand-in that hands a shape
+    its block, as CUDA's caching allocator hands a repeated call its previous call's.)"""
+    import types
+
+    fake_cuda.install(wait_timeout_s=5.0)
+    from flashoverlap.comm import replay
+    from flashoverlap.comm.protocol import Call, CommGroup
+    from flashoverlap.comm.scaled import Scales
+    from flashoverlap.comm.tp import nccl
+    from flashoverlap.tune.defaults import default_plan
+
+    seen = []
+
+    class Graphs(replay.CallGraphs):
+        def replay(self, signature):
+            seen.append(signature)
+            return super().replay(signature)
+
+    pool = {}
+
+    class Pooled:  # torch, as the communicator's module sees it, with a caching allocator's reuse
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(shape, dtype, device):
+            return pool.setdefault((tuple(shape), dtype), torch.empty(shape, dtype=dtype, device=device))
+
+    nccl.torch = Pooled()
+    comm = nccl.NcclCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
+    comm.graphs = Graphs(comm.device, capture_after=1, capture=lambda issue: types.SimpleNamespace(replay=lambda: 0))
+    m, n, k = 32 * world_size, 24, 16
+    checked = 0
+    cases = [(op, gathered, None) for op in ("all_reduce", "reduce_scatter", "all_gather")
+             for gathered in ((False, True) if op == "all_gather" else (False,))]
+    cases.append(("all_gather", True, "row"))
+    for op, gathered, fp8 in cases:
+        pool.clear()
+        rows = m // world_size if op == "all_gather" else m
+        plan = default_plan(op, m, n, k, world_size, num_groups=2, gemm="cublas", allow_sequential=False)
+        a, b, scales = torch.randn(rows, k), torch.randn(n, k).t(), None
+        if fp8:
+            a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            scales = Scales.of(torch.ones(rows, 1), torch.ones(1, n))
+        call = Call(op, plan, a, b, gathered, replay=True, scales=scales)
+        want = comm.run(call)  # captured (a stand-in) and replayed
+        assert comm.replayer(Call(op, plan, a, b, gathered, scales=scales)) is None  # not a replayed call
+        lane = comm.replayer(call)
+        replays = comm.graphs.replays
+        got = lane()
+        assert seen[-1] == seen[-2] and comm.graphs.replays == replays + 1, (op, gathered, fp8)
+        assert got[0] is want[0] and (got[1] is want[1] if not fp8 else got[1][0] is want[1][0]), (op, gathered)
+        assert (got[1] is None) == (not gathered)
+        pool.clear()  # the blocks elsewhere: no graph for them
+        assert lane() is None and comm.graphs.replays == replays + 1
+        checked += 1
+    hook = replay.Matmul(torch.randn(2, 2), torch.randn(2, 2), torch.empty(2, 2))
+    assert comm.replayer(Call("all_reduce", plan, a, b, hook=hook, replay=True)) is None
+    nccl.torch = torch
+    return checked
+
+
+def test_the_replay_lane_finds_the_graph_run_captured():
+    assert spawn(_lanes, 1, "gloo") == [5]
+
+
 def _fp8_all_gather(rank, world_size):
     """An fp8 all-gather through the NCCL communicator's ``run`` on the CPU (cuBLAS bands, whose scaled product is the
     dequantised one here): each rank's fp8 rows and their scales, packed straight into its slot of every band where

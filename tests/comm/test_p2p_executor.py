@@ -274,6 +274,32 @@ def test_a_repeated_call_replays_a_graph_of_exactly_the_eager_schedule(monkeypat
     assert recorder.trace == [("replay",)]
 
 
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+def test_the_replay_lane_replays_the_graph_run_captured_and_nothing_else(monkeypatch, op):
+    """``replayer``: built from a replayed call, it allocates the call's outputs as ``run`` does and replays the
+    graph ``run`` captured for them (the same signature), returning the same tensors; where the allocator hands
+    other buffers, it finds no graph and returns None, having launched nothing. No lane for a hook, a call that
+    does not replay, or an all-gather's shard that ``run`` would copy."""
+    recorder, comm, plan, a, b, blocks = _replaying(monkeypatch, op)
+    for _ in range(2):  # eager, then captured
+        comm.run(Call("op", plan, a, b, replay=True))
+    lane = comm.replayer(Call("op", plan, a, b, replay=True))
+    recorder.trace.clear()
+    replays = comm.graphs.replays
+    got, extra = lane()
+    assert recorder.trace == [("replay",)] and comm.graphs.replays == replays + 1
+    assert got is blocks[(plan.block_rows if op == "reduce_scatter" else plan.m, plan.n)] and extra is None
+    moved = {shape: torch.empty_like(block) for shape, block in blocks.items()}
+    monkeypatch.setattr(comm, "_new", lambda shape, dtype: moved[tuple(shape)])
+    recorder.trace.clear()
+    assert lane() is None and recorder.trace == [] and comm.graphs.replays == replays + 1
+    assert comm.replayer(Call("op", plan, a, b, replay=False)) is None
+    assert comm.replayer(Call("op", plan, a, b, hook=lambda: None, replay=True)) is None
+    if op == "all_gather":
+        strided = torch.empty(a.shape[1], a.shape[0], dtype=a.dtype).t()
+        assert comm.replayer(Call("op", plan, strided, b, replay=True)) is None
+
+
 def test_in_a_users_capture_copy_streams_signal_by_copy_and_eager_calls_by_stream_write(monkeypatch):
     recorder, comm, plan, a, b, _ = _replaying(monkeypatch)
     kinds = []

@@ -318,6 +318,30 @@ def test_a_repeated_fp8_call_replays_and_other_scales_do_not(op, monkeypatch):
     assert ("replay",) not in recorder.trace
 
 
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce", "all_gather"])
+def test_an_fp8_calls_replay_lane_replays_its_graph_and_returns_what_run_returns(op, monkeypatch):
+    """``replayer`` on an fp8 call (all-gather: its gathered input returned too, as rows and scales copied out of
+    the packed rows after the replay): the graph ``run`` captured, and ``run``'s tensors."""
+    recorder, comm, plan, a, b, scales = _recording(monkeypatch, op)
+    gathered = op == "all_gather"
+    call = Call(op, plan, a, b, gathered, replay=True, scales=scales)
+    for _ in range(2):  # eager, then captured
+        comm.run(call)
+    recorder.trace.clear()
+    want = comm.run(call)
+    assert recorder.trace == [("replay",)]
+    lane = comm.replayer(call)
+    recorder.trace.clear()
+    got = lane()
+    assert recorder.trace == [("replay",)]
+    assert got[0] is want[0]
+    if gathered:  # the dense rows and scales: the allocator's blocks, the values copied out of the packed rows
+        assert got[1][0] is want[1][0] and got[1][1] is want[1][1]
+        assert got[1][0].dtype == a.dtype and got[1][1].shape == (plan.m, 1)
+    else:
+        assert got[1] is None
+
+
 def test_an_fp8_all_gather_multiplies_each_band_with_its_own_rows_scales(monkeypatch):
     """The bands of the gathered buffer are multiplied with the scales that arrived in the same packed rows."""
     recorder, comm, plan, a, b, scales = _recording(monkeypatch, "all_gather")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -93,7 +94,30 @@ def _ranks(rank, world):
         want, _ = _want("all_reduce", a.double(), b.double(), world, rank)
         torch.testing.assert_close(got.double(), want, atol=0.1, rtol=2e-2)
     assert (comm.graphs.captures, comm.graphs.replays) == (1, 3)
-    return checked
+    # The replay lane (``replayer``): the graph of the same tensors, on the buffers the allocator hands the call (the
+    # same blocks: fresh values in them), refused by the coalescing manager as ``run`` is; other blocks, no graph.
+    from flashoverlap.comm import collectives
+    from flashoverlap.comm.tp import sequential
+
+    sequential._allocate = lambda shapes, device: tuple(t.fill_(float("nan")) for t in kept)
+    lane = comm.replayer(Call("all_reduce", plan, a, b, replay=True))
+    a.copy_(torch.randn(8, 16, generator=gen))
+    got, _ = lane()
+    want, _ = _want("all_reduce", a.double(), b.double(), world, rank)
+    torch.testing.assert_close(got.double(), want, atol=0.1, rtol=2e-2)
+    assert got is kept[0] and (comm.graphs.captures, comm.graphs.replays) == (1, 4)
+    collectives._COALESCING[dist.group.WORLD] = True
+    try:
+        with pytest.raises(RuntimeError, match="coalescing manager"):
+            lane()
+    finally:
+        del collectives._COALESCING[dist.group.WORLD]
+    sequential._allocate = lambda shapes, device: tuple(torch.empty_like(t) for t in kept)
+    assert lane() is None and comm.graphs.replays == 4
+    assert comm.replayer(Call("all_reduce", plan, a, b)) is None  # a call that does not replay
+    comm._graphed = False  # off the GPU: no graphs, no lane
+    assert comm.replayer(Call("all_reduce", plan, a, b, replay=True)) is None
+    return checked + 1
 
 
 def _gathered(shard, world):
@@ -105,7 +129,7 @@ def _gathered(shard, world):
 
 
 def test_the_sequential_communicator_matches_plain_pytorch_and_replays():
-    assert spawn(_ranks, 2, "gloo") == [24, 24]
+    assert spawn(_ranks, 2, "gloo") == [25, 25]
 
 
 def _signatures(rank, world):

@@ -2,6 +2,7 @@
 ``Call`` resolved once (the debug deadline and the replay verdict included), and every communicator follows the one
 protocol (``comm/protocol.py``)."""
 
+import contextlib
 import dataclasses
 import inspect
 import tempfile
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from flashoverlap import guards, settings
-from flashoverlap.comm.protocol import Call, Communicator
+from flashoverlap.comm.protocol import Call, Communicator, NoLane
 from flashoverlap.runtime import context as context_module
 from flashoverlap.runtime import policy
 from flashoverlap.runtime.context import COMMUNICATORS, context_of
@@ -30,7 +31,7 @@ def world_of_one():
             dist.destroy_process_group()
 
 
-class Recording:
+class Recording(NoLane):
     """A communicator that records the calls it is given and answers with the plain product."""
 
     path = "recording"
@@ -214,7 +215,8 @@ def test_every_communicator_follows_the_protocol():
         assert list(inspect.signature(build.__init__).parameters) == ["self", "group"], build
         assert list(inspect.signature(build.run).parameters) == ["self", "call"], build
         assert callable(build.release), build
-        for member in ("run", "release"):
+        assert list(inspect.signature(build.replayer).parameters) == ["self", "call"], build
+        for member in ("run", "replayer", "release"):
             assert member in vars(Communicator) and hasattr(build, member)
     assert context_module._HOLD_NOTHING <= set(COMMUNICATORS)
 
@@ -280,3 +282,121 @@ def test_a_first_call_is_agreed_once_and_never_inside_a_capture(world_of_one, mo
     context_module.REGISTRY.resolved.clear()  # this rank forgets its resolved calls; the group's agreement stays
     fo.gemm_all_reduce(a, b[:, :5].contiguous())
     assert exchanged == ["gemm_all_reduce"]
+
+
+class Laned(Recording):
+    """A recording communicator whose calls take the replay lane: its replayer answers ``("lane", n)`` while
+    ``graph`` says a graph is held, else None (the runtime then runs the call)."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.built, self.lane_calls, self.graph = [], 0, True
+
+    def replayer(self, call):
+        if not call.replay:
+            return None
+        self.built.append(call)
+
+        def again():
+            if not self.graph:
+                return None
+            self.lane_calls += 1
+            return ("lane", self.lane_calls), None
+
+        return again
+
+
+def test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_else_does(world_of_one, monkeypatch):
+    """The replay lane (``execute``): a call reading the same tensors, laid out the same, with the same plan, path,
+    group and settings as one its communicator replayed is its replayer's answer alone; any difference, a capture,
+    another device, a hook, debug mode or replay switched off runs the call; a replayer that holds no graph sends
+    the call on to the communicator, which builds it again; ``release`` forgets every lane."""
+    from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
+
+    laned = _install(world_of_one, ("gemm", "reference"))
+    laned.__class__ = Laned
+    Laned.__init__(laned, world_of_one.group)
+    for variable in ("FLASHOVERLAP_DEBUG_TIMEOUT", "FLASHOVERLAP_REPLAY", "CUDA_DEVICE_MAX_CONNECTIONS",
+                     "TORCH_DISTRIBUTED_DEBUG"):
+        monkeypatch.delenv(variable, raising=False)
+    settings.refresh()
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    torch.testing.assert_close(fo.gemm_all_reduce(a, b), a @ b)  # run; its replayer kept
+    assert len(laned.calls) == 1 and len(laned.built) == 1
+    assert fo.gemm_all_reduce(a, b) == ("lane", 1) and len(laned.calls) == 1  # the lane alone
+    assert fo.gemm_all_reduce(a, b) == ("lane", 2)
+    calls = len(laned.calls)
+    others = [
+        lambda: fo.gemm_all_reduce(a.clone(), b),  # another a
+        lambda: fo.gemm_all_reduce(a, b.clone()),  # another b
+        lambda: fo.gemm_all_reduce(a[:, :4], b),  # the same a as a view: the same address and layout
+        lambda: fo.gemm_all_reduce(a.t().contiguous().t(), b),  # a laid out otherwise
+        lambda: fo.gemm_all_reduce(a, b, path="reference"),  # another path
+        lambda: fo.gemm_all_reduce(a, b, plan=sequential_plan("all_reduce", 8, 6, 4, 1)),  # another plan
+        lambda: fo.gemm_reduce_scatter(a, b),  # another op on the same tensors
+        lambda: execute(GEMM, GemmSpec("gemm_all_reduce", "all_reduce", a, b, None, None, "auto",
+                                       hook=lambda: None)),  # a hook
+    ]
+    for i, other in enumerate(others):
+        lanes = laned.lane_calls
+        result = other()
+        if i == 2:  # a view with a's address, shape and strides reads what a reads: the lane is right to answer
+            assert result == ("lane", lanes + 1)
+            continue
+        assert laned.lane_calls == lanes and len(laned.calls) == calls + 1, i
+        calls += 1
+    # a capture, another device, debug mode, replay off: run (with no lane built where the call does not replay)
+    monkeypatch.setattr(guards, "capturing", lambda operand=None: True)
+    fo.gemm_all_reduce(a, b)
+    monkeypatch.undo()
+    monkeypatch.setattr(guards, "on_current_device", lambda operand: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # the CPU's "switch"
+    fo.gemm_all_reduce(a, b)
+    monkeypatch.undo()
+    assert len(laned.calls) == calls + 2 and not laned.calls[-2].replay and laned.calls[-1].replay
+    calls += 2
+    for variable, value in (("FLASHOVERLAP_DEBUG_TIMEOUT", "5"), ("FLASHOVERLAP_REPLAY", "0"),
+                            ("TORCH_DISTRIBUTED_DEBUG", "DETAIL")):
+        monkeypatch.setenv(variable, value)
+        settings.refresh()
+        lanes = laned.lane_calls
+        fo.gemm_all_reduce(a, b)
+        assert laned.lane_calls == lanes and len(laned.calls) == calls + 1, variable
+        calls += 1
+        monkeypatch.delenv(variable)
+    settings.refresh()
+    assert fo.gemm_all_reduce(a, b)[0] == "lane"
+    # A lane whose graph is gone: the call runs, and its replayer is built again.
+    laned.graph, built = False, len(laned.built)
+    torch.testing.assert_close(fo.gemm_all_reduce(a, b), a @ b)
+    assert len(laned.calls) == calls + 1 and len(laned.built) == built + 1
+    laned.graph = True
+    assert fo.gemm_all_reduce(a, b)[0] == "lane"
+    assert context_module.REGISTRY.lanes
+    fo.release()
+    assert not context_module.REGISTRY.lanes and not context_module.REGISTRY.resolved
+
+
+def test_fp8_lanes_name_the_scales_and_the_bias(world_of_one, monkeypatch):
+    """An fp8 call's lane key holds where its scales and bias lie: another scale tensor, output dtype or bias runs
+    the call."""
+    laned = _install(world_of_one, ("gemm", "reference"))
+    laned.__class__ = Laned
+    Laned.__init__(laned, world_of_one.group)
+    for variable in ("FLASHOVERLAP_DEBUG_TIMEOUT", "FLASHOVERLAP_REPLAY", "TORCH_DISTRIBUTED_DEBUG"):
+        monkeypatch.delenv(variable, raising=False)
+    settings.refresh()
+    a = torch.randn(8, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+    sa, sb, bias = torch.rand(8, 1) + 0.5, torch.rand(1, 16) + 0.5, torch.randn(16, dtype=torch.bfloat16)
+    fo.scaled_gemm_all_reduce(a, b, sa, sb, bias=bias)
+    assert fo.scaled_gemm_all_reduce(a, b, sa, sb, bias=bias)[0] == "lane"
+    calls = len(laned.calls)
+    for other in (lambda: fo.scaled_gemm_all_reduce(a, b, sa.clone(), sb, bias=bias),
+                  lambda: fo.scaled_gemm_all_reduce(a, b, sa, sb.clone(), bias=bias),
+                  lambda: fo.scaled_gemm_all_reduce(a, b, sa, sb, bias=bias.clone()),
+                  lambda: fo.scaled_gemm_all_reduce(a, b, sa, sb),
+                  lambda: fo.scaled_gemm_all_reduce(a, b, sa, sb, bias=bias.float(), out_dtype=torch.float32)):
+        other()
+        assert len(laned.calls) == calls + 1
+        calls += 1

@@ -4,8 +4,12 @@ A communicator is built once per (process group, device) from a :class:`CommGrou
 the runtime's context) and runs one call at a time from a :class:`Call`: ``run(call) -> (result, extra)``, where
 ``extra`` is all-gather's gathered input (or None). The runtime (``flashoverlap.runtime``) resolves everything a
 call needs before it reaches a communicator: operand checks, the path, the plan, the debug deadline, whether a
-repeated call may be replayed from a CUDA graph. ``release()`` frees what the communicator holds (buffers,
-cloned process groups, graphs); the runtime calls it from ``flashoverlap.release(group)``.
+repeated call may be replayed from a CUDA graph. ``replayer(call)``, asked after a call that may replay: a
+zero-argument function that runs a later call reading the same tensors (at the same addresses, in the same layouts)
+as ``call`` by replaying its graph on fresh outputs, returning ``(result, extra)``, or None where no graph is held
+for them (then the runtime runs that call); None where the communicator replays no such call. The runtime keeps it
+by the call's tensors (its replay lane, ``runtime/calls.py``). ``release()`` frees what the communicator holds
+(buffers, cloned process groups, graphs); the runtime calls it from ``flashoverlap.release(group)``.
 
 Communicators, by path: ``reference`` (the executable specification, any backend), ``sequential`` (matmul, then
 one collective), ``nccl`` (the signalling GEMM and NCCL per group), ``p2p`` (cuBLAS sub-bands and copy engines over
@@ -16,6 +20,7 @@ symmetric memory) and ``ring`` (the same ring over NCCL send/recv). The all-to-a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -112,6 +117,13 @@ class GroupFields:
         self.name = group.name
 
 
+class NoLane:
+    """A communicator whose calls take no replay lane (``Communicator.replayer``: every call reaches ``run``)."""
+
+    def replayer(self, call: Any) -> None:
+        return None
+
+
 @runtime_checkable
 class Communicator(Protocol):
     """What every communicator is (see the module docstring). ``path`` names it in the runtime's table."""
@@ -121,5 +133,7 @@ class Communicator(Protocol):
     def __init__(self, group: CommGroup) -> None: ...
 
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def replayer(self, call: Call) -> Callable[[], tuple | None] | None: ...
 
     def release(self) -> None: ...

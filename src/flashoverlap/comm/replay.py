@@ -56,16 +56,30 @@ def cublas_switches() -> tuple:
             torch._C._get_cublas_allow_fp16_reduced_precision_reduction(), _FP16_ACCUMULATION(), _BLAS_BACKEND())
 
 
-def gemm_call_signature(call: Call, buffers: tuple) -> tuple:
-    """What a tensor-parallel call's GPU work depends on besides the tensors' values: the plan, the dtypes, where
-    each operand lies and how it is laid out, the addresses of the buffers the call writes (``buffers``, allocated in
-    one order on every call), the cuBLAS switches that pick kernels, the held hook's tensors; an fp8 call's scales:
+def signature(inputs: tuple, outputs: tuple) -> tuple:
+    """A call's signature in two parts, so that a repeated call's replay (``CallGraphs.replayer``) rebuilds only the
+    second: ``inputs``, what the call reads (the plan, the operands' dtypes, addresses and layouts, a held hook's
+    tensors, the fp8 scales; the communicator's own buffers where they may move), fixed by the call's tensors; and
+    ``outputs``, the addresses of the tensors the call allocates and writes, allocated in one order on every call;
+    with the cuBLAS switches read at the call."""
+    return inputs, outputs, cublas_switches()
+
+
+def gemm_call_inputs(call: Call) -> tuple:
+    """What a tensor-parallel call's GPU work reads besides the tensors' values (``signature``'s first part): the
+    plan, the dtypes, where each operand lies and how it is laid out, the held hook's tensors; an fp8 call's scales:
     their mode, the output dtype, and where the scales and the bias lie."""
     scales, hook = call.scales, call.hook
-    return (call.plan, call.a.dtype, call.b.dtype, address(call.a), address(call.b), buffers, cublas_switches(),
+    return (call.plan, call.a.dtype, call.b.dtype, address(call.a), address(call.b),
             None if hook is None else hook.signature,
             None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
                                          address(scales.bias)))
+
+
+def gemm_call_signature(call: Call, buffers: tuple) -> tuple:
+    """A tensor-parallel call's whole signature: ``gemm_call_inputs`` and the addresses of the buffers it writes
+    (``buffers``, allocated in one order on every call)."""
+    return signature(gemm_call_inputs(call), buffers)
 
 
 class Matmul(HeldHook):
@@ -154,6 +168,23 @@ class CallGraphs:
             self._dropped[oldest] = None
             _trim(self._dropped, 4 * self.capacity)
         return self.replay(signature)
+
+    def replayer(self, inputs: tuple, allocate: Callable[[], tuple[tuple, object]],
+                 result: Callable[[object], tuple]) -> Callable[[], tuple | None]:
+        """A repeated call's whole host work, for the runtime's replay lane (``runtime/calls.py``), built from one
+        call and kept for the calls that read the same tensors (``inputs``: ``signature``'s first part): a function
+        that allocates a call's outputs (``allocate() -> (their addresses, the buffers)``, in the order the call
+        itself allocates them) and replays the graph captured for ``inputs`` and those outputs, then returns
+        ``result(buffers)`` (the call's ``(result, extra)``, after the replay: it may copy out of them); None where
+        no graph is held for them (the caller then runs the call, which captures or issues it). It holds no
+        tensor of the call's."""
+        replay = self.replay
+
+        def again() -> tuple | None:
+            outputs, buffers = allocate()
+            return result(buffers) if replay(signature(inputs, outputs)) else None
+
+        return again
 
     def clear(self) -> None:
         """Drop every graph (the addresses they hold are no longer valid, e.g. the workspace was reallocated)."""

@@ -1,7 +1,9 @@
 """The one call pipeline: every public op, tensor-parallel and expert, runs through ``execute(kind, spec)``.
 
-The skeleton is the same for every op: read the settings, let the ranks agree on the call (debug mode: every
-call), look the call's signature up (a repeated call skips its checks and lookups: host time before the first
+The skeleton is the same for every op: read the settings; where calls may replay, answer a call that reads the
+tensors of one its communicator replayed from the replay lane (its ``replayer``: the outputs' allocation and one
+graph launch, ``comm/replay.CallGraphs.replayer``), by a key that holds the call's signature and where its tensors
+lie; let the ranks agree on the call (debug mode: every call), look the call's signature up (a repeated call skips its checks and lookups: host time before the first
 launch is GPU idle time when the GPU has nothing queued), and for a first call let the ranks agree on it (whatever
 the settings: ranks that disagree raise, none returns a tensor; on the reference path, whose collectives block the
 host anyway, on every call), then resolve it once (checks, group context,
@@ -62,6 +64,10 @@ class Kind(Protocol):
     def signature(self, spec: Any, env: settings.Settings) -> tuple | None:
         """The call's whole signature (None: not cacheable), after the checks a repeated call must still pass."""
 
+    def lane_key(self, spec: Any, env: settings.Settings) -> tuple | None:
+        """The call's replay-lane key (None: none): its signature's every part, and where each tensor it reads lies
+        and how it is laid out, so that calls of one key read the same memory the same way (``execute``)."""
+
     def resolve(self, spec: Any, env: settings.Settings) -> Entry:
         """A first call's work: every check, the group context, the path, the plan and the communicator."""
 
@@ -73,6 +79,21 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one call of any op (see the module docstring); returns the communicator's ``(result, extra)``."""
     env = settings.current()
     every = env.agreement is None and agree_every_call(spec)
+    lane_key = None
+    if env.replay and env.agreement is None and not every:
+        # The replay lane: a call that reads the same tensors as one its communicator replayed (the lane's key holds
+        # the call's signature, so the group agreed on it and the registry resolved it) is one lookup, its outputs'
+        # allocation and its graph's launch (``comm/replay.CallGraphs.replayer``): outside a capture, on the device.
+        lane_key = kind.lane_key(spec, env)
+        lane = None if lane_key is None else REGISTRY.lanes.get(lane_key)
+        if lane is not None and guards.on_current_device(spec.a) and not guards.capturing(spec.a):
+            try:
+                done = lane()
+            except (RuntimeError, dist.DistBackendError) as exc:
+                agreement.reraise(exc, spec.name, spec.group, env)
+                raise
+            if done is not None:
+                return done
     if env.agreement is not None or every:  # before any collective of the call (plan lookups may run some)
         kind.agree(spec, env.agreement or settings.AGREEMENT_TIMEOUT)
     signature = kind.signature(spec, env)
@@ -88,12 +109,18 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     try:
         # A bare call names a's device in all it allocates and has no stream of its own; a hook is arbitrary code.
         if entry[2] and call.hook is None or guards.on_current_device(a):
-            return communicator.run(call)
-        with torch.cuda.device(a.device):  # the communicator's streams and allocations on the tensors' device
-            return communicator.run(call)
+            result = communicator.run(call)
+        else:
+            with torch.cuda.device(a.device):  # the communicator's streams and allocations on the tensors' device
+                result = communicator.run(call)
     except (RuntimeError, dist.DistBackendError) as exc:
         agreement.reraise(exc, spec.name, spec.group, env)
         raise
+    if lane_key is not None and call.replay and signature is not None:
+        lane = communicator.replayer(call)
+        if lane is not None:
+            REGISTRY.store_lane(lane_key, lane)
+    return result
 
 
 # -- the tensor-parallel ops ---------------------------------------------------------------------------------------
@@ -152,6 +179,23 @@ class GemmKind:
                 group if group is not None or not dist.is_initialized() else dist.group.WORLD, plan, spec.path,
                 env.nccl_p2p_disabled, None if scales is None else scales.signature())
 
+    def lane_key(self, spec: GemmSpec, env: settings.Settings) -> tuple | None:
+        a, b, plan, group, scales = spec.a, spec.b, spec.plan, spec.group, spec.scales
+        if (spec.hook is not None or type(a) is not torch.Tensor or type(b) is not torch.Tensor
+                or plan is not None and type(plan) is not Plan):
+            return None  # a hook's work is its own (a held hook's tensors are in the communicator's signature)
+        fp8 = None
+        if scales is not None:
+            scale_a, scale_b, bias = scales.a, scales.b, scales.bias
+            if (type(scale_a) is not torch.Tensor or type(scale_b) is not torch.Tensor
+                    or bias is not None and type(bias) is not torch.Tensor):
+                return None
+            fp8 = (scales.mode, scales.out_dtype, _laid_out(scale_a), _laid_out(scale_b),
+                   None if bias is None else _laid_out(bias))
+        return (spec.op, spec.name, a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, b.data_ptr(), b.shape,
+                b.stride(), b.dtype, b.device, group if group is not None or not dist.is_initialized()
+                else dist.group.WORLD, plan, spec.path, spec.return_gathered, env.nccl_p2p_disabled, fp8)
+
     def resolve(self, spec: GemmSpec, env: settings.Settings) -> Entry:
         path, context, plan = resolve(spec, env.nccl_p2p_disabled)
         bare = plan.sequential and path != "reference"  # waits on nothing: no deadline
@@ -167,6 +211,11 @@ class GemmKind:
 
 
 GEMM = GemmKind()
+
+
+def _laid_out(tensor: torch.Tensor) -> tuple:
+    """Where a tensor lies, how it is laid out, of what and on which device: a lane key's part."""
+    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
 
 
 def _checked(spec: GemmSpec) -> tuple[int, int, int]:

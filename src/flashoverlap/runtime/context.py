@@ -146,11 +146,14 @@ class Registry:
     communicators, so a communicator put in ``GroupContext.communicators`` by hand is reached only after a
     release."""
 
-    LIMIT = 1024  # resolved signatures kept before the table starts afresh (shapes that never repeat)
+    LIMIT = 1024  # resolved signatures (and lanes) kept before the table starts afresh (shapes that never repeat)
 
     def __init__(self) -> None:
         self.contexts: dict[tuple[int, str, int | None], GroupContext] = {}
         self.resolved: dict[tuple, tuple] = {}
+        # The replay lanes (``runtime/calls.execute``): a lane key (a resolved signature and where the call's tensors
+        # lie) -> its communicator's ``replayer``. A shortcut past ``resolved``: emptied whenever it is.
+        self.lanes: dict[tuple, Any] = {}
 
     def lookup(self, signature: tuple) -> tuple | None:
         return self.resolved.get(signature)
@@ -158,7 +161,13 @@ class Registry:
     def store(self, signature: tuple, entry: tuple) -> None:
         if len(self.resolved) > self.LIMIT:
             self.resolved.clear()
+            self.lanes.clear()
         self.resolved[signature] = entry
+
+    def store_lane(self, key: tuple, lane: Any) -> None:
+        if len(self.lanes) > self.LIMIT:
+            self.lanes.clear()
+        self.lanes[key] = lane
 
     def context(self, process_group: dist.ProcessGroup, device: torch.device) -> GroupContext:
         """The context of ``process_group`` on ``device``, created on first use (identity-checked: a group that
@@ -174,8 +183,9 @@ class Registry:
         return context if context is not None and context.process_group is process_group else None
 
     def clear(self, group: dist.ProcessGroup | None = None) -> None:
-        """Forget every resolved call, and release the contexts of ``group`` (None: of every group)."""
+        """Forget every resolved call and lane, and release the contexts of ``group`` (None: of every group)."""
         self.resolved.clear()
+        self.lanes.clear()
         for key in [key for key, ctx in self.contexts.items() if group is None or ctx.process_group is group]:
             self.contexts.pop(key).release()
 
@@ -185,6 +195,7 @@ class Registry:
         graph in a cycle holds its process group until a collection, and one left to the interpreter's final
         teardown ends the process as a reference of ours would (below)."""
         self.resolved.clear()
+        self.lanes.clear()
         self.contexts.clear()
         gc.collect()
 

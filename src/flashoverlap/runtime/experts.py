@@ -170,6 +170,11 @@ class ExpertKind:
                 spec.weighted, group if group is not None or not dist.is_initialized() else dist.group.WORLD,
                 env.nccl_p2p_disabled, None if spec.scales is None else spec.scales.signature())
 
+    def lane_key(self, spec: ExpertSpec, env: settings.Settings) -> None:
+        """No replay lane (``calls.Kind.lane_key``): an expert call's work depends on its layout's routing, which
+        changes from call to call; its repeated bounded-mode calls replay through the communicator's ``run``."""
+        return None
+
     def resolve(self, spec: ExpertSpec, env: settings.Settings) -> calls.Entry:
         context, path, plan = _resolve(spec, env.nccl_p2p_disabled)
         return context.communicator("expert", path), plan, False

@@ -87,13 +87,13 @@ from flashoverlap.comm.expert.contract import (
 )
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.expert.scaled import pack, wired
-from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
+from flashoverlap.comm.protocol import CommGroup, GroupFields, NoLane, held_signature
 from flashoverlap.comm.replay import CallGraphs
 
 # -- the communicator -------------------------------------------------------------------------------------------
 
 
-class ExpertNcclCommunicator(GroupFields):
+class ExpertNcclCommunicator(GroupFields, NoLane):
     """A high-priority stream, one flag per destination, and the peers' rounds for one (process group, device);
     see the module docstring."""
 

@@ -95,7 +95,7 @@ from flashoverlap.comm.expert.chunked_gemm import (
 from flashoverlap.comm.expert.contract import ExpertCall, call_outputs, call_signature, issued_rows
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.expert.scaled import pack, rows_dtype, wire_width, wired
-from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
+from flashoverlap.comm.protocol import CommGroup, GroupFields, NoLane, held_signature
 from flashoverlap.comm.replay import CallGraphs
 from flashoverlap.comm.steps import Copy, Finish, Gather, Gemm, Hook, Loc, Record, Signal, Wait, WaitEvent
 from flashoverlap.comm.symmetric import SymmetricWorkspace
@@ -199,7 +199,7 @@ def _consume(rank: int, source: int, dst: Loc, rows: int) -> list:
 # -- the executor -----------------------------------------------------------------------------------------------
 
 
-class ExpertP2PCommunicator(GroupFields):
+class ExpertP2PCommunicator(GroupFields, NoLane):
     """A copy stream, events and a symmetric workspace of ``W`` slots for one (process group, device)."""
 
     path = "p2p"

@@ -26,7 +26,7 @@ from flashoverlap.comm.expert.scaled import (
     segment_rows,
     wired,
 )
-from flashoverlap.comm.protocol import CommGroup
+from flashoverlap.comm.protocol import CommGroup, NoLane
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group: dist.ProcessGroup) -> None:
@@ -76,7 +76,7 @@ def combine(a: torch.Tensor, b: torch.Tensor, plan: ExpertPlan, layout: Layout, 
     return combine_at_origin(back, plan, layout, y.dtype, out=out), back
 
 
-class ExpertReferenceCommunicator:
+class ExpertReferenceCommunicator(NoLane):
     """The reference expert path behind the communicator protocol (``comm/protocol.py``): holds nothing."""
 
     path = "reference"

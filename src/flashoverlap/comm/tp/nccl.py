@@ -37,6 +37,7 @@ through a clone of the caller's process group created with that NCCL config
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ from flashoverlap.comm.collectives import (
     reduce_scatter_tensor,
 )
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
-from flashoverlap.comm.replay import CallGraphs, gemm_call_signature
+from flashoverlap.comm.replay import CallGraphs, gemm_call_inputs, gemm_call_signature
 from flashoverlap.comm.stream_ops import counter_wait_kernel, load_wait_kernel
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
@@ -69,15 +70,36 @@ class _Buffers:
     communicator's capture the workspace comes from the graphs' pool and stays the graph's: a replayed call allocates
     only what it returns (host time), and its signature holds only their addresses."""
 
-    __slots__ = ("result", "product", "gathered", "packed", "in_rank_order", "dense")
+    __slots__ = ("result", "product", "gathered", "packed", "in_rank_order", "dense", "returned")
 
     def __init__(self) -> None:
         self.result = self.product = self.gathered = self.packed = self.in_rank_order = self.dense = None
 
+    @classmethod
+    def allocate(cls, op: str, shapes: tuple, device: torch.device) -> _Buffers:
+        """The returned tensors of ``NcclCommunicator._output_shapes``, allocated in that order (``returned``)."""
+        buffers = cls()
+        buffers.returned = tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+        buffers.result = tensors[0]
+        if op == "all_reduce":
+            buffers.product = tensors[0]
+        elif len(tensors) > 1:
+            buffers.in_rank_order = tensors[1]
+            if len(tensors) > 2:
+                buffers.dense = (tensors[2], tensors[3])
+        return buffers
+
     def addresses(self) -> tuple:
         """Where the returned tensors lie (the workspace is the graph's own)."""
-        dense = self.dense or (None, None)
-        return tuple(None if t is None else t.data_ptr() for t in (self.result, self.in_rank_order, *dense))
+        return tuple([t.data_ptr() for t in self.returned])
+
+
+def _returned(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
+    """A call's ``(result, extra)`` from its returned tensors (``_Buffers.returned``): all-gather's gathered input
+    where returned, fp8's as its dense rows and scales."""
+    if len(tensors) == 1:
+        return tensors[0], None
+    return tensors[0], tensors[1] if len(tensors) == 2 else (tensors[2], tensors[3])
 
 
 class NcclCommunicator(GroupFields):
@@ -125,24 +147,37 @@ class NcclCommunicator(GroupFields):
 
     def _buffers(self, call: Call) -> _Buffers:
         """The tensors the call returns, allocated in one order on every call (eager, captured, replayed)."""
+        return _Buffers.allocate(call.plan.op, self._output_shapes(call), call.a.device)
+
+    def _output_shapes(self, call: Call) -> tuple:
+        """``(shape, dtype)`` of each tensor the call returns, in allocation order: the result; for all-gather where
+        the gathered input is returned, it in rank order, and fp8's dense rows and scales."""
         plan, a, scales = call.plan, call.a, call.scales
-        device, dtype = a.device, a.dtype
-        out_dtype = dtype if scales is None else scales.out_dtype
-        buffers = _Buffers()
-        if plan.op == "all_gather":
-            buffers.result = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
-            if call.return_gathered:
-                width, wire = self._gathered_width(call)
-                buffers.in_rank_order = torch.empty((plan.m, width), dtype=wire, device=device)
-                if scales is not None:
-                    buffers.dense = (torch.empty((plan.m, plan.k), dtype=dtype, device=device),
-                                     torch.empty((plan.m, scales.scale_columns(plan.k)), dtype=torch.float32,
-                                                 device=device))
-        elif plan.op == "reduce_scatter":
-            buffers.result = torch.empty((plan.block_rows, plan.n), dtype=out_dtype, device=device)
-        else:
-            buffers.result = buffers.product = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
-        return buffers
+        out_dtype = a.dtype if scales is None else scales.out_dtype
+        if plan.op == "reduce_scatter":
+            return (((plan.block_rows, plan.n), out_dtype),)
+        shapes = [((plan.m, plan.n), out_dtype)]
+        if plan.op == "all_gather" and call.return_gathered:
+            width, wire = self._gathered_width(call)
+            shapes.append(((plan.m, width), wire))
+            if scales is not None:
+                shapes += [((plan.m, plan.k), a.dtype), ((plan.m, scales.scale_columns(plan.k)), torch.float32)]
+        return tuple(shapes)
+
+    def replayer(self, call: Call) -> Callable[[], tuple | None] | None:
+        """The replay lane of calls that read ``call``'s tensors (``comm/protocol.py``, ``CallGraphs.replayer``);
+        None where none applies: not replayed, a hook, no graph held yet."""
+        if not call.replay or call.hook is not None or not self.graphs:
+            return None
+        shapes, device = self._output_shapes(call), call.a.device
+
+        op = call.plan.op
+
+        def allocate() -> tuple[tuple, list]:
+            buffers = _Buffers.allocate(op, shapes, device)
+            return buffers.addresses(), buffers.returned
+
+        return self.graphs.replayer(gemm_call_inputs(call), allocate, _returned)
 
     @staticmethod
     def _gathered_width(call: Call) -> tuple[int, torch.dtype]:
@@ -173,9 +208,7 @@ class NcclCommunicator(GroupFields):
 
     @staticmethod
     def _result(plan: Plan, buffers: _Buffers) -> tuple[torch.Tensor, object]:
-        if plan.op != "all_gather" or buffers.in_rank_order is None:
-            return buffers.result, None
-        return buffers.result, buffers.in_rank_order if buffers.dense is None else buffers.dense
+        return _returned(buffers.returned)
 
     def _issue_call(self, call: Call, buffers: _Buffers, captured: bool = False) -> None:
         """Queue the call's whole schedule on the current stream and the communication stream, joined back into

@@ -74,13 +74,14 @@ deadline; a wait that does not end in time raises an error naming the rank, the 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
 from flashoverlap import guards
 from flashoverlap.comm import scaled, steps, stream_ops
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
-from flashoverlap.comm.replay import CallGraphs, address, cublas_switches
+from flashoverlap.comm.replay import CallGraphs, address, signature
 from flashoverlap.comm.symmetric import SymmetricWorkspace
 from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import Plan
@@ -327,19 +328,7 @@ class P2PCommunicator(GroupFields):
         plan, a, b, hook, scales = call.plan, call.a, call.b, call.hook, call.scales
         if plan.op == "all_gather":
             a = a.contiguous()  # the copy engine moves the shard's rows as one block
-        out = self._new((plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n),
-                        a.dtype if scales is None else scales.out_dtype)
-        gathered = self._gathered(plan, a.dtype, scales) if call.return_gathered else None
-        # fp8 all-gather: the own shard's packed rows and the returned gathered input's dense tensors, allocated here
-        # with the call's other tensors, so that every call (eager, captured or replayed) takes the same allocations
-        # in the same order and a repeated call finds its buffers at the addresses its graph holds (allocated later,
-        # they moved the next call's buffers: logs/issue35).
-        own = dense = None
-        if scales is not None and plan.op == "all_gather":
-            own = self._packed_shard(plan, a, scales)
-            if gathered is not None:  # the returned gathered input, copied out of the packed rows after the call
-                dense = (self._new((plan.m, plan.k), a.dtype),
-                         self._new((plan.m, scales.scale_columns(plan.k)), torch.float32))
+        out, gathered, own, dense = self._buffers(plan, a.dtype, a.shape[0], scales, call.return_gathered)
         signature = None
         if call.replay and (hook is None or isinstance(hook, HeldHook)):
             signature = self._signature(plan, a, b, out, gathered, hook, scales, own)
@@ -361,6 +350,46 @@ class P2PCommunicator(GroupFields):
                    packed_own=own)
         return self._result(out, gathered, plan, a.dtype, scales, dense)
 
+    def _buffers(self, plan: Plan, dtype: torch.dtype, rows: int, scales: scaled.Scales | None,
+                 return_gathered: bool) -> tuple:
+        """A call's tensors ``(out, gathered, own, dense)``, allocated in one order on every call (``dtype``: a's,
+        ``rows``: a's rows). fp8 all-gather: the own shard's packed rows (``own``) and the returned gathered input's
+        dense tensors, allocated here with the call's other tensors, so that every call (eager, captured or
+        replayed) takes the same allocations in the same order and a repeated call finds its buffers at the
+        addresses its graph holds (allocated later, they moved the next call's buffers: logs/issue35)."""
+        out = self._new((plan.block_rows if plan.op == "reduce_scatter" else plan.m, plan.n),
+                        dtype if scales is None else scales.out_dtype)
+        gathered = self._gathered(plan, dtype, scales) if return_gathered else None
+        own = dense = None
+        if scales is not None and plan.op == "all_gather":
+            own = self._new((rows, _widths(plan, dtype, scales)[1]), torch.uint8)  # as ``_packed_shard``
+            if gathered is not None:  # the returned gathered input, copied out of the packed rows after the call
+                dense = (self._new((plan.m, plan.k), dtype),
+                         self._new((plan.m, scales.scale_columns(plan.k)), torch.float32))
+        return out, gathered, own, dense
+
+    def replayer(self, call: Call) -> Callable[[], tuple | None] | None:
+        """The replay lane of calls that read ``call``'s tensors (``comm/protocol.py``, ``CallGraphs.replayer``);
+        None where none applies: not replayed, a hook, no graph held yet, an all-gather's shard not contiguous
+        (``run`` copies it: a new address on every call)."""
+        plan, a, scales = call.plan, call.a, call.scales
+        if (not call.replay or call.hook is not None or not self.graphs
+                or plan.op == "all_gather" and not a.is_contiguous()):
+            return None
+        dtype, rows, gathered = a.dtype, a.shape[0], call.return_gathered
+        # what the buffers and the result need of the scales (their mode and output dtype), none of their tensors
+        bare = None if scales is None else scaled.Scales(None, None, scales.mode, scales.out_dtype)
+
+        def allocate() -> tuple[tuple, tuple]:
+            buffers = self._buffers(plan, dtype, rows, bare, gathered)
+            return self._outputs(*buffers[:3]), buffers
+
+        def result(buffers: tuple) -> tuple:
+            out, gathered_rows, _, dense = buffers
+            return self._result(out, gathered_rows, plan, dtype, bare, dense)
+
+        return self.graphs.replayer(self._inputs(plan, a, call.b, None, scales), allocate, result)
+
     def _gathered(self, plan: Plan, dtype: torch.dtype, scales: scaled.Scales | None) -> torch.Tensor:
         """All-gather's gathered buffer: ``[M, K]`` of ``a``'s dtype; fp8, ``[M, packed row bytes]`` uint8."""
         if scales is None:
@@ -381,16 +410,24 @@ class P2PCommunicator(GroupFields):
     def _signature(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                    gathered: torch.Tensor | None, hook, scales: scaled.Scales | None = None,
                    own: torch.Tensor | None = None) -> tuple:
-        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the dtype,
-        where each tensor lies and how it is laid out (``out`` and ``gathered``: fresh and contiguous, of the plan's
-        shapes, ``out``'s dtype the output dtype), the workspace, the cuBLAS switches that pick kernels, the held
-        hook's tensors; an fp8 call's scales: their mode, the output dtype, and where the scales and the bias lie
-        and how they are laid out."""
-        return (plan, a.dtype, a.data_ptr(), a.shape, a.stride(), b.data_ptr(), b.shape, b.stride(), out.data_ptr(),
-                None if gathered is None else gathered.data_ptr(), self._workspace_address(), cublas_switches(),
-                None if hook is None else hook.signature,
+        """What a call's GPU work depends on besides the tensors' values (``comm/replay.py``): ``_inputs`` and where
+        the call's own tensors lie (``out`` and ``gathered``: fresh and contiguous, of the plan's shapes, ``out``'s
+        dtype the output dtype; fp8 all-gather's packed shard ``own``)."""
+        return signature(self._inputs(plan, a, b, hook, scales), self._outputs(out, gathered, own))
+
+    def _inputs(self, plan: Plan, a: torch.Tensor, b: torch.Tensor, hook, scales: scaled.Scales | None) -> tuple:
+        """``replay.signature``'s first part: the plan, the dtype, where each operand lies and how it is laid out,
+        the workspace, the held hook's tensors; an fp8 call's scales: their mode, the output dtype, and where the
+        scales and the bias lie and how they are laid out."""
+        return (plan, a.dtype, a.data_ptr(), a.shape, a.stride(), b.data_ptr(), b.shape, b.stride(),
+                self._workspace_address(), None if hook is None else hook.signature,
                 None if scales is None else (scales.mode, scales.out_dtype, address(scales.a), address(scales.b),
-                                             address(scales.bias), address(own)))
+                                             address(scales.bias)))
+
+    @staticmethod
+    def _outputs(out: torch.Tensor, gathered: torch.Tensor | None, own: torch.Tensor | None) -> tuple:
+        """``replay.signature``'s second part: where the call's own tensors lie."""
+        return out.data_ptr(), None if gathered is None else gathered.data_ptr(), address(own)
 
     def _graph_waits(self) -> str:
         """How a graph waits on a flag (module docstring): "kernel" on a GPU, unless ``graph_waits`` says "memop"."""

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from flashoverlap.comm import scaled
 from flashoverlap.comm.collectives import all_gather_into_tensor, gathered_in_rank_order, reduce_scatter_tensor
-from flashoverlap.comm.protocol import Call, CommGroup
+from flashoverlap.comm.protocol import Call, CommGroup, NoLane
 from flashoverlap.comm.scaled import Scales
 from flashoverlap.plan import Plan
 
@@ -113,7 +113,7 @@ def all_gather_gemm(a_shard: torch.Tensor, bands: Bands, plan: Plan, group: dist
     return c, *scaled.gathered_input(gathered, k, a_shard.dtype, scales)
 
 
-class ReferenceCommunicator:
+class ReferenceCommunicator(NoLane):
     """The reference path behind the communicator protocol (``comm/protocol.py``): holds nothing."""
 
     path = "reference"

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards
-from flashoverlap.comm.protocol import Call, CommGroup, GroupFields
+from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, NoLane
 from flashoverlap.comm.tp import ring_schedule as rs
 from flashoverlap.plan import Plan
 
 
-class RingNcclCommunicator(GroupFields):
+class RingNcclCommunicator(GroupFields, NoLane):
     """A high-priority stream for one (process group, device)."""
 
     path = "ring"

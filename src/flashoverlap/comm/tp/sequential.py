@@ -11,6 +11,8 @@ eagerly."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashoverlap.comm import scaled
@@ -22,7 +24,7 @@ from flashoverlap.comm.collectives import (
     refuse_coalescing,
 )
 from flashoverlap.comm.protocol import Call, CommGroup, HeldHook
-from flashoverlap.comm.replay import CallGraphs, gemm_call_signature
+from flashoverlap.comm.replay import CallGraphs, gemm_call_inputs, gemm_call_signature
 
 
 class SequentialCommunicator:
@@ -57,24 +59,28 @@ class SequentialCommunicator:
         """Every tensor the call writes, allocated in one order on every call (eager, captured, replayed):
         all-reduce ``(c,)``; reduce-scatter ``(out, product)``; all-gather ``(c, a_full)``, fp8 ``(c, a_full,
         scale_full)``."""
-        plan, a, scales = call.plan, call.a, call.scales
-        device = a.device
-        out_dtype = a.dtype if scales is None else scales.out_dtype
-        if plan.op == "all_gather":
-            c = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
-            a_full = torch.empty((plan.m, plan.k), dtype=a.dtype, device=device)
-            if scales is None:
-                return c, a_full
-            return c, a_full, torch.empty((plan.m, scales.scale_columns(plan.k)), dtype=torch.float32, device=device)
-        c = torch.empty((plan.m, plan.n), dtype=out_dtype, device=device)
-        if plan.op == "all_reduce":
-            return (c,)
-        return torch.empty((plan.block_rows, plan.n), dtype=out_dtype, device=device), c
+        return _allocate(_shapes(call), call.a.device)
+
+    def replayer(self, call: Call) -> Callable[[], tuple | None] | None:
+        """The replay lane of calls that read ``call``'s tensors (``comm/protocol.py``, ``CallGraphs.replayer``);
+        None where none applies: not replayed, a hook, off the GPU, no graph held yet."""
+        if not (call.replay and self._graphed and call.hook is None) or not self.graphs:
+            return None
+        shapes, device, process_group, name = _shapes(call), call.a.device, self.group.process_group, call.name
+        op, gathered, fp8 = call.plan.op, call.return_gathered, call.scales is not None
+
+        def allocate() -> tuple[tuple, tuple]:
+            refuse_coalescing(process_group, name)  # as ``run``: the call's collective is the group's, now
+            buffers = _allocate(shapes, device)
+            return tuple([t.data_ptr() for t in buffers]), buffers
+
+        return self.graphs.replayer(gemm_call_inputs(call), allocate,
+                                    lambda buffers: _result_of(op, gathered, fp8, buffers))
 
     @staticmethod
     def _signature(call: Call, buffers: tuple[torch.Tensor, ...]) -> tuple:
         """``replay.gemm_call_signature`` over the call's buffers (``comm/replay.py``)."""
-        return gemm_call_signature(call, tuple(t.data_ptr() for t in buffers))
+        return gemm_call_signature(call, tuple([t.data_ptr() for t in buffers]))
 
     def _issue(self, call: Call, buffers: tuple[torch.Tensor, ...]) -> None:
         plan, a, b, scales, process_group = call.plan, call.a, call.b, call.scales, self.group.process_group
@@ -102,8 +108,32 @@ class SequentialCommunicator:
             call.hook()
 
 
+def _allocate(shapes: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``_shapes``, in that order, from the caching allocator."""
+    return tuple([torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes])
+
+
+def _shapes(call: Call) -> tuple:
+    """``(shape, dtype)`` of every tensor the call writes, in ``_buffers``' order."""
+    plan, a, scales = call.plan, call.a, call.scales
+    out_dtype = a.dtype if scales is None else scales.out_dtype
+    c = ((plan.m, plan.n), out_dtype)
+    if plan.op == "all_gather":
+        a_full = ((plan.m, plan.k), a.dtype)
+        if scales is None:
+            return c, a_full
+        return c, a_full, ((plan.m, scales.scale_columns(plan.k)), torch.float32)
+    if plan.op == "all_reduce":
+        return (c,)
+    return ((plan.block_rows, plan.n), out_dtype), c
+
+
 def _result(call: Call, buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, object]:
     """The result, and all-gather's gathered input where asked (fp8: with its scales)."""
-    if call.plan.op != "all_gather" or not call.return_gathered:
+    return _result_of(call.plan.op, call.return_gathered, call.scales is not None, buffers)
+
+
+def _result_of(op: str, return_gathered: bool, fp8: bool, buffers: tuple[torch.Tensor, ...]) -> tuple:
+    if op != "all_gather" or not return_gathered:
         return buffers[0], None
-    return buffers[0], buffers[1] if call.scales is None else (buffers[1], buffers[2])
+    return buffers[0], (buffers[1], buffers[2]) if fp8 else buffers[1]
