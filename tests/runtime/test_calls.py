@@ -372,6 +372,20 @@ def test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_els
     assert len(laned.calls) == calls + 1 and len(laned.built) == built + 1
     laned.graph = True
     assert fo.gemm_all_reduce(a, b)[0] == "lane"
+    # the same memory read another way: a square operand and its transpose (one address, one shape)
+    x, w = torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    fo.gemm_all_reduce(x, w)
+    assert fo.gemm_all_reduce(x, w)[0] == "lane"
+    calls = len(laned.calls)
+    torch.testing.assert_close(fo.gemm_all_reduce(x.t(), w), x.t() @ w)
+    assert len(laned.calls) == calls + 1
+    def failing():
+        raise RuntimeError("NCCL error: unhandled cuda error")
+
+    for key in list(context_module.REGISTRY.lanes):  # a backend's error in the lane is named as the run's are
+        context_module.REGISTRY.lanes[key] = failing
+    with pytest.raises(RuntimeError, match="^gemm_all_reduce on group .*unhandled cuda error"):
+        fo.gemm_all_reduce(a, b)
     assert context_module.REGISTRY.lanes
     fo.release()
     assert not context_module.REGISTRY.lanes and not context_module.REGISTRY.resolved
