@@ -424,15 +424,19 @@ def host_bound(path: str) -> str:
     """The loop a model runs (``benchmarks/host_bound.py``): per shape and dtype, host, GPU and wall time per call of
     each path, with wall over GPU (above 1: the GPU waited) and host over the plain matmul's host time."""
     data = _load(path)
-    lines = ["| shape | op | M, N, K | dtype | path | mode | host (µs) | GPU (µs) | wall (µs) | wall / GPU "
-             "| host / matmul's |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    alone = {(row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"]): row["host_us"]
+    # rows of several commits at one shape (a before and an after): a commit column, each its own matmul's
+    shapes = [(row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"], row.get("path"), row.get("mode"))
+              for row in data["rows"]]
+    by_commit = len(set(shapes)) < len(shapes)
+    lines = ["| shape | op | M, N, K | dtype | " + ("commit | " if by_commit else "") + "path | mode | host (µs) "
+             "| GPU (µs) | wall (µs) | wall / GPU | host / matmul's |",
+             "| --- " * (11 + by_commit) + "|"]
+    alone = {(row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"], row.get("commit")): row["host_us"]
              for row in data["rows"] if row.get("path") in ("mm", "scaled_mm") and "host_us" in row}
     for row in data["rows"]:
-        key = (row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"])
+        key = (row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"], row.get("commit"))
         head = (f"| {row['shape']} | {OPS.get(row['op'], row['op'])} | {row['M']}, {row['N']}, {row['K']} "
-                f"| {row['dtype']}")
+                f"| {row['dtype']}" + (f" | {row.get('commit', '-')}" if by_commit else ""))
         if "error" in row:
             lines.append(f"{head} | {row.get('path', '-')} | {row.get('mode', '-')} | error: "
                          f"{row['error'][:80]} | | | | |")
