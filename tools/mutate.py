@@ -292,7 +292,8 @@ MUTATIONS = [
     ("runtime-fast-path-ignores-shape", "Runtime: a repeated call's cached answer is keyed without a's shape", CALLS,
      "        return (spec.op, spec.name, a.shape, b.shape,", "        return (spec.op, spec.name, b.shape,", CALLS_TEST),
     ("runtime-fast-path-ignores-path", "Runtime: a repeated call's cached answer is keyed without the path asked",
-     CALLS, "plan, spec.path,\n                env.nccl_p2p_disabled", "plan,\n                env.nccl_p2p_disabled",
+     CALLS, "resolved_group(group),\n                plan, spec.path, env.nccl_p2p_disabled",
+     "resolved_group(group),\n                plan, env.nccl_p2p_disabled",
      CALLS_TEST),
     ("sequential-inside-coalescing-manager", "Sequential plan: a call inside a coalescing manager on its group runs, "
      "its collective deferred past the GEMM that needs it", "src/flashoverlap/comm/tp/sequential.py",
@@ -592,7 +593,8 @@ MUTATIONS = [
      "tl.atomic_xchg(counters_ptr, 0", "tests/kernels/test_counters.py"),
     ("nccl-workspace-in-the-signature", "NCCL path: the replay signature holds the workspace's address too (a replayed "
      "call must then allocate its workspace on every call)", NCCL,
-     "for t in self.returned])", "for t in (*self.returned, self.product, self.gathered) if t is not None])",
+     "        return addresses(self.returned)",
+     "        return addresses([t for t in (*self.returned, self.product, self.gathered) if t is not None])",
      NCCL_TEST + "::test_the_replay_signature_names_every_tensor_a_call_touches"),
     ("nccl-graph-wait-off-the-comm-stream", "NCCL path with the direct NCCL calls: inside a graph the counter wait "
      "kernel is launched on the caller's stream (the collectives would no longer wait for their group)", NCCL,
@@ -703,8 +705,7 @@ MUTATIONS = [
      "else_does"),
     ("nccl-lane-allocates-the-result-only", "NCCL replay lane: an all-gather that returns its gathered input allocates "
      "only the result (the graph under run's signature is not found; fp8's dense rows never returned)", NCCL,
-     "            buffers = _Buffers.allocate(op, shapes, device)", "            buffers = _Buffers.allocate(op, "
-     "shapes[:1], device)", NCCL_TEST + "::test_the_replay_lane_finds_the_graph_run_captured"),
+     "            tensors = allocate(shapes, device)", "            tensors = allocate(shapes[:1], device)", NCCL_TEST + "::test_the_replay_lane_finds_the_graph_run_captured"),
     ("p2p-lane-with-a-hook", "P2P replay lane: built for a call with a hook (its graph holds the hook's tensors, "
      "which the lane key does not name)", P2P, "        if (not call.replay or call.hook is not None or not "
      "self.graphs", "        if (not call.replay or not self.graphs", P2P_TEST),

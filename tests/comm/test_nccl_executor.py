@@ -358,15 +358,11 @@ def _lanes(rank, world_size):
 
     pool = {}
 
-    class Pooled:  # torch, as the communicator's module sees it, with a caching allocator's reuse
-        def __getattr__(self, name):
-            return getattr(torch, name)
+    def pooled(shapes, device):  # replay.allocate, with a caching allocator's reuse: a shape's block every call
+        return [pool.setdefault((tuple(shape), dtype), torch.empty(shape, dtype=dtype, device=device))
+                for shape, dtype in shapes]
 
-        @staticmethod
-        def empty(shape, dtype, device):
-            return pool.setdefault((tuple(shape), dtype), torch.empty(shape, dtype=dtype, device=device))
-
-    nccl.torch = Pooled()
+    nccl.allocate = pooled
     comm = nccl.NcclCommunicator(CommGroup.of(dist.group.WORLD, torch.device("cpu")))
     comm.graphs = Graphs(comm.device, capture_after=1, capture=lambda issue: types.SimpleNamespace(replay=lambda: 0))
     m, n, k = 32 * world_size, 24, 16
@@ -396,7 +392,7 @@ def _lanes(rank, world_size):
         checked += 1
     hook = replay.Matmul(torch.randn(2, 2), torch.randn(2, 2), torch.empty(2, 2))
     assert comm.replayer(Call("all_reduce", plan, a, b, hook=hook, replay=True)) is None
-    nccl.torch = torch
+    nccl.allocate = replay.allocate
     return checked
 
 

@@ -99,7 +99,7 @@ def _ranks(rank, world):
     from flashoverlap.comm import collectives
     from flashoverlap.comm.tp import sequential
 
-    sequential._allocate = lambda shapes, device: tuple(t.fill_(float("nan")) for t in kept)
+    sequential.allocate = lambda shapes, device: tuple(t.fill_(float("nan")) for t in kept)
     lane = comm.replayer(Call("all_reduce", plan, a, b, replay=True))
     a.copy_(torch.randn(8, 16, generator=gen))
     got, _ = lane()
@@ -112,7 +112,7 @@ def _ranks(rank, world):
             lane()
     finally:
         del collectives._COALESCING[dist.group.WORLD]
-    sequential._allocate = lambda shapes, device: tuple(torch.empty_like(t) for t in kept)
+    sequential.allocate = lambda shapes, device: tuple(torch.empty_like(t) for t in kept)
     assert lane() is None and comm.graphs.replays == 4
     assert comm.replayer(Call("all_reduce", plan, a, b)) is None  # a call that does not replay
     comm._graphed = False  # off the GPU: no graphs, no lane

@@ -56,6 +56,17 @@ def cublas_switches() -> tuple:
             torch._C._get_cublas_allow_fp16_reduced_precision_reduction(), _FP16_ACCUMULATION(), _BLAS_BACKEND())
 
 
+def allocate(shapes: tuple, device: torch.device) -> list[torch.Tensor]:
+    """The tensors a call allocates and writes, of ``shapes`` (``(shape, dtype)`` pairs), in that order on every call,
+    from the caching allocator (whose reuse of addresses is what lets a repeated call find its graph)."""
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+
+
+def addresses(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> tuple:
+    """Where each of a call's ``allocate``d tensors lies: ``signature``'s second part."""
+    return tuple([t.data_ptr() for t in tensors])
+
+
 def signature(inputs: tuple, outputs: tuple) -> tuple:
     """A call's signature in two parts, so that a repeated call's replay (``CallGraphs.replayer``) rebuilds only the
     second: ``inputs``, what the call reads (the plan, the operands' dtypes, addresses and layouts, a held hook's

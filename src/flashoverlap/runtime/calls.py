@@ -3,13 +3,13 @@
 The skeleton is the same for every op: read the settings; where calls may replay, answer a call that reads the
 tensors of one its communicator replayed from the replay lane (its ``replayer``: the outputs' allocation and one
 graph launch, ``comm/replay.CallGraphs.replayer``), by a key that holds the call's signature and where its tensors
-lie; let the ranks agree on the call (debug mode: every call), look the call's signature up (a repeated call skips its checks and lookups: host time before the first
-launch is GPU idle time when the GPU has nothing queued), and for a first call let the ranks agree on it (whatever
-the settings: ranks that disagree raise, none returns a tensor; on the reference path, whose collectives block the
-host anyway, on every call), then resolve it once (checks, group context,
-path, plan, communicator); switch to the operands' device, and hand the communicator one ``Call``. What differs
-per kind of op is a small strategy object (``Kind``): its checks and agreement row, its signature, its plan builder
-and the call it builds. ``GEMM`` (this module) serves the tensor-parallel ops, fp8 ones included
+lie; let the ranks agree on the call (debug mode: every call), look the call's signature up (a repeated call skips
+its checks and lookups: host time before the first launch is GPU idle time when the GPU has nothing queued), and for
+a first call let the ranks agree on it (whatever the settings: ranks that disagree raise, none returns a tensor; on
+the reference path, whose collectives block the host anyway, on every call), then resolve it once (checks, group
+context, path, plan, communicator); switch to the operands' device, and hand the communicator one ``Call``. What
+differs per kind of op is a small strategy object (``Kind``): its checks and agreement row, its signature, its plan
+builder and the call it builds. ``GEMM`` (this module) serves the tensor-parallel ops, fp8 ones included
 (``GemmSpec.scales``); ``EXPERT`` (``runtime/experts.py``) the all-to-all ops.
 """
 
@@ -28,7 +28,7 @@ from flashoverlap.comm.scaled import Scales
 from flashoverlap.plan import OPS, Plan
 from flashoverlap.runtime import agreement, plans, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, check_operands, check_scaled
-from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context
+from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context, resolved_group
 
 # What a resolved call holds: (communicator, plan, bare), where ``bare`` says the plan waits on nothing: no deadline
 # (the sequential plan off the reference: the decode case, where host time is the cost; it replays repeated calls).
@@ -116,7 +116,7 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     except (RuntimeError, dist.DistBackendError) as exc:
         agreement.reraise(exc, spec.name, spec.group, env)
         raise
-    if lane_key is not None and call.replay and signature is not None:
+    if lane_key is not None and call.replay:  # a lane key implies a signature (the same tensors' checks)
         lane = communicator.replayer(call)
         if lane is not None:
             REGISTRY.store_lane(lane_key, lane)
@@ -175,9 +175,8 @@ class GemmKind:
         if scales is not None and (type(scales.a) is not torch.Tensor or type(scales.b) is not torch.Tensor
                                    or scales.bias is not None and type(scales.bias) is not torch.Tensor):
             return None  # not cacheable: the first call's checks name the argument (a Python float scale, say)
-        return (spec.op, spec.name, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device,
-                group if group is not None or not dist.is_initialized() else dist.group.WORLD, plan, spec.path,
-                env.nccl_p2p_disabled, None if scales is None else scales.signature())
+        return (spec.op, spec.name, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, resolved_group(group),
+                plan, spec.path, env.nccl_p2p_disabled, None if scales is None else scales.signature())
 
     def lane_key(self, spec: GemmSpec, env: settings.Settings) -> tuple | None:
         a, b, plan, group, scales = spec.a, spec.b, spec.plan, spec.group, spec.scales
@@ -193,8 +192,8 @@ class GemmKind:
             fp8 = (scales.mode, scales.out_dtype, _laid_out(scale_a), _laid_out(scale_b),
                    None if bias is None else _laid_out(bias))
         return (spec.op, spec.name, a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, b.data_ptr(), b.shape,
-                b.stride(), b.dtype, b.device, group if group is not None or not dist.is_initialized()
-                else dist.group.WORLD, plan, spec.path, spec.return_gathered, env.nccl_p2p_disabled, fp8)
+                b.stride(), b.dtype, b.device, resolved_group(group), plan, spec.path, spec.return_gathered,
+                env.nccl_p2p_disabled, fp8)
 
     def resolve(self, spec: GemmSpec, env: settings.Settings) -> Entry:
         path, context, plan = resolve(spec, env.nccl_p2p_disabled)

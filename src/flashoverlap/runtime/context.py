@@ -215,11 +215,15 @@ def context_of(process_group: dist.ProcessGroup, device: torch.device) -> GroupC
     return REGISTRY.context(process_group, device)
 
 
+def resolved_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group a call names: ``group``, or for None the default group (None before ``init_process_group``)."""
+    return group if group is not None or not dist.is_initialized() else dist.group.WORLD
+
+
 def group_context(name: str, group: dist.ProcessGroup | None, device: torch.device) -> GroupContext:
     """The context of the group a call of op ``name`` names (None: the default group), checked on its first call on
     ``device`` (``checks.check_group``)."""
-    resolved = group if group is not None or not dist.is_initialized() else dist.group.WORLD
-    context = existing_context(resolved, device)
+    context = existing_context(resolved_group(group), device)
     if context is None:  # the group's first call on this device: check it once
         context = context_of(check_group(name, group), device)
     return context

@@ -27,7 +27,7 @@ from flashoverlap.comm.expert.scaled import MODES as SCALED_MODES
 from flashoverlap.comm.protocol import Hook
 from flashoverlap.runtime import agreement, calls, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, DTYPES
-from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context
+from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context, resolved_group
 from flashoverlap.tune import grouped, grouped_fp8
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -167,8 +167,8 @@ class ExpertKind:
         a, b, routing, group = spec.a, spec.b, spec.layout, spec.group
         return ("expert", spec.op, spec.name, a.dtype, a.device, tuple(b.shape), routing.world_size, routing.tokens,
                 routing.top_k, routing.experts, routing.mode, routing.bound, spec.path, spec.per_choice,
-                spec.weighted, group if group is not None or not dist.is_initialized() else dist.group.WORLD,
-                env.nccl_p2p_disabled, None if spec.scales is None else spec.scales.signature())
+                spec.weighted, resolved_group(group), env.nccl_p2p_disabled,
+                None if spec.scales is None else spec.scales.signature())
 
     def lane_key(self, spec: ExpertSpec, env: settings.Settings) -> None:
         """No replay lane (``calls.Kind.lane_key``): an expert call's work depends on its layout's routing, which

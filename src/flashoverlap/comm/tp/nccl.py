@@ -55,7 +55,7 @@ from flashoverlap.comm.collectives import (
     reduce_scatter_tensor,
 )
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
-from flashoverlap.comm.replay import CallGraphs, gemm_call_inputs, gemm_call_signature
+from flashoverlap.comm.replay import CallGraphs, addresses, allocate, gemm_call_inputs, gemm_call_signature
 from flashoverlap.comm.stream_ops import counter_wait_kernel, load_wait_kernel
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
@@ -79,7 +79,7 @@ class _Buffers:
     def allocate(cls, op: str, shapes: tuple, device: torch.device) -> _Buffers:
         """The returned tensors of ``NcclCommunicator._output_shapes``, allocated in that order (``returned``)."""
         buffers = cls()
-        buffers.returned = tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+        buffers.returned = tensors = allocate(shapes, device)
         buffers.result = tensors[0]
         if op == "all_reduce":
             buffers.product = tensors[0]
@@ -91,7 +91,7 @@ class _Buffers:
 
     def addresses(self) -> tuple:
         """Where the returned tensors lie (the workspace is the graph's own)."""
-        return tuple([t.data_ptr() for t in self.returned])
+        return addresses(self.returned)
 
 
 def _returned(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
@@ -136,14 +136,14 @@ class NcclCommunicator(GroupFields):
         that repeats with the same tensors (``call.replay``, a hook that is ``HeldHook`` or none) replays a CUDA graph
         of its whole schedule, counter waits and resets and NCCL collectives included (``comm/replay.py``; captured
         on the signature's second call, once the first, eager, has made the NCCL state and loaded the kernels)."""
-        plan, hook = call.plan, call.hook
+        hook = call.hook
         buffers = self._buffers(call)
         if call.replay and (hook is None or isinstance(hook, HeldHook)):
             signature = self._signature(call, buffers)
             if self.graphs.run(signature, lambda: self._issue_call(call, buffers, captured=True)):
-                return self._result(plan, buffers)
+                return _returned(buffers.returned)
         self._issue_call(call, buffers)
-        return self._result(plan, buffers)
+        return _returned(buffers.returned)
 
     def _buffers(self, call: Call) -> _Buffers:
         """The tensors the call returns, allocated in one order on every call (eager, captured, replayed)."""
@@ -171,13 +171,11 @@ class NcclCommunicator(GroupFields):
             return None
         shapes, device = self._output_shapes(call), call.a.device
 
-        op = call.plan.op
+        def returned() -> tuple[tuple, list]:  # ``_Buffers.allocate``'s returned tensors, and where they lie
+            tensors = allocate(shapes, device)
+            return addresses(tensors), tensors
 
-        def allocate() -> tuple[tuple, list]:
-            buffers = _Buffers.allocate(op, shapes, device)
-            return buffers.addresses(), buffers.returned
-
-        return self.graphs.replayer(gemm_call_inputs(call), allocate, _returned)
+        return self.graphs.replayer(gemm_call_inputs(call), returned, _returned)
 
     @staticmethod
     def _gathered_width(call: Call) -> tuple[int, torch.dtype]:
@@ -205,10 +203,6 @@ class NcclCommunicator(GroupFields):
     def _signature(self, call: Call, buffers: _Buffers) -> tuple:
         """``replay.gemm_call_signature`` over the call's buffers (``comm/replay.py``)."""
         return gemm_call_signature(call, buffers.addresses())
-
-    @staticmethod
-    def _result(plan: Plan, buffers: _Buffers) -> tuple[torch.Tensor, object]:
-        return _returned(buffers.returned)
 
     def _issue_call(self, call: Call, buffers: _Buffers, captured: bool = False) -> None:
         """Queue the call's whole schedule on the current stream and the communication stream, joined back into

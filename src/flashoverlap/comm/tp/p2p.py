@@ -362,7 +362,7 @@ class P2PCommunicator(GroupFields):
         gathered = self._gathered(plan, dtype, scales) if return_gathered else None
         own = dense = None
         if scales is not None and plan.op == "all_gather":
-            own = self._new((rows, _widths(plan, dtype, scales)[1]), torch.uint8)  # as ``_packed_shard``
+            own = self._packed_shard(plan, dtype, rows, scales)
             if gathered is not None:  # the returned gathered input, copied out of the packed rows after the call
                 dense = (self._new((plan.m, plan.k), dtype),
                          self._new((plan.m, scales.scale_columns(plan.k)), torch.float32))
@@ -396,9 +396,10 @@ class P2PCommunicator(GroupFields):
             return self._new((plan.m, plan.k), dtype)
         return self._new((plan.m, _widths(plan, dtype, scales)[1]), torch.uint8)
 
-    def _packed_shard(self, plan: Plan, a: torch.Tensor, scales: scaled.Scales) -> torch.Tensor:
-        """fp8 all-gather: the buffer the own shard ``a`` is packed into, ``[rows, packed row bytes]`` uint8."""
-        return self._new((a.shape[0], _widths(plan, a.dtype, scales)[1]), torch.uint8)
+    def _packed_shard(self, plan: Plan, dtype: torch.dtype, rows: int, scales: scaled.Scales) -> torch.Tensor:
+        """fp8 all-gather: the buffer the own shard (``rows`` of ``dtype``) is packed into, ``[rows, packed row
+        bytes]`` uint8."""
+        return self._new((rows, _widths(plan, dtype, scales)[1]), torch.uint8)
 
     @staticmethod
     def _result(out: torch.Tensor, gathered: torch.Tensor | None, plan: Plan, dtype: torch.dtype,
@@ -501,7 +502,7 @@ class P2PCommunicator(GroupFields):
         if scales is not None:  # fp8 (module docstring): the matmuls read fp8 rows and their rows' scales
             if plan.op == "all_gather":  # the own shard packed once, on C before event 0: the schedule's ``a``
                 if packed_own is None:
-                    packed_own = self._packed_shard(plan, a, scales)
+                    packed_own = self._packed_shard(plan, a.dtype, a.shape[0], scales)
                 a = scaled.pack_rows(a, scales.shard_rows(a.shape[0]), packed_own)
                 columns = scales.scale_columns(plan.k)
                 (a_rows, a_scales), (g_rows, g_scales) = (scaled.unpack_rows(packed, plan.k, call.a.dtype, columns)

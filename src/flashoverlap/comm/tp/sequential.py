@@ -24,7 +24,7 @@ from flashoverlap.comm.collectives import (
     refuse_coalescing,
 )
 from flashoverlap.comm.protocol import Call, CommGroup, HeldHook
-from flashoverlap.comm.replay import CallGraphs, gemm_call_inputs, gemm_call_signature
+from flashoverlap.comm.replay import CallGraphs, addresses, allocate, gemm_call_inputs, gemm_call_signature
 
 
 class SequentialCommunicator:
@@ -55,11 +55,11 @@ class SequentialCommunicator:
         self.graphs.clear()
 
     @staticmethod
-    def _buffers(call: Call) -> tuple[torch.Tensor, ...]:
+    def _buffers(call: Call) -> list[torch.Tensor]:
         """Every tensor the call writes, allocated in one order on every call (eager, captured, replayed):
         all-reduce ``(c,)``; reduce-scatter ``(out, product)``; all-gather ``(c, a_full)``, fp8 ``(c, a_full,
         scale_full)``."""
-        return _allocate(_shapes(call), call.a.device)
+        return allocate(_shapes(call), call.a.device)
 
     def replayer(self, call: Call) -> Callable[[], tuple | None] | None:
         """The replay lane of calls that read ``call``'s tensors (``comm/protocol.py``, ``CallGraphs.replayer``);
@@ -69,18 +69,18 @@ class SequentialCommunicator:
         shapes, device, process_group, name = _shapes(call), call.a.device, self.group.process_group, call.name
         op, gathered, fp8 = call.plan.op, call.return_gathered, call.scales is not None
 
-        def allocate() -> tuple[tuple, tuple]:
+        def written() -> tuple[tuple, list]:  # ``_buffers``' tensors, and where they lie
             refuse_coalescing(process_group, name)  # as ``run``: the call's collective is the group's, now
-            buffers = _allocate(shapes, device)
-            return tuple([t.data_ptr() for t in buffers]), buffers
+            buffers = allocate(shapes, device)
+            return addresses(buffers), buffers
 
-        return self.graphs.replayer(gemm_call_inputs(call), allocate,
+        return self.graphs.replayer(gemm_call_inputs(call), written,
                                     lambda buffers: _result_of(op, gathered, fp8, buffers))
 
     @staticmethod
     def _signature(call: Call, buffers: tuple[torch.Tensor, ...]) -> tuple:
         """``replay.gemm_call_signature`` over the call's buffers (``comm/replay.py``)."""
-        return gemm_call_signature(call, tuple([t.data_ptr() for t in buffers]))
+        return gemm_call_signature(call, addresses(buffers))
 
     def _issue(self, call: Call, buffers: tuple[torch.Tensor, ...]) -> None:
         plan, a, b, scales, process_group = call.plan, call.a, call.b, call.scales, self.group.process_group
@@ -106,11 +106,6 @@ class SequentialCommunicator:
                 reduce_scatter_now(buffers[0], product, process_group)
         if call.hook is not None:
             call.hook()
-
-
-def _allocate(shapes: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The tensors of ``_shapes``, in that order, from the caching allocator."""
-    return tuple([torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes])
 
 
 def _shapes(call: Call) -> tuple:
