@@ -47,6 +47,7 @@ import datetime
 import importlib.metadata
 import math
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -452,7 +453,7 @@ def run(args: argparse.Namespace, argv: list[str], dry_run: bool, device: torch.
     """The benchmark in a started process group: every row, the tables and the results file (rank 0). Returns the
     meta, the rows and the results path."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    meta = run_meta(world, " ".join(["torchrun --nproc-per-node", str(world), "-m benchmarks.fp8_ops", *argv]),
+    meta = run_meta(world, f"torchrun --nproc-per-node {world} -m benchmarks.fp8_ops " + shlex.join(argv),
                     dry_run)
     setting_name = "dry-run" if dry_run else setting()
     out = args.out or default_out(world, setting_name, dry_run)

@@ -25,6 +25,7 @@ Run (one GPU; rows {shape, op, path, mode, dtype, W, M, N, K, host_us, gpu_us, w
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -246,7 +247,7 @@ def main() -> None:
         world = dist.get_world_size()
         launcher = f"torchrun --nproc-per-node {world} -m benchmarks.host_bound" if launched else \
             "python -m benchmarks.host_bound"
-        command = f"PYTHONPATH=src {launcher} " + " ".join(sys.argv[1:])
+        command = f"PYTHONPATH=src {launcher} " + shlex.join(sys.argv[1:])
 
         def write(rows, counts=None):
             if not args or local != 0:

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 
 import torch
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "p2p" if args.path == "p2p" else setting() + ("-auto" if args.path == "auto" else "")
     gpu = torch.cuda.get_device_name(device).split()[-1].lower()
     out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{name}-model.json")
-    command = os.environ.get("FLASHOVERLAP_COMMAND", " ".join(["python -m benchmarks.model_check", *argv]))
+    command = os.environ.get("FLASHOVERLAP_COMMAND", "python -m benchmarks.model_check " + shlex.join(argv))
     target = tune_target(args.dtype, device)
     rows, meta = [], {}
     for op in args.ops.split(","):

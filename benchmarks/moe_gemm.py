@@ -39,6 +39,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -312,7 +313,7 @@ def _meta(argv: list[str]) -> dict:
         "torch": torch.__version__,
         "triton": importlib.metadata.version("triton"),
         "commit": commit(),
-        "command": os.environ.get("FLASHOVERLAP_COMMAND", " ".join(["python -m benchmarks.moe_gemm", *argv])),
+        "command": os.environ.get("FLASHOVERLAP_COMMAND", "python -m benchmarks.moe_gemm " + shlex.join(argv)),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -233,6 +233,23 @@ def test_every_documented_example_is_run_by_the_examples_test():
             assert name in RUN or name in NOT_RUN, f"{command.where}: {command.text}: {name} is not run anywhere"
 
 
+def _split_by_the_shell(text: str) -> bool:
+    """Whether a shell would cut ``text`` into several commands or pipe or background it where a word holds one of
+    ``; & |`` unquoted (``--shapes 16,8,8;32,8,8`` runs ``32,8,8`` as a command): this test's own parsing
+    (``shlex.split``) keeps such a word whole, so it would run what a pasted line does not."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    tokens = list(lexer)
+    return any(set(token) <= set(";&|") for token in tokens) and not re.search(r"(^|\s)(;|&&|\|\|?|&)(\s|$)", text)
+
+
+def test_every_documented_command_runs_as_one_command_in_a_shell():
+    assert _split_by_the_shell("python -m x --shapes 16,8,8;32,8,8")  # the check itself
+    assert not _split_by_the_shell("python -m x --shapes '16,8,8;32,8,8'")
+    bad = [f"{c.where}: {c.text}" for c in COMMANDS if not c.summary and _split_by_the_shell(c.text)]
+    assert not bad, "documented commands a shell would cut apart (quote the word):\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("command", _UNIQUE, ids=lambda c: f"{c.where}:{c.target}:{' '.join(c.args)[:40]}")
 def test_every_documented_command_runs_or_says_why_not(command, monkeypatch, tmp_path, capsys, request):
     if command.script and command.script.startswith("examples/"):

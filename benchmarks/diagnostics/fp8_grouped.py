@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -180,7 +181,7 @@ def main() -> None:
     path = Path(args.out) / "h200x1-fp8-grouped.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
-            "command": " ".join(["python -m benchmarks.diagnostics.fp8_grouped", *sys.argv[1:]]),
+            "command": "python -m benchmarks.diagnostics.fp8_grouped " + shlex.join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "chunks": CHUNKS}
     try:
         import triton

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 import traceback
@@ -195,7 +196,7 @@ def main() -> None:
     require_cuda("benchmarks.diagnostics.fp8_grouped_tiles")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = results_meta(" ".join(["python -m benchmarks.diagnostics.fp8_grouped_tiles", *sys.argv[1:]]),
+    meta = results_meta("python -m benchmarks.diagnostics.fp8_grouped_tiles " + shlex.join(sys.argv[1:]),
                         chunks=CHUNKS, tiles={name: spec and list(spec) for name, spec in TILES.items()},
                         facts=tile_facts(args.scalings))
     rows, started = [], time.monotonic()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -180,7 +181,7 @@ def main() -> None:
     dist.init_process_group("nccl", init_method=f"file://{os.path.join(store_dir.name, 'init')}", rank=0,
                             world_size=1, device_id=torch.device("cuda", 0))
     meta = {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
-            "command": " ".join(["python -m benchmarks.diagnostics.fp8_moe_host", *sys.argv[1:]]),
+            "command": "python -m benchmarks.diagnostics.fp8_moe_host " + shlex.join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": 1}
     rows = []
     dev = torch.device("cuda")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import shlex
 import sys
 import time
 
@@ -154,7 +155,7 @@ def main() -> dict:
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
-    out = {"meta": results_meta("python -m benchmarks.diagnostics.graph_launch " + " ".join(sys.argv[1:])),
+    out = {"meta": results_meta("python -m benchmarks.diagnostics.graph_launch " + shlex.join(sys.argv[1:])),
            "ops": {}, "synthetic": {}}
     for op, (m, n, k) in SHAPES.items():
         a = torch.randn(m, k, dtype=torch.bfloat16, device=device)

@@ -11,6 +11,7 @@ CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 -m benchmarks.diagnostics.hos
 
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -103,7 +104,7 @@ def main():
     put("hash(plan)", lambda: hash(plan))
     put("table[plan]", lambda: table[plan])
     put("tensor.data_ptr()", lambda: a.data_ptr())
-    results = {"meta": results_meta(" ".join(sys.argv), f"1x {torch.cuda.get_device_name()}, {world} process(es)",
+    results = {"meta": results_meta(shlex.join(sys.argv), f"1x {torch.cuda.get_device_name()}, {world} process(es)",
                                    unit="us per call, median of 20, GPU busy ahead"),
                "rows": rows}
     if rank == 0:

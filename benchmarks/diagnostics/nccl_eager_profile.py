@@ -8,6 +8,7 @@ PYTHONPATH=src python -m benchmarks.diagnostics.nccl_eager_profile [out.json]
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import torch
@@ -29,7 +30,7 @@ def main() -> dict:
                 "all_gather": fo.all_gather_gemm}
     fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
                "all_gather": fo.all_gather_scaled_gemm}
-    out = {"meta": results_meta("python -m benchmarks.diagnostics.nccl_eager_profile " + " ".join(sys.argv[1:])),
+    out = {"meta": results_meta("python -m benchmarks.diagnostics.nccl_eager_profile " + shlex.join(sys.argv[1:])),
            "rows": []}
     for name, op, m, n, k in LLAMA:
         for dtype in ("bfloat16", "fp8-row"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         return _under_torchrun(lambda device: _tune(args, device))
     from flashoverlap import bench
 
-    command = " ".join(["flashoverlap", *argv])
+    command = shlex.join(["flashoverlap", *argv])  # quoted: a shape list's ";" stays one word
     return _under_torchrun(lambda device: bench.main(args, device, command, environment()))
 
 
