@@ -77,3 +77,21 @@ def test_the_stream_operations_install_hint_is_one_the_package_index_serves(monk
     finally:
         stream_ops._driver.cache_clear()  # the next caller imports it for real
     _says_what_installs(str(raised.value), "cuda-bindings")
+
+
+def test_a_traced_fp8_call_with_a_plan_names_no_tuning_that_cannot_help(monkeypatch):
+    """``tune plan`` tunes bf16 and fp16 only (its ``--dtype`` choices): the compiled fp8 call's refusal of ``plan=``
+    must not send the user there."""
+    import flashoverlap as fo
+    from flashoverlap.cli import main
+
+    with pytest.raises(SystemExit) as refused:  # the hint's premise: `tune plan --dtype` has no fp8 choice
+        main(["tune", "plan", "--dtype", "float8_e4m3fn", "--help"])
+    assert refused.value.code == 2  # argparse's usage error (--help alone exits 0)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    a = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(8, 4, dtype=torch.float8_e4m3fn)
+    plan = fo.default_plan("all_reduce", 4, 4, 8, 1)
+    with pytest.raises(ValueError, match="plan=") as caught:
+        fo.scaled_gemm_all_reduce(a, b, torch.ones(()), torch.ones(()), plan=plan)
+    assert "fp16 only" in str(caught.value) and "tune the shape" not in str(caught.value)

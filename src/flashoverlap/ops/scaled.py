@@ -90,7 +90,8 @@ def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torc
     if torch.compiler.is_compiling():  # traced: the custom op (its fake gives the shapes)
         if plan is not None:
             raise ValueError(f"{name}: plan= is not traced by torch.compile (the custom op takes none): leave it "
-                             "unset in compiled code, or tune the shape (`flashoverlap tune plan`)")
+                             "unset in compiled code (fp8 calls take the library's fp8 plan; `flashoverlap tune "
+                             "plan` tunes bf16 and fp16 only)")
         ops = torch.ops.flashoverlap
         if op == "all_gather":
             c, a_full, scale_full = ops.all_gather_scaled_gemm(a, b, scale_a, scale_b, group_name(group), out_dtype,
