@@ -350,8 +350,8 @@ def cpu_install(path: str) -> str:
     """What a CPU machine installs: site-packages of a fresh environment per install command."""
     data = _load(path)
     meta = data["meta"]
-    lines = [f"| CPU install, fresh environment, `pip install {meta['torch']}` first (the CPU build from this machine's "
-             "local wheel index: elsewhere the README's line with PyTorch's CPU index) | site-packages (MiB) "
+    lines = [f"| CPU install, fresh environment, `pip install {meta['torch']}` first (the CPU build from this "
+             "machine's local wheel index: elsewhere the README's line with PyTorch's CPU index) | site-packages (MiB) "
              "| triton | cuda-bindings |", "| --- | --- | --- | --- |"]
     for row in data["installs"]:
         command = "pip install -e ." if row["extra"] is None else f'pip install -e ".{row["extra"]}"'
