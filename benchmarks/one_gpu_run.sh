@@ -9,15 +9,17 @@
 # Steps not in the default set (each a re-measurement of an open issue's figures; results under $OUT, to be merged
 # into benchmarks/results by hand): p2p8 (the P2P path's fp8 mechanics and host time, two processes), fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
 # shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42), fp8tiles (the fp8 grouped GEMM's tile
-# sweep, issue 44's block-wise target). Each step's timeout is its budget: a device call runs 600 s at most, so split
-# them, e.g. STEPS="tests fp8moe" (440 s), then "hostbound" (300 s), "fp8tiles" (420 s), "tests shared" (565 s).
+# sweep, issue 44's block-wise target), soak (10,000 checked calls at each W of SOAK_WORLDS, default 8, which alone
+# takes about 9 minutes: then SOAK_WORLDS=2,4 SOAK_BUDGET=320), faults (every fault scenario at W = 4, issue 42).
+# Each step's timeout is its budget: a device call runs 600 s at most, so split them, e.g. STEPS="tests fp8moe"
+# (440 s), then "hostbound" (300 s), "fp8tiles" (420 s), "tests shared" (565 s), "soak" (580 s), "faults" (300 s).
 # (FLASHOVERLAP_COMMIT: the commit of the tree sent; the device copy's own git HEAD may be stale.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-tests spawn p2p moe sequential fp8}
-KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound shared fp8tiles"
+KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound shared fp8tiles soak faults"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 gpus_at_least 1
 commit=${FLASHOVERLAP_COMMIT:-unknown}
@@ -82,4 +84,13 @@ if has fp8tiles; then  # the fp8 grouped GEMM's tiles, block- and row-wise, besi
     timeout ${FP8TILES_TIMEOUT:-420} python3 -m benchmarks.diagnostics.fp8_grouped_tiles ${FP8TILES_ARGS:-} \
         --out "$OUT/h200x1-fp8-grouped-tiles-$commit.json" > "$OUT/fp8-grouped-tiles-$commit.log" 2>&1
     echo "fp8tiles: exit $?"; grep -E "^\[" "$OUT/fp8-grouped-tiles-$commit.log" | cut -c1-200
+fi
+if has soak; then  # the soak (issue 42): at least 10,000 random calls per W, each checked, memory sampled
+    timeout $(( ${SOAK_BUDGET:-540} + 40 )) python3 -m benchmarks.shared_ranks --step soak --worlds "${SOAK_WORLDS:-8}" \
+        --calls 10000 --budget "${SOAK_BUDGET:-540}" --out "$OUT/soak" > "$OUT/soak-$commit.log" 2>&1
+    echo "soak: exit $?"; grep -E "^soak W=" "$OUT/soak-$commit.log" | cut -c1-300
+fi
+if has faults; then  # every fault scenario at W = 4 (issue 42): each surviving rank must name the op, group and rank
+    timeout ${FAULTS_TIMEOUT:-300} python3 -m benchmarks.shared_ranks --step faults --worlds 4 --timeout 4 --budget $(( ${FAULTS_TIMEOUT:-300} - 20 )) \
+        --out "$OUT/faults" > "$OUT/faults-$commit.log" 2>&1; echo "faults: exit $?"; tail -4 "$OUT/faults-$commit.log"
 fi
