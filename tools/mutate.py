@@ -681,22 +681,22 @@ MUTATIONS = [
      "and_nothing_else_does"),
     ("lane-key-without-scales", "Replay lane: an fp8 call's key leaves out its scales and bias (a call with other "
      "scales replays the graph of the first ones)", CALLS,
-     "            fp8 = (scales.mode, scales.out_dtype, _laid_out(scale_a), _laid_out(scale_b),\n",
+     "            fp8 = (scales.mode, scales.out_dtype, laid_out(scale_a), laid_out(scale_b),\n",
      "            fp8 = (scales.mode, scales.out_dtype,\n", CALLS_TEST + "::test_fp8_lanes_name_the_scales_and_the_bias"),
     ("lane-inside-a-capture", "Replay lane: a call inside a user's capture launches the lane's graph", CALLS,
      "guards.on_current_device(spec.a) and not guards.capturing(spec.a):", "guards.on_current_device(spec.a):",
      CALLS_TEST + "::test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_else_does"),
     ("lane-in-debug-mode", "Replay lane: taken with the agreement check on (TORCH_DISTRIBUTED_DEBUG=DETAIL), so "
-     "repeated calls skip it", CALLS, "    if env.replay and env.agreement is None and not every:",
-     "    if env.replay and not every:",
+     "repeated calls skip it", CALLS, "    lanes = env.replay and env.agreement is None and not every",
+     "    lanes = env.replay and not every",
      CALLS_TEST + "::test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_else_does"),
     ("lane-miss-returns-none", "Replay lane: a lane whose graph is gone returns its None as the call's result",
      CALLS, "            if done is not None:\n                return done\n", "            return done\n",
      CALLS_TEST + "::test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_else_does"),
     ("lane-backend-error-not-named", "Replay lane: a backend's error in a replayed lane escapes without the op, the "
-     "group or the hint", CALLS, "                done = lane()\n            except (RuntimeError, "
+     "group or the hint", CALLS, "                done = lane(spec)\n            except (RuntimeError, "
      "dist.DistBackendError) as exc:\n                agreement.reraise(exc, spec.name, spec.group, env)\n",
-     "                done = lane()\n            except (RuntimeError, dist.DistBackendError) as exc:\n",
+     "                done = lane(spec)\n            except (RuntimeError, dist.DistBackendError) as exc:\n",
      CALLS_TEST + "::test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_else_does"),
     ("lanes-kept-after-release", "Replay lane: release(group) keeps the lanes (a call after it would replay a "
      "released communicator's graph)", "src/flashoverlap/runtime/context.py",
@@ -716,6 +716,44 @@ MUTATIONS = [
      "manager, which run refuses", "src/flashoverlap/comm/tp/sequential.py",
      "            refuse_coalescing(process_group, name)  # as ``run``", "            pass  # as ``run``",
      "tests/comm/test_sequential.py::test_the_sequential_communicator_matches_plain_pytorch_and_replays"),
+    ("lane-key-only-when-lanes-held", "Replay lane: a call's replayer is kept only where its key was made before the "
+     "call, which happens only once a lane is held (so none ever is)", CALLS,
+     "            lane_key = kind.lane_key(spec, env) if lane_key is None else lane_key\n",
+     "", CALLS_TEST + "::test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_else_does"),
+    # The expert ops' replay lane (runtime/experts.ExpertKind.lane_key, comm/expert/contract.replayer).
+    ("expert-lane-key-without-layout", "Expert replay lane: the key leaves out the layout's tensors (a call on another "
+     "layout of the same shapes replays the graph of the first one's routing)", "src/flashoverlap/runtime/experts.py",
+     "                tuple([calls.laid_out(t) for t in routing.tensors()]), routing.bound,",
+     "                routing.bound,", CALLS_TEST + "::test_a_bounded_expert_call_on_the_tensors_of_a_replayed_one_takes_"
+     "the_lane"),
+    ("expert-lane-in-exact-mode", "Expert replay lane: taken in exact mode, whose calls are issued eagerly (split "
+     "sizes from the host)", "src/flashoverlap/runtime/experts.py",
+     "        if (spec.hook is not None or type(routing) is not Layout or routing.mode != \"bounded\"",
+     "        if (spec.hook is not None or type(routing) is not Layout",
+     CALLS_TEST + "::test_a_bounded_expert_call_on_the_tensors_of_a_replayed_one_takes_the_lane"),
+    ("expert-lane-key-without-router-weights", "Expert replay lane: the key leaves out where the router weights lie "
+     "(a combine with other weights skips their checks)", "src/flashoverlap/runtime/experts.py",
+     "                routing.experts, None if weights is None else calls.laid_out(weights),",
+     "                routing.experts, None,",
+     CALLS_TEST + "::test_a_bounded_expert_call_on_the_tensors_of_a_replayed_one_takes_the_lane"),
+    ("expert-lane-skips-the-gather", "Expert replay lane: a weighted combine's lane reads the layout's own weights "
+     "instead of gathering the call's router weights (the graph captured for the gathered ones is never found)",
+     "src/flashoverlap/comm/expert/contract.py",
+     "        weights = spec.topk_weights.reshape(-1).index_select(0, layout.send_order) if gathers else layout.weights",
+     "        weights = layout.weights", "tests/comm/test_expert_nccl.py::test_the_replay_lane_finds_the_graph_run_"
+     "captured"),
+    ("expert-lane-allocates-out-of-order", "Expert replay lane: the rows buffer allocated before the result (run's "
+     "order reversed: the caching allocator's addresses differ, the graph is never found)",
+     "src/flashoverlap/comm/expert/contract.py",
+     "        first = spec.out if given_out else new(shape, dtype)\n        extra = new(*rows) if gathered else None\n",
+     "        extra = new(*rows) if gathered else None\n        first = spec.out if given_out else new(shape, dtype)\n",
+     "tests/comm/test_expert_nccl.py::test_the_replay_lane_finds_the_graph_run_captured"),
+    ("expert-p2p-lane-workspace-read-once", "P2P expert replay lane: the workspace's address read when the lane is "
+     "built (after the workspace moves, the lane replays a graph of the old one)", "src/flashoverlap/comm/expert/p2p.py",
+     "        return replayer(call, self.graphs, self._new, lambda: (self.workspace.buffer.data_ptr(),))",
+     "        own = (self.workspace.buffer.data_ptr(),)\n        return replayer(call, self.graphs, self._new, "
+     "lambda: own)", "tests/comm/test_expert_p2p_executor.py::test_the_replay_lane_replays_the_graph_run_captured_and_"
+     "names_the_workspace"),
 ]
 
 

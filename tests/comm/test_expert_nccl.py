@@ -298,3 +298,127 @@ def _replay_ranks(rank, world):
 def test_bounded_calls_replay_and_exact_ones_do_not():
     # dispatch and combine, three calls each: the second and third replay in bounded mode; exact mode never.
     assert spawn(_replay_ranks, 2, "gloo") == [[4, 0], [4, 0]]
+
+
+class _HeldGraphs:
+    """``CallGraphs`` as the lane uses it, on the CPU: a signature's second call captures (its issue kept, and run
+    again at each replay, so a replay computes the values a GPU graph would); ``replay`` of a signature with no
+    capture answers False."""
+
+    def __init__(self):
+        self.seen, self.held, self.replays = {}, {}, 0
+
+    def __len__(self):
+        return len(self.held)
+
+    def replay(self, signature):
+        issue = self.held.get(signature)
+        if issue is None:
+            return False
+        issue()
+        self.replays += 1
+        return True
+
+    def run(self, signature, issue):
+        if self.replay(signature):
+            return True
+        self.seen[signature] = self.seen.get(signature, 0) + 1
+        if self.seen[signature] < 2:
+            return False
+        self.held[signature] = issue
+        return self.replay(signature)
+
+    def clear(self):
+        self.seen.clear()
+        self.held.clear()
+
+
+def _lane_ranks(rank, world):
+    """The NCCL expert communicator's replay lane (``contract.replayer``): built from a bounded call that may replay,
+    given the next call's spec (the same tensors, the caching allocator's addresses), it makes the call's router
+    weights and outputs in the call's order and replays the very graph ``run`` captured (dispatch and combine,
+    weighted or not, into a preallocated ``out`` or not, returning the extra rows or not), right values each time;
+    it answers None once the graph is gone, and none is built for exact mode."""
+    import types
+
+    fake_cuda.install(wait_timeout_s=10.0)
+    torch.set_num_threads(1)
+    from flashoverlap.comm.expert import ExpertCall, ExpertPlan, expert_layout
+    from flashoverlap.comm.expert.nccl import ExpertNcclCommunicator
+    from flashoverlap.comm.expert.reference import ExpertReferenceCommunicator
+    from flashoverlap.comm.protocol import CommGroup
+
+    group = CommGroup.of(dist.group.WORLD, torch.device("cpu"))
+    comm, reference = ExpertNcclCommunicator(group), ExpertReferenceCommunicator(group)
+    comm.graphs, comm._graphed = (graphs := _HeldGraphs()), True
+    buffers, allocated = {}, [0]  # the caching allocator's reuse, call after call (as in _replay_ranks)
+
+    def new(shape, dtype, zero=False):
+        allocated[0] += 1
+        buffer = buffers.setdefault((tuple(shape), dtype, allocated[0]), torch.empty(shape, dtype=dtype))
+        return buffer.fill_(0.0 if zero else float("nan"))
+
+    comm._new = new
+    gathered = {}  # Layout.with_weights' gather at one address call after call, as the caching allocator gives it
+    real_index_select = torch.Tensor.index_select
+
+    def index_select(self, dim, index):
+        out = gathered.setdefault((self.shape, index.shape, self.dtype), torch.empty(index.shape, dtype=self.dtype))
+        return torch.index_select(self, dim, index, out=out) if self.ndim == 1 else real_index_select(self, dim, index)
+
+    torch.Tensor.index_select = index_select
+    experts, hidden = LOCAL * world, 24
+    gen = torch.Generator().manual_seed(rank)
+    tokens, idx = _routing("skewed", rank, world, gen)
+    bound = (7 + 3 * (world - 1)) * TOP_K
+    router = torch.rand(tokens, TOP_K, generator=gen)
+    layout = expert_layout(idx, experts, group, mode="bounded", bound=bound)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_up = torch.randn(LOCAL, 2 * FFN, hidden, generator=gen).transpose(1, 2)
+    w_down = torch.randn(LOCAL, FFN, hidden, generator=gen)
+    act = torch.randn(layout.recv_rows, FFN, generator=gen)
+    out = torch.empty(tokens, hidden)
+    failures = []
+    cases = [("dispatch", True, True, False), ("dispatch", False, True, False), ("combine", True, True, False),
+             ("combine", False, False, False), ("combine", True, True, True)]
+    for op, gathered_rows, weighted, into_out in cases:
+        plan = ExpertPlan(op, world, experts, hidden, 2 * FFN if op == "dispatch" else FFN, TOP_K, tokens, "bounded",
+                          bound, "cublas", weighted=weighted if op == "combine" else True)
+        rows, b = (x, w_up) if op == "dispatch" else (act, w_down)
+        call_layout = layout.with_weights(router) if op == "combine" and weighted else layout
+        call = ExpertCall(f"moe {op}", plan, rows, b, return_gathered=gathered_rows, layout=call_layout, replay=True,
+                          out=out if into_out else None)
+        spec = types.SimpleNamespace(layout=layout, topk_weights=router, out=out if into_out else None)
+        lane = None
+        for i in range(4):
+            allocated[0] = 0
+            if i < 2:
+                got = comm.run(call)
+                if i == 1:
+                    lane = comm.replayer(call)
+                continue
+            before = graphs.replays
+            got = lane(spec)
+            if got is None or graphs.replays != before + 1:
+                failures.append(f"{op} {gathered_rows} {weighted} {into_out}: the lane found no graph")
+                break
+            want = reference.run(call)
+            for g, w in zip(got, want):
+                if (g is None) != (w is None) or g is not None and not torch.allclose(g, w, atol=1e-4, rtol=1e-4):
+                    failures.append(f"{op} {gathered_rows} {weighted} {into_out}: wrong values")
+            if into_out and got[0] is not out:
+                failures.append("a combine into out did not return out")
+        graphs.clear()
+        allocated[0] = 0
+        if lane is not None and lane(spec) is not None:
+            failures.append(f"{op}: a lane whose graph is gone answered")
+    exact = expert_layout(idx, experts, group, mode="exact")
+    plan = ExpertPlan("dispatch", world, experts, hidden, 2 * FFN, TOP_K, tokens, "exact", None, "cublas")
+    if comm.replayer(ExpertCall("moe dispatch", plan, x, w_up, layout=exact, replay=True)) is not None:
+        failures.append("exact mode built a lane")
+    torch.Tensor.index_select = real_index_select
+    return failures
+
+
+def test_the_replay_lane_finds_the_graph_run_captured():
+    assert spawn(_lane_ranks, 2, "gloo") == [[], []]

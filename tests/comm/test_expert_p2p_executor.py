@@ -339,6 +339,28 @@ def test_a_repeated_bounded_call_replays_a_graph_of_exactly_the_eager_schedule(m
     assert recorder.trace == [("replay",)]
 
 
+def test_the_replay_lane_replays_the_graph_run_captured_and_names_the_workspace(monkeypatch):
+    """The P2P expert communicator's replay lane (``contract.replayer``): given the next call's spec, it allocates
+    the outputs ``run`` allocates and replays the graph ``run`` captured, nothing else; the workspace's address is
+    read at each call (a lane built before the workspace moved misses, and the runtime then runs the call)."""
+    import types
+
+    recorder, comm, call = _replaying(monkeypatch, "bounded")
+    monkeypatch.setattr(comm, "_outputs", lambda call, a: ep.call_outputs(call, a, comm._new))  # the real order
+    comm.run(call)
+    h, _ = comm.run(call)  # captured and replayed
+    lane = comm.replayer(call)
+    spec = types.SimpleNamespace(layout=call.layout, topk_weights=None, out=None)
+    recorder.trace.clear()
+    got, rows = lane(spec)
+    assert recorder.trace == [("replay",)] and got.data_ptr() == h.data_ptr() and rows is None
+    comm.workspace = FakeWorkspace(comm.workspace.nbytes)  # the workspace moved: its graphs name the old one
+    recorder.trace.clear()
+    assert lane(spec) is None and not recorder.trace
+    exact = _replaying(monkeypatch, "exact")[2]
+    assert comm.replayer(exact) is None and comm.replayer(dataclasses.replace(call, replay=False)) is None
+
+
 def test_calls_are_issued_as_captured_inside_our_graph_and_the_users_only(monkeypatch):
     recorder, comm, call = _replaying(monkeypatch, "bounded")
     issued = []

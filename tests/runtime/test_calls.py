@@ -297,7 +297,7 @@ class Laned(Recording):
             return None
         self.built.append(call)
 
-        def again():
+        def again(spec):
             if not self.graph:
                 return None
             self.lane_calls += 1
@@ -379,7 +379,7 @@ def test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_els
     calls = len(laned.calls)
     torch.testing.assert_close(fo.gemm_all_reduce(x.t(), w), x.t() @ w)
     assert len(laned.calls) == calls + 1
-    def failing():
+    def failing(spec):
         raise RuntimeError("NCCL error: unhandled cuda error")
 
     for key in list(context_module.REGISTRY.lanes):  # a backend's error in the lane is named as the run's are
@@ -414,3 +414,94 @@ def test_fp8_lanes_name_the_scales_and_the_bias(world_of_one, monkeypatch):
         other()
         assert len(laned.calls) == calls + 1
         calls += 1
+
+
+class LanedExperts(Recording):
+    """An expert communicator whose bounded-mode calls take the replay lane: ``run`` answers zeros of the result's
+    shape; the replayer answers ``("lane", n)`` and records the spec it was given."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.built, self.specs = [], []
+
+    def run(self, call):
+        self.calls.append(call)
+        rows = call.layout.recv_rows if call.plan.op == "dispatch" else call.plan.tokens
+        return torch.zeros(rows, call.b.shape[2], dtype=call.a.dtype), None
+
+    def replayer(self, call):
+        if not call.replay:
+            return None
+        self.built.append(call)
+
+        def again(spec):
+            self.specs.append(spec)
+            return ("lane", len(self.specs)), None
+
+        return again
+
+
+def test_a_bounded_expert_call_on_the_tensors_of_a_replayed_one_takes_the_lane(world_of_one, monkeypatch):
+    """The expert ops' replay lane (``ExpertKind.lane_key``): a bounded-mode dispatch or combine reading the same
+    rows, weights, layout, router weights, ``out`` and scales as one its communicator replayed is its replayer's
+    answer alone, which is handed the new call's spec; exact mode, another layout (the same routing rebuilt), other
+    rows, router weights, ``out`` or scales, a weighting, and debug mode run the call."""
+    laned = _install(world_of_one, ("expert", "reference"))
+    laned.__class__ = LanedExperts
+    LanedExperts.__init__(laned, world_of_one.group)
+    for variable in ("FLASHOVERLAP_DEBUG_TIMEOUT", "FLASHOVERLAP_REPLAY", "TORCH_DISTRIBUTED_DEBUG"):
+        monkeypatch.delenv(variable, raising=False)
+    settings.refresh()
+    gen = torch.Generator().manual_seed(0)
+    tokens, experts, top_k, hidden, ffn = 6, 4, 2, 8, 16
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    bounded = fo.moe_layout(idx, experts, mode="bounded")
+    rebuilt = fo.moe_layout(idx, experts, mode="bounded")  # the same routing, other tensors
+    exact = fo.moe_layout(idx, experts)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_up = torch.randn(experts, hidden, 2 * ffn, generator=gen)
+    w_down = torch.randn(experts, ffn, hidden, generator=gen)
+    act = torch.randn(bounded.recv_rows, ffn, generator=gen)
+    out = torch.empty(tokens, hidden)
+
+    def dispatch(rows=x, layout=bounded, **kw):
+        return fo.moe_dispatch_gemm(rows, w_up, layout, **kw)
+
+    def combine(rows=act, router=weights, layout=bounded, **kw):
+        return fo.moe_gemm_combine(rows, w_down, router, layout, **kw)
+
+    for first in (dispatch, combine, lambda: combine(out=out)):
+        first()  # run: its replayer kept
+        calls = len(laned.calls)
+        assert first() [0] == "lane" and len(laned.calls) == calls  # the lane alone
+    assert laned.specs[-1].out is out and laned.specs[-2].topk_weights is weights  # the new call's spec, given
+    assert all(call.layout.mode == "bounded" for call in laned.built)
+    others = [
+        lambda: dispatch(layout=exact), lambda: dispatch(layout=exact),  # exact mode: never a lane
+        lambda: dispatch(rows=x.clone()),  # other rows
+        lambda: dispatch(layout=rebuilt),  # another layout
+        lambda: combine(router=weights.clone()),  # other router weights
+        lambda: combine(out=torch.empty(tokens, hidden)),  # another out
+        lambda: fo.moe_gemm_combine(act, w_down, weights, bounded, path="reference"),  # another path
+    ]
+    for i, other in enumerate(others):
+        lanes, calls = len(laned.specs), len(laned.calls)
+        other()
+        assert len(laned.specs) == lanes and len(laned.calls) == calls + 1, i
+    assert fo.moe_gemm_combine(act, w_down, weights, bounded, path="reference") [0] == "lane"  # now its own lane
+    # fp8 weights: the scales are part of the key
+    w8, scale_w = w_up.to(torch.float8_e4m3fn), torch.rand(experts, 2 * ffn, generator=gen) + 0.5
+    fo.moe_dispatch_gemm(x, w8, bounded, scale_w=scale_w)
+    assert fo.moe_dispatch_gemm(x, w8, bounded, scale_w=scale_w) [0] == "lane"
+    calls = len(laned.calls)
+    fo.moe_dispatch_gemm(x, w8, bounded, scale_w=scale_w.clone())
+    assert len(laned.calls) == calls + 1
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # debug mode: every call checked and run
+    settings.refresh()
+    calls = len(laned.calls)
+    dispatch()
+    assert len(laned.calls) == calls + 1
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    settings.refresh()
+    assert dispatch() [0] == "lane"

@@ -5,9 +5,11 @@ the runtime's context) and runs one call at a time from a :class:`Call`: ``run(c
 ``extra`` is all-gather's gathered input (or None). The runtime (``flashoverlap.runtime``) resolves everything a
 call needs before it reaches a communicator: operand checks, the path, the plan, the debug deadline, whether a
 repeated call may be replayed from a CUDA graph. ``replayer(call)``, asked after a call that may replay: a
-zero-argument function that runs a later call reading the same tensors (at the same addresses, in the same layouts)
-as ``call`` by replaying its graph on fresh outputs, returning ``(result, extra)``, or None where no graph is held
-for them (then the runtime runs that call); None where the communicator replays no such call. The runtime keeps it
+function of a later call's spec (the runtime's description of it, ``runtime/calls.py``) that runs that call, which
+reads the same tensors (at the same addresses, in the same layouts) as ``call``, by replaying its graph on fresh
+outputs, returning ``(result, extra)``, or None where no graph is held for them (then the runtime runs that call);
+None where the communicator replays no such call. (A tensor-parallel lane needs nothing of the spec; an expert
+combine's gathers the spec's router weights first, as its call does.) The runtime keeps it
 by the call's tensors (its replay lane, ``runtime/calls.py``). ``release()`` frees what the communicator holds
 (buffers, cloned process groups, graphs); the runtime calls it from ``flashoverlap.release(group)``.
 
@@ -134,6 +136,6 @@ class Communicator(Protocol):
 
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def replayer(self, call: Call) -> Callable[[], tuple | None] | None: ...
+    def replayer(self, call: Call) -> Callable[[Any], tuple | None] | None: ...
 
     def release(self) -> None: ...

@@ -181,17 +181,17 @@ class CallGraphs:
         return self.replay(signature)
 
     def replayer(self, inputs: tuple, allocate: Callable[[], tuple[tuple, object]],
-                 result: Callable[[object], tuple]) -> Callable[[], tuple | None]:
+                 result: Callable[[object], tuple]) -> Callable[[object], tuple | None]:
         """A repeated call's whole host work, for the runtime's replay lane (``runtime/calls.py``), built from one
         call and kept for the calls that read the same tensors (``inputs``: ``signature``'s first part): a function
         that allocates a call's outputs (``allocate() -> (their addresses, the buffers)``, in the order the call
         itself allocates them) and replays the graph captured for ``inputs`` and those outputs, then returns
         ``result(buffers)`` (the call's ``(result, extra)``, after the replay: it may copy out of them); None where
-        no graph is held for them (the caller then runs the call, which captures or issues it). It holds no
-        tensor of the call's."""
+        no graph is held for them (the caller then runs the call, which captures or issues it). It takes the later
+        call's spec (``comm/protocol.py``) and reads nothing of it, and holds no tensor of the call's."""
         replay = self.replay
 
-        def again() -> tuple | None:
+        def again(spec: object = None) -> tuple | None:
             outputs, buffers = allocate()
             return result(buffers) if replay(signature(inputs, outputs)) else None
 

@@ -79,8 +79,9 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one call of any op (see the module docstring); returns the communicator's ``(result, extra)``."""
     env = settings.current()
     every = env.agreement is None and agree_every_call(spec)
+    lanes = env.replay and env.agreement is None and not every
     lane_key = None
-    if env.replay and env.agreement is None and not every:
+    if lanes and REGISTRY.lanes:  # (no lane held: none to find, and the key's few microseconds are not spent)
         # The replay lane: a call that reads the same tensors as one its communicator replayed (the lane's key holds
         # the call's signature, so the group agreed on it and the registry resolved it) is one lookup, its outputs'
         # allocation and its graph's launch (``comm/replay.CallGraphs.replayer``): outside a capture, on the device.
@@ -88,7 +89,7 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         lane = None if lane_key is None else REGISTRY.lanes.get(lane_key)
         if lane is not None and guards.on_current_device(spec.a) and not guards.capturing(spec.a):
             try:
-                done = lane()
+                done = lane(spec)
             except (RuntimeError, dist.DistBackendError) as exc:
                 agreement.reraise(exc, spec.name, spec.group, env)
                 raise
@@ -116,10 +117,12 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     except (RuntimeError, dist.DistBackendError) as exc:
         agreement.reraise(exc, spec.name, spec.group, env)
         raise
-    if lane_key is not None and call.replay:  # a lane key implies a signature (the same tensors' checks)
+    if lanes and call.replay:  # the call passed its checks; a lane key implies its signature
         lane = communicator.replayer(call)
         if lane is not None:
-            REGISTRY.store_lane(lane_key, lane)
+            lane_key = kind.lane_key(spec, env) if lane_key is None else lane_key
+            if lane_key is not None:
+                REGISTRY.store_lane(lane_key, lane)
     return result
 
 
@@ -189,8 +192,8 @@ class GemmKind:
             if (type(scale_a) is not torch.Tensor or type(scale_b) is not torch.Tensor
                     or bias is not None and type(bias) is not torch.Tensor):
                 return None
-            fp8 = (scales.mode, scales.out_dtype, _laid_out(scale_a), _laid_out(scale_b),
-                   None if bias is None else _laid_out(bias))
+            fp8 = (scales.mode, scales.out_dtype, laid_out(scale_a), laid_out(scale_b),
+                   None if bias is None else laid_out(bias))
         return (spec.op, spec.name, a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, b.data_ptr(), b.shape,
                 b.stride(), b.dtype, b.device, resolved_group(group), plan, spec.path, spec.return_gathered,
                 env.nccl_p2p_disabled, fp8)
@@ -212,7 +215,7 @@ class GemmKind:
 GEMM = GemmKind()
 
 
-def _laid_out(tensor: torch.Tensor) -> tuple:
+def laid_out(tensor: torch.Tensor) -> tuple:
     """Where a tensor lies, how it is laid out, of what and on which device: a lane key's part."""
     return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
 

@@ -1,6 +1,7 @@
 """The expert-parallel (MoE) ops' strategy on the one call pipeline (``runtime/calls.py``): ``layout`` checks the
 routing and builds the layer's ``Layout`` (``comm/expert/``); ``EXPERT`` checks a call's operands against the
-layout and the weights (on every call: the layout changes from call to call), resolves the path
+layout and the weights (on every call: the layout changes from call to call; but a bounded-mode call on the tensors of
+a replayed one, layout included, takes the replay lane, ``ExpertKind.lane_key``), resolves the path
 (``policy.expert_path``) and the plan (``ExpertPlan``) once per signature, and builds the ``ExpertCall`` that
 ``context.communicator("expert", path)`` runs.
 
@@ -170,10 +171,28 @@ class ExpertKind:
                 spec.weighted, resolved_group(group), env.nccl_p2p_disabled,
                 None if spec.scales is None else spec.scales.signature())
 
-    def lane_key(self, spec: ExpertSpec, env: settings.Settings) -> None:
-        """No replay lane (``calls.Kind.lane_key``): an expert call's work depends on its layout's routing, which
-        changes from call to call; its repeated bounded-mode calls replay through the communicator's ``run``."""
-        return None
+    def lane_key(self, spec: ExpertSpec, env: settings.Settings) -> tuple | None:
+        """A bounded-mode call's replay-lane key (``calls.Kind.lane_key``): its signature's every part and where each
+        tensor it reads lies and how (the rows, the weights, the layout's tensors, the router weights, a preallocated
+        ``out``, fp8's scales), so that a call of the key passes the checks the first one passed (they read nothing
+        else) and reads the same memory. None in exact mode (its calls are issued eagerly: split sizes from the host),
+        for a hook, or where an argument is not a plain tensor or layout (the checks name it)."""
+        a, b, routing, weights, out, scales = spec.a, spec.b, spec.layout, spec.topk_weights, spec.out, spec.scales
+        if (spec.hook is not None or type(routing) is not Layout or routing.mode != "bounded"
+                or type(a) is not torch.Tensor or type(b) is not torch.Tensor
+                or weights is not None and type(weights) is not torch.Tensor
+                or out is not None and type(out) is not torch.Tensor):
+            return None
+        fp8 = None
+        if scales is not None:
+            if type(scales.b) is not torch.Tensor or scales.a is not None and type(scales.a) is not torch.Tensor:
+                return None
+            fp8 = (scales.signature(), None if scales.a is None else calls.laid_out(scales.a), calls.laid_out(scales.b))
+        return ("expert", spec.op, spec.name, calls.laid_out(a), calls.laid_out(b),
+                tuple([calls.laid_out(t) for t in routing.tensors()]), routing.bound, routing.top_k, routing.tokens,
+                routing.experts, None if weights is None else calls.laid_out(weights),
+                None if out is None else calls.laid_out(out), resolved_group(spec.group), spec.path, spec.per_choice,
+                spec.weighted, spec.return_gathered, env.nccl_p2p_disabled, fp8)
 
     def resolve(self, spec: ExpertSpec, env: settings.Settings) -> calls.Entry:
         context, path, plan = _resolve(spec, env.nccl_p2p_disabled)

@@ -69,13 +69,15 @@ on the received rows and ``grad_w[t, c] = <grad_out[t], y_back[t, c]>``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flashoverlap.comm.expert.scaled import wire_width
 from flashoverlap.comm.protocol import Call, held_signature
-from flashoverlap.comm.replay import address, cublas_switches
+from flashoverlap.comm.replay import address, signature
 
 OPS = ("dispatch", "combine")
 MODES = ("exact", "bounded")
@@ -286,14 +288,58 @@ class ExpertCall(Call):
 
 
 def call_signature(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor | None]) -> tuple:
-    """What an expert call's GPU work depends on besides the tensors' values (``comm/replay.py``): the plan, the
-    dtype, where each tensor lies and how (the operands, the layout's, the outputs ``a`` and the call's outputs),
-    cuBLAS's switches, an fp8 call's scales and a held hook's tensors. A communicator adds its own buffers'."""
+    """What an expert call's GPU work depends on besides the tensors' values (``comm/replay.py``), in
+    ``replay.signature``'s two parts: ``call_inputs``, and where the tensors made for the call lie (the router
+    weights in send order, which the runtime gathers for a weighted combine, and the call's outputs), with cuBLAS's
+    switches. A communicator adds its own buffers'."""
+    return signature(call_inputs(call, a), (address(call.layout.weights), *[address(t) for t in outputs]))
+
+
+def call_inputs(call: ExpertCall, a: torch.Tensor) -> tuple:
+    """``call_signature``'s first part, fixed by the call's tensors: the plan, the dtype, where each tensor the call
+    reads lies and how (the rows ``a`` as the call reads them, the weights, the layout's), an fp8 call's scales and a
+    held hook's tensors."""
     layout, scales = call.layout, call.scales
     fp8 = None if scales is None else (scales.signature(), address(scales.a), address(scales.b))
     return (call.plan, a.dtype, call.return_gathered, address(a), address(call.b),
-            tuple(address(t) for t in layout.tensors()), address(layout.weights),
-            tuple(address(t) for t in outputs), cublas_switches(), fp8, held_signature(call.hook))
+            tuple(address(t) for t in layout.tensors()), fp8, held_signature(call.hook))
+
+
+def replayer(call: ExpertCall, graphs, new, own=None) -> Callable[[Any], tuple | None] | None:
+    """The replay lane of bounded-mode calls that read ``call``'s tensors (``comm/protocol.py``; the runtime's key,
+    ``runtime/experts.py``, holds where each of them lies, the layout's included): a function of the next such call's
+    spec that makes what the call makes before its graph runs, in the same order (a weighted combine's router
+    weights in send order, then the outputs, by ``new``), and replays the graph ``graphs`` holds for them
+    (``own()``: the communicator's own part of the signature); None where it holds none (the runtime then runs the
+    call). None where no lane applies: not replayed, exact mode, a hook, no graph held yet, a combine whose rows
+    ``run`` copies (not contiguous in their last dimension). It holds no tensor of the call's."""
+    plan, a = call.plan, call.a
+    if (not call.replay or plan.mode != "bounded" or call.hook is not None or not graphs
+            or plan.op == "combine" and a.stride(-1) != 1):
+        return None
+    inputs = call_inputs(call, a)
+    # A weighted combine's router weights: gathered in send order for each call (``Layout.with_weights``, as the
+    # runtime does); any other call reads its layout's own (None, or given to ``expert_layout``).
+    gathers, given_out, gathered = plan.op == "combine" and plan.weighted, call.out is not None, call.return_gathered
+    dtype = a.dtype if call.scales is None else call.scales.out_dtype
+    shape = (call.layout.recv_rows, call.b.shape[2]) if plan.op == "dispatch" else (plan.tokens, plan.hidden)
+    rows = None
+    if gathered:  # the rows buffer's shape and dtype, as ``issued_rows`` makes it
+        rows = issued_rows(call, a, (None, None), lambda shape, dtype: (shape, dtype))
+    replay = graphs.replay
+
+    def again(spec) -> tuple | None:
+        layout = spec.layout  # the gather issued where the runtime issues it for a call: before the outputs
+        weights = spec.topk_weights.reshape(-1).index_select(0, layout.send_order) if gathers else layout.weights
+        first = spec.out if given_out else new(shape, dtype)
+        extra = new(*rows) if gathered else None
+        made = (address(weights), address(first), address(extra))
+        key = signature(inputs, made)
+        if replay(key if own is None else (key, *own())):
+            return first, extra
+        return None
+
+    return again
 
 
 def call_outputs(call: ExpertCall, a: torch.Tensor, new) -> tuple[torch.Tensor, torch.Tensor | None]:

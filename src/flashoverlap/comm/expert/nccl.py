@@ -60,6 +60,8 @@ that does not finish in time raises an error naming the rank, the op, the group 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,16 +86,17 @@ from flashoverlap.comm.expert.contract import (
     call_outputs,
     call_signature,
     issued_rows,
+    replayer,
 )
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.expert.scaled import pack, wired
-from flashoverlap.comm.protocol import CommGroup, GroupFields, NoLane, held_signature
+from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs
 
 # -- the communicator -------------------------------------------------------------------------------------------
 
 
-class ExpertNcclCommunicator(GroupFields, NoLane):
+class ExpertNcclCommunicator(GroupFields):
     """A high-priority stream, one flag per destination, and the peers' rounds for one (process group, device);
     see the module docstring."""
 
@@ -133,6 +136,10 @@ class ExpertNcclCommunicator(GroupFields, NoLane):
                                                lambda: issue(call, a, outputs, captured=True))):
             issue(call, a, outputs)
         return outputs[0], outputs[1] if call.return_gathered else None
+
+    def replayer(self, call: ExpertCall) -> Callable[[Any], tuple | None] | None:
+        """The replay lane of bounded-mode calls that read ``call``'s tensors (``contract.replayer``; on a GPU)."""
+        return replayer(call, self.graphs, self._new) if self._graphed else None
 
     def _outputs(self, call: ExpertCall, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``contract.call_outputs`` (the rows buffer only where the call returns it; else the issued work allocates

@@ -76,6 +76,8 @@ a wait that does not end in time raises an error naming the rank, the op, the gr
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -92,10 +94,10 @@ from flashoverlap.comm.expert.chunked_gemm import (
     relative_ends,
     segment_table,
 )
-from flashoverlap.comm.expert.contract import ExpertCall, call_outputs, call_signature, issued_rows
+from flashoverlap.comm.expert.contract import ExpertCall, call_outputs, call_signature, issued_rows, replayer
 from flashoverlap.comm.expert.rows import combine_at_origin, send_buffer
 from flashoverlap.comm.expert.scaled import pack, rows_dtype, wire_width, wired
-from flashoverlap.comm.protocol import CommGroup, GroupFields, NoLane, held_signature
+from flashoverlap.comm.protocol import CommGroup, GroupFields, held_signature
 from flashoverlap.comm.replay import CallGraphs
 from flashoverlap.comm.steps import Copy, Finish, Gather, Gemm, Hook, Loc, Record, Signal, Wait, WaitEvent
 from flashoverlap.comm.symmetric import SymmetricWorkspace
@@ -199,7 +201,7 @@ def _consume(rank: int, source: int, dst: Loc, rows: int) -> list:
 # -- the executor -----------------------------------------------------------------------------------------------
 
 
-class ExpertP2PCommunicator(GroupFields, NoLane):
+class ExpertP2PCommunicator(GroupFields):
     """A copy stream, events and a symmetric workspace of ``W`` slots for one (process group, device)."""
 
     path = "p2p"
@@ -245,6 +247,11 @@ class ExpertP2PCommunicator(GroupFields, NoLane):
                 return self._result(call, outputs)
         self.issue(call, a, chunks, outputs, call.timeout, captured=guards.capturing(a))
         return self._result(call, outputs)
+
+    def replayer(self, call: ExpertCall) -> Callable[[Any], tuple | None] | None:
+        """The replay lane of bounded-mode calls that read ``call``'s tensors (``contract.replayer``), the workspace's
+        address read at each call (``_signature``'s own part)."""
+        return replayer(call, self.graphs, self._new, lambda: (self.workspace.buffer.data_ptr(),))
 
     def release(self) -> None:
         """Free the graphs, the resolved schedules, the driver events and the symmetric workspace (the peers free

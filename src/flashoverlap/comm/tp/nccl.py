@@ -164,7 +164,7 @@ class NcclCommunicator(GroupFields):
                 shapes += [((plan.m, plan.k), a.dtype), ((plan.m, scales.scale_columns(plan.k)), torch.float32)]
         return tuple(shapes)
 
-    def replayer(self, call: Call) -> Callable[[], tuple | None] | None:
+    def replayer(self, call: Call) -> Callable[[object], tuple | None] | None:
         """The replay lane of calls that read ``call``'s tensors (``comm/protocol.py``, ``CallGraphs.replayer``);
         None where none applies: not replayed, a hook, no graph held yet."""
         if not call.replay or call.hook is not None or not self.graphs:

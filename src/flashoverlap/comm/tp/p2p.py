@@ -368,7 +368,7 @@ class P2PCommunicator(GroupFields):
                          self._new((plan.m, scales.scale_columns(plan.k)), torch.float32))
         return out, gathered, own, dense
 
-    def replayer(self, call: Call) -> Callable[[], tuple | None] | None:
+    def replayer(self, call: Call) -> Callable[[object], tuple | None] | None:
         """The replay lane of calls that read ``call``'s tensors (``comm/protocol.py``, ``CallGraphs.replayer``);
         None where none applies: not replayed, a hook, no graph held yet, an all-gather's shard not contiguous
         (``run`` copies it: a new address on every call)."""

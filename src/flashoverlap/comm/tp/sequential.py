@@ -61,7 +61,7 @@ class SequentialCommunicator:
         scale_full)``."""
         return allocate(_shapes(call), call.a.device)
 
-    def replayer(self, call: Call) -> Callable[[], tuple | None] | None:
+    def replayer(self, call: Call) -> Callable[[object], tuple | None] | None:
         """The replay lane of calls that read ``call``'s tensors (``comm/protocol.py``, ``CallGraphs.replayer``);
         None where none applies: not replayed, a hook, off the GPU, no graph held yet."""
         if not (call.replay and self._graphed and call.hook is None) or not self.graphs:
