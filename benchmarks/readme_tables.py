@@ -770,6 +770,43 @@ def cpu_nccl_host(path: str) -> str:
     return "\n".join(lines) + "\n\n" + legend + f"\n\n<sub>Source: `{path}`: {sources}.</sub>"
 
 
+def cpu_moe_host(path: str) -> str:
+    """The MoE layer's host work per call on the CPU (``benchmarks/fp8_moe_host_python.py``), per config, mode, calls
+    (eager, replayed) and dtype: µs of CPU time per layer call under the first two labels and their ratio."""
+    data = _load(path)
+    meta = data["meta"]
+    labels = list(dict.fromkeys(row["label"] for row in data["rows"]))[:2]
+    by = {(row["config"], row["mode"], row.get("calls"), row["dtype"], row["label"]): row for row in data["rows"]}
+    lines = ["| config | mode | calls | dtype | torch operators | " + " | ".join(f"µs, {label}" for label in labels)
+             + (f" | {labels[1]} / {labels[0]}" if len(labels) == 2 else "") + " |",
+             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in labels)
+             + (" | ---" if len(labels) == 2 else "") + " |"]
+    for key in dict.fromkeys((row["config"], row["mode"], row.get("calls"), row["dtype"]) for row in data["rows"]):
+        rows = [by.get((*key, label)) for label in labels]
+        ops = "/".join(dict.fromkeys(str(r["torch_ops"]) for r in rows if r is not None))
+        us = " | ".join("-" if r is None else f"{r['us_per_call']:.1f}" for r in rows)
+        ratio = ""
+        if len(labels) == 2:
+            ratio = " | -" if None in rows else f" | {rows[1]['us_per_call'] / rows[0]['us_per_call']:.2f}x"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {ops} | {us}{ratio} |")
+    legend = ("<sub>One MoE layer call (the dispatch, SwiGLU, the combine; the NCCL expert path of a one-rank group) "
+              "on a CPU machine, the CUDA streams, the GEMMs and the graphs replaced by stand-ins that cost nothing "
+              f"(small tensors): the least CPU time per call over several windows ({meta.get('machine', '')}, torch "
+              f"{meta.get('torch', '')}) and the torch operators it issues. `replayed`: what the host does before "
+              "each call's graph launch. Not the GPU's host time.</sub>")
+    pairs = meta.get("pairs")
+    if pairs and len(labels) == 2:
+        spans = "; ".join(f"pair {pair['pair']}: eager {_span(pair['eager_after_over_before'])}x, replayed "
+                          f"{_span(pair['replayed_after_over_before'])}x" for pair in pairs)
+        legend += (f"\n\n<sub>{len(pairs)} pairs of runs ({labels[0]}, then {labels[1]}), back to back; the table is "
+                   f"pair {meta.get('kept_pair')}'s. {labels[1]} / {labels[0]} per pair, over its rows: {spans}.</sub>")
+    runs = meta.get("runs", {})
+    last = list(runs)[-1] if runs else None
+    sources = "; ".join(f"{label}: commit `{run['commit']}`{stale_note(run['commit']) if label == last else ''}, "
+                        f"`{run['command']}`" for label, run in runs.items())
+    return "\n".join(lines) + "\n\n" + legend + f"\n\n<sub>Source: `{path}`: {sources}.</sub>"
+
+
 def moe_layer(pattern: str) -> str:
     """Every MoE layer results file matching ``pattern`` (no file: a line saying so): per config, tokens,
     routing and pass, the plain layer, the bound without communication, and the fastest of ours over modes and
@@ -969,6 +1006,7 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "host-ratio-range": host_ratio_range,
              "sub-bands": sub_band_table, "paths": paths_table, "model-summary": model_summary,
              "mutations": mutations_table, "reliability": reliability, "cpu-install": cpu_install,
+             "cpu-moe-host": cpu_moe_host,
              "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
              "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,

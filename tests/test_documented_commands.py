@@ -37,6 +37,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # file): their documented options are checked against --help instead.
 HELP_ONLY = {"benchmarks/cpu_install.py": "creates virtual environments and installs torch (minutes)",
              "benchmarks/host_python.py": "a CPU measurement, minutes, writing a results file",
+             "benchmarks/fp8_moe_host_python.py": "a CPU measurement, minutes, writing a results file",
              "benchmarks/nccl_host_python.py": "a CPU measurement that fakes torch.cuda for its process, writing a "
                                               "results file",
              "tools/mutate.py": "runs the test suite once per mutation (hours)"}
