@@ -306,6 +306,19 @@ class Laned(Recording):
         return again
 
 
+def _laned(context, key, cls, monkeypatch):
+    """A laned recording communicator (``cls``) installed under ``key``, with every switch that turns lanes off
+    unset."""
+    laned = _install(context, key)
+    laned.__class__ = cls
+    cls.__init__(laned, context.group)
+    for variable in ("FLASHOVERLAP_DEBUG_TIMEOUT", "FLASHOVERLAP_REPLAY", "CUDA_DEVICE_MAX_CONNECTIONS",
+                     "TORCH_DISTRIBUTED_DEBUG"):
+        monkeypatch.delenv(variable, raising=False)
+    settings.refresh()
+    return laned
+
+
 def test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_else_does(world_of_one, monkeypatch):
     """The replay lane (``execute``): a call reading the same tensors, laid out the same, with the same plan, path,
     group and settings as one its communicator replayed is its replayer's answer alone; any difference, a capture,
@@ -313,13 +326,7 @@ def test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_els
     the call on to the communicator, which builds it again; ``release`` forgets every lane."""
     from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
 
-    laned = _install(world_of_one, ("gemm", "reference"))
-    laned.__class__ = Laned
-    Laned.__init__(laned, world_of_one.group)
-    for variable in ("FLASHOVERLAP_DEBUG_TIMEOUT", "FLASHOVERLAP_REPLAY", "CUDA_DEVICE_MAX_CONNECTIONS",
-                     "TORCH_DISTRIBUTED_DEBUG"):
-        monkeypatch.delenv(variable, raising=False)
-    settings.refresh()
+    laned = _laned(world_of_one, ("gemm", "reference"), Laned, monkeypatch)
     a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
     torch.testing.assert_close(fo.gemm_all_reduce(a, b), a @ b)  # run; its replayer kept
     assert len(laned.calls) == 1 and len(laned.built) == 1
@@ -394,12 +401,7 @@ def test_a_call_on_the_tensors_of_a_replayed_call_takes_the_lane_and_nothing_els
 def test_fp8_lanes_name_the_scales_and_the_bias(world_of_one, monkeypatch):
     """An fp8 call's lane key holds where its scales and bias lie: another scale tensor, output dtype or bias runs
     the call."""
-    laned = _install(world_of_one, ("gemm", "reference"))
-    laned.__class__ = Laned
-    Laned.__init__(laned, world_of_one.group)
-    for variable in ("FLASHOVERLAP_DEBUG_TIMEOUT", "FLASHOVERLAP_REPLAY", "TORCH_DISTRIBUTED_DEBUG"):
-        monkeypatch.delenv(variable, raising=False)
-    settings.refresh()
+    laned = _laned(world_of_one, ("gemm", "reference"), Laned, monkeypatch)
     a = torch.randn(8, 32).to(torch.float8_e4m3fn)
     b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
     sa, sb, bias = torch.rand(8, 1) + 0.5, torch.rand(1, 16) + 0.5, torch.randn(16, dtype=torch.bfloat16)
@@ -445,13 +447,8 @@ def test_a_bounded_expert_call_on_the_tensors_of_a_replayed_one_takes_the_lane(w
     """The expert ops' replay lane (``ExpertKind.lane_key``): a bounded-mode dispatch or combine reading the same
     rows, weights, layout, router weights, ``out`` and scales as one its communicator replayed is its replayer's
     answer alone, which is handed the new call's spec; exact mode, another layout (the same routing rebuilt), other
-    rows, router weights, ``out`` or scales, a weighting, and debug mode run the call."""
-    laned = _install(world_of_one, ("expert", "reference"))
-    laned.__class__ = LanedExperts
-    LanedExperts.__init__(laned, world_of_one.group)
-    for variable in ("FLASHOVERLAP_DEBUG_TIMEOUT", "FLASHOVERLAP_REPLAY", "TORCH_DISTRIBUTED_DEBUG"):
-        monkeypatch.delenv(variable, raising=False)
-    settings.refresh()
+    rows, router weights, ``out``, path or scales, and debug mode run the call."""
+    laned = _laned(world_of_one, ("expert", "reference"), LanedExperts, monkeypatch)
     gen = torch.Generator().manual_seed(0)
     tokens, experts, top_k, hidden, ffn = 6, 4, 2, 8, 16
     idx = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
