@@ -190,7 +190,8 @@ def _wired_in_the_graph(rank, world):
                 outside, signature = before_lookup[-1]
                 want = 2 if gathered else 1  # the result, and the rows where they are returned
                 assert outside == want, f"{call.name}: {outside} buffers allocated before the graph lookup, not {want}"
-                assert call.scales.a is None and address(call.a) in signature, call.name  # the bf16 rows, by address
+                # the bf16 rows, by address, in the signature's inputs part (``replay.signature``)
+                assert call.scales.a is None and address(call.a) in signature[0], call.name
                 assert (got[-1][1] is not None) == gathered, call.name
             if gathered:
                 want = reference.run(dispatch), reference.run(combine)
