@@ -72,8 +72,7 @@ FP8 = torch.float8_e4m3fn
 OUT_DTYPE = torch.bfloat16
 SCALINGS = Scales.MODES  # ("tensor", "row", "block")
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-SCALED_OPS = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
-              "all_gather": fo.all_gather_scaled_gemm}
+SCALED_OPS = fo.ops.SCALED_OPS
 DRY_SHAPES = [(64, 48, 256)]  # block-wise: K/128 = 2 blocks, one partial N block; all-gather shards of 32 rows
 TOLERANCE = 1e-2
 MIN_ITERS = 20

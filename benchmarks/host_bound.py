@@ -131,10 +131,7 @@ def measure(quick: bool, device: torch.device, world: int, shapes: str = "all",
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
-    bf16_ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-                "all_gather": fo.all_gather_gemm}
-    fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
-               "all_gather": fo.all_gather_scaled_gemm}
+    bf16_ops, fp8_ops = fo.ops.GEMM_OPS, fo.ops.SCALED_OPS
     results = []
     for name, op, m, n, k in cases(quick, shapes, ops):
         rows_a = m // world if op == "all_gather" else m  # all-gather: M is the gathered size

@@ -51,6 +51,7 @@ from cpu_runs import checkout_commit, names_of, per_call_us, write_run  # noqa: 
 import flashoverlap as fo  # noqa: E402
 from tests.comm import test_p2p_executor as fakes  # noqa: E402
 
+# Written out, not flashoverlap.ops.GEMM_OPS: the script measures older checkouts too, which lack it.
 OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
 SHAPE = (4096, 8192, 8192)
 PARTS = ("runtime", "p2p-executor")

@@ -143,6 +143,7 @@ def _call(op: str, dtype: str, plan, gen: torch.Generator):
     import flashoverlap as fo
 
     rows = plan.m // plan.world_size if op == "all_gather" else plan.m
+    # The tables written out, not flashoverlap.ops.GEMM_OPS / SCALED_OPS: the script measures older checkouts too.
     if dtype == "bf16":
         a = torch.randn(rows, plan.k, generator=gen).bfloat16()
         b = (torch.randn(plan.n, plan.k, generator=gen) / plan.k**0.5).bfloat16().t()

@@ -32,7 +32,7 @@ from flashoverlap import settings
 from flashoverlap.runtime.context import existing_context
 from flashoverlap.testing import plain
 
-OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+OPS = fo.ops.GEMM_OPS
 M_CHOICES = [1, 2, 7, 16, 127, 128, 500, 1000, 1023, 2048, 3001, 4096, 6000, 8191, 8192, 12288, 16384]
 NK_CHOICES = [64, 255, 512, 1000, 1024, 2048, 3000, 4096]
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}

@@ -154,7 +154,7 @@ def main() -> dict:
 
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+    ops = fo.ops.GEMM_OPS
     out = {"meta": results_meta("python -m benchmarks.diagnostics.graph_launch " + shlex.join(sys.argv[1:])),
            "ops": {}, "synthetic": {}}
     for op, (m, n, k) in SHAPES.items():

@@ -22,7 +22,7 @@ from flashoverlap.testing import plain
 
 SHAPE = (4096, 8192, 8192)
 PROFILE_SLEEP = 20_000_000  # about 10 ms of GPU work ahead of each call
-OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+OPS = fo.ops.GEMM_OPS
 
 
 def main():

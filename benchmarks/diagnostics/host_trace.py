@@ -132,8 +132,7 @@ def main():
             for owner, attr, original in reversed(undo):
                 setattr(owner, attr, original)
     solo = [dist.new_group([r], backend="nccl") for r in range(world)][rank]
-    public = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-              "all_gather": fo.all_gather_gemm}
+    public = fo.ops.GEMM_OPS
     for op in OPS:
         full = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda").t()

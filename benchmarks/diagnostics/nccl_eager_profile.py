@@ -26,10 +26,7 @@ def main() -> dict:
     from flashoverlap.tune.fp8 import fp8_tiles
 
     device, sms, gen = one_gpu_setup(replay=False)
-    bf16_ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-                "all_gather": fo.all_gather_gemm}
-    fp8_ops = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
-               "all_gather": fo.all_gather_scaled_gemm}
+    bf16_ops, fp8_ops = fo.ops.GEMM_OPS, fo.ops.SCALED_OPS
     out = {"meta": results_meta("python -m benchmarks.diagnostics.nccl_eager_profile " + shlex.join(sys.argv[1:])),
            "rows": []}
     for name, op, m, n, k in LLAMA:

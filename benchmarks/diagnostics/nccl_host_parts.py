@@ -33,7 +33,7 @@ def main():
     settings.refresh()
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+    ops = fo.ops.GEMM_OPS
     out = {}
     for op, (m, n, k) in SHAPES.items():
         a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
@@ -107,7 +107,7 @@ def _replay_parts(device, sms):
 
     os.environ["FLASHOVERLAP_REPLAY"] = "1"
     settings.refresh()
-    ops = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+    ops = fo.ops.GEMM_OPS
     names = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter", "all_gather": "all_gather_gemm"}
     parts = {}
     for op, (m, n, k) in SHAPES.items():

@@ -131,8 +131,7 @@ def host_rows(comm, rank, world) -> list[dict]:
 
     m, n, k = HOST_SHAPE
     solo = [dist.new_group([r], backend="nccl") for r in range(world)][rank]  # collective: every rank makes each
-    public = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-              "all_gather": fo.all_gather_gemm}
+    public = fo.ops.GEMM_OPS
     rows = []
     for op in OPS:
         a, b, plan = host_operands(op, world)

@@ -23,8 +23,7 @@ GRID = {"all_reduce": [(8192, 8192, 8192), (16384, 8192, 4096)],
 
 
 def call(op, a, b, path):
-    fn = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-          "all_gather": fo.all_gather_gemm}[op]
+    fn = fo.ops.GEMM_OPS[op]
     return fn(a, b, path=path)
 
 

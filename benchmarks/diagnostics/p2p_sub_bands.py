@@ -43,8 +43,7 @@ def measure(op, m, n, k, world, rank, fused_rs, fused_ag):
     c = torch.matmul(torch.empty(m, k, dtype=a.dtype, device=a.device) if op == "all_gather" else a, b)
     full = torch.empty(m, k, dtype=a.dtype, device=a.device)
     out = torch.empty(m // world, n, dtype=a.dtype, device=a.device)
-    fn = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-          "all_gather": fo.all_gather_gemm}[op]
+    fn = fo.ops.GEMM_OPS[op]
     if op == "all_gather":
         def seq():
             all_gather_into_tensor(full, a, None)

@@ -48,8 +48,7 @@ def _case(name, op, m, n, k, dtype, device, gen, sms) -> dict:
     plan = fo.default_plan(op, m, n, k, 1, num_sms=sms, allow_sequential=False,
                            **({} if tile is None else {"tile": tile}))
     if scales is None:
-        public = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-                  "all_gather": fo.all_gather_gemm}[op]
+        public = fo.ops.GEMM_OPS[op]
 
         def whole():
             return public(a, b, path="nccl", plan=plan)
@@ -59,8 +58,7 @@ def _case(name, op, m, n, k, dtype, device, gen, sms) -> dict:
         spec = GemmSpec(public.__name__, op, a, b, None, plan, "nccl")
     else:
         sa, sb = scales
-        public = {"all_reduce": fo.scaled_gemm_all_reduce, "reduce_scatter": fo.scaled_gemm_reduce_scatter,
-                  "all_gather": fo.all_gather_scaled_gemm}[op]
+        public = fo.ops.SCALED_OPS[op]
 
         def whole():
             return public(a, b, sa, sb, path="nccl", plan=plan)

@@ -19,7 +19,7 @@ from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter
 from flashoverlap.testing import plain
 from flashoverlap.tune.timing import inputs, time_side_by_side
 
-OPS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter, "all_gather": fo.all_gather_gemm}
+OPS = fo.ops.GEMM_OPS
 
 
 def measure(op, m, n, k, world, rank):

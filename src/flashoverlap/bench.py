@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
+from flashoverlap.ops import GEMM_OPS
 from flashoverlap.tune.timing import inputs, time_side_by_side
 
 GRID_ALL_REDUCE = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 4096), (8192, 8192, 14336),
                    (2048, 8192, 14336)]
 GRIDS = {"all_reduce": GRID_ALL_REDUCE, "reduce_scatter": GRID_ALL_REDUCE,
          "all_gather": [(4096, 8192, 8192), (8192, 14336, 8192), (16384, 8192, 8192), (8192, 28672, 8192)]}
-OP_FUNCTIONS = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-                "all_gather": fo.all_gather_gemm}
+OP_FUNCTIONS = GEMM_OPS  # the name the harness has used
 # torch >= 2.13 deprecates the *_tensor names for *_single, which older torch does not have.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

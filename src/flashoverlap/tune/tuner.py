@@ -237,8 +237,7 @@ def op_call(op: str, a, b, group):
     """``call(plan)``: the public op of ``op`` on these operands, with ``plan`` (what the search times)."""
     import flashoverlap as fo  # the ops sit above tune/: imported when a search times them
 
-    fn = {"all_reduce": fo.gemm_all_reduce, "reduce_scatter": fo.gemm_reduce_scatter,
-          "all_gather": fo.all_gather_gemm}[op]
+    fn = fo.ops.GEMM_OPS[op]
     return lambda plan: fn(a, b, group, plan=plan)
 
 
