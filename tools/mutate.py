@@ -547,8 +547,8 @@ MUTATIONS = [
     ("expert-rows-allocated-before-the-lookup", "Expert calls: the received/returned rows allocated before the graph "
      "lookup even where the call does not return them (a replayed call's host allocates them on every call)",
      "src/flashoverlap/comm/expert/contract.py",
-     "    return first, issued_rows(call, a, (first, None), new) if call.return_gathered else None",
-     "    return first, issued_rows(call, a, (first, None), new)",
+     "    return first, _rows_shape(call, a) if call.return_gathered else None",
+     "    return first, _rows_shape(call, a)",
      "tests/moe/test_fp8_paths.py::test_fp8_rows_from_bf16_are_quantised_inside_the_replayed_work"),
     ("expert-p2p-rows-buffer-not-issued", "Expert P2P path: a combine that does not return its rows sends the "
      "products from a buffer the schedule never allocated (the rows are taken from the call's outputs as they are)",
@@ -739,14 +739,16 @@ MUTATIONS = [
     ("expert-lane-skips-the-gather", "Expert replay lane: a weighted combine's lane reads the layout's own weights "
      "instead of gathering the call's router weights (the graph captured for the gathered ones is never found)",
      "src/flashoverlap/comm/expert/contract.py",
-     "        weights = spec.topk_weights.reshape(-1).index_select(0, layout.send_order) if gathers else layout.weights",
+     "        weights = layout.send_ordered(spec.topk_weights) if gathers else layout.weights",
      "        weights = layout.weights", "tests/comm/test_expert_nccl.py::test_the_replay_lane_finds_the_graph_run_"
      "captured"),
     ("expert-lane-allocates-out-of-order", "Expert replay lane: the rows buffer allocated before the result (run's "
      "order reversed: the caching allocator's addresses differ, the graph is never found)",
      "src/flashoverlap/comm/expert/contract.py",
-     "        first = spec.out if given_out else new(shape, dtype)\n        extra = new(*rows) if gathered else None\n",
-     "        extra = new(*rows) if gathered else None\n        first = spec.out if given_out else new(shape, dtype)\n",
+     "        first = spec.out if first_shape is None else new(*first_shape)\n"
+     "        extra = None if rows_shape is None else new(*rows_shape)\n",
+     "        extra = None if rows_shape is None else new(*rows_shape)\n"
+     "        first = spec.out if first_shape is None else new(*first_shape)\n",
      "tests/comm/test_expert_nccl.py::test_the_replay_lane_finds_the_graph_run_captured"),
     ("expert-p2p-lane-workspace-read-once", "P2P expert replay lane: the workspace's address read when the lane is "
      "built (after the workspace moves, the lane replays a graph of the old one)", "src/flashoverlap/comm/expert/p2p.py",

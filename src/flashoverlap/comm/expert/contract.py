@@ -258,9 +258,13 @@ class Layout:
         """``R_r``: rows of the receive buffer (exact: ``sum(recv_splits)``, host-known; bounded: ``W * bound``)."""
         return sum(self.recv_splits) if self.mode == "exact" else self.world_size * self.bound
 
+    def send_ordered(self, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The router weights ``[T, k]`` in send order, ``[T*k]`` (one gather on the device)."""
+        return topk_weights.reshape(-1).index_select(0, self.send_order)
+
     def with_weights(self, topk_weights: torch.Tensor | None) -> Layout:
         """This layout with the router weights ``[T, k]`` taken in send order (None: no weights)."""
-        weights = None if topk_weights is None else topk_weights.reshape(-1).index_select(0, self.send_order)
+        weights = None if topk_weights is None else self.send_ordered(topk_weights)
         # dataclasses.replace, without its per-field __init__ (a frozen dataclass's: microseconds, once per combine).
         layout = object.__new__(Layout)
         layout.__dict__.update(self.__dict__)
@@ -320,19 +324,15 @@ def replayer(call: ExpertCall, graphs, new, own=None) -> Callable[[Any], tuple |
     inputs = call_inputs(call, a)
     # A weighted combine's router weights: gathered in send order for each call (``Layout.with_weights``, as the
     # runtime does); any other call reads its layout's own (None, or given to ``expert_layout``).
-    gathers, given_out, gathered = plan.op == "combine" and plan.weighted, call.out is not None, call.return_gathered
-    dtype = a.dtype if call.scales is None else call.scales.out_dtype
-    shape = (call.layout.recv_rows, call.b.shape[2]) if plan.op == "dispatch" else (plan.tokens, plan.hidden)
-    rows = None
-    if gathered:  # the rows buffer's shape and dtype, as ``issued_rows`` makes it
-        rows = issued_rows(call, a, (None, None), lambda shape, dtype: (shape, dtype))
+    gathers = plan.op == "combine" and plan.weighted
+    first_shape, rows_shape = _output_shapes(call, a)
     replay = graphs.replay
 
     def again(spec) -> tuple | None:
         layout = spec.layout  # the gather issued where the runtime issues it for a call: before the outputs
-        weights = spec.topk_weights.reshape(-1).index_select(0, layout.send_order) if gathers else layout.weights
-        first = spec.out if given_out else new(shape, dtype)
-        extra = new(*rows) if gathered else None
+        weights = layout.send_ordered(spec.topk_weights) if gathers else layout.weights
+        first = spec.out if first_shape is None else new(*first_shape)
+        extra = None if rows_shape is None else new(*rows_shape)
         made = (address(weights), address(first), address(extra))
         key = signature(inputs, made)
         if replay(key if own is None else (key, *own())):
@@ -349,13 +349,9 @@ def call_outputs(call: ExpertCall, a: torch.Tensor, new) -> tuple[torch.Tensor, 
     [S, H])``, ``out`` the call's own where given. The rows only where the call returns them (``return_gathered``);
     else None, and the issued work allocates them as its first step (``issued_rows``): a replayed call's graph then
     holds them, and its host allocates nothing for them."""
-    plan, scales = call.plan, call.scales
-    if plan.op == "dispatch":
-        first = new((call.layout.recv_rows, call.b.shape[2]), a.dtype if scales is None else scales.out_dtype)
-    else:
-        first = call.out if call.out is not None else new((plan.tokens, plan.hidden),
-                                                          a.dtype if scales is None else scales.out_dtype)
-    return first, issued_rows(call, a, (first, None), new) if call.return_gathered else None
+    first_shape, rows_shape = _output_shapes(call, a)
+    first = call.out if first_shape is None else new(*first_shape)
+    return first, None if rows_shape is None else new(*rows_shape)
 
 
 def issued_rows(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, torch.Tensor | None],
@@ -363,11 +359,26 @@ def issued_rows(call: ExpertCall, a: torch.Tensor, outputs: tuple[torch.Tensor, 
     """``outputs``' rows buffer (``call_outputs``), allocated by ``new`` where the call does not return it: dispatch's
     received rows ``[R, H]`` (fp8: packed with their scales, bytes), combine's returned rows ``[S, H]`` in the output
     dtype. Called first in a communicator's issued work (inside a capture: from the graph's pool)."""
-    if outputs[1] is not None:
-        return outputs[1]
+    return outputs[1] if outputs[1] is not None else new(*_rows_shape(call, a))
+
+
+def _output_shapes(call: ExpertCall, a: torch.Tensor) -> tuple[tuple | None, tuple | None]:
+    """``(shape, dtype)`` of each output ``call_outputs`` allocates, in its order: the result (None: the call's own
+    ``out``) and the rows buffer (None: not returned, ``issued_rows`` makes it in the issued work)."""
+    plan, scales = call.plan, call.scales
+    dtype = a.dtype if scales is None else scales.out_dtype
+    if plan.op == "dispatch":
+        first = (call.layout.recv_rows, call.b.shape[2]), dtype
+    else:
+        first = None if call.out is not None else ((plan.tokens, plan.hidden), dtype)
+    return first, _rows_shape(call, a) if call.return_gathered else None
+
+
+def _rows_shape(call: ExpertCall, a: torch.Tensor) -> tuple:
+    """``(shape, dtype)`` of a call's rows buffer (``issued_rows``)."""
     plan, layout, scales = call.plan, call.layout, call.scales
     if plan.op == "dispatch":
         if scales is None:
-            return new((layout.recv_rows, plan.hidden), a.dtype)
-        return new((layout.recv_rows, wire_width(plan.hidden, scales.mode)), torch.uint8)
-    return new((layout.send_capacity, plan.hidden), a.dtype if scales is None else scales.out_dtype)
+            return (layout.recv_rows, plan.hidden), a.dtype
+        return (layout.recv_rows, wire_width(plan.hidden, scales.mode)), torch.uint8
+    return (layout.send_capacity, plan.hidden), a.dtype if scales is None else scales.out_dtype
