@@ -467,8 +467,8 @@ MUTATIONS = [
      "src/flashoverlap/tune/fp8.py", 'stages = 4 if op == "all_gather" or k >= DEEP_PIPELINE_K else 3',
      "stages = 3", "tests/tune/test_fp8.py"),
     ("float8-input-amax-local", "Float8 styles: the row-wise style's input scale from this rank's amax, not the group's",
-     "src/flashoverlap/nn/float8.py", "x8, x_scale = _cast(x, recipe.input, -1, True, mesh)",
-     "x8, x_scale = _cast(x, recipe.input, -1, False, mesh)",
+     "src/flashoverlap/nn/float8.py", "x_split = True if rowwise else",
+     "x_split = False if rowwise else",
      "tests/nn/test_float8_styles.py::test_float8_styles_at_two_ranks_match_the_unsharded_model_as_torchaos_do"),
     ("launch-fingerprint-ignores-alignment", "Direct launches: a tensor's fingerprint leaves out its 16-byte alignment, "
      "so a kernel compiled for aligned operands is launched on misaligned ones", "src/flashoverlap/kernels/launch.py",

@@ -235,15 +235,26 @@ def _keep(ctx: Any, call: _Call, x: torch.Tensor, x8: torch.Tensor | None, x_sca
     return y.to(x.dtype)
 
 
+def _forward_casts(x: torch.Tensor, weight: torch.Tensor, call: _Call, rowwise: bool) -> tuple[torch.Tensor, ...]:
+    """The forward product's fp8 operands ``(x8, x_scale, w8, w_scale)``, cast before the autograd function rather
+    than in its ``forward``: traced by ``torch.compile(dynamic=True)``, torchao's scale (its amax all-reduced over the
+    mesh) inside the function's forward fails in Dynamo. Colwise: x's amax is the group's where its rows are
+    sharded (tensor-wise), the weight's per output channel (tensor-wise: the group's); rowwise: x and the weight hold
+    this rank's part of K, so every amax, tensor- or axis-wise, is the group's."""
+    recipe, mesh = call.recipe, call.mesh
+    x_split = True if rowwise else call.sequence and not recipe.input.axiswise
+    w_split = True if rowwise else not recipe.weight.axiswise
+    return (*_cast(x.detach(), recipe.input, -1, x_split, mesh),
+            *_cast(weight.detach(), recipe.weight, -1, w_split, mesh))
+
+
 class _ColwiseLinear(torch.autograd.Function):
     """``y_r = x @ w_r.t()`` for a colwise shard ``w_r [N/W, K]``; ``x``: the input rows, ``[M/W, K]`` sharded
     (``call.sequence``: gathered by the product) or ``[M, K]`` whole."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, call: _Call) -> torch.Tensor:
-        recipe, mesh = call.recipe, call.mesh
-        x8, x_scale = _cast(x, recipe.input, -1, call.sequence and not recipe.input.axiswise, mesh)
-        w8, w_scale = _cast(weight, recipe.weight, -1, not recipe.weight.axiswise, mesh)  # per output channel
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, call: _Call, casts: tuple) -> torch.Tensor:
+        recipe, (x8, x_scale, w8, w_scale) = call.recipe, casts  # _forward_casts'
         w_scale = w_scale.t() if recipe.weight.axiswise else w_scale  # [1, N/W] for b = w8.t()
         out = _out_dtype(x.dtype, _rowwise(recipe.input, recipe.weight))
         x_full8 = x8
@@ -260,7 +271,7 @@ class _ColwiseLinear(torch.autograd.Function):
         return _keep(ctx, call, x, x_full8, x_scale, weight, y)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         call, recipe, mesh, (saved_x, x_scale, weight) = ctx.call, ctx.call.recipe, ctx.call.mesh, ctx.saved_tensors
         dtype = dy.dtype
         # dy [M, N/W]: every row, this rank's columns; a row's amax spans the group's columns.
@@ -286,7 +297,7 @@ class _ColwiseLinear(torch.autograd.Function):
                 x8 = _gather(x8, mesh) if call.sequence else x8
             dy_scale_gw = dy_scale_gw.t() if recipe.grad_gw.axiswise else dy_scale_gw
             dw = _mm(dy8_gw.t(), dy_scale_gw, x8, x_scale_gw, dtype, recipe.fast_gw)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -294,11 +305,8 @@ class _RowwiseLinear(torch.autograd.Function):
     by rows (``call.sequence``: ``y_r [M/W, N]``) or all-reduced (``[M, N]`` on every rank)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, call: _Call) -> torch.Tensor:
-        recipe, mesh = call.recipe, call.mesh
-        # x_r and w_r hold this rank's part of K: every amax, tensor- or axis-wise, is the group's.
-        x8, x_scale = _cast(x, recipe.input, -1, True, mesh)
-        w8, w_scale = _cast(weight, recipe.weight, -1, True, mesh)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, call: _Call, casts: tuple) -> torch.Tensor:
+        recipe, (x8, x_scale, w8, w_scale) = call.recipe, casts  # _forward_casts'
         w_scale = w_scale.t() if recipe.weight.axiswise else w_scale
         out = _out_dtype(x.dtype, _rowwise(recipe.input, recipe.weight))
         scales = _inverse(x_scale, w_scale, x8.shape[0], w8.shape[0], out)
@@ -307,7 +315,7 @@ class _RowwiseLinear(torch.autograd.Function):
         return _keep(ctx, call, x, x8, x_scale, weight, y)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         call, recipe, mesh, (saved_x, x_scale, weight) = ctx.call, ctx.call.recipe, ctx.call.mesh, ctx.saved_tensors
         dtype = dy.dtype
         # dy: [M/W, N] (sequence) or [M, N]; whole rows either way.
@@ -341,7 +349,7 @@ class _RowwiseLinear(torch.autograd.Function):
                 x8, x_scale_gw = _cast(saved_x, recipe.input_gw, 0, not recipe.input_gw.axiswise, mesh)
             dy_scale_gw = dy_scale_gw.t() if recipe.grad_gw.axiswise else dy_scale_gw
             dw = _mm(dy8_gw.t(), dy_scale_gw, x8, x_scale_gw, dtype, recipe.fast_gw)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 # -- the styles ------------------------------------------------------------------------------------------------------
@@ -412,6 +420,12 @@ class _Float8Linear:
     def _call(self, module: nn.Module, binding: _Binding, sequence: bool) -> _Call:
         return _Call(module._flashoverlap_float8_recipe, binding.mesh, self.path, sequence)
 
+    def _product(self, rows: torch.Tensor, weight: torch.Tensor, module: nn.Module, binding: _Binding,
+                 sequence: bool) -> torch.Tensor:
+        """The style's sharded product (``_function``, its autograd function), the fp8 operands cast first."""
+        call = self._call(module, binding, sequence)
+        return self._function.apply(rows, weight, call, _forward_casts(rows, weight, call, self._shards_k))
+
 
 class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
     """torchao's ``Float8ColwiseParallel`` (same arguments and layouts; ``weight`` and ``bias`` ``Shard(0)``) on a
@@ -421,6 +435,8 @@ class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
     (backward ``scaled_gemm_all_reduce``). Other cases run as torchao's style runs them (module docstring).
     ``path``: the ops' path."""
 
+    _function, _shards_k = _ColwiseLinear, False
+
     def _linear_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N/W, K]
@@ -428,14 +444,13 @@ class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
             return self._torch_forward(module, x, binding)
         if isinstance(layout, Replicate) and not isinstance(x, DTensor):
             rows = local.reshape(-1, local.shape[-1])
-            y_rows = _ColwiseLinear.apply(rows, weight, self._call(module, binding, False))
+            y_rows = self._product(rows, weight, module, binding, False)
             y = y_rows.view(*local.shape[:-1], y_rows.shape[-1])
         elif isinstance(layout, Shard) and layout.dim < local.ndim - 1 and (
                 not isinstance(x, DTensor) or x.shape[layout.dim] % binding.world == 0):
             if isinstance(x, DTensor):
                 local = x.to_local()
-            y_rows = _ColwiseLinear.apply(_rows_major(local, layout.dim), weight,
-                                          self._call(module, binding, True))
+            y_rows = self._product(_rows_major(local, layout.dim), weight, module, binding, True)
             y = _from_rows(y_rows, local, layout.dim, local.shape[layout.dim] * binding.world)
         else:  # a Replicate DTensor (PrepareModuleInput's), uneven shards: torchao's
             return self._torch_forward(module, x, binding)
@@ -457,10 +472,7 @@ class Float8RowwiseParallel(_Float8Linear, styles.RowwiseParallel):
     dimension; other cases run as torchao's style runs them (module docstring). ``path``: the ops' path."""
 
     _runs = staticmethod(_runs_fp8)
-
-    def _product(self, rows: torch.Tensor, weight: torch.Tensor, module: nn.Module, binding: _Binding,
-                 sequence: bool) -> torch.Tensor:
-        return _RowwiseLinear.apply(rows, weight, self._call(module, binding, sequence))
+    _function, _shards_k = _RowwiseLinear, True
 
 
 class PrepareFloat8ModuleInput(PrepareModuleInput):
