@@ -466,6 +466,28 @@ MUTATIONS = [
     ("fp8-stages-flat", "fp8 tiles: one pipeline depth everywhere, not the sweep's (4 for deep K and the all-gather)",
      "src/flashoverlap/tune/fp8.py", 'stages = 4 if op == "all_gather" or k >= DEEP_PIPELINE_K else 3',
      "stages = 3", "tests/tune/test_fp8.py"),
+    ("moe-layout-agrees-once-on-the-cpu", "moe_layout: CPU routing agreed on once per (experts, top-k), as on a "
+     "GPU, so ranks each repeating a different layout return it", "src/flashoverlap/runtime/experts.py",
+     "    every = debug or topk_idx.is_cpu and context.world_size > 1", "    every = debug",
+     "tests/runtime/test_disagreement.py::test_ranks_each_repeating_a_different_call_raise_on_the_reference_path"),
+    ("scales-signature-without-devices", "fp8 calls: the scales' devices left out of the call's signature, so a "
+     "repeated call with a scale moved to another device skips the device check", "src/flashoverlap/comm/scaled.py",
+     "self.a.dtype, self.a.device, self.b.shape,\n                self.b.dtype, self.b.device, self.out_dtype,",
+     "self.a.dtype, self.b.shape,\n                self.b.dtype, self.out_dtype,",
+     "tests/ops/test_errors.py::test_a_repeated_fp8_call_whose_scale_moved_to_another_device_is_refused"),
+    ("sparse-operands-unchecked", "The ops' operand check: a sparse a or b is not refused (a torch error deep inside "
+     "the call instead)", "src/flashoverlap/runtime/checks.py",
+     "        check_dense(op, name, t)\n        if t.ndim != 2:", "        if t.ndim != 2:",
+     "tests/ops/test_errors.py::test_sparse_operands_are_named_before_anything_runs"),
+    ("moe-weight-grad-ignores-alignment", "The experts' weight gradient: torch._grouped_mm on rows that are not a "
+     "multiple of 16 bytes (it refuses their strides)", "src/flashoverlap/ops/moe_library.py",
+     "    if aligned and (rows.device.type", "    if (rows.device.type",
+     "tests/moe/test_moe_nn.py::test_widths_off_sixteen_bytes_train_as_the_plain_block"),
+    ("styles-uneven-weight-through-the-ops", "Styles: a weight whose sharded width does not divide runs through the "
+     "ops (whose agreement refuses the ranks' different widths) rather than PyTorch's style",
+     "src/flashoverlap/nn/styles.py", "        return module.weight.shape[self._sharded_dim] % binding.world != 0",
+     "        return False",
+     "tests/nn/test_styles.py::test_a_weight_whose_width_does_not_divide_runs_as_pytorchs_style"),
     ("float8-input-amax-local", "Float8 styles: the row-wise style's input scale from this rank's amax, not the group's",
      "src/flashoverlap/nn/float8.py", "x_split = True if rowwise else",
      "x_split = False if rowwise else",

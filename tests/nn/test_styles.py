@@ -299,3 +299,29 @@ def _replicated_norm(rank, world_size):
 def test_replicated_modules_sum_their_gradients_over_the_ranks():
     for errors in spawn(_replicated_norm, 2) + spawn(_replicated_norm, 3):
         assert max(errors) < 1e-5, errors
+
+
+def _uneven_colwise(rank, world_size):
+    """``nn.Linear(8, 10)`` under ``ColwiseParallel`` at three ranks: DTensor shards the weight's 10 rows 4, 4, 2,
+    so the ops would see a different width on each rank (their agreement refused the backward). The layer runs as
+    PyTorch's style runs it: output, input gradient and weight gradient equal to that style's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import flashoverlap.nn as fnn
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(8, 10), torch.randn(4, 8)
+    got = {}
+    for name, style in (("ours", fnn.ColwiseParallel()), ("pytorch", ColwiseParallel())):
+        model = parallelize_module(copy.deepcopy(layer), mesh, style)
+        x_r = x.clone().requires_grad_()
+        y = model(x_r)
+        y.pow(2).sum().backward()
+        got[name] = (y.detach(), x_r.grad, model.weight.grad.to_local())
+    return [float((ours - theirs).abs().max()) for ours, theirs in zip(got["ours"], got["pytorch"])]
+
+
+def test_a_weight_whose_width_does_not_divide_runs_as_pytorchs_style():
+    assert spawn(_uneven_colwise, 3) == [[0.0, 0.0, 0.0]] * 3

@@ -224,3 +224,39 @@ def test_fp8_scales_that_are_not_tensors_are_named_before_the_signature(world_of
                                    (torch.ones(()), 2, "scale_b must be a torch.Tensor, got int")):
         with pytest.raises(TypeError, match=said):
             fo.scaled_gemm_all_reduce(a, b, scale_a, scale_b)
+
+
+def test_a_repeated_fp8_call_whose_scale_moved_to_another_device_is_refused(world_of_one):
+    """A call that repeats a cached one (one rank: no agreement, the signature alone decides, as on the GPU paths)
+    but with a scale on another device must meet the device check, not the first call's cached resolution."""
+    a = torch.randn(4, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+    scale_a, scale_b = torch.ones(4, 1), torch.ones(1, 16)
+    for _ in range(2):
+        fo.scaled_gemm_all_reduce(a, b, scale_a, scale_b)
+    with pytest.raises(ValueError, match="scale_a is on meta but a is on cpu"):
+        fo.scaled_gemm_all_reduce(a, b, scale_a.to("meta"), scale_b)
+    with pytest.raises(ValueError, match="scale_b is on meta but a is on cpu"):
+        fo.scaled_gemm_all_reduce(a, b, scale_a, scale_b.to("meta"))
+
+
+def test_sparse_operands_are_named_before_anything_runs(world_of_one):
+    """A sparse (or other non-strided) operand, scale or bias is refused by name: it has no strides for the kernels,
+    the copies or the collectives (before, a torch error from deep inside the call, naming neither)."""
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    ones_a, ones_b = torch.ones(4, 1), torch.ones(1, 6)
+    layout = fo.moe_layout(torch.zeros(4, 1, dtype=torch.long), 2)
+    cases = [
+        ("gemm_all_reduce: a", lambda: fo.gemm_all_reduce(a.to_sparse(), b)),
+        ("gemm_reduce_scatter: b", lambda: fo.gemm_reduce_scatter(a, b.to_sparse_csr())),
+        ("all_gather_gemm: a", lambda: fo.all_gather_gemm(a.to_sparse(), b)),
+        ("scaled_gemm_all_reduce: scale_a", lambda: fo.scaled_gemm_all_reduce(a8, b8, ones_a.to_sparse(), ones_b)),
+        ("scaled_gemm_all_reduce: bias", lambda: fo.scaled_gemm_all_reduce(
+            a8, b8, ones_a, ones_b, bias=torch.ones(6, dtype=torch.bfloat16).to_sparse())),
+        ("moe_layout: topk_idx", lambda: fo.moe_layout(torch.zeros(4, 1, dtype=torch.long).to_sparse(), 2)),
+        ("moe_dispatch_gemm: x", lambda: fo.moe_dispatch_gemm(a.to_sparse(), torch.randn(2, 8, 6), layout)),
+    ]
+    for said, call in cases:
+        with pytest.raises(ValueError, match=f"{said} must be a dense tensor, got layout torch.sparse_"):
+            call()

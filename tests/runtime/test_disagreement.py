@@ -169,7 +169,7 @@ def _repeating_different_calls(rank: int, world: int):
     """Every rank makes call A, then call B (both agreed); then rank 0 repeats A while the others repeat B, whose
     collectives move as many bytes (a [12, 8] result against an [8, 12] one): with no switch set, every rank
     raises, naming the arguments, and none returns a tensor (a first-call check alone let each add the other's
-    differently shaped matrix). Dense, fp8 and expert ops."""
+    differently shaped matrix). Dense, fp8 and expert ops, and the routing layout (top-1 against top-2)."""
     import flashoverlap as fo
 
     for variable in ("TORCH_DISTRIBUTED_DEBUG", "FLASHOVERLAP_DEBUG_TIMEOUT"):
@@ -186,9 +186,11 @@ def _repeating_different_calls(rank: int, world: int):
     layout = fo.moe_layout(idx, experts)
     x = {"A": torch.randn(6, 8, generator=g), "B": torch.randn(6, 16, generator=g)}  # the hidden sizes differ
     w = {"A": torch.randn(2, 8, 16, generator=g), "B": torch.randn(2, 16, 8, generator=g)}  # the same bytes
+    top2 = torch.arange(12).reshape(6, 2) % experts  # top-2 routing beside idx's top-1
     calls = {"gemm_all_reduce": lambda c: fo.gemm_all_reduce(*(a_ if c == "A" else b_)),
              "scaled_gemm_all_reduce": lambda c: fo.scaled_gemm_all_reduce(*fp8[c]),
-             "moe_dispatch_gemm": lambda c: fo.moe_dispatch_gemm(x[c], w[c], layout)}
+             "moe_dispatch_gemm": lambda c: fo.moe_dispatch_gemm(x[c], w[c], layout),
+             "moe_layout": lambda c: fo.moe_layout(idx if c == "A" else top2, experts)}
     outcome = {}
     for op, call in calls.items():
         call("A")
@@ -199,7 +201,7 @@ def _repeating_different_calls(rank: int, world: int):
             assert str(exc).startswith(f"{op}: rank {rank} of group") and "disagree on" in str(exc), str(exc)
             outcome[op] = "raised"
         else:
-            outcome[op] = f"returned {tuple(out.shape)}"
+            outcome[op] = f"returned {getattr(out, 'shape', type(out).__name__)}"
     return outcome
 
 

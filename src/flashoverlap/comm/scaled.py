@@ -53,8 +53,9 @@ class Scales:
     def signature(self) -> tuple:
         """What a repeated call must share with its first for the first's checks to hold."""
         bias = self.bias
-        return (self.mode, type(self.a), type(self.b), self.a.shape, self.a.dtype, self.b.shape, self.b.dtype,
-                self.out_dtype, None if bias is None else (type(bias), bias.shape, bias.dtype, bias.device))
+        return (self.mode, type(self.a), type(self.b), self.a.shape, self.a.dtype, self.a.device, self.b.shape,
+                self.b.dtype, self.b.device, self.out_dtype,
+                None if bias is None else (type(bias), bias.shape, bias.dtype, bias.device))
 
     def scale_columns(self, k: int) -> int:
         """A's scales per row as the all-gather moves them."""

@@ -440,7 +440,7 @@ class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
     def _linear_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N/W, K]
-        if layout is None or not _runs_fp8(local, weight):
+        if layout is None or not _runs_fp8(local, weight) or self._uneven(module, binding):
             return self._torch_forward(module, x, binding)
         if isinstance(layout, Replicate) and not isinstance(x, DTensor):
             rows = local.reshape(-1, local.shape[-1])

@@ -33,8 +33,9 @@ Everything else is PyTorch's own behaviour, unchanged:
   Replicate()``) is PyTorch's ``_prepare_output_fn``;
 - any layout combination that is not one of the four above (colwise input ``Shard(-1)`` or ``Partial``, rowwise
   input not sharded on the last dimension, rowwise output ``Shard(-1)`` or ``Partial``), an ``nn.Embedding``, a
-  shard that does not divide, a dtype the ops do not take (they take bf16, fp16, fp32), or autocast: the linear runs
-  exactly as PyTorch's style runs it (DTensor ``F.linear`` between PyTorch's input and output hooks). Styles whose
+  shard that does not divide (a sharded axis of the input or output, or the weight's sharded width), a dtype the
+  ops do not take (they take bf16, fp16, fp32), or autocast: the linear runs exactly as PyTorch's style runs it
+  (DTensor ``F.linear`` between PyTorch's input and output hooks). Styles whose
   layouts are known not to apply at ``parallelize_module`` time are PyTorch's styles outright.
 """
 
@@ -154,6 +155,14 @@ class _OverlappedLinear:
         _bind(module, binding)
         return module
 
+    # The weight's dimension the style shards (ColwiseParallel: N, RowwiseParallel: K).
+    _sharded_dim = 0
+
+    def _uneven(self, module: nn.Linear, binding: _Binding) -> bool:
+        """Whether the weight's sharded width does not divide by the group's size: DTensor's shards then differ in
+        size from rank to rank, which the ops' agreement refuses; PyTorch's style runs such a linear."""
+        return module.weight.shape[self._sharded_dim] % binding.world != 0
+
     def _torch_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         """Exactly what PyTorch's style runs: its input hook, DTensor ``F.linear``, its output hook."""
         x = self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, (x,), binding.mesh)
@@ -177,7 +186,7 @@ class ColwiseParallel(_OverlappedLinear, torch_styles.ColwiseParallel):
     def _linear_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N/W, K]
-        if layout is None or not _runs_our_ops(local, weight):
+        if layout is None or not _runs_our_ops(local, weight) or self._uneven(module, binding):
             return self._torch_forward(module, x, binding)
         if isinstance(layout, Replicate) and isinstance(x, DTensor):
             # PyTorch's computation, without DTensor dispatch: x is whole here, and its gradient is a partial sum
@@ -222,6 +231,7 @@ class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
 
     # Whether our ops take this input and weight (else PyTorch's style runs the module).
     _runs = staticmethod(_runs_our_ops)
+    _sharded_dim = 1
 
     def _product(self, rows: torch.Tensor, weight: torch.Tensor, module: nn.Module, binding: _Binding,
                  sequence: bool) -> torch.Tensor:
@@ -233,7 +243,8 @@ class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
     def _linear_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N, K/W]
-        if layout is None or not self._runs(local, weight) or layout != Shard(local.ndim - 1):
+        if (layout is None or not self._runs(local, weight) or layout != Shard(local.ndim - 1)
+                or self._uneven(module, binding)):
             return self._torch_forward(module, x, binding)
         if isinstance(x, DTensor):
             local = x.to_local()

@@ -115,7 +115,9 @@ def moe_weight_grad(rows: torch.Tensor, grads: torch.Tensor, seg_starts: torch.T
     """``grad_w [L, K, N]``, ``grad_w[l] = sum over the received segments (s, l) of rows[seg]^T @ grads[seg]``
     (``rows [R, K]``, ``grads [R, N]``); laid out as ``w.transpose(1, 2)`` of a contiguous ``[L, N, K]`` where
     ``k_major`` (the layout of weights stored ``nn.Linear``-shaped), else contiguous. No host synchronisation where
-    ``torch._grouped_mm`` takes the dtype (the CPU, bf16 on CUDA): rows are put in expert order on the device."""
+    ``torch._grouped_mm`` takes the dtype (the CPU, bf16 on CUDA) and the widths (rows of K and of N elements a
+    multiple of 16 bytes, its strides' rule): rows are put in expert order on the device. Elsewhere one product per
+    expert, after one host synchronisation."""
     count = rows.shape[0]
     segments = seg_ends.numel()
     index = torch.arange(count, device=rows.device)
@@ -128,14 +130,15 @@ def moe_weight_grad(rows: torch.Tensor, grads: torch.Tensor, seg_starts: torch.T
         0, expert, torch.ones_like(expert))
     offs = torch.cumsum(per_expert[:local], 0).to(torch.int32)
     rows_sorted, grads_sorted = rows.index_select(0, order), grads.index_select(0, order)
-    if rows.device.type == "cpu" or rows.dtype == torch.bfloat16:
+    aligned = (rows.shape[1] * rows.element_size()) % 16 == 0 and (grads.shape[1] * grads.element_size()) % 16 == 0
+    if aligned and (rows.device.type == "cpu" or rows.dtype == torch.bfloat16):
         if k_major:  # [L, N, K], returned as its [L, K, N] view
             return torch._grouped_mm(grads_sorted.t(), rows_sorted, offs).transpose(1, 2)
         return torch._grouped_mm(rows_sorted.t(), grads_sorted, offs)
     out = rows.new_zeros((local, grads.shape[1], rows.shape[1])).transpose(1, 2) if k_major else rows.new_zeros(
         (local, rows.shape[1], grads.shape[1]))
     start = 0
-    for expert_index, end in enumerate(offs.tolist()):  # fp16/fp32 on CUDA: one host synchronisation
+    for expert_index, end in enumerate(offs.tolist()):  # one host synchronisation on CUDA
         if end > start:
             out[expert_index] = (rows_sorted[start:end].t().float() @ grads_sorted[start:end].float()).to(rows.dtype)
         start = end

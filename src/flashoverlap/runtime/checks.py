@@ -27,10 +27,18 @@ def check_operands(op: str, a: object, b: object) -> tuple[int, int, int]:
     return _check_shapes(op, a, b)
 
 
+def check_dense(op: str, name: str, t: torch.Tensor) -> None:
+    """A strided (dense) tensor: sparse and other layouts have no strides for the kernels, the copies or the
+    collectives to read."""
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: {name} must be a dense tensor, got layout {t.layout} (call .to_dense() first)")
+
+
 def _check_tensors(op: str, a: object, b: object, dtypes: tuple, described: str) -> None:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_dense(op, name, t)
         if t.ndim != 2:
             raise ValueError(f"{op}: {name} must be 2-D, got shape {list(t.shape)}")
         if t.dtype not in dtypes:
@@ -68,6 +76,7 @@ def check_scaled(op: str, a: object, b: object, scales: object, kind: str) -> tu
     for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_dense(op, name, t)
         if t.dtype != torch.float32:
             raise ValueError(f"{op}: {name} must be float32, got {t.dtype}")
         if t.device != a.device:
@@ -90,6 +99,8 @@ def check_scaled(op: str, a: object, b: object, scales: object, kind: str) -> tu
     if scales.out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be torch.bfloat16 or torch.float32, got {scales.out_dtype}")
     bias = scales.bias
+    if isinstance(bias, torch.Tensor):
+        check_dense(op, "bias", bias)
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,)
                              or bias.dtype != scales.out_dtype or bias.device != a.device):
         described = (f"{bias.dtype} {list(bias.shape)} on {bias.device}" if isinstance(bias, torch.Tensor)

@@ -27,7 +27,7 @@ from flashoverlap.comm.expert.scaled import FP8, ExpertScales, rows_dtype
 from flashoverlap.comm.expert.scaled import MODES as SCALED_MODES
 from flashoverlap.comm.protocol import Hook
 from flashoverlap.runtime import agreement, calls, policy
-from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, DTYPES
+from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, DTYPES, check_dense
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context, resolved_group
 from flashoverlap.tune import grouped, grouped_fp8
 
@@ -44,6 +44,7 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
     case; the same on every rank)."""
     if not isinstance(topk_idx, torch.Tensor):
         raise TypeError(f"{name}: topk_idx must be a torch.Tensor [T, k], got {type(topk_idx).__name__}")
+    check_dense(name, "topk_idx", topk_idx)
     if topk_idx.ndim != 2 or topk_idx.dtype not in _INT_DTYPES:
         raise ValueError(f"{name}: topk_idx must be a 2-D integer tensor [T, k] (expert indices), got "
                          f"{topk_idx.dtype} of shape {list(topk_idx.shape)}")
@@ -77,10 +78,13 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
         guards.refuse_inside_capture(f"{name}: mode='exact' synchronises with the host (the split sizes); use "
                                      "mode='bounded' inside a CUDA graph, which")
     env = settings.current()
-    every = env.agreement is not None  # debug mode: the ranks agree on every call, mode and bound included
-    if not guards.capturing():  # else on the group's first layout of these experts and top-k (the mode and the
-        # bound: expert_layout's own exchange checks them on every call)
-        header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * every, (bound or 0) * every, 0, 0, 0, 0, 0, 0]
+    debug = env.agreement is not None  # debug mode: the ranks agree on every call, mode and bound included
+    # CPU routing on a group of several ranks: on every call too (the reference path's rule,
+    # ``calls.agree_every_call``: its collectives block the host anyway), the mode and the bound left to
+    # expert_layout's own exchange, which checks them on every call and names both.
+    every = debug or topk_idx.is_cpu and context.world_size > 1
+    if not guards.capturing():  # else on the group's first layout of these experts and top-k
+        header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * debug, (bound or 0) * debug, 0, 0, 0, 0, 0, 0]
         agreement.agree(name, context, "expert", _FIELDS, header, env.agreement or settings.AGREEMENT_TIMEOUT,
                         once=not every)
     return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
@@ -293,6 +297,7 @@ def _check_operands(spec: ExpertSpec) -> None:
     for arg, t, dims in ((rows_name, a, 2), (w_name, b, 3)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        check_dense(name, arg, t)
         if t.ndim != dims:
             raise ValueError(f"{name}: {arg} must be {dims}-D, got shape {list(t.shape)}")
         fp8 = scales is not None and (t is b or scales.a is not None)  # else rows the call quantises (``wired``)
@@ -370,6 +375,7 @@ def _check_scales(spec: ExpertSpec) -> None:
 def _check_scale(name: str, arg: str, t: object, want: tuple, device: torch.device, mode: str, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, arg, t)
     if t.dtype is not torch.float32 or t.shape != want or t.device != device:
         raise ValueError(f"{name}: {arg} must be float32 {list(want)} on {device} ({mode}-wise: {what}), got "
                          f"{t.dtype} {list(t.shape)} on {t.device}")
