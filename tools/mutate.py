@@ -398,7 +398,7 @@ MUTATIONS = [
      "    if once:\n", DISAGREE_TEST),
     ("agreement-layout-debug-only", "Agreement without a switch: the expert layout agrees only in debug mode (ranks "
      "with other expert counts exchange counts of other sizes)", "src/flashoverlap/runtime/experts.py",
-     "    if not guards.capturing():  # else on the group's first layout", "    if every:  # else on the group's first "
+     "    if not guards.capturing():  # else on the group's first layout", "    if debug:  # else on the group's first "
      "layout", DISAGREE_TEST),
     ("agreement-expert-first-call-skipped", "Agreement without a switch: an expert call agrees only in debug mode",
      "src/flashoverlap/runtime/experts.py", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = False) "
