@@ -81,6 +81,35 @@ def test_variables_read_at_import_send_the_call_to_fresh_interpreters(monkeypatc
     assert testing.fresh_because() == ["OMP_NUM_THREADS", "PATH"]
 
 
+
+def _started_with(rank, world_size, name):
+    """``name`` in the environment this rank's interpreter was started with (what torch saw at its import), not
+    the one ``spawn`` applies later."""
+    with open("/proc/self/environ", "rb") as f:
+        started = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    value = started.get(name.encode())
+    return None if value is None else value.decode()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/environ: Linux")
+def test_a_variable_read_at_import_is_there_when_the_fresh_interpreter_starts(monkeypatch):
+    """``env={"OMP_NUM_THREADS": ...}``-like variables send a call to fresh interpreters because torch reads them at
+    import: they must be in the environment those interpreters start with (they were applied only after the
+    import, too late), and the caller's own environment stays as it was."""
+    name = "FLASHOVERLAP_IMPORT_TIME_PROBE"[len("FLASHOVERLAP_"):]  # outside READ_AT_WORK: read at import
+    assert name not in os.environ
+    monkeypatch.setattr(testing, "_fresh_because", set())  # what this test sends is not the session's to report
+    assert spawn(_started_with, 2, args=(name,), env={name: "at start"}) == ["at start"] * 2
+    assert name not in os.environ
+
+
+def test_spawn_refuses_a_world_it_cannot_start():
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        spawn(_salt, 0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="backend='nccl' needs a CUDA GPU per rank"):
+            spawn(_salt, 2, backend="nccl")
+
 def test_fresh_ranks_salt_their_string_hashes_apart():
     first, second = spawn(_salt, 2, fresh=True)
     assert first != second  # as separate machines' processes do (equal by chance with probability 2**-64)

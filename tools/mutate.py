@@ -488,6 +488,25 @@ MUTATIONS = [
      "src/flashoverlap/nn/styles.py", "        return module.weight.shape[self._sharded_dim] % binding.world != 0",
      "        return False",
      "tests/nn/test_styles.py::test_a_weight_whose_width_does_not_divide_runs_as_pytorchs_style"),
+    ("spawn-fresh-interpreters-start-without-env", "testing.spawn: fresh interpreters start with the caller's "
+     "environment, env= applied only after torch's import (too late for what torch reads then)", TESTING,
+     "        with _environment(environ):  # a fresh interpreter starts with it", "        with contextlib.nullcontext("
+     "):  # a fresh interpreter starts with it",
+     "tests/test_testing.py::test_a_variable_read_at_import_is_there_when_the_fresh_interpreter_starts"),
+    ("spawn-world-of-zero-returns-nothing", "testing.spawn: a world of 0 ranks returns [] instead of being refused",
+     TESTING, "    if not isinstance(world_size, int) or world_size < 1:", "    if not isinstance(world_size, int):",
+     "tests/test_testing.py::test_spawn_refuses_a_world_it_cannot_start"),
+    ("group-name-takes-anything", "The ops through their custom op (autograd): any group passes, a DeviceMesh meets "
+     "an AttributeError and a group's name is taken", "src/flashoverlap/ops/library.py",
+     "    if not isinstance(group, dist.ProcessGroup):\n        check_group(op, group)", "    if False:\n        pass",
+     "tests/ops/test_errors.py::test_a_device_mesh_or_a_group_name_is_refused_alike_with_and_without_autograd"),
+    ("release-takes-anything", "release: a DeviceMesh or a group's name matches no context, and nothing is freed, "
+     "silently", "src/flashoverlap/runtime/context.py", "    refuse_non_group(\"release\", group)", "    pass",
+     "tests/ops/test_errors.py::test_a_device_mesh_or_a_group_name_is_refused_alike_with_and_without_autograd"),
+    ("gathered-input-gradient-dropped", "all_gather_gemm: the gathered input's gradient (return_gathered) is not "
+     "passed back to the shard", "src/flashoverlap/ops/library.py",
+     "    if grad_gathered is not None and ctx.needs_input_grad[0]:", "    if False:",
+     "tests/ops/test_all_gather_gemm.py::test_the_gathered_input_passes_its_gradient_back"),
     ("float8-input-amax-local", "Float8 styles: the row-wise style's input scale from this rank's amax, not the group's",
      "src/flashoverlap/nn/float8.py", "x_split = True if rowwise else",
      "x_split = False if rowwise else",

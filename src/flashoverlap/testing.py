@@ -30,6 +30,7 @@ a rank may be gone before the caller reads it); one that cannot be pickled is th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue as queue_module
@@ -90,6 +91,17 @@ def apply_environ(environ: dict, target: MutableMapping[str, str] = os.environ) 
     """Make ``target`` (a rank's ``os.environ``) exactly ``environ``: the caller's variables, not the forkserver's."""
     target.clear()
     target.update(environ)
+
+
+@contextlib.contextmanager
+def _environment(environ: dict):
+    """``os.environ`` is ``environ`` inside (the environment a fresh interpreter starts with), as it was after."""
+    saved = dict(os.environ)
+    apply_environ(environ)
+    try:
+        yield
+    finally:
+        apply_environ(saved)
 
 
 def _worker(rank: int, fn: Callable, job: tuple, queue, output: str):
@@ -174,6 +186,11 @@ def spawn(
     if one_gpu and backend != "gloo":
         raise ValueError(f"spawn: one_gpu=True runs the ranks over a gloo group (NCCL refuses two ranks on one GPU), "
                          f"got backend={backend!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
+    if backend == "nccl" and torch.cuda.device_count() < 1:
+        raise RuntimeError("spawn: backend='nccl' needs a CUDA GPU per rank (torch.cuda.device_count() is 0); "
+                           "use backend='gloo' on the CPU")
     environ = {**os.environ, **(env or {})}
     ctx = rank_context(environ, fresh)
     queue = ctx.Queue()
@@ -182,8 +199,9 @@ def spawn(
         output = os.path.join(tmp, "rank")  # rank r prints into output.r.out and output.r.err
         job = (world_size, backend, init_file, environ, args, one_gpu)
         procs = [ctx.Process(target=_worker, args=(rank, fn, job, queue, output)) for rank in range(world_size)]
-        for p in procs:
-            p.start()
+        with _environment(environ):  # a fresh interpreter starts with it: what torch reads at import time
+            for p in procs:
+                p.start()
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}  # in the order the failures were seen: the first is the likeliest cause
         offsets: dict[str, int] = {}

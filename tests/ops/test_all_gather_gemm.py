@@ -33,3 +33,39 @@ def _check(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_all_gather_gemm_matches_pytorch(world_size):
     assert all(spawn(_check, world_size))
+
+
+def _gathered_input_read(rank, world_size, dtype_name, compiled):
+    """Sequence parallelism's shared input: ``q, x_full = all_gather_gemm(x_r, wq, return_gathered=True)`` and
+    ``k = x_full @ wk``. x_r's gradient must carry k's part (the gathered input's own gradient, each rank's rows
+    summed over the group), as the plain all-gather's backward gives it; it was dropped (the gathered input was not
+    differentiable). Against plain PyTorch: ``all_gather_into_tensor`` in autograd (funcol), then the two products."""
+    import torch.distributed._functional_collectives as funcol
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(rank)
+    x_r = torch.randn(3, 8, dtype=dtype, requires_grad=True)
+    torch.manual_seed(99)
+    wq, wk = torch.randn(8, 5, dtype=dtype, requires_grad=True), torch.randn(8, 4, dtype=dtype, requires_grad=True)
+
+    def ours(x_r, wq, wk):
+        q, x_full = all_gather_gemm(x_r, wq, return_gathered=True)
+        return q.float().pow(2).sum() + (x_full @ wk).float().pow(2).sum()
+
+    def plain(x_r, wq, wk):
+        x_full = funcol.all_gather_tensor_autograd(x_r, 0, dist.group.WORLD)
+        return (x_full @ wq).float().pow(2).sum() + (x_full @ wk).float().pow(2).sum()
+
+    run = torch.compile(ours, backend="aot_eager", fullgraph=True) if compiled else ours
+    grads = torch.autograd.grad(run(x_r, wq, wk), (x_r, wq, wk))
+    want = torch.autograd.grad(plain(x_r, wq, wk), (x_r, wq, wk))
+    tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.5, "rtol": 2e-2}
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, **tolerance)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gathered_input_passes_its_gradient_back(world_size):
+    for dtype_name, compiled in (("float32", False), ("bfloat16", False), ("float32", True)):
+        assert all(spawn(_gathered_input_read, world_size, args=(dtype_name, compiled)))

@@ -260,3 +260,22 @@ def test_sparse_operands_are_named_before_anything_runs(world_of_one):
     for said, call in cases:
         with pytest.raises(ValueError, match=f"{said} must be a dense tensor, got layout torch.sparse_"):
             call()
+
+
+def test_a_device_mesh_or_a_group_name_is_refused_alike_with_and_without_autograd(world_of_one):
+    """``group`` is checked the same whether the call goes through the custom op (an input requires grad: it
+    took a group's name, and a DeviceMesh met an AttributeError) or not; ``release`` refuses what it could not
+    match (a DeviceMesh released nothing, silently)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    for group, said in ((mesh, r"got DeviceMesh \(a DeviceMesh: pass mesh.get_group\(\)\)"),
+                        (mesh.get_group().group_name, "got str")):
+        for grad in (False, True):
+            a = torch.randn(4, 3, requires_grad=grad)
+            with pytest.raises(TypeError, match=f"gemm_all_reduce: group must be a torch.distributed ProcessGroup "
+                                                f"or None, {said}"):
+                fo.gemm_all_reduce(a, torch.randn(3, 5), group)
+        with pytest.raises(TypeError, match=f"release: group must be a torch.distributed ProcessGroup or None, {said}"):
+            fo.release(group)
+    fo.release(mesh.get_group())  # the mesh's group itself: released

@@ -191,7 +191,7 @@ class _Fp8Dispatch(torch.autograd.Function):
 
         xq, sx = cast_rowwise(x, 1)
         wq, sw = _weight_for(w13, 2)
-        values, name = moe_library.layout_values(layout), group_name(group)
+        values, name = moe_library.layout_values(layout), group_name(group, "Float8ExpertParallelMLP")
         tensors = list(layout.tensors())
         h, recv = torch.ops.flashoverlap.moe_dispatch_scaled(xq, sx, wq, sw, tensors, name, values, False, path,
                                                              _out_dtype(x.dtype))
@@ -231,7 +231,7 @@ class _Fp8Combine(torch.autograd.Function):
 
         aq, sa = cast_rowwise(a, 1)
         wq, sw = _weight_for(w2, 2)
-        values, name = moe_library.layout_values(layout), group_name(group)
+        values, name = moe_library.layout_values(layout), group_name(group, "Float8ExpertParallelMLP")
         tensors = list(layout.tensors())
         y, back = torch.ops.flashoverlap.moe_combine_scaled(aq, sa, wq, sw, topk_weights, tensors, name, values,
                                                             path, _out_dtype(a.dtype))

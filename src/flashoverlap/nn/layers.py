@@ -57,7 +57,7 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.rank, self.world_size = _rank_and_size(group)
-        self.group_name = group_name(group)
+        self.group_name = group_name(group, type(self).__name__)
         self.sequence_parallel = sequence_parallel
         self.path = path
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))

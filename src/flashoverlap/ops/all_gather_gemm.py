@@ -33,7 +33,7 @@ def all_gather_gemm(
     Args: as :func:`flashoverlap.gemm_all_reduce`, with ``a_shard: [M/W, K]`` this rank's rows.
     """
     if library.needed(OP, (a_shard, b), plan):
-        c, gathered = torch.ops.flashoverlap.all_gather_gemm(a_shard, b, library.group_name(group), path)
+        c, gathered = torch.ops.flashoverlap.all_gather_gemm(a_shard, b, library.group_name(group, OP), path)
     else:
         c, gathered = execute(GEMM, GemmSpec(OP, "all_gather", a_shard, b, group, plan, path, return_gathered))
     return (c, gathered) if return_gathered else c

@@ -44,5 +44,5 @@ def gemm_all_reduce(
         ``[M, N]`` row-major, the input dtype, identical on every rank of ``group``.
     """
     if library.needed(OP, (a, b), plan):
-        return torch.ops.flashoverlap.gemm_all_reduce(a, b, library.group_name(group), path)
+        return torch.ops.flashoverlap.gemm_all_reduce(a, b, library.group_name(group, OP), path)
     return execute(GEMM, GemmSpec(OP, "all_reduce", a, b, group, plan, path))[0]

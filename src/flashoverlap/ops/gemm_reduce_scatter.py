@@ -30,5 +30,5 @@ def gemm_reduce_scatter(
     Args: as :func:`flashoverlap.gemm_all_reduce`; ``M`` must be divisible by the group's size.
     """
     if library.needed(OP, (a, b), plan):
-        return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, library.group_name(group), path)
+        return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, library.group_name(group, OP), path)
     return execute(GEMM, GemmSpec(OP, "reduce_scatter", a, b, group, plan, path))[0]

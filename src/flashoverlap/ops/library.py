@@ -25,21 +25,24 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from flashoverlap.comm.replay import Matmul
 from flashoverlap.plan import Plan
 from flashoverlap.runtime.calls import GEMM, GemmSpec, execute
+from flashoverlap.runtime.checks import check_group
 
 
-def group_name(group: dist.ProcessGroup | str | None) -> str:
-    """The name a custom op takes for ``group`` (None: the default group)."""
-    if isinstance(group, str):
-        return group
+def group_name(group: dist.ProcessGroup | None, op: str = "flashoverlap") -> str:
+    """The name a custom op takes for ``group`` (None: the default group). Anything but a process group is refused
+    as ``checks.check_group`` refuses it on a call that skips the custom op, naming ``op``."""
     if group is None:
         if not dist.is_initialized():
-            raise RuntimeError("flashoverlap: torch.distributed is not initialised; call dist.init_process_group()")
+            raise RuntimeError(f"{op}: torch.distributed is not initialised; call dist.init_process_group()")
         group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        check_group(op, group)  # raises: a DeviceMesh, a group's name, a non-member's placeholder
     return group.group_name
 
 
@@ -207,14 +210,22 @@ def _reduce_scatter_backward(ctx, grad_y):
 def _keep_gathered(ctx, inputs, output) -> None:
     a_shard, b, group, path = inputs
     ctx.save_for_backward(b, output[1])
-    ctx.mark_non_differentiable(output[1])  # the gathered input is returned for reuse, not differentiated
+    ctx.set_materialize_grads(False)  # a gathered input nothing read (the layers', the usual case) costs nothing
     ctx.group, ctx.path = group, path
 
 
 def _all_gather_backward(ctx, grad_c, grad_gathered):
+    """The product's gradients, and the gathered input's own where something read it (``return_gathered``, the
+    other projections of a shared input): each rank's rows of it summed over the group, ``all_gather``'s backward."""
     b, gathered = ctx.saved_tensors
-    grad_a, grad_b = torch.ops.flashoverlap.all_gather_gemm_backward(grad_c.contiguous(), b, gathered, ctx.group,
-                                                                     ctx.path)
+    grad_a = grad_b = None
+    if grad_c is not None:
+        grad_a, grad_b = torch.ops.flashoverlap.all_gather_gemm_backward(grad_c.contiguous(), b, gathered, ctx.group,
+                                                                         ctx.path)
+    if grad_gathered is not None and ctx.needs_input_grad[0]:
+        rows = funcol.reduce_scatter_tensor(grad_gathered.contiguous(), "sum", 0, _resolve_process_group(ctx.group))
+        rows = rows.wait() if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
+        grad_a = rows if grad_a is None else grad_a + rows
     return (grad_a if ctx.needs_input_grad[0] else None), (grad_b if ctx.needs_input_grad[1] else None), None, None
 
 

@@ -77,7 +77,7 @@ def moe_layout(
     """
     if torch.compiler.is_compiling():
         if mode == "bounded":
-            return moe_library.bounded_layout(topk_idx, num_experts, group_name(group), bound)
+            return moe_library.bounded_layout(topk_idx, num_experts, group_name(group, "moe_layout"), bound)
         # A graph break: the split sizes are host integers. (Wrapped here, not at import: torch.compiler.disable
         # imports Dynamo, seconds of every process's start-up.)
         return torch.compiler.disable(_exact_layout)(topk_idx, num_experts, group, bound)
@@ -135,12 +135,13 @@ def moe_dispatch_gemm(
             if scale_x is None:  # the custom op takes fp8 rows: bf16 ones quantised now
                 x, scale_x = quantise(x.detach(), mode)
             return torch.ops.flashoverlap.moe_dispatch_scaled(x, scale_x, w_up, scale_w, layout.tensors(),
-                                                              group_name(group), moe_library.layout_values(layout),
+                                                              group_name(group, "moe_dispatch_gemm"),
+                                                              moe_library.layout_values(layout),
                                                               False, path, out_dtype)[0]
         return execute(experts.EXPERT, experts.ExpertSpec("moe_dispatch_gemm", "dispatch", x, w_up, layout, group,
                                                           path, scales=scales))[0]
     if needed("moe_dispatch_gemm", (x, w_up)):
-        h, _ = torch.ops.flashoverlap.moe_dispatch(x, w_up, layout.tensors(), group_name(group),
+        h, _ = torch.ops.flashoverlap.moe_dispatch(x, w_up, layout.tensors(), group_name(group, "moe_dispatch_gemm"),
                                                    moe_library.layout_values(layout), False, path)
         return h
     return execute(experts.EXPERT, experts.ExpertSpec("moe_dispatch_gemm", "dispatch", x, w_up, layout, group, path))[0]
@@ -192,7 +193,7 @@ def moe_gemm_combine(
             if scale_a is None:  # the custom op takes fp8 rows: bf16 ones quantised now
                 a, scale_a = quantise(a.detach(), mode)
             return torch.ops.flashoverlap.moe_combine_scaled(a, scale_a, w_down, scale_w, topk_weights,
-                                                             layout.tensors(), group_name(group),
+                                                             layout.tensors(), group_name(group, "moe_gemm_combine"),
                                                              moe_library.layout_values(layout), path, out_dtype)[0]
         spec = experts.ExpertSpec("moe_gemm_combine", "combine", a, w_down, layout, group, path, topk_weights,
                                   out=out, scales=scales)
@@ -204,7 +205,8 @@ def moe_gemm_combine(
                                  "topk_weights requires grad: drop out=, or call under torch.no_grad()")
             if isinstance(a, torch.Tensor) and isinstance(w_down, torch.Tensor) and w_down.ndim == 3:
                 check_out("moe_gemm_combine", out, (layout.tokens, w_down.shape[2]), a.dtype, a.device)
-        y, _ = torch.ops.flashoverlap.moe_combine(a, w_down, topk_weights, layout.tensors(), group_name(group),
+        y, _ = torch.ops.flashoverlap.moe_combine(a, w_down, topk_weights, layout.tensors(),
+                                                  group_name(group, "moe_gemm_combine"),
                                                   moe_library.layout_values(layout), path)
         return y if out is None else out.copy_(y)  # traced (torch.compile): the copy is part of the graph
     spec = experts.ExpertSpec("moe_gemm_combine", "combine", a, w_down, layout, group, path, topk_weights, out=out)

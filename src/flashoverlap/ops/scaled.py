@@ -94,11 +94,11 @@ def _run(name: str, op: str, operands: tuple, out_dtype: torch.dtype, bias: torc
                              "plan` tunes bf16 and fp16 only)")
         ops = torch.ops.flashoverlap
         if op == "all_gather":
-            c, a_full, scale_full = ops.all_gather_scaled_gemm(a, b, scale_a, scale_b, group_name(group), out_dtype,
-                                                               bias, path)
+            c, a_full, scale_full = ops.all_gather_scaled_gemm(a, b, scale_a, scale_b, group_name(group, name),
+                                                               out_dtype, bias, path)
             return c, (a_full, scale_full)
         custom = ops.scaled_gemm_all_reduce if op == "all_reduce" else ops.scaled_gemm_reduce_scatter
-        return custom(a, b, scale_a, scale_b, group_name(group), out_dtype, bias, path), None
+        return custom(a, b, scale_a, scale_b, group_name(group, name), out_dtype, bias, path), None
     refuse_grad(name, (("a_shard" if op == "all_gather" else "a", a), ("b", b),
                        ("scale_a_shard" if op == "all_gather" else "scale_a", scale_a), ("scale_b", scale_b),
                        ("bias", bias)),

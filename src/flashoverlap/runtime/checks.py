@@ -110,6 +110,14 @@ def check_scaled(op: str, a: object, b: object, scales: object, kind: str) -> tu
     return m, n, k
 
 
+def refuse_non_group(op: str, group: object) -> None:
+    """A TypeError naming ``op`` where ``group`` is neither a process group nor None (a DeviceMesh: its group)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        hint = " (a DeviceMesh: pass mesh.get_group())" if type(group).__name__ == "DeviceMesh" else ""
+        raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__}{hint}")
+
+
 def check_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The process group to use: initialised, and this rank a member. Whether its backend can move the call's
     tensors depends on the path (``runtime/policy.py``: P2P moves none through it)."""
@@ -119,8 +127,7 @@ def check_group(op: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:  # dist.new_group, outside it
         raise ValueError(f"{op}: this rank (global {dist.get_rank()}) is not a member of group (dist.new_group "
                          "returned GroupMember.NON_GROUP_MEMBER here): call the op on the group's ranks only")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    refuse_non_group(op, group)
     if dist.get_rank(group) < 0:
         raise ValueError(f"{op}: this rank (global {dist.get_rank()}) is not a member of group")
     return group

@@ -30,7 +30,7 @@ from flashoverlap.comm.tp.reference import ReferenceCommunicator
 from flashoverlap.comm.tp.ring_nccl import RingNcclCommunicator
 from flashoverlap.comm.tp.sequential import SequentialCommunicator
 from flashoverlap.plan import Plan
-from flashoverlap.runtime.checks import check_group
+from flashoverlap.runtime.checks import check_group, refuse_non_group
 from flashoverlap.tune import cache, rates
 
 # The dispatch table: (kind of call, path) -> how to build its communicator. "gemm": the tensor-parallel ops
@@ -239,4 +239,5 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     the NCCL path's cloned process groups, replayed CUDA graphs, measured rates and cached plans. Collective where
     the group's communicators hold peer-mapped memory or cloned groups: call it on every rank of the group, after
     its last call (and before ``dist.destroy_process_group``). The next call on the group starts afresh."""
+    refuse_non_group("release", group)  # else nothing would match it, and nothing be freed, silently
     REGISTRY.clear(group)
