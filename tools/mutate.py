@@ -468,7 +468,7 @@ MUTATIONS = [
      "stages = 3", "tests/tune/test_fp8.py"),
     ("moe-layout-agrees-once-on-the-cpu", "moe_layout: CPU routing agreed on once per (experts, top-k), as on a "
      "GPU, so ranks each repeating a different layout return it", "src/flashoverlap/runtime/experts.py",
-     "    every = debug or topk_idx.is_cpu and context.world_size > 1", "    every = debug",
+     "    every = debug or calls.agree_every_call(topk_idx, \"auto\", group)", "    every = debug",
      "tests/runtime/test_disagreement.py::test_ranks_each_repeating_a_different_call_raise_on_the_reference_path"),
     ("scales-signature-without-devices", "fp8 calls: the scales' devices left out of the call's signature, so a "
      "repeated call with a scale moved to another device skips the device check", "src/flashoverlap/comm/scaled.py",

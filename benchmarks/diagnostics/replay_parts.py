@@ -87,7 +87,7 @@ def _case(name, op, m, n, k, dtype, device, gen, sms) -> dict:
         "whole replayed call": whole,
         "an empty Python call": lambda: None,
         "settings.current": settings.current,
-        "agree_every_call": lambda: agree_every_call(spec),
+        "agree_every_call": lambda: agree_every_call(spec.a, spec.path, spec.group),
         "GEMM.signature": lambda: GEMM.signature(spec, env),
         "REGISTRY.lookup": lambda: REGISTRY.lookup(signature),
         "GEMM.call (capturing check, Call)": lambda: GEMM.call(spec, entry, env),

@@ -35,17 +35,16 @@ from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context, 
 Entry = tuple[Any, Any, bool]
 
 
-def agree_every_call(spec: Any) -> bool:
-    """Whether the ranks agree on every call of ``spec``'s, not only a first one, without a switch set: on the
-    reference path (CPU tensors, or ``path="reference"``) of a group of several ranks, whose collectives block the
-    host anyway (one more small exchange is its cost), so that ranks each repeating a different call raise, which
-    a first-call check cannot see. Decided from the call's own arguments, before the cache is asked, so that every
-    rank decides alike whatever its cache holds. The GPU paths agree on a first call only: an exchange there would
-    cost every call a host round trip."""
-    a = spec.a
-    if spec.path != "reference" and not (isinstance(a, torch.Tensor) and a.is_cpu):  # a Parameter too
+def agree_every_call(a: Any, path: str, group: Any) -> bool:
+    """Whether the ranks agree on every call of an op on ``a`` (its first tensor argument), not only a first one,
+    without a switch set: on the reference path (CPU tensors, or ``path="reference"``) of a group of several ranks,
+    whose collectives block the host anyway (one more small exchange is its cost), so that ranks each repeating a
+    different call raise, which a first-call check cannot see. Decided from the call's own arguments, before the
+    cache is asked, so that every rank decides alike whatever its cache holds. The GPU paths agree on a first call
+    only: an exchange there would cost every call a host round trip. (The expert layout, ``experts.layout``, takes
+    the same rule.)"""
+    if path != "reference" and not (isinstance(a, torch.Tensor) and a.is_cpu):  # a Parameter too
         return False
-    group = spec.group
     if group is not None and not isinstance(group, dist.ProcessGroup) or not dist.is_initialized():
         return False  # the checks name it
     try:
@@ -78,7 +77,7 @@ class Kind(Protocol):
 def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one call of any op (see the module docstring); returns the communicator's ``(result, extra)``."""
     env = settings.current()
-    every = env.agreement is None and agree_every_call(spec)
+    every = env.agreement is None and agree_every_call(spec.a, spec.path, spec.group)
     lanes = env.replay and env.agreement is None and not every
     lane_key = None
     if lanes and REGISTRY.lanes:  # (no lane held: none to find, and the key's few microseconds are not spent)

@@ -79,10 +79,10 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
                                      "mode='bounded' inside a CUDA graph, which")
     env = settings.current()
     debug = env.agreement is not None  # debug mode: the ranks agree on every call, mode and bound included
-    # CPU routing on a group of several ranks: on every call too (the reference path's rule,
-    # ``calls.agree_every_call``: its collectives block the host anyway), the mode and the bound left to
-    # expert_layout's own exchange, which checks them on every call and names both.
-    every = debug or topk_idx.is_cpu and context.world_size > 1
+    # CPU routing on a group of several ranks: on every call too (the reference path's rule: its collectives block
+    # the host anyway), the mode and the bound left to expert_layout's own exchange, which checks them on every call
+    # and names both.
+    every = debug or calls.agree_every_call(topk_idx, "auto", group)
     if not guards.capturing():  # else on the group's first layout of these experts and top-k
         header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * debug, (bound or 0) * debug, 0, 0, 0, 0, 0, 0]
         agreement.agree(name, context, "expert", _FIELDS, header, env.agreement or settings.AGREEMENT_TIMEOUT,
