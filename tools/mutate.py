@@ -705,6 +705,23 @@ MUTATIONS = [
      "first call's dispatch", "src/flashoverlap/nn/fp8_experts.py",
      "    if hidden % BLOCK or ffn % BLOCK:", "    if False:",
      "tests/moe/test_moe_nn.py::test_block_wise_widths_are_checked_when_the_layer_is_built"),
+    ("moe-layer-width-unchecked", "nn: an input of another width than H is reshaped into other rows by the expert "
+     "layer, without an error", "src/flashoverlap/nn/moe.py",
+     "    if x.dim() == 0 or x.shape[-1] != hidden:", "    if x.dim() == 0:",
+     "tests/moe/test_moe_nn.py::test_shapes_and_gradients_are_refused_by_the_layer_before_anything_runs"),
+    ("fp8-layer-gate-grad-unchecked", "nn: a gated fp8 inference layer called with autograd on is refused by the "
+     "combine, after the dispatch, naming topk_weights", "src/flashoverlap/nn/fp8_moe.py",
+     "                                           else self.gate.parameters()))):",
+     "                                           else ()))):",
+     "tests/moe/test_moe_nn.py::test_shapes_and_gradients_are_refused_by_the_layer_before_anything_runs"),
+    ("moe-gate-dtype-unchecked", "nn: an input of another dtype than the gate's is refused by the gate's matmul, in "
+     "torch's words", "src/flashoverlap/nn/moe.py",
+     "                if x.dtype != self.gate.weight.dtype:", "                if False:",
+     "tests/moe/test_moe_nn.py::test_shapes_and_gradients_are_refused_by_the_layer_before_anything_runs"),
+    ("expert-width-field-says-F", "runtime: ranks whose dispatch weights differ in width are told they disagree on "
+     "the expert width F, with 2F's values", "src/flashoverlap/runtime/experts.py",
+     "\"expert weights' width (dispatch's N, combine's K)\"", "\"expert width F\"",
+     DISAGREE_TEST + "::test_ranks_that_disagree_raise_on_every_rank_and_none_returns_a_tensor_with_no_switch_set"),
     ("exit-handler-leaves-cycles", "runtime: the exit handler drops its contexts but collects no cycle, so a "
      "destroyed gloo group held by a layer in a cycle is freed in the interpreter's teardown (std::terminate)",
      "src/flashoverlap/runtime/context.py", "        self.contexts.clear()\n        gc.collect()\n",

@@ -1,12 +1,10 @@
 """The fp8 expert layer's host-work savings keep its values: the rows' quantiser (``comm/expert/scaled.quantise``,
-views of one wire buffer that ``pack`` hands on without a copy) equals the plain formula, and the weights' casts kept
-between calls (``nn/fp8_experts.cached_cast``) are made again whenever the weight changes."""
+views of one wire buffer that ``pack`` hands on without a copy) equals the plain formula."""
 
 import pytest
 import torch
 
 from flashoverlap.comm.expert import scaled
-from flashoverlap.nn import fp8_experts
 
 
 def _plain(x, mode, dtype):
@@ -44,59 +42,3 @@ def test_quantised_rows_equal_the_formula_and_pack_without_a_copy(mode, dtype, f
         assert scaled.pack(q[3:9], s[3:9]).data_ptr() == q[3].data_ptr()
         dense = scaled.pack(q.contiguous(), s.contiguous())
         assert dense.data_ptr() != q.data_ptr() and torch.equal(dense[:, :384], packed[:, :384])
-
-
-@pytest.mark.parametrize("scaling", ["row", "block"])
-def test_a_kept_weight_cast_is_made_again_when_the_weight_changes(scaling):
-    fp8_experts.clear_weight_casts()
-    w = torch.nn.Parameter(torch.randn(2, 256, 128, dtype=torch.bfloat16))
-    kept = fp8_experts._quantise_weight_kept if scaling == "block" else (
-        lambda w, _: fp8_experts._weight_for_kept(w, 2))
-
-    def fresh():
-        return fp8_experts.quantise_weight(w, "block") if scaling == "block" else fp8_experts._weight_for(w, 2)
-
-    first = kept(w, scaling)
-    assert kept(w, scaling) is first  # unchanged: the kept cast
-    with torch.no_grad():
-        w.mul_(2)  # an in-place write (an optimiser step)
-    second = kept(w, scaling)
-    assert second is not first and all(torch.equal(a.float(), b.float()) for a, b in zip(second, fresh()))
-    state = {"w": torch.randn(2, 256, 128, dtype=torch.bfloat16)}
-    module = torch.nn.Module()
-    module.w = w
-    module.load_state_dict(state)  # load_state_dict copies in place
-    third = kept(w, scaling)
-    assert third is not second and all(torch.equal(a.float(), b.float()) for a, b in zip(third, fresh()))
-    w.data = torch.randn(2, 256, 128, dtype=torch.bfloat16)  # a new storage: another data pointer
-    fourth = kept(w, scaling)
-    assert fourth is not third and all(torch.equal(a.float(), b.float()) for a, b in zip(fourth, fresh()))
-    w.data.mul_(3)  # a write the version counter does not see: clear_weight_casts() is the documented way
-    fp8_experts.clear_weight_casts()
-    assert all(torch.equal(a.float(), b.float()) for a, b in zip(kept(w, scaling), fresh()))
-
-
-def test_the_layer_without_autograd_reuses_its_weights_casts_and_sees_a_changed_weight(monkeypatch):
-    """``experts_forward``'s calls without autograd cast unchanged weights once, and again after a change."""
-    fp8_experts.clear_weight_casts()
-    made = []
-    real = fp8_experts.quantise_weight
-    monkeypatch.setattr(fp8_experts, "quantise_weight", lambda w, s: made.append(w) or real(w, s))
-    monkeypatch.setattr(fp8_experts, "moe_dispatch_gemm", lambda rows, w, *a, **k: torch.zeros(
-        rows.shape[0], w.shape[2], dtype=torch.bfloat16))
-    monkeypatch.setattr(fp8_experts, "moe_gemm_combine", lambda a, w, *args, **k: torch.zeros(
-        a.shape[0], w.shape[2], dtype=torch.bfloat16))
-
-    class Layer:
-        group, path, ffn = None, "reference", 128
-
-    w13 = torch.nn.Parameter(torch.randn(2, 256, 128, dtype=torch.bfloat16))
-    w2 = torch.nn.Parameter(torch.randn(2, 128, 128, dtype=torch.bfloat16))
-    rows, weights = torch.randn(4, 128, dtype=torch.bfloat16), torch.rand(4, 2)
-    with torch.no_grad():
-        for _ in range(3):
-            fp8_experts.experts_forward(Layer(), rows, w13, w2, weights, None, "block")
-        assert len(made) == 2  # w13 and w2, once each
-        w2.add_(1)
-        fp8_experts.experts_forward(Layer(), rows, w13, w2, weights, None, "block")
-    assert len(made) == 3 and made[-1] is w2

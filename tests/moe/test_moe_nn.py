@@ -187,3 +187,77 @@ def _block_widths_checked_at_construction(rank, world):
 
 def test_block_wise_widths_are_checked_when_the_layer_is_built(ranks):
     assert ranks(2).run(_block_widths_checked_at_construction) == [True, True]
+
+
+def _shapes_and_grads_refused_before_anything_runs(rank, world):
+    """A wrong width of ``x``, logits of another expert count, routing of other leading dimensions or another k:
+    each the layer's ValueError naming the argument, on every rank before any collective (the input was reshaped
+    into other rows, and ``logits [T, E - 1]`` routed to the first E - 1 experts only, without an error); the same
+    for the plain ``MoEBlock``. A gated fp8 inference layer called with autograd on (the gate's parameters need
+    gradients) is refused by the layer, not by the combine after the dispatch; an input of another dtype than the
+    gate's is named before the gate's matmul."""
+    import pytest
+
+    from flashoverlap.nn import ExpertParallelMLP, Float8ExpertParallelMLP, MoEBlock
+
+    layer = ExpertParallelMLP(H, FFN, E, K, gate=True, dtype=torch.bfloat16)
+    block = MoEBlock(H, FFN, E, K, dtype=torch.bfloat16)
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    idx, weights = torch.randint(0, E, (T, K)), torch.rand(T, K, dtype=torch.bfloat16)
+    bad = [((torch.randn(T, 2 * H, dtype=torch.bfloat16),), {}, r"x must be \[\.\.\., H = 16\], got \[10, 32\]"),
+           ((x,), {"logits": torch.randn(T, E - 1, dtype=torch.bfloat16)}, r"logits must be \[\.\.\., E = 8\]"),
+           ((x,), {"logits": torch.randn(T // 2, 2 * E, dtype=torch.bfloat16)}, r"logits must be"),
+           ((x, idx.reshape(-1), weights.reshape(-1)), {}, r"topk_idx must be \[\.\.\., k\] .* got \[20\]"),
+           ((x, idx, weights[:, :1]), {}, r"must have the same k"),
+           ((x.reshape(2, T // 2, H), idx.reshape(T // 2, 2, K), weights), {}, r"topk_idx must be")]
+    for args, kwargs, words in bad:
+        with pytest.raises(ValueError, match=words):
+            layer(*args, **kwargs)
+        if "logits" not in kwargs:
+            with pytest.raises(ValueError, match=words):
+                block(*args)
+    assert layer(x.reshape(2, T // 2, H), idx.reshape(2, T // 2, K), weights).shape == (2, T // 2, H)
+    fp8 = Float8ExpertParallelMLP.from_float(ExpertParallelMLP(128, 128, E, K, gate=True, dtype=torch.bfloat16), "row")
+    with pytest.raises(ValueError, match="Float8ExpertParallelMLP: fp8 experts run forward only"):
+        fp8(torch.randn(T, 128, dtype=torch.bfloat16))  # x needs no gradient; the gate's weight does
+    with torch.no_grad(), pytest.raises(ValueError, match="the input x is torch.float16 but the gate's weight"):
+        fp8(torch.randn(T, 128, dtype=torch.float16))
+    with torch.no_grad():
+        assert fp8(torch.randn(T, 128, dtype=torch.bfloat16)).shape == (T, 128)
+    return True
+
+
+def test_shapes_and_gradients_are_refused_by_the_layer_before_anything_runs(ranks):
+    assert ranks(2).run(_shapes_and_grads_refused_before_anything_runs) == [True, True]
+
+
+def _fp8_inference_layers(rank, world):
+    """``ExpertParallelMLP(fp8="block")`` and ``Float8ExpertParallelMLP.from_float(..., "block")`` give the same
+    values (the docs' promise: the same numerics, the weights cast at every call or once), and the first casts its
+    weights at every call: a write through ``.data`` (which autograd's version counter does not see) is in the next
+    call's values, as a fresh layer's."""
+    import copy
+
+    from flashoverlap.nn import ExpertParallelMLP, Float8ExpertParallelMLP
+
+    torch.manual_seed(1)  # the same weights on every rank's copy of the layer's shard
+    layer = ExpertParallelMLP(128, 128, 2 * world, 2, fp8="block", dtype=torch.bfloat16)
+    torch.manual_seed(10 + rank)
+    x = torch.randn(7, 128, dtype=torch.bfloat16)
+    idx = torch.randint(0, 2 * world, (7, 2))
+    weights = torch.rand(7, 2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = layer(x, idx, weights)
+        once = Float8ExpertParallelMLP.from_float(copy.deepcopy(layer), "block")
+        assert torch.equal(once(x, idx, weights), got)
+        layer.w13.data.copy_(torch.randn_like(layer.w13) / 11)  # a loader's write, unseen by the version counter
+        layer.w2.data.mul_(-3)
+        again = layer(x, idx, weights)
+        fresh = copy.deepcopy(layer)
+        assert not torch.equal(again, got)
+        assert torch.equal(again, fresh(x, idx, weights))
+    return True
+
+
+def test_fp8_inference_layers_agree_and_cast_the_weights_at_every_call(ranks):
+    assert ranks(2).run(_fp8_inference_layers) == [True, True]

@@ -77,6 +77,8 @@ def _cases(rank: int, world: int):
         ("moe_layout", "num_experts", lambda: fo.moe_layout(idx, experts * (1 + odd))),
         ("moe_dispatch_gemm", "hidden size H",
          lambda: fo.moe_dispatch_gemm(randn(4, hidden), randn(2, hidden, 6), fo.moe_layout(idx, experts))),
+        ("moe_dispatch_gemm", "expert weights' width (dispatch's N, combine's K)",
+         lambda: fo.moe_dispatch_gemm(randn(4, 16), randn(2, 16, 6 + 2 * odd), fo.moe_layout(idx, experts))),
         ("moe_gemm_combine", "hidden size H",
          lambda: fo.moe_gemm_combine(randn(_received(fo, idx, experts), 6), randn(2, 6, hidden), torch.ones(4, 1),
                                      fo.moe_layout(idx, experts))),

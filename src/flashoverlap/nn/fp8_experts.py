@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap.comm.scaled import BLOCK
 from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine
@@ -40,50 +39,6 @@ def quantise_weight(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.
     scale = (padded.abs().amax((2, 4)) / top).clamp_min(1e-12)
     q = (padded / scale[:, :, None, :, None]).clamp(-top, top).view(local, n_pad, k)[:, :n]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.transpose(1, 2)
-
-
-# -- the weights' casts, kept per weight ---------------------------------------------------------------------------
-# A weight's fp8 casts for the calls without autograd (``_weight_for``, ``quantise_weight``: the inference calls of
-# ``experts_forward``; the training calls cast at every call, their weights changing every step, and keep nothing
-# between steps), kept while the weight lives and reused while it is unchanged: each entry is keyed by the weight's
-# version counter (bumped by every in-place write that autograd sees: optimiser steps, ``load_state_dict``,
-# ``copy_`` and ``nn.init`` under ``torch.no_grad()``), its data pointer (a replaced storage), shape, strides and
-# dtype. A write that bypasses the version counter (through ``w.data``, or DLPack / raw pointers) is not seen: call
-# ``clear_weight_casts()`` after one. Not kept while tracing (``torch.compile``) or for inference tensors (no version
-# counter): cast at every call there, as before. A kept cast holds an fp8 copy of its weight (half a bf16 weight's
-# bytes) while the weight lives, evaluation passes under ``torch.no_grad()`` during training included:
-# ``clear_weight_casts()`` frees them.
-_CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def clear_weight_casts() -> None:
-    """Forget every kept weight cast (after writing expert weights in a way the version counter does not see, e.g.
-    through ``.data``)."""
-    _CASTS.clear()
-
-
-def cached_cast(w: torch.Tensor, what: tuple, make):
-    """``make()``, the cast ``what`` of weight ``w``, kept until ``w`` changes (see ``_CASTS``)."""
-    if torch.compiler.is_compiling() or w.is_inference():
-        return make()
-    key = (w._version, w.data_ptr(), w.shape, w.stride(), w.dtype)
-    entries = _CASTS.get(w)
-    if entries is None:
-        entries = _CASTS[w] = {}
-    hit = entries.get(what)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    value = make()
-    entries[what] = (key, value)
-    return value
-
-
-def _quantise_weight_kept(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return cached_cast(w, ("quantise", scaling), lambda: quantise_weight(w, scaling))
-
-
-def _weight_for_kept(w: torch.Tensor, over: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return cached_cast(w, ("rowwise", over), lambda: _weight_for(w, over))
 
 
 # -- training: torchao's row-wise MoE recipe through the expert ops ------------------------------------------------
@@ -272,35 +227,43 @@ class _Fp8Combine(torch.autograd.Function):
 def experts_forward(layer: torch.nn.Module, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, routing, scaling: str) -> torch.Tensor:
     """``ExpertParallelMLP``'s experts in fp8 (``scaling`` ``"row"``: torchao's training recipe, with autograd;
-    ``"block"``: inference, the weights cast to 128x128 blocks), ``rows [T, H]`` -> ``[T, H]``. The weights' casts
-    are kept while the weights are unchanged (``cached_cast``) in the calls without autograd: such a call on unchanged
-    weights casts only its rows."""
+    ``"block"``: inference, the weights cast to 128x128 blocks), ``rows [T, H]`` -> ``[T, H]``. The weights are cast
+    at every call, nothing kept between calls (a kept cast goes stale, silently, after a write that autograd's version
+    counter does not see, such as ``w.data.copy_(...)``): ``Float8ExpertParallelMLP`` holds the weights cast once."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, w13, w2, topk_weights))
     if scaling == "block":
         if grad:
             raise ValueError("ExpertParallelMLP: fp8='block' runs forward only (inference); call it under "
                              "torch.no_grad(), or train with fp8='row'")
-        w13q, s13 = _quantise_weight_kept(w13, "block")
-        w2q, s2 = _quantise_weight_kept(w2, "block")
-        h = moe_dispatch_gemm(rows, w13q.transpose(1, 2), routing, layer.group, path=layer.path, scale_w=s13,
-                              out_dtype=_out_dtype(rows.dtype)).to(rows.dtype)
-        a = F.silu(h[:, : layer.ffn]) * h[:, layer.ffn :]
-        return moe_gemm_combine(a, w2q.transpose(1, 2), topk_weights, routing, layer.group, path=layer.path,
-                                scale_w=s2, out_dtype=_out_dtype(rows.dtype)).to(rows.dtype)
+        return fp8_inference(layer, rows, *quantise_weight(w13, "block"), *quantise_weight(w2, "block"),
+                             topk_weights, routing)
     if grad:
         h = _Fp8Dispatch.apply(rows, w13, routing, layer.group, layer.path)
         a = F.silu(h[:, : layer.ffn]) * h[:, layer.ffn :]
         return _Fp8Combine.apply(a, w2, topk_weights, routing, layer.group, layer.path)
-    # No autograd: the public ops, the same casts (host time as the inference layer's).
+    # No autograd: the public ops, the same casts as the training forward's.
     xq, sx = cast_rowwise(rows, 1)
-    w13q, s13 = _weight_for_kept(w13, 2)
+    w13q, s13 = _weight_for(w13, 2)
     h = moe_dispatch_gemm(xq, w13q, routing, layer.group, path=layer.path, scale_x=sx, scale_w=s13,
                           out_dtype=_out_dtype(rows.dtype)).to(rows.dtype)
     a = F.silu(h[:, : layer.ffn]) * h[:, layer.ffn :]
     aq, sa = cast_rowwise(a, 1)
-    w2q, s2 = _weight_for_kept(w2, 2)
+    w2q, s2 = _weight_for(w2, 2)
     return moe_gemm_combine(aq, w2q, topk_weights, routing, layer.group, path=layer.path, scale_a=sa, scale_w=s2,
                             out_dtype=_out_dtype(rows.dtype)).to(rows.dtype)
+
+
+def fp8_inference(layer: torch.nn.Module, rows: torch.Tensor, w13q: torch.Tensor, s13: torch.Tensor,
+                  w2q: torch.Tensor, s2: torch.Tensor, topk_weights: torch.Tensor, routing) -> torch.Tensor:
+    """The fp8 inference experts (``Float8ExpertParallelMLP``, and ``ExpertParallelMLP(fp8="block")`` on its
+    per-call casts): ``rows [T, H]`` quantised by the ops, the weights as ``quantise_weight`` returns them; the
+    GEMMs' output bf16 (fp32 for fp32 rows), SwiGLU in fp32 rounded to that dtype; ``[T, H]`` in the rows' dtype."""
+    out = _out_dtype(rows.dtype)
+    h = moe_dispatch_gemm(rows, w13q.transpose(1, 2), routing, layer.group, path=layer.path, scale_w=s13,
+                          out_dtype=out)
+    a = (F.silu(h[:, : layer.ffn].float()) * h[:, layer.ffn :].float()).to(out)
+    return moe_gemm_combine(a, w2q.transpose(1, 2), topk_weights, routing, layer.group, path=layer.path,
+                            scale_w=s2, out_dtype=out).to(rows.dtype)
 
 
 def torchao_weight(w: torch.Tensor) -> tuple[torch.Tensor, str] | None:

@@ -37,7 +37,6 @@ same numerics with the weights cast at every call (inference only too).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flashoverlap.nn.fp8_experts import (  # noqa: F401 (the training mechanics, kept importable from here)
     _cast_groups,
@@ -46,12 +45,13 @@ from flashoverlap.nn.fp8_experts import (  # noqa: F401 (the training mechanics,
     cast_rowwise,
     check_block_widths,
     experts_forward,
+    fp8_inference,
     quantise_weight,
     torchao_weight,
     weight_grad,
 )
 from flashoverlap.nn.moe import ExpertParallelMLP
-from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine, moe_layout
+from flashoverlap.ops.moe import moe_layout
 
 SCALINGS = ("row", "block")
 
@@ -87,17 +87,18 @@ class Float8ExpertParallelMLP(ExpertParallelMLP):
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                 *, logits: torch.Tensor | None = None) -> torch.Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
+        # Before the routing and the dispatch: a router weight that needs a gradient (from x, the layer's gate or the
+        # caller's routing) would otherwise be refused by the combine, after the dispatch's all-to-all, by a name
+        # the caller never passed.
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
+                x, topk_weights, logits, *(() if self.gate is None or topk_idx is not None or logits is not None
+                                           else self.gate.parameters()))):
             raise ValueError("Float8ExpertParallelMLP: fp8 experts run forward only (inference); call it under "
                              "torch.no_grad() or torch.inference_mode()")
         rows, topk_idx, topk_weights = self.routing(x, topk_idx, topk_weights, logits)
         routing = moe_layout(topk_idx, self.num_experts, self.group, mode=self.mode, bound=self.bound)
-        h = moe_dispatch_gemm(rows, self.w13_fp8.transpose(1, 2), routing, self.group, path=self.path,
-                              scale_w=self.w13_scale, out_dtype=torch.bfloat16)
-        a = F.silu(h[:, : self.ffn].float()) * h[:, self.ffn :].float()
-        y = moe_gemm_combine(a.to(torch.bfloat16), self.w2_fp8.transpose(1, 2), topk_weights, routing, self.group,
-                             path=self.path, scale_w=self.w2_scale, out_dtype=torch.bfloat16)
-        return y.to(x.dtype).view(x.shape)
+        return fp8_inference(self, rows, self.w13_fp8, self.w13_scale, self.w2_fp8, self.w2_scale, topk_weights,
+                             routing).view(x.shape)
 
     _KEPT = ("w13_fp8", "w13_scale", "w2_fp8", "w2_scale")  # their dtypes are the format: .to(dtype) keeps them
 

@@ -51,6 +51,30 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[tor
     return idx, weights.to(logits.dtype)
 
 
+def check_routing_shapes(where: str, x: torch.Tensor, hidden: int, num_experts: int,
+                         topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                         logits: torch.Tensor | None = None) -> None:
+    """``x [..., H]`` and the routing given with it (``topk_idx``/``topk_weights [..., k]``, ``logits [..., E]``,
+    their leading dimensions ``x``'s or flattened ``[T]``), checked before anything runs: a wrong width would
+    otherwise be reshaped into other rows without an error."""
+    if x.dim() == 0 or x.shape[-1] != hidden:
+        raise ValueError(f"{where}: x must be [..., H = {hidden}], got {list(x.shape)}")
+    lead, tokens = tuple(x.shape[:-1]), math.prod(x.shape[:-1])
+    for name, t, last in (("topk_idx", topk_idx, None), ("topk_weights", topk_weights, None),
+                          ("logits", logits, num_experts)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() == 0 or tuple(t.shape[:-1]) not in (lead, (tokens,)) or (last is not None and t.shape[-1] != last):
+            want = f"[..., E = {last}]" if last is not None else "[..., k]"
+            raise ValueError(f"{where}: {name} must be {want} with x's leading dimensions {list(lead)} (or "
+                             f"[{tokens}, ...]), got {list(t.shape)}")
+    if topk_idx is not None and topk_weights is not None and topk_idx.shape[-1] != topk_weights.shape[-1]:
+        raise ValueError(f"{where}: topk_idx {list(topk_idx.shape)} and topk_weights {list(topk_weights.shape)} "
+                         "must have the same k")
+
+
 class MoEExpert(nn.Module):
     """One SwiGLU expert: ``w2(silu(w1(x)) * w3(x))``, ``w1, w3: Linear(H, F)``, ``w2: Linear(F, H)``, no bias."""
 
@@ -78,6 +102,9 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``; the routing from the gate unless given (``[..., k]`` each)."""
+        check_routing_shapes("MoEBlock", x, self.hidden, self.num_experts, topk_idx, topk_weights)
+        if (topk_idx is None) != (topk_weights is None):
+            raise ValueError("MoEBlock: pass topk_idx with topk_weights, or neither (the gate routes)")
         rows = x.reshape(-1, self.hidden)
         if topk_idx is None:
             topk_idx, topk_weights = route(self.gate(rows), self.top_k, self.normalize)
@@ -187,6 +214,8 @@ class ExpertParallelMLP(nn.Module):
     def routing(self, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
                 logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows [T, H], topk_idx [T, k], topk_weights [T, k])`` of a forward's arguments (see ``forward``)."""
+        where = type(self).__name__
+        check_routing_shapes(where, x, self.hidden, self.num_experts, topk_idx, topk_weights, logits)
         rows = x.reshape(-1, self.hidden)
         if topk_idx is not None:
             if topk_weights is None or logits is not None:
@@ -198,6 +227,9 @@ class ExpertParallelMLP(nn.Module):
                 if self.gate is None:
                     raise ValueError("ExpertParallelMLP: no routing given and the layer has no gate; pass "
                                      "topk_idx and topk_weights, or logits, or build it with gate=True")
+                if x.dtype != self.gate.weight.dtype:  # the gate's matmul would refuse it less clearly
+                    raise ValueError(f"{where}: the input x is {x.dtype} but the gate's weight is "
+                                     f"{self.gate.weight.dtype}; cast one to the other")
                 logits = self.gate(rows)
             topk_idx, topk_weights = route(logits.reshape(rows.shape[0], logits.shape[-1]), self.top_k,
                                            self.normalize)  # (a rank with no tokens has no -1 to infer)

@@ -153,8 +153,8 @@ class ExpertKind:
         _check_operands(spec)
         a, b, routing = spec.a, spec.b, spec.layout
         k, n = b.shape[1], b.shape[2]
-        hidden, ffn = (k, n) if spec.op == "dispatch" else (n, k)
-        header = [1 + ("dispatch", "combine").index(spec.op), routing.experts, hidden, ffn, routing.top_k,
+        hidden, width = (k, n) if spec.op == "dispatch" else (n, k)  # width: 2F for a gate-and-up dispatch
+        header = [1 + ("dispatch", "combine").index(spec.op), routing.experts, hidden, width, routing.top_k,
                   MODES.index(routing.mode), routing.bound or 0, DTYPE_CODES[rows_dtype(a, spec.scales)],
                   policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted),
                   0 if spec.scales is None else 1 + SCALED_MODES.index(spec.scales.mode),
@@ -382,7 +382,8 @@ def _check_scale(name: str, arg: str, t: object, want: tuple, device: torch.devi
 
 
 # -- the agreement check: the ranks agree ------------------------------------------------------------------------
-_FIELDS = (("op", ("moe_layout", "dispatch", "combine")), "num_experts", "hidden size H", "expert width F", "top-k",
+_FIELDS = (("op", ("moe_layout", "dispatch", "combine")), "num_experts", "hidden size H",
+           "expert weights' width (dispatch's N, combine's K)", "top-k",
            ("mode", MODES), "bound", ("dtype", DTYPE_NAMES), ("path", policy.EXPERT_PATHS),
            ("per_choice", ("False", "True")), ("weighted", ("False", "True")),
            ("fp8 scaling", ("none", "row", "block")), ("out_dtype", DTYPE_NAMES))
