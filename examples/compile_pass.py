@@ -4,9 +4,11 @@
 
 A torchtitan-style feed-forward layer (``x + feed_forward(ffn_norm(x))``, SwiGLU) sharded by torchtitan's
 sequence-parallel plan with ``torch.distributed.tensor.parallel``'s styles, nothing of flashoverlap's; then
-``flashoverlap.compile.enable()`` and ``torch.compile``. Prints which matmul + collective patterns the pass rewrote
-into the library's ops (the all-gather before ``w1``/``w3`` and the reduce-scatter after ``w2``, forward and
-backward) and the largest relative difference of the output and every gradient from the same model run eagerly,
+``flashoverlap.compile.enable()`` and ``torch.compile``. Prints how many matmul + collective patterns the pass
+rewrote into the library's ops, forward and backward together: the all-gather before ``w1``/``w3`` and the
+reduce-scatter after ``w2`` in the forward, the all-gather before ``w2``'s input gradient in the backward (the
+backward's reduce-scatter after ``w1``/``w3`` sums two matmuls' outputs: left to PyTorch, as ``docs/migration.md``
+says), and the largest relative difference of the output and every gradient from the same model run eagerly,
 over every rank; raises if nothing was rewritten or beyond bf16 rounding. NCCL and GPU-sized tensors where every
 rank has a GPU; else gloo, CPU-sized tensors and the reference path (Inductor's CPU code generation: a minute or so).
 """
