@@ -451,6 +451,30 @@ def host_bound(path: str) -> str:
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
+def host_queue(path: str) -> str:
+    """An eager call's host time against the loop's length (``benchmarks/diagnostics/host_queue.py``): per case, the
+    NCCL path's host time per call for each loop length, beside the plain matmul's."""
+    data = _load(path)
+    loops = data["meta"]["loops"]
+    cases = {}
+    for row in data["rows"]:
+        cases.setdefault((row["shape"], row["op"], row["dtype"]), {}).setdefault(row["path"], {})[row["loop"]] = \
+            row["host_us"]
+    lines = ["| shape | op | dtype | path | " + " | ".join(f"{n} call{'s' * (n > 1)}" for n in loops) + " |",
+             "| --- " * (4 + len(loops)) + "|"]
+    for (shape, op, dtype), paths in cases.items():
+        for path_name, by_loop in paths.items():
+            name = "nccl (eager)" if path_name == "nccl" else ("`torch._scaled_mm`" if dtype != "bfloat16"
+                                                               else "`torch.mm`")
+            lines.append(f"| {shape} | {OPS.get(op, op)} | {dtype} | {name} | "
+                         + " | ".join(_us(by_loop[n]) if n in by_loop else "-" for n in loops) + " |")
+    legend = (f"<sub>{_one_gpu(data['meta'])}, a one-rank NCCL group: host time to issue one call (µs), per call of "
+              f"a loop of that many calls back to back (the GPU idle and synchronised before each loop), the median "
+              f"of {data['meta']['rounds']} rounds; the NCCL path under its overlapped plan, `FLASHOVERLAP_REPLAY=0`."
+              "</sub>")
+    return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
+
+
 HOST_BOUND_LEGEND = (
     "<sub>{gpu}, a one-rank NCCL group; per call of 50 back to back on the same tensors: host = the time to issue "
     "it, GPU = the same loop queued behind a long GPU sleep (the host never what the GPU waits on), wall = issue plus "
@@ -1010,7 +1034,7 @@ RENDERERS = {"headline": headline, "ops": ops_table, "block": block_table, "e-ra
              "host-one-gpu": host_one_gpu, "moe-gemm": moe_gemm,
              "cpu-host-python": cpu_host_python, "moe-layer": moe_layer, "moe-host-one-gpu": moe_host_one_gpu,
              "fp8-gemm": fp8_gemm, "fp8-host": fp8_host, "fp8-bytes": fp8_bytes, "fp8-p2p": fp8_p2p,
-             "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound,
+             "fp8-ops": fp8_ops, "fp8-block": fp8_block, "host-bound": host_bound, "host-queue": host_queue,
              "fp8-grouped": fp8_grouped, "fp8-tiles": fp8_tiles, "shared-ranks": shared_ranks, "soak": soak,
              "faults": faults,
              "host-shared": host_shared, "fp8-moe-host": fp8_moe_host, "cpu-nccl-host": cpu_nccl_host,
