@@ -217,6 +217,11 @@ def _shapes_and_grads_refused_before_anything_runs(rank, world):
             with pytest.raises(ValueError, match=words):
                 block(*args)
     assert layer(x.reshape(2, T // 2, H), idx.reshape(2, T // 2, K), weights).shape == (2, T // 2, H)
+    # x's rows flattened already: routing of any leading shape with as many rows, in their order
+    assert layer(x, idx.reshape(2, T // 2, K), weights.reshape(2, T // 2, K)).shape == (T, H)
+    layer.gate.float()  # an fp32 router under autocast: autocast casts x and the gate's weight alike
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).shape == (T, H)
     fp8 = Float8ExpertParallelMLP.from_float(ExpertParallelMLP(128, 128, E, K, gate=True, dtype=torch.bfloat16), "row")
     with pytest.raises(ValueError, match="Float8ExpertParallelMLP: fp8 experts run forward only"):
         fp8(torch.randn(T, 128, dtype=torch.bfloat16))  # x needs no gradient; the gate's weight does

@@ -398,6 +398,12 @@ class _Float8Linear:
                            device_mesh: DeviceMesh) -> Any:
         return self._theirs()._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
+    def _reproduces(self, module: nn.Module) -> bool:
+        """The fp8 styles reproduce ``Float8Linear.forward`` (``_checked_float8_linear`` refused anything else)."""
+        from torchao.float8.float8_linear import Float8Linear
+
+        return styles.own_forward(module) is Float8Linear.forward
+
     def _theirs(self) -> type:
         from torchao.float8 import float8_tensor_parallel
 
@@ -441,7 +447,7 @@ class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N/W, K]
         if layout is None or not _runs_fp8(local, weight) or self._uneven(module, binding):
-            return self._torch_forward(module, x, binding)
+            return self._fallback(module, x, binding)
         if isinstance(layout, Replicate) and not isinstance(x, DTensor):
             rows = local.reshape(-1, local.shape[-1])
             y_rows = self._product(rows, weight, module, binding, False)
@@ -453,7 +459,7 @@ class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
             y_rows = self._product(_rows_major(local, layout.dim), weight, module, binding, True)
             y = _from_rows(y_rows, local, layout.dim, local.shape[layout.dim] * binding.world)
         else:  # a Replicate DTensor (PrepareModuleInput's), uneven shards: torchao's
-            return self._torch_forward(module, x, binding)
+            return self._fallback(module, x, binding)
         if module.bias is not None:
             y = y + module.bias.to_local().to(y.dtype)
         if self.use_local_output and _normalize(self.output_layouts[0], y.ndim) == Shard(y.ndim - 1):

@@ -87,15 +87,13 @@ class Float8ExpertParallelMLP(ExpertParallelMLP):
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                 *, logits: torch.Tensor | None = None) -> torch.Tensor:
-        # Before the routing and the dispatch: a router weight that needs a gradient (from x, the layer's gate or the
-        # caller's routing) would otherwise be refused by the combine, after the dispatch's all-to-all, by a name
-        # the caller never passed.
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
-                x, topk_weights, logits, *(() if self.gate is None or topk_idx is not None or logits is not None
-                                           else self.gate.parameters()))):
+        rows, topk_idx, topk_weights = self.routing(x, topk_idx, topk_weights, logits)
+        # Before the layout and the dispatch (the routing is local): router weights that need a gradient (from x
+        # through the gate, the gate's parameters, or the caller's) would otherwise be refused by the combine, after
+        # the dispatch's all-to-all, by a name the caller never passed.
+        if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
             raise ValueError("Float8ExpertParallelMLP: fp8 experts run forward only (inference); call it under "
                              "torch.no_grad() or torch.inference_mode()")
-        rows, topk_idx, topk_weights = self.routing(x, topk_idx, topk_weights, logits)
         routing = moe_layout(topk_idx, self.num_experts, self.group, mode=self.mode, bound=self.bound)
         return fp8_inference(self, rows, self.w13_fp8, self.w13_scale, self.w2_fp8, self.w2_scale, topk_weights,
                              routing).view(x.shape)

@@ -34,6 +34,7 @@ from torch import nn
 
 from flashoverlap.ops import library  # noqa: F401  (torch.ops.flashoverlap.*)
 from flashoverlap.ops.library import group_name
+from flashoverlap.runtime.policy import check_path_name
 
 SEQUENCE_PARALLEL_REPLICATED = "_flashoverlap_sequence_parallel"  # marks parameters whose grads need summing
 
@@ -59,7 +60,7 @@ class _ParallelLinear(nn.Module):
         self.rank, self.world_size = _rank_and_size(group)
         self.group_name = group_name(group, type(self).__name__)
         self.sequence_parallel = sequence_parallel
-        self.path = path
+        self.path = check_path_name(type(self).__name__, path)
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(bias_features, device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
@@ -172,12 +173,19 @@ def parallelize(model: nn.Module, plan: dict[str, str], group=None, *, sequence_
                 path: str = "auto") -> nn.Module:
     """Replace ``model``'s ``nn.Linear`` submodules by their shards, in place, by name: ``plan`` maps a module name
     or pattern (``fnmatch``: ``"layers.*.attn.qkv"``) to ``"colwise"`` or ``"rowwise"``, in the spirit of torch's
-    ``parallelize_module``. Every pattern must match at least one ``nn.Linear``. Returns ``model``."""
+    ``parallelize_module``. Every pattern must match at least one ``nn.Linear``; a linear registered under several
+    names (tied) becomes one shard under each of them. Returns ``model``."""
     for style in plan.values():
         if style not in STYLES:
             raise ValueError(f"parallelize: style must be one of {sorted(STYLES)}, got {style!r}")
     matched = dict.fromkeys(plan, 0)
-    for name, module in list(model.named_modules()):
+    # Every name of every module (a module registered under two names, tied, has both): a shard replaces the
+    # linear under each of its names, so that the tie holds.
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    shards: dict[int, tuple[str, nn.Module]] = {}  # by the linear's id: its style and its shard
+    for name, module in list(model.named_modules(remove_duplicate=False)):
         for pattern, style in plan.items():
             if fnmatch.fnmatchcase(name, pattern):
                 if not isinstance(module, nn.Linear):
@@ -188,13 +196,25 @@ def parallelize(model: nn.Module, plan: dict[str, str], group=None, *, sequence_
                                     f"{STYLES[style].__name__} would run in bf16: shard fp8 models with "
                                     "parallelize_module and flashoverlap.nn.Float8ColwiseParallel / "
                                     "Float8RowwiseParallel")
+                if type(module).forward is not nn.Linear.forward:  # the shard would run nn.Linear's, silently
+                    raise TypeError(f"parallelize: {name!r} is a {type(module).__name__}, an nn.Linear with a forward "
+                                    f"of its own, which a {STYLES[style].__name__} would not run: shard it with "
+                                    "parallelize_module and flashoverlap.nn.ColwiseParallel / RowwiseParallel "
+                                    "(which run such a module as PyTorch's styles do)")
                 if not name:  # the model itself: it cannot be replaced in place
                     raise ValueError(f"parallelize: {pattern!r} matches the model itself, an nn.Linear, which cannot "
                                      f"be replaced in place: use {STYLES[style].__name__}.from_linear(model) and keep "
                                      "what it returns")
-                parent, _, child = name.rpartition(".")
-                shard = STYLES[style].from_linear(module, group, sequence_parallel=sequence_parallel, path=path)
-                setattr(model.get_submodule(parent) if parent else model, child, shard)
+                done = shards.get(id(module))
+                if done is None:
+                    shard = STYLES[style].from_linear(module, group, sequence_parallel=sequence_parallel, path=path)
+                    shards[id(module)] = (style, shard)
+                    for alias in names[id(module)]:
+                        parent, _, child = alias.rpartition(".")
+                        setattr(model.get_submodule(parent) if parent else model, child, shard)
+                elif done[0] != style:
+                    raise ValueError(f"parallelize: {name!r} is the same nn.Linear as {names[id(module)][0]!r} "
+                                     f"(tied), which the plan shards {done[0]}; it cannot be sharded {style} too")
                 matched[pattern] += 1
                 break
     missing = [pattern for pattern, count in matched.items() if not count]

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashoverlap.ops.moe import moe_dispatch_gemm, moe_gemm_combine, moe_layout
+from flashoverlap.runtime.policy import EXPERT_PATHS, check_path_name
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +67,9 @@ def check_routing_shapes(where: str, x: torch.Tensor, hidden: int, num_experts: 
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() == 0 or tuple(t.shape[:-1]) not in (lead, (tokens,)) or (last is not None and t.shape[-1] != last):
+        flat = x.dim() <= 2 and math.prod(t.shape[:-1]) == tokens  # x's rows flattened already: routing any shape
+        if t.dim() == 0 or (tuple(t.shape[:-1]) not in (lead, (tokens,)) and not flat) or (
+                last is not None and t.shape[-1] != last):
             want = f"[..., E = {last}]" if last is not None else "[..., k]"
             raise ValueError(f"{where}: {name} must be {want} with x's leading dimensions {list(lead)} (or "
                              f"[{tokens}, ...]), got {list(t.shape)}")
@@ -160,7 +163,8 @@ class ExpertParallelMLP(nn.Module):
             raise ValueError(f"ExpertParallelMLP: top_k = {top_k} must lie in [1, num_experts = {num_experts}]")
         self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
         self.local_experts = num_experts // self.world_size
-        self.normalize, self.mode, self.bound, self.path, self.fp8 = normalize, mode, bound, path, fp8
+        self.normalize, self.mode, self.bound, self.fp8 = normalize, mode, bound, fp8
+        self.path = check_path_name("ExpertParallelMLP", path, EXPERT_PATHS)
         self.w13 = nn.Parameter(torch.empty((self.local_experts, 2 * ffn, hidden), device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty((self.local_experts, hidden, ffn), device=device, dtype=dtype))
         self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype) if gate else None
@@ -227,7 +231,8 @@ class ExpertParallelMLP(nn.Module):
                 if self.gate is None:
                     raise ValueError("ExpertParallelMLP: no routing given and the layer has no gate; pass "
                                      "topk_idx and topk_weights, or logits, or build it with gate=True")
-                if x.dtype != self.gate.weight.dtype:  # the gate's matmul would refuse it less clearly
+                if x.dtype != self.gate.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+                    # (the gate's matmul would refuse it less clearly; autocast casts them alike)
                     raise ValueError(f"{where}: the input x is {x.dtype} but the gate's weight is "
                                      f"{self.gate.weight.dtype}; cast one to the other")
                 logits = self.gate(rows)

@@ -25,15 +25,17 @@ of this rank's shard) and the result moved back (one copy of the output), which 
 
 Everything else is PyTorch's own behaviour, unchanged:
 
-- a colwise linear given a *DTensor* already ``Replicate`` (what ``PrepareModuleInput(desired_input_layouts=
-  Replicate())`` hands it, as in torchtitan's plan) multiplies its shard locally and hands back a ``Partial``
-  gradient, as PyTorch's style does: the all-gather and the gradient's reduce-scatter are ``PrepareModuleInput``'s,
-  shared by the projections it feeds;
+- a colwise linear with the default ``input_layouts`` given a *DTensor* already ``Replicate`` (what
+  ``PrepareModuleInput(desired_input_layouts=Replicate())`` hands it, as in torchtitan's plan) multiplies its shard
+  locally and hands back a ``Partial`` gradient, as PyTorch's style does: the all-gather and the gradient's
+  reduce-scatter are ``PrepareModuleInput``'s, shared by the projections it feeds (under other ``input_layouts``
+  PyTorch's style redistributes it, which reduces the gradient: its path runs);
 - the output's redistribution to ``output_layouts`` when it is not the op's own (colwise ``output_layouts=
   Replicate()``) is PyTorch's ``_prepare_output_fn``;
 - any layout combination that is not one of the four above (colwise input ``Shard(-1)`` or ``Partial``, rowwise
-  input not sharded on the last dimension, rowwise output ``Shard(-1)`` or ``Partial``), an ``nn.Embedding``, a
-  shard that does not divide (a sharded axis of the input or output, or the weight's sharded width), a dtype the
+  input not sharded on the last dimension, rowwise output ``Shard(-1)`` or ``Partial``), an ``nn.Embedding``, an
+  ``nn.Linear`` subclass with a forward of its own (torchao's ``Float8Linear``: the fp8 styles are ``nn/float8``'s),
+  a shard that does not divide (a sharded axis of the input or output, or the weight's sharded width), a dtype the
   ops do not take (they take bf16, fp16, fp32), or autocast: the linear runs exactly as PyTorch's style runs it
   (DTensor ``F.linear`` between PyTorch's input and output hooks). Styles whose
   layouts are known not to apply at ``parallelize_module`` time are PyTorch's styles outright.
@@ -55,7 +57,9 @@ from torch.distributed.tensor.parallel import style as torch_styles
 from torch.distributed.tensor.placement_types import Placement
 
 from flashoverlap.ops import library  # noqa: F401  (torch.ops.flashoverlap.*)
+from flashoverlap.runtime.calls import agree_on_fallback
 from flashoverlap.runtime.checks import DTYPES
+from flashoverlap.runtime.policy import check_path_name
 
 _LOG = logging.getLogger("flashoverlap.nn.styles")
 _DTYPES = DTYPES  # the ops' one dtype rule (runtime/checks.py)
@@ -94,6 +98,14 @@ def _bind(module: nn.Linear, binding: _Binding) -> None:
                              {"forward": _forward, "_flashoverlap_routed": True, "__module__": __name__})
     module.__class__ = _CLASSES[cls]
     setattr(module, _BOUND, binding)
+
+
+def own_forward(module: nn.Module) -> Any:
+    """``module``'s own class's ``forward`` (below flashoverlap's routing, where the module is routed)."""
+    cls = type(module)
+    if getattr(cls, "_flashoverlap_routed", False):
+        cls = cls.__mro__[1]
+    return cls.forward
 
 
 def _normalize(placement: Placement, ndim: int) -> Placement:
@@ -147,7 +159,16 @@ class _OverlappedLinear:
                  use_local_output: bool = True, path: str = "auto") -> None:
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
-        self.path = path
+        self.path = check_path_name(type(self).__name__, path)
+
+    def _reproduces(self, module: nn.Module) -> bool:
+        """Whether this style's forward computes what ``module``'s own does: ``nn.Linear``'s. A subclass with a
+        forward of its own (torchao's ``Float8Linear`` among them) runs as PyTorch's style runs it, said once."""
+        if own_forward(module) is nn.Linear.forward:
+            return True
+        _LOG.info("%s: %s has a forward of its own: PyTorch's style runs it", type(self).__name__,
+                  type(module).__name__)
+        return False
 
     def _route(self, module: nn.Linear, device_mesh: DeviceMesh) -> nn.Module:
         binding = _Binding(self, device_mesh)
@@ -162,6 +183,15 @@ class _OverlappedLinear:
         """Whether the weight's sharded width does not divide by the group's size: DTensor's shards then differ in
         size from rank to rank, which the ops' agreement refuses; PyTorch's style runs such a linear."""
         return module.weight.shape[self._sharded_dim] % binding.world != 0
+
+    def _fallback(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
+        """PyTorch's path (``_torch_forward``) for a call the ops do not take, once the ranks agree that each takes
+        it where they agree on every call (``calls.agree_on_fallback``: a rank whose input took the op instead
+        raises, and so does this one)."""
+        if not torch.compiler.is_compiling():
+            local = x.to_local() if isinstance(x, DTensor) else x
+            agree_on_fallback(type(self).__name__, local, binding.mesh.get_group())
+        return self._torch_forward(module, x, binding)
 
     def _torch_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         """Exactly what PyTorch's style runs: its input hook, DTensor ``F.linear``, its output hook."""
@@ -179,7 +209,8 @@ class ColwiseParallel(_OverlappedLinear, torch_styles.ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         layout = self.input_layouts[0]
-        if not isinstance(module, nn.Linear) or isinstance(layout, Partial) or layout == Shard(-1):
+        if (not isinstance(module, nn.Linear) or isinstance(layout, Partial) or layout == Shard(-1)
+                or not self._reproduces(module)):
             return super()._apply(module, device_mesh)  # PyTorch's style outright
         return self._route(module, device_mesh)
 
@@ -187,6 +218,11 @@ class ColwiseParallel(_OverlappedLinear, torch_styles.ColwiseParallel):
         layout, local = _input_layout(x, self.input_layouts[0], binding.mesh)
         weight = module.weight.to_local()  # [N/W, K]
         if layout is None or not _runs_our_ops(local, weight) or self._uneven(module, binding):
+            return self._fallback(module, x, binding)
+        if isinstance(layout, Replicate) and isinstance(x, DTensor) and not isinstance(self.input_layouts[0],
+                                                                                     Replicate):
+            # PyTorch's style redistributes x from its annotated layout to Replicate, a no-op whose backward
+            # reduces x's gradient (Replicate, not Partial): its path, as it runs it.
             return self._torch_forward(module, x, binding)
         if isinstance(layout, Replicate) and isinstance(x, DTensor):
             # PyTorch's computation, without DTensor dispatch: x is whole here, and its gradient is a partial sum
@@ -204,7 +240,7 @@ class ColwiseParallel(_OverlappedLinear, torch_styles.ColwiseParallel):
                                                                binding.group, self.path)
             y = _from_rows(y_rows, local, layout.dim, local.shape[layout.dim] * binding.world)
         else:
-            return self._torch_forward(module, x, binding)
+            return self._fallback(module, x, binding)
         if module.bias is not None:
             y = y + module.bias.to_local()
         if self.use_local_output and _normalize(self.output_layouts[0], y.ndim) == Shard(y.ndim - 1):
@@ -224,7 +260,7 @@ class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         inp, out = self.input_layouts[0], self.output_layouts[0]
         if (not isinstance(module, nn.Linear) or not isinstance(inp, Shard) or not isinstance(out, (Replicate, Shard))
-                or out == Shard(-1)):
+                or out == Shard(-1) or not self._reproduces(module)):
             return super()._apply(module, device_mesh)  # PyTorch's style outright
         self.desired_input_layouts = (Shard(-1),)  # what PyTorch's _apply sets for a linear
         return self._route(module, device_mesh)
@@ -245,7 +281,7 @@ class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
         weight = module.weight.to_local()  # [N, K/W]
         if (layout is None or not self._runs(local, weight) or layout != Shard(local.ndim - 1)
                 or self._uneven(module, binding)):
-            return self._torch_forward(module, x, binding)
+            return self._fallback(module, x, binding)
         if isinstance(x, DTensor):
             local = x.to_local()
         out = _normalize(self.output_layouts[0], local.ndim)
@@ -263,7 +299,7 @@ class RowwiseParallel(_OverlappedLinear, torch_styles.RowwiseParallel):
                 # backward turns the Partial gradient into a Replicate one), as PyTorch's style ends up with.
                 bias = bias.redistribute(binding.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
         else:
-            return self._torch_forward(module, x, binding)
+            return self._fallback(module, x, binding)
         if bias is not None:
             y = y + bias.to(y.dtype)
         if self.use_local_output:

@@ -53,6 +53,23 @@ def agree_every_call(a: Any, path: str, group: Any) -> bool:
         return False
 
 
+def agree_on_fallback(name: str, a: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """A style's rank about to run PyTorch's path instead of an op because of its own input (an empty input, a
+    shard that does not divide): where the ranks agree on every call (CPU tensors; debug mode), it takes part in the
+    group's agreement as a call of its own kind, so that a peer whose input took the op raises, and this rank too,
+    instead of the two waiting in different collectives (or one returning). Ranks that all fall back agree and go
+    on. (On the GPU paths without a switch, as for the ops' repeated calls, only debug mode sees it.)"""
+    env = settings.current()
+    if env.agreement is None and not agree_every_call(a, "auto", group) or guards.capturing():
+        return
+    try:
+        agreement.agree(name, group_context(name, group, a.device), "fallback", ("fallback",), [1],
+                        env.agreement or settings.AGREEMENT_TIMEOUT)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (this rank's input runs PyTorch's path, not flashoverlap's op: the ranks must pass "
+                         "inputs of the same shapes)") from None
+
+
 class Kind(Protocol):
     """What one kind of op tells the pipeline (a strategy: the pipeline itself is ``execute``)."""
 

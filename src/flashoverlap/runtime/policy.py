@@ -128,6 +128,14 @@ def reason_not(path: str, request: Request) -> str | None:
     return REASON_NOT[path](request)
 
 
+def check_path_name(name: str, path: str, paths: tuple[str, ...] = CALL_PATHS) -> str:
+    """``path`` where a layer or style is built (its forward may not reach an op's own check: inference, a
+    backward-only use): one of ``paths``, or the clear error."""
+    if path not in paths:
+        raise ValueError(f"{name}: path must be one of {paths}, got {path!r}")
+    return path
+
+
 def explicit_path(name: str, path: str, request: Request) -> str:
     """The path of a call that names one (or, for ``"auto"`` with a plan, follows the plan's); raises the clear
     error where it cannot apply. ``"auto"`` without a plan returns ``"auto"``: see ``automatic_path``."""
