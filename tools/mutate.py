@@ -733,8 +733,12 @@ MUTATIONS = [
      "tests/nn/test_style_edges.py::test_the_styles_fast_path_stands_aside_where_it_must"),
     ("style-fallback-unagreed", "nn: a style's rank that runs PyTorch's path while a peer runs the op takes no part "
      "in the agreement (one returns, the group hangs)", "src/flashoverlap/nn/styles.py",
-     "        if not torch.compiler.is_compiling():\n            local = x.to_local()",
-     "        if False:\n            local = x.to_local()",
+     "        self._agree_on_branch(x, binding, True)\n", "\n",
+     "tests/nn/test_style_edges.py::test_the_styles_fast_path_stands_aside_where_it_must"),
+    ("colwise-local-branch-unagreed", "nn: a colwise rank whose op's forward is local takes no part in the "
+     "agreement while a peer falls back to PyTorch's path (one returns, the other waits)",
+     "src/flashoverlap/nn/styles.py",
+     "            self._agree_on_branch(local, binding, False)  # linear_column's forward exchanges nothing\n", "",
      "tests/nn/test_style_edges.py::test_the_styles_fast_path_stands_aside_where_it_must"),
     ("replicate-dtensor-grad-partial", "nn: a Replicate DTensor under input_layouts=Shard(1) gets a Partial gradient "
      "where PyTorch's style reduces it", "src/flashoverlap/nn/styles.py",

@@ -44,10 +44,13 @@ def _edges(rank, world):
 
     # Ranks whose inputs take different branches: rank 0's divides (the op), rank 1's does not (PyTorch's path);
     # then rank 1 has no rows while rank 0 has some. Every rank raises; the group is usable after.
-    for style, shape in ((fnn.RowwiseParallel(output_layouts=Shard(1)), (1, 4 + rank, 4)),
-                         (fnn.RowwiseParallel(), (0 if rank else 4, 4))):
-        linear = parallelize_module(nn.Linear(4 * world, 8), mesh, style)
-        with pytest.raises(ValueError, match="the ranks disagree on the kind of call"):
+    for style, shape, said in ((fnn.RowwiseParallel(output_layouts=Shard(1)), (1, 4 + rank, 4), "the kind of call"),
+                               (fnn.RowwiseParallel(), (0 if rank else 4, 4), "the kind of call"),
+                               (fnn.ColwiseParallel(), (0 if rank else 4, 4 * world), "branch")):
+        # (the colwise op's forward is local: its rank agrees on the branch, as the falling-back rank does)
+        linear = parallelize_module(nn.Linear(4 * world, 8) if isinstance(style, fnn.RowwiseParallel)
+                                    else nn.Linear(4 * world, 4 * world), mesh, style)
+        with pytest.raises(ValueError, match=f"the ranks disagree on {said}"):
             linear(torch.randn(*shape))
     dist.barrier()
 

@@ -420,7 +420,7 @@ class _Float8Linear:
     def _torch_forward(self, module: nn.Module, x: torch.Tensor, binding: _Binding) -> Any:
         """Exactly what torchao's style runs: its input hook, ``Float8Linear.forward``, its output hook."""
         x = self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, (x,), binding.mesh)
-        y = type(module).__mro__[1].forward(module, x)  # the class below flashoverlap's routing: Float8Linear
+        y = styles.own_forward(module)(module, x)  # the class below flashoverlap's routing: Float8Linear
         return self._prepare_output_fn(self.output_layouts, self.use_local_output, module, y, binding.mesh)
 
     def _call(self, module: nn.Module, binding: _Binding, sequence: bool) -> _Call:
@@ -449,6 +449,7 @@ class Float8ColwiseParallel(_Float8Linear, styles.ColwiseParallel):
         if layout is None or not _runs_fp8(local, weight) or self._uneven(module, binding):
             return self._fallback(module, x, binding)
         if isinstance(layout, Replicate) and not isinstance(x, DTensor):
+            self._agree_on_branch(local, binding, False)  # a local product: its forward exchanges nothing
             rows = local.reshape(-1, local.shape[-1])
             y_rows = self._product(rows, weight, module, binding, False)
             y = y_rows.view(*local.shape[:-1], y_rows.shape[-1])

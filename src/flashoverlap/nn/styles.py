@@ -37,7 +37,8 @@ Everything else is PyTorch's own behaviour, unchanged:
   ``nn.Linear`` subclass with a forward of its own (torchao's ``Float8Linear``: the fp8 styles are ``nn/float8``'s),
   a shard that does not divide (a sharded axis of the input or output, or the weight's sharded width), a dtype the
   ops do not take (they take bf16, fp16, fp32), or autocast: the linear runs exactly as PyTorch's style runs it
-  (DTensor ``F.linear`` between PyTorch's input and output hooks). Styles whose
+  (DTensor ``F.linear`` between PyTorch's input and output hooks; on the reference path and in debug mode, after
+  the ranks agree on the branch each input took: ``runtime/calls.agree_on_branch``). Styles whose
   layouts are known not to apply at ``parallelize_module`` time are PyTorch's styles outright.
 """
 
@@ -57,7 +58,7 @@ from torch.distributed.tensor.parallel import style as torch_styles
 from torch.distributed.tensor.placement_types import Placement
 
 from flashoverlap.ops import library  # noqa: F401  (torch.ops.flashoverlap.*)
-from flashoverlap.runtime.calls import agree_on_fallback
+from flashoverlap.runtime.calls import agree_on_branch
 from flashoverlap.runtime.checks import DTYPES
 from flashoverlap.runtime.policy import check_path_name
 
@@ -90,9 +91,7 @@ _CLASSES: dict[type, type] = {}
 def _bind(module: nn.Linear, binding: _Binding) -> None:
     """Route ``module``'s forward to its style: its class becomes a subclass of its own class with that forward (as
     FSDP2's ``fully_shard`` does), so ``isinstance(module, nn.Linear)`` and the state dict are unchanged."""
-    cls = type(module)
-    if getattr(cls, "_flashoverlap_routed", False):
-        cls = cls.__mro__[1]
+    cls = own_class(module)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"FlashOverlap{cls.__name__}", (cls,),
                              {"forward": _forward, "_flashoverlap_routed": True, "__module__": __name__})
@@ -100,12 +99,18 @@ def _bind(module: nn.Linear, binding: _Binding) -> None:
     setattr(module, _BOUND, binding)
 
 
+def own_class(module: nn.Module) -> type:
+    """``module``'s own class, below flashoverlap's routing where the module is routed (the routed class declares
+    ``_flashoverlap_routed``; FSDP2's ``fully_shard`` may put its own class before it)."""
+    for cls in type(module).__mro__:
+        if "_flashoverlap_routed" in vars(cls):
+            return cls.__mro__[1]
+    return type(module)
+
+
 def own_forward(module: nn.Module) -> Any:
-    """``module``'s own class's ``forward`` (below flashoverlap's routing, where the module is routed)."""
-    cls = type(module)
-    if getattr(cls, "_flashoverlap_routed", False):
-        cls = cls.__mro__[1]
-    return cls.forward
+    """``module``'s own class's ``forward`` (``own_class``)."""
+    return own_class(module).forward
 
 
 def _normalize(placement: Placement, ndim: int) -> Placement:
@@ -186,12 +191,15 @@ class _OverlappedLinear:
 
     def _fallback(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         """PyTorch's path (``_torch_forward``) for a call the ops do not take, once the ranks agree that each takes
-        it where they agree on every call (``calls.agree_on_fallback``: a rank whose input took the op instead
-        raises, and so does this one)."""
-        if not torch.compiler.is_compiling():
-            local = x.to_local() if isinstance(x, DTensor) else x
-            agree_on_fallback(type(self).__name__, local, binding.mesh.get_group())
+        it where they agree on every call (``_agree_on_branch``)."""
+        self._agree_on_branch(x, binding, True)
         return self._torch_forward(module, x, binding)
+
+    def _agree_on_branch(self, x: torch.Tensor, binding: _Binding, fallback: bool) -> None:
+        """``calls.agree_on_branch`` for a forward with no exchange of its own (not while compiling: the exchange
+        is the eager reference path's net)."""
+        if not torch.compiler.is_compiling():
+            agree_on_branch(type(self).__name__, x, binding.mesh.get_group, self.path, fallback)
 
     def _torch_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         """Exactly what PyTorch's style runs: its input hook, DTensor ``F.linear``, its output hook."""
@@ -229,6 +237,7 @@ class ColwiseParallel(_OverlappedLinear, torch_styles.ColwiseParallel):
             # that whoever made x reduces (PrepareModuleInput's reduce-scatter, once for every projection it fed).
             y = F.linear(x.to_local(grad_placements=[Partial()]), weight)
         elif isinstance(layout, Replicate):
+            self._agree_on_branch(local, binding, False)  # linear_column's forward exchanges nothing
             y_rows = torch.ops.flashoverlap.linear_column(local.reshape(-1, local.shape[-1]), weight, binding.group,
                                                           self.path)
             y = y_rows.view(*local.shape[:-1], y_rows.shape[-1])

@@ -26,9 +26,9 @@ from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.plan import Plan
 from flashoverlap.runtime.context import GroupContext
 
-# The kinds of call a row describes (a rank making another kind of call differs); "fallback": a style's rank that
-# runs PyTorch's path, its input being one the ops do not take (``calls.agree_on_fallback``).
-KINDS = ("gemm", "expert", "fallback")
+# The kinds of call a row describes (a rank making another kind of call differs); "style": a style's rank whose
+# forward has no exchange of its own (PyTorch's path, or an op local in its forward: ``calls.agree_on_branch``).
+KINDS = ("gemm", "expert", "style")
 _HEADER = 16  # every rank's first row has this length, whatever its call: ranks that differ still exchange it
 AGREED_LIMIT = 4096  # rows a group's context keeps as agreed before it starts afresh
 HINT = ("set TORCH_DISTRIBUTED_DEBUG=DETAIL (or FLASHOVERLAP_DEBUG_TIMEOUT=<seconds>) to have flashoverlap check, "
