@@ -237,9 +237,20 @@ def test_collectives_that_are_not_exactly_the_ops_are_left():
     def gathered_then_transposed(x, w):  # the gathered rows as a matmul's right operand
         return torch.mm(w, c10d.wait_tensor(c10d.all_gather_into_tensor(x, 2, "0")))
 
+    def summed(a, b):  # the op's pattern, on empty operands below (the ops take M, N, K >= 1)
+        return c10d.wait_tensor(c10d.all_reduce(torch.mm(a, b), "sum", "0"))
+
+    def scattered(a, b):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(torch.mm(a, b), "sum", 2, "0"))
+
+    def gathered(x, w):
+        return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, 2, "0")), w)
+
     for fn, shapes in ((average, ((8, 4), (4, 6))), (product_read_twice, ((8, 4), (4, 6))),
                        (not_a_matmul, ((8, 4), (4, 6))), (gathered_along_batch_rows, ((2, 3, 4), (4, 6))),
-                       (gathered_then_transposed, ((3, 4), (5, 6)))):
+                       (gathered_then_transposed, ((3, 4), (5, 6))), (summed, ((0, 4), (4, 6))),
+                       (summed, ((8, 0), (0, 6))), (scattered, ((0, 4), (4, 6))), (gathered, ((0, 4), (4, 6))),
+                       (gathered, ((3, 0), (0, 6)))):
         _unchanged(_traced(fn, *shapes))
 
 
@@ -269,6 +280,22 @@ def test_the_switch_keeps_other_passes_and_restores_the_config():
         assert config.post_grad_custom_post_pass is other and not fc.is_enabled()
     finally:
         config.post_grad_custom_post_pass = None
+
+
+def test_turning_the_pass_on_or_off_resets_compiled_code(monkeypatch):
+    """Compiled code is kept per ``forward`` function, not per setting: a switch that changes the setting resets
+    ``torch.compile``'s caches (else a model compiled before runs its old code, with or without the pass, under a
+    new ``torch.compile`` too); a switch that changes nothing does not."""
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(fc.is_enabled()))
+    try:
+        fc.enable()
+        fc.enable()
+        fc.disable()
+        fc.disable()
+        assert resets == [True, False]
+    finally:
+        torch._inductor.config.post_grad_custom_post_pass = None
 
 
 def test_rewrites_are_logged_at_debug(caplog):

@@ -753,6 +753,19 @@ MUTATIONS = [
      "src/flashoverlap/nn/styles.py", "        self.path = check_path_name(type(self).__name__, path)",
      "        self.path = path",
      "tests/nn/test_style_edges.py::test_the_styles_fast_path_stands_aside_where_it_must"),
+    ("compile-empty-operands-rewritten", "compile: an empty product's all-reduce is rewritten into the op, which "
+     "refuses M = 0 where the model compiled without the pass runs", "src/flashoverlap/compile.py",
+     "        if _empty(_val(mm), *map(_val, _operands(mm))):\n            return self._left(\"all_reduce\"",
+     "        if False:\n            return self._left(\"all_reduce\"",
+     "tests/test_compile_pass.py::test_collectives_that_are_not_exactly_the_ops_are_left"),
+    ("compile-switch-keeps-compiled-code", "compile: enable()/disable() leave torch.compile's caches, so a model "
+     "compiled before runs its old code under a new torch.compile", "src/flashoverlap/compile.py",
+     "    torch._dynamo.reset()", "    pass",
+     "tests/test_compile_pass.py::test_turning_the_pass_on_or_off_resets_compiled_code"),
+    ("hf-plan-unknown-sorted-raw", "nn: styles_from_hf_plan sorts unknown plan values as they are: None beside a "
+     "string is a TypeError, not the error naming them", "src/flashoverlap/nn/styles.py",
+     "sorted({repr(style) for style in plan.values()", "sorted({style for style in plan.values()",
+     "tests/nn/test_styles.py::test_hf_plan_maps_onto_the_styles"),
     ("exit-handler-leaves-cycles", "runtime: the exit handler drops its contexts but collects no cycle, so a "
      "destroyed gloo group held by a layer in a cycle is freed in the interpreter's teardown (std::terminate)",
      "src/flashoverlap/runtime/context.py", "        self.contexts.clear()\n        gc.collect()\n",

@@ -26,9 +26,10 @@ A pattern is rewritten only where the result is exactly the same: a sum; rows ga
 first dimension, or along a later one when every dimension before it has size 1 (``Shard(1)`` of ``[1, S, H]``, as
 DTensor sequence parallelism does at batch 1: the same bytes); reshapes that only regroup the rows of a contiguous
 tensor; a matmul whose product nothing else reads (a reduction) and whose right operand does not depend on the
-gathered input; bf16, fp16 or fp32. Everything else, and every graph without such patterns, is left as it was
-(``Shard(1)`` of a batch above 1 among them: DTensor gathers it by split and cat, which the ops' row layout does
-not express without copies). The process group is the collective's own: the ops take the same ``group_name``.
+gathered input; no empty operand; bf16, fp16 or fp32. Everything else, and every graph without such patterns, is
+left as it was (``Shard(1)`` of a batch above 1 among them: DTensor gathers it by split and cat, which the ops' row
+layout does not express without copies). The process group is the collective's own: the ops take the same
+``group_name``.
 
 What was rewritten, and why a candidate was left, is logged at DEBUG on the ``flashoverlap.compile`` logger;
 ``rewrite_counts()`` tells how many of each were rewritten in this process.
@@ -97,18 +98,28 @@ def _registered() -> list:
 
 def enable() -> None:
     """Rewrite matmul + collective patterns into flashoverlap's ops in every graph ``torch.compile`` compiles from
-    now on (idempotent; keeps any other post-grad pass registered)."""
+    now on (idempotent; keeps any other post-grad pass registered). Turning the pass on resets ``torch.compile``'s
+    caches (``torch._dynamo.reset()``), as turning it off does: compiled code is kept per ``forward`` function, not
+    per setting, so a model compiled before would otherwise run its old code, without the pass (or with it, after
+    ``disable()``), under a new ``torch.compile`` too. Every compiled model then compiles again at its next call."""
     passes = _registered()
     if _PASS not in passes:
         passes.append(_PASS)
-    inductor_config.post_grad_custom_post_pass = passes[0] if len(passes) == 1 else passes
+        _set(passes)
 
 
 def disable() -> None:
-    """Stop rewriting (graphs compiled while it was on keep their rewrites); other post-grad passes stay."""
-    passes = [p for p in _registered() if p is not _PASS]
+    """Stop rewriting (resets ``torch.compile``'s caches where the pass was on, as ``enable`` says); other
+    post-grad passes stay."""
+    passes = _registered()
+    if _PASS in passes:
+        _set([p for p in passes if p is not _PASS])
+
+
+def _set(passes: list) -> None:
     inductor_config.post_grad_custom_post_pass = (None if not passes else passes[0] if len(passes) == 1
                                                   else passes)
+    torch._dynamo.reset()
 
 
 def is_enabled() -> bool:
@@ -201,6 +212,12 @@ def _bias_addmm(node: torch.fx.Node, a: torch.fx.Node) -> bool:
         return False
     bias, out = _val(node.args[0]), _val(node)
     return bias is not None and out is not None and bias.ndim == 1 and bias.shape[0] == out.shape[-1]
+
+
+def _empty(*vals) -> bool:
+    """Whether a tensor among ``vals`` has a dimension of size 0 (the ops take M, N, K >= 1; a symbolic size is never
+    0: Dynamo specialises sizes 0 and 1)."""
+    return any(isinstance(size, int) and size == 0 for val in vals if val is not None for size in val.shape)
 
 
 def _operands(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
@@ -368,7 +385,8 @@ class _Rewriter:
                 else:
                     continue
                 a_val = _val(node)
-                if (a_val is None or any(_val(n) is None for n in inputs) or a_val.shape[-1] != result_val.shape[-1]
+                if (a_val is None or any(_val(n) is None for n in inputs) or _empty(a_val, shard_val, _val(user))
+                        or a_val.shape[-1] != result_val.shape[-1]
                         or shard_val.numel() % a_val.shape[-1] or any(result in _ancestors(n) for n in inputs)):
                     continue
                 if fp8:
@@ -553,6 +571,8 @@ class _Rewriter:
         if found is None:
             return None
         mm, nodes, bias = found
+        if _empty(_val(mm), *map(_val, _operands(mm))):
+            return self._left("reduce_scatter_tensor", rs, "an empty operand (the op takes M, N, K >= 1)")
         if _val(mm).shape[0] % world:
             return self._left("reduce_scatter_tensor", rs, f"{_val(mm).shape[0]} rows do not split over {world}")
         fused, name = self._fused("reduce_scatter", mm, group, bias)
@@ -570,6 +590,8 @@ class _Rewriter:
         if found is None:
             return None
         mm, nodes, bias = found
+        if _empty(_val(mm), *map(_val, _operands(mm))):
+            return self._left("all_reduce", ar, "an empty operand (the op takes M, N, K >= 1)")
         fused, name = self._fused("all_reduce", mm, group, bias)
         out = self._call(_aten.reshape.default, (fused, list(_val(wait).shape)), mm)
         wait.replace_all_uses_with(out)

@@ -264,8 +264,11 @@ def test_hf_plan_maps_onto_the_styles():
     assert plan["model.layers.*.o_proj"].output_layouts == (Replicate(),)
     assert plan["model.lm_head"].output_layouts == (Replicate(),)
     assert plan["model.layers.*.q_proj"].output_layouts == (Shard(-1),)
-    with pytest.raises(ValueError, match=r"no flashoverlap style for \['packed_colwise'\]"):
+    with pytest.raises(ValueError, match=r"no flashoverlap style for 'packed_colwise'; mapped are"):
         fnn.styles_from_hf_plan({"experts.gate_up": "packed_colwise"})
+    # values of mixed types (None beside a string; a list): each named, not a TypeError from sorting them
+    with pytest.raises(ValueError, match=r"no flashoverlap style for 'packed_colwise', None, \['colwise'\];"):
+        fnn.styles_from_hf_plan({"a": None, "b": "packed_colwise", "c": ["colwise"], "d": "colwise"})
 
 
 def _replicated_norm(rank, world_size):

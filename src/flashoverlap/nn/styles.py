@@ -367,9 +367,11 @@ def styles_from_hf_plan(plan: dict[str, str], prefix: str = "", path: str = "aut
     layouts. Raises naming the strings it does not map (packed, MoE and embedding styles), before anything is
     sharded: leave those entries out of ``plan`` and shard their modules apart (PyTorch's styles where one has the
     same layouts; transformers' own are not ``ParallelStyle``s), or keep transformers' whole plan for the model."""
-    unknown = sorted({style for style in plan.values() if style not in _HF_STYLES})
+    # (by their reprs: the values may be of any type, None and strings mixed, or unhashable)
+    unknown = sorted({repr(style) for style in plan.values() if not (isinstance(style, str) and style in _HF_STYLES)})
     if unknown:
-        raise ValueError(f"styles_from_hf_plan: no flashoverlap style for {unknown}; mapped are {sorted(_HF_STYLES)}. "
+        raise ValueError(f"styles_from_hf_plan: no flashoverlap style for {', '.join(unknown)}; mapped are "
+                         f"{sorted(_HF_STYLES)}. "
                          "Leave those entries out of the plan and shard their modules apart (PyTorch's styles where "
                          "one has the same layouts), or keep transformers' own plan for this model")
     return {prefix + name: _HF_STYLES[style](path) for name, style in plan.items()}
