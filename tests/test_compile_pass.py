@@ -294,6 +294,9 @@ def test_turning_the_pass_on_or_off_resets_compiled_code(monkeypatch):
         fc.disable()
         fc.disable()
         assert resets == [True, False]
+        with fc.enabled():  # a scoped setting: no reset (what compiles inside keeps its rewrites)
+            assert fc.is_enabled()
+        assert resets == [True, False] and not fc.is_enabled()
     finally:
         torch._inductor.config.post_grad_custom_post_pass = None
 

@@ -102,24 +102,24 @@ def enable() -> None:
     caches (``torch._dynamo.reset()``), as turning it off does: compiled code is kept per ``forward`` function, not
     per setting, so a model compiled before would otherwise run its old code, without the pass (or with it, after
     ``disable()``), under a new ``torch.compile`` too. Every compiled model then compiles again at its next call."""
-    passes = _registered()
-    if _PASS not in passes:
-        passes.append(_PASS)
-        _set(passes)
+    _switch(True, reset=True)
 
 
 def disable() -> None:
     """Stop rewriting (resets ``torch.compile``'s caches where the pass was on, as ``enable`` says); other
     post-grad passes stay."""
+    _switch(False, reset=True)
+
+
+def _switch(on: bool, reset: bool) -> None:
     passes = _registered()
-    if _PASS in passes:
-        _set([p for p in passes if p is not _PASS])
-
-
-def _set(passes: list) -> None:
+    if (_PASS in passes) == on:
+        return
+    passes = [*passes, _PASS] if on else [p for p in passes if p is not _PASS]
     inductor_config.post_grad_custom_post_pass = (None if not passes else passes[0] if len(passes) == 1
                                                   else passes)
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
 
 
 def is_enabled() -> bool:
@@ -128,14 +128,16 @@ def is_enabled() -> bool:
 
 @contextlib.contextmanager
 def enabled() -> Iterator[None]:
-    """``enable()`` for the duration of a ``with`` block, then back to how it was."""
+    """The pass on for the duration of a ``with`` block (what compiles inside it), then back to how it was, with no
+    reset of ``torch.compile``'s caches (unlike ``enable``): code compiled inside the block keeps its rewrites when
+    it runs outside it, and code compiled before the block keeps running without them."""
     was = is_enabled()
-    enable()
+    _switch(True, reset=False)
     try:
         yield
     finally:
         if not was:
-            disable()
+            _switch(False, reset=False)
 
 
 def rewrite_counts() -> dict[str, int]:
