@@ -199,7 +199,7 @@ class _OverlappedLinear:
         """``calls.agree_on_branch`` for a forward with no exchange of its own (not while compiling: the exchange
         is the eager reference path's net)."""
         if not torch.compiler.is_compiling():
-            agree_on_branch(type(self).__name__, x, binding.mesh.get_group, self.path, fallback)
+            agree_on_branch(type(self).__name__, x, binding.mesh.get_group(), self.path, fallback)
 
     def _torch_forward(self, module: nn.Linear, x: torch.Tensor, binding: _Binding) -> Any:
         """Exactly what PyTorch's style runs: its input hook, DTensor ``F.linear``, its output hook."""

@@ -15,7 +15,6 @@ builder and the call it builds. ``GEMM`` (this module) serves the tensor-paralle
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,21 +56,16 @@ def agree_every_call(a: Any, path: str, group: Any) -> bool:
 BRANCHES = ("flashoverlap's op, no collective in its forward", "PyTorch's path")
 
 
-def agree_on_branch(name: str, a: torch.Tensor, group_of: Callable[[], dist.ProcessGroup], path: str,
-                    fallback: bool) -> None:
+def agree_on_branch(name: str, a: torch.Tensor, group: dist.ProcessGroup, path: str, fallback: bool) -> None:
     """A style's rank whose forward runs no exchange of its own: PyTorch's path for an input the ops do not take
     (``fallback``: an empty input, a shard that does not divide), or an op with no collective in its forward (a
-    colwise linear's local product). Where the ranks agree on every call (CPU tensors or ``path="reference"``;
-    debug mode) it takes part in the group's agreement, so that ranks whose inputs took different branches (one
-    here, a peer in an op whose agreement is its first collective, or in the other of the two) all raise instead of
-    one returning while another waits in a collective. Ranks that take one branch agree and go on. ``group_of``:
-    the group, asked only where an exchange may run. (On the GPU paths without a switch, as for the ops' repeated
-    calls, only debug mode sees it.)"""
+    colwise linear's local product). Where the ranks agree on every call (``agree_every_call``: CPU tensors or
+    ``path="reference"``; debug mode) it takes part in the group's agreement, so that ranks whose inputs took
+    different branches (one here, a peer in an op whose agreement is its first collective, or in the other of the
+    two) all raise instead of one returning while another waits in a collective. Ranks that take one branch agree
+    and go on. (On the GPU paths without a switch, as for the ops' repeated calls, only debug mode sees it.)"""
     env = settings.current()
-    if guards.capturing() or env.agreement is None and path != "reference" and not a.is_cpu:
-        return
-    group = group_of()
-    if env.agreement is None and not agree_every_call(a, path, group):
+    if guards.capturing() or env.agreement is None and not agree_every_call(a, path, group):
         return
     try:
         agreement.agree(name, group_context(name, group, a.device), "style", (("branch", BRANCHES),),

@@ -129,8 +129,8 @@ def reason_not(path: str, request: Request) -> str | None:
 
 
 def check_path_name(name: str, path: str, paths: tuple[str, ...] = CALL_PATHS) -> str:
-    """``path`` where a layer or style is built (its forward may not reach an op's own check: inference, a
-    backward-only use): one of ``paths``, or the clear error."""
+    """``path``, one of ``paths``, or the clear error: an op's call (``explicit_path``, ``expert_path``), and where a
+    layer or style is built (its forward may not reach an op's own check: inference, a backward-only use)."""
     if path not in paths:
         raise ValueError(f"{name}: path must be one of {paths}, got {path!r}")
     return path
@@ -139,8 +139,7 @@ def check_path_name(name: str, path: str, paths: tuple[str, ...] = CALL_PATHS) -
 def explicit_path(name: str, path: str, request: Request) -> str:
     """The path of a call that names one (or, for ``"auto"`` with a plan, follows the plan's); raises the clear
     error where it cannot apply. ``"auto"`` without a plan returns ``"auto"``: see ``automatic_path``."""
-    if path not in CALL_PATHS:
-        raise ValueError(f"{name}: path must be one of {CALL_PATHS}, got {path!r}")
+    check_path_name(name, path)
     plan_path = None if request.plan is None else request.plan.path
     if path == "auto":
         if request.device.type != "cuda":  # a ring plan runs on gloo too; anything else is the reference
@@ -366,8 +365,7 @@ def expert_path(name: str, path: str, request: ExpertRequest) -> tuple[str, str]
     ``"auto"``: the reference off CUDA; on CUDA P2P where its rule allows it and NCCL_P2P_DISABLE is unset, else
     NCCL where installed, else the reference (on a group that is not NCCL: P2P, or the clear error). Pure but for
     the P2P verdict (the same on every rank)."""
-    if path not in EXPERT_PATHS:
-        raise ValueError(f"{name}: path must be one of {EXPERT_PATHS}, got {path!r}")
+    check_path_name(name, path, EXPERT_PATHS)
     if path != "auto":
         why = EXPERT_REASON_NOT[path](request)
         if why is not None:
