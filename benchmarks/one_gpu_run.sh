@@ -7,7 +7,7 @@
 # Usage: FLASHOVERLAP_COMMIT=$(git rev-parse --short=10 HEAD) [STEPS="tests spawn p2p moe sequential fp8"] \
 #        bash benchmarks/one_gpu_run.sh
 # Steps not in the default set (each a re-measurement of an open issue's figures; results under $OUT, to be merged
-# into benchmarks/results by hand): p2p8 (the P2P path's fp8 mechanics and host time, two processes), fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
+# into benchmarks/results by hand): fp8parts (where an eager fp8 NCCL call's extra host time goes, issue 41), p2p8 (the P2P path's fp8 mechanics and host time, two processes), fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
 # shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42), fp8tiles (the fp8 grouped GEMM's tile
 # sweep, issue 44's block-wise target), soak (10,000 checked calls at each W of SOAK_WORLDS, default 8, which alone
 # takes about 9 minutes: then SOAK_WORLDS=2,4 SOAK_BUDGET=320), faults (every fault scenario at W = 4, issue 42).
@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-tests spawn p2p moe sequential fp8}
-KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound shared fp8tiles soak faults"
+KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound fp8parts shared fp8tiles soak faults"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 gpus_at_least 1
 commit=${FLASHOVERLAP_COMMIT:-unknown}
@@ -68,6 +68,10 @@ fi
 if has hostbound; then  # the host-bound loops at Llama-70B TP = 8 shapes, bf16 and fp8 row-wise (issue 41)
     timeout ${HOSTBOUND_TIMEOUT:-300} python3 -m benchmarks.host_bound "$OUT/host-bound-llama-$commit.json" --shapes=llama \
         > "$OUT/host-bound-$commit.log" 2>&1; echo "hostbound: exit $?"; tail -3 "$OUT/host-bound-$commit.log"
+fi
+if has fp8parts; then  # where an eager fp8 NCCL-path call's extra host time goes, beside bf16's (issue 41)
+    timeout ${FP8PARTS_TIMEOUT:-200} python3 -m benchmarks.diagnostics.fp8_eager_parts "$OUT/fp8-eager-parts-$commit.json" \
+        > "$OUT/fp8-eager-parts-$commit.log" 2>&1; echo "fp8parts: exit $?"; grep -v "^   " "$OUT/fp8-eager-parts-$commit.log" | tail -6
 fi
 if has shared; then  # ranks sharing the GPU (issue 42), W = 2, 4, 8: the expert families' mechanics and the tensor-parallel
     # smoke (every repeated call replayed: both P2P paths' graphs wait with the wait kernel), then host time per call
