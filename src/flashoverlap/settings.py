@@ -8,16 +8,17 @@ cache lives, and whether Triton interprets its kernels (on a Triton too old to s
 | --- | --- |
 | ``FLASHOVERLAP_DEBUG_TIMEOUT=S`` | every wait bounded by about ``S`` s (no replay); agreement on every call |
 | ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's mismatch switch: agreement on every call (``AGREEMENT_TIMEOUT``) |
-| ``FLASHOVERLAP_REPLAY=0`` | repeated calls (P2P, NCCL, sequential) issued eagerly, never replayed from a graph |
+| ``FLASHOVERLAP_REPLAY=0`` | (``0`` or ``1``, default ``1``) repeated calls (P2P, NCCL, sequential) issued eagerly, never replayed from a graph |
 | ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay; in a user's capture, NCCL-path reductions in cuBLAS bands (one queue) |
 | ``FLASHOVERLAP_CACHE_DIR=D`` | the plan cache's directory (default ``~/.cache/flashoverlap``) |
-| ``FLASHOVERLAP_NO_CACHE=1`` | no plan cache: no lookups, no writes |
+| ``FLASHOVERLAP_NO_CACHE=1`` | (``0`` or ``1``, default ``0``) no plan cache: no lookups, no writes |
 | ``NCCL_P2P_DISABLE=1`` | ``path="auto"`` never takes the P2P path (NCCL moves bytes through host memory) |
 | ``TRITON_INTERPRET=1`` | Triton's interpreter (the CPU tests): asked of Triton itself where it has ``triton.knobs`` |
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,13 +60,24 @@ def read(environ: os._Environ | dict = os.environ) -> Settings:
     """The settings the environment ``environ`` gives."""
     timeout = debug_timeout(environ)
     single_queue = environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
-    replay = timeout is None and environ.get("FLASHOVERLAP_REPLAY", "1") != "0" and not single_queue
+    replay = timeout is None and switch(environ, "FLASHOVERLAP_REPLAY", True) and not single_queue
     detail = environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
     agreement = timeout if timeout is not None else AGREEMENT_TIMEOUT if detail else None
-    cache = None if environ.get("FLASHOVERLAP_NO_CACHE") == "1" else Path(
+    cache = None if switch(environ, "FLASHOVERLAP_NO_CACHE", False) else Path(
         environ.get("FLASHOVERLAP_CACHE_DIR") or Path.home() / ".cache" / "flashoverlap")
     return Settings(timeout, replay, environ.get("NCCL_P2P_DISABLE") == "1", agreement, cache,
                     environ.get("TRITON_INTERPRET") == "1", single_queue)
+
+
+def switch(environ: os._Environ | dict, name: str, default: bool) -> bool:
+    """A library switch's value: ``1`` on, ``0`` off, unset or empty ``default``; anything else (``true``, ``no``)
+    raises, naming the variable, instead of being read one way or the other."""
+    value = environ.get(name, "")
+    if value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def debug_timeout(environ: os._Environ | dict = os.environ) -> float | None:
@@ -76,5 +88,7 @@ def debug_timeout(environ: os._Environ | dict = os.environ) -> float | None:
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"{DEBUG_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}") from None
+        seconds = math.nan
+    if math.isnan(seconds):  # nan compares false both ways: it would turn the bound off silently
+        raise ValueError(f"{DEBUG_TIMEOUT_VARIABLE} must be a number of seconds, got {value!r}")
     return seconds if seconds > 0 else None

@@ -48,3 +48,24 @@ def test_the_plan_cache_directory(tmp_path):
     assert settings.read({}).cache_dir == Path.home() / ".cache" / "flashoverlap"
     assert settings.read({"FLASHOVERLAP_CACHE_DIR": str(tmp_path)}).cache_dir == tmp_path
     assert settings.read({"FLASHOVERLAP_CACHE_DIR": str(tmp_path), "FLASHOVERLAP_NO_CACHE": "1"}).cache_dir is None
+
+
+@pytest.mark.parametrize("name", ["FLASHOVERLAP_REPLAY", "FLASHOVERLAP_NO_CACHE"])
+@pytest.mark.parametrize("value", ["true", "yes", "false", "off", " 1", "2"])
+def test_a_switch_takes_0_or_1_and_names_itself_otherwise(name, value):
+    # "true" left the cache on and "false" left replay on, the opposite of what was meant, without a word.
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1, got {value!r}"):
+        settings.read({name: value})
+
+
+def test_switches_read_0_1_and_unset():
+    assert settings.read({"FLASHOVERLAP_REPLAY": "1"}).replay
+    assert settings.read({"FLASHOVERLAP_REPLAY": ""}).replay
+    assert settings.read({"FLASHOVERLAP_NO_CACHE": "0"}).cache_dir is not None
+    assert settings.read({"FLASHOVERLAP_NO_CACHE": ""}).cache_dir is not None
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "-nan"])
+def test_a_nan_debug_timeout_is_refused_not_read_as_off(value):
+    with pytest.raises(ValueError, match="FLASHOVERLAP_DEBUG_TIMEOUT must be a number of seconds"):
+        settings.read({"FLASHOVERLAP_DEBUG_TIMEOUT": value})
