@@ -8,10 +8,10 @@ cache lives, and whether Triton interprets its kernels (on a Triton too old to s
 | --- | --- |
 | ``FLASHOVERLAP_DEBUG_TIMEOUT=S`` | every wait bounded by about ``S`` s (no replay); agreement on every call |
 | ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's mismatch switch: agreement on every call (``AGREEMENT_TIMEOUT``) |
-| ``FLASHOVERLAP_REPLAY=0`` | (``0`` or ``1``, default ``1``) repeated calls (P2P, NCCL, sequential) issued eagerly, never replayed from a graph |
+| ``FLASHOVERLAP_REPLAY=0`` | repeated calls (P2P, NCCL, sequential) issued eagerly, never replayed (default ``1``) |
 | ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay; in a user's capture, NCCL-path reductions in cuBLAS bands (one queue) |
 | ``FLASHOVERLAP_CACHE_DIR=D`` | the plan cache's directory (default ``~/.cache/flashoverlap``) |
-| ``FLASHOVERLAP_NO_CACHE=1`` | (``0`` or ``1``, default ``0``) no plan cache: no lookups, no writes |
+| ``FLASHOVERLAP_NO_CACHE=1`` | no plan cache: no lookups, no writes (default ``0``; switches take ``0`` or ``1``) |
 | ``NCCL_P2P_DISABLE=1`` | ``path="auto"`` never takes the P2P path (NCCL moves bytes through host memory) |
 | ``TRITON_INTERPRET=1`` | Triton's interpreter (the CPU tests): asked of Triton itself where it has ``triton.knobs`` |
 """
