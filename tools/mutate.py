@@ -858,6 +858,12 @@ MUTATIONS = [
      "        own = (self.workspace.buffer.data_ptr(),)\n        return replayer(call, self.graphs, self._new, "
      "lambda: own)", "tests/comm/test_expert_p2p_executor.py::test_the_replay_lane_replays_the_graph_run_captured_and_"
      "names_the_workspace"),
+    # Session 17: the settings' switches and the debug deadline refuse values they would misread.
+    ("switch-reads-any-value", "Settings: a switch given `true` or `false` is read one way silently instead of "
+     "raising", "src/flashoverlap/settings.py", "    if value not in (\"0\", \"1\"):\n",
+     "    if False:\n", "tests/runtime/test_settings.py"),
+    ("debug-timeout-nan-off", "Settings: FLASHOVERLAP_DEBUG_TIMEOUT=nan read as no bound", "src/flashoverlap/settings.py",
+     "    if math.isnan(seconds):", "    if False:", "tests/runtime/test_settings.py"),
 ]
 
 
