@@ -392,7 +392,7 @@ MUTATIONS = [
     # Issue 42: no silent wrong result by default (the first call of each new call is agreed, with no switch set).
     ("agreement-first-call-skipped", "Agreement without a switch: a call the group has not agreed on runs without "
      "the exchange (ranks that disagree return a wrong result or fail inside the backend)", CALLS,
-     "            kind.agree(spec, settings.AGREEMENT_TIMEOUT, once=True)\n", "            pass\n", DISAGREE_TEST),
+     "            kind.agree(spec, None, once=True)\n", "            pass\n", DISAGREE_TEST),
     ("agreement-once-skips-new-rows", "Agreement without a switch: every row taken as agreed before (nothing is "
      "ever exchanged)", "src/flashoverlap/runtime/agreement.py", "    if once and key in context.agreed_rows:\n",
      "    if once:\n", DISAGREE_TEST),
@@ -401,9 +401,9 @@ MUTATIONS = [
      "    if not guards.capturing():  # else on the group's first layout", "    if debug:  # else on the group's first "
      "layout", DISAGREE_TEST),
     ("agreement-expert-first-call-skipped", "Agreement without a switch: an expert call agrees only in debug mode",
-     "src/flashoverlap/runtime/experts.py", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = False) "
-     "-> None:\n        if guards.capturing()", "    def agree(self, spec: ExpertSpec, timeout: float, once: bool = "
-     "False) -> None:\n        if once or guards.capturing()", DISAGREE_TEST),
+     "src/flashoverlap/runtime/experts.py", "    def agree(self, spec: ExpertSpec, timeout: float | None, once: bool = "
+     "False) -> None:\n        if guards.capturing()", "    def agree(self, spec: ExpertSpec, timeout: float | None, "
+     "once: bool = False) -> None:\n        if once or guards.capturing()", DISAGREE_TEST),
     ("agreement-inside-capture", "Agreement without a switch: a first call inside a CUDA-graph capture exchanges "
      "its row (a collective and a host sync inside the capture)", CALLS,
      "        if guards.capturing():\n            return\n        scales = spec.scales\n",
@@ -862,6 +862,14 @@ MUTATIONS = [
     ("switch-reads-any-value", "Settings: a switch given `true` or `false` is read one way silently instead of "
      "raising", "src/flashoverlap/settings.py", "    if value not in (\"0\", \"1\"):\n",
      "    if False:\n", "tests/runtime/test_settings.py"),
+    ("agreement-keys-outlive-release", "Agreement: a released context's arrival keys pass for arrivals at the next "
+     "context's exchanges (the missing rank goes unnamed)", "src/flashoverlap/runtime/agreement.py",
+     "store.add(f\"flashoverlap/contexts/{context.rank}\", 1)", "1",
+     "tests/runtime/test_agreement_edges.py::test_a_rank_absent_after_release_is_named"),
+    ("agreement-own-deadline", "Agreement without a switch: a deadline of its own, not the group's timeout",
+     "src/flashoverlap/runtime/agreement.py", "        return context.process_group._get_backend(device).options."
+     "_timeout.total_seconds()", "        return settings.AGREEMENT_TIMEOUT",
+     "tests/runtime/test_agreement_edges.py::test_the_check_without_a_switch_waits_as_long_as_the_groups_own_timeout"),
     ("debug-timeout-nan-off", "Settings: FLASHOVERLAP_DEBUG_TIMEOUT=nan read as no bound", "src/flashoverlap/settings.py",
      "    if math.isnan(seconds):", "    if False:", "tests/runtime/test_settings.py"),
 ]

@@ -7,7 +7,7 @@ re-raised with the op, the group and how to turn the per-call check on.
 
 A call whose row the group agreed on before is not exchanged again (``once``): a repeated call pays nothing. What
 that cannot see: a rank that repeats an agreed call while another makes a new one (the first one skips the exchange
-the other makes: the other waits, bounded by ``AGREEMENT_TIMEOUT``), or ranks that each repeat a different agreed
+the other makes: the other waits, bounded by the group's own timeout), or ranks that each repeat a different agreed
 call (neither exchanges: where the bytes they move agree in size, the values are wrong). Seeing those needs an
 exchange on every call, which is the per-call check's (debug mode; the reference path always)."""
 
@@ -21,7 +21,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from flashoverlap import guards
+from flashoverlap import guards, settings
 from flashoverlap.comm.collectives import all_gather_into_tensor
 from flashoverlap.plan import Plan
 from flashoverlap.runtime.context import GroupContext
@@ -39,26 +39,30 @@ HINT = ("set TORCH_DISTRIBUTED_DEBUG=DETAIL (or FLASHOVERLAP_DEBUG_TIMEOUT=<seco
 Field = str | tuple[str, tuple[str, ...]]  # a row's field: its name, or its name and the names of its codes
 
 
-def agree(name: str, context: GroupContext, kind: str, fields: tuple, row: list[int], timeout: float,
+def agree(name: str, context: GroupContext, kind: str, fields: tuple, row: list[int], timeout: float | None,
           tail: torch.Tensor | None = None, once: bool = False) -> list[list[int]] | None:
     """Every rank of the group makes the same call: ``row`` (ints, described by ``fields``: a name, or a name and
     what each code stands for) the same on every rank, or every rank raises before any other collective or launch
     of the call, naming the fields that differ (the arguments, their values shown by name) and the ranks. ``tail``:
     int64 values the kind compares itself (a layout's counts); returns every rank's tail, by rank, once the rows agree
-    (None without one, or where nothing was exchanged). One or two small all-gathers, each bounded by ``timeout``: a
-    rank that never comes to the call makes the others raise, naming the op and the group. ``once``: nothing is
+    (None without one, or where nothing was exchanged). One or two small all-gathers, each bounded by ``timeout``
+    (None, no switch set: the process group's own timeout, which bounds its collectives too, so that a rank the
+    program legitimately keeps longer elsewhere is not failed sooner than plain ``torch.distributed`` would fail it):
+    a rank that never comes to the call makes the others raise, naming the op and the group. ``once``: nothing is
     exchanged where the group agreed on ``row`` before (the check without a switch: every rank of a group that makes the
     same calls has agreed on the same rows, so every rank skips, or exchanges, alike)."""
     key = (kind, *row)
     if once and key in context.agreed_rows:
         return None
+    if timeout is None:
+        timeout = group_timeout(context)
     length = 0 if tail is None else tail.numel()
     header = [KINDS.index(kind) + 1, length, *row]
     assert len(header) <= _HEADER, "an agreement row is longer than the header"
     # The group's backend moves the rows: CUDA tensors on NCCL, host tensors otherwise (gloo, ranks sharing a GPU).
     device = context.device if context.device.type == "cuda" and context.nccl else torch.device("cpu")
     local = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=device)
-    rows = gather_rows(name, context, local, timeout)
+    rows = gather_rows(name, context, local, timeout, once)
     differ = [rank for rank, other in enumerate(rows) if other != rows[context.rank]]
     if differ:
         other = rows[differ[0]]
@@ -71,7 +75,7 @@ def agree(name: str, context: GroupContext, kind: str, fields: tuple, row: list[
                          f"ranks {differ} differ from this rank: every rank must make the same call with the same "
                          "shapes, dtypes and path")
     tails = None if tail is None else gather_rows(name, context, tail.to(device=device, dtype=torch.int64).reshape(-1),
-                                                  timeout)
+                                                  timeout, once)
     if len(context.agreed_rows) >= AGREED_LIMIT:  # rows that never repeat: the same count on every rank, so
         context.agreed_rows.clear()  # every rank forgets at the same call
     context.agreed_rows.add(key)
@@ -89,20 +93,33 @@ def _value(field: Field, code: int) -> str:
     return field[1][code]
 
 
-def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: float) -> list[list[int]]:
+def group_timeout(context: GroupContext) -> float:
+    """Seconds: the group's own collective timeout (``init_process_group``'s or ``new_group``'s ``timeout``), as its
+    backend holds it; ``settings.AGREEMENT_TIMEOUT`` where the backend does not say."""
+    try:
+        device = context.device if context.nccl else torch.device("cpu")
+        return context.process_group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return settings.AGREEMENT_TIMEOUT
+
+
+def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: float,
+                once: bool = False) -> list[list[int]]:
     """Every rank's ``local`` (int64, the same length on every rank), by rank: one all-gather, waited for with
     the deadline (``guards.poll_until``), so that a rank that never comes to the call makes the others raise,
     naming the call, the group and the ranks that did not come, instead of hanging. Each rank marks its arrival in
     the group's store first (``_arrive``), so that the ranks still there can tell which did not come: one that
     skipped the call, raised before it, stalls elsewhere or died. A backend error (gloo's "connection closed by
-    peer" once a peer has died or raised) is raised again the same way."""
+    peer" once a peer has died or raised) is raised again the same way. ``once``: the check of a new call's first only
+    (the message then says that a repeated call is not checked again)."""
     if context.world_size == 1:  # nothing to exchange
         return [local.tolist()]
     arrival = _arrive(context)
     everyone = torch.empty(context.world_size * local.numel(), dtype=torch.int64, device=local.device)
     try:
         work = all_gather_into_tensor(everyone, local, context.process_group, async_op=True)
-        guards.poll_until(work.is_completed, time.monotonic() + timeout, lambda: _late(name, context, arrival, timeout))
+        guards.poll_until(work.is_completed, time.monotonic() + timeout,
+                          lambda: _late(name, context, arrival, timeout, once))
         work.wait()
     except (RuntimeError, dist.DistError) as exc:
         if str(exc).startswith("flashoverlap"):
@@ -128,14 +145,20 @@ def _arrive(context: GroupContext) -> tuple | None:
     context.exchanges += 1
     exchange = context.exchanges
     try:
-        store.set(_arrival_key(exchange, context.rank), str(exchange))
+        if context.arrival_generation is None:
+            # The group's store outlives a context (``release``; the next call makes a new one, whose exchanges count
+            # from 1 again): a new context's keys are of a new generation, so that a key a released context wrote
+            # never passes for an arrival at the new one's exchange. Contexts are made and released alike on every
+            # rank of the group (``release`` is collective), so the generations are in step too.
+            context.arrival_generation = store.add(f"flashoverlap/contexts/{context.rank}", 1)
+        store.set(_arrival_key(context.arrival_generation, exchange, context.rank), str(exchange))
     except (RuntimeError, dist.DistError):
         return None
     return store, exchange
 
 
-def _arrival_key(exchange: int, rank: int) -> str:
-    return f"flashoverlap/arrived/{exchange % ARRIVAL_SLOTS}/{rank}"
+def _arrival_key(generation: int, exchange: int, rank: int) -> str:
+    return f"flashoverlap/arrived/{generation}/{exchange % ARRIVAL_SLOTS}/{rank}"
 
 
 def _absent(context: GroupContext, arrival: tuple | None) -> list[int] | None:
@@ -146,7 +169,7 @@ def _absent(context: GroupContext, arrival: tuple | None) -> list[int] | None:
     absent = []
     try:
         for rank in range(context.world_size):
-            key = _arrival_key(exchange, rank)
+            key = _arrival_key(context.arrival_generation, exchange, rank)
             if not store.check([key]) or store.get(key).decode() != str(exchange):
                 absent.append(rank)
     except (RuntimeError, dist.DistError):  # the store lived on a rank that died
@@ -160,15 +183,15 @@ def _who(absent: list[int] | None) -> str:
     return f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}"
 
 
-def _late(name: str, context: GroupContext, arrival: tuple | None, timeout: float) -> str:
+def _late(name: str, context: GroupContext, arrival: tuple | None, timeout: float, once: bool) -> str:
     absent = _absent(context, arrival)
     head = f"flashoverlap: rank {context.rank}: {name} on {context.name}: "
     if absent == []:
         return head + f"every rank reached the call, but its agreement exchange did not end within {timeout:g} s"
+    repeated = (", made a call the group had agreed on before (a repeated call is not checked again unless "
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL)" if once else "")
     return head + (f"{_who(absent)} did not reach the call within {timeout:g} s (the agreement check): skipped it, "
-                   "raised before it, is stuck elsewhere, made a call the group had agreed on before (a repeated "
-                   "call is not checked again unless TORCH_DISTRIBUTED_DEBUG=DETAIL), or died; the group is unusable "
-                   "now")
+                   f"raised before it, is stuck elsewhere{repeated}, or died; the group is unusable now")
 
 
 @functools.lru_cache(maxsize=256)

@@ -69,7 +69,7 @@ def agree_on_branch(name: str, a: torch.Tensor, group: dist.ProcessGroup, path: 
         return
     try:
         agreement.agree(name, group_context(name, group, a.device), "style", (("branch", BRANCHES),),
-                        [int(fallback)], env.agreement or settings.AGREEMENT_TIMEOUT)
+                        [int(fallback)], env.agreement)
     except ValueError as exc:
         raise ValueError(f"{exc} (this rank's input took {BRANCHES[int(fallback)]}: the ranks must pass inputs of "
                          "the same shapes)") from None
@@ -78,7 +78,7 @@ def agree_on_branch(name: str, a: torch.Tensor, group: dist.ProcessGroup, path: 
 class Kind(Protocol):
     """What one kind of op tells the pipeline (a strategy: the pipeline itself is ``execute``)."""
 
-    def agree(self, spec: Any, timeout: float, once: bool = False) -> None:
+    def agree(self, spec: Any, timeout: float | None, once: bool = False) -> None:
         """Before anything collective of the call: every rank makes the same call, or all raise (``once``: where the
         group has not agreed on this call before; else on every call, debug mode)."""
 
@@ -117,12 +117,12 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             if done is not None:
                 return done
     if env.agreement is not None or every:  # before any collective of the call (plan lookups may run some)
-        kind.agree(spec, env.agreement or settings.AGREEMENT_TIMEOUT)
+        kind.agree(spec, env.agreement)
     signature = kind.signature(spec, env)
     entry = None if signature is None else REGISTRY.lookup(signature)
     if entry is None:
         if env.agreement is None and not every:  # no switch set: a call the group has not agreed on yet
-            kind.agree(spec, settings.AGREEMENT_TIMEOUT, once=True)
+            kind.agree(spec, None, once=True)
         entry = kind.resolve(spec, env)
         if signature is not None:
             REGISTRY.store(signature, entry)
@@ -178,7 +178,7 @@ _GEMM_FIELDS = (("op", OPS), "a's rows M", "b's columns N", "K (a's columns, b's
 class GemmKind:
     """The tensor-parallel ops' strategy: plans from ``runtime/plans.py``, communicators of kind ``"gemm"``."""
 
-    def agree(self, spec: GemmSpec, timeout: float, once: bool = False) -> None:
+    def agree(self, spec: GemmSpec, timeout: float | None, once: bool = False) -> None:
         m, n, k = _checked(spec)
         if spec.path not in policy.CALL_PATHS:
             return  # resolve raises the clear error

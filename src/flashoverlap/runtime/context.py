@@ -67,6 +67,7 @@ class GroupContext:
         self.calls: dict[tuple, tuple] = {}  # runtime.calls: a call signature's path and plan
         self.agreed_rows: set[tuple] = set()  # runtime.agreement: the calls the ranks agreed on (``once``)
         self.exchanges = 0  # runtime.agreement: the agreement exchanges so far (in step on every rank; never reset)
+        self.arrival_generation: int | None = None  # runtime.agreement: this context's arrival keys' generation
         self.logged: set = set()
         self._p2p_reason: Any = _UNSET
 
@@ -239,5 +240,7 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     the NCCL path's cloned process groups, replayed CUDA graphs, measured rates and cached plans. Collective where
     the group's communicators hold peer-mapped memory or cloned groups: call it on every rank of the group, after
     its last call (and before ``dist.destroy_process_group``). The next call on the group starts afresh."""
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        return  # dist.new_group's value on a rank outside the group: this rank holds nothing for it
     refuse_non_group("release", group)  # else nothing would match it, and nothing be freed, silently
     REGISTRY.clear(group)

@@ -1,0 +1,104 @@
+"""The agreement check's edges (runtime/agreement.py): with no switch set it waits as long as the group's own
+timeout (not a deadline of its own), it names a missing rank after ``release`` as before it, its message mentions
+unchecked repeated calls only where repeated calls go unchecked, and ``release`` on a rank outside a subgroup holds
+nothing to free."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashoverlap as fo
+from flashoverlap import settings
+from flashoverlap.runtime import agreement
+from flashoverlap.runtime.context import context_of
+from flashoverlap.testing import spawn
+
+
+def _group_timeout(rank: int, world: int) -> tuple[float, float]:
+    short = dist.new_group(timeout=datetime.timedelta(seconds=7))
+    dist.barrier(short)  # both ranks' meshes connected before either leaves
+    return (agreement.group_timeout(context_of(short, torch.device("cpu"))),
+            agreement.group_timeout(context_of(dist.group.WORLD, torch.device("cpu"))))
+
+
+def test_the_check_without_a_switch_waits_as_long_as_the_groups_own_timeout():
+    # A rank kept 5 minutes elsewhere (a checkpoint) failed the call on its peers at 300 s, though the group's own
+    # collectives (gloo: 30 minutes by default) would have waited for it.
+    assert spawn(_group_timeout, 2, timeout=60) == [(7.0, 1800.0)] * 2
+
+
+def _late_rank_on_a_short_group(rank: int, world: int) -> tuple[str, float]:
+    os.environ.pop("FLASHOVERLAP_DEBUG_TIMEOUT", None)
+    os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    settings.refresh()
+    short = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    if rank == 1:
+        time.sleep(8)  # never makes the call within the group's timeout
+        return "absent", 0.0
+    start = time.monotonic()
+    try:
+        fo.gemm_all_reduce(a, b, group=short)
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - start
+    return "returned", time.monotonic() - start
+
+
+def test_a_rank_absent_past_the_groups_timeout_is_named_at_that_timeout():
+    (message, seconds), _ = spawn(_late_rank_on_a_short_group, 2, timeout=120)
+    assert "rank 1 did not reach the call within 3 s" in message, message
+    assert seconds < 30, seconds
+    # The check of every call of the reference path (CPU tensors) checks repeated calls too: no such hint.
+    assert "not checked again" not in message
+
+
+def _absent_after_release(rank: int, world: int) -> str:
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    for _ in range(3):
+        fo.gemm_all_reduce(a, b)
+    fo.release()
+    if rank == 1:
+        time.sleep(8)  # released like its peer, then never comes to the next call
+        return "absent"
+    try:
+        fo.gemm_all_reduce(a, b)
+    except RuntimeError as exc:
+        return str(exc)
+    return "returned"
+
+
+def test_a_rank_absent_after_release_is_named():
+    # After release the exchanges counted from 1 again, and the keys the released context wrote passed for
+    # arrivals: "every rank reached the call, but its agreement exchange did not end".
+    message, _ = spawn(_absent_after_release, 2, env={"FLASHOVERLAP_DEBUG_TIMEOUT": "3"}, timeout=120)
+    assert "rank 1 did not reach the call within 3 s" in message, message
+
+
+def _release_outside_a_subgroup(rank: int, world: int) -> str:
+    sub = dist.new_group([0])
+    if rank == 0:
+        fo.gemm_all_reduce(torch.randn(4, 8), torch.randn(8, 6), group=sub)
+    fo.release(sub)  # rank 1 holds nothing for a group it is not in
+    dist.barrier()
+    return "released"
+
+
+def test_release_on_a_rank_outside_the_group_frees_nothing_and_raises_nothing():
+    assert spawn(_release_outside_a_subgroup, 2, timeout=60) == ["released"] * 2
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_the_late_message_mentions_unchecked_repeated_calls_only_where_they_are(once, monkeypatch):
+    class Context:
+        rank, name = 0, "group WORLD"
+
+    monkeypatch.setattr(agreement, "_absent", lambda context, arrival: [1])
+    text = agreement._late("gemm_all_reduce", Context(), None, 5.0, once)
+    assert ("a repeated call is not checked again" in text) is once
+    assert "rank 1 did not reach the call within 5 s" in text
