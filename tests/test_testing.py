@@ -172,6 +172,7 @@ def test_host_synchronisations_names_where_each_is_issued_and_restores_the_mode(
 
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 2)  # the caller's mode: "error"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     passed_on = []
     monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kwargs: passed_on.append(str(message)))
     found = testing.host_synchronisations(_reads_twice)
@@ -226,3 +227,70 @@ def test_the_first_failure_is_raised_not_the_peer_it_broke():
         spawn(_fail_while_the_other_waits_in_a_collective, 2, timeout=120, grace=30.0)
     text = str(info.value)
     assert text.startswith("rank 1 failed:") and "ValueError: boom from rank 1" in text, text
+
+
+def test_host_synchronisations_says_it_needs_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="host_synchronisations: needs CUDA"):
+        testing.host_synchronisations(lambda: None)
+
+
+def test_spawn_refuses_an_env_value_that_is_not_a_str_and_leaves_the_environment_whole():
+    # {"HOME": None} raised a TypeError naming nothing, after the caller's environment had been cleared: 30
+    # variables stayed gone from the calling process.
+    before = dict(os.environ)
+    with pytest.raises(TypeError, match="spawn: env maps names to str values.*'HOME': None"):
+        testing.spawn(_salt, 2, env={"HOME": None})
+    assert dict(os.environ) == before
+
+
+def test_the_environment_is_restored_when_applying_it_fails():
+    before = dict(os.environ)
+    with pytest.raises(TypeError):
+        with testing._environment({"A_NAME": 1}):
+            pass
+    assert dict(os.environ) == before
+
+
+def test_spawn_refuses_a_bool_world_size():
+    with pytest.raises(ValueError, match="spawn: world_size must be an int >= 1, got True"):
+        testing.spawn(_salt, True)
+
+
+def test_an_inductor_variable_read_at_import_sends_the_ranks_to_fresh_interpreters(monkeypatch):
+    # The forkserver's preload imports torch._dynamo, which reads TORCHINDUCTOR_ variables then: forked ranks kept
+    # the server's value (max_autotune False where the caller asked for 1). The two inductor sets itself do not.
+    monkeypatch.setattr(testing, "_fresh_because", set())  # what this test sends fresh is its own
+    environ = dict(os.environ)
+    assert testing.rank_context({**environ, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"}).get_start_method() == "spawn"
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"):
+        assert testing.rank_context({**environ, name: "x"}).get_start_method() == "forkserver"
+
+
+def _plain_unknown(rank, world_size):
+    try:
+        testing.plain("allreduce", torch.randn(4, 2), torch.randn(2, 3))
+    except ValueError as exc:
+        return str(exc)
+    return "computed"
+
+
+def test_plain_refuses_an_unknown_op():
+    # It computed a reduce-scatter for any name but all_reduce and all_gather.
+    assert testing.spawn(_plain_unknown, 2, timeout=60) == [
+        "plain: op must be 'all_reduce', 'reduce_scatter' or 'all_gather', got 'allreduce'"] * 2
+
+
+def _lingering(rank, world_size):
+    import threading
+
+    if rank == 1:  # a non-daemon thread keeps the process from ending after it reported
+        threading.Thread(target=time.sleep, args=(1000,)).start()
+    return rank
+
+
+def test_spawn_keeps_its_timeout_while_the_ranks_end():
+    # Once every rank had reported, each process got a fixed 60 s to end: 62 s for timeout=5.
+    start = time.monotonic()
+    assert testing.spawn(_lingering, 2, timeout=8) == [0, 1]
+    assert time.monotonic() - start < 30

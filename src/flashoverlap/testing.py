@@ -47,9 +47,11 @@ import torch.multiprocessing as mp
 
 # torch._dynamo: the first autograd call of a custom op imports it (seconds a rank, for most tests of the layers).
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "flashoverlap"]
-# Environment variables read only once a rank runs its work, never while torch or flashoverlap is imported
-# (torch.compile's inductor sets two of its own in the process that compiles).
-READ_AT_WORK = ("FLASHOVERLAP_", "NCCL_", "TORCH_NCCL_", "CUDA_", "PYTEST_", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")
+# Environment variables read only once a rank runs its work, never while torch or flashoverlap is imported, and the
+# two that torch.compile's inductor sets in the process that compiles (its other ``TORCHINDUCTOR_`` variables are
+# read when the forkserver's preload imports ``torch._dynamo``: a change of one needs fresh interpreters).
+READ_AT_WORK = ("FLASHOVERLAP_", "NCCL_", "TORCH_NCCL_", "CUDA_", "PYTEST_", "TORCHINDUCTOR_CACHE_DIR",
+                "_TORCHINDUCTOR_")
 FAILURE_GRACE = 20.0  # seconds the other ranks get to report once one has failed (they may wait for it)
 _POLL = 0.2  # seconds between looks at the ranks (their output relayed, an ended rank noticed)
 _server: tuple | None = None  # (the forkserver context, the environment the server started with), once started
@@ -97,8 +99,8 @@ def apply_environ(environ: dict, target: MutableMapping[str, str] = os.environ) 
 def _environment(environ: dict):
     """``os.environ`` is ``environ`` inside (the environment a fresh interpreter starts with), as it was after."""
     saved = dict(os.environ)
-    apply_environ(environ)
     try:
+        apply_environ(environ)  # inside: a value os.environ refuses must not leave it half replaced
         yield
     finally:
         apply_environ(saved)
@@ -186,8 +188,12 @@ def spawn(
     if one_gpu and backend != "gloo":
         raise ValueError(f"spawn: one_gpu=True runs the ranks over a gloo group (NCCL refuses two ranks on one GPU), "
                          f"got backend={backend!r}")
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
+    for name, value in (env or {}).items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(f"spawn: env maps names to str values (to unset a variable, leave it out of env and "
+                            f"del os.environ[name] in fn), got {name!r}: {value!r}")
     if backend == "nccl" and torch.cuda.device_count() < 1:
         raise RuntimeError("spawn: backend='nccl' needs a CUDA GPU per rank (torch.cuda.device_count() is 0); "
                            "use backend='gloo' on the CPU")
@@ -240,8 +246,8 @@ def spawn(
                     errors[rank] = payload
                     deadline = min(deadline, time.monotonic() + grace)
         finally:
-            for p in procs:
-                p.join(timeout=0.1 if errors or len(results) < world_size else 60)
+            for p in procs:  # ranks that reported get until the deadline (at least a second) to end
+                p.join(timeout=0.1 if errors or len(results) < world_size else max(1.0, deadline - time.monotonic()))
                 if p.is_alive():
                     p.kill()
                     p.join()
@@ -263,7 +269,11 @@ def host_synchronisations(fn: Callable[[], object]) -> list[str]:
     device-to-host read, ``.item()``, ``.tolist()``, a stream or device synchronisation; not ``torch.distributed``'s
     collectives, which it does not see), as the innermost three frames outside torch and the warnings machinery,
     innermost first. Each is a wait for the host; a bounded-mode MoE layer promises none. The caller's sync debug
-    mode is restored afterwards, and ``fn``'s other warnings go on to the handler in place before."""
+    mode is restored afterwards, and ``fn``'s other warnings go on to the handler in place before. Needs a CUDA
+    build of torch (a RuntimeError says so on a CPU build)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("host_synchronisations: needs CUDA (torch.cuda.is_available() is False): it watches CUDA "
+                           "synchronisations")
     import warnings
 
     found: list[str] = []
@@ -308,6 +318,8 @@ def plain(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | 
     other, through ``torch.distributed`` alone."""
     from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 
+    if op not in ("all_reduce", "reduce_scatter", "all_gather"):
+        raise ValueError(f"plain: op must be 'all_reduce', 'reduce_scatter' or 'all_gather', got {op!r}")
     world = dist.get_world_size(group)
     if op == "all_gather":
         full = torch.empty((a.shape[0] * world, a.shape[1]), dtype=a.dtype, device=a.device)
