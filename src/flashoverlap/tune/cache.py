@@ -3,8 +3,11 @@ peer-to-peer transport is disabled), entries by shape.
 
 Where: ``$FLASHOVERLAP_CACHE_DIR``, else ``~/.cache/flashoverlap/``; ``FLASHOVERLAP_NO_CACHE=1`` turns lookups and
 writes off. A file that cannot be read, is not JSON, or describes another key is reported once (a warning) and
-ignored; a call never fails because of the cache. Writers merge their entries into the file under a lock and
-replace it atomically, so concurrent tuners lose nothing and readers never see half a file.
+ignored, and so is an entry that cannot be this key's (its plan for another op, world size or shape); a call never
+fails because of the cache. Writers merge their entries into the file under a lock and replace it atomically, so
+concurrent tuners lose nothing and readers never see half a file; a file that is not this version's for its key is
+never replaced (another install's, or one to look at): ``store`` refuses, and ``write_problem`` says so before a
+tuner measures anything.
 
 Ranks must use the same plan (different plans issue different collectives and hang), and on several nodes their
 caches may differ: ``exchange_entries`` gives every rank rank 0's entries, exchanged once per group.
@@ -28,6 +31,7 @@ from flashoverlap.plan import OPS, PLAN_PATHS, Plan
 from flashoverlap.tune.defaults import default_plan
 
 VERSION = 1
+NO_CACHE = "tune needs the cache: unset FLASHOVERLAP_NO_CACHE"
 # A shape never tuned borrows the plan of the tuned M nearest to it (same N and K), within this factor.
 NEAREST_M_FACTOR = 2.0
 _WARNED: set[str] = set()
@@ -68,10 +72,23 @@ def cache_file(key: dict) -> Path | None:
     return root / f"{gpu}-w{key['world_size']}-{key['op']}-{key['path']}-{key['dtype']}{suffix}.json"
 
 
-def _warn_once(path: Path, why: str) -> None:
-    if str(path) not in _WARNED:
-        _WARNED.add(str(path))
-        warnings.warn(f"flashoverlap: ignoring plan cache file {path}: {why}", RuntimeWarning, stacklevel=3)
+def _warn_once(what: str, why: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(f"flashoverlap: ignoring plan cache {what}: {why}", RuntimeWarning, stacklevel=3)
+
+
+def _read(path: Path, key: dict) -> tuple[dict[str, dict], str | None]:
+    """``path``'s entries if it is this version's file of ``key`` (``(entries, None)``), else ``({}, why not)``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return {}, f"unreadable ({type(exc).__name__}: {exc})"
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
+        return {}, f"not a version-{VERSION} flashoverlap plan cache"
+    if data.get("key") != key:
+        return {}, f"it describes {data.get('key')!r}, not {key!r}"
+    return data["entries"], None
 
 
 def load(key: dict) -> dict[str, dict]:
@@ -79,22 +96,38 @@ def load(key: dict) -> dict[str, dict]:
     path = cache_file(key)
     if path is None or not path.exists():
         return {}
+    entries, why = _read(path, key)
+    if why is not None:
+        _warn_once(f"file {path}", why)
+    return entries
+
+
+def _not_replaced(path: Path, why: str) -> str:
+    return (f"not replacing plan cache file {path}: {why}; move it away (or set FLASHOVERLAP_CACHE_DIR to another "
+            "directory) and tune again")
+
+
+def write_problem(key: dict | None = None) -> str | None:
+    """Why a tuner could not store what it measures (None if it can), in one line: the cache is off, its directory
+    cannot be written here, or ``key``'s file is one ``store`` would not replace. Creates the directory."""
+    root = cache_dir()
+    if root is None:
+        return NO_CACHE
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        _warn_once(path, f"unreadable ({type(exc).__name__}: {exc})")
-        return {}
-    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
-        _warn_once(path, f"not a version-{VERSION} flashoverlap plan cache")
-        return {}
-    if data.get("key") != key:
-        _warn_once(path, f"it describes {data.get('key')!r}, not {key!r}")
-        return {}
-    return data["entries"]
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as exc:
+        return (f"the plan cache directory {root} cannot be written ({type(exc).__name__}: {exc}); set "
+                "FLASHOVERLAP_CACHE_DIR to a writable directory")
+    path = cache_file(key) if key is not None else None
+    why = _read(path, key)[1] if path is not None and path.exists() else None
+    return None if why is None else _not_replaced(path, why)
 
 
 def store(key: dict, plan: Plan, measured_ms: float | None = None, how: str = "") -> Path | None:
-    """Add (or replace) ``plan``'s entry in ``key``'s file; returns the file (None when the cache is off)."""
+    """Add (or replace) ``plan``'s entry in ``key``'s file; returns the file (None when the cache is off). Raises
+    ``RuntimeError`` where the file exists and is not this version's for ``key`` (it is left as it is)."""
     path = cache_file(key)
     if path is None:
         return None
@@ -102,7 +135,9 @@ def store(key: dict, plan: Plan, measured_ms: float | None = None, how: str = ""
     entry = {"plan": plan.to_dict(), "measured_ms": measured_ms, "how": how}
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one writer merges at a time
-        entries = load(key) if path.exists() else {}
+        entries, why = _read(path, key) if path.exists() else ({}, None)
+        if why is not None:
+            raise RuntimeError(f"flashoverlap: {_not_replaced(path, why)}")
         entries[f"{plan.m}x{plan.n}x{plan.k}"] = entry
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
@@ -116,19 +151,21 @@ def select(entries: dict[str, dict], op: str, m: int, n: int, k: int, world_size
     """The cached plan for this shape: its own entry, else one derived from the tuned M nearest to ``m`` (same N
     and K, within ``NEAREST_M_FACTOR``): the same tile, programs, NCCL CTAs, path and number of groups. None if
     neither exists or an entry is invalid."""
-    exact = entries.get(f"{m}x{n}x{k}")
+    exact = _entry(entries, f"{m}x{n}x{k}", op, world_size)
     if exact is not None:
-        return _plan(exact)
-    nearest, distance = None, math.log(NEAREST_M_FACTOR) + 1e-9
-    for shape, entry in entries.items():
+        return exact
+    tuned, distance = None, math.log(NEAREST_M_FACTOR) + 1e-9
+    for shape in entries:
         try:
             em, en, ek = (int(x) for x in shape.split("x"))
         except ValueError:
             continue
-        if (en, ek) == (n, k) and abs(math.log(em / m)) <= distance:
-            nearest, distance = entry, abs(math.log(em / m))
-    tuned = _plan(nearest) if nearest is not None else None
-    if tuned is None or tuned.op != op or tuned.world_size != world_size:
+        if (en, ek) != (n, k) or em <= 0 or abs(math.log(em / m)) > distance:
+            continue
+        plan = _entry(entries, shape, op, world_size)
+        if plan is not None:
+            tuned, distance = plan, abs(math.log(em / m))
+    if tuned is None:
         return None
     try:
         overlapped = default_plan(op, m, n, k, world_size, num_sms=num_sms, tile=tuned.tile,
@@ -142,11 +179,21 @@ def select(entries: dict[str, dict], op: str, m: int, n: int, k: int, world_size
         return None
 
 
-def _plan(entry: dict) -> Plan | None:
+def _entry(entries: dict[str, dict], shape: str, op: str, world_size: int) -> Plan | None:
+    """The plan of ``entries[shape]`` if it is one of ``op`` over ``world_size`` ranks at that shape; None if
+    there is none or it is invalid, or another's (hand-edited, or merged from elsewhere: warned once)."""
+    entry = entries.get(shape)
+    if entry is None:
+        return None
     try:
-        return Plan.from_dict(entry["plan"])
+        plan = Plan.from_dict(entry["plan"])
     except (KeyError, TypeError, ValueError):
         return None
+    if (plan.op, plan.world_size, f"{plan.m}x{plan.n}x{plan.k}") != (op, world_size, shape):
+        _warn_once(f"entry {shape!r} of {op} over {world_size} ranks",
+                   f"its plan is {plan.op}'s of {plan.m}x{plan.n}x{plan.k} over {plan.world_size} ranks")
+        return None
+    return plan
 
 
 def exchange_entries(group: dist.ProcessGroup, gpu: str, world_size: int,
