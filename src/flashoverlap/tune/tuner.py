@@ -59,10 +59,36 @@ def curve_file(key: dict):
     return None if path is None else path.with_name("curve-" + path.name)
 
 
+def bandwidth_command(op: str, path: str, target: Target) -> str:
+    """The ``tune bandwidth`` command that stores ``op``'s curve on ``path`` under the key a search of ``target``
+    reads: its dtype and NCCL transport setting (``NCCL_P2P_DISABLE=1``, or unset) are part of the key."""
+    dtype = str(target.dtype).replace("torch.", "")
+    setting = "NCCL_P2P_DISABLE=1 " if target.nccl_p2p_disabled else ""
+    return (f"{setting}torchrun --nproc-per-node {dist.get_world_size(target.group)} -m flashoverlap tune bandwidth "
+            f"--path {path} --dtype {dtype} --ops {op}")
+
+
+def missing_curves(op: str, paths: list[str], target: Target) -> str | None:
+    """None where a search of ``op`` over ``paths`` finds every curve it reads (``load_curve``); else one line
+    naming the commands that measure the missing ones (``tune plan`` checks before measuring anything)."""
+    missing = [each for each in paths if load_curve(target.key(op, each)) is None]
+    if not missing:
+        return None
+    transport = "NCCL_P2P_DISABLE=1" if target.nccl_p2p_disabled else "NCCL_P2P_DISABLE unset"
+    where = curve_file(target.key(op, missing[0]))
+    where = "the cache" if where is None else where.parent
+    commands = " and ".join(f"`{bandwidth_command(op, each, target)}`" for each in missing)
+    return (f"no bandwidth curve of {op} on path {', '.join(missing)} ({str(target.dtype).replace('torch.', '')}, "
+            f"{transport}) in {where}: run {commands} first")
+
+
 # -- bandwidth curves and slowdowns (tune bandwidth) ---------------------------------------------------------------
 def tune_bandwidth(ops: list[str], path: str, target: Target, max_bytes: int,
                    progress: Callable[[str], None] = print) -> None:
-    """Measure each op's curve and slowdowns on ``path`` and store them beside its plan cache (rank 0 writes)."""
+    """Measure each op's curve and slowdowns on ``path`` and store them beside its plan cache (rank 0 writes);
+    refused, before measuring, with the cache off (``FLASHOVERLAP_NO_CACHE=1``): nothing could be stored."""
+    if cache.cache_dir() is None:
+        raise RuntimeError(cache.NO_CACHE)
     for op in ops:
         key = target.key(op, path)
         band = band_runner(op, path, target, max_bytes)  # one P2P runner (and symmetric workspace) for both
@@ -77,11 +103,11 @@ def tune_bandwidth(ops: list[str], path: str, target: Target, max_bytes: int,
 def measure_curve(op: str, path: str, target: Target, max_bytes: int, progress: Callable[[str], None] = print,
                   band=None) -> Curve:
     """The time of one group's communication against the group's bytes (``Plan.group_bytes``), at log-spaced
-    sizes from 64 KiB to ``max_bytes`` (a factor 2 apart): the NCCL collective, or on the P2P path one copy-engine
-    pull of that many bytes (``band``: a runner from ``band_runner`` to reuse), with every rank doing it at once as
-    in a call."""
+    sizes from 64 KiB to ``max_bytes`` (a factor 2 apart; the last is ``max_bytes`` itself, never more: the P2P
+    runner's buffers hold that much): the NCCL collective, or on the P2P path one copy-engine pull of that many
+    bytes (``band``: a runner from ``band_runner`` to reuse), with every rank doing it at once as in a call."""
     band = band or band_runner(op, path, target, max_bytes)
-    sizes, times, size = [], [], MIN_CURVE_BYTES
+    sizes, times, size = [], [], min(MIN_CURVE_BYTES, max_bytes)
     while True:
         nbytes, call = _communication(op, target, size, band)
         sizes.append(nbytes)
@@ -89,7 +115,7 @@ def measure_curve(op: str, path: str, target: Target, max_bytes: int, progress: 
         progress(f"  {op} {path} {sizes[-1] / 2**20:10.3f} MiB: {times[-1]:.4f} ms")
         if size >= max_bytes:
             return Curve(tuple(sizes), tuple(times))
-        size *= 2
+        size = min(2 * size, max_bytes)
 
 
 def _communication(op: str, target: Target, size: int, band) -> tuple[int, Callable[[], None]]:
@@ -323,8 +349,7 @@ def model_search(op: str, shape: tuple[int, int, int], target: Target, paths: di
         key = target.key(op, each)
         curve = load_curve(key)
         if curve is None:
-            raise RuntimeError(f"no bandwidth curve for {key}: run `python -m flashoverlap tune bandwidth --path "
-                               f"{each}` (under torchrun) first")
+            raise RuntimeError(missing_curves(op, [each], target))
         machines = measure_machine(op, shape, target, each, load_slowdowns(key))
         plans = [plan for plan in candidates(op, m, n, k, world, sms, each) if i == 0 or not plan.sequential]
         # The plan an untuned call takes (the ops' default from the machine's rates) is always a candidate, and
