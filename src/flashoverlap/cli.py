@@ -35,6 +35,8 @@ DEMO_ALIASES = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_
                 "scaled_reduce_scatter": "scaled_gemm_reduce_scatter", "scaled_all_gather": "all_gather_scaled_gemm",
                 "moe_layout": "moe", "moe_dispatch_gemm": "moe", "moe_gemm_combine": "moe"}
 DEMO_DESCRIPTION = "Run one op on 2 ranks and check it against plain PyTorch; print the path that ran."
+# The ops ``tune plan`` tunes, by their API names (the keys) and short names (the values: the tuner's).
+TUNE_OPS = {"gemm_all_reduce": "all_reduce", "gemm_reduce_scatter": "reduce_scatter", "all_gather_gemm": "all_gather"}
 DTYPES = ["bfloat16", "float16"]
 # Options whose value may start with "-" (a mistyped negative dimension): joined to their option before parsing.
 VALUE_OPTIONS = ("--shape", "--shapes", "--world-size", "--top", "--max-mib", "--iters")
@@ -120,6 +122,16 @@ def demo_op(text: str) -> str:
     name = DEMO_ALIASES.get(text, text)
     if name not in DEMO_OPS:
         raise argparse.ArgumentTypeError(f"unknown op {text!r}; choose from {', '.join(DEMO_OPS)}")
+    return name
+
+
+def tune_op(text: str) -> str:
+    """An op ``tune plan`` tunes, by its short name (``all_reduce``) or its API name (``gemm_all_reduce``), returned
+    as the short name (the tuner's and the cache's)."""
+    name = TUNE_OPS.get(text, text)
+    if name not in OPS:
+        raise argparse.ArgumentTypeError(f"unknown op {text!r}; choose from {', '.join(TUNE_OPS)} (or their short "
+                                         f"names {', '.join(OPS)})")
     return name
 
 
@@ -235,18 +247,21 @@ def parser() -> argparse.ArgumentParser:
         step = tune_parsers[name] = steps.add_parser(name, help=text, description=text)
         if name == "bandwidth":
             step.add_argument("--path", default="nccl", choices=["nccl", "p2p"],
-                              help="the communicator whose curves to measure (default nccl)")
+                              help="the communicator whose curves to measure (default nccl; tune plan, by "
+                                   "default, reads both where P2P applies)")
         else:
-            step.add_argument("--path", default="nccl", choices=["nccl", "p2p", "auto"],
-                              help="the communicator (default nccl; auto: both where P2P applies, and the winner's "
-                                   "plan names its path, which path='auto' calls then follow)")
+            step.add_argument("--path", default="auto", choices=["nccl", "p2p", "auto"],
+                              help="the path whose calls use the plan (default auto, the ops' default: NCCL and, "
+                                   "where P2P applies, P2P are searched, and path='auto' calls follow the winner's "
+                                   "path; nccl, p2p: calls that name that path)")
         step.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="input dtype (default: bfloat16)")
     tune_parsers["bandwidth"].add_argument("--ops", default=",".join(OPS), type=op_list,
                                            help="comma-separated ops (default: all three)")
     tune_parsers["bandwidth"].add_argument("--max-mib", type=positive, default=512,
                                            help="largest message in MiB (default 512)")
     plan = tune_parsers["plan"]
-    plan.add_argument("--op", required=True, choices=OPS, help="the op to tune")
+    plan.add_argument("--op", required=True, type=tune_op, metavar="OP",
+                      help=f"the op to tune: {', '.join(TUNE_OPS)}, or by its short name ({', '.join(OPS)})")
     plan.add_argument("--shape", type=shape, required=True, metavar="M,N,K",
                       help="the call's shape; for all_gather, M is the gathered rows")
     plan.add_argument("--top", type=positive, default=3, help="model's best candidates to time (default 3)")
@@ -299,34 +314,67 @@ def tune_target(dtype_name: str, device):
     return Target(dist.group.WORLD, device, getattr(torch, dtype_name), settings.current().nccl_p2p_disabled)
 
 
-def tune_search(op: str, shape: tuple[int, int, int], target, path: str):
-    """``tune.tuner.model_search`` over the paths ``path`` covers: the one asked for, or for ``"auto"`` NCCL and,
-    where it applies to this group, P2P (the ops' ``path="auto"`` rule), each with the plan an untuned call takes
-    there (the runtime's answers, passed to the tuner as values)."""
+def tune_paths(path: str, target) -> list[str]:
+    """The paths ``tune plan --path PATH`` searches: the one asked for, or for ``"auto"`` NCCL and, where it applies
+    to this group, P2P (the ops' ``path="auto"`` rule: the runtime's answer)."""
     import torch.distributed as dist
 
     from flashoverlap.comm.symmetric import p2p_unavailable_reason
-    from flashoverlap.runtime import plan_for
     from flashoverlap.runtime.policy import p2p_excluded
+
+    if path != "auto":
+        return [path]
+    reason = None if target.nccl_p2p_disabled else p2p_unavailable_reason(target.group, target.device)
+    excluded = p2p_excluded(reason, dist.get_world_size(target.group), target.nccl_p2p_disabled)
+    return ["nccl"] if excluded else ["nccl", "p2p"]
+
+
+def tune_search(op: str, shape: tuple[int, int, int], target, path: str):
+    """``tune.tuner.model_search`` over the paths ``path`` covers (``tune_paths``), each with the plan an untuned
+    call takes there (the runtime's answers, passed to the tuner as values)."""
+    from flashoverlap.runtime import plan_for
     from flashoverlap.tune.tuner import model_search
 
     group, device = target.group, target.device
-    paths = [path]
-    if path == "auto":
-        reason = None if target.nccl_p2p_disabled else p2p_unavailable_reason(group, device)
-        excluded = p2p_excluded(reason, dist.get_world_size(group), target.nccl_p2p_disabled)
-        paths = ["nccl"] if excluded else ["nccl", "p2p"]
-    hand_set = {each: plan_for(op, tuple(shape), group, device, target.dtype, each, tuned=False) for each in paths}
+    hand_set = {each: plan_for(op, tuple(shape), group, device, target.dtype, each, tuned=False)
+                for each in tune_paths(path, target)}
     return model_search(op, shape, target, hand_set, path)
 
 
-def _tune(args: argparse.Namespace, device) -> int:
-    """``tune bandwidth``: measure and store each op's curve. ``tune plan``: tune one shape and cache the winner."""
+def _tune_problem(args: argparse.Namespace, target) -> str | None:
+    """Why this rank's tuning could not end in a stored result, found before measuring anything (None: it can):
+    the cache off or not writable, the plan's file one the cache would not replace (rank 0 writes), a bandwidth
+    curve ``tune plan`` reads missing here."""
     import torch.distributed as dist
 
+    from flashoverlap.tune import cache
+    from flashoverlap.tune.tuner import missing_curves
+
+    plan = args.tune_command == "plan"
+    if dist.get_rank(target.group) == 0:
+        problem = cache.write_problem(target.key(args.op, args.path) if plan else None)
+    else:
+        problem = cache.NO_CACHE if cache.cache_dir() is None else None
+    if problem is None and plan:
+        problem = missing_curves(args.op, tune_paths(args.path, target), target)
+    return problem
+
+
+def _tune(args: argparse.Namespace, device) -> int:
+    """``tune bandwidth``: measure and store each op's curve. ``tune plan``: tune one shape and cache the winner,
+    then say where and which calls take it. Either refuses in one line, before measuring, where its result could
+    not be stored or a curve it needs is missing (any rank's reason: every rank stops)."""
+    import torch.distributed as dist
+
+    from flashoverlap.tune import cache
     from flashoverlap.tune.tuner import tune_bandwidth, tune_plan
 
     target = tune_target(args.dtype, device)
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, _tune_problem(args, target))
+    problem = next((each for each in problems if each is not None), None)
+    if problem is not None:
+        raise SystemExit(f"flashoverlap tune {args.tune_command}: {problem}")
     say = print if dist.get_rank() == 0 else (lambda line: None)
     if args.tune_command == "bandwidth":
         tune_bandwidth(args.ops.split(","), args.path, target, args.max_mib << 20, say)
@@ -334,6 +382,12 @@ def _tune(args: argparse.Namespace, device) -> int:
     search = tune_search(args.op, args.shape, target, args.path)
     winner, _ = tune_plan(args.op, args.shape, target, search, args.top, args.exhaustive, say)
     say(winner.describe())
+    api = next(name for name, short in TUNE_OPS.items() if short == args.op)
+    users = "path='auto' (the default)" if args.path == "auto" else \
+        f"path={args.path!r} (path='auto' calls read `tune plan --path auto`'s plans only)"
+    say(f"cached in {cache.cache_file(search.key)}: {api} calls with {users} at M,N,K = "
+        f"{','.join(map(str, args.shape))} in {args.dtype} over {dist.get_world_size()} ranks use it (M within a "
+        "factor 2 borrow it)")
     return 0
 
 

@@ -1,0 +1,97 @@
+"""The command line's edges, on a CPU machine (one gloo rank, stand-ins for what needs GPUs): ``tune`` refuses in
+one line before measuring where its result could not be stored or a curve it reads is missing; ``tune plan``
+defaults to the ops' ``path="auto"`` and says which file and calls it tuned for."""
+
+import argparse
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashoverlap import cli
+from flashoverlap.tune import tuner
+from flashoverlap.tune.model import Curve
+
+GPU = "NVIDIA H100 80GB HBM3"
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def one_rank(tmp_path, monkeypatch):
+    """One gloo rank, a fresh plan cache, and every measurement a failure (nothing may be measured here)."""
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FLASHOVERLAP_NO_CACHE", raising=False)
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    for name in ("measure_curve", "measure_slowdowns", "measure_machine", "tune_bandwidth", "tune_plan"):
+        monkeypatch.setattr(tuner, name, lambda *a, name=name, **kw: pytest.fail(f"{name} ran"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return cli.parser().parse_args(["tune", *argv])
+
+
+BANDWIDTH = ("bandwidth",)
+PLAN = ("plan", "--op", "all_reduce", "--shape", "8192,8192,8192")
+
+
+@pytest.mark.parametrize("argv", [BANDWIDTH, PLAN])
+def test_tune_refuses_with_the_cache_off_before_measuring(one_rank, monkeypatch, argv):
+    monkeypatch.setenv("FLASHOVERLAP_NO_CACHE", "1")
+    with pytest.raises(SystemExit) as stop:
+        cli._tune(_args(*argv), CPU)
+    assert stop.value.code == f"flashoverlap tune {argv[0]}: tune needs the cache: unset FLASHOVERLAP_NO_CACHE"
+
+
+@pytest.mark.parametrize("argv", [BANDWIDTH, PLAN])
+def test_tune_refuses_a_cache_directory_it_cannot_write_before_measuring(one_rank, tmp_path, monkeypatch, argv):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path / "a-file"))
+    with pytest.raises(SystemExit, match=f"flashoverlap tune {argv[0]}: the plan cache directory .* cannot be "
+                                         "written"):
+        cli._tune(_args(*argv), CPU)
+
+
+def test_tune_plan_refuses_a_missing_curve_before_measuring_naming_its_command(one_rank, monkeypatch):
+    monkeypatch.setattr(cli, "tune_paths", lambda path, target: ["nccl", "p2p"])  # one NVLink node: P2P applies
+    target = cli.tune_target("bfloat16", CPU)
+    tuner.store_curve(target.key("all_reduce", "nccl"), Curve((65536, 131072), (0.01, 0.02)))  # `tune bandwidth`
+    with pytest.raises(SystemExit) as stop:
+        cli._tune(_args(*PLAN), CPU)
+    assert stop.value.code.startswith("flashoverlap tune plan: no bandwidth curve of all_reduce on path p2p") and \
+        "`torchrun --nproc-per-node 1 -m flashoverlap tune bandwidth --path p2p --dtype bfloat16 --ops all_reduce`" \
+        in stop.value.code and "--path nccl" not in stop.value.code, stop.value.code
+
+
+def test_tune_plan_tunes_for_the_ops_default_path_and_says_where_and_for_which_calls(one_rank, monkeypatch, capsys):
+    import flashoverlap as fo
+
+    args = _args("plan", "--op", "gemm_reduce_scatter", "--shape", "8192,8192,8192")
+    assert (args.path, args.op) == ("auto", "reduce_scatter")  # the ops' default path; API names as the demo's
+    monkeypatch.setattr(cli, "tune_paths", lambda path, target: ["nccl"])
+    target = cli.tune_target("bfloat16", CPU)
+    tuner.store_curve(target.key("reduce_scatter", "nccl"), Curve((65536, 131072), (0.01, 0.02)))
+    searched = {}
+
+    def search(op, shape, target, path):
+        searched.update(op=op, path=path)
+        return tuner.Search(target.key(op, path), [], {}, {})
+
+    winner = fo.default_plan("reduce_scatter", 8192, 8192, 8192, 1, num_sms=132)
+    monkeypatch.setattr(cli, "tune_search", search)
+    monkeypatch.setattr(tuner, "tune_plan", lambda *a, **kw: (winner, []))
+    assert cli._tune(args, CPU) == 0
+    out = capsys.readouterr().out
+    file = tuner.cache.cache_file(target.key("reduce_scatter", "auto"))
+    assert searched == {"op": "reduce_scatter", "path": "auto"}
+    assert f"cached in {file}: gemm_reduce_scatter calls with path='auto' (the default)" in out, out
+
+
+def test_tune_plan_refuses_unknown_ops_naming_both_spellings(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "plan", "--op", "gemm_all_to_all", "--shape", "8,8,8"])
+    err = capsys.readouterr().err
+    assert "unknown op 'gemm_all_to_all'" in err and "gemm_all_reduce, " in err and "short names all_reduce, " in err
