@@ -228,7 +228,7 @@ def test_bench_ops_is_handed_its_options_under_torchrun(monkeypatch):
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(cli, "_under_torchrun", lambda run: run("cuda:0"))
+    monkeypatch.setattr(cli, "_under_torchrun", lambda run, untuned=False: run("cuda:0"))
 
     def bench_main(args, device, command, environment):
         seen.update(args=args, device=device, command=command, environment=environment)

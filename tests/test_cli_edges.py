@@ -1,6 +1,7 @@
 """The command line's edges, on a CPU machine (one gloo rank, stand-ins for what needs GPUs): ``tune`` refuses in
 one line before measuring where its result could not be stored or a curve it reads is missing; ``tune plan``
-defaults to the ops' ``path="auto"`` and says which file and calls it tuned for."""
+defaults to the ops' ``path="auto"`` and says which file and calls it tuned for; ``bench ops`` runs untuned,
+without multicast, records the library's variables and checks its shapes against the ranks up front."""
 
 import argparse
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap import cli
+from flashoverlap import cli, settings
 from flashoverlap.tune import tuner
 from flashoverlap.tune.model import Curve
 
@@ -95,3 +96,62 @@ def test_tune_plan_refuses_unknown_ops_naming_both_spellings(capsys):
         cli.main(["tune", "plan", "--op", "gemm_all_to_all", "--shape", "8,8,8"])
     err = capsys.readouterr().err
     assert "unknown op 'gemm_all_to_all'" in err and "gemm_all_reduce, " in err and "short names all_reduce, " in err
+
+
+@pytest.fixture
+def torchrun_rank(monkeypatch):
+    """This process as torchrun's rank 0 of ``WORLD_SIZE`` on a machine with GPUs, no process group started for
+    real, and the variables ``bench``/``tune`` set restored after."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for name in ("init_process_group", "barrier", "destroy_process_group"):
+        monkeypatch.setattr(dist, name, lambda *a, **kw: None)
+    for name in (*cli.NO_MULTICAST, "FLASHOVERLAP_NO_CACHE", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "")  # recorded, so that what the command sets is undone after
+        monkeypatch.delenv(name)
+
+
+def test_bench_ops_runs_untuned_without_multicast_and_records_the_librarys_variables(torchrun_rank, monkeypatch,
+                                                                                      tmp_path):
+    from flashoverlap import bench
+
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the user's own setting stays
+    assert settings.current().cache_dir == tmp_path  # read before: read again when bench ops changes it
+    seen = {}
+
+    def bench_main(args, device, command, environment):
+        seen.update(environment=environment, cache_dir=settings.current().cache_dir)
+        return 0
+
+    monkeypatch.setattr(bench, "main", bench_main)
+    assert cli.main(["bench", "ops", "--shapes", "64,64,64"]) == 0
+    assert seen["cache_dir"] is None  # a plain call: no tuned plan is looked up
+    env = seen["environment"]
+    assert env["FLASHOVERLAP_NO_CACHE"] == "1" and env["FLASHOVERLAP_CACHE_DIR"] == str(tmp_path)
+    assert env["NCCL_NVLS_ENABLE"] == "1" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and \
+        env["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+def test_tune_runs_without_multicast_and_with_the_cache(torchrun_rank, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, "_tune", lambda args, device: seen.update(env=cli.environment()) or 0)
+    assert cli.main(["tune", "bandwidth"]) == 0
+    assert {name: seen["env"].get(name) for name in cli.NO_MULTICAST} == cli.NO_MULTICAST
+    assert "FLASHOVERLAP_NO_CACHE" not in seen["env"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ops", "reduce_scatter", "--shapes", "1000,64,64"], "--shapes 1000,64,64: gemm_reduce_scatter needs M "
+                                                            "divisible by the 3 ranks"),
+    (["--ops", "all_gather"], "the grid's shape 4096,8192,8192: all_gather_gemm needs M divisible by the 3 ranks"),
+])
+def test_bench_ops_checks_its_shapes_against_the_ranks_before_starting(torchrun_rank, monkeypatch, argv, message):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: pytest.fail("started"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "ops", *argv])
+    assert stop.value.code.startswith(f"flashoverlap bench ops: {message}"), stop.value.code

@@ -3,9 +3,10 @@ they replace, matmul then the collective, at docs/benchmarks.md's grid shapes, t
 
 Per op and shape, timed side by side (``tune.timing.time_side_by_side``: CUDA events, each call queued behind a GPU
 sleep, calls interleaved, median per rank, maximum over ranks): T_gemm (``torch.matmul``), T_comm (the collective
-alone), T_seq (matmul then the collective), T (the op as a user calls it: no plan, ``path="auto"``), T_ideal =
-max(T_gemm, T_comm), the speedup T_seq / T and E = (T_seq - T) / (T_seq - T_ideal), the share of the hideable time
-that the op hid; and the host time to issue one call of T_seq and of T. Rank 0 prints a table per op; ``--out FILE``
+alone), T_seq (matmul then the collective), T (the op as a user calls it: no plan, ``path="auto"``, untuned: the
+command line turns the plan cache off, ``FLASHOVERLAP_NO_CACHE=1``), T_ideal = max(T_gemm, T_comm), the speedup
+T_seq / T and E = (T_seq - T) / (T_seq - T_ideal), the share of the hideable time that the op hid; and the host time
+to issue one call of T_seq and of T. Rank 0 prints a table per op; ``--out FILE``
 also writes ``{"meta", "rows"}``.
 
 The full harness is the top-level ``benchmarks/`` of a source checkout, not installed; from its root:
@@ -41,6 +42,18 @@ OP_FUNCTIONS = GEMM_OPS  # the name the harness has used
 # torch >= 2.13 deprecates the *_tensor names for *_single, which older torch does not have.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def shape_problem(ops: list[str], shapes: list[tuple[int, int, int]] | None, world_size: int) -> str | None:
+    """Why ``bench ops`` cannot run ``shapes`` (else each op's grid) over ``world_size`` ranks, in one line (None
+    where it can): reduce-scatter and all-gather split M over the ranks."""
+    for op in ops:
+        for m, n, k in shapes or GRIDS[op]:
+            if op != "all_reduce" and m % world_size:
+                which = "--shapes" if shapes else "the grid's shape"
+                return (f"{which} {m},{n},{k}: {OP_NAMES[op]} needs M divisible by the {world_size} ranks; pass "
+                        "--shapes with such M")
+    return None
 
 
 def efficiency(t_seq: float, t: float, t_ideal: float) -> float:

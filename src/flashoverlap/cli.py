@@ -13,8 +13,10 @@ validate`` (and ``bench ops`` given the harness's own options, ``--timeline``, `
 ``--help`` its own; elsewhere they say in one line how to get it. ``bench`` and ``tune`` need CUDA GPUs and run under
 ``torchrun``; they say so after parsing, so their ``--help`` works on a CPU machine, and a mistyped option is
 refused there too. This module is the one place
-besides the settings that reads the environment (torchrun's ``RANK`` and ``LOCAL_RANK``, and the NCCL variables a
-results file records). Nothing here imports torch until a command runs.
+besides the settings that reads the environment (torchrun's ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``, and the
+variables a results file records); ``bench`` and ``tune`` set theirs before any process group exists (no multicast,
+``NO_MULTICAST``; ``bench ops`` runs untuned, ``FLASHOVERLAP_NO_CACHE=1``). Nothing here imports torch until a
+command runs.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ DEMO_ALIASES = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_
 DEMO_DESCRIPTION = "Run one op on 2 ranks and check it against plain PyTorch; print the path that ran."
 # The ops ``tune plan`` tunes, by their API names (the keys) and short names (the values: the tuner's).
 TUNE_OPS = {"gemm_all_reduce": "all_reduce", "gemm_reduce_scatter": "reduce_scatter", "all_gather_gemm": "all_gather"}
+# What every benchmark and tuning runs with (docs/benchmarks.md), set where the user has not: multicast off.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DTYPES = ["bfloat16", "float16"]
 # Options whose value may start with "-" (a mistyped negative dimension): joined to their option before parsing.
 VALUE_OPTIONS = ("--shape", "--shapes", "--world-size", "--top", "--max-mib", "--iters")
@@ -287,11 +291,13 @@ def _needs_gpus(command: str) -> None:
                          f"`torchrun --nproc-per-node 2 -m flashoverlap {command} ...`")
 
 
-def _under_torchrun(run) -> int:
-    """``run(device)`` on this rank's GPU (torchrun's ``LOCAL_RANK``) with the NCCL group started, taken down after."""
+def _under_torchrun(run, untuned: bool = False) -> int:
+    """``run(device)`` on this rank's GPU (torchrun's ``LOCAL_RANK``) with the NCCL group started, taken down after;
+    the environment prepared first (``_prepare_environment``)."""
     import torch
     import torch.distributed as dist
 
+    _prepare_environment(untuned)
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
@@ -417,8 +423,29 @@ def _run_harness(command: str, what: str, rest: list[str], unknown: list[str] | 
 
 
 def environment() -> dict[str, str]:
-    """The variables that shape a run's communication, recorded in a results file's meta."""
-    return {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEV"))}
+    """The variables that shape a run's communication and the library's choices, recorded in a results file's
+    meta."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEV", "FLASHOVERLAP_"))}
+
+
+def _prepare_environment(untuned: bool) -> None:
+    """Before any process group exists: multicast off where the user has not set it (``NO_MULTICAST``), and for
+    ``untuned`` (``bench ops``: a plain call, as docs/benchmarks.md defines T) no plan cache, read afresh by the
+    settings."""
+    from flashoverlap import settings
+
+    for name, value in NO_MULTICAST.items():
+        os.environ.setdefault(name, value)
+    if untuned:
+        os.environ["FLASHOVERLAP_NO_CACHE"] = "1"
+    settings.refresh()
+
+
+def _world_size() -> int:
+    """torchrun's ``WORLD_SIZE`` (1 without it)."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    return int(text) if _DIGITS.fullmatch(text) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,8 +473,11 @@ def main(argv: list[str] | None = None) -> int:
         return _under_torchrun(lambda device: _tune(args, device))
     from flashoverlap import bench
 
+    refused = bench.shape_problem(args.ops, args.shapes, _world_size())
+    if refused is not None:
+        raise SystemExit(f"flashoverlap bench ops: {refused}")
     command = shlex.join(["flashoverlap", *argv])  # quoted: a shape list's ";" stays one word
-    return _under_torchrun(lambda device: bench.main(args, device, command, environment()))
+    return _under_torchrun(lambda device: bench.main(args, device, command, environment()), untuned=True)
 
 
 if __name__ == "__main__":
