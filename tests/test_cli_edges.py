@@ -1,7 +1,8 @@
 """The command line's edges, on a CPU machine (one gloo rank, stand-ins for what needs GPUs): ``tune`` refuses in
 one line before measuring where its result could not be stored or a curve it reads is missing; ``tune plan``
 defaults to the ops' ``path="auto"`` and says which file and calls it tuned for; ``bench ops`` runs untuned,
-without multicast, records the library's variables and checks its shapes against the ranks up front."""
+without multicast, records the library's variables and checks its shapes against the ranks up front; ``demo``
+refuses torchrun and names the default shape it refuses."""
 
 import argparse
 
@@ -155,3 +156,24 @@ def test_bench_ops_checks_its_shapes_against_the_ranks_before_starting(torchrun_
     with pytest.raises(SystemExit) as stop:
         cli.main(["bench", "ops", *argv])
     assert stop.value.code.startswith(f"flashoverlap bench ops: {message}"), stop.value.code
+
+
+@pytest.mark.parametrize("variable", ["RANK", "WORLD_SIZE"])
+def test_demo_refuses_to_run_under_torchrun(monkeypatch, variable):
+    from flashoverlap import demo
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv(variable, "0")
+    monkeypatch.setattr(demo, "main", lambda *a, **kw: pytest.fail("the demo ran once per rank"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo"])
+    assert stop.value.code.startswith("flashoverlap demo: it starts its own ranks; run it without torchrun")
+
+
+def test_demo_names_the_default_shape_it_cannot_split():
+    from flashoverlap import demo
+
+    with pytest.raises(SystemExit) as stop:
+        demo.main(None, "bfloat16", 3, True, "gemm_reduce_scatter")
+    assert stop.value.code == ("flashoverlap demo: the default shape 1024,1024,256: gemm_reduce_scatter needs M "
+                               "divisible by the 3 ranks; pass --shape")

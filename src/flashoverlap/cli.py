@@ -465,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashoverlap {__version__}")
         return 0
     if args.command == "demo":
+        if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+            raise SystemExit("flashoverlap demo: it starts its own ranks; run it without torchrun (`flashoverlap "
+                             "demo ...`, --world-size N for N ranks)")
         from flashoverlap.demo import main as demo_main
 
         return demo_main(args.shape, args.dtype, args.world_size, args.cpu, args.op)

@@ -210,12 +210,14 @@ def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | 
     if world_size is None:
         world_size = gpus if on_gpu else 2
     if on_gpu and world_size > gpus:
-        raise SystemExit(f"--world-size {world_size} needs that many GPUs, found {gpus}")
+        raise SystemExit(f"flashoverlap demo: --world-size {world_size} needs that many GPUs, found {gpus}")
     plural = "" if world_size == 1 else "s"
     where = f"{world_size} GPU{plural} (NCCL)" if on_gpu else \
         f"{world_size} CPU process{'' if world_size == 1 else 'es'} (gloo)"
     if OPS[op][0] in ("reduce_scatter", "all_gather") and m % world_size:
-        raise SystemExit(f"--shape {m},{n},{k}: {op} needs M divisible by the {world_size} ranks")
+        which = f"--shape {m},{n},{k}" if shape else f"the default shape {m},{n},{k}"
+        raise SystemExit(f"flashoverlap demo: {which}: {op} needs M divisible by the {world_size} ranks"
+                         f"{'' if shape else '; pass --shape'}")
     dtype = getattr(torch, dtype_name)
     if op == "moe":
         print(f"flashoverlap demo: {MOE_CALLS}, {m} tokens per rank, hidden {n}, expert FFN {k}, "
