@@ -494,7 +494,8 @@ MUTATIONS = [
      "):  # a fresh interpreter starts with it",
      "tests/test_testing.py::test_a_variable_read_at_import_is_there_when_the_fresh_interpreter_starts"),
     ("spawn-world-of-zero-returns-nothing", "testing.spawn: a world of 0 ranks returns [] instead of being refused",
-     TESTING, "    if not isinstance(world_size, int) or world_size < 1:", "    if not isinstance(world_size, int):",
+     TESTING, "    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:",
+     "    if not isinstance(world_size, int) or isinstance(world_size, bool):",
      "tests/test_testing.py::test_spawn_refuses_a_world_it_cannot_start"),
     ("group-name-takes-anything", "The ops through their custom op (autograd): any group passes, a DeviceMesh meets "
      "an AttributeError and a group's name is taken", "src/flashoverlap/ops/library.py",
@@ -870,6 +871,17 @@ MUTATIONS = [
      "src/flashoverlap/runtime/agreement.py", "        return context.process_group._get_backend(device).options."
      "_timeout.total_seconds()", "        return settings.AGREEMENT_TIMEOUT",
      "tests/runtime/test_agreement_edges.py::test_the_check_without_a_switch_waits_as_long_as_the_groups_own_timeout"),
+    # The CLI and plan-cache audit's fixes.
+    ("curve-past-max-bytes", "tune bandwidth: the curve's sizes double past --max-mib (a P2P copy larger than its "
+     "landing buffer)", "src/flashoverlap/tune/tuner.py", "        size = min(2 * size, max_bytes)\n",
+     "        size = 2 * size\n", "tests/tune/test_tuner_edges.py"),
+    ("cache-exact-entry-unchecked", "Plan cache: an exact entry's plan taken whatever its op, world size or shape",
+     "src/flashoverlap/tune/cache.py",
+     "    if (plan.op, plan.world_size, f\"{plan.m}x{plan.n}x{plan.k}\") != (op, world_size, shape):",
+     "    if False:", "tests/tune/test_cache_edges.py"),
+    ("tune-bandwidth-without-cache", "tune bandwidth with the cache off measures and stores nothing, silently",
+     "src/flashoverlap/tune/tuner.py", "    if cache.cache_dir() is None:\n        raise RuntimeError(cache.NO_CACHE)\n",
+     "", "tests/tune/test_tuner_edges.py"),
     ("debug-timeout-nan-off", "Settings: FLASHOVERLAP_DEBUG_TIMEOUT=nan read as no bound", "src/flashoverlap/settings.py",
      "    if math.isnan(seconds):", "    if False:", "tests/runtime/test_settings.py"),
 ]
