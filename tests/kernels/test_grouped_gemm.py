@@ -84,10 +84,10 @@ TILE_OPTIONS = {
 
 
 class _NoLaunch:
-    """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
+    """Stands in for a kernel's launcher (``kernels/launch.Launcher``): ``launch(grid, args, meta)`` does nothing."""
 
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+    def __call__(self, grid, args, meta):
+        return None
 
 
 def run_case(case) -> dict:
@@ -114,12 +114,12 @@ def run_case(case) -> dict:
     if num_groups:
         # The prep kernel alone (the GEMM launch stubbed out): each flag starts at 1 - (its group's tiles).
         flags = torch.full((num_groups,), 5, dtype=torch.int32)
-        real, gg.grouped_gemm_kernel = gg.grouped_gemm_kernel, _NoLaunch()
+        real, gg._GEMM_LAUNCH = gg._GEMM_LAUNCH, _NoLaunch()
         try:
             grouped_gemm(x, w, Segments(ends, seg_expert, signal=seg_signal), flags=flags, workspace=workspace,
                          launch=GroupedLaunch(order=order, tile=tile, use_tma=tma))
         finally:
-            gg.grouped_gemm_kernel = real
+            gg._GEMM_LAUNCH = real
         start_flags = flags.tolist()
     outs, flags_after = [], []
     for this_order in (order, "given" if order == "heavy-first" else "heavy-first"):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from flashoverlap import guards
+from flashoverlap.kernels.launch import Launcher
 
 _TRITON_MISSING: ModuleNotFoundError | None = None
 try:
@@ -654,15 +655,16 @@ def grouped_gemm(
                          f"(workspace_size({num_segments}))")
     tiles_n = -(-n // tile.block_n)
     sort = order == "heavy-first" or seg.priority is not None
-    _segment_table_kernel[(1,)](
+    _TABLE_LAUNCH(1, (
         seg.ends, seg.starts if seg.starts is not None else seg.ends, seg.expert,
         seg.signal if seg.signal is not None else seg.ends, seg.priority if seg.priority is not None else seg.ends,
         workspace, flags if signal else workspace,
         num_segments, num_groups, num_experts, rows, tiles_n,
+    ), dict(
         BLOCK_S=block_s, BLOCK_M=tile.block_m, SORT=sort, HEAVY_FIRST=order == "heavy-first",
         HAS_PRIORITY=seg.priority is not None, SIGNAL=signal, HAS_GROUPS=seg.signal is not None,
         HAS_STARTS=seg.starts is not None, num_warps=4 if block_s <= 1024 else 8,
-    )
+    ))
     bound_tiles = (-(-max_rows // tile.block_m) + min(num_segments, max_rows)) * tiles_n
     if tile.num_programs is None:
         grid = bound_tiles
@@ -699,16 +701,17 @@ def grouped_gemm(
     else:
         x_arg = x_half = x_swap = x
         w_arg = w
-    grouped_gemm_kernel[(grid,)](
+    _GEMM_LAUNCH(grid, (
         x_arg, x_half, x_swap, w_arg, out, workspace, flags if signal else workspace,
         rows, n, k, num_segments, num_groups, tiles_n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         row_map if row_map is not None else workspace, x,
+    ), dict(
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
         USE_TMA=bool(use_tma), W_KMAJOR=bool(w_kmajor and use_tma), SIGNAL=signal, PEER=bool(launch.peer_visible),
         DYNAMIC=bool(tile.dynamic and tile.num_programs is not None), HALF_TAIL=half_tail, SWAP_ROWS=swap_rows,
         MIX=mix, FLAT=flat, ROW_MAP=row_map is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )
+    ))
     return out
 
 
@@ -797,6 +800,14 @@ SCALED_TILE = GroupedTile(64, 128, 128, 8, 3, 4, None)  # block-wise
 SCALED_TILE_ROW = GroupedTile(128, 256, 128, 8, 4, 8, 0)  # row-wise
 
 
+# Each kernel launched through its compiled kernel's launcher once the JIT has compiled it for the same arguments'
+# fingerprint (kernels/launch.py: the JIT's per-launch binding and specialisation cost an fp8 MoE layer's eager call
+# four launches' worth of host time, logs of benchmarks/diagnostics/fp8_moe_host.py --profile).
+_TABLE_LAUNCH = Launcher(_segment_table_kernel)
+_GEMM_LAUNCH = Launcher(grouped_gemm_kernel)
+_SCALED_LAUNCH = Launcher(scaled_grouped_gemm_kernel)
+
+
 def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                         segments: Segments, *, out: torch.Tensor, mode: str, tile: GroupedTile | None = None,
                         workspace: torch.Tensor | None = None) -> torch.Tensor:
@@ -825,12 +836,13 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     if workspace is None:
         workspace = torch.empty(workspace_size(num_segments), dtype=torch.int32, device=x.device)
     tiles_n = -(-n // tile.block_n)
-    _segment_table_kernel[(1,)](
+    _TABLE_LAUNCH(1, (
         seg.ends, seg.starts if seg.starts is not None else seg.ends, seg.expert, seg.ends, seg.ends,
         workspace, workspace, num_segments, 0, num_experts, rows, tiles_n,
+    ), dict(
         BLOCK_S=block_s, BLOCK_M=tile.block_m, SORT=True, HEAVY_FIRST=True, HAS_PRIORITY=False, SIGNAL=False,
         HAS_GROUPS=False, HAS_STARTS=seg.starts is not None, num_warps=4 if block_s <= 1024 else 8,
-    )
+    ))
     bound_tiles = (-(-rows // tile.block_m) + min(num_segments, rows)) * tiles_n
     programs = bound_tiles if tile.num_programs is None else tile.persistent_programs(x.device)
     grid = min(programs, bound_tiles)
@@ -840,15 +852,16 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     sx_m, sx_k = (sx[0], sx[1]) if len(sx) == 2 else (sx[0], 0)
     sw = w_scale.stride()
     sw_e, sw_k, sw_n = sw if len(sw) == 3 else (sw[0], 0, sw[1])
-    scaled_grouped_gemm_kernel[(grid,)](
+    _SCALED_LAUNCH(grid, (
         x, x_scale, w, w_scale, out, workspace, rows, n, k, num_segments, tiles_n,
         x.stride(0), x.stride(1), sx_m, sx_k,
         w.stride(0), w.stride(1), w.stride(2), sw_e, sw_k, sw_n,
         out.stride(0), out.stride(1),
+    ), dict(
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_S=block_s, GROUP_M=tile.group_m,
         BLOCKWISE=mode == "block", num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-    )
+    ))
     return out
 
 
