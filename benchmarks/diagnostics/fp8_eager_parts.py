@@ -16,7 +16,6 @@ PYTHONPATH=src python -m benchmarks.diagnostics.fp8_eager_parts [out.json]
 
 from __future__ import annotations
 
-import cProfile
 import pstats
 import shlex
 import sys
@@ -24,7 +23,7 @@ import sys
 import torch
 
 from benchmarks.diagnostics.results_file import one_gpu_setup, one_rank_nccl_diagnostic, results_meta
-from benchmarks.harness.timing import host_us_interleaved
+from benchmarks.harness.timing import host_us_interleaved, profile_of
 from benchmarks.host_bound import LLAMA, _row_scaled
 
 SHAPES = ("q,k,v", "o", "grid")
@@ -35,15 +34,7 @@ SLEEP_CYCLES = 1_000_000_000  # GPU sleep ahead of a profiled loop: longer than 
 
 def _own_us(fn, calls: int) -> dict[str, float]:
     """cProfile's own time per call (µs) of each function over ``calls`` calls of ``fn``, GPU busy ahead."""
-    profile = cProfile.Profile()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    profile.enable()
-    for _ in range(calls):
-        fn()
-    profile.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(profile).stats
+    stats = pstats.Stats(profile_of(fn, calls, SLEEP_CYCLES)).stats
     return {f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({name})": own / calls * 1e6
             for (file, line, name), (_, _, own, _, _) in stats.items()}
 

@@ -47,9 +47,20 @@ def profiled(fn: Callable[[], object], calls: int, sleep_cycles: int = QUEUE_AHE
              orders: tuple[str, ...] = ("tottime",), limit: int = 25) -> str:
     """cProfile of ``calls`` calls of ``fn`` issued while the GPU is busy ahead: the ``limit`` functions first in
     each of ``orders`` (``pstats`` sort keys), as text."""
-    import cProfile
     import io
     import pstats
+
+    profile = profile_of(fn, calls, sleep_cycles)
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    for order in orders:
+        stats.sort_stats(order).print_stats(limit)
+    return text.getvalue()
+
+
+def profile_of(fn: Callable[[], object], calls: int, sleep_cycles: int = QUEUE_AHEAD_CYCLES):
+    """A ``cProfile.Profile`` of ``calls`` calls of ``fn`` issued while the GPU is busy ahead (``sleep_cycles``)."""
+    import cProfile
 
     profile = cProfile.Profile()
     torch.cuda.synchronize()
@@ -59,11 +70,7 @@ def profiled(fn: Callable[[], object], calls: int, sleep_cycles: int = QUEUE_AHE
         fn()
     profile.disable()
     torch.cuda.synchronize()
-    text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    for order in orders:
-        stats.sort_stats(order).print_stats(limit)
-    return text.getvalue()
+    return profile
 
 
 def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int = 40,
