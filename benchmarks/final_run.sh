@@ -28,7 +28,7 @@ fi
 if [[ -n $DEMO ]]; then
     timeout 120 python3 -m flashoverlap demo > "$OUT/demo-gpu.log" 2>&1; tail -3 "$OUT/demo-gpu.log"
 fi
-gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
+gpu=$(python3 -m benchmarks.harness.gpu_tag)
 for setting in $SETTINGS; do
     p2p=""; [[ $setting == pcie-like ]] && p2p="NCCL_P2P_DISABLE=1"
     args="--ops $OPS $BENCH_ARGS $(eval echo \${BENCH_ARGS_${setting/-/_}:-})"; [[ -n $TIMELINE ]] && args="$args --timeline $OUT/timeline-$setting.png"

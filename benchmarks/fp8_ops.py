@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 import flashoverlap as fo
 from benchmarks.diagnostics.results_file import require_cuda
+from benchmarks.harness.gpu_tag import gpu_tag
 from benchmarks.harness.run import commit, results_meta, setting
 from flashoverlap import settings
 from flashoverlap.bench import COLUMNS, GRIDS, OP_FUNCTIONS, efficiency, ms, op_row, print_table, write_results
@@ -396,7 +397,7 @@ def run_meta(world: int, command: str, dry_run: bool) -> dict:
 def default_out(world: int, setting_name: str, dry_run: bool) -> str:
     if dry_run:
         return os.path.join(tempfile.gettempdir(), f"fp8_ops-dry-run-x{world}.json")
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    gpu = gpu_tag()
     return os.path.join("benchmarks", "results", f"{gpu}x{world}-{setting_name}-fp8.json")
 
 

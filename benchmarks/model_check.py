@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.gpu_tag import gpu_tag
 from benchmarks.harness.run import commit, setting, start_run
 from flashoverlap.bench import GRIDS
 from flashoverlap.cli import DTYPES, OPS, op_list, tune_search, tune_target
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                                            add_arguments, argv, "-model")
     rank, world = dist.get_rank(), dist.get_world_size()
     name = "p2p" if args.path == "p2p" else setting() + ("-auto" if args.path == "auto" else "")
-    gpu = torch.cuda.get_device_name(device).split()[-1].lower()
+    gpu = gpu_tag(device)
     out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world}-{name}-model.json")
     command = os.environ.get("FLASHOVERLAP_COMMAND", "python -m benchmarks.model_check " + shlex.join(argv))
     target = tune_target(args.dtype, device)

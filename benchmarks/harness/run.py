@@ -10,6 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.gpu_tag import gpu_tag
 from flashoverlap.bench import run_meta, write_results
 from flashoverlap.cli import VALUE_OPTIONS, environment, join_values
 
@@ -64,7 +65,7 @@ def start_run(prog: str, description: str, add_arguments, argv: list[str] | None
     dist.init_process_group("nccl", device_id=device)
     world_size = dist.get_world_size()
     meta = results_meta(world_size, " ".join([prog, *argv]))
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    gpu = gpu_tag()
     out = args.out or os.path.join("benchmarks", "results", f"{gpu}x{world_size}-{meta['setting']}{suffix}.json")
     return args, argv, meta, out, device
 
