@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu,util
     -lms 200 > "$OUT/smi.csv" 2>&1 &
 SMI=$!
 if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -q -x tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
+    python3 -m pytest -q -x tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"; exited tests "${PIPESTATUS[0]}"
 fi
 if [[ $what == bench || $what == all ]]; then
     for setting in nvlink pcie-like; do
@@ -21,8 +21,9 @@ if [[ $what == bench || $what == all ]]; then
         cmd="$p2p torchrun --nproc-per-node $NGPU -m benchmarks.ops $*"
         echo "== $cmd"
         env $p2p FLASHOVERLAP_COMMAND="$cmd" torchrun --nproc-per-node "$NGPU" -m benchmarks.ops "$@" \
-            2>&1 | tee "$OUT/bench-$setting.log"
+            2>&1 | tee "$OUT/bench-$setting.log"; exited "bench $setting" "${PIPESTATUS[0]}"
     done
     cp benchmarks/results/*.json "$OUT/" 2>/dev/null
 fi
 kill $SMI 2>/dev/null
+exit_failed

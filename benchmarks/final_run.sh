@@ -18,15 +18,15 @@ nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperatu
 SMI=$!
 for op in ${SMOKE-}; do  # the P2P path's first contact, one op at a time (benchmarks.diagnostics.p2p_smoke)
     timeout ${SMOKE_TIMEOUT:-80} torchrun --nproc-per-node "$NGPU" -m benchmarks.diagnostics.p2p_smoke $op \
-        > "$OUT/smoke-$op.log" 2>&1; echo "smoke $op: exit $?"
+        > "$OUT/smoke-$op.log" 2>&1; exited "smoke $op"
     grep -E "rank 0:|Error|error" "$OUT/smoke-$op.log" | tail -14
 done
 if [[ -n $TESTS ]]; then
-    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --durations=0 $TESTS > "$OUT/gpu-tests.log" 2>&1
+    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --durations=0 $TESTS > "$OUT/gpu-tests.log" 2>&1; exited tests
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -25
 fi
 if [[ -n $DEMO ]]; then
-    timeout 120 python3 -m flashoverlap demo > "$OUT/demo-gpu.log" 2>&1; tail -3 "$OUT/demo-gpu.log"
+    timeout 120 python3 -m flashoverlap demo > "$OUT/demo-gpu.log" 2>&1; exited demo; tail -3 "$OUT/demo-gpu.log"
 fi
 gpu=$(python3 -m benchmarks.harness.gpu_tag)
 for setting in $SETTINGS; do
@@ -36,7 +36,9 @@ for setting in $SETTINGS; do
     echo "== $cmd" | tee "$OUT/bench-$setting$TAG.log"
     env $p2p FLASHOVERLAP_COMMAND="$cmd" timeout $(eval echo \${BENCH_TIMEOUT_${setting/-/_}:-${BENCH_TIMEOUT:-240}}) torchrun --nproc-per-node "$NGPU" \
         -m benchmarks.ops $args --out "$OUT/${gpu}x$NGPU-$setting$TAG.json" >> "$OUT/bench-$setting$TAG.log" 2>&1
+    exited "bench $setting$TAG"
     sed -n '/^gemm_all_reduce, path\|^gemm_reduce_scatter, path\|^all_gather_gemm, path/,/^$/p' "$OUT/bench-$setting$TAG.log"
     grep -iE "error|Traceback" "$OUT/bench-$setting$TAG.log" | head -5
 done
 kill $SMI 2>/dev/null
+exit_failed

@@ -32,7 +32,7 @@ run() {  # name, timeout, command...: logged, timed out, its exit printed
     local name=$1 limit=$2; shift 2
     echo "== $*" | tee "$OUT/$name-$SETTING.log"
     FLASHOVERLAP_COMMAND="$*" timeout "$limit" "$@" >> "$OUT/$name-$SETTING.log" 2>&1
-    echo "$name $SETTING: exit $?"; grep -vE "^W[0-9]|Warning|warn" "$OUT/$name-$SETTING.log" | tail -${TAIL:-12}
+    exited "$name $SETTING"; grep -vE "^W[0-9]|Warning|warn" "$OUT/$name-$SETTING.log" | tail -${TAIL:-12}
 }
 has fp8-moe && run fp8-moe ${FP8_MOE_TIMEOUT:-540} torchrun --nproc-per-node "$NGPU" -m benchmarks.moe \
     --paths $paths --precisions bf16 fp8-row fp8-block --out "$OUT/$gpu-$SETTING-fp8-moe.json"
@@ -62,4 +62,4 @@ if has faults; then  # one process group per scenario (a missing peer leaves the
             --fault "$scenario" --fault-timeout 3 --out "$OUT/$gpu-$SETTING-fault-$scenario.json"
     done
 fi
-true
+exit_failed

@@ -25,7 +25,7 @@ gpus_at_least 1
 commit=${FLASHOVERLAP_COMMIT:-unknown}
 if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests and the one-GPU tests (the two-GPU ones skip)
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:randomly tests/kernels tests/gpu > "$OUT/gpu-tests-$commit.log" 2>&1
-    echo "tests: exit $?"; tail -3 "$OUT/gpu-tests-$commit.log"
+    exited "tests"; tail -3 "$OUT/gpu-tests-$commit.log"
 fi
 if has spawn; then  # testing.spawn's ranks (forkserver) reach CUDA: the demo's rank body on a one-rank NCCL group
     timeout 120 python3 -c '
@@ -33,68 +33,69 @@ import torch
 from flashoverlap.demo import _run_gemm
 from flashoverlap.testing import rank_context, spawn
 print(rank_context().get_start_method(), spawn(_run_gemm, 1, "nccl", args=("all_reduce", 512, 256, 384, torch.bfloat16, True)))
-' > "$OUT/spawn-$commit.log" 2>&1; echo "spawn: exit $?"; tail -3 "$OUT/spawn-$commit.log"
+' > "$OUT/spawn-$commit.log" 2>&1; exited "spawn"; tail -3 "$OUT/spawn-$commit.log"
 fi
 if has p2p; then
     CUDA_VISIBLE_DEVICES=0 timeout ${P2P_TIMEOUT:-300} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_one_gpu \
-        "$OUT/h200x1-host.json" > "$OUT/p2p-one-gpu-$commit.log" 2>&1; echo "p2p: exit $?"
+        "$OUT/h200x1-host.json" > "$OUT/p2p-one-gpu-$commit.log" 2>&1; exited "p2p"
     grep -E "checked|Error|error" "$OUT/p2p-one-gpu-$commit.log" | tail -5
 fi
 if has p2p8; then  # the P2P path's fp8 calls: mechanics (every op x mode, eager and replayed) and host time beside bf16
     CUDA_VISIBLE_DEVICES=0 timeout ${P2P8_TIMEOUT:-240} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_fp8_one_gpu \
-        "$OUT/h200x1-p2p-fp8.json" > "$OUT/p2p-fp8-one-gpu-$commit.log" 2>&1; echo "p2p8: exit $?"
+        "$OUT/h200x1-p2p-fp8.json" > "$OUT/p2p-fp8-one-gpu-$commit.log" 2>&1; exited "p2p8"
     grep -E "checked|Error|error|FAILED|host " "$OUT/p2p-fp8-one-gpu-$commit.log" | tail -8
 fi
 if has moe; then
     CUDA_VISIBLE_DEVICES=0 timeout ${MOE_TIMEOUT:-300} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.moe_one_gpu \
-        "$OUT/h200x1-moe-host.json" > "$OUT/moe-one-gpu-$commit.log" 2>&1; echo "moe: exit $?"
+        "$OUT/h200x1-moe-host.json" > "$OUT/moe-one-gpu-$commit.log" 2>&1; exited "moe"
     grep -E "checked|Error|error" "$OUT/moe-one-gpu-$commit.log" | tail -5
 fi
 if has fp8; then  # fp8 calls' host time beside bf16's, same op and path (one process, a one-rank NCCL group)
     CUDA_VISIBLE_DEVICES=0 timeout ${FP8_TIMEOUT:-120} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.fp8_host \
-        "$OUT/h200x1-fp8-host.json" > "$OUT/fp8-host-$commit.log" 2>&1; echo "fp8: exit $?"
+        "$OUT/h200x1-fp8-host.json" > "$OUT/fp8-host-$commit.log" 2>&1; exited "fp8"
     timeout ${FP8_GEMM_TIMEOUT:-200} python3 benchmarks/diagnostics/fp8_gemm.py "$OUT/h200x1-fp8-gemm.json" \
-        > "$OUT/fp8-gemm-$commit.log" 2>&1; echo "fp8 gemm: exit $?"; grep "^nccl" "$OUT/fp8-gemm-$commit.log"
+        > "$OUT/fp8-gemm-$commit.log" 2>&1; exited "fp8 gemm"; grep "^nccl" "$OUT/fp8-gemm-$commit.log"
 fi
 if has sequential; then
     timeout ${SEQ_TIMEOUT:-180} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.sequential_host \
-        "$OUT/sequential-host-$commit.json" > "$OUT/sequential-host-$commit.log" 2>&1; echo "sequential: exit $?"
+        "$OUT/sequential-host-$commit.json" > "$OUT/sequential-host-$commit.log" 2>&1; exited "sequential"
     grep -E "^\{" "$OUT/sequential-host-$commit.log" | cut -c1-400
 fi
 if has fp8moe; then  # the fp8 MoE layer's host time beside bf16's (issue 44), single calls and loops in parts
     timeout ${FP8MOE_TIMEOUT:-200} python3 -m benchmarks.diagnostics.fp8_moe_host --out "$OUT" --iters 60 --parts \
-        > "$OUT/fp8-moe-host-$commit.log" 2>&1; echo "fp8moe: exit $?"; grep -E "ratio|layer" "$OUT/fp8-moe-host-$commit.log" | tail -12
+        > "$OUT/fp8-moe-host-$commit.log" 2>&1; exited "fp8moe"; grep -E "ratio|layer" "$OUT/fp8-moe-host-$commit.log" | tail -12
 fi
 if has hostbound; then  # the host-bound loops at Llama-70B TP = 8 shapes, bf16 and fp8 row-wise (issue 41)
     timeout ${HOSTBOUND_TIMEOUT:-300} python3 -m benchmarks.host_bound "$OUT/host-bound-llama-$commit.json" --shapes=llama \
-        > "$OUT/host-bound-$commit.log" 2>&1; echo "hostbound: exit $?"; tail -3 "$OUT/host-bound-$commit.log"
+        > "$OUT/host-bound-$commit.log" 2>&1; exited "hostbound"; tail -3 "$OUT/host-bound-$commit.log"
 fi
 if has fp8parts; then  # where an eager fp8 NCCL-path call's extra host time goes, beside bf16's (issue 41)
     timeout ${FP8PARTS_TIMEOUT:-200} python3 -m benchmarks.diagnostics.fp8_eager_parts "$OUT/fp8-eager-parts-$commit.json" \
-        > "$OUT/fp8-eager-parts-$commit.log" 2>&1; echo "fp8parts: exit $?"; grep -v "^   " "$OUT/fp8-eager-parts-$commit.log" | tail -6
+        > "$OUT/fp8-eager-parts-$commit.log" 2>&1; exited "fp8parts"; grep -v "^   " "$OUT/fp8-eager-parts-$commit.log" | tail -6
 fi
 if has shared; then  # ranks sharing the GPU (issue 42), W = 2, 4, 8: the expert families' mechanics and the tensor-parallel
     # smoke (every repeated call replayed: both P2P paths' graphs wait with the wait kernel), then host time per call
     timeout ${SHARED_TIMEOUT:-110} python3 -m benchmarks.shared_ranks --step mechanics --worlds 2,4,8 \
         --families moe,moe-fp8,models --budget 105 --out "$OUT/mech" > "$OUT/shared-mech-$commit.log" 2>&1
-    echo "shared mechanics: exit $?"; tail -3 "$OUT/shared-mech-$commit.log"
+    exited "shared mechanics"; tail -3 "$OUT/shared-mech-$commit.log"
     timeout 55 python3 -m benchmarks.shared_ranks --step mechanics --worlds 2,4,8 --families tp --quick --budget 50 \
-        --out "$OUT/mech-tp" > "$OUT/shared-mech-tp-$commit.log" 2>&1; echo "shared tp smoke: exit $?"
+        --out "$OUT/mech-tp" > "$OUT/shared-mech-tp-$commit.log" 2>&1; exited "shared tp smoke"
     timeout ${SHARED_HOST_TIMEOUT:-150} python3 -m benchmarks.shared_ranks --step host --worlds 8,4,2 --budget 145 \
-        --out "$OUT/shared" > "$OUT/shared-host-$commit.log" 2>&1; echo "shared host: exit $?"
+        --out "$OUT/shared" > "$OUT/shared-host-$commit.log" 2>&1; exited "shared host"
 fi
 if has fp8tiles; then  # the fp8 grouped GEMM's tiles, block- and row-wise, beside bf16 _grouped_mm (issue 44)
     # FP8TILES_ARGS: options of the sweep, e.g. "--scalings block" (word-split: options only, no spaces in values)
     timeout ${FP8TILES_TIMEOUT:-420} python3 -m benchmarks.diagnostics.fp8_grouped_tiles ${FP8TILES_ARGS:-} \
         --out "$OUT/h200x1-fp8-grouped-tiles-$commit.json" > "$OUT/fp8-grouped-tiles-$commit.log" 2>&1
-    echo "fp8tiles: exit $?"; grep -E "^\[" "$OUT/fp8-grouped-tiles-$commit.log" | cut -c1-200
+    exited "fp8tiles"; grep -E "^\[" "$OUT/fp8-grouped-tiles-$commit.log" | cut -c1-200
 fi
 if has soak; then  # the soak (issue 42): at least 10,000 random calls per W, each checked, memory sampled
     timeout $(( ${SOAK_BUDGET:-540} + 40 )) python3 -m benchmarks.shared_ranks --step soak --worlds "${SOAK_WORLDS:-8}" \
         --calls 10000 --budget "${SOAK_BUDGET:-540}" --out "$OUT/soak" > "$OUT/soak-$commit.log" 2>&1
-    echo "soak: exit $?"; grep -E "^soak W=" "$OUT/soak-$commit.log" | cut -c1-300
+    exited "soak"; grep -E "^soak W=" "$OUT/soak-$commit.log" | cut -c1-300
 fi
 if has faults; then  # every fault scenario at W = 4 (issue 42): each surviving rank must name the op, group and rank
     timeout ${FAULTS_TIMEOUT:-300} python3 -m benchmarks.shared_ranks --step faults --worlds 4 --timeout 4 --budget $(( ${FAULTS_TIMEOUT:-300} - 20 )) \
-        --out "$OUT/faults" > "$OUT/faults-$commit.log" 2>&1; echo "faults: exit $?"; tail -4 "$OUT/faults-$commit.log"
+        --out "$OUT/faults" > "$OUT/faults-$commit.log" 2>&1; exited "faults"; tail -4 "$OUT/faults-$commit.log"
 fi
+exit_failed

@@ -2,7 +2,10 @@
 # every word of $VAR is one of KNOWN and there is at least one, else an error naming it before anything runs (a
 # misspelt step or setting would otherwise run nothing, or the wrong thing, and exit 0), and ``gpus_at_least N``:
 # NGPU set to this machine's CUDA GPUs, else (fewer than N) an error before anything runs (on a CPU machine a
-# script's steps used to fail one by one, or fall into a dry run, and the script exited 0).
+# script's steps used to fail one by one, or fall into a dry run, and the script exited 0). Then ``exited NAME
+# [CODE]``: prints "NAME: exit CODE" (CODE: the status of the command just before it, unless given) and counts a
+# non-zero CODE in FAILED, and ``exit_failed``, a script's last line: exit 1 naming the count when any step failed,
+# else 0 (the scripts ended in `true` or their last step's status: every step failed and the script exited 0).
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 check_words() {
     local name=$1 noun=$2 known=$3 word
@@ -24,4 +27,19 @@ gpus_at_least() {
         echo "$(basename "$0"): needs $1 or more CUDA GPUs, this machine has $NGPU" >&2
         exit 2
     fi
+}
+FAILED=0
+exited() {
+    local code=$?
+    (( $# > 1 )) && code=$2
+    echo "$1: exit $code"
+    (( code == 0 )) || FAILED=$((FAILED + 1))
+    return 0
+}
+exit_failed() {
+    if (( FAILED )); then
+        echo "$(basename "$0"): $FAILED step(s) failed: their logs in ${OUT:-the output folder} say why, their files are missing or partial" >&2
+        exit 1
+    fi
+    exit 0
 }

@@ -32,9 +32,10 @@ run() {  # run <timeout> <log> <command...>: the command, its exit status and th
     local limit=$1 log=$2; shift 2
     local start=$SECONDS
     (( limit > DEADLINE - SECONDS )) && limit=$((DEADLINE - SECONDS))
-    (( limit < 10 )) && { echo "skipped (deadline): $*"; return; }
+    (( limit < 10 )) && { echo "skipped (deadline): $*"; FAILED=$((FAILED + 1)); return; }  # its file is missing
     echo "== $*" > "$log"; timeout "$limit" "$@" >> "$log" 2>&1
-    echo "exit $? after $((SECONDS - start)) s (limit ${limit}s): $*"
+    local code=$?; (( code == 0 )) || FAILED=$((FAILED + 1))
+    echo "exit $code after $((SECONDS - start)) s (limit ${limit}s): $*"
     grep -E "predicted .* measured .*pick|model error|stored|^ +[0-9]+x|Error|Plan\(|^ +\[[0-9]+/[0-9]+\] " "$log" \
         | tail -"${SHOW:-20}"
 }
@@ -68,7 +69,9 @@ if has tests && [[ -n $TESTS ]] && (( SECONDS < DEADLINE - 60 )); then
     start=$SECONDS
     FLASHOVERLAP_CACHE_DIR=$(mktemp -d) timeout $((DEADLINE - SECONDS)) python3 -m pytest -q -p no:cacheprovider $TESTS \
         > "$OUT/logs/gpu-tests-$SETTING.log" 2>&1
-    echo "tests exit $? after $((SECONDS - start)) s"; tail -5 "$OUT/logs/gpu-tests-$SETTING.log"
+    code=$?; (( code == 0 )) || FAILED=$((FAILED + 1))
+    echo "tests exit $code after $((SECONDS - start)) s"; tail -5 "$OUT/logs/gpu-tests-$SETTING.log"
 fi
 for log in "$OUT"/logs/*.log; do sed -i 's/.*\r//' "$log"; done  # progress bars: keep each line's last state
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+exit_failed
