@@ -27,7 +27,12 @@ that ends early leaves its time to the next), the ranks stop before the next cas
 file is written after each W (faults: after each scenario). ``FLASHOVERLAP_COMMIT`` names the commit in ``meta``.
 
 ``--device cpu`` runs the same ranks on gloo CPU ranks (the reference path): a check of the harness itself, not of
-the GPU paths.
+the GPU paths. Its files go to a fresh temporary folder unless ``--out`` names one, never to ``benchmarks/results``
+(its files are named for the GPU: a CPU check once replaced the committed soak with a row that ran nothing).
+
+The exit status is 0 when every row ran and is right, 1 when any was not run (the budget spent), wrong, or hung. A
+``--budget`` too small for any W to start (``MIN_SHARE``; mechanics ``MIN_FAMILY_SHARE``; faults a scenario's set-up,
+fault timeout and wait) is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+RESULTS = Path("benchmarks/results")  # the committed GPU results (relative to the repository root, the working folder)
 STEPS = {"mechanics": "h200x1-shared-ranks.json", "soak": "h200x1-soak.json", "faults": "h200x1-faults.json",
          "host": "h200x1-host-shared.json"}
 # What identifies a row within its file: a later run's row replaces an earlier one with the same key.
@@ -80,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.shared_ranks", description=__doc__.split("\n\n")[0])
     p.add_argument("--step", required=True, choices=sorted(STEPS))
     p.add_argument("--worlds", type=_ints, default=None, help="comma-separated W values (default: 2,4,8; faults 4)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory of the results files")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"directory of the results files (default: {RESULTS}; --device cpu: a new temporary folder)")
     p.add_argument("--calls", type=int, default=10000, help="soak: calls per W (at least)")
     p.add_argument("--budget", type=float, default=None, help="hard time budget of the step, seconds")
     p.add_argument("--timeout", type=float, default=5.0, help="faults: FLASHOVERLAP_DEBUG_TIMEOUT, seconds")
@@ -119,6 +126,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.calls < 1 or args.budget <= 0 or args.timeout <= 0 or args.rounds < 1:
         p.error("--calls, --budget, --timeout and --rounds must be positive")
     from benchmarks.shared import faults, mechanics
+
+    if args.merge is None:  # a W left unrun gets its share to the next: the last W may have the whole budget
+        least, what = {"soak": (MIN_SHARE, "MIN_SHARE"), "host": (MIN_SHARE, "MIN_SHARE"),
+                       "mechanics": (MIN_FAMILY_SHARE, "MIN_FAMILY_SHARE"),
+                       "faults": (15.0 + args.timeout + faults.AFTER_FAULT,
+                                  "a scenario's 15 s set-up + --timeout + faults.AFTER_FAULT")}[args.step]
+        if args.budget < least:
+            p.error(f"--budget {args.budget:g} s is too small for --step {args.step} to run any W: it needs at least "
+                    f"{least:g} s ({what})")
+    if args.device == "cpu" and args.merge is None:  # its --out default, a new temporary folder, is made by main
+        if args.out is not None and _is_committed_results(args.out):
+            p.error(f"--out {args.out}: --device cpu checks the harness; its rows are no GPU's figures and never "
+                    f"belong in {RESULTS} (files named h200x1-*): name another folder, or leave --out out (a "
+                    "temporary folder)")
+    elif args.out is None:
+        args.out = RESULTS
     from benchmarks.shared.calls import TP_OPS
 
     known = {"faults": faults.FAULT_OPS, "host": tuple(TP_OPS)}.get(args.step)
@@ -141,6 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 + (" under --quick (the models family runs in full runs only)" if args.quick else ""))
     del mechanics
     return args
+
+
+def _is_committed_results(folder: Path) -> bool:
+    """Whether ``folder`` is the committed results folder: the working folder's ``benchmarks/results`` (the default)
+    or this checkout's."""
+    here = Path(__file__).resolve().parent / "results"
+    return folder.resolve() in (RESULTS.resolve(), here)
 
 
 def command_line(argv: list[str]) -> str:
@@ -344,8 +374,20 @@ def merge(args) -> int:
     from benchmarks.shared.runs import write_results
 
     path = args.out / STEPS[args.step]
-    for source in args.merge:
-        data = json.loads(Path(source).read_text())
+    loaded = []
+    for source in args.merge:  # every file checked before any is merged: a refused merge leaves --out's file alone
+        try:
+            data = json.loads(Path(source).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            print(f"benchmarks.shared_ranks: --merge {source}: {error}", file=sys.stderr)
+            return 2
+        step = data.get("meta", {}).get("step") if isinstance(data, dict) else None
+        if step != args.step:
+            print(f"benchmarks.shared_ranks: --merge {source} holds rows of step {step!r}, not --step {args.step} "
+                  f"(its rows would land in {path.name})", file=sys.stderr)
+            return 2
+        loaded.append((source, data))
+    for source, data in loaded:
         write_results(path, data.get("meta", {}), data.get("rows", []), KEYS[args.step])
         _say(f"merged {len(data.get('rows', []))} rows of {source} into {path}")
     return 0
@@ -364,12 +406,25 @@ def main(argv: list[str] | None = None) -> int:
             print("benchmarks.shared_ranks: needs a CUDA GPU (torch.cuda.is_available() is False); --device cpu "
                   "checks the harness on gloo CPU ranks", file=sys.stderr)
             return 1
+    if args.out is None:  # --device cpu: a harness check's files are read once, never committed
+        args.out = Path(tempfile.mkdtemp(prefix=f"shared-ranks-cpu-{args.step}-"))
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     _say(f"step {args.step} at W = {args.worlds}, budget {args.budget:.0f} s -> {args.out / STEPS[args.step]}")
     rows = RUNNERS[args.step](args)
     _say(f"step {args.step} done in {time.time() - start:.0f} s: {len(rows)} rows in {args.out / STEPS[args.step]}")
+    failed = [row for row in rows if _failed(row)]
+    if failed:
+        print(f"benchmarks.shared_ranks: step {args.step}: {len(failed)} of {len(rows)} rows not run, wrong or hung "
+              f"(their 'error', 'wrong', 'hangs' or 'ok' say which)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _failed(row: dict) -> bool:
+    """Whether a row of any step was not run (the budget spent: its ``error``), raised, was wrong or hung."""
+    return bool(row.get("error") or row.get("wrong") or row.get("errors") or row.get("hangs")
+                or row.get("hang_or_crash") or ("ok" in row and row["ok"] is not True))
 
 
 if __name__ == "__main__":

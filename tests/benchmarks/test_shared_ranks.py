@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -586,7 +587,8 @@ def test_the_fault_launcher_sees_a_rank_die_and_its_peer_raise():
 def test_merge_joins_the_files_of_separate_runs(tmp_path):
     for name, rows in (("a", [{"W": 2, "family": "tp", "v": 1}, {"W": 4, "family": "tp", "v": 1}]),
                        ("b", [{"W": 4, "family": "tp", "v": 2}, {"W": 8, "family": "tp", "v": 2}])):
-        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"command": name, "commit": name}, "rows": rows}))
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"command": name, "commit": name,
+                                                                     "step": "mechanics"}, "rows": rows}))
     out = tmp_path / "out"
     assert shared_ranks.main(["--step", "mechanics", "--out", str(out), "--merge", str(tmp_path / "a.json"),
                               str(tmp_path / "b.json")]) == 0
@@ -613,3 +615,68 @@ def test_resume_keeps_the_right_rows_and_runs_only_the_cases_left(tmp_path):
     assert got[0] == (*labels[0], "old", 0, 0)
     assert got[1][:2] == labels[1] and got[1][2] != "old" and got[1][3:] == (1, 0)
     assert len(got) == 2  # quick mode has no model cases: nothing spawned for them
+
+
+def test_merge_refuses_a_file_of_another_step_and_merges_nothing(tmp_path, capsys):
+    """A soak file given to ``--step mechanics --merge`` put its rows in the mechanics file."""
+    good = {"meta": {"step": "mechanics", "commit": "a"}, "rows": [{"W": 2, "family": "tp"}]}
+    (tmp_path / "mech.json").write_text(json.dumps(good))
+    (tmp_path / "soak.json").write_text(json.dumps({"meta": {"step": "soak"}, "rows": [{"W": 8, "calls": 10}]}))
+    out = tmp_path / "out"
+    assert shared_ranks.main(["--step", "mechanics", "--out", str(out), "--merge", str(tmp_path / "mech.json"),
+                              str(tmp_path / "soak.json")]) == 2
+    assert "soak.json holds rows of step 'soak', not --step mechanics" in capsys.readouterr().err
+    assert not (out / "h200x1-shared-ranks.json").exists()  # the good file was not merged either
+
+
+@pytest.mark.parametrize("argv", [
+    ["--step", "soak", "--worlds", "2", "--calls", "10", "--device", "cpu", "--budget", "30"],  # the audit's
+    ["--step", "host", "--budget", "44"], ["--step", "mechanics", "--budget", "19"],
+    ["--step", "faults", "--timeout", "5", "--budget", "49"]])
+def test_a_budget_too_small_for_any_w_is_refused_by_name(argv, capsys):
+    """Such a run wrote a row "budget spent: W = 2 not run" and exited 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        shared_ranks.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--budget" in err and "too small" in err, err
+
+
+def test_the_smallest_budget_that_runs_a_w_is_accepted():
+    for argv in (["--step", "soak", "--budget", str(shared_ranks.MIN_SHARE)],
+                 ["--step", "mechanics", "--budget", str(shared_ranks.MIN_FAMILY_SHARE)],
+                 ["--step", "faults", "--timeout", "5", "--budget", "50"]):
+        assert shared_ranks.parse_args(argv).budget == float(argv[-1])
+
+
+def test_a_cpu_run_never_writes_the_committed_results(monkeypatch, tmp_path, capsys):
+    """``--device cpu`` wrote its harness check into ``benchmarks/results/h200x1-soak.json`` by default; now its
+    default is a new temporary folder, and naming the results folder is refused."""
+    assert shared_ranks.parse_args(["--step", "soak", "--device", "cpu"]).out is None  # main makes a temporary one
+    assert shared_ranks.parse_args(["--step", "soak"]).out == Path("benchmarks/results")  # the GPU run's
+    here = str(Path(shared_ranks.__file__).parent / "results")
+    for out in ("benchmarks/results", here, "benchmarks/../benchmarks/results"):
+        with pytest.raises(SystemExit):
+            shared_ranks.parse_args(["--step", "soak", "--device", "cpu", "--out", out])
+        assert "--device cpu checks the harness" in capsys.readouterr().err
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+    monkeypatch.setitem(shared_ranks.RUNNERS, "soak", lambda args: seen.append(args.out) or [{"W": 2, "wrong": 0}])
+    assert shared_ranks.main(["--step", "soak", "--device", "cpu", "--worlds", "2"]) == 0
+    assert seen[0].parent == tmp_path and seen[0].name.startswith("shared-ranks-cpu-soak-")
+
+
+@pytest.mark.parametrize("step,rows,code", [
+    ("soak", [{"W": 2, "calls": 10, "wrong": 0, "errors": 0, "hangs": 0, "error": None}], 0),
+    ("soak", [{"W": 2, "calls": 0, "wrong": 0, "hangs": 0, "error": "budget spent: W = 2 not run"}], 1),
+    ("soak", [{"W": 2, "calls": 10, "wrong": 1, "errors": 0, "hangs": 0}], 1),
+    ("soak", [{"W": 2, "calls": 10, "wrong": 0, "errors": 0, "hangs": 1}], 1),
+    ("mechanics", [{"case": "x", "wrong": 0, "error": None}, {"case": "y", "hang_or_crash": True}], 1),
+    ("faults", [{"scenario": "s", "op": "o", "W": 4, "ok": True}], 0),
+    ("faults", [{"scenario": "s", "op": "o", "W": 4, "ok": None, "error": "budget spent: not run"}], 1),
+    ("faults", [{"scenario": "s", "op": "o", "W": 4, "ok": False}], 1)])
+def test_the_exit_status_says_whether_every_row_ran_right(step, rows, code, monkeypatch, tmp_path, capsys):
+    """Every run exited 0, whatever its rows said."""
+    monkeypatch.setitem(shared_ranks.RUNNERS, step, lambda args: rows)
+    assert shared_ranks.main(["--step", step, "--device", "cpu", "--out", str(tmp_path)]) == code
+    assert ("rows not run, wrong or hung" in capsys.readouterr().err) == bool(code)
