@@ -15,7 +15,8 @@ point of the least squared relative error wins. ``host_us``: the median over the
     PYTHONPATH=src:. python -m benchmarks.diagnostics.grouped_gemm_fit OUT.json --dry-run  # CPU, tiny, interpreted
 
 ``--costs``: where the coefficients module goes (default: the imported package's ``tune/grouped_costs.py``; the
-dry run writes none unless given). ``--refit``: fit the rows of an earlier results file instead of measuring.
+dry run writes none unless given). ``--refit``: fit the rows of an earlier results file instead of measuring; a dry
+run's file (its ``meta`` says so) refits only into a ``--costs`` outside the package: its toy CPU figures are no GPU's.
 Set ``FLASHOVERLAP_COMMIT`` to the commit of the tree measured (the results file records it).
 """
 
@@ -118,16 +119,22 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.dry_run or args.refit):  # a dry run and a refit run on the CPU
         require_cuda("benchmarks.diagnostics.grouped_gemm_fit")
+    package_costs = os.path.join(os.path.dirname(flashoverlap.tune.__file__), "grouped_costs.py")
     t0 = time.perf_counter()
     if args.refit:
         with open(args.refit) as f:
             measured = json.load(f)
+        if _dry_run(measured.get("meta", {})) and os.path.realpath(args.costs or package_costs) == \
+                os.path.realpath(package_costs):
+            parser.error(f"--refit {args.refit} holds a dry run's rows (toy shapes timed on the CPU): refitting them "
+                         f"would replace the package's {package_costs}; name another file with --costs PATH")
         rows, meta = measured["rows"], {**measured["meta"], "refit_from": args.refit}
     else:
         configs = DRY_CONFIGS if args.dry_run else FIT_CONFIGS
         meta = results_meta(" ".join(["PYTHONPATH=src:. python -m benchmarks.diagnostics.grouped_gemm_fit",
                                       *sys.argv[1:]]), gpus=None if torch.cuda.is_available() else "cpu (dry run)",
-                            triton=_triton_version(), configs=[c.__dict__ for c in configs])
+                            triton=_triton_version(), configs=[c.__dict__ for c in configs],
+                            **({"dry_run": True} if args.dry_run else {}))
 
         def partial(rows: list[dict]) -> None:  # what a run cut short leaves: rows to --refit
             with open(args.out, "w") as f:
@@ -147,8 +154,7 @@ def main() -> None:
     measured_in = args.refit or f"benchmarks/results/{os.path.basename(args.out)}"  # refit: the rows' own file
     source = f"{measured_in} (commit {meta.get('commit', 'unknown')}, {str(meta.get('date', ''))[:10]})"
     text = costs_module(costs, source)
-    path = args.costs or (None if args.dry_run else os.path.join(os.path.dirname(flashoverlap.tune.__file__),
-                                                                 "grouped_costs.py"))
+    path = args.costs or (None if args.dry_run else package_costs)
     if path:
         with open(path, "w") as f:
             f.write(text)
@@ -158,6 +164,11 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "fit": fit, "costs_module": text, "rows": rows}, f, indent=1)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _dry_run(meta: dict) -> bool:
+    """Whether a results file's ``meta`` is a dry run's (``dry_run``, or the GPUs named as the dry run's CPU)."""
+    return bool(meta.get("dry_run")) or "dry run" in str(meta.get("gpus", ""))
 
 
 def _triton_version() -> str | None:
