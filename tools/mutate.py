@@ -2,11 +2,13 @@
 
 Each mutation removes or weakens one wait, flag, signal, barrier or join of one path (a text replacement that
 must match exactly once), is applied to a temporary copy of the repository, and runs the tests that claim to
-catch it; "caught" means they failed. Run by hand (a few minutes on 2 cores):
+catch it; "caught" means they failed. Run by hand (the whole list: about 30 minutes on 2 cores):
 
-    python tools/mutate.py [--only NAME ...] [--out benchmarks/results/mutations.json]
+    python tools/mutate.py [--only NAME ... --out FILE]
 
-The results file is what docs/testing.md's table is rendered from.
+The results file, ``benchmarks/results/mutations.json`` for the whole list, is what docs/testing.md's table is
+rendered from; a subset (``--only``) writes its own ``--out`` and never that file. ``meta.command`` is the exact
+command line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -909,23 +912,25 @@ def run(name: str, what: str, path: str, old: str, new: str, tests: str) -> dict
                 "seconds": round(time.time() - start, 1), "pytest": tail[0] if tail else proc.stderr[-200:]}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", default=None,
                         help="mutation names to run (default: all); a subset needs --out (the committed results "
                              "file holds the whole list's run)")
     parser.add_argument("--out", default=None, help="the results file (default, for the whole list: "
                                                     "benchmarks/results/mutations.json)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    committed = ROOT / "benchmarks" / "results" / "mutations.json"
     if args.only is not None:
         known = {m[0] for m in MUTATIONS}
         unknown = [name for name in args.only if name not in known]
         if unknown or not args.only:
             parser.error(f"--only: unknown mutation(s) {unknown}" if unknown else "--only names no mutation")
-        if args.out is None:
-            parser.error("--only runs a subset: give --out (the committed benchmarks/results/mutations.json holds "
-                         "the whole list's run)")
-    args.out = args.out or str(ROOT / "benchmarks" / "results" / "mutations.json")
+        if args.out is None or Path(args.out).resolve() == committed.resolve():
+            parser.error(f"--only runs a subset: give --out another file (the committed {committed.relative_to(ROOT)} "
+                         "holds the whole list's run)")
+    args.out = args.out or str(committed)
     chosen = [m for m in MUTATIONS if args.only is None or m[0] in args.only]
     rows = []
     for mutation in chosen:
@@ -936,7 +941,7 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
-    command = "python tools/mutate.py" + ("" if args.only is None else " --only " + " ".join(args.only))
+    command = " ".join(["python tools/mutate.py", *map(shlex.quote, argv)])
     meta = {"commit": commit + ("-dirty" if dirty else ""), "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
