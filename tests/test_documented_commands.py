@@ -11,7 +11,7 @@ docs launch it so, and with CUDA reported absent, so that a GPU machine checks t
   exit non-zero with one line saying why it cannot run here (no GPU; the harness not installed: then how to run it);
 - a command the CPU can run runs and prints what it did (none may exit 0 having done nothing);
 - a syntax summary (``[--op OP]``, ``ops|block|moe``) and a command too long to run here (``HELP_ONLY``) must list
-  every option it names in its ``--help``;
+  every option it names in its ``--help``, and name every option its ``--help`` shows as required;
 - ``examples/`` scripts are run end to end by ``tests/test_examples.py``, which must know each.
 """
 
@@ -88,7 +88,9 @@ def _candidates(text: str) -> list[tuple[int, str]]:
         first = text.count("\n", 0, block.start()) + 2
         found += [(first + i, line.split(" #", 1)[0]) for i, line in enumerate(body.split("\n"))]
     outside = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
-    found += [(outside.count("\n", 0, m.start()) + 1, m.group(1)) for m in re.finditer(r"`([^`\n]+)`", outside)]
+    # a code span may wrap onto the next line (markdown joins it with a space)
+    found += [(outside.count("\n", 0, m.start()) + 1, m.group(1).replace("\n", " "))
+              for m in re.finditer(r"`([^`\n]+(?:\n[^`\n]+)?)`", outside)]
     return found
 
 
@@ -142,6 +144,20 @@ _UNIQUE = list({(c.target, c.args, c.torchrun, c.summary): c for c in COMMANDS}.
 
 def _options(args: tuple[str, ...]) -> list[str]:
     return [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
+
+
+def _required(help_text: str) -> list[str]:
+    """The options argparse's usage line shows outside brackets: those the command cannot run without."""
+    usage = help_text.split("usage:", 1)[-1].split("\n\n", 1)[0]
+    while (bare := re.sub(r"\[[^\[\]]*\]|\([^()]*\)", " ", usage)) != usage:  # optional groups, and choices
+        usage = bare
+    return re.findall(r"(?<![\w-])--[a-z][\w-]*", usage)
+
+
+def test_required_options_are_read_from_the_usage_line():
+    assert _required("usage: x [-h] --label LABEL [--out OUT] [--shape M,N,K [M,N,K ...]] {a,b}\n\nmore --no") \
+        == ["--label"]
+    assert _required("usage: x [-h] [--label LABEL]\n   [--mode (a | --b)]\n") == []
 
 
 @contextlib.contextmanager
@@ -270,6 +286,10 @@ def test_every_documented_command_runs_or_says_why_not(command, monkeypatch, tmp
         assert code == 0, f"{command.where}: `{command.text}`: --help exited {code}"
         missing = [opt for opt in _options(command.args) if opt not in out]
         assert not missing, f"{command.where}: `{command.text}` names {missing}, which its --help does not list"
+        # a summary naming no option is a mention of the command (`flashoverlap tune bandwidth|plan`), not a line
+        named = _options(command.args)
+        left_out = [opt for opt in _required(out) if opt not in named] if named or not command.summary else []
+        assert not left_out, f"{command.where}: `{command.text}` leaves out {left_out}, which it requires"
         return
     with _as_launched(monkeypatch, tmp_path, command, command.args):
         code = _run(command, command.args)
