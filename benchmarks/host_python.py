@@ -222,19 +222,41 @@ def p2p_executor_us(op: str, world: int = 2, shape: tuple[int, int, int] = SHAPE
         patch.undo()
 
 
-def main() -> int:
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before anything runs: W values of at least 2, a shape of three positive integers
+    whose M each W divides (every rank of reduce_scatter and all_gather holds M / W rows)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", required=True, help="the row's mode, e.g. before / after")
     parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
-    parser.add_argument("--worlds", default="2", help="W of the P2P rows, comma-separated (default 2)")
-    parser.add_argument("--shape", default=",".join(map(str, SHAPE)), help="M,N,K of the P2P rows")
+    parser.add_argument("--worlds", type=_ints, default=[2], help="W of the P2P rows, comma-separated (default 2)")
+    parser.add_argument("--shape", type=_ints, default=list(SHAPE), metavar="M,N,K", help="M,N,K of the P2P rows")
     parser.add_argument("--dtypes", type=names_of(("bf16", "row")), default=["bf16"],
                         help="bf16 and/or row (fp8 row-wise), comma-separated")
     parser.add_argument("--parts", type=names_of(("runtime", "p2p-executor", "p2p-replayed")), default=list(PARTS),
                         help=f"comma-separated of runtime, p2p-executor, p2p-replayed (default {','.join(PARTS)})")
-    args = parser.parse_args()
-    worlds = [int(w) for w in args.worlds.split(",")]
-    shape = tuple(int(x) for x in args.shape.split(","))
+    args = parser.parse_args(argv)
+    if any(w < 2 for w in args.worlds):
+        parser.error(f"--worlds: each W is a rank count of at least 2 (the P2P path's peers), got {args.worlds}")
+    if len(args.shape) != 3 or any(v < 1 for v in args.shape):
+        parser.error(f"--shape: three positive integers M,N,K, got {','.join(map(str, args.shape))}")
+    uneven = [w for w in args.worlds if args.shape[0] % w]
+    if uneven:
+        parser.error(f"--shape: M = {args.shape[0]} is not divisible by W = {uneven} of --worlds (each rank of "
+                     "reduce_scatter and all_gather holds M / W rows)")
+    args.shape = tuple(args.shape)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    worlds, shape = args.worlds, args.shape
     parts = args.parts
     extended = (worlds, shape, args.dtypes, parts) != ([2], SHAPE, ["bf16"], list(PARTS))
     with tempfile.TemporaryDirectory() as tmp:
