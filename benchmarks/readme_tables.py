@@ -1078,11 +1078,34 @@ def process(write: bool, only: list[str] | None = None) -> list[str]:
     return stale
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] not in (["--write"], ["--check"]):
-        raise SystemExit("usage: python benchmarks/readme_tables.py --write|--check [DOC ...] (default: every "
-                         "document)")
-    stale = process(write=sys.argv[1] == "--write", only=sys.argv[2:])
+USAGE = "usage: python benchmarks/readme_tables.py --write|--check [DOC ...] (default: every document)"
+
+
+def main(argv: list[str]) -> int:
+    """The command line: ``--help``, or ``--write``/``--check`` and the documents (paths from the repository's root),
+    each a file holding at least one rendered piece (a misspelt path was a traceback, a file without markers
+    checked nothing and exited 0)."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE + "\n\n" + __doc__.split("\n\n")[0])
+        return 0
+    if argv[:1] not in (["--write"], ["--check"]):
+        print(USAGE, file=sys.stderr)
+        return 2
+    for name in argv[1:]:
+        doc = ROOT / name
+        if not doc.is_file():
+            print(f"readme_tables.py: {argv[0]} {name}: no such file (documents are named from the repository's "
+                  f"root, {ROOT})", file=sys.stderr)
+            return 2
+        if not MARKER.search(doc.read_text(errors="replace")):
+            print(f"readme_tables.py: {argv[0]} {name}: holds no rendered piece (no <!-- render: ... --> marker)",
+                  file=sys.stderr)
+            return 2
+    stale = process(write=argv[0] == "--write", only=argv[1:])
     for piece in stale:
-        print(("rewrote " if sys.argv[1] == "--write" else "stale: ") + piece)
-    raise SystemExit(1 if stale and sys.argv[1] == "--check" else 0)
+        print(("rewrote " if argv[0] == "--write" else "stale: ") + piece)
+    return 1 if stale and argv[0] == "--check" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
