@@ -1,7 +1,14 @@
-"""What a CPU-only machine installs, measured: fresh virtual environments in a temporary directory, the README's
-CPU install (``pip install torch==2.13.0`` first, the small CPU build, then the package), without extras and with
-``[test]``; the size of each one's site-packages (``du``). With ``--suite``, also the time of the README's test
-command (``pytest``, random order) in the ``[test]`` environment.
+"""What a CPU-only machine installs, measured: fresh virtual environments in a temporary directory, each the
+README's CPU install in its order (torch's CPU build first, then the package), without extras and with ``[test]``;
+the size of each one's site-packages (``du``). With ``--suite``, also the time of the README's test command
+(``pytest``, random order) in the ``[test]`` environment.
+
+The README names the CPU build by its index (``pip install torch --index-url https://download.pytorch.org/whl/cpu``);
+this script installs the pinned ``pip install torch==2.13.0`` as this machine's pip resolves it: the machines that
+measure it hold that CPU wheel locally (pip's ``find-links``, no network to the index), where it resolves to
+``torch==2.13.0+cpu`` (the packages recorded say so). Where it resolves to another build (PyPI's Linux wheel is the
+CUDA one, with its ``nvidia-*`` dependencies) the run stops, naming the index: the sizes would not be the CPU
+install's.
 
     python benchmarks/cpu_install.py [--suite] [--out benchmarks/results/cpu-install.json]
 
@@ -25,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # README.md's
 INSTALLS = [("", "pip install -e ."), ("[test]", 'pip install -e ".[test]"')]
 
 
@@ -51,6 +59,11 @@ def measure(extra: str, tmp: Path) -> tuple[dict, Path]:
     _run([sys.executable, "-m", "venv", str(venv)])
     python = venv / "bin" / "python"
     _run([str(python), "-m", "pip", "install", "--quiet", TORCH])
+    cuda = _run([str(python), "-c", "import torch; print(torch.version.cuda)"]).strip()
+    if cuda != "None":  # the measurement is the CPU install's: another build's sizes would be recorded under its name
+        raise SystemExit(f"cpu_install.py: pip resolved {TORCH} to a CUDA {cuda} build, not the CPU one: make the "
+                         f"CPU build the one pip finds (PIP_INDEX_URL={CPU_INDEX}, or its wheel in a find-links "
+                         "folder) and run again")
     _run([str(python), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}{extra}"])
     site = _site_packages(venv)
     packages = _packages(python)
