@@ -8,21 +8,25 @@ layers on GPUs), sharded by ``config.base_model_tp_plan`` mapped onto ``flashove
 unsharded model over every rank, and raises beyond bf16 rounding. Needs ``transformers`` (the ``hf`` extra).
 """
 
-import copy
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
+if __name__ == "__main__" and "RANK" not in os.environ:  # not under torchrun: one line, before the imports below
+    sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")  # (they print load messages)
+
+import copy  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM
 except ImportError:  # what is missing, in one line
     sys.exit("examples/hf_tp_plan.py needs transformers: pip install 'transformers>=4.51' (the hf extra)")
 
-from flashoverlap.nn import styles_from_hf_plan
+from flashoverlap.nn import styles_from_hf_plan  # noqa: E402
 
 
 def main() -> None:
@@ -56,8 +60,6 @@ def main() -> None:
     assert ok, f"the logits differ from the unsharded model's by {worst.item()}"
 
 
-if __name__ == "__main__":
-    if "RANK" not in os.environ:  # not under torchrun: one line, not torch's traceback
-        sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
+if __name__ == "__main__":  # under torchrun (checked at the top)
     main()
     dist.destroy_process_group()

@@ -63,9 +63,16 @@ def main(world: int = 8) -> None:
     print(f"shared_gpu: every rank of {world} agrees with the unsharded MLP (max relative diff {max(diffs):.1e})")
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, read before the GPU is looked for: ``--help`` and a bad option answer on any machine."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=8, choices=range(2, 9), metavar="{2..8}",
+                        help="ranks on the GPU (2 to 8)")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
+    world = parse_args().world
     if not torch.cuda.is_available():  # one line, not a traceback
         sys.exit(f"{sys.argv[0]} needs a CUDA GPU: its ranks share one (found no CUDA GPUs)")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, default=8, help="ranks on the GPU (2 to 8)")
-    main(parser.parse_args().world)
+    main(world)

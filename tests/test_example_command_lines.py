@@ -1,0 +1,40 @@
+"""The examples' command lines on a machine that cannot run them: ``examples/shared_gpu.py --help`` (and a
+misspelt option) answered "needs a CUDA GPU", and ``examples/hf_tp_plan.py`` started without torchrun printed
+torchao's library-load failures (imported through transformers and flashoverlap.nn) before its one-line refusal."""
+
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+@pytest.mark.parametrize("argv,code,said", [(["--help"], 0, "usage: shared_gpu.py"),
+                                            (["--wrld", "4"], 2, "unrecognized arguments: --wrld"),
+                                            (["--world", "9"], 2, "argument --world: invalid choice: 9"),
+                                            ([], "needs a CUDA GPU", "")])
+def test_shared_gpu_reads_its_command_line_before_looking_for_the_gpu(argv, code, said, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["examples/shared_gpu.py", *argv])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(EXAMPLES / "shared_gpu.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    if isinstance(code, str):
+        assert code in stop.value.code
+    else:
+        assert stop.value.code == code and said in out + err and "needs a CUDA GPU" not in out + err, (out, err)
+
+
+def test_hf_tp_plan_without_torchrun_says_so_in_one_line_and_nothing_else():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "examples/hf_tp_plan.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 1
+    assert proc.stdout == "" and proc.stderr == \
+        "start it under torchrun: torchrun --nproc-per-node 2 examples/hf_tp_plan.py\n", proc.stderr
