@@ -158,16 +158,25 @@ def test_bench_ops_checks_its_shapes_against_the_ranks_before_starting(torchrun_
     assert stop.value.code.startswith(f"flashoverlap bench ops: {message}"), stop.value.code
 
 
-@pytest.mark.parametrize("variable", ["RANK", "WORLD_SIZE"])
-def test_demo_refuses_to_run_under_torchrun(monkeypatch, variable):
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_demo_refuses_to_run_under_torchrun(monkeypatch, rank):
     from flashoverlap import demo
 
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv(variable, "0")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(demo, "main", lambda *a, **kw: pytest.fail("the demo ran once per rank"))
     with pytest.raises(SystemExit) as stop:
         cli.main(["demo"])
     assert stop.value.code.startswith("flashoverlap demo: it starts its own ranks; run it without torchrun")
+
+
+def test_demo_runs_where_a_scheduler_says_one_process(monkeypatch):
+    from flashoverlap import demo
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # some schedulers export these for a single process
+    monkeypatch.setattr(demo, "main", lambda *a, **kw: 0)
+    assert cli.main(["demo"]) == 0
 
 
 def test_demo_names_the_default_shape_it_cannot_split():
@@ -177,3 +186,15 @@ def test_demo_names_the_default_shape_it_cannot_split():
         demo.main(None, "bfloat16", 3, True, "gemm_reduce_scatter")
     assert stop.value.code == ("flashoverlap demo: the default shape 1024,1024,256: gemm_reduce_scatter needs M "
                                "divisible by the 3 ranks; pass --shape")
+
+
+def test_tune_plan_asks_the_paths_on_every_rank_whatever_its_own_problem(one_rank, tmp_path, monkeypatch):
+    # tune_paths asks the P2P verdict, a collective on its first use: a rank with a problem of its own (here the
+    # cache directory cannot be written) that skipped it met its peers' verdict all-gather with the next one.
+    asked = []
+    monkeypatch.setattr(cli, "tune_paths", lambda path, target: asked.append(path) or ["nccl"])
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path / "a-file"))
+    with pytest.raises(SystemExit, match="cannot be written"):
+        cli._tune(_args(*PLAN), CPU)
+    assert asked == ["auto"]

@@ -292,5 +292,5 @@ def _lingering(rank, world_size):
 def test_spawn_keeps_its_timeout_while_the_ranks_end():
     # Once every rank had reported, each process got a fixed 60 s to end: 62 s for timeout=5.
     start = time.monotonic()
-    assert testing.spawn(_lingering, 2, timeout=8) == [0, 1]
-    assert time.monotonic() - start < 30
+    assert testing.spawn(_lingering, 2, timeout=20) == [0, 1]
+    assert time.monotonic() - start < 45

@@ -120,7 +120,8 @@ MUTATIONS = [
      "tests/comm/test_sequential.py::test_the_sequential_replay_signature_names_every_tensor_a_call_touches"),
     ("agreement-absent-rank-not-named", "Agreement check: a rank that never reached the call is not told apart "
      "(every rank counted as arrived)", "src/flashoverlap/runtime/agreement.py",
-     "            if not store.check([key]) or store.get(key).decode() != str(exchange):\n",
+     "            if not store.check([key]) or store.get(key).decode() != _arrival_mark(context.arrival_generation,\n"
+     "                                                                                  exchange):\n",
      "            if False:\n", "tests/ops/test_errors.py::test_debug_mode_catches_ranks_that_disagree_or_never_come"),
     ("fp8-grouped-loop-threshold-off", "fp8 grouped GEMM choice: the per-expert loop taken from 512 rows per expert "
      "(DeepSeek-V3's down projection: 4.7x slower than ours)", "src/flashoverlap/tune/grouped_fp8.py",
@@ -871,8 +872,8 @@ MUTATIONS = [
      "store.add(f\"flashoverlap/contexts/{context.rank}\", 1)", "1",
      "tests/runtime/test_agreement_edges.py::test_a_rank_absent_after_release_is_named"),
     ("agreement-own-deadline", "Agreement without a switch: a deadline of its own, not the group's timeout",
-     "src/flashoverlap/runtime/agreement.py", "        return context.process_group._get_backend(device).options."
-     "_timeout.total_seconds()", "        return settings.AGREEMENT_TIMEOUT",
+     "src/flashoverlap/runtime/agreement.py", "    return seconds - min(30.0, 0.1 * seconds)",
+     "    return settings.AGREEMENT_TIMEOUT",
      "tests/runtime/test_agreement_edges.py::test_the_check_without_a_switch_waits_as_long_as_the_groups_own_timeout"),
     # The CLI and plan-cache audit's fixes.
     ("curve-past-max-bytes", "tune bandwidth: the curve's sizes double past --max-mib (a P2P copy larger than its "
@@ -885,6 +886,10 @@ MUTATIONS = [
     ("tune-bandwidth-without-cache", "tune bandwidth with the cache off measures and stores nothing, silently",
      "src/flashoverlap/tune/tuner.py", "    if cache.cache_dir() is None:\n        raise RuntimeError(cache.NO_CACHE)\n",
      "", "tests/tune/test_tuner_edges.py"),
+    ("tune-plan-paths-on-rank-zero-only", "tune plan: a rank with a problem of its own skips the paths' collective "
+     "question its peers ask", "src/flashoverlap/cli.py",
+     "    paths = tune_paths(args.path, target) if plan else None\n", "    paths = None\n",
+     "tests/test_cli_edges.py"),
     ("debug-timeout-nan-off", "Settings: FLASHOVERLAP_DEBUG_TIMEOUT=nan read as no bound", "src/flashoverlap/settings.py",
      "    if math.isnan(seconds):", "    if False:", "tests/runtime/test_settings.py"),
 ]

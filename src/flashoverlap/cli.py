@@ -357,12 +357,16 @@ def _tune_problem(args: argparse.Namespace, target) -> str | None:
     from flashoverlap.tune.tuner import missing_curves
 
     plan = args.tune_command == "plan"
+    # Every rank asks the same collective questions first (``tune_paths`` asks the P2P verdict, an all-gather on
+    # its first use), whatever this rank's own problem: a rank that skipped it would meet its peers' all-gather
+    # with the next one.
+    paths = tune_paths(args.path, target) if plan else None
     if dist.get_rank(target.group) == 0:
         problem = cache.write_problem(target.key(args.op, args.path) if plan else None)
     else:
         problem = cache.NO_CACHE if cache.cache_dir() is None else None
     if problem is None and plan:
-        problem = missing_curves(args.op, tune_paths(args.path, target), target)
+        problem = missing_curves(args.op, paths, target)
     return problem
 
 
@@ -417,6 +421,8 @@ def _run_harness(command: str, what: str, rest: list[str], unknown: list[str] | 
     if unknown and os.environ.get("RANK", "0") == "0":
         print(f"flashoverlap {command} {what}: {' '.join(unknown)}: handed with the rest to {module}, the harness "
               "of this source checkout, which has more options", file=sys.stderr, flush=True)
+    for name, value in NO_MULTICAST.items():  # what every benchmark runs with, as bench and tune set it
+        os.environ.setdefault(name, value)
     path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *rest], {**os.environ, "PYTHONPATH": path})
@@ -465,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashoverlap {__version__}")
         return 0
     if args.command == "demo":
-        if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        if _world_size() > 1:  # torchrun's ranks (a scheduler's WORLD_SIZE=1 for one process is left alone)
             raise SystemExit("flashoverlap demo: it starts its own ranks; run it without torchrun (`flashoverlap "
                              "demo ...`, --world-size N for N ranks)")
         from flashoverlap.demo import main as demo_main

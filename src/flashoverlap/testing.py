@@ -246,8 +246,9 @@ def spawn(
                     errors[rank] = payload
                     deadline = min(deadline, time.monotonic() + grace)
         finally:
-            for p in procs:  # ranks that reported get until the deadline (at least a second) to end
-                p.join(timeout=0.1 if errors or len(results) < world_size else max(1.0, deadline - time.monotonic()))
+            for p in procs:  # ranks that reported get until the deadline (at least 1 s, at most 60 s) to end
+                p.join(timeout=0.1 if errors or len(results) < world_size
+                       else max(1.0, min(60.0, deadline - time.monotonic())))
                 if p.is_alive():
                     p.kill()
                     p.join()

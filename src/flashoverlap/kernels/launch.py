@@ -9,8 +9,10 @@ whose larger part is the launcher's own work, the TMA descriptors it encodes amo
 
 The fingerprint is stricter than Triton's specialisation, so it can never reuse a kernel compiled for another one:
 the device, every constexpr and launch option, each tensor's dtype and 16-byte alignment, each tensor descriptor's
-dtype, block shape, shape, strides and alignment, and every integer argument by value (in these kernels the
-integers are the problem's sizes and strides, fixed per plan and layout, so keying them by value costs no hits).
+dtype, block shape, shape, strides and alignment, and every integer argument by value (the integers are the
+problem's sizes and strides: fixed per plan and layout for the signalling GEMM and per bound for a bounded-mode expert
+call, so keying them by value costs those no hits; an exact-mode expert call's rows follow its routing, and a
+launch whose rows are new goes through the JIT, as every launch did before, plus the fingerprint's few microseconds).
 The key also holds the switches the JIT reads on every launch (``knobs.runtime.debug``, the instrumentation mode).
 An integer the kernel declares ``do_not_specialize`` is keyed by its width class only (Triton compiles one kernel for
 every value of it that fits 32 bits), so its values share one compiled kernel here as they do in the JIT.

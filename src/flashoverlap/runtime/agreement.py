@@ -94,13 +94,16 @@ def _value(field: Field, code: int) -> str:
 
 
 def group_timeout(context: GroupContext) -> float:
-    """Seconds: the group's own collective timeout (``init_process_group``'s or ``new_group``'s ``timeout``), as its
-    backend holds it; ``settings.AGREEMENT_TIMEOUT`` where the backend does not say."""
+    """Seconds: a little less than the group's own collective timeout (``init_process_group``'s or ``new_group``'s
+    ``timeout``, as its backend holds it), so that this check's error, naming the absent rank, comes before the
+    backend's own (gloo's exchange timing out; NCCL's watchdog taking the process down): a tenth of it, at most 30 s,
+    sooner. ``settings.AGREEMENT_TIMEOUT`` where the backend does not say."""
     try:
         device = context.device if context.nccl else torch.device("cpu")
-        return context.process_group._get_backend(device).options._timeout.total_seconds()
+        seconds = context.process_group._get_backend(device).options._timeout.total_seconds()
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return settings.AGREEMENT_TIMEOUT
+    return seconds - min(30.0, 0.1 * seconds)
 
 
 def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: float,
@@ -151,14 +154,21 @@ def _arrive(context: GroupContext) -> tuple | None:
             # never passes for an arrival at the new one's exchange. Contexts are made and released alike on every
             # rank of the group (``release`` is collective), so the generations are in step too.
             context.arrival_generation = store.add(f"flashoverlap/contexts/{context.rank}", 1)
-        store.set(_arrival_key(context.arrival_generation, exchange, context.rank), str(exchange))
+        store.set(_arrival_key(exchange, context.rank), _arrival_mark(context.arrival_generation, exchange))
     except (RuntimeError, dist.DistError):
         return None
     return store, exchange
 
 
-def _arrival_key(generation: int, exchange: int, rank: int) -> str:
-    return f"flashoverlap/arrived/{generation}/{exchange % ARRIVAL_SLOTS}/{rank}"
+def _arrival_key(exchange: int, rank: int) -> str:
+    """The store key of ``rank``'s arrival at ``exchange``: one of ``ARRIVAL_SLOTS`` per rank, reused in turn (the
+    keys a group's store holds stay bounded however many contexts come and go)."""
+    return f"flashoverlap/arrived/{exchange % ARRIVAL_SLOTS}/{rank}"
+
+
+def _arrival_mark(generation: int, exchange: int) -> str:
+    """The value an arrival writes: its context's generation and the exchange, both compared."""
+    return f"{generation}:{exchange}"
 
 
 def _absent(context: GroupContext, arrival: tuple | None) -> list[int] | None:
@@ -169,8 +179,9 @@ def _absent(context: GroupContext, arrival: tuple | None) -> list[int] | None:
     absent = []
     try:
         for rank in range(context.world_size):
-            key = _arrival_key(context.arrival_generation, exchange, rank)
-            if not store.check([key]) or store.get(key).decode() != str(exchange):
+            key = _arrival_key(exchange, rank)
+            if not store.check([key]) or store.get(key).decode() != _arrival_mark(context.arrival_generation,
+                                                                                  exchange):
                 absent.append(rank)
     except (RuntimeError, dist.DistError):  # the store lived on a rank that died
         return None
@@ -190,6 +201,7 @@ def _late(name: str, context: GroupContext, arrival: tuple | None, timeout: floa
         return head + f"every rank reached the call, but its agreement exchange did not end within {timeout:g} s"
     repeated = (", made a call the group had agreed on before (a repeated call is not checked again unless "
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL)" if once else "")
+    # With no switch set the deadline is a little less than the group's own timeout: the backend's error follows.
     return head + (f"{_who(absent)} did not reach the call within {timeout:g} s (the agreement check): skipped it, "
                    f"raised before it, is stuck elsewhere{repeated}, or died; the group is unusable now")
 
