@@ -7,7 +7,7 @@ cache lives, and whether Triton interprets its kernels (on a Triton too old to s
 | variable | effect |
 | --- | --- |
 | ``FLASHOVERLAP_DEBUG_TIMEOUT=S`` | every wait bounded by about ``S`` s (no replay); agreement on every call |
-| ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's mismatch switch: agreement on every call (``AGREEMENT_TIMEOUT``) |
+| ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` | PyTorch's mismatch switch: agreement on every call (the group's timeout) |
 | ``FLASHOVERLAP_REPLAY=0`` | repeated calls (P2P, NCCL, sequential) issued eagerly, never replayed (default ``1``) |
 | ``CUDA_DEVICE_MAX_CONNECTIONS=1`` | no replay; in a user's capture, NCCL-path reductions in cuBLAS bands (one queue) |
 | ``FLASHOVERLAP_CACHE_DIR=D`` | the plan cache's directory (default ``~/.cache/flashoverlap``) |
@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-AGREEMENT_TIMEOUT = 300.0
+AGREEMENT_TIMEOUT = 300.0  # the agreement check's deadline where a group's backend does not say its own timeout
 DEBUG_TIMEOUT_VARIABLE = "FLASHOVERLAP_DEBUG_TIMEOUT"
 
 
@@ -32,7 +32,9 @@ class Settings:
     timeout: float | None  # the debug deadline in seconds; None: waits are not bounded
     replay: bool  # repeated calls may be replayed from CUDA graphs (before the capture check of the call itself)
     nccl_p2p_disabled: bool
-    agreement: float | None = None  # the agreement check's deadline in seconds; None: no check
+    # Not None: the agreement check on every call (debug mode), its value the debug deadline or, under DETAIL alone,
+    # AGREEMENT_TIMEOUT (the calls then wait as long as the group's own timeout: runtime/agreement.group_timeout).
+    agreement: float | None = None
     cache_dir: Path | None = None  # the plan cache's directory; None: no plan cache
     triton_interpret: bool = False  # TRITON_INTERPRET=1 (guards.triton_interpreted asks Triton first)
     single_queue: bool = False  # CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue serves every stream

@@ -34,9 +34,11 @@ def test_the_check_without_a_switch_waits_as_long_as_the_groups_own_timeout():
     assert spawn(_group_timeout, 2, timeout=60) == [(36.0, 1770.0)] * 2
 
 
-def _late_rank_on_a_short_group(rank: int, world: int) -> tuple[str, float]:
+def _late_rank_on_a_short_group(rank: int, world: int, detail: bool) -> tuple[str, float]:
     os.environ.pop("FLASHOVERLAP_DEBUG_TIMEOUT", None)
     os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    if detail:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     settings.refresh()
     short = dist.new_group(timeout=datetime.timedelta(seconds=5))
     a, b = torch.randn(4, 8), torch.randn(8, 6)
@@ -51,8 +53,10 @@ def _late_rank_on_a_short_group(rank: int, world: int) -> tuple[str, float]:
     return "returned", time.monotonic() - start
 
 
-def test_a_rank_absent_past_the_groups_timeout_is_named_at_that_timeout():
-    (message, seconds), _ = spawn(_late_rank_on_a_short_group, 2, timeout=120)
+@pytest.mark.parametrize("detail", [False, True])
+def test_a_rank_absent_past_the_groups_timeout_is_named_at_that_timeout(detail):
+    # Under TORCH_DISTRIBUTED_DEBUG=DETAIL alone too (it waited a fixed 300 s).
+    (message, seconds), _ = spawn(_late_rank_on_a_short_group, 2, args=(detail,), timeout=120)
     assert "rank 1 did not reach the call within 4.5 s" in message, message  # before gloo's own 5 s
     assert seconds < 30, seconds
     # The check of every call of the reference path (CPU tensors) checks repeated calls too: no such hint.

@@ -69,7 +69,7 @@ def agree_on_branch(name: str, a: torch.Tensor, group: dist.ProcessGroup, path: 
         return
     try:
         agreement.agree(name, group_context(name, group, a.device), "style", (("branch", BRANCHES),),
-                        [int(fallback)], env.agreement)
+                        [int(fallback)], env.timeout)
     except ValueError as exc:
         raise ValueError(f"{exc} (this rank's input took {BRANCHES[int(fallback)]}: the ranks must pass inputs of "
                          "the same shapes)") from None
@@ -117,7 +117,7 @@ def execute(kind: Kind, spec: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             if done is not None:
                 return done
     if env.agreement is not None or every:  # before any collective of the call (plan lookups may run some)
-        kind.agree(spec, env.agreement)
+        kind.agree(spec, env.timeout)  # the debug deadline; else (no switch, DETAIL) the group's own timeout
     signature = kind.signature(spec, env)
     entry = None if signature is None else REGISTRY.lookup(signature)
     if entry is None:

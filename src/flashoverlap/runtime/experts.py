@@ -85,7 +85,7 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
     every = debug or calls.agree_every_call(topk_idx, "auto", group)
     if not guards.capturing():  # else on the group's first layout of these experts and top-k
         header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * debug, (bound or 0) * debug, 0, 0, 0, 0, 0, 0]
-        agreement.agree(name, context, "expert", _FIELDS, header, env.agreement,
+        agreement.agree(name, context, "expert", _FIELDS, header, env.timeout,
                         once=not every)
     return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
 
