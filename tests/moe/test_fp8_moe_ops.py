@@ -136,6 +136,10 @@ def _errors(rank, world):
         (dict(x=xq, w=w_up, scale_x=xs, scale_w=s_up[:, :-1]), r"scale_w must be float32 \[2, 256\]"),
         (dict(x=xq, w=w_up, scale_x=xs, scale_w=s_up.double()), r"scale_w must be float32"),
         (dict(x=xq, w=w_up, scale_x=xs[:, :1].expand(-1, 2), scale_w=s_up), r"scale_x must be float32 \[\d+, 1\]"),
+        # DeepEP's [T, H/128] rows beside row-wise weights: the weights' scales set the mode, and the error says so.
+        (dict(x=xq, w=w_up, scale_x=xs.expand(-1, 2), scale_w=s_up),
+         r"scale_x must be .*\[rows, 1\], the mode scale_w's shape says: the rows' scales and the weights' share one "
+         r"mode"),
         (dict(x=xq, w=w_up, scale_x=xs, scale_w=s_up[:, :, None]), r"scale_w must be float32 \[2, 2, 2\]"),
         (dict(x=x.double(), w=w_up, scale_x=None, scale_w=s_up), "x must be a 2-D bfloat16, float16 or float32"),
         # torch's grouped fp8 kernel (and the DeepEP/torchao formats) take e4m3: e5m2 is refused, not run by one way

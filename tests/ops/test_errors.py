@@ -250,7 +250,9 @@ def test_sparse_operands_are_named_before_anything_runs(world_of_one):
     cases = [
         ("gemm_all_reduce: a", lambda: fo.gemm_all_reduce(a.to_sparse(), b)),
         ("gemm_reduce_scatter: b", lambda: fo.gemm_reduce_scatter(a, b.to_sparse_csr())),
-        ("all_gather_gemm: a", lambda: fo.all_gather_gemm(a.to_sparse(), b)),
+        ("all_gather_gemm: a_shard", lambda: fo.all_gather_gemm(a.to_sparse(), b)),
+        ("all_gather_scaled_gemm: scale_a_shard", lambda: fo.all_gather_scaled_gemm(a8, b8, ones_a.to_sparse(),
+                                                                                    ones_b)),
         ("scaled_gemm_all_reduce: scale_a", lambda: fo.scaled_gemm_all_reduce(a8, b8, ones_a.to_sparse(), ones_b)),
         ("scaled_gemm_all_reduce: bias", lambda: fo.scaled_gemm_all_reduce(
             a8, b8, ones_a, ones_b, bias=torch.ones(6, dtype=torch.bfloat16).to_sparse())),
@@ -279,3 +281,17 @@ def test_a_device_mesh_or_a_group_name_is_refused_alike_with_and_without_autogra
         with pytest.raises(TypeError, match=f"release: group must be a torch.distributed ProcessGroup or None, {said}"):
             fo.release(group)
     fo.release(mesh.get_group())  # the mesh's group itself: released
+
+
+def test_the_all_gathers_errors_name_their_own_arguments(world_of_one):
+    """The all-gathers take ``a_shard`` (and ``scale_a_shard``): their errors said ``a`` and ``scale_a``, arguments
+    they do not have."""
+    a8 = torch.randn(8, 256).to(torch.float8_e4m3fn)
+    b8 = torch.randn(256, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"all_gather_scaled_gemm: scale_a_shard \[16, 1\] and scale_b \[1, 32\] "
+                                         r"fit no scaling mode for a_shard \[8, 256\]"):
+        fo.all_gather_scaled_gemm(a8, b8, torch.ones(16, 1), torch.ones(1, 32))
+    with pytest.raises(ValueError, match=r"all_gather_scaled_gemm: scale_a_shard must be float32"):
+        fo.all_gather_scaled_gemm(a8, b8, torch.ones(8, 1, dtype=torch.float64), torch.ones(1, 32))
+    with pytest.raises(ValueError, match=r"all_gather_gemm: a_shard is \[M, K\] = \[8, 256\] and b is \[K, N\]"):
+        fo.all_gather_gemm(torch.randn(8, 256), torch.randn(128, 32))

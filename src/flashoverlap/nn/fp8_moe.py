@@ -27,7 +27,7 @@ torchao casts the two ``F`` halves apart. The tests measure the layer against to
 (``tests/moe/test_fp8_training.py``: its error against fp64 0.999..1.005x torchao's own, weight gradients bit-equal).
 
 Inference, ``Float8ExpertParallelMLP.from_float(layer, scaling)``: an ``ExpertParallelMLP`` whose experts' weights are
-held in fp8 with row-wise (``[L, N]``) or 128x128 block scales (DeepSeek-V3's layout), running the fp8 expert ops
+held in fp8 with row-wise (``[L, N]``) or 128x128 block scales (DeepSeek-V3's blocks), running the fp8 expert ops
 (``ops/moe.py``): each token's row is quantised (one scale per row, or per 128 channels), dispatched as fp8 with its
 scales, multiplied in fp8; the SwiGLU intermediate is quantised again for the second projection; combine returns the
 input dtype (bf16). Forward only; a call that needs gradients raises. ``ExpertParallelMLP(..., fp8="block")`` is the

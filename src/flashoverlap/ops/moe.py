@@ -20,9 +20,11 @@ graph, traceable with ``torch.compile(fullgraph=True)``). Dropless in both: a ro
 naming the bound, on every rank, before any token moves.
 
 fp8 (``comm/expert/scaled.py``): fp8 expert weights with their scales (``scale_w``: row-wise ``[L, N]``, or
-block-wise ``[L, K/128, ceil(N/128)]``, one per 128x128 block of ``w[l]`` as given ``[K, N]``) make the call fp8.
-``moe_dispatch_gemm`` takes fp8 ``x`` with ``scale_x`` (``[T, 1]`` row-wise, ``[T, H/128]`` block-wise, DeepEP's and
-DeepSeek-V3's layout) or a bf16/fp16/fp32 ``x``, which it quantises itself in the weights' mode; the rows cross the
+block-wise ``[L, K/128, ceil(N/128)]``, one per 128x128 block of ``w[l]`` as given ``[K, N]``: DeepSeek-V3's
+checkpoint scales ``[L, N/128, K/128]`` of its ``[L, N, K]`` weights passed as ``s.transpose(1, 2)``) make the call
+fp8, and ``scale_w``'s shape sets the mode. ``moe_dispatch_gemm`` takes fp8 ``x`` with ``scale_x`` in that mode
+(``[T, 1]`` row-wise, ``[T, H/128]`` block-wise, DeepEP's and DeepSeek-V3's token layout) or a bf16/fp16/fp32 ``x``,
+which it quantises itself in the weights' mode; the rows cross the
 wire as fp8 packed with their scales (at H = 7168 block-wise 0.516x the bf16 bytes); ``h`` is bf16 (``out_dtype``).
 ``moe_gemm_combine`` takes the fp8 ``a`` with ``scale_a`` or a bf16 ``a`` (quantised here) and returns bf16. Mixed
 dtypes and scales of the wrong shape raise, naming the argument, before anything is sent. The fp8 calls record no
@@ -117,13 +119,15 @@ def moe_dispatch_gemm(
         group: the group the layout was built on.
         path: ``"auto"`` (P2P on one NVLink node, else NCCL, on CUDA; the reference elsewhere), ``"nccl"``,
             ``"p2p"`` or ``"reference"`` (plain PyTorch, any backend).
-        scale_x: fp8 ``x``'s fp32 scales, ``[T, 1]`` (row-wise) or ``[T, H/128]`` (block-wise); None for a
-            bf16/fp16/fp32 ``x`` (quantised here where the weights are fp8).
-        scale_w: fp8 ``w_up``'s fp32 scales: ``[L, N]`` (row-wise) or ``[L, H/128, ceil(N/128)]`` (block-wise).
+        scale_x: fp8 ``x``'s fp32 scales in ``scale_w``'s mode, ``[T, 1]`` (row-wise) or ``[T, H/128]``
+            (block-wise); None for a bf16/fp16/fp32 ``x`` (quantised here where the weights are fp8).
+        scale_w: fp8 ``w_up``'s fp32 scales: ``[L, N]`` (row-wise) or ``[L, H/128, ceil(N/128)]`` (block-wise:
+            DeepSeek-V3's ``[L, N/128, H/128]`` transposed); its shape sets the call's mode.
         out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32`` (not on the P2P path).
 
     Returns:
-        ``h: [R, N]`` in x's dtype (fp8: ``out_dtype``): the received rows' products, grouped by (source rank, local
+        ``h: [R, N]`` in x's dtype; in an fp8 call (fp8 weights) ``out_dtype``, whatever x's dtype: the received
+        rows' products, grouped by (source rank, local
         expert); rows of no segment (bounded mode's padding) are zero.
     """
     _check_layout("moe_dispatch_gemm", layout)

@@ -246,7 +246,7 @@ def _checked(spec: GemmSpec) -> tuple[int, int, int]:
     if spec.plan is not None and not isinstance(spec.plan, Plan):
         raise TypeError(f"{spec.name}: plan must be a flashoverlap.Plan, got {type(spec.plan).__name__}")
     if spec.scales is None:
-        return check_operands(spec.name, spec.a, spec.b)
+        return check_operands(spec.name, spec.a, spec.b, "a_shard" if spec.op == "all_gather" else "a")
     return check_scaled(spec.name, spec.a, spec.b, spec.scales, spec.op)
 
 

@@ -369,7 +369,8 @@ def _check_scales(spec: ExpertSpec) -> None:
     if scales.a is not None:  # else the rows are quantised by the call
         _check_scale(name, "scale_x" if spec.op == "dispatch" else "scale_a", scales.a,
                      (a.shape[0], k // 128 if mode == "block" else 1), a.device, mode,
-                     "[rows, K/128]" if mode == "block" else "[rows, 1]")
+                     ("[rows, K/128]" if mode == "block" else "[rows, 1]") + ", the mode scale_w's shape says: the "
+                     "rows' scales and the weights' share one mode")
 
 
 def _check_scale(name: str, arg: str, t: object, want: tuple, device: torch.device, mode: str, what: str) -> None:

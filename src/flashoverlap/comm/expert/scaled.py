@@ -9,7 +9,7 @@ Scaling modes (the mode follows from the weights' scales' shape):
 | mode | rows' scales (``x`` / ``a``) | weights' scales (``w [L, K, N]``) |
 | --- | --- | --- |
 | ``"row"`` | ``[rows, 1]``: one per row | ``[L, N]``: one per expert and output column |
-| ``"block"`` (DeepSeek-V3) | ``[rows, K/128]``: per 1x128 block | ``[L, ceil(K/128), ceil(N/128)]``: per 128x128 |
+| ``"block"`` (DeepSeek-V3) | ``[rows, K/128]``: per 1x128 block | ``[L, K/128, ceil(N/128)]``: per 128x128 |
 
 The weights' scales follow the ``[L, K, N]`` orientation the op is given (for ``nn.Linear``-shaped ``[L, N, K]``
 weights passed as ``w.transpose(1, 2)``, pass their ``[L, N/128, K/128]`` block scales as ``s.transpose(1, 2)``;
