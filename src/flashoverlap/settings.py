@@ -65,8 +65,8 @@ def read(environ: os._Environ | dict = os.environ) -> Settings:
     replay = timeout is None and switch(environ, "FLASHOVERLAP_REPLAY", True) and not single_queue
     detail = environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
     agreement = timeout if timeout is not None else AGREEMENT_TIMEOUT if detail else None
-    cache = None if switch(environ, "FLASHOVERLAP_NO_CACHE", False) else Path(
-        environ.get("FLASHOVERLAP_CACHE_DIR") or Path.home() / ".cache" / "flashoverlap")
+    cache = None if switch(environ, "FLASHOVERLAP_NO_CACHE", False) else Path(  # ~ as a shell would expand it
+        environ.get("FLASHOVERLAP_CACHE_DIR") or Path.home() / ".cache" / "flashoverlap").expanduser()
     return Settings(timeout, replay, environ.get("NCCL_P2P_DISABLE") == "1", agreement, cache,
                     environ.get("TRITON_INTERPRET") == "1", single_queue)
 

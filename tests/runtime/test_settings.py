@@ -69,3 +69,10 @@ def test_switches_read_0_1_and_unset():
 def test_a_nan_debug_timeout_is_refused_not_read_as_off(value):
     with pytest.raises(ValueError, match="FLASHOVERLAP_DEBUG_TIMEOUT must be a number of seconds"):
         settings.read({"FLASHOVERLAP_DEBUG_TIMEOUT": value})
+
+
+def test_the_cache_directory_expands_a_home_tilde():
+    # "~/x" (quoted, so no shell expanded it) was a directory named "~" under the working directory.
+    from pathlib import Path
+
+    assert settings.read({"FLASHOVERLAP_CACHE_DIR": "~/plans"}).cache_dir == Path.home() / "plans"
