@@ -284,7 +284,7 @@ def _needs_gpus(command: str) -> None:
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-        raise SystemExit(f"flashoverlap {command}: needs CUDA GPUs (two or more, under torchrun --nproc-per-node N); "
+        raise SystemExit(f"flashoverlap {command}: needs CUDA GPUs (one per rank, under torchrun --nproc-per-node N); "
                          "on a CPU-only machine run `flashoverlap demo` or the tests")
     if "RANK" not in os.environ:
         raise SystemExit(f"flashoverlap {command}: start it under torchrun, e.g. "
