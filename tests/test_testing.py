@@ -67,14 +67,18 @@ def test_a_rank_takes_exactly_the_environment_it_is_handed():
 @pytest.mark.skipif(sys.platform != "linux", reason="the forkserver is used on Linux only")
 def test_variables_read_at_import_send_the_call_to_fresh_interpreters(monkeypatch):
     monkeypatch.setattr(testing, "_fresh_because", set())  # what this test sends is not the session's to report
-    server = rank_context()
+    if testing._server is None:
+        rank_context()  # the forkserver, started here if no test started it before
+    # Its own start environment as the base: the session's may have changed since (other tests, torch itself).
+    environ = dict(testing._server[1])
+    server = rank_context(environ)
     assert server.get_start_method() == "forkserver"
-    assert rank_context(dict(os.environ, FLASHOVERLAP_DEBUG_TIMEOUT="5", NCCL_P2P_DISABLE="1")) is server
+    assert rank_context(dict(environ, FLASHOVERLAP_DEBUG_TIMEOUT="5", NCCL_P2P_DISABLE="1")) is server
     # What torch.compile's inductor leaves in the environment of a process that compiled (as tests here do).
-    assert rank_context(dict(os.environ, TORCHINDUCTOR_CACHE_DIR="/tmp/x",
+    assert rank_context(dict(environ, TORCHINDUCTOR_CACHE_DIR="/tmp/x",
                              _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR="1")) is server
-    assert rank_context(dict(os.environ, OMP_NUM_THREADS="1")).get_start_method() == "spawn"
-    without_path = dict(os.environ)
+    assert rank_context(dict(environ, OMP_NUM_THREADS="1")).get_start_method() == "spawn"
+    without_path = dict(environ)
     without_path.pop("PATH")
     assert rank_context(without_path).get_start_method() == "spawn"
     assert rank_context(fresh=True).get_start_method() == "spawn"
@@ -261,7 +265,9 @@ def test_an_inductor_variable_read_at_import_sends_the_ranks_to_fresh_interprete
     # The forkserver's preload imports torch._dynamo, which reads TORCHINDUCTOR_ variables then: forked ranks kept
     # the server's value (max_autotune False where the caller asked for 1). The two inductor sets itself do not.
     monkeypatch.setattr(testing, "_fresh_because", set())  # what this test sends fresh is its own
-    environ = dict(os.environ)
+    if testing._server is None:
+        testing.rank_context()  # the forkserver, started here if no test started it before
+    environ = dict(testing._server[1])  # its own start environment: the session's may have changed since
     assert testing.rank_context({**environ, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"}).get_start_method() == "spawn"
     for name in ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"):
         assert testing.rank_context({**environ, name: "x"}).get_start_method() == "forkserver"

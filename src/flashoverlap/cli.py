@@ -421,11 +421,11 @@ def _run_harness(command: str, what: str, rest: list[str], unknown: list[str] | 
     if unknown and os.environ.get("RANK", "0") == "0":
         print(f"flashoverlap {command} {what}: {' '.join(unknown)}: handed with the rest to {module}, the harness "
               "of this source checkout, which has more options", file=sys.stderr, flush=True)
-    for name, value in NO_MULTICAST.items():  # what every benchmark runs with, as bench and tune set it
-        os.environ.setdefault(name, value)
     path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", module, *rest], {**os.environ, "PYTHONPATH": path})
+    # What every benchmark runs with, as bench and tune set it where the user has not (multicast off).
+    os.execve(sys.executable, [sys.executable, "-m", module, *rest],
+              {**NO_MULTICAST, **os.environ, "PYTHONPATH": path})
 
 
 def environment() -> dict[str, str]:
