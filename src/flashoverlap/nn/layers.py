@@ -181,11 +181,12 @@ def parallelize(model: nn.Module, plan: dict[str, str], group=None, *, sequence_
     matched = dict.fromkeys(plan, 0)
     # Every name of every module (a module registered under two names, tied, has both): a shard replaces the
     # linear under each of its names, so that the tie holds.
+    modules = list(model.named_modules(remove_duplicate=False))  # listed before any is replaced
     names: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
+    for name, module in modules:
         names.setdefault(id(module), []).append(name)
     shards: dict[int, tuple[str, nn.Module]] = {}  # by the linear's id: its style and its shard
-    for name, module in list(model.named_modules(remove_duplicate=False)):
+    for name, module in modules:
         for pattern, style in plan.items():
             if fnmatch.fnmatchcase(name, pattern):
                 if not isinstance(module, nn.Linear):
