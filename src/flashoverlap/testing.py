@@ -318,8 +318,9 @@ def plain(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | 
     (``op``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``, whose ``a`` is this rank's shard), one after the
     other, through ``torch.distributed`` alone."""
     from flashoverlap.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
+    from flashoverlap.plan import OPS
 
-    if op not in ("all_reduce", "reduce_scatter", "all_gather"):
+    if op not in OPS:
         raise ValueError(f"plain: op must be 'all_reduce', 'reduce_scatter' or 'all_gather', got {op!r}")
     world = dist.get_world_size(group)
     if op == "all_gather":
