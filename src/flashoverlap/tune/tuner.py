@@ -48,10 +48,15 @@ class Target:
     dtype: torch.dtype
     nccl_p2p_disabled: bool = False
 
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as the cache key and the command line spell it (``bfloat16``)."""
+        return str(self.dtype).replace("torch.", "")
+
     def key(self, op: str, path: str) -> dict:
         """The cache key of ``op`` on ``path`` here (``tune.cache.cache_key``)."""
         return cache.cache_key(torch.cuda.get_device_name(self.device), dist.get_world_size(self.group), op, path,
-                               str(self.dtype).replace("torch.", ""), self.nccl_p2p_disabled)
+                               self.dtype_name, self.nccl_p2p_disabled)
 
 
 def curve_file(key: dict):
@@ -62,10 +67,9 @@ def curve_file(key: dict):
 def bandwidth_command(op: str, path: str, target: Target) -> str:
     """The ``tune bandwidth`` command that stores ``op``'s curve on ``path`` under the key a search of ``target``
     reads: its dtype and NCCL transport setting (``NCCL_P2P_DISABLE=1``, or unset) are part of the key."""
-    dtype = str(target.dtype).replace("torch.", "")
     setting = "NCCL_P2P_DISABLE=1 " if target.nccl_p2p_disabled else ""
     return (f"{setting}torchrun --nproc-per-node {dist.get_world_size(target.group)} -m flashoverlap tune bandwidth "
-            f"--path {path} --dtype {dtype} --ops {op}")
+            f"--path {path} --dtype {target.dtype_name} --ops {op}")
 
 
 def missing_curves(op: str, paths: list[str], target: Target) -> str | None:
@@ -78,8 +82,8 @@ def missing_curves(op: str, paths: list[str], target: Target) -> str | None:
     where = curve_file(target.key(op, missing[0]))
     where = "the cache" if where is None else where.parent
     commands = " and ".join(f"`{bandwidth_command(op, each, target)}`" for each in missing)
-    return (f"no bandwidth curve of {op} on path {', '.join(missing)} ({str(target.dtype).replace('torch.', '')}, "
-            f"{transport}) in {where}: run {commands} first")
+    return (f"no bandwidth curve of {op} on path {', '.join(missing)} ({target.dtype_name}, {transport}) in "
+            f"{where}: run {commands} first")
 
 
 # -- bandwidth curves and slowdowns (tune bandwidth) ---------------------------------------------------------------
