@@ -27,8 +27,6 @@ import re
 import shlex
 import sys
 
-from flashoverlap.settings import NO_MULTICAST  # what bench and tune run with, where the user has not set it
-
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
 # The demo's ops by their API names (``moe``: one MoE layer's calls, moe_layout, moe_dispatch_gemm, the activation
 # and moe_gemm_combine) and the names earlier versions took, kept as aliases.
@@ -41,6 +39,8 @@ DEMO_ALIASES = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_
 DEMO_DESCRIPTION = "Run one op on 2 ranks and check it against plain PyTorch; print the path that ran."
 # The ops ``tune plan`` tunes, by their API names (the keys) and short names (the values: the tuner's).
 TUNE_OPS = {"gemm_all_reduce": "all_reduce", "gemm_reduce_scatter": "reduce_scatter", "all_gather_gemm": "all_gather"}
+# What every benchmark and tuning runs with (docs/benchmarks.md), set where the user has not: multicast off.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DTYPES = ["bfloat16", "float16"]
 # Options whose value may start with "-" (a mistyped negative dimension): joined to their option before parsing.
 VALUE_OPTIONS = ("--shape", "--shapes", "--world-size", "--top", "--max-mib", "--iters")

@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flashoverlap as fo
-from flashoverlap.settings import NO_MULTICAST
 from flashoverlap.testing import spawn
 
 # op (its API name; moe: the MoE layer's calls) -> (its collective, what it is checked against)
@@ -230,7 +229,8 @@ def main(shape: tuple[int, int, int] | None, dtype_name: str, world_size: int | 
         fn, args = _run_gemm, (op, m, n, k, dtype, on_gpu)
     # No multicast on GPUs (docs/benchmarks.md); on the CPU the same environment as the caller's (the ranks then
     # fork from a server that imported torch, not fresh interpreters).
-    env = dict(NO_MULTICAST) if on_gpu else None
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"} if on_gpu \
+        else None
     results = spawn(fn, world_size, "nccl" if on_gpu else "gloo", args=args, env=env)
     print(f"path: {results[0]['path']}")
     if "times" in results[0]:

@@ -25,9 +25,6 @@ from pathlib import Path
 
 AGREEMENT_TIMEOUT = 300.0  # the agreement check's deadline where a group's backend does not say its own timeout
 DEBUG_TIMEOUT_VARIABLE = "FLASHOVERLAP_DEBUG_TIMEOUT"
-# Not read: what the library's own commands (``flashoverlap demo``, ``bench``, ``tune``) run their processes with,
-# multicast off (docs/benchmarks.md), one table for all of them.
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)
