@@ -6,7 +6,9 @@ layers and styles on the P2P path (peers mapped by CUDA IPC), through the runtim
     PYTHONPATH=src python -m benchmarks.shared_ranks --step faults --worlds 4 [--ops ...] [--scenarios ...]
     PYTHONPATH=src python -m benchmarks.shared_ranks --step host --worlds 2,4,8
 
-Steps, each writing (merging into) its results file in ``--out``:
+Steps, each writing (merging into) its results file in ``--out``, named for the GPU (``GPUx1-``: ``h200x1-``,
+``h100x1-``, from ``benchmarks/harness/gpu_tag.py``; a ``--device cpu`` check's ``cpux1-``; a merge's the first merged
+file's GPU):
 
 - ``mechanics`` -> ``h200x1-shared-ranks.json``: rows {W, family, case, op, dtype, mode, calls, wrong, replays,
   replays_wanted, error, ...} (``benchmarks/shared/mechanics.py``); merged by (W, family).
@@ -45,8 +47,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path("benchmarks/results")  # the committed GPU results (relative to the repository root, the working folder)
-STEPS = {"mechanics": "h200x1-shared-ranks.json", "soak": "h200x1-soak.json", "faults": "h200x1-faults.json",
-         "host": "h200x1-host-shared.json"}
+STEPS = {"mechanics": "shared-ranks.json", "soak": "soak.json", "faults": "faults.json", "host": "host-shared.json"}
 # What identifies a row within its file: a later run's row replaces an earlier one with the same key.
 KEYS = {
     "mechanics": lambda r: (r.get("W"), r.get("family")),
@@ -138,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cpu" and args.merge is None:  # its --out default, a new temporary folder, is made by main
         if args.out is not None and _is_committed_results(args.out):
             p.error(f"--out {args.out}: --device cpu checks the harness; its rows are no GPU's figures and never "
-                    f"belong in {RESULTS} (files named h200x1-*): name another folder, or leave --out out (a "
+                    f"belong in {RESULTS} (the GPUs' files): name another folder, or leave --out out (a "
                     "temporary folder)")
     elif args.out is None:
         args.out = RESULTS
@@ -164,6 +165,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 + (" under --quick (the models family runs in full runs only)" if args.quick else ""))
     del mechanics
     return args
+
+
+def results_path(args) -> Path:
+    """The step's results file in ``--out``: ``<gpu>x1-<STEPS[step]>`` (``args.gpu``, set by ``main``)."""
+    return args.out / f"{args.gpu}x1-{STEPS[args.step]}"
+
+
+def _merged_gpu(sources: list) -> str:
+    """The GPU tag of the first merged file that names its GPU (``meta.gpus``); else h200's (files of before the
+    tag name none)."""
+    import json
+
+    from benchmarks.harness.gpu_tag import model_tag
+
+    for source in sources:
+        try:
+            gpus = json.loads(Path(source).read_text()).get("meta", {}).get("gpus")
+        except (OSError, ValueError, AttributeError):
+            continue  # merge() reports the file
+        if isinstance(gpus, str) and gpus:
+            return model_tag(gpus)
+    return "h200"
 
 
 def _is_committed_results(folder: Path) -> bool:
@@ -197,7 +220,7 @@ def _say(text: str) -> None:
 def _write(args, rows: list[dict], key, **extra) -> None:
     from benchmarks.shared.runs import meta, write_results
 
-    path = args.out / STEPS[args.step]
+    path = results_path(args)
     write_results(path, meta(args.step, args.worlds, args.command, device=args.device, **extra), rows, key)
 
 
@@ -216,7 +239,7 @@ def run_mechanics(args) -> list[dict]:
     families = tuple(args.families or FAMILY_WEIGHTS)
     progress_dir = tempfile.mkdtemp(prefix="shared-ranks-progress-")
     all_rows = []
-    earlier = mechanics.right_rows(args.out / STEPS[args.step]) if args.resume else {}
+    earlier = mechanics.right_rows(results_path(args)) if args.resume else {}
     for i, world in enumerate(args.worlds):
         world_end = time.time() + budget.share(len(args.worlds) - i)
         rows = []
@@ -373,7 +396,7 @@ def merge(args) -> int:
 
     from benchmarks.shared.runs import write_results
 
-    path = args.out / STEPS[args.step]
+    path = results_path(args)
     loaded = []
     for source in args.merge:  # every file checked before any is merged: a refused merge leaves --out's file alone
         try:
@@ -398,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.command = command_line(argv)
     if args.merge:
+        args.gpu = _merged_gpu(args.merge)
         return merge(args)
+    args.gpu = "cpu"
     if args.device == "cuda":
         import torch
 
@@ -406,13 +431,16 @@ def main(argv: list[str] | None = None) -> int:
             print("benchmarks.shared_ranks: needs a CUDA GPU (torch.cuda.is_available() is False); --device cpu "
                   "checks the harness on gloo CPU ranks", file=sys.stderr)
             return 1
+        from benchmarks.harness.gpu_tag import gpu_tag
+
+        args.gpu = gpu_tag()
     if args.out is None:  # --device cpu: a harness check's files are read once, never committed
         args.out = Path(tempfile.mkdtemp(prefix=f"shared-ranks-cpu-{args.step}-"))
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    _say(f"step {args.step} at W = {args.worlds}, budget {args.budget:.0f} s -> {args.out / STEPS[args.step]}")
+    _say(f"step {args.step} at W = {args.worlds}, budget {args.budget:.0f} s -> {results_path(args)}")
     rows = RUNNERS[args.step](args)
-    _say(f"step {args.step} done in {time.time() - start:.0f} s: {len(rows)} rows in {args.out / STEPS[args.step]}")
+    _say(f"step {args.step} done in {time.time() - start:.0f} s: {len(rows)} rows in {results_path(args)}")
     failed = [row for row in rows if _failed(row)]
     if failed:
         print(f"benchmarks.shared_ranks: step {args.step}: {len(failed)} of {len(rows)} rows not run, wrong or hung "

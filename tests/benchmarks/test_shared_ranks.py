@@ -522,8 +522,7 @@ def test_every_step_specific_option_is_read_by_its_steps_and_accepted_there():
             assert f"args.{name}" in inspect.getsource(shared_ranks.RUNNERS[step]), (name, step)
         for step in set(shared_ranks.RUNNERS) - set(steps):  # and the table names every step that reads it
             assert f"args.{name}" not in inspect.getsource(shared_ranks.RUNNERS[step]), (name, step)
-    assert set(shared_ranks.STEPS.values()) >= {"h200x1-shared-ranks.json", "h200x1-soak.json",
-                                                "h200x1-faults.json", "h200x1-host-shared.json"}
+    assert set(shared_ranks.STEPS.values()) >= {"shared-ranks.json", "soak.json", "faults.json", "host-shared.json"}
 
 
 # -- the harness end to end on gloo CPU ranks (the reference path) -------------------------------------------------
@@ -607,14 +606,29 @@ def test_resume_keeps_the_right_rows_and_runs_only_the_cases_left(tmp_path):
              "number": 0},
             {"W": 2, "family": "moe", "case": labels[1][0], "mode": labels[1][1], "wrong": 3, "error": None,
              "number": 1}]
-    (tmp_path / "h200x1-shared-ranks.json").write_text(json.dumps({"meta": {"commit": "old"}, "rows": rows}))
+    (tmp_path / "cpux1-shared-ranks.json").write_text(json.dumps({"meta": {"commit": "old"}, "rows": rows}))
     assert shared_ranks.main(["--step", "mechanics", "--device", "cpu", "--quick", "--families", "moe,models",
                               "--worlds", "2", "--resume", "--budget", "150", "--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "h200x1-shared-ranks.json").read_text())
+    data = json.loads((tmp_path / "cpux1-shared-ranks.json").read_text())
     got = [(r["case"], r["mode"], r["commit"], r["number"], r["wrong"]) for r in data["rows"]]
     assert got[0] == (*labels[0], "old", 0, 0)
     assert got[1][:2] == labels[1] and got[1][2] != "old" and got[1][3:] == (1, 0)
     assert len(got) == 2  # quick mode has no model cases: nothing spawned for them
+
+
+def test_the_results_file_is_named_for_the_gpu_that_ran_it(tmp_path, monkeypatch):
+    """Every file was named h200x1-*, whatever GPU ran it: an H100's rows were merged into the H200's file (and
+    renamed by hand). A merge takes the GPU its files name; a run, its device's (a CPU check, cpux1-)."""
+    meta = {"step": "soak", "commit": "a", "gpus": "1x NVIDIA H100 80GB HBM3 shared by W processes"}
+    (tmp_path / "s.json").write_text(json.dumps({"meta": meta, "rows": [{"W": 8, "calls": 10}]}))
+    out = tmp_path / "out"
+    assert shared_ranks.main(["--step", "soak", "--out", str(out), "--merge", str(tmp_path / "s.json")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["h100x1-soak.json"]
+    seen = []
+    monkeypatch.setitem(shared_ranks.RUNNERS, "soak",
+                        lambda args: seen.append(shared_ranks.results_path(args)) or [{"W": 2, "wrong": 0}])
+    assert shared_ranks.main(["--step", "soak", "--device", "cpu", "--worlds", "2", "--out", str(out)]) == 0
+    assert seen == [out / "cpux1-soak.json"]
 
 
 def test_merge_refuses_a_file_of_another_step_and_merges_nothing(tmp_path, capsys):
