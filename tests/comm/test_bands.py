@@ -66,6 +66,39 @@ def test_packed_rows_keep_each_rows_bytes_and_scales(mode, k):
     assert torch.equal(scale_view, rows.float())
 
 
+@pytest.mark.parametrize("k,columns,world,rank", [(40, 1, 3, 2), (384, 3, 2, 0), (48, 1, 4, 1)])
+def test_packed_rows_views_are_unpack_rows_and_own_slots(k, columns, world, rank):
+    """``PackedRows``, the eager fp8 all-gather's views of its gathered buffer (strided views of two dtype views,
+    fewer host operators): the same elements as ``unpack_rows``' views, and its ``slots`` the same as
+    ``own_slots``' slots unpacked; a write through them lands where ``unpack_rows`` reads."""
+    from flashoverlap.comm import scaled
+    from flashoverlap.comm.collectives import own_slots
+    from flashoverlap.plan import TileConfig
+    from flashoverlap.tune.defaults import default_plan
+
+    bands, rows = 3, 16
+    m = bands * world * rows
+    plan = default_plan("all_gather", m, 32, k, world, tile=TileConfig(16, 16, 16, 2, 1, 4), num_groups=bands,
+                        gemm="cublas", comm_ctas=0, allow_sequential=False)
+    gathered = torch.randint(0, 120, (m, scaled.packed_width(k, columns)), dtype=torch.uint8)
+    views = scaled.PackedRows(gathered, k, torch.float8_e4m3fn, columns)
+    a, s = scaled.unpack_rows(gathered, k, torch.float8_e4m3fn, columns)
+    assert views.a.shape == a.shape and views.a.stride() == a.stride() and views.a.data_ptr() == a.data_ptr()
+    assert views.scales.stride() == s.stride() and views.scales.data_ptr() == s.data_ptr()
+    assert torch.equal(views.a.view(torch.uint8), a.view(torch.uint8)) and torch.equal(views.scales, s)
+    slot_a, slot_s = views.slots(bands, world, rows, rank)
+    want_a, want_s = scaled.unpack_rows(own_slots(gathered, plan, rank), k, torch.float8_e4m3fn, columns)
+    assert torch.equal(slot_a.view(torch.uint8), want_a.view(torch.uint8)) and torch.equal(slot_s, want_s)
+    slot_a.view(torch.uint8).fill_(7)
+    slot_s.fill_(2.5)
+    rows_of = [g.out_row_start + rank * rows + i for g in plan.groups for i in range(rows)]
+    assert (a.view(torch.uint8)[rows_of] == 7).all() and (s[rows_of] == 2.5).all()
+    others = [r for r in range(m) if r not in rows_of]
+    assert not (s[others] == 2.5).any()
+    with pytest.raises(ValueError, match="dense"):
+        scaled.PackedRows(gathered[:, 1:], k - 1, torch.float8_e4m3fn, columns)
+
+
 def test_block_wise_scales_at_k_128_are_told_from_row_wise_ones_by_b():
     """At K = 128 block-wise A scales ``[M, 1]`` have row-wise's shape; B's ``[1, ceil(N/128)]`` against row-wise
     ``[1, N]`` tell them apart where N is known (the ops pass it)."""

@@ -140,16 +140,23 @@ def _base_now(method: str | None, options: object, through_torch: Callable, out:
         work.wait()
 
 
-def own_slots(gathered: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor | None:
-    """``rank``'s slot of every band of ``gathered`` (the plan's ``[group][W][rows][K]`` layout) as one ``[G, rows,
-    K]`` view, where every group has the same rows (the usual plan); else None."""
+def even_band_rows(plan: Plan, gathered_rows: int) -> int | None:
+    """The rows of every group where all of an all-gather plan's groups have the same (the usual plan), its bands
+    following each other in group order in a buffer of ``gathered_rows`` rows, each W slots of that many rows
+    (``Plan.groups``); else None."""
     groups = plan.groups
     rows = groups[0].rows
     if (all(g.rows == rows for g in groups) and rows * len(groups) == plan.block_rows
-            and groups[-1].out_row_end == gathered.shape[0]):
-        # Bands follow each other in group order, each W slots of ``rows`` rows (``Plan.groups``).
-        return gathered.view(len(groups), plan.world_size, rows, -1)[:, rank]
+            and groups[-1].out_row_end == gathered_rows):
+        return rows
     return None
+
+
+def own_slots(gathered: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor | None:
+    """``rank``'s slot of every band of ``gathered`` (the plan's ``[group][W][rows][K]`` layout) as one ``[G, rows,
+    K]`` view, where every group has the same rows (``even_band_rows``); else None."""
+    rows = even_band_rows(plan, gathered.shape[0])
+    return None if rows is None else gathered.view(len(plan.groups), plan.world_size, rows, -1)[:, rank]
 
 
 def place_own_shard(gathered: torch.Tensor, a_shard: torch.Tensor, plan: Plan, rank: int) -> None:

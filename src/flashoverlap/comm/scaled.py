@@ -158,6 +158,34 @@ def unpack_rows(packed: torch.Tensor, k: int, dtype: torch.dtype,
     return packed[..., :k].view(dtype), packed[..., offset : offset + 4 * columns].view(torch.float32)
 
 
+class PackedRows:
+    """A dense ``[rows, width]`` buffer of ``pack_rows``' layout (an all-gather's gathered rows) read as its parts:
+    ``a`` ``[rows, K]`` and ``scales`` ``[rows, S]``, and ``slots`` of it, as strided views of two views of its whole
+    storage (one in A's dtype, one in fp32), where ``unpack_rows`` slices and re-views for each: the host issues one
+    operator per view (an eager fp8 all-gather's host time)."""
+
+    __slots__ = ("width", "k", "columns", "base", "_as_a", "_as_scales", "a", "scales")
+
+    def __init__(self, packed: torch.Tensor, k: int, dtype: torch.dtype, columns: int) -> None:
+        rows, width = packed.shape
+        if not packed.is_contiguous() or width % 4 or packed.storage_offset() % 4:
+            raise ValueError(f"PackedRows: a dense [rows, width] buffer with width and offset multiples of 4, got "
+                             f"{list(packed.shape)} strides {packed.stride()} offset {packed.storage_offset()}")
+        self.width, self.k, self.columns, self.base = width, k, columns, packed.storage_offset()
+        self._as_a, self._as_scales = packed.view(dtype), packed.view(torch.float32)
+        self.a = self._as_a.as_strided((rows, k), (width, 1), self.base)
+        self.scales = self._as_scales.as_strided((rows, columns), (width // 4, 1), (self.base + _aligned(k)) // 4)
+
+    def slots(self, bands: int, world: int, rows: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rank``'s slot of every band (``bands`` bands of ``world`` slots of ``rows`` rows each, in order: the
+        all-gather's ``[group][W][rows]`` layout with even bands, ``collectives.own_slots``) as ``([bands, rows, K]
+        in A's dtype, [bands, rows, S] fp32)``."""
+        start, band = self.base + rank * rows * self.width, world * rows * self.width
+        return (self._as_a.as_strided((bands, rows, self.k), (band, self.width, 1), start),
+                self._as_scales.as_strided((bands, rows, self.columns), (band // 4, self.width // 4, 1),
+                                           (start + _aligned(self.k)) // 4))
+
+
 def gathered_input(packed: torch.Tensor, k: int, dtype: torch.dtype, scales: Scales,
                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """An all-gather's packed rows as a call returns its gathered input: ``(a [rows, K], scales [rows, S])``, dense

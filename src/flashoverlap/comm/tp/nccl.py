@@ -48,8 +48,8 @@ from flashoverlap.comm.collectives import (
     all_gather_into_tensor,
     all_gather_now,
     all_reduce_now,
+    even_band_rows,
     gathered_in_rank_order,
-    own_slots,
     place_own_shard,
     reduce_scatter_now,
     reduce_scatter_tensor,
@@ -193,10 +193,9 @@ class NcclCommunicator(GroupFields):
         if plan.op == "all_gather":
             width, wire = self._gathered_width(call)
             buffers.gathered = torch.empty((plan.m, width), dtype=wire, device=device)
-            if call.scales is not None:  # the rows as the wire carries them: packed straight into the own slots,
-                buffers.packed = own_slots(buffers.gathered, plan, self.rank)  # or packed once and placed from here
-                if buffers.packed is None:
-                    buffers.packed = torch.empty((plan.block_rows, width), dtype=wire, device=device)
+            if call.scales is not None and even_band_rows(plan, plan.m) is None:  # fp8 rows as the wire carries
+                # them: packed once and placed from here (even bands: packed straight into the own slots, _Gathered)
+                buffers.packed = torch.empty((plan.block_rows, width), dtype=wire, device=device)
         elif plan.op == "reduce_scatter":
             buffers.product = torch.empty((plan.m, plan.n), dtype=buffers.result.dtype, device=device)
 
@@ -253,11 +252,12 @@ class NcclCommunicator(GroupFields):
         if plan.gemm == "triton":  # only a GEMM that spins on the bands can starve NCCL
             check_leaves_nccl_sms(plan, guards.sm_count(device), op)
         gathered = buffers.gathered
-        shard = a_shard if scales is None else scaled.pack_rows(a_shard, scales.shard_rows(plan.block_rows),
-                                                                 out=buffers.packed)
-        placed = buffers.packed is not None and buffers.packed.ndim == 3  # fp8 rows packed into their slots
-        self.prepare(plan, gathered.dtype)
         operand = _Gathered(gathered, plan.k, a_shard.dtype, scales)
+        shard, placed = a_shard, False  # placed: the own rows in their slots already (fp8, even bands)
+        if scales is not None:
+            shard, placed = operand.pack_own(a_shard, scales.shard_rows(plan.block_rows), plan, self.rank,
+                                             buffers.packed)
+        self.prepare(plan, gathered.dtype)
         if plan.gemm == "cublas" or guards.capturing():
             _bands_by_cublas(self, operand, shard, b, plan, buffers.result, placed)
         else:
@@ -540,9 +540,24 @@ class _Gathered:
     def __init__(self, gathered: torch.Tensor, k: int, dtype: torch.dtype, scales: scaled.Scales | None) -> None:
         self.gathered, self.k, self.dtype, self.scales = gathered, k, dtype, scales
         if scales is None:
-            self.a, self.scale_rows = gathered, None
+            self.packed, self.a, self.scale_rows = None, gathered, None
         else:
-            self.a, self.scale_rows = scaled.unpack_rows(gathered, k, dtype, scales.scale_columns(k))
+            self.packed = scaled.PackedRows(gathered, k, dtype, scales.scale_columns(k))
+            self.a, self.scale_rows = self.packed.a, self.packed.scales
+
+    def pack_own(self, a_shard: torch.Tensor, scale_rows: torch.Tensor, plan: Plan, rank: int,
+                 packed: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """fp8: this rank's rows and their scales where the all-gather sends them from, and whether that is their
+        slots: with even bands (``packed`` None) straight into this rank's slot of every band (two copies; returns
+        ``(a_shard, True)``), else into ``packed`` (``pack_rows``; returns ``(packed, False)``), placed by the
+        all-gather."""
+        if packed is not None:
+            return scaled.pack_rows(a_shard, scale_rows, out=packed), False
+        bands, rows = len(plan.groups), plan.groups[0].rows
+        a_slots, scale_slots = self.packed.slots(bands, plan.world_size, rows, rank)
+        a_slots.copy_(a_shard.reshape(bands, rows, self.k))
+        scale_slots.copy_(scale_rows.reshape(bands, rows, -1))
+        return a_shard, True
 
     def scaling(self):
         """The kernel's ``Scaling`` (None unscaled): A's scales per gathered row (tensor-wise shards may differ)."""
