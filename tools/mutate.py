@@ -568,8 +568,8 @@ MUTATIONS = [
      NCCL_TEST + "::test_the_graphs_wait_kernel_is_loaded_once_eagerly_by_the_first_plan_that_uses_it"),
     ("nccl-fp8-shard-packed-into-another-slot", "NCCL path, fp8 all-gather: the own shard's packed rows written into "
      "the next rank's slots of the bands (the gathered A holds a peer's rows twice and its own nowhere)", NCCL,
-     "buffers.packed = own_slots(buffers.gathered, plan, self.rank)",
-     "buffers.packed = own_slots(buffers.gathered, plan, (self.rank + 1) % self.world_size)",
+     "a_slots, scale_slots = self.packed.slots(bands, plan.world_size, rows, rank)",
+     "a_slots, scale_slots = self.packed.slots(bands, plan.world_size, rows, (rank + 1) % plan.world_size)",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
     ("nccl-fp8-shard-placed-twice", "NCCL path, fp8 all-gather: a shard packed into its slots is placed again from "
      "itself as if it were a packed buffer (the rows land in the wrong rows of the bands)", NCCL,
@@ -580,16 +580,21 @@ MUTATIONS = [
      "            self.all_gather(gathered, shard, plan, shard_placed=placed)",
      "            self.all_gather(gathered, shard, plan)",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
-    ("pack-rows-drops-the-scales", "comm/scaled.pack_rows: into slots of several bands the rows are written but "
-     "not their scales", "src/flashoverlap/comm/scaled.py",
-     "    scale_view.copy_(scale_rows if out.ndim == 2 else scale_rows.reshape(*lead, columns))\n",
-     "    scale_view.copy_(scale_rows) if out.ndim == 2 else None\n",
+    ("pack-own-drops-the-scales", "NCCL path, fp8 all-gather with even bands: the own rows are written into their "
+     "slots but not their scales", NCCL,
+     "        scale_slots.copy_(scale_rows.reshape(bands, rows, -1))\n", "",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
-    ("pack-rows-rows-to-the-wrong-bands", "comm/scaled.pack_rows: into slots of several bands the rows are written "
-     "band-major in the wrong order (a band's slot holds rows of another band)", "src/flashoverlap/comm/scaled.py",
-     "    a_view.copy_(a if out.ndim == 2 else a.reshape(*lead, k))\n",
-     "    a_view.copy_(a if out.ndim == 2 else a.reshape(lead[1], lead[0], k).transpose(0, 1))\n",
+    ("pack-own-rows-to-the-wrong-bands", "NCCL path, fp8 all-gather with even bands: the own rows are written into "
+     "their slots band-major in the wrong order (a band's slot holds rows of another band)", NCCL,
+     "        a_slots.copy_(a_shard.reshape(bands, rows, self.k))\n",
+     "        a_slots.copy_(a_shard.reshape(rows, bands, self.k).transpose(0, 1))\n",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("packed-rows-slot-scales-over-the-rows", "comm/scaled.PackedRows.slots: the own slots' scales view starts at "
+     "the row's first byte (the scales written over the fp8 rows, read from the wrong bytes)",
+     "src/flashoverlap/comm/scaled.py",
+     "                                           (start + _aligned(self.k)) // 4))",
+     "                                           start // 4))",
+     "tests/comm/test_bands.py::test_packed_rows_views_are_unpack_rows_and_own_slots"),
     ("expert-rows-allocated-before-the-lookup", "Expert calls: the received/returned rows allocated before the graph "
      "lookup even where the call does not return them (a replayed call's host allocates them on every call)",
      "src/flashoverlap/comm/expert/contract.py",

@@ -132,20 +132,17 @@ def packed_width(k: int, columns: int) -> int:
 def pack_rows(a: torch.Tensor, scale_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a [rows, K]`` fp8 and its scales ``[rows, S]`` fp32 written into one ``[rows, width]`` byte buffer (``out``,
     any row-sliced view of one, or a new one): A's bytes from column 0, the scales' from ``_aligned(K)``; the padding
-    is never read. ``out`` may also be ``[..., rows_i, width]`` with the leading dimensions' rows summing to ``rows``
-    in order (an all-gather's own slot of every band, ``collectives.own_slots``): the rows go straight there."""
+    is never read. (An all-gather's own slots of every band take the rows straight, through ``PackedRows.slots``.)"""
     rows, k = a.shape
     columns = scale_rows.shape[1]
     width = _aligned(k) + _aligned(4 * columns)
     if out is None:
         out = torch.empty((rows, width), dtype=torch.uint8, device=a.device)
-    elif out.shape[-1] != width or out.numel() != rows * width or out.dtype != torch.uint8:
-        raise ValueError(f"pack_rows: out must be [{rows}, {width}] uint8 (or its rows split over leading "
-                         f"dimensions), got {list(out.shape)} {out.dtype}")
+    elif tuple(out.shape) != (rows, width) or out.dtype != torch.uint8:
+        raise ValueError(f"pack_rows: out must be [{rows}, {width}] uint8, got {list(out.shape)} {out.dtype}")
     a_view, scale_view = unpack_rows(out, k, a.dtype, columns)
-    lead = out.shape[:-1]
-    a_view.copy_(a if out.ndim == 2 else a.reshape(*lead, k))
-    scale_view.copy_(scale_rows if out.ndim == 2 else scale_rows.reshape(*lead, columns))
+    a_view.copy_(a)
+    scale_view.copy_(scale_rows)
     return out
 
 
