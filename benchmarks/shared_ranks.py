@@ -7,17 +7,17 @@ layers and styles on the P2P path (peers mapped by CUDA IPC), through the runtim
     PYTHONPATH=src python -m benchmarks.shared_ranks --step host --worlds 2,4,8
 
 Steps, each writing (merging into) its results file in ``--out``, named for the GPU (``GPUx1-``: ``h200x1-``,
-``h100x1-``, from ``benchmarks/harness/gpu_tag.py``; a ``--device cpu`` check's ``cpux1-``; a merge's the first merged
-file's GPU):
+``h100x1-``, from ``benchmarks/harness/gpu_tag.py``, recorded as ``meta.gpu_tag``; a ``--device cpu`` check's
+``cpux1-``; a merge's the GPU its files name, one GPU per merge):
 
-- ``mechanics`` -> ``h200x1-shared-ranks.json``: rows {W, family, case, op, dtype, mode, calls, wrong, replays,
+- ``mechanics`` -> ``GPUx1-shared-ranks.json``: rows {W, family, case, op, dtype, mode, calls, wrong, replays,
   replays_wanted, error, ...} (``benchmarks/shared/mechanics.py``); merged by (W, family).
-- ``soak`` -> ``h200x1-soak.json``: rows {W, calls, checked, wrong, errors, hangs, memory_mib, flat, ms_per_call,
+- ``soak`` -> ``GPUx1-soak.json``: rows {W, calls, checked, wrong, errors, hangs, memory_mib, flat, ms_per_call,
   pool, ...} (``benchmarks/shared/soak.py``: calls from a bounded pool, the warm-up a sweep of it); merged by W. One
   W per invocation: ``--worlds 8``.
-- ``faults`` -> ``h200x1-faults.json``: rows {scenario, op, W, ok, seconds, message, ...}
+- ``faults`` -> ``GPUx1-faults.json``: rows {scenario, op, W, ok, seconds, message, ...}
   (``benchmarks/shared/faults.py``), ``FLASHOVERLAP_DEBUG_TIMEOUT=--timeout``; merged by (scenario, op, W).
-- ``host`` -> ``h200x1-host-shared.json`` (``h200x1-host.json`` is an older diagnostic's): rows {W, op, dtype,
+- ``host`` -> ``GPUx1-host-shared.json`` (``h200x1-host.json`` is an older diagnostic's): rows {W, op, dtype,
   mode, host_us, torch_mm_us, paired_ratio, ...} (``benchmarks/shared/host.py``); merged by (W, op, mode).
 
 ``--merge FILE...`` merges results files of one step written by separate device calls into ``--out``'s.
@@ -172,21 +172,23 @@ def results_path(args) -> Path:
     return args.out / f"{args.gpu}x1-{STEPS[args.step]}"
 
 
-def _merged_gpu(sources: list) -> str:
-    """The GPU tag of the first merged file that names its GPU (``meta.gpus``); else h200's (files of before the
-    tag name none)."""
-    import json
-
+def source_tag(data: object) -> str | None:
+    """The GPU tag of a results file's rows (``meta.gpu_tag``; in files written before it, ``cpu`` for a ``--device
+    cpu`` check, else the tag of ``meta.gpus``' device name), or None where the file names none."""
     from benchmarks.harness.gpu_tag import model_tag
 
-    for source in sources:
-        try:
-            gpus = json.loads(Path(source).read_text()).get("meta", {}).get("gpus")
-        except (OSError, ValueError, AttributeError):
-            continue  # merge() reports the file
-        if isinstance(gpus, str) and gpus:
-            return model_tag(gpus)
-    return "h200"
+    info = data.get("meta") if isinstance(data, dict) else None
+    if not isinstance(info, dict):
+        return None
+    if isinstance(info.get("gpu_tag"), str) and info["gpu_tag"]:
+        return info["gpu_tag"]
+    if info.get("device") == "cpu":
+        return "cpu"
+    gpus = info.get("gpus")
+    if not isinstance(gpus, str) or not gpus:
+        return None
+    name = gpus.split(" shared by ")[0]  # meta(): "1x <device name> shared by W processes ..."
+    return model_tag(name[3:] if name.startswith("1x ") else name)
 
 
 def _is_committed_results(folder: Path) -> bool:
@@ -221,7 +223,8 @@ def _write(args, rows: list[dict], key, **extra) -> None:
     from benchmarks.shared.runs import meta, write_results
 
     path = results_path(args)
-    write_results(path, meta(args.step, args.worlds, args.command, device=args.device, **extra), rows, key)
+    write_results(path, meta(args.step, args.worlds, args.command, device=args.device, gpu_tag=args.gpu, **extra),
+                  rows, key)
 
 
 # -- steps -----------------------------------------------------------------------------------------------------------
@@ -396,8 +399,7 @@ def merge(args) -> int:
 
     from benchmarks.shared.runs import write_results
 
-    path = results_path(args)
-    loaded = []
+    loaded, tags = [], {}
     for source in args.merge:  # every file checked before any is merged: a refused merge leaves --out's file alone
         try:
             data = json.loads(Path(source).read_text())
@@ -407,9 +409,22 @@ def merge(args) -> int:
         step = data.get("meta", {}).get("step") if isinstance(data, dict) else None
         if step != args.step:
             print(f"benchmarks.shared_ranks: --merge {source} holds rows of step {step!r}, not --step {args.step} "
-                  f"(its rows would land in {path.name})", file=sys.stderr)
+                  f"(its rows would land in {STEPS[args.step]})", file=sys.stderr)
             return 2
+        tags.setdefault(source_tag(data), []).append(source)
         loaded.append((source, data))
+    named = {tag: sources for tag, sources in tags.items() if tag is not None}
+    if len(named) > 1:
+        print("benchmarks.shared_ranks: --merge: the files are of different GPUs ("
+              + "; ".join(f"{tag}: {', '.join(map(str, sources))}" for tag, sources in named.items())
+              + "): merge each GPU's files into its own file", file=sys.stderr)
+        return 2
+    args.gpu = next(iter(named), "h200")  # files before the tag named no GPU: the H200's, the only one then
+    if args.gpu == "cpu" and _is_committed_results(args.out):
+        print(f"benchmarks.shared_ranks: --merge: the files are --device cpu checks; their rows are no GPU's figures "
+              f"and never belong in {RESULTS}: name another --out", file=sys.stderr)
+        return 2
+    path = results_path(args)
     for source, data in loaded:
         write_results(path, data.get("meta", {}), data.get("rows", []), KEYS[args.step])
         _say(f"merged {len(data.get('rows', []))} rows of {source} into {path}")
@@ -421,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.command = command_line(argv)
     if args.merge:
-        args.gpu = _merged_gpu(args.merge)
-        return merge(args)
+        return merge(args)  # the GPU the files name: args.gpu
     args.gpu = "cpu"
     if args.device == "cuda":
         import torch

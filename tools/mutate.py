@@ -167,6 +167,21 @@ MUTATIONS = [
      "under the misspelt name) and exits 0",
      "benchmarks/steps.sh", """if [[ " $known " != *" $word "* ]]; then""", "if false; then",
      "tests/test_device_scripts.py"),
+    ("shared-ranks-gpu-run-named-cpu", "shared_ranks: a GPU run's results file takes the CPU check's name (cpux1-), "
+     "not its GPU's", "benchmarks/shared_ranks.py", "        args.gpu = gpu_tag()\n", "",
+     "tests/benchmarks/test_shared_ranks.py::test_the_results_file_is_named_for_the_gpu_that_ran_it"),
+    ("shared-ranks-merge-of-mixed-gpus", "shared_ranks --merge: files of different GPUs merged into one file, named "
+     "for one of them", "benchmarks/shared_ranks.py", "    if len(named) > 1:\n", "    if False:\n",
+     "tests/benchmarks/test_shared_ranks.py::test_a_merge_of_mixed_gpus_or_of_cpu_checks_into_the_results_is_refused"),
+    ("shared-ranks-merge-cpu-into-results", "shared_ranks --merge: --device cpu checks merged into the committed "
+     "results", "benchmarks/shared_ranks.py", '    if args.gpu == "cpu" and _is_committed_results(args.out):\n',
+     "    if False:\n",
+     "tests/benchmarks/test_shared_ranks.py::test_a_merge_of_mixed_gpus_or_of_cpu_checks_into_the_results_is_refused"),
+    ("packed-rows-slots-ignore-the-offset", "comm/scaled.PackedRows: the own slots' views start at the storage's "
+     "first byte, not the buffer's (a buffer of rows of a larger one)", "src/flashoverlap/comm/scaled.py",
+     "        start, band = self.base + rank * rows * self.width, world * rows * self.width\n",
+     "        start, band = rank * rows * self.width, world * rows * self.width\n",
+     "tests/comm/test_bands.py::test_packed_rows_views_are_unpack_rows_and_own_slots"),
     ("shared-ranks-step-options-unchecked", "shared_ranks: an option the step never reads (--families to the soak, "
      "--calls to mechanics, anything with --merge) is ignored and the run goes on",
      "benchmarks/shared_ranks.py", "    if given:  # an option", "    if False:  # an option",

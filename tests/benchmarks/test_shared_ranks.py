@@ -618,17 +618,59 @@ def test_resume_keeps_the_right_rows_and_runs_only_the_cases_left(tmp_path):
 
 def test_the_results_file_is_named_for_the_gpu_that_ran_it(tmp_path, monkeypatch):
     """Every file was named h200x1-*, whatever GPU ran it: an H100's rows were merged into the H200's file (and
-    renamed by hand). A merge takes the GPU its files name; a run, its device's (a CPU check, cpux1-)."""
-    meta = {"step": "soak", "commit": "a", "gpus": "1x NVIDIA H100 80GB HBM3 shared by W processes"}
-    (tmp_path / "s.json").write_text(json.dumps({"meta": meta, "rows": [{"W": 8, "calls": 10}]}))
-    out = tmp_path / "out"
-    assert shared_ranks.main(["--step", "soak", "--out", str(out), "--merge", str(tmp_path / "s.json")]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["h100x1-soak.json"]
+    renamed by hand). A run takes its device's tag (a CPU check, cpux1-) and records it; a merge, the GPU its files
+    name."""
+    from benchmarks.harness import gpu_tag
+
     seen = []
     monkeypatch.setitem(shared_ranks.RUNNERS, "soak",
-                        lambda args: seen.append(shared_ranks.results_path(args)) or [{"W": 2, "wrong": 0}])
+                        lambda args: seen.append((shared_ranks.results_path(args), args.gpu)) or [{"W": 2, "wrong": 0}])
+    out = tmp_path / "out"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_tag, "gpu_tag", lambda device=None: "h100")
+    assert shared_ranks.main(["--step", "soak", "--worlds", "2", "--out", str(out)]) == 0
+    monkeypatch.undo()
+    monkeypatch.setitem(shared_ranks.RUNNERS, "soak",
+                        lambda args: seen.append((shared_ranks.results_path(args), args.gpu)) or [{"W": 2, "wrong": 0}])
     assert shared_ranks.main(["--step", "soak", "--device", "cpu", "--worlds", "2", "--out", str(out)]) == 0
-    assert seen == [out / "cpux1-soak.json"]
+    assert seen == [(out / "h100x1-soak.json", "h100"), (out / "cpux1-soak.json", "cpu")]
+
+    def source(name, **meta):
+        (tmp_path / name).write_text(json.dumps({"meta": {"step": "soak", "commit": "a", **meta},
+                                                 "rows": [{"W": 8, "calls": 10}]}))
+        return str(tmp_path / name)
+
+    h100 = source("h100.json", gpus="1x NVIDIA H100 80GB HBM3 shared by W processes (W: the rows' own)")
+    tagged = source("tagged.json", gpus="anything", gpu_tag="h100")
+    merged = tmp_path / "merged"
+    assert shared_ranks.main(["--step", "soak", "--out", str(merged), "--merge", h100, tagged]) == 0
+    assert sorted(p.name for p in merged.iterdir()) == ["h100x1-soak.json"]
+
+
+@pytest.mark.parametrize("metas,error", [
+    ([{"gpus": "1x NVIDIA H100 80GB HBM3 shared by W processes"}, {"gpus": "1x NVIDIA H200 shared by W processes"}],
+     "different GPUs"),  # an H200's rows under the H100's name, its meta the last file's
+    ([{"gpus": "1x NVIDIA H100 80GB HBM3 shared by W processes", "device": "cpu"}], "--device cpu checks"),
+    ([{"gpus": "1x no GPU shared by W processes", "device": "cpu"}], "--device cpu checks")])
+def test_a_merge_of_mixed_gpus_or_of_cpu_checks_into_the_results_is_refused(metas, error, tmp_path, capsys):
+    """A merge named its file for the first file's GPU and wrote a later one's into it; a CPU check's rows, merged
+    with the default --out, landed in the committed results (as an H100's file where the GPU machine ran the check,
+    or as 'ownx1-' from 'no GPU ... processes')."""
+    sources = []
+    for i, extra in enumerate(metas):
+        (tmp_path / f"{i}.json").write_text(json.dumps({"meta": {"step": "soak", "commit": "a", **extra},
+                                                        "rows": [{"W": 2 + i, "calls": 10}]}))
+        sources.append(str(tmp_path / f"{i}.json"))
+    out = [] if error == "--device cpu checks" else ["--out", str(tmp_path / "out")]
+    before = sorted(p.name for p in shared_ranks.RESULTS.iterdir()) if shared_ranks.RESULTS.is_dir() else None
+    assert shared_ranks.main(["--step", "soak", *out, "--merge", *sources]) == 2
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    if before is not None:
+        assert sorted(p.name for p in shared_ranks.RESULTS.iterdir()) == before
+    if error != "different GPUs":  # elsewhere the checks merge, as the CPU's
+        assert shared_ranks.main(["--step", "soak", "--out", str(tmp_path / "cpu"), "--merge", *sources]) == 0
+        assert sorted(p.name for p in (tmp_path / "cpu").iterdir()) == ["cpux1-soak.json"]
 
 
 def test_merge_refuses_a_file_of_another_step_and_merges_nothing(tmp_path, capsys):

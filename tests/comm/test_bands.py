@@ -97,6 +97,20 @@ def test_packed_rows_views_are_unpack_rows_and_own_slots(k, columns, world, rank
     assert not (s[others] == 2.5).any()
     with pytest.raises(ValueError, match="dense"):
         scaled.PackedRows(gathered[:, 1:], k - 1, torch.float8_e4m3fn, columns)
+    with pytest.raises(ValueError, match="dense uint8"):
+        scaled.PackedRows(gathered.view(torch.float8_e4m3fn), k, torch.float8_e4m3fn, columns)
+    with pytest.raises(ValueError, match="room for"):
+        scaled.PackedRows(gathered, k + 32, torch.float8_e4m3fn, columns)
+    # A buffer that starts partway into its storage (rows of a larger one): the same views
+    big = torch.randint(0, 120, (m + 5, gathered.shape[1]), dtype=torch.uint8)
+    part = big[5:]
+    views = scaled.PackedRows(part, k, torch.float8_e4m3fn, columns)
+    a, s = scaled.unpack_rows(part, k, torch.float8_e4m3fn, columns)
+    assert views.a.data_ptr() == a.data_ptr() and views.scales.data_ptr() == s.data_ptr()
+    assert torch.equal(views.a.view(torch.uint8), a.view(torch.uint8)) and torch.equal(views.scales, s)
+    slot_a, slot_s = views.slots(bands, world, rows, rank)
+    want_a, want_s = scaled.unpack_rows(own_slots(part, plan, rank), k, torch.float8_e4m3fn, columns)
+    assert torch.equal(slot_a.view(torch.uint8), want_a.view(torch.uint8)) and torch.equal(slot_s, want_s)
 
 
 def test_block_wise_scales_at_k_128_are_told_from_row_wise_ones_by_b():

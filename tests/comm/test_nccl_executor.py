@@ -403,7 +403,7 @@ def test_the_replay_lane_finds_the_graph_run_captured():
 def _fp8_all_gather(rank, world_size):
     """An fp8 all-gather through the NCCL communicator's ``run`` on the CPU (cuBLAS bands, whose scaled product is the
     dequantised one here): each rank's fp8 rows and their scales, packed straight into its slot of every band where
-    the bands are even (``collectives.own_slots``) or packed once and placed where they are not, gathered and
+    the bands are even (``_Gathered.pack_own``) or packed once and placed where they are not, gathered and
     multiplied, against the product of the dequantised gathered A; the returned gathered input (rows and scales)
     against ``all_gather`` of each, and the same product where the call does not return it."""
     fake_cuda.install(wait_timeout_s=10.0)
@@ -424,12 +424,16 @@ def _fp8_all_gather(rank, world_size):
     tile = TileConfig(16, 16, 16, 2, 1, 4)
     b = (torch.randn(n, k, generator=shared) / 4).to(torch.float8_e4m3fn).t()  # one w.t() on every rank
     checked = []
-    for mode in ("row", "tensor", "block"):
+    for mode in ("row", "tensor", "block", "block, column-major"):
         a = (torch.randn(shard_rows, k, generator=gen) * 3).to(torch.float8_e4m3fn)
-        columns = k // 128 if mode == "block" else 1
+        columns = k // 128 if mode.startswith("block") else 1
         if mode == "tensor":  # each rank its own scale: the gathered A is row-wise in effect
             scale_a, rows_a = torch.tensor(0.5 + rank), torch.full((shard_rows, 1), 0.5 + rank)
             sb, b_deq = torch.tensor(0.75), b.float() * 0.75
+        elif mode == "block, column-major":  # the layout torch._scaled_mm wants: scale.t().contiguous().t()
+            scale_a = rows_a = (torch.rand(columns, shard_rows, generator=gen) + 0.5).t()
+            sb = torch.rand(k // 128, -(-n // 128), generator=shared) + 0.5
+            b_deq = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[:k, :n]
         else:
             scale_a = rows_a = torch.rand(shard_rows, columns, generator=gen) + 0.5
             if mode == "row":
@@ -472,4 +476,4 @@ def _fp8_all_gather(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them(world_size):
-    assert spawn(_fp8_all_gather, world_size, "gloo") == [18] * world_size
+    assert spawn(_fp8_all_gather, world_size, "gloo") == [24] * world_size

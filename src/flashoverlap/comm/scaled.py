@@ -165,9 +165,12 @@ class PackedRows:
 
     def __init__(self, packed: torch.Tensor, k: int, dtype: torch.dtype, columns: int) -> None:
         rows, width = packed.shape
-        if not packed.is_contiguous() or width % 4 or packed.storage_offset() % 4:
-            raise ValueError(f"PackedRows: a dense [rows, width] buffer with width and offset multiples of 4, got "
-                             f"{list(packed.shape)} strides {packed.stride()} offset {packed.storage_offset()}")
+        if (packed.dtype != torch.uint8 or dtype.itemsize != 1 or not packed.is_contiguous() or width % 4
+                or packed.storage_offset() % 4 or width < _aligned(k) + 4 * columns):
+            raise ValueError(f"PackedRows: a dense uint8 [rows, width] buffer (width and offset multiples of 4, room "
+                             f"for {k} one-byte elements and {columns} scales a row) read as {dtype}, got "
+                             f"{list(packed.shape)} {packed.dtype} strides {packed.stride()} offset "
+                             f"{packed.storage_offset()}")
         self.width, self.k, self.columns, self.base = width, k, columns, packed.storage_offset()
         self._as_a, self._as_scales = packed.view(dtype), packed.view(torch.float32)
         self.a = self._as_a.as_strided((rows, k), (width, 1), self.base)
@@ -175,7 +178,7 @@ class PackedRows:
 
     def slots(self, bands: int, world: int, rows: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rank``'s slot of every band (``bands`` bands of ``world`` slots of ``rows`` rows each, in order: the
-        all-gather's ``[group][W][rows]`` layout with even bands, ``collectives.own_slots``) as ``([bands, rows, K]
+        all-gather's ``[group][W][rows]`` layout with even bands, ``collectives.even_band_rows``) as ``([bands, rows, K]
         in A's dtype, [bands, rows, S] fp32)``."""
         start, band = self.base + rank * rows * self.width, world * rows * self.width
         return (self._as_a.as_strided((bands, rows, self.k), (band, self.width, 1), start),

@@ -65,8 +65,9 @@ class _Buffers:
     replay (``result``; for all-gather where the gathered input is returned ``in_rank_order``, and fp8's ``dense``
     rows and scales), and its workspace, allocated by ``_workspace`` as the first step of the issued work (``product``,
     the reductions' GEMM output: ``result`` itself for all-reduce, the ``[group][W][rows][N]`` workspace for
-    reduce-scatter; for all-gather ``gathered``, the plan's band layout, and fp8's ``packed`` own shard: a ``[G, rows,
-    width]`` view of its slots in ``gathered`` where the bands are even, else a ``[rows, width]`` buffer). Inside this
+    reduce-scatter; for all-gather ``gathered``, the plan's band layout, and fp8's ``packed`` own shard where the
+    bands are uneven: a ``[rows, width]`` buffer, placed from there; None where they are even, the rows packed
+    straight into their slots, ``_Gathered.pack_own``). Inside this
     communicator's capture the workspace comes from the graphs' pool and stays the graph's: a replayed call allocates
     only what it returns (host time), and its signature holds only their addresses."""
 
@@ -243,10 +244,10 @@ class NcclCommunicator(GroupFields):
         are refused. Inside a CUDA-graph capture (a user's, or this communicator's own for replay) the in-kernel
         waits become graph edges (``_bands_by_cublas``).
 
-        fp8 (``call.scales``): the bands are packed rows (``comm/scaled.pack_rows``: a row's fp8 bytes and its scales,
-        one buffer, moved as bytes), packed straight into this rank's slots where the plan's bands are even
-        (``collectives.own_slots``: no second copy), and the GEMM reads the fp8 rows and their scales in place from
-        ``gathered``."""
+        fp8 (``call.scales``): the bands are packed rows (``comm/scaled.pack_rows``' layout: a row's fp8 bytes and its
+        scales, one buffer, moved as bytes), packed straight into this rank's slots where the plan's bands are even
+        (``_Gathered.pack_own``: no second copy), and the GEMM reads the fp8 rows and their scales in place from
+        ``gathered`` (``comm/scaled.PackedRows``' views)."""
         plan, a_shard, b, op, scales = call.plan, call.a, call.b, call.name, call.scales
         device = a_shard.device
         if plan.gemm == "triton":  # only a GEMM that spins on the bands can starve NCCL
@@ -547,13 +548,17 @@ class _Gathered:
 
     def pack_own(self, a_shard: torch.Tensor, scale_rows: torch.Tensor, plan: Plan, rank: int,
                  packed: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-        """fp8: this rank's rows and their scales where the all-gather sends them from, and whether that is their
-        slots: with even bands (``packed`` None) straight into this rank's slot of every band (two copies; returns
-        ``(a_shard, True)``), else into ``packed`` (``pack_rows``; returns ``(packed, False)``), placed by the
-        all-gather."""
+        """fp8: this rank's rows and their scales packed, and whether into their slots: where the bands are even
+        (``packed`` None: ``_workspace`` made no buffer) straight into this rank's slot of every band (two copies;
+        returns ``(a_shard, True)``: the all-gather reads the slots in place, not the shard), else into ``packed``
+        (``pack_rows``; returns ``(packed, False)``), which the all-gather places."""
         if packed is not None:
             return scaled.pack_rows(a_shard, scale_rows, out=packed), False
-        bands, rows = len(plan.groups), plan.groups[0].rows
+        rows = even_band_rows(plan, self.gathered.shape[0])
+        if rows is None:  # _workspace's rule and this one disagree: never pack into slots of uneven bands
+            raise RuntimeError(f"flashoverlap: the fp8 all-gather's bands {[g.rows for g in plan.groups]} are uneven "
+                               "but no packed buffer was made for its own shard")
+        bands = len(plan.groups)
         a_slots, scale_slots = self.packed.slots(bands, plan.world_size, rows, rank)
         a_slots.copy_(a_shard.reshape(bands, rows, self.k))
         scale_slots.copy_(scale_rows.reshape(bands, rows, -1))
