@@ -264,7 +264,8 @@ def sub_band_table(path: str) -> str:
     for row in data["rows"]:
         cells = " | ".join(_e(row["E"].get(str(s))) for s in counts)
         lines.append(f"| {OPS[row['op']]} | {row['M']}, {row['N']}, {row['K']} | {cells} | {_e(row['E_async_tp'])} |")
-    recorded = _command("torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py")  # the file has none
+    # The file records none; the script took (and takes) the results file's path as its one argument.
+    recorded = _command("torchrun --nproc-per-node 2 benchmarks/diagnostics/p2p_sub_bands.py OUT.json")
     return "\n".join(lines) + f"\n\n<sub>Source: `{path}` (commit `{str(data['commit'])[:10]}`" \
         f"{stale_note(data['commit'])}): {recorded}.</sub>"
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap as fo
-from benchmarks.diagnostics.results_file import require_cuda
+from benchmarks.diagnostics.results_file import require_cuda, results_argument
 from benchmarks.harness.baselines import async_tp_ops
 from benchmarks.harness.op_rows import GRID_ALL_GATHER, GRID_ALL_REDUCE
 from flashoverlap.bench import efficiency
@@ -23,6 +23,10 @@ SUB_BANDS = (1, 2, 3, 4, 6, 8)
 
 
 def main():
+    results_argument(__doc__)  # --help; an option is refused
+    if len(sys.argv) != 2:  # before any GPU work: the results file is written at the end, by rank 0
+        sys.exit("benchmarks/diagnostics/p2p_sub_bands.py: takes one argument, the results file's path: "
+                 "torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_sub_bands OUT.json")
     require_cuda("benchmarks/diagnostics/p2p_sub_bands.py", per_rank=True)
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)

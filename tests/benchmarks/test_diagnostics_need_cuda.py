@@ -35,3 +35,18 @@ def test_a_gpu_diagnostic_says_it_needs_cuda_in_one_line(name, monkeypatch, tmp_
     message = exit_.value.code
     assert isinstance(message, str) and "\n" not in message, (name, message, capsys.readouterr())
     assert "CUDA GPU" in message and name in message, message
+
+
+def test_the_sub_band_sweep_asks_for_its_results_path_before_any_gpu_work(monkeypatch, capsys):
+    """p2p-path.md's command for the sweep: without the results file's path (which rank 0 writes at the very end)
+    it used to measure every shape and then fail on ``sys.argv[1]``; it refuses first, naming the argument."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(sys, "argv", ["p2p_sub_bands"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("benchmarks.diagnostics.p2p_sub_bands", run_name="__main__", alter_sys=True)
+    message = exit_.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    assert "results file's path" in message and "p2p_sub_bands OUT.json" in message, message
+    doc = (ROOT / "docs" / "p2p-path.md").read_text()
+    assert "`torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_sub_bands OUT.json`" in doc
