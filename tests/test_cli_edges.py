@@ -198,3 +198,28 @@ def test_tune_plan_asks_the_paths_on_every_rank_whatever_its_own_problem(one_ran
     with pytest.raises(SystemExit, match="cannot be written"):
         cli._tune(_args(*PLAN), CPU)
     assert asked == ["auto"]
+
+
+@pytest.mark.parametrize("variable,value,said", [
+    ("FLASHOVERLAP_REPLAY", "yes", "FLASHOVERLAP_REPLAY must be 0 or 1, got 'yes'"),
+    ("FLASHOVERLAP_DEBUG_TIMEOUT", "abc", "FLASHOVERLAP_DEBUG_TIMEOUT must be a number of seconds, got 'abc'"),
+])
+def test_demo_refuses_a_bad_library_variable_in_one_line_before_starting_ranks(monkeypatch, variable, value, said):
+    """It used to start its ranks, each of which raised at its first call: two tracebacks, the message last."""
+    from flashoverlap import demo
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(demo, "spawn", lambda *a, **kw: pytest.fail("the ranks started"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo"])
+    assert stop.value.code == f"flashoverlap demo: {said}"
+
+
+@pytest.mark.parametrize("argv", [["bench", "ops"], ["tune", "bandwidth"]])
+def test_bench_and_tune_refuse_a_bad_library_variable_in_one_line_before_starting(torchrun_rank, monkeypatch, argv):
+    monkeypatch.setenv("FLASHOVERLAP_NO_CACHE", "true")
+    monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: pytest.fail("started"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == f"flashoverlap {' '.join(argv)}: FLASHOVERLAP_NO_CACHE must be 0 or 1, got 'true'"

@@ -448,6 +448,18 @@ def _prepare_environment(untuned: bool) -> None:
     settings.refresh()
 
 
+def _check_settings(command: str) -> None:
+    """The library's variables (``settings.read``: a switch other than 0 or 1, a debug timeout that is no number)
+    checked before any rank or process group starts: one line naming the variable, instead of a traceback from
+    every rank's first call."""
+    from flashoverlap import settings
+
+    try:
+        settings.read()
+    except ValueError as exc:
+        raise SystemExit(f"flashoverlap {command}: {exc}") from None
+
+
 def _world_size() -> int:
     """torchrun's ``WORLD_SIZE`` (1 without it)."""
     text = os.environ.get("WORLD_SIZE", "1")
@@ -474,10 +486,12 @@ def main(argv: list[str] | None = None) -> int:
         if _world_size() > 1:  # torchrun's ranks (a scheduler's WORLD_SIZE=1 for one process is left alone)
             raise SystemExit("flashoverlap demo: it starts its own ranks; run it without torchrun (`flashoverlap "
                              "demo ...`, --world-size N for N ranks)")
+        _check_settings("demo")
         from flashoverlap.demo import main as demo_main
 
         return demo_main(args.shape, args.dtype, args.world_size, args.cpu, args.op)
     _needs_gpus(f"{args.command} {what}")
+    _check_settings(f"{args.command} {what}")
     if args.command == "tune":
         return _under_torchrun(lambda device: _tune(args, device))
     from flashoverlap import bench
