@@ -111,17 +111,28 @@ def set_compiled(model, compiled: bool) -> None:
             layer._compiled_call_impl = None
 
 
+def _count(least: int):
+    """A parser of an integer ``>= least`` in ASCII digits: ``--steps 0`` or ``--tokens -8`` is refused here, not
+    after the model is built (every variant's timing failing, each reported as skipped)."""
+    def parse(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or int(text) < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least} (digits only), got {text!r}")
+        return int(text)
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192, help="sequence length (batch 1)")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--ffn", type=int, default=14336)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per figure (median)")
-    parser.add_argument("--warmup", type=int, default=3)
+    positive = _count(1)
+    parser.add_argument("--tokens", type=positive, default=8192, help="sequence length (batch 1)")
+    parser.add_argument("--layers", type=positive, default=32)
+    parser.add_argument("--hidden", type=positive, default=4096)
+    parser.add_argument("--ffn", type=positive, default=14336)
+    parser.add_argument("--heads", type=positive, default=32)
+    parser.add_argument("--kv-heads", type=positive, default=8)
+    parser.add_argument("--vocab", type=positive, default=128256)
+    parser.add_argument("--steps", type=positive, default=10, help="timed steps per figure (median)")
+    parser.add_argument("--warmup", type=_count(0), default=3)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=None, help="results JSON to write")
     args = parser.parse_args(argv)

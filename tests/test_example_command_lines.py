@@ -38,3 +38,17 @@ def test_hf_tp_plan_without_torchrun_says_so_in_one_line_and_nothing_else():
     assert proc.returncode == 1
     assert proc.stdout == "" and proc.stderr == \
         "start it under torchrun: torchrun --nproc-per-node 2 examples/hf_tp_plan.py\n", proc.stderr
+
+
+@pytest.mark.parametrize("argv,said", [(["--steps", "0"], "argument --steps: expected an integer >= 1"),
+                                       (["--tokens=-8"], "argument --tokens: expected an integer >= 1"),
+                                       (["--layers", "1_0"], "argument --layers: expected an integer >= 1"),
+                                       (["--warmup=-1"], "argument --warmup: expected an integer >= 0")])
+def test_hf_llama_tp_refuses_counts_it_cannot_time_before_looking_for_the_gpus(argv, said, monkeypatch, capsys):
+    """``--steps 0`` (or a negative size) passed ``type=int``: on GPUs every variant was built and its timing
+    failed, each printed as skipped, and the script exited 0 having timed nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["examples/hf_llama_tp.py", *argv])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(EXAMPLES / "hf_llama_tp.py"), run_name="__main__")
+    assert stop.value.code == 2 and said in capsys.readouterr().err
