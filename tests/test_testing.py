@@ -114,6 +114,15 @@ def test_spawn_refuses_a_world_it_cannot_start():
         with pytest.raises(RuntimeError, match="backend='nccl' needs a CUDA GPU per rank"):
             spawn(_salt, 2, backend="nccl")
 
+
+def test_spawn_refuses_more_nccl_ranks_than_gpus_before_starting_any(monkeypatch):
+    """NCCL refuses two ranks on one GPU: the ranks used to start, wrap round onto the GPUs (rank % GPUs) and fail
+    inside NCCL's first call (so did the GPU suite with FLASHOVERLAP_TEST_WORLD_SIZE above the GPU count)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(testing, "rank_context", lambda *a, **kw: pytest.fail("ranks were started"))
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU per rank: 4 ranks, 2 GPUs \(torch.cuda.device_count"):
+        spawn(_salt, 4, backend="nccl")
+
 def test_fresh_ranks_salt_their_string_hashes_apart():
     first, second = spawn(_salt, 2, fresh=True)
     assert first != second  # as separate machines' processes do (equal by chance with probability 2**-64)

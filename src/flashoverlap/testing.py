@@ -194,9 +194,14 @@ def spawn(
         if not isinstance(name, str) or not isinstance(value, str):
             raise TypeError(f"spawn: env maps names to str values (to unset a variable, leave it out of env and "
                             f"del os.environ[name] in fn), got {name!r}: {value!r}")
-    if backend == "nccl" and torch.cuda.device_count() < 1:
+    gpus = torch.cuda.device_count() if backend == "nccl" else 0
+    if backend == "nccl" and gpus < 1:
         raise RuntimeError("spawn: backend='nccl' needs a CUDA GPU per rank (torch.cuda.device_count() is 0); "
                            "use backend='gloo' on the CPU")
+    if backend == "nccl" and gpus < world_size:  # NCCL refuses two ranks on one GPU, deep inside its first call
+        raise RuntimeError(f"spawn: backend='nccl' needs a CUDA GPU per rank: {world_size} ranks, "
+                           f"{gpus} GPU{'s' if gpus > 1 else ''} (torch.cuda.device_count()); ask for at most "
+                           f"{gpus} ranks, or spawn_on_one_gpu for ranks sharing one GPU over gloo")
     environ = {**os.environ, **(env or {})}
     ctx = rank_context(environ, fresh)
     queue = ctx.Queue()
