@@ -9,3 +9,14 @@ from tests.conftest import INITIAL_TRITON_INTERPRET
 
 def test_no_test_module_sets_triton_interpret():
     assert os.environ.get("TRITON_INTERPRET") == INITIAL_TRITON_INTERPRET
+
+
+def test_the_gpu_suites_world_size_variable_is_read_strictly_and_named_when_wrong():
+    import pytest
+
+    from tests.gpu.helpers import GPUS, world_size
+
+    assert world_size({}) == GPUS and world_size({"FLASHOVERLAP_TEST_WORLD_SIZE": "4"}) == 4
+    for text in ("abc", "-2", "2.0", " 2"):
+        with pytest.raises(ValueError, match=f"FLASHOVERLAP_TEST_WORLD_SIZE must be a number of ranks .*{text!r}"):
+            world_size({"FLASHOVERLAP_TEST_WORLD_SIZE": text})

@@ -7,7 +7,20 @@ import pytest
 import torch
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-WORLD = int(os.environ.get("FLASHOVERLAP_TEST_WORLD_SIZE", GPUS))
+
+
+def world_size(environ=os.environ) -> int:
+    """FLASHOVERLAP_TEST_WORLD_SIZE (ASCII digits: one rank per GPU), else every GPU; anything else raises, naming
+    the variable (``int()`` said only "invalid literal", from every GPU test module's collection)."""
+    text = environ.get("FLASHOVERLAP_TEST_WORLD_SIZE", "")
+    if text == "":
+        return GPUS
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"FLASHOVERLAP_TEST_WORLD_SIZE must be a number of ranks (one per GPU), got {text!r}")
+    return int(text)
+
+
+WORLD = world_size()
 needs_gpus = pytest.mark.skipif(
     GPUS < 2 or WORLD < 2 or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs 2 or more CUDA GPUs, and TRITON_INTERPRET unset (the kernels must be compiled)",
