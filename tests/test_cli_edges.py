@@ -223,3 +223,16 @@ def test_bench_and_tune_refuse_a_bad_library_variable_in_one_line_before_startin
     with pytest.raises(SystemExit) as stop:
         cli.main(argv)
     assert stop.value.code == f"flashoverlap {' '.join(argv)}: FLASHOVERLAP_NO_CACHE must be 0 or 1, got 'true'"
+
+
+@pytest.mark.parametrize("argv", [["bench", "ops"], ["tune", "plan", "--op", "all_reduce", "--shape", "64,64,64"]])
+def test_bench_and_tune_refuse_more_ranks_on_a_node_than_gpus(torchrun_rank, monkeypatch, argv):
+    """``torchrun --nproc-per-node 4`` on two GPUs: ranks 2 and 3 failed in torch.cuda.set_device ("invalid device
+    ordinal"), the others waited in the rendezvous, although the message of the GPU check says one GPU per rank."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: pytest.fail("started"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    command = " ".join(argv[:2])
+    assert stop.value.code == (f"flashoverlap {command}: 4 ranks on this node (torchrun --nproc-per-node 4) but 2 "
+                               "CUDA GPUs: one GPU per rank; use --nproc-per-node 2 or fewer")

@@ -289,6 +289,11 @@ def _needs_gpus(command: str) -> None:
     if "RANK" not in os.environ:
         raise SystemExit(f"flashoverlap {command}: start it under torchrun, e.g. "
                          f"`torchrun --nproc-per-node 2 -m flashoverlap {command} ...`")
+    local, gpus = os.environ.get("LOCAL_WORLD_SIZE", ""), torch.cuda.device_count()
+    if _DIGITS.fullmatch(local) and int(local) > gpus:  # rank LOCAL_RANK >= gpus: "invalid device ordinal"
+        raise SystemExit(f"flashoverlap {command}: {local} ranks on this node (torchrun --nproc-per-node {local}) "
+                         f"but {gpus} CUDA GPU{'s' if gpus > 1 else ''}: one GPU per rank; use --nproc-per-node "
+                         f"{gpus} or fewer")
 
 
 def _under_torchrun(run, untuned: bool = False) -> int:
