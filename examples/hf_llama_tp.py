@@ -146,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                  "model; on a CPU, examples/hf_tp_plan.py checks the same kind of sharding")
     if "RANK" not in os.environ:
         sys.exit("start it under torchrun: torchrun --nproc-per-node 2 examples/hf_llama_tp.py")
+    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if local_ranks > gpus:  # one GPU per rank: a rank past the last GPU would fail in torch.cuda.set_device
+        sys.exit(f"examples/hf_llama_tp.py: {local_ranks} ranks on this node but {gpus} CUDA GPU"
+                 f"{'s' if gpus > 1 else ''}: one per rank; use torchrun --nproc-per-node {gpus} or fewer")
     if importlib.util.find_spec("transformers") is None:
         sys.exit("examples/hf_llama_tp.py needs transformers: pip install 'transformers>=4.51' (the hf extra)")
 

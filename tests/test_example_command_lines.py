@@ -52,3 +52,15 @@ def test_hf_llama_tp_refuses_counts_it_cannot_time_before_looking_for_the_gpus(a
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(str(EXAMPLES / "hf_llama_tp.py"), run_name="__main__")
     assert stop.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_hf_llama_tp_refuses_more_ranks_on_a_node_than_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", ["examples/hf_llama_tp.py"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(EXAMPLES / "hf_llama_tp.py"), run_name="__main__")
+    assert stop.value.code == ("examples/hf_llama_tp.py: 2 ranks on this node but 1 CUDA GPU: one per rank; use "
+                               "torchrun --nproc-per-node 1 or fewer")
