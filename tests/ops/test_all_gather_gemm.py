@@ -65,6 +65,24 @@ def _gathered_input_read(rank, world_size, dtype_name, compiled):
     return True
 
 
+def _gathered_backward_warnings(rank, world_size):
+    """The warnings the eager backward of ``return_gathered``'s input raises (none: it used torch's deprecated
+    ``funcol.reduce_scatter_tensor``, a FutureWarning on every backward under torch 2.13)."""
+    import warnings
+
+    x_r = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(8, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, x_full = all_gather_gemm(x_r, w, return_gathered=True)
+        x_full.sum().backward()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_the_gathered_inputs_backward_warns_nothing():
+    assert spawn(_gathered_backward_warnings, 2) == [[], []]
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_gathered_input_passes_its_gradient_back(world_size):
     for dtype_name, compiled in (("float32", False), ("bfloat16", False), ("float32", True)):

@@ -223,7 +223,9 @@ def _all_gather_backward(ctx, grad_c, grad_gathered):
         grad_a, grad_b = torch.ops.flashoverlap.all_gather_gemm_backward(grad_c.contiguous(), b, gathered, ctx.group,
                                                                          ctx.path)
     if grad_gathered is not None and ctx.needs_input_grad[0]:
-        rows = funcol.reduce_scatter_tensor(grad_gathered.contiguous(), "sum", 0, _group(ctx.group))
+        # reduce_scatter_single where torch has it (reduce_scatter_tensor, its older name, warns FutureWarning there)
+        scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+        rows = scatter(grad_gathered.contiguous(), "sum", 0, _group(ctx.group))
         rows = rows.wait() if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
         grad_a = rows if grad_a is None else grad_a + rows
     return (grad_a if ctx.needs_input_grad[0] else None), (grad_b if ctx.needs_input_grad[1] else None), None, None
