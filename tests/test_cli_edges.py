@@ -236,3 +236,24 @@ def test_bench_and_tune_refuse_more_ranks_on_a_node_than_gpus(torchrun_rank, mon
     command = " ".join(argv[:2])
     assert stop.value.code == (f"flashoverlap {command}: 4 ranks on this node (torchrun --nproc-per-node 4) but 2 "
                                "CUDA GPUs: one GPU per rank; use --nproc-per-node 2 or fewer")
+
+
+@pytest.mark.parametrize("where,said", [("", "is a directory; name the results file"),
+                                        ("a-file/rows.json", "a-file is a file, not a folder")])
+def test_bench_ops_refuses_an_out_it_could_not_write_before_starting(torchrun_rank, monkeypatch, tmp_path, where,
+                                                                     said):
+    """Rank 0 writes --out after the whole run: a path it cannot write used to fail there, the figures lost."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: pytest.fail("started"))
+    out = str(tmp_path / where) if where else str(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "ops", "--shapes", "64,64,64", "--out", out])
+    assert stop.value.code.startswith(f"flashoverlap bench ops: --out {out}: ") and said in stop.value.code
+
+
+def test_bench_ops_takes_an_out_in_folders_it_will_create(torchrun_rank, monkeypatch, tmp_path):
+    from flashoverlap import bench
+
+    monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: 0)
+    assert bench.out_problem(str(tmp_path / "new" / "deeper" / "rows.json")) is None
+    assert cli.main(["bench", "ops", "--shapes", "64,64,64", "--out", str(tmp_path / "new" / "rows.json")]) == 0

@@ -56,6 +56,24 @@ def shape_problem(ops: list[str], shapes: list[tuple[int, int, int]] | None, wor
     return None
 
 
+def out_problem(path: str | None) -> str | None:
+    """Why ``--out PATH`` could not be written once the run is over (rank 0 writes it last, ``write_results``), in
+    one line (None where it can, or without ``--out``): a directory, a folder that is a file, one not writable."""
+    if path is None:
+        return None
+    if os.path.isdir(path):
+        return f"--out {path}: is a directory; name the results file"
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):  # write_results creates the missing folders under the nearest that exists
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"--out {path}: {folder} is a file, not a folder"
+    target = path if os.path.exists(path) else folder
+    if not os.access(target, os.W_OK):
+        return f"--out {path}: {target} is not writable"
+    return None
+
+
 def efficiency(t_seq: float, t: float, t_ideal: float) -> float:
     """docs/benchmarks.md's E: the share of the hideable time ``t_seq - t_ideal`` that ``t`` hid."""
     return (t_seq - t) / (t_seq - t_ideal) if t_seq > t_ideal else float("nan")

@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         return _under_torchrun(lambda device: _tune(args, device))
     from flashoverlap import bench
 
-    refused = bench.shape_problem(args.ops, args.shapes, _world_size())
+    refused = bench.shape_problem(args.ops, args.shapes, _world_size()) or bench.out_problem(args.out)
     if refused is not None:
         raise SystemExit(f"flashoverlap bench ops: {refused}")
     command = shlex.join(["flashoverlap", *argv])  # quoted: a shape list's ";" stays one word
