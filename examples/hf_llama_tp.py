@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    from flashoverlap.bench import out_problem
+
+    if out_problem(args.out):  # rank 0 writes it after every variant has run
+        parser.error(out_problem(args.out))
     # What it needs, each missing piece named in one line (not a traceback from deep inside torch).
     if not torch.cuda.is_available():
         sys.exit("examples/hf_llama_tp.py needs CUDA GPUs (one per rank, under torchrun): it times an 8B-shaped "

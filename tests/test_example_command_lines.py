@@ -64,3 +64,12 @@ def test_hf_llama_tp_refuses_more_ranks_on_a_node_than_gpus(monkeypatch):
         runpy.run_path(str(EXAMPLES / "hf_llama_tp.py"), run_name="__main__")
     assert stop.value.code == ("examples/hf_llama_tp.py: 2 ranks on this node but 1 CUDA GPU: one per rank; use "
                                "torchrun --nproc-per-node 1 or fewer")
+
+
+def test_hf_llama_tp_refuses_an_out_it_could_not_write_before_looking_for_the_gpus(monkeypatch, tmp_path, capsys):
+    """Rank 0 writes --out after every variant has been timed: a directory given there failed only then."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["examples/hf_llama_tp.py", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(EXAMPLES / "hf_llama_tp.py"), run_name="__main__")
+    assert stop.value.code == 2 and f"--out {tmp_path}: is a directory" in capsys.readouterr().err
