@@ -257,3 +257,16 @@ def test_bench_ops_takes_an_out_in_folders_it_will_create(torchrun_rank, monkeyp
     monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: 0)
     assert bench.out_problem(str(tmp_path / "new" / "deeper" / "rows.json")) is None
     assert cli.main(["bench", "ops", "--shapes", "64,64,64", "--out", str(tmp_path / "new" / "rows.json")]) == 0
+
+
+@pytest.mark.parametrize("op,api", [("reduce_scatter", "gemm_reduce_scatter"), ("all_gather_gemm", "all_gather_gemm")])
+def test_tune_plan_checks_its_shape_against_the_ranks_before_starting(torchrun_rank, monkeypatch, op, api):
+    """It started the NCCL group and raised from deep inside the plan search (Plan.m must be divisible), a
+    traceback on every rank, where bench ops refuses its shapes in one line first."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: pytest.fail("started"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tune", "plan", "--op", op, "--shape", "1001,64,64"])
+    assert stop.value.code == f"flashoverlap tune plan: --shape 1001,64,64: {api} needs M divisible by the 2 ranks"
+    monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: 0)
+    assert cli.main(["tune", "plan", "--op", "all_reduce", "--shape", "1001,64,64"]) == 0  # M is not split

@@ -498,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     _needs_gpus(f"{args.command} {what}")
     _check_settings(f"{args.command} {what}")
     if args.command == "tune":
+        world = _world_size()
+        if what == "plan" and args.op != "all_reduce" and args.shape[0] % world:  # as bench ops checks its shapes
+            api = next(name for name, short in TUNE_OPS.items() if short == args.op)
+            raise SystemExit(f"flashoverlap tune plan: --shape {','.join(map(str, args.shape))}: {api} needs M "
+                             f"divisible by the {world} ranks")
         return _under_torchrun(lambda device: _tune(args, device))
     from flashoverlap import bench
 
