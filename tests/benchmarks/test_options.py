@@ -158,3 +158,36 @@ def test_host_bound_takes_its_documented_forms():
         ("o.json", "llama", ["bfloat16"], True, host_bound.OPS)
     args = host_bound.parse_args(["--shapes", "grid", "--ops", "all_gather", "o.json"])
     assert (args.out, args.shapes, args.ops) == ("o.json", "grid", ["all_gather"])
+
+
+@pytest.fixture
+def gpu_rank(monkeypatch):
+    """This process as torchrun's rank 0 on a node with two GPUs; the group is never started (a failure if it is)."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("a GPU was set"))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: pytest.fail("the group started"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+
+@pytest.mark.parametrize("module", ["benchmarks.ops", "benchmarks.block", "benchmarks.moe", "benchmarks.model_check"])
+def test_the_harness_refuses_more_ranks_on_a_node_than_gpus_before_starting(gpu_rank, monkeypatch, module):
+    """The harness's start (flashoverlap bench block|moe, tune validate): ranks past the last GPU used to fail in
+    torch.cuda.set_device, the others waiting in the NCCL rendezvous."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(module).main([])
+    assert stop.value.code == (f"python -m {module}: 4 ranks on this node but 2 CUDA GPUs: one per rank; use "
+                               "torchrun --nproc-per-node 2 or fewer")
+
+
+@pytest.mark.parametrize("module", ["benchmarks.ops", "benchmarks.block", "benchmarks.moe", "benchmarks.model_check"])
+def test_the_harness_refuses_an_out_it_could_not_write_before_starting(gpu_rank, monkeypatch, capsys, tmp_path,
+                                                                       module):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    code, err = _exit(capsys, module, ["--out", str(tmp_path)])
+    assert code == 2 and f"--out {tmp_path}: is a directory" in err, err
