@@ -115,6 +115,17 @@ def test_spawn_refuses_a_world_it_cannot_start():
             spawn(_salt, 2, backend="nccl")
 
 
+def test_spawn_on_one_gpu_refuses_more_ranks_than_the_p2p_path_serves_before_starting_any(monkeypatch):
+    """docs/usage.md: up to 8 processes. Nine used to start, and every op refused them (P2P serves up to 8 ranks,
+    and the NCCL path refuses a gloo group of CUDA tensors)."""
+    from flashoverlap.testing import spawn_on_one_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(testing, "rank_context", lambda *a, **kw: pytest.fail("ranks were started"))
+    with pytest.raises(ValueError, match=r"spawn_on_one_gpu: up to 8 ranks \(the P2P path's most\), got 9"):
+        spawn_on_one_gpu(_salt, 9)
+
+
 def test_spawn_refuses_more_nccl_ranks_than_gpus_before_starting_any(monkeypatch):
     """NCCL refuses two ranks on one GPU: the ranks used to start, wrap round onto the GPUs (rank % GPUs) and fail
     inside NCCL's first call (so did the GPU suite with FLASHOVERLAP_TEST_WORLD_SIZE above the GPU count)."""

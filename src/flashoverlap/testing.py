@@ -313,8 +313,12 @@ def spawn_on_one_gpu(fn: Callable, world_size: int, args: tuple = (), env: dict[
     that tensor-parallel code can be tested at W = 8 on one GPU. Mechanics only: the ranks share the GPU's SMs and
     copy engines, so nothing timed here says anything about speed. ``path="auto"`` takes the P2P path on such a
     group; the NCCL path and the sequential plan need NCCL, which refuses two ranks on one GPU (a clear error)."""
+    from flashoverlap.plan import P2P_MAX_RANKS
+
     if not torch.cuda.is_available():
         raise RuntimeError("spawn_on_one_gpu: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if isinstance(world_size, int) and world_size > P2P_MAX_RANKS:  # the ops' P2P path, the one such ranks can run
+        raise ValueError(f"spawn_on_one_gpu: up to {P2P_MAX_RANKS} ranks (the P2P path's most), got {world_size}")
     return spawn(fn, world_size, "gloo", args=args, env=env, timeout=timeout, one_gpu=True)
 
 
