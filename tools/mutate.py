@@ -668,8 +668,12 @@ MUTATIONS = [
      NCCL_TEST + "::test_a_captured_call_waits_on_counters_with_the_wait_kernel"),
     ("expert-agreement-without-out-dtype", "expert ops: ranks whose fp8 combine outputs differ in dtype agree (the "
      "row leaves out_dtype out): gloo aborts the process", "src/flashoverlap/runtime/experts.py",
-     "                  0 if spec.scales is None else DTYPE_CODES[spec.scales.out_dtype]]", "                  0]",
+     "                  0 if spec.scales is None else DTYPE_CODES[spec.scales.out_dtype],", "                  0,",
      "tests/moe/test_fp8_moe_ops.py::test_fp8_errors_name_the_argument_before_anything_is_sent"),
+    ("expert-agreement-without-local-experts", "expert ops: the row leaves the weights' L out: a rank passing every "
+     "expert's weights raises alone after the exchange while its peers wait in the all-to-all",
+     "src/flashoverlap/runtime/experts.py", "                  b.shape[0]]", "                  0]",
+     "tests/moe/test_moe_errors.py::test_a_rank_whose_weights_hold_other_experts_makes_every_rank_raise"),
     ("agreement-values-by-code", "agreement: the values that differ shown by their codes, not their names",
      "src/flashoverlap/runtime/agreement.py", "    return field[1][code]\n", "    return str(code)\n",
      DISAGREE_TEST + " tests/moe/test_moe_errors.py"),

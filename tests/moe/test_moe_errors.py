@@ -157,6 +157,26 @@ def _debug_errors(rank, world):
     return True
 
 
+def _one_rank_holds_other_experts(rank, world):
+    """Rank 1 passes every expert's weights (the unsharded ones), rank 0 its own: the weights' L is checked against
+    the layout only once the ranks agreed on the call, so both must raise there, naming it; before, rank 1 raised
+    alone and rank 0 waited in the all-to-all until the group's timeout."""
+    import flashoverlap as fo
+
+    p = cases.problem(world, "skewed", 2, torch.float32)
+    own = slice(rank * p["local"], (rank + 1) * p["local"]) if rank == 0 else slice(None)
+    layout = fo.moe_layout(p["idx"][rank], p["experts"])
+    mine, theirs = (p["local"], p["experts"]) if rank == 0 else (p["experts"], p["local"])
+    named = rf"disagree on local experts \(the weights' L\) \({mine} here, {theirs} on rank {1 - rank}\)"
+    _raises(ValueError, named, fo.moe_dispatch_gemm, p["x"][rank], p["w13"][own].transpose(1, 2), layout)
+    good = slice(rank * p["local"], (rank + 1) * p["local"])
+    h = fo.moe_dispatch_gemm(p["x"][rank], p["w13"][good].transpose(1, 2), layout)
+    a = F.silu(h[:, : cases.FFN]) * h[:, cases.FFN :]
+    _raises(ValueError, named, fo.moe_gemm_combine, a, p["w2"][own].transpose(1, 2), p["weights"][rank], layout)
+    _good_call(rank, p, fo)
+    return True
+
+
 def test_bad_arguments_are_named_before_anything_moves(ranks):
     ranks(2).run(_argument_errors)
 
@@ -170,3 +190,7 @@ def test_a_bad_index_or_an_exceeded_bound_raises_on_every_rank(ranks):
 
 def test_debug_mode_names_the_ranks_that_disagree(ranks):
     ranks(2).run(_debug_errors)
+
+
+def test_a_rank_whose_weights_hold_other_experts_makes_every_rank_raise(ranks):
+    assert ranks(2).run(_one_rank_holds_other_experts, timeout=120) == [True, True]

@@ -84,7 +84,7 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
     # and names both.
     every = debug or calls.agree_every_call(topk_idx, "auto", group)
     if not guards.capturing():  # else on the group's first layout of these experts and top-k
-        header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * debug, (bound or 0) * debug, 0, 0, 0, 0, 0, 0]
+        header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * debug, (bound or 0) * debug, 0, 0, 0, 0, 0, 0, 0]
         agreement.agree(name, context, "expert", _FIELDS, header, env.timeout,
                         once=not every)
     return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
@@ -158,7 +158,10 @@ class ExpertKind:
                   MODES.index(routing.mode), routing.bound or 0, DTYPE_CODES[rows_dtype(a, spec.scales)],
                   policy.EXPERT_PATHS.index(spec.path), int(spec.per_choice), int(spec.weighted),
                   0 if spec.scales is None else 1 + SCALED_MODES.index(spec.scales.mode),
-                  0 if spec.scales is None else DTYPE_CODES[spec.scales.out_dtype]]
+                  0 if spec.scales is None else DTYPE_CODES[spec.scales.out_dtype],
+                  # The weights' L, which only _resolve checks against the layout (after this exchange): a rank whose
+                  # L is wrong where its peers' is right would raise alone there while they enter the all-to-all.
+                  b.shape[0]]
         context = group_context(spec.name, spec.group, a.device)
         if routing.world_size != context.world_size:
             return  # a layout of another group: resolve raises the clear error
@@ -387,7 +390,8 @@ _FIELDS = (("op", ("moe_layout", "dispatch", "combine")), "num_experts", "hidden
            "expert weights' width (dispatch's N, combine's K)", "top-k",
            ("mode", MODES), "bound", ("dtype", DTYPE_NAMES), ("path", policy.EXPERT_PATHS),
            ("per_choice", ("False", "True")), ("weighted", ("False", "True")),
-           ("fp8 scaling", ("none", "row", "block")), ("out_dtype", DTYPE_NAMES))
+           ("fp8 scaling", ("none", "row", "block")), ("out_dtype", DTYPE_NAMES),
+           "local experts (the weights' L)")
 
 
 def _check_counts(name: str, context: GroupContext, routing: Layout, rows: list[list[int]]) -> None:
