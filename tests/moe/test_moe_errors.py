@@ -76,6 +76,15 @@ def _argument_errors(rank, world):
             weights[:, :1], layout)
     _raises(ValueError, "topk_weights must be a floating tensor", fo.moe_gemm_combine, a, w_down, idx, layout)
     _raises(ValueError, "w_down must be 3-D", fo.moe_gemm_combine, a, w_down[0], weights, layout)
+    # out_dtype is fp8 calls' (fp8 weights): a bf16/fp16/fp32 call returns its rows' dtype, so another one raises
+    # (it was ignored: out_dtype=torch.float32 on bf16 operands returned bf16).
+    _raises(ValueError, "moe_dispatch_gemm: out_dtype=torch.float32 applies to fp8 calls .* x is torch.bfloat16",
+            fo.moe_dispatch_gemm, x.bfloat16(), w_up.bfloat16(), layout, out_dtype=torch.float32)
+    _raises(ValueError, "moe_gemm_combine: out_dtype=torch.float32 applies to fp8 calls .* a is torch.bfloat16",
+            fo.moe_gemm_combine, a.bfloat16(), w_down.bfloat16(), weights, layout, out_dtype=torch.float32)
+    _raises(ValueError, "moe_gemm_combine: out_dtype=torch.float16 applies to fp8 calls", fo.moe_gemm_combine, a,
+            w_down, weights, layout, out_dtype=torch.float16)
+    assert fo.moe_gemm_combine(a, w_down, weights, layout, out_dtype=torch.float32).dtype == torch.float32
     tokens = x.shape[0]
     for out, got in ((torch.empty(tokens + 1, cases.H), rf"\[{tokens + 1}, {cases.H}\] torch.float32"),
                      (torch.empty(tokens, cases.H, dtype=torch.float16), "torch.float16"), ([], "list")):

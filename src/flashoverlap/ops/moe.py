@@ -123,7 +123,8 @@ def moe_dispatch_gemm(
             (block-wise); None for a bf16/fp16/fp32 ``x`` (quantised here where the weights are fp8).
         scale_w: fp8 ``w_up``'s fp32 scales: ``[L, N]`` (row-wise) or ``[L, H/128, ceil(N/128)]`` (block-wise:
             DeepSeek-V3's ``[L, N/128, H/128]`` transposed); its shape sets the call's mode.
-        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32`` (not on the P2P path).
+        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32`` (not on the P2P path);
+            a bf16/fp16/fp32 call returns x's dtype (another ``out_dtype`` raises).
 
     Returns:
         ``h: [R, N]`` in x's dtype; in an fp8 call (fp8 weights) ``out_dtype``, whatever x's dtype: the received
@@ -144,6 +145,7 @@ def moe_dispatch_gemm(
                                                               False, path, out_dtype)[0]
         return execute(experts.EXPERT, experts.ExpertSpec("moe_dispatch_gemm", "dispatch", x, w_up, layout, group,
                                                           path, scales=scales))[0]
+    _check_plain_out_dtype("moe_dispatch_gemm", "x", x, out_dtype)
     if needed("moe_dispatch_gemm", (x, w_up)):
         h, _ = torch.ops.flashoverlap.moe_dispatch(x, w_up, layout.tensors(), group_name(group, "moe_dispatch_gemm"),
                                                    moe_library.layout_values(layout), False, path)
@@ -179,7 +181,8 @@ def moe_gemm_combine(
         scale_a: fp8 ``a``'s fp32 scales, ``[R, 1]`` or ``[R, F/128]``; None for a bf16/fp16/fp32 ``a`` (quantised
             here where the weights are fp8).
         scale_w: fp8 ``w_down``'s fp32 scales: ``[L, H]`` (row-wise) or ``[L, F/128, ceil(H/128)]`` (block-wise).
-        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32`` (not on the P2P path).
+        out_dtype: fp8 calls' output dtype, ``torch.bfloat16`` (default) or ``torch.float32`` (not on the P2P path);
+            a bf16/fp16/fp32 call returns a's dtype (another ``out_dtype`` raises).
 
     Returns:
         ``y: [T, H]`` in a's dtype (fp8: ``out_dtype``), in this rank's token order (``out`` where given).
@@ -202,6 +205,7 @@ def moe_gemm_combine(
         spec = experts.ExpertSpec("moe_gemm_combine", "combine", a, w_down, layout, group, path, topk_weights,
                                   out=out, scales=scales)
         return execute(experts.EXPERT, spec)[0]
+    _check_plain_out_dtype("moe_gemm_combine", "a", a, out_dtype)
     if needed("moe_gemm_combine", (a, w_down, topk_weights)):
         if out is not None:
             if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (a, w_down, topk_weights)):
@@ -218,6 +222,15 @@ def moe_gemm_combine(
 
 
 E4M3 = torch.float8_e4m3fn  # the dtype bf16/fp16/fp32 rows are quantised to
+
+
+def _check_plain_out_dtype(name: str, rows_name: str, rows: object, out_dtype: object) -> None:
+    """A bf16/fp16/fp32 call returns its rows' dtype: an ``out_dtype`` other than the default (bf16) or that dtype
+    raises, naming it, where it would otherwise be ignored (``out_dtype=torch.float32`` on bf16 operands returned
+    bf16)."""
+    if isinstance(rows, torch.Tensor) and out_dtype is not torch.bfloat16 and out_dtype != rows.dtype:
+        raise ValueError(f"{name}: out_dtype={out_dtype} applies to fp8 calls (fp8 weights with scale_w); this call's "
+                         f"{rows_name} is {rows.dtype} and its result is too: drop out_dtype, or cast the operands")
 
 
 def _fp8_operands(name: str, rows: object, w: object, scale_rows: object, scale_w: object,
