@@ -2,7 +2,8 @@
 any token row moves, and the group stays usable (a good call after the errors gives the plain answer). Local
 errors (types, shapes, a hidden size that disagrees with the weights, a layout used with another group, a bad
 ``out``); collective errors (an expert index out of range on one rank, exact and bounded mode, a routing beyond
-the bound, ranks that disagree on the mode or the bound) are raised by every rank together; in debug mode
+the bound, ranks that disagree on the mode or the bound, one rank's weights holding another number of experts) are
+raised by every rank together; in debug mode
 (``FLASHOVERLAP_DEBUG_TIMEOUT``) ranks that disagree on a call (bound, dtype, path, hidden size) or on the counts
 raise, naming the ranks."""
 
