@@ -51,6 +51,7 @@ def _argument_errors(rank, world):
             2)
     _raises(ValueError, "mode must be one of", fo.moe_layout, idx, E, mode="fast")
     _raises(ValueError, "bound must be an int >= 1", fo.moe_layout, idx, E, mode="bounded", bound=0)
+    _raises(ValueError, "bound must be an int >= 1", fo.moe_layout, idx, E, mode="bounded", bound=True)  # was 1
     _raises(ValueError, "bound=5 applies to mode='bounded' only", fo.moe_layout, idx, E, bound=5)
     layout = fo.moe_layout(idx, E)
     _raises(ValueError, "x has hidden size 15", fo.moe_dispatch_gemm, x[:, :15], w_up, layout)

@@ -65,8 +65,9 @@ def moe_layout(
     backward passes). Collective: every rank of ``group`` calls it.
 
     Args:
-        topk_idx: ``[T, k]`` integer (int64 or int32), the experts each token chose (global indices in
-            ``[0, num_experts)``; distinct per token, as ``torch.topk`` gives them).
+        topk_idx: ``[T, k]`` int64, int32, int16, int8 or uint8 (``torch.topk`` gives int64), the experts each
+            token chose (global indices in ``[0, num_experts)``; a token that names one expert twice sends it two
+            rows, each weighted).
         num_experts: ``E``, a multiple of the group's size; rank r holds experts ``[r * E/W, (r+1) * E/W)``.
         group: the process group (default: the world). CUDA tensors: an NCCL group, or for the P2P path any group
             (ranks sharing one GPU over gloo: ``flashoverlap.testing.spawn_on_one_gpu``).

@@ -70,7 +70,7 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
         _check_router_weights(name, topk_weights, topk_idx.shape, topk_idx.device)
     if mode == "bounded":
         bound = default_bound(tokens, top_k) if bound is None else bound
-        if not isinstance(bound, int) or bound < 1:
+        if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:  # True is no row count
             raise ValueError(f"{name}: bound must be an int >= 1 (rows one rank may send another), got {bound!r}")
     elif bound is not None:
         raise ValueError(f"{name}: bound={bound} applies to mode='bounded' only; mode='exact' exchanges the counts")
