@@ -167,6 +167,11 @@ MUTATIONS = [
      "under the misspelt name) and exits 0",
      "benchmarks/steps.sh", """if [[ " $known " != *" $word "* ]]; then""", "if false; then",
      "tests/test_device_scripts.py"),
+    ("moe-layout-takes-bound-true", "moe_layout: bound=True runs as a bound of 1 row",
+     "src/flashoverlap/runtime/experts.py",
+     "        if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:  # True is no row count\n",
+     "        if not isinstance(bound, int) or bound < 1:\n",
+     "tests/moe/test_moe_errors.py"),
     ("shared-ranks-gpu-run-named-cpu", "shared_ranks: a GPU run's results file takes the CPU check's name (cpux1-), "
      "not its GPU's", "benchmarks/shared_ranks.py", "        args.gpu = gpu_tag()\n", "",
      "tests/benchmarks/test_shared_ranks.py::test_the_results_file_is_named_for_the_gpu_that_ran_it"),
