@@ -140,18 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
-    from flashoverlap.bench import out_problem
+    from flashoverlap.bench import out_problem, ranks_beyond_gpus
 
-    if out_problem(args.out):  # rank 0 writes it after every variant has run
-        parser.error(out_problem(args.out))
+    problem = out_problem(args.out)  # rank 0 writes it after every variant has run
+    if problem:
+        parser.error(problem)
     # What it needs, each missing piece named in one line (not a traceback from deep inside torch).
     if not torch.cuda.is_available():
         sys.exit("examples/hf_llama_tp.py needs CUDA GPUs (one per rank, under torchrun): it times an 8B-shaped "
                  "model; on a CPU, examples/hf_tp_plan.py checks the same kind of sharding")
     if "RANK" not in os.environ:
         sys.exit("start it under torchrun: torchrun --nproc-per-node 2 examples/hf_llama_tp.py")
-    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    if local_ranks > gpus:  # one GPU per rank: a rank past the last GPU would fail in torch.cuda.set_device
+    beyond = ranks_beyond_gpus()  # one GPU per rank: a rank past the last GPU would fail in torch.cuda.set_device
+    if beyond is not None:
+        local_ranks, gpus = beyond
         sys.exit(f"examples/hf_llama_tp.py: {local_ranks} ranks on this node but {gpus} CUDA GPU"
                  f"{'s' if gpus > 1 else ''}: one per rank; use torchrun --nproc-per-node {gpus} or fewer")
     if importlib.util.find_spec("transformers") is None:

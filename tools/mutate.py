@@ -172,6 +172,12 @@ MUTATIONS = [
      "        if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:  # True is no row count\n",
      "        if not isinstance(bound, int) or bound < 1:\n",
      "tests/moe/test_moe_errors.py"),
+    ("ranks-beyond-gpus-never-said", "bench.ranks_beyond_gpus: more torchrun ranks on a node than GPUs pass (bench, "
+     "tune, the harness and the Llama example start them; a rank fails in set_device, the others hang)",
+     "src/flashoverlap/bench.py", "    if local.isascii() and local.isdigit() and int(local) > gpus:\n",
+     "    if False:\n",
+     "tests/test_cli_edges.py::test_bench_and_tune_refuse_more_ranks_on_a_node_than_gpus "
+     "tests/benchmarks/test_options.py tests/test_example_command_lines.py"),
     ("shared-ranks-gpu-run-named-cpu", "shared_ranks: a GPU run's results file takes the CPU check's name (cpux1-), "
      "not its GPU's", "benchmarks/shared_ranks.py", "        args.gpu = gpu_tag()\n", "",
      "tests/benchmarks/test_shared_ranks.py::test_the_results_file_is_named_for_the_gpu_that_ran_it"),

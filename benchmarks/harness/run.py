@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness.gpu_tag import gpu_tag
-from flashoverlap.bench import out_problem, run_meta, write_results
+from flashoverlap.bench import out_problem, ranks_beyond_gpus, run_meta, write_results
 from flashoverlap.cli import VALUE_OPTIONS, environment, join_values
 
 # The harness's options whose value may start with "-" (``cli.join_values``), besides the installed commands'.
@@ -59,12 +59,14 @@ def start_run(prog: str, description: str, add_arguments, argv: list[str] | None
                          "`flashoverlap demo` or the tests")
     if "RANK" not in os.environ:
         parser.error(f"run it under torchrun, e.g. torchrun --nproc-per-node 2 -m {prog.split()[-1]}")
-    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    if local_ranks > gpus:  # a rank past the last GPU would fail in set_device, the others wait in the rendezvous
+    beyond = ranks_beyond_gpus()  # a rank past the last GPU would fail in set_device, the others wait
+    if beyond is not None:
+        local_ranks, gpus = beyond
         raise SystemExit(f"{prog}: {local_ranks} ranks on this node but {gpus} CUDA GPU{'s' if gpus > 1 else ''}: "
                          f"one per rank; use torchrun --nproc-per-node {gpus} or fewer")
-    if out_problem(getattr(args, "out", None)):  # rank 0 writes it after the first row, or at the end
-        parser.error(out_problem(args.out))
+    problem = out_problem(getattr(args, "out", None))  # rank 0 writes it after the first row, or at the end
+    if problem:
+        parser.error(problem)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)

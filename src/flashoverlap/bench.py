@@ -56,6 +56,16 @@ def shape_problem(ops: list[str], shapes: list[tuple[int, int, int]] | None, wor
     return None
 
 
+def ranks_beyond_gpus() -> tuple[int, int] | None:
+    """``(ranks on this node, CUDA GPUs)`` where torchrun started more ranks on this node (``LOCAL_WORLD_SIZE``) than
+    it has GPUs, one per rank (a rank past the last GPU fails in ``torch.cuda.set_device`` while the others wait in
+    the rendezvous); None where each has one, or outside torchrun. Its callers word the refusal."""
+    local, gpus = os.environ.get("LOCAL_WORLD_SIZE", ""), torch.cuda.device_count()
+    if local.isascii() and local.isdigit() and int(local) > gpus:
+        return int(local), gpus
+    return None
+
+
 def out_problem(path: str | None) -> str | None:
     """Why ``--out PATH`` could not be written once the run is over (rank 0 writes it last, ``write_results``), in
     one line (None where it can, or without ``--out``): a directory, a folder that is a file, one not writable."""

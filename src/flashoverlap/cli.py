@@ -139,6 +139,11 @@ def tune_op(text: str) -> str:
     return name
 
 
+def _api_name(op: str) -> str:
+    """``tune plan``'s op (the tuner's short name, ``all_reduce``) by its API name (``gemm_all_reduce``)."""
+    return next(name for name, short in TUNE_OPS.items() if short == op)
+
+
 def op_list(text: str) -> str:
     """``op_names``, checked, kept as the comma-separated text (the tuner's form)."""
     op_names(text)
@@ -289,8 +294,11 @@ def _needs_gpus(command: str) -> None:
     if "RANK" not in os.environ:
         raise SystemExit(f"flashoverlap {command}: start it under torchrun, e.g. "
                          f"`torchrun --nproc-per-node 2 -m flashoverlap {command} ...`")
-    local, gpus = os.environ.get("LOCAL_WORLD_SIZE", ""), torch.cuda.device_count()
-    if _DIGITS.fullmatch(local) and int(local) > gpus:  # rank LOCAL_RANK >= gpus: "invalid device ordinal"
+    from flashoverlap.bench import ranks_beyond_gpus
+
+    beyond = ranks_beyond_gpus()  # rank LOCAL_RANK >= gpus: "invalid device ordinal"
+    if beyond is not None:
+        local, gpus = beyond
         raise SystemExit(f"flashoverlap {command}: {local} ranks on this node (torchrun --nproc-per-node {local}) "
                          f"but {gpus} CUDA GPU{'s' if gpus > 1 else ''}: one GPU per rank; use --nproc-per-node "
                          f"{gpus} or fewer")
@@ -397,7 +405,7 @@ def _tune(args: argparse.Namespace, device) -> int:
     search = tune_search(args.op, args.shape, target, args.path)
     winner, _ = tune_plan(args.op, args.shape, target, search, args.top, args.exhaustive, say)
     say(winner.describe())
-    api = next(name for name, short in TUNE_OPS.items() if short == args.op)
+    api = _api_name(args.op)
     users = "path='auto' (the default)" if args.path == "auto" else \
         f"path={args.path!r} (path='auto' calls read `tune plan --path auto`'s plans only)"
     say(f"cached in {cache.cache_file(search.key)}: {api} calls with {users} at M,N,K = "
@@ -500,9 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tune":
         world = _world_size()
         if what == "plan" and args.op != "all_reduce" and args.shape[0] % world:  # as bench ops checks its shapes
-            api = next(name for name, short in TUNE_OPS.items() if short == args.op)
-            raise SystemExit(f"flashoverlap tune plan: --shape {','.join(map(str, args.shape))}: {api} needs M "
-                             f"divisible by the {world} ranks")
+            raise SystemExit(f"flashoverlap tune plan: --shape {','.join(map(str, args.shape))}: "
+                             f"{_api_name(args.op)} needs M divisible by the {world} ranks")
         return _under_torchrun(lambda device: _tune(args, device))
     from flashoverlap import bench
 
