@@ -15,7 +15,8 @@ For each variant it times prefill (the base model's forward at ``--tokens`` toke
 
 Compiled variants compile each decoder layer (as torchtitan does: one graph for all layers); embeddings, the final
 norm and ``lm_head`` run eager. A variant that cannot run here (async TP needs NVLink and symmetric memory, and more
-than one rank) is reported with the reason and skipped.
+than one rank) is reported with the reason and skipped; the run then still writes the others' figures, and exits 1
+where one of the library's own variants (``ours_eager``, ``torch_styles_our_pass``) or every variant failed.
 
 Run::
 
@@ -246,7 +247,23 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
     dist.destroy_process_group()
-    return 0
+    return exit_status(rows, rank0)
+
+
+OURS = ("ours_eager", "torch_styles_our_pass")
+
+
+def exit_status(rows: list[dict], say: bool = True) -> int:
+    """1 where a variant of this library's, or every variant, has no figure (each named on stderr), else 0: a run
+    whose every line read "skipped" must not pass for one that timed something."""
+    failed = sorted({row["variant"] for row in rows if row["ms"] is None}, key=VARIANTS.index)
+    ours = [v for v in failed if v in OURS]
+    nothing = all(row["ms"] is None for row in rows)
+    if say and failed:
+        print(f"examples/hf_llama_tp.py: no figure for {', '.join(failed)} (the reasons above)"
+              + ("; failing, since " + ("no variant ran" if nothing else f"{', '.join(ours)} is this library's")
+                 if ours or nothing else ""), file=sys.stderr, flush=True)
+    return 1 if ours or nothing else 0
 
 
 def _commit() -> str:

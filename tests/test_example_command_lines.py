@@ -73,3 +73,25 @@ def test_hf_llama_tp_refuses_an_out_it_could_not_write_before_looking_for_the_gp
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(str(EXAMPLES / "hf_llama_tp.py"), run_name="__main__")
     assert stop.value.code == 2 and f"--out {tmp_path}: is a directory" in capsys.readouterr().err
+
+
+def _rows(**ms):
+    return [{"mode": mode, "tokens": 8, "variant": variant, "ms": value, "tokens_per_s": None}
+            for variant, value in ms.items() for mode in ("prefill", "train")]
+
+
+@pytest.mark.parametrize("ms,code,said", [
+    ({"ours_eager": 1.0, "torch_eager": 2.0}, 0, None),
+    ({"ours_eager": 1.0, "async_tp": None}, 0, "no figure for async_tp (the reasons above)\n"),
+    ({"ours_eager": None, "torch_eager": 2.0}, 1, "no figure for ours_eager (the reasons above); failing, since "
+                                                  "ours_eager is this library's\n"),
+    ({"torch_styles_our_pass": None, "async_tp": None, "torch_eager": 2.0}, 1,
+     "no figure for torch_styles_our_pass, async_tp"),
+    ({"torch_eager": None, "async_tp": None}, 1, "failing, since no variant ran"),
+])
+def test_hf_llama_tp_fails_where_the_librarys_variants_or_all_of_them_timed_nothing(ms, code, said, capsys):
+    """It printed "skipped (...)" for every variant and exited 0 (the eighteenth session's note)."""
+    example = runpy.run_path(str(EXAMPLES / "hf_llama_tp.py"))
+    assert example["exit_status"](_rows(**ms)) == code
+    err = capsys.readouterr().err
+    assert (err == "") if said is None else (said in err), err

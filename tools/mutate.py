@@ -178,6 +178,10 @@ MUTATIONS = [
      "    if False:\n",
      "tests/test_cli_edges.py::test_bench_and_tune_refuse_more_ranks_on_a_node_than_gpus "
      "tests/benchmarks/test_options.py tests/test_example_command_lines.py"),
+    ("llama-example-passes-having-timed-nothing", "examples/hf_llama_tp.py exits 0 where its own variants, or all of "
+     "them, timed nothing (every line 'skipped')", "examples/hf_llama_tp.py",
+     "    return 1 if ours or nothing else 0\n", "    return 0\n",
+     "tests/test_example_command_lines.py"),
     ("shared-ranks-gpu-run-named-cpu", "shared_ranks: a GPU run's results file takes the CPU check's name (cpux1-), "
      "not its GPU's", "benchmarks/shared_ranks.py", "        args.gpu = gpu_tag()\n", "",
      "tests/benchmarks/test_shared_ranks.py::test_the_results_file_is_named_for_the_gpu_that_ran_it"),
