@@ -2,7 +2,8 @@
 ``LOOP`` calls back to back on the same tensors:
 
 - ``host_us``: the time to issue one call (no synchronisation inside the loop), per call;
-- ``wall_us``: issue plus the final synchronisation, per call: what a model's loop of such calls takes;
+- ``wall_us``: issue plus the final synchronisation, per call: what a model's loop of such calls takes (started,
+  like the GPU-time loop, after the same GPU sleep, so that both loops find the GPU in the same state);
 - ``gpu_us``: the same loop queued behind a long ``torch.cuda._sleep``, timed by CUDA events from the sleep's end,
   per call: the GPU's own time, with the host never what the GPU waits on (the sleep outlasts the issue).
 
@@ -64,6 +65,10 @@ def loop_figures(fns: list) -> list[tuple[float, float, float]]:
 
 def _one_round(fn, host, gpu, wall) -> None:
     getattr(fn, "begin", lambda: None)()
+    # Both loops start after the same GPU rest (the sleep): the GPU-time loop always follows one, and a wall loop
+    # that followed the last loop's GEMMs instead ran on a GPU nearer its power limit (torch.mm's own wall was up to
+    # 1.10x its GPU time at the up projection on an H100, c294418c93: not the host, which issued it in 18 us a call).
+    torch.cuda._sleep(SLEEP_CYCLES)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(LOOP):
