@@ -2,8 +2,8 @@
 it. Pure Python: Triton kernels, torch.distributed (NCCL), PyTorch symmetric memory and cuBLAS through torch.
 
 The ops (``gemm_all_reduce``, ``gemm_reduce_scatter``, ``all_gather_gemm``, their fp8 ``scaled_*`` forms and
-the MoE ops) are here; tensor-parallel layers are
-in ``flashoverlap.nn``."""
+the MoE ops, which take fp8 expert weights too) are here; tensor- and expert-parallel layers, the fp8 styles for
+torchao float8 models and the fp8 experts among them, are in ``flashoverlap.nn``."""
 
 from flashoverlap.ops import (
     all_gather_gemm,

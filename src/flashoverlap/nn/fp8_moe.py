@@ -29,9 +29,10 @@ torchao casts the two ``F`` halves apart. The tests measure the layer against to
 Inference, ``Float8ExpertParallelMLP.from_float(layer, scaling)``: an ``ExpertParallelMLP`` whose experts' weights are
 held in fp8 with row-wise (``[L, N]``) or 128x128 block scales (DeepSeek-V3's blocks), running the fp8 expert ops
 (``ops/moe.py``): each token's row is quantised (one scale per row, or per 128 channels), dispatched as fp8 with its
-scales, multiplied in fp8; the SwiGLU intermediate is quantised again for the second projection; combine returns the
-input dtype (bf16). Forward only; a call that needs gradients raises. ``ExpertParallelMLP(..., fp8="block")`` is the
-same numerics with the weights cast at every call (inference only too).
+scales, multiplied in fp8; the SwiGLU intermediate is quantised again for the second projection; combine returns
+bf16 (fp32 for fp32 inputs), and the layer the input's dtype. Forward only; a call that needs gradients raises.
+``ExpertParallelMLP(..., fp8="block")`` is the same numerics with the weights cast at every call (inference only
+too).
 """
 
 from __future__ import annotations

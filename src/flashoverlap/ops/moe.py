@@ -19,15 +19,16 @@ Modes: ``"exact"`` (the counts exchanged once per layer, one host synchronisatio
 graph, traceable with ``torch.compile(fullgraph=True)``). Dropless in both: a routing beyond the bound raises,
 naming the bound, on every rank, before any token moves.
 
-fp8 (``comm/expert/scaled.py``): fp8 expert weights with their scales (``scale_w``: row-wise ``[L, N]``, or
-block-wise ``[L, K/128, ceil(N/128)]``, one per 128x128 block of ``w[l]`` as given ``[K, N]``: DeepSeek-V3's
-checkpoint scales ``[L, N/128, K/128]`` of its ``[L, N, K]`` weights passed as ``s.transpose(1, 2)``) make the call
-fp8, and ``scale_w``'s shape sets the mode. ``moe_dispatch_gemm`` takes fp8 ``x`` with ``scale_x`` in that mode
-(``[T, 1]`` row-wise, ``[T, H/128]`` block-wise, DeepEP's and DeepSeek-V3's token layout) or a bf16/fp16/fp32 ``x``,
-which it quantises itself in the weights' mode; the rows cross the
-wire as fp8 packed with their scales (at H = 7168 block-wise 0.516x the bf16 bytes); ``h`` is bf16 (``out_dtype``).
-``moe_gemm_combine`` takes the fp8 ``a`` with ``scale_a`` or a bf16 ``a`` (quantised here) and returns bf16. Mixed
-dtypes and scales of the wrong shape raise, naming the argument, before anything is sent. The fp8 calls record no
+fp8 (``comm/expert/scaled.py``): fp8 (``float8_e4m3fn``; e5m2 raises) expert weights with their scales
+(``scale_w``: row-wise ``[L, N]``, or block-wise ``[L, K/128, ceil(N/128)]``, one per 128x128 block of ``w[l]`` as
+given ``[K, N]``: DeepSeek-V3's checkpoint scales ``[L, N/128, K/128]`` of its ``[L, N, K]`` weights passed as
+``s.transpose(1, 2)``) make the call fp8, and ``scale_w``'s shape sets the mode. ``moe_dispatch_gemm`` takes fp8
+``x`` with ``scale_x`` in that mode (``[T, 1]`` row-wise, ``[T, H/128]`` block-wise, DeepEP's and DeepSeek-V3's
+token layout) or a bf16/fp16/fp32 ``x``, which it quantises itself in the weights' mode; the rows cross the wire as
+fp8 packed with their scales (at H = 7168 block-wise 0.516x the bf16 bytes); ``h`` is ``out_dtype``, bf16 by default
+or fp32 (not on the P2P path). ``moe_gemm_combine`` takes the fp8 ``a`` with ``scale_a`` or a bf16/fp16/fp32 ``a``
+(quantised here) and returns ``out_dtype`` likewise (bf16 by default). Mixed dtypes and scales of the wrong shape
+raise, naming the argument, before anything is sent. The fp8 calls record no
 autograd themselves (``flashoverlap.nn``'s fp8 experts define the backward)::
 
     h = moe_dispatch_gemm(x_fp8, w_up_fp8, routing, scale_x=sx, scale_w=sw_up)        # h [R, 2F] bf16
@@ -112,10 +113,11 @@ def moe_dispatch_gemm(
     weight: ``h[seg (s, l)] = rows from rank s for local expert l @ w_up[l]``.
 
     Args:
-        x: ``[T, H]`` bf16, fp16 or fp32: this rank's tokens (the ``T`` of ``layout``).
-        w_up: ``[L, H, N]`` in x's dtype and device: this rank's ``L = E / W`` experts' first projection (SwiGLU:
-            ``N = 2F``, gate columns then up columns); any strides (``w.transpose(1, 2)`` of an ``[L, N, H]``
-            weight is read in place).
+        x: ``[T, H]`` bf16, fp16 or fp32 (or ``float8_e4m3fn`` with ``scale_x``): this rank's tokens (the ``T`` of
+            ``layout``).
+        w_up: ``[L, H, N]`` on x's device, in x's dtype (fp8 call: ``float8_e4m3fn`` with ``scale_w``, whatever
+            x's dtype): this rank's ``L = E / W`` experts' first projection (SwiGLU: ``N = 2F``, gate columns then
+            up columns); any strides (``w.transpose(1, 2)`` of an ``[L, N, H]`` weight is read in place).
         layout: this layer's ``moe_layout``.
         group: the group the layout was built on.
         path: ``"auto"`` (P2P on one NVLink node, else NCCL, on CUDA; the reference elsewhere), ``"nccl"``,
@@ -172,8 +174,10 @@ def moe_gemm_combine(
     w_down[e_{t,c}])``.
 
     Args:
-        a: ``[R, F]`` in the layout's receive rows (``moe_dispatch_gemm``'s output, activated), bf16/fp16/fp32.
-        w_down: ``[L, F, H]`` in a's dtype and device; any strides (``w.transpose(1, 2)`` of ``[L, H, F]``).
+        a: ``[R, F]`` in the layout's receive rows (``moe_dispatch_gemm``'s output, activated), bf16/fp16/fp32 (or
+            ``float8_e4m3fn`` with ``scale_a``).
+        w_down: ``[L, F, H]`` on a's device, in a's dtype (fp8 call: ``float8_e4m3fn`` with ``scale_w``); any
+            strides (``w.transpose(1, 2)`` of ``[L, H, F]``).
         topk_weights: ``[T, k]`` floating (any float dtype; summed in fp32): each token's router weights, in
             ``topk_idx``'s order.
         layout, group, path: as for ``moe_dispatch_gemm``.

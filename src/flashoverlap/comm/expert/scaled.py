@@ -13,9 +13,11 @@ Scaling modes (the mode follows from the weights' scales' shape):
 
 The weights' scales follow the ``[L, K, N]`` orientation the op is given (for ``nn.Linear``-shaped ``[L, N, K]``
 weights passed as ``w.transpose(1, 2)``, pass their ``[L, N/128, K/128]`` block scales as ``s.transpose(1, 2)``;
-row-wise ``[L, N]`` is the same either way). ``y = (x * sx) @ (w[l] * sw[l])`` in fp32, rounded to the output dtype
-(bf16). What crosses the wire: dispatch moves each routed row packed (its K fp8 bytes padded to 16, then its scales'
-fp32 bytes padded to 16: at K = 7168 block-wise, 7168 + 224 bytes, 0.516x the bf16 row); combine returns bf16 rows.
+row-wise ``[L, N]`` is the same either way). Rows and weights are ``float8_e4m3fn`` (e5m2 raises: torch's grouped
+fp8 kernel multiplies e4m3 only). ``y = (x * sx) @ (w[l] * sw[l])`` in fp32, rounded to the output dtype (bf16 by
+default, or fp32). What crosses the wire: dispatch moves each routed row packed (its K fp8 bytes padded to 16, then
+its scales' fp32 bytes padded to 16: at K = 7168 block-wise, 7168 + 224 bytes, 0.516x the bf16 row); combine returns
+rows of the output dtype (bf16 unless fp32 is asked for).
 """
 
 from __future__ import annotations
