@@ -182,6 +182,14 @@ MUTATIONS = [
      "them, timed nothing (every line 'skipped')", "examples/hf_llama_tp.py",
      "    return 1 if ours or nothing else 0\n", "    return 0\n",
      "tests/test_example_command_lines.py"),
+    ("ring-plan-takes-fp8-on-the-cpu", "policy: an fp8 call with a ring plan on the CPU passes reason_not_ring (the "
+     "ring reads no scales)", "src/flashoverlap/runtime/policy.py",
+     "        if request.dtype in checks.FP8_DTYPES and request.plan is not None and not request.plan.sequential:\n",
+     "        if False:\n", "tests/comm/test_ring_nccl.py"),
+    ("ring-communicator-ignores-scales", "ring communicator: a call with scales runs the unscaled product, should "
+     "the policy let one through", "src/flashoverlap/comm/tp/ring_nccl.py",
+     "        if call.scales is not None:  # the policy refuses fp8 ring plans", "        if False:  #",
+     "tests/comm/test_ring_nccl.py"),
     ("shared-ranks-gpu-run-named-cpu", "shared_ranks: a GPU run's results file takes the CPU check's name (cpux1-), "
      "not its GPU's", "benchmarks/shared_ranks.py", "        args.gpu = gpu_tag()\n", "",
      "tests/benchmarks/test_shared_ranks.py::test_the_results_file_is_named_for_the_gpu_that_ran_it"),

@@ -59,3 +59,60 @@ def _ranks(rank, world_size):
 def test_ring_over_send_recv_matches_plain_pytorch(world_size):
     checked = spawn(_ranks, world_size)
     assert len(set(checked)) == 1 and checked[0] >= len(SHAPES) * 2 * 3 * 2, checked
+
+
+def _fp8_ranks(rank, world_size):
+    """Every fp8 op with a ring plan (not sequential) on gloo: refused by the policy on every rank, path "ring" or
+    "auto"; with no plan, path="ring" runs the scaled matmul, then one collective (values against a dequantised
+    oracle); and the ring communicator itself refuses scales, should the policy let one through."""
+    import torch.distributed as dist
+
+    import flashoverlap as fo
+    from flashoverlap.plan import TileConfig
+    from flashoverlap.runtime import policy
+
+    tile = TileConfig(16, 16, 16, 2, 1, 4)
+    m, n, k = 32 * world_size, 24, 256
+    gen = torch.Generator().manual_seed(rank)
+    said = []
+    for op, fn in (("all_reduce", fo.scaled_gemm_all_reduce), ("reduce_scatter", fo.scaled_gemm_reduce_scatter),
+                   ("all_gather", fo.all_gather_scaled_gemm)):
+        rows = m // world_size if op == "all_gather" else m
+        a = torch.randn(rows, k, generator=gen).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn).t()
+        sa, sb = torch.tensor(2.0), torch.tensor(3.0)
+        ring = fo.default_plan(op, m, n, k, world_size, tile=tile, num_groups=2, path="ring", allow_sequential=False)
+        assert not ring.sequential
+        for path in ("ring", "auto"):
+            with pytest.raises(ValueError, match=f"{fn.__name__}: a ring plan does not run fp8"):
+                fn(a, b, sa, sb, plan=ring, path=path)
+            said.append((op, path))
+        got = fn(a, b, sa, sb, path="ring")  # no plan: the scaled matmul, then one collective
+        want = plain(op, (a.float() * 2).bfloat16(), (b.float() * 3).bfloat16()).float()
+        assert got.dtype == torch.bfloat16
+        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2, op
+    a = torch.randn(m, k, generator=gen).to(torch.float8_e4m3fn)
+    ring = fo.default_plan("all_reduce", m, n, k, world_size, tile=tile, num_groups=2, path="ring",
+                           allow_sequential=False)
+    original = policy.REASON_NOT["ring"]
+    policy.REASON_NOT["ring"] = lambda request: None  # a policy that lets an fp8 ring plan through
+    try:
+        with pytest.raises(RuntimeError, match="the ring communicator multiplies no fp8 operands"):
+            fo.scaled_gemm_all_reduce(a, b, sa, sb, plan=ring, path="ring")
+    finally:
+        policy.REASON_NOT["ring"] = original
+    dist.barrier()
+    return said
+
+
+def plain(op, a, b):
+    from flashoverlap.testing import plain as plain_op
+
+    return plain_op(op, a, b)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_fp8_call_with_a_ring_plan_is_refused_never_an_unscaled_product(world_size):
+    """A ring plan on the CPU ran the fp8 operands unscaled and returned an fp8 tensor, without an error."""
+    said = spawn(_fp8_ranks, world_size)
+    assert all(s == said[0] for s in said) and len(said[0]) == 6, said

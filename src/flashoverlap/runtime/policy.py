@@ -28,8 +28,8 @@ from flashoverlap.tune.rates import Rates
 
 CALL_PATHS = ("auto", "nccl", "p2p", "ring", "reference")
 # The overlapped paths are built and measured for half precision, and those in FP8_PATHS for fp8 too; float32 calls
-# (and fp8 ones elsewhere) run the plain (scaled) matmul and one collective (a sequential plan) on CUDA, and the
-# reference path elsewhere.
+# run the plain matmul and one collective (a sequential plan) on CUDA, and the reference path elsewhere; an fp8 call
+# that names another overlapped path (or passes its plan) is refused (``_full_precision``, ``reason_not_ring``).
 HALF_DTYPES = checks.HALF_DTYPES
 # P2P in fp8: the bf16 schedule with scaled cuBLAS sub-bands (0.94-1.02x one whole ``torch._scaled_mm`` on one H200,
 # h200x1-fp8-gemm.json); its mechanics checked on one GPU with two processes, eager and replayed
@@ -113,8 +113,13 @@ def reason_not_p2p(request: Request) -> str | None:
 
 def reason_not_ring(request: Request) -> str | None:
     """The ring over send/recv runs wherever the group's backend does (gloo on the CPU included); half precision
-    on CUDA, over NCCL."""
+    on CUDA, over NCCL. It multiplies no fp8 operand anywhere (it reads no scales): an fp8 call with a ring plan that
+    is not sequential is refused on the CPU too, where it returned the unscaled product in fp8 (no plan, or a
+    sequential one, runs the scaled matmul, then one collective)."""
     if request.device.type != "cuda":
+        if request.dtype in checks.FP8_DTYPES and request.plan is not None and not request.plan.sequential:
+            return (f"a ring plan does not run fp8 (the overlapped fp8 paths: {', '.join(FP8_PATHS)}, on CUDA); on "
+                    "the CPU pass no plan (the scaled matmul, then one collective)")
         return None
     return _needs_nccl("path='ring'", request) or _full_precision("ring", request)
 
@@ -142,8 +147,10 @@ def explicit_path(name: str, path: str, request: Request) -> str:
     check_path_name(name, path)
     plan_path = None if request.plan is None else request.plan.path
     if path == "auto":
-        if request.device.type != "cuda":  # a ring plan runs on gloo too; anything else is the reference
-            return "ring" if plan_path == "ring" else "reference"
+        if request.device.type != "cuda":  # a ring plan runs on gloo too (where the ring takes it); else the reference
+            if plan_path != "ring":
+                return "reference"
+            path = "ring"
         if plan_path is not None:
             path = plan_path
         elif request.dtype not in HALF_DTYPES and request.dtype not in checks.FP8_DTYPES:

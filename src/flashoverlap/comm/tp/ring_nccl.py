@@ -66,6 +66,9 @@ class RingNcclCommunicator(GroupFields, NoLane):
         """One call of a ring plan (not sequential); the hook issues independent work on ``C`` where it would wait
         for its first receive."""
         plan, a, b, hook, return_gathered = call.plan, call.a, call.b, call.hook, call.return_gathered
+        if call.scales is not None:  # the policy refuses fp8 ring plans (reason_not_ring): never an unscaled product
+            raise RuntimeError(f"flashoverlap: {call.name}: the ring communicator multiplies no fp8 operands (it "
+                               "reads no scales); the path policy should have refused this call")
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
             self.stream.wait_stream(compute)  # inputs ready, and memory handed out on C free to use on S
