@@ -135,6 +135,20 @@ def test_bad_counts_are_refused_naming_the_option(capsys, argv, message):
     assert code == 2 and message in err and f"argument {argv[-2]}" in err, err
 
 
+@pytest.mark.parametrize("argv,usage", [(("tune", "bandwidth", "--bogus"), "flashoverlap tune bandwidth"),
+                                        (("tune", "plan", "--op", "all_reduce", "--shape", "8,8,8", "--bogus"),
+                                         "flashoverlap tune plan"),
+                                        (("demo", "--bogus"), "flashoverlap demo"),
+                                        (("demo", "extra"), "flashoverlap demo"),
+                                        (("version", "--bogus"), "flashoverlap version")])
+def test_an_unknown_option_is_refused_with_its_commands_usage(capsys, argv, usage):
+    """``tune bandwidth --bogus`` printed the top-level usage (``flashoverlap [-h] [--version] {demo,...}``), which
+    lists none of the options that command takes."""
+    code, out, err = _main(capsys, *argv)
+    assert code == 2 and err.startswith(f"usage: {usage} [-h]"), err
+    assert f"{usage}: error: unrecognized arguments: {argv[-1]}" in err, err
+
+
 def test_a_harness_option_of_bench_ops_runs_the_harness_or_says_where_it_is(capsys, monkeypatch):
     become = _Exec(monkeypatch)
     code, _, err = _main(capsys, "bench", "ops", "--ops", "all_reduce", "--timeline", "t.png")

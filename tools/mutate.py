@@ -939,6 +939,11 @@ MUTATIONS = [
      "tests/test_cli_edges.py"),
     ("debug-timeout-nan-off", "Settings: FLASHOVERLAP_DEBUG_TIMEOUT=nan read as no bound", "src/flashoverlap/settings.py",
      "    if math.isnan(seconds):", "    if False:", "tests/runtime/test_settings.py"),
+    # The documented-commands audit's fixes.
+    ("cli-unknown-option-top-usage", "CLI: an option a command does not take (`tune bandwidth --bogus`) refused with "
+     "the top-level usage, which lists none of that command's options", "src/flashoverlap/cli.py",
+     "        top.commands.get((args.command, what), top).error(", "        top.error(",
+     "tests/test_cli.py::test_an_unknown_option_is_refused_with_its_commands_usage"),
 ]
 
 

@@ -280,7 +280,10 @@ def parser() -> argparse.ArgumentParser:
         "`flashoverlap tune validate --help` lists its options)", add_help=False,
         description=f"The model check: {_harness_text('validate')}.")
     tune.epilog = _usage_lines(tune_parsers)
-    commands.add_parser("version", help="print the version")
+    version = commands.add_parser("version", help="print the version")
+    # The command each parser runs, so that an option it does not take is refused with its usage, not the top's.
+    top.commands = {("demo", None): demo, ("version", None): version, **{("bench", name): each for name, each in
+                    bench_parsers.items()}, **{("tune", name): each for name, each in tune_parsers.items()}}
     return top
 
 
@@ -488,8 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_harness(args.command, what, argv[argv.index(what, argv.index(args.command)) + 1 :])
     if unknown and what == "ops":  # the harness's options: benchmarks.ops runs, with the options given
         return _run_harness(args.command, what, argv[argv.index(what, argv.index(args.command)) + 1 :], unknown)
-    if unknown:
-        top.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # refused by the command's own parser: its usage, not the top's
+        top.commands.get((args.command, what), top).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "version":
         from flashoverlap import __version__
 
