@@ -65,12 +65,41 @@ def names_of(known: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
-def labelled_parser(doc: str) -> argparse.ArgumentParser:
-    """The command line of a labelled CPU run: ``--label`` (required), ``--out``, ``--repeat``, ``--windows``,
-    ``--calls`` and ``--verbose`` (print each call's operators); a script adds its own."""
+def results_out(script: str) -> Callable[[str], str]:
+    """A parser of ``--out FILE``, the results file ``script``'s run merges its rows into (``write_run``, once every
+    row is measured): refused at once where that would fail or mix files then, after minutes of measuring: a folder,
+    a folder that does not exist or is not writable, a file that is no results file (no JSON, no rows) or another
+    script's (its ``meta.command``, which ``write_run`` writes, names another)."""
+    def parse(text: str) -> str:
+        path = Path(text)
+        folder = path.parent
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder; name the results file")
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{folder} is not a folder (create it first)")
+        if not os.access(path if path.exists() else folder, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{path if path.exists() else folder} is not writable")
+        if path.exists():
+            try:
+                data = json.loads(path.read_text())
+                ok = isinstance(data["rows"], list) and f"benchmarks/{script} " in data["meta"]["command"]
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                ok = False
+            if not ok:
+                raise argparse.ArgumentTypeError(f"{text} is no results file of benchmarks/{script}; name a new "
+                                                 "file or one it wrote")
+        return text
+    return parse
+
+
+def labelled_parser(doc: str, script: str) -> argparse.ArgumentParser:
+    """The command line of a labelled CPU run of ``benchmarks/<script>``: ``--label`` (required), ``--out``
+    (``results_out``), ``--repeat``, ``--windows``, ``--calls`` and ``--verbose`` (print each call's operators); a
+    script adds its own."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
-    parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
+    parser.add_argument("--out", default=None, type=results_out(script),
+                        help="results JSON to add (or replace) this label's rows in")
     parser.add_argument("--repeat", type=at_least_one, default=2,
                         help="measure every row this many times, keep the least")
     parser.add_argument("--windows", type=at_least_one, default=20)

@@ -206,7 +206,7 @@ def rows_for(config, mode: str, windows: int, calls: int, verbose: bool, replaye
 
 
 def main() -> int:
-    parser = cpu_runs.labelled_parser(__doc__)
+    parser = cpu_runs.labelled_parser(__doc__, "fp8_moe_host_python.py")
     parser.add_argument("--replayed", action="store_true",
                         help="also bounded calls replayed (rows calls='replayed'): the host's work before the graph "
                              "launch, every call taken as found in the graphs, the replay itself costing nothing")

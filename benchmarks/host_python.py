@@ -46,7 +46,7 @@ SOURCE = Path(importlib.util.find_spec("flashoverlap").origin).resolve().parents
 sys.path.insert(0, str(SOURCE))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_runs, beside this script
 
-from cpu_runs import checkout_commit, names_of, per_call_us, write_run  # noqa: E402
+from cpu_runs import checkout_commit, names_of, per_call_us, results_out, write_run  # noqa: E402
 
 import flashoverlap as fo  # noqa: E402
 from tests.comm import test_p2p_executor as fakes  # noqa: E402
@@ -234,7 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     whose M each W divides (every rank of reduce_scatter and all_gather holds M / W rows)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", required=True, help="the row's mode, e.g. before / after")
-    parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
+    parser.add_argument("--out", default=None, type=results_out("host_python.py"),
+                        help="results JSON to add (or replace) this label's rows in")
     parser.add_argument("--worlds", type=_ints, default=[2], help="W of the P2P rows, comma-separated (default 2)")
     parser.add_argument("--shape", type=_ints, default=list(SHAPE), metavar="M,N,K", help="M,N,K of the P2P rows")
     parser.add_argument("--dtypes", type=names_of(("bf16", "row")), default=["bf16"],

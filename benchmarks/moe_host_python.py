@@ -50,6 +50,7 @@ from cpu_runs import (  # noqa: E402
     least_rows,
     operator_counts,
     per_call_us,
+    results_out,
     write_run,
 )
 
@@ -126,7 +127,8 @@ def rows_for(mode: str, patch) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
-    parser.add_argument("--out", default=None, help="results JSON to add (or replace) this label's rows in")
+    parser.add_argument("--out", default=None, type=results_out("moe_host_python.py"),
+                        help="results JSON to add (or replace) this label's rows in")
     parser.add_argument("--repeat", type=at_least_one, default=3,
                         help="measure every row this many times, keep the least")
     args = parser.parse_args()

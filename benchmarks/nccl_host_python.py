@@ -204,7 +204,7 @@ def rows_for(shape, windows: int, calls: int, verbose: bool = False) -> list[dic
 
 
 def main() -> int:
-    parser = cpu_runs.labelled_parser(__doc__)
+    parser = cpu_runs.labelled_parser(__doc__, "nccl_host_python.py")
     args = parser.parse_args()
     with cpu_runs.one_rank_on_the_host(ROOT):
         measure(args)

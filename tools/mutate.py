@@ -944,6 +944,11 @@ MUTATIONS = [
      "the top-level usage, which lists none of that command's options", "src/flashoverlap/cli.py",
      "        top.commands.get((args.command, what), top).error(", "        top.error(",
      "tests/test_cli.py::test_an_unknown_option_is_refused_with_its_commands_usage"),
+    ("cpu-run-out-unchecked", "The labelled CPU measurements (nccl_host_python.py, fp8_moe_host_python.py): --out "
+     "not checked until every row is measured (a folder, or another script's file: a traceback, the rows lost)",
+     "benchmarks/cpu_runs.py", "    parser.add_argument(\"--out\", default=None, type=results_out(script),",
+     "    parser.add_argument(\"--out\", default=None,",
+     "tests/benchmarks/test_options.py::test_a_cpu_measurement_refuses_an_out_it_could_not_merge_into_before_measuring"),
 ]
 
 

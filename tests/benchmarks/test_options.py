@@ -4,6 +4,7 @@ message names its option; and the harness imports from the root of a checkout, a
 
 import argparse
 import importlib
+import json
 import runpy
 import subprocess
 import sys
@@ -111,6 +112,48 @@ def test_a_cpu_measurement_that_would_measure_nothing_is_a_usage_error(capsys, m
     code, err = _script_exit(capsys, monkeypatch, script, ["--label", "x", "--out", str(out), *argv])
     assert code == 2 and said in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("script", ["host_python.py", "moe_host_python.py", "nccl_host_python.py",
+                                    "fp8_moe_host_python.py"])
+@pytest.mark.parametrize("where,said", [("folder", "is a folder; name the results file"),
+                                        ("missing/rows.json", "is not a folder (create it first)"),
+                                        ("not-json", "is no results file of benchmarks/"),
+                                        ("other", "is no results file of benchmarks/")])
+def test_a_cpu_measurement_refuses_an_out_it_could_not_merge_into_before_measuring(capsys, monkeypatch, tmp_path,
+                                                                                   script, where, said):
+    """``--out`` naming a folder, a file in a folder that does not exist, a file that is no JSON or another script's
+    results file (``moe_host_python.py --out cpu-host-python.json``: its rows have no ``label``) ended in a traceback
+    once every row was measured (a minute or more), the run's rows lost."""
+    target = tmp_path / where
+    if where == "folder":
+        target.mkdir()
+    elif where == "not-json":
+        target.write_text("rows\n")
+    elif where == "other":
+        other = "host_python.py" if script != "host_python.py" else "moe_host_python.py"
+        target.write_text(json.dumps({"meta": {"command": f"python benchmarks/{other} --label LABEL --out FILE"},
+                                      "rows": []}))
+    before = target.read_bytes() if target.is_file() else None
+    code, err = _script_exit(capsys, monkeypatch, script, ["--label", "x", "--out", str(target)])
+    assert code == 2 and "argument --out:" in err and said in err, err
+    assert (target.read_bytes() if target.is_file() else None) == before
+
+
+def test_a_cpu_measurement_takes_its_own_results_files():
+    """The committed results files each script merges into (its documented ``--out``) are still taken."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cpu_runs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for script, files in (("host_python.py", ["cpu-host-python.json", "cpu-host-python-w8.json"]),
+                          ("moe_host_python.py", ["cpu-moe-host-python.json"]),
+                          ("nccl_host_python.py", ["cpu-nccl-host-python.json", "cpu-nccl-host-views.json"]),
+                          ("fp8_moe_host_python.py", ["cpu-fp8-moe-host-python.json"])):
+        for name in files:
+            path = str(ROOT / "benchmarks" / "results" / name)
+            assert cpu_runs.results_out(script)(path) == path
 
 
 def test_a_misspelt_routing_or_path_is_a_usage_error(capsys, monkeypatch):
