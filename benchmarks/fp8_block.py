@@ -302,9 +302,21 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--dry-run" in argv:
+        from flashoverlap.bench import out_problem
+
         parser = argparse.ArgumentParser(prog="python -m benchmarks.fp8_block")
         add_arguments(parser)
-        return _dry_main(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        # The dry run's sizes, steps and variants are its own (32 tokens, one step, every variant): the GPU run's
+        # options would be ignored, and --out fail in the write after every variant ran.
+        ignored = [opt for opt in ("--tokens", "--steps", "--no-compile", "--no-async-tp")
+                   if any(arg == opt or arg.startswith(f"{opt}=") for arg in argv)]
+        if ignored:
+            parser.error(f"{', '.join(ignored)}: the GPU run's; --dry-run runs toy sizes, one step of every variant")
+        problem = out_problem(args.out)
+        if problem:
+            parser.error(problem)
+        return _dry_main(args)
 
     from benchmarks.harness.run import finish_run, start_run
     from flashoverlap.bench import write_results

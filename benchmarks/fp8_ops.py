@@ -62,7 +62,17 @@ from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.gpu_tag import gpu_tag
 from benchmarks.harness.run import commit, results_meta, setting
 from flashoverlap import settings
-from flashoverlap.bench import COLUMNS, GRIDS, OP_FUNCTIONS, efficiency, ms, op_row, print_table, write_results
+from flashoverlap.bench import (
+    COLUMNS,
+    GRIDS,
+    OP_FUNCTIONS,
+    efficiency,
+    ms,
+    op_row,
+    out_problem,
+    print_table,
+    write_results,
+)
 from flashoverlap.cli import op_names, positive, shapes
 from flashoverlap.comm.scaled import BLOCK, Scales, cublas_takes
 from flashoverlap.runtime.calls import GemmSpec, resolve
@@ -425,11 +435,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def case_problem(args: argparse.Namespace, world: int) -> str | None:
+    """Why a case of the run could not be timed, in one line (None where each can): reduce-scatter and all-gather
+    split M over the ``world`` ranks, and block-wise scales cover K in whole blocks of ``BLOCK``. Found before the
+    group starts: a case that fails in the middle ended in a traceback from every rank, the rows before it unwritten
+    where ``--out`` was not yet due."""
+    for op in args.ops:
+        for m, n, k in args.shapes or (DRY_SHAPES if args.dry_run else GRIDS[op]):
+            which = "--shapes" if args.shapes else "the default shape"
+            if op != "all_reduce" and m % world:
+                return f"{which} {m},{n},{k}: {op} needs M divisible by the {world} ranks"
+            if "block" in args.scalings and k % BLOCK:
+                return (f"{which} {m},{n},{k}: block-wise scales need K divisible by {BLOCK}; pass --scalings "
+                        "tensor,row or such K")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if "RANK" not in os.environ:
         parser().error("run it under torchrun, e.g. torchrun --nproc-per-node 2 -m benchmarks.fp8_ops")
+    world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else 1
+    problem = out_problem(args.out) or case_problem(args, world)  # rank 0 writes --out after the first row
+    if problem:
+        parser().error(problem)
     dry_run = args.dry_run
     if not dry_run:  # without CUDA it used to fall into a dry run and write its file under the GPU results' name
         require_cuda("benchmarks.fp8_ops (--dry-run runs it on the CPU)", per_rank=True)

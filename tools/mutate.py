@@ -949,6 +949,14 @@ MUTATIONS = [
      "benchmarks/cpu_runs.py", "    parser.add_argument(\"--out\", default=None, type=results_out(script),",
      "    parser.add_argument(\"--out\", default=None,",
      "tests/benchmarks/test_options.py::test_a_cpu_measurement_refuses_an_out_it_could_not_merge_into_before_measuring"),
+    ("fp8-ops-cases-unchecked", "benchmarks.fp8_ops: --out and --shapes not checked before the group starts (a "
+     "folder, M not divisible by the ranks, K not by the block: a traceback from every rank mid-run)",
+     "benchmarks/fp8_ops.py", "    problem = out_problem(args.out) or case_problem(args, world)",
+     "    problem = None", "tests/benchmarks/test_fp8_ops.py::test_an_out_or_a_case_it_could_not_run_is_refused_before_"
+     "the_group_starts"),
+    ("fp8-block-dry-run-ignores-options", "benchmarks.fp8_block --dry-run: the GPU run's --tokens, --steps silently "
+     "ignored", "benchmarks/fp8_block.py", "        if ignored:\n", "        if False:\n",
+     "tests/benchmarks/test_fp8_block.py::test_the_dry_run_refuses_an_out_it_could_not_write_and_the_gpu_runs_options"),
 ]
 
 

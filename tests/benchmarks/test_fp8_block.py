@@ -56,3 +56,18 @@ def test_rank_major_layout_gives_each_rank_its_column_shard():
             for rank, part in enumerate(getattr(full, name).weight.chunk(world)):
                 assert torch.equal(part, _column_shard(weight, sizes, rank, world))
         assert torch.equal(full.o.weight, block.o.weight) and torch.equal(full.down.weight, block.down.weight)
+
+
+@pytest.mark.parametrize("argv,said", [(["--dry-run", "--out", "FOLDER"], "is a directory; name the results file"),
+                                       (["--dry-run", "--tokens", "64"], "--tokens: the GPU run's"),
+                                       (["--steps=3", "--dry-run"], "--steps: the GPU run's")])
+def test_the_dry_run_refuses_an_out_it_could_not_write_and_the_gpu_runs_options(tmp_path, monkeypatch, capsys, argv,
+                                                                               said):
+    """``--dry-run --out FOLDER`` failed in the write after every variant ran (a minute and a half on 2 cores);
+    ``--dry-run --tokens 64`` ran 32 tokens, the option ignored."""
+    import benchmarks.fp8_block as bench
+
+    monkeypatch.setattr(bench, "_dry_main", lambda args: 0)  # never reached where refused; else no minute's run
+    with pytest.raises(SystemExit) as stop:
+        bench.main([str(tmp_path) if arg == "FOLDER" else arg for arg in argv])
+    assert stop.value.code == 2 and said in capsys.readouterr().err

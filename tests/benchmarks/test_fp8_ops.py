@@ -115,3 +115,33 @@ def test_without_cuda_and_without_dry_run_it_refuses_instead_of_a_dry_run_under_
     with pytest.raises(SystemExit) as stop:
         bench.main(["--out", "never.json"])
     assert "needs 2 CUDA GPUs, one per rank, found none" in str(stop.value) and "--dry-run" in str(stop.value)
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--dry-run", "--out", "FOLDER"], "is a directory; name the results file"),
+    (["--dry-run", "--shapes", "3,48,256"], "--shapes 3,48,256: reduce_scatter needs M divisible by the 2 ranks"),
+    (["--dry-run", "--shapes", "64,48,200"], "--shapes 64,48,200: block-wise scales need K divisible by 128"),
+    (["--shapes", "64,48,200", "--scalings", "block", "--ops", "all_reduce"], "block-wise scales need K divisible"),
+])
+def test_an_out_or_a_case_it_could_not_run_is_refused_before_the_group_starts(monkeypatch, tmp_path, capsys, argv,
+                                                                               said):
+    """``--out`` naming a folder failed in rank 0's write after the first row; ``--shapes`` with M not divisible by
+    the ranks, or K not by the 128-wide block of block-wise scales, failed inside the first such case: a traceback
+    from every rank (gloo's "Check failed", a size mismatch), GPUs or not."""
+    import benchmarks.fp8_ops as bench
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [str(tmp_path) if arg == "FOLDER" else arg for arg in argv]
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_documented_cases_pass_the_check():
+    import benchmarks.fp8_ops as bench
+
+    for argv, world in (([], 2), ([], 8), (["--dry-run"], 2), (["--dry-run"], 4)):
+        assert bench.case_problem(bench.parser().parse_args(argv), world) is None, (argv, world)
