@@ -957,6 +957,11 @@ MUTATIONS = [
     ("fp8-block-dry-run-ignores-options", "benchmarks.fp8_block --dry-run: the GPU run's --tokens, --steps silently "
      "ignored", "benchmarks/fp8_block.py", "        if ignored:\n", "        if False:\n",
      "tests/benchmarks/test_fp8_block.py::test_the_dry_run_refuses_an_out_it_could_not_write_and_the_gpu_runs_options"),
+    ("diagnostic-out-folder-taken", "The grouped-GEMM fit and validation: a results path that is a folder taken, "
+     "opened after the first sample (a traceback)", "benchmarks/diagnostics/results_file.py",
+     "    if os.path.isdir(text):\n        raise argparse.ArgumentTypeError(f\"{text} is a folder; name the file\")\n",
+     "", "tests/benchmarks/test_grouped_gemm_fit.py::test_a_results_path_or_count_it_could_not_use_is_refused_before_"
+     "measuring"),
 ]
 
 

@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 import flashoverlap.tune  # noqa: E402
 from benchmarks.diagnostics.grouped_gemm_ways import WAYS, Config, call_of, run_all  # noqa: E402
-from benchmarks.diagnostics.results_file import require_cuda, results_meta  # noqa: E402
+from benchmarks.diagnostics.results_file import in_path, out_path, require_cuda, results_meta  # noqa: E402
+from flashoverlap.cli import non_negative, positive  # noqa: E402
 from flashoverlap.tune.grouped import WayCosts, cost_ms, gpu_ms, host_calls, kernels  # noqa: E402
 
 FIT_CONFIGS = [Config(f"{name}-{tokens}", local, hidden, ffn, top_k, tokens)
@@ -110,12 +111,12 @@ def costs_module(costs: dict[str, WayCosts], source: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out")
-    parser.add_argument("--costs", help="where to write the coefficients module")
-    parser.add_argument("--refit", help="fit the rows of this results file instead of measuring")
+    parser.add_argument("out", type=out_path)
+    parser.add_argument("--costs", type=out_path, help="where to write the coefficients module")
+    parser.add_argument("--refit", type=in_path, help="fit the rows of this results file instead of measuring")
     parser.add_argument("--dry-run", action="store_true", help="tiny configs on the CPU, Triton interpreted")
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=positive, default=5)
+    parser.add_argument("--warmup", type=non_negative, default=1)
     args = parser.parse_args()
     if not (args.dry_run or args.refit):  # a dry run and a refit run on the CPU
         require_cuda("benchmarks.diagnostics.grouped_gemm_fit")

@@ -32,7 +32,8 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 from benchmarks.diagnostics.grouped_gemm_ways import WAYS, Config, call_of, run_all  # noqa: E402
-from benchmarks.diagnostics.results_file import require_cuda, results_meta  # noqa: E402
+from benchmarks.diagnostics.results_file import out_path, require_cuda, results_meta  # noqa: E402
+from flashoverlap.cli import non_negative, positive  # noqa: E402
 from flashoverlap.tune import grouped, grouped_costs  # noqa: E402
 
 VALIDATION_CONFIGS = [
@@ -83,10 +84,10 @@ def summary(rows: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out")
+    parser.add_argument("out", type=out_path)
     parser.add_argument("--dry-run", action="store_true", help="tiny configs on the CPU, Triton interpreted")
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=positive, default=5)
+    parser.add_argument("--warmup", type=non_negative, default=1)
     args = parser.parse_args()
     if not args.dry_run:  # the dry run is the CPU's
         require_cuda("benchmarks.diagnostics.grouped_gemm_validate")

@@ -43,6 +43,31 @@ def results_argument(doc: str | None) -> None:
         sys.exit(f"unknown option {arg}: the one argument is the results file's path (or none)")
 
 
+def out_path(text: str) -> str:
+    """An argparse type for a results file a diagnostic opens for writing itself (no folder is made): refused at
+    once where that ``open`` would fail later, after its measurements: a folder, a folder that does not exist or
+    one not writable."""
+    import argparse
+
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name the file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{folder} is not a folder (create it first)")
+    if not os.access(text if os.path.exists(text) else folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text if os.path.exists(text) else folder} is not writable")
+    return text
+
+
+def in_path(text: str) -> str:
+    """An argparse type for a file a diagnostic reads (``--refit``): one that exists."""
+    import argparse
+
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
 def write_results(results: dict) -> None:
     """Write ``results`` as JSON to the path the command line gives (``sys.argv[1]``), where it gives one."""
     results_argument(None)  # never a file named after an option
