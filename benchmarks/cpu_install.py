@@ -95,10 +95,22 @@ def suite(python: Path) -> dict:
             "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
+def out_file(text: str) -> str:
+    """``--out``: a file this run can write once its installs are measured (minutes): not a folder, in a writable
+    folder that exists."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name the results file")
+    if not path.parent.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{path if path.exists() else path.parent} is not a writable folder or file")
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", action="store_true", help="also time `pytest` in the [test] environment")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu-install.json"))
+    parser.add_argument("--out", type=out_file, default=str(ROOT / "benchmarks" / "results" / "cpu-install.json"),
+                        help="the results file (default benchmarks/results/cpu-install.json)")
     args = parser.parse_args()
     commit = _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]).strip()
     dirty = _run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]).strip()

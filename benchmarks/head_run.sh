@@ -16,8 +16,10 @@
 #        bash benchmarks/head_run.sh nvlink|pcie-like
 # Then commit $OUT's JSON under benchmarks/results/ and run `python benchmarks/readme_tables.py --write`.
 set -u
-SETTING=${1:?usage: bash benchmarks/head_run.sh nvlink|pcie-like}
-[[ $SETTING == nvlink || $SETTING == pcie-like ]] || { echo "head_run: setting must be nvlink or pcie-like" >&2; exit 2; }
+SETTING=${1-}
+[[ $SETTING == nvlink || $SETTING == pcie-like ]] || {
+    echo "head_run.sh: the setting is nvlink or pcie-like, got '$SETTING' (usage: bash benchmarks/head_run.sh nvlink|pcie-like)" >&2
+    exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 [[ $SETTING == pcie-like ]] && export NCCL_P2P_DISABLE=1

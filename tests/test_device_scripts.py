@@ -52,7 +52,10 @@ def test_every_step_tested_for_and_every_default_step_is_known(script):
     ("fp8_two_gpu_run.sh", {"SETTINGS": " "}, "SETTINGS names no setting"),
     ("tune_run.sh", {"SETTING": "pcie", "STEPS": "bw"}, "SETTING is nvlink or pcie-like, got 'pcie'"),
     ("tune_run.sh", {"PATHS": " ", "STEPS": "bw"}, "PATHS names no path (paths: nccl p2p)"),
-    ("tune_run.sh", {"PATHS": "nccl p2pp", "STEPS": "bw"}, "unknown path 'p2pp' in PATHS")])
+    ("tune_run.sh", {"PATHS": "nccl p2pp", "STEPS": "bw"}, "unknown path 'p2pp' in PATHS"),
+    # Without its argument: bash's "head_run.sh: line 19: 1: usage: ...", status 1 (a failure, not a usage error).
+    ("head_run.sh", {}, "head_run.sh: the setting is nvlink or pcie-like, got '' (usage: bash benchmarks/head_run.sh"),
+    ("head_run.sh pcie", {}, "head_run.sh: the setting is nvlink or pcie-like, got 'pcie'")])
 def test_a_misspelt_setting_or_mode_is_an_error_before_anything_runs(script, env, said, tmp_path):
     """These ran nothing (a mode no branch takes, an empty setting or path list) or the wrong thing (a misspelt
     setting ran nvlink under the misspelt name) and exited 0."""

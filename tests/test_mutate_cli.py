@@ -71,3 +71,17 @@ def test_the_docstring_and_the_documented_commands_test_agree_on_the_run_time():
     docstring = (ROOT / "tools" / "mutate.py").read_text().split('"""')[1]
     assert "about 30 minutes on 2 cores" in " ".join(docstring.split())
     assert "about 30 minutes on 2 cores" in HELP_ONLY["tools/mutate.py"]
+
+
+@pytest.mark.parametrize("where,said", [("folder", "is a folder; name the results file"),
+                                        ("missing/rows.json", "is not a writable folder or file")])
+def test_an_out_it_could_not_write_is_refused_before_any_mutation_runs(where, said, monkeypatch, tmp_path, capsys):
+    """``--out`` naming a folder, or a file in a missing folder, failed in the write after every mutation had run
+    (half an hour for the whole list), the rows lost."""
+    mutate, _ = _mutate(monkeypatch, tmp_path)
+    ran = []
+    monkeypatch.setattr(mutate, "run", lambda name, *rest: ran.append(name) or {"name": name, "caught": True})
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        mutate.main(["--only", mutate.MUTATIONS[0][0], "--out", str(tmp_path / where)])
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err and ran == []

@@ -962,6 +962,9 @@ MUTATIONS = [
      "    if os.path.isdir(text):\n        raise argparse.ArgumentTypeError(f\"{text} is a folder; name the file\")\n",
      "", "tests/benchmarks/test_grouped_gemm_fit.py::test_a_results_path_or_count_it_could_not_use_is_refused_before_"
      "measuring"),
+    ("mutate-out-unchecked", "tools/mutate.py: --out a folder taken, written after every mutation ran (a traceback, "
+     "the rows lost)", "tools/mutate.py", "    if out.is_dir():\n        parser.error(", "    if False:\n        parser.error(",
+     "tests/test_mutate_cli.py::test_an_out_it_could_not_write_is_refused_before_any_mutation_runs"),
 ]
 
 
@@ -1006,6 +1009,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--only runs a subset: give --out another file (the committed {committed.relative_to(ROOT)} "
                          "holds the whole list's run)")
     args.out = args.out or str(committed)
+    out = Path(args.out)  # written once every mutation has run (minutes to half an hour): checked first
+    if out.is_dir():
+        parser.error(f"--out {args.out}: is a folder; name the results file")
+    if not out.parent.is_dir() or not os.access(out if out.exists() else out.parent, os.W_OK):
+        parser.error(f"--out {args.out}: {out if out.exists() else out.parent} is not a writable folder or file")
     chosen = [m for m in MUTATIONS if args.only is None or m[0] in args.only]
     rows = []
     for mutation in chosen:

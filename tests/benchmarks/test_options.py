@@ -234,3 +234,14 @@ def test_the_harness_refuses_an_out_it_could_not_write_before_starting(gpu_rank,
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     code, err = _exit(capsys, module, ["--out", str(tmp_path)])
     assert code == 2 and f"--out {tmp_path}: is a directory" in err, err
+
+
+@pytest.mark.parametrize("where,said", [("folder", "is a folder; name the results file"),
+                                        ("missing/install.json", "is not a writable folder or file")])
+def test_the_cpu_install_measurement_refuses_an_out_it_could_not_write_before_installing(capsys, monkeypatch,
+                                                                                         tmp_path, where, said):
+    """``benchmarks/cpu_install.py --out FOLDER`` failed in the write after its virtual environments were made and
+    measured (minutes), the figures lost."""
+    (tmp_path / "folder").mkdir()
+    code, err = _script_exit(capsys, monkeypatch, "cpu_install.py", ["--out", str(tmp_path / where)])
+    assert code == 2 and "argument --out:" in err and said in err, err
