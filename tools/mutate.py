@@ -965,6 +965,10 @@ MUTATIONS = [
     ("mutate-out-unchecked", "tools/mutate.py: --out a folder taken, written after every mutation ran (a traceback, "
      "the rows lost)", "tools/mutate.py", "    if out.is_dir():\n        parser.error(", "    if False:\n        parser.error(",
      "tests/test_mutate_cli.py::test_an_out_it_could_not_write_is_refused_before_any_mutation_runs"),
+    ("diagnostic-help-needs-cuda", "The GPU diagnostics: --help answered by the GPU check (\"needs 1 CUDA GPU\"; on a GPU "
+     "the whole run, then \"None\")", "benchmarks/diagnostics/results_file.py",
+     "    if path_only:\n        results_argument(doc)\n    elif any(", "    if False:\n        results_argument(doc)\n    "
+     "elif False and any(", "tests/benchmarks/test_diagnostics_need_cuda.py"),
 ]
 
 

@@ -134,7 +134,7 @@ def _described(plan) -> dict:
 
 
 def main():
-    require_cuda("benchmarks/diagnostics/fp8_gemm.py")
+    require_cuda("benchmarks/diagnostics/fp8_gemm.py", path_only=True)
     rows = []
     for op, shapes in GRID.items():
         for shape in shapes:

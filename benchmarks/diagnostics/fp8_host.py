@@ -38,7 +38,7 @@ def scales(mode: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
-    require_cuda("benchmarks.diagnostics.fp8_host")
+    require_cuda("benchmarks.diagnostics.fp8_host", path_only=True)
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     group = dist.group.WORLD
     assert group.size() == 1, "one process, a one-rank group"

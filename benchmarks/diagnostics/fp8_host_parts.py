@@ -26,7 +26,7 @@ E4M3 = torch.float8_e4m3fn
 
 
 def main() -> None:
-    require_cuda("benchmarks.diagnostics.fp8_host_parts")
+    require_cuda("benchmarks.diagnostics.fp8_host_parts", path_only=True)
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     group = dist.group.WORLD
     a16 = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")

@@ -28,7 +28,7 @@ CARVE = getattr(torch._C, "_set_sm_carveout_experimental", None)
 
 
 def main():
-    require_cuda("benchmarks.diagnostics.fp8_tile_sweep")
+    require_cuda("benchmarks.diagnostics.fp8_tile_sweep", path_only=True)
     rows = []
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for op, shapes in GRID.items():

@@ -117,7 +117,7 @@ def one_case(name, rows, experts, k, n):
 
 
 def main():
-    require_cuda("benchmarks.diagnostics.grouped_gemm_host")
+    require_cuda("benchmarks.diagnostics.grouped_gemm_host", path_only=True)
     rows_out = [one_case(*case) for case in CASES]
     write_results({"meta": results_meta("CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python "
                                       "-m benchmarks.diagnostics.grouped_gemm_host OUT.json"), "rows": rows_out})

@@ -36,7 +36,7 @@ def timed(fn, repeats=REPEATS):
 
 
 def main():
-    require_cuda("benchmarks.diagnostics.host_primitives")
+    require_cuda("benchmarks.diagnostics.host_primitives", path_only=True)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

@@ -43,7 +43,7 @@ TILES = {
 
 
 def main() -> int:
-    require_cuda("benchmarks.diagnostics.light_tiles")
+    require_cuda("benchmarks.diagnostics.light_tiles", path_only=True)
     rows = []
     for routing in ("balanced", "zipf"):
         for proj in ("up", "down"):

@@ -278,7 +278,7 @@ def check(s: Slice, fn, what: str, dispatch_layout: bool = False) -> float:
 
 
 def main() -> int:
-    require_cuda("benchmarks.diagnostics.moe_skew_streams")
+    require_cuda("benchmarks.diagnostics.moe_skew_streams", path_only=True)
     if CARVE is None:
         print("this torch has no torch._C._set_sm_carveout_experimental", flush=True)
         return 1

@@ -221,7 +221,7 @@ def close_run(results: dict, rank: int) -> None:
 
 
 def main():
-    require_cuda("benchmarks.diagnostics.p2p_one_gpu")
+    require_cuda("benchmarks.diagnostics.p2p_one_gpu", path_only=True)
     rank, world, device, meta = open_run("p2p_one_gpu")
     comm = ipc_p2p(device)
     report = {"meta": meta, "checked": 0}

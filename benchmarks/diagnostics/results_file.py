@@ -10,11 +10,20 @@ import time
 import torch
 
 
-def require_cuda(name: str, gpus: int = 1, per_rank: bool = False) -> None:
+def require_cuda(name: str, gpus: int = 1, per_rank: bool = False, path_only: bool = False) -> None:
     """Exit with one line (status 1, no traceback) where this machine has fewer than ``gpus`` CUDA GPUs: a
     diagnostic's first step, before anything touches CUDA or starts a process group, so that under torchrun every
     rank exits on its own (none waits for a peer). ``per_rank``: one GPU per rank torchrun started on this node
-    (``LOCAL_WORLD_SIZE``), at least ``gpus``."""
+    (``LOCAL_WORLD_SIZE``), at least ``gpus``. First, ``-h``/``--help`` prints the diagnostic's docstring (it said
+    "needs CUDA" on a CPU machine, and on a GPU ran the whole diagnostic), and with ``path_only`` (its one argument
+    is the results file's path) any other option is refused (``results_argument``)."""
+    main = sys.modules.get("__main__")
+    doc = getattr(main, "__doc__", None) or ""
+    if path_only:
+        results_argument(doc)
+    elif any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        print(doc)
+        sys.exit(0)
     if per_rank:
         gpus = max(gpus, int(os.environ.get("LOCAL_WORLD_SIZE", gpus)))
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -106,7 +115,7 @@ def one_gpu_setup(replay: bool) -> tuple[torch.device, int, torch.Generator]:
 def one_rank_nccl_diagnostic(name: str, main) -> None:
     """A one-GPU diagnostic's whole run: refuse without a GPU, ``main()`` in a one-rank NCCL group, its result
     written as JSON to ``sys.argv[1]`` where given."""
-    require_cuda(name)
+    require_cuda(name, path_only=True)
     result = in_one_rank_nccl_group(main)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:

@@ -102,7 +102,7 @@ def op_row(op, public, name, group) -> dict:
 
 
 def main() -> int:
-    require_cuda("benchmarks.diagnostics.sequential_host")
+    require_cuda("benchmarks.diagnostics.sequential_host", path_only=True)
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     rows = [op_row(op, public, name, dist.group.WORLD) for op, (public, name) in PUBLIC.items()]

@@ -50,3 +50,39 @@ def test_the_sub_band_sweep_asks_for_its_results_path_before_any_gpu_work(monkey
     assert "results file's path" in message and "p2p_sub_bands OUT.json" in message, message
     doc = (ROOT / "docs" / "p2p-path.md").read_text()
     assert "`torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_sub_bands OUT.json`" in doc
+
+
+@pytest.mark.parametrize("name", DIAGNOSTICS)
+def test_a_gpu_diagnostic_answers_help_with_its_docstring_on_any_machine(name, monkeypatch, capsys):
+    """``--help`` said "needs 1 CUDA GPU" on a CPU machine, and on a GPU (no option parser) ran the whole diagnostic,
+    then exited 0 printing "None" (``results_argument(None)``) without writing a results file."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module(f"benchmarks.diagnostics.{name}", run_name="__main__", alter_sys=True)
+    out = capsys.readouterr().out
+    assert exit_.value.code in (0, None) and "CUDA GPU, found" not in out, (name, out)
+    assert len(out.strip().splitlines()) > 1, (name, out)  # the docstring, not one line (nor "None")
+
+
+PATH_ONLY = [name for name in DIAGNOSTICS if "path_only=True" in (ROOT / "benchmarks" / "diagnostics"
+                                                                  / f"{name}.py").read_text()
+             or "one_rank_nccl_diagnostic(" in (ROOT / "benchmarks" / "diagnostics" / f"{name}.py").read_text()]
+
+
+@pytest.mark.parametrize("name", PATH_ONLY)
+def test_a_diagnostic_whose_one_argument_is_a_path_refuses_an_option_before_measuring(name, monkeypatch):
+    """``--bogus`` passed the GPU check and the whole run, and was refused only when the results were written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # refused before the GPU check: so on a GPU too
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(sys, "argv", [name, "--bogus"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module(f"benchmarks.diagnostics.{name}", run_name="__main__", alter_sys=True)
+    assert "unknown option --bogus" in str(exit_.value.code), (name, exit_.value.code)
+
+
+def test_the_path_only_diagnostics_are_found():
+    assert len(PATH_ONLY) >= 15, PATH_ONLY
