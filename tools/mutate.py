@@ -185,7 +185,7 @@ MUTATIONS = [
     ("ring-plan-takes-fp8-on-the-cpu", "policy: an fp8 call with a ring plan on the CPU passes reason_not_ring (the "
      "ring reads no scales)", "src/flashoverlap/runtime/policy.py",
      "        if request.dtype in checks.FP8_DTYPES and request.plan is not None and not request.plan.sequential:\n",
-     "        if False:\n", "tests/comm/test_ring_nccl.py"),
+     "        if False:\n", "tests/comm/test_ring_nccl.py tests/ops/test_given_plans.py"),
     ("ring-communicator-ignores-scales", "ring communicator: a call with scales runs the unscaled product, should "
      "the policy let one through", "src/flashoverlap/comm/tp/ring_nccl.py",
      "        if call.scales is not None:  # the policy refuses fp8 ring plans", "        if False:  #",
