@@ -190,6 +190,10 @@ MUTATIONS = [
      "the policy let one through", "src/flashoverlap/comm/tp/ring_nccl.py",
      "        if call.scales is not None:  # the policy refuses fp8 ring plans", "        if False:  #",
      "tests/comm/test_ring_nccl.py"),
+    ("tile-shared-memory-unchecked", "runtime: a given plan whose tile cannot fit the GPU's shared memory with the "
+     "call's operands (an fp8 tile on bf16) reaches Triton's launcher (OutOfResources deep inside it)",
+     "src/flashoverlap/runtime/calls.py", "        if room is not None and need + SHARED_SLACK > room:\n",
+     "        if False:\n", "tests/runtime/test_calls.py"),
     ("shared-ranks-gpu-run-named-cpu", "shared_ranks: a GPU run's results file takes the CPU check's name (cpux1-), "
      "not its GPU's", "benchmarks/shared_ranks.py", "        args.gpu = gpu_tag()\n", "",
      "tests/benchmarks/test_shared_ranks.py::test_the_results_file_is_named_for_the_gpu_that_ran_it"),

@@ -55,6 +55,15 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def shared_memory(device: torch.device) -> int | None:
+    """The shared memory one program may take on ``device`` (bytes, the opt-in limit: 232,448 on an H100 or H200);
+    None off the GPU (no limit checked: the interpreter holds none)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
 def triton_interpreted() -> bool:
     """Whether Triton runs its kernels in its interpreter (``TRITON_INTERPRET=1``, the CPU tests): asked of Triton
     itself (``triton.knobs.runtime.interpret``), which reads the variable; False where Triton is not installed.

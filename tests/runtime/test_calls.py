@@ -502,3 +502,30 @@ def test_a_bounded_expert_call_on_the_tensors_of_a_replayed_one_takes_the_lane(w
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
     settings.refresh()
     assert dispatch() [0] == "lane"
+
+
+def test_a_given_tile_that_cannot_fit_the_gpus_shared_memory_for_the_operands_is_refused(world_of_one, monkeypatch):
+    # An fp8 tile (one-byte operands) given to a bf16 call failed inside Triton's launcher ("out of resource: shared
+    # memory, Required: 294936, Hardware limit: 232448", tests/gpu/test_gpu_given_plans.py on an H100): the call
+    # names the plan and the fix before anything runs. Off the GPU no limit is checked.
+    from flashoverlap.plan import TileConfig
+    from flashoverlap.tune.defaults import default_plan
+
+    nccl = _install(world_of_one, ("gemm", "nccl"))
+    monkeypatch.setattr(policy, "reason_not", lambda path, request: None)  # the NCCL path, on a CPU group
+    fp8_tile = TileConfig(128, 256, 128, 8, 3, 8)
+    plan = default_plan("all_reduce", 256, 256, 512, 1, tile=fp8_tile, num_groups=2, allow_sequential=False)
+    bf16 = torch.randn(256, 512).bfloat16(), torch.randn(512, 256).bfloat16()
+    other = default_plan("all_reduce", 512, 256, 512, 1, tile=fp8_tile, num_groups=2, allow_sequential=False)
+    fo.gemm_all_reduce(torch.randn(512, 512).bfloat16(), bf16[1], path="nccl", plan=other)  # the CPU: no limit
+    monkeypatch.setattr(guards, "shared_memory", lambda device: 232448)  # an H100's or H200's
+    with pytest.raises(ValueError, match=r"gemm_all_reduce: the plan's tile .* needs about 294912 bytes of shared "
+                                         r"memory a program with torch.bfloat16 operands, and this GPU gives a "
+                                         r"program 232448"):
+        fo.gemm_all_reduce(*bf16, path="nccl", plan=plan)
+    fp8 = torch.randn(256, 512).to(torch.float8_e4m3fn), torch.randn(256, 512).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0)
+    fo.scaled_gemm_all_reduce(*fp8, one, one, path="nccl", plan=plan)  # the same tile with one-byte operands fits
+    bf16_plan = default_plan("all_reduce", 256, 256, 512, 1, num_groups=2, allow_sequential=False)
+    fo.gemm_all_reduce(*bf16, path="nccl", plan=bf16_plan)
+    assert len(nccl.calls) == 3  # every call but the refused one

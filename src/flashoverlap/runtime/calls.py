@@ -33,6 +33,8 @@ from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context, 
 # What a resolved call holds: (communicator, plan, bare), where ``bare`` says the plan waits on nothing: no deadline
 # (the sequential plan off the reference: the decode case, where host time is the cost; it replays repeated calls).
 Entry = tuple[Any, Any, bool]
+# Bytes of shared memory a signalling GEMM program takes beyond its K slabs (Triton 3.6: 24, its barriers), rounded up.
+SHARED_SLACK = 1024
 
 
 def agree_every_call(a: Any, path: str, group: Any) -> bool:
@@ -286,4 +288,11 @@ def resolve(spec: GemmSpec, nccl_p2p_disabled: bool = False) -> tuple[str, Group
         raise ValueError(f"{name}: block-wise scales need the plan's tile.block_k = {scaled.BLOCK} (one K slab per "
                          f"scale), got {plan.tile.block_k}: build the plan with tile=TileConfig(..., block_k="
                          f"{scaled.BLOCK}, ...) or pass none")
+    if path == "nccl" and not plan.sequential and plan.gemm == "triton":
+        room, need = guards.shared_memory(a.device), plan.tile.shared_bytes(a.element_size())
+        if room is not None and need + SHARED_SLACK > room:
+            raise ValueError(f"{name}: the plan's tile {plan.tile} needs about {need} bytes of shared memory a program "
+                             f"with {a.dtype} operands, and this GPU gives a program {room}: pass a plan built for "
+                             "this dtype (an fp8 tile holds one-byte operands), fewer stages or a smaller tile, or "
+                             "no plan")
     return path, context, plan
