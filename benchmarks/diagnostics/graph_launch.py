@@ -2,7 +2,8 @@
 TP = 8 shape on the NCCL path (a one-rank NCCL group, the overlapped plan) captured into a graph as the replay does,
 its nodes counted by type, and the host time of one ``cuGraphLaunch`` of it (and the same for a bounded MoE layer
 call, bf16 and fp8, on the expert NCCL path); beside them graphs made of one kind of
-node each (kernels, stream memory operations, event-joined side-stream kernels), so that the launch's cost per node
+node each (kernels, stream memory operations, event-joined side-stream kernels, device-to-device copies on the
+stream and on a side stream), so that the launch's cost per node
 kind can be read off.
 
 PYTHONPATH=src python -m benchmarks.diagnostics.graph_launch [out.json]
@@ -110,8 +111,27 @@ def _synthetic(device) -> dict[str, dict]:
                 torch.cuda.current_stream().wait_stream(side)
         return issue
 
+    sources = [torch.randn(4096, device=device) for _ in range(24)]
+    targets = [torch.empty_like(t) for t in sources]
+
+    def copies(n):  # device-to-device copies: memcpy nodes (the P2P path's graphs hold one per band and peer)
+        def issue():
+            for i in range(n):
+                targets[i].copy_(sources[i])
+        return issue
+
+    def side_copies(n):  # the same, each on the side stream between event joins, as the P2P path issues them
+        def issue():
+            for i in range(n):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    targets[i].copy_(sources[i])
+                torch.cuda.current_stream().wait_stream(side)
+        return issue
+
     for name, make in (("kernels", kernels), ("memop write+wait_reset pairs", memops),
-                       ("side-stream kernels joined by events", forks)):
+                       ("side-stream kernels joined by events", forks), ("device-to-device copies", copies),
+                       ("side-stream copies joined by events", side_copies)):
         for n in (1, 8, 24):
             graph = _captured(make(n))
             rows[f"{n} {name}"] = {"nodes": _census(graph), "launch_us": _launch_us(graph)}
