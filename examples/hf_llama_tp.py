@@ -260,9 +260,9 @@ def exit_status(rows: list[dict], say: bool = True) -> int:
     ours = [v for v in failed if v in OURS]
     nothing = all(row["ms"] is None for row in rows)
     if say and failed:
+        why = "no variant ran" if nothing else f"{', '.join(ours)} {'is' if len(ours) == 1 else 'are'} this library's"
         print(f"examples/hf_llama_tp.py: no figure for {', '.join(failed)} (the reasons above)"
-              + ("; failing, since " + ("no variant ran" if nothing else f"{', '.join(ours)} is this library's")
-                 if ours or nothing else ""), file=sys.stderr, flush=True)
+              + (f"; failing, since {why}" if ours or nothing else ""), file=sys.stderr, flush=True)
     return 1 if ours or nothing else 0
 
 

@@ -87,6 +87,8 @@ def _rows(**ms):
                                                   "ours_eager is this library's\n"),
     ({"torch_styles_our_pass": None, "async_tp": None, "torch_eager": 2.0}, 1,
      "no figure for torch_styles_our_pass, async_tp"),
+    ({"ours_eager": None, "torch_styles_our_pass": None, "torch_eager": 2.0}, 1,
+     "failing, since ours_eager, torch_styles_our_pass are this library's\n"),
     ({"torch_eager": None, "async_tp": None}, 1, "failing, since no variant ran"),
 ])
 def test_hf_llama_tp_fails_where_the_librarys_variants_or_all_of_them_timed_nothing(ms, code, said, capsys):

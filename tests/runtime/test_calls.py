@@ -529,3 +529,12 @@ def test_a_given_tile_that_cannot_fit_the_gpus_shared_memory_for_the_operands_is
     bf16_plan = default_plan("all_reduce", 256, 256, 512, 1, num_groups=2, allow_sequential=False)
     fo.gemm_all_reduce(*bf16, path="nccl", plan=bf16_plan)
     assert len(nccl.calls) == 3  # every call but the refused one
+    # No plan given, on a GPU with less shared memory (an L4's): the message says the default's tile does not fit.
+    from flashoverlap.runtime import plans as plans_module
+
+    overlapped = default_plan("all_reduce", 128, 256, 512, 1, num_groups=2, allow_sequential=False)
+    monkeypatch.setattr(plans_module, "path_and_plan", lambda *args: ("nccl", overlapped))  # a one-rank default is
+    monkeypatch.setattr(guards, "shared_memory", lambda device: 101376)  # sequential: an overlapped one stood in
+    with pytest.raises(ValueError, match=r"gemm_all_reduce: the default plan's tile .* this GPU has less shared "
+                                         r"memory than the Hopper GPUs the defaults are made for"):
+        fo.gemm_all_reduce(torch.randn(128, 512).bfloat16(), bf16[1], path="nccl")

@@ -33,7 +33,8 @@ from flashoverlap.runtime.context import REGISTRY, GroupContext, group_context, 
 # What a resolved call holds: (communicator, plan, bare), where ``bare`` says the plan waits on nothing: no deadline
 # (the sequential plan off the reference: the decode case, where host time is the cost; it replays repeated calls).
 Entry = tuple[Any, Any, bool]
-# Bytes of shared memory a signalling GEMM program takes beyond its K slabs (Triton 3.6: 24, its barriers), rounded up.
+# Bytes of shared memory a signalling GEMM program takes beyond its K slabs (Triton 3.6: 8 a stage with TMA loads, none
+# with pointer loads: its barriers), with room to spare.
 SHARED_SLACK = 1024
 
 
@@ -291,8 +292,10 @@ def resolve(spec: GemmSpec, nccl_p2p_disabled: bool = False) -> tuple[str, Group
     if path == "nccl" and not plan.sequential and plan.gemm == "triton":
         room, need = guards.shared_memory(a.device), plan.tile.shared_bytes(a.element_size())
         if room is not None and need + SHARED_SLACK > room:
-            raise ValueError(f"{name}: the plan's tile {plan.tile} needs about {need} bytes of shared memory a program "
-                             f"with {a.dtype} operands, and this GPU gives a program {room}: pass a plan built for "
-                             "this dtype (an fp8 tile holds one-byte operands), fewer stages or a smaller tile, or "
-                             "no plan")
+            whose, fix = (("the plan's", "pass a plan built for this dtype (an fp8 tile holds one-byte operands), "
+                           "fewer stages or a smaller tile, or no plan") if spec.plan is not None else
+                          ("the default plan's", "this GPU has less shared memory than the Hopper GPUs the defaults "
+                           "are made for: pass a plan with fewer stages or a smaller tile, or path='p2p'"))
+            raise ValueError(f"{name}: {whose} tile {plan.tile} needs about {need} bytes of shared memory a program "
+                             f"with {a.dtype} operands, and this GPU gives a program {room}: {fix}")
     return path, context, plan
