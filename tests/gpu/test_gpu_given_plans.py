@@ -47,6 +47,7 @@ def _plans(sms):
 def _ranks(rank, world):
     import flashoverlap as fo
     from tests.gpu.test_gpu_scaled import _dequantised
+    from tests.ops.test_given_plans import given_plans
     from tests.ops.test_scaled import quantise
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -76,21 +77,10 @@ def _ranks(rank, world):
 
                 def call(plan, path, a=a, b=b, sa=sa, sb=sb, fn=fp8_ops[op]):
                     return fn(a, b, sa, sb, plan=plan, path=path)
-            for key, plan in plans.items():
-                for path in ("auto", "nccl", "p2p", "ring", "reference"):
-                    try:
-                        got = call(plan, path)
-                    except (ValueError, TypeError) as exc:
-                        assert str(exc), key
-                        refused += 1
-                        continue
-                    torch.cuda.synchronize()
-                    ran += 1
-                    ok = got.shape == want.shape and got.dtype == torch.bfloat16
-                    err = float((got.float() - want).norm() / want.norm()) if ok else None
-                    if not ok or not err < 2e-2:
-                        wrong.append((op, dtype, key, path, tuple(got.shape), str(got.dtype), err))
-                    del got
+            done, no = given_plans(call, plans, ("auto", "nccl", "p2p", "ring", "reference"), want, 2e-2,
+                                   (op, dtype), wrong)
+            ran += done
+            refused += no
     return wrong, ran, refused
 
 

@@ -63,19 +63,33 @@ def _ranks(rank, world):
 
                 def call(plan, path, a=a, b=b, fn=half_op):
                     return fn(a, b, plan=plan, path=path)
-            for key, plan in plans.items():
-                for path in ("auto", "reference", "ring"):
-                    try:
-                        got = call(plan, path)
-                    except (ValueError, TypeError) as exc:
-                        assert str(exc), key
-                        refused += 1
-                        continue
-                    ran[fp8] += 1
-                    err = float((got.float() - want).norm() / want.norm()) if got.shape == want.shape else None
-                    if got.shape != want.shape or got.dtype != torch.bfloat16 or not err < 3e-2:
-                        wrong.append((op, fp8, key, path, tuple(got.shape), str(got.dtype), err))
+            done, no = given_plans(call, plans, ("auto", "reference", "ring"), want, 3e-2, (op, fp8), wrong)
+            ran[fp8] += done
+            refused += no
     return wrong, (ran[False], ran[True]), refused
+
+
+def given_plans(call, plans: dict, paths: tuple[str, ...], want: torch.Tensor, limit: float, what: tuple,
+                wrong: list) -> tuple[int, int]:
+    """``call(plan, path)`` for every plan of ``plans`` and every path of ``paths``: a call that raises a
+    ``ValueError`` or ``TypeError`` (with a message) is refused; one that returns must return bf16 of ``want``'s shape
+    within ``limit`` (relative Frobenius error), else it is appended to ``wrong``. Returns ``(ran, refused)``."""
+    ran = refused = 0
+    for key, plan in plans.items():
+        for path in paths:
+            try:
+                got = call(plan, path)
+            except (ValueError, TypeError) as exc:
+                assert str(exc), key
+                refused += 1
+                continue
+            ran += 1
+            ok = got.shape == want.shape and got.dtype == torch.bfloat16
+            err = float((got.float() - want).norm() / want.norm()) if ok else None
+            if not ok or not err < limit:
+                wrong.append((*what, key, path, tuple(got.shape), str(got.dtype), err))
+            del got
+    return ran, refused
 
 
 @pytest.mark.parametrize("world", [2, 3])
