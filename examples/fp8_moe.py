@@ -101,6 +101,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # it takes no options: a misspelt one must not pass for a run of the example
+        sys.exit(f"{sys.argv[0]} takes no arguments, got: {' '.join(sys.argv[1:])}")
     if "RANK" not in os.environ:  # not under torchrun: one line, not torch's traceback
         sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
     main()

@@ -11,6 +11,8 @@ unsharded model over every rank, and raises beyond bf16 rounding. Needs ``transf
 import os
 import sys
 
+if __name__ == "__main__" and sys.argv[1:]:  # it takes no options: a misspelt one must not pass for a run of it
+    sys.exit(f"{sys.argv[0]} takes no arguments, got: {' '.join(sys.argv[1:])}")
 if __name__ == "__main__" and "RANK" not in os.environ:  # not under torchrun: one line, before the imports below
     sys.exit(f"start it under torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")  # (they print load messages)
 

@@ -97,3 +97,14 @@ def test_hf_llama_tp_fails_where_the_librarys_variants_or_all_of_them_timed_noth
     assert example["exit_status"](_rows(**ms)) == code
     err = capsys.readouterr().err
     assert (err == "") if said is None else (said in err), err
+
+
+@pytest.mark.parametrize("name", ["ops", "layers", "styles", "moe", "fp8_moe", "compile_pass", "hf_tp_plan"])
+def test_the_examples_that_take_no_options_refuse_one(name, monkeypatch):
+    """``torchrun ... examples/ops.py --world 4`` ran the example at the launcher's size and exited 0 (the audit's
+    note): an example that takes no arguments says so, before anything starts."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", [f"examples/{name}.py", "--world", "4"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
+    assert stop.value.code == f"{EXAMPLES / name}.py takes no arguments, got: --world 4"  # runpy's argv[0]: the path

@@ -194,6 +194,10 @@ MUTATIONS = [
      "call's operands (an fp8 tile on bf16) reaches Triton's launcher (OutOfResources deep inside it)",
      "src/flashoverlap/runtime/calls.py", "        if room is not None and need + SHARED_SLACK > room:\n",
      "        if False:\n", "tests/runtime/test_calls.py"),
+    ("example-takes-any-argument", "examples/ops.py runs whatever arguments it is given (a misspelt option passes "
+     "for a run of it)", "examples/ops.py",
+     "    if sys.argv[1:]:  # it takes no options: a misspelt one must not pass for a run of the example\n",
+     "    if False:\n", "tests/test_example_command_lines.py"),
     ("shared-ranks-gpu-run-named-cpu", "shared_ranks: a GPU run's results file takes the CPU check's name (cpux1-), "
      "not its GPU's", "benchmarks/shared_ranks.py", "        args.gpu = gpu_tag()\n", "",
      "tests/benchmarks/test_shared_ranks.py::test_the_results_file_is_named_for_the_gpu_that_ran_it"),
