@@ -270,3 +270,25 @@ def test_tune_plan_checks_its_shape_against_the_ranks_before_starting(torchrun_r
     assert stop.value.code == f"flashoverlap tune plan: --shape 1001,64,64: {api} needs M divisible by the 2 ranks"
     monkeypatch.setattr(cli, "_under_torchrun", lambda *a, **kw: 0)
     assert cli.main(["tune", "plan", "--op", "all_reduce", "--shape", "1001,64,64"]) == 0  # M is not split
+
+
+@pytest.mark.parametrize("argv,env,said", [
+    (["bench", "ops", "--shapes", "64,64,64", "--out", "{tmp}"], {}, "flashoverlap bench ops: --out {tmp}: "),
+    (["tune", "plan", "--op", "all_reduce", "--shape", "64,64,64"], {"FLASHOVERLAP_REPLAY": "yes"},
+     "flashoverlap tune plan: FLASHOVERLAP_REPLAY"),
+    (["bench", "ops", "--shapes", "64,64,64"], {"FLASHOVERLAP_NO_CACHE": "true"},
+     "flashoverlap bench ops: FLASHOVERLAP_NO_CACHE"),
+])
+def test_bench_and_tune_name_a_bad_option_or_variable_before_looking_for_the_gpus(monkeypatch, tmp_path, argv, env,
+                                                                                   said):
+    """On a machine without GPUs a bad --out or library variable was answered "needs CUDA GPUs" (the commands audit's
+    note): the command line and the variables are checked first, on any machine."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([arg.format(tmp=tmp_path) for arg in argv])
+    assert stop.value.code.startswith(said.format(tmp=tmp_path)), stop.value.code
+    assert "needs CUDA" not in stop.value.code

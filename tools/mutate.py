@@ -198,6 +198,11 @@ MUTATIONS = [
      "for a run of it)", "examples/ops.py",
      "    if sys.argv[1:]:  # it takes no options: a misspelt one must not pass for a run of the example\n",
      "    if False:\n", "tests/test_example_command_lines.py"),
+    ("cli-gpus-before-options", "flashoverlap bench/tune: the GPU check before the command line's and the variables' "
+     "(a bad --out on a CPU machine answered 'needs CUDA GPUs')", "src/flashoverlap/cli.py",
+     '    _check_settings(f"{args.command} {what}")\n    if args.command == "tune":\n',
+     '    _needs_gpus(f"{args.command} {what}")\n    _check_settings(f"{args.command} {what}")\n'
+     '    if args.command == "tune":\n', "tests/test_cli_edges.py"),
     ("shared-ranks-gpu-run-named-cpu", "shared_ranks: a GPU run's results file takes the CPU check's name (cpux1-), "
      "not its GPU's", "benchmarks/shared_ranks.py", "        args.gpu = gpu_tag()\n", "",
      "tests/benchmarks/test_shared_ranks.py::test_the_results_file_is_named_for_the_gpu_that_ran_it"),

@@ -506,19 +506,22 @@ def main(argv: list[str] | None = None) -> int:
         from flashoverlap.demo import main as demo_main
 
         return demo_main(args.shape, args.dtype, args.world_size, args.cpu, args.op)
-    _needs_gpus(f"{args.command} {what}")
+    # The command line and the library's variables first, then the GPUs: a bad --out or shape is named as such on
+    # any machine (on a CPU one it was "needs CUDA GPUs", whatever else was wrong).
     _check_settings(f"{args.command} {what}")
     if args.command == "tune":
         world = _world_size()
         if what == "plan" and args.op != "all_reduce" and args.shape[0] % world:  # as bench ops checks its shapes
             raise SystemExit(f"flashoverlap tune plan: --shape {','.join(map(str, args.shape))}: "
                              f"{_api_name(args.op)} needs M divisible by the {world} ranks")
+        _needs_gpus(f"{args.command} {what}")
         return _under_torchrun(lambda device: _tune(args, device))
     from flashoverlap import bench
 
     refused = bench.shape_problem(args.ops, args.shapes, _world_size()) or bench.out_problem(args.out)
     if refused is not None:
         raise SystemExit(f"flashoverlap bench ops: {refused}")
+    _needs_gpus(f"{args.command} {what}")
     command = shlex.join(["flashoverlap", *argv])  # quoted: a shape list's ";" stays one word
     return _under_torchrun(lambda device: bench.main(args, device, command, environment()), untuned=True)
 
