@@ -54,6 +54,9 @@ def start_run(prog: str, description: str, add_arguments, argv: list[str] | None
     add_arguments(parser)
     argv = join_values(list(sys.argv[1:] if argv is None else argv), HARNESS_VALUE_OPTIONS)
     args = parser.parse_args(argv)
+    problem = out_problem(getattr(args, "out", None))  # rank 0 writes it after the first row, or at the end; named
+    if problem:  # as such on any machine (on one without GPUs it was "needs CUDA GPUs")
+        parser.error(problem)
     if not torch.cuda.is_available():  # before any CUDA call: one line, not a traceback from set_device
         raise SystemExit(f"{prog}: needs CUDA GPUs (under torchrun --nproc-per-node N); on a CPU-only machine run "
                          "`flashoverlap demo` or the tests")
@@ -64,9 +67,6 @@ def start_run(prog: str, description: str, add_arguments, argv: list[str] | None
         local_ranks, gpus = beyond
         raise SystemExit(f"{prog}: {local_ranks} ranks on this node but {gpus} CUDA GPU{'s' if gpus > 1 else ''}: "
                          f"one per rank; use torchrun --nproc-per-node {gpus} or fewer")
-    problem = out_problem(getattr(args, "out", None))  # rank 0 writes it after the first row, or at the end
-    if problem:
-        parser.error(problem)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)

@@ -236,6 +236,16 @@ def test_the_harness_refuses_an_out_it_could_not_write_before_starting(gpu_rank,
     assert code == 2 and f"--out {tmp_path}: is a directory" in err, err
 
 
+@pytest.mark.parametrize("module", ["benchmarks.ops", "benchmarks.block", "benchmarks.moe", "benchmarks.model_check"])
+def test_the_harness_names_a_bad_out_on_a_machine_without_gpus(monkeypatch, capsys, tmp_path, module):
+    """On a machine without GPUs a bad --out was answered "needs CUDA GPUs": the command line comes first."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = _exit(capsys, module, ["--out", str(tmp_path)])
+    assert code == 2 and f"--out {tmp_path}: is a directory" in err and "needs CUDA" not in err, err
+
+
 @pytest.mark.parametrize("where,said", [("folder", "is a folder; name the results file"),
                                         ("missing/install.json", "is not a writable folder or file")])
 def test_the_cpu_install_measurement_refuses_an_out_it_could_not_write_before_installing(capsys, monkeypatch,
