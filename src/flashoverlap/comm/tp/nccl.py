@@ -65,16 +65,17 @@ class _Buffers:
     replay (``result``; for all-gather where the gathered input is returned ``in_rank_order``, and fp8's ``dense``
     rows and scales), and its workspace, allocated by ``_workspace`` as the first step of the issued work (``product``,
     the reductions' GEMM output: ``result`` itself for all-reduce, the ``[group][W][rows][N]`` workspace for
-    reduce-scatter; for all-gather ``gathered``, the plan's band layout, and fp8's ``packed`` own shard where the
-    bands are uneven: a ``[rows, width]`` buffer, placed from there; None where they are even, the rows packed
-    straight into their slots, ``_Gathered.pack_own``). Inside this
+    reduce-scatter; for all-gather ``gathered``, the plan's band layout, and fp8's own shard: where the bands are even
+    their rows (``band_rows``), the shard packed straight into its slots, else a ``packed`` ``[rows, width]`` buffer
+    it is packed into and placed from (``_Gathered.pack_own``). Inside this
     communicator's capture the workspace comes from the graphs' pool and stays the graph's: a replayed call allocates
     only what it returns (host time), and its signature holds only their addresses."""
 
-    __slots__ = ("result", "product", "gathered", "packed", "in_rank_order", "dense", "returned")
+    __slots__ = ("result", "product", "gathered", "packed", "band_rows", "in_rank_order", "dense", "returned")
 
     def __init__(self) -> None:
-        self.result = self.product = self.gathered = self.packed = self.in_rank_order = self.dense = None
+        self.result = self.product = self.gathered = self.packed = self.band_rows = self.in_rank_order = None
+        self.dense = None
 
     @classmethod
     def allocate(cls, op: str, shapes: tuple, device: torch.device) -> _Buffers:
@@ -194,9 +195,10 @@ class NcclCommunicator(GroupFields):
         if plan.op == "all_gather":
             width, wire = self._gathered_width(call)
             buffers.gathered = torch.empty((plan.m, width), dtype=wire, device=device)
-            if call.scales is not None and even_band_rows(plan, plan.m) is None:  # fp8 rows as the wire carries
-                # them: packed once and placed from here (even bands: packed straight into the own slots, _Gathered)
-                buffers.packed = torch.empty((plan.block_rows, width), dtype=wire, device=device)
+            if call.scales is not None:  # fp8 rows as the wire carries them: straight into the own slots of even
+                buffers.band_rows = even_band_rows(plan, plan.m)  # bands, else packed once and placed from here
+                if buffers.band_rows is None:
+                    buffers.packed = torch.empty((plan.block_rows, width), dtype=wire, device=device)
         elif plan.op == "reduce_scatter":
             buffers.product = torch.empty((plan.m, plan.n), dtype=buffers.result.dtype, device=device)
 
@@ -257,7 +259,7 @@ class NcclCommunicator(GroupFields):
         shard, placed = a_shard, False  # placed: the own rows in their slots already (fp8, even bands)
         if scales is not None:
             shard, placed = operand.pack_own(a_shard, scales.shard_rows(plan.block_rows), plan, self.rank,
-                                             buffers.packed)
+                                             buffers.band_rows, buffers.packed)
         self.prepare(plan, gathered.dtype)
         if plan.gemm == "cublas" or guards.capturing():
             _bands_by_cublas(self, operand, shard, b, plan, buffers.result, placed)
@@ -547,18 +549,14 @@ class _Gathered:
             self.a, self.scale_rows = self.packed.a, self.packed.scales
 
     def pack_own(self, a_shard: torch.Tensor, scale_rows: torch.Tensor, plan: Plan, rank: int,
-                 packed: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+                 band_rows: int | None, packed: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         """fp8: this rank's rows and their scales packed, and whether into their slots: where the bands are even
-        (``packed`` None: ``_workspace`` made no buffer) straight into this rank's slot of every band (two copies;
-        returns ``(a_shard, True)``: the all-gather reads the slots in place, not the shard), else into ``packed``
-        (``pack_rows``; returns ``(packed, False)``), which the all-gather places."""
-        if packed is not None:
+        (``band_rows`` rows each, ``_workspace``'s verdict) straight into this rank's slot of every band (two
+        copies; returns ``(a_shard, True)``: the all-gather reads the slots in place, not the shard), else into
+        ``packed`` (``pack_rows``; returns ``(packed, False)``), which the all-gather places."""
+        if band_rows is None:
             return scaled.pack_rows(a_shard, scale_rows, out=packed), False
-        rows = even_band_rows(plan, self.gathered.shape[0])
-        if rows is None:  # _workspace's rule and this one disagree: never pack into slots of uneven bands
-            raise RuntimeError(f"flashoverlap: the fp8 all-gather's bands {[g.rows for g in plan.groups]} are uneven "
-                               "but no packed buffer was made for its own shard")
-        bands = len(plan.groups)
+        bands, rows = len(plan.groups), band_rows
         a_slots, scale_slots = self.packed.slots(bands, plan.world_size, rows, rank)
         a_slots.copy_(a_shard.reshape(bands, rows, self.k))
         scale_slots.copy_(scale_rows.reshape(bands, rows, -1))
