@@ -2,7 +2,10 @@
 <= 1.5x torch.mm"): per op at a Llama-3-70B TP = 8 shape and the grid's all-reduce (bf16; the all-reduce in fp8
 row-wise too), on a one-rank NCCL group with the overlapped plan, each step of a replayed call timed alone beside
 the whole call and ``torch.mm`` (``host_us_interleaved``: one call each per round, the GPU busy ahead), then a
-cProfile of a loop of replayed calls. The steps are the call pipeline's (``runtime/calls.execute``) and the
+cProfile of a loop of replayed calls, and the loop's anatomy as ``benchmarks/host_bound.py`` runs it (from an idle
+GPU): each call's own issue time, the replays and captures the loop made, and the host per call at loop lengths 10,
+50 and 200 (a call that misses its graph is issued eagerly; a queue that fills blocks the host on the GPU).
+The steps are the call pipeline's (``runtime/calls.execute``) and the
 communicator's (``comm/tp/nccl.NcclCommunicator.run``), in the order a call runs them; their sum is not the whole
 (each step timed alone pays a Python call of its own). A diagnostic, not a library figure.
 
@@ -20,7 +23,36 @@ from benchmarks.harness.timing import host_us_interleaved, loop_host_us, profile
 from benchmarks.host_bound import _row_scaled
 
 CASES = [("q,k,v", "all_gather", 8192, 1280, 8192, "bf16"), ("o", "reduce_scatter", 8192, 8192, 1024, "bf16"),
-         ("grid", "all_reduce", 4096, 8192, 8192, "bf16"), ("grid", "all_reduce", 4096, 8192, 8192, "fp8-row")]
+         ("grid", "all_reduce", 4096, 8192, 8192, "bf16"), ("grid", "all_reduce", 4096, 8192, 8192, "fp8-row"),
+         # the up projection in fp8 replayed 10-20 us dearer than q,k,v's in every host-bound run on an H100
+         ("q,k,v", "all_gather", 8192, 1280, 8192, "fp8-row"), ("up", "all_gather", 8192, 7168, 8192, "fp8-row"),
+         ("up", "all_gather", 8192, 7168, 8192, "bf16")]
+
+
+def _anatomy(fn, graphs) -> dict:
+    """A loop of ``fn`` from an idle GPU, as ``host_bound`` times it: each call's issue time (µs), and the loop's
+    replays and captures (``graphs``: the communicator's ``CallGraphs``); then the host per call at loop lengths 10,
+    50 and 200, each from an idle GPU."""
+    import time
+
+    torch.cuda.synchronize()
+    replays, captures = graphs.replays, graphs.captures
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(round((time.perf_counter() - t0) * 1e6, 1))
+    torch.cuda.synchronize()
+    made = {"replays": graphs.replays - replays, "captures": graphs.captures - captures}
+    per_length = {}
+    for length in (10, 50, 200):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(length):
+            fn()
+        per_length[length] = round((time.perf_counter() - t0) / length * 1e6, 1)
+        torch.cuda.synchronize()
+    return {"call_us": times, "of 50 calls": made, "host_us_per_loop_length": per_length}
 
 
 def _operands(op, m, n, k, dtype, device, gen):
@@ -102,9 +134,11 @@ def _case(name, op, m, n, k, dtype, device, gen, sms) -> dict:
     host = host_us_interleaved(parts, calls=64)
     loop = {"torch.mm loop": loop_host_us(alone, 50), "whole replayed call loop": loop_host_us(whole, 50)}
     profile = profiled(whole, 300, orders=("tottime",), limit=30)
+    anatomy = {"replayed call": _anatomy(whole, communicator.graphs), "alone": _anatomy(alone, communicator.graphs)}
     row = {"shape": name, "op": op, "dtype": dtype, "M": m, "N": n, "K": k, "graph found": found,
            "host_us": {key_: round(v, 2) for key_, v in host.items()},
-           "loop_host_us": {key_: round(v, 2) for key_, v in loop.items()}, "profile": profile}
+           "loop_host_us": {key_: round(v, 2) for key_, v in loop.items()}, "loop_anatomy": anatomy,
+           "profile": profile}
     print({key_: v for key_, v in row.items() if key_ != "profile"}, flush=True)
     print(profile[:4000], flush=True)
     return row
