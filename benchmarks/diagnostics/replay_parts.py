@@ -4,7 +4,8 @@ row-wise too), on a one-rank NCCL group with the overlapped plan, each step of a
 the whole call and ``torch.mm`` (``host_us_interleaved``: one call each per round, the GPU busy ahead), then a
 cProfile of a loop of replayed calls, and the loop's anatomy as ``benchmarks/host_bound.py`` runs it (from an idle
 GPU): each call's own issue time, the replays and captures the loop made, and the host per call at loop lengths 10,
-50 and 200 (a call that misses its graph is issued eagerly; a queue that fills blocks the host on the GPU).
+50 and 200 (a call that misses its graph is issued eagerly; a queue that fills blocks the host on the GPU); and the
+call captured into a user's graph: its nodes by type and its launches' host time alone.
 The steps are the call pipeline's (``runtime/calls.execute``) and the
 communicator's (``comm/tp/nccl.NcclCommunicator.run``), in the order a call runs them; their sum is not the whole
 (each step timed alone pays a Python call of its own). A diagnostic, not a library figure.
@@ -53,6 +54,29 @@ def _anatomy(fn, graphs) -> dict:
         per_length[length] = round((time.perf_counter() - t0) / length * 1e6, 1)
         torch.cuda.synchronize()
     return {"call_us": times, "of 50 calls": made, "host_us_per_loop_length": per_length}
+
+
+def _user_graph(fn) -> dict:
+    """The call captured into a user's graph (kept, so that its nodes can be read): its nodes by type, and the
+    host per launch (``CUDAGraph.replay``) of loops of 10, 50 and 200 launches from an idle GPU."""
+    import time
+
+    from benchmarks.diagnostics.replay_host import node_types
+
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        fn()
+    graph.instantiate()
+    nodes = node_types(graph)
+    per_length = {}
+    for length in (10, 50, 200):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(length):
+            graph.replay()
+        per_length[length] = round((time.perf_counter() - t0) / length * 1e6, 1)
+        torch.cuda.synchronize()
+    return {"nodes": nodes, "launch_host_us_per_loop_length": per_length}
 
 
 def _operands(op, m, n, k, dtype, device, gen):
@@ -135,6 +159,10 @@ def _case(name, op, m, n, k, dtype, device, gen, sms) -> dict:
     loop = {"torch.mm loop": loop_host_us(alone, 50), "whole replayed call loop": loop_host_us(whole, 50)}
     profile = profiled(whole, 300, orders=("tottime",), limit=30)
     anatomy = {"replayed call": _anatomy(whole, communicator.graphs), "alone": _anatomy(alone, communicator.graphs)}
+    try:
+        anatomy["user graph"] = _user_graph(whole)
+    except Exception as exc:  # a diagnostic's extra: its failure must not lose the row
+        anatomy["user graph"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     row = {"shape": name, "op": op, "dtype": dtype, "M": m, "N": n, "K": k, "graph found": found,
            "host_us": {key_: round(v, 2) for key_, v in host.items()},
            "loop_host_us": {key_: round(v, 2) for key_, v in loop.items()}, "loop_anatomy": anatomy,
