@@ -631,6 +631,15 @@ MUTATIONS = [
      "            self.all_gather(gathered, shard, plan, shard_placed=placed)",
      "            self.all_gather(gathered, shard, plan)",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("nccl-own-shard-product-in-the-next-block", "NCCL path, all-gather under cuBLAS bands (every captured call):"
+     " the own shard's product written into the next rank's block of the result", NCCL,
+     "operand.multiply_shard(*own, b, c_blocks[comm.rank])",
+     "operand.multiply_shard(*own, b, c_blocks[(comm.rank + 1) % plan.world_size])",
+     NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("nccl-own-shard-product-skipped", "NCCL path, all-gather under cuBLAS bands (every captured call): the own "
+     "shard's rows never multiplied", NCCL,
+     "    operand.multiply_shard(*own, b, c_blocks[comm.rank])", "    pass",
+     NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
     ("pack-own-drops-the-scales", "NCCL path, fp8 all-gather with even bands: the own rows are written into their "
      "slots but not their scales", NCCL,
      "        scale_slots.copy_(scale_rows.reshape(bands, rows, -1))\n", "",

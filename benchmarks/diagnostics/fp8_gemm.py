@@ -111,9 +111,16 @@ def our_call(op, a, b, scaling, scale_a, scale_b, gemm=None):
         if op != "all_gather":
             return plan, lambda: (compute_bands(a, b, plan, out, scales), out)[1]
 
-        def gathered_bands():  # as the NCCL path's _bands_by_cublas multiplies them: each rank's slot of each band
+        # As the NCCL path's _bands_by_cublas multiplies them: the own shard (rank 0's slots, as the caller's
+        # contiguous shard) in one product, then each other rank's slot of each band.
+        own = torch.cat([torch.arange(g.out_row_start, g.out_row_start + g.rows) for g in plan.groups]).cuda()
+        shard, shard_scales, shard_out = a[own], scale_a[own], torch.empty((len(own), n), dtype=out.dtype,
+                                                                            device="cuda")
+
+        def gathered_bands():
+            scaled_mm(shard, b, scales, shard_scales, out=shard_out)
             for grp in plan.groups:
-                for r in range(WORLD):
+                for r in range(1, WORLD):
                     rows = slice(grp.out_row_start + r * grp.rows, grp.out_row_start + (r + 1) * grp.rows)
                     scaled_mm(a[rows], b, scales, scale_a[rows], out=out[rows])
             return out

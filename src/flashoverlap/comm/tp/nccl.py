@@ -262,7 +262,8 @@ class NcclCommunicator(GroupFields):
                                              buffers.band_rows, buffers.packed)
         self.prepare(plan, gathered.dtype)
         if plan.gemm == "cublas" or guards.capturing():
-            _bands_by_cublas(self, operand, shard, b, plan, buffers.result, placed)
+            own_scales = None if scales is None else scales.shard_rows(plan.block_rows)
+            _bands_by_cublas(self, operand, shard, b, plan, buffers.result, placed, (a_shard, own_scales))
         else:
             from flashoverlap.kernels.gemm import GatherWait, gemm  # Triton: imported where a kernel runs
 
@@ -577,6 +578,15 @@ class _Gathered:
         else:
             scaled.scaled_mm(self.a[rows], b, self.scales, self.scale_rows[rows], out=out)
 
+    def multiply_shard(self, a_shard: torch.Tensor, scale_rows: torch.Tensor | None, b: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """``out = a_shard @ b`` by cuBLAS, the caller's own shard as it passed it (fp8: scaled by ``scale_rows``, the
+        shard's rows' scales, as they are packed into the gathered rows)."""
+        if self.scales is None:
+            torch.matmul(a_shard, b, out=out)
+        else:
+            scaled.scaled_mm(a_shard, b, self.scales, scale_rows, out=out)
+
     def in_rank_order(self, plan: Plan, full: torch.Tensor, dense: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """The gathered input as ``all_gather_into_tensor`` of whole shards returns it, into ``full`` (the gathered
         buffer's shape); fp8: then its rows and scales into ``dense``'s two tensors."""
@@ -586,13 +596,19 @@ class _Gathered:
 
 
 def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Tensor, b: torch.Tensor,
-                     plan: Plan, c: torch.Tensor, placed: bool = False) -> None:
+                     plan: Plan, c: torch.Tensor, placed: bool, own: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     """Plans with ``gemm="cublas"``, and every call inside a CUDA-graph capture: the same bands gathered in the
     same order, but each band's slots multiplied by cuBLAS once the band's event has fired, the dependency a stream
     (graph) edge instead of an in-kernel spin. In a graph this is required: a graph may serialize its branches
     onto one hardware queue, where a spinning GEMM ahead of the NCCL kernels it waits for would never finish (the
     in-kernel schedule hung under graph replay on the H200s; that serialization is the likely cause, not a proven
-    one). Overlap in a graph is therefore decomposition-like."""
+    one). Overlap in a graph is therefore decomposition-like.
+
+    The own rows (``own``: the caller's shard and, fp8, its rows' scales) are one product, issued before any band's
+    wait: they are this rank's block of the result in order. Band by band they were one cuBLAS call a group, and
+    at some shapes cuBLAS's fp8 kernel comes with a memset each, which a graph's launch pays for
+    (``benchmarks/diagnostics/replay_parts.py``: a replayed fp8 up projection, 8192x7168x8192 on one rank, launched
+    its graph in 11.6 µs with eight memset nodes, q,k,v's in 2.6 without)."""
     arrived = comm.all_gather(operand.gathered, shard, plan, events=True, shard_placed=placed)
     producer = torch.cuda.current_stream(shard.device)
     c_blocks = c.view(plan.world_size, plan.block_rows, plan.n)  # rank r's rows of the result: c_blocks[r]
@@ -601,8 +617,7 @@ def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Te
         first = grp.out_row_start + r * grp.rows  # the plan's [group][W][rows] layout
         operand.multiply(slice(first, first + grp.rows), b, c_blocks[r, grp.row_start : grp.row_end])
 
-    for grp in plan.groups:  # the own shard is in place before the first collective: no wait
-        multiply(grp, comm.rank)
+    operand.multiply_shard(*own, b, c_blocks[comm.rank])  # the own shard: in hand before any collective, no wait
     for grp, event in zip(plan.groups, arrived):
         producer.wait_event(event)
         for step in range(1, plan.world_size):
