@@ -1,7 +1,9 @@
 """What README.md, docs/ and the ops' docstrings say about fp8 and about ``torch.compile`` agrees with itself and with
 the code: the fp8 statements name exactly the overlapped paths ``runtime.policy.FP8_PATHS`` lists, and say that
 ``path="auto"`` takes P2P on one node as the policy does; the compile statements name the one exception the MoE
-code makes (an exact-mode layout is a graph break) and that the fp8 ops leave autograd to the styles."""
+code makes (an exact-mode layout is a graph break) and that the fp8 ops leave autograd to the styles; the op names
+docs/usage.md gives ``default_plan`` are the ones it takes, and what it says ``path="auto"`` logs is what a CPU call
+logs (nothing)."""
 
 import inspect
 import re
@@ -85,3 +87,42 @@ def test_the_compile_statements_name_the_exact_mode_graph_break_the_code_makes()
     assert "a graph break under `torch.compile` and cannot be captured" in usage
     assert "under `torch.compile` it is a graph break" in usage
     assert "bounded" in readme and "bounded mode" in usage
+
+
+def test_the_op_names_usage_gives_default_plan_are_the_ones_it_takes():
+    # The ops are called by their API names everywhere else (`gemm_all_reduce`, `tune plan --op gemm_all_reduce`);
+    # default_plan takes the plan's short names, so the sentence that shows it must say which.
+    from flashoverlap.plan import OPS
+
+    sentence = " ".join(USAGE[USAGE.index("`fo.default_plan(") :].split("\n\n")[0].split())
+    named = tuple(re.findall(r'`"([a-z_]+)"`', sentence.split("builds the untuned one")[0]))
+    assert named == OPS, f"docs/usage.md names default_plan's op as {named}; it takes {OPS}"
+    for op in named:
+        assert fo.default_plan(op, 64, 64, 64, 2).op == op
+
+
+def _auto_path_log(rank: int, world_size: int) -> list[str]:
+    """What logger ``flashoverlap`` records at DEBUG while this rank calls each op with CPU tensors, no plan."""
+    import logging
+
+    import torch
+
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("flashoverlap")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.bfloat16)
+    fo.gemm_all_reduce(a, b), fo.gemm_reduce_scatter(a, b), fo.all_gather_gemm(a, b)
+    return records
+
+
+def test_what_usage_says_path_auto_logs_is_what_it_logs_on_the_cpu():
+    from flashoverlap.testing import spawn
+
+    paths = " ".join(_section(USAGE, "## Paths").split())
+    assert "logged once per group and op at debug level" in paths
+    assert spawn(_auto_path_log, 2, "gloo") == [[], []]  # nothing to choose: the reference path, unlogged
+    assert "CPU tensors, fp32 and a given plan leave nothing to choose, and log nothing" in paths, \
+        "docs/usage.md says path='auto' logs its choice; on CPU tensors it logs nothing: say so"
