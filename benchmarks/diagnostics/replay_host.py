@@ -4,7 +4,8 @@ the replayed call (``P2PCommunicator.run``) beside ``torch.mm`` alone, the launc
 driver, as ``CallGraphs.run`` does, and through ``CUDAGraph.replay``), the output's allocation, and the graph's
 nodes by type; then the launch of synthetic graphs of N nodes of one type (kernels, copies, flag writes, waits,
 on one stream or alternating between two), to tell what a node of each type costs at launch. A diagnostic for
-issue 19 (replayed host time), not a library figure.
+issue 19 (replayed host time), not a library figure. Each op's call, bf16 and fp8 row-wise, is also captured into a
+kept graph of the caller's, whose nodes are counted by type.
 
 CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 2 -m benchmarks.diagnostics.replay_host [out.json]
 """
@@ -22,6 +23,7 @@ from benchmarks.diagnostics.results_file import require_cuda
 from benchmarks.harness.timing import host_us_interleaved
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.protocol import Call
+from flashoverlap.comm.scaled import Scales
 from flashoverlap.comm.tp import ring_schedule as rs
 
 # CUgraphNodeType (cuda.h)
@@ -71,9 +73,29 @@ def replayed_rows(comm, world) -> dict:
             "torch.empty(out)": lambda rows=out_rows: torch.empty((rows, n), dtype=torch.bfloat16, device="cuda"),
         })
         steps = collections.Counter(type(item).__name__ for item in rs.schedule(plan, dist.get_rank()))
-        rows[op] = {"us": {name: round(value, 1) for name, value in us.items()}, "schedule_steps": dict(steps)}
+        rows[op] = {"us": {name: round(value, 1) for name, value in us.items()}, "schedule_steps": dict(steps),
+                    "nodes": {"bf16": _captured_nodes(comm, Call(op, plan, a, b))}}
+        # The same call in fp8 row-wise (its sub-bands' products are cuBLAS's scaled matmuls): its graph's nodes.
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        sa, sb = torch.rand(a.shape[0], 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+        rows[op]["nodes"]["fp8-row"] = _captured_nodes(comm, Call(op, plan, a8, b8, scales=Scales.of(sa, sb, n=n)))
         print(op, rows[op], flush=True)
     return rows
+
+
+def _captured_nodes(comm, call) -> dict:
+    """``call`` (eager once, then) captured into a kept graph of the caller's, never launched: its nodes by type (a
+    cuBLAS product that brings a memset costs the graph's every launch a node more)."""
+    try:
+        comm.run(call)
+        torch.cuda.synchronize()
+        dist.barrier()
+        kept = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(kept):
+            comm.run(call)
+        return node_types(kept)
+    except Exception as exc:  # a diagnostic's extra: its failure must not lose the rows
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def synthetic_rows(rank: int) -> dict:
