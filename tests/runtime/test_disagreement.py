@@ -234,3 +234,43 @@ def _parameter_on_one_rank(rank: int, world: int):
 
 def test_a_parameter_operand_on_one_rank_is_the_same_call():
     assert spawn(_parameter_on_one_rank, 2, timeout=60) == [0.0, 0.0]
+
+
+def _layout_collective_errors(rank: int, world: int) -> list[str]:
+    """moe_layout's own exchange (``comm/expert/layout.expert_layout``) finds ranks that disagree on the mode or the
+    bound, an index out of range on one rank, or a routing beyond the bound; every rank raises, and the message must
+    name the public op, moe_layout (it said ``expert_layout: ...``, ``topk_idx: ...`` or ``bound=... exceeded``)."""
+    import flashoverlap as fo
+    from flashoverlap import settings
+
+    for variable in ("TORCH_DISTRIBUTED_DEBUG", "FLASHOVERLAP_DEBUG_TIMEOUT"):
+        os.environ.pop(variable, None)
+    settings.refresh()
+    experts = 2 * world
+    idx = torch.arange(4).reshape(4, 1) % experts
+    bad = idx.clone()
+    if rank == 0:
+        bad[0, 0] = experts  # out of range on rank 0 only
+    calls = [lambda: fo.moe_layout(idx, experts, mode=("bounded", "exact")[rank > 0], bound=4 if rank == 0 else None),
+             lambda: fo.moe_layout(idx, experts, mode="bounded", bound=4 + (rank == 0)),
+             lambda: fo.moe_layout(bad, experts),
+             lambda: fo.moe_layout(torch.zeros(4, 1, dtype=torch.int64), experts, mode="bounded", bound=2)]
+    messages = []
+    for call in calls:
+        try:
+            call()
+        except (ValueError, RuntimeError) as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("returned")
+    return messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_moe_layouts_own_collective_errors_name_the_op(world):
+    # Fuzzed (tools/fuzz_agreement.py): "expert_layout: the ranks of group '0' ... disagree on the mode or the bound".
+    outcomes = spawn(_layout_collective_errors, world, timeout=120)
+    for messages in outcomes:
+        assert len(messages) == 4 and all(m.startswith("moe_layout: ") for m in messages), messages
+    assert "disagree on the mode or the bound" in outcomes[0][0] and "bound=4" in outcomes[0][1]
+    assert "outside [0," in outcomes[0][2] and "exceeded" in outcomes[0][3]
