@@ -310,8 +310,9 @@ def moe_args(t: dict, rank: int, groups: dict, perturbed: bool) -> dict:
     local = t["local"]
     inp = moe_inputs(t, rank, perturbed)
     g = _gen(t, rank, 7)
-    h = t["h"] + (1 if p == "h+1" else 0)
-    f = t["f"] + (1 if p == "f+1" else 0)
+    step = 128 if t["kind"] == "fp8block" else 1  # block-wise widths stay multiples of 128 (the tool's quantiser)
+    h = t["h"] + (step if p == "h+1" else 0)
+    f = t["f"] + (step if p == "f+1" else 0)
     kind = t["kind"]
     if p == "to_fp8":
         kind = "fp8row"
