@@ -40,7 +40,8 @@ HELP_ONLY = {"benchmarks/cpu_install.py": "creates virtual environments and inst
              "benchmarks/fp8_moe_host_python.py": "a CPU measurement, minutes, writing a results file",
              "benchmarks/nccl_host_python.py": "a CPU measurement that fakes torch.cuda for its process, writing a "
                                               "results file",
-             "tools/mutate.py": "runs the test suite once per mutation (about 30 minutes on 2 cores)"}
+             "tools/mutate.py": "runs the test suite once per mutation (about 30 minutes on 2 cores)",
+             "tools/fuzz_agreement.py": "hundreds of multi-process trials (minutes)"}
 # Commands the docs name that still fail on a CPU machine (with a traceback, or with a status that means something
 # else), each in files outside this test's owners' reach: the reason, and whose change fixes it. Each still runs, as
 # a strict expected failure: once fixed, it fails here until removed from this table.

@@ -640,6 +640,11 @@ MUTATIONS = [
      "shard's rows never multiplied", NCCL,
      "    operand.multiply_shard(*own, b, c_blocks[comm.rank])", "    pass",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("moe-layout-errors-unnamed", "moe_layout: the errors of its own collective check (ranks that disagree on the "
+     "mode or the bound, a bad index, a routing beyond the bound) name the internal expert_layout, not the op",
+     "src/flashoverlap/runtime/experts.py",
+     "        raise type(exc)(f\"{name}: {text.removeprefix('expert_layout: ')}\") from None\n", "        raise\n",
+     "tests/runtime/test_disagreement.py::test_moe_layouts_own_collective_errors_name_the_op"),
     ("pack-own-drops-the-scales", "NCCL path, fp8 all-gather with even bands: the own rows are written into their "
      "slots but not their scales", NCCL,
      "        scale_slots.copy_(scale_rows.reshape(bands, rows, -1))\n", "",
