@@ -649,11 +649,7 @@ def run(trials: list[dict], world: int, spawn_timeout: float) -> list[list[dict 
         return [x for t in trials for x in run([t], world, spawn_timeout)]
     done = min(len(r) for r in per_rank)
     out = [[per_rank[q][i] for q in range(world)] for i in range(done)]
-    if done < len(trials):
-        # the batch stopped early at trial done-1: the rest in a fresh batch
-        last = out[-1] if out else None
-        if last is not None and len({len(r) for r in per_rank}) > 1:
-            pass
+    if done < len(trials):  # the batch stopped early at trial done-1: the rest in a fresh batch
         out += run(trials[done:], world, spawn_timeout) if done > 0 else []
         if done == 0:
             out = run(trials[:1], world, spawn_timeout) + run(trials[1:], world, spawn_timeout)
@@ -661,24 +657,27 @@ def run(trials: list[dict], world: int, spawn_timeout: float) -> list[list[dict 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=12)
-    parser.add_argument("--only", default=None)
-    parser.add_argument("--replay", type=int, default=None)
-    parser.add_argument("--world", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=12, help="trials per spawn of the ranks")
+    parser.add_argument("--only", default=None, choices=OPS, help="one op's trials")
+    parser.add_argument("--replay", type=int, default=None, help="one trial by its seed")
+    parser.add_argument("--world", type=int, default=None, choices=(2, 3))
     parser.add_argument("--show", action="store_true", help="print every trial")
     parser.add_argument("--log", default=None, help="append every trial as a JSON line")
     options = parser.parse_args()
+    if options.trials < 1 or options.batch < 1:
+        parser.error("--trials and --batch take a positive count")
     if options.replay is not None:
         t = draw(options.replay, options.world or 2, options.only)
         records = run([t], t["world"], 120)[0]
         print(json.dumps(t))
         for r in records:
             print(json.dumps(r))
-        print(verdict(t, records))
-        return
+        kind, why = verdict(t, records)
+        print(kind, why)
+        sys.exit(1 if kind == "defect" else 0)
     summary = collections.Counter()
     defects = []
     log = open(options.log, "a") if options.log else None

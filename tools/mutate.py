@@ -643,8 +643,17 @@ MUTATIONS = [
     ("moe-layout-errors-unnamed", "moe_layout: the errors of its own collective check (ranks that disagree on the "
      "mode or the bound, a bad index, a routing beyond the bound) name the internal expert_layout, not the op",
      "src/flashoverlap/runtime/experts.py",
-     "        raise type(exc)(f\"{name}: {text.removeprefix('expert_layout: ')}\") from None\n", "        raise\n",
+     "            exc.args = (f\"{name}: {text.removeprefix('expert_layout: ')}\", *exc.args[1:])\n", "",
      "tests/runtime/test_disagreement.py::test_moe_layouts_own_collective_errors_name_the_op"),
+    ("nccl-own-slots-fallback-skipped", "NCCL path, fp8 all-gather under cuBLAS bands with a shard cuBLAS does not "
+     "take as it lies: the own rows' slots never multiplied", NCCL,
+     "        for grp in plan.groups:\n            multiply(grp, comm.rank)\n", "        pass\n",
+     NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
+    ("cublas-takes-misaligned-fp8", "comm/scaled.cublas_takes: an fp8 operand that starts off a 16-byte boundary, or "
+     "whose rows are not 16-byte multiples apart, goes to cuBLAS", "src/flashoverlap/comm/scaled.py",
+     "    if a.data_ptr() % ALIGN or b.data_ptr() % ALIGN or a.stride(0) % ALIGN or b.stride(1) % ALIGN:\n",
+     "    if False:\n",
+     "tests/comm/test_bands.py::test_cublas_takes_fp8_operands_only_on_16_byte_boundaries"),
     ("pack-own-drops-the-scales", "NCCL path, fp8 all-gather with even bands: the own rows are written into their "
      "slots but not their scales", NCCL,
      "        scale_slots.copy_(scale_rows.reshape(bands, rows, -1))\n", "",

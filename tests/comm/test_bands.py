@@ -144,3 +144,34 @@ def test_a_block_wise_call_at_k_128_runs_block_wise():
     from flashoverlap.testing import spawn
 
     assert all(err < 1e-5 for err in spawn(_block_at_k_128, 2, "gloo"))
+
+
+class _Lies:
+    """What ``cublas_takes`` reads of a CUDA tensor (the CPU has none): its shape, strides and first byte's
+    address."""
+
+    is_cuda = True
+
+    def __init__(self, shape, strides, address):
+        self.shape, self._strides, self._address = shape, strides, address
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+    def data_ptr(self):
+        return self._address
+
+
+@pytest.mark.parametrize("a_lies,b_lies,takes", [
+    (((64, 256), (256, 1), 4096), ((256, 32), (1, 256), 8192), True),  # row-major A, w.t() B, both aligned
+    (((64, 256), (256, 1), 4104), ((256, 32), (1, 256), 8192), False),  # A starts 8 bytes past a boundary
+    (((64, 256), (256, 1), 4096), ((256, 32), (1, 256), 8200), False),  # B does
+    (((64, 256), (264, 1), 4096), ((256, 32), (1, 256), 8192), False),  # A's rows 264 bytes apart
+    (((64, 256), (256, 1), 4096), ((256, 32), (1, 264), 8192), False),  # B's columns 264 bytes apart
+])
+def test_cublas_takes_fp8_operands_only_on_16_byte_boundaries(a_lies, b_lies, takes):
+    # An own shard that starts mid-buffer goes to cuBLAS as it lies in a captured all-gather (comm/tp/nccl.py):
+    # cuBLASLt's fp8 kernels read 16-byte aligned rows, so such a shard must take the dequantised product instead.
+    from flashoverlap.comm.scaled import cublas_takes
+
+    assert cublas_takes(_Lies(*a_lies), _Lies(*b_lies), "row") is takes

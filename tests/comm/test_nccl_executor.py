@@ -452,7 +452,10 @@ def _fp8_all_gather(rank, world_size):
             plan = default_plan("all_gather", m, n, k, world_size, tile=tile, num_groups=groups, gemm="cublas",
                                 comm_ctas=0, allow_sequential=False)
             assert [g.rows for g in plan.groups] == bands, plan.groups
-            for returned in (True, False):
+            # The own rows: the caller's shard in one product where cuBLAS takes it as it lies, else its slots band
+            # by band (the CPU's scaled products are the dequantised ones either way: the choice stood in).
+            for returned, own_product in itertools.product((True, False), (True, False)):
+                nccl.cublas_takes = lambda a, b, mode, own_product=own_product: own_product
                 call = Call("all_gather_gemm", plan, a, b, returned, scales=Scales.of(scale_a, sb, n=n))
                 out, gathered = comm.run(call)
                 torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
@@ -462,7 +465,7 @@ def _fp8_all_gather(rank, world_size):
                     torch.testing.assert_close(scales, full_scale)
                 else:
                     assert gathered is None
-                checked.append((mode, groups, returned))
+                checked.append((mode, groups, returned, own_product))
             # The signalling GEMM's branch (its kernel a stand-in that computes nothing here: the gathered rows the
             # GEMM would read are what is checked, through the gathered input the call returns).
             triton = dataclasses.replace(plan, gemm="triton", tile=TileConfig(16, 16, 128, 2, 1, 4))  # block_k: 128
@@ -476,4 +479,4 @@ def _fp8_all_gather(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them(world_size):
-    assert spawn(_fp8_all_gather, world_size, "gloo") == [24] * world_size
+    assert spawn(_fp8_all_gather, world_size, "gloo") == [40] * world_size

@@ -203,9 +203,11 @@ def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:
     column-major (``w.t()``) with N a multiple of 16; block-wise, on a Hopper GPU, K a multiple of 512 (torch 2.11's
     block-wise kernel returned zeros on an H200 where ``K/128`` was not a multiple of 4) and A's rows a multiple of 4
     (cuBLAS refused 501, 502, 1001 and 1002 rows and took 504 and 512: benchmarks/diagnostics/scaled_mm_probe.py,
-    logs/issue35)."""
+    logs/issue35); A and B starting on 16-byte boundaries, their rows (columns) 16-byte multiples apart."""
     if not a.is_cuda or a.shape[1] % 16 or b.shape[1] % 16 or b.stride(0) != 1 or a.stride(1) != 1:
         return False
+    if a.data_ptr() % ALIGN or b.data_ptr() % ALIGN or a.stride(0) % ALIGN or b.stride(1) % ALIGN:
+        return False  # cuBLASLt's fp8 kernels read whole 16-byte rows from 16-byte aligned starts
     return mode != "block" or (a.shape[1] % (4 * BLOCK) == 0 and a.shape[0] % 4 == 0 and _hopper(a.device.index))
 
 

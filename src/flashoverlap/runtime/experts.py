@@ -100,9 +100,9 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
         return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
     except (ValueError, BoundExceeded) as exc:  # raised on every rank together: named after the public op
         text = str(exc)
-        if text.startswith(f"{name}:"):
-            raise
-        raise type(exc)(f"{name}: {text.removeprefix('expert_layout: ')}") from None
+        if not text.startswith(f"{name}:"):  # the same exception, its type, attributes and traceback kept
+            exc.args = (f"{name}: {text.removeprefix('expert_layout: ')}", *exc.args[1:])
+        raise
 
 
 def _check_router_weights(name: str, topk_weights: object, shape: torch.Size, device: torch.device) -> None:

@@ -56,6 +56,7 @@ from flashoverlap.comm.collectives import (
 )
 from flashoverlap.comm.protocol import Call, CommGroup, GroupFields, HeldHook
 from flashoverlap.comm.replay import CallGraphs, addresses, allocate, gemm_call_inputs, gemm_call_signature
+from flashoverlap.comm.scaled import cublas_takes
 from flashoverlap.comm.stream_ops import counter_wait_kernel, load_wait_kernel
 from flashoverlap.plan import MAX_GROUPS, Plan, nccl_free_sms
 
@@ -256,14 +257,16 @@ class NcclCommunicator(GroupFields):
             check_leaves_nccl_sms(plan, guards.sm_count(device), op)
         gathered = buffers.gathered
         operand = _Gathered(gathered, plan.k, a_shard.dtype, scales)
-        shard, placed = a_shard, False  # placed: the own rows in their slots already (fp8, even bands)
+        shard, placed, shard_scales = a_shard, False, None  # placed: the own rows in their slots already (fp8)
         if scales is not None:
-            shard, placed = operand.pack_own(a_shard, scales.shard_rows(plan.block_rows), plan, self.rank,
-                                             buffers.band_rows, buffers.packed)
+            shard_scales = scales.shard_rows(plan.block_rows)
+            shard, placed = operand.pack_own(a_shard, shard_scales, plan, self.rank, buffers.band_rows,
+                                             buffers.packed)
         self.prepare(plan, gathered.dtype)
         if plan.gemm == "cublas" or guards.capturing():
-            own_scales = None if scales is None else scales.shard_rows(plan.block_rows)
-            _bands_by_cublas(self, operand, shard, b, plan, buffers.result, placed, (a_shard, own_scales))
+            # fp8: the caller's shard as cuBLAS takes it (row-major, 16-byte aligned), else its packed slots (None)
+            own = (a_shard, shard_scales) if scales is None or cublas_takes(a_shard, b, scales.mode) else None
+            _bands_by_cublas(self, operand, shard, b, plan, buffers.result, placed, own)
         else:
             from flashoverlap.kernels.gemm import GatherWait, gemm  # Triton: imported where a kernel runs
 
@@ -596,7 +599,8 @@ class _Gathered:
 
 
 def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Tensor, b: torch.Tensor,
-                     plan: Plan, c: torch.Tensor, placed: bool, own: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+                     plan: Plan, c: torch.Tensor, placed: bool,
+                     own: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
     """Plans with ``gemm="cublas"``, and every call inside a CUDA-graph capture: the same bands gathered in the
     same order, but each band's slots multiplied by cuBLAS once the band's event has fired, the dependency a stream
     (graph) edge instead of an in-kernel spin. In a graph this is required: a graph may serialize its branches
@@ -608,7 +612,9 @@ def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Te
     wait: they are this rank's block of the result in order. Band by band they were one cuBLAS call a group, and
     at some shapes cuBLAS's fp8 kernel comes with a memset each, which a graph's launch pays for
     (``benchmarks/diagnostics/replay_parts.py``: a replayed fp8 up projection, 8192x7168x8192 on one rank, launched
-    its graph in 11.6 µs with eight memset nodes, q,k,v's in 2.6 without)."""
+    its graph in 11.6 µs with eight memset nodes, q,k,v's in 2.6 without). The other ranks' rows stay one product a
+    band and rank (each waits for its band). ``own`` None (an fp8 shard cuBLAS does not take as it lies): the own
+    rows from their slots, band by band."""
     arrived = comm.all_gather(operand.gathered, shard, plan, events=True, shard_placed=placed)
     producer = torch.cuda.current_stream(shard.device)
     c_blocks = c.view(plan.world_size, plan.block_rows, plan.n)  # rank r's rows of the result: c_blocks[r]
@@ -617,7 +623,11 @@ def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Te
         first = grp.out_row_start + r * grp.rows  # the plan's [group][W][rows] layout
         operand.multiply(slice(first, first + grp.rows), b, c_blocks[r, grp.row_start : grp.row_end])
 
-    operand.multiply_shard(*own, b, c_blocks[comm.rank])  # the own shard: in hand before any collective, no wait
+    if own is not None:  # the own shard: in hand before any collective, no wait
+        operand.multiply_shard(*own, b, c_blocks[comm.rank])
+    else:  # its slots, placed (or packed and placed) before the first collective on this stream
+        for grp in plan.groups:
+            multiply(grp, comm.rank)
     for grp, event in zip(plan.groups, arrived):
         producer.wait_event(event)
         for step in range(1, plan.world_size):
