@@ -643,7 +643,8 @@ MUTATIONS = [
     ("moe-layout-errors-unnamed", "moe_layout: the errors of its own collective check (ranks that disagree on the "
      "mode or the bound, a bad index, a routing beyond the bound) name the internal expert_layout, not the op",
      "src/flashoverlap/runtime/experts.py",
-     "            exc.args = (f\"{name}: {text.removeprefix('expert_layout: ')}\", *exc.args[1:])\n", "",
+     "            exc.args = (f\"{name}: {text.removeprefix('expert_layout: ')}\", *exc.args[1:])\n",
+     "            pass\n",
      "tests/runtime/test_disagreement.py::test_moe_layouts_own_collective_errors_name_the_op"),
     ("nccl-own-slots-fallback-skipped", "NCCL path, fp8 all-gather under cuBLAS bands with a shard cuBLAS does not "
      "take as it lies: the own rows' slots never multiplied", NCCL,
