@@ -168,6 +168,7 @@ class _Lies:
     (((64, 256), (256, 1), 4096), ((256, 32), (1, 256), 8200), False),  # B does
     (((64, 256), (264, 1), 4096), ((256, 32), (1, 256), 8192), False),  # A's rows 264 bytes apart
     (((64, 256), (256, 1), 4096), ((256, 32), (1, 264), 8192), False),  # B's columns 264 bytes apart
+    (((1, 256), (8, 1), 4096), ((256, 32), (1, 256), 8192), True),  # one row: its stride is never stepped
 ])
 def test_cublas_takes_fp8_operands_only_on_16_byte_boundaries(a_lies, b_lies, takes):
     # An own shard that starts mid-buffer goes to cuBLAS as it lies in a captured all-gather (comm/tp/nccl.py):

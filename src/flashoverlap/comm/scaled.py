@@ -206,7 +206,8 @@ def cublas_takes(a: torch.Tensor, b: torch.Tensor, mode: str) -> bool:
     logs/issue35); A and B starting on 16-byte boundaries, their rows (columns) 16-byte multiples apart."""
     if not a.is_cuda or a.shape[1] % 16 or b.shape[1] % 16 or b.stride(0) != 1 or a.stride(1) != 1:
         return False
-    if a.data_ptr() % ALIGN or b.data_ptr() % ALIGN or a.stride(0) % ALIGN or b.stride(1) % ALIGN:
+    if (a.data_ptr() % ALIGN or b.data_ptr() % ALIGN or (a.shape[0] > 1 and a.stride(0) % ALIGN)
+            or (b.shape[1] > 1 and b.stride(1) % ALIGN)):
         return False  # cuBLASLt's fp8 kernels read whole 16-byte rows from 16-byte aligned starts
     return mode != "block" or (a.shape[1] % (4 * BLOCK) == 0 and a.shape[0] % 4 == 0 and _hopper(a.device.index))
 
