@@ -633,18 +633,17 @@ MUTATIONS = [
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
     ("nccl-own-shard-product-in-the-next-block", "NCCL path, all-gather under cuBLAS bands (every captured call):"
      " the own shard's product written into the next rank's block of the result", NCCL,
-     "operand.multiply_shard(*own, b, c_blocks[comm.rank])",
-     "operand.multiply_shard(*own, b, c_blocks[(comm.rank + 1) % plan.world_size])",
+     "operand.product(*own, b, c_blocks[comm.rank])",
+     "operand.product(*own, b, c_blocks[(comm.rank + 1) % plan.world_size])",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
     ("nccl-own-shard-product-skipped", "NCCL path, all-gather under cuBLAS bands (every captured call): the own "
      "shard's rows never multiplied", NCCL,
-     "    operand.multiply_shard(*own, b, c_blocks[comm.rank])", "    pass",
+     "    operand.product(*own, b, c_blocks[comm.rank])", "    pass",
      NCCL_TEST + "::test_the_fp8_all_gather_packs_its_rows_into_their_slots_and_gathers_them"),
     ("moe-layout-errors-unnamed", "moe_layout: the errors of its own collective check (ranks that disagree on the "
      "mode or the bound, a bad index, a routing beyond the bound) name the internal expert_layout, not the op",
      "src/flashoverlap/runtime/experts.py",
-     "            exc.args = (f\"{name}: {text.removeprefix('expert_layout: ')}\", *exc.args[1:])\n",
-     "            pass\n",
+     "                         name=name)", "                         )",
      "tests/runtime/test_disagreement.py::test_moe_layouts_own_collective_errors_name_the_op"),
     ("nccl-own-slots-fallback-skipped", "NCCL path, fp8 all-gather under cuBLAS bands with a shard cuBLAS does not "
      "take as it lies: the own rows' slots never multiplied", NCCL,

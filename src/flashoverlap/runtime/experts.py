@@ -22,16 +22,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import guards, settings
-from flashoverlap.comm.expert import (
-    MODES,
-    BoundExceeded,
-    ExpertCall,
-    ExpertPlan,
-    Layout,
-    check_out,
-    default_bound,
-    expert_layout,
-)
+from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, check_out, default_bound, expert_layout
 from flashoverlap.comm.expert.scaled import FP8, ExpertScales, rows_dtype
 from flashoverlap.comm.expert.scaled import MODES as SCALED_MODES
 from flashoverlap.comm.protocol import Hook
@@ -96,13 +87,8 @@ def layout(name: str, topk_idx: torch.Tensor, num_experts: int, group: dist.Proc
         header = [0, num_experts, 0, 0, top_k, MODES.index(mode) * debug, (bound or 0) * debug, 0, 0, 0, 0, 0, 0, 0]
         agreement.agree(name, context, "expert", _FIELDS, header, env.timeout,
                         once=not every)
-    try:
-        return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights)
-    except (ValueError, BoundExceeded) as exc:  # raised on every rank together: named after the public op
-        text = str(exc)
-        if not text.startswith(f"{name}:"):  # the same exception, its type, attributes and traceback kept
-            exc.args = (f"{name}: {text.removeprefix('expert_layout: ')}", *exc.args[1:])
-        raise
+    return expert_layout(topk_idx, num_experts, context.group, mode=mode, bound=bound, topk_weights=topk_weights,
+                         name=name)
 
 
 def _check_router_weights(name: str, topk_weights: object, shape: torch.Size, device: torch.device) -> None:

@@ -25,7 +25,8 @@ class BoundExceeded(RuntimeError):
 
 
 def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *, mode: str = "exact",
-                  bound: int | None = None, topk_weights: torch.Tensor | None = None) -> Layout:
+                  bound: int | None = None, topk_weights: torch.Tensor | None = None,
+                  name: str = "expert_layout") -> Layout:
     """This rank's routing layout (see the module docstring) for ``topk_idx: [T, k]`` over ``num_experts`` experts
     shared evenly by ``group``'s ranks; ``topk_weights: [T, k]`` (optional) are taken in send order. Collective:
     one all-gather of every rank's ``[W, L + 2]`` counts (each destination's per-expert counts, the rank's number
@@ -34,17 +35,18 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     instead of one rank raising (or sizing its buffers differently) while its peers wait in the next collective.
 
     exact: one host synchronisation (the split sizes, the largest pair's rows, and the check). bounded: none on
-    CUDA (the check is ``torch._assert_async``); on the CPU the check is a plain ``BoundExceeded``.
+    CUDA (the check is ``torch._assert_async``); on the CPU the check is a plain ``BoundExceeded``. ``name``: the
+    public op its errors name (the runtime passes ``moe_layout``).
     """
     world, rank, device = group.world_size, group.rank, topk_idx.device
     if num_experts < 1:
-        raise ValueError(f"expert_layout: num_experts must be >= 1, got {num_experts}")
+        raise ValueError(f"{name}: num_experts must be >= 1, got {num_experts}")
     if num_experts % world:
-        raise ValueError(f"expert_layout: {num_experts} experts cannot be shared evenly by {world} ranks")
+        raise ValueError(f"{name}: {num_experts} experts cannot be shared evenly by {world} ranks")
     if mode not in MODES:
-        raise ValueError(f"expert_layout: mode must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"{name}: mode must be one of {MODES}, got {mode!r}")
     if mode == "bounded" and (not isinstance(bound, int) or bound < 1):
-        raise ValueError(f"expert_layout: mode='bounded' needs bound >= 1, got {bound!r}")
+        raise ValueError(f"{name}: mode='bounded' needs bound >= 1, got {bound!r}")
     local = num_experts // world
     tokens, top_k = topk_idx.shape
     flat = topk_idx.reshape(-1).to(torch.int64)
@@ -72,8 +74,8 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
         summary = torch.cat([pair_totals[rank], pair_totals[:, rank], bad_at, bounds,
                              pair_totals.max().reshape(1), recv_counts.reshape(-1)]).tolist()
         send_splits, recv_splits = summary[:world], summary[world : 2 * world]
-        _raise_on_disagreement(summary[3 * world : 4 * world], 0, group)
-        _raise_on_bad_indices(summary[2 * world : 3 * world], num_experts, group)
+        _raise_on_disagreement(summary[3 * world : 4 * world], 0, group, name)
+        _raise_on_bad_indices(summary[2 * world : 3 * world], num_experts, group, name)
         send_rows = torch.arange(tokens * top_k, dtype=torch.int64, device=device)
         seg_ends = torch.cumsum(recv_counts.reshape(-1), 0)
         received = summary[4 * world + 1 :]
@@ -81,7 +83,7 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
                   "max_pair_rows": summary[4 * world],
                   "recv_counts_host": tuple(tuple(received[s * local : (s + 1) * local]) for s in range(world))}
     else:
-        _check_bound(pair_totals, bad_at, bounds, bound, num_experts, group)
+        _check_bound(pair_totals, bad_at, bounds, bound, num_experts, group, name)
         send_totals = send_counts.sum(1)
         dest = sorted_expert // local
         dest_starts = torch.cumsum(send_totals, 0) - send_totals
@@ -98,35 +100,35 @@ def expert_layout(topk_idx: torch.Tensor, num_experts: int, group: CommGroup, *,
     return layout.with_weights(topk_weights) if topk_weights is not None else layout
 
 
-def _raise_on_bad_indices(bad_at: list[int], num_experts: int, group: CommGroup) -> None:
+def _raise_on_bad_indices(bad_at: list[int], num_experts: int, group: CommGroup, name: str) -> None:
     ranks = [s for s, n in enumerate(bad_at) if n]
     if ranks:
-        raise ValueError(f"topk_idx: rank(s) {ranks} of {group.name} hold expert indices outside [0, {num_experts}) "
-                         f"({sum(bad_at)} in all); nothing was sent")
+        raise ValueError(f"{name}: topk_idx: rank(s) {ranks} of {group.name} hold expert indices outside "
+                         f"[0, {num_experts}) ({sum(bad_at)} in all); nothing was sent")
 
 
-def _raise_on_disagreement(bounds: list[int], mine: int, group: CommGroup) -> None:
+def _raise_on_disagreement(bounds: list[int], mine: int, group: CommGroup, name: str) -> None:
     """Every rank got every rank's mode and bound (0: exact): all raise, or none."""
     if any(b != mine for b in bounds):
         said = ", ".join(f"rank {s}: " + (f"bounded, bound={b}" if b else "exact") for s, b in enumerate(bounds))
-        raise ValueError(f"expert_layout: the ranks of {group.name} disagree on the mode or the bound ({said}); "
+        raise ValueError(f"{name}: the ranks of {group.name} disagree on the mode or the bound ({said}); "
                          "every rank must pass the same mode and bound (the default bound, tokens * top_k, differs "
                          "where the ranks' token counts differ: pass bound explicitly); nothing was sent")
 
 
 def _check_bound(pair_totals: torch.Tensor, bad_at: torch.Tensor, bounds: torch.Tensor, bound: int,
-                 num_experts: int, group: CommGroup) -> None:
+                 num_experts: int, group: CommGroup, name: str) -> None:
     """Every rank sees every (source, destination) total, and every rank's bound: all raise, or none."""
     if pair_totals.device.type != "cuda":
-        _raise_on_disagreement(bounds.tolist(), bound, group)
-        _raise_on_bad_indices(bad_at.tolist(), num_experts, group)
+        _raise_on_disagreement(bounds.tolist(), bound, group, name)
+        _raise_on_bad_indices(bad_at.tolist(), num_experts, group, name)
         totals = pair_totals.tolist()
         over = [(s, d, n) for s, row in enumerate(totals) for d, n in enumerate(row) if n > bound]
         if over:
             worst = max(n for _, _, n in over)
             pairs = ", ".join(f"rank {s} -> rank {d}: {n}" for s, d, n in over[:8])
             raise BoundExceeded(
-                f"bound={bound} rows per (source, destination) exceeded on {group.name} ({pairs}); pass "
+                f"{name}: bound={bound} rows per (source, destination) exceeded on {group.name} ({pairs}); pass "
                 f"bound >= {worst} (the worst case is tokens * top_k), or mode='exact'; nothing was sent")
         return
     ok = (pair_totals.max() <= bound) & (bad_at.sum() == 0) & (bounds == bound).all()

@@ -576,19 +576,15 @@ class _Gathered:
 
     def multiply(self, rows: slice, b: torch.Tensor, out: torch.Tensor) -> None:
         """``out = a[rows] @ b`` by cuBLAS (fp8: scaled by the rows' own scales)."""
-        if self.scales is None:
-            torch.matmul(self.a[rows], b, out=out)
-        else:
-            scaled.scaled_mm(self.a[rows], b, self.scales, self.scale_rows[rows], out=out)
+        self.product(self.a[rows], None if self.scales is None else self.scale_rows[rows], b, out)
 
-    def multiply_shard(self, a_shard: torch.Tensor, scale_rows: torch.Tensor | None, b: torch.Tensor,
-                       out: torch.Tensor) -> None:
-        """``out = a_shard @ b`` by cuBLAS, the caller's own shard as it passed it (fp8: scaled by ``scale_rows``, the
-        shard's rows' scales, as they are packed into the gathered rows)."""
+    def product(self, a: torch.Tensor, scale_rows: torch.Tensor | None, b: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = a @ b`` by cuBLAS: rows of the gathered A, or the caller's own shard as it passed it (fp8: scaled
+        by ``scale_rows``, the rows' scales, and the call's B scales)."""
         if self.scales is None:
-            torch.matmul(a_shard, b, out=out)
+            torch.matmul(a, b, out=out)
         else:
-            scaled.scaled_mm(a_shard, b, self.scales, scale_rows, out=out)
+            scaled.scaled_mm(a, b, self.scales, scale_rows, out=out)
 
     def in_rank_order(self, plan: Plan, full: torch.Tensor, dense: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """The gathered input as ``all_gather_into_tensor`` of whole shards returns it, into ``full`` (the gathered
@@ -624,7 +620,7 @@ def _bands_by_cublas(comm: NcclCommunicator, operand: _Gathered, shard: torch.Te
         operand.multiply(slice(first, first + grp.rows), b, c_blocks[r, grp.row_start : grp.row_end])
 
     if own is not None:  # the own shard: in hand before any collective, no wait
-        operand.multiply_shard(*own, b, c_blocks[comm.rank])
+        operand.product(*own, b, c_blocks[comm.rank])
     else:  # its slots, placed (or packed and placed) before the first collective on this stream
         for grp in plan.groups:
             multiply(grp, comm.rank)
