@@ -122,7 +122,7 @@ def test_package_imports_and_runs_without_cuda_bindings():
     assert proc.stdout.strip() == "1"
 
 
-def _disagree(rank, world_size, what):
+def _disagree(rank, world_size, what, done):
     import os
 
     import pytest
@@ -134,14 +134,17 @@ def _disagree(rank, world_size, what):
     m = 8 + (2 if what == "shape" and rank == 1 else 0)
     a, b = torch.randn(m, 4, dtype=dtype), torch.randn(4, 6, dtype=dtype)
     if what == "skip":
-        if rank == 1:  # skips the call, and stays alive past rank 0's timeout (as a rank stuck elsewhere would)
-            import time
+        from tests.absent_rank import gave_up, stay_away
 
-            time.sleep(8)
+        if rank == 1:  # skips the call, and stays alive past rank 0's timeout (as a rank stuck elsewhere would)
+            stay_away(done)
             return "skipped"
-        with pytest.raises(RuntimeError, match=r"rank 0: gemm_all_reduce on group .*: rank 1 did not reach the call "
-                                               r"within 5 s"):
-            fo.gemm_all_reduce(a, b)
+        try:
+            with pytest.raises(RuntimeError, match=r"rank 0: gemm_all_reduce on group .*: rank 1 did not reach the "
+                                                   r"call within 5 s"):
+                fo.gemm_all_reduce(a, b)
+        finally:
+            gave_up(done)
         return "timed out"
     if what == "leaves":
         if rank == world_size - 1:  # leaves before the call, its connections closed (as a rank that raised or died)
@@ -166,13 +169,13 @@ def _disagree(rank, world_size, what):
 
 
 @pytest.mark.parametrize("what", ["dtype", "shape", "skip", "leaves", "plan", "same plan"])
-def test_debug_mode_catches_ranks_that_disagree_or_never_come(what):
+def test_debug_mode_catches_ranks_that_disagree_or_never_come(what, tmp_path):
     from flashoverlap.testing import spawn
 
     # A plan is compared by a digest: in fresh interpreters each rank has its own string-hash salt, as on separate
     # machines, so that a digest that depends on it cannot agree by a salt forked ranks would share.
     world = 3 if what == "leaves" else 2
-    results = spawn(_disagree, world, args=(what,), fresh=what in ("plan", "same plan"))
+    results = spawn(_disagree, world, args=(what, str(tmp_path / "done")), fresh=what in ("plan", "same plan"))
     expected = {"skip": ["timed out", "skipped"], "same plan": ["agreed", "agreed"],
                 "leaves": ["named", "named", "left"]}
     assert results == expected.get(what, ["refused", "refused"])  # the survivors name the rank that left

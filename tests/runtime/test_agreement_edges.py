@@ -18,6 +18,7 @@ from flashoverlap import settings
 from flashoverlap.runtime import agreement
 from flashoverlap.runtime.context import context_of
 from flashoverlap.testing import spawn
+from tests.absent_rank import gave_up, stay_away
 
 
 def _group_timeout(rank: int, world: int) -> tuple[float, float]:
@@ -34,7 +35,7 @@ def test_the_check_without_a_switch_waits_as_long_as_the_groups_own_timeout():
     assert spawn(_group_timeout, 2, timeout=60) == [(36.0, 1770.0)] * 2
 
 
-def _late_rank_on_a_short_group(rank: int, world: int, detail: bool) -> tuple[str, float]:
+def _late_rank_on_a_short_group(rank: int, world: int, detail: bool, done: str) -> tuple[str, float]:
     os.environ.pop("FLASHOVERLAP_DEBUG_TIMEOUT", None)
     os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
     if detail:
@@ -43,45 +44,50 @@ def _late_rank_on_a_short_group(rank: int, world: int, detail: bool) -> tuple[st
     short = dist.new_group(timeout=datetime.timedelta(seconds=5))
     a, b = torch.randn(4, 8), torch.randn(8, 6)
     if rank == 1:
-        time.sleep(8)  # never makes the call within the group's timeout
+        stay_away(done)  # never makes the call within the group's timeout
         return "absent", 0.0
     start = time.monotonic()
     try:
         fo.gemm_all_reduce(a, b, group=short)
     except RuntimeError as exc:
         return str(exc), time.monotonic() - start
+    finally:
+        gave_up(done)
     return "returned", time.monotonic() - start
 
 
 @pytest.mark.parametrize("detail", [False, True])
-def test_a_rank_absent_past_the_groups_timeout_is_named_at_that_timeout(detail):
+def test_a_rank_absent_past_the_groups_timeout_is_named_at_that_timeout(detail, tmp_path):
     # Under TORCH_DISTRIBUTED_DEBUG=DETAIL alone too (it waited a fixed 300 s).
-    (message, seconds), _ = spawn(_late_rank_on_a_short_group, 2, args=(detail,), timeout=120)
+    (message, seconds), _ = spawn(_late_rank_on_a_short_group, 2, args=(detail, str(tmp_path / "done")), timeout=120)
     assert "rank 1 did not reach the call within 4.5 s" in message, message  # before gloo's own 5 s
     assert seconds < 30, seconds
     # The check of every call of the reference path (CPU tensors) checks repeated calls too: no such hint.
     assert "not checked again" not in message
 
 
-def _absent_after_release(rank: int, world: int) -> str:
+def _absent_after_release(rank: int, world: int, done: str) -> str:
     a, b = torch.randn(4, 8), torch.randn(8, 6)
     for _ in range(3):
         fo.gemm_all_reduce(a, b)
     fo.release()
     if rank == 1:
-        time.sleep(8)  # released like its peer, then never comes to the next call
+        stay_away(done)  # released like its peer, then never comes to the next call
         return "absent"
     try:
         fo.gemm_all_reduce(a, b)
     except RuntimeError as exc:
         return str(exc)
+    finally:
+        gave_up(done)
     return "returned"
 
 
-def test_a_rank_absent_after_release_is_named():
+def test_a_rank_absent_after_release_is_named(tmp_path):
     # After release the exchanges counted from 1 again, and the keys the released context wrote passed for
     # arrivals: "every rank reached the call, but its agreement exchange did not end".
-    message, _ = spawn(_absent_after_release, 2, env={"FLASHOVERLAP_DEBUG_TIMEOUT": "3"}, timeout=120)
+    message, _ = spawn(_absent_after_release, 2, args=(str(tmp_path / "done"),),
+                       env={"FLASHOVERLAP_DEBUG_TIMEOUT": "3"}, timeout=120)
     assert "rank 1 did not reach the call within 3 s" in message, message
 
 
