@@ -370,11 +370,13 @@ def _sourced(path: str, meta: dict) -> str:
     date = f", {meta['date'][:10]}" if meta.get("date") else ""
     commit = str(meta["commit"])[:10]
     runs = [s for s in meta.get("sources") or () if isinstance(s, dict) and s.get("commit") and s.get("command")]
-    if len(runs) > 1:  # rows of several runs (each row names its commit): every run's commit and command
-        listed = "; ".join(f"commit `{str(s['commit'])[:10]}`{stale_note(s['commit'])}: {_command(s['command'])}"
+    if len(runs) > 1:  # rows of several runs (each row names its commit, or its run where runs share one)
+        labelled = all(s.get("run") for s in runs)
+        listed = "; ".join((f"run {s['run']} ({str(s.get('date', ''))[:16]}), " if labelled else "")
+                           + f"commit `{str(s['commit'])[:10]}`{stale_note(s['commit'])}: {_command(s['command'])}"
                            for s in runs)
-        return f"<sub>Source: `{path}` ({what}{date}; rows of {len(runs)} runs, each row naming its commit): " \
-            f"{listed}.</sub>"
+        return f"<sub>Source: `{path}` ({what}{date}; rows of {len(runs)} runs, each row naming its " \
+            f"{'run' if labelled else 'commit'}): {listed}.</sub>"
     return f"<sub>Source: `{path}` ({what}, commit `{commit}`{date}{stale_note(meta['commit'])}): " \
         f"{_command(meta['command'])}.</sub>"
 
@@ -426,19 +428,25 @@ def host_bound(path: str) -> str:
     """The loop a model runs (``benchmarks/host_bound.py``): per shape and dtype, host, GPU and wall time per call of
     each path, with wall over GPU (above 1: the GPU waited) and host over the plain matmul's host time."""
     data = _load(path)
-    # rows of several commits at one shape (a before and an after): a commit column, each its own matmul's
+    # rows of several runs at one shape (a before and an after, or one commit run twice: rows then name their "run"):
+    # a column naming each row's run, each row over its own run's matmul
     shapes = [(row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"], row.get("path"), row.get("mode"))
               for row in data["rows"]]
-    by_commit = len(set(shapes)) < len(shapes)
-    lines = ["| shape | op | M, N, K | dtype | " + ("commit | " if by_commit else "") + "path | mode | host (µs) "
-             "| GPU (µs) | wall (µs) | wall / GPU | host / matmul's |",
-             "| --- " * (11 + by_commit) + "|"]
-    alone = {(row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"], row.get("commit")): row["host_us"]
+    by_run = len(set(shapes)) < len(shapes)
+    runs = any("run" in row for row in data["rows"])
+    lines = ["| shape | op | M, N, K | dtype | " + (("run | " if runs else "commit | ") if by_run else "")
+             + "path | mode | host (µs) | GPU (µs) | wall (µs) | wall / GPU | host / matmul's |",
+             "| --- " * (11 + by_run) + "|"]
+
+    def run_of(row):
+        return row.get("run", row.get("commit"))
+
+    alone = {(row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"], run_of(row)): row["host_us"]
              for row in data["rows"] if row.get("path") in ("mm", "scaled_mm") and "host_us" in row}
     for row in data["rows"]:
-        key = (row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"], row.get("commit"))
+        key = (row["shape"], row["op"], row["M"], row["N"], row["K"], row["dtype"], run_of(row))
         head = (f"| {row['shape']} | {OPS.get(row['op'], row['op'])} | {row['M']}, {row['N']}, {row['K']} "
-                f"| {row['dtype']}" + (f" | {row.get('commit', '-')}" if by_commit else ""))
+                f"| {row['dtype']}" + (f" | {run_of(row) or '-'}" if by_run else ""))
         if "error" in row:
             lines.append(f"{head} | {row.get('path', '-')} | {row.get('mode', '-')} | error: "
                          f"{row['error'][:80]} | | | | |")

@@ -2,6 +2,7 @@
 FileNotFoundError traceback, and a file without render markers was "checked" and exited 0 having checked nothing."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,24 @@ def test_a_document_that_is_missing_or_renders_nothing_is_a_usage_error(argv, sa
     monkeypatch.setattr(readme_tables, "process", lambda **kw: pytest.fail(f"processed {kw}"))
     assert readme_tables.main(argv) == 2
     assert said in capsys.readouterr().err
+
+
+def test_a_host_bound_table_of_two_runs_at_one_commit_names_each_run_and_divides_by_its_own_matmul(readme_tables,
+                                                                                                  tmp_path):
+    # Rows of two runs of one commit: each row over its own run's matmul (keyed by commit alone, the second run's
+    # matmul replaced the first's), the runs named in a column and in the source line.
+    def row(run, path, host):
+        return {"shape": "o", "op": "reduce_scatter", "M": 8, "N": 8, "K": 8, "dtype": "bfloat16", "path": path,
+                "mode": "eager", "host_us": host, "gpu_us": 100.0, "wall_us": 100.0, "commit": "abc", "run": run}
+
+    sources = [{"run": run, "commit": "abc", "command": "python -m benchmarks.host_bound OUT", "date": date}
+               for run, date in (("1", "2026-12-06T14:00:02Z"), ("2", "2026-12-06T14:10:48Z"))]
+    results = tmp_path / "host-bound.json"
+    results.write_text(json.dumps({
+        "meta": {"gpus": "1x GPU", "commit": "abc", "command": "c", "date": "2026-12-06", "sources": sources},
+        "rows": [row("1", "mm", 10.0), row("1", "nccl", 100.0), row("2", "mm", 20.0), row("2", "nccl", 100.0)]}))
+    table = readme_tables.host_bound(str(results))
+    assert "| dtype | run | path |" in table
+    assert "| 1 | nccl | eager | 100 | 100 | 100 | 1.00 | 10.0x |" in table
+    assert "| 2 | nccl | eager | 100 | 100 | 100 | 1.00 | 5.0x |" in table
+    assert "each row naming its run): run 1 (2026-12-06T14:00), commit `abc`" in table
