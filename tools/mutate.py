@@ -548,6 +548,11 @@ MUTATIONS = [
      "        with _environment(environ):  # a fresh interpreter starts with it", "        with contextlib.nullcontext("
      "):  # a fresh interpreter starts with it",
      "tests/test_testing.py::test_a_variable_read_at_import_is_there_when_the_fresh_interpreter_starts"),
+    ("spawn-lingering-rank-gets-a-minute", "testing.spawn: once every rank reported, a rank that does not end gets a "
+     "fixed minute, not what is left of the call's timeout", TESTING,
+     "                       else max(1.0, min(60.0, deadline - time.monotonic())))",
+     "                       else 60.0)",
+     "tests/test_testing.py::test_spawn_keeps_its_timeout_while_the_ranks_end"),
     ("spawn-world-of-zero-returns-nothing", "testing.spawn: a world of 0 ranks returns [] instead of being refused",
      TESTING, "    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:",
      "    if not isinstance(world_size, int) or isinstance(world_size, bool):",
