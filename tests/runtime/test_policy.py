@@ -220,3 +220,25 @@ def test_decide_picks_the_path_and_the_plan_in_one_pass():
     assert policy.decide("op", "auto", _facts(_request(dtype=torch.float32)))[1].sequential
     path, plan, _ = policy.decide("op", "auto", _facts(_request(device=CPU), asked=asked))
     assert path == "reference" and plan == default_plan("all_reduce", 8192, 8192, 8192, 2) and len(asked) == 1
+
+
+def test_the_expert_ops_say_once_per_group_which_path_auto_took_and_why(caplog):
+    # As the tensor-parallel ops do: a CUDA call with path="auto" logs the path taken and why, once per group's
+    # context; a named path and a CPU call log nothing.
+    import types
+
+    from flashoverlap.runtime import experts
+
+    def context(device):
+        return types.SimpleNamespace(device=torch.device(device), world_size=2, p2p_reason=lambda: "no peer access",
+                                     backend="nccl", name="group 7", logged=set())
+
+    gpu, cpu = context("cuda"), context("cpu")
+    with caplog.at_level("DEBUG", logger="flashoverlap"):
+        for _ in range(2):
+            assert experts._expert_path("moe_dispatch_gemm", "auto", gpu, torch.bfloat16, False) == "nccl"
+        assert experts._expert_path("moe_dispatch_gemm", "nccl", context("cuda"), torch.bfloat16, False) == "nccl"
+        assert experts._expert_path("moe_dispatch_gemm", "auto", cpu, torch.bfloat16, False) == "reference"
+    said = [r.getMessage() for r in caplog.records if r.name == "flashoverlap"]
+    assert said == ["flashoverlap: path='auto' uses nccl for the expert ops on group 7: path='p2p' cannot apply to "
+                    "this group: no peer access; use path='nccl'"]

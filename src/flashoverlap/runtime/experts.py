@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import operator
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from flashoverlap.runtime import agreement, calls, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, DTYPES, check_dense
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context, resolved_group
 from flashoverlap.tune import grouped, grouped_fp8
+
+_LOG = logging.getLogger("flashoverlap")
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -115,7 +118,12 @@ def _expert_path(name: str, path: str, context: GroupContext, dtype: torch.dtype
     request = policy.ExpertRequest(context.device, dtype, context.world_size,
                                    frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
                                    context.p2p_reason, nccl_p2p_disabled, context.backend)
-    return policy.expert_path(name, path, request)[0]
+    chosen, why = policy.expert_path(name, path, request)
+    # As the tensor-parallel ops' (runtime/plans.py): path="auto" on CUDA says once per group what it took and why.
+    if path == "auto" and context.device.type == "cuda" and ("auto", "expert") not in context.logged:
+        context.logged.add(("auto", "expert"))
+        _LOG.debug("flashoverlap: path='auto' uses %s for %s on %s: %s", chosen, "the expert ops", context.name, why)
+    return chosen
 
 
 # -- a call ----------------------------------------------------------------------------------------------------
