@@ -606,11 +606,13 @@ def shared_ranks(path: str) -> str:
 def soak(path: str) -> str:
     """The shared-GPU soak: per W, random calls checked, wrong values, errors, hangs, device memory."""
     data = _load(path)
-    lines = ["| W | calls | wrong | errors | hangs | memory samples (MiB) | flat | ms / call | replays | stopped |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by_commit = len({row.get("commit") for row in data["rows"]}) > 1  # rows of several runs: each row's commit
+    lines = ["| W | " + ("commit | " if by_commit else "") + "calls | wrong | errors | hangs | memory samples (MiB) "
+             "| flat | ms / call | replays | stopped |", "| --- " * (10 + by_commit) + "|"]
     for row in data["rows"]:
         memory = ", ".join(f"{m:.0f}" for m in row.get("memory_mib") or [])
-        lines.append(f"| {row['W']} | {row.get('calls')} | {row.get('wrong')} | {row.get('errors')} | "
+        lines.append(f"| {row['W']} | " + (f"{str(row.get('commit') or '-')[:10]} | " if by_commit else "")
+                     + f"{row.get('calls')} | {row.get('wrong')} | {row.get('errors')} | "
                      f"{row.get('hangs')} | {memory} | {row.get('flat')} | {row.get('ms_per_call')} | "
                      f"{row.get('replays')} | {row.get('stopped') or '-'} |")
     return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])

@@ -56,3 +56,16 @@ def test_a_host_bound_table_of_two_runs_at_one_commit_names_each_run_and_divides
     assert "| 1 | nccl | eager | 100 | 100 | 100 | 1.00 | 10.0x |" in table
     assert "| 2 | nccl | eager | 100 | 100 | 100 | 1.00 | 5.0x |" in table
     assert "each row naming its run): run 1 (2026-12-06T14:00), commit `abc`" in table
+
+
+def test_a_soak_table_of_rows_from_several_commits_names_each_rows_commit(readme_tables, tmp_path):
+    def row(world, commit):
+        return {"W": world, "commit": commit, "calls": 10000, "wrong": 0, "errors": 0, "hangs": 0,
+                "memory_mib": [100.0, 100.0], "flat": True, "ms_per_call": 3.0, "replays": 10, "stopped": None}
+
+    meta = {"gpus": "1x GPU", "commit": "bbb", "command": "c", "date": "2026-12-06"}
+    results = tmp_path / "soak.json"
+    results.write_text(json.dumps({"meta": meta, "rows": [row(2, "aaa"), row(8, "bbb")]}))
+    assert "| 2 | aaa | 10000 | 0 |" in readme_tables.soak(str(results))
+    results.write_text(json.dumps({"meta": meta, "rows": [row(2, "bbb"), row(8, "bbb")]}))
+    assert "| W | calls |" in readme_tables.soak(str(results))  # one commit: the source line names it
