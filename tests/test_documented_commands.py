@@ -81,11 +81,19 @@ class Command:
         return self.module or self.script or ""
 
 
+SHELL_BLOCKS = ("", "bash", "sh", "shell", "console")  # the fenced blocks whose lines are commands
+
+
 def _candidates(text: str) -> list[tuple[int, str]]:
     """(line, text) of every code span and every line of every fenced shell block."""
     found = []
-    for block in re.finditer(r"^```(?:bash|sh|shell|console)?\n(.*?)^```", text, re.S | re.M):
-        body = block.group(1).replace("\\\n", " ")
+    # Every fenced block, whatever its language, so that a closing fence is never taken for an opening one (a
+    # pattern that matched only shell openings paired a ```python block's closing fence with the next block's
+    # opening, and skipped every shell block after it); then the shell ones.
+    for block in re.finditer(r"^```(\w*)[^\n]*\n(.*?)^```", text, re.S | re.M):
+        if block.group(1) not in SHELL_BLOCKS:
+            continue
+        body = block.group(2).replace("\\\n", " ")
         first = text.count("\n", 0, block.start()) + 2
         found += [(first + i, line.split(" #", 1)[0]) for i, line in enumerate(body.split("\n"))]
     outside = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
@@ -153,6 +161,15 @@ def _required(help_text: str) -> list[str]:
     while (bare := re.sub(r"\[[^\[\]]*\]|\([^()]*\)", " ", usage)) != usage:  # optional groups, and choices
         usage = bare
     return re.findall(r"(?<![\w-])--[a-z][\w-]*", usage)
+
+
+def test_shell_blocks_after_other_blocks_are_collected():
+    text = ("```python\nx = 1\n```\n\nprose\n\n```bash\nflashoverlap demo  # a comment\n```\n\n"
+            "```text\nflashoverlap version\n```\n")
+    lines = [(line, found.strip()) for line, found in _candidates(text) if found.strip()]
+    assert lines == [(8, "flashoverlap demo")], lines
+    readme = {c.text.strip() for c in COMMANDS if c.where.startswith("README.md:")}
+    assert {"flashoverlap demo", "flashoverlap demo --op moe"} <= readme, "README's Try it block is not collected"
 
 
 def test_required_options_are_read_from_the_usage_line():
