@@ -57,7 +57,8 @@ HIDDEN, FFN, TOKENS = 384, 128, 32  # the small stand-ins (H, 2F and F distinct:
 
 class Launches:
     """A stand-in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` counts a launch and does nothing (but the
-    signalling GEMM's flags, set as the kernel leaves them)."""
+    signalling GEMM's flags, set as the kernel leaves them); and for a kernel's direct launcher
+    (``kernels/launch.Launcher``, called ``launch(grid, args, meta)``), the same."""
 
     count = 0
     library = 0  # torch's grouped GEMMs, stubbed alike
@@ -70,23 +71,26 @@ class Launches:
 
         return launch
 
+    def __call__(self, grid, args, meta):
+        self[grid](*args, **meta)
+
 
 def _install(patch, real: dict[int, int], rows_scale: int) -> None:
     """The H200's choices for the real shapes, the Triton kernels stubbed, the NCCL path on CPU tensors."""
     from flashoverlap import guards
     from flashoverlap.kernels import grouped_gemm as kernels
+    from flashoverlap.kernels.launch import Launcher
     from flashoverlap.runtime import experts
     from flashoverlap.tune import grouped, grouped_fp8
 
     patch.setattr(guards, "triton_interpreted", lambda: True)  # the paths take the Triton kernels (stubbed below)
-    for name in dir(kernels):
-        if name.endswith("_kernel") and hasattr(getattr(kernels, name), "run"):
-            patch.setattr(kernels, name, Launches())
-    quant = sys.modules.get("flashoverlap.kernels.quantise")
-    if quant is not None:
-        for name in dir(quant):
-            if name.endswith("_kernel") and hasattr(getattr(quant, name), "run"):
-                patch.setattr(quant, name, Launches())
+    # Each kernel, and each direct launcher (which holds its kernel: stubbing the kernel alone leaves the launcher
+    # launching the real one, which has no driver on the CPU).
+    for module in (kernels, sys.modules.get("flashoverlap.kernels.quantise")):
+        for name in dir(module) if module is not None else ():
+            value = getattr(module, name)
+            if isinstance(value, Launcher) or (name.endswith("_kernel") and hasattr(value, "run")):
+                patch.setattr(module, name, Launches())
     patch.setattr(experts, "_expert_path", lambda *args, **kwargs: "nccl")
     # torch's grouped GEMMs have no fast CPU kernel: stubbed too (an empty result of the right shape), counted.
 

@@ -23,6 +23,7 @@ import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ HELP_ONLY = {"benchmarks/cpu_install.py": "creates virtual environments and inst
                                               "results file",
              "tools/mutate.py": "runs the test suite once per mutation (about 30 minutes on 2 cores)",
              "tools/fuzz_agreement.py": "hundreds of multi-process trials (minutes)"}
+# The CPU measurements above that still run here, at their smallest (each in a fresh interpreter: they fake
+# torch.cuda for their process), with the documented options: what each adds to make it seconds.
+SMALLEST = {"benchmarks/host_python.py": (),
+            "benchmarks/nccl_host_python.py": ("--repeat", "1", "--windows", "1", "--calls", "1"),
+            "benchmarks/fp8_moe_host_python.py": ("--repeat", "1", "--windows", "1", "--calls", "1")}
 # Commands the docs name that still fail on a CPU machine (with a traceback, or with a status that means something
 # else), each in files outside this test's owners' reach: the reason, and whose change fixes it. Each still runs, as
 # a strict expected failure: once fixed, it fails here until removed from this table.
@@ -257,6 +263,41 @@ def test_every_moved_command_is_named_beside_the_current_one():
         text = (ROOT / doc).read_text().split("\n")[int(line) - 1]
         current = now + command.text.strip()[len(old):]
         assert f"`{current}`" in text, f"{command.where}: `{command.text}` (moved) without `{current}` beside it"
+
+
+def _smallest(command: Command, out: Path) -> list[str]:
+    """``command``'s documented options with its own label and results file, and SMALLEST's in place of its size."""
+    args, rest = [], list(command.args)
+    while rest:
+        arg = rest.pop(0)
+        if arg in ("--label", "--out", "--repeat", "--windows", "--calls"):
+            rest.pop(0)  # its value
+        elif not arg.startswith("--") and not _PLACEHOLDER.match(arg):
+            raise AssertionError(f"{command.where}: {command.text}: {arg} (this test knows no such word)")
+        else:
+            args.append(arg)
+    return [*args, "--label", "docs-check", "--out", str(out), *SMALLEST[command.script]]
+
+
+@pytest.mark.parametrize("script", sorted(SMALLEST))
+def test_every_documented_cpu_measurement_runs_at_its_smallest(script, tmp_path):
+    """A HELP_ONLY CPU measurement still measures on the CPU (fp8_moe_host_python.py's stand-ins once stubbed the
+    kernels but not their direct launchers: on a CPU machine every run ended in Triton's "0 active drivers")."""
+    import json
+
+    assert set(SMALLEST) <= set(HELP_ONLY)
+    commands = [c for c in COMMANDS if c.script == script]
+    assert commands, f"no document names {script} any more: remove it from SMALLEST"
+    # The command with the most options (their other forms' options are checked against --help above): seconds each.
+    command = max(commands, key=lambda c: len(_options(c.args)))
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / script), *_smallest(command, out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    shown = f"{command.where}: `{command.text}` exited {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, shown
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(row.get("label", row.get("mode")) == "docs-check" for row in rows), shown
 
 
 def test_every_documented_example_is_run_by_the_examples_test():
