@@ -178,6 +178,31 @@ def test_shell_blocks_after_other_blocks_are_collected():
     assert {"flashoverlap demo", "flashoverlap demo --op moe"} <= readme, "README's Try it block is not collected"
 
 
+def _description(help_text: str) -> str:
+    """argparse's description: the paragraphs between the usage lines and the first heading (``options:``)."""
+    after_usage = help_text.split("usage:", 1)[-1].split("\n\n", 1)[1:]
+    text = after_usage[0] if after_usage else ""
+    return re.split(r"^\S[^\n]*:$", text, maxsplit=1, flags=re.M)[0].strip()
+
+
+def _cut_description(help_text: str, script: str | None) -> str | None:
+    """The description of a ``--help`` whose program's docstring it begins but stops short of that docstring's first
+    paragraph (a description taken as ``__doc__.split("\\n")[0]``: a sentence cut at the line's end), else None."""
+    import ast
+
+    prog = re.search(r"usage: (?:python -m (\S+)|(\S+))", help_text)
+    if prog and prog.group(1):
+        spec = importlib.util.find_spec(prog.group(1))
+        path = Path(spec.origin) if spec and spec.origin else None
+    else:
+        path = ROOT / script if script else None
+    if path is None or not path.is_file():
+        return None
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    paragraph, described = " ".join(doc.split("\n\n")[0].split()), " ".join(_description(help_text).split())
+    return described if described and paragraph.startswith(described) and described != paragraph else None
+
+
 def test_required_options_are_read_from_the_usage_line():
     assert _required("usage: x [-h] --label LABEL [--out OUT] [--shape M,N,K [M,N,K ...]] {a,b}\n\nmore --no") \
         == ["--label"]
@@ -343,6 +368,8 @@ def test_every_documented_command_runs_or_says_why_not(command, monkeypatch, tmp
             code = _run(command, (*args, "--help"))
         out = capsys.readouterr().out
         assert code == 0, f"{command.where}: `{command.text}`: --help exited {code}"
+        cut = _cut_description(out, command.script)
+        assert cut is None, f"{command.where}: `{command.text}`: --help's description stops mid-sentence: {cut!r}"
         missing = [opt for opt in _options(command.args) if opt not in out]
         assert not missing, f"{command.where}: `{command.text}` names {missing}, which its --help does not list"
         # a summary naming no option is a mention of the command (`flashoverlap tune bandwidth|plan`), not a line
