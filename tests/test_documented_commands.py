@@ -389,3 +389,48 @@ def test_every_documented_command_runs_or_says_why_not(command, monkeypatch, tmp
     message = code if isinstance(code, str) else err.strip()
     assert message and "\n" not in message.strip(), f"not one line: {shown}"
     assert re.search(r"CUDA|GPU|torchrun|harness|source checkout", message), shown
+
+
+def _checked_words(script: Path) -> dict[str, set[str]]:
+    """What ``script`` accepts in each variable it passes to ``steps.sh``'s ``check_words VAR NOUN KNOWN``: KNOWN's
+    words (a literal list, or the script's own ``KNOWN_STEPS``-style variable)."""
+    text = script.read_text()
+    accepted = {}
+    for name, known in re.findall(r'\bcheck_words (\w+) \w+ "([^"]*)"', text):
+        listed = re.fullmatch(r"\$\{?(\w+)\}?", known)
+        if listed:
+            known = re.search(rf'^{listed.group(1)}="([^"]*)"', text, re.M).group(1)
+        accepted[name] = set(known.split())
+    return accepted
+
+
+def _device_script_calls() -> list[tuple[str, str, dict[str, str]]]:
+    """(where, script, {VAR: value}) of every ``VAR=value ... bash benchmarks/SCRIPT.sh`` the docs write."""
+    calls = []
+    for doc in DOCS:
+        for line, text in _candidates(doc.read_text()):
+            for match in re.finditer(r"((?:[A-Z_][A-Z0-9_]*=(?:\"[^\"]*\"|'[^']*'|\$\([^)]*\)|\S*)\s+)*)"
+                                     r"bash\s+(benchmarks/[\w-]+\.sh)", text):
+                env = dict(re.findall(r"([A-Z_][A-Z0-9_]*)=(\"[^\"]*\"|'[^']*'|\$\([^)]*\)|\S*)", match.group(1)))
+                env = {name: value.strip("\"'") for name, value in env.items()}
+                calls.append((f"{doc.relative_to(ROOT)}:{line}", match.group(2), env))
+    return calls
+
+
+def test_the_steps_and_settings_the_docs_pass_to_a_device_script_are_among_its_words():
+    # A device script refuses a misspelt step or setting (tests/test_device_scripts.py), but only on a GPU machine,
+    # where a misspelt documented command costs a device call: each word the docs pass is checked here, statically.
+    calls = _device_script_calls()
+    assert any(env for _, _, env in calls), "no documented `VAR=... bash benchmarks/*.sh` found: the pattern is stale"
+    wrong = []
+    for where, script, env in calls:
+        path = ROOT / script
+        assert path.is_file(), f"{where}: {script} does not exist"
+        accepted = _checked_words(path)
+        for name, value in env.items():
+            if name in accepted:
+                wrong += [f"{where}: {name} word {word!r} is not one of {script}'s {sorted(accepted[name])}"
+                          for word in value.split() if word not in accepted[name]]
+            elif re.fullmatch(r"STEPS|SETTINGS|SETTING|PATHS", name):
+                wrong.append(f"{where}: {script} takes no {name} (it checks {sorted(accepted)})")
+    assert not wrong, "\n".join(wrong)
