@@ -55,17 +55,6 @@ def _no_leaked_stand_ins():
 
 @pytest.fixture(autouse=True)
 def _settings_read_afresh():
-    """The runtime reads its environment variables once and keeps them (``settings.py``): every test starts
-    from the environment as it is, not as an earlier test left the cached settings."""
-    from flashoverlap import settings
-
-    settings.refresh()
-    yield
-    settings.refresh()
-
-
-@pytest.fixture(autouse=True)
-def _settings_read_afresh():
     """``flashoverlap.settings`` reads the environment once and keeps it: every test starts and ends with it unread,
     so that a variable a test sets (and monkeypatch restores) neither reaches the next test nor is missed."""
     from flashoverlap import settings

@@ -134,6 +134,7 @@ def _debug_errors(rank, world):
     import flashoverlap as fo
     from flashoverlap import settings
 
+    before = os.environ.get("FLASHOVERLAP_DEBUG_TIMEOUT")  # the ranks outlive the test: leave it as found
     os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = "60"
     settings.refresh()
     try:
@@ -163,7 +164,10 @@ def _debug_errors(rank, world):
                 p["x"][rank][:, :width], w_up[:, :width], layouts[0])
         _good_call(rank, p, fo)
     finally:
-        del os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"]
+        if before is None:
+            del os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"]
+        else:
+            os.environ["FLASHOVERLAP_DEBUG_TIMEOUT"] = before
         settings.refresh()
     return True
 
