@@ -555,11 +555,12 @@ MUTATIONS = [
      "tests/test_testing.py::test_spawn_keeps_its_timeout_while_the_ranks_end"),
     ("expert-auto-choice-not-logged", "The expert ops' path='auto' choice on CUDA is not logged",
      "src/flashoverlap/runtime/experts.py",
-     '    if path == "auto" and context.device.type == "cuda" and ("auto", "expert") not in context.logged:',
+     '    if path == "auto" and context.device.type == "cuda":  # as the tensor-parallel ops\' choice',
      "    if False:",
      "tests/runtime/test_policy.py::test_the_expert_ops_say_once_per_group_which_path_auto_took_and_why"),
-    ("expert-auto-choice-logged-every-call", "The expert ops' path='auto' choice logged on every call, not once a "
-     "group", "src/flashoverlap/runtime/experts.py", '        context.logged.add(("auto", "expert"))\n', "",
+    ("expert-auto-choice-logged-every-call", "path='auto''s choice (the expert ops', the tensor-parallel ops') logged "
+     "on every call, not once a group", "src/flashoverlap/runtime/plans.py", '        context.logged.add(("auto", what))\n',
+     "",
      "tests/runtime/test_policy.py::test_the_expert_ops_say_once_per_group_which_path_auto_took_and_why"),
     ("spawn-world-of-zero-returns-nothing", "testing.spawn: a world of 0 ranks returns [] instead of being refused",
      TESTING, "    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import operator
 from dataclasses import dataclass
 
@@ -27,12 +26,10 @@ from flashoverlap.comm.expert import MODES, ExpertCall, ExpertPlan, Layout, chec
 from flashoverlap.comm.expert.scaled import FP8, ExpertScales, rows_dtype
 from flashoverlap.comm.expert.scaled import MODES as SCALED_MODES
 from flashoverlap.comm.protocol import Hook
-from flashoverlap.runtime import agreement, calls, policy
+from flashoverlap.runtime import agreement, calls, plans, policy
 from flashoverlap.runtime.checks import DTYPE_CODES, DTYPE_NAMES, DTYPES, check_dense
 from flashoverlap.runtime.context import COMMUNICATORS, GroupContext, group_context, resolved_group
 from flashoverlap.tune import grouped, grouped_fp8
-
-_LOG = logging.getLogger("flashoverlap")
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -119,10 +116,8 @@ def _expert_path(name: str, path: str, context: GroupContext, dtype: torch.dtype
                                    frozenset(p for kind, p in COMMUNICATORS if kind == "expert"),
                                    context.p2p_reason, nccl_p2p_disabled, context.backend)
     chosen, why = policy.expert_path(name, path, request)
-    # As the tensor-parallel ops' (runtime/plans.py): path="auto" on CUDA says once per group what it took and why.
-    if path == "auto" and context.device.type == "cuda" and ("auto", "expert") not in context.logged:
-        context.logged.add(("auto", "expert"))
-        _LOG.debug("flashoverlap: path='auto' uses %s for %s on %s: %s", chosen, "the expert ops", context.name, why)
+    if path == "auto" and context.device.type == "cuda":  # as the tensor-parallel ops' choice (CPU tensors: no log)
+        plans.log_auto_choice(context, "the expert ops", chosen, why)
     return chosen
 
 

@@ -25,10 +25,17 @@ def path_and_plan(spec, shape: tuple[int, int, int], context: GroupContext,
     """The path a call (``calls.GemmSpec``, of ``shape``: all-gather's gathered ``(M, N, K)``) takes, and its plan
     where none is given (None where one is): ``policy.decide`` on the call's facts."""
     path, plan, why = policy.decide(spec.name, spec.path, call_facts(spec, shape, context, nccl_p2p_disabled))
-    if why is not None and ("auto", spec.op) not in context.logged:
-        context.logged.add(("auto", spec.op))
-        _LOG.debug("flashoverlap: path='auto' uses %s for %s on %s: %s", path, spec.op, context.name, why)
+    if why is not None:
+        log_auto_choice(context, spec.op, path, why)
     return path, plan
+
+
+def log_auto_choice(context: GroupContext, what: str, path: str, why: str) -> None:
+    """``path="auto"``'s choice for ``what`` (an op, or the expert ops) and why, at debug level (logger
+    ``flashoverlap``), once per group's context (again after ``release``, which forgets what was logged)."""
+    if ("auto", what) not in context.logged:
+        context.logged.add(("auto", what))
+        _LOG.debug("flashoverlap: path='auto' uses %s for %s on %s: %s", path, what, context.name, why)
 
 
 def given_plan_path(name: str, path: str, context: GroupContext, a: torch.Tensor, plan: Plan,
