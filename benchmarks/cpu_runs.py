@@ -96,7 +96,7 @@ def labelled_parser(doc: str, script: str) -> argparse.ArgumentParser:
     """The command line of a labelled CPU run of ``benchmarks/<script>``: ``--label`` (required), ``--out``
     (``results_out``), ``--repeat``, ``--windows``, ``--calls`` and ``--verbose`` (print each call's operators); a
     script adds its own."""
-    parser = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
     parser.add_argument("--out", default=None, type=results_out(script),
                         help="results JSON to add (or replace) this label's rows in")

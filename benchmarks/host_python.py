@@ -232,7 +232,7 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked before anything runs: W values of at least 2, a shape of three positive integers
     whose M each W divides (every rank of reduce_scatter and all_gather holds M / W rows)."""
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", required=True, help="the row's mode, e.g. before / after")
     parser.add_argument("--out", default=None, type=results_out("host_python.py"),
                         help="results JSON to add (or replace) this label's rows in")

@@ -504,8 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashoverlap.bench import write_results
     from flashoverlap.tune.timing import time_side_by_side
 
-    summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph: --help's description
-    args, _, meta, out, device = start_run("python -m benchmarks.moe", summary, add_arguments, argv,
+    args, _, meta, out, device = start_run("python -m benchmarks.moe", __doc__.split("\n\n")[0], add_arguments, argv,
                                            "-moe")
 
     def timer(fns: dict, host: dict) -> dict:

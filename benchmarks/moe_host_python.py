@@ -125,7 +125,7 @@ def rows_for(mode: str, patch) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", required=True, help="the rows' label, e.g. before / after")
     parser.add_argument("--out", default=None, type=results_out("moe_host_python.py"),
                         help="results JSON to add (or replace) this label's rows in")
