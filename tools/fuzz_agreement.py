@@ -208,13 +208,12 @@ def tp_oracle(cs: list[dict], rank: int):
     c = cs[rank]
     world = len(cs)
 
-    def product(x: dict, rows=None) -> torch.Tensor:
-        a = x["a"] if rows is None else rows
+    def product(x: dict) -> torch.Tensor:
         if "sa" not in x:
-            return a.float() @ x["b"].float()
+            return x["a"].float() @ x["b"].float()
         scales = scaled.Scales.of(x["sa"], x["sb"], x["out_dtype"], x["bias"], x["b"].shape[1])
         sa = x["sa"].reshape(1, 1) if x["mode"] == "tensor" else x["sa"]
-        p = scaled.dequantised_a(a, sa) @ scaled.dequantised_b(x["b"], scales)
+        p = scaled.dequantised_a(x["a"], sa) @ scaled.dequantised_b(x["b"], scales)
         return p if x["bias"] is None else p + x["bias"].float()
 
     dtype = c["out_dtype"] if "sa" in c else c["a"].dtype
@@ -228,8 +227,8 @@ def tp_oracle(cs: list[dict], rank: int):
         if "sa" in c:
             if len({x["mode"] for x in cs}) > 1:
                 return None
-            full = torch.cat([product(c, x["a"]) if False else _ag_rows(x, c) for x in cs])
-            return full.to(dtype)
+            # each shard's rows with its own A scales, times this rank's B (its scales and bias)
+            return torch.cat([product({**c, "a": x["a"], "sa": x["sa"]}) for x in cs]).to(dtype)
         gathered = torch.cat([x["a"] for x in cs])
         res = (gathered.float() @ c["b"].float()).to(dtype)
         return (res, gathered) if c["gathered"] else res
@@ -243,16 +242,6 @@ def tp_oracle(cs: list[dict], rank: int):
         return None
     rows = total.shape[0] // world
     return total[rank * rows:(rank + 1) * rows]
-
-
-def _ag_rows(x: dict, c: dict) -> torch.Tensor:
-    """A shard ``x``'s rows times this rank's ``c``'s B (fp8: each shard with its own A scales)."""
-    from flashoverlap.comm import scaled
-
-    scales = scaled.Scales.of(c["sa"], c["sb"], c["out_dtype"], c["bias"], c["b"].shape[1])
-    sa = x["sa"].reshape(1, 1) if x["mode"] == "tensor" else x["sa"]
-    p = scaled.dequantised_a(x["a"], sa) @ scaled.dequantised_b(c["b"], scales)
-    return p if c["bias"] is None else p + c["bias"].float()
 
 
 # -- the expert ops ---------------------------------------------------------------------------------------------------
@@ -303,6 +292,16 @@ def routed(inputs: list[dict], world: int, local: int) -> list[list[tuple]]:
                     out[d].append((pos, s, i // x["idx"].shape[1], i % x["idx"].shape[1], e % local))
                     pos += 1
     return out
+
+
+def _routing(inputs: list[dict], world: int, local: int) -> list[list[tuple]] | None:
+    """``routed``'s rows, or None where the ranks' routings cannot meet (their expert counts, modes or top-k
+    differ); each input's ``bound_eff`` set first (its bound, or every row it routes)."""
+    for x in inputs:
+        x["bound_eff"] = x["bound"] or max(1, x["tokens"] * x["idx"].shape[1])
+    if len({(x["experts"], x["mode"], x["idx"].shape[1]) for x in inputs}) > 1:
+        return None
+    return routed(inputs, world, local)
 
 
 def moe_args(t: dict, rank: int, groups: dict, perturbed: bool) -> dict:
@@ -393,15 +392,9 @@ def moe_call(t: dict, a: dict, layout):
 def moe_oracle(t: dict, args: list[dict], rank: int):
     world, local = t["world"], t["local"]
     inputs = [x["inp"] for x in args]
-    if len({x["experts"] for x in inputs}) > 1 or len({x["mode"] for x in inputs}) > 1:
+    rows = _routing(inputs, world, local)
+    if rows is None or inputs[0]["mode"] == "bounded" and len({x["bound_eff"] for x in inputs}) > 1:
         return None
-    if len({x["idx"].shape[1] for x in inputs}) > 1:
-        return None
-    for x in inputs:
-        x["bound_eff"] = x["bound"] or max(1, x["tokens"] * x["idx"].shape[1])
-    if inputs[0]["mode"] == "bounded" and len({x["bound_eff"] for x in inputs}) > 1:
-        return None
-    rows = routed(inputs, world, local)
     if t["op"] == "moe_layout":
         return ("layout", len(rows[rank]) if inputs[0]["mode"] == "exact" else world * inputs[0]["bound_eff"])
     # (an fp8 call quantises bf16/fp32 rows itself: their dtype is no part of what crosses the wire)
@@ -435,12 +428,7 @@ def moe_oracle(t: dict, args: list[dict], rank: int):
 def combine_rows(t: dict, args: list[dict]) -> None:
     """A combine's ``a`` [R, F] on every rank: drawn once the receive rows are known (R from the routing)."""
     world, local = t["world"], t["local"]
-    inputs = [x["inp"] for x in args]
-    ok = len({x["experts"] for x in inputs}) == 1 and len({x["mode"] for x in inputs}) == 1 and \
-        len({x["idx"].shape[1] for x in inputs}) == 1
-    for x in inputs:
-        x["bound_eff"] = x["bound"] or max(1, x["tokens"] * x["idx"].shape[1])
-    rows = routed(inputs, world, local) if ok else None
+    rows = _routing([x["inp"] for x in args], world, local)
     for d, a in enumerate(args):
         if rows is None:
             r = 1
