@@ -555,8 +555,8 @@ MUTATIONS = [
      "tests/test_testing.py::test_spawn_keeps_its_timeout_while_the_ranks_end"),
     ("expert-auto-choice-not-logged", "The expert ops' path='auto' choice on CUDA is not logged",
      "src/flashoverlap/runtime/experts.py",
-     '    if path == "auto" and context.device.type == "cuda":  # as the tensor-parallel ops\' choice',
-     "    if False:",
+     '    if path == "auto" and context.device.type == "cuda":  # as the tensor-parallel ops\' choice (CPU tensors: '
+     'no log)', "    if False:",
      "tests/runtime/test_policy.py::test_the_expert_ops_say_once_per_group_which_path_auto_took_and_why"),
     ("expert-auto-choice-logged-every-call", "path='auto''s choice (the expert ops', the tensor-parallel ops') logged "
      "on every call, not once a group", "src/flashoverlap/runtime/plans.py", '        context.logged.add(("auto", what))\n',
