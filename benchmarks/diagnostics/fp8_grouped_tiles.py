@@ -44,7 +44,7 @@ from flashoverlap.tune.grouped import GroupedCall
 # for each block-wise step's MMA); tiles of 4 warps at most 128x128 are the ones whose registers and shared memory
 # fit two or more (``meta.facts``).
 TILES = {
-    "current": None,  # the kernel's tile today for the scaling (``SCALED_TILE_ROW``, ``SCALED_TILE``)
+    "current": None,  # the launcher's own tile for the scaling (``grouped_gemm.scaled_tile``)
     "128x128-s4": (128, 128, 8, 4, 8, 0),
     "128x128-s4-w4": (128, 128, 8, 4, 4, 0),
     "128x256-s3": (128, 256, 8, 3, 8, 0),
@@ -59,14 +59,21 @@ TILES = {
     "64x128-s3-w4-tiles": (64, 128, 8, 3, 4, None),
     "128x64-s4-w4-2sm": (128, 64, 8, 4, 4, 0, 2),
     "64x64-s4-w4-3sm": (64, 64, 8, 4, 4, 0, 3),
+    # One program per tile, 128 wide: on Hopper these block-wise tiles run the Gluon kernel (kernels/block_scaled.py,
+    # ``fits``), the persistent ones above the Triton kernel.
+    "128x128-s4-tiles": (128, 128, 8, 4, 8, None),
+    "64x128-s4-w4-tiles": (64, 128, 8, 4, 4, None),
 }
 
 
-def tile_of(spec: tuple | None, scaling: str = "block"):
-    """The ``GroupedTile`` of a ``TILES`` entry (None: the kernel's own for ``scaling``)."""
-    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, SCALED_TILE_ROW, GroupedTile
+def tile_of(spec: tuple | None, scaling: str = "block", x=None, w=None):
+    """The ``GroupedTile`` of a ``TILES`` entry (None: the launcher's own for ``scaling`` on ``x`` and ``w``, the
+    Triton kernel's where they are not given)."""
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, SCALED_TILE_ROW, GroupedTile, scaled_tile
 
     if spec is None:
+        if x is not None:
+            return scaled_tile(scaling, x, w)
         return SCALED_TILE_ROW if scaling == "row" else SCALED_TILE
     block_m, block_n, group_m, stages, warps, programs, *per_sm = spec
     return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs, programs_per_sm=per_sm[0] if per_sm
@@ -143,10 +150,14 @@ def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, i
             row["t_scaled_grouped_mm_ms"] = timer(scaled_grouped, iters)
         except Exception as exc:  # noqa: BLE001  (recorded, the run goes on)
             row["error_scaled_grouped_mm"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    from flashoverlap.kernels import block_scaled
+
     for tile_name, spec in tiles.items():
-        tile = tile_of(spec, scaling)
+        tile = tile_of(spec, scaling, xq, wq)
+        gluon = scaling == "block" and block_scaled.applies(xq, wq) and block_scaled.fits(tile)
         entry = row["tiles"][tile_name] = {"tile": [tile.block_m, tile.block_n, tile.group_m, tile.num_stages,
-                                                    tile.num_warps, tile.num_programs, tile.programs_per_sm]}
+                                                    tile.num_warps, tile.num_programs, tile.programs_per_sm],
+                                           "kernel": "gluon" if gluon else "triton"}
         try:
             fn = ours(tile)
             out.fill_(float("nan"))
@@ -167,18 +178,24 @@ def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, i
     return row
 
 
-def tile_facts(scalings) -> dict:
-    """``kernel_facts.fp8_kernel_facts`` of every tile, per scaling, for this GPU's architecture (or the error)."""
-    from benchmarks.diagnostics.kernel_facts import fp8_kernel_facts
+def tile_facts(scalings, names) -> dict:
+    """The compiled facts of every tile of ``names``, per scaling, for this GPU's architecture (or the error): the
+    Gluon kernel's (``kernel_facts.block_scaled_facts``) where it runs the tile block-wise, else the Triton
+    kernel's (``kernel_facts.fp8_kernel_facts``; the launcher's own tile as the Triton kernel's)."""
+    from benchmarks.diagnostics.kernel_facts import block_scaled_facts, fp8_kernel_facts
+    from flashoverlap.kernels import block_scaled
 
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         return {"note": f"sm_{major}{minor}: the facts are read for Hopper (sm_90) only"}
     facts = {scaling: {} for scaling in scalings}
     for scaling in scalings:
-        for name, spec in TILES.items():
+        for name in names:
+            tile = tile_of(TILES[name], scaling)
+            gluon = (scaling == "block" and block_scaled.gluon_missing() is None and block_scaled.fits(tile)
+                     and TILES[name] is not None)
             try:
-                facts[scaling][name] = fp8_kernel_facts(tile_of(spec, scaling), scaling)
+                facts[scaling][name] = block_scaled_facts(tile) if gluon else fp8_kernel_facts(tile, scaling)
             except Exception as exc:  # noqa: BLE001  (a diagnostic beside the times: recorded, the sweep goes on)
                 facts[scaling][name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     return facts
@@ -190,6 +207,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--only", type=config_names, default=None,
                         help="comma-separated config names (fp8_grouped.CONFIGS)")
+    parser.add_argument("--tiles", type=names_of(tuple(TILES), "tile"), default=None,
+                        help="comma-separated tile names (TILES; default: all)")
     parser.add_argument("--scalings", type=names_of(("block", "row"), "scaling"), default=["block", "row"],
                         help="block and/or row, comma-separated")
     args = parser.parse_args()
@@ -198,7 +217,7 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = results_meta("python -m benchmarks.diagnostics.fp8_grouped_tiles " + shlex.join(sys.argv[1:]),
                         chunks=CHUNKS, tiles={name: spec and list(spec) for name, spec in TILES.items()},
-                        facts=tile_facts(args.scalings))
+                        facts=tile_facts(args.scalings, args.tiles or list(TILES)))
     rows, started = [], time.monotonic()
     for name, local, k, n, count, _ in CONFIGS:
         if args.only and name not in args.only:
@@ -210,7 +229,8 @@ def main() -> None:
                 print(f"{name} {scaling}: {rows[-1]['skipped']}", flush=True)
                 continue
             try:
-                row = config_row(name, local, k, n, count, scaling, args.iters)
+                row = config_row(name, local, k, n, count, scaling, args.iters,
+                                 tiles=TILES if args.tiles is None else {t: TILES[t] for t in args.tiles})
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 row = {"config": name, "scaling": scaling, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}

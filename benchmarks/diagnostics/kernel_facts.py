@@ -93,6 +93,71 @@ def fp8_kernel_facts(tile, mode: str, arch: int = 90) -> dict:
                     "async_loads": ttgir.count("async_copy_global_to_local"), "scale_multiplies": multiplies}
 
 
+def compile_block_scaled(tile, arch: int = 90):
+    """The Gluon block-wise kernel (``kernels.block_scaled.block_scaled_kernel``) compiled for ``tile`` (a
+    ``GroupedTile`` the kernel ``fits``), sm_``arch``, as its launcher specialises it: fp8 e4m3 operands through
+    TMA descriptors, bf16 out."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from flashoverlap.kernels import block_scaled
+
+    k, n, experts, rows, fp8 = 2048, 1536, 4, 1024, torch.float8_e4m3fn
+    x, w = torch.empty(rows, k, dtype=fp8), torch.empty(experts * n, k, dtype=fp8)
+
+    def descriptor(t, block):
+        return TensorDescriptor(t, list(t.shape), [k, 1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+
+    kernel = block_scaled.block_scaled_kernel
+    names = kernel.arg_names
+    constants = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_scaled.STEP, BLOCK_S=64,
+                     GROUP_M=tile.group_m, STAGES=tile.num_stages,
+                     MMA=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[tile.num_warps, 1],
+                                                   instr_shape=[16, tile.block_n, 32]),
+                     TABLE=gl.BlockedLayout([1], [32], [tile.num_warps], [0]))
+    values = dict(x_desc=descriptor(x, [tile.block_m, block_scaled.STEP]),
+                  w_desc=descriptor(w, [tile.block_n, block_scaled.STEP]), x_scale=torch.empty(1),
+                  w_scale=torch.empty(1), out=torch.empty(1, dtype=torch.bfloat16),
+                  table_ptr=torch.empty(1, dtype=torch.int32))
+    signature = {name: "constexpr" if name in constants else mangle_type(values[name]) if name in values else "i32"
+                 for name in names}
+    source = GluonASTSource(kernel, signature, {(names.index(name),): v for name, v in constants.items()}, {})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tile.num_warps})
+
+
+def block_scaled_facts(tile, arch: int = 90) -> dict:
+    """``{registers, spill_bytes, shared_bytes, programs_per_sm_fit, mma_waits, serialised}`` of the Gluon
+    block-wise kernel for ``tile`` on Hopper: ``mma_waits`` the ``pendings`` of each MMA wait in order (the loop's
+    1s keep a step's MMA in flight while the step before it is scaled); ``serialised`` whether ptxas, assembling the
+    kernel's PTX again with ``-v``, reports that it serialised the MMAs (its warning C7514: a register an MMA in
+    flight writes read by another instruction), which would undo the overlap the kernel exists for."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    if arch != 90:
+        raise ValueError(f"kernel_facts: sm_{arch} is not Hopper (sm_90)")
+    compiled = compile_block_scaled(tile, arch)
+    facts = _resources(compiled.asm["cubin"])
+    shared = int(compiled.metadata.shared)
+    per_warp = -(-facts["registers"] * 32 // 256) * 256
+    fit = min(SM_REGISTERS // (per_warp * tile.num_warps), SM_SHARED // (shared + RESERVED_SHARED),
+              SM_WARPS // tile.num_warps)
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        run = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+    return facts | {"shared_bytes": shared, "programs_per_sm_fit": fit,
+                    "mma_waits": [int(p) for p in re.findall(r"warp_group_dot_wait[^\n]*pendings = (\d+)",
+                                                             compiled.asm["ttgir"])],
+                    "serialised": "C7514" in run.stdout + run.stderr}
+
+
 def main() -> None:
     from flashoverlap.kernels.grouped_gemm import SCALED_TILE, SCALED_TILE_ROW
 

@@ -132,6 +132,32 @@ def test_gpu_fp8_grouped_gemm(mode, block_n):
     assert row["err"] <= 1e-2 and row["untouched"], row
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed-rows"])
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_gpu_block_scales_through_the_gluon_kernel(block_m, packed):
+    """Block-wise on Hopper with K a multiple of 256 and K-major weights: the Gluon kernel (kernels/block_scaled.py)
+    runs the call (its launcher launched, the Triton kernel's not), on segments of every kind (empty, one row, one
+    tile, many; N = 200 leaves a part tile whose columns read the next expert's weights), values against the fp64
+    oracle, rows no segment covers untouched; twice, so the second launch goes through the compiled launcher."""
+    from flashoverlap.kernels import block_scaled, grouped_gemm
+    from flashoverlap.kernels.grouped_gemm import GroupedTile
+
+    if torch.cuda.get_device_capability() != (9, 0) or block_scaled.gluon_missing() is not None:
+        pytest.skip("the Gluon kernel is Hopper's (sm_90, Triton with Gluon)")
+    ends = (0, 1, 130, 130, 700, 1500, 2047, 3000)
+    case = ("gpu-gluon", "block", 8, 2048, 200, [(None, e) for e in ends], [3, 1, 0, 7, 2, 5, 4, 6], True, packed,
+            "bfloat16")
+    tile = GroupedTile(block_m, 128, 128, 8, 4, 8 if block_m == 128 else 4, None)
+    triton_before = grouped_gemm._SCALED_LAUNCH.fast_launches + len(grouped_gemm._SCALED_LAUNCH._compiled)
+    gluon_before = grouped_gemm._BLOCK_LAUNCH.fast_launches + len(grouped_gemm._BLOCK_LAUNCH._compiled)
+    for _ in range(2):
+        row = _run(case, "cuda", tile)
+        assert row["err"] <= 1e-2 and row["untouched"], row
+    assert grouped_gemm._BLOCK_LAUNCH.fast_launches + len(grouped_gemm._BLOCK_LAUNCH._compiled) > gluon_before
+    assert grouped_gemm._SCALED_LAUNCH.fast_launches + len(grouped_gemm._SCALED_LAUNCH._compiled) == triton_before
+
+
 def _facts(tile, mode):
     """``kernel_facts.fp8_kernel_facts``: the kernel compiled for Hopper on this machine (no GPU needed)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -160,6 +186,26 @@ def test_every_fp8_kernel_variant_compiles_for_hopper(mode, block_n):
         assert 1 in facts["mma_waits"] and facts["scale_multiplies"] == 2, facts
     else:
         assert facts["scale_multiplies"] == (1 if block_n <= 128 else 2), facts
+
+
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_the_gluon_block_kernel_keeps_each_mma_in_flight_on_hopper(block_m):
+    """The Gluon block-wise kernel compiled for sm_90 on the CPU, down to the cubin, and assembled again by ptxas
+    with ``-v``: each step's MMA left outstanding while the step before it is scaled (waits that leave one
+    pending), ptxas not serialising the MMAs (its warning C7514, which a product read across the loop's back edge
+    after such a wait drew), no spills, and the default tile's registers and shared memory fitting a program per SM
+    (two of the 64-row one)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from benchmarks.diagnostics.kernel_facts import block_scaled_facts
+    from flashoverlap.kernels import block_scaled
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE_HOPPER, GroupedTile
+
+    if block_scaled.gluon_missing() is not None:
+        pytest.skip(f"no Gluon here: {block_scaled.gluon_missing()}")
+    tile = SCALED_TILE_HOPPER if block_m == 128 else GroupedTile(64, 128, 128, 8, 4, 4, None)
+    facts = block_scaled_facts(tile)
+    assert facts["mma_waits"].count(1) >= 2 and not facts["serialised"], facts
+    assert facts["spill_bytes"] == 0 and facts["programs_per_sm_fit"] >= (1 if block_m == 128 else 2), facts
 
 
 @pytest.mark.parametrize("mode", ["row", "block"])

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from flashoverlap import guards
+from flashoverlap.kernels import block_scaled
 from flashoverlap.kernels.launch import Launcher
 
 _TRITON_MISSING: ModuleNotFoundError | None = None
@@ -798,6 +799,7 @@ def scaled_grouped_gemm_kernel(
 # at four of the five configs re-measured, and within a few per cent of the fastest at the fifth.
 SCALED_TILE = GroupedTile(64, 128, 128, 8, 3, 4, None)  # block-wise
 SCALED_TILE_ROW = GroupedTile(128, 256, 128, 8, 4, 8, 0)  # row-wise
+SCALED_TILE_HOPPER = GroupedTile(128, 128, 128, 8, 4, 8, None)  # block-wise, the Gluon kernel (kernels/block_scaled.py)
 
 
 # Each kernel launched through its compiled kernel's launcher once the JIT has compiled it for the same arguments'
@@ -806,6 +808,7 @@ SCALED_TILE_ROW = GroupedTile(128, 256, 128, 8, 4, 8, 0)  # row-wise
 _TABLE_LAUNCH = Launcher(_segment_table_kernel)
 _GEMM_LAUNCH = Launcher(grouped_gemm_kernel)
 _SCALED_LAUNCH = Launcher(scaled_grouped_gemm_kernel)
+_BLOCK_LAUNCH = Launcher(block_scaled.block_scaled_kernel)
 
 
 def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -824,7 +827,10 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     if k != k_w or mode not in ("row", "block") or (mode == "block" and k % 128):
         raise ValueError(f"scaled_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, mode {mode!r}: K must agree, "
                          "mode be 'row' or 'block' (block: K a multiple of 128)")
-    tile = tile or (SCALED_TILE_ROW if mode == "row" else SCALED_TILE)
+    tile = tile or scaled_tile(mode, x, w)
+    # Block-wise on Hopper: the Gluon kernel (kernels/block_scaled.py), which keeps each step's MMA in flight while
+    # the step before it is scaled, wherever the operands and the tile suit it.
+    gluon = mode == "block" and block_scaled.applies(x, w) and block_scaled.fits(tile)
     _check_tile(tile)
     if mode == "block" and tile.block_k != 128:
         raise ValueError("scaled_grouped_gemm: block-wise scales need tile.block_k = 128")
@@ -844,6 +850,10 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         HAS_GROUPS=False, HAS_STARTS=seg.starts is not None, num_warps=4 if block_s <= 1024 else 8,
     ))
     bound_tiles = (-(-rows // tile.block_m) + min(num_segments, rows)) * tiles_n
+    if gluon:
+        block_scaled.launch(x, x_scale, w, w_scale, out, workspace, num_segments, block_s, bound_tiles, tile,
+                            _BLOCK_LAUNCH)
+        return out
     programs = bound_tiles if tile.num_programs is None else tile.persistent_programs(x.device)
     grid = min(programs, bound_tiles)
     # The scales' strides as the kernel reads them, without views: x_scale [rows] as [rows, 1]; row-wise w_scale
@@ -863,6 +873,15 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         num_stages=tile.num_stages,
     ))
     return out
+
+
+def scaled_tile(mode: str, x: torch.Tensor, w: torch.Tensor) -> GroupedTile:
+    """The tile ``scaled_grouped_gemm`` takes when given none: row-wise ``SCALED_TILE_ROW``; block-wise
+    ``SCALED_TILE_HOPPER`` where the Gluon kernel applies to ``x`` and ``w`` (``block_scaled.applies``), else
+    ``SCALED_TILE``."""
+    if mode == "row":
+        return SCALED_TILE_ROW
+    return SCALED_TILE_HOPPER if block_scaled.applies(x, w) else SCALED_TILE
 
 
 def _check_tile(tile: GroupedTile) -> None:

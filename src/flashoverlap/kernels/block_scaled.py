@@ -1,0 +1,218 @@
+"""The block-wise fp8 grouped GEMM on Hopper, in Gluon: ``out[rows of segment s] = sum over 128-deep K steps of
+(x[rows, step] @ w[e][step]) * x_scale[rows, step] * w_scale[e, step, column block]`` (``e`` the segment's
+expert), each step's MMA kept in flight while the step before it is scaled (issue 44).
+
+Why Gluon: a block-wise step's product must be scaled before it is added, and Triton keeps an MMA in flight across
+loop iterations only where its result feeds nothing but the next MMA's accumulator; any other use waits for every
+step's MMA (``benchmarks/diagnostics/kernel_facts.py``), so the tensor cores idle while the CUDA cores scale (the
+Triton kernel, ``grouped_gemm.scaled_grouped_gemm_kernel``, ran block-wise at about half its row-wise speed on the
+same tile). Gluon lets the kernel say it: two product registers alternate, step k's MMA goes into one while the wait
+for "at most one MMA outstanding" hands back step k-1's from the other, which is scaled and added as step k runs.
+Three tiles of fp32 live at once (the sum and the two products), so a program's tile is 128x128 with two warpgroups
+(or 64x128 with one).
+
+Operands through TMA into a ring of ``STAGES`` shared-memory slots, one barrier each; the slot step k-1 read is
+refilled (with step k - 1 + STAGES) as soon as step k-1's MMA is known done. One program per tile of the segment
+table (``grouped_gemm._segment_table_kernel``, the same table and tile walk as the Triton kernel's: ``_tile_info``
+and ``_tile_offsets``, written again here because Gluon kernels cannot call Triton functions); programs past the
+table's tiles return at once. Rows past the segment (another segment's, or TMA's zeros past x) and columns past N
+(the next expert's rows of the flattened weight) are computed and never stored.
+
+Where it applies (``applies``): a Hopper GPU (sm_90), Gluon importable, K a multiple of 256 (the steps run in pairs),
+x's rows and the weights' ``[E, N, K]`` storage (the ``w.transpose(1, 2)`` view that layers hold) addressable by
+TMA. Elsewhere ``scaled_grouped_gemm`` runs the Triton kernel, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashoverlap import guards
+
+STEP = 128  # K per block-wise scale, and per MMA step
+_GLUON_MISSING: Exception | None = None
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _jit = gluon.jit
+    # Triton 3.6 (the GPU machines') names the TMA load async_copy_global_to_shared; later ones async_load.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except (ImportError, AttributeError) as exc:  # no triton, or one without Gluon's Hopper ops
+    _GLUON_MISSING = exc
+
+    def _jit(fn):
+        return fn
+
+
+@_jit
+def _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, step, steps, off_m, w_row, STAGES: gl.constexpr,
+                 BLOCK_K: gl.constexpr):
+    """Step ``step``'s x and weight tiles into its ring slot, counted on the slot's barrier (none past ``steps``)."""
+    slot = step % STAGES
+    live = step < steps
+    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes, live)
+    _tma_load(x_desc, [off_m, step * BLOCK_K], ready.index(slot), a_bufs.index(slot), live)
+    _tma_load(w_desc, [w_row, step * BLOCK_K], ready.index(slot), b_bufs.index(slot), live)
+
+
+@_jit
+def _product(a_bufs, b_bufs, ready, into, step, STAGES: gl.constexpr):
+    """Step ``step``'s MMA, issued into ``into``'s registers (its value, already used, is not read) and left in
+    flight."""
+    slot = step % STAGES
+    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+    return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), into, use_acc=False,
+                         is_async=True)
+
+
+@_jit
+def _step_scale(sx_ptrs, sw_ptr, step, stride_sxk, stride_swk):
+    """Step ``step``'s scale of each row: its x scale times the weight's one scale for the tile's 128 columns."""
+    return gl.load(sx_ptrs + step * stride_sxk) * gl.load(sw_ptr + step * stride_swk)
+
+
+@_jit
+def _scaled_sum(acc, product, scale):
+    """``acc + product * scale`` (per row), pinned before the next MMA's issue: the sum passes through a wait that
+    waits for nothing new (at most the one MMA in flight stays outstanding). Left free, the compiler moved these
+    multiply-adds past the next MMA's issue, so the product's registers stayed live across it and were copied at
+    the loop's end while that MMA was writing them: ptxas then serialised every MMA (its warning C7514)."""
+    return warpgroup_mma_wait(num_outstanding=1, deps=(acc + product * scale[:, None],))
+
+
+@_jit
+def block_scaled_kernel(
+    x_desc,  # TMA descriptor of x [rows, K] fp8, block [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor of the weights' [E * N, K] storage (K-major), block [BLOCK_N, BLOCK_K]
+    x_scale,  # fp32 [rows, K / 128]
+    w_scale,  # fp32 [E, K / 128, ceil(N / 128)]
+    out,  # [rows, N]
+    table_ptr,  # int32: the prep kernel's table
+    total_rows, N, K, num_segments, tiles_n,
+    stride_sxm, stride_sxk, stride_swe, stride_swk, stride_swn, stride_om, stride_on,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_S: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, TABLE: gl.constexpr,
+):
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    t = gl.program_id(0)
+    total = gl.load(table_ptr + num_segments - 1)
+    if t < total:
+        # The tile walk of grouped_gemm._tile_info and _tile_offsets.
+        cum = gl.load(table_ptr + gl.arange(0, BLOCK_S, layout=TABLE))
+        p = gl.minimum(gl.sum((cum <= t).to(gl.int32), axis=0), num_segments - 1)
+        tile0 = gl.load(table_ptr + 1 * BLOCK_S + p)
+        row0 = gl.load(table_ptr + 2 * BLOCK_S + p)
+        row1 = gl.load(table_ptr + 3 * BLOCK_S + p)
+        expert = gl.load(table_ptr + 4 * BLOCK_S + p)
+        local = t - tile0
+        m_tiles = gl.cdiv(row1 - row0, BLOCK_M)
+        width = GROUP_M * tiles_n
+        first_m = (local // width) * GROUP_M
+        height = gl.minimum(m_tiles - first_m, GROUP_M)
+        off_m = row0 + (first_m + (local % width) % height) * BLOCK_M
+        off_n = ((local % width) // height) * BLOCK_N
+        w_row = expert * N + off_n
+        steps = K // BLOCK_K
+
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+        sx_ptrs = x_scale + gl.minimum(rows, total_rows - 1).to(gl.int64) * stride_sxm
+        sw_ptr = w_scale + expert.to(gl.int64) * stride_swe + (off_n // 128) * stride_swn
+        for i in gl.static_range(STAGES - 1):
+            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, i, steps, off_m, w_row, STAGES, BLOCK_K)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+        even = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+        odd = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA))  # the loop carries it in flight
+        s_odd = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, MMA))
+        # Steps in pairs, so that each product keeps its registers: ``even`` takes steps 0, 2, ..., ``odd`` the
+        # others. The second half issues step k+1's MMA, waits until at most that one is outstanding (step k's is
+        # done), refills the slot step k read and adds step k's product, scaled, while step k+1 runs. The first
+        # half waits for step k-1's MMA (issued in the iteration before) before it issues step k's: ptxas follows
+        # a wait for all but the latest MMA only within one iteration, and serialised every MMA where a product
+        # from the iteration before was read after one (its warning C7514); the pause it costs is one issue.
+        for k in range(0, steps, 2):
+            odd = warpgroup_mma_wait(num_outstanding=0, deps=(odd,))
+            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, k - 1 + STAGES, steps, off_m, w_row, STAGES,
+                         BLOCK_K)
+            even = _product(a_bufs, b_bufs, ready, even, k, STAGES)
+            s_even = _step_scale(sx_ptrs, sw_ptr, k, stride_sxk, stride_swk)
+            acc = _scaled_sum(acc, odd, s_odd)
+            odd = _product(a_bufs, b_bufs, ready, odd, k + 1, STAGES)
+            s_odd = _step_scale(sx_ptrs, sw_ptr, k + 1, stride_sxk, stride_swk)
+            even = warpgroup_mma_wait(num_outstanding=1, deps=(even,))
+            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, k + STAGES, steps, off_m, w_row, STAGES, BLOCK_K)
+            acc = _scaled_sum(acc, even, s_even)
+        odd = warpgroup_mma_wait(num_outstanding=0, deps=(odd,))
+        acc += odd * s_odd[:, None]
+
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+        c_ptrs = out + rows[:, None].to(gl.int64) * stride_om + cols[None, :] * stride_on
+        gl.store(c_ptrs, acc.to(out.dtype.element_ty), mask=(rows[:, None] < row1) & (cols[None, :] < N))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+def fits(tile) -> bool:
+    """Whether the kernel runs ``tile`` (a ``grouped_gemm.GroupedTile``): 128x128 with two warpgroups or 64x128
+    with one, 128-deep steps, at least 3 ring slots (2 would leave no load ahead of the MMA), one program per
+    tile."""
+    return ((tile.block_m, tile.num_warps) in ((128, 8), (64, 4)) and tile.block_n == 128 and tile.block_k == STEP
+            and tile.num_stages >= 3 and tile.num_programs is None)
+
+
+def gluon_missing() -> Exception | None:
+    """Why the Gluon kernel cannot be built here (None: it can)."""
+    return _GLUON_MISSING
+
+
+def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the Gluon kernel runs ``x [rows, K] @ w [E, K, N]`` block-wise (module docstring): Hopper, Gluon,
+    K a multiple of 256, x's rows and w's ``[E, N, K]`` storage (K-major) at 16-byte aligned addresses and strides."""
+    if _GLUON_MISSING is not None or x.device.type != "cuda" or guards.triton_interpreted():
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    k = x.shape[1]
+    num_experts, _, n = w.shape
+    return (k % (2 * STEP) == 0 and x.stride(1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
+            and w.stride(1) == 1 and w.stride(2) == k and w.stride(0) == n * k and w.data_ptr() % 16 == 0
+            and x.dtype == w.dtype)
+
+
+def launch(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
+           table: torch.Tensor, num_segments: int, block_s: int, tiles: int, tile, launcher) -> None:
+    """Launch the kernel on the prep kernel's ``table`` (built for ``tile``'s block_m and block_n), one program per
+    tile of the host-side bound ``tiles``, through ``launcher`` (a ``kernels/launch.Launcher`` of
+    ``block_scaled_kernel``). ``applies(x, w)`` holds; ``tile``: block_k 128, block_n 128, block_m 64 (4 warps) or
+    128 (8 warps)."""
+    rows, k = x.shape
+    num_experts, _, n = w.shape
+    block_m, block_n, warps = tile.block_m, tile.block_n, tile.num_warps
+    fp8 = gl.float8e5 if x.dtype == torch.float8_e5m2 else gl.float8e4nv
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, STEP], fp8)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, STEP], fp8)
+    x_desc = TensorDescriptor(x, [rows, k], [x.stride(0), 1], [block_m, STEP], x_layout)
+    w_flat = w.transpose(1, 2)  # [E, N, K], contiguous (``applies``)
+    w_desc = TensorDescriptor(w_flat, [num_experts * n, k], [k, 1], [block_n, STEP], w_layout)
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 32])
+    table_layout = gl.BlockedLayout([1], [32], [warps], [0])
+    sx, sw = x_scale.stride(), w_scale.stride()
+    launcher(tiles, (
+        x_desc, w_desc, x_scale, w_scale, out, table, rows, n, k, num_segments, -(-n // block_n),
+        sx[0], sx[1], sw[0], sw[1], sw[2], out.stride(0), out.stride(1),
+    ), dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=STEP, BLOCK_S=block_s, GROUP_M=tile.group_m,
+        STAGES=tile.num_stages, MMA=mma, TABLE=table_layout, num_warps=warps,
+    ))
