@@ -50,6 +50,8 @@ GUARDS = "src/flashoverlap/guards.py"
 GUARDS_TEST = "tests/test_guards.py"
 
 GROUPED = "src/flashoverlap/kernels/grouped_gemm.py"
+BLOCK_SCALED = "src/flashoverlap/kernels/block_scaled.py"
+BLOCK_SCALED_TEST = "tests/kernels/test_grouped_fp8.py::test_the_gluon_block_kernel_keeps_each_mma_in_flight_on_hopper"
 QUANTISE = "src/flashoverlap/kernels/quantise.py"
 QUANTISE_TEST = "tests/kernels/test_quantise.py"
 GROUPED_TEST = "tests/kernels/test_grouped_gemm.py"
@@ -779,6 +781,21 @@ MUTATIONS = [
      "where the tile lies in one 128-wide block (two tile-sized multiplies per K step, not one)", GROUPED,
      "            scalar_w: tl.constexpr = BLOCK_N <= 128", "            scalar_w: tl.constexpr = False",
      "tests/kernels/test_grouped_fp8.py::test_every_fp8_kernel_variant_compiles_for_hopper"),
+    ("gluon-block-reads-a-product-across-the-back-edge", "Gluon block-wise kernel: the first half issues step k's "
+     "MMA, then waits for all but it and scales step k-1's product (issued in the iteration before): ptxas serialises "
+     "every MMA (C7514), undoing the overlap", BLOCK_SCALED,
+     "            odd = warpgroup_mma_wait(num_outstanding=0, deps=(odd,))\n"
+     "            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, k - 1 + STAGES, steps, off_m, w_row, STAGES,\n"
+     "                         BLOCK_K)\n"
+     "            even = _product(a_bufs, b_bufs, ready, even, k, STAGES)\n",
+     "            even = _product(a_bufs, b_bufs, ready, even, k, STAGES)\n"
+     "            odd = warpgroup_mma_wait(num_outstanding=1, deps=(odd,))\n"
+     "            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, k - 1 + STAGES, steps, off_m, w_row, STAGES,\n"
+     "                         BLOCK_K)\n", BLOCK_SCALED_TEST),
+    ("gluon-block-scaling-not-pinned", "Gluon block-wise kernel: the scaled sum left free (the compiler moves it past "
+     "the next MMA's issue; ptxas then serialises the MMAs)", BLOCK_SCALED,
+     "    return warpgroup_mma_wait(num_outstanding=1, deps=(acc + product * scale[:, None],))\n",
+     "    return acc + product * scale[:, None]\n", BLOCK_SCALED_TEST),
     ("reference-agreed-on-first-calls-only", "agreement: the reference path agrees on a call's first call only "
      "(ranks each repeating a different call return wrong values)", CALLS,
      "    return dist.get_world_size(group) > 1\n", "    return False\n", DISAGREE_TEST),
