@@ -561,17 +561,20 @@ def fp8_tiles(path: str) -> str:
         programs = "one per tile" if spec[5] is None else f"{per_sm}" + (f" (fit {fit})" if fit else "")
         current, over_current = tiles.get("current", {}), row.get("bf16_over_current")
         then = current.get("tile") or []
-        then = f"{then[0]}x{then[1]}-s{then[3]}: " if len(then) > 3 else ""
-        lines.append(f"{head} | {_ms(row['t_bf16_grouped_mm_ms'])} | {then}{_ms(current.get('t_ms'))} | {row['best']} "
+        gluon = " Gluon" if current.get("kernel") == "gluon" else ""
+        then = f"{then[0]}x{then[1]}-s{then[3]}{gluon}: " if len(then) > 3 else ""
+        best = row["best"] + (" (Gluon)" if tiles[row["best"]].get("kernel") == "gluon" else "")
+        lines.append(f"{head} | {_ms(row['t_bf16_grouped_mm_ms'])} | {then}{_ms(current.get('t_ms'))} | {best} "
                      f"| {_ms(row['t_best_ms'])} | {programs} | {row['bf16_over_best']:.2f}x | "
                      f"{'-' if over_current is None else f'{over_current:.2f}x'} |")
     legend = ("<sub>One H200, per-rank slices at W = 2, balanced routing, fp8 e4m3, bf16 out, every tile's output "
               "checked against a per-expert `_scaled_mm` loop (a wrong tile is never the fastest). Tile names: rows x "
               "columns, pipeline stages (`s`), warps (`w`, else 8), persistent programs per SM (`2sm`, `3sm`, else one)"
-              " or one program per tile (`tiles`). `kernel's tile then`: the tile the kernel ran for the scaling at the"
-              " commit measured, and its time. `programs per SM`: the fastest tile's, and how many fit by its registers"
-              " and shared memory as Triton compiles it (`benchmarks/diagnostics/kernel_facts.py`). bf16 / ... above 1:"
-              " the fp8 kernel is faster than bf16 `torch._grouped_mm`.</sub>")
+              " or one program per tile (`tiles`); `Gluon`: the tile ran the Gluon block-wise kernel "
+              "(`kernels/block_scaled.py`), else the Triton one. `kernel's tile then`: the tile the launcher took for "
+              "the scaling at the commit measured, and its time. `programs per SM`: the fastest tile's, and how many "
+              "fit by its registers and shared memory as compiled (`benchmarks/diagnostics/kernel_facts.py`). bf16 / "
+              "... above 1: the fp8 kernel is faster than bf16 `torch._grouped_mm`.</sub>")
     return "\n".join(lines) + "\n\n" + legend + "\n\n" + _sourced(path, data["meta"])
 
 
