@@ -785,13 +785,9 @@ MUTATIONS = [
      "MMA, then waits for all but it and scales step k-1's product (issued in the iteration before): ptxas serialises "
      "every MMA (C7514), undoing the overlap", BLOCK_SCALED,
      "            odd = warpgroup_mma_wait(num_outstanding=0, deps=(odd,))\n"
-     "            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, k - 1 + STAGES, steps, off_m, w_row, STAGES,\n"
-     "                         BLOCK_K)\n"
-     "            even = _product(a_bufs, b_bufs, ready, even, k, STAGES)\n",
-     "            even = _product(a_bufs, b_bufs, ready, even, k, STAGES)\n"
-     "            odd = warpgroup_mma_wait(num_outstanding=1, deps=(odd,))\n"
-     "            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, k - 1 + STAGES, steps, off_m, w_row, STAGES,\n"
-     "                         BLOCK_K)\n", BLOCK_SCALED_TEST),
+     "            even = _product(a_bufs, b_bufs, ready, even, base + k, STAGES)\n",
+     "            even = _product(a_bufs, b_bufs, ready, even, base + k, STAGES)\n"
+     "            odd = warpgroup_mma_wait(num_outstanding=1, deps=(odd,))\n", BLOCK_SCALED_TEST),
     ("gluon-block-scaling-not-pinned", "Gluon block-wise kernel: the scaled sum left free (the compiler moves it past "
      "the next MMA's issue; ptxas then serialises the MMAs)", BLOCK_SCALED,
      "    return warpgroup_mma_wait(num_outstanding=1, deps=(acc + product * scale[:, None],))\n",

@@ -145,6 +145,13 @@ def test_gpu_block_scales_through_the_gluon_kernel(block_m, packed):
 
     if torch.cuda.get_device_capability() != (9, 0) or block_scaled.gluon_missing() is not None:
         pytest.skip("the Gluon kernel is Hopper's (sm_90, Triton with Gluon)")
+    fp8 = torch.empty(64, 2048, dtype=FP8, device="cuda")
+    weights = torch.empty(2, 256, 2048, dtype=FP8, device="cuda").transpose(1, 2)
+    assert block_scaled.applies(fp8, weights)
+    assert not block_scaled.applies(fp8.bfloat16(), weights.bfloat16())  # not fp8: the Triton kernel's
+    assert not block_scaled.applies(fp8[:, :1152], weights[:, :1152])  # 9 steps: the pairs need an even count
+    assert not block_scaled.applies(fp8[:1].expand(64, 2048), weights)  # rows that overlap
+    assert not block_scaled.applies(fp8, weights.contiguous())  # N-major weights
     ends = (0, 1, 130, 130, 700, 1500, 2047, 3000)
     case = ("gpu-gluon", "block", 8, 2048, 200, [(None, e) for e in ends], [3, 1, 0, 7, 2, 5, 4, 6], True, packed,
             "bfloat16")

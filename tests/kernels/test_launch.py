@@ -142,6 +142,18 @@ def test_a_tensor_descriptors_fingerprint_holds_its_block_and_layout():
     assert fingerprint(descriptor.from_tensor(a.float(), [16, 32])) != base  # another dtype
 
 
+def test_a_gluon_descriptors_fingerprint_holds_its_shared_layout():
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    a = torch.zeros(64, 128, dtype=torch.float16)
+
+    def described(swizzle):
+        return hopper.TensorDescriptor(a, [64, 128], [128, 1], [64, 64], gl.NVMMASharedLayout(swizzle, 16, 2))
+
+    assert fingerprint(described(128)) == fingerprint(described(128))
+    assert fingerprint(described(64)) != fingerprint(described(128))  # the same block, another swizzle
+
+
 @pytest.mark.parametrize("switch", ["debug", "pre-run hook", "exit hook"])
 def test_the_jits_own_switches_are_honoured(kernel, monkeypatch, switch):
     launcher = Launcher(kernel)

@@ -15,8 +15,10 @@ Operands through TMA into a ring of ``STAGES`` shared-memory slots, one barrier 
 refilled (with step k - 1 + STAGES) as soon as step k-1's MMA is known done. One program per tile of the segment
 table (``grouped_gemm._segment_table_kernel``, the same table and tile walk as the Triton kernel's: ``_tile_info``
 and ``_tile_offsets``, written again here because Gluon kernels cannot call Triton functions); programs past the
-table's tiles return at once. Rows past the segment (another segment's, or TMA's zeros past x) and columns past N
-(the next expert's rows of the flattened weight) are computed and never stored.
+table's tiles return at once, and tiles past the grid (only where segments overlap, beyond the launch's bound) are
+taken by stride, as the Triton kernel's persistent programs take them. Rows past the segment (another segment's, or
+TMA's zeros past x) and columns past N (the next expert's rows of the flattened weight) are computed and never
+stored.
 
 Where it applies (``applies``): a Hopper GPU (sm_90), Gluon importable, K a multiple of 256 (the steps run in pairs),
 x's rows and the weights' ``[E, N, K]`` storage (the ``w.transpose(1, 2)`` view that layers hold) addressable by
@@ -30,6 +32,8 @@ import torch
 from flashoverlap import guards
 
 STEP = 128  # K per block-wise scale, and per MMA step
+SHARED_BYTES = 227 * 1024  # shared memory a Hopper program may take
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _GLUON_MISSING: Exception | None = None
 try:
     from triton.experimental import gluon
@@ -54,10 +58,12 @@ except (ImportError, AttributeError) as exc:  # no triton, or one without Gluon'
 
 
 @_jit
-def _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, step, steps, off_m, w_row, STAGES: gl.constexpr,
+def _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, base, step, steps, off_m, w_row, STAGES: gl.constexpr,
                  BLOCK_K: gl.constexpr):
-    """Step ``step``'s x and weight tiles into its ring slot, counted on the slot's barrier (none past ``steps``)."""
-    slot = step % STAGES
+    """Step ``step``'s x and weight tiles into ring slot ``(base + step) % STAGES``, counted on the slot's barrier
+    (none past ``steps``). ``base``: the steps of the program's earlier tiles (each tile has ``steps``), so that
+    the ring's slots and phases run on across tiles."""
+    slot = (base + step) % STAGES
     live = step < steps
     mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes, live)
     _tma_load(x_desc, [off_m, step * BLOCK_K], ready.index(slot), a_bufs.index(slot), live)
@@ -65,19 +71,20 @@ def _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, step, steps, off_m, w_ro
 
 
 @_jit
-def _product(a_bufs, b_bufs, ready, into, step, STAGES: gl.constexpr):
-    """Step ``step``'s MMA, issued into ``into``'s registers (its value, already used, is not read) and left in
-    flight."""
-    slot = step % STAGES
-    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+def _product(a_bufs, b_bufs, ready, into, ring, STAGES: gl.constexpr):
+    """The MMA of the step at ring position ``ring`` (``base + step``), issued into ``into``'s registers (its value,
+    already used, is not read) and left in flight."""
+    slot = ring % STAGES
+    mbarrier.wait(ready.index(slot), (ring // STAGES) & 1)
     return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), into, use_acc=False,
                          is_async=True)
 
 
 @_jit
 def _step_scale(sx_ptrs, sw_ptr, step, stride_sxk, stride_swk):
-    """Step ``step``'s scale of each row: its x scale times the weight's one scale for the tile's 128 columns."""
-    return gl.load(sx_ptrs + step * stride_sxk) * gl.load(sw_ptr + step * stride_swk)
+    """Step ``step``'s scale of each row (fp32): its x scale times the weight's one scale for the tile's 128
+    columns."""
+    return (gl.load(sx_ptrs + step * stride_sxk) * gl.load(sw_ptr + step * stride_swk)).to(gl.float32)
 
 
 @_jit
@@ -107,9 +114,12 @@ def block_scaled_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    t = gl.program_id(0)
     total = gl.load(table_ptr + num_segments - 1)
-    if t < total:
+    steps = K // BLOCK_K
+    base = 0
+    # One tile per program where the launch's bound holds (it does unless segments overlap); tiles past the grid are
+    # taken by stride, the ring's slots and phases running on from ``base``.
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
         # The tile walk of grouped_gemm._tile_info and _tile_offsets.
         cum = gl.load(table_ptr + gl.arange(0, BLOCK_S, layout=TABLE))
         p = gl.minimum(gl.sum((cum <= t).to(gl.int32), axis=0), num_segments - 1)
@@ -125,13 +135,12 @@ def block_scaled_kernel(
         off_m = row0 + (first_m + (local % width) % height) * BLOCK_M
         off_n = ((local % width) // height) * BLOCK_N
         w_row = expert * N + off_n
-        steps = K // BLOCK_K
 
         rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
         sx_ptrs = x_scale + gl.minimum(rows, total_rows - 1).to(gl.int64) * stride_sxm
         sw_ptr = w_scale + expert.to(gl.int64) * stride_swe + (off_n // 128) * stride_swn
         for i in gl.static_range(STAGES - 1):
-            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, i, steps, off_m, w_row, STAGES, BLOCK_K)
+            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, base, i, steps, off_m, w_row, STAGES, BLOCK_K)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
         even = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
         odd = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA))  # the loop carries it in flight
@@ -141,21 +150,25 @@ def block_scaled_kernel(
         # done), refills the slot step k read and adds step k's product, scaled, while step k+1 runs. The first
         # half waits for step k-1's MMA (issued in the iteration before) before it issues step k's: ptxas follows
         # a wait for all but the latest MMA only within one iteration, and serialised every MMA where a product
-        # from the iteration before was read after one (its warning C7514); the pause it costs is one issue.
+        # from the iteration before was read after one (its warning C7514). Each refill comes after this program's
+        # wait for the MMA that read the slot; with two warpgroups, the other's MMA on that slot is covered by the
+        # CTA barrier the compiler puts before every barrier expect and TMA issue (in the PTX: ``bar.sync 0``).
         for k in range(0, steps, 2):
             odd = warpgroup_mma_wait(num_outstanding=0, deps=(odd,))
-            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, k - 1 + STAGES, steps, off_m, w_row, STAGES,
+            even = _product(a_bufs, b_bufs, ready, even, base + k, STAGES)
+            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, base, k - 1 + STAGES, steps, off_m, w_row, STAGES,
                          BLOCK_K)
-            even = _product(a_bufs, b_bufs, ready, even, k, STAGES)
             s_even = _step_scale(sx_ptrs, sw_ptr, k, stride_sxk, stride_swk)
             acc = _scaled_sum(acc, odd, s_odd)
-            odd = _product(a_bufs, b_bufs, ready, odd, k + 1, STAGES)
+            odd = _product(a_bufs, b_bufs, ready, odd, base + k + 1, STAGES)
             s_odd = _step_scale(sx_ptrs, sw_ptr, k + 1, stride_sxk, stride_swk)
             even = warpgroup_mma_wait(num_outstanding=1, deps=(even,))
-            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, k + STAGES, steps, off_m, w_row, STAGES, BLOCK_K)
+            _issue_loads(x_desc, w_desc, a_bufs, b_bufs, ready, base, k + STAGES, steps, off_m, w_row, STAGES,
+                         BLOCK_K)
             acc = _scaled_sum(acc, even, s_even)
         odd = warpgroup_mma_wait(num_outstanding=0, deps=(odd,))
         acc += odd * s_odd[:, None]
+        base += steps
 
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
         c_ptrs = out + rows[:, None].to(gl.int64) * stride_om + cols[None, :] * stride_on
@@ -166,10 +179,11 @@ def block_scaled_kernel(
 
 def fits(tile) -> bool:
     """Whether the kernel runs ``tile`` (a ``grouped_gemm.GroupedTile``): 128x128 with two warpgroups or 64x128
-    with one, 128-deep steps, at least 3 ring slots (2 would leave no load ahead of the MMA), one program per
-    tile."""
+    with one, 128-deep steps, at least 3 ring slots (2 would leave no load ahead of the MMA) and no more than
+    Hopper's shared memory holds, one program per tile."""
+    ring = (tile.block_m + tile.block_n) * STEP * tile.num_stages  # bytes of shared memory (one-byte operands)
     return ((tile.block_m, tile.num_warps) in ((128, 8), (64, 4)) and tile.block_n == 128 and tile.block_k == STEP
-            and tile.num_stages >= 3 and tile.num_programs is None)
+            and 3 <= tile.num_stages and ring + 1024 <= SHARED_BYTES and tile.num_programs is None)
 
 
 def gluon_missing() -> Exception | None:
@@ -179,16 +193,17 @@ def gluon_missing() -> Exception | None:
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the Gluon kernel runs ``x [rows, K] @ w [E, K, N]`` block-wise (module docstring): Hopper, Gluon,
-    K a multiple of 256, x's rows and w's ``[E, N, K]`` storage (K-major) at 16-byte aligned addresses and strides."""
+    fp8 operands of one format, K a positive multiple of 256, x's rows (a row stride of at least K) and w's
+    ``[E, N, K]`` storage (K-major) at 16-byte aligned addresses and strides."""
     if _GLUON_MISSING is not None or x.device.type != "cuda" or guards.triton_interpreted():
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     k = x.shape[1]
     num_experts, _, n = w.shape
-    return (k % (2 * STEP) == 0 and x.stride(1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
-            and w.stride(1) == 1 and w.stride(2) == k and w.stride(0) == n * k and w.data_ptr() % 16 == 0
-            and x.dtype == w.dtype)
+    return (x.dtype in FP8 and w.dtype == x.dtype and k > 0 and k % (2 * STEP) == 0 and x.stride(1) == 1
+            and x.stride(0) >= k and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
+            and w.stride(1) == 1 and w.stride(2) == k and w.stride(0) == n * k and w.data_ptr() % 16 == 0)
 
 
 def launch(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,

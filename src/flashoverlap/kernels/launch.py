@@ -7,11 +7,11 @@ same argument list the JIT hands it. What that saves is measured beside the JIT'
 benchmarks/diagnostics/nccl_host_parts.py (benchmarks/results/h200x1-nccl-host-parts.json: a fraction of a launch,
 whose larger part is the launcher's own work, the TMA descriptors it encodes among it).
 
-The fingerprint is stricter than Triton's specialisation, so it can never reuse a kernel compiled for another one:
-the device, every constexpr and launch option, each tensor's dtype and 16-byte alignment, each tensor descriptor's
-dtype, block shape, shape, strides and alignment, and every integer argument by value (the integers are the
-problem's sizes and strides: fixed per plan and layout for the signalling GEMM and per bound for a bounded-mode expert
-call, so keying them by value costs those no hits; an exact-mode expert call's rows follow its routing, and a
+The fingerprint is stricter than Triton's specialisation, so it can never reuse a kernel compiled for another one: the
+device, every constexpr and launch option, each tensor's dtype and 16-byte alignment, each tensor descriptor's dtype,
+block shape, shape, strides, alignment and (Gluon's) shared layout, and every integer argument by value (the integers
+are the problem's sizes and strides: fixed per plan and layout for the signalling GEMM and per bound for a bounded-mode
+expert call, so keying them by value costs those no hits; an exact-mode expert call's rows follow its routing, and a
 launch whose rows are new goes through the JIT, as every launch did before, plus the fingerprint's few microseconds).
 The key also holds the switches the JIT reads on every launch (``knobs.runtime.debug``, the instrumentation mode).
 An integer the kernel declares ``do_not_specialize`` is keyed by its width class only (Triton compiles one kernel for
@@ -58,7 +58,8 @@ def fingerprint(value) -> object:
     base = getattr(value, "base", None)  # a host tensor descriptor
     if isinstance(base, torch.Tensor):
         return (type(value), base.dtype, base.device, base.data_ptr() % 16 == 0, tuple(value.block_shape),
-                tuple(value.shape), tuple(value.strides), getattr(value, "padding", None))
+                tuple(value.shape), tuple(value.strides), getattr(value, "padding", None),
+                getattr(value, "layout", None))  # a Gluon descriptor's shared layout (hashable)
     raise TypeError(f"Launcher: no fingerprint for an argument of type {type(value).__name__}")
 
 
