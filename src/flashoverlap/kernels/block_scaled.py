@@ -12,13 +12,12 @@ Three tiles of fp32 live at once (the sum and the two products), so a program's 
 (or 64x128 with one).
 
 Operands through TMA into a ring of ``STAGES`` shared-memory slots, one barrier each; the slot step k-1 read is
-refilled (with step k - 1 + STAGES) as soon as step k-1's MMA is known done. One program per tile of the segment
-table (``grouped_gemm._segment_table_kernel``, the same table and tile walk as the Triton kernel's: ``_tile_info``
-and ``_tile_offsets``, written again here because Gluon kernels cannot call Triton functions); programs past the
-table's tiles return at once, and tiles past the grid (only where segments overlap, beyond the launch's bound) are
-taken by stride, as the Triton kernel's persistent programs take them. Rows past the segment (another segment's, or
-TMA's zeros past x) and columns past N (the next expert's rows of the flattened weight) are computed and never
-stored.
+refilled (with step k - 1 + STAGES) as soon as step k-1's MMA is known done. One program per tile of the segment table
+(``grouped_gemm._segment_table_kernel``, and the same tile walk as the Triton kernels', ``kernels/tile_walk.py``);
+programs past the table's tiles return at once, and tiles past the grid (only where segments overlap, beyond the
+launch's bound) are taken by stride, as the Triton kernel's persistent programs take them. Rows past the segment
+(another segment's, or TMA's zeros past x) and columns past N (the next expert's rows of the flattened weight) are
+computed and never stored.
 
 Where it applies (``applies``): a Hopper GPU (sm_90), Gluon importable, K a multiple of 256 (the steps run in pairs),
 x's rows and the weights' ``[E, N, K]`` storage (the ``w.transpose(1, 2)`` view that layers hold) addressable by
@@ -30,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from flashoverlap import guards
+from flashoverlap.kernels.tile_walk import _tile_info, _tile_offsets
 
 STEP = 128  # K per block-wise scale, and per MMA step
 SHARED_BYTES = 227 * 1024  # shared memory a Hopper program may take
@@ -120,20 +120,9 @@ def block_scaled_kernel(
     # One tile per program where the launch's bound holds (it does unless segments overlap); tiles past the grid are
     # taken by stride, the ring's slots and phases running on from ``base``.
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        # The tile walk of grouped_gemm._tile_info and _tile_offsets.
         cum = gl.load(table_ptr + gl.arange(0, BLOCK_S, layout=TABLE))
-        p = gl.minimum(gl.sum((cum <= t).to(gl.int32), axis=0), num_segments - 1)
-        tile0 = gl.load(table_ptr + 1 * BLOCK_S + p)
-        row0 = gl.load(table_ptr + 2 * BLOCK_S + p)
-        row1 = gl.load(table_ptr + 3 * BLOCK_S + p)
-        expert = gl.load(table_ptr + 4 * BLOCK_S + p)
-        local = t - tile0
-        m_tiles = gl.cdiv(row1 - row0, BLOCK_M)
-        width = GROUP_M * tiles_n
-        first_m = (local // width) * GROUP_M
-        height = gl.minimum(m_tiles - first_m, GROUP_M)
-        off_m = row0 + (first_m + (local % width) % height) * BLOCK_M
-        off_n = ((local % width) // height) * BLOCK_N
+        p, tile0, row0, row1, expert = _tile_info(table_ptr, cum, t, num_segments, BLOCK_S)
+        off_m, off_n = _tile_offsets(t, tile0, row0, row1, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
         w_row = expert * N + off_n
 
         rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
