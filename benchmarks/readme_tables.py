@@ -567,7 +567,8 @@ def fp8_tiles(path: str) -> str:
         lines.append(f"{head} | {_ms(row['t_bf16_grouped_mm_ms'])} | {then}{_ms(current.get('t_ms'))} | {best} "
                      f"| {_ms(row['t_best_ms'])} | {programs} | {row['bf16_over_best']:.2f}x | "
                      f"{'-' if over_current is None else f'{over_current:.2f}x'} |")
-    legend = ("<sub>One H200, per-rank slices at W = 2, balanced routing, fp8 e4m3, bf16 out, every tile's output "
+    gpu = str(data["meta"].get("gpus", "GPU")).replace("NVIDIA ", "")
+    legend = (f"<sub>One {gpu}, per-rank slices at W = 2, balanced routing, fp8 e4m3, bf16 out, every tile's output "
               "checked against a per-expert `_scaled_mm` loop (a wrong tile is never the fastest). Tile names: rows x "
               "columns, pipeline stages (`s`), warps (`w`, else 8), persistent programs per SM (`2sm`, `3sm`, else one)"
               " or one program per tile (`tiles`); `Gluon`: the tile ran the Gluon block-wise kernel "

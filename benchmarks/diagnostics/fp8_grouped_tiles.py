@@ -181,7 +181,8 @@ def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, i
 def tile_facts(scalings, names) -> dict:
     """The compiled facts of every tile of ``names``, per scaling, for this GPU's architecture (or the error): the
     Gluon kernel's (``kernel_facts.block_scaled_facts``) where it runs the tile block-wise, else the Triton
-    kernel's (``kernel_facts.fp8_kernel_facts``; the launcher's own tile as the Triton kernel's)."""
+    kernel's (``kernel_facts.fp8_kernel_facts``); the launcher's own tile as the launcher takes it on a GPU whose
+    operands suit the Gluon kernel (the sweep's configs do: K-major weights, K a multiple of 256 where block-wise)."""
     from benchmarks.diagnostics.kernel_facts import block_scaled_facts, fp8_kernel_facts
     from flashoverlap.kernels import block_scaled
 
@@ -189,11 +190,14 @@ def tile_facts(scalings, names) -> dict:
     if (major, minor) != (9, 0):
         return {"note": f"sm_{major}{minor}: the facts are read for Hopper (sm_90) only"}
     facts = {scaling: {} for scaling in scalings}
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE_HOPPER
+
+    gluon_here = block_scaled.gluon_missing() is None  # on sm_90 (above): the launcher's block-wise tile is Gluon's
     for scaling in scalings:
         for name in names:
-            tile = tile_of(TILES[name], scaling)
-            gluon = (scaling == "block" and block_scaled.gluon_missing() is None and block_scaled.fits(tile)
-                     and TILES[name] is not None)
+            own = TILES[name] is None and scaling == "block" and gluon_here
+            tile = SCALED_TILE_HOPPER if own else tile_of(TILES[name], scaling)
+            gluon = scaling == "block" and gluon_here and block_scaled.fits(tile)
             try:
                 facts[scaling][name] = block_scaled_facts(tile) if gluon else fp8_kernel_facts(tile, scaling)
             except Exception as exc:  # noqa: BLE001  (a diagnostic beside the times: recorded, the sweep goes on)

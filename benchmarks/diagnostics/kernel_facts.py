@@ -100,7 +100,6 @@ def compile_block_scaled(tile, arch: int = 90):
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -109,20 +108,14 @@ def compile_block_scaled(tile, arch: int = 90):
 
     k, n, experts, rows, fp8 = 2048, 1536, 4, 1024, torch.float8_e4m3fn
     x, w = torch.empty(rows, k, dtype=fp8), torch.empty(experts * n, k, dtype=fp8)
-
-    def descriptor(t, block):
-        return TensorDescriptor(t, list(t.shape), [k, 1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
-
+    x_layout, w_layout, mma, table = block_scaled._layouts(tile.block_m, tile.block_n, tile.num_warps, False)
     kernel = block_scaled.block_scaled_kernel
     names = kernel.arg_names
     constants = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_scaled.STEP, BLOCK_S=64,
-                     GROUP_M=tile.group_m, STAGES=tile.num_stages,
-                     MMA=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[tile.num_warps, 1],
-                                                   instr_shape=[16, tile.block_n, 32]),
-                     TABLE=gl.BlockedLayout([1], [32], [tile.num_warps], [0]))
-    values = dict(x_desc=descriptor(x, [tile.block_m, block_scaled.STEP]),
-                  w_desc=descriptor(w, [tile.block_n, block_scaled.STEP]), x_scale=torch.empty(1),
+                     GROUP_M=tile.group_m, STAGES=tile.num_stages, MMA=mma, TABLE=table)
+    values = dict(x_desc=TensorDescriptor(x, [rows, k], [k, 1], [tile.block_m, block_scaled.STEP], x_layout),
+                  w_desc=TensorDescriptor(w, [experts * n, k], [k, 1], [tile.block_n, block_scaled.STEP], w_layout),
+                  x_scale=torch.empty(1),
                   w_scale=torch.empty(1), out=torch.empty(1, dtype=torch.bfloat16),
                   table_ptr=torch.empty(1, dtype=torch.int32))
     signature = {name: "constexpr" if name in constants else mangle_type(values[name]) if name in values else "i32"

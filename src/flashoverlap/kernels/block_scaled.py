@@ -26,6 +26,8 @@ TMA. Elsewhere ``scaled_grouped_gemm`` runs the Triton kernel, as before.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flashoverlap import guards
@@ -195,6 +197,18 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.stride(1) == 1 and w.stride(2) == k and w.stride(0) == n * k and w.data_ptr() % 16 == 0)
 
 
+@functools.lru_cache(maxsize=16)
+def _layouts(block_m: int, block_n: int, warps: int, e5m2: bool) -> tuple:
+    """The shared layouts of x's and the weights' tiles, the MMA's register layout and the table's, for a tile shape:
+    made once (building them took 22 µs a launch on a CPU machine, an exact-mode MoE layer's calls several launches
+    each)."""
+    fp8 = gl.float8e5 if e5m2 else gl.float8e4nv
+    return (gl.NVMMASharedLayout.get_default_for([block_m, STEP], fp8),
+            gl.NVMMASharedLayout.get_default_for([block_n, STEP], fp8),
+            gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 32]),
+            gl.BlockedLayout([1], [32], [warps], [0]))
+
+
 def launch(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
            table: torch.Tensor, num_segments: int, block_s: int, tiles: int, tile, launcher) -> None:
     """Launch the kernel on the prep kernel's ``table`` (built for ``tile``'s block_m and block_n), one program per
@@ -203,20 +217,16 @@ def launch(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
     128 (8 warps)."""
     rows, k = x.shape
     num_experts, _, n = w.shape
-    block_m, block_n, warps = tile.block_m, tile.block_n, tile.num_warps
-    fp8 = gl.float8e5 if x.dtype == torch.float8_e5m2 else gl.float8e4nv
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, STEP], fp8)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, STEP], fp8)
+    block_m, block_n = tile.block_m, tile.block_n
+    x_layout, w_layout, mma, table_layout = _layouts(block_m, block_n, tile.num_warps, x.dtype == torch.float8_e5m2)
     x_desc = TensorDescriptor(x, [rows, k], [x.stride(0), 1], [block_m, STEP], x_layout)
     w_flat = w.transpose(1, 2)  # [E, N, K], contiguous (``applies``)
     w_desc = TensorDescriptor(w_flat, [num_experts * n, k], [k, 1], [block_n, STEP], w_layout)
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 32])
-    table_layout = gl.BlockedLayout([1], [32], [warps], [0])
     sx, sw = x_scale.stride(), w_scale.stride()
     launcher(tiles, (
         x_desc, w_desc, x_scale, w_scale, out, table, rows, n, k, num_segments, -(-n // block_n),
         sx[0], sx[1], sw[0], sw[1], sw[2], out.stride(0), out.stride(1),
     ), dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=STEP, BLOCK_S=block_s, GROUP_M=tile.group_m,
-        STAGES=tile.num_stages, MMA=mma, TABLE=table_layout, num_warps=warps,
+        STAGES=tile.num_stages, MMA=mma, TABLE=table_layout, num_warps=tile.num_warps,
     ))
