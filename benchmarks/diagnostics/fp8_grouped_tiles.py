@@ -73,7 +73,9 @@ def tile_of(spec: tuple | None, scaling: str = "block", x=None, w=None):
 
     if spec is None:
         if x is not None:
-            return scaled_tile(scaling, x, w)
+            from flashoverlap.kernels import block_scaled
+
+            return scaled_tile(scaling, scaling == "block" and block_scaled.applies(x, w))
         return SCALED_TILE_ROW if scaling == "row" else SCALED_TILE
     block_m, block_n, group_m, stages, warps, programs, *per_sm = spec
     return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs, programs_per_sm=per_sm[0] if per_sm

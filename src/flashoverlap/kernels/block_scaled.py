@@ -188,13 +188,19 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     ``[E, N, K]`` storage (K-major) at 16-byte aligned addresses and strides."""
     if _GLUON_MISSING is not None or x.device.type != "cuda" or guards.triton_interpreted():
         return False
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if not _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return False
     k = x.shape[1]
     num_experts, _, n = w.shape
     return (x.dtype in FP8 and w.dtype == x.dtype and k > 0 and k % (2 * STEP) == 0 and x.stride(1) == 1
             and x.stride(0) >= k and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
             and w.stride(1) == 1 and w.stride(2) == k and w.stride(0) == n * k and w.data_ptr() % 16 == 0)
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    """Whether CUDA device ``index`` is sm_90 (asked once per device: ``applies`` runs on every block-wise call)."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 @functools.lru_cache(maxsize=16)

@@ -802,10 +802,11 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     if k != k_w or mode not in ("row", "block") or (mode == "block" and k % 128):
         raise ValueError(f"scaled_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, mode {mode!r}: K must agree, "
                          "mode be 'row' or 'block' (block: K a multiple of 128)")
-    tile = tile or scaled_tile(mode, x, w)
     # Block-wise on Hopper: the Gluon kernel (kernels/block_scaled.py), which keeps each step's MMA in flight while
     # the step before it is scaled, wherever the operands and the tile suit it.
-    gluon = mode == "block" and block_scaled.applies(x, w) and block_scaled.fits(tile)
+    gluon = mode == "block" and block_scaled.applies(x, w)
+    tile = tile or scaled_tile(mode, gluon)
+    gluon = gluon and block_scaled.fits(tile)
     _check_tile(tile)
     if mode == "block" and tile.block_k != 128:
         raise ValueError("scaled_grouped_gemm: block-wise scales need tile.block_k = 128")
@@ -850,13 +851,13 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     return out
 
 
-def scaled_tile(mode: str, x: torch.Tensor, w: torch.Tensor) -> GroupedTile:
+def scaled_tile(mode: str, gluon: bool) -> GroupedTile:
     """The tile ``scaled_grouped_gemm`` takes when given none: row-wise ``SCALED_TILE_ROW``; block-wise
-    ``SCALED_TILE_HOPPER`` where the Gluon kernel applies to ``x`` and ``w`` (``block_scaled.applies``), else
-    ``SCALED_TILE``."""
+    ``SCALED_TILE_HOPPER`` where the Gluon kernel applies to the operands (``gluon``: ``block_scaled.applies``),
+    else ``SCALED_TILE``."""
     if mode == "row":
         return SCALED_TILE_ROW
-    return SCALED_TILE_HOPPER if block_scaled.applies(x, w) else SCALED_TILE
+    return SCALED_TILE_HOPPER if gluon else SCALED_TILE
 
 
 def _check_tile(tile: GroupedTile) -> None:
