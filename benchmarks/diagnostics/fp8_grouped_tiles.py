@@ -75,7 +75,7 @@ def tile_of(spec: tuple | None, scaling: str = "block", x=None, w=None):
         if x is not None:
             from flashoverlap.kernels import block_scaled
 
-            return scaled_tile(scaling, scaling == "block" and block_scaled.applies(x, w))
+            return scaled_tile(scaling, scaling == "block" and block_scaled.applies(x, w), x.shape[1])
         return SCALED_TILE_ROW if scaling == "row" else SCALED_TILE
     block_m, block_n, group_m, stages, warps, programs, *per_sm = spec
     return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs, programs_per_sm=per_sm[0] if per_sm
@@ -195,6 +195,7 @@ def tile_facts(scalings, names) -> dict:
     from flashoverlap.kernels.grouped_gemm import SCALED_TILE_HOPPER
 
     gluon_here = block_scaled.gluon_missing() is None  # on sm_90 (above): the launcher's block-wise tile is Gluon's
+    # (the facts of "current": its tile for K of 1024 and more)
     for scaling in scalings:
         for name in names:
             own = TILES[name] is None and scaling == "block" and gluon_here

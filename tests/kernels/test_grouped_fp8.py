@@ -205,14 +205,32 @@ def test_the_gluon_block_kernel_keeps_each_mma_in_flight_on_hopper(block_m):
     pytest.importorskip("triton.backends.nvidia.compiler")
     from benchmarks.diagnostics.kernel_facts import block_scaled_facts
     from flashoverlap.kernels import block_scaled
-    from flashoverlap.kernels.grouped_gemm import SCALED_TILE_HOPPER, GroupedTile
+    from flashoverlap.kernels.grouped_gemm import SCALED_TILE_HOPPER, SCALED_TILE_HOPPER_SHORT_K
 
     if block_scaled.gluon_missing() is not None:
         pytest.skip(f"no Gluon here: {block_scaled.gluon_missing()}")
-    tile = SCALED_TILE_HOPPER if block_m == 128 else GroupedTile(64, 128, 128, 8, 4, 4, None)
+    tile = SCALED_TILE_HOPPER if block_m == 128 else SCALED_TILE_HOPPER_SHORT_K
     facts = block_scaled_facts(tile)
     assert facts["mma_waits"].count(1) >= 2 and not facts["serialised"], facts
     assert facts["spill_bytes"] == 0 and facts["programs_per_sm_fit"] >= (1 if block_m == 128 else 2), facts
+
+
+def test_the_launchers_own_fp8_tile_by_mode_kernel_and_k():
+    """``scaled_tile``: row-wise one tile; block-wise the Triton kernel's where the Gluon kernel does not apply, and
+    the Gluon kernel's two (short K: 64 rows, two programs an SM), each one the Gluon kernel runs."""
+    from flashoverlap.kernels import block_scaled
+    from flashoverlap.kernels.grouped_gemm import (
+        SCALED_TILE,
+        SCALED_TILE_HOPPER,
+        SCALED_TILE_HOPPER_SHORT_K,
+        SCALED_TILE_ROW,
+        scaled_tile,
+    )
+
+    assert scaled_tile("row", False, 768) is SCALED_TILE_ROW and scaled_tile("block", False, 768) is SCALED_TILE
+    assert scaled_tile("block", True, 768) is SCALED_TILE_HOPPER_SHORT_K  # Qwen3-30B-A3B's down projection
+    assert scaled_tile("block", True, 2048) is SCALED_TILE_HOPPER
+    assert block_scaled.fits(SCALED_TILE_HOPPER) and block_scaled.fits(SCALED_TILE_HOPPER_SHORT_K)
 
 
 @pytest.mark.parametrize("mode", ["row", "block"])

@@ -774,7 +774,13 @@ def scaled_grouped_gemm_kernel(
 # at four of the five configs re-measured, and within a few per cent of the fastest at the fifth.
 SCALED_TILE = GroupedTile(64, 128, 128, 8, 3, 4, None)  # block-wise
 SCALED_TILE_ROW = GroupedTile(128, 256, 128, 8, 4, 8, 0)  # row-wise
-SCALED_TILE_HOPPER = GroupedTile(128, 128, 128, 8, 4, 8, None)  # block-wise, the Gluon kernel (kernels/block_scaled.py)
+# Block-wise, the Gluon kernel (kernels/block_scaled.py), swept on one H100 (h100x1-fp8-grouped-tiles.json): 128x128
+# with two warpgroups and 4 ring slots the fastest at every config but the one with K = 768 (6 steps), where 64x128
+# tiles of one warpgroup and 3 slots, two programs to an SM, ran 6% faster: with few steps a tile's fill and drain
+# weigh, and a second program on the SM runs its loop meanwhile.
+SCALED_TILE_HOPPER = GroupedTile(128, 128, 128, 8, 4, 8, None)
+SCALED_TILE_HOPPER_SHORT_K = GroupedTile(64, 128, 128, 8, 3, 4, None)
+SHORT_K = 1024  # K below which SCALED_TILE_HOPPER_SHORT_K is taken (the sweep: K = 768 below, 2048 and up above)
 
 
 # Each kernel launched through its compiled kernel's launcher once the JIT has compiled it for the same arguments'
@@ -805,7 +811,7 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     # Block-wise on Hopper: the Gluon kernel (kernels/block_scaled.py), which keeps each step's MMA in flight while
     # the step before it is scaled, wherever the operands and the tile suit it.
     gluon = mode == "block" and block_scaled.applies(x, w)
-    tile = tile or scaled_tile(mode, gluon)
+    tile = tile or scaled_tile(mode, gluon, x.shape[1])
     gluon = gluon and block_scaled.fits(tile)
     _check_tile(tile)
     if mode == "block" and tile.block_k != 128:
@@ -851,13 +857,15 @@ def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     return out
 
 
-def scaled_tile(mode: str, gluon: bool) -> GroupedTile:
-    """The tile ``scaled_grouped_gemm`` takes when given none: row-wise ``SCALED_TILE_ROW``; block-wise
-    ``SCALED_TILE_HOPPER`` where the Gluon kernel applies to the operands (``gluon``: ``block_scaled.applies``),
-    else ``SCALED_TILE``."""
+def scaled_tile(mode: str, gluon: bool, k: int) -> GroupedTile:
+    """The tile ``scaled_grouped_gemm`` takes when given none, for K = ``k``: row-wise ``SCALED_TILE_ROW``;
+    block-wise, where the Gluon kernel applies to the operands (``gluon``: ``block_scaled.applies``),
+    ``SCALED_TILE_HOPPER``, or ``SCALED_TILE_HOPPER_SHORT_K`` below ``SHORT_K``; else ``SCALED_TILE``."""
     if mode == "row":
         return SCALED_TILE_ROW
-    return SCALED_TILE_HOPPER if gluon else SCALED_TILE
+    if gluon:
+        return SCALED_TILE_HOPPER_SHORT_K if k < SHORT_K else SCALED_TILE_HOPPER
+    return SCALED_TILE
 
 
 def _check_tile(tile: GroupedTile) -> None:
