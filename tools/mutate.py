@@ -792,6 +792,16 @@ MUTATIONS = [
      "the next MMA's issue; ptxas then serialises the MMAs)", BLOCK_SCALED,
      "    return warpgroup_mma_wait(num_outstanding=1, deps=(acc + product * scale[:, None],))\n",
      "    return acc + product * scale[:, None]\n", BLOCK_SCALED_TEST),
+    ("short-k-tile-never-taken", "fp8 grouped GEMM: block-wise on Hopper the launcher never takes the short-K "
+     "Gluon tile (64x128, two programs an SM)", GROUPED,
+     "        return SCALED_TILE_HOPPER_SHORT_K if k < SHORT_K else SCALED_TILE_HOPPER\n",
+     "        return SCALED_TILE_HOPPER\n",
+     "tests/kernels/test_grouped_fp8.py::test_the_launchers_own_fp8_tile_by_mode_kernel_and_k"),
+    ("launch-fingerprint-ignores-gluon-layout", "Launcher: a Gluon descriptor's shared layout left out of the key (a "
+     "kernel compiled for one swizzle relaunched for another)", "src/flashoverlap/kernels/launch.py",
+     "                getattr(value, \"layout\", None))  # a Gluon descriptor's shared layout (hashable)\n",
+     "                None)\n",
+     "tests/kernels/test_launch.py::test_a_gluon_descriptors_fingerprint_holds_its_shared_layout"),
     ("reference-agreed-on-first-calls-only", "agreement: the reference path agrees on a call's first call only "
      "(ranks each repeating a different call return wrong values)", CALLS,
      "    return dist.get_world_size(group) > 1\n", "    return False\n", DISAGREE_TEST),
