@@ -215,6 +215,18 @@ def test_the_gluon_block_kernel_keeps_each_mma_in_flight_on_hopper(block_m):
     assert facts["spill_bytes"] == 0 and facts["programs_per_sm_fit"] >= (1 if block_m == 128 else 2), facts
 
 
+def test_the_gluon_kernel_is_not_taken_with_a_triton_older_than_it_was_checked_on():
+    """Gluon's API moved between releases: below Triton 3.6 the module reports Gluon missing (``applies`` is then
+    False everywhere and the Triton kernel runs)."""
+    import subprocess
+
+    pytest.importorskip("triton")
+    code = ("import triton; triton.__version__ = '3.5.1'; from flashoverlap.kernels import block_scaled as b; "
+            "print(b.gluon_missing())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "needs triton >= 3.6, found 3.5.1" in out, out
+
+
 def test_the_launchers_own_fp8_tile_by_mode_kernel_and_k():
     """``scaled_tile``: row-wise one tile; block-wise the Triton kernel's where the Gluon kernel does not apply, and
     the Gluon kernel's two (short K: 64 rows, two programs an SM), each one the Gluon kernel runs."""

@@ -19,9 +19,9 @@ launch's bound) are taken by stride, as the Triton kernel's persistent programs 
 (another segment's, or TMA's zeros past x) and columns past N (the next expert's rows of the flattened weight) are
 computed and never stored.
 
-Where it applies (``applies``): a Hopper GPU (sm_90), Gluon importable, K a multiple of 256 (the steps run in pairs),
-x's rows and the weights' ``[E, N, K]`` storage (the ``w.transpose(1, 2)`` view that layers hold) addressable by
-TMA. Elsewhere ``scaled_grouped_gemm`` runs the Triton kernel, as before.
+Where it applies (``applies``): a Hopper GPU (sm_90), Triton 3.6 or later with Gluon, K a multiple of 256 (the steps
+run in pairs), x's rows and the weights' ``[E, N, K]`` storage (the ``w.transpose(1, 2)`` view that layers hold)
+addressable by TMA. Elsewhere ``scaled_grouped_gemm`` runs the Triton kernel, as before.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ SHARED_BYTES = 227 * 1024  # shared memory a Hopper program may take
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _GLUON_MISSING: Exception | None = None
 try:
+    import triton
+
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
+        # Gluon's API moved between releases; the kernel is compiled and checked against 3.6 and 3.9.
+        raise ImportError(f"the Gluon kernel needs triton >= 3.6, found {triton.__version__}")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -52,7 +57,7 @@ try:
     _jit = gluon.jit
     # Triton 3.6 (the GPU machines') names the TMA load async_copy_global_to_shared; later ones async_load.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-except (ImportError, AttributeError) as exc:  # no triton, or one without Gluon's Hopper ops
+except (ImportError, AttributeError, ValueError) as exc:  # no triton, an older one, no Gluon Hopper ops
     _GLUON_MISSING = exc
 
     def _jit(fn):
