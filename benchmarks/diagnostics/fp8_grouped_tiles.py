@@ -66,17 +66,13 @@ TILES = {
 }
 
 
-def tile_of(spec: tuple | None, scaling: str = "block", x=None, w=None):
-    """The ``GroupedTile`` of a ``TILES`` entry (None: the launcher's own for ``scaling`` on ``x`` and ``w``, the
-    Triton kernel's where they are not given)."""
-    from flashoverlap.kernels.grouped_gemm import SCALED_TILE, SCALED_TILE_ROW, GroupedTile, scaled_tile
+def tile_of(spec: tuple | None, scaling: str = "block", gluon: bool = False, k: int = 2048):
+    """The ``GroupedTile`` of a ``TILES`` entry (None: the launcher's own for ``scaling`` at K = ``k``,
+    ``grouped_gemm.scaled_tile``; ``gluon``: whether the Gluon kernel applies to the operands)."""
+    from flashoverlap.kernels.grouped_gemm import GroupedTile, scaled_tile
 
     if spec is None:
-        if x is not None:
-            from flashoverlap.kernels import block_scaled
-
-            return scaled_tile(scaling, scaling == "block" and block_scaled.applies(x, w), x.shape[1])
-        return SCALED_TILE_ROW if scaling == "row" else SCALED_TILE
+        return scaled_tile(scaling, gluon, k)
     block_m, block_n, group_m, stages, warps, programs, *per_sm = spec
     return GroupedTile(block_m, block_n, 128, group_m, stages, warps, programs, programs_per_sm=per_sm[0] if per_sm
                        else 1)
@@ -154,9 +150,10 @@ def config_row(name: str, local: int, k: int, n: int, rows: int, scaling: str, i
             row["error_scaled_grouped_mm"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     from flashoverlap.kernels import block_scaled
 
+    applies = scaling == "block" and block_scaled.applies(xq, wq)  # the launcher's own test, asked once
     for tile_name, spec in tiles.items():
-        tile = tile_of(spec, scaling, xq, wq)
-        gluon = scaling == "block" and block_scaled.applies(xq, wq) and block_scaled.fits(tile)
+        tile = tile_of(spec, scaling, applies, k)
+        gluon = applies and block_scaled.fits(tile)
         entry = row["tiles"][tile_name] = {"tile": [tile.block_m, tile.block_n, tile.group_m, tile.num_stages,
                                                     tile.num_warps, tile.num_programs, tile.programs_per_sm],
                                            "kernel": "gluon" if gluon else "triton"}
@@ -192,15 +189,14 @@ def tile_facts(scalings, names) -> dict:
     if (major, minor) != (9, 0):
         return {"note": f"sm_{major}{minor}: the facts are read for Hopper (sm_90) only"}
     facts = {scaling: {} for scaling in scalings}
-    from flashoverlap.kernels.grouped_gemm import SCALED_TILE_HOPPER
-
-    gluon_here = block_scaled.gluon_missing() is None  # on sm_90 (above): the launcher's block-wise tile is Gluon's
-    # (the facts of "current": its tile for K of 1024 and more)
+    # On sm_90 (above) the Gluon kernel runs every block-wise tile it fits (the facts of "current": its tile for K of
+    # 1024 and more).
+    gluon_here = block_scaled.gluon_missing() is None
     for scaling in scalings:
+        applies = scaling == "block" and gluon_here
         for name in names:
-            own = TILES[name] is None and scaling == "block" and gluon_here
-            tile = SCALED_TILE_HOPPER if own else tile_of(TILES[name], scaling)
-            gluon = scaling == "block" and gluon_here and block_scaled.fits(tile)
+            tile = tile_of(TILES[name], scaling, applies)
+            gluon = applies and block_scaled.fits(tile)
             try:
                 facts[scaling][name] = block_scaled_facts(tile) if gluon else fp8_kernel_facts(tile, scaling)
             except Exception as exc:  # noqa: BLE001  (a diagnostic beside the times: recorded, the sweep goes on)

@@ -68,6 +68,13 @@ def _resources(cubin: bytes) -> dict:
     return {"registers": int(found.group(1)), "spill_bytes": int(found.group(2)) + int(found.group(3))}
 
 
+def _programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """How many programs of ``warps`` warps, ``registers`` a thread and ``shared`` bytes of shared memory fit on one
+    Hopper SM at once (0: none)."""
+    per_warp = -(-registers * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+    return min(SM_REGISTERS // (per_warp * warps), SM_SHARED // (shared + RESERVED_SHARED), SM_WARPS // warps)
+
+
 def fp8_kernel_facts(tile, mode: str, arch: int = 90) -> dict:
     """``{registers, spill_bytes, shared_bytes, programs_per_sm_fit, mma_waits, async_loads, scale_multiplies}`` for
     Hopper (``arch`` 90: the per-SM limits here are Hopper's, and its MMA waits are what the facts read):
@@ -82,9 +89,7 @@ def fp8_kernel_facts(tile, mode: str, arch: int = 90) -> dict:
     ttgir = compiled.asm["ttgir"]
     facts = _resources(compiled.asm["cubin"])
     shared = int(compiled.metadata.shared)
-    per_warp = -(-facts["registers"] * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
-    fit = min(SM_REGISTERS // (per_warp * tile.num_warps), SM_SHARED // (shared + RESERVED_SHARED),
-              SM_WARPS // tile.num_warps)
+    fit = _programs_per_sm(facts["registers"], shared, tile.num_warps)
     tile_type = f"tensor<{tile.block_m}x{tile.block_n}xf32"
     multiplies = sum(1 for line in ttgir.splitlines() if "arith.mulf" in line and line.rstrip().split(":")[-1]
                      .strip().startswith(tile_type))
@@ -137,9 +142,7 @@ def block_scaled_facts(tile, arch: int = 90) -> dict:
     compiled = compile_block_scaled(tile, arch)
     facts = _resources(compiled.asm["cubin"])
     shared = int(compiled.metadata.shared)
-    per_warp = -(-facts["registers"] * 32 // 256) * 256
-    fit = min(SM_REGISTERS // (per_warp * tile.num_warps), SM_SHARED // (shared + RESERVED_SHARED),
-              SM_WARPS // tile.num_warps)
+    fit = _programs_per_sm(facts["registers"], shared, tile.num_warps)
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
         f.write(compiled.asm["ptx"])
         f.flush()
