@@ -527,11 +527,15 @@ def fp8_grouped(path: str) -> str:
         chosen = times["ours" if way == "triton" else way]
         best = min(t for t in times.values() if t is not None)
         bf16 = row.get("t_bf16_grouped_mm_ms")
-        lines.append(f"{head} | {_ms(times['ours'])} | {_ms(times['cublas'])} | {_ms(times['loop'])} | {_ms(bf16)} "
+        kernel = {"gluon": " (Gluon)", "triton": " (Triton)"}.get(row.get("kernel"), "")
+        lines.append(f"{head} | {_ms(times['ours'])}{kernel} | {_ms(times['cublas'])} | {_ms(times['loop'])} "
+                     f"| {_ms(bf16)} "
                      f"| {'ours' if way == 'triton' else way} | {chosen / best:.2f} | "
                      f"{'-' if bf16 is None else f'{bf16 / chosen:.2f}x'} |")
     legend = (f"<sub>{_one_gpu(data['meta'])}, per-rank slices at W = 2, fp8 e4m3 rows and weights, bf16 out; `ours`: "
-              "`kernels.grouped_gemm.scaled_grouped_gemm` (Triton); `_scaled_grouped_mm`: torch's (row-wise only); "
+              "`kernels.grouped_gemm.scaled_grouped_gemm` at the file's commit: the Triton kernel, or block-wise on "
+              "Hopper the Gluon kernel of `kernels/block_scaled.py` where it applies (from 02d6ecef72 on; a row "
+              "names the kernel it ran where the file records it); `_scaled_grouped_mm`: torch's (row-wise only); "
               "loop: one `torch._scaled_mm` per expert. `chosen`: the way `tune/grouped_fp8.py`'s rule picks "
               "for the shape (the rule of this checkout, fitted on an H200's figures; exact mode); "
               "`set`: the configs the rule was fitted on, and those it was "

@@ -69,3 +69,17 @@ def test_a_soak_table_of_rows_from_several_commits_names_each_rows_commit(readme
     assert "| 2 | aaa | 10000 | 0 |" in readme_tables.soak(str(results))
     results.write_text(json.dumps({"meta": meta, "rows": [row(2, "bbb"), row(8, "bbb")]}))
     assert "| W | calls |" in readme_tables.soak(str(results))  # one commit: the source line names it
+
+
+def test_an_fp8_grouped_row_names_the_kernel_it_ran_where_the_file_records_it(readme_tables, tmp_path):
+    def row(kernel):
+        found = {"config": "c", "set": "fit", "routing": "balanced", "scaling": "block", "experts": 4, "rows": 8,
+                 "K": 256, "N": 128, "t_ours_ms": 1.0, "t_scaled_grouped_mm_ms": None, "t_loop_ms": 2.0,
+                 "t_bf16_grouped_mm_ms": 1.5, "chosen": "ours"}
+        return found if kernel is None else {**found, "kernel": kernel}
+
+    results = tmp_path / "fp8-grouped.json"
+    meta = {"gpus": "NVIDIA H100", "commit": "abc", "command": "c", "date": "2026-12-06"}
+    results.write_text(json.dumps({"meta": meta, "rows": [row("gluon"), row("triton"), row(None)]}))
+    lines = readme_tables.fp8_grouped(str(results)).splitlines()
+    assert [line.split("|")[6].strip() for line in lines[2:5]] == ["1.000 (Gluon)", "1.000 (Triton)", "1.000"]

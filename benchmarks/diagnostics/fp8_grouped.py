@@ -3,17 +3,18 @@
     PYTHONPATH=src python -m benchmarks.diagnostics.fp8_grouped --out benchmarks/results
 
 writes ``<out>/h200x1-fp8-grouped.json`` (docs/benchmarks.md, "fp8 experts"): rows {config, routing, proj, scaling,
-experts, rows, K, N, t_ours_ms, t_scaled_grouped_mm_ms, t_loop_ms, t_bf16_grouped_mm_ms, chosen, t_chosen_ms,
+experts, rows, K, N, kernel, t_ours_ms, t_scaled_grouped_mm_ms, t_loop_ms, t_bf16_grouped_mm_ms, chosen, t_chosen_ms,
 best, chosen_over_best, err_*} and ``meta`` (commit, command, torch, GPU). A sample is one rank's slice at W = 2 of an
 MoE config (issue 44's table, plus two configs the starting rule was not written from: ``fit`` / ``validate``),
 balanced or Zipf(1.2) routing (``grouped_gemm_ways.rows_per_expert``), rows in ``CHUNKS`` chunks as the paths run
 them. The ways go through the library's own code (``comm/expert/scaled.scaled_multiply``, chunk by chunk): ``ours``
-(the fp8 Triton kernel), ``scaled_grouped_mm`` (``torch._scaled_grouped_mm``, row-wise only) and ``loop`` (a
-``torch._scaled_mm`` per segment); bf16 ``torch._grouped_mm`` on the same rows per chunk. Each way: the median of
-CUDA-event times over ``--iters`` calls after a warm-up, its output checked against the loop's (``err_<way>``: max
-relative difference; a way off by more than 5e-2 is marked wrong and not taken as best). ``chosen``: what
-``tune/grouped_fp8.expert_gemm_fp8`` picks for the sample (exact mode). A failure in one sample or way is recorded in
-the row (``error_<way>``) and the run goes on; the file is rewritten after every sample.
+(``kernels/grouped_gemm.scaled_grouped_gemm``: the fp8 Triton kernel, or block-wise on Hopper the Gluon kernel where
+it applies; the row's ``kernel`` says which ran), ``scaled_grouped_mm`` (``torch._scaled_grouped_mm``, row-wise only)
+and ``loop`` (a ``torch._scaled_mm`` per segment); bf16 ``torch._grouped_mm`` on the same rows per chunk. Each way:
+the median of CUDA-event times over ``--iters`` calls after a warm-up, its output checked against the loop's
+(``err_<way>``: max relative difference; a way off by more than 5e-2 is marked wrong and not taken as best).
+``chosen``: what ``tune/grouped_fp8.expert_gemm_fp8`` picks for the sample (exact mode). A failure in one sample or
+way is recorded in the row (``error_<way>``) and the run goes on; the file is rewritten after every sample.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from benchmarks.diagnostics.grouped_gemm_ways import rows_per_expert
 from benchmarks.diagnostics.results_file import require_cuda
 from flashoverlap.cli import names_of
 from flashoverlap.comm.expert.scaled import ExpertScales, scaled_multiply
+from flashoverlap.kernels import grouped_gemm
 from flashoverlap.tune.grouped import GroupedCall
 from flashoverlap.tune.grouped_fp8 import expert_gemm_fp8
 
@@ -64,6 +66,13 @@ def commit() -> str:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+def gluon_launches() -> int:
+    """Launches of the Gluon block-wise kernel so far (``kernels/block_scaled.py``): which kernel ``ours`` ran is
+    recorded from it, per row (``kernel``: gluon or triton)."""
+    launcher = grouped_gemm._BLOCK_LAUNCH
+    return launcher.fast_launches + len(launcher._compiled)
 
 
 def timed(fn, iters: int, warmup: int = 2) -> float:
@@ -138,8 +147,11 @@ def sample(name, local, k, n, rows, routing, scaling, iters, seed=0):
         try:
             fn = run_way(kind)
             out.fill_(float("nan"))
+            before = gluon_launches()
             fn()
             torch.cuda.synchronize()
+            if way == "ours":
+                row["kernel"] = "gluon" if gluon_launches() > before else "triton"
             if reference is None:
                 reference = out.float().clone()
             scale = 1 + float(reference.abs().max())
