@@ -281,6 +281,16 @@ def run_tp(case: TpCase, mode: str, rank: int, world: int, device: torch.device,
 # -- expert cases -----------------------------------------------------------------------------------------------------
 
 
+def gluon_launches() -> int:
+    """Launches of the Gluon block-wise fp8 kernel in this process so far (``kernels/block_scaled.py``; 0 where it
+    cannot load): an expert case's row records how many of its grouped GEMMs ran it (``gluon_launches``)."""
+    try:
+        from benchmarks.diagnostics.fp8_grouped import gluon_launches as launches
+        return launches()
+    except ImportError:
+        return 0
+
+
 def run_moe(mc: ex.MoeCall, mode: str, rank: int, world: int, device: torch.device, group) -> dict:
     import flashoverlap as fo
 
@@ -289,6 +299,7 @@ def run_moe(mc: ex.MoeCall, mode: str, rank: int, world: int, device: torch.devi
     path = "auto" if device.type != "cuda" else "p2p"
     state: dict = {"replays": None}
     n = CALLS[mode]
+    gluon_before = gluon_launches()
 
     def body():
         case = ex.moe_case(mc, world, rank, n, device)
@@ -366,7 +377,8 @@ def run_moe(mc: ex.MoeCall, mode: str, rank: int, world: int, device: torch.devi
     elif mode == "replayed":
         wanted = 2 * (n - 1) if mc.mode == "bounded" else 0
     return _row(mc.label(), "moe_dispatch_gemm+moe_gemm_combine", f"fp8-{mc.scaling}" if mc.scaling else mc.dtype,
-                mode, mc.mode, tally, 2 * n, state["replays"], wanted, error, time.perf_counter() - start, path=path)
+                mode, mc.mode, tally, 2 * n, state["replays"], wanted, error, time.perf_counter() - start, path=path,
+                gluon_launches=gluon_launches() - gluon_before)
 
 
 # -- models: styles, layers, ExpertParallelMLP --------------------------------------------------------------------
