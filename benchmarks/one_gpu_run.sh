@@ -10,7 +10,10 @@
 # into benchmarks/results by hand): fp8parts (where an eager fp8 NCCL call's extra host time goes, issue 41), p2p8 (the P2P path's fp8 mechanics and host time, two processes), fp8moe (fp8 MoE layer host time, issue 44), hostbound (the Llama loops, issue 41),
 # shared (moe-fp8 mechanics and host time with ranks sharing the GPU, issue 42), fp8tiles (the fp8 grouped GEMM's tile
 # sweep, issue 44's block-wise target), soak (10,000 checked calls at each W of SOAK_WORLDS, default 8, which alone
-# takes about 9 minutes: then SOAK_WORLDS=2,4 SOAK_BUDGET=320), faults (every fault scenario at W = 4, issue 42).
+# takes about 9 minutes: then SOAK_WORLDS=2,4 SOAK_BUDGET=320), faults (every fault scenario at W = 4, issue 42),
+# torchao (experts converted by torchao's MoE training against torchao's unsharded model, issue 44: torchao is not
+# installed on the device; unpack its wheel here first, `pip download --no-deps torchao==0.18.0 -d /tmp/w && unzip -q
+# /tmp/w/torchao-*.whl -d .carry/torchao`, and pass `carry: [".carry/torchao"]` to the device call; about 90 s).
 # Each step's timeout is its budget: a device call runs 600 s at most, so split them, e.g. STEPS=tests (420 s: a fresh
 # machine compiles every kernel first, which took more than 240 s on an H100; a warm one ran it in 67 s), then
 # "fp8moe hostbound" (500 s), "fp8tiles" (420 s), "shared" (325 s), "soak" (580 s), "faults" (300 s).
@@ -20,7 +23,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/flashoverlap-out}; mkdir -p "$OUT"
 STEPS=${STEPS-tests spawn p2p moe sequential fp8}
-KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound fp8parts shared fp8tiles soak faults"
+KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound fp8parts shared fp8tiles soak faults torchao"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 gpus_at_least 1
 commit=${FLASHOVERLAP_COMMIT:-unknown}
@@ -98,5 +101,14 @@ fi
 if has faults; then  # every fault scenario at W = 4 (issue 42): each surviving rank must name the op, group and rank
     timeout ${FAULTS_TIMEOUT:-300} python3 -m benchmarks.shared_ranks --step faults --worlds 4 --timeout 4 --budget $(( ${FAULTS_TIMEOUT:-300} - 20 )) \
         --out "$OUT/faults" > "$OUT/faults-$commit.log" 2>&1; exited "faults"; tail -4 "$OUT/faults-$commit.log"
+fi
+if has torchao; then  # torchao-converted experts on one GPU: ours against torchao's unsharded model (issue 44)
+    if [[ -d .carry/torchao/torchao ]]; then
+        PYTHONPATH=$PWD/.carry/torchao:$PYTHONPATH timeout ${TORCHAO_TIMEOUT:-200} python3 -m pytest -q -s -p no:randomly \
+            tests/moe/test_fp8_torchao.py -k one_gpu > "$OUT/torchao-converted-one-gpu-$commit.log" 2>&1
+        exited "torchao"; grep -E "ours|passed|failed|skipped" "$OUT/torchao-converted-one-gpu-$commit.log" | tail -8
+    else
+        echo "torchao: .carry/torchao/torchao missing: unpack torchao's wheel there and carry it (see the top)"; exited "torchao" 1
+    fi
 fi
 exit_failed
