@@ -2,12 +2,13 @@
 
     PYTHONPATH=src python -m benchmarks.diagnostics.fp8_grouped --out benchmarks/results
 
-writes ``<out>/h200x1-fp8-grouped.json`` (docs/benchmarks.md, "fp8 experts"): rows {config, routing, proj, scaling,
-experts, rows, K, N, kernel, t_ours_ms, t_scaled_grouped_mm_ms, t_loop_ms, t_bf16_grouped_mm_ms, chosen, t_chosen_ms,
-best, chosen_over_best, err_*} and ``meta`` (commit, command, torch, GPU). A sample is one rank's slice at W = 2 of an
-MoE config (issue 44's table, plus two configs the starting rule was not written from: ``fit`` / ``validate``),
-balanced or Zipf(1.2) routing (``grouped_gemm_ways.rows_per_expert``), rows in ``CHUNKS`` chunks as the paths run
-them. The ways go through the library's own code (``comm/expert/scaled.scaled_multiply``, chunk by chunk): ``ours``
+writes ``<out>/GPUx1-fp8-grouped.json`` (``h200x1-``, ``h100x1-``: ``benchmarks/harness/gpu_tag.py``)
+(docs/benchmarks.md, "fp8 experts"): rows {config, routing, proj, scaling, experts, rows, K, N, kernel, t_ours_ms,
+t_scaled_grouped_mm_ms, t_loop_ms, t_bf16_grouped_mm_ms, chosen, t_chosen_ms, best, chosen_over_best, err_*} and
+``meta`` (commit, command, torch, GPU). A sample is one rank's slice at W = 2 of an MoE config (issue 44's table, plus
+two configs the starting rule was not written from: ``fit`` / ``validate``), balanced or Zipf(1.2) routing
+(``grouped_gemm_ways.rows_per_expert``), rows in ``CHUNKS`` chunks as the paths run them. The ways go through the
+library's own code (``comm/expert/scaled.scaled_multiply``, chunk by chunk): ``ours``
 (``kernels/grouped_gemm.scaled_grouped_gemm``: the fp8 Triton kernel, or block-wise on Hopper the Gluon kernel where
 it applies; the row's ``kernel`` says which ran), ``scaled_grouped_mm`` (``torch._scaled_grouped_mm``, row-wise only)
 and ``loop`` (a ``torch._scaled_mm`` per segment); bf16 ``torch._grouped_mm`` on the same rows per chunk. Each way:
@@ -34,6 +35,7 @@ import torch
 
 from benchmarks.diagnostics.grouped_gemm_ways import rows_per_expert
 from benchmarks.diagnostics.results_file import require_cuda
+from benchmarks.harness.gpu_tag import gpu_tag
 from flashoverlap.cli import names_of
 from flashoverlap.comm.expert.scaled import ExpertScales, scaled_multiply
 from flashoverlap.kernels import grouped_gemm
@@ -190,7 +192,7 @@ def main() -> None:
     parser.add_argument("--only", type=config_names, default=None, help="comma-separated config names")
     args = parser.parse_args()
     require_cuda("benchmarks.diagnostics.fp8_grouped")
-    path = Path(args.out) / "h200x1-fp8-grouped.json"
+    path = Path(args.out) / f"{gpu_tag()}x1-fp8-grouped.json"  # named for the GPU (h200x1-, h100x1-)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"gpus": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
             "command": "python -m benchmarks.diagnostics.fp8_grouped " + shlex.join(sys.argv[1:]),

@@ -3,17 +3,17 @@ exact and bounded).
 
     PYTHONPATH=src python -m benchmarks.diagnostics.fp8_moe_host --out benchmarks/results
 
-writes ``<out>/h200x1-fp8-moe-host.json``: rows {config, mode, dtype ("bf16", "fp8-row", "fp8-block"), path,
-host_us, ratio_to_bf16, t_gpu_ms} and ``meta``. A one-rank NCCL group (the NCCL expert path; one GPU cannot hold two
-NCCL ranks), per-rank slices of two MoE configs; one layer call = ``moe_dispatch_gemm`` (bf16 ``x``; fp8: quantised
-by the op), SwiGLU, ``moe_gemm_combine`` (fp8: the bf16 intermediate quantised by the op), on a layout built once
-(exact mode's layout synchronises with the host, so it stays out of the timing, as a model's layers share it).
-``host_us``: the median host time to issue one call while the GPU is busy (queued behind a GPU sleep);
-``t_gpu_ms``: its GPU time (CUDA events, the median); the three dtypes of a config and mode measured in interleaved
-rounds; with ``--profile`` each row keeps the cProfile of ten calls
-(``profile``: the 25 functions of most own time); with ``--parts`` each bounded row keeps its call's host time in
-parts (``parts_us``: loops of 50 calls back to back; the layer, dispatch, SwiGLU, combine, fp8's set-up). A failing
-case is recorded and the run goes on.
+writes ``<out>/GPUx1-fp8-moe-host.json`` (``h200x1-``, ``h100x1-``: ``benchmarks/harness/gpu_tag.py``): rows {config,
+mode, dtype ("bf16", "fp8-row", "fp8-block"), path, host_us, ratio_to_bf16, t_gpu_ms} and ``meta``. A one-rank NCCL
+group (the NCCL expert path; one GPU cannot hold two NCCL ranks), per-rank slices of two MoE configs; one layer call =
+``moe_dispatch_gemm`` (bf16 ``x``; fp8: quantised by the op), SwiGLU, ``moe_gemm_combine`` (fp8: the bf16 intermediate
+quantised by the op), on a layout built once (exact mode's layout synchronises with the host, so it stays out of the
+timing, as a model's layers share it). ``host_us``: the median host time to issue one call while the GPU is busy
+(queued behind a GPU sleep); ``t_gpu_ms``: its GPU time (CUDA events, the median); the three dtypes of a config and
+mode measured in interleaved rounds; with ``--profile`` each row keeps the cProfile of ten calls (``profile``: the 25
+functions of most own time); with ``--parts`` each bounded row keeps its call's host time in parts (``parts_us``:
+loops of 50 calls back to back; the layer, dispatch, SwiGLU, combine, fp8's set-up). A failing case is recorded and
+the run goes on.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.diagnostics.fp8_grouped import commit
+from benchmarks.harness.gpu_tag import gpu_tag
 from benchmarks.harness.timing import loop_host_us, profiled
 
 FP8 = torch.float8_e4m3fn
@@ -173,7 +174,7 @@ def main() -> None:
     from benchmarks.diagnostics.results_file import require_cuda
 
     require_cuda("benchmarks.diagnostics.fp8_moe_host")
-    path = Path(args.out) / "h200x1-fp8-moe-host.json"
+    path = Path(args.out) / f"{gpu_tag()}x1-fp8-moe-host.json"  # named for the GPU (h200x1-, h100x1-)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.cuda.set_device(0)
     # The store's file must outlive the group: NCCL makes its communicator on the first collective, through it.
