@@ -66,7 +66,8 @@ if has sequential; then
     grep -E "^\{" "$OUT/sequential-host-$commit.log" | cut -c1-400
 fi
 if has fp8moe; then  # the fp8 MoE layer's host time beside bf16's (issue 44), single calls and loops in parts
-    timeout ${FP8MOE_TIMEOUT:-200} python3 -m benchmarks.diagnostics.fp8_moe_host --out "$OUT" --iters 60 --parts \
+    # FP8MOE_ARGS: more options, e.g. "--new-routing" (exact mode with a new routing every call, as in training)
+    timeout ${FP8MOE_TIMEOUT:-200} python3 -m benchmarks.diagnostics.fp8_moe_host --out "$OUT" --iters 60 --parts ${FP8MOE_ARGS:-} \
         > "$OUT/fp8-moe-host-$commit.log" 2>&1; exited "fp8moe"; grep -E "ratio|layer" "$OUT/fp8-moe-host-$commit.log" | tail -12
 fi
 if has hostbound; then  # the host-bound loops at Llama-70B TP = 8 shapes, bf16 and fp8 row-wise (issue 41)

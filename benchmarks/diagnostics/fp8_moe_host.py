@@ -12,13 +12,16 @@ timing, as a model's layers share it). ``host_us``: the median host time to issu
 (queued behind a GPU sleep); ``t_gpu_ms``: its GPU time (CUDA events, the median); the three dtypes of a config and
 mode measured in interleaved rounds; with ``--profile`` each row keeps the cProfile of ten calls (``profile``: the 25
 functions of most own time); with ``--parts`` each bounded row keeps its call's host time in parts (``parts_us``:
-loops of 50 calls back to back; the layer, dispatch, SwiGLU, combine, fp8's set-up). A failing case is recorded and
-the run goes on.
+loops of 50 calls back to back; the layer, dispatch, SwiGLU, combine, fp8's set-up). With ``--new-routing``, rows of
+mode ``exact, new routing`` too: exact mode with a new routing on every call (each routing's layout built before the
+timing), as a training step's layer sees it: the experts' row counts change every call. A failing case is recorded
+and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -66,6 +69,13 @@ def layer_inputs(local: int, hidden: int, ffn: int, top_k: int, tokens: int, dev
     w13 = torch.randn(local, 2 * ffn, hidden, device=device, generator=gen).div_(hidden ** 0.5).bfloat16()
     w2 = torch.randn(local, hidden, ffn, device=device, generator=gen).div_(ffn ** 0.5).bfloat16()
     return x, idx, weights, w13, w2
+
+
+def fresh_routing(local: int, top_k: int, tokens: int, device: torch.device, seed: int) -> torch.Tensor:
+    """A routing ``[T, k]`` of ``seed`` (``--new-routing``): each token's top-k of a random permutation of the local
+    experts, so that the experts' row counts differ from one seed to the next."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(tokens, local, device=device, generator=gen).argsort(dim=1)[:, :top_k]
 
 
 def layer_weights(dtype: str, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
@@ -170,6 +180,9 @@ def main() -> None:
                         help="bounded rows: the layer's host time in parts, loops of calls (parts_us)")
     parser.add_argument("--profile", action="store_true",
                         help="keep each row's cProfile (10 calls issued while the GPU is busy; top 25 by own time)")
+    parser.add_argument("--new-routing", action="store_true",
+                        help="also exact mode with a new routing on every call (rows mode 'exact, new routing'), as "
+                             "a training step's layer sees it; each routing's layout built before the timing")
     args = parser.parse_args()
     from benchmarks.diagnostics.results_file import require_cuda
 
@@ -188,18 +201,25 @@ def main() -> None:
     dev = torch.device("cuda")
     for name, local, hidden, ffn, top_k, tokens in CONFIGS:
         x, idx, weights, w13, w2 = layer_inputs(local, hidden, ffn, top_k, tokens, dev)
-        for mode in ("exact", "bounded"):
+        for mode in ("exact", "bounded") + (("exact, new routing",) if args.new_routing else ()):
             bound = tokens * top_k if mode == "bounded" else None
-            layout = fo.moe_layout(idx, local, mode=mode, bound=bound)
+            if mode == "exact, new routing":  # a layout per call: the first, the warm-up, the host and GPU samples
+                # (``--profile``'s ten calls come round to routings seen before)
+                layouts = [fo.moe_layout(fresh_routing(local, top_k, tokens, dev, seed), local, mode="exact")
+                           for seed in range(1, 5 + 2 * args.iters)]
+            else:
+                layouts = [fo.moe_layout(idx, local, mode=mode, bound=bound)]
             rows_here, layers = [], []
             for dtype in ("bf16", "fp8-row", "fp8-block"):
                 row = {"config": name, "mode": mode, "dtype": dtype, "path": args.path, "experts": local,
                        "hidden": hidden, "ffn": ffn, "top_k": top_k, "tokens": tokens}
                 try:
                     w_up, w_down, s_up, s_down = layer_weights(dtype, w13, w2)
+                    turn = itertools.cycle(layouts)  # each dtype's calls walk the routings from the first
 
-                    def layer(w_up=w_up, w_down=w_down, s_up=s_up, s_down=s_down, layout=layout, x=x, ffn=ffn,
+                    def layer(w_up=w_up, w_down=w_down, s_up=s_up, s_down=s_down, turn=turn, x=x, ffn=ffn,
                               weights=weights):
+                        layout = next(turn)  # the same layout on every call, or (new routing) the next one
                         h = moe_dispatch_gemm(x, w_up, layout, path=args.path, scale_w=s_up)
                         a = F.silu(h[:, :ffn]) * h[:, ffn:]
                         return moe_gemm_combine(a, w_down, weights, layout, path=args.path, scale_w=s_down)
@@ -220,7 +240,8 @@ def main() -> None:
                         if args.profile:
                             row["profile"] = profiled(layer, 10, 400_000_000)  # top 25 by own time
                         if args.parts and mode == "bounded":
-                            row["parts_us"] = layer_parts(x, layout, weights, ffn, row["dtype"], w13, w2, args.path)
+                            row["parts_us"] = layer_parts(x, layouts[0], weights, ffn, row["dtype"], w13, w2,
+                                                          args.path)
                             print(row["dtype"], row["parts_us"], flush=True)
             except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
                 traceback.print_exc()
