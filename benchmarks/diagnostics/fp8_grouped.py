@@ -73,8 +73,7 @@ def commit() -> str:
 def gluon_launches() -> int:
     """Launches of the Gluon block-wise kernel so far (``kernels/block_scaled.py``): which kernel ``ours`` ran is
     recorded from it, per row (``kernel``: gluon or triton)."""
-    launcher = grouped_gemm._BLOCK_LAUNCH
-    return launcher.fast_launches + len(launcher._compiled)
+    return grouped_gemm.launches()["block_scaled"]
 
 
 def timed(fn, iters: int, warmup: int = 2) -> float:

@@ -133,6 +133,35 @@ def test_gpu_fp8_grouped_gemm(mode, block_n):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode,kernel", [("row", "scaled"), ("block", "scaled"), ("block", "block_scaled")])
+def test_gpu_new_row_counts_launch_directly_and_right(mode, kernel):
+    """An exact-mode expert call's rows change with every routing: row counts of one integer class (here none a
+    multiple of 16) share the compiled kernels (``kernels/launch.py``), so after the first call every launch of the
+    kernel that runs the call (the Triton one; block-wise with K-major weights on Hopper, the Gluon one) goes direct,
+    and each call's values are still right (the fp64 oracle; rows no segment covers untouched)."""
+    from flashoverlap.kernels import block_scaled, grouped_gemm
+
+    gluon = kernel == "block_scaled"
+    if gluon and (torch.cuda.get_device_capability() != (9, 0) or block_scaled.gluon_missing() is not None):
+        pytest.skip("the Gluon kernel is Hopper's (sm_90, Triton with Gluon)")
+    launcher = grouped_gemm._BLOCK_LAUNCH if gluon else grouped_gemm._SCALED_LAUNCH
+    other = "scaled" if gluon else "block_scaled"
+    tile = grouped_gemm.scaled_tile(mode, gluon, 512)
+    calls = [(0, 300, 301, 1400, 2997), (9, 9, 650, 1800, 2018), (0, 1, 130, 131, 770)]  # rows 3000, 2021, 773
+    direct = []
+    for ends in calls:
+        before, fast = grouped_gemm.launches(), launcher.fast_launches
+        case = (f"new-rows-{ends[-1]}", mode, 4, 512, 200, [(None, e) for e in ends], [3, 1, 0, 2, 1],
+                gluon or mode == "row", False, "bfloat16")  # N-major weights keep block-wise on the Triton kernel
+        row = _run(case, "cuda", tile)
+        assert row["err"] <= 1e-2 and row["untouched"], row
+        after = grouped_gemm.launches()
+        assert (after[kernel] - before[kernel], after[other] - before[other]) == (1, 0), (before, after)
+        direct.append(launcher.fast_launches - fast)
+    assert direct[1:] == [1, 1], direct
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed-rows"])
 @pytest.mark.parametrize("block_m", [128, 64])
 def test_gpu_block_scales_through_the_gluon_kernel(block_m, packed):
@@ -156,13 +185,12 @@ def test_gpu_block_scales_through_the_gluon_kernel(block_m, packed):
     case = ("gpu-gluon", "block", 8, 2048, 200, [(None, e) for e in ends], [3, 1, 0, 7, 2, 5, 4, 6], True, packed,
             "bfloat16")
     tile = GroupedTile(block_m, 128, 128, 8, 4, 8 if block_m == 128 else 4, None)
-    triton_before = grouped_gemm._SCALED_LAUNCH.fast_launches + len(grouped_gemm._SCALED_LAUNCH._compiled)
-    gluon_before = grouped_gemm._BLOCK_LAUNCH.fast_launches + len(grouped_gemm._BLOCK_LAUNCH._compiled)
+    before = grouped_gemm.launches()
     for _ in range(2):
         row = _run(case, "cuda", tile)
         assert row["err"] <= 1e-2 and row["untouched"], row
-    assert grouped_gemm._BLOCK_LAUNCH.fast_launches + len(grouped_gemm._BLOCK_LAUNCH._compiled) > gluon_before
-    assert grouped_gemm._SCALED_LAUNCH.fast_launches + len(grouped_gemm._SCALED_LAUNCH._compiled) == triton_before
+    after = grouped_gemm.launches()
+    assert after["block_scaled"] == before["block_scaled"] + 2 and after["scaled"] == before["scaled"]
 
 
 def _facts(tile, mode):

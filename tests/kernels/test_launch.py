@@ -86,7 +86,7 @@ def test_a_launch_with_another_fingerprint_goes_through_the_jit(kernel, change):
     elif change == "dtype":
         args = (x.half(), y, 64)
     elif change == "integer":
-        args = (x, y, 48)
+        args = (x, y, 63)  # another class: 64 is a multiple of 16, 63 is not
     elif change == "constexpr":
         meta2["FLAG"] = True
     else:
@@ -125,7 +125,7 @@ def test_fingerprints_name_what_specialises_a_kernel():
     x = torch.zeros(8)
     assert fingerprint(x) == (torch.float32, True)
     assert fingerprint(x[1:]) == (torch.float32, False)
-    assert fingerprint(7) == (int, 7)
+    assert fingerprint(7) == fingerprint(9) != fingerprint(16)  # integers by class: width, == 1, % 16 == 0
     # Equal in a key, specialised apart by Triton (u1, constexpr 1, fp32).
     assert len({fingerprint(1), fingerprint(True), fingerprint(1.0)}) == 3
     with pytest.raises(TypeError, match="no fingerprint"):
@@ -138,7 +138,8 @@ def test_a_tensor_descriptors_fingerprint_holds_its_block_and_layout():
     base = fingerprint(descriptor.from_tensor(a, [16, 32]))
     assert fingerprint(descriptor.from_tensor(a, [16, 32])) == base
     assert fingerprint(descriptor.from_tensor(a, [32, 32])) != base  # another block shape
-    assert fingerprint(descriptor.from_tensor(a[:32], [16, 32])) != base  # another shape
+    assert fingerprint(descriptor.from_tensor(a[:32], [16, 32])) == base  # another shape of the same class
+    assert fingerprint(descriptor.from_tensor(a[:33], [16, 32])) != base  # rows no longer a multiple of 16
     assert fingerprint(descriptor.from_tensor(a.float(), [16, 32])) != base  # another dtype
 
 
@@ -152,6 +153,31 @@ def test_a_gluon_descriptors_fingerprint_holds_its_shared_layout():
 
     assert fingerprint(described(128)) == fingerprint(described(128))
     assert fingerprint(described(64)) != fingerprint(described(128))  # the same block, another swizzle
+
+
+def test_integers_of_one_class_are_one_specialisation_to_triton():
+    """The classes are never looser than Triton's own specialisation (``native_specialize_impl`` with the CUDA
+    backend's hints): two integers of one class specialise alike, so a compiled kernel is reused only where the JIT
+    would reuse it; and a row count that changes within its class keeps launching directly."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    backend = pytest.importorskip("triton.backends.nvidia.compiler").CUDABackend
+    values = [0, 1, 2, 7, 15, 16, 17, 48, 4096, 4097, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 3, 2**40,
+              2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]
+    classes = {}
+    for value in values:
+        classes.setdefault(launch.integer_class(value), set()).add(native(backend, value, False, True, True))
+    assert all(len(specialised) == 1 for specialised in classes.values()), classes
+    assert len(classes) == 7  # 1; i32, i64 and u64, each a multiple of 16 or not
+
+
+def test_a_new_row_count_of_a_known_class_launches_directly(kernel):
+    launcher = Launcher(kernel)
+    x = torch.zeros(64)
+    meta = {"BLOCK": 32, "FLAG": False}
+    for rows in (4096, 1232, 16, 4099, 77, 1):  # the JIT compiles for 4096 (D), 4099 (plain), 1 (a constant)
+        launcher(1, (x, x, rows), meta)
+    assert len(kernel.jit_calls) == 3 and launcher.fast_launches == 3 and launcher.launches == 6
+    assert kernel.jit_calls[1][1][2] == 4099 and kernel.last.launches == []
 
 
 @pytest.mark.parametrize("switch", ["debug", "pre-run hook", "exit hook"])

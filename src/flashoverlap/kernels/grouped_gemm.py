@@ -792,6 +792,13 @@ _SCALED_LAUNCH = Launcher(scaled_grouped_gemm_kernel)
 _BLOCK_LAUNCH = Launcher(block_scaled.block_scaled_kernel)
 
 
+def launches() -> dict[str, int]:
+    """Launches of each grouped kernel so far, by kernel (``segment_table``, ``grouped`` bf16/fp16, ``scaled`` the
+    Triton fp8 kernel, ``block_scaled`` the Gluon block-wise one): which kernel ran is read from their differences."""
+    return {"segment_table": _TABLE_LAUNCH.launches, "grouped": _GEMM_LAUNCH.launches,
+            "scaled": _SCALED_LAUNCH.launches, "block_scaled": _BLOCK_LAUNCH.launches}
+
+
 def scaled_grouped_gemm(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                         segments: Segments, *, out: torch.Tensor, mode: str, tile: GroupedTile | None = None,
                         workspace: torch.Tensor | None = None) -> torch.Tensor:

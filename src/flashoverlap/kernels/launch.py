@@ -7,12 +7,13 @@ same argument list the JIT hands it. What that saves is measured beside the JIT'
 benchmarks/diagnostics/nccl_host_parts.py (benchmarks/results/h200x1-nccl-host-parts.json: a fraction of a launch,
 whose larger part is the launcher's own work, the TMA descriptors it encodes among it).
 
-The fingerprint is stricter than Triton's specialisation, so it can never reuse a kernel compiled for another one: the
-device, every constexpr and launch option, each tensor's dtype and 16-byte alignment, each tensor descriptor's dtype,
-block shape, shape, strides, alignment and (Gluon's) shared layout, and every integer argument by value (the integers
-are the problem's sizes and strides: fixed per plan and layout for the signalling GEMM and per bound for a bounded-mode
-expert call, so keying them by value costs those no hits; an exact-mode expert call's rows follow its routing, and a
-launch whose rows are new goes through the JIT, as every launch did before, plus the fingerprint's few microseconds).
+The fingerprint is never looser than Triton's specialisation, so it can never reuse a kernel compiled for another
+one: the device, every constexpr and launch option, each tensor's dtype and 16-byte alignment, each tensor
+descriptor's dtype, block shape, padding, alignment, (Gluon's) shared layout and its shape's and strides' integer
+classes, and every integer argument by its *class*: the width Triton types it by (i32, i64, u64), whether it is 1
+(Triton makes that a constant) and whether it is a multiple of 16 (Triton's divisibility hint), which is all of an
+integer Triton compiles into a kernel. So an exact-mode expert call, whose rows follow its routing and change every
+call, still launches directly: a new row count of a known class finds its kernel here, as it does in the JIT's cache.
 The key also holds the switches the JIT reads on every launch (``knobs.runtime.debug``, the instrumentation mode).
 An integer the kernel declares ``do_not_specialize`` is keyed by its width class only (Triton compiles one kernel for
 every value of it that fits 32 bits), so its values share one compiled kernel here as they do in the JIT.
@@ -36,30 +37,44 @@ except ImportError:  # Triton < 3.4: the hooks live on CompiledKernel; the fast 
 LIMIT = 256  # fingerprints kept per kernel (a model has a few per layer shape; beyond that, start again)
 
 
+def _width(value: int) -> object:
+    """The type Triton gives a Python integer argument; beyond u64 (Triton refuses it) the value itself."""
+    if -(2**31) <= value < 2**31:
+        return "i32"
+    if -(2**63) <= value < 2**63:
+        return "i64"
+    return "u64" if 0 <= value < 2**64 else value
+
+
+def integer_class(value: int) -> tuple:
+    """All of a specialised integer argument that a compiled kernel depends on: Triton's width, whether it is the
+    constant 1, whether the divisibility-by-16 hint holds (``native_specialize_impl``: ``('constexpr', 1)``,
+    ``('i32', 'D')``, ``('i64', '')``, ...)."""
+    return int, _width(value), value == 1, value % 16 == 0
+
+
 def unspecialised(value: object) -> object:
     """A ``do_not_specialize`` integer's fingerprint: the width Triton types it by (i32, i64, u64), not its value;
     anything else (a bool, a float, a tensor) as ``fingerprint`` keys it, and an integer beyond u64 by value (Triton
     refuses it)."""
     if type(value) is not int:
         return fingerprint(value)
-    if -(2**31) <= value < 2**31:
-        return int, "i32"
-    if -(2**63) <= value < 2**63:
-        return int, "i64"
-    return (int, "u64") if value < 2**64 else (int, value)
+    return int, _width(value)
 
 
 def fingerprint(value) -> object:
     """What of one argument the compiled kernel depends on, beyond the values it reads at run time."""
     if isinstance(value, torch.Tensor):  # the device is the key's (the current one, where the kernel runs)
         return value.dtype, value.data_ptr() % 16 == 0
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if type(value) is int:
+        return integer_class(value)
+    if value is None or isinstance(value, (bool, float, str)):
         return type(value), value  # in a key True == 1 == 1.0; Triton specialises them apart
     base = getattr(value, "base", None)  # a host tensor descriptor
-    if isinstance(base, torch.Tensor):
+    if isinstance(base, torch.Tensor):  # Triton keys only its dtype and block (and layout); the rest is kept, by class
         return (type(value), base.dtype, base.device, base.data_ptr() % 16 == 0, tuple(value.block_shape),
-                tuple(value.shape), tuple(value.strides), getattr(value, "padding", None),
-                getattr(value, "layout", None))  # a Gluon descriptor's shared layout (hashable)
+                tuple(map(integer_class, value.shape)), tuple(map(integer_class, value.strides)),
+                getattr(value, "padding", None), getattr(value, "layout", None))  # Gluon's shared layout (hashable)
     raise TypeError(f"Launcher: no fingerprint for an argument of type {type(value).__name__}")
 
 
@@ -80,9 +95,11 @@ class Launcher:
                                    for arg in getattr(kernel, "do_not_specialize", None) or ())
         self._defaults = {p.name: p.default for p in params
                           if getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty}
-        self.fast_launches = 0
+        self.launches = 0  # every launch through this launcher, direct or through the JIT
+        self.fast_launches = 0  # the direct ones
 
     def __call__(self, grid: int, args: tuple, meta: dict) -> None:
+        self.launches += 1
         if guards.triton_interpreted() or _hooked() or getattr(self.kernel, "pre_run_hooks", None):
             self.kernel[(grid,)](*args, **meta)
             return
