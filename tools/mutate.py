@@ -718,6 +718,14 @@ MUTATIONS = [
      "autograd: its gradient silently never comes)", "src/flashoverlap/ops/moe.py",
      "    refuse_grad(name, ((rows_name, rows),", "    (lambda *_: None)(name, ((rows_name, rows),",
      "tests/moe/test_fp8_moe_ops.py::test_fp8_errors_name_the_argument_before_anything_is_sent"),
+    ("launch-integer-class-ignores-divisibility", "Launcher: an integer's class leaves out Triton's divisibility-by-16 "
+     "hint, so a kernel compiled for a row count that is a multiple of 16 is relaunched for one that is not",
+     "src/flashoverlap/kernels/launch.py", "    return int, _width(value), value == 1, value % 16 == 0",
+     "    return int, _width(value), value == 1", "tests/kernels/test_launch.py"),
+    ("launch-integers-keyed-by-value", "Launcher: integers keyed by value, so every exact-mode expert call whose row "
+     "count is new goes through the JIT", "src/flashoverlap/kernels/launch.py",
+     "        return integer_class(value)\n", "        return int, value\n",
+     "tests/kernels/test_launch.py::test_a_new_row_count_of_a_known_class_launches_directly"),
     ("launch-unspecialised-keyed-by-value", "Direct launches: a do_not_specialize integer keyed by its value, so each "
      "new group index or tile count of the graphs' counter wait goes through the JIT (inside a capture)",
      "src/flashoverlap/kernels/launch.py", "unspecialised(value) if i in self._by_width else",
@@ -799,8 +807,8 @@ MUTATIONS = [
      "tests/kernels/test_grouped_fp8.py::test_the_launchers_own_fp8_tile_by_mode_kernel_and_k"),
     ("launch-fingerprint-ignores-gluon-layout", "Launcher: a Gluon descriptor's shared layout left out of the key (a "
      "kernel compiled for one swizzle relaunched for another)", "src/flashoverlap/kernels/launch.py",
-     "                getattr(value, \"layout\", None))  # a Gluon descriptor's shared layout (hashable)\n",
-     "                None)\n",
+     "getattr(value, \"padding\", None), getattr(value, \"layout\", None))",
+     "getattr(value, \"padding\", None), None)",
      "tests/kernels/test_launch.py::test_a_gluon_descriptors_fingerprint_holds_its_shared_layout"),
     ("reference-agreed-on-first-calls-only", "agreement: the reference path agrees on a call's first call only "
      "(ranks each repeating a different call return wrong values)", CALLS,
