@@ -64,7 +64,7 @@ def layer_inputs(local: int, hidden: int, ffn: int, top_k: int, tokens: int, dev
     w2 [L, H, F])``, the weights nn.Linear-shaped in bf16."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
-    idx = torch.stack([torch.randperm(local, device=device)[:top_k] for _ in range(tokens)])
+    idx = fresh_routing(local, top_k, tokens, device, seed=0)
     weights = torch.softmax(torch.randn(tokens, top_k, device=device, generator=gen), -1)
     w13 = torch.randn(local, 2 * ffn, hidden, device=device, generator=gen).div_(hidden ** 0.5).bfloat16()
     w2 = torch.randn(local, hidden, ffn, device=device, generator=gen).div_(ffn ** 0.5).bfloat16()
@@ -72,8 +72,8 @@ def layer_inputs(local: int, hidden: int, ffn: int, top_k: int, tokens: int, dev
 
 
 def fresh_routing(local: int, top_k: int, tokens: int, device: torch.device, seed: int) -> torch.Tensor:
-    """A routing ``[T, k]`` of ``seed`` (``--new-routing``): each token's top-k of a random permutation of the local
-    experts, so that the experts' row counts differ from one seed to the next."""
+    """A routing ``[T, k]`` of ``seed`` (seed 0 the layer's, ``--new-routing`` one per call): each token's top-k of a
+    random permutation of the local experts, so that the experts' row counts differ from one seed to the next."""
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.rand(tokens, local, device=device, generator=gen).argsort(dim=1)[:, :top_k]
 
