@@ -718,6 +718,11 @@ MUTATIONS = [
      "autograd: its gradient silently never comes)", "src/flashoverlap/ops/moe.py",
      "    refuse_grad(name, ((rows_name, rows),", "    (lambda *_: None)(name, ((rows_name, rows),",
      "tests/moe/test_fp8_moe_ops.py::test_fp8_errors_name_the_argument_before_anything_is_sent"),
+    ("hybrid-light-boundary-is-light", "hybrid GEMM: an expert with exactly the threshold's rows counted light on the "
+     "device (the host counts it heavy), so the light launch multiplies another expert's rows",
+     "src/flashoverlap/comm/expert/chunked_gemm.py", "is_light = (rows > 0) & (rows < heavy_rows)",
+     "is_light = (rows > 0) & (rows <= heavy_rows)",
+     "tests/moe/test_hybrid.py::test_the_light_experts_on_the_device_are_the_hosts_at_every_threshold"),
     ("launch-integer-class-ignores-divisibility", "Launcher: an integer's class leaves out Triton's divisibility-by-16 "
      "hint, so a kernel compiled for a row count that is a multiple of 16 is relaunched for one that is not",
      "src/flashoverlap/kernels/launch.py", "    return int, _width(value), value == 1, value % 16 == 0",

@@ -65,6 +65,19 @@ def test_split_and_row_map():
     assert chunked_gemm.light_tables(exact_layout(COUNTS), 1) is None  # every expert with rows is heavy
 
 
+def test_the_light_experts_on_the_device_are_the_hosts_at_every_threshold():
+    """The light tables' experts are made on the device from the layout's own counts (no host list copied there,
+    which would wait for the GPU): at every threshold, including each expert's own row count (``>=`` is heavy), they
+    are the host split's light experts, in order."""
+    for threshold in range(1, 61):
+        layout = exact_layout(COUNTS)
+        light = chunked_gemm.hybrid_split(layout, threshold)[1]
+        tables = chunked_gemm.light_tables(layout, threshold)
+        assert (None if tables is None else tables[2].tolist()) == (light or None), threshold
+        if tables is not None:
+            assert tables[1][-1].item() == tables[0].numel() == sum(sum(row[e] for row in COUNTS) for e in light)
+
+
 def _plan(cut: HybridCut) -> ExpertPlan:
     return ExpertPlan("dispatch", 3, 15, 8, 8, 1, 0, gemm="hybrid", hybrid=cut)
 

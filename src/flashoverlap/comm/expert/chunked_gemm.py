@@ -204,7 +204,8 @@ def hybrid_parts(layout: Layout, heavy_rows: int
     cached = _HYBRID.get(layout.recv_seg_ends)
     if cached is None or cached[0] != heavy_rows:
         heavy, light, per_expert = hybrid_split(layout, heavy_rows)
-        cached = _HYBRID[layout.recv_seg_ends] = (heavy_rows, heavy, _light_tables(layout, light, per_expert))
+        cached = _HYBRID[layout.recv_seg_ends] = (heavy_rows, heavy,
+                                                  _light_tables(layout, light, per_expert, heavy_rows))
     return cached[1], cached[2]
 
 
@@ -216,11 +217,17 @@ def light_tables(layout: Layout, heavy_rows: int) -> tuple[torch.Tensor, torch.T
     return hybrid_parts(layout, heavy_rows)[1]
 
 
-def _light_tables(layout: Layout, light: list[int], per_expert: list[int]):
+def _light_tables(layout: Layout, light: list[int], per_expert: list[int], heavy_rows: int):
     tables = None
     if light:
         world, local, device = layout.world_size, layout.experts_per_rank, layout.recv_seg_ends.device
-        pick = torch.tensor(light, dtype=torch.int64, device=device)
+        # The light experts' numbers are made on the device from its own counts: the host list copied there
+        # (``torch.tensor(light, device=...)``, a pageable copy) waits for all the work queued on the stream, so a
+        # layer whose routing changes every call (training) stalled its host on the GPU once a call. A stable sort
+        # puts the light experts first, in order; how many there are is the host's count (the same counts).
+        rows = layout.recv_counts.view(world, local).sum(0)
+        is_light = (rows > 0) & (rows < heavy_rows)
+        pick = torch.sort((~is_light).to(torch.uint8), stable=True).indices[:len(light)]
         starts = layout.recv_seg_starts.view(world, local).index_select(1, pick).t().reshape(-1).to(torch.int64)
         sizes = layout.recv_counts.view(world, local).index_select(1, pick).t().reshape(-1).to(torch.int64)
         total = sum(per_expert[e] for e in light)
