@@ -736,3 +736,27 @@ def test_the_exit_status_says_whether_every_row_ran_right(step, rows, code, monk
     monkeypatch.setitem(shared_ranks.RUNNERS, step, lambda args: rows)
     assert shared_ranks.main(["--step", step, "--device", "cpu", "--out", str(tmp_path)]) == code
     assert ("rows not run, wrong or hung" in capsys.readouterr().err) == bool(code)
+
+
+def test_every_family_runs_where_the_w_has_its_least_share(monkeypatch, tmp_path):
+    """``one_gpu_run.sh``'s shared step (``--budget 105``, W = 2, 4, 8, families moe, moe-fp8, models): the expert
+    families' weighted shares at W = 2 and 4 (about 12 s) were below ``MIN_FAMILY_SHARE``, so they were never run
+    there, every time; each family now gets that least while its W has it."""
+    from benchmarks.shared import mechanics, runs
+
+    spawned = []
+
+    def spawn(fn, world, args, timeout, device):
+        options = args[0]
+        spawned.append((world, options["families"][0], round(timeout - shared_ranks.SPAWN_MARGIN)))
+        return [[{"case": "c", "mode": "eager", "wrong": 0}]] * world, None
+
+    monkeypatch.setattr(runs, "spawn_ranks", spawn)
+    monkeypatch.setattr(mechanics, "aggregate", lambda results, world: [{"case": "c", "mode": "eager", "wrong": 0}])
+    args = shared_ranks.parse_args(["--step", "mechanics", "--worlds", "2,4,8", "--families", "moe,moe-fp8,models",
+                                    "--budget", "105", "--out", str(tmp_path)])
+    args.gpu, args.command = "h100", "the test's"  # what main sets
+    rows = shared_ranks.run_mechanics(args)
+    assert [(w, f) for w, f, _ in spawned] == [(w, f) for w in (2, 4, 8) for f in ("moe", "moe-fp8", "models")]
+    assert all(share >= shared_ranks.MIN_FAMILY_SHARE for _, _, share in spawned), spawned
+    assert not [row for row in rows if row.get("error")]
