@@ -282,13 +282,12 @@ def run_tp(case: TpCase, mode: str, rank: int, world: int, device: torch.device,
 
 
 def gluon_launches() -> int:
-    """Launches of the Gluon block-wise fp8 kernel in this process so far (``kernels/block_scaled.py``; 0 where it
-    cannot load): an expert case's row records how many of its grouped GEMMs ran it (``gluon_launches``)."""
-    try:
-        from benchmarks.diagnostics.fp8_grouped import gluon_launches as launches
-        return launches()
-    except ImportError:
-        return 0
+    """Launches of the Gluon block-wise fp8 kernel in this process so far (``kernels/block_scaled.py``, counted by its
+    launcher; 0 where it never ran): an expert case's row records how many of its grouped GEMMs ran it
+    (``gluon_launches``)."""
+    from flashoverlap.kernels import grouped_gemm  # imports without Triton too (its launchers then never launch)
+
+    return grouped_gemm.launches()["block_scaled"]
 
 
 def run_moe(mc: ex.MoeCall, mode: str, rank: int, world: int, device: torch.device, group) -> dict:
