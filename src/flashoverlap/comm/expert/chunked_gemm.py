@@ -225,11 +225,12 @@ def _light_tables(layout: Layout, light: list[int], per_expert: list[int], heavy
         # (``torch.tensor(light, device=...)``, a pageable copy) waits for all the work queued on the stream, so a
         # layer whose routing changes every call (training) stalled its host on the GPU once a call. A stable sort
         # puts the light experts first, in order; how many there are is the host's count (the same counts).
-        rows = layout.recv_counts.view(world, local).sum(0)
+        counts = layout.recv_counts.view(world, local)  # rows per (source, local expert)
+        rows = counts.sum(0)
         is_light = (rows > 0) & (rows < heavy_rows)
         pick = torch.sort((~is_light).to(torch.uint8), stable=True).indices[:len(light)]
         starts = layout.recv_seg_starts.view(world, local).index_select(1, pick).t().reshape(-1).to(torch.int64)
-        sizes = layout.recv_counts.view(world, local).index_select(1, pick).t().reshape(-1).to(torch.int64)
+        sizes = counts.index_select(1, pick).t().reshape(-1).to(torch.int64)
         total = sum(per_expert[e] for e in light)
         first = torch.cumsum(sizes, 0) - sizes  # each segment's first mapped row
         row_map = (torch.repeat_interleave(starts - first, sizes, output_size=total)
