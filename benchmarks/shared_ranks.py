@@ -77,7 +77,8 @@ def _names(text: str) -> list[str]:
 
 
 # The options only some steps read, and those steps: any other step refuses them.
-STEP_OPTIONS = {"calls": ("soak",), "seed": ("soak",), "timeout": ("faults",), "scenarios": ("faults",),
+STEP_OPTIONS = {"calls": ("soak",), "seed": ("soak",), "read_every": ("soak",), "timeout": ("faults",),
+                "scenarios": ("faults",),
                 "ops": ("faults", "host"), "families": ("mechanics",), "quick": ("mechanics",),
                 "resume": ("mechanics",), "rounds": ("host",), "shape": ("host",),
                 "graph_waits": ("mechanics", "host")}
@@ -108,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    metavar="M,N,K", help="host: each rank's GEMM (default: benchmarks/shared/host.HOST_SHAPE; "
                                          "another shape's rows belong in another --out, the rows' keys omit it)")
     p.add_argument("--seed", type=int, default=0, help="soak: the random sequence's seed")
+    p.add_argument("--read-every", type=int, default=None, metavar="BURSTS",
+                   help="soak: bursts whose checks one host synchronisation reads (default: "
+                        "benchmarks/shared/soak.READ_EVERY)")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="FILE",
                    help="merge these results files of --step (from separate device calls) into the one in --out, "
                         "later files' rows replacing earlier ones by key; runs nothing")
@@ -124,8 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.worlds = [4] if args.step == "faults" else [2, 4, 8]
     if args.budget is None:
         args.budget = DEFAULT_BUDGET[args.step]
-    if args.calls < 1 or args.budget <= 0 or args.timeout <= 0 or args.rounds < 1:
-        p.error("--calls, --budget, --timeout and --rounds must be positive")
+    if args.calls < 1 or args.budget <= 0 or args.timeout <= 0 or args.rounds < 1 or (args.read_every or 1) < 1:
+        p.error("--calls, --budget, --timeout, --rounds and --read-every must be positive")
     from benchmarks.shared import faults, mechanics
 
     if args.merge is None:  # a W left unrun gets its share to the next: the last W may have the whole budget
@@ -311,7 +315,7 @@ def run_soak(args) -> list[dict]:
             # check's worth of bursts, the last samples, the exit): 15 %, never more than WRAP_UP seconds
             deadline = time.time() + max(share * 0.85, share - WRAP_UP)
             options = {"deadline": deadline, "device": args.device, "calls": args.calls,
-                       "seed": args.seed}
+                       "seed": args.seed, "read_every": args.read_every or soak.READ_EVERY}
             paths = [progress_path(progress_dir, "soak", world, r) for r in range(world)]
             _say(f"soak W={world}: {args.calls} calls, share {share:.0f} s")
             results, failure = spawn_ranks(soak.spawned, world, (options, [str(p) for p in paths]),
@@ -325,6 +329,7 @@ def run_soak(args) -> list[dict]:
                     last.append(reports[-1] if reports else None)
                 row = soak.summarise(world, last, hung=failure)
             row["target_calls"] = args.calls
+            row["read_every"] = options["read_every"]
         all_rows.append(row)
         _say(f"soak W={world}: {row['calls']} calls, wrong {row['wrong']}, errors {row.get('errors')}, hangs "
              f"{row['hangs']}, memory {row['memory_mib']} MiB, flat {row['flat']}, {row.get('ms_per_call')} ms/call"

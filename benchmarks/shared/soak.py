@@ -20,7 +20,9 @@ set, on the CPU, from every rank's operands made from seeds (only what it reads:
 all-gather this rank's weight), then kept on the device with its norm. A call's check is queued on the device behind
 it (the output against the oracle into a slot of an error buffer; all_gather_gemm's gathered input compared element
 for element), the output then poisoned with NaN (the next call of the shape gets that memory back), and one host
-synchronisation per burst reads the burst's errors: every call is checked, and calls are issued back to back.
+synchronisation every ``READ_EVERY`` bursts (``--read-every``) reads their errors: every call is checked, and calls are
+issued back to back (with W processes time-slicing one GPU, a synchronisation per burst left each rank's queue
+nearly empty whenever the GPU came to it).
 A row's ``checked`` counts the checks over all ranks, ``wrong`` the failed ones (an expert layer has two checks, and
 so has an all_gather_gemm that returns its gathered input).
 
@@ -59,6 +61,7 @@ MOE_SHARE = 0.07  # of the bursts after the sweep
 SETS = 3  # value sets per pool entry (consecutive calls of a burst take consecutive sets)
 SWEEP_REPEATS = 3  # the sweep's calls per entry and group, replay on: eager, captured, replayed
 ERROR_SLOTS = 16  # a burst's checks (at most 4 calls, two checks each for an expert layer)
+READ_EVERY = 8  # bursts whose checks are read at one host synchronisation (the default of --read-every)
 FP8_COMBOS = (("bf16", False), ("bf16", True), ("fp32", False), ("fp32", True))  # (output dtype, bias)
 
 
@@ -225,13 +228,17 @@ class MoeEntry:
 
 
 class Checks:
-    """A burst's checks, queued on the device: each a relative error (Frobenius norm of the difference into a slot of
-    ``errors``, divided by the oracle's norm on the host) or an exact comparison (mismatches into a slot); ``read``
-    synchronises once and returns the notes of the wrong ones."""
+    """The checks of up to ``bursts`` bursts, queued on the device: each a relative error (Frobenius norm of the
+    difference into a slot of ``errors``, divided by the oracle's norm on the host) or an exact comparison
+    (mismatches into a slot); ``read`` synchronises once and returns the notes of the wrong ones; ``full`` says when
+    another burst might not find its slots."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.errors = torch.zeros(ERROR_SLOTS, dtype=torch.float32, device=device)
+    def __init__(self, device: torch.device, bursts: int = 1) -> None:
+        self.errors = torch.zeros(ERROR_SLOTS * bursts, dtype=torch.float32, device=device)
         self.pending: list[tuple] = []
+
+    def full(self) -> bool:
+        return len(self.pending) + ERROR_SLOTS > self.errors.numel()
 
     def close(self, got: torch.Tensor, want: torch.Tensor, norm: float, limit: float, scratch: torch.Tensor,
               what: str) -> None:
@@ -253,7 +260,7 @@ class Checks:
         self.pending.append(("equal", what))
 
     def read(self) -> tuple[int, list[str]]:
-        """``(checks, notes of the wrong ones)``; empties the burst's checks."""
+        """``(checks, notes of the wrong ones)``; empties the pending checks."""
         pending, self.pending = self.pending, []
         if not pending:
             return 0, []
@@ -373,7 +380,7 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
     second = dist.new_group(list(range(world)), backend="gloo")
     groups = (dist.group.WORLD, second)
     pool = Pool(world, rank, device)
-    checks = Checks(device)
+    checks = Checks(device, options.get("read_every", READ_EVERY))
     calls = wrong = errors = bursts_done = checked = 0
     notes: list[str] = []
     samples: list[dict] = []
@@ -402,10 +409,23 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
                          "oracle_seconds": round(pool.seconds, 1)},
                 "replays": _replays(groups, device)}
 
+    def read_checks(label: str) -> None:
+        nonlocal checked, wrong, errors, notes
+        try:
+            done, bad = checks.read()
+        except Exception as exc:  # noqa: BLE001 -- a device error surfaces here
+            errors += 1
+            done, bad = 0, [f"{label}: reading the checks: {short(exc, 600)}"]
+        checked += done
+        wrong += len(bad)
+        notes += bad[: max(0, 20 - len(notes))]
+
+    label = "the soak"
     for burst in bursts(seed, world, target):
         if bursts_done % check_every == 0 and not go_on(options["deadline"]):
             stopped = f"budget spent after {calls} calls"
             break
+        label = burst.call.label()
         group = groups[burst.group]
         _set_replay(burst.replay)
         try:
@@ -416,16 +436,10 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
             errors += 1
             if len(notes) < 20:
                 notes.append(f"{burst.call.label()}: {short(exc, 600)}")
-        try:
-            done, bad = checks.read()  # the burst's one synchronisation
-        except Exception as exc:  # noqa: BLE001 -- a device error surfaces here
-            errors += 1
-            done, bad = 0, [f"{burst.call.label()}: reading the checks: {short(exc, 600)}"]
-        checked += done
-        wrong += len(bad)
-        notes += bad[: max(0, 20 - len(notes))]
         calls += burst.calls
         bursts_done += 1
+        if checks.full() or (warm is None and calls >= warmup) or calls >= next_sample:
+            read_checks(burst.call.label())  # the host's one synchronisation for READ_EVERY bursts
         if warm is None and calls >= warmup:
             warm = sample("after warm-up")
             warm["seconds"] = round(time.time() - start, 1)
@@ -441,6 +455,7 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
                 rate = report()["ms_per_call"]
                 print(f"soak W={world}: {calls} calls, wrong {wrong}, errors {errors}, {rate} ms/call, "
                       f"{record['allocated_mib']} MiB allocated ({record['reserved_mib']} reserved)", flush=True)
+    read_checks(f"after {label}")  # the last bursts' checks
     _set_replay(True)
     sample("end")  # the pool's tensors still alive, as at every sample: no call's
     final = report()

@@ -360,6 +360,21 @@ def test_the_soak_checks_flag_wrong_values_nan_missing_rows_and_a_gathered_input
     assert checks.read() == (0, [])
 
 
+def test_the_soak_checks_of_several_bursts_share_one_read_and_say_when_another_burst_might_not_fit():
+    checks = soak.Checks(torch.device("cpu"), bursts=2)
+    want = torch.randn(3, 4)
+    scratch = torch.empty(3, 4)
+    norm = float(torch.linalg.vector_norm(want))
+    for i in range(soak.ERROR_SLOTS):  # a first burst of the most checks one may queue
+        checks.close(want * (1.1 if i == 5 else 1.0), want, norm, 1e-3, scratch, f"first {i}")
+    assert not checks.full()  # a second burst still finds its slots
+    checks.close(want, want, norm, 1e-3, scratch, "second 0")
+    assert checks.full()
+    done, notes = checks.read()
+    assert done == soak.ERROR_SLOTS + 1 and [n.split(":")[0] for n in notes] == ["first 5"]
+    assert not checks.full() and checks.read() == (0, [])
+
+
 def test_soak_summary_memory_is_flat_within_64_mib_of_warm_up():
     def report(rank, samples, warm_calls=100):
         points = [{"at": f"{c} calls", "calls": c, "allocated_mib": a, "reserved_mib": a + 10} for c, a in samples]
