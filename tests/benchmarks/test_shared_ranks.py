@@ -530,7 +530,7 @@ def test_every_step_specific_option_is_read_by_its_steps_and_accepted_there():
         for step in steps:
             flag = "--" + name.replace("_", "-")
             value = {"calls": "3", "seed": "1", "timeout": "2", "scenarios": "skip", "families": "tp",
-                     "rounds": "2", "shape": "8,8,8", "graph_waits": "memop",
+                     "rounds": "2", "shape": "8,8,8", "graph_waits": "memop", "read_every": "4",
                      "ops": "gemm_all_reduce"}.get(name)
             args = shared_ranks.parse_args(["--step", step, flag] + ([value] if value else []))
             assert getattr(args, name) not in (None, False)
