@@ -10,10 +10,22 @@ INITIAL_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 def pytest_configure(config):
     """The multi-process tests' ranks fork from one server that has imported torch (``testing.rank_context``): start
     it now, with the environment the session began with. Started by a test that had changed a variable read at
-    import, it would send every later call to fresh interpreters (correct, but slow)."""
+    import, it would send every later call to fresh interpreters (correct, but slow). Under pytest-xdist (the README's
+    ``-n 2``) each worker starts its own, and the controller, which runs no test, none."""
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) \
+            and not hasattr(config, "workerinput"):
+        return
     from flashoverlap.testing import rank_context
 
     rank_context()
+
+
+def pytest_collection_modifyitems(config, items):
+    """``tests/gpu`` share the GPUs and time their calls: under pytest-xdist's ``--dist loadgroup`` (the README's
+    command) they all go to one worker, one after another, while the CPU tests share the others."""
+    for item in items:
+        if item.nodeid.startswith("tests/gpu/") or "/tests/gpu/" in str(item.path):
+            item.add_marker(pytest.mark.xdist_group("gpu"))
 
 
 def pytest_terminal_summary(terminalreporter):
