@@ -9,6 +9,7 @@ import importlib.util
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -334,3 +335,16 @@ def test_the_headline_gives_each_ops_worst_and_best_speedup_and_the_commit(tmp_p
          "`aaaaaaaaaa`, code changed since"]]
     for term in ("`T_seq / T`", "`path=\"auto\"`", "`nvlink`", "`pcie-like`", "Code changed since", "Sources"):
         assert term in table, term
+
+
+def test_the_readme_command_runs_the_gpu_tests_in_one_xdist_group():
+    """``--dist loadgroup`` keeps a group in one worker: every test of tests/gpu is in the group ``gpu``, no other."""
+    root = Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", "-m",
+                           "xdist_group", "tests/gpu", "tests/test_plan.py"], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    listed = [line for line in done.stdout.splitlines() if "::" in line]
+    assert listed and all(line.startswith("tests/gpu/") for line in listed), done.stdout[-2000:]
+    every = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", "tests/gpu"],
+                           cwd=root, capture_output=True, text=True, timeout=120)
+    assert len(listed) == len([line for line in every.stdout.splitlines() if "::" in line])

@@ -220,6 +220,13 @@ MUTATIONS = [
      "        start, band = self.base + rank * rows * self.width, world * rows * self.width\n",
      "        start, band = rank * rows * self.width, world * rows * self.width\n",
      "tests/comm/test_bands.py::test_packed_rows_views_are_unpack_rows_and_own_slots"),
+    ("soak-last-checks-unread", "soak: the checks queued since the last read (up to READ_EVERY bursts) never read "
+     "at the end", "benchmarks/shared/soak.py", '    read_checks(f"after {label}")  # the last bursts\' checks\n', "",
+     "tests/benchmarks/test_shared_ranks.py::test_the_soak_ranks_check_every_call_on_cpu_ranks"),
+    ("gpu-tests-not-grouped", "tests/conftest.py: tests/gpu not put in one xdist group (the README's two workers "
+     "would run GPU tests side by side)", "tests/conftest.py",
+     '            item.add_marker(pytest.mark.xdist_group("gpu"))\n', "            pass\n",
+     "tests/test_readme.py::test_the_readme_command_runs_the_gpu_tests_in_one_xdist_group"),
     ("shared-ranks-step-options-unchecked", "shared_ranks: an option the step never reads (--families to the soak, "
      "--calls to mechanics, anything with --merge) is ignored and the run goes on",
      "benchmarks/shared_ranks.py", "    if given:  # an option", "    if False:  # an option",
