@@ -66,7 +66,7 @@ def test_a_new_layouts_hybrid_tables_never_wait_for_the_gpu():
     empty = torch.zeros(0, dtype=torch.int64, device="cuda")
     layout = Layout(empty, empty, recv.clone(), recv, (ends - recv.reshape(-1)).to(torch.int32), ends.to(torch.int32),
                     mode="exact", bound=None, top_k=1, tokens=0, experts=15, send_splits=splits, recv_splits=splits,
-                    max_pair_rows=max(splits))
+                    max_pair_rows=max(splits), recv_counts_host=tuple(map(tuple, counts)))  # as expert_layout's
     torch.cuda._sleep(10**8)  # the GPU busy: a wait would show
     found = host_synchronisations(lambda: chunked_gemm.light_tables(layout, 36))
     assert found == [], found
