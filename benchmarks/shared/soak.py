@@ -21,8 +21,8 @@ all-gather this rank's weight), then kept on the device with its norm. A call's 
 it (the output against the oracle into a slot of an error buffer; all_gather_gemm's gathered input compared element
 for element), the output then poisoned with NaN (the next call of the shape gets that memory back), and one host
 synchronisation every ``READ_EVERY`` bursts (``--read-every``) reads their errors: every call is checked, and calls are
-issued back to back (with W processes time-slicing one GPU, a synchronisation per burst left each rank's queue
-nearly empty whenever the GPU came to it).
+issued back to back (a synchronisation every burst would drain each rank's queue every few calls, while W processes
+time-slice the one GPU).
 A row's ``checked`` counts the checks over all ranks, ``wrong`` the failed ones (an expert layer has two checks, and
 so has an all_gather_gemm that returns its gathered input).
 
@@ -439,7 +439,7 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
         calls += burst.calls
         bursts_done += 1
         if checks.full() or (warm is None and calls >= warmup) or calls >= next_sample:
-            read_checks(burst.call.label())  # the host's one synchronisation for READ_EVERY bursts
+            read_checks(label)  # the host's one synchronisation for READ_EVERY bursts
         if warm is None and calls >= warmup:
             warm = sample("after warm-up")
             warm["seconds"] = round(time.time() - start, 1)
