@@ -21,10 +21,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``tests/gpu`` share the GPUs and time their calls: under pytest-xdist's ``--dist loadgroup`` (the README's
-    command) they all go to one worker, one after another, while the CPU tests share the others."""
+    """The tests that use GPUs (``tests/gpu``, and those marked ``gpu`` elsewhere) share them, and some time their
+    calls: under pytest-xdist's ``--dist loadgroup`` (the README's command) they all go to one worker, one after
+    another, while the CPU tests share the others."""
     for item in items:
-        if item.nodeid.startswith("tests/gpu/") or "/tests/gpu/" in str(item.path):
+        if item.nodeid.startswith("tests/gpu/") or "/tests/gpu/" in str(item.path) or item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.xdist_group("gpu"))
 
 

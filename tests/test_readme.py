@@ -337,19 +337,23 @@ def test_the_headline_gives_each_ops_worst_and_best_speedup_and_the_commit(tmp_p
 
 
 def test_the_readme_command_runs_the_gpu_tests_in_one_xdist_group():
-    """``--dist loadgroup`` keeps a group in one worker: tests/conftest.py puts every test of tests/gpu in the group
-    ``gpu`` and no other test (its collection hook, called on stand-in items of both kinds)."""
+    """``--dist loadgroup`` keeps a group in one worker: tests/conftest.py puts every test of tests/gpu, and every
+    test marked ``gpu`` elsewhere, in the group ``gpu`` and no other test (its collection hook, called on stand-in
+    items of each kind)."""
     import types
 
     from tests import conftest
 
-    def item(nodeid: str):
+    def item(nodeid: str, gpu: bool = False):
         marks = []
         return types.SimpleNamespace(nodeid=nodeid, path=Path(__file__).parents[1] / nodeid.split("::")[0],
-                                     add_marker=marks.append, marks=marks)
+                                     add_marker=marks.append, marks=marks,
+                                     get_closest_marker=lambda name: object() if gpu and name == "gpu" else None)
 
     items = [item("tests/gpu/test_gpu_all_reduce.py::test_x"), item("tests/test_plan.py::test_y"),
-             item("tests/gpu/test_gpu_moe_layout.py::test_z[1]"), item("tests/kernels/test_gpu_like.py::test_w")]
+             item("tests/gpu/test_gpu_moe_layout.py::test_z[1]"), item("tests/kernels/test_gpu_like.py::test_w"),
+             item("tests/kernels/test_grouped_gemm.py::test_compiled", gpu=True)]
     conftest.pytest_collection_modifyitems(None, items)
     groups = [[(m.name, m.args) for m in it.marks] for it in items]
-    assert groups == [[("xdist_group", ("gpu",))], [], [("xdist_group", ("gpu",))], []], groups
+    gpu = [("xdist_group", ("gpu",))]
+    assert groups == [gpu, [], gpu, [], gpu], groups
