@@ -1,7 +1,15 @@
+import contextlib
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: GPU tests there are not serialised
+    fcntl = None
 
 # What the environment said before any test module was imported (see tests/test_environment.py).
 INITIAL_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -20,13 +28,41 @@ def pytest_configure(config):
     rank_context()
 
 
-def pytest_collection_modifyitems(config, items):
-    """The tests that use GPUs (``tests/gpu``, and those marked ``gpu`` elsewhere) share them, and some time their
-    calls: under pytest-xdist's ``--dist loadgroup`` (the README's command) they all go to one worker, one after
-    another, while the CPU tests share the others."""
-    for item in items:
-        if item.nodeid.startswith("tests/gpu/") or "/tests/gpu/" in str(item.path) or item.get_closest_marker("gpu"):
-            item.add_marker(pytest.mark.xdist_group("gpu"))
+# The tests that use GPUs (``tests/gpu``, and those marked ``gpu`` elsewhere) take this lock in turn: under the
+# README's two pytest-xdist workers (or beside another pytest session) two of them never share the GPUs, and the
+# ones that time their calls time them alone. A lock, not an xdist group: ``--dist loadgroup`` groups nothing with
+# pytest 9.2 and pytest-xdist 3.8 (pytest-xdist issue 1386), and a group lets only one worker hold the tests.
+GPU_LOCK = Path(tempfile.gettempdir()) / "flashoverlap-gpu-tests.lock"
+
+
+def uses_gpu(item) -> bool:
+    return item.nodeid.startswith("tests/gpu/") or "/tests/gpu/" in str(item.path) \
+        or item.get_closest_marker("gpu") is not None
+
+
+@contextlib.contextmanager
+def one_gpu_test_at_a_time(path: Path = GPU_LOCK):
+    """An exclusive ``flock`` on ``path`` while the block runs (released by the kernel if the process dies)."""
+    if fcntl is None:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_one_at_a_time(request):
+    """A GPU test's body and its function-scoped fixtures run holding ``GPU_LOCK`` (an autouse fixture is set up
+    first). A test skipped by its marks (no GPU) never takes it."""
+    if not uses_gpu(request.node):
+        yield
+        return
+    with one_gpu_test_at_a_time():
+        yield
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -80,7 +80,7 @@ def test_readme_is_a_front_page():
     specs = re.findall(r"<!-- render: (\S+)", text)
     assert specs == ["headline"], specs
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
-    command = "pytest -n 2 --dist loadgroup"
+    command = "pytest -n 2"
     assert f"\n{command}\n" in text and f"python -m {command} 2>&1" in ci  # what CI runs is what the README says
     assert not re.search(r"\d+ (passed|skipped)|\d+ min \d+ s", text)
 
@@ -336,24 +336,33 @@ def test_the_headline_gives_each_ops_worst_and_best_speedup_and_the_commit(tmp_p
         assert term in table, term
 
 
-def test_the_readme_command_runs_the_gpu_tests_in_one_xdist_group():
-    """``--dist loadgroup`` keeps a group in one worker: tests/conftest.py puts every test of tests/gpu, and every
-    test marked ``gpu`` elsewhere, in the group ``gpu`` and no other test (its collection hook, called on stand-in
-    items of each kind)."""
+def test_the_gpu_tests_take_one_lock_in_turn(tmp_path):
+    """Under the README's two workers the tests that use GPUs (tests/gpu, and those marked ``gpu`` elsewhere) run one
+    at a time: each holds ``conftest.GPU_LOCK`` (here a lock file of the test's own) while it runs, and another
+    process cannot take it meanwhile; no other test takes it."""
+    import subprocess
+    import sys
     import types
 
     from tests import conftest
 
     def item(nodeid: str, gpu: bool = False):
-        marks = []
         return types.SimpleNamespace(nodeid=nodeid, path=Path(__file__).parents[1] / nodeid.split("::")[0],
-                                     add_marker=marks.append, marks=marks,
                                      get_closest_marker=lambda name: object() if gpu and name == "gpu" else None)
 
     items = [item("tests/gpu/test_gpu_all_reduce.py::test_x"), item("tests/test_plan.py::test_y"),
-             item("tests/gpu/test_gpu_moe_layout.py::test_z[1]"), item("tests/kernels/test_gpu_like.py::test_w"),
-             item("tests/kernels/test_grouped_gemm.py::test_compiled", gpu=True)]
-    conftest.pytest_collection_modifyitems(None, items)
-    groups = [[(m.name, m.args) for m in it.marks] for it in items]
-    gpu = [("xdist_group", ("gpu",))]
-    assert groups == [gpu, [], gpu, [], gpu], groups
+             item("tests/kernels/test_gpu_like.py::test_w"), item("tests/kernels/test_grouped_gemm.py::t", gpu=True)]
+    assert [conftest.uses_gpu(it) for it in items] == [True, False, False, True]
+    lock = tmp_path / "gpu.lock"
+    probe = ("import fcntl, sys\nwith open(sys.argv[1], 'a') as f:\n    try:\n"
+             "        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n    except BlockingIOError:\n"
+             "        sys.exit(3)\n")
+
+    def other_process_takes_it() -> bool:
+        code = subprocess.run([sys.executable, "-c", probe, str(lock)], timeout=60).returncode
+        assert code in (0, 3), code
+        return code == 0
+
+    with conftest.one_gpu_test_at_a_time(lock):
+        assert not other_process_takes_it()
+    assert other_process_takes_it()

@@ -223,10 +223,9 @@ MUTATIONS = [
     ("soak-last-checks-unread", "soak: the checks queued since the last read (up to READ_EVERY bursts) never read "
      "at the end", "benchmarks/shared/soak.py", '    read_checks(f"after {label}")  # the last bursts\' checks\n', "",
      "tests/benchmarks/test_shared_ranks.py::test_the_soak_ranks_check_every_call_on_cpu_ranks"),
-    ("gpu-tests-not-grouped", "tests/conftest.py: tests/gpu not put in one xdist group (the README's two workers "
-     "would run GPU tests side by side)", "tests/conftest.py",
-     '            item.add_marker(pytest.mark.xdist_group("gpu"))\n', "            pass\n",
-     "tests/test_readme.py::test_the_readme_command_runs_the_gpu_tests_in_one_xdist_group"),
+    ("gpu-tests-not-serialised", "tests/conftest.py: the GPU tests' lock never taken (the README's two workers "
+     "would run GPU tests side by side)", "tests/conftest.py", "        fcntl.flock(handle, fcntl.LOCK_EX)\n",
+     "        pass\n", "tests/test_readme.py::test_the_gpu_tests_take_one_lock_in_turn"),
     ("shared-ranks-step-options-unchecked", "shared_ranks: an option the step never reads (--families to the soak, "
      "--calls to mechanics, anything with --merge) is ignored and the run goes on",
      "benchmarks/shared_ranks.py", "    if given:  # an option", "    if False:  # an option",
