@@ -128,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.worlds = [4] if args.step == "faults" else [2, 4, 8]
     if args.budget is None:
         args.budget = DEFAULT_BUDGET[args.step]
-    if args.calls < 1 or args.budget <= 0 or args.timeout <= 0 or args.rounds < 1 or (args.read_every or 1) < 1:
+    if args.calls < 1 or args.budget <= 0 or args.timeout <= 0 or args.rounds < 1 or (
+            args.read_every is not None and args.read_every < 1):
         p.error("--calls, --budget, --timeout, --rounds and --read-every must be positive")
     from benchmarks.shared import faults, mechanics
 
@@ -315,7 +316,8 @@ def run_soak(args) -> list[dict]:
             # check's worth of bursts, the last samples, the exit): 15 %, never more than WRAP_UP seconds
             deadline = time.time() + max(share * 0.85, share - WRAP_UP)
             options = {"deadline": deadline, "device": args.device, "calls": args.calls,
-                       "seed": args.seed, "read_every": args.read_every or soak.READ_EVERY}
+                       "seed": args.seed,
+                       "read_every": soak.READ_EVERY if args.read_every is None else args.read_every}
             paths = [progress_path(progress_dir, "soak", world, r) for r in range(world)]
             _say(f"soak W={world}: {args.calls} calls, share {share:.0f} s")
             results, failure = spawn_ranks(soak.spawned, world, (options, [str(p) for p in paths]),

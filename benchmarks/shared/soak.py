@@ -231,14 +231,21 @@ class Checks:
     """The checks of up to ``bursts`` bursts, queued on the device: each a relative error (Frobenius norm of the
     difference into a slot of ``errors``, divided by the oracle's norm on the host) or an exact comparison
     (mismatches into a slot); ``read`` synchronises once and returns the notes of the wrong ones; ``full`` says when
-    another burst might not find its slots."""
+    ``bursts`` bursts have ended since (``end_burst``). Until 2026-12-07 it only said when another burst might not
+    find its slots: with a few checks a burst, a read came about every 42 bursts, whatever ``bursts`` was."""
 
     def __init__(self, device: torch.device, bursts: int = 1) -> None:
+        self.bursts = bursts
         self.errors = torch.zeros(ERROR_SLOTS * bursts, dtype=torch.float32, device=device)
         self.pending: list[tuple] = []
+        self.queued_bursts = 0  # bursts ended since the last read
+
+    def end_burst(self) -> None:
+        self.queued_bursts += 1
 
     def full(self) -> bool:
-        return len(self.pending) + ERROR_SLOTS > self.errors.numel()
+        """Whether ``bursts`` bursts have ended since the last read (or another might not find its slots)."""
+        return self.queued_bursts >= self.bursts or len(self.pending) + ERROR_SLOTS > self.errors.numel()
 
     def close(self, got: torch.Tensor, want: torch.Tensor, norm: float, limit: float, scratch: torch.Tensor,
               what: str) -> None:
@@ -261,7 +268,7 @@ class Checks:
 
     def read(self) -> tuple[int, list[str]]:
         """``(checks, notes of the wrong ones)``; empties the pending checks."""
-        pending, self.pending = self.pending, []
+        pending, self.pending, self.queued_bursts = self.pending, [], 0
         if not pending:
             return 0, []
         values = self.errors[: len(pending)].tolist()
@@ -438,6 +445,7 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
                 notes.append(f"{burst.call.label()}: {short(exc, 600)}")
         calls += burst.calls
         bursts_done += 1
+        checks.end_burst()
         if checks.full() or (warm is None and calls >= warmup) or calls >= next_sample:
             read_checks(label)  # the host's one synchronisation for READ_EVERY bursts
         if warm is None and calls >= warmup:

@@ -367,12 +367,34 @@ def test_the_soak_checks_of_several_bursts_share_one_read_and_say_when_another_b
     norm = float(torch.linalg.vector_norm(want))
     for i in range(soak.ERROR_SLOTS):  # a first burst of the most checks one may queue
         checks.close(want * (1.1 if i == 5 else 1.0), want, norm, 1e-3, scratch, f"first {i}")
+    checks.end_burst()
     assert not checks.full()  # a second burst still finds its slots
     checks.close(want, want, norm, 1e-3, scratch, "second 0")
+    checks.end_burst()
     assert checks.full()
     done, notes = checks.read()
     assert done == soak.ERROR_SLOTS + 1 and [n.split(":")[0] for n in notes] == ["first 5"]
     assert not checks.full() and checks.read() == (0, [])
+
+
+def test_the_soak_reads_its_checks_every_read_every_bursts_however_few_checks_each_queued():
+    # Reads came only when the slots ran short: with a few checks a burst, about every 42 bursts at 8.
+    checks = soak.Checks(torch.device("cpu"), bursts=3)
+    want = torch.randn(2, 2)
+    fulls = []
+    for burst in range(7):
+        checks.close(want, want, 1.0, 1e-3, torch.empty(2, 2), f"burst {burst}")
+        checks.end_burst()
+        fulls.append(checks.full())
+        if fulls[-1]:
+            assert checks.read() == (3, [])
+    assert fulls == [False, False, True, False, False, True, False]
+
+
+def test_read_every_must_be_a_positive_count():
+    with pytest.raises(SystemExit):
+        shared_ranks.parse_args(["--step", "soak", "--read-every", "0"])
+    assert shared_ranks.parse_args(["--step", "soak", "--read-every", "1"]).read_every == 1
 
 
 def test_soak_summary_memory_is_flat_within_64_mib_of_warm_up():
