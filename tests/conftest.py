@@ -32,7 +32,8 @@ def pytest_configure(config):
 # README's two pytest-xdist workers (or beside another pytest session) two of them never share the GPUs, and the
 # ones that time their calls time them alone. A lock, not an xdist group: ``--dist loadgroup`` groups nothing with
 # pytest 9.2 and pytest-xdist 3.8 (pytest-xdist issue 1386), and a group lets only one worker hold the tests.
-GPU_LOCK = Path(tempfile.gettempdir()) / "flashoverlap-gpu-tests.lock"
+# One file per user: another user's would refuse this one's open.
+GPU_LOCK = Path(tempfile.gettempdir()) / f"flashoverlap-gpu-tests-{getattr(os, 'getuid', lambda: 0)()}.lock"
 
 
 def uses_gpu(item) -> bool:
