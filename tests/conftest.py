@@ -37,8 +37,7 @@ GPU_LOCK = Path(tempfile.gettempdir()) / f"flashoverlap-gpu-tests-{getattr(os, '
 
 
 def uses_gpu(item) -> bool:
-    return item.nodeid.startswith("tests/gpu/") or "/tests/gpu/" in str(item.path) \
-        or item.get_closest_marker("gpu") is not None
+    return "/tests/gpu/" in item.path.as_posix() or item.get_closest_marker("gpu") is not None
 
 
 @contextlib.contextmanager
