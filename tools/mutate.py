@@ -221,11 +221,12 @@ MUTATIONS = [
      "        start, band = rank * rows * self.width, world * rows * self.width\n",
      "tests/comm/test_bands.py::test_packed_rows_views_are_unpack_rows_and_own_slots"),
     ("soak-last-checks-unread", "soak: the checks queued since the last read (up to READ_EVERY bursts) never read "
-     "at the end", "benchmarks/shared/soak.py", '    read_checks(f"after {label}")  # the last bursts\' checks\n', "",
+     "at a sample (the end's among them)", "benchmarks/shared/soak.py",
+     "        read_checks()  # the sample's synchronisation reads the checks queued since the last read\n", "",
      "tests/benchmarks/test_shared_ranks.py::test_the_soak_ranks_check_every_call_on_cpu_ranks"),
-    ("soak-reads-by-slots-only", "soak: the checks read only when the slots run short, not every READ_EVERY bursts",
-     "benchmarks/shared/soak.py", "        return self.queued_bursts >= self.bursts or len(",
-     "        return len(", "tests/benchmarks/test_shared_ranks.py::"
+    ("soak-reads-only-at-samples", "soak: the checks never read every READ_EVERY bursts (only at samples)",
+     "benchmarks/shared/soak.py", "        return self.queued_bursts >= self.bursts\n",
+     "        return False\n", "tests/benchmarks/test_shared_ranks.py::"
      "test_the_soak_reads_its_checks_every_read_every_bursts_however_few_checks_each_queued"),
     ("gpu-tests-not-serialised", "tests/conftest.py: the GPU tests' lock never taken (the README's two workers "
      "would run GPU tests side by side)", "tests/conftest.py", "        fcntl.flock(handle, fcntl.LOCK_EX)\n",

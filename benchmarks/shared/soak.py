@@ -231,8 +231,7 @@ class Checks:
     """The checks of up to ``bursts`` bursts, queued on the device: each a relative error (Frobenius norm of the
     difference into a slot of ``errors``, divided by the oracle's norm on the host) or an exact comparison
     (mismatches into a slot); ``read`` synchronises once and returns the notes of the wrong ones; ``full`` says when
-    ``bursts`` bursts have ended since (``end_burst``). Until 2026-12-07 it only said when another burst might not
-    find its slots: with a few checks a burst, a read came about every 42 bursts, whatever ``bursts`` was."""
+    ``bursts`` bursts have ended since (``end_burst``)."""
 
     def __init__(self, device: torch.device, bursts: int = 1) -> None:
         self.bursts = bursts
@@ -244,8 +243,8 @@ class Checks:
         self.queued_bursts += 1
 
     def full(self) -> bool:
-        """Whether ``bursts`` bursts have ended since the last read (or another might not find its slots)."""
-        return self.queued_bursts >= self.bursts or len(self.pending) + ERROR_SLOTS > self.errors.numel()
+        """Whether ``bursts`` bursts have ended since the last read (their checks fill at most every slot)."""
+        return self.queued_bursts >= self.bursts
 
     def close(self, got: torch.Tensor, want: torch.Tensor, norm: float, limit: float, scratch: torch.Tensor,
               what: str) -> None:
@@ -398,6 +397,7 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
     timing_start = None
 
     def sample(label: str) -> dict:
+        read_checks()  # the sample's synchronisation reads the checks queued since the last read
         gc.collect()
         synchronize(device)
         allocated, reserved = _memory(device)
@@ -416,23 +416,23 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
                          "oracle_seconds": round(pool.seconds, 1)},
                 "replays": _replays(groups, device)}
 
-    def read_checks(label: str) -> None:
+    def read_checks() -> None:
         nonlocal checked, wrong, errors, notes
         try:
             done, bad = checks.read()
         except Exception as exc:  # noqa: BLE001 -- a device error surfaces here
             errors += 1
-            done, bad = 0, [f"{label}: reading the checks: {short(exc, 600)}"]
+            done, bad = 0, [f"{last}: reading the checks: {short(exc, 600)}"]
         checked += done
         wrong += len(bad)
         notes += bad[: max(0, 20 - len(notes))]
 
-    label = "the soak"
+    last = "the soak"  # the last burst's call, named where reading the checks fails
     for burst in bursts(seed, world, target):
         if bursts_done % check_every == 0 and not go_on(options["deadline"]):
             stopped = f"budget spent after {calls} calls"
             break
-        label = burst.call.label()
+        last = burst.call.label()
         group = groups[burst.group]
         _set_replay(burst.replay)
         try:
@@ -446,8 +446,8 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
         calls += burst.calls
         bursts_done += 1
         checks.end_burst()
-        if checks.full() or (warm is None and calls >= warmup) or calls >= next_sample:
-            read_checks(label)  # the host's one synchronisation for READ_EVERY bursts
+        if checks.full():
+            read_checks()  # the host's one synchronisation for READ_EVERY bursts (a sample's reads them too)
         if warm is None and calls >= warmup:
             warm = sample("after warm-up")
             warm["seconds"] = round(time.time() - start, 1)
@@ -463,7 +463,6 @@ def rank_main(rank: int, world: int, options: dict) -> dict:
                 rate = report()["ms_per_call"]
                 print(f"soak W={world}: {calls} calls, wrong {wrong}, errors {errors}, {rate} ms/call, "
                       f"{record['allocated_mib']} MiB allocated ({record['reserved_mib']} reserved)", flush=True)
-    read_checks(f"after {label}")  # the last bursts' checks
     _set_replay(True)
     sample("end")  # the pool's tensors still alive, as at every sample: no call's
     final = report()
