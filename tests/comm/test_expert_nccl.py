@@ -75,6 +75,16 @@ def _ranks(rank, world):
     comm, reference = ExpertNcclCommunicator(group), ExpertReferenceCommunicator(group)
     producers: list[threading.Thread] = []
     comm._signalling_gemm = _async_signalling(comm, producers)
+    from flashoverlap.comm.expert import chunked_gemm
+
+    made = []  # the modes of the layouts whose chunk ends the communicator computed
+    real_ends = chunked_gemm.relative_ends
+
+    def counted_ends(layout):
+        made.append(layout.mode)
+        return real_ends(layout)
+
+    chunked_gemm.relative_ends = counted_ends  # this rank's own process
 
     def poisoned(shape, dtype, zero=False):
         buffer = torch.full(shape, float("nan"), dtype=dtype)
@@ -129,15 +139,18 @@ def _ranks(rank, world):
                 checked += 1
     for producer in producers:
         producer.join()
-    return checked, len(producers)
+    return checked, len(producers), made.count("exact")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_expert_nccl_communicator_matches_the_reference(world):
     results = spawn(_ranks, world, "gloo")
     # Every case and mode and GEMM ran; the signalling GEMM ran for every exact-mode Triton combine with rows.
-    assert all(checked == 4 * 2 * 3 for checked, _ in results)
-    assert all(signalling >= 2 for _, signalling in results)
+    assert all(checked == 4 * 2 * 3 for checked, _, _ in results)
+    assert all(signalling >= 2 for _, signalling, _ in results)
+    # An exact layout's chunk ends are made once, on its first call, and kept for the five calls after it (dispatch
+    # and combine of three GEMM kinds; combine's layout ``with_weights`` shares its tensors): four cases, four layouts.
+    assert all(exact == 4 for _, _, exact in results)
 
 
 def test_pair_rounds_meet_every_peer_once_and_symmetrically():

@@ -65,12 +65,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from flashoverlap import guards
 from flashoverlap.comm import stream_ops
 from flashoverlap.comm.expert.chunked_gemm import (
     ChunkGemm,
     Chunks,
+    chunk_ends,
     chunk_gemm,
     chunk_multiplier,
     light_multiplier,
@@ -109,6 +111,9 @@ class ExpertNcclCommunicator(GroupFields):
         self.flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         self.rounds = pair_rounds(self.rank, self.world_size)
         self._tables: dict = {}
+        # Exact mode: each chunk's relative segment ends (``chunked_gemm.chunk_ends``), by the layout's segment ends
+        # (shared by a layer's dispatch, combine and backward calls), kept while the layout lives.
+        self._ends = WeakTensorKeyDictionary()
         self._comm_group: dist.ProcessGroup | None = None
         self._global: list[int] = []
         self.graphs = CallGraphs(self.device)  # repeated bounded-mode calls replayed (comm/replay.py)
@@ -153,6 +158,7 @@ class ExpertNcclCommunicator(GroupFields):
             dist.destroy_process_group(self._comm_group)
         self._comm_group = None
         self._tables.clear()
+        self._ends.clear()
         self.graphs.clear()
 
     def _new(self, shape: tuple[int, int], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
@@ -313,7 +319,7 @@ class ExpertNcclCommunicator(GroupFields):
     # -- the GEMMs -----------------------------------------------------------------------------------------
     def _multiplier(self, kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, scales=None):
         table = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank, self.device)
-        return chunk_multiplier(kind, plan, layout, b, table["expert"], scales=scales)
+        return chunk_multiplier(kind, plan, layout, b, table["expert"], chunk_ends(self._ends, layout), scales=scales)
 
     def _signalling_gemm(self, a: torch.Tensor, b: torch.Tensor, layout: Layout, y: torch.Tensor,
                          table: dict[str, torch.Tensor], chunks: Chunks) -> None:

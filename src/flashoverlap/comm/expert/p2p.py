@@ -86,12 +86,12 @@ from flashoverlap import guards
 from flashoverlap.comm import steps, stream_ops
 from flashoverlap.comm.expert.chunked_gemm import (
     Chunks,
+    chunk_ends,
     chunk_gemm,
     chunk_multiplier,
     light_multiplier,
     light_variant,
     offsets,
-    relative_ends,
     segment_table,
 )
 from flashoverlap.comm.expert.contract import ExpertCall, call_outputs, call_signature, issued_rows, replayer
@@ -222,8 +222,8 @@ class ExpertP2PCommunicator(GroupFields):
         # Resolved schedules (``_program``) by (op, chunks, gathered, row bytes): emptied where the workspace grows
         # (its slots and peers' addresses move) and on release.
         self._programs: dict[tuple, tuple] = {}
-        # Exact mode: each chunk's relative segment ends (``_chunk_ends``), by the layout's segment ends (shared by
-        # a layer's dispatch, combine and backward calls), kept while the layout lives.
+        # Exact mode: each chunk's relative segment ends (``chunked_gemm.chunk_ends``), by the layout's segment ends
+        # (shared by a layer's dispatch, combine and backward calls), kept while the layout lives.
         self._ends = WeakTensorKeyDictionary()
         self.graphs = CallGraphs(self.device)  # repeated bounded-mode calls replayed (comm/replay.py)
 
@@ -363,23 +363,12 @@ class ExpertP2PCommunicator(GroupFields):
 
     def _multiplier(self, call: ExpertCall, kind: str):
         """``chunked_gemm.chunk_multiplier``'s ``multiply(chunk, x, x_row, out, out_row, rows)`` for this call, each
-        chunk's ends one view of ``_chunk_ends``."""
+        chunk's ends one view of ``chunk_ends``."""
         layout = call.layout
         seg_expert = segment_table(self._tables, self.world_size, layout.experts_per_rank, self.rank,
                                    self.device)["expert"]
-        return chunk_multiplier(kind, call.plan, layout, call.b, seg_expert, self._chunk_ends(layout),
+        return chunk_multiplier(kind, call.plan, layout, call.b, seg_expert, chunk_ends(self._ends, layout),
                                 scales=call.scales)
-
-    def _chunk_ends(self, layout) -> tuple[torch.Tensor, ...]:
-        """Each chunk's segment ends relative to its first row (``relative_ends``, one view per chunk). Exact mode:
-        made once per layout (exact layouts are never captured: their sizes are host values); bounded mode: per
-        call, on the device, so that a graph holding the call reads the layout's tensors as they are at replay."""
-        if layout.mode != "exact":
-            return relative_ends(layout).unbind(0)
-        ends = self._ends.get(layout.recv_seg_ends)
-        if ends is None:
-            ends = self._ends[layout.recv_seg_ends] = relative_ends(layout).unbind(0)
-        return ends
 
     # -- the call's GPU work ----------------------------------------------------------------------------------
     def issue(self, call: ExpertCall, a: torch.Tensor, chunks: Chunks,
