@@ -469,16 +469,18 @@ def test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_e
     comm = _communicator(1, 3, recorder, monkeypatch)
     made = []
     real = chunked_gemm.relative_ends
-    monkeypatch.setattr(ep, "relative_ends", lambda layout: made.append(layout.mode) or real(layout))
+    monkeypatch.setattr(chunked_gemm, "relative_ends", lambda layout: made.append(layout.mode) or real(layout))
     exact = _layout(3, 1, "exact", (2, 3, 5), (5, 1, 3))
     for op in ("dispatch", "combine", "dispatch"):  # one layer's calls: the ends made once
         routing = exact if op == "dispatch" else exact.with_weights(torch.rand(exact.tokens, TOP_K))
         got, want = _run_call(comm, recorder, monkeypatch, routing, op)
         assert got == want
-    assert made == ["exact"]
+    # Once for the chunks' device ends (``chunk_ends``), once for the loop's host ends (``host_relative_ends``: this
+    # hand-built layout has no host counts), each kept.
+    assert made == ["exact"] * 2
     other = _layout(3, 1, "exact", (4, 3, 2), (1, 3, 5))  # another layer's layout: its own ends
     got, want = _run_call(comm, recorder, monkeypatch, other)
-    assert got == want and made == ["exact", "exact"]
+    assert got == want and made == ["exact"] * 4
     bounded = _layout(3, 1, "bounded", (6, 6, 6), (6, 6, 6), bound=6)
     got, want = _run_call(comm, recorder, monkeypatch, bounded)
     assert got == want
@@ -487,7 +489,7 @@ def test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_e
     for mine, theirs in zip(bounded.tensors(), fresh.tensors()):
         mine.copy_(theirs)
     got, want = _run_call(comm, recorder, monkeypatch, bounded)
-    assert got == want and made == ["exact", "exact", "bounded", "bounded"]
+    assert got == want and made == ["exact"] * 4 + ["bounded"] * 2
     assert [step[4] for step in got if step[0] == "gemm"] == [(3, 5), (1, 2), (2, 3)]  # own chunk, then 0, 2
 
 
