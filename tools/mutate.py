@@ -228,6 +228,11 @@ MUTATIONS = [
      "benchmarks/shared/soak.py", "        return self.queued_bursts >= self.bursts\n",
      "        return False\n", "tests/benchmarks/test_shared_ranks.py::"
      "test_the_soak_reads_its_checks_every_read_every_bursts_however_few_checks_each_queued"),
+    ("expert-chunk-ends-not-kept", "chunked_gemm.chunk_ends: an exact layout's chunk ends made again on every call "
+     "(both fast expert paths: two launches a call more)", CHUNKED,
+     "            cache[layout.recv_seg_ends] = ends\n", "            pass\n",
+     f"{EXPERT_P2P_TEST}::test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_every_call "
+     "tests/comm/test_expert_nccl.py::test_expert_nccl_communicator_matches_the_reference"),
     ("gpu-tests-not-serialised", "tests/conftest.py: the GPU tests' lock never taken (the README's two workers "
      "would run GPU tests side by side)", "tests/conftest.py", "        fcntl.flock(handle, fcntl.LOCK_EX)\n",
      "        pass\n", "tests/test_readme.py::test_the_gpu_tests_take_one_lock_in_turn"),
