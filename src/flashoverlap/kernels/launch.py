@@ -53,6 +53,23 @@ def integer_class(value: int) -> tuple:
     return int, _width(value), value == 1, value % 16 == 0
 
 
+# Integer classes by value: a launch's integers (sizes, strides, row counts) take few distinct values, and a dict
+# lookup is a fraction of ``integer_class``'s calls (host time: an fp8 expert call launches several kernels of twenty
+# integers each). At most INT_CLASSES_KEPT kept; beyond that, start again.
+_INT_CLASSES: dict[int, tuple] = {}
+INT_CLASSES_KEPT = 4096
+
+
+def _int_class(value: int) -> tuple:
+    """``integer_class(value)``, through ``_INT_CLASSES``."""
+    found = _INT_CLASSES.get(value)
+    if found is None:
+        if len(_INT_CLASSES) >= INT_CLASSES_KEPT:
+            _INT_CLASSES.clear()
+        found = _INT_CLASSES[value] = integer_class(value)
+    return found
+
+
 def unspecialised(value: object) -> object:
     """A ``do_not_specialize`` integer's fingerprint: the width Triton types it by (i32, i64, u64), not its value;
     anything else (a bool, a float, a tensor) as ``fingerprint`` keys it, and an integer beyond u64 by value (Triton
@@ -67,13 +84,13 @@ def fingerprint(value) -> object:
     if isinstance(value, torch.Tensor):  # the device is the key's (the current one, where the kernel runs)
         return value.dtype, value.data_ptr() % 16 == 0
     if type(value) is int:
-        return integer_class(value)
+        return _int_class(value)
     if value is None or isinstance(value, (bool, float, str)):
         return type(value), value  # in a key True == 1 == 1.0; Triton specialises them apart
     base = getattr(value, "base", None)  # a host tensor descriptor
     if isinstance(base, torch.Tensor):  # Triton keys only its dtype and block (and layout); the rest is kept, by class
         return (type(value), base.dtype, base.device, base.data_ptr() % 16 == 0, tuple(value.block_shape),
-                tuple(map(integer_class, value.shape)), tuple(map(integer_class, value.strides)),
+                tuple(map(_int_class, value.shape)), tuple(map(_int_class, value.strides)),
                 getattr(value, "padding", None), getattr(value, "layout", None))  # Gluon's shared layout (hashable)
     raise TypeError(f"Launcher: no fingerprint for an argument of type {type(value).__name__}")
 
@@ -110,7 +127,7 @@ class Launcher:
             prints = tuple(unspecialised(value) if i in self._by_width else fingerprint(value)
                            for i, value in enumerate(args))
         else:
-            prints = tuple(map(fingerprint, args))
+            prints = _fingerprints(args)
         key = (device, switches, tuple(meta.items()), prints)
         hit = self._compiled.get(key)
         if hit is None:
@@ -139,6 +156,22 @@ class Launcher:
             else:
                 raise TypeError(f"Launcher: no value for the kernel's parameter {name}")
         return tuple(tail)
+
+
+def _fingerprints(args: tuple) -> tuple:
+    """``tuple(map(fingerprint, args))``, with the two kinds most arguments are (an int, a plain tensor) looked at
+    first, here, without a call each (host time, on every launch)."""
+    prints = []
+    append, classes, tensor = prints.append, _INT_CLASSES, torch.Tensor
+    for value in args:
+        kind = type(value)
+        if kind is int:
+            append(classes.get(value) or _int_class(value))
+        elif kind is tensor:
+            append((value.dtype, value.data_ptr() % 16 == 0))
+        else:
+            append(fingerprint(value))
+    return tuple(prints)
 
 
 def _hooked() -> bool:
