@@ -739,13 +739,17 @@ MUTATIONS = [
      "src/flashoverlap/comm/expert/chunked_gemm.py", "is_light = (rows > 0) & (rows < heavy_rows)",
      "is_light = (rows > 0) & (rows <= heavy_rows)",
      "tests/moe/test_hybrid.py::test_the_light_experts_on_the_device_are_the_hosts_at_every_threshold"),
+    ("launch-one-pass-ignores-alignment", "Launcher: the launch's own pass over its arguments leaves a plain tensor's "
+     "16-byte alignment out, so a kernel compiled for aligned operands is launched on misaligned ones",
+     "src/flashoverlap/kernels/launch.py", "            append((value.dtype, value.data_ptr() % 16 == 0))\n",
+     "            append((value.dtype, True))\n", "tests/kernels/test_launch.py"),
     ("launch-integer-class-ignores-divisibility", "Launcher: an integer's class leaves out Triton's divisibility-by-16 "
      "hint, so a kernel compiled for a row count that is a multiple of 16 is relaunched for one that is not",
      "src/flashoverlap/kernels/launch.py", "    return int, _width(value), value == 1, value % 16 == 0",
      "    return int, _width(value), value == 1", "tests/kernels/test_launch.py"),
     ("launch-integers-keyed-by-value", "Launcher: integers keyed by value, so every exact-mode expert call whose row "
      "count is new goes through the JIT", "src/flashoverlap/kernels/launch.py",
-     "        return integer_class(value)\n", "        return int, value\n",
+     "        found = _INT_CLASSES[value] = integer_class(value)\n", "        found = _INT_CLASSES[value] = (int, value)\n",
      "tests/kernels/test_launch.py::test_a_new_row_count_of_a_known_class_launches_directly"),
     ("launch-unspecialised-keyed-by-value", "Direct launches: a do_not_specialize integer keyed by its value, so each "
      "new group index or tile count of the graphs' counter wait goes through the JIT (inside a capture)",
