@@ -230,9 +230,13 @@ MUTATIONS = [
      "test_the_soak_reads_its_checks_every_read_every_bursts_however_few_checks_each_queued"),
     ("expert-chunk-ends-not-kept", "chunked_gemm.chunk_ends: an exact layout's chunk ends made again on every call "
      "(both fast expert paths: two launches a call more)", CHUNKED,
-     "            cache[layout.recv_seg_ends] = ends\n", "            pass\n",
+     "            cache[ends_in] = kept\n", "            pass\n",
      f"{EXPERT_P2P_TEST}::test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_every_call "
      "tests/comm/test_expert_nccl.py::test_expert_nccl_communicator_matches_the_reference"),
+    ("expert-chunk-ends-ignore-in-place-writes", "chunked_gemm.chunk_ends: an exact layout's kept chunk ends still "
+     "used after its segment tensors were written in place (stale ends)", CHUNKED,
+     "    if kept is None or kept[0] != version:\n", "    if kept is None:\n",
+     f"{EXPERT_P2P_TEST}::test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_every_call"),
     ("gpu-tests-not-serialised", "tests/conftest.py: the GPU tests' lock never taken (the README's two workers "
      "would run GPU tests side by side)", "tests/conftest.py", "        fcntl.flock(handle, fcntl.LOCK_EX)\n",
      "        pass\n", "tests/test_readme.py::test_the_gpu_tests_take_one_lock_in_turn"),
@@ -749,7 +753,8 @@ MUTATIONS = [
      "    return int, _width(value), value == 1", "tests/kernels/test_launch.py"),
     ("launch-integers-keyed-by-value", "Launcher: integers keyed by value, so every exact-mode expert call whose row "
      "count is new goes through the JIT", "src/flashoverlap/kernels/launch.py",
-     "        found = _INT_CLASSES[value] = integer_class(value)\n", "        found = _INT_CLASSES[value] = (int, value)\n",
+     "            found = self.by_value[value] = integer_class(value)\n",
+     "            found = self.by_value[value] = (int, value)\n",
      "tests/kernels/test_launch.py::test_a_new_row_count_of_a_known_class_launches_directly"),
     ("launch-unspecialised-keyed-by-value", "Direct launches: a do_not_specialize integer keyed by its value, so each "
      "new group index or tile count of the graphs' counter wait goes through the JIT (inside a capture)",

@@ -148,8 +148,9 @@ def test_expert_nccl_communicator_matches_the_reference(world):
     # Every case and mode and GEMM ran; the signalling GEMM ran for every exact-mode Triton combine with rows.
     assert all(checked == 4 * 2 * 3 for checked, _, _ in results)
     assert all(signalling >= 2 for _, signalling, _ in results)
-    # An exact layout's chunk ends are made once, on its first call, and kept for the five calls after it (dispatch
-    # and combine of three GEMM kinds; combine's layout ``with_weights`` shares its tensors): four cases, four layouts.
+    # An exact layout's chunk ends are made once, on its first call, and kept for the calls after it on the same
+    # layout (dispatch and combine of three GEMM kinds, but a Triton combine with rows, whose signalling GEMM reads
+    # the layout's own ends; combine's layout ``with_weights`` shares its tensors): four cases, four layouts.
     assert all(exact == 4 for _, _, exact in results)
 
 

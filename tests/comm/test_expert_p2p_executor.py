@@ -481,6 +481,11 @@ def test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_e
     other = _layout(3, 1, "exact", (4, 3, 2), (1, 3, 5))  # another layer's layout: its own ends
     got, want = _run_call(comm, recorder, monkeypatch, other)
     assert got == want and made == ["exact"] * 4
+    other.recv_seg_ends.copy_(other.recv_seg_ends.clone())  # written in place (the same values): made again
+    got, want = _run_call(comm, recorder, monkeypatch, other)
+    assert got == want and made == ["exact"] * 5
+    got, want = _run_call(comm, recorder, monkeypatch, other)  # and kept again
+    assert got == want and made == ["exact"] * 5
     bounded = _layout(3, 1, "bounded", (6, 6, 6), (6, 6, 6), bound=6)
     got, want = _run_call(comm, recorder, monkeypatch, bounded)
     assert got == want
@@ -489,7 +494,7 @@ def test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_e
     for mine, theirs in zip(bounded.tensors(), fresh.tensors()):
         mine.copy_(theirs)
     got, want = _run_call(comm, recorder, monkeypatch, bounded)
-    assert got == want and made == ["exact"] * 4 + ["bounded"] * 2
+    assert got == want and made == ["exact"] * 5 + ["bounded"] * 2
     assert [step[4] for step in got if step[0] == "gemm"] == [(3, 5), (1, 2), (2, 3)]  # own chunk, then 0, 2
 
 

@@ -132,23 +132,24 @@ def test_fingerprints_name_what_specialises_a_kernel():
         fingerprint(object())
 
 
-def test_a_launchs_fingerprints_are_each_arguments_and_the_kept_integer_classes_are_bounded(monkeypatch):
+def test_a_launchs_fingerprints_are_each_arguments_and_the_kept_integer_classes_are_bounded():
     """The launcher's own pass over the arguments (ints and plain tensors without a call each) gives what
     ``fingerprint`` gives argument by argument, integers by ``integer_class`` whether or not their class was kept; the
     classes kept by value never exceed their bound."""
-    monkeypatch.setattr(launch, "_INT_CLASSES", {})
-    monkeypatch.setattr(launch, "INT_CLASSES_KEPT", 8)
+    classes = launch.IntegerClasses(kept=8)
     x = torch.zeros(8)
     args = (x, x[1:], torch.nn.Parameter(x), 1, 7, 16, 2**31, 2**31 + 16, 2**63, -3, True, 1.0, None, "s",
             x.to(torch.float16), 7, 16, 2**31)
     want = tuple(launch.integer_class(v) if type(v) is int else fingerprint(v) for v in args)
-    assert launch._fingerprints(args) == want  # classes computed and kept
-    assert launch._fingerprints(args) == want  # classes read back
+    assert launch._fingerprints(args, classes) == want  # classes computed and kept
+    assert launch._fingerprints(args, classes) == want  # classes read back
+    assert all(type(key) is int for key in classes.by_value)  # a bool argument is fingerprint's (True == 1)
     for value in range(100):
-        assert launch._fingerprints((value,)) == (launch.integer_class(value),)
-        assert len(launch._INT_CLASSES) <= 8
+        assert launch._fingerprints((value,), classes) == (launch.integer_class(value),)
+        assert len(classes.by_value) <= 8
+    assert launch._fingerprints(args) == want  # the launchers' own classes
     with pytest.raises(TypeError, match="no fingerprint"):
-        launch._fingerprints((x, object()))
+        launch._fingerprints((x, object()), classes)
 
 
 def test_a_tensor_descriptors_fingerprint_holds_its_block_and_layout():

@@ -53,21 +53,27 @@ def integer_class(value: int) -> tuple:
     return int, _width(value), value == 1, value % 16 == 0
 
 
-# Integer classes by value: a launch's integers (sizes, strides, row counts) take few distinct values, and a dict
-# lookup is a fraction of ``integer_class``'s calls (host time: an fp8 expert call launches several kernels of twenty
-# integers each). At most INT_CLASSES_KEPT kept; beyond that, start again.
-_INT_CLASSES: dict[int, tuple] = {}
-INT_CLASSES_KEPT = 4096
+class IntegerClasses:
+    """``integer_class`` by value, kept: a launch's integers (sizes, strides, row counts) take few distinct values, and
+    a dict lookup is a fraction of ``integer_class``'s calls (host time: an fp8 expert call launches several kernels
+    of twenty integers each). At most ``kept`` are kept; beyond that, start again."""
+
+    __slots__ = ("kept", "by_value")
+
+    def __init__(self, kept: int = 4096) -> None:
+        self.kept = kept
+        self.by_value: dict[int, tuple] = {}  # only ``int`` keys (a bool is never passed: True == 1)
+
+    def __call__(self, value: int) -> tuple:
+        found = self.by_value.get(value)
+        if found is None:
+            if len(self.by_value) >= self.kept:
+                self.by_value.clear()
+            found = self.by_value[value] = integer_class(value)
+        return found
 
 
-def _int_class(value: int) -> tuple:
-    """``integer_class(value)``, through ``_INT_CLASSES``."""
-    found = _INT_CLASSES.get(value)
-    if found is None:
-        if len(_INT_CLASSES) >= INT_CLASSES_KEPT:
-            _INT_CLASSES.clear()
-        found = _INT_CLASSES[value] = integer_class(value)
-    return found
+INTEGER_CLASSES = IntegerClasses()  # the launchers' own
 
 
 def unspecialised(value: object) -> object:
@@ -84,13 +90,13 @@ def fingerprint(value) -> object:
     if isinstance(value, torch.Tensor):  # the device is the key's (the current one, where the kernel runs)
         return value.dtype, value.data_ptr() % 16 == 0
     if type(value) is int:
-        return _int_class(value)
+        return INTEGER_CLASSES(value)
     if value is None or isinstance(value, (bool, float, str)):
         return type(value), value  # in a key True == 1 == 1.0; Triton specialises them apart
     base = getattr(value, "base", None)  # a host tensor descriptor
     if isinstance(base, torch.Tensor):  # Triton keys only its dtype and block (and layout); the rest is kept, by class
         return (type(value), base.dtype, base.device, base.data_ptr() % 16 == 0, tuple(value.block_shape),
-                tuple(map(_int_class, value.shape)), tuple(map(_int_class, value.strides)),
+                tuple(map(INTEGER_CLASSES, value.shape)), tuple(map(INTEGER_CLASSES, value.strides)),
                 getattr(value, "padding", None), getattr(value, "layout", None))  # Gluon's shared layout (hashable)
     raise TypeError(f"Launcher: no fingerprint for an argument of type {type(value).__name__}")
 
@@ -158,15 +164,15 @@ class Launcher:
         return tuple(tail)
 
 
-def _fingerprints(args: tuple) -> tuple:
+def _fingerprints(args: tuple, classes: IntegerClasses = INTEGER_CLASSES) -> tuple:
     """``tuple(map(fingerprint, args))``, with the two kinds most arguments are (an int, a plain tensor) looked at
-    first, here, without a call each (host time, on every launch)."""
+    first, here, without a call each (host time, on every launch); integers through ``classes``."""
     prints = []
-    append, classes, tensor = prints.append, _INT_CLASSES, torch.Tensor
+    append, known, tensor = prints.append, classes.by_value.get, torch.Tensor
     for value in args:
         kind = type(value)
         if kind is int:
-            append(classes.get(value) or _int_class(value))
+            append(known(value) or classes(value))
         elif kind is tensor:
             append((value.dtype, value.data_ptr() % 16 == 0))
         else:

@@ -80,17 +80,20 @@ def relative_ends(layout: Layout) -> torch.Tensor:
 def chunk_ends(cache: WeakTensorKeyDictionary, layout: Layout) -> tuple[torch.Tensor, ...]:
     """Each chunk's segment ends relative to its first row (``relative_ends``, one view per chunk). Exact mode: made
     once per layout and kept in ``cache`` (a communicator's, by the layout's segment ends, the tensor a layer's
-    dispatch, combine and backward calls share) while the layout lives, outside a capture (a tensor made inside one
-    belongs to its graph's memory); bounded mode: per call, on the device, so that a graph holding the call reads the
-    layout's tensors as they are at replay."""
+    dispatch, combine and backward calls share) while the layout lives and its segment tensors are not written in
+    place (their version counters), outside a capture (a tensor made inside one belongs to its graph's memory);
+    bounded mode: per call, on the device, so that a graph holding the call reads the layout's tensors as they are at
+    replay."""
     if layout.mode != "exact":
         return relative_ends(layout).unbind(0)
-    ends = cache.get(layout.recv_seg_ends)
-    if ends is None:
-        ends = relative_ends(layout).unbind(0)
-        if not guards.capturing(layout.recv_seg_ends):
-            cache[layout.recv_seg_ends] = ends
-    return ends
+    ends_in, starts_in = layout.recv_seg_ends, layout.recv_seg_starts
+    version = (ends_in._version, starts_in._version)
+    kept = cache.get(ends_in)
+    if kept is None or kept[0] != version:
+        kept = (version, relative_ends(layout).unbind(0))
+        if not guards.capturing(ends_in):
+            cache[ends_in] = kept
+    return kept[1]
 
 
 # By the layout's segment ends: the tensor that a layer's dispatch, combine (``Layout.with_weights`` makes a new
