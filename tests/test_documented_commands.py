@@ -279,6 +279,22 @@ def test_every_moved_command_has_moved():
             assert importlib.util.find_spec(old.split()[-1]) is None, f"{old}: the module is still there"
 
 
+def test_a_recorded_command_that_runs_another_program_now_is_shown_with_the_one_that_ran():
+    """``python -m flashoverlap.bench`` ran the harness when the two-GPU files were written and runs the installed
+    ``bench ops`` now: their source lines name ``benchmarks.ops`` beside it (a module that exists), and only that
+    invocation (not ``flashoverlap.bench.block``, an older module's)."""
+    tables = _readme_tables()
+    for old, now in tables.RESPELT.items():
+        assert importlib.util.find_spec(now.split()[-1]) is not None, f"{now}: no such module"
+        assert importlib.util.find_spec(old.split()[-1]) is not None, f"{old}: gone: it belongs in MOVED"
+    recorded = "NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m flashoverlap.bench --ops all_reduce"
+    assert "`NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m benchmarks.ops --ops all_reduce` runs what wrote" in \
+        tables._command(recorded)
+    assert tables._command("torchrun --nproc-per-node 2 -m flashoverlap.bench").endswith(
+        "`torchrun --nproc-per-node 2 -m benchmarks.ops` runs what wrote this)")
+    assert tables._command("torchrun -m flashoverlap.bench.block") == "`torchrun -m flashoverlap.bench.block`"
+
+
 def test_every_moved_command_is_named_beside_the_current_one():
     for command in COMMANDS:
         if (moved := _moved(command)) is None:

@@ -15,8 +15,9 @@ baselines, both paths side by side, the hand-set plan beside a tuned one, plan s
 timeline picture), ``-m benchmarks.block`` (the transformer block) and ``-m benchmarks.moe`` (the MoE layer);
 ``flashoverlap bench block`` and ``bench moe`` run them there. The harness builds on the pieces here.
 
-``python -m flashoverlap.bench OPTIONS`` (how earlier versions ran it, as the results files record) is ``flashoverlap
-bench ops OPTIONS``; the harness's own options (``--timeline``, ...) hand the run to ``benchmarks.ops``.
+``python -m flashoverlap.bench OPTIONS`` is ``flashoverlap bench ops OPTIONS``; the harness's own options
+(``--timeline``, ...) hand the run to ``benchmarks.ops``. (The two-GPU results files record that spelling from when it
+ran the whole harness: ``benchmarks.ops`` runs what wrote them now.)
 """
 
 from __future__ import annotations
