@@ -36,7 +36,8 @@ DEMO_ALIASES = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_
                 "all_gather": "all_gather_gemm", "scaled_all_reduce": "scaled_gemm_all_reduce",
                 "scaled_reduce_scatter": "scaled_gemm_reduce_scatter", "scaled_all_gather": "all_gather_scaled_gemm",
                 "moe_layout": "moe", "moe_dispatch_gemm": "moe", "moe_gemm_combine": "moe"}
-DEMO_DESCRIPTION = "Run one op on 2 ranks and check it against plain PyTorch; print the path that ran."
+DEMO_DESCRIPTION = ("Run one op on every GPU (or 2 CPU processes; --world-size N for N) and check it against plain "
+                    "PyTorch; print the path that ran.")
 # The ops ``tune plan`` tunes, by their API names (the keys) and short names (the values: the tuner's).
 TUNE_OPS = {"gemm_all_reduce": "all_reduce", "gemm_reduce_scatter": "reduce_scatter", "all_gather_gemm": "all_gather"}
 # What every benchmark and tuning runs with (docs/benchmarks.md), set where the user has not: multicast off.
@@ -208,8 +209,8 @@ def parser() -> argparse.ArgumentParser:
                                   epilog="`flashoverlap COMMAND --help` lists every option of COMMAND.")
     top.add_argument("--version", action="version", version=f"flashoverlap {__version__}")
     commands = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,version}")
-    demo = commands.add_parser("demo", help="run one op on 2 ranks and check it against plain PyTorch",
-                               description=DEMO_DESCRIPTION)
+    demo = commands.add_parser("demo", help="run one op on every GPU (or 2 CPU processes) and check it against "
+                               "plain PyTorch", description=DEMO_DESCRIPTION)
     demo.add_argument("--op", default="gemm_all_reduce", type=demo_op, metavar="OP",
                       help=f"the op, by its API name: {', '.join(DEMO_OPS)} (default gemm_all_reduce); the fp8 ops "
                            "with row-wise scales and bf16 output; moe: one MoE layer's moe_layout, moe_dispatch_gemm "

@@ -1,5 +1,6 @@
-"""``flashoverlap demo [--op OP] [--shape ...]``: one op on 2 ranks (or ``--world-size``), checked against plain
-PyTorch; it prints the path that ran and exits non-zero on a mismatch.
+"""``flashoverlap demo [--op OP] [--shape ...]``: one op on every GPU (two or more; else 2 CPU processes, or
+``--world-size`` ranks), checked against plain PyTorch; it prints the path that ran and exits non-zero on a
+mismatch.
 
 Ops, by their API names: ``gemm_all_reduce`` (the default), ``gemm_reduce_scatter``, ``all_gather_gemm``, each
 ``[M, K] @ [K, N]`` with ``B`` the transposed view of an ``nn.Linear`` weight; their fp8 forms
