@@ -1,7 +1,8 @@
 """What a CPU-only machine installs, measured: fresh virtual environments in a temporary directory, each the
 README's CPU install in its order (torch's CPU build first, then the package), without extras and with ``[test]``;
-the size of each one's site-packages (``du``). With ``--suite``, also the time of the README's test command
-(``pytest``, random order) in the ``[test]`` environment.
+the size of each one's site-packages (``du``). With ``--suite``, also the time of the suite in one process (plain
+``pytest``, random order) in the ``[test]`` environment: not the README's test command, which installs ``[test,hf]``
+and runs two workers (``pytest -n 2``).
 
 The README names the CPU build by its index (``pip install torch --index-url https://download.pytorch.org/whl/cpu``);
 this script installs the pinned ``pip install torch==2.13.0`` as this machine's pip resolves it: the machines that
@@ -73,9 +74,10 @@ def measure(extra: str, tmp: Path) -> tuple[dict, Path]:
 
 
 def suite(python: Path) -> dict:
-    """The README's test command in that environment, timed (wall clock, and the CPU time of pytest and every
-    process it started); its closing line parsed for the counts, its header for pytest-randomly's seed. The load
-    average before and after is kept: other work on the machine lengthens the wall time, not the CPU time."""
+    """The suite in one process (plain ``pytest``) in that environment, timed (wall clock, and the CPU time of pytest
+    and every process it started); its closing line parsed for the counts, its header for pytest-randomly's seed.
+    The load average before and after is kept: other work on the machine lengthens the wall time, not the CPU
+    time."""
     load_before = os.getloadavg()[0]
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()

@@ -52,7 +52,7 @@ def main() -> None:
     from flashoverlap import settings
     from flashoverlap.tune.fp8 import fp8_tiles
 
-    require_cuda("benchmarks.diagnostics.host_queue")
+    require_cuda("benchmarks.diagnostics.host_queue", path_only=True)
     out = sys.argv[1] if len(sys.argv) > 1 else None
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

@@ -506,7 +506,7 @@ def host_rows(comm, group, solo, rank, world):
 
 
 def main():
-    require_cuda("benchmarks.diagnostics.moe_one_gpu")
+    require_cuda("benchmarks.diagnostics.moe_one_gpu", path_only=True)
     rank, world, device, meta = open_run("moe_one_gpu")
     group = CommGroup.of(dist.group.WORLD, device)
     report = {"meta": meta, "checked": 0,

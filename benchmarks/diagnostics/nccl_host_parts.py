@@ -151,5 +151,5 @@ def _replay_row(fn, spec):
 if __name__ == "__main__":
     from benchmarks.diagnostics.results_file import in_one_rank_nccl_group
 
-    require_cuda("benchmarks.diagnostics.nccl_host_parts")  # before the group: one line, not a traceback
+    require_cuda("benchmarks.diagnostics.nccl_host_parts", path_only=True)  # before the group: one line
     in_one_rank_nccl_group(main)

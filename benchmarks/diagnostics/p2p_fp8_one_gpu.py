@@ -188,7 +188,7 @@ def main():
 
 
 if __name__ == "__main__":
-    require_cuda("benchmarks.diagnostics.p2p_fp8_one_gpu")  # before the try: its one line, not a traceback
+    require_cuda("benchmarks.diagnostics.p2p_fp8_one_gpu", path_only=True)  # before the try: one line
     try:
         main()
     except BaseException as error:

@@ -85,4 +85,5 @@ def test_a_diagnostic_whose_one_argument_is_a_path_refuses_an_option_before_meas
 
 
 def test_the_path_only_diagnostics_are_found():
-    assert len(PATH_ONLY) >= 15, PATH_ONLY
+    assert len(PATH_ONLY) >= 19, PATH_ONLY
+    assert {"host_queue", "moe_one_gpu", "p2p_fp8_one_gpu", "nccl_host_parts"} <= set(PATH_ONLY)
