@@ -201,6 +201,8 @@ def main() -> int:
                         help="only this fault scenario (KIND: skip, raise, dtype, shape), and no random calls")
     parser.add_argument("--out", default="reliability.json")
     args = parser.parse_args()
+    if args.calls < 1:  # --skip-faults with no calls would check nothing and exit 0
+        parser.error("--calls takes a positive count")
     if args.fault is not None and args.skip_faults:  # one scenario and no faults: the file would hold only meta
         parser.error("--fault runs one fault scenario and --skip-faults runs none: give one of them")
     # results_file.require_cuda's line, inline: torchrun runs this file as a script, without the checkout on its path

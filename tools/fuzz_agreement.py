@@ -651,7 +651,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=12, help="trials per spawn of the ranks")
     parser.add_argument("--only", default=None, choices=OPS, help="one op's trials")
     parser.add_argument("--replay", type=int, default=None, help="one trial by its seed")
-    parser.add_argument("--world", type=int, default=None, choices=(2, 3))
+    parser.add_argument("--world", type=int, default=None, choices=(2, 3),
+                        help="only this world size (default: 2 and 3, the seeds alternating between them)")
     parser.add_argument("--show", action="store_true", help="print every trial")
     parser.add_argument("--log", default=None, help="append every trial as a JSON line")
     options = parser.parse_args()
@@ -670,8 +671,8 @@ def main() -> None:
     defects = []
     log = open(options.log, "a") if options.log else None
     seeds = list(range(options.seed, options.seed + options.trials))
-    for world in (2, 3):
-        mine = [draw(s, world, options.only) for s in seeds if (s % 2) == (world - 2)]
+    for world in (options.world,) if options.world else (2, 3):
+        mine = [draw(s, world, options.only) for s in seeds if options.world or (s % 2) == (world - 2)]
         for start in range(0, len(mine), options.batch):
             chunk = mine[start:start + options.batch]
             results = run(chunk, world, 60 + 40 * len(chunk))

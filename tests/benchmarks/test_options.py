@@ -179,6 +179,33 @@ def test_one_fault_scenario_with_no_faults_is_a_usage_error(capsys, monkeypatch,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("calls", ["0", "-3"])
+def test_reliability_refuses_a_run_of_no_calls(capsys, monkeypatch, tmp_path, calls):
+    """``--calls 0`` was accepted: with ``--skip-faults`` the run checked nothing and exited 0."""
+    out = tmp_path / "r.json"
+    code, err = _script_exit(capsys, monkeypatch, "reliability.py",
+                             ["--calls", calls, "--skip-faults", "--out", str(out)])
+    assert code == 2 and "--calls takes a positive count" in err, err
+    assert not out.exists()
+
+
+def test_the_agreement_fuzzer_runs_the_world_size_it_is_given(monkeypatch, capsys):
+    """``tools/fuzz_agreement.py --world 3`` without ``--replay`` ran W = 2's trials too (the option was ignored)."""
+    fuzz = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "fuzz_agreement.py"))
+    worlds = []
+    main_globals = fuzz["main"].__globals__
+    monkeypatch.setitem(main_globals, "run",
+                        lambda trials, world, timeout: worlds.append(world) or [[] for _ in trials])
+    monkeypatch.setitem(main_globals, "verdict", lambda trial, records: ("clean", ""))
+    for argv, want in ((["--trials", "4", "--world", "3"], {3}), (["--trials", "4"], {2, 3})):
+        worlds.clear()
+        monkeypatch.setattr(sys, "argv", ["fuzz_agreement.py", *argv])
+        with pytest.raises(SystemExit) as stop:
+            fuzz["main"]()
+        assert stop.value.code == 0 and set(worlds) == want, (argv, worlds)
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("argv,said", [(["--quik"], "unrecognized arguments: --quik"),
                                        (["--shape=llama"], "unrecognized arguments: --shape=llama"),
                                        (["--shapes=lama"], "invalid choice: 'lama'"),
