@@ -406,7 +406,8 @@ def assign_paths(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_gemm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="results JSON (benchmarks/results/h200x1-moe-gemm.json)")
+    parser.add_argument("--out", help="results JSON, e.g. benchmarks/results/h200x1-moe-gemm.json (default: none, "
+                                      "the table printed only)")
     parser.add_argument("--sweep", help="time SWEEP_TILES instead and write them to this JSON")
     parser.add_argument("--expert-groups", help="time the per-expert-group forms (EXPERT_GROUPS) instead and write "
                         "them to this JSON")

@@ -27,6 +27,7 @@ KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound fp8parts s
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 gpus_at_least 1
 commit=${FLASHOVERLAP_COMMIT:-unknown}
+gpu=$(python3 -m benchmarks.harness.gpu_tag)x1  # the results files' names: h200x1-..., h100x1-...
 if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests and the one-GPU tests (the two-GPU ones skip)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:randomly tests/kernels tests/gpu > "$OUT/gpu-tests-$commit.log" 2>&1
     exited "tests"; tail -3 "$OUT/gpu-tests-$commit.log"
@@ -41,23 +42,23 @@ print(rank_context().get_start_method(), spawn(_run_gemm, 1, "nccl", args=("all_
 fi
 if has p2p; then
     CUDA_VISIBLE_DEVICES=0 timeout ${P2P_TIMEOUT:-300} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_one_gpu \
-        "$OUT/h200x1-host.json" > "$OUT/p2p-one-gpu-$commit.log" 2>&1; exited "p2p"
+        "$OUT/${gpu}-host.json" > "$OUT/p2p-one-gpu-$commit.log" 2>&1; exited "p2p"
     grep -E "checked|Error|error" "$OUT/p2p-one-gpu-$commit.log" | tail -5
 fi
 if has p2p8; then  # the P2P path's fp8 calls: mechanics (every op x mode, eager and replayed) and host time beside bf16
     CUDA_VISIBLE_DEVICES=0 timeout ${P2P8_TIMEOUT:-240} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.p2p_fp8_one_gpu \
-        "$OUT/h200x1-p2p-fp8.json" > "$OUT/p2p-fp8-one-gpu-$commit.log" 2>&1; exited "p2p8"
+        "$OUT/${gpu}-p2p-fp8.json" > "$OUT/p2p-fp8-one-gpu-$commit.log" 2>&1; exited "p2p8"
     grep -E "checked|Error|error|FAILED|host " "$OUT/p2p-fp8-one-gpu-$commit.log" | tail -8
 fi
 if has moe; then
     CUDA_VISIBLE_DEVICES=0 timeout ${MOE_TIMEOUT:-300} torchrun --nproc-per-node 2 -m benchmarks.diagnostics.moe_one_gpu \
-        "$OUT/h200x1-moe-host.json" > "$OUT/moe-one-gpu-$commit.log" 2>&1; exited "moe"
+        "$OUT/${gpu}-moe-host.json" > "$OUT/moe-one-gpu-$commit.log" 2>&1; exited "moe"
     grep -E "checked|Error|error" "$OUT/moe-one-gpu-$commit.log" | tail -5
 fi
 if has fp8; then  # fp8 calls' host time beside bf16's, same op and path (one process, a one-rank NCCL group)
     CUDA_VISIBLE_DEVICES=0 timeout ${FP8_TIMEOUT:-120} torchrun --nproc-per-node 1 -m benchmarks.diagnostics.fp8_host \
-        "$OUT/h200x1-fp8-host.json" > "$OUT/fp8-host-$commit.log" 2>&1; exited "fp8"
-    timeout ${FP8_GEMM_TIMEOUT:-200} python3 benchmarks/diagnostics/fp8_gemm.py "$OUT/h200x1-fp8-gemm.json" \
+        "$OUT/${gpu}-fp8-host.json" > "$OUT/fp8-host-$commit.log" 2>&1; exited "fp8"
+    timeout ${FP8_GEMM_TIMEOUT:-200} python3 benchmarks/diagnostics/fp8_gemm.py "$OUT/${gpu}-fp8-gemm.json" \
         > "$OUT/fp8-gemm-$commit.log" 2>&1; exited "fp8 gemm"; grep "^nccl" "$OUT/fp8-gemm-$commit.log"
 fi
 if has sequential; then
@@ -91,7 +92,7 @@ fi
 if has fp8tiles; then  # the fp8 grouped GEMM's tiles, block- and row-wise, beside bf16 _grouped_mm (issue 44)
     # FP8TILES_ARGS: options of the sweep, e.g. "--scalings block" (word-split: options only, no spaces in values)
     timeout ${FP8TILES_TIMEOUT:-420} python3 -m benchmarks.diagnostics.fp8_grouped_tiles ${FP8TILES_ARGS:-} \
-        --out "$OUT/h200x1-fp8-grouped-tiles-$commit.json" > "$OUT/fp8-grouped-tiles-$commit.log" 2>&1
+        --out "$OUT/${gpu}-fp8-grouped-tiles-$commit.json" > "$OUT/fp8-grouped-tiles-$commit.log" 2>&1
     exited "fp8tiles"; grep -E "^\[" "$OUT/fp8-grouped-tiles-$commit.log" | cut -c1-200
 fi
 if has soak; then  # the soak (issue 42): at least 10,000 random calls per W, each checked, memory sampled

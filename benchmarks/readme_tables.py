@@ -1134,6 +1134,8 @@ def main(argv: list[str]) -> int:
     stale = process(write=argv[0] == "--write", only=argv[1:])
     for piece in stale:
         print(("rewrote " if argv[0] == "--write" else "stale: ") + piece)
+    if not stale and argv[0] == "--check":
+        print("every rendered piece matches its results file")
     return 1 if stale and argv[0] == "--check" else 0
 
 

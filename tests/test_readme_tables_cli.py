@@ -83,3 +83,9 @@ def test_an_fp8_grouped_row_names_the_kernel_it_ran_where_the_file_records_it(re
     results.write_text(json.dumps({"meta": meta, "rows": [row("gluon"), row("triton"), row(None)]}))
     lines = readme_tables.fp8_grouped(str(results)).splitlines()
     assert [line.split("|")[6].strip() for line in lines[2:5]] == ["1.000 (Gluon)", "1.000 (Triton)", "1.000"]
+
+
+def test_a_check_that_finds_everything_rendered_says_so(readme_tables, capsys):
+    """``--check`` exited 0 with no output where everything agreed: now a one-line verdict (a stale piece: exit 1)."""
+    assert readme_tables.main(["--check", "docs/testing.md"]) == 0
+    assert "every rendered piece matches its results file" in capsys.readouterr().out
