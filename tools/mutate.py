@@ -237,6 +237,11 @@ MUTATIONS = [
      "used after its segment tensors were written in place (stale ends)", CHUNKED,
      "    if kept is None or kept[0] != version:\n", "    if kept is None:\n",
      f"{EXPERT_P2P_TEST}::test_exact_chunk_ends_are_kept_per_layout_and_bounded_ones_read_the_layout_every_call"),
+    ("agreement-no-arrival-grace", "agreement: a failed exchange names at once the ranks not yet arrived (a rank "
+     "merely slower than the failure named with the one that left)", "src/flashoverlap/runtime/agreement.py",
+     "            if not absent or time.monotonic() >= deadline:\n", "            if True:\n",
+     "tests/runtime/test_agreement_edges.py::"
+     "test_a_rank_that_arrives_after_the_exchange_failed_is_not_named_with_the_one_that_left"),
     ("gpu-tests-not-serialised", "tests/conftest.py: the GPU tests' lock never taken (the README's two workers "
      "would run GPU tests side by side)", "tests/conftest.py", "        fcntl.flock(handle, fcntl.LOCK_EX)\n",
      "        pass\n", "tests/test_readme.py::test_the_gpu_tests_take_one_lock_in_turn"),

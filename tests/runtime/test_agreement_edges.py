@@ -113,3 +113,26 @@ def test_the_late_message_mentions_unchecked_repeated_calls_only_where_they_are(
     text = agreement._late("gemm_all_reduce", Context(), None, 5.0, once)
     assert ("a repeated call is not checked again" in text) is once
     assert "rank 1 did not reach the call within 5 s" in text
+
+
+def test_a_rank_that_arrives_after_the_exchange_failed_is_not_named_with_the_one_that_left():
+    """A peer that left breaks the exchange at once for the ranks already in it; a rank still on its way (slower, not
+    absent) then marked its arrival a moment later, and was named with the one that left ("ranks [1, 2] never
+    reached it", seen under load in CI). The ranks get ``ARRIVAL_GRACE`` to arrive before the error names them."""
+    import threading
+
+    class Context:
+        world_size, arrival_generation = 3, 1
+
+    mark = agreement._arrival_mark(1, 5)
+    store = dist.HashStore()
+    store.set(agreement._arrival_key(5, 0), mark)  # rank 0, the one asking
+    late = threading.Timer(0.3, lambda: store.set(agreement._arrival_key(5, 1), mark))  # rank 1, a little later
+    late.start()
+    try:
+        assert agreement._absent(Context(), (store, 5)) == [1, 2]  # asked at once: rank 1 not there yet
+        assert agreement._absent(Context(), (store, 5), grace=agreement.ARRIVAL_GRACE) == [2]
+    finally:
+        late.join()
+    assert agreement._absent(Context(), (store, 5), grace=0.2) == [2]
+    assert agreement.ARRIVAL_GRACE <= 5  # an error path's wait: bounded well within the debug timeout's margin

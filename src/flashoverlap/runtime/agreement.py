@@ -127,7 +127,7 @@ def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: 
     except (RuntimeError, dist.DistError) as exc:
         if str(exc).startswith("flashoverlap"):
             raise
-        absent = _absent(context, arrival)
+        absent = _absent(context, arrival, grace=ARRIVAL_GRACE)
         what = ("every rank had reached it, and one left during it" if absent == [] else
                 f"{_who(absent)} never reached it (raised before it, or died)")
         raise RuntimeError(f"flashoverlap: rank {context.rank}: {name} on {context.name}: the agreement exchange "
@@ -136,6 +136,10 @@ def gather_rows(name: str, context: GroupContext, local: torch.Tensor, timeout: 
 
 
 ARRIVAL_SLOTS = 64  # store keys per rank, reused in turn (the exchanges are in step on every rank)
+# Seconds the ranks still on their way to an exchange that failed (a peer left: its connection's error reaches the
+# ranks already in the exchange at once) get to mark their arrival before the error names the ranks that did not:
+# a rank merely slower than the failure is not named with the one that left.
+ARRIVAL_GRACE = 2.0
 
 
 def _arrive(context: GroupContext) -> tuple | None:
@@ -171,21 +175,24 @@ def _arrival_mark(generation: int, exchange: int) -> str:
     return f"{generation}:{exchange}"
 
 
-def _absent(context: GroupContext, arrival: tuple | None) -> list[int] | None:
-    """The ranks of the group that had not marked their arrival at this exchange (None: the store cannot say)."""
+def _absent(context: GroupContext, arrival: tuple | None, grace: float = 0.0) -> list[int] | None:
+    """The ranks of the group that had not marked their arrival at this exchange (None: the store cannot say), asked
+    again until none is missing or ``grace`` seconds have passed."""
     if arrival is None:
         return None
     store, exchange = arrival
-    absent = []
+    mark = _arrival_mark(context.arrival_generation, exchange)
+    deadline = time.monotonic() + grace
+    absent = list(range(context.world_size))
     try:
-        for rank in range(context.world_size):
-            key = _arrival_key(exchange, rank)
-            if not store.check([key]) or store.get(key).decode() != _arrival_mark(context.arrival_generation,
-                                                                                  exchange):
-                absent.append(rank)
+        while True:
+            absent = [rank for rank in absent
+                      if not store.check([key := _arrival_key(exchange, rank)]) or store.get(key).decode() != mark]
+            if not absent or time.monotonic() >= deadline:
+                return absent
+            time.sleep(0.05)
     except (RuntimeError, dist.DistError):  # the store lived on a rank that died
         return None
-    return absent
 
 
 def _who(absent: list[int] | None) -> str:
