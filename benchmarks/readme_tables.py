@@ -50,6 +50,23 @@ MOVED = {"python -m flashoverlap.bench.moe_gemm": "python -m benchmarks.moe_gemm
 # file): ``python -m flashoverlap.bench`` ran the full harness then and runs the installed ``flashoverlap bench ops``
 # now (no baselines, no results file of this shape), save with the harness's own options (``bench.py``).
 RESPELT = {" -m flashoverlap.bench ": " -m benchmarks.ops "}
+
+
+def respelt(recorded: str) -> str | None:
+    """``recorded`` as it would be spelt to run what wrote its file (``RESPELT``), or None where it needs no new
+    spelling: not one of those commands, or one whose options ``bench ops`` hands to the harness itself (``--timeline``,
+    ``--sweep``, ...: any option its own parser does not know, ``flashoverlap.cli.main``)."""
+    import shlex
+
+    for old, now in RESPELT.items():
+        padded = recorded.strip() + " "
+        if old not in padded:
+            continue
+        from flashoverlap import cli
+
+        _, unknown = cli.parser().parse_known_args(["bench", "ops", *shlex.split(padded.split(old, 1)[1])])
+        return None if unknown else padded.replace(old, now, 1).strip()
+    return None
 # Marks a note that git could not confirm or deny (inside a fresh rendering only, never written to a document).
 UNSURE = "\x00"
 
@@ -99,11 +116,9 @@ def _command(recorded: str) -> str:
     for old, now in MOVED.items():
         if recorded == old or recorded.startswith(old + " "):
             return f"`{recorded}` (as recorded; it has moved: `{now}{recorded[len(old):]}` runs it now)"
-    for old, now in RESPELT.items():
-        if old in recorded + " ":
-            respelt = (recorded + " ").replace(old, now, 1).strip()
-            return (f"`{recorded}` (as recorded; that command runs another program now: `{respelt}` runs what "
-                    "wrote this)")
+    now = respelt(recorded)
+    if now is not None:
+        return f"`{recorded}` (as recorded; that command runs another program now: `{now}` runs what wrote this)"
     return f"`{recorded}`"
 
 
@@ -172,9 +187,10 @@ def headline(*paths: str) -> str:
                               f"| {lo:.2f}x ({', '.join(map(str, lo_at))}) | {hi:.2f}x ({', '.join(map(str, hi_at))}) "
                               f"| {commit} |")
         recorded = meta['command'].strip()
-        respelt = next((f" (now `{now.strip()}`)" for old, now in RESPELT.items() if old in recorded + " "), "")
+        now = "" if respelt(recorded) is None else \
+            f" (now `{next(v for k, v in RESPELT.items() if k in recorded + ' ').strip()}`)"
         sources.append(f"`{path}` (commit `{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}): "
-                       f"`{recorded}`{respelt}")
+                       f"`{recorded}`{now}")
     lines = ["| op | GPUs, setting | shapes | speedup, worst (M, N, K) | speedup, best (M, N, K) | measured at |",
              "| --- | --- | --- | --- | --- | --- |", *(line for rows in per_op.values() for line in rows)]
     return "\n".join(lines) + "\n\n" + HEADLINE_LEGEND + "\n\n<sub>Sources: " + "; ".join(sources) + ".</sub>"
@@ -1135,7 +1151,7 @@ def main(argv: list[str]) -> int:
     for piece in stale:
         print(("rewrote " if argv[0] == "--write" else "stale: ") + piece)
     if not stale and argv[0] == "--check":
-        print("every rendered piece matches its results file")
+        print("every rendered piece " + (f"of {', '.join(argv[1:])} " if argv[1:] else "") + "matches its results file")
     return 1 if stale and argv[0] == "--check" else 0
 
 

@@ -293,6 +293,9 @@ def test_a_recorded_command_that_runs_another_program_now_is_shown_with_the_one_
     assert tables._command("torchrun --nproc-per-node 2 -m flashoverlap.bench").endswith(
         "`torchrun --nproc-per-node 2 -m benchmarks.ops` runs what wrote this)")
     assert tables._command("torchrun -m flashoverlap.bench.block") == "`torchrun -m flashoverlap.bench.block`"
+    # With the harness's own options the recorded command still runs the harness (bench ops hands them on): as is.
+    timeline = "torchrun --nproc-per-node 2 -m flashoverlap.bench --ops all_reduce --timeline /tmp/t.png"
+    assert tables._command(timeline) == f"`{timeline}`"
 
 
 def test_every_moved_command_is_named_beside_the_current_one():

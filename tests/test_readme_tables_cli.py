@@ -88,4 +88,4 @@ def test_an_fp8_grouped_row_names_the_kernel_it_ran_where_the_file_records_it(re
 def test_a_check_that_finds_everything_rendered_says_so(readme_tables, capsys):
     """``--check`` exited 0 with no output where everything agreed: now a one-line verdict (a stale piece: exit 1)."""
     assert readme_tables.main(["--check", "docs/testing.md"]) == 0
-    assert "every rendered piece matches its results file" in capsys.readouterr().out
+    assert "every rendered piece of docs/testing.md matches its results file" in capsys.readouterr().out

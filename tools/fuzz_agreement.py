@@ -652,14 +652,15 @@ def main() -> None:
     parser.add_argument("--only", default=None, choices=OPS, help="one op's trials")
     parser.add_argument("--replay", type=int, default=None, help="one trial by its seed")
     parser.add_argument("--world", type=int, default=None, choices=(2, 3),
-                        help="only this world size (default: 2 and 3, the seeds alternating between them)")
+                        help="only this world size (default: 2 and 3, the seeds alternating between them: even "
+                             "seeds at 2, odd at 3, --replay too)")
     parser.add_argument("--show", action="store_true", help="print every trial")
     parser.add_argument("--log", default=None, help="append every trial as a JSON line")
     options = parser.parse_args()
     if options.trials < 1 or options.batch < 1:
         parser.error("--trials and --batch take a positive count")
     if options.replay is not None:
-        t = draw(options.replay, options.world or 2, options.only)
+        t = draw(options.replay, options.world or 2 + options.replay % 2, options.only)  # the world its run drew
         records = run([t], t["world"], 120)[0]
         print(json.dumps(t))
         for r in records:

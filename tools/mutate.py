@@ -242,6 +242,10 @@ MUTATIONS = [
      "            if not absent or time.monotonic() >= deadline:\n", "            if True:\n",
      "tests/runtime/test_agreement_edges.py::"
      "test_a_rank_that_arrives_after_the_exchange_failed_is_not_named_with_the_one_that_left"),
+    ("agreement-store-death-forgets", "agreement: a store that stops answering during the grace loses the absent "
+     "ranks it had already named (the error says the store cannot say)", "src/flashoverlap/runtime/agreement.py",
+     "        return known\n", "        return None\n",
+     "tests/runtime/test_agreement_edges.py::test_a_store_that_dies_during_the_grace_leaves_its_last_answer"),
     ("gpu-tests-not-serialised", "tests/conftest.py: the GPU tests' lock never taken (the README's two workers "
      "would run GPU tests side by side)", "tests/conftest.py", "        fcntl.flock(handle, fcntl.LOCK_EX)\n",
      "        pass\n", "tests/test_readme.py::test_the_gpu_tests_take_one_lock_in_turn"),

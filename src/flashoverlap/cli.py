@@ -36,7 +36,7 @@ DEMO_ALIASES = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_
                 "all_gather": "all_gather_gemm", "scaled_all_reduce": "scaled_gemm_all_reduce",
                 "scaled_reduce_scatter": "scaled_gemm_reduce_scatter", "scaled_all_gather": "all_gather_scaled_gemm",
                 "moe_layout": "moe", "moe_dispatch_gemm": "moe", "moe_gemm_combine": "moe"}
-DEMO_DESCRIPTION = ("Run one op on every GPU (or 2 CPU processes; --world-size N for N) and check it against plain "
+DEMO_DESCRIPTION = ("Run one op on every GPU (on 2 CPU processes with fewer than 2 GPUs) and check it against plain "
                     "PyTorch; print the path that ran.")
 # The ops ``tune plan`` tunes, by their API names (the keys) and short names (the values: the tuner's).
 TUNE_OPS = {"gemm_all_reduce": "all_reduce", "gemm_reduce_scatter": "reduce_scatter", "all_gather_gemm": "all_gather"}

@@ -136,3 +136,30 @@ def test_a_rank_that_arrives_after_the_exchange_failed_is_not_named_with_the_one
         late.join()
     assert agreement._absent(Context(), (store, 5), grace=0.2) == [2]
     assert agreement.ARRIVAL_GRACE <= 5  # an error path's wait: bounded well within the debug timeout's margin
+
+
+def test_a_store_that_dies_during_the_grace_leaves_its_last_answer():
+    """The group's store lived on rank 0, which raised and ended during a slower survivor's grace: its next question
+    failed, and the error said that the store could not say which rank was absent, though it had said so a moment
+    before. The last answer stands; a store that never answered still says nothing (None)."""
+
+    class Context:
+        world_size, arrival_generation = 3, 1
+
+    mark = agreement._arrival_mark(1, 5)
+
+    class Dying:
+        def __init__(self, answers: int) -> None:
+            self.answers = answers
+
+        def check(self, keys):
+            if self.answers == 0:
+                raise RuntimeError("Connection reset by peer")
+            self.answers -= 1
+            return keys[0] != agreement._arrival_key(5, 2)  # ranks 0 and 1 arrived, rank 2 left
+
+        def get(self, key):
+            return mark.encode()
+
+    assert agreement._absent(Context(), (Dying(3), 5), grace=agreement.ARRIVAL_GRACE) == [2]
+    assert agreement._absent(Context(), (Dying(0), 5), grace=agreement.ARRIVAL_GRACE) is None

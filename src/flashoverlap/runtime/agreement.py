@@ -177,22 +177,23 @@ def _arrival_mark(generation: int, exchange: int) -> str:
 
 def _absent(context: GroupContext, arrival: tuple | None, grace: float = 0.0) -> list[int] | None:
     """The ranks of the group that had not marked their arrival at this exchange (None: the store cannot say), asked
-    again until none is missing or ``grace`` seconds have passed."""
+    again until none is missing or ``grace`` seconds have passed; where the store stops answering during the grace
+    (it lived on a rank that has since raised and ended), the last answer it gave."""
     if arrival is None:
         return None
     store, exchange = arrival
     mark = _arrival_mark(context.arrival_generation, exchange)
     deadline = time.monotonic() + grace
-    absent = list(range(context.world_size))
+    absent, known = list(range(context.world_size)), None
     try:
         while True:
-            absent = [rank for rank in absent
-                      if not store.check([key := _arrival_key(exchange, rank)]) or store.get(key).decode() != mark]
+            absent = known = [rank for rank in absent if not store.check([key := _arrival_key(exchange, rank)])
+                              or store.get(key).decode() != mark]
             if not absent or time.monotonic() >= deadline:
                 return absent
             time.sleep(0.05)
     except (RuntimeError, dist.DistError):  # the store lived on a rank that died
-        return None
+        return known
 
 
 def _who(absent: list[int] | None) -> str:
