@@ -15,8 +15,7 @@ STEPS=${STEPS-smoke bench host tests}
 KNOWN_STEPS="smoke sweep bench host profile tests pcie block-nvlink block-pcie-like reliability faults ring-nvlink ring-pcie-like block-profile moe-nvlink moe-pcie-like hf-nvlink hf-pcie-like"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 gpus_at_least 2  # sets NGPU
-gpu=$(python3 -m benchmarks.harness.gpu_tag) || { echo "$(basename "$0"): cannot tell the GPU's model" >&2; exit 2; }
-gpu=${gpu}x$NGPU
+gpu_model; gpu=${GPU}x$NGPU
 bench() {  # setting, tag, extra args, timeout
     local env=""; [[ $1 == pcie-like ]] && env="NCCL_P2P_DISABLE=1"
     local cmd="$env torchrun --nproc-per-node $NGPU -m benchmarks.ops ${3}"

@@ -28,7 +28,7 @@ fi
 if [[ -n $DEMO ]]; then
     timeout 120 python3 -m flashoverlap demo > "$OUT/demo-gpu.log" 2>&1; exited demo; tail -3 "$OUT/demo-gpu.log"
 fi
-gpu=$(python3 -m benchmarks.harness.gpu_tag) || { echo "$(basename "$0"): cannot tell the GPU's model" >&2; exit 2; }
+gpu_model; gpu=$GPU
 for setting in $SETTINGS; do
     p2p=""; [[ $setting == pcie-like ]] && p2p="NCCL_P2P_DISABLE=1"
     args="--ops $OPS $BENCH_ARGS $(eval echo \${BENCH_ARGS_${setting/-/_}:-})"; [[ -n $TIMELINE ]] && args="$args --timeline $OUT/timeline-$setting.png"

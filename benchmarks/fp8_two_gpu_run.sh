@@ -14,8 +14,7 @@ SETTINGS=${SETTINGS-nvlink pcie-like}
 source "$(dirname "$0")/steps.sh"; check_words SETTINGS setting "nvlink pcie-like"
 gpus_at_least 2  # sets NGPU
 commit=${FLASHOVERLAP_COMMIT:?set FLASHOVERLAP_COMMIT to the commit of the tree sent (the results files name it)}
-gpu=$(python3 -m benchmarks.harness.gpu_tag) || { echo "$(basename "$0"): cannot tell the GPU's model" >&2; exit 2; }
-gpu=${gpu}x2
+gpu_model; gpu=${GPU}x2
 failed=0  # the number of steps that did not exit 0: the script's exit status says whether every file is whole
 for setting in $SETTINGS; do
     extra=(); [[ $setting == pcie-like ]] && extra=(env NCCL_P2P_DISABLE=1)

@@ -28,8 +28,7 @@ STEPS=${STEPS-fp8-moe moe host bench tests block hf fp8 reliability faults}
 KNOWN_STEPS="fp8-moe moe host bench tests block hf fp8 reliability faults"
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 gpus_at_least 2  # sets NGPU
-gpu=$(python3 -m benchmarks.harness.gpu_tag) || { echo "$(basename "$0"): cannot tell the GPU's model" >&2; exit 2; }
-gpu=${gpu}x$NGPU
+gpu_model; gpu=${GPU}x$NGPU
 paths="auto nccl p2p"; [[ $SETTING == pcie-like ]] && paths="auto nccl"  # NCCL through host memory: P2P does not apply
 run() {  # name, timeout, command...: logged, timed out, its exit printed
     local name=$1 limit=$2; shift 2

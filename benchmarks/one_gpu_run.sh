@@ -27,8 +27,7 @@ KNOWN_STEPS="tests spawn p2p p2p8 moe fp8 sequential fp8moe hostbound fp8parts s
 source "$(dirname "$0")/steps.sh"; check_words STEPS step "$KNOWN_STEPS"  # and has
 gpus_at_least 1
 commit=${FLASHOVERLAP_COMMIT:-unknown}
-gpu=$(python3 -m benchmarks.harness.gpu_tag) || { echo "$(basename "$0"): cannot tell the GPU's model" >&2; exit 2; }
-gpu=${gpu}x1  # the results files' names: h200x1-..., h100x1-...
+gpu_model; gpu=${GPU}x1  # the results files' names: h200x1-..., h100x1-...
 if has tests; then  # what a single GPU runs of the suite: the compiled kernels' tests and the one-GPU tests (the two-GPU ones skip)
     timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:randomly tests/kernels tests/gpu > "$OUT/gpu-tests-$commit.log" 2>&1
     exited "tests"; tail -3 "$OUT/gpu-tests-$commit.log"

@@ -24,7 +24,7 @@ check_words PATHS path "nccl p2p"  # PATHS=" " or a misspelt path would skip bw 
 [[ $SETTING == pcie-like ]] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
 prefix=""; [[ $SETTING == pcie-like ]] && prefix="NCCL_P2P_DISABLE=1 "
 gpus_at_least 2  # sets NGPU
-gpu=$(python3 -m benchmarks.harness.gpu_tag) || { echo "$(basename "$0"): cannot tell the GPU's model" >&2; exit 2; }
+gpu_model; gpu=$GPU
 t="torchrun --nproc-per-node $NGPU -m flashoverlap"
 v="torchrun --nproc-per-node $NGPU -m benchmarks.model_check"  # the model check (the harness's)
 DEADLINE=${DEADLINE:-570}  # seconds: later steps are cut short or skipped to end within the device call's limit
