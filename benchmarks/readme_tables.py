@@ -52,21 +52,22 @@ MOVED = {"python -m flashoverlap.bench.moe_gemm": "python -m benchmarks.moe_gemm
 RESPELT = {" -m flashoverlap.bench ": " -m benchmarks.ops "}
 
 
-def respelt(recorded: str) -> str | None:
-    """``recorded`` as it would be spelt to run what wrote its file (``RESPELT``), or None where it needs no new
-    spelling: not one of those commands, or one whose options ``bench ops`` hands to the harness itself (``--timeline``,
-    ``--sweep``, ...: any option its own parser does not know, ``flashoverlap.cli.main``)."""
+def respelling(recorded: str) -> tuple[str, str] | None:
+    """The ``RESPELT`` entry ``(old, now)`` that ``recorded`` needs to run what wrote its file, or None: not one of
+    those commands, or one whose options ``bench ops`` hands to the harness itself (``--timeline``, ``--sweep``, ...:
+    any option its own parser does not know, ``flashoverlap.cli.main``)."""
     import shlex
 
-    for old, now in RESPELT.items():
-        padded = recorded.strip() + " "
-        if old not in padded:
-            continue
-        from flashoverlap import cli
+    from flashoverlap import cli
 
-        _, unknown = cli.parser().parse_known_args(["bench", "ops", *shlex.split(padded.split(old, 1)[1])])
-        return None if unknown else padded.replace(old, now, 1).strip()
+    padded = recorded.strip() + " "
+    for old, now in RESPELT.items():
+        if old in padded:
+            _, unknown = cli.parser().parse_known_args(["bench", "ops", *shlex.split(padded.split(old, 1)[1])])
+            return None if unknown else (old, now)
     return None
+
+
 # Marks a note that git could not confirm or deny (inside a fresh rendering only, never written to a document).
 UNSURE = "\x00"
 
@@ -116,8 +117,9 @@ def _command(recorded: str) -> str:
     for old, now in MOVED.items():
         if recorded == old or recorded.startswith(old + " "):
             return f"`{recorded}` (as recorded; it has moved: `{now}{recorded[len(old):]}` runs it now)"
-    now = respelt(recorded)
-    if now is not None:
+    found = respelling(recorded)
+    if found is not None:
+        now = (recorded + " ").replace(*found, 1).strip()
         return f"`{recorded}` (as recorded; that command runs another program now: `{now}` runs what wrote this)"
     return f"`{recorded}`"
 
@@ -187,8 +189,8 @@ def headline(*paths: str) -> str:
                               f"| {lo:.2f}x ({', '.join(map(str, lo_at))}) | {hi:.2f}x ({', '.join(map(str, hi_at))}) "
                               f"| {commit} |")
         recorded = meta['command'].strip()
-        now = "" if respelt(recorded) is None else \
-            f" (now `{next(v for k, v in RESPELT.items() if k in recorded + ' ').strip()}`)"
+        found = respelling(recorded)
+        now = "" if found is None else f" (now `{found[1].strip()}`)"
         sources.append(f"`{path}` (commit `{str(meta['commit'])[:10]}`{stale_note(meta['commit'])}): "
                        f"`{recorded}`{now}")
     lines = ["| op | GPUs, setting | shapes | speedup, worst (M, N, K) | speedup, best (M, N, K) | measured at |",
