@@ -15,6 +15,7 @@ gets a NaN scale and NaN bytes (torch's largest magnitude propagates it; Triton'
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -106,7 +107,14 @@ def quantise_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, blockwi
     rows, k = x.shape
     if rows == 0 or k == 0:
         return
-    info = torch.finfo(q.dtype)
-    _LAUNCH(rows, (x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0)),
-            {"INV_FP8_MAX": 1 / info.max, "MANTISSA": _MANTISSA[q.dtype], "MIN_EXPONENT": round(math.log2(
-                info.smallest_normal)), "BLOCKWISE": blockwise, "CHUNK": CHUNK, "BLOCK": BLOCK, "num_warps": 4})
+    _LAUNCH(rows, (x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0)), _constants(q.dtype, blockwise))
+
+
+@functools.cache
+def _constants(dtype: torch.dtype, blockwise: bool) -> dict:
+    """The kernel's constexprs and launch options for an fp8 ``dtype``: made once (``torch.finfo`` and the logarithm
+    on every call were host time)."""
+    info = torch.finfo(dtype)
+    return {"INV_FP8_MAX": 1 / info.max, "MANTISSA": _MANTISSA[dtype],
+            "MIN_EXPONENT": round(math.log2(info.smallest_normal)), "BLOCKWISE": blockwise, "CHUNK": CHUNK,
+            "BLOCK": BLOCK, "num_warps": 4}

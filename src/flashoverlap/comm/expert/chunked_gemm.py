@@ -347,12 +347,17 @@ def _scaled_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Ten
 
     host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
     k = b.shape[1]
+    workspace = None
+    if kind == "triton":  # the kernel's table, one for the call's chunks (they run one after another on a stream)
+        from flashoverlap.kernels.grouped_gemm import workspace_size  # Triton: imported where a kernel runs
+
+        workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=b.device)
 
     def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
         if rows:
             data, scale = segment_rows(x, scales, k, x_row, rows)
             scaled_multiply(kind, data, scale, b, scales, ends[chunk], out[out_row : out_row + rows],
-                            None if host is None else host[chunk], seg_expert=seg_expert)
+                            None if host is None else host[chunk], seg_expert=seg_expert, workspace=workspace)
 
     return multiply
 

@@ -225,13 +225,14 @@ _TRITON_GEMM = None  # kernels.grouped_gemm, imported on the first Triton call (
 
 def scaled_multiply(kind: str, x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, scales: ExpertScales,
                     ends: torch.Tensor, out: torch.Tensor, host_ends: list[int] | None = None, *,
-                    seg_expert: torch.Tensor | None = None) -> None:
+                    seg_expert: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> None:
     """``out[rows of l] = x[rows of l] @ w[l]`` scaled, for the ``L`` segments of one chunk (``ends``: int32 ``[L]``
     relative to ``x``'s first row, on the device; ``host_ends`` the same on the host), the way ``kind`` says:
     ``"loop"`` (``expert_product`` per segment), ``"cublas"`` (``torch._scaled_grouped_mm``, row-wise; rows past the
     last segment written zero) or ``"triton"`` (``kernels.grouped_gemm.scaled_grouped_gemm``; ``seg_expert``: int32
-    ``arange(L)`` on the device, made here where not given). Rows past ``ends[-1]`` are not written (but by cuBLAS,
-    which writes them zero)."""
+    ``arange(L)`` on the device, made here where not given; ``workspace``: its table, int32 of
+    ``grouped_gemm.workspace_size(L)``, made per call where not given). Rows past ``ends[-1]`` are not written (but by
+    cuBLAS, which writes them zero)."""
     rows = x.shape[0]
     if rows == 0:
         return
@@ -248,7 +249,8 @@ def scaled_multiply(kind: str, x: torch.Tensor, x_scale: torch.Tensor, w: torch.
         if seg_expert is None:
             seg_expert = torch.arange(w.shape[0], dtype=torch.int32, device=x.device)
         _TRITON_GEMM.scaled_grouped_gemm(x, x_scale, w, scales.b, _TRITON_GEMM.Segments(
-            ends if ends.dtype == torch.int32 else ends.to(torch.int32), seg_expert), out=out, mode=scales.mode)
+            ends if ends.dtype == torch.int32 else ends.to(torch.int32), seg_expert), out=out, mode=scales.mode,
+            workspace=workspace)
         return
     if host_ends is None:
         if x.device.type == "cuda":
