@@ -644,11 +644,14 @@ def soak(path: str) -> str:
     """The shared-GPU soak: per W, random calls checked, wrong values, errors, hangs, device memory."""
     data = _load(path)
     by_commit = len({row.get("commit") for row in data["rows"]}) > 1  # rows of several runs: each row's commit
-    lines = ["| W | " + ("commit | " if by_commit else "") + "calls | wrong | errors | hangs | memory samples (MiB) "
-             "| flat | ms / call | replays | stopped |", "| --- " * (10 + by_commit) + "|"]
+    by_reads = len({row.get("read_every") for row in data["rows"]}) > 1  # runs that read their checks apart
+    lines = ["| W | " + ("commit | " if by_commit else "") + ("read every (bursts) | " if by_reads else "")
+             + "calls | wrong | errors | hangs | memory samples (MiB) | flat | ms / call | replays | stopped |",
+             "| --- " * (10 + by_commit + by_reads) + "|"]
     for row in data["rows"]:
         memory = ", ".join(f"{m:.0f}" for m in row.get("memory_mib") or [])
         lines.append(f"| {row['W']} | " + (f"{str(row.get('commit') or '-')[:10]} | " if by_commit else "")
+                     + (f"{row.get('read_every') or '-'} | " if by_reads else "")
                      + f"{row.get('calls')} | {row.get('wrong')} | {row.get('errors')} | "
                      f"{row.get('hangs')} | {memory} | {row.get('flat')} | {row.get('ms_per_call')} | "
                      f"{row.get('replays')} | {row.get('stopped') or '-'} |")
@@ -706,14 +709,15 @@ def host_shared(path: str) -> str:
 def fp8_moe_host(path: str) -> str:
     """The fp8 expert layer's host time per call beside the bf16 layer's (one GPU, a one-rank NCCL group)."""
     data = _load(path)
-    lines = ["| config | mode | dtype | host (µs) | GPU (ms) | host / bf16's |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    runs = any("run" in row for row in data["rows"])  # rows of several runs, each row naming its run
+    lines = ["| config | mode | " + ("run | " if runs else "") + "dtype | host (µs) | GPU (ms) | host / bf16's |",
+             "| --- " * (6 + runs) + "|"]
     for row in data["rows"]:
+        head = f"| {row['config']} | {row['mode']} | " + (f"{row.get('run', '-')} | " if runs else "") + row["dtype"]
         if row.get("error"):
-            lines.append(f"| {row['config']} | {row['mode']} | {row['dtype']} | error: {row['error'][:80]} | | |")
+            lines.append(f"{head} | error: {row['error'][:80]} | | |")
             continue
-        lines.append(f"| {row['config']} | {row['mode']} | {row['dtype']} | {_us(row['host_us'])} | "
-                     f"{row['t_gpu_ms']:.2f} | {row['ratio_to_bf16']:.2f}x |")
+        lines.append(f"{head} | {_us(row['host_us'])} | {row['t_gpu_ms']:.2f} | {row['ratio_to_bf16']:.2f}x |")
     return "\n".join(lines) + "\n\n" + _sourced(path, data["meta"])
 
 

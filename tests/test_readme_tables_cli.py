@@ -58,6 +58,30 @@ def test_a_host_bound_table_of_two_runs_at_one_commit_names_each_run_and_divides
     assert "each row naming its run): run 1 (2026-12-06T14:00), commit `abc`" in table
 
 
+def test_an_fp8_moe_host_table_of_several_runs_names_each_rows_run(readme_tables, tmp_path):
+    def row(dtype, host, ratio, run=None):
+        named = {} if run is None else {"run": run, "commit": "abc"}
+        return {"config": "mixtral", "mode": "exact", "dtype": dtype, "host_us": host, "t_gpu_ms": 2.0,
+                "ratio_to_bf16": ratio, **named}
+
+    sources = [{"run": run, "commit": "abc", "command": "python -m benchmarks.diagnostics.fp8_moe_host", "date": date}
+               for run, date in (("1", "2026-12-07T04:35:33Z"), ("2", "2026-12-07T04:42:16Z"))]
+    results = tmp_path / "fp8-moe-host.json"
+    results.write_text(json.dumps({
+        "meta": {"gpus": "GPU", "commit": "abc", "command": "c", "date": "2026-12-07", "sources": sources},
+        "rows": [row("bf16", 800.0, 1.0, "1"), row("fp8-block", 960.0, 1.2, "1"), row("bf16", 700.0, 1.0, "2"),
+                 row("fp8-block", 770.0, 1.1, "2")]}))
+    table = readme_tables.fp8_moe_host(str(results))
+    assert "| config | mode | run | dtype | host (µs) |" in table
+    assert "| mixtral | exact | 1 | fp8-block | 960 | 2.00 | 1.20x |" in table
+    assert "| mixtral | exact | 2 | fp8-block | 770 | 2.00 | 1.10x |" in table
+    assert "each row naming its run): run 1 (2026-12-07T04:35), commit `abc`" in table
+    # one run: no run column
+    results.write_text(json.dumps({"meta": {"gpus": "GPU", "commit": "abc", "command": "c"},
+                                   "rows": [row("bf16", 800.0, 1.0)]}))
+    assert "| mixtral | exact | bf16 | 800 | 2.00 | 1.00x |" in readme_tables.fp8_moe_host(str(results))
+
+
 def test_a_soak_table_of_rows_from_several_commits_names_each_rows_commit(readme_tables, tmp_path):
     def row(world, commit):
         return {"W": world, "commit": commit, "calls": 10000, "wrong": 0, "errors": 0, "hangs": 0,
@@ -69,6 +93,11 @@ def test_a_soak_table_of_rows_from_several_commits_names_each_rows_commit(readme
     assert "| 2 | aaa | 10000 | 0 |" in readme_tables.soak(str(results))
     results.write_text(json.dumps({"meta": meta, "rows": [row(2, "bbb"), row(8, "bbb")]}))
     assert "| W | calls |" in readme_tables.soak(str(results))  # one commit: the source line names it
+    # runs that read their checks every 8 and every 32 bursts: a column says which
+    results.write_text(json.dumps({"meta": meta, "rows": [{**row(8, "bbb"), "read_every": 8},
+                                                          {**row(8, "bbb"), "read_every": 32}]}))
+    table = readme_tables.soak(str(results))
+    assert "| W | read every (bursts) | calls |" in table and "| 8 | 32 | 10000 | 0 |" in table
 
 
 def test_an_fp8_grouped_row_names_the_kernel_it_ran_where_the_file_records_it(readme_tables, tmp_path):

@@ -61,7 +61,11 @@ MOE_SHARE = 0.07  # of the bursts after the sweep
 SETS = 3  # value sets per pool entry (consecutive calls of a burst take consecutive sets)
 SWEEP_REPEATS = 3  # the sweep's calls per entry and group, replay on: eager, captured, replayed
 ERROR_SLOTS = 16  # a burst's checks (at most 4 calls, two checks each for an expert layer)
-READ_EVERY = 8  # bursts whose checks are read at one host synchronisation (the default of --read-every)
+# Bursts whose checks are read at one host synchronisation (the default of --read-every). At W = 8 on one H100, 32
+# ran 33.0 ms a call against 8's 41.9, back to back on one machine (logs/soak-read-every-8c36ac3-h100/): each read
+# drains eight ranks' queues on the time-sliced GPU. Every call is still checked; a wrong one is named up to 32
+# bursts later.
+READ_EVERY = 32
 FP8_COMBOS = (("bf16", False), ("bf16", True), ("fp32", False), ("fp32", True))  # (output dtype, bias)
 
 
