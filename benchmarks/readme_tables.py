@@ -644,13 +644,18 @@ def soak(path: str) -> str:
     """The shared-GPU soak: per W, random calls checked, wrong values, errors, hangs, device memory."""
     data = _load(path)
     by_commit = len({row.get("commit") for row in data["rows"]}) > 1  # rows of several runs: each row's commit
-    by_reads = len({row.get("read_every") for row in data["rows"]}) > 1  # runs that read their checks apart
-    lines = ["| W | " + ("commit | " if by_commit else "") + ("read every (bursts) | " if by_reads else "")
+    by_run = any("run" in row for row in data["rows"])  # runs of one commit: each row names its run
+    # Runs that read their checks apart (rows that do not record it are not a value of their own: before the option
+    # was honoured, a row could record one it did not follow).
+    by_reads = len({row["read_every"] for row in data["rows"] if row.get("read_every") is not None}) > 1
+    lines = ["| W | " + ("commit | " if by_commit else "") + ("run | " if by_run else "")
+             + ("read every (bursts) | " if by_reads else "")
              + "calls | wrong | errors | hangs | memory samples (MiB) | flat | ms / call | replays | stopped |",
-             "| --- " * (10 + by_commit + by_reads) + "|"]
+             "| --- " * (10 + by_commit + by_run + by_reads) + "|"]
     for row in data["rows"]:
         memory = ", ".join(f"{m:.0f}" for m in row.get("memory_mib") or [])
         lines.append(f"| {row['W']} | " + (f"{str(row.get('commit') or '-')[:10]} | " if by_commit else "")
+                     + (f"{row.get('run', '-')} | " if by_run else "")
                      + (f"{row.get('read_every') or '-'} | " if by_reads else "")
                      + f"{row.get('calls')} | {row.get('wrong')} | {row.get('errors')} | "
                      f"{row.get('hangs')} | {memory} | {row.get('flat')} | {row.get('ms_per_call')} | "

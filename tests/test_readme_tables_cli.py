@@ -94,10 +94,13 @@ def test_a_soak_table_of_rows_from_several_commits_names_each_rows_commit(readme
     results.write_text(json.dumps({"meta": meta, "rows": [row(2, "bbb"), row(8, "bbb")]}))
     assert "| W | calls |" in readme_tables.soak(str(results))  # one commit: the source line names it
     # runs that read their checks every 8 and every 32 bursts: a column says which
-    results.write_text(json.dumps({"meta": meta, "rows": [{**row(8, "bbb"), "read_every": 8},
-                                                          {**row(8, "bbb"), "read_every": 32}]}))
+    results.write_text(json.dumps({"meta": meta, "rows": [{**row(8, "bbb"), "read_every": 8, "run": "1"},
+                                                          {**row(8, "bbb"), "read_every": 32, "run": "2"}]}))
     table = readme_tables.soak(str(results))
-    assert "| W | read every (bursts) | calls |" in table and "| 8 | 32 | 10000 | 0 |" in table
+    assert "| W | run | read every (bursts) | calls |" in table and "| 8 | 2 | 32 | 10000 | 0 |" in table
+    # one row recording a read_every and the others none: no column (one value is no comparison)
+    results.write_text(json.dumps({"meta": meta, "rows": [row(2, "bbb"), {**row(8, "bbb"), "read_every": 8}]}))
+    assert "| W | calls |" in readme_tables.soak(str(results))
 
 
 def test_an_fp8_grouped_row_names_the_kernel_it_ran_where_the_file_records_it(readme_tables, tmp_path):

@@ -139,8 +139,8 @@ MUTATIONS = [
     ("quantise-kernel-last-block-scale-dropped", "fp8 quantise kernel, block-wise: the scale of a chunk's last block "
      "not stored", QUANTISE, "tl.store(s_row + firsts // BLOCK, scale, mask=firsts < k)",
      "tl.store(s_row + firsts // BLOCK, scale, mask=firsts + BLOCK < k)", QUANTISE_TEST),
-    ("quantise-kernel-constants-ignore-the-mode", "fp8 quantise kernel: the constants kept per fp8 dtype only, so that "
-     "a block-wise call after a row-wise one of the dtype quantises row-wise", QUANTISE,
+    ("quantise-kernel-constants-ignore-the-mode", "fp8 quantise kernel: the kept constants asked for without the "
+     "scaling mode (every call's BLOCKWISE off: block-wise calls quantise row-wise)", QUANTISE,
      "_constants(q.dtype, blockwise))", "_constants(q.dtype, False))", QUANTISE_TEST),
     ("p2p-graph-waits-stay-memops", "P2P path: a graph's flag waits stay stream memory operations (a launch "
      "prepares each again: 1.3 ms for 48)", P2P,

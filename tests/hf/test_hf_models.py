@@ -10,8 +10,9 @@ at 1e-5, bf16 at 2e-2), with
   on Hugging Face's): the number of matmul + collective patterns it rewrote is asserted. (The rewrites do not depend
   on W; each compiled variant costs about 20 s at W = 4 on two cores, so W = 4 runs eager only.)
 
-One pair (or four) of processes per W runs both families. Compiled: Inductor with ATen kernels (its C++ code
-generation costs about a minute per model on two cores; ``tests/test_compile_pass.py`` compiles with it)."""
+One set of W processes per (W, part) runs that part's variants of every family: W = 2 eager, W = 2 compiled, W = 4
+eager. Compiled: Inductor with ATen kernels (its C++ code generation costs about a minute per model on two cores;
+``tests/test_compile_pass.py`` compiles with it)."""
 
 import copy
 

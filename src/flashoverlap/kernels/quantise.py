@@ -112,8 +112,8 @@ def quantise_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, blockwi
 
 @functools.cache
 def _constants(dtype: torch.dtype, blockwise: bool) -> dict:
-    """The kernel's constexprs and launch options for an fp8 ``dtype``: made once (``torch.finfo`` and the logarithm
-    on every call were host time)."""
+    """The kernel's constexprs and launch options for an fp8 ``dtype`` and scaling mode: made once per pair
+    (``torch.finfo`` and the logarithm on every call were host time). Shared by every launch: never written."""
     info = torch.finfo(dtype)
     return {"INV_FP8_MAX": 1 / info.max, "MANTISSA": _MANTISSA[dtype],
             "MIN_EXPONENT": round(math.log2(info.smallest_normal)), "BLOCKWISE": blockwise, "CHUNK": CHUNK,
