@@ -318,17 +318,17 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
     kernel's table are made once per call. fp8 (``scales``, ``comm/expert/scaled.py``): ``x`` is packed rows (uint8)
     or fp8 rows whose scales are ``scales.a`` by the same row numbers; ``out`` in the output dtype."""
     ends = relative_ends(layout) if ends is None else ends
+    workspace = None
+    if kind == "triton":  # the kernel's table, one for the call's chunks (they run one after another on a stream)
+        from flashoverlap.kernels.grouped_gemm import workspace_size  # Triton: imported where a kernel runs
+
+        workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=b.device)
     if scales is not None:
-        return _scaled_multiplier(kind, plan, layout, b, ends, scales, seg_expert)
+        return _scaled_multiplier(kind, plan, layout, b, ends, scales, seg_expert, workspace)
     only = None
     if kind == "hybrid":
         kind, only = "loop", hybrid_parts(layout, plan.hybrid.heavy_rows)[0]
     host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
-    workspace = None
-    if kind == "triton":
-        from flashoverlap.kernels.grouped_gemm import workspace_size  # Triton: imported where a kernel runs
-
-        workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=b.device)
     gemm = ChunkGemm(kind, b, seg_expert, workspace, tail=plan.mode == "bounded", only=only)
 
     def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
@@ -340,18 +340,13 @@ def chunk_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tenso
 
 
 def _scaled_multiplier(kind: str, plan: ExpertPlan, layout: Layout, b: torch.Tensor, ends, scales,
-                       seg_expert: torch.Tensor | None = None):
+                       seg_expert: torch.Tensor | None, workspace: torch.Tensor | None):
     """``chunk_multiplier`` for fp8 rows (``scaled.scaled_multiply``); ``seg_expert`` the Triton kernel's experts
-    (``arange(L)``, the communicator's table: made once, not per call)."""
+    (``arange(L)``, the communicator's table: made once, not per call), ``workspace`` its table (``"triton"``)."""
     from flashoverlap.comm.expert.scaled import scaled_multiply, segment_rows
 
     host = host_relative_ends(layout) if kind == "loop" and plan.mode == "exact" else None
     k = b.shape[1]
-    workspace = None
-    if kind == "triton":  # the kernel's table, one for the call's chunks (they run one after another on a stream)
-        from flashoverlap.kernels.grouped_gemm import workspace_size  # Triton: imported where a kernel runs
-
-        workspace = torch.empty(workspace_size(layout.experts_per_rank), dtype=torch.int32, device=b.device)
 
     def multiply(chunk: int, x: torch.Tensor, x_row: int, out: torch.Tensor, out_row: int, rows: int) -> None:
         if rows:
