@@ -85,3 +85,14 @@ def test_an_out_it_could_not_write_is_refused_before_any_mutation_runs(where, sa
     with pytest.raises(SystemExit) as exit_info:
         mutate.main(["--only", mutate.MUTATIONS[0][0], "--out", str(tmp_path / where)])
     assert exit_info.value.code == 2 and said in capsys.readouterr().err and ran == []
+
+
+def test_every_mutation_finds_its_text_once_in_its_file():
+    # A rewrite that drops a mutation's text leaves it unrunnable (the whole list's run records it as not applied):
+    # caught here, in the suite, instead of at the next run of the list.
+    spec = importlib.util.spec_from_file_location("mutate_anchors", ROOT / "tools" / "mutate.py")
+    mutate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutate)
+    stale = {name: (ROOT / path).read_text().count(old) for name, _, path, old, *_ in mutate.MUTATIONS
+             if (ROOT / path).read_text().count(old) != 1}
+    assert not stale, f"mutations whose text is not in their file exactly once (name: times found): {stale}"
